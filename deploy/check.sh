@@ -1,0 +1,352 @@
+#!/usr/bin/env bash
+# Checks the deployment artefacts under deploy/ with the real tools.
+#
+#   deploy/check.sh                  run every check below; non-zero exit on any failure
+#   deploy/check.sh --list-metrics   print the metric names that the dashboard and the alert
+#                                    rules use, sorted and unique, one per line (nothing else on
+#                                    stdout); needs only python3 with PyYAML
+#
+# The metric list is what the gateway must export: histogram suffixes (_bucket, _sum, _count)
+# are stripped, names produced by our own recording rules are left out (their inputs are
+# listed), and so are series that Prometheus makes itself (`up` and friends), which the
+# gateway never exports.
+#
+# Checks:
+#   1. promtool check rules / test rules / check config, and promtool parses every dashboard
+#      query (written out as recording rules)
+#   2. every YAML file under deploy/ parses (all documents), and so does the dashboard JSON;
+#      gateway.yaml embedded in the Kubernetes ConfigMap included
+#   3. the dashboard uses the provisioned datasource uid and has unique panel ids
+#   4. every alert has a unit test where it fires and one where it does not, and its
+#      runbook_url anchor exists in docs/operations.md
+#   5. every metric used is one that tollgate exports (DESIGN.md §5)
+#   6. if available: `kubectl kustomize deploy/k8s`, `nginx -t` on deploy/nginx/nginx.conf, and
+#      `tollgate check` on every shipped gateway config (set TOLLGATE_BIN=path/to/tollgate, or
+#      have tollgate on PATH; otherwise skipped)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+RULES=deploy/prometheus/rules/tollgate.rules.yml
+RULE_TESTS=deploy/prometheus/tests/tollgate.rules.test.yml
+PROM_CONFIG=deploy/prometheus/prometheus.yml
+DASHBOARD=deploy/grafana/tollgate-dashboard.json
+RUNBOOK=docs/operations.md
+
+# The Python half: YAML/JSON parsing and PromQL metric extraction.
+#   deploy_py list     -> metric names on stdout
+#   deploy_py check    -> structural checks (2-5 above); problems on stderr, exit 1
+#   deploy_py dashboard-rules FILE -> the dashboard's queries as a rules file for promtool
+#   deploy_py gateway-configs DIR -> writes every shipped gateway.yaml into DIR, prints paths
+deploy_py() {
+    python3 - "$@" <<'PY'
+import json
+import pathlib
+import re
+import sys
+
+try:
+    import yaml
+except ImportError:
+    sys.exit("check.sh: python3 cannot import yaml (Debian: apt-get install python3-yaml)")
+
+RULES = "deploy/prometheus/rules/tollgate.rules.yml"
+RULE_TESTS = "deploy/prometheus/tests/tollgate.rules.test.yml"
+DASHBOARD = "deploy/grafana/tollgate-dashboard.json"
+RUNBOOK = "docs/operations.md"
+CONFIGMAP = "deploy/k8s/configmap.yaml"
+
+# What the gateway exports (DESIGN.md §5, plus tollgate_in_flight_limit); histograms by base name.
+EXPORTED = {
+    "tollgate_requests_total", "tollgate_request_duration_seconds",
+    "tollgate_upstream_duration_seconds", "tollgate_rejections_total",
+    "tollgate_cost_units_total", "tollgate_in_flight", "tollgate_in_flight_limit",
+    "tollgate_queue_wait_seconds", "tollgate_store_calls_total",
+    "tollgate_store_duration_seconds", "tollgate_store_degraded",
+    "tollgate_config_reloads_total", "tollgate_rejections_by_key_total",
+    "tollgate_shadow_rejections_total",
+}
+# Series Prometheus creates itself; allowed in queries, never exported by the gateway.
+PROMETHEUS_SERIES = {
+    "up", "scrape_duration_seconds", "scrape_samples_scraped",
+    "scrape_samples_post_metric_relabeling", "scrape_series_added", "ALERTS", "ALERTS_FOR_STATE",
+}
+PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+    "unless", "offset", "atan2", "inf", "nan", "start", "end",
+}
+
+problems = []
+
+
+def problem(msg):
+    problems.append(msg)
+
+
+def load_yaml_all(path):
+    try:
+        with open(path) as f:
+            return list(yaml.safe_load_all(f))
+    except (OSError, yaml.YAMLError) as e:
+        sys.exit(f"check.sh: {path}: invalid YAML: {e}")
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"check.sh: {path}: invalid JSON: {e}")
+
+
+def metric_names(expr):
+    """Metric names in a PromQL expression (Grafana variables allowed)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', expr)  # string literals
+    s = re.sub(r"\{[^}]*\}", " ", s)                    # label matchers
+    s = re.sub(r"\[[^\]]*\]", " ", s)                   # ranges, subqueries ($__rate_interval)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    s = re.sub(r"\$\{?\w+\}?", " ", s)                  # Grafana variables elsewhere
+    names = set()
+    # An identifier not glued to a number (1e3, 15m) and not followed by "(" (a function).
+    for m in re.finditer(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()", s):
+        if m.group(1) not in PROMQL_WORDS:
+            names.add(m.group(1))
+    return names
+
+
+def template_query_names(query):
+    """Metric names in a Grafana Prometheus variable query."""
+    if isinstance(query, dict):
+        query = query.get("query", "")
+    m = re.fullmatch(r"\s*label_values\((.*),\s*[a-zA-Z_]\w*\s*\)\s*", query or "")
+    if m:
+        return metric_names(m.group(1))
+    if re.fullmatch(r"\s*(label_values\(\s*\w+\s*\)|label_names\(\s*\))\s*", query or ""):
+        return set()
+    m = re.fullmatch(r"\s*query_result\((.*)\)\s*", query or "")
+    return metric_names(m.group(1) if m else query or "")
+
+
+def all_panels(panels):
+    for p in panels:
+        yield p
+        yield from all_panels(p.get("panels", []))
+
+
+def rules():
+    docs = load_yaml_all(RULES)
+    for group in (docs[0] or {}).get("groups", []):
+        yield from group.get("rules", [])
+
+
+def dashboard_exprs(dash):
+    for p in all_panels(dash.get("panels", [])):
+        for t in p.get("targets", []):
+            if t.get("expr"):
+                yield f"panel {p.get('title')!r}", metric_names(t["expr"])
+    for v in dash.get("templating", {}).get("list", []):
+        if v.get("type") == "query":
+            yield f"variable {v.get('name')!r}", template_query_names(v.get("query"))
+
+
+def used_metrics():
+    recorded = {r["record"] for r in rules() if "record" in r}
+    used = {}
+    for r in rules():
+        where = f"{RULES}: {r.get('alert') or r.get('record')}"
+        for n in metric_names(str(r.get("expr", ""))):
+            used.setdefault(n, where)
+    for where, names in dashboard_exprs(load_json(DASHBOARD)):
+        for n in names:
+            used.setdefault(n, f"{DASHBOARD}: {where}")
+    out = {}
+    for n, where in used.items():
+        if n in recorded or n in PROMETHEUS_SERIES:
+            continue
+        out.setdefault(re.sub(r"_(bucket|sum|count)$", "", n), where)
+    return out
+
+
+def github_anchor(heading):
+    a = heading.strip().lower()
+    a = re.sub(r"[^\w\- ]", "", a)
+    return a.replace(" ", "-")
+
+
+def check():
+    # 2. Everything parses.
+    for path in sorted(pathlib.Path("deploy").rglob("*")):
+        if path.suffix in (".yml", ".yaml"):
+            docs = load_yaml_all(path)
+            if str(path) == CONFIGMAP:
+                for doc in docs:
+                    for key, text in ((doc or {}).get("data") or {}).items():
+                        if key.endswith((".yaml", ".yml")):
+                            try:
+                                yaml.safe_load(text)
+                            except yaml.YAMLError as e:
+                                sys.exit(f"check.sh: {path}: data.{key}: invalid YAML: {e}")
+        elif path.suffix == ".json":
+            load_json(path)
+
+    # 3. Dashboard: provisioned datasource, unique ids.
+    dash = load_json(DASHBOARD)
+    text = pathlib.Path(DASHBOARD).read_text()
+    if "${DS_" in text or "__inputs" in text:
+        problem(f"{DASHBOARD}: uses an import-time ${{DS_...}} input; use datasource uid 'prometheus'")
+    ids = [p.get("id") for p in all_panels(dash.get("panels", []))]
+    if len(ids) != len(set(ids)):
+        problem(f"{DASHBOARD}: duplicate panel ids")
+    for p in all_panels(dash.get("panels", [])):
+        for ds in [p.get("datasource")] + [t.get("datasource") for t in p.get("targets", [])]:
+            if ds and ds.get("uid") != "prometheus":
+                problem(f"{DASHBOARD}: panel {p.get('title')!r}: datasource uid {ds.get('uid')!r}, expected 'prometheus'")
+
+    # 4. Alerts: tested both ways, runbook anchor exists.
+    alerts = {}
+    for r in rules():
+        if "alert" in r:
+            alerts.setdefault(r["alert"], []).append(r)
+    fires, quiet = set(), set()
+    for test in (load_yaml_all(RULE_TESTS)[0] or {}).get("tests", []):
+        for case in test.get("alert_rule_test", []) or []:
+            (fires if case.get("exp_alerts") else quiet).add(case.get("alertname"))
+    try:
+        runbook = pathlib.Path(RUNBOOK).read_text()
+    except OSError as e:
+        sys.exit(f"check.sh: {RUNBOOK}: {e}")
+    anchors = {github_anchor(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", runbook, re.M)}
+    for name, rs in sorted(alerts.items()):
+        if name not in fires:
+            problem(f"{RULE_TESTS}: no test case where {name} fires")
+        if name not in quiet:
+            problem(f"{RULE_TESTS}: no test case where {name} does not fire")
+        for r in rs:
+            url = (r.get("annotations") or {}).get("runbook_url", "")
+            if not url.startswith(f"{RUNBOOK}#"):
+                problem(f"{RULES}: {name}: runbook_url {url!r} does not point into {RUNBOOK}")
+            elif url.split("#", 1)[1] not in anchors:
+                problem(f"{RULES}: {name}: {RUNBOOK} has no heading for #{url.split('#', 1)[1]}")
+            for key in ("summary", "description"):
+                if not (r.get("annotations") or {}).get(key):
+                    problem(f"{RULES}: {name}: missing annotation {key}")
+
+    # 5. Only metrics the gateway exports.
+    for name, where in sorted(used_metrics().items()):
+        if name not in EXPORTED:
+            problem(f"{where}: uses {name}, which tollgate does not export")
+
+    if problems:
+        for p in problems:
+            print(f"check.sh: {p}", file=sys.stderr)
+        sys.exit(1)
+
+
+def dashboard_rules(out):
+    """The dashboard's queries as a rules file, so that promtool parses them. Grafana's
+    interval variables become 5m, the others match-anything regexes."""
+    rules_out = []
+    for p in all_panels(load_json(DASHBOARD).get("panels", [])):
+        for t in p.get("targets", []):
+            if t.get("expr"):
+                expr = re.sub(r"\$__\w+", "5m", t["expr"])
+                expr = re.sub(r"\$\{?\w+\}?", ".*", expr)
+                rules_out.append({"record": f"dashboard:panel_{p['id']}_{t['refId']}", "expr": expr})
+    with open(out, "w") as f:
+        yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules_out}]}, f)
+
+
+def gateway_configs(outdir):
+    """Every gateway.yaml we ship, as files (the ConfigMap's is embedded)."""
+    for path in sorted(pathlib.Path("deploy").glob("gateway.*.yaml")):
+        print(path)
+    for doc in load_yaml_all(CONFIGMAP):
+        text = ((doc or {}).get("data") or {}).get("gateway.yaml")
+        if text:
+            out = pathlib.Path(outdir) / "k8s-configmap-gateway.yaml"
+            out.write_text(text)
+            print(out)
+
+
+mode = sys.argv[1]
+if mode == "list":
+    print("\n".join(sorted(used_metrics())))
+elif mode == "check":
+    check()
+elif mode == "dashboard-rules":
+    dashboard_rules(sys.argv[2])
+elif mode == "gateway-configs":
+    gateway_configs(sys.argv[2])
+PY
+}
+
+case "${1:-}" in
+    --list-metrics)
+        deploy_py list
+        exit 0
+        ;;
+    "") ;;
+    *)
+        echo "usage: deploy/check.sh [--list-metrics]" >&2
+        exit 2
+        ;;
+esac
+
+step() { printf '\n==> %s\n' "$*"; }
+
+command -v promtool >/dev/null || { echo "check.sh: promtool not found (Debian: apt-get install prometheus)" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "check.sh: python3 not found" >&2; exit 1; }
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+step "promtool check rules"
+promtool check rules "$RULES"
+
+step "promtool test rules"
+promtool test rules "$RULE_TESTS"
+
+step "promtool check config (rule_files resolve relative to the config file)"
+promtool check config "$PROM_CONFIG"
+
+step "promtool parses the dashboard's PromQL"
+deploy_py dashboard-rules "$tmp/dashboard.rules.yml"
+promtool check rules "$tmp/dashboard.rules.yml"
+
+step "YAML/JSON parse, dashboard, alert tests and runbook anchors, metric names"
+deploy_py check
+echo "ok"
+
+step "kubectl kustomize deploy/k8s"
+if command -v kubectl >/dev/null; then
+    kubectl kustomize deploy/k8s >"$tmp/k8s.yaml"
+    echo "ok ($(grep -c '^kind:' "$tmp/k8s.yaml") objects)"
+else
+    echo "skipped: kubectl not installed"
+fi
+
+step "nginx -t deploy/nginx/nginx.conf"
+if command -v nginx >/dev/null; then
+    # The compose service names do not resolve here; nginx -t would fail on them.
+    sed -E 's/tollgate-[0-9]+:8080/127.0.0.1:8080/' deploy/nginx/nginx.conf >"$tmp/nginx.conf"
+    nginx -t -q -p "$tmp" -c "$tmp/nginx.conf" -g "pid $tmp/nginx.pid;"
+    echo "ok"
+else
+    echo "skipped: nginx not installed"
+fi
+
+step "tollgate check on the shipped gateway configs"
+tollgate_bin="${TOLLGATE_BIN:-$(command -v tollgate || true)}"
+if [[ -n "$tollgate_bin" ]]; then
+    deploy_py gateway-configs "$tmp" | while read -r config; do
+        echo "$config"
+        "$tollgate_bin" check -c "$config"
+    done
+else
+    echo "skipped: no tollgate binary (set TOLLGATE_BIN=target/release/tollgate)"
+fi
+
+step "metrics used by the dashboard and the alert rules"
+deploy_py list
+
+printf '\nall checks passed\n'

@@ -1,0 +1,178 @@
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/admin/config`, `/admin/keys/{id}`.
+//!
+//! It runs on its own thread and tokio runtime, away from the proxy's workers, so a scrape
+//! never competes with traffic and a stuck proxy still answers `/healthz`. `/admin/*` needs
+//! `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` when that variable is set.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+
+use crate::app::App;
+use crate::budget;
+
+type Resp = Response<Full<Bytes>>;
+
+fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn json(status: StatusCode, v: serde_json::Value) -> Resp {
+    reply(status, "application/json", v.to_string())
+}
+
+/// Starts serving on `listener` in a thread of its own.
+pub fn spawn(listener: std::net::TcpListener, app: Arc<App>) -> anyhow::Result<()> {
+    listener.set_nonblocking(true)?;
+    let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .map(Arc::<str>::from);
+    std::thread::Builder::new()
+        .name("tollgate-admin".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "admin runtime failed to start");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "admin listener failed");
+                        return;
+                    }
+                };
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let app = app.clone();
+                    let token = token.clone();
+                    tokio::spawn(async move {
+                        let svc = hyper::service::service_fn(move |req| {
+                            let app = app.clone();
+                            let token = token.clone();
+                            async move { Ok::<_, Infallible>(handle(req, &app, token.as_deref()).await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
+                    });
+                }
+            });
+        })?;
+    Ok(())
+}
+
+async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp {
+    let path = req.uri().path();
+    if req.method() != hyper::Method::GET {
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+    }
+    if path.starts_with("/admin/") {
+        if let Some(t) = token {
+            let ok = req
+                .headers()
+                .get(hyper::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), t.as_bytes()));
+            if !ok {
+                return json(
+                    StatusCode::UNAUTHORIZED,
+                    serde_json::json!({"error": "admin token required"}),
+                );
+            }
+        }
+    }
+    match path {
+        "/metrics" => {
+            app.shared.store.publish_gauges();
+            reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                crate::telemetry::render(),
+            )
+        }
+        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
+        "/readyz" => {
+            let draining = app.draining.load(Ordering::SeqCst);
+            let store_ok = app.shared.store.ready();
+            let up = app.shared.upstream_addr.load().is_some();
+            let body = serde_json::json!({
+                "config": "loaded",
+                "store": if app.shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },
+                "upstream_resolved": up,
+                "draining": draining,
+            });
+            let status = if draining || !store_ok {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::OK
+            };
+            json(status, body)
+        }
+        "/admin/config" => reply(
+            StatusCode::OK,
+            "application/yaml",
+            app.shared.config.load().redacted_yaml(),
+        ),
+        p if p.starts_with("/admin/keys/") => {
+            let id = &p["/admin/keys/".len()..];
+            let cfg = app.shared.config.load_full();
+            let Some(hash) = cfg.key_ids.get(id) else {
+                return json(
+                    StatusCode::NOT_FOUND,
+                    serde_json::json!({"error": "no such key id in the registry"}),
+                );
+            };
+            let Some(entry) = cfg.keys.get(hash) else {
+                return json(
+                    StatusCode::NOT_FOUND,
+                    serde_json::json!({"error": "no such key"}),
+                );
+            };
+            let policy = &entry.policy;
+            match app.shared.store.peek(hash, &policy.limit).await {
+                Some(view) => json(
+                    StatusCode::OK,
+                    serde_json::json!({
+                        "id": id,
+                        "plan": policy.name,
+                        "limit": policy.max_cost,
+                        "window_seconds": policy.window.as_secs_f64(),
+                        "remaining": view.remaining,
+                        "reset_seconds": budget::reset_secs(view.reset_us),
+                    }),
+                ),
+                None => json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    serde_json::json!({"error": "store unavailable"}),
+                ),
+            }
+        }
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

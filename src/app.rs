@@ -1,0 +1,246 @@
+//! Assembling and running a gateway process: config, store, Pingora server, admin listener,
+//! signals (SIGHUP reload, SIGTERM drain) — the one place that knows about all of them.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use async_trait::async_trait;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+
+use crate::config::{Backend, Config, EnvOverrides};
+use crate::proxy::{Gateway, Shared};
+use crate::store::memory::Clock;
+use crate::store::{MemoryStore, RedisStore, Store};
+use crate::telemetry::metrics;
+
+/// A running gateway's handles, shared with the admin listener and the signal handler.
+pub struct App {
+    pub shared: Arc<Shared>,
+    pub config_path: PathBuf,
+    pub env: EnvOverrides,
+    /// Set on SIGTERM: `/readyz` turns 503 so load balancers stop sending.
+    pub draining: AtomicBool,
+}
+
+impl App {
+    /// Re-reads the config file; a valid one replaces the running config for new requests,
+    /// an invalid one is logged (with field paths) and counted, and the old one stays.
+    pub fn reload(&self) -> Result<(), String> {
+        let m = metrics();
+        match Config::load(&self.config_path, &self.env) {
+            Ok(new) => {
+                let old = self.shared.config.load();
+                let upstream_changed = old.upstream.host != new.upstream.host
+                    || old.upstream.port != new.upstream.port;
+                if old.store.backend != new.store.backend || old.store.url != new.store.url {
+                    tracing::warn!(
+                        "store.backend and store.url take effect on restart only; keeping the running store"
+                    );
+                }
+                if upstream_changed {
+                    self.shared
+                        .upstream_addr
+                        .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
+                }
+                set_limit_gauges(&new);
+                self.shared.config.store(Arc::new(new));
+                m.config_reloads.with_label_values(&["ok"]).inc();
+                tracing::info!(path = %self.config_path.display(), "configuration reloaded");
+                Ok(())
+            }
+            Err(errs) => {
+                m.config_reloads.with_label_values(&["error"]).inc();
+                for e in &errs.0 {
+                    tracing::error!(path = %self.config_path.display(), error = %e, "configuration reload rejected; keeping the running config");
+                }
+                Err(errs.to_string())
+            }
+        }
+    }
+}
+
+fn set_limit_gauges(cfg: &Config) {
+    let m = metrics();
+    for r in cfg.router.routes() {
+        if let Some(cap) = r.max_in_flight {
+            m.in_flight_limit
+                .with_label_values(&[&r.label])
+                .set(cap as i64);
+        }
+    }
+}
+
+/// Resolves the upstream host (blocking; called at start and reload, never per request).
+pub fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
+    match (host, port).to_socket_addrs() {
+        Ok(mut addrs) => addrs.next(),
+        Err(e) => {
+            tracing::error!(host, error = %e, "upstream host does not resolve; answering 502 until it does");
+            None
+        }
+    }
+}
+
+/// Builds the store a config asks for. The Redis store connects lazily, so this never fails
+/// and the gateway starts while Redis is down.
+pub fn build_store(cfg: &Config, clock: Clock) -> Store {
+    match cfg.store.backend {
+        Backend::Memory => Store::Memory(MemoryStore::new(clock)),
+        Backend::Redis => Store::Redis(RedisStore::new(&cfg.store, clock)),
+    }
+}
+
+/// `TOLLGATE_CLOCK_OFFSET_MS` skews this instance's local clock (used by tests to prove that
+/// instances with different clocks agree, since the shared store uses Redis's clock).
+fn clock_from_env() -> Clock {
+    let offset_ms: i64 = std::env::var("TOLLGATE_CLOCK_OFFSET_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    Clock::new(offset_ms.saturating_mul(1000))
+}
+
+struct Signals {
+    app: Arc<App>,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for Signals {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut hup), Ok(mut term), Ok(mut int), Ok(mut quit)) = (
+            signal(SignalKind::hangup()),
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::quit()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return ShutdownSignal::FastShutdown;
+        };
+        loop {
+            tokio::select! {
+                _ = hup.recv() => {
+                    let app = self.app.clone();
+                    // Reading and validating the file is blocking work.
+                    let _ = tokio::task::spawn_blocking(move || app.reload()).await;
+                }
+                _ = term.recv() => {
+                    self.app.draining.store(true, Ordering::SeqCst);
+                    spawn_drain_watch(self.app.clone());
+                    return ShutdownSignal::GracefulTerminate;
+                }
+                _ = int.recv() => return ShutdownSignal::FastShutdown,
+                _ = quit.recv() => return ShutdownSignal::GracefulUpgrade,
+            }
+        }
+    }
+}
+
+/// Pingora's graceful shutdown stops accepting and then waits out the whole grace period. We
+/// exit as soon as the last in-flight request has finished (its lease released in `logging`),
+/// or when `grace_period` ends, whichever is first.
+fn spawn_drain_watch(app: Arc<App>) {
+    let grace = app.shared.config.load().grace_period;
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        // Let the listeners see the shutdown broadcast before counting.
+        std::thread::sleep(Duration::from_millis(100));
+        loop {
+            let active = app.shared.active.load(Ordering::SeqCst);
+            if active == 0 {
+                tracing::info!(
+                    elapsed_ms = start.elapsed().as_millis() as u64,
+                    "drained; exiting"
+                );
+                std::process::exit(0);
+            }
+            if start.elapsed() >= grace {
+                tracing::warn!(active, "grace period over with requests in flight; exiting");
+                std::process::exit(0);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+}
+
+/// Serves until SIGTERM/SIGINT. Returns an error only for start-up failures.
+pub fn run(config_path: &Path) -> anyhow::Result<()> {
+    let env = EnvOverrides::from_env();
+    let cfg = Config::load(config_path, &env).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let store = build_store(&cfg, clock_from_env());
+    run_with(cfg, config_path.to_path_buf(), env, store)
+}
+
+pub fn run_with(
+    cfg: Config,
+    config_path: PathBuf,
+    env: EnvOverrides,
+    store: Store,
+) -> anyhow::Result<()> {
+    let addr = resolve(&cfg.upstream.host, cfg.upstream.port);
+    set_limit_gauges(&cfg);
+    metrics().store_degraded.set(0);
+    let listen = cfg.listen.clone();
+    let admin_addr: SocketAddr = cfg.admin_listen.parse()?;
+    let threads = cfg.threads;
+    let grace = cfg.grace_period;
+    let shared = Arc::new(Shared {
+        config: ArcSwap::from_pointee(cfg),
+        upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
+        store,
+        active: Default::default(),
+    });
+    let app = Arc::new(App {
+        shared: shared.clone(),
+        config_path,
+        env,
+        draining: AtomicBool::new(false),
+    });
+
+    // Bind the admin port before anything else so a clash fails loudly at start.
+    let admin_listener = std::net::TcpListener::bind(admin_addr)
+        .map_err(|e| anyhow::anyhow!("server.admin_listen {admin_addr}: {e}"))?;
+    crate::admin::spawn(admin_listener, app.clone())?;
+
+    // Per-process paths: Pingora's defaults are fixed /tmp names that two instances would share.
+    let tag = std::process::id();
+    let conf = ServerConf {
+        threads,
+        grace_period_seconds: Some(grace.as_secs() + 1),
+        graceful_shutdown_timeout_seconds: Some(1),
+        pid_file: std::env::temp_dir()
+            .join(format!("tollgate-{tag}.pid"))
+            .display()
+            .to_string(),
+        upgrade_sock: std::env::temp_dir()
+            .join(format!("tollgate-{tag}.sock"))
+            .display()
+            .to_string(),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut proxy = pingora::proxy::http_proxy_service_with_name(
+        &server.configuration,
+        Gateway {
+            shared: shared.clone(),
+        },
+        "tollgate",
+    );
+    for a in &listen {
+        // Bind once here so a port clash is an error at start, not a panic inside Pingora.
+        std::net::TcpListener::bind(a).map_err(|e| anyhow::anyhow!("server.listen {a}: {e}"))?;
+        proxy.add_tcp(a);
+    }
+    server.add_service(proxy);
+    tracing::info!(listen = ?listen, admin = %admin_addr, "tollgate serving");
+    server.run(RunArgs {
+        shutdown_signal: Box::new(Signals { app }),
+    });
+    Ok(())
+}

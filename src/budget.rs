@@ -1,0 +1,366 @@
+//! The budget decision: GCRA in exact integer arithmetic.
+//!
+//! This is the one place the arithmetic lives. The memory store calls [`decide`]; the Redis
+//! store's Lua script (`store/admit.lua`) is a line-by-line transcription of it, and tests drive
+//! both with the same sequence to prove they agree.
+//!
+//! A budget of `max_cost` units per `window` is a bucket that drains at `max_cost / window`
+//! units per µs. That rate is rarely a whole number, so time is measured in *ticks*: with
+//! `window_us / max_cost = p / q` in lowest terms, one unit of cost adds `p` ticks to the
+//! bucket's level and the level drains by `q` ticks per µs. Every quantity is then an integer:
+//! no rounding drift at `1e8` units/s, and none at `1` unit/h. The bucket is full (no room) at
+//! `capacity = window_us * q` ticks. Levels stay below 2^52 (checked at config load) so the
+//! Lua script, whose numbers are doubles, computes exactly the same integers.
+
+use std::time::Duration;
+
+/// Largest level the arithmetic may reach; doubles are exact integers below 2^53.
+const MAX_TICKS: u128 = 1 << 51;
+
+/// GCRA parameters of one budget, derived from `max_cost`, `window` and `max_delay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    /// Ticks added per unit of cost (`p`).
+    pub per_unit: u64,
+    /// Ticks drained per µs (`q`).
+    pub rate: u64,
+    /// Level at which the bucket has no room left: `window_us * q` = `max_cost * p`.
+    pub capacity: u64,
+    /// How far past `capacity` a request may reserve and wait: `max_delay_us * q`.
+    pub max_delay: u64,
+}
+
+fn gcd(mut a: u128, mut b: u128) -> u128 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl Limit {
+    pub fn new(max_cost: u64, window: Duration, max_delay: Duration) -> Result<Limit, String> {
+        let window_us = window.as_micros();
+        let max_cost = max_cost as u128;
+        if max_cost == 0 || window_us == 0 {
+            return Err("max_cost and window must be positive".into());
+        }
+        let g = gcd(window_us, max_cost);
+        let (p, q) = (window_us / g, max_cost / g);
+        let capacity = window_us * q;
+        let delay = max_delay.as_micros() * q;
+        if capacity + delay > MAX_TICKS {
+            return Err(format!(
+                "{max_cost} per {}µs cannot be represented exactly (window / max_cost must reduce to a simpler fraction; try a rounder max_cost or window)",
+                window_us
+            ));
+        }
+        Ok(Limit {
+            per_unit: p as u64,
+            rate: q as u64,
+            capacity: capacity as u64,
+            max_delay: delay as u64,
+        })
+    }
+
+    /// The same window with `1/n` of the budget: what one of `n` instances may spend on its
+    /// own while the shared store is unreachable (`on_error: local`).
+    pub fn fraction(&self, n: u32) -> Limit {
+        Limit {
+            per_unit: self.per_unit.saturating_mul(n.max(1) as u64),
+            ..*self
+        }
+    }
+
+    /// Units that fit an empty bucket.
+    pub fn max_cost(&self) -> u64 {
+        self.capacity / self.per_unit
+    }
+}
+
+/// A bucket's stored state: its level (ticks) at a time (µs), and the drain rate that level
+/// was measured in, so a reload that changes the rate converts instead of forgetting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State {
+    pub level: u64,
+    pub at_us: u64,
+    pub rate: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Charged. Forward after `delay_us` (non-zero only with `max_delay`).
+    Admit { delay_us: u64 },
+    /// Not charged. The earliest a retry could be admitted is in `retry_after_us`.
+    Reject { retry_after_us: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub verdict: Verdict,
+    /// The state to store; `None` when nothing is to be written (a rejection).
+    pub state: Option<State>,
+    /// Whole units left after this decision (`RateLimit: r=`).
+    pub remaining: u64,
+    /// µs until the bucket is empty again (`RateLimit: t=` rounds it up to seconds).
+    pub reset_us: u64,
+}
+
+impl Outcome {
+    pub fn admitted(&self) -> bool {
+        matches!(self.verdict, Verdict::Admit { .. })
+    }
+}
+
+fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b.max(1))
+}
+
+/// The level of `state` at `now_us`, in `limit`'s ticks. A clock that went backwards (another
+/// instance's, or a failover to a Redis with a slower clock) drains nothing rather than panicking.
+pub fn level_at(limit: &Limit, state: Option<State>, now_us: u64) -> u64 {
+    let Some(s) = state else { return 0 };
+    let mut level = s.level;
+    if s.rate != limit.rate && s.rate != 0 {
+        // Same time-until-empty, in the new rate's ticks.
+        level = ((level as u128 * limit.rate as u128).div_ceil(s.rate as u128)).min(MAX_TICKS * 2)
+            as u64;
+    }
+    let elapsed = now_us.saturating_sub(s.at_us);
+    let drained = (elapsed as u128 * limit.rate as u128).min(level as u128) as u64;
+    level - drained
+}
+
+/// Decides whether a request of `cost` units fits, and what the bucket looks like afterwards.
+pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Outcome {
+    let level = level_at(limit, state, now_us);
+    let need = cost.saturating_mul(limit.per_unit);
+    let next = level.saturating_add(need);
+    if next <= limit.capacity + limit.max_delay {
+        let delay_us = div_ceil(next.saturating_sub(limit.capacity), limit.rate);
+        Outcome {
+            verdict: Verdict::Admit { delay_us },
+            state: Some(State {
+                level: next,
+                at_us: now_us,
+                rate: limit.rate,
+            }),
+            remaining: limit.capacity.saturating_sub(next) / limit.per_unit,
+            reset_us: div_ceil(next, limit.rate),
+        }
+    } else {
+        let retry_after_us = div_ceil(next - limit.capacity - limit.max_delay, limit.rate);
+        Outcome {
+            verdict: Verdict::Reject { retry_after_us },
+            state: None,
+            remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
+            reset_us: div_ceil(level, limit.rate),
+        }
+    }
+}
+
+/// Gives `cost` units back (the upstream never saw the request). Returns the state to store.
+pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Option<State> {
+    let level = level_at(limit, state, now_us);
+    state.map(|_| State {
+        level: level.saturating_sub(cost.saturating_mul(limit.per_unit)),
+        at_us: now_us,
+        rate: limit.rate,
+    })
+}
+
+/// Seconds for `Retry-After`: rounded up, never 0.
+pub fn retry_after_secs(us: u64) -> u64 {
+    us.div_ceil(1_000_000).max(1)
+}
+
+/// Seconds for `RateLimit: t=` / `X-RateLimit-Reset`: rounded up.
+pub fn reset_secs(us: u64) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim(max_cost: u64, window_ms: u64, delay_ms: u64) -> Limit {
+        Limit::new(
+            max_cost,
+            Duration::from_millis(window_ms),
+            Duration::from_millis(delay_ms),
+        )
+        .unwrap()
+    }
+
+    /// Runs `n` requests of `cost` at the same instant; returns what each saw.
+    fn burst(l: &Limit, n: usize, cost: u64, now: u64) -> (Vec<Outcome>, Option<State>) {
+        let mut st = None;
+        let mut out = vec![];
+        for _ in 0..n {
+            let o = decide(l, st, now, cost);
+            if let Some(s) = o.state {
+                st = Some(s);
+            }
+            out.push(o);
+        }
+        (out, st)
+    }
+
+    #[test]
+    fn incident_six_reports_then_429() {
+        let l = lim(120, 60_000, 0);
+        assert_eq!((l.per_unit, l.rate, l.capacity), (500_000, 1, 60_000_000));
+        let (out, _) = burst(&l, 60, 20, 1_000_000);
+        let remaining: Vec<u64> = out.iter().take(6).map(|o| o.remaining).collect();
+        assert_eq!(remaining, vec![100, 80, 60, 40, 20, 0]);
+        assert!(out[..6]
+            .iter()
+            .all(|o| o.verdict == Verdict::Admit { delay_us: 0 }));
+        for o in &out[6..] {
+            assert_eq!(
+                o.verdict,
+                Verdict::Reject {
+                    retry_after_us: 10_000_000
+                }
+            );
+            assert_eq!(o.state, None, "a rejection writes nothing");
+            assert_eq!(o.remaining, 0);
+            assert_eq!(o.reset_us, 60_000_000);
+        }
+        assert_eq!(retry_after_secs(10_000_000), 10);
+    }
+
+    #[test]
+    fn refills_at_rate() {
+        let l = lim(120, 60_000, 0);
+        let (_, st) = burst(&l, 6, 20, 0);
+        // 2 units/s: after 9.999999 s a cost-20 request still doesn't fit, after 10 s it does.
+        let o = decide(&l, st, 9_999_999, 20);
+        assert_eq!(o.verdict, Verdict::Reject { retry_after_us: 1 });
+        let o = decide(&l, st, 10_000_000, 20);
+        assert!(o.admitted());
+        assert_eq!(o.remaining, 0);
+        // A full window later the bucket is empty again: the whole burst passes.
+        let (out, _) = burst(&l, 7, 20, 60_000_000);
+        assert_eq!(out.iter().filter(|o| o.admitted()).count(), 6);
+    }
+
+    #[test]
+    fn sustained_throughput_never_exceeds_rate() {
+        let l = lim(7, 1_000, 0); // 7 per second: p/q = 1e6/7, not a whole number of µs
+        let mut st = None;
+        let mut admitted = 0u64;
+        // One request every 50 µs for 10 s.
+        for t in (0..10_000_000u64).step_by(50) {
+            let o = decide(&l, st, t, 1);
+            if o.admitted() {
+                admitted += 1;
+                st = o.state;
+            }
+        }
+        // burst (7) + 7/s × 10 s, and no rounding slack either way.
+        assert_eq!(admitted, 7 + 69);
+    }
+
+    #[test]
+    fn extreme_fast_rate_is_exact() {
+        let l = lim(100_000_000, 1_000, 0);
+        assert_eq!((l.per_unit, l.rate), (1, 100));
+        let (out, st) = burst(&l, 3, 50_000_000, 0);
+        assert!(out[0].admitted() && out[1].admitted());
+        assert_eq!(out[1].remaining, 0);
+        assert_eq!(
+            out[2].verdict,
+            Verdict::Reject {
+                retry_after_us: 500_000
+            }
+        );
+        // 1 µs later exactly 100 units have drained.
+        let o = decide(&l, st, 1, 100);
+        assert!(o.admitted());
+        assert_eq!(o.remaining, 0);
+        assert!(!decide(&l, st, 1, 101).admitted());
+        // Reset is 1 s: never a zero TTL that Redis would reject.
+        assert_eq!(o.reset_us, 1_000_000);
+    }
+
+    #[test]
+    fn extreme_slow_rate() {
+        let l = lim(1, 3_600_000, 0);
+        let (out, st) = burst(&l, 2, 1, 5);
+        assert!(out[0].admitted());
+        assert_eq!(
+            out[1].verdict,
+            Verdict::Reject {
+                retry_after_us: 3_600_000_000
+            }
+        );
+        assert_eq!(retry_after_secs(3_600_000_000), 3600);
+        assert!(!decide(&l, st, 3_600_000_004, 1).admitted());
+        assert!(decide(&l, st, 3_600_000_005, 1).admitted());
+    }
+
+    #[test]
+    fn unrepresentable_rate_is_a_config_error() {
+        // 999_999_937 (prime) per 1h: p/q doesn't reduce, capacity ≈ 3.6e18 ticks.
+        assert!(Limit::new(999_999_937, Duration::from_secs(3600), Duration::ZERO).is_err());
+        assert!(Limit::new(100_000_000, Duration::from_secs(1), Duration::ZERO).is_ok());
+    }
+
+    #[test]
+    fn max_delay_reserves_and_holds() {
+        let l = lim(120, 60_000, 10_000);
+        let (out, _) = burst(&l, 8, 20, 0);
+        assert!(out[..6]
+            .iter()
+            .all(|o| o.verdict == Verdict::Admit { delay_us: 0 }));
+        // The 7th fits within 10 s of waiting: reserved, held 10 s.
+        assert_eq!(
+            out[6].verdict,
+            Verdict::Admit {
+                delay_us: 10_000_000
+            }
+        );
+        assert_eq!(out[6].remaining, 0);
+        // The 8th would wait 20 s > max_delay: rejected, retry when its wait would be ≤ 10 s.
+        assert_eq!(
+            out[7].verdict,
+            Verdict::Reject {
+                retry_after_us: 10_000_000
+            }
+        );
+    }
+
+    #[test]
+    fn refund_restores_units() {
+        let l = lim(120, 60_000, 0);
+        let (_, st) = burst(&l, 6, 20, 0);
+        let st = refund(&l, st, 0, 20);
+        let o = decide(&l, st, 0, 20);
+        assert!(o.admitted());
+        assert_eq!(refund(&l, None, 0, 20), None);
+    }
+
+    #[test]
+    fn clock_going_backwards_does_not_panic_or_refill() {
+        let l = lim(120, 60_000, 0);
+        let (_, st) = burst(&l, 6, 20, 1_000_000);
+        assert!(!decide(&l, st, 0, 1).admitted());
+    }
+
+    #[test]
+    fn reload_with_new_rate_keeps_time_to_empty() {
+        let old = lim(120, 60_000, 0);
+        let (_, st) = burst(&old, 3, 20, 0); // half full: 30 s to empty
+        let new = lim(7, 1_000, 0);
+        let lvl = level_at(&new, st, 0);
+        assert_eq!(div_ceil(lvl, new.rate), 30_000_000);
+    }
+
+    #[test]
+    fn local_fraction() {
+        let l = lim(120, 60_000, 0).fraction(6);
+        assert_eq!(l.max_cost(), 20);
+        let (out, _) = burst(&l, 3, 10, 0);
+        assert_eq!(out.iter().filter(|o| o.admitted()).count(), 2);
+    }
+}

@@ -1,0 +1,308 @@
+//! The text behind `tollgate check`, `explain` and `demo`.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use crate::config::{format_duration, Config, EnvOverrides};
+use crate::identity::{self, Unauthenticated};
+use crate::route::normalize_path;
+use crate::sample_api::{self, SampleApi};
+
+/// The route/cost table printed by `tollgate check`.
+pub fn route_table(cfg: &Config) -> String {
+    let mut rows = vec![[
+        "ROUTE".to_string(),
+        "COST".into(),
+        "MAX_IN_FLIGHT".into(),
+        "QUEUE_TIMEOUT".into(),
+    ]];
+    for r in cfg.router.routes() {
+        rows.push([
+            r.label.to_string(),
+            r.cost.to_string(),
+            r.max_in_flight.map(|n| n.to_string()).unwrap_or("-".into()),
+            if r.max_in_flight.is_some() {
+                format_duration(r.queue_timeout)
+            } else {
+                "-".into()
+            },
+        ]);
+    }
+    let mut out = table(&rows);
+    out.push('\n');
+    let mut budgets = vec![[
+        "BUDGET".to_string(),
+        "MAX_COST".into(),
+        "WINDOW".into(),
+        "MAX_DELAY".into(),
+        "MAX_IN_FLIGHT_PER_KEY".into(),
+    ]];
+    let mut plans: Vec<_> = cfg.plans.values().collect();
+    plans.sort_by(|a, b| a.name.cmp(&b.name));
+    for p in std::iter::once(&cfg.default_policy).chain(plans) {
+        budgets.push([
+            p.name.clone(),
+            p.max_cost.to_string(),
+            format_duration(p.window),
+            format_duration(p.max_delay),
+            p.max_in_flight_per_key
+                .map(|n| n.to_string())
+                .unwrap_or("-".into()),
+        ]);
+    }
+    out.push_str(&table(&budgets));
+    let _ = writeln!(
+        out,
+        "\nstore: {:?}  registry keys: {}  identity: {}",
+        cfg.store.backend,
+        cfg.keys.len(),
+        cfg.raw.identity.sources.join(", ")
+    );
+    out
+}
+
+fn table<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    out
+}
+
+/// `tollgate explain`: which route, what cost, which limits. Returns the text and whether the
+/// request would be classified at all.
+pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (String, bool) {
+    let mut out = String::new();
+    let method = method.to_ascii_uppercase();
+    let (raw_path, _query) = path.split_once('?').unwrap_or((path, ""));
+    let normalized = match normalize_path(raw_path) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = writeln!(out, "{method} {path}: 400 bad-path ({e})");
+            return (out, false);
+        }
+    };
+    let route = cfg.router.classify(&method, &normalized).route;
+    let _ = writeln!(out, "request:      {method} {path}");
+    if normalized != raw_path {
+        let _ = writeln!(
+            out,
+            "normalized:   {normalized}  (what the upstream receives)"
+        );
+    }
+    let _ = writeln!(out, "route:        {}", route.label);
+    let _ = writeln!(out, "cost:         {}", route.cost);
+    match route.max_in_flight {
+        Some(n) => {
+            let _ = writeln!(
+                out,
+                "in-flight:    at most {n} at once fleet-wide; wait up to {} for a slot, then 503",
+                format_duration(route.queue_timeout)
+            );
+        }
+        None => {
+            let _ = writeln!(out, "in-flight:    no cap");
+        }
+    }
+    let who = identity::identify(cfg, key.map(str::as_bytes), Some([127, 0, 0, 1].into()));
+    match who {
+        Ok(id) => {
+            let p = &id.policy;
+            let _ = writeln!(
+                out,
+                "key:          {}",
+                match &id.id {
+                    Some(i) => format!("registry id {i}"),
+                    None if key.is_some() => format!("{} (no registry)", id.log_name()),
+                    None => "anonymous (client_ip)".into(),
+                }
+            );
+            let _ = writeln!(
+                out,
+                "budget:       \"{}\" {} units per {} (max_delay {})",
+                p.name,
+                p.max_cost,
+                format_duration(p.window),
+                format_duration(p.max_delay)
+            );
+            let _ = writeln!(
+                out,
+                "              = {} such requests in a burst, then one every {:.1} s",
+                p.max_cost / route.cost,
+                p.window.as_secs_f64() * route.cost as f64 / p.max_cost as f64
+            );
+            if let Some(n) = p.max_in_flight_per_key {
+                let _ = writeln!(out, "per key:      at most {n} in flight (429 beyond)");
+            }
+        }
+        Err(Unauthenticated::Missing) => {
+            let _ = writeln!(
+                out,
+                "key:          none given → 401 unauthenticated (anonymous: reject)"
+            );
+        }
+        Err(Unauthenticated::Unknown) => {
+            let _ = writeln!(
+                out,
+                "key:          not in the registry → 401 unauthenticated"
+            );
+        }
+    }
+    (out, true)
+}
+
+const DEMO_CONFIG: &str = r#"# tollgate demo: the incident write-up's budget in front of the built-in sample API.
+server:
+  listen: "{listen}"
+  admin_listen: "{admin}"
+  threads: 2
+  grace_period: 1s
+upstream:
+  url: "http://{upstream}"
+store:
+  backend: memory
+rate_limits:
+  default:
+    cost: 1
+    window: 60s
+    max_cost: 120
+  endpoints:
+    /reports/generate:
+      cost: 20
+      max_in_flight: 2               # 2 (not 5) so that a handful of curls shows the cap
+      queue_timeout: 1s
+    "GET /items/{id}":
+      cost: 1
+"#;
+
+fn demo_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?)
+}
+
+/// Serves the sample API on a thread of its own.
+fn spawn_sample_api(addr: &str, report_time: Duration) -> anyhow::Result<()> {
+    let std_listener = std::net::TcpListener::bind(addr)
+        .map_err(|e| anyhow::anyhow!("sample API on {addr}: {e}"))?;
+    std_listener.set_nonblocking(true)?;
+    let rt = demo_runtime()?;
+    std::thread::spawn(move || {
+        rt.block_on(async move {
+            if let Ok(l) = tokio::net::TcpListener::from_std(std_listener) {
+                sample_api::serve(l, SampleApi::new(report_time)).await;
+            }
+        })
+    });
+    Ok(())
+}
+
+pub fn demo_upstream(listen: &str, report_time: Duration) -> anyhow::Result<()> {
+    let std_listener = std::net::TcpListener::bind(listen)?;
+    std_listener.set_nonblocking(true)?;
+    tracing::info!(listen, "sample API serving");
+    demo_runtime()?.block_on(async move {
+        let l = tokio::net::TcpListener::from_std(std_listener)?;
+        sample_api::serve(l, SampleApi::new(report_time)).await;
+        Ok(())
+    })
+}
+
+pub fn demo(listen: &str, admin: &str, upstream: &str) -> anyhow::Result<()> {
+    spawn_sample_api(upstream, Duration::from_secs(2))?;
+    let text = DEMO_CONFIG
+        .replace("{listen}", listen)
+        .replace("{admin}", admin)
+        .replace("{upstream}", upstream);
+    let path = std::env::temp_dir().join(format!("tollgate-demo-{}.yaml", std::process::id()));
+    std::fs::write(&path, &text)?;
+    let cfg = Config::parse(&text, &EnvOverrides::default()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let store = crate::app::build_store(&cfg, crate::store::memory::Clock::new(0));
+    println!(
+        r#"
+tollgate demo: gateway on http://{listen} → sample API on http://{upstream} (reports take 2 s)
+config: {path}    metrics: http://{admin}/metrics
+
+Budget: 120 units / 60 s per API key. A CRUD call costs 1, POST /reports/generate costs 20,
+and at most 2 reports run at once (a 3rd waits up to 1 s for a slot, then gets 503).
+
+  # a cheap call, with the rate-limit headers
+  curl -i -H 'X-API-Key: demo-key' http://{listen}/items/42
+
+  # 8 reports at once: 2 run (200), 6 find no slot within 1 s (503 route-busy, not charged)
+  for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate & done; wait
+
+  # one after another: 79 units left, so 3 more reports fit, then 429 with Retry-After
+  for i in $(seq 4); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate; done
+
+  # the 429 itself: Retry-After, rate-limit headers and problem JSON
+  curl -i -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate
+
+  # another key is unaffected
+  curl -s -o /dev/null -w '%{{http_code}}\n' -H 'X-API-Key: other-key' http://{listen}/items
+
+Ctrl-C to stop.
+"#,
+        path = path.display()
+    );
+    crate::app::run_with(cfg, path, EnvOverrides::default(), store)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::parse(
+            &DEMO_CONFIG
+                .replace("{listen}", "127.0.0.1:1")
+                .replace("{admin}", "127.0.0.1:2")
+                .replace("{upstream}", "127.0.0.1:3"),
+            &EnvOverrides::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn check_table() {
+        let t = route_table(&cfg());
+        assert!(
+            t.contains("/reports/generate  20    2              1s"),
+            "{t}"
+        );
+        assert!(
+            t.contains("default            1     -              -"),
+            "{t}"
+        );
+        assert!(t.contains("default  120       1m"), "{t}");
+    }
+
+    #[test]
+    fn explain_text() {
+        let (t, ok) = explain(&cfg(), "post", "/x/../reports//generate", Some("k"));
+        assert!(ok);
+        assert!(t.contains("normalized:   /reports/generate"), "{t}");
+        assert!(t.contains("route:        /reports/generate"), "{t}");
+        assert!(t.contains("cost:         20"), "{t}");
+        assert!(
+            t.contains("= 6 such requests in a burst, then one every 10.0 s"),
+            "{t}"
+        );
+        let (t, ok) = explain(&cfg(), "GET", "/a%2fb", None);
+        assert!(!ok && t.contains("400 bad-path"), "{t}");
+        let (t, _) = explain(&cfg(), "GET", "/items/1", None);
+        assert!(t.contains("401"), "{t}");
+    }
+}

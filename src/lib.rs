@@ -1,0 +1,24 @@
+//! tollgate: an API gateway on Pingora that charges every request a per-route cost against a
+//! per-key budget shared by the whole fleet (Redis), and caps expensive routes' concurrency.
+//!
+//! Where things are decided:
+//! - [`config`]: gateway.yaml → validated [`config::Config`];
+//! - [`route`]: path normalization and the endpoint table (what a request costs);
+//! - [`identity`]: which API key pays (hashed at once);
+//! - [`budget`]: the GCRA arithmetic (whether it fits);
+//! - [`store`]: where budgets and in-flight slots live (memory or Redis);
+//! - [`proxy`]: the Pingora phases; [`problem`]: what a refused client reads;
+//! - [`admin`], [`telemetry`]: what an SRE sees; [`app`]: process assembly and signals.
+
+pub mod admin;
+pub mod app;
+pub mod budget;
+pub mod cli;
+pub mod config;
+pub mod identity;
+pub mod problem;
+pub mod proxy;
+pub mod route;
+pub mod sample_api;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,147 @@
+//! The `tollgate` command line (DESIGN §2). A plain `fn main`: Pingora builds its own runtimes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tollgate::config::{parse_duration, Config, EnvOverrides};
+use tollgate::telemetry::{init_logging, LogFormat};
+
+#[derive(Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "Weighted, fleet-wide rate limiting in front of an HTTP API"
+)]
+struct Cli {
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value = "pretty")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve.
+    Run {
+        #[arg(short, long, default_value = "gateway.yaml")]
+        config: PathBuf,
+    },
+    /// Validate the config and print the route/cost table; exit 1 on error.
+    Check {
+        #[arg(short, long, default_value = "gateway.yaml")]
+        config: PathBuf,
+    },
+    /// Show which route a request is, what it costs and which limits apply.
+    Explain {
+        #[arg(short, long, default_value = "gateway.yaml")]
+        config: PathBuf,
+        method: String,
+        path: String,
+        /// The API key to look up in the registry (only its hash is used).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// The gateway in front of a built-in sample API, ready to curl.
+    Demo {
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        #[arg(long, default_value = "127.0.0.1:9901")]
+        admin_listen: String,
+        #[arg(long, default_value = "127.0.0.1:3000")]
+        upstream_listen: String,
+    },
+    /// Serve only the sample API (used by the docker-compose example).
+    #[command(hide = true)]
+    DemoUpstream {
+        #[arg(long, default_value = "127.0.0.1:3000")]
+        listen: String,
+        #[arg(long, default_value = "2s", value_parser = parse_duration)]
+        report_time: Duration,
+    },
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    Config::load(path, &EnvOverrides::from_env()).map_err(|errs| {
+        for e in &errs.0 {
+            eprintln!("{e}");
+        }
+        eprintln!("{}: {} error(s)", path.display(), errs.0.len());
+        ExitCode::from(1)
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Run { config } => {
+            init_logging(cli.log_format);
+            let cfg = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            drop(cfg);
+            match tollgate::app::run(&config) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("tollgate: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Cmd::Check { config } => match load(&config) {
+            Ok(cfg) => {
+                print!("{}", tollgate::cli::route_table(&cfg));
+                println!("{}: ok", config.display());
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Cmd::Explain {
+            config,
+            method,
+            path,
+            key,
+        } => match load(&config) {
+            Ok(cfg) => {
+                let (text, ok) = tollgate::cli::explain(&cfg, &method, &path, key.as_deref());
+                print!("{text}");
+                if ok {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                }
+            }
+            Err(code) => code,
+        },
+        Cmd::Demo {
+            listen,
+            admin_listen,
+            upstream_listen,
+        } => {
+            init_logging(cli.log_format);
+            match tollgate::cli::demo(&listen, &admin_listen, &upstream_listen) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("tollgate demo: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Cmd::DemoUpstream {
+            listen,
+            report_time,
+        } => {
+            init_logging(cli.log_format);
+            match tollgate::cli::demo_upstream(&listen, report_time) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("tollgate demo-upstream: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! What a consumer reads on a refusal: RFC 9457 problem JSON, and the rate-limit headers of
+//! DESIGN §3 (IETF draft-ietf-httpapi-ratelimit-headers plus the de-facto `X-RateLimit-*`).
+
+use crate::budget::{self, Outcome};
+use crate::config::Policy;
+
+/// Base of every problem `type` URI; the last segment is what clients match on.
+pub const TYPE_BASE: &str = "https://tollgate.dev/problems/";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Problem {
+    QuotaExceeded,
+    ConcurrencyLimit,
+    RouteBusy,
+    StoreUnavailable,
+    Unauthenticated,
+    BadPath,
+    BadGateway,
+    GatewayTimeout,
+}
+
+impl Problem {
+    pub fn status(self) -> u16 {
+        match self {
+            Problem::QuotaExceeded | Problem::ConcurrencyLimit => 429,
+            Problem::RouteBusy | Problem::StoreUnavailable => 503,
+            Problem::Unauthenticated => 401,
+            Problem::BadPath => 400,
+            Problem::BadGateway => 502,
+            Problem::GatewayTimeout => 504,
+        }
+    }
+
+    pub fn slug(self) -> &'static str {
+        match self {
+            Problem::QuotaExceeded => "quota-exceeded",
+            Problem::ConcurrencyLimit => "concurrency-limit",
+            Problem::RouteBusy => "route-busy",
+            Problem::StoreUnavailable => "store-unavailable",
+            Problem::Unauthenticated => "unauthenticated",
+            Problem::BadPath => "bad-path",
+            Problem::BadGateway => "upstream-unavailable",
+            Problem::GatewayTimeout => "upstream-timeout",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Problem::QuotaExceeded => "Rate limit budget exceeded",
+            Problem::ConcurrencyLimit => "Too many concurrent requests for this key",
+            Problem::RouteBusy => "Route is at its concurrency limit",
+            Problem::StoreUnavailable => "Rate limit store unavailable",
+            Problem::Unauthenticated => "Missing or unknown API key",
+            Problem::BadPath => "Path cannot be classified",
+            Problem::BadGateway => "Upstream unavailable",
+            Problem::GatewayTimeout => "Upstream timed out",
+        }
+    }
+
+    /// The rejection reason label of `tollgate_rejections_total`, for gateway refusals.
+    pub fn reason(self) -> Option<&'static str> {
+        match self {
+            Problem::QuotaExceeded => Some("budget"),
+            Problem::ConcurrencyLimit => Some("key_in_flight"),
+            Problem::RouteBusy => Some("route_busy"),
+            Problem::StoreUnavailable => Some("store_unavailable"),
+            Problem::Unauthenticated => Some("unauthenticated"),
+            Problem::BadPath => Some("bad_path"),
+            Problem::BadGateway | Problem::GatewayTimeout => None,
+        }
+    }
+}
+
+/// The body of a problem response.
+pub fn body(
+    p: Problem,
+    detail: &str,
+    cost: Option<u64>,
+    remaining: Option<u64>,
+    retry_after: Option<u64>,
+) -> Vec<u8> {
+    let mut v = serde_json::json!({
+        "type": format!("{TYPE_BASE}{}", p.slug()),
+        "title": p.title(),
+        "status": p.status(),
+        "detail": detail,
+    });
+    if let Some(map) = v.as_object_mut() {
+        if let Some(c) = cost {
+            map.insert("cost".into(), c.into());
+        }
+        if let Some(r) = remaining {
+            map.insert("remaining".into(), r.into());
+        }
+        if let Some(r) = retry_after {
+            map.insert("retry_after".into(), r.into());
+        }
+    }
+    serde_json::to_vec(&v).unwrap_or_default()
+}
+
+/// `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for a decision under `policy`.
+/// `cost` is the price of the request (charged when admitted, nothing when refused).
+pub fn rate_limit_headers(
+    policy: &Policy,
+    outcome: &Outcome,
+    cost: u64,
+) -> [(&'static str, String); 6] {
+    let window = policy.window.as_millis().div_ceil(1000).max(1);
+    let reset = budget::reset_secs(outcome.reset_us);
+    let name = &policy.name;
+    [
+        (
+            "RateLimit-Policy",
+            format!("\"{name}\";q={};w={window}", policy.max_cost),
+        ),
+        (
+            "RateLimit",
+            format!("\"{name}\";r={};t={reset}", outcome.remaining),
+        ),
+        ("X-RateLimit-Limit", policy.max_cost.to_string()),
+        ("X-RateLimit-Remaining", outcome.remaining.to_string()),
+        ("X-RateLimit-Reset", reset.to_string()),
+        ("X-RateLimit-Cost", cost.to_string()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::{Limit, Verdict};
+    use std::time::Duration;
+
+    #[test]
+    fn headers_syntax() {
+        let policy = Policy {
+            name: "default".into(),
+            max_cost: 120,
+            window: Duration::from_secs(60),
+            max_delay: Duration::ZERO,
+            max_in_flight_per_key: None,
+            limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+        };
+        let o = Outcome {
+            verdict: Verdict::Admit { delay_us: 0 },
+            state: None,
+            remaining: 40,
+            reset_us: 39_000_001,
+        };
+        let h = rate_limit_headers(&policy, &o, 20);
+        assert_eq!(h[0], ("RateLimit-Policy", "\"default\";q=120;w=60".into()));
+        assert_eq!(h[1], ("RateLimit", "\"default\";r=40;t=40".into()));
+        assert_eq!(h[2].1, "120");
+        assert_eq!(h[3].1, "40");
+        assert_eq!(h[4].1, "40");
+        assert_eq!(h[5].1, "20");
+    }
+
+    #[test]
+    fn problem_body() {
+        let b = body(Problem::QuotaExceeded, "over", Some(20), Some(0), Some(10));
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["type"], "https://tollgate.dev/problems/quota-exceeded");
+        assert_eq!(v["status"], 429);
+        assert_eq!(v["cost"], 20);
+        assert_eq!(v["remaining"], 0);
+        assert_eq!(v["retry_after"], 10);
+        let b = body(Problem::BadPath, "x", None, None, None);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert!(v.get("cost").is_none());
+        assert_eq!(v["status"], 400);
+    }
+}

@@ -1,0 +1,449 @@
+//! Which route a request is, and so what it costs.
+//!
+//! Two steps, both pure: [`normalize_path`] turns the request path into the one canonical form
+//! that is both classified and forwarded (so `/reports//generate`, `/x/../reports/generate` and
+//! `/reports/%67enerate` cannot dodge a cost), and [`Router::classify`] finds the most specific
+//! endpoint pattern for it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One endpoint of `rate_limits.endpoints`, as validated by the config.
+#[derive(Debug, Clone)]
+pub struct RouteSpec {
+    /// The key as written in gateway.yaml: `PATH` or `METHOD PATH`.
+    pub pattern: String,
+    pub cost: u64,
+    pub max_in_flight: Option<u32>,
+    pub queue_timeout: Duration,
+}
+
+/// A route the gateway classifies requests into.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Stable across reloads: the pattern as written, or `default`. Used as the metrics label
+    /// and as the identity of the route's in-flight slots.
+    pub label: Arc<str>,
+    pub cost: u64,
+    pub max_in_flight: Option<u32>,
+    pub queue_timeout: Duration,
+}
+
+/// Why a path cannot be classified safely (→ 400 `bad-path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadPath {
+    #[error("the path must start with '/'")]
+    NotAbsolute,
+    #[error("the path contains an encoded '/' or '\\'")]
+    EncodedSeparator,
+    #[error("the path contains a backslash")]
+    Backslash,
+    #[error("the path contains a NUL or control character")]
+    ControlChar,
+    #[error("the path contains an invalid percent-encoding")]
+    BadEncoding,
+}
+
+fn hex_val(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+fn is_unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+/// Canonical form of a request path (no query):
+/// - percent-encoded unreserved characters are decoded, other escapes are upper-cased;
+/// - encoded `/` or `\`, backslashes, NUL and control characters are refused;
+/// - `//` collapses, `.` and `..` segments resolve (never above the root);
+/// - a trailing `/` is dropped (`/reports/generate/` is `/reports/generate`).
+pub fn normalize_path(path: &str) -> Result<String, BadPath> {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') {
+        return Err(BadPath::NotAbsolute);
+    }
+    // Pass 1: decode what may be decoded, refuse what can't be classified.
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        match b {
+            b'%' => {
+                let (Some(h), Some(l)) = (
+                    bytes.get(i + 1).copied().and_then(hex_val),
+                    bytes.get(i + 2).copied().and_then(hex_val),
+                ) else {
+                    return Err(BadPath::BadEncoding);
+                };
+                let v = h << 4 | l;
+                if v == b'/' || v == b'\\' {
+                    return Err(BadPath::EncodedSeparator);
+                }
+                if v < 0x20 || v == 0x7f {
+                    return Err(BadPath::ControlChar);
+                }
+                if is_unreserved(v) {
+                    decoded.push(v);
+                } else {
+                    decoded.extend_from_slice(&[
+                        b'%',
+                        bytes[i + 1].to_ascii_uppercase(),
+                        bytes[i + 2].to_ascii_uppercase(),
+                    ]);
+                }
+                i += 3;
+            }
+            b'\\' => return Err(BadPath::Backslash),
+            0..=0x1f | 0x7f => return Err(BadPath::ControlChar),
+            _ => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    // Pass 2: resolve segments.
+    let mut out: Vec<&[u8]> = Vec::new();
+    for seg in decoded.split(|&b| b == b'/') {
+        match seg {
+            b"" | b"." => {}
+            b".." => {
+                out.pop();
+            }
+            s => out.push(s),
+        }
+    }
+    let mut s = String::with_capacity(decoded.len());
+    if out.is_empty() {
+        s.push('/');
+    }
+    for seg in out {
+        s.push('/');
+        // Only ASCII bytes were decoded; the rest came from a valid &str.
+        s.push_str(std::str::from_utf8(seg).map_err(|_| BadPath::BadEncoding)?);
+    }
+    Ok(s)
+}
+
+/// How specific a pattern is: exact > template > tail, then more literal characters, then a
+/// METHOD match beats a method-less one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Specificity {
+    kind: u8,
+    literal_len: usize,
+    has_method: bool,
+}
+
+fn specificity(path: &str, has_method: bool) -> Specificity {
+    let kind = if path.contains("{*") {
+        0
+    } else if path.contains('{') {
+        1
+    } else {
+        2
+    };
+    let mut literal_len = 0;
+    let mut depth = 0;
+    for c in path.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            _ if depth == 0 => literal_len += 1,
+            _ => {}
+        }
+    }
+    Specificity {
+        kind,
+        literal_len,
+        has_method,
+    }
+}
+
+#[derive(Clone)]
+struct Table {
+    router: matchit::Router<usize>,
+}
+
+/// The endpoint table: one matcher for method-less patterns, one per method.
+#[derive(Clone)]
+pub struct Router {
+    routes: Vec<(Route, Specificity)>,
+    any: Table,
+    by_method: Vec<(String, Table)>,
+    default: Route,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("routes", &self.routes.len())
+            .finish()
+    }
+}
+
+/// The result of classifying a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Classified<'a> {
+    pub route: &'a Route,
+}
+
+fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
+    match pattern.split_once(' ') {
+        Some((m, p)) => (Some(m), p.trim_start()),
+        None => (None, pattern),
+    }
+}
+
+impl Router {
+    /// Builds the table; errors are `(pattern, message)`.
+    pub fn new(specs: Vec<RouteSpec>, default_cost: u64) -> Result<Router, Vec<(String, String)>> {
+        let mut errs = Vec::new();
+        let mut routes = Vec::new();
+        let mut any = matchit::Router::new();
+        let mut by_method: Vec<(String, matchit::Router<usize>)> = Vec::new();
+        for spec in specs {
+            let (method, path) = split_pattern(&spec.pattern);
+            if let Some(m) = method {
+                if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) {
+                    errs.push((
+                        spec.pattern.clone(),
+                        format!("expected \"METHOD /path\" with an upper-case method, got \"{m}\""),
+                    ));
+                    continue;
+                }
+            }
+            if let Err(m) = check_pattern(path) {
+                errs.push((spec.pattern.clone(), m));
+                continue;
+            }
+            let key = path.to_ascii_lowercase();
+            let idx = routes.len();
+            let table = match method {
+                None => &mut any,
+                Some(m) => {
+                    let pos = match by_method.iter().position(|(name, _)| name == m) {
+                        Some(p) => p,
+                        None => {
+                            by_method.push((m.to_string(), matchit::Router::new()));
+                            by_method.len() - 1
+                        }
+                    };
+                    &mut by_method[pos].1
+                }
+            };
+            if let Err(e) = table.insert(key, idx) {
+                errs.push((
+                    spec.pattern.clone(),
+                    format!("conflicts with another endpoint: {e}"),
+                ));
+                continue;
+            }
+            routes.push((
+                Route {
+                    label: Arc::from(spec.pattern.as_str()),
+                    cost: spec.cost,
+                    max_in_flight: spec.max_in_flight,
+                    queue_timeout: spec.queue_timeout,
+                },
+                specificity(path, method.is_some()),
+            ));
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        Ok(Router {
+            routes,
+            any: Table { router: any },
+            by_method: by_method
+                .into_iter()
+                .map(|(m, router)| (m, Table { router }))
+                .collect(),
+            default: Route {
+                label: Arc::from("default"),
+                cost: default_cost,
+                max_in_flight: None,
+                queue_timeout: Duration::ZERO,
+            },
+        })
+    }
+
+    /// Finds the route of a *normalized* path. Matching ignores ASCII case, so that an upstream
+    /// that does not care about case cannot be reached at a cheaper price.
+    pub fn classify(&self, method: &str, path: &str) -> Classified<'_> {
+        let lowered;
+        let key = if path.bytes().any(|b| b.is_ascii_uppercase()) {
+            lowered = path.to_ascii_lowercase();
+            lowered.as_str()
+        } else {
+            path
+        };
+        let mut best: Option<usize> = self.any.router.at(key).ok().map(|m| *m.value);
+        if let Some((_, t)) = self.by_method.iter().find(|(m, _)| m == method) {
+            if let Ok(m) = t.router.at(key) {
+                let cand = *m.value;
+                best = match best {
+                    Some(b) if self.routes[b].1 > self.routes[cand].1 => Some(b),
+                    _ => Some(cand),
+                };
+            }
+        }
+        Classified {
+            route: best.map(|i| &self.routes[i].0).unwrap_or(&self.default),
+        }
+    }
+
+    /// The default route (no endpoint matched).
+    pub fn default_route(&self) -> &Route {
+        &self.default
+    }
+
+    /// Every configured route, in file order, then `default`.
+    pub fn routes(&self) -> impl Iterator<Item = &Route> {
+        self.routes
+            .iter()
+            .map(|(r, _)| r)
+            .chain(std::iter::once(&self.default))
+    }
+}
+
+fn check_pattern(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') {
+        return Err(format!("the path must start with '/', got \"{path}\""));
+    }
+    let inner = &path[1..];
+    if !inner.is_empty() {
+        for seg in inner.split('/') {
+            if seg.is_empty() || seg == "." || seg == ".." {
+                return Err(format!(
+                    "the path must be normalized (no empty, '.' or '..' segments, no trailing '/'), got \"{path}\""
+                ));
+            }
+        }
+    }
+    match normalize_path(&path.replace(['{', '}', '*'], "x")) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("{e}: \"{path}\"")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalization() {
+        let ok = |p: &str| normalize_path(p).unwrap();
+        assert_eq!(ok("/reports/generate"), "/reports/generate");
+        assert_eq!(ok("/reports//generate"), "/reports/generate");
+        assert_eq!(ok("/reports/./generate"), "/reports/generate");
+        assert_eq!(ok("/x/../reports/generate"), "/reports/generate");
+        assert_eq!(ok("/reports/%67enerate"), "/reports/generate");
+        assert_eq!(ok("/%2E%2E/reports/generate"), "/reports/generate");
+        assert_eq!(ok("/reports/generate/"), "/reports/generate");
+        assert_eq!(ok("/../../etc"), "/etc");
+        assert_eq!(ok("/"), "/");
+        assert_eq!(ok("//"), "/");
+        assert_eq!(ok("/a/b/.."), "/a");
+        assert_eq!(ok("/caf%c3%a9"), "/caf%C3%A9");
+        assert_eq!(ok("/a%20b"), "/a%20b");
+        assert_eq!(ok("/ünï"), "/ünï");
+    }
+
+    #[test]
+    fn normalization_refusals() {
+        let bad = |p: &str| normalize_path(p).unwrap_err();
+        assert_eq!(bad("/reports%2fgenerate"), BadPath::EncodedSeparator);
+        assert_eq!(bad("/reports%2Fgenerate"), BadPath::EncodedSeparator);
+        assert_eq!(bad("/reports%5cgenerate"), BadPath::EncodedSeparator);
+        assert_eq!(bad("/reports\\generate"), BadPath::Backslash);
+        assert_eq!(bad("/reports%00"), BadPath::ControlChar);
+        assert_eq!(bad("/reports%0a"), BadPath::ControlChar);
+        assert_eq!(bad("/reports\u{7f}"), BadPath::ControlChar);
+        assert_eq!(bad("/reports\t"), BadPath::ControlChar);
+        assert_eq!(bad("/r%zz"), BadPath::BadEncoding);
+        assert_eq!(bad("/r%2"), BadPath::BadEncoding);
+        assert_eq!(bad("reports"), BadPath::NotAbsolute);
+    }
+
+    fn spec(p: &str, cost: u64) -> RouteSpec {
+        RouteSpec {
+            pattern: p.into(),
+            cost,
+            max_in_flight: None,
+            queue_timeout: Duration::ZERO,
+        }
+    }
+
+    fn router() -> Router {
+        Router::new(
+            vec![
+                spec("/reports/generate", 20),
+                spec("GET /reports/{id}", 2),
+                spec("/reports/{id}", 3),
+                spec("/files/{*rest}", 4),
+                spec("GET /files/{*rest}", 5),
+                spec("/files/special", 6),
+                spec("DELETE /reports/generate", 7),
+                spec("/a/{x}/c", 8),
+                spec("/a/b/{y}", 9),
+            ],
+            1,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn most_specific_wins() {
+        let r = router();
+        let c = |m: &str, p: &str| r.classify(m, p).route.cost;
+        assert_eq!(c("POST", "/reports/generate"), 20);
+        assert_eq!(
+            c("GET", "/reports/generate"),
+            20,
+            "exact beats a METHOD template"
+        );
+        assert_eq!(
+            c("DELETE", "/reports/generate"),
+            7,
+            "METHOD exact beats exact"
+        );
+        assert_eq!(
+            c("GET", "/reports/42"),
+            2,
+            "METHOD beats method-less at equal shape"
+        );
+        assert_eq!(c("PUT", "/reports/42"), 3);
+        assert_eq!(c("PUT", "/files/x/y/z"), 4);
+        assert_eq!(c("GET", "/files/x/y"), 5);
+        assert_eq!(c("GET", "/files/special"), 6, "exact beats a METHOD tail");
+        assert_eq!(c("GET", "/a/b/c"), 9);
+        assert_eq!(c("GET", "/nothing"), 1);
+        assert_eq!(&*r.classify("GET", "/nothing").route.label, "default");
+        assert_eq!(
+            c("POST", "/Reports/GENERATE"),
+            20,
+            "case cannot dodge a cost"
+        );
+        assert_eq!(c("GET", "/reports/42/more"), 1);
+    }
+
+    #[test]
+    fn pattern_errors() {
+        let e = Router::new(vec![spec("reports", 1)], 1).unwrap_err();
+        assert!(e[0].1.contains("must start with '/'"), "{e:?}");
+        let e = Router::new(vec![spec("get /x", 1)], 1).unwrap_err();
+        assert!(e[0].1.contains("upper-case method"), "{e:?}");
+        let e = Router::new(vec![spec("/x/{a}", 1), spec("/x/{b}", 1)], 1).unwrap_err();
+        assert!(e[0].0 == "/x/{b}" && e[0].1.contains("conflicts"), "{e:?}");
+        let e = Router::new(vec![spec("/x//y", 1)], 1).unwrap_err();
+        assert!(e[0].1.contains("normalized"), "{e:?}");
+        let e = Router::new(vec![spec("/x/", 1)], 1).unwrap_err();
+        assert!(e[0].1.contains("normalized"), "{e:?}");
+        let e = Router::new(vec![spec("/X", 1), spec("/x", 1)], 1).unwrap_err();
+        assert!(e[0].1.contains("conflicts"), "{e:?}");
+    }
+}

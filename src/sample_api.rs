@@ -1,0 +1,211 @@
+//! A small SaaS-like API to put behind the gateway: for `tollgate demo`, and as the real HTTP
+//! upstream of the integration tests (which read its counters to see what got through).
+//!
+//! - `/items`, `/items/{id}`, anything else: fast JSON echo of method, path and query;
+//! - `/reports/generate`: slow (the configured report time, ~2 s in the demo);
+//! - `?delay_ms=N` on any path: answer after N ms;
+//! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
+//! - `/__stats` (GET) and `/__reset` (POST): per-path request counts and peak concurrency.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct PathStats {
+    pub count: u64,
+    pub current: u64,
+    pub max_concurrent: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct SampleApi {
+    pub report_time: Duration,
+    stats: Mutex<BTreeMap<String, PathStats>>,
+}
+
+type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+fn full(status: StatusCode, ct: &str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(body.into())
+            .map_err(|never: Infallible| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    if let Ok(v) = ct.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+struct InFlight<'a> {
+    api: &'a SampleApi,
+    path: String,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.api.stats.lock() {
+            if let Some(p) = s.get_mut(&self.path) {
+                p.current = p.current.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl SampleApi {
+    pub fn new(report_time: Duration) -> Arc<Self> {
+        Arc::new(SampleApi {
+            report_time,
+            stats: Mutex::default(),
+        })
+    }
+
+    pub fn stats(&self) -> BTreeMap<String, PathStats> {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn enter(&self, path: &str) -> InFlight<'_> {
+        if let Ok(mut s) = self.stats.lock() {
+            let p = s.entry(path.to_string()).or_default();
+            p.count += 1;
+            p.current += 1;
+            p.max_concurrent = p.max_concurrent.max(p.current);
+        }
+        InFlight {
+            api: self,
+            path: path.to_string(),
+        }
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let query = req.uri().query().unwrap_or("").to_string();
+        match path.as_str() {
+            "/__stats" => {
+                let body = serde_json::to_string(&self.stats()).unwrap_or_default();
+                return full(StatusCode::OK, "application/json", body);
+            }
+            "/__reset" => {
+                if let Ok(mut s) = self.stats.lock() {
+                    s.clear();
+                }
+                return full(StatusCode::OK, "application/json", "{}");
+            }
+            _ => {}
+        }
+        let _guard = self.enter(&path);
+        let delay_ms: Option<u64> = query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("delay_ms="))
+            .and_then(|v| v.parse().ok());
+        let delay = match delay_ms {
+            Some(ms) => Duration::from_millis(ms),
+            None if path == "/reports/generate" => self.report_time,
+            None => Duration::ZERO,
+        };
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if path == "/upload" {
+            let mut n: u64 = 0;
+            let mut body = req.into_body();
+            while let Some(frame) = body.frame().await {
+                match frame {
+                    Ok(f) => n += f.data_ref().map(|d| d.len() as u64).unwrap_or(0),
+                    Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
+                }
+            }
+            return full(
+                StatusCode::OK,
+                "application/json",
+                serde_json::json!({ "bytes": n }).to_string(),
+            );
+        }
+        if let Some(n) = path
+            .strip_prefix("/bytes/")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            return stream_bytes(n);
+        }
+        let headers: BTreeMap<String, String> = req
+            .headers()
+            .iter()
+            .filter(|(k, _)| {
+                !k.as_str().eq_ignore_ascii_case("x-api-key") && k.as_str() != "authorization"
+            })
+            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+            .collect();
+        let body = serde_json::json!({
+            "method": req.method().as_str(),
+            "path": path,
+            "query": query,
+            "headers": headers,
+        });
+        full(StatusCode::OK, "application/json", body.to_string())
+    }
+}
+
+fn stream_bytes(n: u64) -> Response<Body> {
+    const CHUNK: u64 = 64 * 1024;
+    let chunk = Bytes::from(vec![b'x'; CHUNK as usize]);
+    let stream = futures_stream(n, chunk);
+    let mut r = Response::new(StreamBody::new(stream).boxed());
+    r.headers_mut()
+        .insert(hyper::header::CONTENT_LENGTH, n.into());
+    r
+}
+
+/// Yields `n` bytes in 64 KiB frames, generated as they are sent (never buffered whole).
+fn futures_stream(
+    n: u64,
+    chunk: Bytes,
+) -> impl futures_core::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send {
+    struct S {
+        left: u64,
+        chunk: Bytes,
+    }
+    impl futures_core::Stream for S {
+        type Item = Result<Frame<Bytes>, std::io::Error>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            if self.left == 0 {
+                return std::task::Poll::Ready(None);
+            }
+            let take = self.left.min(self.chunk.len() as u64);
+            self.left -= take;
+            let data = self.chunk.slice(..take as usize);
+            std::task::Poll::Ready(Some(Ok(Frame::data(data))))
+        }
+    }
+    S { left: n, chunk }
+}
+
+/// Serves the API on `listener` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, api: Arc<SampleApi>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let api = api.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let api = api.clone();
+                async move { Ok::<_, Infallible>(api.handle(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}

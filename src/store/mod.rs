@@ -1,0 +1,137 @@
+//! Where budgets and in-flight slots live.
+//!
+//! [`Store`] is the gateway's one question — "may this request go, and on what terms?" — with
+//! two answers: [`MemoryStore`] for a single instance, and [`RedisStore`] for a fleet that must
+//! share one budget. Both run the same GCRA arithmetic (`crate::budget`) and hand back a
+//! [`Lease`] whose release (explicit, or on drop) frees the request's in-flight slots.
+
+pub mod memory;
+pub mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::budget::{Limit, Outcome};
+use crate::identity::KeyHash;
+
+pub use memory::MemoryStore;
+pub use redis::RedisStore;
+
+/// Everything a store needs to decide one request.
+#[derive(Debug, Clone)]
+pub struct AdmitRequest {
+    pub key: KeyHash,
+    pub limit: Limit,
+    pub cost: u64,
+    /// `max_in_flight_per_key` of the key's plan.
+    pub key_cap: Option<u32>,
+    /// The route's label (its identity across reloads) and fleet-wide cap.
+    pub route: Arc<str>,
+    pub route_cap: Option<u32>,
+    pub queue_timeout: Duration,
+}
+
+/// A store's answer.
+#[derive(Debug)]
+pub enum Admission {
+    /// Charged; forward the request (after `outcome`'s delay, if any). Dropping the lease frees
+    /// the in-flight slots.
+    Admitted {
+        outcome: Outcome,
+        lease: Lease,
+        /// How long the request waited for a route slot.
+        queued: Duration,
+    },
+    /// Over budget: 429 `quota-exceeded`. Nothing was charged.
+    OverBudget(Outcome),
+    /// The key's in-flight cap is full: 429 `concurrency-limit`. Nothing was charged.
+    KeyBusy(Outcome),
+    /// The route's cap stayed full for `queue_timeout`: 503 `route-busy`. Nothing was charged.
+    RouteBusy { outcome: Outcome, queued: Duration },
+    /// The store failed and `on_error: deny`: 503 `store-unavailable`.
+    Unavailable,
+}
+
+/// Held while a request is in flight; frees its slots when released or dropped.
+#[derive(Debug, Default)]
+pub struct Lease {
+    pub(crate) inner: LeaseInner,
+}
+
+#[derive(Debug, Default)]
+pub(crate) enum LeaseInner {
+    #[default]
+    None,
+    Memory(memory::MemoryLease),
+    #[allow(dead_code)] // until the Redis store lands
+    Redis(redis::RedisLease),
+}
+
+impl Lease {
+    /// Frees the slots now (the drop guard does the same, later and without waiting).
+    pub async fn release(self) {
+        match self.inner {
+            LeaseInner::None => {}
+            LeaseInner::Memory(l) => drop(l),
+            LeaseInner::Redis(l) => l.release().await,
+        }
+    }
+}
+
+/// A budget as seen from outside, for `/admin/keys/{id}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetView {
+    pub remaining: u64,
+    pub reset_us: u64,
+}
+
+/// The store the gateway runs on; lives across config reloads so budgets do too.
+#[derive(Clone)]
+pub enum Store {
+    Memory(Arc<MemoryStore>),
+    Redis(Arc<RedisStore>),
+}
+
+impl Store {
+    pub async fn admit(&self, req: &AdmitRequest) -> Admission {
+        match self {
+            Store::Memory(m) => m.admit(req).await,
+            Store::Redis(r) => r.admit(req).await,
+        }
+    }
+
+    /// Gives a charge back (the upstream never handled the request).
+    pub async fn refund(&self, req: &AdmitRequest) {
+        match self {
+            Store::Memory(m) => m.refund(req),
+            Store::Redis(r) => r.refund(req).await,
+        }
+    }
+
+    pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
+        match self {
+            Store::Memory(m) => Some(m.peek(key, limit)),
+            Store::Redis(r) => r.peek(key, limit).await,
+        }
+    }
+
+    /// True while decisions are made by the `on_error` policy instead of the shared store.
+    pub fn degraded(&self) -> bool {
+        match self {
+            Store::Memory(_) => false,
+            Store::Redis(r) => r.degraded(),
+        }
+    }
+
+    /// Copies the store's health into the `tollgate_store_degraded` gauge.
+    pub fn publish_gauges(&self) {
+        crate::telemetry::metrics()
+            .store_degraded
+            .set(self.degraded() as i64);
+    }
+
+    /// True when the store can decide requests (directly or by its fallback policy).
+    pub fn ready(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,193 @@
+//! What an SRE sees: the Prometheus metrics of DESIGN §5 and the log setup.
+//!
+//! Metrics live in the `prometheus` crate's default registry — the one Pingora's own metrics
+//! use — so `/metrics` shows both. Names and labels are contract; `route` is always an endpoint
+//! pattern or `default`, and per-key series only ever carry registry ids.
+
+use std::sync::OnceLock;
+
+use prometheus::{
+    register_histogram, register_histogram_vec, register_int_counter_vec, register_int_gauge,
+    register_int_gauge_vec, Histogram, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+};
+
+/// Buckets for request, upstream and queue times: 1 ms to 60 s.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Buckets for store calls: 100 µs to 100 ms (the store timeout is tens of ms).
+pub const STORE_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
+
+/// Every metric the gateway exports (the dashboard test checks against this list).
+pub const METRIC_NAMES: &[&str] = &[
+    "tollgate_requests_total",
+    "tollgate_request_duration_seconds",
+    "tollgate_upstream_duration_seconds",
+    "tollgate_rejections_total",
+    "tollgate_cost_units_total",
+    "tollgate_in_flight",
+    "tollgate_in_flight_limit",
+    "tollgate_queue_wait_seconds",
+    "tollgate_store_calls_total",
+    "tollgate_store_duration_seconds",
+    "tollgate_store_degraded",
+    "tollgate_config_reloads_total",
+    "tollgate_rejections_by_key_total",
+    "tollgate_shadow_rejections_total",
+];
+
+pub struct Metrics {
+    pub requests: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub upstream_duration: HistogramVec,
+    pub rejections: IntCounterVec,
+    pub cost_units: IntCounterVec,
+    pub in_flight: IntGaugeVec,
+    pub in_flight_limit: IntGaugeVec,
+    pub queue_wait: HistogramVec,
+    pub store_calls: IntCounterVec,
+    pub store_duration: Histogram,
+    pub store_degraded: IntGauge,
+    pub config_reloads: IntCounterVec,
+    pub rejections_by_key: IntCounterVec,
+    pub shadow_rejections: IntCounterVec,
+}
+
+/// Registration only fails on a name clash, which is a bug caught by any test.
+#[allow(clippy::expect_used)]
+fn build() -> Metrics {
+    Metrics {
+        requests: register_int_counter_vec!(
+            "tollgate_requests_total",
+            "Requests answered, by route and HTTP status",
+            &["route", "status"]
+        )
+        .expect("register"),
+        request_duration: register_histogram_vec!(
+            "tollgate_request_duration_seconds",
+            "Whole request time in the gateway",
+            &["route"],
+            LATENCY_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        upstream_duration: register_histogram_vec!(
+            "tollgate_upstream_duration_seconds",
+            "Time from sending to the upstream until its response ended",
+            &["route"],
+            LATENCY_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        rejections: register_int_counter_vec!(
+            "tollgate_rejections_total",
+            "Requests refused by the gateway, by route and reason",
+            &["route", "reason"]
+        )
+        .expect("register"),
+        cost_units: register_int_counter_vec!(
+            "tollgate_cost_units_total",
+            "Cost units charged to admitted requests",
+            &["route"]
+        )
+        .expect("register"),
+        in_flight: register_int_gauge_vec!(
+            "tollgate_in_flight",
+            "Requests admitted and not finished, this instance",
+            &["route"]
+        )
+        .expect("register"),
+        in_flight_limit: register_int_gauge_vec!(
+            "tollgate_in_flight_limit",
+            "Configured fleet-wide max_in_flight of capped routes",
+            &["route"]
+        )
+        .expect("register"),
+        queue_wait: register_histogram_vec!(
+            "tollgate_queue_wait_seconds",
+            "Time spent waiting for a route's in-flight slot",
+            &["route"],
+            LATENCY_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        store_calls: register_int_counter_vec!(
+            "tollgate_store_calls_total",
+            "Calls to the shared store by result",
+            &["result"]
+        )
+        .expect("register"),
+        store_duration: register_histogram!(
+            "tollgate_store_duration_seconds",
+            "Duration of calls to the shared store",
+            STORE_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        store_degraded: register_int_gauge!(
+            "tollgate_store_degraded",
+            "1 while decisions follow store.on_error instead of the shared store"
+        )
+        .expect("register"),
+        config_reloads: register_int_counter_vec!(
+            "tollgate_config_reloads_total",
+            "Configuration reloads by result",
+            &["result"]
+        )
+        .expect("register"),
+        rejections_by_key: register_int_counter_vec!(
+            "tollgate_rejections_by_key_total",
+            "Rejections of registry keys, by registry id",
+            &["key"]
+        )
+        .expect("register"),
+        shadow_rejections: register_int_counter_vec!(
+            "tollgate_shadow_rejections_total",
+            "Rejections that shadow mode would have made",
+            &["route", "reason"]
+        )
+        .expect("register"),
+    }
+}
+
+pub fn metrics() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(|| {
+        let m = build();
+        // Series that exist before the first event, so dashboards and alerts see zeros.
+        for r in ["ok", "error"] {
+            m.config_reloads.with_label_values(&[r]);
+        }
+        for r in ["ok", "error", "timeout", "breaker_open"] {
+            m.store_calls.with_label_values(&[r]);
+        }
+        m
+    })
+}
+
+/// Prometheus text exposition of the default registry.
+pub fn render() -> String {
+    use prometheus::Encoder;
+    let enc = prometheus::TextEncoder::new();
+    let mut buf = Vec::new();
+    let _ = enc.encode(&prometheus::gather(), &mut buf);
+    String::from_utf8(buf).unwrap_or_default()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
+
+/// Installs the tracing subscriber (`RUST_LOG` filter, default `info`) and bridges the `log`
+/// records that Pingora writes into it.
+pub fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Pretty => builder.compact().try_init(),
+    };
+}
