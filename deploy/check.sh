@@ -27,11 +27,10 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# (The Python below names the same files.)
 RULES=deploy/prometheus/rules/tollgate.rules.yml
 RULE_TESTS=deploy/prometheus/tests/tollgate.rules.test.yml
 PROM_CONFIG=deploy/prometheus/prometheus.yml
-DASHBOARD=deploy/grafana/tollgate-dashboard.json
-RUNBOOK=docs/operations.md
 
 # The Python half: YAML/JSON parsing and PromQL metric extraction.
 #   deploy_py list     -> metric names on stdout

@@ -158,6 +158,18 @@ pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Ou
     }
 }
 
+/// The bucket as it stands, for answers that charge nothing (a busy slot): same verdict,
+/// but `remaining`/`reset_us` describe the current level, not the level after a charge.
+pub fn uncharged(limit: &Limit, state: Option<State>, now_us: u64, verdict: Verdict) -> Outcome {
+    let level = level_at(limit, state, now_us);
+    Outcome {
+        verdict,
+        state: None,
+        remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
+        reset_us: div_ceil(level, limit.rate),
+    }
+}
+
 /// Gives `cost` units back (the upstream never saw the request). Returns the state to store.
 pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Option<State> {
     let level = level_at(limit, state, now_us);

@@ -180,7 +180,12 @@ impl MemoryStore {
             return Admission::OverBudget(outcome);
         }
         if req.key_cap.is_some_and(|cap| entry.in_flight >= cap) {
-            return Admission::KeyBusy(outcome);
+            return Admission::KeyBusy(budget::uncharged(
+                &req.limit,
+                entry.state,
+                now,
+                outcome.verdict,
+            ));
         }
         entry.state = outcome.state;
         entry.in_flight += 1;
@@ -204,7 +209,8 @@ impl MemoryStore {
         let key = short_key(&req.key);
         let shard = self.shard(key);
         let entry = shard.entries.get(&key);
-        let outcome = budget::decide(&req.limit, entry.and_then(|e| e.state), now, req.cost);
+        let state = entry.and_then(|e| e.state);
+        let outcome = budget::decide(&req.limit, state, now, req.cost);
         if !outcome.admitted() {
             return Some(Admission::OverBudget(outcome));
         }
@@ -212,7 +218,12 @@ impl MemoryStore {
             .key_cap
             .is_some_and(|cap| entry.is_some_and(|e| e.in_flight >= cap))
         {
-            return Some(Admission::KeyBusy(outcome));
+            return Some(Admission::KeyBusy(budget::uncharged(
+                &req.limit,
+                state,
+                now,
+                outcome.verdict,
+            )));
         }
         None
     }
@@ -235,8 +246,9 @@ impl MemoryStore {
                     let now = self.clock.now_us();
                     let key = short_key(&req.key);
                     let state = self.shard(key).entries.get(&key).and_then(|e| e.state);
+                    let verdict = budget::decide(&req.limit, state, now, req.cost).verdict;
                     return Admission::RouteBusy {
-                        outcome: budget::decide(&req.limit, state, now, req.cost),
+                        outcome: budget::uncharged(&req.limit, state, now, verdict),
                         queued: start.elapsed(),
                     };
                 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, unit + integration tests (real gateway processes,
+# real redis-server, real HTTP), and the deploy/ artefacts checked with promtool.
+#
+# On a fresh Debian machine with a Rust toolchain it installs what is missing (as root, with
+# apt-get); otherwise it says exactly what to install.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-cli >/dev/null || need+=(redis-tools)
+command -v promtool >/dev/null || need+=(prometheus)
+python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "==> installing: ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+        echo "missing: ${need[*]} — install them with: sudo apt-get install ${need[*]}" >&2
+        exit 1
+    fi
+fi
+# The Prometheus package starts a server on :9090 on install; the tests don't need it.
+if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
+    systemctl stop prometheus || true
+fi
+
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy"
+cargo clippy --all-targets --quiet -- -D warnings
+echo "==> cargo test"
+# Two test threads: integration tests start gateway processes; the machine may have 2 cores.
+cargo test --all-targets -- --test-threads="${TEST_THREADS:-2}"
+echo "==> deploy/ artefacts"
+cargo build --quiet
+TOLLGATE_BIN=target/debug/tollgate bash deploy/check.sh

@@ -1,0 +1,337 @@
+//! Test harness: the real gateway binary, a real HTTP upstream (the sample API, in-process) and
+//! real `redis-server` processes, each on free loopback ports and stopped on drop.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tollgate::sample_api::{PathStats, SampleApi};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// The sample API on its own runtime thread.
+pub struct Upstream {
+    pub api: Arc<SampleApi>,
+    pub port: u16,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        // Tests drop this inside their own runtime, where a blocking shutdown would panic.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Upstream {
+    pub fn start(report_time: Duration) -> Upstream {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let std_l = TcpListener::bind("127.0.0.1:0").unwrap();
+        std_l.set_nonblocking(true).unwrap();
+        let port = std_l.local_addr().unwrap().port();
+        let api = SampleApi::new(report_time);
+        let a = api.clone();
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(std_l).unwrap();
+            tollgate::sample_api::serve(l, a).await;
+        });
+        Upstream {
+            api,
+            port,
+            rt: Some(rt),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stats(&self) -> BTreeMap<String, PathStats> {
+        self.api.stats()
+    }
+
+    pub fn count(&self, path: &str) -> u64 {
+        self.stats().get(path).map(|s| s.count).unwrap_or(0)
+    }
+
+    pub fn max_concurrent(&self, path: &str) -> u64 {
+        self.stats().get(path).map(|s| s.max_concurrent).unwrap_or(0)
+    }
+}
+
+/// A `redis-server` on a free port, without persistence.
+pub struct Redis {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Self::start_on(free_port())
+    }
+
+    pub fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (apt-get install redis-server)");
+        assert!(wait_for_port(port, Duration::from_secs(10)), "redis did not start");
+        Redis {
+            port,
+            child: Some(child),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A gateway process built from a YAML body (everything but `server`/`upstream`, which the
+/// harness fills in with free ports unless the body brings its own `upstream`).
+pub struct Gateway {
+    pub port: u16,
+    pub admin_port: u16,
+    pub dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    child: Option<Child>,
+}
+
+pub struct GatewayOpts<'a> {
+    pub upstream_url: String,
+    pub body: &'a str,
+    pub upstream_extra: &'a str,
+    pub env: Vec<(&'a str, String)>,
+    pub grace: &'a str,
+}
+
+impl Gateway {
+    pub fn start(upstream: &Upstream, body: &str) -> Gateway {
+        Self::start_opts(GatewayOpts {
+            upstream_url: upstream.url(),
+            body,
+            upstream_extra: "",
+            env: vec![],
+            grace: "2s",
+        })
+    }
+
+    pub fn start_opts(o: GatewayOpts<'_>) -> Gateway {
+        let dir = tempfile::tempdir().unwrap();
+        for _attempt in 0..5 {
+            let port = free_port();
+            let admin_port = free_port();
+            let yaml = format!(
+                "server:\n  listen: \"127.0.0.1:{port}\"\n  admin_listen: \"127.0.0.1:{admin_port}\"\n  threads: 2\n  grace_period: {grace}\nupstream:\n  url: \"{url}\"\n  connect_timeout: 1s\n{extra}\n{body}\n",
+                grace = o.grace,
+                url = o.upstream_url,
+                extra = o.upstream_extra,
+                body = o.body
+            );
+            let config_path = dir.path().join("gateway.yaml");
+            std::fs::write(&config_path, yaml).unwrap();
+            let log = std::fs::File::create(dir.path().join("gateway.log")).unwrap();
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+            cmd.args(["run", "-c"])
+                .arg(&config_path)
+                .args(["--log-format", "json"])
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(log);
+            for (k, v) in &o.env {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().unwrap();
+            let up = wait_for_port(port, Duration::from_secs(15))
+                && wait_for_port(admin_port, Duration::from_secs(5));
+            if up {
+                return Gateway {
+                    port,
+                    admin_port,
+                    config_path,
+                    dir,
+                    child: Some(child),
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let mut log = String::new();
+        let _ = std::fs::File::open(dir.path().join("gateway.log"))
+            .and_then(|mut f| f.read_to_string(&mut log));
+        panic!("gateway did not start:\n{log}");
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn admin(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.admin_port, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let start = Instant::now();
+        let child = self.child.as_mut()?;
+        while start.elapsed() < timeout {
+            if let Ok(Some(st)) = child.try_wait() {
+                self.child = None;
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
+    }
+
+    /// Access-log events (JSON lines with target tollgate::access).
+    pub fn access_log(&self) -> Vec<serde_json::Value> {
+        self.log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "tollgate::access")
+            .collect()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+/// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed.
+pub async fn metric(gw: &Gateway, series: &str) -> f64 {
+    let text = reqwest::get(gw.admin("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+pub fn sha256_hex(key: &str) -> String {
+    hex::encode(tollgate::identity::hash_key(key.as_bytes()))
+}
+
+pub const INCIDENT: &str = r#"rate_limits:
+  default:
+    cost: 1
+    window: 60s
+    max_cost: 120
+    max_delay: 0s
+  endpoints:
+    /reports/generate:
+      cost: 20
+    /exports/bulk:
+      cost: 15
+    /analytics/query:
+      cost: 10
+    "GET /reports/{id}":
+      cost: 1
+"#;

@@ -1,0 +1,587 @@
+//! One gateway process, the memory store: what an API consumer sees (DESIGN §3, §4).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incident_scenario_weights_throttle_the_report_customer_only() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+
+    let mut passed = vec![];
+    let mut rejected = 0;
+    for _ in 0..60 {
+        let r = c
+            .post(gw.url("/reports/generate"))
+            .header("X-API-Key", "key-A")
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            200 => {
+                assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("20"));
+                passed.push(header(&r, "X-RateLimit-Remaining").unwrap());
+            }
+            429 => {
+                rejected += 1;
+                let ra: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+                assert!((1..=10).contains(&ra), "Retry-After {ra}");
+                assert_eq!(
+                    header(&r, "Content-Type").as_deref(),
+                    Some("application/problem+json")
+                );
+                let v: serde_json::Value = r.json().await.unwrap();
+                assert!(v["type"].as_str().unwrap().ends_with("quota-exceeded"));
+                assert_eq!(v["status"], 429);
+                assert_eq!(v["cost"], 20);
+            }
+            s => panic!("unexpected status {s}"),
+        }
+    }
+    assert_eq!(passed, vec!["100", "80", "60", "40", "20", "0"]);
+    assert_eq!(rejected, 54);
+
+    for i in 0..60 {
+        let r = c
+            .get(gw.url(&format!("/reports/{i}")))
+            .header("X-API-Key", "key-B")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "key B call {i}");
+    }
+    assert_eq!(up.count("/reports/generate"), 6, "the upstream saw exactly 6 reports");
+    assert_eq!(
+        metric(&gw, "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"}").await,
+        54.0
+    );
+    assert_eq!(
+        metric(&gw, "tollgate_cost_units_total{route=\"/reports/generate\"}").await,
+        120.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_headers_exact_syntax() {
+    let up = Upstream::start(Duration::ZERO);
+    // 100 units per hour: nothing refills during the test, so every figure is exact.
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /analytics/query: {cost: 10}\n",
+    );
+    let c = client();
+    let r = c
+        .get(gw.url("/analytics/query"))
+        .header("Authorization", "Bearer k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "RateLimit-Policy").unwrap(), "\"default\";q=100;w=3600");
+    assert_eq!(header(&r, "RateLimit").unwrap(), "\"default\";r=90;t=360");
+    assert_eq!(header(&r, "X-RateLimit-Limit").unwrap(), "100");
+    assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "90");
+    assert_eq!(header(&r, "X-RateLimit-Reset").unwrap(), "360");
+    assert_eq!(header(&r, "X-RateLimit-Cost").unwrap(), "10");
+    assert!(r.headers().get("Retry-After").is_none());
+
+    for _ in 0..9 {
+        c.get(gw.url("/analytics/query"))
+            .header("Authorization", "Bearer k1")
+            .send()
+            .await
+            .unwrap();
+    }
+    let r = c
+        .get(gw.url("/analytics/query"))
+        .header("Authorization", "Bearer k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    // 10 units come back every 360 s.
+    assert_eq!(header(&r, "Retry-After").unwrap(), "360");
+    assert_eq!(header(&r, "RateLimit").unwrap(), "\"default\";r=0;t=3600");
+    assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "0");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["remaining"], 0);
+    assert_eq!(v["retry_after"], 360);
+    assert_eq!(v["title"], "Rate limit budget exceeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_and_registry() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{INCIDENT}plans:\n  enterprise: {{max_cost: 600, window: 60s}}\nkeys:\n  - {{id: acme-prod, sha256: \"{}\", plan: enterprise}}\n  - {{id: small-co, sha256: \"{}\"}}\n",
+        sha256_hex("acme-secret"),
+        sha256_hex("small-secret")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+
+    let r = c.get(gw.url("/items")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(r.headers().get("RateLimit").is_none());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert!(v["type"].as_str().unwrap().ends_with("unauthenticated"));
+
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "not-registered")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+
+    // The enterprise plan: 600 units → 30 reports, and its own policy name in the headers.
+    let mut ok = 0;
+    for _ in 0..31 {
+        let r = c
+            .post(gw.url("/reports/generate"))
+            .header("X-API-Key", "acme-secret")
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            ok += 1;
+            assert_eq!(
+                header(&r, "RateLimit-Policy").unwrap(),
+                "\"enterprise\";q=600;w=60"
+            );
+        } else {
+            assert_eq!(r.status(), 429);
+        }
+    }
+    assert_eq!(ok, 30);
+    // A registry key without a plan has the default budget.
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "small-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "RateLimit-Policy").unwrap(), "\"default\";q=120;w=60");
+    assert_eq!(
+        metric(&gw, "tollgate_rejections_by_key_total{key=\"acme-prod\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(&gw, "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"}").await,
+        2.0
+    );
+    // No raw key anywhere in the logs.
+    let log = gw.log();
+    assert!(!log.contains("acme-secret") && !log.contains("not-registered"));
+    assert!(log.contains("\"key\":\"acme-prod\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_evasion_paths_all_cost_twenty() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let paths = [
+        "/reports/generate",
+        "/reports//generate",
+        "/reports/./generate",
+        "/x/../reports/generate",
+        "/reports/%67enerate",
+        "/%72eports/generate",
+        "/reports/generate/",
+        "/Reports/GENERATE",
+    ];
+    for (i, p) in paths.iter().enumerate() {
+        let r = c
+            .post(gw.url(p))
+            .header("X-API-Key", format!("evader-{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{p}");
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("20"), "{p}");
+        assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("100"), "{p}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        let want = if *p == "/Reports/GENERATE" {
+            "/Reports/GENERATE"
+        } else {
+            "/reports/generate"
+        };
+        assert_eq!(v["path"], want, "the upstream receives the normalized path");
+    }
+    let r = c
+        .post(gw.url("/reports/generate?format=pdf&x=%2F"))
+        .header("X-API-Key", "q")
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["query"], "format=pdf&x=%2F", "the query passes untouched");
+
+    for bad in ["/reports%2fgenerate", "/reports%2Fgenerate", "/reports%5Cgenerate", "/reports%00/generate", "/reports/%0agenerate", "/reports/%zz"] {
+        let r = c
+            .post(gw.url(bad))
+            .header("X-API-Key", "bad")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(v["type"].as_str().unwrap().ends_with("bad-path"), "{bad}");
+    }
+    assert_eq!(up.count("/reports/generate"), 8);
+    assert_eq!(up.count("/Reports/GENERATE"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_method_body_headers_and_forwarded_for() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let r = c
+        .put(gw.url("/items/7?a=1"))
+        .header("X-API-Key", "k")
+        .header("X-Custom", "yes")
+        .header("X-Forwarded-For", "203.0.113.9")
+        .body("hello")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["method"], "PUT");
+    assert_eq!(v["path"], "/items/7");
+    assert_eq!(v["query"], "a=1");
+    assert_eq!(v["headers"]["x-custom"], "yes");
+    assert_eq!(v["headers"]["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(v["headers"]["x-forwarded-proto"], "http");
+    assert_eq!(v["headers"]["host"], format!("127.0.0.1:{}", up.port));
+
+    let r = c
+        .post(gw.url("/upload"))
+        .header("X-API-Key", "k")
+        .body(vec![7u8; 3 * 1024 * 1024])
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["bytes"], 3 * 1024 * 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_100_mb_both_ways_without_buffering() {
+    use futures_util::StreamExt;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    const N: u64 = 100 * 1024 * 1024;
+    let r = c
+        .get(gw.url(&format!("/bytes/{N}")))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = 0u64;
+    let mut s = r.bytes_stream();
+    while let Some(chunk) = s.next().await {
+        got += chunk.unwrap().len() as u64;
+    }
+    assert_eq!(got, N);
+
+    let chunks = futures_util::stream::iter(
+        (0..N / (1024 * 1024)).map(|_| Ok::<_, std::io::Error>(vec![1u8; 1024 * 1024])),
+    );
+    let r = c
+        .post(gw.url("/upload"))
+        .header("X-API-Key", "k")
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["bytes"], N);
+
+    // Peak resident memory of the gateway stays far below one body.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", gw.pid())).unwrap();
+    let hwm_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    assert!(hwm_kb < 60 * 1024, "gateway peak RSS {hwm_kb} kB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_delay_holds_the_seventh_report() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = INCIDENT.replace("max_delay: 0s", "max_delay: 10s");
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for _ in 0..6 {
+        let r = c
+            .post(gw.url("/reports/generate"))
+            .header("X-API-Key", "patient")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let t = Instant::now();
+    let seventh = {
+        let c = c.clone();
+        let url = gw.url("/reports/generate");
+        tokio::spawn(async move {
+            let r = c.post(url).header("X-API-Key", "patient").send().await.unwrap();
+            (r.status().as_u16(), t.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // While the 7th is held, an 8th would have to wait 20 s: refused at once, and told to come
+    // back when its wait would fit in max_delay (~10 s).
+    let t8 = Instant::now();
+    let r = c
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "patient")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(t8.elapsed() < Duration::from_secs(1));
+    let ra: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!((9..=10).contains(&ra), "Retry-After {ra}");
+    let (status, held) = seventh.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        held >= Duration::from_millis(9_000) && held < Duration::from_secs(14),
+        "held {held:?}"
+    );
+    assert_eq!(up.count("/reports/generate"), 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failures_are_refunded() {
+    // Unreachable upstream: 502, nothing charged.
+    let dead_port = free_port();
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+        sha256_hex("key-1")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{dead_port}"),
+        body: &body,
+        upstream_extra: "",
+        env: vec![],
+        grace: "1s",
+    });
+    let c = client();
+    for _ in 0..3 {
+        let r = c
+            .get(gw.url("/items"))
+            .header("X-API-Key", "key-1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        assert_eq!(
+            header(&r, "Content-Type").as_deref(),
+            Some("application/problem+json")
+        );
+    }
+    let v: serde_json::Value = c
+        .get(gw.admin("/admin/keys/k1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["remaining"], 100, "502s are refunded: {v}");
+
+    // Timed-out upstream: 504, nothing charged.
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 300ms\n",
+        env: vec![],
+        grace: "1s",
+    });
+    let r = c
+        .get(gw.url("/slow?delay_ms=2000"))
+        .header("X-API-Key", "key-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 504);
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "key-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("99"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
+    let up = Upstream::start(Duration::from_millis(800));
+    let body = INCIDENT.replace(
+        "      cost: 20\n",
+        "      cost: 1\n      max_in_flight: 2\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let futs = (0..6).map(|i| {
+        let c = c.clone();
+        let url = gw.url("/reports/generate");
+        async move {
+            c.post(url)
+                .header("X-API-Key", format!("k{i}"))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    let rs = futures_util::future::join_all(futs).await;
+    let mut ok = 0;
+    let mut busy = 0;
+    for r in rs {
+        match r.status().as_u16() {
+            200 => ok += 1,
+            503 => {
+                busy += 1;
+                assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
+                assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("120"), "503 is not charged");
+                let v: serde_json::Value = r.json().await.unwrap();
+                assert!(v["type"].as_str().unwrap().ends_with("route-busy"));
+            }
+            s => panic!("status {s}"),
+        }
+    }
+    assert_eq!((ok, busy), (2, 4));
+    assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    assert_eq!(up.count("/reports/generate"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_cap_with_queue_admits_everyone_in_turn() {
+    let up = Upstream::start(Duration::from_millis(300));
+    let body = INCIDENT.replace(
+        "      cost: 20\n",
+        "      cost: 1\n      max_in_flight: 2\n      queue_timeout: 10s\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let futs = (0..8).map(|i| {
+        let c = c.clone();
+        let url = gw.url("/reports/generate");
+        async move {
+            c.post(url)
+                .header("X-API-Key", format!("k{i}"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    });
+    let t = Instant::now();
+    let statuses = futures_util::future::join_all(futs).await;
+    assert_eq!(statuses, vec![200; 8]);
+    // 8 requests, 2 at a time, 300 ms each: at least 4 rounds.
+    assert!(t.elapsed() >= Duration::from_millis(1150), "{:?}", t.elapsed());
+    assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    assert_eq!(up.count("/reports/generate"), 8);
+    assert_eq!(
+        metric(&gw, "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}").await,
+        8.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{INCIDENT}plans:\n  gold: {{max_cost: 600, window: 1h, max_in_flight_per_key: 1}}\nkeys:\n  - {{id: g, sha256: \"{}\", plan: gold}}\n",
+        sha256_hex("gold-key")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let slow = {
+        let c = c.clone();
+        let url = gw.url("/items?delay_ms=800");
+        tokio::spawn(async move {
+            c.get(url)
+                .header("X-API-Key", "gold-key")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "gold-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert!(v["type"].as_str().unwrap().ends_with("concurrency-limit"));
+    assert_eq!(slow.await.unwrap(), 200);
+    // The slot was released: the next call passes, and only the slow call was charged.
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "gold-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("598"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_released_when_client_disconnects() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = INCIDENT.replace(
+        "      cost: 20\n",
+        "      cost: 1\n      max_in_flight: 1\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let r = impatient
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "k")
+        .send()
+        .await;
+    assert!(r.is_err(), "client gave up");
+    // Pingora notices the closed client when the upstream answers; the slot is then freed.
+    let c = client();
+    let start = Instant::now();
+    loop {
+        let r = c
+            .post(gw.url("/reports/generate?delay_ms=1"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert_eq!(r.status(), 503);
+        assert!(start.elapsed() < Duration::from_secs(5), "slot never came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
