@@ -54,13 +54,25 @@ async fn incident_scenario_weights_throttle_the_report_customer_only() {
             .unwrap();
         assert_eq!(r.status(), 200, "key B call {i}");
     }
-    assert_eq!(up.count("/reports/generate"), 6, "the upstream saw exactly 6 reports");
     assert_eq!(
-        metric(&gw, "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"}").await,
+        up.count("/reports/generate"),
+        6,
+        "the upstream saw exactly 6 reports"
+    );
+    assert_eq!(
+        metric(
+            &gw,
+            "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"}"
+        )
+        .await,
         54.0
     );
     assert_eq!(
-        metric(&gw, "tollgate_cost_units_total{route=\"/reports/generate\"}").await,
+        metric(
+            &gw,
+            "tollgate_cost_units_total{route=\"/reports/generate\"}"
+        )
+        .await,
         120.0
     );
 }
@@ -81,7 +93,10 @@ async fn rate_limit_headers_exact_syntax() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "RateLimit-Policy").unwrap(), "\"default\";q=100;w=3600");
+    assert_eq!(
+        header(&r, "RateLimit-Policy").unwrap(),
+        "\"default\";q=100;w=3600"
+    );
     assert_eq!(header(&r, "RateLimit").unwrap(), "\"default\";r=90;t=360");
     assert_eq!(header(&r, "X-RateLimit-Limit").unwrap(), "100");
     assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "90");
@@ -165,13 +180,20 @@ async fn unauthenticated_and_registry() {
         .send()
         .await
         .unwrap();
-    assert_eq!(header(&r, "RateLimit-Policy").unwrap(), "\"default\";q=120;w=60");
+    assert_eq!(
+        header(&r, "RateLimit-Policy").unwrap(),
+        "\"default\";q=120;w=60"
+    );
     assert_eq!(
         metric(&gw, "tollgate_rejections_by_key_total{key=\"acme-prod\"}").await,
         1.0
     );
     assert_eq!(
-        metric(&gw, "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"}").await,
+        metric(
+            &gw,
+            "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"}"
+        )
+        .await,
         2.0
     );
     // No raw key anywhere in the logs.
@@ -204,7 +226,11 @@ async fn cost_evasion_paths_all_cost_twenty() {
             .unwrap();
         assert_eq!(r.status(), 200, "{p}");
         assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("20"), "{p}");
-        assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("100"), "{p}");
+        assert_eq!(
+            header(&r, "X-RateLimit-Remaining").as_deref(),
+            Some("100"),
+            "{p}"
+        );
         let v: serde_json::Value = r.json().await.unwrap();
         let want = if *p == "/Reports/GENERATE" {
             "/Reports/GENERATE"
@@ -222,7 +248,14 @@ async fn cost_evasion_paths_all_cost_twenty() {
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["query"], "format=pdf&x=%2F", "the query passes untouched");
 
-    for bad in ["/reports%2fgenerate", "/reports%2Fgenerate", "/reports%5Cgenerate", "/reports%00/generate", "/reports/%0agenerate", "/reports/%zz"] {
+    for bad in [
+        "/reports%2fgenerate",
+        "/reports%2Fgenerate",
+        "/reports%5Cgenerate",
+        "/reports%00/generate",
+        "/reports/%0agenerate",
+        "/reports/%zz",
+    ] {
         let r = c
             .post(gw.url(bad))
             .header("X-API-Key", "bad")
@@ -336,7 +369,12 @@ async fn max_delay_holds_the_seventh_report() {
         let c = c.clone();
         let url = gw.url("/reports/generate");
         tokio::spawn(async move {
-            let r = c.post(url).header("X-API-Key", "patient").send().await.unwrap();
+            let r = c
+                .post(url)
+                .header("X-API-Key", "patient")
+                .send()
+                .await
+                .unwrap();
             (r.status().as_u16(), t.elapsed())
         })
     };
@@ -457,7 +495,11 @@ async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
             503 => {
                 busy += 1;
                 assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
-                assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("120"), "503 is not charged");
+                assert_eq!(
+                    header(&r, "X-RateLimit-Remaining").as_deref(),
+                    Some("120"),
+                    "503 is not charged"
+                );
                 let v: serde_json::Value = r.json().await.unwrap();
                 assert!(v["type"].as_str().unwrap().ends_with("route-busy"));
             }
@@ -495,11 +537,19 @@ async fn route_cap_with_queue_admits_everyone_in_turn() {
     let statuses = futures_util::future::join_all(futs).await;
     assert_eq!(statuses, vec![200; 8]);
     // 8 requests, 2 at a time, 300 ms each: at least 4 rounds.
-    assert!(t.elapsed() >= Duration::from_millis(1150), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(1150),
+        "{:?}",
+        t.elapsed()
+    );
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
     assert_eq!(up.count("/reports/generate"), 8);
     assert_eq!(
-        metric(&gw, "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}").await,
+        metric(
+            &gw,
+            "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}"
+        )
+        .await,
         8.0
     );
 }
@@ -581,7 +631,10 @@ async fn slot_released_when_client_disconnects() {
             break;
         }
         assert_eq!(r.status(), 503);
-        assert!(start.elapsed() < Duration::from_secs(5), "slot never came back");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "slot never came back"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

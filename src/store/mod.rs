@@ -63,7 +63,6 @@ pub(crate) enum LeaseInner {
     #[default]
     None,
     Memory(memory::MemoryLease),
-    #[allow(dead_code)] // until the Redis store lands
     Redis(redis::RedisLease),
 }
 
@@ -132,6 +131,9 @@ impl Store {
 
     /// True when the store can decide requests (directly or by its fallback policy).
     pub fn ready(&self) -> bool {
-        true
+        match self {
+            Store::Memory(_) => true,
+            Store::Redis(r) => r.ready(),
+        }
     }
 }

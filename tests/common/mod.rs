@@ -83,7 +83,10 @@ impl Upstream {
     }
 
     pub fn max_concurrent(&self, path: &str) -> u64 {
-        self.stats().get(path).map(|s| s.max_concurrent).unwrap_or(0)
+        self.stats()
+            .get(path)
+            .map(|s| s.max_concurrent)
+            .unwrap_or(0)
     }
 }
 
@@ -114,7 +117,10 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server must be installed (apt-get install redis-server)");
-        assert!(wait_for_port(port, Duration::from_secs(10)), "redis did not start");
+        assert!(
+            wait_for_port(port, Duration::from_secs(10)),
+            "redis did not start"
+        );
         Redis {
             port,
             child: Some(child),
