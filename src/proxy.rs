@@ -421,6 +421,9 @@ impl ProxyHttp for Gateway {
             }
             _ => "the upstream could not be reached; the request was not charged",
         };
+        // Pingora will not reuse this connection after an upstream error: say so, so that the
+        // client doesn't send its next request into a closing socket.
+        session.set_keepalive(None);
         let _ = respond_problem(session, ctx, problem, detail, None).await;
         FailToProxy {
             error_code: problem.status(),

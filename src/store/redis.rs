@@ -145,14 +145,28 @@ impl DenyCache {
             shard.remove(&k);
             return None;
         }
+        // A dearer request fits later: by the extra units' drain time.
+        let extra_us = (req.cost.saturating_sub(e.cost))
+            .saturating_mul(req.limit.per_unit)
+            .div_ceil(req.limit.rate);
         (req.cost >= e.cost).then(|| Outcome {
             verdict: Verdict::Reject {
-                retry_after_us: (e.until - now).as_micros() as u64,
+                retry_after_us: (e.until - now).as_micros() as u64 + extra_us,
             },
             state: None,
             remaining: e.remaining,
             reset_us: e.reset_at.saturating_duration_since(now).as_micros() as u64,
         })
+    }
+
+    /// This instance just charged the key (a cheaper request fitted): the cached figures are
+    /// stale, so the next refusal is Redis's to make.
+    fn forget(&self, req: &AdmitRequest) {
+        let k = short_key(&req.key);
+        let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
+        if !shard.is_empty() {
+            shard.remove(&k);
+        }
     }
 
     fn insert(&self, req: &AdmitRequest, o: &Outcome) {
@@ -561,11 +575,12 @@ impl RedisStore {
             let notified = notify.as_ref().map(|n| n.notified());
             match self.try_admit(req).await {
                 Ok(Decided::Admitted(outcome, lease)) => {
+                    self.deny.forget(req);
                     return Admission::Admitted {
                         outcome,
                         lease,
                         queued: start.elapsed(),
-                    }
+                    };
                 }
                 Ok(Decided::OverBudget(o)) => {
                     self.deny.insert(req, &o);
