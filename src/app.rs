@@ -168,12 +168,29 @@ fn spawn_drain_watch(app: Arc<App>) {
     });
 }
 
+/// `run --watch`: reloads when the file's content changes (checked every second), as SIGHUP
+/// would. Content, not mtime, so that editors and ConfigMap symlink swaps are both seen.
+fn spawn_file_watch(app: Arc<App>) {
+    std::thread::spawn(move || {
+        let read = || std::fs::read(&app.config_path).ok();
+        let mut last = read();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let now = read();
+            if now.is_some() && now != last {
+                last = now;
+                let _ = app.reload();
+            }
+        }
+    });
+}
+
 /// Serves until SIGTERM/SIGINT. Returns an error only for start-up failures.
-pub fn run(config_path: &Path) -> anyhow::Result<()> {
+pub fn run(config_path: &Path, watch: bool) -> anyhow::Result<()> {
     let env = EnvOverrides::from_env();
     let cfg = Config::load(config_path, &env).map_err(|e| anyhow::anyhow!("{e}"))?;
     let store = build_store(&cfg, clock_from_env());
-    run_with(cfg, config_path.to_path_buf(), env, store)
+    run_with(cfg, config_path.to_path_buf(), env, store, watch)
 }
 
 pub fn run_with(
@@ -181,6 +198,7 @@ pub fn run_with(
     config_path: PathBuf,
     env: EnvOverrides,
     store: Store,
+    watch: bool,
 ) -> anyhow::Result<()> {
     let addr = resolve(&cfg.upstream.host, cfg.upstream.port);
     set_limit_gauges(&cfg);
@@ -206,6 +224,9 @@ pub fn run_with(
     let admin_listener = std::net::TcpListener::bind(admin_addr)
         .map_err(|e| anyhow::anyhow!("server.admin_listen {admin_addr}: {e}"))?;
     crate::admin::spawn(admin_listener, app.clone())?;
+    if watch {
+        spawn_file_watch(app.clone());
+    }
 
     // Per-process paths: Pingora's defaults are fixed /tmp names that two instances would share.
     let tag = std::process::id();

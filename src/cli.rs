@@ -180,8 +180,8 @@ rate_limits:
   endpoints:
     /reports/generate:
       cost: 20
-      max_in_flight: 2               # 2 (not 5) so that a handful of curls shows the cap
-      queue_timeout: 1s
+      max_in_flight: 5
+      queue_timeout: 1s              # shorter than a report (2 s), so a full route answers 503
     "GET /items/{id}":
       cost: 1
 "#;
@@ -236,28 +236,25 @@ tollgate demo: gateway on http://{listen} → sample API on http://{upstream} (r
 config: {path}    metrics: http://{admin}/metrics
 
 Budget: 120 units / 60 s per API key. A CRUD call costs 1, POST /reports/generate costs 20,
-and at most 2 reports run at once (a 3rd waits up to 1 s for a slot, then gets 503).
+and at most 5 reports run at once (a 6th waits up to 1 s for a slot, then gets 503).
 
-  # a cheap call, with the rate-limit headers
-  curl -i -H 'X-API-Key: demo-key' http://{listen}/items/42
-
-  # 8 reports at once: 2 run (200), 6 find no slot within 1 s (503 route-busy, not charged)
+  # 8 reports at once: 5 run (200), 3 find no free slot within 1 s (503 route-busy, not charged)
   for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate & done; wait
 
-  # one after another: 79 units left, so 3 more reports fit, then 429 with Retry-After
-  for i in $(seq 4); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate; done
+  # right away again: 100 units are spent, so 1 more report fits; the rest get 429 quota-exceeded
+  for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate & done; wait
 
   # the 429 itself: Retry-After, rate-limit headers and problem JSON
   curl -i -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate
 
-  # another key is unaffected
-  curl -s -o /dev/null -w '%{{http_code}}\n' -H 'X-API-Key: other-key' http://{listen}/items
+  # another key is unaffected: a CRUD call costs 1 of its own 120
+  curl -i -H 'X-API-Key: other-key' http://{listen}/items/42
 
 Ctrl-C to stop.
 "#,
         path = path.display()
     );
-    crate::app::run_with(cfg, path, EnvOverrides::default(), store)
+    crate::app::run_with(cfg, path, EnvOverrides::default(), store, false)
 }
 
 #[cfg(test)]

@@ -28,6 +28,9 @@ enum Cmd {
     Run {
         #[arg(short, long, default_value = "gateway.yaml")]
         config: PathBuf,
+        /// Also reload when the file changes (checked every second), as on SIGHUP.
+        #[arg(long)]
+        watch: bool,
     },
     /// Validate the config and print the route/cost table; exit 1 on error.
     Check {
@@ -76,14 +79,14 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { config } => {
+        Cmd::Run { config, watch } => {
             init_logging(cli.log_format);
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             drop(cfg);
-            match tollgate::app::run(&config) {
+            match tollgate::app::run(&config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("tollgate: {e:#}");

@@ -402,9 +402,8 @@ async fn instances_with_skewed_clocks_agree() {
         Gateway::start_opts(GatewayOpts {
             upstream_url: up.url(),
             body: &body,
-            upstream_extra: "",
             env: vec![("TOLLGATE_CLOCK_OFFSET_MS", offset.to_string())],
-            grace: "1s",
+            ..GatewayOpts::default()
         })
     };
     let ahead = mk("3600000");

@@ -412,9 +412,7 @@ async fn upstream_failures_are_refunded() {
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: format!("http://127.0.0.1:{dead_port}"),
         body: &body,
-        upstream_extra: "",
-        env: vec![],
-        grace: "1s",
+        ..GatewayOpts::default()
     });
     let c = client();
     for _ in 0..3 {
@@ -446,8 +444,7 @@ async fn upstream_failures_are_refunded() {
         upstream_url: up.url(),
         body: &body,
         upstream_extra: "  read_timeout: 300ms\n",
-        env: vec![],
-        grace: "1s",
+        ..GatewayOpts::default()
     });
     let r = c
         .get(gw.url("/slow?delay_ms=2000"))

@@ -170,6 +170,20 @@ pub struct GatewayOpts<'a> {
     pub upstream_extra: &'a str,
     pub env: Vec<(&'a str, String)>,
     pub grace: &'a str,
+    pub args: Vec<&'a str>,
+}
+
+impl Default for GatewayOpts<'_> {
+    fn default() -> Self {
+        GatewayOpts {
+            upstream_url: String::new(),
+            body: "",
+            upstream_extra: "",
+            env: vec![],
+            grace: "2s",
+            args: vec![],
+        }
+    }
 }
 
 impl Gateway {
@@ -177,9 +191,7 @@ impl Gateway {
         Self::start_opts(GatewayOpts {
             upstream_url: upstream.url(),
             body,
-            upstream_extra: "",
-            env: vec![],
-            grace: "2s",
+            ..GatewayOpts::default()
         })
     }
 
@@ -202,6 +214,7 @@ impl Gateway {
             cmd.args(["run", "-c"])
                 .arg(&config_path)
                 .args(["--log-format", "json"])
+                .args(&o.args)
                 .env("RUST_LOG", "info")
                 .stdout(Stdio::null())
                 .stderr(log);

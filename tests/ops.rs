@@ -1,0 +1,561 @@
+//! What SREs and the platform team rely on (DESIGN §2, §5): admin endpoints, metrics exactly as
+//! named, access logs, reload, graceful shutdown, the CLI, and a real Prometheus scrape.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+async fn metrics_text(gw: &Gateway) -> String {
+    reqwest::get(gw.admin("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_and_token() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  url: \"redis://:sekret-pw@127.0.0.1:1/0\"\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 50}}\nplans:\n  pro: {{max_cost: 500, window: 1h}}\nkeys:\n  - {{id: acme, sha256: \"{}\", plan: pro}}\n",
+        sha256_hex("acme-key")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        env: vec![("TOLLGATE_ADMIN_TOKEN", "admintok".into())],
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    assert_eq!(
+        reqwest::get(gw.admin("/healthz")).await.unwrap().status(),
+        200
+    );
+    let r = reqwest::get(gw.admin("/readyz")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["store"], "ok");
+    assert_eq!(
+        reqwest::get(gw.admin("/metrics")).await.unwrap().status(),
+        200
+    );
+
+    // /admin/* needs the token.
+    assert_eq!(
+        reqwest::get(gw.admin("/admin/config"))
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let r = c
+        .get(gw.admin("/admin/config"))
+        .header("Authorization", "Bearer wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let cfg = c
+        .get(gw.admin("/admin/config"))
+        .header("Authorization", "Bearer admintok")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(cfg.contains("redis://:***@127.0.0.1:1/0"), "{cfg}");
+    assert!(!cfg.contains("sekret-pw"));
+    assert!(cfg.contains("max_cost: 500"));
+
+    for _ in 0..3 {
+        c.get(gw.url("/items"))
+            .header("X-API-Key", "acme-key")
+            .send()
+            .await
+            .unwrap();
+    }
+    let v: serde_json::Value = c
+        .get(gw.admin("/admin/keys/acme"))
+        .header("Authorization", "Bearer admintok")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["id"], "acme");
+    assert_eq!(v["plan"], "pro");
+    assert_eq!(v["limit"], 500);
+    assert_eq!(v["remaining"], 497);
+    let r = c
+        .get(gw.admin("/admin/keys/nobody"))
+        .header("Authorization", "Bearer admintok")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_names_and_labels_exactly_as_designed() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}keys:\n  - {{id: reg-1, sha256: \"{}\"}}\n",
+        INCIDENT.replace(
+            "      cost: 20\n",
+            "      cost: 20\n      max_in_flight: 5\n"
+        ),
+        sha256_hex("k1")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for _ in 0..7 {
+        c.post(gw.url("/reports/generate"))
+            .header("X-API-Key", "k1")
+            .send()
+            .await
+            .unwrap();
+    }
+    c.get(gw.url("/items")).send().await.unwrap(); // 401
+    c.get(gw.url("/a%2fb"))
+        .header("X-API-Key", "k1")
+        .send()
+        .await
+        .unwrap(); // 400
+    let text = metrics_text(&gw).await;
+    let has = |s: &str| text.lines().any(|l| l.starts_with(s));
+    for line in [
+        "tollgate_requests_total{route=\"/reports/generate\",status=\"200\"} 6",
+        "tollgate_requests_total{route=\"/reports/generate\",status=\"429\"} 1",
+        "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"} 1",
+        "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"} 1",
+        "tollgate_rejections_total{reason=\"bad_path\",route=\"default\"} 1",
+        "tollgate_rejections_by_key_total{key=\"reg-1\"} 1",
+        "tollgate_cost_units_total{route=\"/reports/generate\"} 120",
+        "tollgate_in_flight{route=\"/reports/generate\"} 0",
+        "tollgate_in_flight_limit{route=\"/reports/generate\"} 5",
+        "tollgate_request_duration_seconds_count{route=\"/reports/generate\"} 7",
+        "tollgate_upstream_duration_seconds_count{route=\"/reports/generate\"} 6",
+        "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"} 6",
+        "tollgate_request_duration_seconds_bucket{route=\"/reports/generate\",le=\"0.001\"}",
+        "tollgate_request_duration_seconds_bucket{route=\"/reports/generate\",le=\"60\"} 7",
+        "tollgate_store_degraded 0",
+        "tollgate_config_reloads_total{result=\"ok\"} 0",
+        "tollgate_config_reloads_total{result=\"error\"} 0",
+        "tollgate_store_calls_total{result=\"breaker_open\"} 0",
+        "tollgate_store_duration_seconds_count 0",
+    ] {
+        assert!(has(line), "missing `{line}` in\n{text}");
+    }
+    // No raw path or key ever becomes a label.
+    assert!(!text.contains("a%2fb") && !text.contains("\"k1\""));
+    // Every exported tollgate metric is one of the designed names.
+    let exported: BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("# TYPE tollgate_"))
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .collect();
+    let designed: BTreeSet<&str> = tollgate::telemetry::METRIC_NAMES
+        .iter()
+        .copied()
+        .filter(|n| *n != "tollgate_shadow_rejections_total")
+        .collect();
+    assert_eq!(exported, designed);
+}
+
+#[test]
+fn dashboard_and_alerts_use_only_exported_metrics() {
+    let out = Command::new("bash")
+        .args(["deploy/check.sh", "--list-metrics"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let used: BTreeSet<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let exported: BTreeSet<String> = tollgate::telemetry::METRIC_NAMES
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let unknown: Vec<_> = used.difference(&exported).collect();
+    assert!(
+        unknown.is_empty(),
+        "dashboard/alerts use metrics the gateway does not export: {unknown:?}"
+    );
+    let unshown: Vec<_> = exported.difference(&used).collect();
+    assert!(
+        unshown.is_empty(),
+        "exported but on no dashboard or alert: {unshown:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_has_the_fields_and_no_keys() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    c.post(gw.url("/reports/generate"))
+        .header("X-API-Key", "super-secret-key")
+        .send()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let events = gw.access_log();
+    let e = events
+        .iter()
+        .find(|e| e["route"] == "/reports/generate")
+        .unwrap_or_else(|| panic!("no access event in {}", gw.log()));
+    assert_eq!(e["decision"], "admitted");
+    assert_eq!(e["status"], 200);
+    assert_eq!(e["cost"], 20);
+    assert_eq!(e["method"], "POST");
+    let key = e["key"].as_str().unwrap();
+    assert!(key.starts_with("key:") && key.len() == 12, "{key}");
+    for f in ["latency_ms", "upstream_ms", "store_ms", "queue_ms"] {
+        assert!(e[f].as_f64().is_some(), "{f} in {e}");
+    }
+    assert!(!gw.log().contains("super-secret-key"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reload_valid_and_invalid() {
+    let up = Upstream::start(Duration::ZERO);
+    let limits = |items_cost: &str| {
+        format!("rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /items: {{cost: {items_cost}}}\n")
+    };
+    let gw = Gateway::start(&up, &limits("1"));
+    let c = client();
+    let call = || async {
+        let r = c
+            .get(gw.url("/items"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        (
+            header(&r, "X-RateLimit-Cost").unwrap(),
+            header(&r, "X-RateLimit-Remaining").unwrap(),
+        )
+    };
+    assert_eq!(call().await, ("1".into(), "99".into()));
+
+    // A valid change takes effect for new requests; the budget carries over.
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(&gw.config_path, text.replace("cost: 1}", "cost: 7}")).unwrap();
+    gw.signal("HUP");
+    let start = Instant::now();
+    loop {
+        let (cost, remaining) = call().await;
+        if cost == "7" {
+            assert!(remaining == "92" || remaining == "91", "{remaining}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "reload not applied"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        metric(&gw, "tollgate_config_reloads_total{result=\"ok\"}").await,
+        1.0
+    );
+
+    // An invalid file is refused, logged with its field path, and the old config stays.
+    let good = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(&gw.config_path, good.replace("cost: 7}", "cost: 0}")).unwrap();
+    gw.signal("HUP");
+    let start = Instant::now();
+    while metric(&gw, "tollgate_config_reloads_total{result=\"error\"}").await < 1.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "reload error not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(call().await.0, "7");
+    assert!(gw
+        .log()
+        .contains("rate_limits.endpoints.\\\"/items\\\".cost: must be a positive integer, got 0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_reloads_a_changed_file() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+        args: vec!["--watch"],
+        ..GatewayOpts::default()
+    });
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(&gw.config_path, text.replace("{cost: 1,", "{cost: 3,")).unwrap();
+    let c = client();
+    let start = Instant::now();
+    loop {
+        let r = c
+            .get(gw.url("/items"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        if header(&r, "X-RateLimit-Cost").as_deref() == Some("3") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "change not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_request_and_exits_zero() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
+        grace: "10s",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let slow = {
+        let c = c.clone();
+        let url = gw.url("/reports/generate");
+        tokio::spawn(async move {
+            c.post(url)
+                .header("X-API-Key", "k")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    gw.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ready = reqwest::get(gw.admin("/readyz"))
+        .await
+        .map(|r| r.status().as_u16());
+    assert_eq!(ready.ok(), Some(503), "not ready while draining");
+    assert_eq!(slow.await.unwrap(), 200, "the in-flight request finished");
+    let code = gw.wait_exit(Duration::from_secs(12));
+    assert_eq!(code, Some(0));
+    let took = t.elapsed();
+    // It left once the request was done, not after the whole 10 s grace period.
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert!(gw.log().contains("drained; exiting"));
+}
+
+fn tollgate(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn cli_check_and_explain() {
+    let (code, out, _) = tollgate(&["check", "-c", "gateway.yaml"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("/reports/generate  20    5              2s"),
+        "{out}"
+    );
+    assert!(out.contains("gateway.yaml: ok"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    let text = std::fs::read_to_string("gateway.yaml").unwrap();
+    std::fs::write(
+        &bad,
+        text.replace("cost: 20", "cost: 0")
+            .replace("max_cost: 600", "max_cost: 600\n    color: blue"),
+    )
+    .unwrap();
+    let (code, _, err) = tollgate(&["check", "-c", bad.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("plans.enterprise.color: unknown field `color`"),
+        "{err}"
+    );
+
+    std::fs::write(&bad, text.replace("cost: 20", "cost: 0")).unwrap();
+    let (code, _, err) = tollgate(&["check", "-c", bad.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert_eq!(
+        err.lines().next().unwrap(),
+        "rate_limits.endpoints.\"/reports/generate\".cost: must be a positive integer, got 0"
+    );
+
+    let (code, out, _) = tollgate(&[
+        "explain",
+        "-c",
+        "gateway.yaml",
+        "POST",
+        "/reports/./generate",
+        "--key",
+        "abc",
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("route:        /reports/generate") && out.contains("cost:         20"),
+        "{out}"
+    );
+    assert!(!out.contains("abc\n"), "the key is never printed");
+    let (code, out, _) = tollgate(&["explain", "-c", "gateway.yaml", "GET", "/a%2Fb"]);
+    assert_eq!(code, 1);
+    assert!(out.contains("400 bad-path"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_shows_a_503_and_a_429() {
+    let (port, admin, upstream) = (free_port(), free_port(), free_port());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "demo",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream-listen",
+            &format!("127.0.0.1:{upstream}"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(15));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let c = client();
+    let url = format!("http://127.0.0.1:{port}/reports/generate");
+    // The README's session: 8 reports at once, twice, then another key.
+    let batch = || {
+        let futs = (0..8).map(|_| {
+            let c = c.clone();
+            let url = url.clone();
+            async move {
+                c.post(url)
+                    .header("X-API-Key", "demo-key")
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            }
+        });
+        async move {
+            let mut s = futures_util::future::join_all(futs).await;
+            s.sort();
+            s
+        }
+    };
+    assert_eq!(batch().await, vec![200, 200, 200, 200, 200, 503, 503, 503]);
+    assert_eq!(batch().await, vec![200, 429, 429, 429, 429, 429, 429, 429]);
+    let r = c
+        .get(format!("http://127.0.0.1:{port}/items/42"))
+        .header("X-API-Key", "other-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("119"));
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_429s() {
+    if Command::new("prometheus")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        panic!("prometheus must be installed (apt-get install prometheus)");
+    }
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let mut rejected = 0;
+    for _ in 0..10 {
+        let r = c
+            .post(gw.url("/reports/generate"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            rejected += 1;
+        }
+    }
+    assert_eq!(rejected, 4);
+
+    let dir = tempfile::tempdir().unwrap();
+    let prom_port = free_port();
+    std::fs::write(
+        dir.path().join("prometheus.yml"),
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: tollgate\n    static_configs:\n      - targets: [\"127.0.0.1:{}\"]\n",
+            gw.admin_port
+        ),
+    )
+    .unwrap();
+    let mut prom = Command::new("prometheus")
+        .arg(format!(
+            "--config.file={}",
+            dir.path().join("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path().join("data").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let query = format!(
+        "http://127.0.0.1:{prom_port}/api/v1/query?query=sum(tollgate_rejections_total%7Breason%3D%22budget%22%7D)"
+    );
+    let start = Instant::now();
+    let value = loop {
+        if let Ok(r) = reqwest::get(&query).await {
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                if let Some(s) = v["data"]["result"][0]["value"][1].as_str() {
+                    break s.to_string();
+                }
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "prometheus never saw the metric"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let _ = prom.kill();
+    let _ = prom.wait();
+    assert_eq!(value, "4");
+}
