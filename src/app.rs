@@ -37,6 +37,9 @@ impl App {
                 let old = self.shared.config.load();
                 let upstream_changed = old.upstream.host != new.upstream.host
                     || old.upstream.port != new.upstream.port;
+                if old.upstream.ca_file != new.upstream.ca_file {
+                    tracing::warn!("upstream.ca_file takes effect on restart only");
+                }
                 if old.store.backend != new.store.backend || old.store.url != new.store.url {
                     tracing::warn!(
                         "store.backend and store.url take effect on restart only; keeping the running store"
@@ -76,9 +79,17 @@ fn set_limit_gauges(cfg: &Config) {
 }
 
 /// Resolves the upstream host (blocking; called at start and reload, never per request).
+/// Prefers an IPv4 address when the name has both.
 pub fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
     match (host, port).to_socket_addrs() {
-        Ok(mut addrs) => addrs.next(),
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            addrs
+                .iter()
+                .find(|a| a.is_ipv4())
+                .or(addrs.first())
+                .copied()
+        }
         Err(e) => {
             tracing::error!(host, error = %e, "upstream host does not resolve; answering 502 until it does");
             None
@@ -207,6 +218,7 @@ pub fn run_with(
     let admin_addr: SocketAddr = cfg.admin_listen.parse()?;
     let threads = cfg.threads;
     let grace = cfg.grace_period;
+    let ca_file = cfg.upstream.ca_file.clone();
     let shared = Arc::new(Shared {
         config: ArcSwap::from_pointee(cfg),
         upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
@@ -234,6 +246,8 @@ pub fn run_with(
         threads,
         grace_period_seconds: Some(grace.as_secs() + 1),
         graceful_shutdown_timeout_seconds: Some(1),
+        // Trusted CAs for https upstreams (Pingora's connector reads this once, at start).
+        ca_file,
         pid_file: std::env::temp_dir()
             .join(format!("tollgate-{tag}.pid"))
             .display()

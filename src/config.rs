@@ -191,6 +191,9 @@ pub struct RawUpstream {
     pub connect_timeout: ConfDuration,
     #[serde(default = "default_read_timeout")]
     pub read_timeout: ConfDuration,
+    /// PEM file of CA certificates to trust for an https upstream (default: the system's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<String>,
 }
 
 fn default_connect_timeout() -> ConfDuration {
@@ -391,6 +394,7 @@ pub struct UpstreamTarget {
     pub authority: String,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
+    pub ca_file: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -592,6 +596,7 @@ impl Config {
                     authority,
                     connect_timeout: raw.upstream.connect_timeout.0,
                     read_timeout: raw.upstream.read_timeout.0,
+                    ca_file: raw.upstream.ca_file.clone(),
                 })
             }
             Err(m) => {
@@ -599,6 +604,14 @@ impl Config {
                 None
             }
         };
+        if let Some(f) = &raw.upstream.ca_file {
+            if let Err(e) = std::fs::metadata(f) {
+                err(
+                    "upstream.ca_file".into(),
+                    format!("cannot read \"{f}\": {e}"),
+                );
+            }
+        }
         if raw.upstream.connect_timeout.0.is_zero() {
             err(
                 "upstream.connect_timeout".into(),

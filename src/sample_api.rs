@@ -197,15 +197,20 @@ pub async fn serve(listener: tokio::net::TcpListener, api: Arc<SampleApi>) {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let api = api.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let api = api.clone();
-                async move { Ok::<_, Infallible>(api.handle(req).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
+        tokio::spawn(serve_connection(stream, api.clone()));
     }
+}
+
+/// Serves the API on one connection (plain TCP, or TLS in the tests' https upstream).
+pub async fn serve_connection<I>(io: I, api: Arc<SampleApi>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| {
+        let api = api.clone();
+        async move { Ok::<_, Infallible>(api.handle(req).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), svc)
+        .await;
 }

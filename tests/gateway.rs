@@ -635,3 +635,49 @@ async fn slot_released_when_client_disconnects() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_upstream_with_sni_and_keepalive() {
+    let up = TlsUpstream::start();
+    let extra = format!("  ca_file: \"{}\"\n", up.ca_file.display());
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("https://localhost:{}", up.port),
+        body: INCIDENT,
+        upstream_extra: &extra,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    for i in 0..5 {
+        let r = c
+            .get(gw.url(&format!("/items/{i}")))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["headers"]["host"], format!("localhost:{}", up.port));
+    }
+    let sni = up.sni.lock().unwrap().clone();
+    assert!(!sni.is_empty());
+    assert!(
+        sni.iter().all(|n| n.as_deref() == Some("localhost")),
+        "{sni:?}"
+    );
+    // Five sequential requests, one TLS connection: the upstream connection is kept alive.
+    assert_eq!(sni.len(), 1, "{sni:?}");
+
+    // Without the CA the certificate is refused: 502, and not charged.
+    let gw2 = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("https://localhost:{}", up.port),
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let r = c
+        .get(gw2.url("/items"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+}

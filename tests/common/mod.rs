@@ -90,6 +90,95 @@ impl Upstream {
     }
 }
 
+/// The sample API behind TLS, with a certificate for `localhost` from a CA of its own.
+pub struct TlsUpstream {
+    pub api: Arc<SampleApi>,
+    pub port: u16,
+    pub ca_file: PathBuf,
+    /// SNI names the server was sent, one per connection.
+    pub sni: Arc<std::sync::Mutex<Vec<Option<String>>>>,
+    _dir: tempfile::TempDir,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl TlsUpstream {
+    pub fn start() -> TlsUpstream {
+        use tokio_rustls::rustls;
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tollgate test CA");
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::new(ca_params, ca_key);
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca_cert.pem()).unwrap();
+
+        let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der()).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der().clone()], key)
+        .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let std_l = TcpListener::bind("127.0.0.1:0").unwrap();
+        std_l.set_nonblocking(true).unwrap();
+        let port = std_l.local_addr().unwrap().port();
+        let api = SampleApi::new(Duration::ZERO);
+        let sni = Arc::new(std::sync::Mutex::new(vec![]));
+        let (a, s) = (api.clone(), sni.clone());
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(std_l).unwrap();
+            loop {
+                let Ok((tcp, _)) = l.accept().await else {
+                    continue;
+                };
+                let (acceptor, a, s) = (acceptor.clone(), a.clone(), s.clone());
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(tcp).await {
+                        s.lock()
+                            .unwrap()
+                            .push(tls.get_ref().1.server_name().map(str::to_string));
+                        tollgate::sample_api::serve_connection(tls, a).await;
+                    }
+                });
+            }
+        });
+        TlsUpstream {
+            api,
+            port,
+            ca_file,
+            sni,
+            _dir: dir,
+            rt: Some(rt),
+        }
+    }
+}
+
+impl Drop for TlsUpstream {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// A `redis-server` on a free port, without persistence.
 pub struct Redis {
     pub port: u16,
