@@ -2,9 +2,9 @@
 //!
 //! `request_filter` normalizes, classifies, identifies and admits (or refuses with problem
 //! JSON); `upstream_peer` / `upstream_request_filter` forward to the normalized path;
-//! `response_filter` adds the rate-limit headers; `fail_to_proxy` answers 502/504 and marks the
-//! charge for refund; `logging` — which Pingora runs for every request, whatever happened —
-//! releases slots, refunds, records metrics and writes the access log.
+//! `response_filter` adds the rate-limit headers; `fail_to_proxy` refunds and answers 502/504;
+//! `logging` — which Pingora runs for every request, whatever happened — releases slots,
+//! records metrics and writes the access log.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -410,8 +410,14 @@ impl ProxyHttp for Gateway {
                 can_reuse_downstream: false,
             };
         }
-        // The upstream never produced a response: the request is refunded.
-        ctx.refund = ctx.charged;
+        // The upstream never produced a response: refund, before answering, so that the
+        // client's next request already sees the units back.
+        if ctx.charged {
+            if let Some(req) = &ctx.admit {
+                self.shared.store.refund(req).await;
+            }
+            ctx.refund = true;
+        }
         if ctx.upstream_time.is_none() {
             ctx.upstream_time = ctx.upstream_start.map(|s| s.elapsed());
         }
@@ -434,11 +440,6 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         if let Some(lease) = ctx.lease.take() {
             lease.release().await;
-        }
-        if ctx.refund {
-            if let Some(req) = &ctx.admit {
-                self.shared.store.refund(req).await;
-            }
         }
         let status = session
             .response_written()

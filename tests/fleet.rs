@@ -587,3 +587,117 @@ async fn memory_and_redis_stores_decide_alike() {
         assert_eq!(m, r, "decision {i} ({:?}) differs", seq[i]);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_key_cap_is_fleet_wide() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        &format!(
+            "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\nplans:\n  gold: {{max_cost: 100, window: 1h, max_in_flight_per_key: 1}}\nkeys:\n  - {{id: g, sha256: \"{}\", plan: gold}}\n",
+            sha256_hex("gold")
+        ),
+    );
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let slow = {
+        let c = c.clone();
+        let url = a.url("/items?delay_ms=1000");
+        tokio::spawn(async move { get(&c, url, "gold").await.status().as_u16() })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = get(&c, b.url("/items"), "gold").await;
+    assert_eq!(
+        r.status(),
+        429,
+        "the key's one slot is taken on the other instance"
+    );
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert!(v["type"].as_str().unwrap().ends_with("concurrency-limit"));
+    assert_eq!(slow.await.unwrap(), 200);
+    // A releases the slot as its request ends (logging phase, just after the response).
+    let start = Instant::now();
+    let r = loop {
+        let r = get(&c, b.url("/items"), "gold").await;
+        if r.status() != 429 || start.elapsed() > Duration::from_secs(2) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn password_url_from_env_and_rediss() {
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n";
+
+    // A password-protected Redis, its URL given by TOLLGATE_REDIS_URL over a dead store.url.
+    let port = free_port();
+    let redis = Redis::start_with(port, &["--requirepass", "s3cret"]);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1/0\"\n  timeout: 200ms\n  on_error: deny\n{limits}"
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        env: vec![(
+            "TOLLGATE_REDIS_URL",
+            format!("redis://:s3cret@127.0.0.1:{port}/0"),
+        )],
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let r = get(&c, gw.url("/items"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        redis.cli(&["-a", "s3cret", "--no-auth-warning", "DBSIZE"]),
+        "1"
+    );
+    let cfg = reqwest::get(gw.admin("/admin/config"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!cfg.contains("s3cret"), "{cfg}");
+    assert!(!gw.log().contains("s3cret"));
+
+    // TLS: rediss://, the server's CA trusted through SSL_CERT_FILE.
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tls_port = free_port();
+    let _tls = Redis::start_with(
+        tls_port,
+        &[
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            pki.cert_file.to_str().unwrap(),
+            "--tls-key-file",
+            pki.key_file.to_str().unwrap(),
+            "--tls-ca-cert-file",
+            pki.ca_file.to_str().unwrap(),
+            "--tls-auth-clients",
+            "no",
+        ],
+    );
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"rediss://localhost:{tls_port}/0\"\n  timeout: 200ms\n  on_error: deny\n{limits}"
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        env: vec![("SSL_CERT_FILE", pki.ca_file.display().to_string())],
+        ..GatewayOpts::default()
+    });
+    for want in ["9", "8"] {
+        let r = get(&c, gw.url("/items"), "k").await;
+        assert_eq!(r.status(), 200, "{}", gw.log());
+        assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some(want));
+    }
+}

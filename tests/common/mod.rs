@@ -90,6 +90,44 @@ impl Upstream {
     }
 }
 
+/// A CA of the test's own and a certificate for `localhost` signed by it, written as PEM files.
+pub struct Pki {
+    pub ca_file: PathBuf,
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub cert_der: Vec<u8>,
+    pub key_der: Vec<u8>,
+}
+
+impl Pki {
+    pub fn new(dir: &std::path::Path) -> Pki {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tollgate test CA");
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::new(ca_params, ca_key);
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+        let pki = Pki {
+            ca_file: dir.join("ca.pem"),
+            cert_file: dir.join("cert.pem"),
+            key_file: dir.join("key.pem"),
+            cert_der: leaf.der().to_vec(),
+            key_der: leaf_key.serialize_der(),
+        };
+        std::fs::write(&pki.ca_file, ca_cert.pem()).unwrap();
+        std::fs::write(&pki.cert_file, leaf.pem()).unwrap();
+        std::fs::write(&pki.key_file, leaf_key.serialize_pem()).unwrap();
+        pki
+    }
+}
+
 /// The sample API behind TLS, with a certificate for `localhost` from a CA of its own.
 pub struct TlsUpstream {
     pub api: Arc<SampleApi>,
@@ -104,31 +142,17 @@ pub struct TlsUpstream {
 impl TlsUpstream {
     pub fn start() -> TlsUpstream {
         use tokio_rustls::rustls;
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "tollgate test CA");
-        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-        let issuer = rcgen::Issuer::new(ca_params, ca_key);
-        let leaf_key = rcgen::KeyPair::generate().unwrap();
-        let leaf = rcgen::CertificateParams::new(vec!["localhost".to_string()])
-            .unwrap()
-            .signed_by(&leaf_key, &issuer)
-            .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let ca_file = dir.path().join("ca.pem");
-        std::fs::write(&ca_file, ca_cert.pem()).unwrap();
-
-        let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der()).unwrap();
+        let pki = Pki::new(dir.path());
+        let ca_file = pki.ca_file.clone();
+        let key = rustls::pki_types::PrivateKeyDer::try_from(pki.key_der).unwrap();
         let config = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_no_client_auth()
-        .with_single_cert(vec![leaf.der().clone()], key)
+        .with_single_cert(vec![pki.cert_der.into()], key)
         .unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
 
@@ -191,10 +215,20 @@ impl Redis {
     }
 
     pub fn start_on(port: u16) -> Redis {
+        Self::start_with(port, &[])
+    }
+
+    /// With extra arguments, e.g. `--requirepass` or TLS settings (then `port` is the TLS port).
+    pub fn start_with(port: u16, extra: &[&str]) -> Redis {
+        let plain_port = if extra.iter().any(|a| *a == "--tls-port") {
+            "0".to_string()
+        } else {
+            port.to_string()
+        };
         let child = Command::new("redis-server")
             .args([
                 "--port",
-                &port.to_string(),
+                &plain_port,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -202,6 +236,7 @@ impl Redis {
                 "--appendonly",
                 "no",
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
