@@ -220,7 +220,7 @@ impl Redis {
 
     /// With extra arguments, e.g. `--requirepass` or TLS settings (then `port` is the TLS port).
     pub fn start_with(port: u16, extra: &[&str]) -> Redis {
-        let plain_port = if extra.iter().any(|a| *a == "--tls-port") {
+        let plain_port = if extra.contains(&"--tls-port") {
             "0".to_string()
         } else {
             port.to_string()
