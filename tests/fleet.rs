@@ -701,3 +701,36 @@ async fn password_url_from_env_and_rediss() {
         assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some(want));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_share_connections() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 1000000}\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for _round in 0..5 {
+        let futs = (0..64).map(|i| {
+            let c = c.clone();
+            let url = gw.url("/items");
+            async move { get(&c, url, &format!("k{i}")).await.status().as_u16() }
+        });
+        let statuses = futures_util::future::join_all(futs).await;
+        assert_eq!(statuses, vec![200; 64]);
+    }
+    // One multiplexed connection per proxy worker thread (2 here), not one per request.
+    let clients = redis.cli(&["CLIENT", "LIST"]);
+    let gateway_conns = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count();
+    assert!(
+        (1..=2).contains(&gateway_conns),
+        "{gateway_conns} connections:\n{clients}"
+    );
+}

@@ -451,16 +451,15 @@ impl RedisStore {
         } else {
             String::new()
         };
-        let keys = [
-            budget_key(&req.key),
-            key_slots_key(&req.key),
-            route_slots_key(&req.route),
-        ];
+        let budget = budget_key(&req.key);
+        let key_k = key_slots.then(|| key_slots_key(&req.key));
+        let route_k = route_slots.then(|| route_slots_key(&req.route));
         let l = &req.limit;
         let mut inv = self.scripts.admit.prepare_invoke();
-        inv.key(&keys[0])
-            .key(&keys[1])
-            .key(&keys[2])
+        // An unused slot key is passed as the budget key: the script never touches it.
+        inv.key(&budget)
+            .key(key_k.as_ref().unwrap_or(&budget))
+            .key(route_k.as_ref().unwrap_or(&budget))
             .arg(l.per_unit)
             .arg(l.rate)
             .arg(l.capacity)
@@ -491,14 +490,7 @@ impl RedisStore {
             2 => Decided::RouteBusy(outcome(Verdict::Admit { delay_us: 0 })),
             _ => {
                 let lease = if key_slots || route_slots {
-                    let [_, k, r] = keys;
-                    let mut held = Vec::with_capacity(2);
-                    if key_slots {
-                        held.push(k);
-                    }
-                    if route_slots {
-                        held.push(r);
-                    }
+                    let held: Vec<String> = key_k.into_iter().chain(route_k).collect();
                     let renew = self.spawn_renewal(held.clone(), lease_id.clone());
                     Lease {
                         inner: LeaseInner::Redis(RedisLease {
