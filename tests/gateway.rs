@@ -681,3 +681,107 @@ async fn https_upstream_with_sni_and_keepalive() {
         .unwrap();
     assert_eq!(r.status(), 502);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_client_ip_budget() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "identity:\n  anonymous: client_ip\nrate_limits:\n  default: {cost: 1, window: 1h, max_cost: 3}\n",
+    );
+    let c = client();
+    let mut seen = vec![];
+    for _ in 0..4 {
+        let r = c.get(gw.url("/items")).send().await.unwrap();
+        seen.push((
+            r.status().as_u16(),
+            header(&r, "X-RateLimit-Remaining").unwrap(),
+        ));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (200, "2".into()),
+            (200, "1".into()),
+            (200, "0".into()),
+            (429, "0".into())
+        ]
+    );
+    // A key, when given, still has its own budget.
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_budgets_hold_up() {
+    let up = Upstream::start(Duration::ZERO);
+    // 1e8 units per second: every request passes, the bucket is never near empty.
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 100000000}\n  endpoints:\n    /big: {cost: 50000000}\n",
+    );
+    let c = client();
+    for _ in 0..20 {
+        let r = c
+            .get(gw.url("/items"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let rem: u64 = header(&r, "X-RateLimit-Remaining")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(rem >= 99_999_980, "{rem}");
+        assert_eq!(header(&r, "X-RateLimit-Reset").as_deref(), Some("1"));
+    }
+    // Two half-budget requests in a row fit; a third right after does not, and its wait is
+    // half a second, rounded up.
+    let mut statuses = vec![];
+    let mut last = None;
+    for _ in 0..3 {
+        let r = c
+            .get(gw.url("/big"))
+            .header("X-API-Key", "big")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        last = header(&r, "Retry-After");
+    }
+    assert_eq!(statuses[..2], [200, 200]);
+    if statuses[2] == 429 {
+        assert_eq!(last.as_deref(), Some("1"));
+    }
+
+    // 1 unit per hour.
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 1}\n",
+    );
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "RateLimit").as_deref(),
+        Some("\"default\";r=0;t=3600")
+    );
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "Retry-After").as_deref(), Some("3600"));
+}

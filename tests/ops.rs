@@ -227,6 +227,8 @@ async fn access_log_has_the_fields_and_no_keys() {
         assert!(e[f].as_f64().is_some(), "{f} in {e}");
     }
     assert!(!gw.log().contains("super-secret-key"));
+    // Pingora's own `log` records come through the same subscriber.
+    assert!(gw.log().contains("\"target\":\"pingora_core::server\""));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
