@@ -276,7 +276,7 @@ mod tests {
     fn check_table() {
         let t = route_table(&cfg());
         assert!(
-            t.contains("/reports/generate  20    2              1s"),
+            t.contains("/reports/generate  20    5              1s"),
             "{t}"
         );
         assert!(

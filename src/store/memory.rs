@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
+use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
 use crate::budget::{self, Limit, Outcome, State};
 use crate::identity::KeyHash;
 
@@ -103,18 +103,6 @@ impl Drop for MemoryLease {
             e.in_flight = e.in_flight.saturating_sub(1);
         }
     }
-}
-
-fn short_key(key: &KeyHash) -> u128 {
-    // 128 bits of a SHA-256 are as collision-free as the whole for any real key count.
-    let mut b = [0u8; 16];
-    b.copy_from_slice(&key[..16]);
-    u128::from_le_bytes(b)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these short locks cannot leave the maps inconsistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl MemoryStore {

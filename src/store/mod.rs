@@ -17,6 +17,20 @@ use crate::identity::KeyHash;
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
+/// 128 bits of a key's SHA-256: as collision-free as the whole for any real key count, and
+/// half the memory per entry in the maps keyed by it.
+pub(crate) fn short_key(key: &KeyHash) -> u128 {
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&key[..16]);
+    u128::from_le_bytes(b)
+}
+
+/// Locks one of the stores' short, never-awaited mutexes. A panic while one was held cannot
+/// have left its map inconsistent, so a poisoned lock is simply taken.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Everything a store needs to decide one request.
 #[derive(Debug, Clone)]
 pub struct AdmitRequest {

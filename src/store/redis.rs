@@ -1,6 +1,6 @@
 //! The shared store: every instance of a fleet decides against the same Redis.
 //!
-//! - One Lua script per request (`lua/admit.lua`) checks and charges the budget and takes the
+//! - One Lua script call per request (`lua/store.lua`, operation `admit`) checks and charges the budget and takes the
 //!   in-flight slots atomically, with Redis `TIME` as the clock: one round trip, and a refused
 //!   request writes nothing.
 //! - Slots are leases in sorted sets scored by expiry; long requests renew them every
@@ -15,7 +15,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
@@ -23,7 +23,7 @@ use redis::{AsyncConnectionConfig, Script};
 use tokio::sync::Notify;
 
 use super::memory::{Clock, MemoryStore};
-use super::{Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
+use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::{OnError, StoreSettings};
 use crate::identity::KeyHash;
@@ -119,16 +119,6 @@ struct DenyEntry {
     reset_at: Instant,
 }
 
-fn short_key(key: &KeyHash) -> u128 {
-    let mut b = [0u8; 16];
-    b.copy_from_slice(&key[..16]);
-    u128::from_le_bytes(b)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl DenyCache {
     fn new() -> Self {
         DenyCache {
@@ -192,13 +182,6 @@ impl DenyCache {
     }
 }
 
-struct Scripts {
-    admit: Script,
-    refund: Script,
-    peek: Script,
-    lease: Script,
-}
-
 pub struct RedisStore {
     id: u64,
     client: Result<redis::Client, String>,
@@ -214,7 +197,8 @@ pub struct RedisStore {
     breaker: Breaker,
     degraded: AtomicBool,
     deny: DenyCache,
-    scripts: Scripts,
+    /// `lua/store.lua`: every operation, selected by its first argument.
+    script: Script,
     /// Wakes this instance's waiters for a route slot when one of its own leases is released.
     wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
 }
@@ -328,12 +312,7 @@ impl RedisStore {
             },
             degraded: AtomicBool::new(false),
             deny: DenyCache::new(),
-            scripts: Scripts {
-                admit: Script::new(include_str!("lua/admit.lua")),
-                refund: Script::new(include_str!("lua/refund.lua")),
-                peek: Script::new(include_str!("lua/peek.lua")),
-                lease: Script::new(include_str!("lua/lease.lua")),
-            },
+            script: Script::new(include_str!("lua/store.lua")),
             wake: Mutex::default(),
         })
     }
@@ -455,11 +434,12 @@ impl RedisStore {
         let key_k = key_slots.then(|| key_slots_key(&req.key));
         let route_k = route_slots.then(|| route_slots_key(&req.route));
         let l = &req.limit;
-        let mut inv = self.scripts.admit.prepare_invoke();
+        let mut inv = self.script.prepare_invoke();
         // An unused slot key is passed as the budget key: the script never touches it.
         inv.key(&budget)
             .key(key_k.as_ref().unwrap_or(&budget))
             .key(route_k.as_ref().unwrap_or(&budget))
+            .arg("admit")
             .arg(l.per_unit)
             .arg(l.rate)
             .arg(l.capacity)
@@ -518,11 +498,11 @@ impl RedisStore {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let mut inv = store.scripts.lease.prepare_invoke();
+                let mut inv = store.script.prepare_invoke();
                 for k in &keys {
                     inv.key(k);
                 }
-                inv.arg(&id).arg(ttl_us);
+                inv.arg("lease").arg(&id).arg(ttl_us);
                 let _ = store.call::<i64>(inv).await;
             }
         })
@@ -533,11 +513,11 @@ impl RedisStore {
         if keys.is_empty() {
             return;
         }
-        let mut inv = self.scripts.lease.prepare_invoke();
+        let mut inv = self.script.prepare_invoke();
         for k in keys {
             inv.key(k);
         }
-        inv.arg(id).arg(0u64);
+        inv.arg("lease").arg(id).arg(0u64);
         // A failed release is not retried: the lease lapses after lease_ttl.
         let _ = self.call::<i64>(inv).await;
     }
@@ -646,8 +626,9 @@ impl RedisStore {
 
     pub async fn refund(&self, req: &AdmitRequest) {
         let key = budget_key(&req.key);
-        let mut inv = self.scripts.refund.prepare_invoke();
+        let mut inv = self.script.prepare_invoke();
         inv.key(&key)
+            .arg("refund")
             .arg(req.limit.per_unit)
             .arg(req.limit.rate)
             .arg(req.cost);
@@ -659,8 +640,8 @@ impl RedisStore {
 
     pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
         let k = budget_key(key);
-        let mut inv = self.scripts.peek.prepare_invoke();
-        inv.key(&k).arg(limit.rate);
+        let mut inv = self.script.prepare_invoke();
+        inv.key(&k).arg("peek").arg(limit.rate);
         let level: i64 = self.call(inv).await.ok()?;
         let level = level.max(0) as u64;
         Some(BudgetView {
