@@ -83,41 +83,19 @@ async fn two_gateways_share_an_in_flight_cap() {
     let limits = |queue: &str| {
         format!("rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 5{queue}}}\n")
     };
-    let send_20 = |gws: &[Gateway]| {
+    async fn send_20(gws: &[Gateway]) -> Vec<u16> {
         let c = client();
-        let urls: Vec<String> = (0..20)
-            .map(|i| gws[i % 2].url("/reports/generate"))
-            .collect();
-        async move {
-            let futs = urls.into_iter().enumerate().map(|(i, u)| {
-                let c = c.clone();
-                async move {
-                    c.post(u)
-                        .header("X-API-Key", format!("k{i}"))
-                        .send()
-                        .await
-                        .unwrap()
-                        .status()
-                        .as_u16()
-                }
-            });
-            futures_util::future::join_all(futs).await
-        }
-    };
-
+        let rs = all_at_once(20, |i| {
+            c.post(gws[i % 2].url("/reports/generate"))
+                .header("X-API-Key", format!("k{i}"))
+        })
+        .await;
+        sorted_statuses(&rs)
+    }
     // Without a queue: 5 run, 15 are told the route is busy.
     let gws = fleet(&up, 2, &redis_body(&redis, "deny", 2, &limits("")));
     let statuses = send_20(&gws).await;
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 200).count(),
-        5,
-        "{statuses:?}"
-    );
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 503).count(),
-        15,
-        "{statuses:?}"
-    );
+    assert_eq!(statuses, [vec![200; 5], vec![503; 15]].concat());
     assert_eq!(up.max_concurrent("/reports/generate"), 5);
     drop(gws);
 
@@ -715,12 +693,11 @@ async fn concurrent_requests_share_connections() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     for _round in 0..5 {
-        let futs = (0..64).map(|i| {
-            let c = c.clone();
-            let url = gw.url("/items");
-            async move { get(&c, url, &format!("k{i}")).await.status().as_u16() }
-        });
-        let statuses = futures_util::future::join_all(futs).await;
+        let rs = all_at_once(64, |i| {
+            c.get(gw.url("/items")).header("X-API-Key", format!("k{i}"))
+        })
+        .await;
+        let statuses = sorted_statuses(&rs);
         assert_eq!(statuses, vec![200; 64]);
     }
     // One multiplexed connection per proxy worker thread (2 here), not one per request.

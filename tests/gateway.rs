@@ -472,18 +472,11 @@ async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let futs = (0..6).map(|i| {
-        let c = c.clone();
-        let url = gw.url("/reports/generate");
-        async move {
-            c.post(url)
-                .header("X-API-Key", format!("k{i}"))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
-    let rs = futures_util::future::join_all(futs).await;
+    let rs = all_at_once(6, |i| {
+        c.post(gw.url("/reports/generate"))
+            .header("X-API-Key", format!("k{i}"))
+    })
+    .await;
     let mut ok = 0;
     let mut busy = 0;
     for r in rs {
@@ -517,21 +510,13 @@ async fn route_cap_with_queue_admits_everyone_in_turn() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let futs = (0..8).map(|i| {
-        let c = c.clone();
-        let url = gw.url("/reports/generate");
-        async move {
-            c.post(url)
-                .header("X-API-Key", format!("k{i}"))
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
-    });
     let t = Instant::now();
-    let statuses = futures_util::future::join_all(futs).await;
+    let rs = all_at_once(8, |i| {
+        c.post(gw.url("/reports/generate"))
+            .header("X-API-Key", format!("k{i}"))
+    })
+    .await;
+    let statuses = sorted_statuses(&rs);
     assert_eq!(statuses, vec![200; 8]);
     // 8 requests, 2 at a time, 300 ms each: at least 4 rounds.
     assert!(

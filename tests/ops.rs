@@ -455,25 +455,8 @@ async fn demo_shows_a_503_and_a_429() {
     let c = client();
     let url = format!("http://127.0.0.1:{port}/reports/generate");
     // The README's session: 8 reports at once, twice, then another key.
-    let batch = || {
-        let futs = (0..8).map(|_| {
-            let c = c.clone();
-            let url = url.clone();
-            async move {
-                c.post(url)
-                    .header("X-API-Key", "demo-key")
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-                    .as_u16()
-            }
-        });
-        async move {
-            let mut s = futures_util::future::join_all(futs).await;
-            s.sort();
-            s
-        }
+    let batch = || async {
+        sorted_statuses(&all_at_once(8, |_| c.post(&url).header("X-API-Key", "demo-key")).await)
     };
     assert_eq!(batch().await, vec![200, 200, 200, 200, 200, 503, 503, 503]);
     assert_eq!(batch().await, vec![200, 429, 429, 429, 429, 429, 429, 429]);

@@ -435,6 +435,25 @@ pub fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// Sends `n` requests at once (`make(i)` builds the i-th) and returns the responses in order.
+pub async fn all_at_once(
+    n: usize,
+    make: impl Fn(usize) -> reqwest::RequestBuilder,
+) -> Vec<reqwest::Response> {
+    let sends = (0..n).map(|i| {
+        let rb = make(i);
+        async move { rb.send().await.unwrap() }
+    });
+    futures_util::future::join_all(sends).await
+}
+
+/// The status codes of `responses`, sorted.
+pub fn sorted_statuses(responses: &[reqwest::Response]) -> Vec<u16> {
+    let mut s: Vec<u16> = responses.iter().map(|r| r.status().as_u16()).collect();
+    s.sort();
+    s
+}
+
 pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
     r.headers()
         .get(name)
