@@ -95,7 +95,7 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
     };
     let route = cfg.router.classify(&method, &normalized).route;
     let _ = writeln!(out, "request:      {method} {path}");
-    if normalized != raw_path {
+    if matches!(normalized, std::borrow::Cow::Owned(_)) {
         let _ = writeln!(
             out,
             "normalized:   {normalized}  (what the upstream receives)"

@@ -6,6 +6,7 @@
 //! `logging` — which Pingora runs for every request, whatever happened — releases slots,
 //! records metrics and writes the access log.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -158,20 +159,25 @@ impl ProxyHttp for Gateway {
         ctx.config = Some(cfg.clone());
 
         // 1. Normalize: the route is chosen from, and the upstream receives, the canonical path.
-        let raw_path = session.req_header().uri.path();
-        let path = match normalize_path(raw_path) {
-            Ok(p) => p,
+        let req = session.req_header();
+        let route = match normalize_path(req.uri.path()) {
+            Ok(path) => {
+                let route = cfg
+                    .router
+                    .classify(req.method.as_str(), &path)
+                    .route
+                    .clone();
+                if let Cow::Owned(p) = path {
+                    ctx.forward_path = Some(p);
+                }
+                route
+            }
             Err(e) => {
                 ctx.route = Some(cfg.router.default_route().clone());
                 return respond_problem(session, ctx, Problem::BadPath, &e.to_string(), None).await;
             }
         };
-        let method = session.req_header().method.as_str();
-        let route = cfg.router.classify(method, &path).route.clone();
         ctx.route = Some(route.clone());
-        if path != raw_path {
-            ctx.forward_path = Some(path);
-        }
 
         // 2. Identify. The raw key never leaves this block.
         let id = {

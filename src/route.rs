@@ -5,6 +5,7 @@
 //! `/reports/%67enerate` cannot dodge a cost), and [`Router::classify`] finds the most specific
 //! endpoint pattern for it.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,10 +63,14 @@ fn is_unreserved(b: u8) -> bool {
 /// - encoded `/` or `\`, backslashes, NUL and control characters are refused;
 /// - `//` collapses, `.` and `..` segments resolve (never above the root);
 /// - a trailing `/` is dropped (`/reports/generate/` is `/reports/generate`).
-pub fn normalize_path(path: &str) -> Result<String, BadPath> {
+pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     let bytes = path.as_bytes();
     if bytes.first() != Some(&b'/') {
         return Err(BadPath::NotAbsolute);
+    }
+    if is_canonical(bytes) {
+        // The common case: nothing to decode, refuse or resolve, and no allocation.
+        return Ok(Cow::Borrowed(path));
     }
     // Pass 1: decode what may be decoded, refuse what can't be classified.
     let mut decoded = Vec::with_capacity(bytes.len());
@@ -126,7 +131,31 @@ pub fn normalize_path(path: &str) -> Result<String, BadPath> {
         // Only ASCII bytes were decoded; the rest came from a valid &str.
         s.push_str(std::str::from_utf8(seg).map_err(|_| BadPath::BadEncoding)?);
     }
-    Ok(s)
+    Ok(Cow::Owned(s))
+}
+
+/// True when `normalize_path` would return the path unchanged: no escapes, backslashes or
+/// control characters, no empty, `.` or `..` segment, no trailing `/`.
+fn is_canonical(bytes: &[u8]) -> bool {
+    let mut prev = 0u8;
+    // Dots since the last '/', or -1 once the segment has another byte: a segment of exactly
+    // one or two dots is `.` or `..`.
+    let mut dots = 0;
+    for &b in bytes {
+        match b {
+            b'%' | b'\\' | 0..=0x1f | 0x7f => return false,
+            b'/' => {
+                if prev == b'/' || dots == 1 || dots == 2 {
+                    return false;
+                }
+                dots = 0;
+            }
+            b'.' if dots >= 0 => dots += 1,
+            _ => dots = -1,
+        }
+        prev = b;
+    }
+    !(dots == 1 || dots == 2 || (prev == b'/' && bytes.len() > 1))
 }
 
 /// How specific a pattern is: exact > template > tail, then more literal characters, then a
@@ -324,7 +353,7 @@ fn check_pattern(path: &str) -> Result<(), String> {
             }
         }
     }
-    match normalize_path(&path.replace(['{', '}', '*'], "x")) {
+    match normalize_path(&path.replace(['{', '}', '*'], "x")).map(|_| ()) {
         Ok(_) => Ok(()),
         Err(e) => Err(format!("{e}: \"{path}\"")),
     }
@@ -336,7 +365,7 @@ mod tests {
 
     #[test]
     fn normalization() {
-        let ok = |p: &str| normalize_path(p).unwrap();
+        let ok = |p: &str| normalize_path(p).unwrap().into_owned();
         assert_eq!(ok("/reports/generate"), "/reports/generate");
         assert_eq!(ok("/reports//generate"), "/reports/generate");
         assert_eq!(ok("/reports/./generate"), "/reports/generate");
@@ -351,6 +380,35 @@ mod tests {
         assert_eq!(ok("/caf%c3%a9"), "/caf%C3%A9");
         assert_eq!(ok("/a%20b"), "/a%20b");
         assert_eq!(ok("/ünï"), "/ünï");
+    }
+
+    #[test]
+    fn canonical_fast_path_agrees() {
+        for p in [
+            "/",
+            "/a",
+            "/a/b",
+            "/a.b/c",
+            "/.well-known/x",
+            "/a/..b",
+            "/a/b..",
+            "/a/.b/",
+            "//",
+            "/a//b",
+            "/a/./b",
+            "/a/../b",
+            "/a/.",
+            "/a/..",
+            "/a/",
+            "/.",
+            "/..",
+            "/a/b/c.d",
+            "/...",
+        ] {
+            let fast = is_canonical(p.as_bytes());
+            let slow = normalize_path(p).map(|c| c.into_owned());
+            assert_eq!(fast, slow.as_deref() == Ok(p), "{p}: {slow:?}");
+        }
     }
 
     #[test]

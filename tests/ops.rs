@@ -433,7 +433,7 @@ fn cli_check_and_explain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_shows_a_503_and_a_429() {
     let (port, admin, upstream) = (free_port(), free_port(), free_port());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args([
             "demo",
             "--listen",
@@ -447,6 +447,7 @@ async fn demo_shows_a_503_and_a_429() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let _child = Reap(child);
     let start = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(start.elapsed() < Duration::from_secs(15));
@@ -468,8 +469,6 @@ async fn demo_shows_a_503_and_a_429() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("119"));
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -508,7 +507,7 @@ async fn prometheus_scrapes_the_429s() {
         ),
     )
     .unwrap();
-    let mut prom = Command::new("prometheus")
+    let prom = Command::new("prometheus")
         .arg(format!(
             "--config.file={}",
             dir.path().join("prometheus.yml").display()
@@ -522,6 +521,7 @@ async fn prometheus_scrapes_the_429s() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let _prom = Reap(prom);
     let query = format!(
         "http://127.0.0.1:{prom_port}/api/v1/query?query=sum(tollgate_rejections_total%7Breason%3D%22budget%22%7D)"
     );
@@ -540,7 +540,5 @@ async fn prometheus_scrapes_the_429s() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    let _ = prom.kill();
-    let _ = prom.wait();
     assert_eq!(value, "4");
 }

@@ -12,6 +12,16 @@ use std::time::{Duration, Instant};
 
 use tollgate::sample_api::{PathStats, SampleApi};
 
+/// Kills a child process when dropped, so a failing assertion leaves nothing running.
+pub struct Reap(pub Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
