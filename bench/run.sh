@@ -1,0 +1,516 @@
+#!/usr/bin/env bash
+# bench/run.sh — one benchmark run of tollgate against nginx, on loopback only.
+#
+# Starts (all on 127.0.0.1, free ports, everything in a temp dir):
+#   upstream  nginx `return 200` with a small body, 1 worker, keepalive
+#   (a) the upstream direct
+#   (b) nginx proxy_pass to the upstream, upstream keepalive, worker_processes 1
+#   (c) tollgate, store.backend memory, server.threads 1, RUST_LOG=warn (no access log)
+#   (d) tollgate, store.backend redis (a redis-server started here), threads 1, RUST_LOG=warn
+#   (e) tollgate memory as (c) but RUST_LOG=info: the access log on (written to a file)
+#   (f) only with --preload LIB: tollgate memory as (c) with LD_PRELOAD=LIB (another malloc,
+#       e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2), to price the allocator without a rebuild
+# and measures each with wrk at fixed connections and duration, ROUNDS times interleaved
+# (a b c d e, a b c d e, ...), then prints a markdown table of medians, the tollgate/nginx
+# ratios, Redis round trips per request and Redis bytes per budget key.
+#
+# Everything it starts is stopped at exit, Ctrl-C included. No traffic leaves 127.0.0.1, and
+# every load is bounded by wrk's -d (and a `timeout` around it).
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: bench/run.sh [options]
+  --no-build          use the existing target/release/tollgate (default: cargo build --release)
+  -c, --connections N wrk connections                      (env CONNS, default 64)
+  -d, --duration S    seconds per measurement              (env DURATION, default 10)
+  -t, --threads N     wrk threads                          (env WRK_THREADS, default 1)
+  -r, --rounds N      interleaved rounds; median reported  (env ROUNDS, default 3)
+  -k, --keys N        distinct API keys (wrk lua script);
+                      1 = one static X-API-Key header      (env KEYS, default 1000)
+  -w, --warmup S      warm-up seconds per target, not measured (env WARMUP, default 2)
+      --no-info-log   skip (e), the RUST_LOG=info run
+      --preload LIB   add (f): tollgate memory store with LD_PRELOAD=LIB (an allocator)
+      --only "b c f"  measure only these configurations (letters above)
+      --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
+  -h, --help
+EOF
+}
+
+CONNS=${CONNS:-64}
+DURATION=${DURATION:-10}
+WRK_THREADS=${WRK_THREADS:-1}
+ROUNDS=${ROUNDS:-3}
+KEYS=${KEYS:-1000}
+WARMUP=${WARMUP:-2}
+BUILD=1
+WITH_INFO=1
+PRELOAD=""
+ONLY=""
+OUT=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --no-build) BUILD=0 ;;
+    -c|--connections) CONNS=$2; shift ;;
+    -d|--duration) DURATION=$2; shift ;;
+    -t|--threads) WRK_THREADS=$2; shift ;;
+    -r|--rounds) ROUNDS=$2; shift ;;
+    -k|--keys) KEYS=$2; shift ;;
+    -w|--warmup) WARMUP=$2; shift ;;
+    --no-info-log) WITH_INFO=0 ;;
+    --preload) PRELOAD=$2; shift ;;
+    --only) ONLY=$2; shift ;;
+    --out) OUT=$2; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+for v in CONNS DURATION WRK_THREADS ROUNDS KEYS WARMUP; do
+  [[ ${!v} =~ ^[0-9]+$ && ${!v} -ge 0 ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
+done
+[[ $CONNS -ge 1 && $DURATION -ge 1 && $WRK_THREADS -ge 1 && $ROUNDS -ge 1 && $KEYS -ge 1 ]] ||
+  { echo "connections, duration, threads, rounds and keys must be >= 1" >&2; exit 2; }
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BIN=${TOLLGATE_BIN:-$ROOT/target/release/tollgate}
+NGINX=${NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}
+for tool in "$NGINX" wrk redis-server redis-cli curl awk sort; do
+  command -v "$tool" >/dev/null || { echo "missing tool: $tool" >&2; exit 1; }
+done
+
+log() { echo "[bench] $*" >&2; }
+
+# ---------------------------------------------------------------------------------------------
+# Processes we start, and their cleanup (on any exit, Ctrl-C included).
+PIDS=()
+WRK_PID=""
+if [[ -n $OUT ]]; then
+  mkdir -p "$OUT"
+  TMP=$(cd "$OUT" && pwd)
+else
+  TMP=$(mktemp -d "${TMPDIR:-/tmp}/tollgate-bench.XXXXXX")
+fi
+# nginx workers drop to `nobody` when started as root: they must be able to enter the dir.
+chmod 755 "$TMP"
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [[ -n $WRK_PID ]]; then kill "$WRK_PID" 2>/dev/null || true; fi
+  local pid
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  if [[ -z $OUT ]]; then rm -rf "$TMP"; else log "kept outputs in $TMP"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# A free loopback port (not listening now, and not handed out before in this run).
+USED_PORTS=" "
+free_port() {
+  local p
+  for _ in $(seq 200); do
+    p=$((20000 + RANDOM % 30000))
+    [[ $USED_PORTS == *" $p "* ]] && continue
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+      USED_PORTS+="$p "
+      echo "$p"
+      return
+    fi
+  done
+  echo "no free port found" >&2
+  return 1
+}
+
+# Waits (bounded) until URL answers 200 with the bench key.
+wait_http() {
+  local url=$1 what=$2
+  for _ in $(seq 100); do
+    if [[ $(curl -s -o /dev/null -w '%{http_code}' -m 1 -H 'X-API-Key: bench-key-0001' "$url" || true) == 200 ]]; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "$what did not answer 200 at $url; logs in $TMP" >&2
+  [[ -z $OUT ]] && for f in "$TMP"/*.log "$TMP"/*/*.log; do [[ -f $f ]] && { echo "== $f" >&2; tail -20 "$f" >&2; }; done
+  return 1
+}
+
+# ---------------------------------------------------------------------------------------------
+# Build.
+if [[ $BUILD == 1 ]]; then
+  log "cargo build --release"
+  (cd "$ROOT" && cargo build --release --bin tollgate) >&2
+fi
+[[ -x $BIN ]] || { echo "no binary at $BIN (build it, or drop --no-build)" >&2; exit 1; }
+
+UP_PORT=$(free_port); PX_PORT=$(free_port); RD_PORT=$(free_port)
+TM_PORT=$(free_port); TM_ADMIN=$(free_port)
+TR_PORT=$(free_port); TR_ADMIN=$(free_port)
+TI_PORT=$(free_port); TI_ADMIN=$(free_port)
+TP_PORT=$(free_port); TP_ADMIN=$(free_port)
+if [[ -n $PRELOAD && ! -r $PRELOAD ]]; then echo "--preload: cannot read $PRELOAD" >&2; exit 1; fi
+PATH_UNDER_TEST=/api/items/42
+
+# ---------------------------------------------------------------------------------------------
+# nginx: the upstream, and the nginx proxy (b). Temp, pid and log paths in $TMP.
+nginx_conf() { # name listen-port server-block-body
+  local dir=$TMP/$1
+  mkdir -p "$dir/tmp"
+  chmod 755 "$dir" "$dir/tmp"
+  cat >"$dir/nginx.conf" <<EOF
+worker_processes 1;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/tmp/body;
+  proxy_temp_path $dir/tmp/proxy;
+  fastcgi_temp_path $dir/tmp/fastcgi;
+  uwsgi_temp_path $dir/tmp/uwsgi;
+  scgi_temp_path $dir/tmp/scgi;
+  keepalive_timeout 75s;
+  keepalive_requests 1000000;
+$3
+}
+EOF
+}
+start_nginx() { # name → the master's pid in NGINX_PID
+  local dir=$TMP/$1
+  "$NGINX" -t -q -p "$dir" -e "$dir/error.log" -c "$dir/nginx.conf" >&2
+  "$NGINX" -p "$dir" -e "$dir/error.log" -c "$dir/nginx.conf" -g 'daemon off;' >>"$dir/stdout.log" 2>&1 &
+  NGINX_PID=$!
+  PIDS+=("$NGINX_PID")
+}
+
+nginx_conf upstream "$UP_PORT" "
+  server {
+    listen 127.0.0.1:$UP_PORT;
+    location / {
+      default_type application/json;
+      return 200 '{\"id\":42,\"name\":\"widget\",\"ok\":true}\n';
+    }
+  }"
+# (b): what tollgate does besides charging: proxy with a keepalive pool and X-Forwarded-* headers.
+nginx_conf proxy "$PX_PORT" "
+  upstream backend {
+    server 127.0.0.1:$UP_PORT;
+    keepalive 128;
+    keepalive_requests 1000000;
+  }
+  server {
+    listen 127.0.0.1:$PX_PORT;
+    location / {
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection \"\";
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+    }
+  }"
+
+log "starting upstream nginx on :$UP_PORT and nginx proxy on :$PX_PORT"
+start_nginx upstream; UP_PID=$NGINX_PID
+start_nginx proxy;    PX_PID=$NGINX_PID
+wait_http "http://127.0.0.1:$UP_PORT$PATH_UNDER_TEST" "upstream nginx"
+wait_http "http://127.0.0.1:$PX_PORT$PATH_UNDER_TEST" "nginx proxy"
+
+# ---------------------------------------------------------------------------------------------
+# redis-server for (d).
+mkdir -p "$TMP/redis"
+log "starting redis-server on :$RD_PORT"
+redis-server --port "$RD_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+  --dir "$TMP/redis" --logfile "$TMP/redis/redis.log" --daemonize no &
+RD_PID=$!
+PIDS+=("$RD_PID")
+for _ in $(seq 100); do
+  [[ $(redis-cli -p "$RD_PORT" ping 2>/dev/null || true) == PONG ]] && break
+  sleep 0.1
+done
+[[ $(redis-cli -p "$RD_PORT" ping 2>/dev/null || true) == PONG ]] || { echo "redis-server did not start" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------------
+# tollgate configs: a budget so large nothing is refused; one route matches the path under test.
+tollgate_conf() { # file port admin store-yaml budget-yaml
+  cat >"$1" <<EOF
+server:
+  listen: "127.0.0.1:$2"
+  admin_listen: "127.0.0.1:$3"
+  threads: 1
+  grace_period: 1s
+upstream:
+  url: "http://127.0.0.1:$UP_PORT"
+store:
+$4
+rate_limits:
+  default: $5
+  endpoints:
+    /reports/generate: {cost: 20, max_in_flight: 5, queue_timeout: 2s}
+    /exports/bulk: {cost: 15}
+    /analytics/query: {cost: 10}
+    "GET /reports/{id}": {cost: 1}
+    "GET /api/items/{id}": {cost: 1}
+EOF
+}
+BENCH_BUDGET='{cost: 1, window: 1s, max_cost: 100000000}'
+MEM_STORE='  backend: memory'
+REDIS_STORE="  backend: redis
+  url: \"redis://127.0.0.1:$RD_PORT/0\"
+  timeout: 50ms"
+tollgate_conf "$TMP/tollgate-memory.yaml" "$TM_PORT" "$TM_ADMIN" "$MEM_STORE" "$BENCH_BUDGET"
+tollgate_conf "$TMP/tollgate-redis.yaml" "$TR_PORT" "$TR_ADMIN" "$REDIS_STORE" "$BENCH_BUDGET"
+tollgate_conf "$TMP/tollgate-info.yaml" "$TI_PORT" "$TI_ADMIN" "$MEM_STORE" "$BENCH_BUDGET"
+tollgate_conf "$TMP/tollgate-preload.yaml" "$TP_PORT" "$TP_ADMIN" "$MEM_STORE" "$BENCH_BUDGET"
+
+start_tollgate() { # name rust_log [LD_PRELOAD]
+  # stderr in append mode, so that truncating the file between runs keeps it small.
+  if [[ -n ${3:-} ]]; then
+    LD_PRELOAD=$3 RUST_LOG=$2 "$BIN" run -c "$TMP/tollgate-$1.yaml" >>"$TMP/tollgate-$1.log" 2>&1 &
+  else
+    RUST_LOG=$2 "$BIN" run -c "$TMP/tollgate-$1.yaml" >>"$TMP/tollgate-$1.log" 2>&1 &
+  fi
+  PIDS+=($!)
+}
+log "starting tollgate memory :$TM_PORT, redis :$TR_PORT$([[ $WITH_INFO == 1 ]] && echo ", memory+info-log :$TI_PORT")"
+start_tollgate memory warn;  TM_PID=${PIDS[-1]}
+start_tollgate redis warn;   TR_PID=${PIDS[-1]}
+TI_PID=""
+if [[ $WITH_INFO == 1 ]]; then start_tollgate info info; TI_PID=${PIDS[-1]}; fi
+TP_PID=""
+if [[ -n $PRELOAD ]]; then start_tollgate preload warn "$PRELOAD"; TP_PID=${PIDS[-1]}; fi
+wait_http "http://127.0.0.1:$TM_PORT$PATH_UNDER_TEST" "tollgate (memory)"
+wait_http "http://127.0.0.1:$TR_PORT$PATH_UNDER_TEST" "tollgate (redis)"
+[[ -n $TI_PID ]] && wait_http "http://127.0.0.1:$TI_PORT$PATH_UNDER_TEST" "tollgate (memory, info log)"
+[[ -n $TP_PID ]] && wait_http "http://127.0.0.1:$TP_PORT$PATH_UNDER_TEST" "tollgate (memory, LD_PRELOAD)"
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helpers.
+NAMES=(a b c d)
+[[ $WITH_INFO == 1 ]] && NAMES+=(e)
+[[ -n $PRELOAD ]] && NAMES+=(f)
+if [[ -n $ONLY ]]; then
+  KEEP=()
+  for n in "${NAMES[@]}"; do [[ " $ONLY " == *" $n "* ]] && KEEP+=("$n"); done
+  [[ ${#KEEP[@]} -gt 0 ]] || { echo "--only '$ONLY' selects nothing from: ${NAMES[*]}" >&2; exit 2; }
+  NAMES=("${KEEP[@]}")
+fi
+has() { [[ " ${NAMES[*]} " == *" $1 "* ]]; }
+declare -A LABEL PORT PIDOF
+LABEL[a]="a. upstream direct (nginx return 200)";        PORT[a]=$UP_PORT; PIDOF[a]=$UP_PID
+LABEL[b]="b. nginx proxy_pass, keepalive, 1 worker";     PORT[b]=$PX_PORT; PIDOF[b]=$PX_PID
+LABEL[c]="c. tollgate, memory store, threads 1";         PORT[c]=$TM_PORT; PIDOF[c]=$TM_PID
+LABEL[d]="d. tollgate, redis store, threads 1";          PORT[d]=$TR_PORT; PIDOF[d]=$TR_PID
+LABEL[e]="e. tollgate, memory store, RUST_LOG=info";     PORT[e]=$TI_PORT; PIDOF[e]=$TI_PID
+LABEL[f]="f. tollgate, memory store, LD_PRELOAD=$(basename "${PRELOAD:-none}")"; PORT[f]=$TP_PORT; PIDOF[f]=$TP_PID
+
+WRK_KEY_ARGS=()
+if [[ $KEYS -gt 1 ]]; then
+  WRK_KEY_ARGS=(-s "$ROOT/bench/keys.lua")
+else
+  WRK_KEY_ARGS=(-H 'X-API-Key: bench-key-0001')
+fi
+
+run_wrk() { # name seconds outfile
+  local url="http://127.0.0.1:${PORT[$1]}$PATH_UNDER_TEST"
+  TG_KEYS=$KEYS timeout $(($2 + 30)) wrk -t "$WRK_THREADS" -c "$CONNS" -d "${2}s" --timeout 5s --latency \
+    "${WRK_KEY_ARGS[@]}" "$url" >"$3" 2>&1 &
+  WRK_PID=$!
+  wait "$WRK_PID" || { echo "wrk failed for $1; output:" >&2; cat "$3" >&2; exit 1; }
+  WRK_PID=""
+}
+
+# CPU ticks (utime+stime, all threads) of a process and its children (nginx master + workers).
+cpu_ticks() {
+  local pid=$1 total=0 p
+  for p in "$pid" $(pgrep -P "$pid" || true); do
+    [[ -r /proc/$p/stat ]] || continue
+    # fields after the ")" of comm: utime is the 12th, stime the 13th
+    total=$((total + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12 + $13}')))
+  done
+  echo "$total"
+}
+CLK_TCK=$(getconf CLK_TCK)
+
+# Parses wrk --latency output: "rps p50_us p99_us requests errors non2xx".
+parse_wrk() {
+  awk '
+    function us(v) {
+      if (v ~ /us$/) { sub(/us$/, "", v); return v + 0 }
+      if (v ~ /ms$/) { sub(/ms$/, "", v); return v * 1000 }
+      if (v ~ /m$/)  { sub(/m$/, "", v);  return v * 60000000 }
+      if (v ~ /s$/)  { sub(/s$/, "", v);  return v * 1000000 }
+      return v + 0
+    }
+    /^Requests\/sec:/                 { rps = $2 }
+    $1 == "50%" && !p50               { p50 = us($2) }
+    $1 == "99%" && !p99               { p99 = us($2) }
+    / requests in /                   { reqs = $1 }
+    /Socket errors:/                  { gsub(",", ""); errs = $4 + $6 + $8 + $10 }
+    /Non-2xx or 3xx responses:/       { non2xx = $NF }
+    END { printf "%s %s %s %s %d %d\n", rps, p50, p99, reqs, errs, non2xx }
+  ' "$1"
+}
+
+redis_cmdstats() { # "command calls" lines (INFO itself excluded)
+  redis-cli -p "$RD_PORT" INFO commandstats | tr -d '\r' | awk -F'[:,=]' '
+    /^cmdstat_/ { cmd = $1; sub("cmdstat_", "", cmd); if (cmd != "info") print cmd, $3 }'
+}
+requests_total() { # sum of tollgate_requests_total over all series
+  curl -s -m 2 "http://127.0.0.1:$1/metrics" | awk '/^tollgate_requests_total\{/ { s += $NF } END { printf "%d\n", s }'
+}
+
+median() { # numbers on stdin → median
+  sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "nan"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up (connections, upstream keepalive pools, Redis script cache), then interleaved rounds.
+if [[ $WARMUP -gt 0 ]]; then
+  for n in "${NAMES[@]}"; do
+    log "warm-up ${WARMUP}s: ${LABEL[$n]}"
+    run_wrk "$n" "$WARMUP" "$TMP/warmup-$n.txt"
+  done
+fi
+[[ -n $TI_PID ]] && : >"$TMP/tollgate-info.log"
+
+declare -A RES CPU
+declare -A RCMD   # Redis calls per command during the (d) runs
+RT_REQS=0
+for r in $(seq "$ROUNDS"); do
+  for n in "${NAMES[@]}"; do
+    log "round $r/$ROUNDS: ${LABEL[$n]} (${DURATION}s, $CONNS connections, $WRK_THREADS wrk thread(s), $KEYS key(s))"
+    if [[ $n == d ]]; then
+      redis_cmdstats >"$TMP/redis-before.txt"
+      q0=$(requests_total "$TR_ADMIN")
+    fi
+    t0=$(cpu_ticks "${PIDOF[$n]}")
+    run_wrk "$n" "$DURATION" "$TMP/wrk-$n-$r.txt"
+    t1=$(cpu_ticks "${PIDOF[$n]}")
+    if [[ $n == d ]]; then
+      redis_cmdstats >"$TMP/redis-after.txt"
+      q1=$(requests_total "$TR_ADMIN")
+      RT_REQS=$((RT_REQS + q1 - q0))
+      while read -r cmd delta; do
+        RCMD[$cmd]=$(( ${RCMD[$cmd]:-0} + delta ))
+      done < <(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - b[$1]; if (d > 0) print $1, d }' \
+                 "$TMP/redis-before.txt" "$TMP/redis-after.txt")
+    fi
+    RES[$n,$r]=$(parse_wrk "$TMP/wrk-$n-$r.txt")
+    read -r rps p50 p99 reqs errs non2xx <<<"${RES[$n,$r]}"
+    # CPU µs of the server under test per request served
+    CPU[$n,$r]=$(awk -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
+    log "  $rps req/s, p50 ${p50}us, p99 ${p99}us, $reqs requests, errors $errs, non-2xx $non2xx, ${CPU[$n,$r]} CPU us/req"
+    [[ $n == e ]] && : >"$TMP/tollgate-info.log"
+  done
+done
+
+# ---------------------------------------------------------------------------------------------
+# Redis memory per budget key. (1) keys written during a short load with the bench budget
+# (they live ~1 ms: sampled atomically inside a script); (2) one key written with a realistic
+# budget (120 units per hour, so it lives 30 s), after a SIGHUP reload of (d)'s config.
+log "sampling Redis MEMORY USAGE of budget keys"
+SAMPLE_LUA="local k = redis.call('RANDOMKEY') if k then return {k, redis.call('MEMORY', 'USAGE', k), redis.call('GET', k)} end return {}"
+run_wrk d 3 "$TMP/wrk-sample.txt" &
+SAMPLER=$!
+BENCH_KEY_SAMPLE=""
+for _ in $(seq 200); do
+  out=$(redis-cli -p "$RD_PORT" EVAL "$SAMPLE_LUA" 0 2>/dev/null | tr '\n' ' ')
+  if [[ $out == t\{* ]]; then BENCH_KEY_SAMPLE=$out; break; fi
+  sleep 0.01
+done
+wait "$SAMPLER" || true
+
+tollgate_conf "$TMP/tollgate-redis.yaml" "$TR_PORT" "$TR_ADMIN" "$REDIS_STORE" '{cost: 1, window: 1h, max_cost: 120}'
+kill -HUP "$TR_PID"
+sleep 1
+REAL_KEY_SAMPLE=""
+if [[ $(curl -s -o /dev/null -w '%{http_code}' -m 2 -H 'X-API-Key: memory-usage-probe' "http://127.0.0.1:$TR_PORT$PATH_UNDER_TEST") == 200 ]]; then
+  k=$(redis-cli -p "$RD_PORT" --scan --pattern 't{*}b' | head -1)
+  if [[ -n $k ]]; then
+    REAL_KEY_SAMPLE="$k $(redis-cli -p "$RD_PORT" MEMORY USAGE "$k") $(redis-cli -p "$RD_PORT" GET "$k") (PTTL $(redis-cli -p "$RD_PORT" PTTL "$k") ms)"
+  fi
+fi
+TM_RSS=$(awk '/VmRSS/ {print $2, $3}' "/proc/$TM_PID/status")
+TR_RSS=$(awk '/VmRSS/ {print $2, $3}' "/proc/$TR_PID/status")
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+field() { # name index(1-based of parse_wrk + cpu) → values of all rounds, one a line
+  local n=$1 i=$2 r
+  for r in $(seq "$ROUNDS"); do
+    if [[ $i == cpu ]]; then echo "${CPU[$n,$r]}"; else echo "${RES[$n,$r]}" | awk -v i="$i" '{print $i}'; fi
+  done
+}
+declare -A MED_RPS MED_P50 MED_P99 MED_CPU
+for n in "${NAMES[@]}"; do
+  MED_RPS[$n]=$(field "$n" 1 | median)
+  MED_P50[$n]=$(field "$n" 2 | median)
+  MED_P99[$n]=$(field "$n" 3 | median)
+  MED_CPU[$n]=$(field "$n" cpu | median)
+done
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+echo
+echo "## tollgate vs nginx — $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+echo
+echo "wrk: $CONNS connections, ${DURATION}s, $WRK_THREADS thread(s), GET $PATH_UNDER_TEST, $([[ $KEYS -gt 1 ]] && echo "$KEYS API keys (bench/keys.lua)" || echo "one API key (-H)"); median of $ROUNDS interleaved runs; access logs off unless stated."
+echo
+echo "| configuration | req/s | p50 ms | p99 ms | req/s of each run | errors / non-2xx | server CPU µs/req |"
+echo "|---|---:|---:|---:|---|---:|---:|"
+for n in "${NAMES[@]}"; do
+  runs=$(field "$n" 1 | awk '{printf "%s%.0f", (NR > 1 ? ", " : ""), $1}')
+  bad=0
+  for r in $(seq "$ROUNDS"); do bad=$((bad + $(echo "${RES[$n,$r]}" | awk '{print $5 + $6}'))); done
+  printf "| %s | %.0f | %.3f | %.3f | %s | %d | %s |\n" "${LABEL[$n]}" "${MED_RPS[$n]}" \
+    "$(awk -v v="${MED_P50[$n]}" 'BEGIN{print v/1000}')" "$(awk -v v="${MED_P99[$n]}" 'BEGIN{print v/1000}')" \
+    "$runs" "$bad" "${MED_CPU[$n]}"
+done
+echo
+echo "Ratios (median vs median; tollgate / nginx proxy_pass (b)):"
+echo
+echo "| | req/s ratio | p99 ratio |"
+echo "|---|---:|---:|"
+has b && has c && echo "| tollgate memory (c) / nginx (b) | $(ratio "${MED_RPS[c]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[c]}" "${MED_P99[b]}") |"
+has b && has d && echo "| tollgate redis (d) / nginx (b) | $(ratio "${MED_RPS[d]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[d]}" "${MED_P99[b]}") |"
+if has c && has e; then
+  echo "| tollgate memory + access log (e) / no log (c) | $(ratio "${MED_RPS[e]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[e]}" "${MED_P99[c]}") |"
+fi
+if has f && has c; then
+  echo "| tollgate memory + $(basename "$PRELOAD") (f) / glibc malloc (c) | $(ratio "${MED_RPS[f]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[f]}" "${MED_P99[c]}") |"
+fi
+if has f && has b; then
+  echo "| tollgate memory + $(basename "$PRELOAD") (f) / nginx (b) | $(ratio "${MED_RPS[f]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[f]}" "${MED_P99[b]}") |"
+fi
+echo
+echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx proxy's master+worker for (b), tollgate for (c)-(f), not redis-server or wrk — divided by the requests wrk completed."
+echo
+# Commands a client sends; the rest (TIME, GET, SET, ZCOUNT...) run inside the scripts, which
+# Redis counts in commandstats too. A round trip is one of the former.
+RT=0; RT_DETAIL=""; INNER_DETAIL=""
+for cmd in $(printf '%s\n' "${!RCMD[@]}" | sort); do
+  per=$(awk -v a="${RCMD[$cmd]}" -v q="$RT_REQS" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }')
+  case $cmd in
+    evalsha|eval|evalsha_ro|eval_ro|fcall|script|ping|hello|client|select|auth)
+      RT=$((RT + RCMD[$cmd])); RT_DETAIL+="${cmd} ${RCMD[$cmd]} (${per}/req), " ;;
+    *) INNER_DETAIL+="${cmd} ${per}/req, " ;;
+  esac
+done
+if has d; then
+  echo "Redis round trips during the (d) runs: ${RT_DETAIL%, } for $RT_REQS requests served (tollgate_requests_total) →" \
+    "**$(awk -v a="$RT" -v q="$RT_REQS" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }') round trips per request**." \
+    "Commands run inside the scripts: ${INNER_DETAIL%, }."
+  echo
+fi
+echo "Redis MEMORY USAGE of a budget key: during load (bench budget, key value): ${BENCH_KEY_SAMPLE:-not caught};" \
+  "realistic budget (120 per 1h): ${REAL_KEY_SAMPLE:-n/a}."
+echo
+echo "tollgate RSS after the runs: memory store $TM_RSS, redis store $TR_RSS."
