@@ -244,6 +244,9 @@ pub fn run_with(
     let tag = std::process::id();
     let conf = ServerConf {
         threads,
+        // One single-threaded runtime per worker: no cross-thread wake-ups on the hot path, and
+        // each worker's Redis connection lives on the runtime that uses it.
+        work_stealing: false,
         grace_period_seconds: Some(grace.as_secs() + 1),
         graceful_shutdown_timeout_seconds: Some(1),
         // Trusted CAs for https upstreams (Pingora's connector reads this once, at start).

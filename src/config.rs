@@ -368,6 +368,8 @@ pub struct Policy {
     pub max_in_flight_per_key: Option<u32>,
     /// The GCRA parameters derived from the fields above.
     pub limit: Limit,
+    /// Its `RateLimit-Policy` and `X-RateLimit-Limit` values, formatted once.
+    pub headers: crate::problem::PolicyHeaders,
 }
 
 /// One entry of the key registry.
@@ -392,6 +394,8 @@ pub struct UpstreamTarget {
     pub port: u16,
     /// `host:port` as it goes in the `Host` header (port omitted when it is the scheme's default).
     pub authority: String,
+    /// `authority` as a header value, made once.
+    pub host_header: http::HeaderValue,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
     pub ca_file: Option<String>,
@@ -593,6 +597,8 @@ impl Config {
                     tls,
                     host,
                     port,
+                    host_header: http::HeaderValue::from_str(&authority)
+                        .unwrap_or_else(|_| http::HeaderValue::from_static("")),
                     authority,
                     connect_timeout: raw.upstream.connect_timeout.0,
                     read_timeout: raw.upstream.read_timeout.0,
@@ -962,6 +968,7 @@ fn build_policy(
             max_delay,
             max_in_flight_per_key,
             limit,
+            headers: crate::problem::PolicyHeaders::new(name, max_cost as u64, window),
         }),
         Err(m) => {
             err(format!("{base}.max_cost"), m);

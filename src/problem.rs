@@ -2,6 +2,8 @@
 //! DESIGN §3 (IETF draft-ietf-httpapi-ratelimit-headers plus the de-facto `X-RateLimit-*`).
 
 use crate::budget::{self, Outcome};
+use http::HeaderValue;
+
 use crate::config::Policy;
 
 /// Base of every problem `type` URI; the last segment is what clients match on.
@@ -100,29 +102,60 @@ pub fn body(
 }
 
 /// `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for a decision under `policy`.
-/// `cost` is the price of the request (charged when admitted, nothing when refused).
+/// `cost` is the price of the request (charged when admitted, nothing when refused). The
+/// policy's own two values are formatted once, when the config is loaded.
 pub fn rate_limit_headers(
     policy: &Policy,
     outcome: &Outcome,
     cost: u64,
-) -> [(&'static str, String); 6] {
-    let window = policy.window.as_millis().div_ceil(1000).max(1);
+) -> [(&'static str, HeaderValue); 6] {
     let reset = budget::reset_secs(outcome.reset_us);
-    let name = &policy.name;
+    let rate_limit = format!("\"{}\";r={};t={reset}", policy.name, outcome.remaining);
     [
-        (
-            "RateLimit-Policy",
-            format!("\"{name}\";q={};w={window}", policy.max_cost),
-        ),
+        ("RateLimit-Policy", policy.headers.policy.clone()),
         (
             "RateLimit",
-            format!("\"{name}\";r={};t={reset}", outcome.remaining),
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(rate_limit))
+                .unwrap_or_else(|_| HeaderValue::from_static("")),
         ),
-        ("X-RateLimit-Limit", policy.max_cost.to_string()),
-        ("X-RateLimit-Remaining", outcome.remaining.to_string()),
-        ("X-RateLimit-Reset", reset.to_string()),
-        ("X-RateLimit-Cost", cost.to_string()),
+        ("X-RateLimit-Limit", policy.headers.limit.clone()),
+        (
+            "X-RateLimit-Remaining",
+            HeaderValue::from(outcome.remaining),
+        ),
+        ("X-RateLimit-Reset", HeaderValue::from(reset)),
+        ("X-RateLimit-Cost", HeaderValue::from(cost)),
     ]
+}
+
+/// A policy's header values that never change: `RateLimit-Policy` and `X-RateLimit-Limit`.
+#[derive(Debug, Clone)]
+pub struct PolicyHeaders {
+    pub policy: HeaderValue,
+    pub limit: HeaderValue,
+}
+
+impl PolicyHeaders {
+    /// Policy names are plan names from the config, which may hold any character: anything a
+    /// header can't carry is replaced.
+    pub fn new(name: &str, max_cost: u64, window: std::time::Duration) -> PolicyHeaders {
+        let window = window.as_millis().div_ceil(1000).max(1);
+        let safe: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_graphic() && c != '"' && c != '\\' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let policy = format!("\"{safe}\";q={max_cost};w={window}");
+        PolicyHeaders {
+            policy: HeaderValue::from_str(&policy).unwrap_or_else(|_| HeaderValue::from_static("")),
+            limit: HeaderValue::from(max_cost),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -140,6 +173,7 @@ mod tests {
             max_delay: Duration::ZERO,
             max_in_flight_per_key: None,
             limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+            headers: PolicyHeaders::new("default", 120, Duration::from_secs(60)),
         };
         let o = Outcome {
             verdict: Verdict::Admit { delay_us: 0 },
@@ -148,8 +182,10 @@ mod tests {
             reset_us: 39_000_001,
         };
         let h = rate_limit_headers(&policy, &o, 20);
-        assert_eq!(h[0], ("RateLimit-Policy", "\"default\";q=120;w=60".into()));
-        assert_eq!(h[1], ("RateLimit", "\"default\";r=40;t=40".into()));
+        assert_eq!(h[0].0, "RateLimit-Policy");
+        assert_eq!(h[0].1, "\"default\";q=120;w=60");
+        assert_eq!(h[1].0, "RateLimit");
+        assert_eq!(h[1].1, "\"default\";r=40;t=40");
         assert_eq!(h[2].1, "120");
         assert_eq!(h[3].1, "40");
         assert_eq!(h[4].1, "40");

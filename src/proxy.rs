@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use async_trait::async_trait;
 use bytes::Bytes;
+use http::HeaderValue;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
@@ -27,7 +28,7 @@ use crate::identity::{self, Identity};
 use crate::problem::{self, Problem};
 use crate::route::{normalize_path, Route};
 use crate::store::{Admission, AdmitRequest, Lease, Store};
-use crate::telemetry::{metrics, Metrics};
+use crate::telemetry::metrics;
 
 /// State shared by every request and the admin listener; the config is swapped on reload.
 pub struct Shared {
@@ -47,7 +48,7 @@ pub struct Gateway {
 pub struct Ctx {
     start: Instant,
     config: Option<Arc<Config>>,
-    route: Option<Route>,
+    route: Option<Arc<Route>>,
     identity: Option<Identity>,
     admit: Option<AdmitRequest>,
     outcome: Option<Outcome>,
@@ -62,12 +63,6 @@ pub struct Ctx {
     charged: bool,
     refund: bool,
     counted: bool,
-}
-
-impl Gateway {
-    fn m(&self) -> &'static Metrics {
-        metrics()
-    }
 }
 
 fn header_str<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a [u8]> {
@@ -120,8 +115,17 @@ async fn respond_problem(
 
 fn add_rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     if let (Some(id), Some(o), Some(r)) = (&ctx.identity, &ctx.outcome, &ctx.route) {
-        for (name, value) in problem::rate_limit_headers(&id.policy, o, r.cost) {
-            h.insert_header(name, value)?;
+        let headers = problem::rate_limit_headers(&id.policy, o, r.cost);
+        // Ours replace any the upstream sent; appending is cheaper when there are none.
+        let replace = headers
+            .iter()
+            .any(|(name, _)| h.headers.contains_key(*name));
+        for (name, value) in headers {
+            if replace {
+                h.insert_header(name, value)?;
+            } else {
+                h.append_header(name, value)?;
+            }
         }
     }
     Ok(())
@@ -226,12 +230,9 @@ impl ProxyHttp for Gateway {
                 ctx.charged = true;
                 ctx.queued = queued;
                 ctx.store_time = elapsed.saturating_sub(queued);
-                let m = self.m();
-                m.in_flight.with_label_values(&[&route.label]).inc();
+                route.metrics.in_flight.inc();
                 if route.max_in_flight.is_some() {
-                    m.queue_wait
-                        .with_label_values(&[&route.label])
-                        .observe(queued.as_secs_f64());
+                    route.metrics.queue_wait.observe(queued.as_secs_f64());
                 }
                 if let Verdict::Admit { delay_us } = outcome.verdict {
                     if delay_us > 0 {
@@ -270,10 +271,7 @@ impl ProxyHttp for Gateway {
                 ctx.outcome = Some(outcome);
                 ctx.queued = queued;
                 ctx.store_time = elapsed.saturating_sub(queued);
-                self.m()
-                    .queue_wait
-                    .with_label_values(&[&route.label])
-                    .observe(queued.as_secs_f64());
+                route.metrics.queue_wait.observe(queued.as_secs_f64());
                 let detail = format!(
                     "{} has {} requests in flight; no slot freed within {} ms",
                     route.label,
@@ -330,27 +328,31 @@ impl ProxyHttp for Gateway {
             upstream.set_uri(uri);
         }
         if let Some(cfg) = &ctx.config {
-            if let Some(host) = upstream.headers.get("host").cloned() {
-                upstream.insert_header("X-Forwarded-Host", host)?;
+            if let Some(host) = upstream.remove_header("host") {
+                upstream.append_header("X-Forwarded-Host", host)?;
             }
-            upstream.insert_header("Host", cfg.upstream.authority.as_str())?;
+            upstream.append_header("Host", cfg.upstream.host_header.clone())?;
         }
         if let Some(ip) = session
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|a| a.ip())
         {
-            let xff = match upstream
+            match upstream
                 .headers
                 .get("x-forwarded-for")
                 .and_then(|v| v.to_str().ok())
             {
-                Some(prev) => format!("{prev}, {ip}"),
-                None => ip.to_string(),
-            };
-            upstream.insert_header("X-Forwarded-For", xff)?;
+                Some(prev) => {
+                    let xff = format!("{prev}, {ip}");
+                    upstream.insert_header("X-Forwarded-For", xff)?;
+                }
+                None => {
+                    upstream.append_header("X-Forwarded-For", ip.to_string())?;
+                }
+            }
         }
-        upstream.insert_header("X-Forwarded-Proto", "http")?;
+        upstream.insert_header("X-Forwarded-Proto", HeaderValue::from_static("http"))?;
         ctx.upstream_start = Some(Instant::now());
         Ok(())
     }
@@ -451,34 +453,30 @@ impl ProxyHttp for Gateway {
             .response_written()
             .map(|r| r.status.as_u16())
             .unwrap_or(0);
-        let m = self.m();
-        let label: &str = ctx.route.as_ref().map(|r| &*r.label).unwrap_or("default");
+        // Requests Pingora refused before `request_filter` count under `default`.
+        let route = match &ctx.route {
+            Some(r) => r.clone(),
+            None => self.shared.config.load().router.default_route().clone(),
+        };
+        let rm = &route.metrics;
         let elapsed = ctx.start.elapsed();
-        m.requests
-            .with_label_values(&[label, &status.to_string()])
-            .inc();
-        m.request_duration
-            .with_label_values(&[label])
-            .observe(elapsed.as_secs_f64());
+        rm.request(status);
+        rm.request_duration.observe(elapsed.as_secs_f64());
         if let Some(u) = ctx.upstream_time {
-            m.upstream_duration
-                .with_label_values(&[label])
-                .observe(u.as_secs_f64());
+            rm.upstream_duration.observe(u.as_secs_f64());
         }
         if ctx.charged {
-            m.in_flight.with_label_values(&[label]).dec();
+            rm.in_flight.dec();
             if !ctx.refund {
-                if let Some(r) = &ctx.route {
-                    m.cost_units.with_label_values(&[label]).inc_by(r.cost);
-                }
+                rm.cost_units.inc_by(route.cost);
             }
         }
         let decision = match ctx.problem {
             Some(p) => match p.reason() {
                 Some(reason) => {
-                    m.rejections.with_label_values(&[label, reason]).inc();
+                    rm.rejection(reason);
                     if let Some(id) = ctx.identity.as_ref().and_then(|i| i.id.as_deref()) {
-                        m.rejections_by_key.with_label_values(&[id]).inc();
+                        metrics().rejections_by_key.with_label_values(&[id]).inc();
                     }
                     reason
                 }
@@ -487,13 +485,13 @@ impl ProxyHttp for Gateway {
             None if ctx.charged => "admitted",
             None => "error",
         };
-        let key = ctx.identity.as_ref().map(|i| i.log_name());
+        // Field expressions are only evaluated when the access log is enabled.
         tracing::info!(
             target: "tollgate::access",
             method = session.req_header().method.as_str(),
-            route = label,
-            key = key.as_deref().unwrap_or("-"),
-            cost = if ctx.charged && !ctx.refund { ctx.route.as_ref().map(|r| r.cost).unwrap_or(0) } else { 0 },
+            route = &*route.label,
+            key = ctx.identity.as_ref().map(|i| i.log_name()).as_deref().unwrap_or("-"),
+            cost = if ctx.charged && !ctx.refund { route.cost } else { 0 },
             decision,
             status,
             latency_ms = elapsed.as_secs_f64() * 1e3,

@@ -9,6 +9,8 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::telemetry::RouteMetrics;
+
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
@@ -20,7 +22,7 @@ pub struct RouteSpec {
 }
 
 /// A route the gateway classifies requests into.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Route {
     /// Stable across reloads: the pattern as written, or `default`. Used as the metrics label
     /// and as the identity of the route's in-flight slots.
@@ -28,6 +30,26 @@ pub struct Route {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    /// The route's metric series, resolved once here rather than per request.
+    pub metrics: RouteMetrics,
+}
+
+impl Route {
+    fn new(
+        label: &str,
+        cost: u64,
+        max_in_flight: Option<u32>,
+        queue_timeout: Duration,
+    ) -> Arc<Route> {
+        let label: Arc<str> = Arc::from(label);
+        Arc::new(Route {
+            metrics: RouteMetrics::new(&label),
+            label,
+            cost,
+            max_in_flight,
+            queue_timeout,
+        })
+    }
 }
 
 /// Why a path cannot be classified safely (→ 400 `bad-path`).
@@ -200,10 +222,10 @@ struct Table {
 /// The endpoint table: one matcher for method-less patterns, one per method.
 #[derive(Clone)]
 pub struct Router {
-    routes: Vec<(Route, Specificity)>,
+    routes: Vec<(Arc<Route>, Specificity)>,
     any: Table,
     by_method: Vec<(String, Table)>,
-    default: Route,
+    default: Arc<Route>,
 }
 
 impl std::fmt::Debug for Router {
@@ -217,7 +239,7 @@ impl std::fmt::Debug for Router {
 /// The result of classifying a request.
 #[derive(Debug, Clone, Copy)]
 pub struct Classified<'a> {
-    pub route: &'a Route,
+    pub route: &'a Arc<Route>,
 }
 
 fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
@@ -272,12 +294,12 @@ impl Router {
                 continue;
             }
             routes.push((
-                Route {
-                    label: Arc::from(spec.pattern.as_str()),
-                    cost: spec.cost,
-                    max_in_flight: spec.max_in_flight,
-                    queue_timeout: spec.queue_timeout,
-                },
+                Route::new(
+                    &spec.pattern,
+                    spec.cost,
+                    spec.max_in_flight,
+                    spec.queue_timeout,
+                ),
                 specificity(path, method.is_some()),
             ));
         }
@@ -291,12 +313,7 @@ impl Router {
                 .into_iter()
                 .map(|(m, router)| (m, Table { router }))
                 .collect(),
-            default: Route {
-                label: Arc::from("default"),
-                cost: default_cost,
-                max_in_flight: None,
-                queue_timeout: Duration::ZERO,
-            },
+            default: Route::new("default", default_cost, None, Duration::ZERO),
         })
     }
 
@@ -326,7 +343,7 @@ impl Router {
     }
 
     /// The default route (no endpoint matched).
-    pub fn default_route(&self) -> &Route {
+    pub fn default_route(&self) -> &Arc<Route> {
         &self.default
     }
 
@@ -334,8 +351,8 @@ impl Router {
     pub fn routes(&self) -> impl Iterator<Item = &Route> {
         self.routes
             .iter()
-            .map(|(r, _)| r)
-            .chain(std::iter::once(&self.default))
+            .map(|(r, _)| &**r)
+            .chain(std::iter::once(&*self.default))
     }
 }
 

@@ -4,11 +4,12 @@
 //! use — so `/metrics` shows both. Names and labels are contract; `route` is always an endpoint
 //! pattern or `default`, and per-key series only ever carry registry ids.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use prometheus::{
     register_histogram, register_histogram_vec, register_int_counter_vec, register_int_gauge,
-    register_int_gauge_vec, Histogram, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+    register_int_gauge_vec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec,
 };
 
 /// Buckets for request, upstream and queue times: 1 ms to 60 s.
@@ -161,6 +162,70 @@ pub fn metrics() -> &'static Metrics {
         }
         m
     })
+}
+
+/// Statuses whose `tollgate_requests_total` series a route keeps a handle to.
+const COMMON_STATUSES: [u16; 16] = [
+    200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
+];
+
+/// One route's series, resolved once when the route is built (and again, to the same series,
+/// on reload) instead of by label lookup on every request.
+pub struct RouteMetrics {
+    label: Arc<str>,
+    pub request_duration: Histogram,
+    pub upstream_duration: Histogram,
+    pub queue_wait: Histogram,
+    pub in_flight: IntGauge,
+    pub cost_units: IntCounter,
+    /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
+    /// that no zero series appear for statuses a route never answers.
+    statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
+}
+
+impl std::fmt::Debug for RouteMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouteMetrics")
+            .field("label", &self.label)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RouteMetrics {
+    pub fn new(label: &Arc<str>) -> RouteMetrics {
+        let m = metrics();
+        let l: &[&str] = &[label];
+        RouteMetrics {
+            label: label.clone(),
+            request_duration: m.request_duration.with_label_values(l),
+            upstream_duration: m.upstream_duration.with_label_values(l),
+            queue_wait: m.queue_wait.with_label_values(l),
+            in_flight: m.in_flight.with_label_values(l),
+            cost_units: m.cost_units.with_label_values(l),
+            statuses: Default::default(),
+        }
+    }
+
+    /// Counts one answered request.
+    pub fn request(&self, status: u16) {
+        let series = || {
+            metrics()
+                .requests
+                .with_label_values(&[&*self.label, &status.to_string()])
+        };
+        match COMMON_STATUSES.iter().position(|s| *s == status) {
+            Some(i) => self.statuses[i].get_or_init(series).inc(),
+            None => series().inc(),
+        }
+    }
+
+    /// Counts a refusal by the gateway.
+    pub fn rejection(&self, reason: &str) {
+        metrics()
+            .rejections
+            .with_label_values(&[&*self.label, reason])
+            .inc();
+    }
 }
 
 /// Prometheus text exposition of the default registry.
