@@ -67,6 +67,11 @@ impl Shard {
                     (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
                 })
         });
+        // After a burst of keys has gone idle, give the table's memory back (retain keeps it).
+        let len = self.entries.len();
+        if self.entries.capacity() > 4 * len.max(1024) {
+            self.entries.shrink_to(2 * len);
+        }
     }
 }
 
