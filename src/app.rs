@@ -40,10 +40,22 @@ impl App {
                 if old.upstream.ca_file != new.upstream.ca_file {
                     tracing::warn!("upstream.ca_file takes effect on restart only");
                 }
-                if old.store.backend != new.store.backend || old.store.url != new.store.url {
+                let (o, n) = (&old.store, &new.store);
+                if o.backend != n.backend
+                    || o.url != n.url
+                    || o.timeout != n.timeout
+                    || o.on_error != n.on_error
+                    || o.fleet_size != n.fleet_size
+                    || o.lease_ttl != n.lease_ttl
+                {
                     tracing::warn!(
-                        "store.backend and store.url take effect on restart only; keeping the running store"
+                        "store.* settings take effect on restart only; keeping the running store"
                     );
+                }
+                for r in old.router.routes() {
+                    if r.max_in_flight.is_some() {
+                        let _ = m.in_flight_limit.remove_label_values(&[&r.label]);
+                    }
                 }
                 if upstream_changed {
                     self.shared
@@ -62,6 +74,29 @@ impl App {
                     tracing::error!(path = %self.config_path.display(), error = %e, "configuration reload rejected; keeping the running config");
                 }
                 Err(errs.to_string())
+            }
+        }
+    }
+}
+
+/// Under `on_error: local` each instance has `1/fleet_size` of every budget: a route whose
+/// cost is larger than that share cannot pass at all while Redis is down. Said at start.
+fn warn_unaffordable_in_fallback(cfg: &Config) {
+    if cfg.store.backend != Backend::Redis || cfg.store.on_error != crate::config::OnError::Local {
+        return;
+    }
+    let n = cfg.store.fleet_size as u64;
+    let budgets = std::iter::once(&cfg.default_policy).chain(cfg.plans.values());
+    for p in budgets {
+        for r in cfg.router.routes() {
+            if r.cost * n > p.max_cost {
+                tracing::warn!(
+                    route = %r.label,
+                    cost = r.cost,
+                    budget = %p.name,
+                    share = p.max_cost / n,
+                    "while Redis is unreachable (on_error: local) each instance has max_cost/fleet_size of this budget, less than this route's cost: the route will be refused until Redis is back"
+                );
             }
         }
     }
@@ -152,6 +187,8 @@ impl ShutdownSignalWatch for Signals {
     }
 }
 
+const DRAIN_QUIET: Duration = Duration::from_secs(1);
+
 /// Pingora's graceful shutdown stops accepting and then waits out the whole grace period. We
 /// exit as soon as the last in-flight request has finished (its lease released in `logging`),
 /// or when `grace_period` ends, whichever is first.
@@ -161,9 +198,14 @@ fn spawn_drain_watch(app: Arc<App>) {
         let start = Instant::now();
         // Let the listeners see the shutdown broadcast before counting.
         std::thread::sleep(Duration::from_millis(100));
+        // "Drained" is a second with nothing in flight: a request still arriving on a connection
+        // accepted before the signal gets that long to show up.
+        let mut quiet_since: Option<Instant> = None;
         loop {
             let active = app.shared.active.load(Ordering::SeqCst);
-            if active == 0 {
+            if active > 0 {
+                quiet_since = None;
+            } else if quiet_since.get_or_insert_with(Instant::now).elapsed() >= DRAIN_QUIET {
                 tracing::info!(
                     elapsed_ms = start.elapsed().as_millis() as u64,
                     "drained; exiting"
@@ -213,6 +255,7 @@ pub fn run_with(
 ) -> anyhow::Result<()> {
     let addr = resolve(&cfg.upstream.host, cfg.upstream.port);
     set_limit_gauges(&cfg);
+    warn_unaffordable_in_fallback(&cfg);
     metrics().store_degraded.set(0);
     let listen = cfg.listen.clone();
     let admin_addr: SocketAddr = cfg.admin_listen.parse()?;

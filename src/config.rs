@@ -707,6 +707,18 @@ impl Config {
         let mut plans = HashMap::new();
         for (name, p) in &raw.plans {
             let base = key_path("plans", name);
+            // Plan names go into RateLimit headers as structured-field strings.
+            if name == "default"
+                || name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                err(
+                    base.clone(),
+                    "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default)".into(),
+                );
+            }
             let per_key = match p.max_in_flight_per_key {
                 None => None,
                 Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
@@ -1147,6 +1159,14 @@ rate_limits:
         assert!(first_error(&bad).starts_with("keys[0].sha256: must be the 64 hex digits"));
         let bad = s.replace("plan: enterprise", "plan: gold");
         assert_eq!(first_error(&bad), "keys[0].plan: unknown plan \"gold\"");
+    }
+
+    #[test]
+    fn plan_names_fit_in_headers() {
+        let s = format!("{BASE}\nplans:\n  \"gold plan\": {{max_cost: 600, window: 60s}}\n");
+        assert!(first_error(&s).starts_with("plans.\"gold plan\": a plan name uses only"));
+        let s = format!("{BASE}\nplans:\n  default: {{max_cost: 600, window: 60s}}\n");
+        assert!(first_error(&s).starts_with("plans.default: a plan name"));
     }
 
     #[test]

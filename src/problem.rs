@@ -64,6 +64,7 @@ impl Problem {
         match self {
             Problem::QuotaExceeded => Some("budget"),
             Problem::ConcurrencyLimit => Some("key_in_flight"),
+            // `in_flight` instead when the route has no queue (decided where that is known).
             Problem::RouteBusy => Some("route_busy"),
             Problem::StoreUnavailable => Some("store_unavailable"),
             Problem::Unauthenticated => Some("unauthenticated"),
@@ -110,7 +111,10 @@ pub fn rate_limit_headers(
     cost: u64,
 ) -> [(&'static str, HeaderValue); 6] {
     let reset = budget::reset_secs(outcome.reset_us);
-    let rate_limit = format!("\"{}\";r={};t={reset}", policy.name, outcome.remaining);
+    let rate_limit = format!(
+        "{};r={};t={reset}",
+        policy.headers.quoted_name, outcome.remaining
+    );
     [
         ("RateLimit-Policy", policy.headers.policy.clone()),
         (
@@ -131,13 +135,15 @@ pub fn rate_limit_headers(
 /// A policy's header values that never change: `RateLimit-Policy` and `X-RateLimit-Limit`.
 #[derive(Debug, Clone)]
 pub struct PolicyHeaders {
+    /// The policy name as a structured-field string, e.g. `"default"`.
+    pub quoted_name: String,
     pub policy: HeaderValue,
     pub limit: HeaderValue,
 }
 
 impl PolicyHeaders {
-    /// Policy names are plan names from the config, which may hold any character: anything a
-    /// header can't carry is replaced.
+    /// Policy names are plan names, which the config restricts to letters, digits, `-`, `_`
+    /// and `.`; anything else is replaced all the same, so both headers always agree.
     pub fn new(name: &str, max_cost: u64, window: std::time::Duration) -> PolicyHeaders {
         let window = window.as_millis().div_ceil(1000).max(1);
         let safe: String = name
@@ -150,8 +156,10 @@ impl PolicyHeaders {
                 }
             })
             .collect();
-        let policy = format!("\"{safe}\";q={max_cost};w={window}");
+        let quoted_name = format!("\"{safe}\"");
+        let policy = format!("{quoted_name};q={max_cost};w={window}");
         PolicyHeaders {
+            quoted_name,
             policy: HeaderValue::from_str(&policy).unwrap_or_else(|_| HeaderValue::from_static("")),
             limit: HeaderValue::from(max_cost),
         }

@@ -115,7 +115,13 @@ async fn respond_problem(
 
 fn add_rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     if let (Some(id), Some(o), Some(r)) = (&ctx.identity, &ctx.outcome, &ctx.route) {
-        let headers = problem::rate_limit_headers(&id.policy, o, r.cost);
+        // X-RateLimit-Cost is what this request was charged: nothing when refused or refunded.
+        let charged = if ctx.charged && !ctx.refund {
+            r.cost
+        } else {
+            0
+        };
+        let headers = problem::rate_limit_headers(&id.policy, o, charged);
         // Ours replace any the upstream sent; appending is cheaper when there are none.
         let replace = headers
             .iter()
@@ -328,6 +334,8 @@ impl ProxyHttp for Gateway {
             upstream.set_uri(uri);
         }
         if let Some(cfg) = &ctx.config {
+            // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
+            upstream.remove_header("x-forwarded-host");
             if let Some(host) = upstream.remove_header("host") {
                 upstream.append_header("X-Forwarded-Host", host)?;
             }
@@ -421,8 +429,8 @@ impl ProxyHttp for Gateway {
         // The upstream never produced a response: refund, before answering, so that the
         // client's next request already sees the units back.
         if ctx.charged {
-            if let Some(req) = &ctx.admit {
-                self.shared.store.refund(req).await;
+            if let (Some(req), Some(lease)) = (&ctx.admit, &ctx.lease) {
+                self.shared.store.refund(req, lease.charge()).await;
             }
             ctx.refund = true;
         }
@@ -474,6 +482,13 @@ impl ProxyHttp for Gateway {
         let decision = match ctx.problem {
             Some(p) => match p.reason() {
                 Some(reason) => {
+                    // A full route with no queue configured is refused at once: `in_flight`;
+                    // `route_busy` is a full route that stayed full for its queue_timeout.
+                    let reason = if p == Problem::RouteBusy && route.queue_timeout.is_zero() {
+                        "in_flight"
+                    } else {
+                        reason
+                    };
                     rm.rejection(reason);
                     if let Some(id) = ctx.identity.as_ref().and_then(|i| i.id.as_deref()) {
                         metrics().rejections_by_key.with_label_values(&[id]).inc();

@@ -9,7 +9,7 @@ use common::*;
 
 fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str) -> String {
     format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 50ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 2s\n{rate_limits}",
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 2s\n{rate_limits}",
         redis.url()
     )
 }
@@ -90,7 +90,12 @@ async fn two_gateways_share_an_in_flight_cap() {
                 .header("X-API-Key", format!("k{i}"))
         })
         .await;
-        sorted_statuses(&rs)
+        let statuses = sorted_statuses(&rs);
+        for r in rs.into_iter().filter(|r| r.status() == 503) {
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert!(v["type"].as_str().unwrap().ends_with("route-busy"), "{v}");
+        }
+        statuses
     }
     // Without a queue: 5 run, 15 are told the route is busy.
     let gws = fleet(&up, 2, &redis_body(&redis, "deny", 2, &limits("")));
@@ -139,7 +144,7 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
                 .await;
         });
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    up.wait_current("/reports/generate", 2).await;
     let r = c
         .post(b.url("/reports/generate?delay_ms=10"))
         .header("X-API-Key", "b")
@@ -586,7 +591,7 @@ async fn per_key_cap_is_fleet_wide() {
         let url = a.url("/items?delay_ms=1000");
         tokio::spawn(async move { get(&c, url, "gold").await.status().as_u16() })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    up.wait_current("/items", 1).await;
     let r = get(&c, b.url("/items"), "gold").await;
     assert_eq!(
         r.status(),
@@ -710,4 +715,44 @@ async fn concurrent_requests_share_connections() {
         (1..=2).contains(&gateway_conns),
         "{gateway_conns} connections:\n{clients}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timed_out_admission_is_not_charged() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n  endpoints:\n    /reports/generate: {cost: 3, max_in_flight: 1}\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let r = get(&c, gw.url("/items"), "k").await;
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("9"));
+    // Redis stops answering for 700 ms: the request gives up after store.timeout (200 ms) and,
+    // under `deny`, answers 503. Redis then runs the script after all (it was already sent).
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "700", "ALL"]), "OK");
+    let r = c
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The late admission was undone: its 3 units are back and its slot is free.
+    let r = c
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the slot was released");
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("6"));
+    assert_eq!(up.count("/reports/generate"), 1);
+    assert!(gw
+        .log()
+        .contains("a timed-out admission reached Redis after all"));
 }

@@ -120,6 +120,11 @@ async fn rate_limit_headers_exact_syntax() {
     assert_eq!(r.status(), 429);
     // 10 units come back every 360 s.
     assert_eq!(header(&r, "Retry-After").unwrap(), "360");
+    assert_eq!(
+        header(&r, "X-RateLimit-Cost").unwrap(),
+        "0",
+        "a refused request is charged 0"
+    );
     assert_eq!(header(&r, "RateLimit").unwrap(), "\"default\";r=0;t=3600");
     assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "0");
     let v: serde_json::Value = r.json().await.unwrap();
@@ -394,8 +399,9 @@ async fn max_delay_holds_the_seventh_report() {
     assert!((9..=10).contains(&ra), "Retry-After {ra}");
     let (status, held) = seventh.await.unwrap();
     assert_eq!(status, 200);
+    // ~10 s, less the time the first six took (a slow CI machine may take a while for them).
     assert!(
-        held >= Duration::from_millis(9_000) && held < Duration::from_secs(14),
+        held >= Duration::from_millis(8_000) && held < Duration::from_secs(14),
         "held {held:?}"
     );
     assert_eq!(up.count("/reports/generate"), 7);
@@ -498,6 +504,15 @@ async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
     }
     assert_eq!((ok, busy), (2, 4));
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    // No queue configured: counted as `in_flight` (a queue that timed out is `route_busy`).
+    assert_eq!(
+        metric(
+            &gw,
+            "tollgate_rejections_total{reason=\"in_flight\",route=\"/reports/generate\"}"
+        )
+        .await,
+        4.0
+    );
     assert_eq!(up.count("/reports/generate"), 2);
 }
 
@@ -558,7 +573,7 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
                 .as_u16()
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    up.wait_current("/items", 1).await;
     let r = c
         .get(gw.url("/items"))
         .header("X-API-Key", "gold-key")
@@ -740,10 +755,9 @@ async fn extreme_budgets_hold_up() {
         statuses.push(r.status().as_u16());
         last = header(&r, "Retry-After");
     }
-    assert_eq!(statuses[..2], [200, 200]);
-    if statuses[2] == 429 {
-        assert_eq!(last.as_deref(), Some("1"));
-    }
+    // The third comes a few ms later: 50M units need 0.5 s to drain, so it can't fit.
+    assert_eq!(statuses, [200, 200, 429]);
+    assert_eq!(last.as_deref(), Some("1"));
 
     // 1 unit per hour.
     let gw = Gateway::start(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
+use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Charge, Lease, LeaseInner};
 use crate::budget::{self, Limit, Outcome, State};
 use crate::identity::KeyHash;
 
@@ -191,6 +191,7 @@ impl MemoryStore {
                     key,
                     _route: route,
                 }),
+                charge: Charge::Local(req.limit),
             },
             queued,
         }

@@ -66,10 +66,25 @@ pub enum Admission {
     Unavailable,
 }
 
-/// Held while a request is in flight; frees its slots when released or dropped.
+/// Held while a request is in flight; frees its slots when released or dropped. It also
+/// records where the request was charged, so that a refund goes back to the same place.
 #[derive(Debug, Default)]
 pub struct Lease {
     pub(crate) inner: LeaseInner,
+    pub(crate) charge: Charge,
+}
+
+/// Where an admitted request's units were taken from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Charge {
+    /// Nowhere (`on_error: allow` past the local count).
+    #[default]
+    None,
+    /// This process's memory, under this limit (the memory store, or the Redis store's
+    /// `on_error: local` share).
+    Local(Limit),
+    /// The shared Redis budget.
+    Shared,
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +96,10 @@ pub(crate) enum LeaseInner {
 }
 
 impl Lease {
+    pub fn charge(&self) -> Charge {
+        self.charge
+    }
+
     /// Frees the slots now (the drop guard does the same, later and without waiting).
     pub async fn release(self) {
         match self.inner {
@@ -113,11 +132,16 @@ impl Store {
         }
     }
 
-    /// Gives a charge back (the upstream never handled the request).
-    pub async fn refund(&self, req: &AdmitRequest) {
-        match self {
-            Store::Memory(m) => m.refund(req),
-            Store::Redis(r) => r.refund(req).await,
+    /// Gives a charge back (the upstream never handled the request), where it was made.
+    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
+        match (self, charge) {
+            (_, Charge::None) => {}
+            (Store::Memory(m), Charge::Local(limit)) => m.refund(&AdmitRequest {
+                limit,
+                ..req.clone()
+            }),
+            (Store::Memory(_), Charge::Shared) => {}
+            (Store::Redis(r), charge) => r.refund(req, charge).await,
         }
     }
 

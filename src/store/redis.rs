@@ -23,7 +23,7 @@ use redis::{AsyncConnectionConfig, Script};
 use tokio::sync::Notify;
 
 use super::memory::{Clock, MemoryStore};
-use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease, LeaseInner};
+use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Charge, Lease, LeaseInner};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::{OnError, StoreSettings};
 use crate::identity::KeyHash;
@@ -39,9 +39,16 @@ const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
 const DENY_SHARDS: usize = 32;
 
 thread_local! {
-    /// This thread's connection: (store id, generation, connection).
+    /// This thread's connection: (store id, connection).
     static CONN: RefCell<Option<(u64, MultiplexedConnection)>> = const { RefCell::new(None) };
+    /// Held while this thread connects, so concurrent requests wait for one connection
+    /// instead of each opening their own.
+    static CONNECTING: Arc<tokio::sync::Mutex<()>> = Arc::new(tokio::sync::Mutex::new(()));
 }
+
+/// How long a call's reply is still awaited (in the background) after the request gave up on
+/// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
+const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
 
 static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -53,16 +60,27 @@ enum Fail {
 }
 
 /// Closed → (3 failures) → open for 500 ms → one probe → closed or open again.
+///
+/// The probe is whoever moves `open_until_us` forward first; there is no "probing" flag, so a
+/// probe whose future is dropped mid-call (an aborted renewal, a client gone) only delays the
+/// next probe by 500 ms instead of leaving the breaker open for good.
 #[derive(Debug)]
 struct Breaker {
     failures: AtomicU32,
     /// 0 when closed; otherwise when the next probe may go (µs since `epoch`).
     open_until_us: AtomicU64,
-    probing: AtomicBool,
     epoch: Instant,
 }
 
 impl Breaker {
+    fn new() -> Self {
+        Breaker {
+            failures: AtomicU32::new(0),
+            open_until_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
     fn now_us(&self) -> u64 {
         self.epoch.elapsed().as_micros() as u64 + 1
     }
@@ -72,29 +90,33 @@ impl Breaker {
         if until == 0 {
             return true;
         }
-        if self.now_us() < until {
+        let now = self.now_us();
+        if now < until {
             return false;
         }
-        // One probe at a time.
-        self.probing
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+        // One probe per period: the caller that pushes the next probe time forward.
+        self.open_until_us
+            .compare_exchange(
+                until,
+                now + BREAKER_OPEN_FOR.as_micros() as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
             .is_ok()
     }
 
     fn success(&self) {
         self.failures.store(0, Ordering::Release);
         self.open_until_us.store(0, Ordering::Release);
-        self.probing.store(false, Ordering::Release);
     }
 
     fn failure(&self) {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if n >= BREAKER_THRESHOLD || self.probing.load(Ordering::Acquire) {
+        if n >= BREAKER_THRESHOLD {
             self.open_until_us.store(
                 self.now_us() + BREAKER_OPEN_FOR.as_micros() as u64,
                 Ordering::Release,
             );
-            self.probing.store(false, Ordering::Release);
         }
     }
 }
@@ -277,6 +299,18 @@ fn route_slots_key(route: &str) -> String {
     )
 }
 
+/// The arguments of one `admit` call, owned so that the call can outlive its request.
+struct AdmitCall {
+    budget: String,
+    key_slots: Option<String>,
+    route_slots: Option<String>,
+    limit: Limit,
+    cost: u64,
+    key_cap: u32,
+    route_cap: u32,
+    lease_id: String,
+}
+
 enum Decided {
     Admitted(Outcome, Lease),
     OverBudget(Outcome),
@@ -292,7 +326,9 @@ impl RedisStore {
         }
         let conn_config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(s.timeout.max(Duration::from_millis(100))))
-            .set_response_timeout(Some(s.timeout));
+            // Calls are bounded by store.timeout in `call`; the connection itself waits longer,
+            // so that a late admission reply can still be seen and undone.
+            .set_response_timeout(Some(LATE_REPLY_WAIT));
         Arc::new(RedisStore {
             id: NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed),
             client,
@@ -304,12 +340,7 @@ impl RedisStore {
             instance: format!("{:016x}", rand::random::<u64>()),
             lease_seq: AtomicU64::new(0),
             local: MemoryStore::new(clock),
-            breaker: Breaker {
-                failures: AtomicU32::new(0),
-                open_until_us: AtomicU64::new(0),
-                probing: AtomicBool::new(false),
-                epoch: Instant::now(),
-            },
+            breaker: Breaker::new(),
             degraded: AtomicBool::new(false),
             deny: DenyCache::new(),
             script: Script::new(include_str!("lua/store.lua")),
@@ -337,27 +368,37 @@ impl RedisStore {
         }
     }
 
-    /// This thread's connection, made on first use (on this thread's runtime).
-    async fn conn(&self) -> Result<MultiplexedConnection, Fail> {
-        let cached = CONN.with(|c| {
+    fn cached_conn(&self) -> Option<MultiplexedConnection> {
+        CONN.with(|c| {
             c.borrow()
                 .as_ref()
                 .filter(|(id, _)| *id == self.id)
                 .map(|(_, conn)| conn.clone())
-        });
-        if let Some(c) = cached {
+        })
+    }
+
+    /// This thread's connection, made on first use (on this thread's runtime). Connecting is
+    /// bounded by `max(store.timeout, 100ms)`: a TCP (and TLS) handshake needs more than a call.
+    async fn conn(&self) -> Result<MultiplexedConnection, Fail> {
+        if let Some(c) = self.cached_conn() {
             return Ok(c);
         }
         let client = self.client.as_ref().map_err(|e| Fail::Error(e.clone()))?;
-        let conn = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(100)),
-            client.get_multiplexed_async_connection_with_config(&self.conn_config),
-        )
+        let lock = CONNECTING.with(|l| l.clone());
+        tokio::time::timeout(self.timeout.max(Duration::from_millis(100)), async {
+            let _one_at_a_time = lock.lock().await;
+            if let Some(c) = self.cached_conn() {
+                return Ok(c);
+            }
+            let conn = client
+                .get_multiplexed_async_connection_with_config(&self.conn_config)
+                .await
+                .map_err(|e| Fail::Error(e.to_string()))?;
+            CONN.with(|c| *c.borrow_mut() = Some((self.id, conn.clone())));
+            Ok(conn)
+        })
         .await
         .map_err(|_| Fail::Timeout)?
-        .map_err(|e| Fail::Error(e.to_string()))?;
-        CONN.with(|c| *c.borrow_mut() = Some((self.id, conn.clone())));
-        Ok(conn)
     }
 
     fn forget_conn(&self) {
@@ -369,33 +410,18 @@ impl RedisStore {
         });
     }
 
-    /// Runs one script call under the timeout and the breaker, recording the outcome.
-    async fn call<T: redis::FromRedisValue>(
-        &self,
-        inv: redis::ScriptInvocation<'_>,
-    ) -> Result<T, Fail> {
+    /// Metrics, breaker and connection health after one call.
+    fn record<T>(&self, start: Instant, res: &Result<T, Fail>) {
         let m = metrics();
-        if !self.breaker.allow() {
-            m.store_calls.with_label_values(&["breaker_open"]).inc();
-            return Err(Fail::BreakerOpen);
-        }
-        let start = Instant::now();
-        let res = async {
-            let mut conn = self.conn().await?;
-            match tokio::time::timeout(self.timeout, inv.invoke_async::<T>(&mut conn)).await {
-                Err(_) => Err(Fail::Timeout),
-                Ok(Err(e)) if e.is_timeout() => Err(Fail::Timeout),
-                Ok(Err(e)) => Err(Fail::Error(e.to_string())),
-                Ok(Ok(v)) => Ok(v),
-            }
-        }
-        .await;
         m.store_duration.observe(start.elapsed().as_secs_f64());
-        match &res {
+        match res {
             Ok(_) => {
                 m.store_calls.with_label_values(&["ok"]).inc();
                 self.breaker.success();
                 self.set_degraded(false);
+            }
+            Err(Fail::BreakerOpen) => {
+                m.store_calls.with_label_values(&["breaker_open"]).inc();
             }
             Err(f) => {
                 let label = match f {
@@ -411,7 +437,128 @@ impl RedisStore {
                 self.breaker.failure();
             }
         }
+    }
+
+    /// Runs one script call under the timeout and the breaker, recording the outcome.
+    /// For calls that charge nothing (leases, peeks, refunds); `admit` has its own.
+    async fn call<T: redis::FromRedisValue>(
+        &self,
+        inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, Fail> {
+        if !self.breaker.allow() {
+            let res = Err(Fail::BreakerOpen);
+            self.record(Instant::now(), &res);
+            return res;
+        }
+        let start = Instant::now();
+        let res = async {
+            let mut conn = self.conn().await?;
+            match tokio::time::timeout(self.timeout, inv.invoke_async::<T>(&mut conn)).await {
+                Err(_) => Err(Fail::Timeout),
+                Ok(Err(e)) if e.is_timeout() => Err(Fail::Timeout),
+                Ok(Err(e)) => Err(Fail::Error(e.to_string())),
+                Ok(Ok(v)) => Ok(v),
+            }
+        }
+        .await;
+        self.record(start, &res);
         res
+    }
+
+    fn admit_invocation<'a>(&'a self, c: &'a AdmitCall) -> redis::ScriptInvocation<'a> {
+        let mut inv = self.script.prepare_invoke();
+        let l = &c.limit;
+        // An unused slot key is passed as the budget key: the script never touches it.
+        inv.key(&c.budget)
+            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
+            .key(c.route_slots.as_ref().unwrap_or(&c.budget))
+            .arg("admit")
+            .arg(l.per_unit)
+            .arg(l.rate)
+            .arg(l.capacity)
+            .arg(l.max_delay)
+            .arg(c.cost)
+            .arg(c.key_cap)
+            .arg(c.route_cap)
+            .arg(&c.lease_id)
+            .arg(self.lease_ttl.as_micros() as u64);
+        inv
+    }
+
+    /// The charging call. It runs in a task of its own: when it outlives `store.timeout` the
+    /// request goes on without it (by `on_error`), and the task, if Redis admitted the request
+    /// after all, gives the units and the slots back. So a timed-out request is never charged
+    /// by Redis, and never charged twice (DESIGN §3); and it is never retried.
+    async fn call_admit(self: &Arc<Self>, c: AdmitCall) -> Result<(Vec<i64>, AdmitCall), Fail> {
+        if !self.breaker.allow() {
+            let res = Err(Fail::BreakerOpen);
+            self.record(Instant::now(), &res);
+            return res;
+        }
+        let start = Instant::now();
+        let mut conn = match self.conn().await {
+            Ok(conn) => conn,
+            Err(f) => {
+                let res = Err(f);
+                self.record(start, &res);
+                return res;
+            }
+        };
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        tokio::spawn(async move {
+            let reply = store
+                .admit_invocation(&c)
+                .invoke_async::<Vec<i64>>(&mut conn)
+                .await;
+            if let Err((Ok(v), c)) = tx.send((reply, c)) {
+                // The request stopped waiting: undo what Redis did for it.
+                if v.first() == Some(&3) {
+                    store.undo_admission(&c).await;
+                }
+            }
+        });
+        let remaining = self.timeout.saturating_sub(start.elapsed());
+        let reply = match tokio::time::timeout(remaining, &mut rx).await {
+            Ok(r) => r.ok(),
+            Err(_) => {
+                // A reply that arrived just now is still ours; after close(), the task keeps it.
+                rx.close();
+                rx.try_recv().ok()
+            }
+        };
+        let res = match reply {
+            None => Err(Fail::Timeout),
+            Some((Err(e), _)) if e.is_timeout() => Err(Fail::Timeout),
+            Some((Err(e), _)) => Err(Fail::Error(e.to_string())),
+            Some((Ok(v), c)) => Ok((v, c)),
+        };
+        self.record(start, &res);
+        res
+    }
+
+    /// Refunds and releases an admission whose request had already given up on it.
+    async fn undo_admission(&self, c: &AdmitCall) {
+        tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+        let Ok(mut conn) = self.conn().await else {
+            return;
+        };
+        let mut inv = self.script.prepare_invoke();
+        inv.key(&c.budget)
+            .arg("refund")
+            .arg(c.limit.per_unit)
+            .arg(c.limit.rate)
+            .arg(c.cost);
+        let _ = tokio::time::timeout(LATE_REPLY_WAIT, inv.invoke_async::<i64>(&mut conn)).await;
+        let held: Vec<&String> = c.key_slots.iter().chain(&c.route_slots).collect();
+        if !held.is_empty() {
+            let mut inv = self.script.prepare_invoke();
+            for k in held {
+                inv.key(k);
+            }
+            inv.arg("lease").arg(&c.lease_id).arg(0u64);
+            let _ = tokio::time::timeout(LATE_REPLY_WAIT, inv.invoke_async::<i64>(&mut conn)).await;
+        }
     }
 
     fn next_lease_id(&self) -> String {
@@ -425,31 +572,21 @@ impl RedisStore {
     async fn try_admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<Decided, Fail> {
         let key_slots = req.key_cap.is_some();
         let route_slots = req.route_cap.is_some();
-        let lease_id = if key_slots || route_slots {
-            self.next_lease_id()
-        } else {
-            String::new()
+        let call = AdmitCall {
+            budget: budget_key(&req.key),
+            key_slots: key_slots.then(|| key_slots_key(&req.key)),
+            route_slots: route_slots.then(|| route_slots_key(&req.route)),
+            limit: req.limit,
+            cost: req.cost,
+            key_cap: req.key_cap.unwrap_or(0),
+            route_cap: req.route_cap.unwrap_or(0),
+            lease_id: if key_slots || route_slots {
+                self.next_lease_id()
+            } else {
+                String::new()
+            },
         };
-        let budget = budget_key(&req.key);
-        let key_k = key_slots.then(|| key_slots_key(&req.key));
-        let route_k = route_slots.then(|| route_slots_key(&req.route));
-        let l = &req.limit;
-        let mut inv = self.script.prepare_invoke();
-        // An unused slot key is passed as the budget key: the script never touches it.
-        inv.key(&budget)
-            .key(key_k.as_ref().unwrap_or(&budget))
-            .key(route_k.as_ref().unwrap_or(&budget))
-            .arg("admit")
-            .arg(l.per_unit)
-            .arg(l.rate)
-            .arg(l.capacity)
-            .arg(l.max_delay)
-            .arg(req.cost)
-            .arg(req.key_cap.unwrap_or(0))
-            .arg(req.route_cap.unwrap_or(0))
-            .arg(&lease_id)
-            .arg(self.lease_ttl.as_micros() as u64);
-        let r: Vec<i64> = self.call(inv).await?;
+        let (r, call) = self.call_admit(call).await?;
         let [code, a, remaining, reset_us] = r[..] else {
             return Err(Fail::Error(format!("unexpected script reply {r:?}")));
         };
@@ -469,23 +606,28 @@ impl RedisStore {
             1 => Decided::KeyBusy(outcome(Verdict::Admit { delay_us: 0 })),
             2 => Decided::RouteBusy(outcome(Verdict::Admit { delay_us: 0 })),
             _ => {
-                let lease = if key_slots || route_slots {
-                    let held: Vec<String> = key_k.into_iter().chain(route_k).collect();
-                    let renew = self.spawn_renewal(held.clone(), lease_id.clone());
-                    Lease {
-                        inner: LeaseInner::Redis(RedisLease {
-                            store: self.clone(),
-                            keys: held,
-                            id: lease_id,
-                            route: req.route.clone(),
-                            renew: Some(renew),
-                            released: false,
-                        }),
-                    }
+                let held: Vec<String> =
+                    call.key_slots.into_iter().chain(call.route_slots).collect();
+                let inner = if held.is_empty() {
+                    LeaseInner::None
                 } else {
-                    Lease::default()
+                    let renew = self.spawn_renewal(held.clone(), call.lease_id.clone());
+                    LeaseInner::Redis(RedisLease {
+                        store: self.clone(),
+                        keys: held,
+                        id: call.lease_id,
+                        route: req.route.clone(),
+                        renew: Some(renew),
+                        released: false,
+                    })
                 };
-                Decided::Admitted(outcome(Verdict::Admit { delay_us: a }), lease)
+                Decided::Admitted(
+                    outcome(Verdict::Admit { delay_us: a }),
+                    Lease {
+                        inner,
+                        charge: Charge::Shared,
+                    },
+                )
             }
         })
     }
@@ -624,17 +766,27 @@ impl RedisStore {
         }
     }
 
-    pub async fn refund(&self, req: &AdmitRequest) {
-        let key = budget_key(&req.key);
-        let mut inv = self.script.prepare_invoke();
-        inv.key(&key)
-            .arg("refund")
-            .arg(req.limit.per_unit)
-            .arg(req.limit.rate)
-            .arg(req.cost);
-        // Never retried: a refund that ran twice would give back twice.
-        if self.call::<i64>(inv).await.is_err() {
-            self.local.refund(req);
+    /// Gives back a charge where it was made: in Redis, or in this instance's fallback store
+    /// with the limit it was charged under. A failed Redis refund is not retried (it might
+    /// have run) and never lands in the local store, which did not charge.
+    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
+        self.deny.forget(req);
+        match charge {
+            Charge::None => {}
+            Charge::Local(limit) => self.local.refund(&AdmitRequest {
+                limit,
+                ..req.clone()
+            }),
+            Charge::Shared => {
+                let key = budget_key(&req.key);
+                let mut inv = self.script.prepare_invoke();
+                inv.key(&key)
+                    .arg("refund")
+                    .arg(req.limit.per_unit)
+                    .arg(req.limit.rate)
+                    .arg(req.cost);
+                let _ = self.call::<i64>(inv).await;
+            }
         }
     }
 
@@ -667,12 +819,7 @@ mod tests {
 
     #[test]
     fn breaker_opens_after_failures_and_probes() {
-        let b = Breaker {
-            failures: AtomicU32::new(0),
-            open_until_us: AtomicU64::new(0),
-            probing: AtomicBool::new(false),
-            epoch: Instant::now(),
-        };
+        let b = Breaker::new();
         for _ in 0..BREAKER_THRESHOLD {
             assert!(b.allow());
             b.failure();
@@ -681,6 +828,10 @@ mod tests {
         std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
         assert!(b.allow(), "one probe");
         assert!(!b.allow(), "only one");
+        // The probe's future was dropped: neither success nor failure is reported. The breaker
+        // still lets the next probe through one period later.
+        std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
+        assert!(b.allow(), "next probe after a lost one");
         b.failure();
         assert!(!b.allow(), "probe failed: open again");
         std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));

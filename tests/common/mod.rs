@@ -92,6 +92,19 @@ impl Upstream {
         self.stats().get(path).map(|s| s.count).unwrap_or(0)
     }
 
+    /// Waits until the upstream is handling `n` requests to `path` at once (so a test knows
+    /// its requests were admitted, instead of guessing with a sleep).
+    pub async fn wait_current(&self, path: &str, n: u64) {
+        let start = Instant::now();
+        while self.stats().get(path).map(|s| s.current).unwrap_or(0) < n {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "upstream never saw {n} on {path}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn max_concurrent(&self, path: &str) -> u64 {
         self.stats()
             .get(path)
@@ -470,7 +483,8 @@ pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
         .map(|v| v.to_str().unwrap().to_string())
 }
 
-/// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed.
+/// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed. Panics when
+/// the series is missing, so that a renamed or absent metric can't pass for a zero.
 pub async fn metric(gw: &Gateway, series: &str) -> f64 {
     let text = reqwest::get(gw.admin("/metrics"))
         .await
@@ -484,7 +498,7 @@ pub async fn metric(gw: &Gateway, series: &str) -> f64 {
                 .and_then(|rest| rest.strip_prefix(' '))
                 .and_then(|v| v.trim().parse::<f64>().ok())
         })
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("no series `{series}` in /metrics:\n{text}"))
 }
 
 pub fn sha256_hex(key: &str) -> String {

@@ -57,6 +57,14 @@ local function store_level(key, level, q, now)
   redis.call('SET', key, int(level) .. ':' .. int(now) .. ':' .. int(q), 'PX', int(px))
 end
 
+-- A lease set lives as long as its longest lease (whatever lease_ttl each instance uses).
+local function expire_with_last_lease(set)
+  local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', set, int(ceil_div(tonumber(last[2]), 1000) + 1000))
+  end
+end
+
 local function remaining(cap, level, p)
   if cap > level then return math.floor((cap - level) / p) end
   return 0
@@ -87,13 +95,12 @@ if op == 'admit' then
     return {2, 0, remaining(cap, level, p), ceil_div(level, q)}
   end
   store_level(KEYS[1], next_level, q, now)
-  local ttl_ms = ceil_div(ttl, 1000) + 1000
   for i, limit in ipairs({key_cap, route_cap}) do
     if limit > 0 then
       local set = KEYS[i + 1]
       redis.call('ZREMRANGEBYSCORE', set, '-inf', '(' .. int(now))
       redis.call('ZADD', set, int(now + ttl), lease)
-      redis.call('PEXPIRE', set, int(ttl_ms))
+      expire_with_last_lease(set)
     end
   end
   local delay = 0
@@ -121,8 +128,13 @@ if op == 'lease' then
   end
   local now = now_us()
   for i = 1, #KEYS do
-    redis.call('ZADD', KEYS[i], 'XX', int(now + ttl), ARGV[2])
-    redis.call('PEXPIRE', KEYS[i], int(ceil_div(ttl, 1000) + 1000))
+    -- Renew only a live lease: one that lapsed (say, Redis was unreachable for longer than
+    -- lease_ttl) may already have been counted out, and its slot given to someone else.
+    local expiry = redis.call('ZSCORE', KEYS[i], ARGV[2])
+    if expiry and tonumber(expiry) >= now then
+      redis.call('ZADD', KEYS[i], 'XX', int(now + ttl), ARGV[2])
+      expire_with_last_lease(KEYS[i])
+    end
   end
   return 1
 end
