@@ -18,10 +18,6 @@ fn fleet(up: &Upstream, n: usize, body: &str) -> Vec<Gateway> {
     (0..n).map(|_| Gateway::start(up, body)).collect()
 }
 
-async fn get(c: &reqwest::Client, url: String, key: &str) -> reqwest::Response {
-    c.get(url).header("X-API-Key", key).send().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn six_gateways_share_one_budget() {
     let redis = Redis::start();
@@ -145,22 +141,12 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
         });
     }
     up.wait_current("/reports/generate", 2).await;
-    let r = c
-        .post(b.url("/reports/generate?delay_ms=10"))
-        .header("X-API-Key", "b")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
     assert_eq!(r.status(), 503, "A holds both slots");
     a.kill9();
     let killed = Instant::now();
     loop {
-        let r = c
-            .post(b.url("/reports/generate?delay_ms=10"))
-            .header("X-API-Key", "b")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
         if r.status() == 200 {
             break;
         }
@@ -194,32 +180,14 @@ async fn long_requests_renew_their_leases() {
     let long = {
         let c = c.clone();
         let url = gw.url("/reports/generate");
-        tokio::spawn(async move {
-            c.post(url)
-                .header("X-API-Key", "a")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        })
+        tokio::spawn(async move { post(&c, url, "a").await.status().as_u16() })
     };
     // Well past lease_ttl (2 s), the long request still holds its slot.
     tokio::time::sleep(Duration::from_millis(3000)).await;
-    let r = c
-        .post(gw.url("/reports/generate?delay_ms=1"))
-        .header("X-API-Key", "b")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
     assert_eq!(r.status(), 503, "the lease was renewed");
     assert_eq!(long.await.unwrap(), 200);
-    let r = c
-        .post(gw.url("/reports/generate?delay_ms=1"))
-        .header("X-API-Key", "b")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
     assert_eq!(r.status(), 200, "released at the end");
     assert_eq!(up.max_concurrent("/reports/generate"), 1);
 }
@@ -266,7 +234,7 @@ async fn outage(on_error: &str) -> Duration {
         "deny" => assert_eq!(statuses, vec![503; 12]),
         _ => unreachable!(),
     }
-    assert_eq!(metric(&gw, "tollgate_store_degraded").await, 1.0);
+    assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
     assert!(metric(&gw, "tollgate_store_calls_total{result=\"breaker_open\"}").await > 0.0);
     let ready = reqwest::get(gw.admin("/readyz")).await.unwrap().status();
     assert_eq!(ready == 503, on_error == "deny", "readyz {ready}");
@@ -290,7 +258,7 @@ async fn outage(on_error: &str) -> Duration {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let recovery = restarted.elapsed();
-    assert_eq!(metric(&gw, "tollgate_store_degraded").await, 0.0);
+    assert_metric(&gw, "tollgate_store_degraded", 0.0).await;
     assert_eq!(
         _redis.cli(&["DBSIZE"]),
         "1",
@@ -734,21 +702,11 @@ async fn a_timed_out_admission_is_not_charged() {
     // Redis stops answering for 700 ms: the request gives up after store.timeout (200 ms) and,
     // under `deny`, answers 503. Redis then runs the script after all (it was already sent).
     assert_eq!(redis.cli(&["CLIENT", "PAUSE", "700", "ALL"]), "OK");
-    let r = c
-        .post(gw.url("/reports/generate"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate"), "k").await;
     assert_eq!(r.status(), 503);
     tokio::time::sleep(Duration::from_millis(1200)).await;
     // The late admission was undone: its 3 units are back and its slot is free.
-    let r = c
-        .post(gw.url("/reports/generate"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate"), "k").await;
     assert_eq!(r.status(), 200, "the slot was released");
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("6"));
     assert_eq!(up.count("/reports/generate"), 1);

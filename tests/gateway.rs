@@ -15,12 +15,7 @@ async fn incident_scenario_weights_throttle_the_report_customer_only() {
     let mut passed = vec![];
     let mut rejected = 0;
     for _ in 0..60 {
-        let r = c
-            .post(gw.url("/reports/generate"))
-            .header("X-API-Key", "key-A")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url("/reports/generate"), "key-A").await;
         match r.status().as_u16() {
             200 => {
                 assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("20"));
@@ -46,12 +41,7 @@ async fn incident_scenario_weights_throttle_the_report_customer_only() {
     assert_eq!(rejected, 54);
 
     for i in 0..60 {
-        let r = c
-            .get(gw.url(&format!("/reports/{i}")))
-            .header("X-API-Key", "key-B")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url(&format!("/reports/{i}")), "key-B").await;
         assert_eq!(r.status(), 200, "key B call {i}");
     }
     assert_eq!(
@@ -59,22 +49,18 @@ async fn incident_scenario_weights_throttle_the_report_customer_only() {
         6,
         "the upstream saw exactly 6 reports"
     );
-    assert_eq!(
-        metric(
-            &gw,
-            "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"}"
-        )
-        .await,
-        54.0
-    );
-    assert_eq!(
-        metric(
-            &gw,
-            "tollgate_cost_units_total{route=\"/reports/generate\"}"
-        )
-        .await,
-        120.0
-    );
+    assert_metric(
+        &gw,
+        "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"}",
+        54.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/reports/generate\"}",
+        120.0,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,23 +136,13 @@ async fn unauthenticated_and_registry() {
     let v: serde_json::Value = r.json().await.unwrap();
     assert!(v["type"].as_str().unwrap().ends_with("unauthenticated"));
 
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "not-registered")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "not-registered").await;
     assert_eq!(r.status(), 401);
 
     // The enterprise plan: 600 units → 30 reports, and its own policy name in the headers.
     let mut ok = 0;
     for _ in 0..31 {
-        let r = c
-            .post(gw.url("/reports/generate"))
-            .header("X-API-Key", "acme-secret")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url("/reports/generate"), "acme-secret").await;
         if r.status() == 200 {
             ok += 1;
             assert_eq!(
@@ -179,28 +155,23 @@ async fn unauthenticated_and_registry() {
     }
     assert_eq!(ok, 30);
     // A registry key without a plan has the default budget.
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "small-secret")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "small-secret").await;
     assert_eq!(
         header(&r, "RateLimit-Policy").unwrap(),
         "\"default\";q=120;w=60"
     );
-    assert_eq!(
-        metric(&gw, "tollgate_rejections_by_key_total{key=\"acme-prod\"}").await,
-        1.0
-    );
-    assert_eq!(
-        metric(
-            &gw,
-            "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"}"
-        )
-        .await,
-        2.0
-    );
+    assert_metric(
+        &gw,
+        "tollgate_rejections_by_key_total{key=\"acme-prod\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"}",
+        2.0,
+    )
+    .await;
     // No raw key anywhere in the logs.
     let log = gw.log();
     assert!(!log.contains("acme-secret") && !log.contains("not-registered"));
@@ -223,12 +194,7 @@ async fn cost_evasion_paths_all_cost_twenty() {
         "/Reports/GENERATE",
     ];
     for (i, p) in paths.iter().enumerate() {
-        let r = c
-            .post(gw.url(p))
-            .header("X-API-Key", format!("evader-{i}"))
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url(p), &format!("evader-{i}")).await;
         assert_eq!(r.status(), 200, "{p}");
         assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("20"), "{p}");
         assert_eq!(
@@ -244,12 +210,7 @@ async fn cost_evasion_paths_all_cost_twenty() {
         };
         assert_eq!(v["path"], want, "the upstream receives the normalized path");
     }
-    let r = c
-        .post(gw.url("/reports/generate?format=pdf&x=%2F"))
-        .header("X-API-Key", "q")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate?format=pdf&x=%2F"), "q").await;
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["query"], "format=pdf&x=%2F", "the query passes untouched");
 
@@ -261,12 +222,7 @@ async fn cost_evasion_paths_all_cost_twenty() {
         "/reports/%0agenerate",
         "/reports/%zz",
     ] {
-        let r = c
-            .post(gw.url(bad))
-            .header("X-API-Key", "bad")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url(bad), "bad").await;
         assert_eq!(r.status(), 400, "{bad}");
         let v: serde_json::Value = r.json().await.unwrap();
         assert!(v["type"].as_str().unwrap().ends_with("bad-path"), "{bad}");
@@ -317,12 +273,7 @@ async fn streams_100_mb_both_ways_without_buffering() {
     let gw = Gateway::start(&up, INCIDENT);
     let c = client();
     const N: u64 = 100 * 1024 * 1024;
-    let r = c
-        .get(gw.url(&format!("/bytes/{N}")))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url(&format!("/bytes/{N}")), "k").await;
     assert_eq!(r.status(), 200);
     let mut got = 0u64;
     let mut s = r.bytes_stream();
@@ -361,12 +312,7 @@ async fn max_delay_holds_the_seventh_report() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     for _ in 0..6 {
-        let r = c
-            .post(gw.url("/reports/generate"))
-            .header("X-API-Key", "patient")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url("/reports/generate"), "patient").await;
         assert_eq!(r.status(), 200);
     }
     let t = Instant::now();
@@ -374,12 +320,7 @@ async fn max_delay_holds_the_seventh_report() {
         let c = c.clone();
         let url = gw.url("/reports/generate");
         tokio::spawn(async move {
-            let r = c
-                .post(url)
-                .header("X-API-Key", "patient")
-                .send()
-                .await
-                .unwrap();
+            let r = post(&c, url, "patient").await;
             (r.status().as_u16(), t.elapsed())
         })
     };
@@ -387,12 +328,7 @@ async fn max_delay_holds_the_seventh_report() {
     // While the 7th is held, an 8th would have to wait 20 s: refused at once, and told to come
     // back when its wait would fit in max_delay (~10 s).
     let t8 = Instant::now();
-    let r = c
-        .post(gw.url("/reports/generate"))
-        .header("X-API-Key", "patient")
-        .send()
-        .await
-        .unwrap();
+    let r = post(&c, gw.url("/reports/generate"), "patient").await;
     assert_eq!(r.status(), 429);
     assert!(t8.elapsed() < Duration::from_secs(1));
     let ra: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
@@ -422,12 +358,7 @@ async fn upstream_failures_are_refunded() {
     });
     let c = client();
     for _ in 0..3 {
-        let r = c
-            .get(gw.url("/items"))
-            .header("X-API-Key", "key-1")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url("/items"), "key-1").await;
         assert_eq!(r.status(), 502);
         assert_eq!(
             header(&r, "Content-Type").as_deref(),
@@ -452,19 +383,9 @@ async fn upstream_failures_are_refunded() {
         upstream_extra: "  read_timeout: 300ms\n",
         ..GatewayOpts::default()
     });
-    let r = c
-        .get(gw.url("/slow?delay_ms=2000"))
-        .header("X-API-Key", "key-1")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/slow?delay_ms=2000"), "key-1").await;
     assert_eq!(r.status(), 504);
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "key-1")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "key-1").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("99"));
 }
@@ -505,14 +426,12 @@ async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
     assert_eq!((ok, busy), (2, 4));
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
     // No queue configured: counted as `in_flight` (a queue that timed out is `route_busy`).
-    assert_eq!(
-        metric(
-            &gw,
-            "tollgate_rejections_total{reason=\"in_flight\",route=\"/reports/generate\"}"
-        )
-        .await,
-        4.0
-    );
+    assert_metric(
+        &gw,
+        "tollgate_rejections_total{reason=\"in_flight\",route=\"/reports/generate\"}",
+        4.0,
+    )
+    .await;
     assert_eq!(up.count("/reports/generate"), 2);
 }
 
@@ -541,14 +460,12 @@ async fn route_cap_with_queue_admits_everyone_in_turn() {
     );
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
     assert_eq!(up.count("/reports/generate"), 8);
-    assert_eq!(
-        metric(
-            &gw,
-            "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}"
-        )
-        .await,
-        8.0
-    );
+    assert_metric(
+        &gw,
+        "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}",
+        8.0,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -563,35 +480,17 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
     let slow = {
         let c = c.clone();
         let url = gw.url("/items?delay_ms=800");
-        tokio::spawn(async move {
-            c.get(url)
-                .header("X-API-Key", "gold-key")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        })
+        tokio::spawn(async move { get(&c, url, "gold-key").await.status().as_u16() })
     };
     up.wait_current("/items", 1).await;
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "gold-key")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "gold-key").await;
     assert_eq!(r.status(), 429);
     assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
     let v: serde_json::Value = r.json().await.unwrap();
     assert!(v["type"].as_str().unwrap().ends_with("concurrency-limit"));
     assert_eq!(slow.await.unwrap(), 200);
     // The slot was released: the next call passes, and only the slow call was charged.
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "gold-key")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "gold-key").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("598"));
 }
@@ -618,12 +517,7 @@ async fn slot_released_when_client_disconnects() {
     let c = client();
     let start = Instant::now();
     loop {
-        let r = c
-            .post(gw.url("/reports/generate?delay_ms=1"))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "k").await;
         if r.status() == 200 {
             break;
         }
@@ -648,12 +542,7 @@ async fn https_upstream_with_sni_and_keepalive() {
     });
     let c = client();
     for i in 0..5 {
-        let r = c
-            .get(gw.url(&format!("/items/{i}")))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url(&format!("/items/{i}")), "k").await;
         assert_eq!(r.status(), 200);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["headers"]["host"], format!("localhost:{}", up.port));
@@ -673,12 +562,7 @@ async fn https_upstream_with_sni_and_keepalive() {
         body: INCIDENT,
         ..GatewayOpts::default()
     });
-    let r = c
-        .get(gw2.url("/items"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw2.url("/items"), "k").await;
     assert_eq!(r.status(), 502);
 }
 
@@ -708,12 +592,7 @@ async fn anonymous_client_ip_budget() {
         ]
     );
     // A key, when given, still has its own budget.
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "k").await;
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("2"));
 }
 
@@ -727,12 +606,7 @@ async fn extreme_budgets_hold_up() {
     );
     let c = client();
     for _ in 0..20 {
-        let r = c
-            .get(gw.url("/items"))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url("/items"), "k").await;
         assert_eq!(r.status(), 200);
         let rem: u64 = header(&r, "X-RateLimit-Remaining")
             .unwrap()
@@ -746,12 +620,7 @@ async fn extreme_budgets_hold_up() {
     let mut statuses = vec![];
     let mut last = None;
     for _ in 0..3 {
-        let r = c
-            .get(gw.url("/big"))
-            .header("X-API-Key", "big")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url("/big"), "big").await;
         statuses.push(r.status().as_u16());
         last = header(&r, "Retry-After");
     }
@@ -764,23 +633,13 @@ async fn extreme_budgets_hold_up() {
         &up,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 1}\n",
     );
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "k").await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         header(&r, "RateLimit").as_deref(),
         Some("\"default\";r=0;t=3600")
     );
-    let r = c
-        .get(gw.url("/items"))
-        .header("X-API-Key", "k")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, gw.url("/items"), "k").await;
     assert_eq!(r.status(), 429);
     assert_eq!(header(&r, "Retry-After").as_deref(), Some("3600"));
 }

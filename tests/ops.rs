@@ -74,11 +74,7 @@ async fn admin_endpoints_and_token() {
     assert!(cfg.contains("max_cost: 500"));
 
     for _ in 0..3 {
-        c.get(gw.url("/items"))
-            .header("X-API-Key", "acme-key")
-            .send()
-            .await
-            .unwrap();
+        get(&c, gw.url("/items"), "acme-key").await;
     }
     let v: serde_json::Value = c
         .get(gw.admin("/admin/keys/acme"))
@@ -116,21 +112,11 @@ async fn metrics_names_and_labels_exactly_as_designed() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     for _ in 0..7 {
-        c.post(gw.url("/reports/generate"))
-            .header("X-API-Key", "k1")
-            .send()
-            .await
-            .unwrap();
+        post(&c, gw.url("/reports/generate"), "k1").await;
     }
     c.get(gw.url("/items")).send().await.unwrap(); // 401
-    c.get(gw.url("/a%2fb"))
-        .header("X-API-Key", "k1")
-        .send()
-        .await
-        .unwrap(); // 400
-    let text = metrics_text(&gw).await;
-    let has = |s: &str| text.lines().any(|l| l.starts_with(s));
-    for line in [
+    get(&c, gw.url("/a%2fb"), "k1").await; // 400
+    let expected = [
         "tollgate_requests_total{route=\"/reports/generate\",status=\"200\"} 6",
         "tollgate_requests_total{route=\"/reports/generate\",status=\"429\"} 1",
         "tollgate_rejections_total{reason=\"budget\",route=\"/reports/generate\"} 1",
@@ -150,9 +136,24 @@ async fn metrics_names_and_labels_exactly_as_designed() {
         "tollgate_config_reloads_total{result=\"error\"} 0",
         "tollgate_store_calls_total{result=\"breaker_open\"} 0",
         "tollgate_store_duration_seconds_count 0",
-    ] {
-        assert!(has(line), "missing `{line}` in\n{text}");
-    }
+    ];
+    // Metrics are recorded just after each response is sent: give the last one a moment.
+    let start = Instant::now();
+    let text = loop {
+        let text = metrics_text(&gw).await;
+        let missing: Vec<&&str> = expected
+            .iter()
+            .filter(|e| !text.lines().any(|l| l.starts_with(**e)))
+            .collect();
+        if missing.is_empty() {
+            break text;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "missing {missing:?} in\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     // No raw path or key ever becomes a label.
     assert!(!text.contains("a%2fb") && !text.contains("\"k1\""));
     // Every exported tollgate metric is one of the designed names.
@@ -206,17 +207,24 @@ async fn access_log_has_the_fields_and_no_keys() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start(&up, INCIDENT);
     let c = client();
-    c.post(gw.url("/reports/generate"))
-        .header("X-API-Key", "super-secret-key")
-        .send()
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let events = gw.access_log();
-    let e = events
-        .iter()
-        .find(|e| e["route"] == "/reports/generate")
-        .unwrap_or_else(|| panic!("no access event in {}", gw.log()));
+    post(&c, gw.url("/reports/generate"), "super-secret-key").await;
+    // The access event is written just after the response.
+    let start = Instant::now();
+    let e = loop {
+        if let Some(e) = gw
+            .access_log()
+            .into_iter()
+            .find(|e| e["route"] == "/reports/generate")
+        {
+            break e;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "no access event in {}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(e["decision"], "admitted");
     assert_eq!(e["status"], 200);
     assert_eq!(e["cost"], 20);
@@ -240,12 +248,7 @@ async fn sighup_reload_valid_and_invalid() {
     let gw = Gateway::start(&up, &limits("1"));
     let c = client();
     let call = || async {
-        let r = c
-            .get(gw.url("/items"))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url("/items"), "k").await;
         (
             header(&r, "X-RateLimit-Cost").unwrap(),
             header(&r, "X-RateLimit-Remaining").unwrap(),
@@ -270,10 +273,7 @@ async fn sighup_reload_valid_and_invalid() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(
-        metric(&gw, "tollgate_config_reloads_total{result=\"ok\"}").await,
-        1.0
-    );
+    assert_metric(&gw, "tollgate_config_reloads_total{result=\"ok\"}", 1.0).await;
 
     // An invalid file is refused, logged with its field path, and the old config stays.
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
@@ -307,12 +307,7 @@ async fn watch_reloads_a_changed_file() {
     let c = client();
     let start = Instant::now();
     loop {
-        let r = c
-            .get(gw.url("/items"))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, gw.url("/items"), "k").await;
         if header(&r, "X-RateLimit-Cost").as_deref() == Some("3") {
             break;
         }
@@ -337,15 +332,7 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
     let slow = {
         let c = c.clone();
         let url = gw.url("/reports/generate");
-        tokio::spawn(async move {
-            c.post(url)
-                .header("X-API-Key", "k")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        })
+        tokio::spawn(async move { post(&c, url, "k").await.status().as_u16() })
     };
     up.wait_current("/reports/generate", 1).await;
     let t = Instant::now();
@@ -461,12 +448,7 @@ async fn demo_shows_a_503_and_a_429() {
     };
     assert_eq!(batch().await, vec![200, 200, 200, 200, 200, 503, 503, 503]);
     assert_eq!(batch().await, vec![200, 429, 429, 429, 429, 429, 429, 429]);
-    let r = c
-        .get(format!("http://127.0.0.1:{port}/items/42"))
-        .header("X-API-Key", "other-key")
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, format!("http://127.0.0.1:{port}/items/42"), "other-key").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("119"));
 }
@@ -485,12 +467,7 @@ async fn prometheus_scrapes_the_429s() {
     let c = client();
     let mut rejected = 0;
     for _ in 0..10 {
-        let r = c
-            .post(gw.url("/reports/generate"))
-            .header("X-API-Key", "k")
-            .send()
-            .await
-            .unwrap();
+        let r = post(&c, gw.url("/reports/generate"), "k").await;
         if r.status() == 429 {
             rejected += 1;
         }

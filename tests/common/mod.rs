@@ -458,6 +458,16 @@ pub fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// `GET url` with an API key.
+pub async fn get(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) -> reqwest::Response {
+    c.get(url).header("X-API-Key", key).send().await.unwrap()
+}
+
+/// `POST url` with an API key.
+pub async fn post(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) -> reqwest::Response {
+    c.post(url).header("X-API-Key", key).send().await.unwrap()
+}
+
 /// Sends `n` requests at once (`make(i)` builds the i-th) and returns the responses in order.
 pub async fn all_at_once(
     n: usize,
@@ -499,6 +509,23 @@ pub async fn metric(gw: &Gateway, series: &str) -> f64 {
                 .and_then(|v| v.trim().parse::<f64>().ok())
         })
         .unwrap_or_else(|| panic!("no series `{series}` in /metrics:\n{text}"))
+}
+
+/// Asserts that a metric series reaches `want`. Polls for a while: a request's metrics are
+/// recorded in Pingora's logging phase, just after its response has been sent.
+pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
+    let start = Instant::now();
+    loop {
+        let got = metric(gw, series).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{series} is {got}, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 pub fn sha256_hex(key: &str) -> String {
