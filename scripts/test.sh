@@ -37,4 +37,4 @@ echo "==> cargo test"
 cargo test --all-targets -- --test-threads="${TEST_THREADS:-2}"
 echo "==> deploy/ artefacts"
 cargo build --quiet
-TOLLGATE_BIN=target/debug/tollgate bash deploy/check.sh
+TOLLGATE_BIN="${CARGO_TARGET_DIR:-target}/debug/tollgate" bash deploy/check.sh
