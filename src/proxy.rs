@@ -114,6 +114,13 @@ async fn respond_problem(
 }
 
 fn add_rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
+    if let (Some(id), None) = (&ctx.identity, &ctx.outcome) {
+        // No decision to describe (the store was unavailable): the policy, and nothing charged.
+        h.insert_header("RateLimit-Policy", id.policy.headers.policy.clone())?;
+        h.insert_header("X-RateLimit-Limit", id.policy.headers.limit.clone())?;
+        h.insert_header("X-RateLimit-Cost", HeaderValue::from_static("0"))?;
+        return Ok(());
+    }
     if let (Some(id), Some(o), Some(r)) = (&ctx.identity, &ctx.outcome, &ctx.route) {
         // X-RateLimit-Cost is what this request was charged: nothing when refused or refunded.
         let charged = if ctx.charged && !ctx.refund {

@@ -223,6 +223,12 @@ async fn outage(on_error: &str) -> Duration {
         statuses.push(r.status().as_u16());
         if r.status() == 503 {
             assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
+            // No budget can be read, but the policy is known and nothing was charged.
+            assert_eq!(
+                header(&r, "RateLimit-Policy").as_deref(),
+                Some("\"default\";q=10;w=3600")
+            );
+            assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
             let v: serde_json::Value = r.json().await.unwrap();
             assert!(v["type"].as_str().unwrap().ends_with("store-unavailable"));
         }
