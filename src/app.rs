@@ -210,10 +210,12 @@ fn spawn_drain_watch(app: Arc<App>) {
                     elapsed_ms = start.elapsed().as_millis() as u64,
                     "drained; exiting"
                 );
+                crate::telemetry::flush_logs();
                 std::process::exit(0);
             }
             if start.elapsed() >= grace {
                 tracing::warn!(active, "grace period over with requests in flight; exiting");
+                crate::telemetry::flush_logs();
                 std::process::exit(0);
             }
             std::thread::sleep(Duration::from_millis(20));

@@ -82,6 +82,12 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
 }
 
 fn main() -> ExitCode {
+    let code = run();
+    tollgate::telemetry::flush_logs();
+    code
+}
+
+fn run() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Run { config, watch } => {

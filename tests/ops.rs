@@ -236,7 +236,7 @@ async fn access_log_has_the_fields_and_no_keys() {
     }
     assert!(!gw.log().contains("super-secret-key"));
     // Pingora's own `log` records come through the same subscriber.
-    assert!(gw.log().contains("\"target\":\"pingora_core::server\""));
+    gw.wait_log("\"target\":\"pingora_core::server\"").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,9 +288,8 @@ async fn sighup_reload_valid_and_invalid() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(call().await.0, "7");
-    assert!(gw
-        .log()
-        .contains("rate_limits.endpoints.\\\"/items\\\".cost: must be a positive integer, got 0"));
+    gw.wait_log("rate_limits.endpoints.\\\"/items\\\".cost: must be a positive integer, got 0")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

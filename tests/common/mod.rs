@@ -434,6 +434,19 @@ impl Gateway {
         std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
     }
 
+    /// Waits until the log contains `needle` (lines are written by a background thread).
+    pub async fn wait_log(&self, needle: &str) {
+        let start = Instant::now();
+        while !self.log().contains(needle) {
+            assert!(
+                start.elapsed() < Duration::from_secs(3),
+                "`{needle}` never appeared in the log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Access-log events (JSON lines with target tollgate::access).
     pub fn access_log(&self) -> Vec<serde_json::Value> {
         self.log()
