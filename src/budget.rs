@@ -75,6 +75,16 @@ impl Limit {
     pub fn max_cost(&self) -> u64 {
         self.capacity / self.per_unit
     }
+
+    /// Whole units left at `level` (`RateLimit: r=`).
+    pub fn remaining(&self, level: u64) -> u64 {
+        self.capacity.saturating_sub(level) / self.per_unit
+    }
+
+    /// µs until a bucket at `level` is empty again (`RateLimit: t=`, and the Redis key's TTL).
+    pub fn reset_us(&self, level: u64) -> u64 {
+        div_ceil(level, self.rate)
+    }
 }
 
 /// A bucket's stored state: its level (ticks) at a time (µs), and the drain rate that level
@@ -144,16 +154,16 @@ pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Ou
                 at_us: now_us,
                 rate: limit.rate,
             }),
-            remaining: limit.capacity.saturating_sub(next) / limit.per_unit,
-            reset_us: div_ceil(next, limit.rate),
+            remaining: limit.remaining(next),
+            reset_us: limit.reset_us(next),
         }
     } else {
         let retry_after_us = div_ceil(next - limit.capacity - limit.max_delay, limit.rate);
         Outcome {
             verdict: Verdict::Reject { retry_after_us },
             state: None,
-            remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
-            reset_us: div_ceil(level, limit.rate),
+            remaining: limit.remaining(level),
+            reset_us: limit.reset_us(level),
         }
     }
 }
@@ -165,8 +175,8 @@ pub fn uncharged(limit: &Limit, state: Option<State>, now_us: u64, verdict: Verd
     Outcome {
         verdict,
         state: None,
-        remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
-        reset_us: div_ceil(level, limit.rate),
+        remaining: limit.remaining(level),
+        reset_us: limit.reset_us(level),
     }
 }
 

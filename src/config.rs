@@ -719,17 +719,11 @@ impl Config {
                     "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default)".into(),
                 );
             }
-            let per_key = match p.max_in_flight_per_key {
-                None => None,
-                Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
-                Some(n) => {
-                    err(
-                        format!("{base}.max_in_flight_per_key"),
-                        format!("must be a positive integer, got {n}"),
-                    );
-                    None
-                }
-            };
+            let per_key = concurrency_cap(
+                format!("{base}.max_in_flight_per_key"),
+                p.max_in_flight_per_key,
+                &mut err,
+            );
             if let Some(policy) = build_policy(
                 name,
                 &base,
@@ -781,17 +775,8 @@ impl Config {
                 );
             }
             check_fits(format!("{base}.cost"), cost, &mut err);
-            let max_in_flight = match e.max_in_flight {
-                None => None,
-                Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
-                Some(n) => {
-                    err(
-                        format!("{base}.max_in_flight"),
-                        format!("must be a positive integer, got {n}"),
-                    );
-                    None
-                }
-            };
+            let max_in_flight =
+                concurrency_cap(format!("{base}.max_in_flight"), e.max_in_flight, &mut err);
             if e.queue_timeout.is_some() && max_in_flight.is_none() {
                 err(
                     format!("{base}.queue_timeout"),
@@ -944,6 +929,25 @@ pub fn redact_url(url: &str) -> String {
             };
             format!("{}{}@{}", &url[..scheme_end + 3], redacted, &rest[at + 1..])
         }
+    }
+}
+
+/// An optional in-flight cap: a positive integer up to a million.
+fn concurrency_cap(
+    path: String,
+    value: Option<i64>,
+    err: &mut dyn FnMut(String, String),
+) -> Option<u32> {
+    match value {
+        Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
+        Some(n) => {
+            err(
+                path,
+                format!("must be a positive integer (at most 1000000), got {n}"),
+            );
+            None
+        }
+        None => None,
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Charge, Lease, LeaseInner};
-use crate::budget::{self, Limit, Outcome, State};
+use crate::budget::{self, Limit, State};
 use crate::identity::KeyHash;
 
 const SHARDS: usize = 64;
@@ -265,30 +265,15 @@ impl MemoryStore {
         let now = self.clock.now_us();
         let k = short_key(key);
         let state = self.shard(k).entries.get(&k).and_then(|e| e.state);
-        let level = budget::level_at(limit, state, now);
-        BudgetView {
-            remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
-            reset_us: level.div_ceil(limit.rate),
-        }
+        BudgetView::at(limit, budget::level_at(limit, state, now))
     }
 
-    /// In-flight count on a route's slots in this process (for tests and metrics).
+    /// In-flight count on a route's slots in this process (for tests).
     pub fn route_in_flight(&self, label: &str) -> u32 {
         lock(&self.routes)
             .get(label)
             .map(|r| r.cap - r.sem.available_permits() as u32)
             .unwrap_or(0)
-    }
-}
-
-/// The budget outcome a store reports for a request (for headers), whatever the admission.
-pub fn outcome_of(a: &Admission) -> Option<&Outcome> {
-    match a {
-        Admission::Admitted { outcome, .. }
-        | Admission::OverBudget(outcome)
-        | Admission::KeyBusy(outcome)
-        | Admission::RouteBusy { outcome, .. } => Some(outcome),
-        Admission::Unavailable => None,
     }
 }
 

@@ -117,6 +117,15 @@ pub struct BudgetView {
     pub reset_us: u64,
 }
 
+impl BudgetView {
+    pub fn at(limit: &Limit, level: u64) -> BudgetView {
+        BudgetView {
+            remaining: limit.remaining(level),
+            reset_us: limit.reset_us(level),
+        }
+    }
+}
+
 /// The store the gateway runs on; lives across config reloads so budgets do too.
 #[derive(Clone)]
 pub enum Store {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Script};
+use redis::{AsyncConnectionConfig, Script, ScriptInvocation};
 use tokio::sync::Notify;
 
 use super::memory::{Clock, MemoryStore};
@@ -465,6 +465,32 @@ impl RedisStore {
         res
     }
 
+    /// `refund`: gives `cost` units back to the budget at `key`.
+    fn refund_op<'a>(&'a self, key: &'a str, limit: &Limit, cost: u64) -> ScriptInvocation<'a> {
+        let mut inv = self.script.prepare_invoke();
+        inv.key(key)
+            .arg("refund")
+            .arg(limit.per_unit)
+            .arg(limit.rate)
+            .arg(cost);
+        inv
+    }
+
+    /// `lease`: renews lease `id` in `keys` for `ttl_us`, or releases it when `ttl_us` is 0.
+    fn lease_op<'a>(
+        &'a self,
+        keys: impl IntoIterator<Item = &'a String>,
+        id: &'a str,
+        ttl_us: u64,
+    ) -> ScriptInvocation<'a> {
+        let mut inv = self.script.prepare_invoke();
+        for k in keys {
+            inv.key(k);
+        }
+        inv.arg("lease").arg(id).arg(ttl_us);
+        inv
+    }
+
     fn admit_invocation<'a>(&'a self, c: &'a AdmitCall) -> redis::ScriptInvocation<'a> {
         let mut inv = self.script.prepare_invoke();
         let l = &c.limit;
@@ -543,21 +569,12 @@ impl RedisStore {
         let Ok(mut conn) = self.conn().await else {
             return;
         };
-        let mut inv = self.script.prepare_invoke();
-        inv.key(&c.budget)
-            .arg("refund")
-            .arg(c.limit.per_unit)
-            .arg(c.limit.rate)
-            .arg(c.cost);
-        let _ = tokio::time::timeout(LATE_REPLY_WAIT, inv.invoke_async::<i64>(&mut conn)).await;
-        let held: Vec<&String> = c.key_slots.iter().chain(&c.route_slots).collect();
-        if !held.is_empty() {
-            let mut inv = self.script.prepare_invoke();
-            for k in held {
-                inv.key(k);
-            }
-            inv.arg("lease").arg(&c.lease_id).arg(0u64);
-            let _ = tokio::time::timeout(LATE_REPLY_WAIT, inv.invoke_async::<i64>(&mut conn)).await;
+        let refund = self.refund_op(&c.budget, &c.limit, c.cost);
+        let _ = tokio::time::timeout(LATE_REPLY_WAIT, refund.invoke_async::<i64>(&mut conn)).await;
+        if c.key_slots.is_some() || c.route_slots.is_some() {
+            let release = self.lease_op(c.key_slots.iter().chain(&c.route_slots), &c.lease_id, 0);
+            let _ =
+                tokio::time::timeout(LATE_REPLY_WAIT, release.invoke_async::<i64>(&mut conn)).await;
         }
     }
 
@@ -640,12 +657,7 @@ impl RedisStore {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let mut inv = store.script.prepare_invoke();
-                for k in &keys {
-                    inv.key(k);
-                }
-                inv.arg("lease").arg(&id).arg(ttl_us);
-                let _ = store.call::<i64>(inv).await;
+                let _ = store.call::<i64>(store.lease_op(&keys, &id, ttl_us)).await;
             }
         })
         .abort_handle()
@@ -655,13 +667,8 @@ impl RedisStore {
         if keys.is_empty() {
             return;
         }
-        let mut inv = self.script.prepare_invoke();
-        for k in keys {
-            inv.key(k);
-        }
-        inv.arg("lease").arg(id).arg(0u64);
         // A failed release is not retried: the lease lapses after lease_ttl.
-        let _ = self.call::<i64>(inv).await;
+        let _ = self.call::<i64>(self.lease_op(keys, id, 0)).await;
     }
 
     fn notify_for(&self, route: &Arc<str>) -> Arc<Notify> {
@@ -779,13 +786,9 @@ impl RedisStore {
             }),
             Charge::Shared => {
                 let key = budget_key(&req.key);
-                let mut inv = self.script.prepare_invoke();
-                inv.key(&key)
-                    .arg("refund")
-                    .arg(req.limit.per_unit)
-                    .arg(req.limit.rate)
-                    .arg(req.cost);
-                let _ = self.call::<i64>(inv).await;
+                let _ = self
+                    .call::<i64>(self.refund_op(&key, &req.limit, req.cost))
+                    .await;
             }
         }
     }
@@ -795,11 +798,7 @@ impl RedisStore {
         let mut inv = self.script.prepare_invoke();
         inv.key(&k).arg("peek").arg(limit.rate);
         let level: i64 = self.call(inv).await.ok()?;
-        let level = level.max(0) as u64;
-        Some(BudgetView {
-            remaining: limit.capacity.saturating_sub(level) / limit.per_unit,
-            reset_us: level.div_ceil(limit.rate),
-        })
+        Some(BudgetView::at(limit, level.max(0) as u64))
     }
 }
 
