@@ -14,6 +14,17 @@ fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str)
     )
 }
 
+/// One gateway on `redis`, in front of `up`.
+fn gateway_on(
+    up: &Upstream,
+    redis: &Redis,
+    on_error: &str,
+    fleet_size: u32,
+    rate_limits: &str,
+) -> Gateway {
+    Gateway::start(up, &redis_body(redis, on_error, fleet_size, rate_limits))
+}
+
 fn fleet(up: &Upstream, n: usize, body: &str) -> Vec<Gateway> {
     (0..n).map(|_| Gateway::start(up, body)).collect()
 }
@@ -169,13 +180,13 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
 async fn long_requests_renew_their_leases() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(3500));
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         "deny",
         1,
         "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     let long = {
         let c = c.clone();
@@ -198,13 +209,13 @@ async fn outage(on_error: &str) -> Duration {
     let mut redis = Redis::start();
     let port = redis.port;
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         on_error,
         2,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     for _ in 0..2 {
         assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
@@ -313,13 +324,13 @@ async fn starts_while_redis_is_down() {
 async fn script_flush_mid_run_keeps_one_budget() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         "deny",
         1,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     let mut remaining = vec![];
     for i in 0..12 {
@@ -381,13 +392,13 @@ async fn instances_with_skewed_clocks_agree() {
 async fn one_round_trip_per_admitted_request_and_none_when_over_budget() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         "deny",
         1,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 50}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     // Warm up: loads the script (one NOSCRIPT round) and the connection.
     assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
@@ -663,13 +674,13 @@ async fn password_url_from_env_and_rediss() {
 async fn concurrent_requests_share_connections() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         "deny",
         1,
         "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 1000000}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     for _round in 0..5 {
         let rs = all_at_once(64, |i| {
@@ -695,13 +706,13 @@ async fn concurrent_requests_share_connections() {
 async fn a_timed_out_admission_is_not_charged() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
+    let gw = gateway_on(
+        &up,
         &redis,
         "deny",
         1,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n  endpoints:\n    /reports/generate: {cost: 3, max_in_flight: 1}\n",
     );
-    let gw = Gateway::start(&up, &body);
     let c = client();
     let r = get(&c, gw.url("/items"), "k").await;
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("9"));

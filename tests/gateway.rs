@@ -393,10 +393,7 @@ async fn upstream_failures_are_refunded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
     let up = Upstream::start(Duration::from_millis(800));
-    let body = INCIDENT.replace(
-        "      cost: 20\n",
-        "      cost: 1\n      max_in_flight: 2\n",
-    );
+    let body = incident_with_report_caps("      max_in_flight: 2\n");
     let gw = Gateway::start(&up, &body);
     let c = client();
     let rs = all_at_once(6, |i| {
@@ -438,10 +435,7 @@ async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_cap_with_queue_admits_everyone_in_turn() {
     let up = Upstream::start(Duration::from_millis(300));
-    let body = INCIDENT.replace(
-        "      cost: 20\n",
-        "      cost: 1\n      max_in_flight: 2\n      queue_timeout: 10s\n",
-    );
+    let body = incident_with_report_caps("      max_in_flight: 2\n      queue_timeout: 10s\n");
     let gw = Gateway::start(&up, &body);
     let c = client();
     let t = Instant::now();
@@ -498,10 +492,7 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_released_when_client_disconnects() {
     let up = Upstream::start(Duration::from_millis(1500));
-    let body = INCIDENT.replace(
-        "      cost: 20\n",
-        "      cost: 1\n      max_in_flight: 1\n",
-    );
+    let body = incident_with_report_caps("      max_in_flight: 1\n");
     let gw = Gateway::start(&up, &body);
     let impatient = reqwest::Client::builder()
         .timeout(Duration::from_millis(200))

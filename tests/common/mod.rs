@@ -41,43 +41,59 @@ fn wait_for_port(port: u16, timeout: Duration) -> bool {
     false
 }
 
-/// The sample API on its own runtime thread.
-pub struct Upstream {
-    pub api: Arc<SampleApi>,
-    pub port: u16,
-    rt: Option<tokio::runtime::Runtime>,
+/// A tokio runtime of the harness's own, for servers the test talks to. Tests drop it inside
+/// their own runtime, where a blocking shutdown would panic: it shuts down in the background.
+struct BackgroundRuntime(Option<tokio::runtime::Runtime>);
+
+impl BackgroundRuntime {
+    fn new(threads: usize) -> BackgroundRuntime {
+        BackgroundRuntime(Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .enable_all()
+                .build()
+                .unwrap(),
+        ))
+    }
+
+    /// Binds a free loopback port and runs `serve` on the listener.
+    fn serve<F, Fut>(&self, serve: F) -> u16
+    where
+        F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let std_l = TcpListener::bind("127.0.0.1:0").unwrap();
+        std_l.set_nonblocking(true).unwrap();
+        let port = std_l.local_addr().unwrap().port();
+        if let Some(rt) = &self.0 {
+            rt.spawn(async move { serve(tokio::net::TcpListener::from_std(std_l).unwrap()).await });
+        }
+        port
+    }
 }
 
-impl Drop for Upstream {
+impl Drop for BackgroundRuntime {
     fn drop(&mut self) {
-        // Tests drop this inside their own runtime, where a blocking shutdown would panic.
-        if let Some(rt) = self.rt.take() {
+        if let Some(rt) = self.0.take() {
             rt.shutdown_background();
         }
     }
 }
 
+/// The sample API on its own runtime thread.
+pub struct Upstream {
+    pub api: Arc<SampleApi>,
+    pub port: u16,
+    _rt: BackgroundRuntime,
+}
+
 impl Upstream {
     pub fn start(report_time: Duration) -> Upstream {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let std_l = TcpListener::bind("127.0.0.1:0").unwrap();
-        std_l.set_nonblocking(true).unwrap();
-        let port = std_l.local_addr().unwrap().port();
+        let rt = BackgroundRuntime::new(2);
         let api = SampleApi::new(report_time);
         let a = api.clone();
-        rt.spawn(async move {
-            let l = tokio::net::TcpListener::from_std(std_l).unwrap();
-            tollgate::sample_api::serve(l, a).await;
-        });
-        Upstream {
-            api,
-            port,
-            rt: Some(rt),
-        }
+        let port = rt.serve(move |l| tollgate::sample_api::serve(l, a));
+        Upstream { api, port, _rt: rt }
     }
 
     pub fn url(&self) -> String {
@@ -159,7 +175,7 @@ pub struct TlsUpstream {
     /// SNI names the server was sent, one per connection.
     pub sni: Arc<std::sync::Mutex<Vec<Option<String>>>>,
     _dir: tempfile::TempDir,
-    rt: Option<tokio::runtime::Runtime>,
+    _rt: BackgroundRuntime,
 }
 
 impl TlsUpstream {
@@ -179,19 +195,11 @@ impl TlsUpstream {
         .unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
 
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let std_l = TcpListener::bind("127.0.0.1:0").unwrap();
-        std_l.set_nonblocking(true).unwrap();
-        let port = std_l.local_addr().unwrap().port();
+        let rt = BackgroundRuntime::new(1);
         let api = SampleApi::new(Duration::ZERO);
         let sni = Arc::new(std::sync::Mutex::new(vec![]));
         let (a, s) = (api.clone(), sni.clone());
-        rt.spawn(async move {
-            let l = tokio::net::TcpListener::from_std(std_l).unwrap();
+        let port = rt.serve(move |l| async move {
             loop {
                 let Ok((tcp, _)) = l.accept().await else {
                     continue;
@@ -213,15 +221,7 @@ impl TlsUpstream {
             ca_file,
             sni,
             _dir: dir,
-            rt: Some(rt),
-        }
-    }
-}
-
-impl Drop for TlsUpstream {
-    fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            _rt: rt,
         }
     }
 }
@@ -543,6 +543,12 @@ pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
 
 pub fn sha256_hex(key: &str) -> String {
     hex::encode(tollgate::identity::hash_key(key.as_bytes()))
+}
+
+/// The incident's rate limits with `/reports/generate` costing 1 and carrying `caps`
+/// (indented endpoint lines, e.g. `"      max_in_flight: 2\n"`): for in-flight tests.
+pub fn incident_with_report_caps(caps: &str) -> String {
+    INCIDENT.replace("      cost: 20\n", &format!("      cost: 1\n{caps}"))
 }
 
 pub const INCIDENT: &str = r#"rate_limits:
