@@ -597,6 +597,19 @@ async fn per_key_cap_is_fleet_wide() {
     };
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
+    // Either instance's admin listener reads the shared budget from Redis.
+    for gw in [&a, &b] {
+        let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/g"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            (v["plan"].as_str(), v["remaining"].as_u64()),
+            (Some("gold"), Some(98))
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -729,4 +742,63 @@ async fn a_timed_out_admission_is_not_charged() {
     assert_eq!(up.count("/reports/generate"), 1);
     gw.wait_log("a timed-out admission reached Redis after all")
         .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_keys_expire_when_the_bucket_is_full_again() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = gateway_on(
+        &up,
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
+    );
+    let c = client();
+    get(&c, gw.url("/items"), "slow-key").await;
+    let keys = redis.cli(&["KEYS", "t{*}b"]);
+    assert_eq!(keys.lines().count(), 1, "{keys}");
+    // One unit of 10 per hour is back in 6 minutes: the key lives exactly that long.
+    let pttl: i64 = redis.cli(&["PTTL", keys.trim()]).parse().unwrap();
+    assert!((355_000..=360_000).contains(&pttl), "PTTL {pttl}");
+    // A capped route's lease set lives as long as its last lease (lease_ttl 2 s, + 1 s).
+    let held = {
+        let c = c.clone();
+        let url = gw.url("/reports/generate?delay_ms=800");
+        tokio::spawn(async move { post(&c, url, "slow-key").await.status().as_u16() })
+    };
+    up.wait_current("/reports/generate", 1).await;
+    let sets = redis.cli(&["KEYS", "t:r{*}f"]);
+    assert_eq!(sets.lines().count(), 1, "{sets}");
+    let pttl: i64 = redis.cli(&["PTTL", sets.trim()]).parse().unwrap();
+    assert!((2_000..=3_000).contains(&pttl), "lease set PTTL {pttl}");
+    assert_eq!(held.await.unwrap(), 200);
+    // Released: the empty set is gone.
+    let start = Instant::now();
+    while !redis.cli(&["KEYS", "t:r{*}f"]).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "lease not released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A fast budget: 10 per second. One unit is back in 100 ms, and so is the key gone.
+    let gw = gateway_on(
+        &up,
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 10}\n",
+    );
+    redis.cli(&["FLUSHALL"]);
+    get(&c, gw.url("/items"), "fast-key").await;
+    assert_eq!(redis.cli(&["DBSIZE"]), "1");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        redis.cli(&["DBSIZE"]),
+        "0",
+        "an idle, refilled budget leaves nothing behind"
+    );
 }

@@ -518,3 +518,43 @@ async fn prometheus_scrapes_the_429s() {
     };
     assert_eq!(value, "4");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_slots_survive_a_reload() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /items: {cost: 1}\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
+    );
+    let c = client();
+    let slow = {
+        let c = c.clone();
+        let url = gw.url("/reports/generate");
+        tokio::spawn(async move { post(&c, url, "a").await.status().as_u16() })
+    };
+    up.wait_current("/reports/generate", 1).await;
+    // Reload with another route's cost changed; the report route's one slot is still taken.
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        text.replace("/items: {cost: 1}", "/items: {cost: 2}"),
+    )
+    .unwrap();
+    gw.signal("HUP");
+    let start = Instant::now();
+    while header(&get(&c, gw.url("/items"), "b").await, "X-RateLimit-Cost").as_deref() != Some("2")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "reload not applied"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
+    assert_eq!(
+        r.status(),
+        503,
+        "the in-flight count carried over the reload"
+    );
+    assert_eq!(slow.await.unwrap(), 200);
+}
