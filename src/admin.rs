@@ -5,7 +5,6 @@
 //! `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` when that variable is set.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -14,8 +13,8 @@ use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
-use crate::app::App;
 use crate::budget;
+use crate::state::Shared;
 
 type Resp = Response<Full<Bytes>>;
 
@@ -33,7 +32,7 @@ fn json(status: StatusCode, v: serde_json::Value) -> Resp {
 }
 
 /// Starts serving on `listener` in a thread of its own.
-pub fn spawn(listener: std::net::TcpListener, app: Arc<App>) -> anyhow::Result<()> {
+pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
         .ok()
@@ -64,13 +63,15 @@ pub fn spawn(listener: std::net::TcpListener, app: Arc<App>) -> anyhow::Result<(
                     let Ok((stream, _)) = listener.accept().await else {
                         continue;
                     };
-                    let app = app.clone();
+                    let shared = shared.clone();
                     let token = token.clone();
                     tokio::spawn(async move {
                         let svc = hyper::service::service_fn(move |req| {
-                            let app = app.clone();
+                            let shared = shared.clone();
                             let token = token.clone();
-                            async move { Ok::<_, Infallible>(handle(req, &app, token.as_deref()).await) }
+                            async move {
+                                Ok::<_, Infallible>(handle(req, &shared, token.as_deref()).await)
+                            }
                         });
                         let _ = hyper::server::conn::http1::Builder::new()
                             .serve_connection(TokioIo::new(stream), svc)
@@ -82,7 +83,7 @@ pub fn spawn(listener: std::net::TcpListener, app: Arc<App>) -> anyhow::Result<(
     Ok(())
 }
 
-async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp {
+async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
     let path = req.uri().path();
     if req.method() != hyper::Method::GET {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
@@ -105,7 +106,7 @@ async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp 
     }
     match path {
         "/metrics" => {
-            app.shared.store.publish_gauges();
+            shared.store.publish_gauges();
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
@@ -114,12 +115,12 @@ async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp 
         }
         "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
         "/readyz" => {
-            let draining = app.draining.load(Ordering::SeqCst);
-            let store_ok = app.shared.store.ready();
-            let up = app.shared.upstream_addr.load().is_some();
+            let draining = shared.drain.is_draining();
+            let store_ok = shared.store.ready();
+            let up = shared.upstream_addr.load().is_some();
             let body = serde_json::json!({
                 "config": "loaded",
-                "store": if app.shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },
+                "store": if shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },
                 "upstream_resolved": up,
                 "draining": draining,
             });
@@ -133,11 +134,12 @@ async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp 
         "/admin/config" => reply(
             StatusCode::OK,
             "application/yaml",
-            app.shared.config.load().redacted_yaml(),
+            shared.running().config.redacted_yaml(),
         ),
         p if p.starts_with("/admin/keys/") => {
             let id = &p["/admin/keys/".len()..];
-            let cfg = app.shared.config.load_full();
+            let running = shared.running();
+            let cfg = &running.config;
             let Some(hash) = cfg.key_ids.get(id) else {
                 return json(
                     StatusCode::NOT_FOUND,
@@ -151,7 +153,7 @@ async fn handle(req: Request<Incoming>, app: &App, token: Option<&str>) -> Resp 
                 );
             };
             let policy = &entry.policy;
-            match app.shared.store.peek(hash, &policy.limit).await {
+            match shared.store.peek(hash, &policy.limit).await {
                 Some(view) => json(
                     StatusCode::OK,
                     serde_json::json!({

@@ -1,69 +1,38 @@
 //! Assembling and running a gateway process: config, store, Pingora server, admin listener,
 //! signals (SIGHUP reload, SIGTERM drain) — the one place that knows about all of them.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::{ArcSwap, ArcSwapOption};
 use async_trait::async_trait;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 
-use crate::config::{Backend, Config, EnvOverrides};
-use crate::proxy::{Gateway, Shared};
+use crate::config::{Backend, Config, ConfigErrors, EnvOverrides};
+use crate::proxy::Gateway;
+use crate::shutdown::Drained;
+use crate::state::Shared;
 use crate::store::memory::Clock;
 use crate::store::{MemoryStore, RedisStore, Store};
 use crate::telemetry::metrics;
 
-/// A running gateway's handles, shared with the admin listener and the signal handler.
+/// A running gateway's handles, for the signal handlers and the file watcher.
 pub struct App {
     pub shared: Arc<Shared>,
     pub config_path: PathBuf,
     pub env: EnvOverrides,
-    /// Set on SIGTERM: `/readyz` turns 503 so load balancers stop sending.
-    pub draining: AtomicBool,
 }
 
 impl App {
     /// Re-reads the config file; a valid one replaces the running config for new requests,
     /// an invalid one is logged (with field paths) and counted, and the old one stays.
-    pub fn reload(&self) -> Result<(), String> {
+    pub fn reload(&self) -> Result<(), ConfigErrors> {
         let m = metrics();
         match Config::load(&self.config_path, &self.env) {
             Ok(new) => {
-                let old = self.shared.config.load();
-                let upstream_changed = old.upstream.host != new.upstream.host
-                    || old.upstream.port != new.upstream.port;
-                if old.upstream.ca_file != new.upstream.ca_file {
-                    tracing::warn!("upstream.ca_file takes effect on restart only");
-                }
-                let (o, n) = (&old.store, &new.store);
-                if o.backend != n.backend
-                    || o.url != n.url
-                    || o.timeout != n.timeout
-                    || o.on_error != n.on_error
-                    || o.fleet_size != n.fleet_size
-                    || o.lease_ttl != n.lease_ttl
-                {
-                    tracing::warn!(
-                        "store.* settings take effect on restart only; keeping the running store"
-                    );
-                }
-                for r in old.router.routes() {
-                    if r.max_in_flight.is_some() {
-                        let _ = m.in_flight_limit.remove_label_values(&[&r.label]);
-                    }
-                }
-                if upstream_changed {
-                    self.shared
-                        .upstream_addr
-                        .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
-                }
-                set_limit_gauges(&new);
-                self.shared.config.store(Arc::new(new));
+                self.shared.install(new);
                 m.config_reloads.with_label_values(&["ok"]).inc();
                 tracing::info!(path = %self.config_path.display(), "configuration reloaded");
                 Ok(())
@@ -73,7 +42,7 @@ impl App {
                 for e in &errs.0 {
                     tracing::error!(path = %self.config_path.display(), error = %e, "configuration reload rejected; keeping the running config");
                 }
-                Err(errs.to_string())
+                Err(errs)
             }
         }
     }
@@ -98,36 +67,6 @@ fn warn_unaffordable_in_fallback(cfg: &Config) {
                     "while Redis is unreachable (on_error: local) each instance has max_cost/fleet_size of this budget, less than this route's cost: the route will be refused until Redis is back"
                 );
             }
-        }
-    }
-}
-
-fn set_limit_gauges(cfg: &Config) {
-    let m = metrics();
-    for r in cfg.router.routes() {
-        if let Some(cap) = r.max_in_flight {
-            m.in_flight_limit
-                .with_label_values(&[&r.label])
-                .set(cap as i64);
-        }
-    }
-}
-
-/// Resolves the upstream host (blocking; called at start and reload, never per request).
-/// Prefers an IPv4 address when the name has both.
-pub fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
-    match (host, port).to_socket_addrs() {
-        Ok(addrs) => {
-            let addrs: Vec<SocketAddr> = addrs.collect();
-            addrs
-                .iter()
-                .find(|a| a.is_ipv4())
-                .or(addrs.first())
-                .copied()
-        }
-        Err(e) => {
-            tracing::error!(host, error = %e, "upstream host does not resolve; answering 502 until it does");
-            None
         }
     }
 }
@@ -176,7 +115,7 @@ impl ShutdownSignalWatch for Signals {
                     let _ = tokio::task::spawn_blocking(move || app.reload()).await;
                 }
                 _ = term.recv() => {
-                    self.app.draining.store(true, Ordering::SeqCst);
+                    self.app.shared.drain.start();
                     spawn_drain_watch(self.app.clone());
                     return ShutdownSignal::GracefulTerminate;
                 }
@@ -190,36 +129,25 @@ impl ShutdownSignalWatch for Signals {
 const DRAIN_QUIET: Duration = Duration::from_secs(1);
 
 /// Pingora's graceful shutdown stops accepting and then waits out the whole grace period. We
-/// exit as soon as the last in-flight request has finished (its lease released in `logging`),
-/// or when `grace_period` ends, whichever is first.
+/// exit as soon as the last in-flight request has finished, or when `grace_period` ends,
+/// whichever is first.
 fn spawn_drain_watch(app: Arc<App>) {
-    let grace = app.shared.config.load().grace_period;
+    let grace = app.shared.running().config.grace_period;
     std::thread::spawn(move || {
         let start = Instant::now();
         // Let the listeners see the shutdown broadcast before counting.
         std::thread::sleep(Duration::from_millis(100));
-        // "Drained" is a second with nothing in flight: a request still arriving on a connection
-        // accepted before the signal gets that long to show up.
-        let mut quiet_since: Option<Instant> = None;
-        loop {
-            let active = app.shared.active.load(Ordering::SeqCst);
-            if active > 0 {
-                quiet_since = None;
-            } else if quiet_since.get_or_insert_with(Instant::now).elapsed() >= DRAIN_QUIET {
-                tracing::info!(
-                    elapsed_ms = start.elapsed().as_millis() as u64,
-                    "drained; exiting"
-                );
-                crate::telemetry::flush_logs();
-                std::process::exit(0);
+        match app.shared.drain.wait(DRAIN_QUIET, grace) {
+            Drained::Idle => tracing::info!(
+                elapsed_ms = start.elapsed().as_millis() as u64,
+                "drained; exiting"
+            ),
+            Drained::GraceOver { active } => {
+                tracing::warn!(active, "grace period over with requests in flight; exiting")
             }
-            if start.elapsed() >= grace {
-                tracing::warn!(active, "grace period over with requests in flight; exiting");
-                crate::telemetry::flush_logs();
-                std::process::exit(0);
-            }
-            std::thread::sleep(Duration::from_millis(20));
         }
+        crate::telemetry::flush_logs();
+        std::process::exit(0);
     });
 }
 
@@ -240,10 +168,10 @@ fn spawn_file_watch(app: Arc<App>) {
     });
 }
 
-/// Serves until SIGTERM/SIGINT. Returns an error only for start-up failures.
-pub fn run(config_path: &Path, watch: bool) -> anyhow::Result<()> {
+/// Serves `cfg` (loaded from `config_path`) until SIGTERM/SIGINT. Returns an error only for
+/// start-up failures.
+pub fn run(cfg: Config, config_path: &Path, watch: bool) -> anyhow::Result<()> {
     let env = EnvOverrides::from_env();
-    let cfg = Config::load(config_path, &env).map_err(|e| anyhow::anyhow!("{e}"))?;
     let store = build_store(&cfg, clock_from_env());
     run_with(cfg, config_path.to_path_buf(), env, store, watch)
 }
@@ -255,8 +183,6 @@ pub fn run_with(
     store: Store,
     watch: bool,
 ) -> anyhow::Result<()> {
-    let addr = resolve(&cfg.upstream.host, cfg.upstream.port);
-    set_limit_gauges(&cfg);
     warn_unaffordable_in_fallback(&cfg);
     metrics().store_degraded.set(0);
     let listen = cfg.listen.clone();
@@ -264,27 +190,20 @@ pub fn run_with(
     let threads = cfg.threads;
     let grace = cfg.grace_period;
     let ca_file = cfg.upstream.ca_file.clone();
-    let shared = Arc::new(Shared {
-        config: ArcSwap::from_pointee(cfg),
-        upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
-        store,
-        active: Default::default(),
-    });
+    let shared = Shared::new(cfg, store);
     let app = Arc::new(App {
         shared: shared.clone(),
         config_path,
         env,
-        draining: AtomicBool::new(false),
     });
 
     // Bind the admin port before anything else so a clash fails loudly at start.
     let admin_listener = std::net::TcpListener::bind(admin_addr)
         .map_err(|e| anyhow::anyhow!("server.admin_listen {admin_addr}: {e}"))?;
-    crate::admin::spawn(admin_listener, app.clone())?;
+    crate::admin::spawn(admin_listener, shared.clone())?;
     if watch {
         spawn_file_watch(app.clone());
     }
-
     // Per-process paths: Pingora's defaults are fixed /tmp names that two instances would share.
     let tag = std::process::id();
     let conf = ServerConf {

@@ -4,8 +4,8 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use crate::config::{format_duration, Config, EnvOverrides};
+use crate::decision;
 use crate::identity::{self, Unauthenticated};
-use crate::route::normalize_path;
 use crate::sample_api::{self, SampleApi};
 
 /// The route/cost table printed by `tollgate check`.
@@ -84,22 +84,25 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
 /// request would be classified at all.
 pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (String, bool) {
     let mut out = String::new();
-    let method = method.to_ascii_uppercase();
-    let (raw_path, _query) = path.split_once('?').unwrap_or((path, ""));
-    let normalized = match normalize_path(raw_path) {
-        Ok(p) => p,
-        Err(e) => {
-            let _ = writeln!(out, "{method} {path}: 400 bad-path ({e})");
+    // The proxy's own classification, so that explain and the gateway never disagree.
+    let classified = match decision::classify(cfg, method, path) {
+        Ok(c) => c,
+        Err(r) => {
+            let _ = writeln!(
+                out,
+                "{method} {path}: {} {} ({})",
+                r.problem.status(),
+                r.problem.slug(),
+                r.detail
+            );
             return (out, false);
         }
     };
-    let route = cfg.router.classify(&method, &normalized).route;
+    let route = &classified.route;
+    let method = classified.forward_method.unwrap_or(method);
     let _ = writeln!(out, "request:      {method} {path}");
-    if matches!(normalized, std::borrow::Cow::Owned(_)) {
-        let _ = writeln!(
-            out,
-            "normalized:   {normalized}  (what the upstream receives)"
-        );
+    if let Some(t) = &classified.forward_target {
+        let _ = writeln!(out, "normalized:   {t}  (what the upstream receives)");
     }
     let _ = writeln!(out, "route:        {}", route.label);
     let _ = writeln!(out, "cost:         {}", route.cost);
@@ -115,7 +118,7 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
             let _ = writeln!(out, "in-flight:    no cap");
         }
     }
-    let who = identity::identify(cfg, key.map(str::as_bytes), Some([127, 0, 0, 1].into()));
+    let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
     match who {
         Ok(id) => {
             let p = &id.policy;
@@ -157,6 +160,9 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
                 out,
                 "key:          not in the registry → 401 unauthenticated"
             );
+        }
+        Err(Unauthenticated::Conflicting) => {
+            let _ = writeln!(out, "key:          conflicting keys → 401 unauthenticated");
         }
     }
     (out, true)

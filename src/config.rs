@@ -401,7 +401,7 @@ pub struct UpstreamTarget {
     pub ca_file: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     pub backend: Backend,
     pub url: String,

@@ -7,11 +7,12 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
 use crate::config::{Anonymous, Config, IdentitySource, Policy};
 
-/// SHA-256 of an API key (or of `ip:<addr>` for anonymous callers).
+/// SHA-256 of an API key (or, for anonymous callers, see [`client_ip_hash`]).
 pub type KeyHash = [u8; 32];
 
 pub fn hash_key(raw: &[u8]) -> KeyHash {
@@ -43,40 +44,61 @@ pub enum Unauthenticated {
     Missing,
     /// A key that the (non-empty) registry doesn't know.
     Unknown,
+    /// Two credentials in one request that disagree.
+    Conflicting,
 }
 
-/// Reads the key from the first source that has one.
+/// Reads the key from the sources, in order. Every value every source carries must agree: a
+/// key header repeated with another value, or a key header and a Bearer token that differ, is
+/// refused rather than resolved by "first wins" (the upstream would see both).
 pub fn extract_key<'a>(
     sources: &[IdentitySource],
-    header: impl Fn(&str) -> Option<&'a [u8]>,
-) -> Option<&'a [u8]> {
+    headers: &'a HeaderMap,
+) -> Result<Option<&'a [u8]>, Unauthenticated> {
+    let mut found: Option<&'a [u8]> = None;
     for s in sources {
-        let v = match s {
-            IdentitySource::Header(name) => header(name).map(trim_ascii),
-            IdentitySource::Bearer => header("authorization").and_then(|v| {
-                let v = trim_ascii(v);
-                (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
-                    .then(|| trim_ascii(&v[7..]))
-            }),
+        let (name, bearer) = match s {
+            IdentitySource::Header(name) => (name.as_str(), false),
+            IdentitySource::Bearer => ("authorization", true),
         };
-        if let Some(v) = v.filter(|v| !v.is_empty()) {
-            return Some(v);
+        for v in headers.get_all(name) {
+            let v = v.as_bytes().trim_ascii();
+            let v = if bearer {
+                match (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+                    .then(|| v[7..].trim_ascii())
+                {
+                    Some(k) => k,
+                    None => continue,
+                }
+            } else {
+                v
+            };
+            if v.is_empty() {
+                continue;
+            }
+            match found {
+                None => found = Some(v),
+                Some(f) if f == v => {}
+                Some(_) => return Err(Unauthenticated::Conflicting),
+            }
         }
     }
-    None
+    Ok(found)
 }
 
-fn trim_ascii(v: &[u8]) -> &[u8] {
-    v.trim_ascii()
+/// The budget key of an anonymous caller. It hashes a NUL byte, which no header value can
+/// carry, so no API key's hash can ever name a client address's budget.
+pub fn client_ip_hash(ip: IpAddr) -> KeyHash {
+    hash_key(format!("\0ip:{ip}").as_bytes())
 }
 
 /// Identifies a request from its key (if any) and client address.
 pub fn identify(
     config: &Config,
-    key: Option<&[u8]>,
+    key: Result<Option<&[u8]>, Unauthenticated>,
     client: Option<IpAddr>,
 ) -> Result<Identity, Unauthenticated> {
-    match key {
+    match key? {
         Some(raw) => {
             let hash = hash_key(raw);
             if config.keys.is_empty() {
@@ -97,7 +119,7 @@ pub fn identify(
         }
         None => match (config.anonymous, client) {
             (Anonymous::ClientIp, Some(ip)) => Ok(Identity {
-                hash: hash_key(format!("ip:{ip}").as_bytes()),
+                hash: client_ip_hash(ip),
                 id: None,
                 policy: config.default_policy.clone(),
             }),
@@ -118,48 +140,63 @@ mod tests {
         Config::parse(&y, &EnvOverrides::default()).unwrap()
     }
 
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in pairs {
+            h.append(*n, v.parse().unwrap());
+        }
+        h
+    }
+
     #[test]
     fn sources_in_order() {
         let sources = vec![
             IdentitySource::Header("x-api-key".into()),
             IdentitySource::Bearer,
         ];
-        let h = |x: Option<&'static str>, a: Option<&'static str>| {
-            move |n: &str| match n {
-                "x-api-key" => x.map(str::as_bytes),
-                "authorization" => a.map(str::as_bytes),
-                _ => None,
-            }
+        let key = |pairs: &[(&'static str, &'static str)]| {
+            extract_key(&sources, &headers(pairs)).map(|k| k.map(<[u8]>::to_vec))
         };
         assert_eq!(
-            extract_key(&sources, h(Some("k1"), Some("Bearer k2"))),
-            Some(&b"k1"[..])
+            key(&[("authorization", "Bearer k2")]),
+            Ok(Some(b"k2".to_vec()))
         );
         assert_eq!(
-            extract_key(&sources, h(None, Some("Bearer k2"))),
-            Some(&b"k2"[..])
+            key(&[("authorization", "bearer  k2 ")]),
+            Ok(Some(b"k2".to_vec()))
         );
         assert_eq!(
-            extract_key(&sources, h(None, Some("bearer  k2 "))),
-            Some(&b"k2"[..])
+            key(&[("x-api-key", " "), ("authorization", "Basic abc")]),
+            Ok(None)
         );
-        assert_eq!(extract_key(&sources, h(Some(" "), Some("Basic abc"))), None);
-        assert_eq!(extract_key(&sources, h(None, None)), None);
-        let bearer_first = vec![sources[1].clone(), sources[0].clone()];
+        assert_eq!(key(&[]), Ok(None));
+        // Agreeing copies are one key; disagreeing ones are refused, whatever the order.
         assert_eq!(
-            extract_key(&bearer_first, h(Some("k1"), Some("Bearer k2"))),
-            Some(&b"k2"[..])
+            key(&[("x-api-key", "k1"), ("authorization", "Bearer k1")]),
+            Ok(Some(b"k1".to_vec()))
+        );
+        assert_eq!(
+            key(&[("x-api-key", "k1"), ("authorization", "Bearer k2")]),
+            Err(Unauthenticated::Conflicting)
+        );
+        assert_eq!(
+            key(&[("x-api-key", "k1"), ("x-api-key", "k2")]),
+            Err(Unauthenticated::Conflicting)
+        );
+        assert_eq!(
+            key(&[("x-api-key", "k1"), ("x-api-key", "k1")]),
+            Ok(Some(b"k1".to_vec()))
         );
     }
 
     #[test]
     fn registry_and_anonymous() {
         let open = cfg("");
-        let id = identify(&open, Some(b"abc"), None).unwrap();
+        let id = identify(&open, Ok(Some(b"abc")), None).unwrap();
         assert_eq!(id.policy.name, "default");
         assert_eq!(id.log_name(), "key:ba7816bf");
         assert_eq!(
-            identify(&open, None, None).unwrap_err(),
+            identify(&open, Ok(None), None).unwrap_err(),
             Unauthenticated::Missing
         );
 
@@ -168,14 +205,17 @@ mod tests {
             hex::encode(hash_key(b"secret"))
         ));
         assert_eq!(
-            identify(&reg, Some(b"secret"), None).unwrap().log_name(),
+            identify(&reg, Ok(Some(b"secret")), None)
+                .unwrap()
+                .log_name(),
             "acme"
         );
         assert_eq!(
-            identify(&reg, Some(b"other"), None).unwrap_err(),
+            identify(&reg, Ok(Some(b"other")), None).unwrap_err(),
             Unauthenticated::Unknown
         );
-        let ip = identify(&reg, None, Some("10.1.2.3".parse().unwrap())).unwrap();
-        assert_eq!(ip.hash, hash_key(b"ip:10.1.2.3"));
+        let ip = identify(&reg, Ok(None), Some("10.1.2.3".parse().unwrap())).unwrap();
+        assert_eq!(ip.hash, client_ip_hash("10.1.2.3".parse().unwrap()));
+        assert_ne!(ip.hash, hash_key(b"ip:10.1.2.3"));
     }
 }

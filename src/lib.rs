@@ -5,20 +5,26 @@
 //! - [`config`]: gateway.yaml → validated [`config::Config`];
 //! - [`route`]: path normalization and the endpoint table (what a request costs);
 //! - [`identity`]: which API key pays (hashed at once);
+//! - [`decision`]: **where the cost is decided** — classify, identify, judge the store's answer;
 //! - [`budget`]: the GCRA arithmetic (whether it fits);
 //! - [`store`]: where budgets and in-flight slots live (memory or Redis);
-//! - [`proxy`]: the Pingora phases; [`problem`]: what a refused client reads;
-//! - [`admin`], [`telemetry`]: what an SRE sees; [`app`]: process assembly and signals.
+//! - [`proxy`]: the Pingora phases, translated to and from `decision`; [`problem`]: what a
+//!   refused client reads;
+//! - [`admin`], [`telemetry`]: what an SRE sees; [`state`]: what a running gateway shares;
+//!   [`shutdown`]: the drain; [`app`]: process assembly and signals.
 
 pub mod admin;
 pub mod app;
 pub mod budget;
 pub mod cli;
 pub mod config;
+pub mod decision;
 pub mod identity;
 pub mod problem;
 pub mod proxy;
 pub mod route;
 pub mod sample_api;
+pub mod shutdown;
+pub mod state;
 pub mod store;
 pub mod telemetry;

@@ -96,8 +96,7 @@ fn run() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            drop(cfg);
-            match tollgate::app::run(&config, watch) {
+            match tollgate::app::run(cfg, &config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("tollgate: {e:#}");

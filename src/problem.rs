@@ -17,6 +17,8 @@ pub enum Problem {
     StoreUnavailable,
     Unauthenticated,
     BadPath,
+    /// A request that is malformed in some other way (HTTP/1.1 without `Host`).
+    BadRequest,
     BadGateway,
     GatewayTimeout,
 }
@@ -27,7 +29,7 @@ impl Problem {
             Problem::QuotaExceeded | Problem::ConcurrencyLimit => 429,
             Problem::RouteBusy | Problem::StoreUnavailable => 503,
             Problem::Unauthenticated => 401,
-            Problem::BadPath => 400,
+            Problem::BadPath | Problem::BadRequest => 400,
             Problem::BadGateway => 502,
             Problem::GatewayTimeout => 504,
         }
@@ -41,6 +43,7 @@ impl Problem {
             Problem::StoreUnavailable => "store-unavailable",
             Problem::Unauthenticated => "unauthenticated",
             Problem::BadPath => "bad-path",
+            Problem::BadRequest => "bad-request",
             Problem::BadGateway => "upstream-unavailable",
             Problem::GatewayTimeout => "upstream-timeout",
         }
@@ -54,6 +57,7 @@ impl Problem {
             Problem::StoreUnavailable => "Rate limit store unavailable",
             Problem::Unauthenticated => "Missing or unknown API key",
             Problem::BadPath => "Path cannot be classified",
+            Problem::BadRequest => "Malformed request",
             Problem::BadGateway => "Upstream unavailable",
             Problem::GatewayTimeout => "Upstream timed out",
         }
@@ -69,6 +73,7 @@ impl Problem {
             Problem::StoreUnavailable => Some("store_unavailable"),
             Problem::Unauthenticated => Some("unauthenticated"),
             Problem::BadPath => Some("bad_path"),
+            Problem::BadRequest => Some("bad_request"),
             Problem::BadGateway | Problem::GatewayTimeout => None,
         }
     }

@@ -9,8 +9,6 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::telemetry::RouteMetrics;
-
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
@@ -21,30 +19,32 @@ pub struct RouteSpec {
     pub queue_timeout: Duration,
 }
 
-/// A route the gateway classifies requests into.
+/// A route the gateway classifies requests into. Plain data: the running gateway keeps the
+/// route's metric series (`telemetry::RouteMetricsTable`), so parsing a config touches nothing
+/// global.
 #[derive(Debug)]
 pub struct Route {
     /// Stable across reloads: the pattern as written, or `default`. Used as the metrics label
     /// and as the identity of the route's in-flight slots.
     pub label: Arc<str>,
+    /// Position in [`Router::routes`] (file order, `default` last).
+    pub index: usize,
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
-    /// The route's metric series, resolved once here rather than per request.
-    pub metrics: RouteMetrics,
 }
 
 impl Route {
     fn new(
         label: &str,
+        index: usize,
         cost: u64,
         max_in_flight: Option<u32>,
         queue_timeout: Duration,
     ) -> Arc<Route> {
-        let label: Arc<str> = Arc::from(label);
         Arc::new(Route {
-            metrics: RouteMetrics::new(&label),
-            label,
+            label: Arc::from(label),
+            index,
             cost,
             max_in_flight,
             queue_timeout,
@@ -296,6 +296,7 @@ impl Router {
             routes.push((
                 Route::new(
                     &spec.pattern,
+                    idx,
                     spec.cost,
                     spec.max_in_flight,
                     spec.queue_timeout,
@@ -306,6 +307,7 @@ impl Router {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let default = Route::new("default", routes.len(), default_cost, None, Duration::ZERO);
         Ok(Router {
             routes,
             any: Table { router: any },
@@ -313,7 +315,7 @@ impl Router {
                 .into_iter()
                 .map(|(m, router)| (m, Table { router }))
                 .collect(),
-            default: Route::new("default", default_cost, None, Duration::ZERO),
+            default,
         })
     }
 

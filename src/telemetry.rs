@@ -6,6 +6,8 @@
 
 use std::sync::{Arc, OnceLock};
 
+use crate::route::{Route, Router};
+
 use prometheus::{
     register_histogram, register_histogram_vec, register_int_counter_vec, register_int_gauge,
     register_int_gauge_vec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -169,8 +171,8 @@ const COMMON_STATUSES: [u16; 16] = [
     200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
 ];
 
-/// One route's series, resolved once when the route is built (and again, to the same series,
-/// on reload) instead of by label lookup on every request.
+/// One route's series, resolved once when a running gateway installs a config (and again, to
+/// the same series, on reload) instead of by label lookup on every request.
 pub struct RouteMetrics {
     label: Arc<str>,
     pub request_duration: Histogram,
@@ -192,7 +194,7 @@ impl std::fmt::Debug for RouteMetrics {
 }
 
 impl RouteMetrics {
-    pub fn new(label: &Arc<str>) -> RouteMetrics {
+    fn new(label: &Arc<str>) -> RouteMetrics {
         let m = metrics();
         let l: &[&str] = &[label];
         RouteMetrics {
@@ -225,6 +227,84 @@ impl RouteMetrics {
             .rejections
             .with_label_values(&[&*self.label, reason])
             .inc();
+    }
+}
+
+/// The series of every route of one config, indexed by [`Route::index`]. Only a running
+/// gateway builds one (parsing a config registers nothing); a reload reuses the handles of
+/// routes it keeps, so counters and in-flight gauges carry on.
+#[derive(Debug)]
+pub struct RouteMetricsTable {
+    by_index: Vec<Arc<RouteMetrics>>,
+}
+
+impl RouteMetricsTable {
+    pub fn new(router: &Router, previous: Option<&RouteMetricsTable>) -> RouteMetricsTable {
+        let m = metrics();
+        let by_index = router
+            .routes()
+            .map(|r| {
+                if let Some(cap) = r.max_in_flight {
+                    m.in_flight_limit
+                        .with_label_values(&[&*r.label])
+                        .set(cap as i64);
+                }
+                previous
+                    .and_then(|p| p.by_index.iter().find(|x| x.label == r.label))
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(RouteMetrics::new(&r.label)))
+            })
+            .collect();
+        RouteMetricsTable { by_index }
+    }
+
+    pub fn get(&self, route: &Route) -> &RouteMetrics {
+        // A route always comes from the router this table was built from; `default` is last.
+        match self.by_index.get(route.index) {
+            Some(m) => m,
+            None => &self.by_index[self.by_index.len() - 1],
+        }
+    }
+
+    /// Removes the series of routes that `self` has and `next` no longer does, and the
+    /// in-flight limits of routes that lost their cap.
+    pub fn retire(&self, next: &Router) {
+        let m = metrics();
+        for old in &self.by_index {
+            let label = &*old.label;
+            let kept = next.routes().find(|r| &*r.label == label);
+            if kept.is_none_or(|r| r.max_in_flight.is_none()) {
+                let _ = m.in_flight_limit.remove_label_values(&[label]);
+            }
+            if kept.is_some() {
+                continue;
+            }
+            for vec in [&m.request_duration, &m.upstream_duration, &m.queue_wait] {
+                let _ = vec.remove_label_values(&[label]);
+            }
+            let _ = m.in_flight.remove_label_values(&[label]);
+            let _ = m.cost_units.remove_label_values(&[label]);
+            remove_route_series(&m.requests, label);
+            remove_route_series(&m.rejections, label);
+            remove_route_series(&m.shadow_rejections, label);
+        }
+    }
+}
+
+/// Removes every series of a `{route, ...}` counter whose route is `label`.
+fn remove_route_series(vec: &IntCounterVec, label: &str) {
+    use prometheus::core::Collector;
+    for family in vec.collect() {
+        for metric in family.get_metric() {
+            let labels: std::collections::HashMap<&str, &str> = metric
+                .get_label()
+                .iter()
+                .map(|l| (l.name(), l.value()))
+                .collect();
+            if labels.get("route") == Some(&label) {
+                let _ = vec.remove(&labels);
+            }
+        }
     }
 }
 

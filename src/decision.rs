@@ -1,0 +1,491 @@
+//! Where the cost is decided. A request's method, target, headers and client address become the
+//! route it is charged as and the identity that pays; with the store's answer, it is either
+//! admitted (on what terms) or refused (with which problem, detail, `Retry-After` and metric
+//! reason).
+//!
+//! No Pingora types: `proxy` translates each phase into these calls and back, and
+//! `tollgate explain` runs the very same classification, so the two can never disagree.
+
+// A refusal is returned by value once per request; boxing it would allocate on every 429.
+#![allow(clippy::result_large_err)]
+
+use std::borrow::Cow;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+
+use crate::budget::{self, Outcome, Verdict};
+use crate::config::Config;
+use crate::identity::{self, Identity, Unauthenticated};
+use crate::problem::Problem;
+use crate::route::{normalize_path, BadPath, Route};
+use crate::store::{Admission, AdmitRequest, Lease};
+
+/// What a request is charged as, and what the upstream receives for it.
+#[derive(Debug, Clone)]
+pub struct Classified {
+    pub route: Arc<Route>,
+    /// The request target to forward (origin-form, normalized) when it differs from what the
+    /// client sent; `None` forwards the client's target unchanged.
+    pub forward_target: Option<String>,
+    /// The method to forward when the client's differs in case only from the one it is
+    /// charged as (`delete` → `DELETE`).
+    pub forward_method: Option<&'static str>,
+}
+
+/// A request the gateway answers itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    pub problem: Problem,
+    pub detail: String,
+    pub retry_after: Option<u64>,
+    /// The budget as the store last saw it, for the rate-limit headers (`None` when there was no
+    /// decision: the caller is unidentified or the store was unavailable).
+    pub outcome: Option<Outcome>,
+    /// Time spent waiting for a route slot before the refusal.
+    pub queued: Duration,
+    /// `tollgate_rejections_total{reason}`; `None` for answers that are not a gateway refusal.
+    pub reason: Option<&'static str>,
+}
+
+impl Refusal {
+    fn new(problem: Problem, detail: impl Into<String>) -> Refusal {
+        Refusal {
+            problem,
+            detail: detail.into(),
+            retry_after: None,
+            outcome: None,
+            queued: Duration::ZERO,
+            reason: problem.reason(),
+        }
+    }
+}
+
+/// A request the store admitted: charged, holding its slots until `lease` is dropped.
+#[derive(Debug)]
+pub struct Admitted {
+    pub outcome: Outcome,
+    pub lease: Lease,
+    /// Time spent waiting for a route slot.
+    pub queued: Duration,
+    /// `max_delay`: how long to hold the request before forwarding it (its units are reserved).
+    pub hold: Duration,
+}
+
+/// The methods an endpoint may name, so that a case variant can be charged (and forwarded) as
+/// the method it spells.
+const KNOWN_METHODS: [&str; 9] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
+];
+
+fn canonical_method(method: &str) -> Option<&'static str> {
+    if method.bytes().all(|b| !b.is_ascii_lowercase()) {
+        return None;
+    }
+    KNOWN_METHODS
+        .iter()
+        .find(|m| m.eq_ignore_ascii_case(method))
+        .copied()
+}
+
+/// Splits a request target into its path and query. Origin-form (`/path?query`) is the only
+/// form that is classified as sent; absolute-form (`http://host/path`) is reduced to its
+/// origin-form; anything else (`reports/generate`, `*`, an authority) cannot be classified
+/// safely.
+fn origin_form(target: &str) -> Result<(&str, Option<&str>, bool), BadPath> {
+    let (rest, absolute) = if target.starts_with('/') {
+        (target, false)
+    } else {
+        let after_scheme = ["http://", "https://"].iter().find_map(|s| {
+            (target.len() >= s.len() && target[..s.len()].eq_ignore_ascii_case(s))
+                .then(|| &target[s.len()..])
+        });
+        let Some(after) = after_scheme else {
+            return Err(BadPath::NotAbsolute);
+        };
+        // The authority ends at the first '/', '?' or '#'.
+        let end = after.find(['/', '?', '#']).unwrap_or(after.len());
+        let rest = &after[end..];
+        if rest.starts_with('#') {
+            return Err(BadPath::NotAbsolute);
+        }
+        (rest, true)
+    };
+    let (path, query) = match rest.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (rest, None),
+    };
+    // An absolute-form target with an empty path means "/" (RFC 9112 §3.2.2).
+    let path = if absolute && path.is_empty() {
+        "/"
+    } else {
+        path
+    };
+    Ok((path, query, absolute))
+}
+
+/// Chooses the route from the method and the normalized origin-form target.
+pub fn classify(cfg: &Config, method: &str, target: &str) -> Result<Classified, Refusal> {
+    let (path, query, absolute) =
+        origin_form(target).map_err(|e| Refusal::new(Problem::BadPath, e.to_string()))?;
+    let normalized =
+        normalize_path(path).map_err(|e| Refusal::new(Problem::BadPath, e.to_string()))?;
+    let forward_method = canonical_method(method);
+    let route = cfg
+        .router
+        .classify(forward_method.unwrap_or(method), &normalized)
+        .route
+        .clone();
+    let forward_target = match (normalized, absolute) {
+        (Cow::Borrowed(_), false) => None,
+        (p, _) => Some(match query {
+            Some(q) => format!("{p}?{q}"),
+            None => p.into_owned(),
+        }),
+    };
+    Ok(Classified {
+        route,
+        forward_target,
+        forward_method,
+    })
+}
+
+/// Which identity pays: the request's credentials (two that disagree are refused), else its
+/// client address when the config allows anonymous callers.
+pub fn identify(
+    cfg: &Config,
+    headers: &HeaderMap,
+    client: Option<IpAddr>,
+) -> Result<Identity, Refusal> {
+    let key = identity::extract_key(&cfg.sources, headers);
+    identity::identify(cfg, key, client).map_err(|e| {
+        let detail = match e {
+            Unauthenticated::Missing => "an API key is required",
+            Unauthenticated::Unknown => "the API key is not known",
+            Unauthenticated::Conflicting => "the request carries two different API keys",
+        };
+        Refusal::new(Problem::Unauthenticated, detail)
+    })
+}
+
+/// HTTP/1.1 requires `Host` (RFC 9112 §3.2); a request without one is refused before anything
+/// is charged.
+pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
+    if http11 && !headers.contains_key(http::header::HOST) {
+        return Err(Refusal::new(
+            Problem::BadRequest,
+            "an HTTP/1.1 request must carry a Host header",
+        ));
+    }
+    Ok(())
+}
+
+/// The store question for a classified, identified request.
+pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
+    AdmitRequest {
+        key: who.hash,
+        limit: who.policy.limit,
+        cost: route.cost,
+        key_cap: who.policy.max_in_flight_per_key,
+        route: route.label.clone(),
+        route_cap: route.max_in_flight,
+        queue_timeout: route.queue_timeout,
+    }
+}
+
+/// Turns the store's answer into an admission or a refusal a client can act on.
+pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
+    match admission {
+        Admission::Admitted {
+            outcome,
+            lease,
+            queued,
+        } => {
+            let hold = match outcome.verdict {
+                Verdict::Admit { delay_us } => Duration::from_micros(delay_us),
+                Verdict::Reject { .. } => Duration::ZERO,
+            };
+            Ok(Admitted {
+                outcome,
+                lease,
+                queued,
+                hold,
+            })
+        }
+        Admission::OverBudget(outcome) => {
+            let retry = match outcome.verdict {
+                Verdict::Reject { retry_after_us } => budget::retry_after_secs(retry_after_us),
+                Verdict::Admit { .. } => 1,
+            };
+            Err(Refusal {
+                retry_after: Some(retry),
+                outcome: Some(outcome),
+                ..Refusal::new(
+                    Problem::QuotaExceeded,
+                    format!(
+                        "this request costs {} units and {} are left; retry in {retry} s",
+                        route.cost, outcome.remaining
+                    ),
+                )
+            })
+        }
+        Admission::KeyBusy(outcome) => Err(Refusal {
+            retry_after: Some(1),
+            outcome: Some(outcome),
+            ..Refusal::new(
+                Problem::ConcurrencyLimit,
+                "this key has as many requests in flight as its plan allows",
+            )
+        }),
+        Admission::RouteBusy { outcome, queued } => Err(Refusal {
+            retry_after: Some(1),
+            outcome: Some(outcome),
+            queued,
+            // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
+            // full route that stayed full for its queue_timeout.
+            reason: Some(if route.queue_timeout.is_zero() {
+                "in_flight"
+            } else {
+                "route_busy"
+            }),
+            ..Refusal::new(
+                Problem::RouteBusy,
+                format!(
+                    "{} has {} requests in flight; no slot freed within {} ms",
+                    route.label,
+                    route.max_in_flight.unwrap_or(0),
+                    route.queue_timeout.as_millis()
+                ),
+            )
+        }),
+        Admission::Unavailable => Err(Refusal {
+            retry_after: Some(1),
+            ..Refusal::new(
+                Problem::StoreUnavailable,
+                "the rate-limit store is unavailable",
+            )
+        }),
+    }
+}
+
+/// The answer to a request the upstream never answered (connect failure or timeout); the
+/// request's charge is given back before this is sent.
+pub fn upstream_failed(timed_out: bool) -> Refusal {
+    if timed_out {
+        Refusal::new(
+            Problem::GatewayTimeout,
+            "the upstream did not answer in time; the request was not charged",
+        )
+    } else {
+        Refusal::new(
+            Problem::BadGateway,
+            "the upstream could not be reached; the request was not charged",
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EnvOverrides;
+    use crate::store::Admission;
+
+    fn cfg(extra: &str) -> Config {
+        let y = format!(
+            "upstream: {{url: \"http://127.0.0.1:1\"}}\nrate_limits:\n  default: {{window: 60s, max_cost: 120}}\n  endpoints:\n    /reports/generate: {{cost: 20, max_in_flight: 5}}\n    /exports/bulk: {{cost: 15, max_in_flight: 2, queue_timeout: 1s}}\n    \"DELETE /items/{{id}}\": {{cost: 3}}\n{extra}"
+        );
+        Config::parse(&y, &EnvOverrides::default()).unwrap()
+    }
+
+    fn label(c: &Config, method: &str, target: &str) -> String {
+        classify(c, method, target).unwrap().route.label.to_string()
+    }
+
+    #[test]
+    fn target_forms() {
+        let c = cfg("");
+        assert_eq!(label(&c, "POST", "/reports/generate"), "/reports/generate");
+        assert_eq!(
+            classify(&c, "POST", "/reports/generate?x=1")
+                .unwrap()
+                .forward_target,
+            None
+        );
+        // Absolute-form is charged by its path and forwarded as origin-form.
+        let abs = classify(&c, "POST", "http://api.example/reports//generate?a=b").unwrap();
+        assert_eq!(&*abs.route.label, "/reports/generate");
+        assert_eq!(abs.forward_target.as_deref(), Some("/reports/generate?a=b"));
+        let abs = classify(&c, "GET", "HTTPS://h:8080").unwrap();
+        assert_eq!(abs.forward_target.as_deref(), Some("/"));
+        // Anything else never reaches the default route.
+        for t in [
+            "reports/generate",
+            "*",
+            "api.example:443",
+            "",
+            "ftp://h/reports/generate",
+        ] {
+            let r = classify(&c, "POST", t).unwrap_err();
+            assert_eq!(r.problem, Problem::BadPath, "{t}");
+            assert_eq!(r.reason, Some("bad_path"));
+        }
+    }
+
+    #[test]
+    fn normalization_is_forwarded() {
+        let c = cfg("");
+        let n = classify(&c, "POST", "/x/../reports/%67enerate?q=%2F").unwrap();
+        assert_eq!(&*n.route.label, "/reports/generate");
+        assert_eq!(n.forward_target.as_deref(), Some("/reports/generate?q=%2F"));
+        assert_eq!(
+            classify(&c, "GET", "/a%2Fb").unwrap_err().problem,
+            Problem::BadPath
+        );
+    }
+
+    #[test]
+    fn method_case_is_charged_as_the_method() {
+        let c = cfg("");
+        let d = classify(&c, "delete", "/items/7").unwrap();
+        assert_eq!(&*d.route.label, "DELETE /items/{id}");
+        assert_eq!(d.forward_method, Some("DELETE"));
+        assert_eq!(
+            classify(&c, "DELETE", "/items/7").unwrap().forward_method,
+            None
+        );
+        assert_eq!(label(&c, "dElEtE", "/items/7"), "DELETE /items/{id}");
+        // An extension method stays what it is.
+        let m = classify(&c, "purge", "/items/7").unwrap();
+        assert_eq!((&*m.route.label, m.forward_method), ("default", None));
+    }
+
+    #[test]
+    fn host_is_required_on_http11() {
+        let mut h = HeaderMap::new();
+        assert_eq!(
+            require_host(true, &h).unwrap_err().problem,
+            Problem::BadRequest
+        );
+        assert!(require_host(false, &h).is_ok());
+        h.insert("host", "x".parse().unwrap());
+        assert!(require_host(true, &h).is_ok());
+    }
+
+    #[test]
+    fn conflicting_credentials_are_refused() {
+        let c = cfg("");
+        let mut h = HeaderMap::new();
+        h.append("x-api-key", "k1".parse().unwrap());
+        h.append("authorization", "Bearer k1".parse().unwrap());
+        assert!(identify(&c, &h, None).is_ok());
+        h.append("x-api-key", "k2".parse().unwrap());
+        let r = identify(&c, &h, None).unwrap_err();
+        assert_eq!(r.problem, Problem::Unauthenticated);
+        assert_eq!(r.reason, Some("unauthenticated"));
+    }
+
+    #[test]
+    fn client_ip_namespace_is_unreachable_by_keys() {
+        let c = cfg("identity: {anonymous: client_ip}\n");
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let anon = identify(&c, &HeaderMap::new(), Some(ip)).unwrap();
+        for key in ["127.0.0.1", "ip:127.0.0.1"] {
+            let mut h = HeaderMap::new();
+            h.insert("x-api-key", key.parse().unwrap());
+            assert_ne!(identify(&c, &h, Some(ip)).unwrap().hash, anon.hash, "{key}");
+        }
+    }
+
+    fn outcome(verdict: Verdict, remaining: u64) -> Outcome {
+        Outcome {
+            verdict,
+            state: None,
+            remaining,
+            reset_us: 0,
+        }
+    }
+
+    #[test]
+    fn store_answers_become_refusals() {
+        let c = cfg("");
+        let reports = classify(&c, "POST", "/reports/generate").unwrap().route;
+        let exports = classify(&c, "POST", "/exports/bulk").unwrap().route;
+
+        let over = judge(
+            &reports,
+            Admission::OverBudget(outcome(
+                Verdict::Reject {
+                    retry_after_us: 9_000_001,
+                },
+                3,
+            )),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (over.problem, over.retry_after, over.reason),
+            (Problem::QuotaExceeded, Some(10), Some("budget"))
+        );
+        assert_eq!(
+            over.detail,
+            "this request costs 20 units and 3 are left; retry in 10 s"
+        );
+
+        let busy = |route: &Route| {
+            judge(
+                route,
+                Admission::RouteBusy {
+                    outcome: outcome(Verdict::Admit { delay_us: 0 }, 1),
+                    queued: Duration::from_millis(5),
+                },
+            )
+            .unwrap_err()
+        };
+        assert_eq!(busy(&reports).reason, Some("in_flight"));
+        let b = busy(&exports);
+        assert_eq!(
+            (b.problem, b.reason, b.retry_after, b.queued),
+            (
+                Problem::RouteBusy,
+                Some("route_busy"),
+                Some(1),
+                Duration::from_millis(5)
+            )
+        );
+
+        let key = judge(
+            &reports,
+            Admission::KeyBusy(outcome(Verdict::Admit { delay_us: 0 }, 1)),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (key.problem, key.reason, key.retry_after),
+            (Problem::ConcurrencyLimit, Some("key_in_flight"), Some(1))
+        );
+
+        let down = judge(&reports, Admission::Unavailable).unwrap_err();
+        assert_eq!(
+            (down.problem, down.reason, down.outcome),
+            (Problem::StoreUnavailable, Some("store_unavailable"), None)
+        );
+
+        let ok = judge(
+            &reports,
+            Admission::Admitted {
+                outcome: outcome(Verdict::Admit { delay_us: 1_500 }, 100),
+                lease: Lease::default(),
+                queued: Duration::ZERO,
+            },
+        )
+        .unwrap();
+        assert_eq!(ok.hold, Duration::from_micros(1_500));
+    }
+
+    #[test]
+    fn upstream_failures_are_not_gateway_refusals() {
+        assert_eq!(upstream_failed(true).problem, Problem::GatewayTimeout);
+        assert_eq!(upstream_failed(false).problem, Problem::BadGateway);
+        assert_eq!(upstream_failed(false).reason, None);
+    }
+}

@@ -1,0 +1,264 @@
+//! One request's state across Pingora's phases, as a state machine whose states carry only
+//! what is true in them, and guards that undo what must be undone on every exit path.
+//!
+//! `Undecided` → `Refused` (answered by the gateway, nothing charged) | `Admitted` (charged,
+//! holding slots) → `Refunded` (the upstream never answered; the charge was given back).
+//! The request is finished when `logging` has run and the context drops: the drain guard, the
+//! in-flight gauge and the lease release themselves then, whatever happened before.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prometheus::IntGauge;
+
+use crate::budget::Outcome;
+use crate::decision::{Admitted, Classified, Refusal};
+use crate::identity::Identity;
+use crate::problem::Problem;
+use crate::route::Route;
+use crate::shutdown::DrainGuard;
+use crate::state::Running;
+use crate::store::{AdmitRequest, Lease, Store};
+
+/// Counts a request in `tollgate_in_flight{route}` for as long as it lives.
+pub struct InFlight(IntGauge);
+
+impl InFlight {
+    pub fn new(gauge: &IntGauge) -> InFlight {
+        gauge.inc();
+        InFlight(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// An admitted request: what it was charged under, and the slots it holds.
+pub struct Charged {
+    pub req: AdmitRequest,
+    pub outcome: Outcome,
+    pub lease: Lease,
+    _in_flight: InFlight,
+}
+
+// Lives inside the context Pingora allocates once per request, and changes state in place:
+// boxing the large variant would add an allocation per admitted request.
+#[allow(clippy::large_enum_variant)]
+pub enum Phase {
+    /// Nothing decided yet (or Pingora answered before `request_filter` ran).
+    Undecided,
+    /// Answered by the gateway; nothing was charged.
+    Refused {
+        problem: Problem,
+        reason: Option<&'static str>,
+        outcome: Option<Outcome>,
+    },
+    Admitted(Charged),
+    /// Charged, then given back because the upstream never produced a response.
+    Refunded {
+        problem: Problem,
+        outcome: Outcome,
+    },
+}
+
+/// Where the time went, for the access log and the histograms.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Timing {
+    /// The store's decision, without waiting for a slot.
+    pub store: Duration,
+    /// Waiting for a route slot.
+    pub queued: Duration,
+    pub upstream_start: Option<Instant>,
+    pub upstream: Option<Duration>,
+}
+
+impl Timing {
+    /// Marks the end of the upstream part (the first time only).
+    pub fn upstream_done(&mut self) {
+        if self.upstream.is_none() {
+            self.upstream = self.upstream_start.map(|s| s.elapsed());
+        }
+    }
+}
+
+pub struct Ctx {
+    pub start: Instant,
+    _drain: DrainGuard,
+    /// The config this request runs under, from its first phase to its last.
+    pub running: Option<Arc<Running>>,
+    pub route: Option<Arc<Route>>,
+    /// What the upstream receives instead of the client's method / target, if anything.
+    pub forward: Option<Classified>,
+    pub identity: Option<Identity>,
+    pub phase: Phase,
+    pub timing: Timing,
+}
+
+impl Ctx {
+    pub fn new(drain: DrainGuard) -> Ctx {
+        Ctx {
+            start: Instant::now(),
+            _drain: drain,
+            running: None,
+            route: None,
+            forward: None,
+            identity: None,
+            phase: Phase::Undecided,
+            timing: Timing::default(),
+        }
+    }
+
+    /// Records a refusal (nothing charged).
+    pub fn refuse(&mut self, r: &Refusal) {
+        self.timing.queued = r.queued;
+        self.phase = Phase::Refused {
+            problem: r.problem,
+            reason: r.reason,
+            outcome: r.outcome,
+        };
+    }
+
+    /// Records an admission; the request now counts as in flight on its route.
+    pub fn admit(&mut self, req: AdmitRequest, a: Admitted, in_flight: &IntGauge) {
+        self.timing.queued = a.queued;
+        self.phase = Phase::Admitted(Charged {
+            req,
+            outcome: a.outcome,
+            lease: a.lease,
+            _in_flight: InFlight::new(in_flight),
+        });
+    }
+
+    /// Gives the charge back and frees the slots at once: the upstream never ran it.
+    pub async fn refund(&mut self, store: &Store, problem: Problem) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Undecided);
+        self.phase = match phase {
+            Phase::Admitted(c) => {
+                store.refund(&c.req, c.lease.charge()).await;
+                c.lease.release().await;
+                Phase::Refunded {
+                    problem,
+                    outcome: c.outcome,
+                }
+            }
+            other => other,
+        };
+    }
+
+    /// Frees the slots now (dropping the context would too, without waiting).
+    pub async fn release(&mut self) {
+        if let Phase::Admitted(c) = &mut self.phase {
+            std::mem::take(&mut c.lease).release().await;
+        }
+    }
+
+    /// The budget decision to describe in the rate-limit headers, if there was one.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        match &self.phase {
+            Phase::Refused { outcome, .. } => outcome.as_ref(),
+            Phase::Admitted(c) => Some(&c.outcome),
+            Phase::Refunded { outcome, .. } => Some(outcome),
+            Phase::Undecided => None,
+        }
+    }
+
+    /// What this request has been charged (`X-RateLimit-Cost`, the access log, the counter).
+    pub fn charged(&self) -> u64 {
+        match (&self.phase, &self.route) {
+            (Phase::Admitted(_), Some(r)) => r.cost,
+            _ => 0,
+        }
+    }
+
+    pub fn is_admitted(&self) -> bool {
+        matches!(self.phase, Phase::Admitted(_))
+    }
+
+    /// The access log's `decision`.
+    pub fn decision(&self) -> &'static str {
+        match &self.phase {
+            Phase::Refused {
+                reason: Some(reason),
+                ..
+            } => reason,
+            Phase::Refused { reason: None, .. } | Phase::Undecided => "error",
+            Phase::Admitted(_) => "admitted",
+            Phase::Refunded { .. } => "refunded",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::{Limit, Verdict};
+    use crate::shutdown::Drain;
+    use crate::store::MemoryStore;
+
+    fn outcome() -> Outcome {
+        Outcome {
+            verdict: Verdict::Admit { delay_us: 0 },
+            state: None,
+            remaining: 7,
+            reset_us: 0,
+        }
+    }
+
+    fn req() -> AdmitRequest {
+        AdmitRequest {
+            key: [1; 32],
+            limit: Limit::new(10, Duration::from_secs(10), Duration::ZERO).unwrap(),
+            cost: 3,
+            key_cap: None,
+            route: Arc::from("/r"),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+        }
+    }
+
+    #[tokio::test]
+    async fn guards_count_out_on_drop_and_refund_moves_on() {
+        let drain = Drain::new();
+        let gauge = IntGauge::new("t_in_flight", "test").unwrap();
+        let store = Store::Memory(MemoryStore::new(crate::store::memory::Clock::new(0)));
+        let mut ctx = Ctx::new(drain.enter());
+        assert_eq!((drain.active(), ctx.decision()), (1, "error"));
+        ctx.admit(
+            req(),
+            Admitted {
+                outcome: outcome(),
+                lease: Lease::default(),
+                queued: Duration::ZERO,
+                hold: Duration::ZERO,
+            },
+            &gauge,
+        );
+        assert_eq!((gauge.get(), ctx.decision()), (1, "admitted"));
+        assert!(ctx.is_admitted());
+        ctx.refund(&store, Problem::BadGateway).await;
+        assert_eq!(
+            (gauge.get(), ctx.decision(), ctx.charged()),
+            (0, "refunded", 0)
+        );
+        assert_eq!(ctx.outcome().map(|o| o.remaining), Some(7));
+        drop(ctx);
+        assert_eq!(drain.active(), 0);
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        let drain = Drain::new();
+        let mut ctx = Ctx::new(drain.enter());
+        let r = crate::decision::upstream_failed(true);
+        ctx.refuse(&r);
+        assert_eq!(ctx.decision(), "error");
+        ctx.refuse(&Refusal {
+            reason: Some("budget"),
+            ..r
+        });
+        assert_eq!((ctx.decision(), ctx.charged()), ("budget", 0));
+    }
+}

@@ -1,0 +1,68 @@
+//! What the upstream receives: the peer to connect to, and the request as the gateway charged
+//! it (normalized origin-form target, canonical method) with the forwarding headers.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use http::HeaderValue;
+use pingora::http::RequestHeader;
+use pingora::prelude::*;
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{Error, ErrorType};
+
+use super::ctx::Ctx;
+use crate::config::UpstreamTarget;
+
+/// The peer for the configured upstream at its resolved address.
+pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, up.tls, up.host.clone());
+    peer.options.connection_timeout = Some(up.connect_timeout);
+    peer.options.total_connection_timeout = Some(up.connect_timeout * 2);
+    peer.options.read_timeout = Some(up.read_timeout);
+    peer.options.write_timeout = Some(up.read_timeout);
+    peer.options.idle_timeout = Some(Duration::from_secs(60));
+    peer
+}
+
+/// Rewrites the upstream request: what was charged is what is sent.
+pub fn request(upstream: &mut RequestHeader, ctx: &Ctx, client: Option<IpAddr>) -> Result<()> {
+    if let Some(f) = &ctx.forward {
+        if let Some(target) = &f.forward_target {
+            let uri = target
+                .parse::<http::Uri>()
+                .map_err(|e| Error::because(ErrorType::InternalError, "normalized uri", e))?;
+            upstream.set_uri(uri);
+        }
+        if let Some(m) = f.forward_method {
+            upstream.set_method(
+                m.parse()
+                    .map_err(|e| Error::because(ErrorType::InternalError, "method", e))?,
+            );
+        }
+    }
+    if let Some(running) = &ctx.running {
+        // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
+        upstream.remove_header("x-forwarded-host");
+        if let Some(host) = upstream.remove_header("host") {
+            upstream.append_header("X-Forwarded-Host", host)?;
+        }
+        upstream.append_header("Host", running.config.upstream.host_header.clone())?;
+    }
+    if let Some(ip) = client {
+        match upstream
+            .headers
+            .get("x-forwarded-for")
+            .and_then(|v| v.to_str().ok())
+        {
+            Some(prev) => {
+                let xff = format!("{prev}, {ip}");
+                upstream.insert_header("X-Forwarded-For", xff)?;
+            }
+            None => {
+                upstream.append_header("X-Forwarded-For", ip.to_string())?;
+            }
+        }
+    }
+    upstream.insert_header("X-Forwarded-Proto", HeaderValue::from_static("http"))?;
+    Ok(())
+}

@@ -1,0 +1,261 @@
+//! The Pingora edge: translates each proxy phase into calls on plain modules and back.
+//!
+//! `request_filter` asks [`crate::decision`] to classify, identify and judge the store's
+//! answer, and writes the refusals; `upstream_peer` / `upstream_request_filter` forward what
+//! was charged ([`forward`]); `response_filter` adds the rate-limit headers ([`respond`]);
+//! `fail_to_proxy` refunds and answers 502/504; `logging` — which Pingora runs for every
+//! request, whatever happened — releases slots, records metrics and writes the access log.
+//! The request's state lives in [`ctx::Ctx`].
+
+pub mod ctx;
+pub mod forward;
+pub mod respond;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::*;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{Error, ErrorSource, ErrorType};
+
+use crate::decision::{self, Refusal};
+use crate::problem::Problem;
+use crate::state::Shared;
+use crate::telemetry::metrics;
+use ctx::{Ctx, Phase};
+
+pub struct Gateway {
+    pub shared: Arc<Shared>,
+}
+
+fn client_ip(session: &Session) -> Option<std::net::IpAddr> {
+    session
+        .client_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.ip())
+}
+
+impl Gateway {
+    async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
+        ctx.refuse(&r);
+        if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
+            if r.problem == Problem::RouteBusy {
+                run.metrics
+                    .get(route)
+                    .queue_wait
+                    .observe(r.queued.as_secs_f64());
+            }
+        }
+        respond::problem(session, ctx, r.problem, &r.detail, r.retry_after).await
+    }
+
+    /// Classifies, identifies and admits; `Err` is the refusal to send.
+    async fn decide(&self, session: &mut Session, ctx: &mut Ctx) -> Result<(), Refusal> {
+        let running = self.shared.running();
+        ctx.running = Some(running.clone());
+        let cfg = &running.config;
+        let req = session.req_header();
+
+        // 1. Classify: the route is chosen from, and the upstream receives, the canonical target.
+        let target = String::from_utf8_lossy(req.raw_path());
+        let classified = decision::classify(cfg, req.method.as_str(), &target);
+        let classified = match classified {
+            Ok(c) => c,
+            Err(r) => {
+                ctx.route = Some(cfg.router.default_route().clone());
+                return Err(r);
+            }
+        };
+        let route = classified.route.clone();
+        ctx.route = Some(route.clone());
+        ctx.forward = Some(classified);
+        decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
+
+        // 2. Identify. The raw key never leaves `decision::identify`.
+        let who = decision::identify(cfg, &req.headers, client_ip(session))?;
+        let admit = decision::admit_request(&route, &who);
+        ctx.identity = Some(who);
+
+        // 3. Admit: budget, per-key cap and route cap in one store decision.
+        let t = Instant::now();
+        let answer = self.shared.store.admit(&admit).await;
+        let elapsed = t.elapsed();
+        let admitted = decision::judge(&route, answer).inspect_err(|r| {
+            ctx.timing.store = elapsed.saturating_sub(r.queued);
+        })?;
+        ctx.timing.store = elapsed.saturating_sub(admitted.queued);
+        let m = running.metrics.get(&route);
+        if route.max_in_flight.is_some() {
+            m.queue_wait.observe(admitted.queued.as_secs_f64());
+        }
+        let hold = admitted.hold;
+        ctx.admit(admit, admitted, &m.in_flight);
+        if !hold.is_zero() {
+            // max_delay: the units are reserved; hold the request until they are due.
+            tokio::time::sleep(hold).await;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx::new(self.shared.drain.enter())
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        match self.decide(session, ctx).await {
+            Ok(()) => Ok(false),
+            Err(r) => self.refuse(session, ctx, r).await,
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let Some(running) = ctx.running.as_ref() else {
+            return Error::e_explain(ErrorType::InternalError, "no config for request");
+        };
+        let Some(addr) = self.shared.upstream_addr.load_full() else {
+            return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
+        };
+        Ok(Box::new(forward::peer(*addr, &running.config.upstream)))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        forward::request(upstream, ctx, client_ip(session))?;
+        ctx.timing.upstream_start = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.timing.upstream_done();
+        respond::rate_limit_headers(resp, ctx)
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        use ErrorType::*;
+        let headers_sent = session.response_written().is_some();
+        let timed_out = match (e.esource(), e.etype()) {
+            (_, HTTPStatus(code)) => {
+                if !headers_sent {
+                    let _ = session.respond_error(*code).await;
+                }
+                return FailToProxy {
+                    error_code: *code,
+                    can_reuse_downstream: false,
+                };
+            }
+            (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => true,
+            (ErrorSource::Upstream, _)
+            | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
+            (ErrorSource::Downstream, _) => {
+                // The client went away or sent garbage; nobody to answer.
+                let code = match e.etype() {
+                    WriteError | ReadError | ConnectionClosed => 0,
+                    _ => 400,
+                };
+                if code > 0 && !headers_sent {
+                    let _ = session.respond_error(code).await;
+                }
+                return FailToProxy {
+                    error_code: code,
+                    can_reuse_downstream: false,
+                };
+            }
+            _ => {
+                if !headers_sent {
+                    let _ = session.respond_error(500).await;
+                }
+                return FailToProxy {
+                    error_code: 500,
+                    can_reuse_downstream: false,
+                };
+            }
+        };
+        let failure = decision::upstream_failed(timed_out);
+        if headers_sent {
+            // The upstream answered and then failed mid-body: it did the work, keep the charge.
+            return FailToProxy {
+                error_code: failure.problem.status(),
+                can_reuse_downstream: false,
+            };
+        }
+        // The upstream never produced a response: refund, before answering, so that the
+        // client's next request already sees the units back.
+        ctx.refund(&self.shared.store, failure.problem).await;
+        ctx.timing.upstream_done();
+        // Pingora will not reuse this connection after an upstream error: say so, so that the
+        // client doesn't send its next request into a closing socket.
+        session.set_keepalive(None);
+        let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
+        FailToProxy {
+            error_code: failure.problem.status(),
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        ctx.release().await;
+        let status = session
+            .response_written()
+            .map(|r| r.status.as_u16())
+            .unwrap_or(0);
+        // Requests Pingora refused before `request_filter` count under `default`.
+        let running = ctx.running.clone().unwrap_or_else(|| self.shared.running());
+        let route = match &ctx.route {
+            Some(r) => r.clone(),
+            None => running.config.router.default_route().clone(),
+        };
+        let rm = running.metrics.get(&route);
+        let elapsed = ctx.start.elapsed();
+        rm.request(status);
+        rm.request_duration.observe(elapsed.as_secs_f64());
+        if let Some(u) = ctx.timing.upstream {
+            rm.upstream_duration.observe(u.as_secs_f64());
+        }
+        let charged = ctx.charged();
+        if charged > 0 {
+            rm.cost_units.inc_by(charged);
+        }
+        if let Phase::Refused {
+            reason: Some(reason),
+            ..
+        } = ctx.phase
+        {
+            rm.rejection(reason);
+            if let Some(id) = ctx.identity.as_ref().and_then(|i| i.id.as_deref()) {
+                metrics().rejections_by_key.with_label_values(&[id]).inc();
+            }
+        }
+        // Field expressions are only evaluated when the access log is enabled.
+        tracing::info!(
+            target: "tollgate::access",
+            method = session.req_header().method.as_str(),
+            route = &*route.label,
+            key = ctx.identity.as_ref().map(|i| i.log_name()).as_deref().unwrap_or("-"),
+            cost = charged,
+            decision = ctx.decision(),
+            status,
+            latency_ms = elapsed.as_secs_f64() * 1e3,
+            upstream_ms = ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
+            store_ms = ctx.timing.store.as_secs_f64() * 1e3,
+            queue_ms = ctx.timing.queued.as_secs_f64() * 1e3,
+            error = e.map(|e| e.etype().as_str()),
+        );
+    }
+}

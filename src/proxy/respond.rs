@@ -1,0 +1,81 @@
+//! What the gateway writes itself: problem JSON for its own answers, and the rate-limit
+//! headers on every response to an identified caller.
+
+use bytes::Bytes;
+use http::HeaderValue;
+use pingora::http::ResponseHeader;
+use pingora::prelude::*;
+use pingora::proxy::Session;
+
+use super::ctx::Ctx;
+use crate::problem::{self, Problem};
+
+/// Writes the gateway's own answer: problem JSON, `Retry-After` where given, and the
+/// rate-limit headers when the caller is identified. Returns `Ok(true)` ("response sent") for
+/// `request_filter`.
+pub async fn problem(
+    session: &mut Session,
+    ctx: &Ctx,
+    p: Problem,
+    detail: &str,
+    retry_after: Option<u64>,
+) -> Result<bool> {
+    let cost = ctx
+        .route
+        .as_ref()
+        .filter(|_| ctx.identity.is_some())
+        .map(|r| r.cost);
+    let remaining = ctx.outcome().map(|o| o.remaining);
+    let body = problem::body(p, detail, cost, remaining, retry_after);
+    let mut h = ResponseHeader::build(p.status(), Some(10))?;
+    h.insert_header("Content-Type", "application/problem+json")?;
+    h.insert_header("Content-Length", body.len().to_string())?;
+    h.insert_header("Cache-Control", "no-store")?;
+    if let Some(ra) = retry_after {
+        h.insert_header("Retry-After", ra.to_string())?;
+    }
+    rate_limit_headers(&mut h, ctx)?;
+    // A request body we never read would be taken for the next request: close unless bodyless.
+    let req = session.req_header();
+    let bodyless = req.headers.get("transfer-encoding").is_none()
+        && req
+            .headers
+            .get("content-length")
+            .is_none_or(|v| v.as_bytes() == b"0");
+    if !bodyless {
+        session.set_keepalive(None);
+    }
+    session.write_response_header(Box::new(h), false).await?;
+    session
+        .write_response_body(Some(Bytes::from(body)), true)
+        .await?;
+    Ok(true)
+}
+
+/// Adds `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for the request's decision.
+/// `X-RateLimit-Cost` is what this request was charged: nothing when refused or refunded.
+pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
+    let Some(id) = &ctx.identity else {
+        return Ok(());
+    };
+    let Some(outcome) = ctx.outcome() else {
+        // No decision to describe (the store was unavailable): the policy, and nothing charged.
+        h.insert_header("RateLimit-Policy", id.policy.headers.policy.clone())?;
+        h.insert_header("X-RateLimit-Limit", id.policy.headers.limit.clone())?;
+        h.insert_header("X-RateLimit-Cost", HeaderValue::from_static("0"))?;
+        return Ok(());
+    };
+    let headers = problem::rate_limit_headers(&id.policy, outcome, ctx.charged());
+    // Ours replace any the upstream sent; appending is cheaper when there are none.
+    let replace = headers
+        .iter()
+        .any(|(name, _)| h.headers.contains_key(*name));
+    for (name, value) in headers {
+        if replace {
+            h.insert_header(name, value)?;
+        } else {
+            h.append_header(name, value)?;
+        }
+    }
+    Ok(())
+}

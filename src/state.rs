@@ -1,0 +1,90 @@
+//! What a running gateway shares between its requests, the admin listener and the signal
+//! handlers: the config in force (swapped whole on reload, with its metric handles), the
+//! store (which outlives reloads, so budgets do too), the upstream's address and the drain.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+
+use crate::config::Config;
+use crate::shutdown::Drain;
+use crate::store::Store;
+use crate::telemetry::RouteMetricsTable;
+
+/// A config as the gateway runs it: the validated file plus its routes' metric series.
+#[derive(Debug)]
+pub struct Running {
+    pub config: Config,
+    pub metrics: RouteMetricsTable,
+}
+
+pub struct Shared {
+    running: ArcSwap<Running>,
+    /// The upstream's resolved address (`None` until its name resolves).
+    pub upstream_addr: ArcSwapOption<SocketAddr>,
+    pub store: Store,
+    pub drain: Arc<Drain>,
+}
+
+impl Shared {
+    pub fn new(config: Config, store: Store) -> Arc<Shared> {
+        let addr = resolve(&config.upstream.host, config.upstream.port);
+        let metrics = RouteMetricsTable::new(&config.router, None);
+        Arc::new(Shared {
+            running: ArcSwap::from_pointee(Running { config, metrics }),
+            upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
+            store,
+            drain: Drain::new(),
+        })
+    }
+
+    /// The config in force now; a request keeps the one it started with.
+    pub fn running(&self) -> Arc<Running> {
+        self.running.load_full()
+    }
+
+    /// Puts a validated config in force for new requests. Settings that only take effect on
+    /// restart are said so in the log; series of routes that are gone are removed.
+    pub fn install(&self, new: Config) {
+        let old = self.running.load_full();
+        let was = &old.config;
+        if was.upstream.ca_file != new.upstream.ca_file {
+            tracing::warn!("upstream.ca_file takes effect on restart only");
+        }
+        if was.store != new.store {
+            tracing::warn!(
+                "store.* settings take effect on restart only; keeping the running store"
+            );
+        }
+        if was.upstream.host != new.upstream.host || was.upstream.port != new.upstream.port {
+            self.upstream_addr
+                .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
+        }
+        let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
+        old.metrics.retire(&new.router);
+        self.running.store(Arc::new(Running {
+            config: new,
+            metrics,
+        }));
+    }
+}
+
+/// Resolves the upstream host (blocking; called at start and reload, never per request).
+/// Prefers an IPv4 address when the name has both.
+pub fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
+    match (host, port).to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            addrs
+                .iter()
+                .find(|a| a.is_ipv4())
+                .or(addrs.first())
+                .copied()
+        }
+        Err(e) => {
+            tracing::error!(host, error = %e, "upstream host does not resolve; answering 502 until it does");
+            None
+        }
+    }
+}
