@@ -11,6 +11,7 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 
 use crate::config::{Backend, Config, ConfigErrors, EnvOverrides};
+use crate::front::FrontDoor;
 use crate::proxy::Gateway;
 use crate::shutdown::Drained;
 use crate::state::Shared;
@@ -227,19 +228,22 @@ pub fn run_with(
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
+    let proxy = pingora::proxy::http_proxy(
         &server.configuration,
         Gateway {
             shared: shared.clone(),
         },
-        "tollgate",
+    );
+    let mut service = pingora::services::listening::Service::new(
+        "tollgate".to_string(),
+        FrontDoor::new(proxy, shared.clone()),
     );
     for a in &listen {
         // Bind once here so a port clash is an error at start, not a panic inside Pingora.
         std::net::TcpListener::bind(a).map_err(|e| anyhow::anyhow!("server.listen {a}: {e}"))?;
-        proxy.add_tcp(a);
+        service.add_tcp(a);
     }
-    server.add_service(proxy);
+    server.add_service(service);
     tracing::info!(listen = ?listen, admin = %admin_addr, "tollgate serving");
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals { app }),

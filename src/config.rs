@@ -417,6 +417,7 @@ pub struct Config {
     pub admin_listen: String,
     pub threads: usize,
     pub grace_period: Duration,
+    pub client_limits: crate::front::ClientLimits,
     pub upstream: UpstreamTarget,
     pub store: StoreSettings,
     pub sources: Vec<IdentitySource>,
@@ -881,6 +882,7 @@ impl Config {
             admin_listen: raw.server.admin_listen.clone(),
             threads,
             grace_period: raw.server.grace_period.0,
+            client_limits: crate::front::ClientLimits::default(),
             upstream,
             store: StoreSettings {
                 backend: raw.store.backend,

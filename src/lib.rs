@@ -19,6 +19,7 @@ pub mod budget;
 pub mod cli;
 pub mod config;
 pub mod decision;
+pub mod front;
 pub mod identity;
 pub mod problem;
 pub mod proxy;

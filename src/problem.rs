@@ -19,6 +19,8 @@ pub enum Problem {
     BadPath,
     /// A request that is malformed in some other way (HTTP/1.1 without `Host`).
     BadRequest,
+    /// The request body stalled past `server.body_timeout`.
+    RequestTimeout,
     BadGateway,
     GatewayTimeout,
 }
@@ -30,6 +32,7 @@ impl Problem {
             Problem::RouteBusy | Problem::StoreUnavailable => 503,
             Problem::Unauthenticated => 401,
             Problem::BadPath | Problem::BadRequest => 400,
+            Problem::RequestTimeout => 408,
             Problem::BadGateway => 502,
             Problem::GatewayTimeout => 504,
         }
@@ -44,6 +47,7 @@ impl Problem {
             Problem::Unauthenticated => "unauthenticated",
             Problem::BadPath => "bad-path",
             Problem::BadRequest => "bad-request",
+            Problem::RequestTimeout => "request-timeout",
             Problem::BadGateway => "upstream-unavailable",
             Problem::GatewayTimeout => "upstream-timeout",
         }
@@ -58,6 +62,7 @@ impl Problem {
             Problem::Unauthenticated => "Missing or unknown API key",
             Problem::BadPath => "Path cannot be classified",
             Problem::BadRequest => "Malformed request",
+            Problem::RequestTimeout => "Request body timed out",
             Problem::BadGateway => "Upstream unavailable",
             Problem::GatewayTimeout => "Upstream timed out",
         }
@@ -74,7 +79,7 @@ impl Problem {
             Problem::Unauthenticated => Some("unauthenticated"),
             Problem::BadPath => Some("bad_path"),
             Problem::BadRequest => Some("bad_request"),
-            Problem::BadGateway | Problem::GatewayTimeout => None,
+            Problem::RequestTimeout | Problem::BadGateway | Problem::GatewayTimeout => None,
         }
     }
 }

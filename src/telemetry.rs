@@ -9,9 +9,9 @@ use std::sync::{Arc, OnceLock};
 use crate::route::{Route, Router};
 
 use prometheus::{
-    register_histogram, register_histogram_vec, register_int_counter_vec, register_int_gauge,
-    register_int_gauge_vec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec,
+    register_histogram, register_histogram_vec, register_int_counter, register_int_counter_vec,
+    register_int_gauge, register_int_gauge_vec, Histogram, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec,
 };
 
 /// Buckets for request, upstream and queue times: 1 ms to 60 s.
@@ -39,6 +39,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_config_reloads_total",
     "tollgate_rejections_by_key_total",
     "tollgate_shadow_rejections_total",
+    "tollgate_connections",
+    "tollgate_connections_refused_total",
+    "tollgate_client_timeouts_total",
 ];
 
 pub struct Metrics {
@@ -56,6 +59,9 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     pub rejections_by_key: IntCounterVec,
     pub shadow_rejections: IntCounterVec,
+    pub connections: IntGauge,
+    pub connections_refused: IntCounter,
+    pub client_timeouts: IntCounterVec,
 }
 
 /// Registration only fails on a name clash, which is a bug caught by any test.
@@ -148,6 +154,22 @@ fn build() -> Metrics {
             &["route", "reason"]
         )
         .expect("register"),
+        connections: register_int_gauge!(
+            "tollgate_connections",
+            "Open client connections, this instance"
+        )
+        .expect("register"),
+        connections_refused: register_int_counter!(
+            "tollgate_connections_refused_total",
+            "Client connections refused because server.max_connections were open"
+        )
+        .expect("register"),
+        client_timeouts: register_int_counter_vec!(
+            "tollgate_client_timeouts_total",
+            "Client connections closed for being too slow: header, body or send",
+            &["kind"]
+        )
+        .expect("register"),
     }
 }
 
@@ -161,6 +183,9 @@ pub fn metrics() -> &'static Metrics {
         }
         for r in ["ok", "error", "timeout", "breaker_open"] {
             m.store_calls.with_label_values(&[r]);
+        }
+        for k in ["header", "body", "send"] {
+            m.client_timeouts.with_label_values(&[k]);
         }
         m
     })

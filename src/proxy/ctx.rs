@@ -13,6 +13,7 @@ use prometheus::IntGauge;
 
 use crate::budget::Outcome;
 use crate::decision::{Admitted, Classified, Refusal};
+use crate::front::ConnState;
 use crate::identity::Identity;
 use crate::problem::Problem;
 use crate::route::Route;
@@ -62,6 +63,9 @@ pub enum Phase {
         problem: Problem,
         outcome: Outcome,
     },
+    /// The client went away before the request was forwarded (queued for a slot or held by
+    /// `max_delay`): never forwarded, nothing charged.
+    Abandoned,
 }
 
 /// Where the time went, for the access log and the histograms.
@@ -87,6 +91,11 @@ impl Timing {
 pub struct Ctx {
     pub start: Instant,
     _drain: DrainGuard,
+    /// The client connection's front-door state (absent for streams that didn't come through
+    /// it).
+    pub conn: Option<Arc<ConnState>>,
+    /// Turn the client shield on once the request body has been read in full (capped routes).
+    pub shield_after_body: bool,
     /// The config this request runs under, from its first phase to its last.
     pub running: Option<Arc<Running>>,
     pub route: Option<Arc<Route>>,
@@ -102,6 +111,8 @@ impl Ctx {
         Ctx {
             start: Instant::now(),
             _drain: drain,
+            conn: None,
+            shield_after_body: false,
             running: None,
             route: None,
             forward: None,
@@ -148,6 +159,15 @@ impl Ctx {
         };
     }
 
+    /// The client left before the request was forwarded: give back whatever was charged and
+    /// free the slots.
+    pub async fn abandon(&mut self, store: &Store) {
+        if let Phase::Admitted(c) = std::mem::replace(&mut self.phase, Phase::Abandoned) {
+            store.refund(&c.req, c.lease.charge()).await;
+            c.lease.release().await;
+        }
+    }
+
     /// Frees the slots now (dropping the context would too, without waiting).
     pub async fn release(&mut self) {
         if let Phase::Admitted(c) = &mut self.phase {
@@ -161,7 +181,7 @@ impl Ctx {
             Phase::Refused { outcome, .. } => outcome.as_ref(),
             Phase::Admitted(c) => Some(&c.outcome),
             Phase::Refunded { outcome, .. } => Some(outcome),
-            Phase::Undecided => None,
+            Phase::Undecided | Phase::Abandoned => None,
         }
     }
 
@@ -187,6 +207,7 @@ impl Ctx {
             Phase::Refused { reason: None, .. } | Phase::Undecided => "error",
             Phase::Admitted(_) => "admitted",
             Phase::Refunded { .. } => "refunded",
+            Phase::Abandoned => "client_gone",
         }
     }
 }

@@ -22,6 +22,7 @@ use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
 use crate::decision::{self, Refusal};
+use crate::front;
 use crate::problem::Problem;
 use crate::state::Shared;
 use crate::telemetry::metrics;
@@ -52,10 +53,17 @@ impl Gateway {
         respond::problem(session, ctx, r.problem, &r.detail, r.retry_after).await
     }
 
-    /// Classifies, identifies and admits; `Err` is the refusal to send.
-    async fn decide(&self, session: &mut Session, ctx: &mut Ctx) -> Result<(), Refusal> {
-        let running = self.shared.running();
-        ctx.running = Some(running.clone());
+    /// Classifies, identifies and admits; `Err` is the refusal to send, `Ok(false)` a client
+    /// that left before its request could be forwarded.
+    async fn decide(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool, Refusal> {
+        let running = match &ctx.running {
+            Some(r) => r.clone(),
+            None => {
+                let r = self.shared.running();
+                ctx.running = Some(r.clone());
+                r
+            }
+        };
         let cfg = &running.config;
         let req = session.req_header();
 
@@ -79,9 +87,21 @@ impl Gateway {
         let admit = decision::admit_request(&route, &who);
         ctx.identity = Some(who);
 
-        // 3. Admit: budget, per-key cap and route cap in one store decision.
+        // 3. Admit: budget, per-key cap and route cap in one store decision. A client that
+        // leaves while queued for a slot is never admitted (the store's admit is cancel-safe).
+        let fd = front::client_fd(session);
+        let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
         let t = Instant::now();
-        let answer = self.shared.store.admit(&admit).await;
+        let answer = match fd.filter(|_| may_queue) {
+            Some(fd) => tokio::select! {
+                a = self.shared.store.admit(&admit) => a,
+                _ = front::client_gone(fd) => {
+                    ctx.phase = Phase::Abandoned;
+                    return Ok(false);
+                }
+            },
+            None => self.shared.store.admit(&admit).await,
+        };
         let elapsed = t.elapsed();
         let admitted = decision::judge(&route, answer).inspect_err(|r| {
             ctx.timing.store = elapsed.saturating_sub(r.queued);
@@ -94,10 +114,35 @@ impl Gateway {
         let hold = admitted.hold;
         ctx.admit(admit, admitted, &m.in_flight);
         if !hold.is_zero() {
-            // max_delay: the units are reserved; hold the request until they are due.
-            tokio::time::sleep(hold).await;
+            // max_delay: the units are reserved; hold the request until they are due. A client
+            // that leaves meanwhile gets its reservation back and is never forwarded.
+            let gone = async {
+                match fd {
+                    Some(fd) => front::client_gone(fd).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(hold) => {}
+                _ = gone => {
+                    ctx.abandon(&self.shared.store).await;
+                    return Ok(false);
+                }
+            }
         }
-        Ok(())
+        if route.max_in_flight.is_some() {
+            // The slot follows the upstream's work: once the request is with the upstream, a
+            // client that leaves no longer cancels it (see `front::ConnState::set_shield`).
+            session.downstream_session.set_abort_on_close(false);
+            if session.is_body_empty() || session.is_body_done() {
+                if let Some(c) = &ctx.conn {
+                    c.set_shield(true);
+                }
+            } else {
+                ctx.shield_after_body = true;
+            }
+        }
+        Ok(true)
     }
 }
 
@@ -109,11 +154,59 @@ impl ProxyHttp for Gateway {
         Ctx::new(self.shared.drain.enter())
     }
 
+    async fn early_request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
+        let running = self.shared.running();
+        let limits = running.config.client_limits;
+        ctx.running = Some(running);
+        if let Some(c) = front::conn_of(session) {
+            c.head_done();
+            ctx.conn = Some(c);
+        }
+        session.set_read_timeout(Some(limits.body_timeout));
+        session.set_write_timeout(Some(limits.send_timeout));
+        Ok(())
+    }
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         match self.decide(session, ctx).await {
-            Ok(()) => Ok(false),
+            Ok(true) => Ok(false),
+            Ok(false) => Error::e_explain(
+                ErrorType::ConnectionClosed,
+                "client left before its request was forwarded",
+            )
+            .map_err(|e| e.into_down()),
             Err(r) => self.refuse(session, ctx, r).await,
         }
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        _body: &mut Option<bytes::Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if end_of_stream && ctx.shield_after_body {
+            ctx.shield_after_body = false;
+            if let Some(c) = &ctx.conn {
+                c.set_shield(true);
+            }
+        }
+        Ok(())
+    }
+
+    fn suppress_error_log(&self, _session: &Session, ctx: &Ctx, e: &Error) -> bool {
+        // A client that went away or was too slow is not a gateway error; the access log has it.
+        matches!(ctx.phase, Phase::Abandoned)
+            || (*e.esource() == ErrorSource::Downstream
+                && matches!(
+                    e.etype(),
+                    ErrorType::ConnectionClosed
+                        | ErrorType::ReadError
+                        | ErrorType::WriteError
+                        | ErrorType::ReadTimedout
+                        | ErrorType::WriteTimedout
+                ))
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
@@ -163,10 +256,37 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => true,
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
+            (ErrorSource::Downstream, ReadTimedout) => {
+                // The request body stalled past body_timeout: the upstream never had the whole
+                // request, so nothing is charged.
+                metrics().client_timeouts.with_label_values(&["body"]).inc();
+                ctx.refund(&self.shared.store, Problem::RequestTimeout)
+                    .await;
+                if !headers_sent {
+                    session.set_keepalive(None);
+                    let _ = respond::problem(
+                        session,
+                        ctx,
+                        Problem::RequestTimeout,
+                        "the request body did not arrive within server.body_timeout",
+                        None,
+                    )
+                    .await;
+                }
+                return FailToProxy {
+                    error_code: 408,
+                    can_reuse_downstream: false,
+                };
+            }
             (ErrorSource::Downstream, _) => {
-                // The client went away or sent garbage; nobody to answer.
+                if e.etype() == &WriteTimedout
+                    && !ctx.conn.as_ref().is_some_and(|c| c.send_timed_out())
+                {
+                    metrics().client_timeouts.with_label_values(&["send"]).inc();
+                }
+                // The client went away, stalled or sent garbage; nobody to answer.
                 let code = match e.etype() {
-                    WriteError | ReadError | ConnectionClosed => 0,
+                    WriteError | ReadError | ConnectionClosed | WriteTimedout => 0,
                     _ => 400,
                 };
                 if code > 0 && !headers_sent {
@@ -210,6 +330,13 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        if let Some(c) = &ctx.conn {
+            c.set_shield(false);
+            if c.client_gone() {
+                session.set_keepalive(None);
+            }
+        }
+        // Now, with the upstream's answer read to its end (or its read_timeout passed).
         ctx.release().await;
         let status = session
             .response_written()

@@ -1,0 +1,521 @@
+//! The front door: what happens to a client connection before and around the HTTP requests
+//! on it — the open-connection limit, the deadline for a request head (slowloris), the
+//! send-stall timeout, and the shield that lets an admitted request on a capped route run to
+//! the upstream's end after its client has gone.
+//!
+//! Pingora has no accept or close hook and no total deadline for a request head, so
+//! [`FrontDoor`] is a `ServerApp` of its own around Pingora's `HttpProxy`: it counts the
+//! connection for as long as `process_new` runs (that is the connection's lifetime), wraps the
+//! stream in [`Tracked`], and runs Pingora's HTTP/1 keep-alive loop itself so that each request
+//! head can be raced against `server.header_timeout`.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use pingora::apps::{HttpServerApp, ServerApp};
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, Stream, UniqueID,
+    UniqueIDType, ALPN,
+};
+use pingora::proxy::HttpProxy;
+use pingora::server::ShutdownWatch;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+
+use crate::proxy::Gateway;
+use crate::state::Shared;
+use crate::telemetry::metrics;
+
+/// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// The whole request head must arrive within this (from accept, or from its first byte on
+    /// a kept-alive connection).
+    pub header_timeout: Duration,
+    /// Longest gap between two reads of a request body (→ 408).
+    pub body_timeout: Duration,
+    /// Longest gap between two writes to a client that doesn't read (→ connection closed).
+    pub send_timeout: Duration,
+    /// Open client connections per instance; more are refused at once.
+    pub max_connections: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_secs(30),
+            max_connections: 10_000,
+        }
+    }
+}
+
+/// What the front door and the request phases know about one connection.
+#[derive(Debug)]
+pub struct ConnState {
+    /// Cleared at the start of each request head, set by `early_request_filter`.
+    head_done: AtomicBool,
+    /// When the current head's first byte arrived (µs since `epoch`; 0 = not yet).
+    first_byte_us: AtomicU64,
+    first_byte: Notify,
+    epoch: Instant,
+    /// While on, a client that went away is hidden from Pingora: writes are discarded and
+    /// reads pend, so the proxy loop reads the upstream's answer to its end.
+    shield: AtomicBool,
+    /// The client went away (seen through the shield).
+    gone: AtomicBool,
+    send_timeout_us: AtomicU64,
+    send_timed_out: AtomicBool,
+}
+
+impl ConnState {
+    fn new(send_timeout: Duration) -> ConnState {
+        ConnState {
+            head_done: AtomicBool::new(false),
+            first_byte_us: AtomicU64::new(0),
+            first_byte: Notify::new(),
+            epoch: Instant::now(),
+            shield: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
+            send_timeout_us: AtomicU64::new(send_timeout.as_micros() as u64),
+            send_timed_out: AtomicBool::new(false),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        (self.epoch.elapsed().as_micros() as u64).max(1)
+    }
+
+    fn await_head(&self) {
+        self.head_done.store(false, Ordering::SeqCst);
+        self.first_byte_us.store(0, Ordering::SeqCst);
+    }
+
+    /// The request head has been parsed (called from the first request phase).
+    pub fn head_done(&self) {
+        self.head_done.store(true, Ordering::SeqCst);
+    }
+
+    fn head_complete(&self) -> bool {
+        self.head_done.load(Ordering::SeqCst)
+    }
+
+    /// Resolves when the head has been in transit for `timeout`: counted from now for a new
+    /// connection, from its first byte on a kept-alive one (idle time is Pingora's keep-alive).
+    async fn head_deadline(&self, timeout: Duration, from_now: bool) {
+        if from_now {
+            tokio::time::sleep(timeout).await;
+            return;
+        }
+        loop {
+            let notified = self.first_byte.notified();
+            let at = self.first_byte_us.load(Ordering::SeqCst);
+            if at > 0 {
+                let elapsed = Duration::from_micros(self.now_us().saturating_sub(at));
+                tokio::time::sleep(timeout.saturating_sub(elapsed)).await;
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Hides a client that goes away from here on (see [`ConnState::shield`]).
+    pub fn set_shield(&self, on: bool) {
+        self.shield.store(on, Ordering::SeqCst);
+    }
+
+    fn shielded(&self) -> bool {
+        self.shield.load(Ordering::SeqCst)
+    }
+
+    /// The client went away while shielded: the connection must not be reused.
+    pub fn client_gone(&self) -> bool {
+        self.gone.load(Ordering::SeqCst)
+    }
+
+    /// A write stalled past `send_timeout` (already counted).
+    pub fn send_timed_out(&self) -> bool {
+        self.send_timed_out.load(Ordering::SeqCst)
+    }
+
+    fn send_timeout(&self) -> Duration {
+        Duration::from_micros(self.send_timeout_us.load(Ordering::Relaxed))
+    }
+}
+
+fn peer_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+/// A client stream with the front door's bookkeeping: first-byte time, the send-stall timer
+/// and the shield.
+pub struct Tracked {
+    inner: Stream,
+    conn: Arc<ConnState>,
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl std::fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracked")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tracked {
+    pub fn conn(&self) -> &Arc<ConnState> {
+        &self.conn
+    }
+
+    /// A write that makes no progress for `send_timeout` fails with `TimedOut`.
+    fn poll_stall<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let timeout = self.conn.send_timeout();
+        if timeout.is_zero() {
+            return Poll::Pending;
+        }
+        let sleep = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stall = None;
+                if !self.conn.send_timed_out.swap(true, Ordering::SeqCst) {
+                    metrics().client_timeouts.with_label_values(&["send"]).inc();
+                }
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "client did not read within send_timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// The result of a write (or flush, or shutdown) of `len` bytes, through the shield.
+    fn written<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<T>>,
+        ok: impl FnOnce() -> T,
+    ) -> Poll<io::Result<T>> {
+        match r {
+            Poll::Ready(Err(e)) if self.conn.shielded() && peer_gone(&e) => {
+                self.conn.gone.store(true, Ordering::SeqCst);
+                self.stall = None;
+                Poll::Ready(Ok(ok()))
+            }
+            Poll::Ready(r) => {
+                self.stall = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.poll_stall(cx),
+        }
+    }
+
+    fn discarding(&self) -> bool {
+        self.conn.shielded() && self.conn.client_gone()
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Pending;
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let n = buf.filled().len() - before;
+                if n == 0 && this.conn.shielded() {
+                    // The client closed: pend, so the proxy loop keeps reading the upstream
+                    // (it is woken by the upstream side, not by this stream).
+                    this.conn.gone.store(true, Ordering::SeqCst);
+                    return Poll::Pending;
+                }
+                if n > 0
+                    && !this.conn.head_complete()
+                    && this.conn.first_byte_us.load(Ordering::Relaxed) == 0
+                {
+                    this.conn
+                        .first_byte_us
+                        .store(this.conn.now_us(), Ordering::SeqCst);
+                    this.conn.first_byte.notify_waiters();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) if this.conn.shielded() && peer_gone(&e) => {
+                this.conn.gone.store(true, Ordering::SeqCst);
+                Poll::Pending
+            }
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(buf.len()));
+        }
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        let len = buf.len();
+        this.written(cx, r, || len)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        if this.discarding() {
+            return Poll::Ready(Ok(len));
+        }
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.written(cx, r, || len)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(()));
+        }
+        let r = Pin::new(&mut this.inner).poll_flush(cx);
+        this.written(cx, r, || ())
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(()));
+        }
+        let r = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.written(cx, r, || ())
+    }
+}
+
+#[async_trait]
+impl Shutdown for Tracked {
+    async fn shutdown(&mut self) {
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for Tracked {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for Tracked {
+    fn get_ssl(&self) -> Option<&pingora::protocols::tls::TlsRef> {
+        self.inner.get_ssl()
+    }
+
+    fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for Tracked {
+    fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+}
+
+impl GetProxyDigest for Tracked {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+}
+
+impl GetSocketDigest for Tracked {
+    fn get_socket_digest(&self) -> Option<Arc<pingora::protocols::SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+}
+
+#[async_trait]
+impl Peek for Tracked {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+/// The connection state of a request's stream, if it came through the front door.
+pub fn conn_of(session: &pingora::proxy::Session) -> Option<Arc<ConnState>> {
+    let stream = session.downstream_session.stream()?;
+    (**stream)
+        .as_any()
+        .downcast_ref::<Tracked>()
+        .map(|t| t.conn.clone())
+}
+
+/// Counts open client connections; a slot is held for a connection's lifetime.
+#[derive(Debug, Default)]
+struct OpenConnections(AtomicUsize);
+
+struct OpenGuard<'a>(&'a OpenConnections);
+
+impl OpenConnections {
+    fn try_open(&self, max: usize) -> Option<OpenGuard<'_>> {
+        let n = self.0.fetch_add(1, Ordering::AcqRel) + 1;
+        if n > max {
+            self.0.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        metrics().connections.inc();
+        Some(OpenGuard(self))
+    }
+}
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::AcqRel);
+        metrics().connections.dec();
+    }
+}
+
+/// The gateway's `ServerApp`: Pingora's proxy behind the connection-level limits.
+pub struct FrontDoor {
+    proxy: Arc<HttpProxy<Gateway>>,
+    shared: Arc<Shared>,
+    open: OpenConnections,
+}
+
+impl FrontDoor {
+    pub fn new(proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+        FrontDoor {
+            proxy: Arc::new(proxy),
+            shared,
+            open: OpenConnections::default(),
+        }
+    }
+}
+
+#[async_trait]
+impl ServerApp for FrontDoor {
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let limits = self.shared.running().config.client_limits;
+        let Some(_open) = self.open.try_open(limits.max_connections) else {
+            // Dropping the stream closes it at once: the refusal costs no more than the accept.
+            metrics().connections_refused.inc();
+            return None;
+        };
+        let conn = Arc::new(ConnState::new(limits.send_timeout));
+        let stream: Stream = Box::new(Tracked {
+            inner: stream,
+            conn: conn.clone(),
+            stall: None,
+        });
+        if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
+            return ServerApp::process_new(&self.proxy, stream, shutdown).await;
+        }
+        // Pingora's own HTTP/1 keep-alive loop, with each request head raced against its
+        // deadline.
+        let mut session = ServerSession::new_http1(stream);
+        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        let mut first = true;
+        loop {
+            conn.await_head();
+            let request = HttpServerApp::process_new_http(&self.proxy, session, shutdown);
+            tokio::pin!(request);
+            let done = tokio::select! {
+                r = &mut request => r,
+                _ = conn.head_deadline(limits.header_timeout, first) => {
+                    if conn.head_complete() {
+                        request.await
+                    } else {
+                        // Dropping the request closes the connection; nothing was decided yet.
+                        metrics().client_timeouts.with_label_values(&["header"]).inc();
+                        return None;
+                    }
+                }
+            };
+            let (stream, settings) = done?.consume();
+            session = ServerSession::new_http1(stream);
+            if let Some(s) = settings {
+                s.apply_to_session(&mut session);
+            }
+            first = false;
+        }
+    }
+
+    async fn cleanup(&self) {
+        // Wakes keep-alive reads parked in Pingora so that shutdown doesn't wait for them.
+        self.proxy.http_cleanup().await
+    }
+}
+
+/// The client socket of an HTTP/1 request (`None` for streams without one of their own).
+pub fn client_fd(session: &pingora::proxy::Session) -> Option<UniqueIDType> {
+    session.downstream_session.stream().map(|s| s.id())
+}
+
+/// Resolves when the client has closed its connection (FIN or RST), reading nothing from it:
+/// a duplicate of the socket is watched for read-closed readiness, so body bytes still waiting
+/// in the socket stay there for the upstream. Pends forever if the socket cannot be watched.
+pub async fn client_gone(fd: UniqueIDType) {
+    use std::os::fd::BorrowedFd;
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::{Interest, Ready};
+    // SAFETY: `fd` is the socket of the session that awaits this future inside one of its own
+    // phases, so it is open for the whole call; only a duplicate is kept.
+    let dup = match unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned() {
+        Ok(d) => d,
+        Err(_) => return std::future::pending().await,
+    };
+    // SAFETY: the AsyncFd owns the duplicate, which stays open until it is dropped.
+    let Ok(watch) = (unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) }) else {
+        return std::future::pending().await;
+    };
+    loop {
+        let Ok(mut ready) = watch.readable().await else {
+            return std::future::pending().await;
+        };
+        if ready.ready().is_read_closed() || ready.ready().is_error() {
+            return;
+        }
+        // Only data (a request body, a pipelined request): keep waiting.
+        ready.clear_ready_matching(Ready::READABLE);
+    }
+}
