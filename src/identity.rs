@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{Anonymous, Config, IdentitySource, Policy};
+use crate::config::{Anonymous, Config, IdentitySource};
+use crate::policy::Policy;
 
 /// SHA-256 of an API key (or of `ip:<addr>` for anonymous callers).
 pub type KeyHash = [u8; 32];

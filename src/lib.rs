@@ -5,7 +5,7 @@
 //! - [`config`]: gateway.yaml → validated [`config::Config`];
 //! - [`route`]: path normalization and the endpoint table (what a request costs);
 //! - [`identity`]: which API key pays (hashed at once);
-//! - [`budget`]: the GCRA arithmetic (whether it fits);
+//! - [`budget`]: the GCRA arithmetic (whether it fits); [`policy`]: a budget as applied;
 //! - [`store`]: where budgets and in-flight slots live (memory or Redis);
 //! - [`proxy`]: the Pingora phases; [`problem`]: what a refused client reads;
 //! - [`admin`], [`telemetry`]: what an SRE sees; [`app`]: process assembly and signals.
@@ -16,6 +16,7 @@ pub mod budget;
 pub mod cli;
 pub mod config;
 pub mod identity;
+pub mod policy;
 pub mod problem;
 pub mod proxy;
 pub mod route;
