@@ -8,7 +8,8 @@
 //! - [`raw`]: the file as written (serde types, DESIGN's defaults);
 //! - [`duration`]: `250ms` / `10s` / `1m` / `1h`;
 //! - [`error`]: errors that name their path;
-//! - `url`: the upstream's and the store's URL;
+//! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
+//! - `bounds`: limits on file size, nesting and name lengths;
 //! - `validate`: one function per section, from [`RawConfig`] to [`Config`].
 
 use std::collections::HashMap;
@@ -18,8 +19,10 @@ use std::time::Duration;
 
 use crate::route::Router;
 
+mod bounds;
 pub mod duration;
 pub mod error;
+mod pattern;
 pub mod raw;
 mod url;
 mod validate;
@@ -115,13 +118,19 @@ impl EnvOverrides {
 
 impl Config {
     pub fn load(path: &Path, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let cannot_read = |e: std::io::Error| {
             ConfigErrors::one(path.display().to_string(), format!("cannot read: {e}"))
-        })?;
+        };
+        // Refuse a huge file before reading it into memory.
+        bounds::check_size(std::fs::metadata(path).map_err(cannot_read)?.len())?;
+        let text = std::fs::read_to_string(path).map_err(cannot_read)?;
         Self::parse(&text, env)
     }
 
     pub fn parse(text: &str, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
+        // serde_yaml's time grows badly with nesting: bound the work before it starts.
+        bounds::check_size(text.len() as u64)?;
+        bounds::check_depth(text)?;
         let de = serde_yaml::Deserializer::from_str(text);
         let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = error::format_path(e.path());

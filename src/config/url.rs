@@ -69,3 +69,49 @@ pub(super) fn parse_upstream_url(url: &str) -> Result<(bool, String, u16), Strin
     }
     Ok((tls, host, port))
 }
+
+/// Reads `store.url` the way the Redis client will when the gateway runs, so that `check`
+/// refuses a URL that `run` could never connect with. The error shows the URL only redacted.
+pub(super) fn check_redis_url(url: &str) -> Result<(), String> {
+    let shown = redact_url(url);
+    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
+    if scheme.ends_with("+cluster") || scheme.ends_with("+sentinel") {
+        return Err(format!(
+            "{scheme}:// (Redis {}) is not supported by this build; use redis:// or rediss:// (got \"{shown}\")",
+            if scheme.ends_with("+cluster") { "Cluster" } else { "Sentinel" }
+        ));
+    }
+    if scheme != "redis" && scheme != "rediss" {
+        return Err(format!(
+            "must start with redis:// or rediss:// (got \"{shown}\")"
+        ));
+    }
+    let parsed = redis::parse_redis_url(url).ok_or_else(|| {
+        // The same parser, asked again for its reason (parse_redis_url keeps it to itself).
+        let why = ::url::Url::parse(url)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "not a URL".into());
+        format!("cannot be parsed: {why} (got \"{shown}\")")
+    })?;
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(format!("the host is missing (got \"{shown}\")"));
+    }
+    if parsed.port() == Some(0) {
+        return Err(format!(
+            "the port must be between 1 and 65535 (got \"{shown}\")"
+        ));
+    }
+    let info = redis::IntoConnectionInfo::into_connection_info(parsed).map_err(|e| {
+        // "Invalid database number - InvalidClientConfig": the part a user can act on.
+        let e = e.to_string();
+        let why = e.split(" - ").next().unwrap_or(&e).to_string();
+        format!("cannot be used: {why} (got \"{shown}\")")
+    })?;
+    if info.redis_settings().db() < 0 {
+        return Err(format!(
+            "the database number must be 0 or more (got \"{shown}\")"
+        ));
+    }
+    Ok(())
+}

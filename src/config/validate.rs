@@ -6,12 +6,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
 use super::error::{key_path, ConfigErrors};
+use super::pattern::check_endpoint;
 use super::raw::{
     Backend, Listen, RawConfig, RawDefault, RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer,
     RawStore, RawUpstream,
 };
-use super::url::parse_upstream_url;
+use super::url::{check_redis_url, parse_upstream_url};
 use super::{Config, EnvOverrides, IdentitySource, KeyEntry, StoreSettings, UpstreamTarget};
 use crate::budget::Limit;
 use crate::policy::{Policy, PolicyHeaders};
@@ -22,7 +24,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     apply_env(&mut raw.store, env, &mut errs);
     let (listen, threads) = server(&raw.server, &mut errs);
     let upstream = upstream(&raw.upstream, &mut errs);
-    let fleet_size = store(&raw.store, &mut errs);
+    let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
     let sources = identity(&raw.identity, &mut errs);
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
     let plans = plans(&raw.plans, &raw.rate_limits.default, &mut errs);
@@ -165,12 +167,17 @@ fn upstream(u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> 
     target
 }
 
-/// `store`: returns the fleet size (1 when it is invalid, with an error).
-fn store(s: &RawStore, errs: &mut ConfigErrors) -> u32 {
-    if s.backend == Backend::Redis
-        && !(s.url.starts_with("redis://") || s.url.starts_with("rediss://"))
-    {
-        errs.push("store.url", "must start with redis:// or rediss://");
+/// `store`: returns the fleet size (1 when it is invalid, with an error). The URL is only
+/// read by the Redis backend, so only checked for it.
+fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
+    if s.backend == Backend::Redis {
+        if let Err(m) = check_redis_url(&s.url) {
+            if url_from_env {
+                errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
+            } else {
+                errs.push("store.url", m);
+            }
+        }
     }
     if s.timeout.0.is_zero() {
         errs.push("store.timeout", "must be greater than 0");
@@ -248,6 +255,14 @@ fn plans(
 ) -> HashMap<String, Arc<Policy>> {
     let mut plans = HashMap::new();
     for (name, p) in raw {
+        let chars = name.chars().count();
+        if chars > MAX_NAME_CHARS {
+            errs.push(
+                key_path("plans", &shown(name)),
+                format!("a plan name is at most {MAX_NAME_CHARS} characters, got {chars}"),
+            );
+            continue;
+        }
         let base = key_path("plans", name);
         // Plan names go into RateLimit headers as structured-field strings.
         if name == "default"
@@ -316,6 +331,16 @@ fn endpoints(
 
     let mut specs = Vec::new();
     for (pattern, e) in &rl.endpoints {
+        let chars = pattern.chars().count();
+        if chars > MAX_PATTERN_CHARS {
+            errs.push(
+                key_path("rate_limits.endpoints", &shown(pattern)),
+                format!(
+                    "an endpoint pattern is at most {MAX_PATTERN_CHARS} characters, got {chars}"
+                ),
+            );
+            continue;
+        }
         let base = key_path("rate_limits.endpoints", pattern);
         let cost = e.cost.unwrap_or(d.cost);
         if cost <= 0 {
@@ -331,6 +356,10 @@ fn endpoints(
                 format!("{base}.queue_timeout"),
                 "only applies together with max_in_flight",
             );
+        }
+        if let Err(m) = check_endpoint(pattern) {
+            errs.push(base, m);
+            continue;
         }
         specs.push(RouteSpec {
             pattern: pattern.clone(),
@@ -364,7 +393,13 @@ fn keys(
     let mut key_ids = HashMap::new();
     for (i, k) in raw.iter().enumerate() {
         let base = format!("keys[{i}]");
-        if k.id.is_empty()
+        let chars = k.id.chars().count();
+        if chars > MAX_NAME_CHARS {
+            errs.push(
+                format!("{base}.id"),
+                format!("a key id is at most {MAX_NAME_CHARS} characters, got {chars}"),
+            );
+        } else if k.id.is_empty()
             || !k
                 .id
                 .chars()
@@ -397,7 +432,10 @@ fn keys(
             Some(p) => match plans.get(p) {
                 Some(pol) => Some(pol.clone()),
                 None => {
-                    errs.push(format!("{base}.plan"), format!("unknown plan \"{p}\""));
+                    errs.push(
+                        format!("{base}.plan"),
+                        format!("unknown plan \"{}\"", shown(p)),
+                    );
                     None
                 }
             },
