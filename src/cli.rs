@@ -73,7 +73,8 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
         let line: Vec<String> = r
             .iter()
             .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            // Padded by hand: a `{:<w$}` width above u16::MAX panics.
+            .map(|(i, c)| format!("{c}{}", " ".repeat(widths[i] - c.chars().count())))
             .collect();
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }

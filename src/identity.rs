@@ -10,7 +10,8 @@ use std::sync::Arc;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
-use crate::config::{Anonymous, Config, IdentitySource, Policy};
+use crate::config::{Anonymous, Config, IdentitySource};
+use crate::policy::Policy;
 
 /// SHA-256 of an API key (or, for anonymous callers, see [`client_ip_hash`]).
 pub type KeyHash = [u8; 32];

@@ -6,7 +6,7 @@
 //! - [`route`]: path normalization and the endpoint table (what a request costs);
 //! - [`identity`]: which API key pays (hashed at once);
 //! - [`decision`]: **where the cost is decided** — classify, identify, judge the store's answer;
-//! - [`budget`]: the GCRA arithmetic (whether it fits);
+//! - [`budget`]: the GCRA arithmetic (whether it fits); [`policy`]: a budget as applied;
 //! - [`store`]: where budgets and in-flight slots live (memory or Redis);
 //! - [`proxy`]: the Pingora phases, translated to and from `decision`; [`problem`]: what a
 //!   refused client reads;
@@ -21,6 +21,7 @@ pub mod config;
 pub mod decision;
 pub mod front;
 pub mod identity;
+pub mod policy;
 pub mod problem;
 pub mod proxy;
 pub mod route;

@@ -1,5 +1,6 @@
 //! The `tollgate` command line (DESIGN §2). A plain `fn main`: Pingora builds its own runtimes.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -73,12 +74,35 @@ enum Cmd {
 
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     Config::load(path, &EnvOverrides::from_env()).map_err(|errs| {
+        let mut text = String::new();
         for e in &errs.0 {
-            eprintln!("{e}");
+            text.push_str(&format!("{e}\n"));
         }
-        eprintln!("{}: {} error(s)", path.display(), errs.0.len());
+        text.push_str(&format!("{}: {} error(s)\n", path.display(), errs.0.len()));
+        to_stderr(&text);
         ExitCode::from(1)
     })
+}
+
+/// Writes `text` to stdout and exits with `code`. print!/println! panic when the reader has
+/// gone (`tollgate check | head -1`); that is not an error of the command, so it exits as it
+/// would have. Other write errors are reported.
+fn to_stdout(text: &str, code: ExitCode) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => code,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code,
+        Err(e) => {
+            to_stderr(&format!("tollgate: cannot write to stdout: {e}\n"));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// eprintln! panics on a closed stderr; with nowhere to report, there is nothing to do.
+fn to_stderr(text: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
 }
 
 fn main() -> ExitCode {
@@ -99,16 +123,19 @@ fn run() -> ExitCode {
             match tollgate::app::run(cfg, &config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("tollgate: {e:#}");
+                    to_stderr(&format!("tollgate: {e:#}\n"));
                     ExitCode::from(1)
                 }
             }
         }
         Cmd::Check { config } => match load(&config) {
             Ok(cfg) => {
-                print!("{}", tollgate::cli::route_table(&cfg));
-                println!("{}: ok", config.display());
-                ExitCode::SUCCESS
+                let text = format!(
+                    "{}{}: ok\n",
+                    tollgate::cli::route_table(&cfg),
+                    config.display()
+                );
+                to_stdout(&text, ExitCode::SUCCESS)
             }
             Err(code) => code,
         },
@@ -120,12 +147,14 @@ fn run() -> ExitCode {
         } => match load(&config) {
             Ok(cfg) => {
                 let (text, ok) = tollgate::cli::explain(&cfg, &method, &path, key.as_deref());
-                print!("{text}");
-                if ok {
-                    ExitCode::SUCCESS
-                } else {
-                    ExitCode::from(1)
-                }
+                to_stdout(
+                    &text,
+                    if ok {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    },
+                )
             }
             Err(code) => code,
         },
@@ -138,7 +167,7 @@ fn run() -> ExitCode {
             match tollgate::cli::demo(&listen, &admin_listen, &upstream_listen) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("tollgate demo: {e:#}");
+                    to_stderr(&format!("tollgate demo: {e:#}\n"));
                     ExitCode::from(1)
                 }
             }
@@ -151,7 +180,7 @@ fn run() -> ExitCode {
             match tollgate::cli::demo_upstream(&listen, report_time) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("tollgate demo-upstream: {e:#}");
+                    to_stderr(&format!("tollgate demo-upstream: {e:#}\n"));
                     ExitCode::from(1)
                 }
             }

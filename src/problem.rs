@@ -4,7 +4,7 @@
 use crate::budget::{self, Outcome};
 use http::HeaderValue;
 
-use crate::config::Policy;
+use crate::policy::Policy;
 
 /// Base of every problem `type` URI; the last segment is what clients match on.
 pub const TYPE_BASE: &str = "https://tollgate.dev/problems/";
@@ -142,44 +142,11 @@ pub fn rate_limit_headers(
     ]
 }
 
-/// A policy's header values that never change: `RateLimit-Policy` and `X-RateLimit-Limit`.
-#[derive(Debug, Clone)]
-pub struct PolicyHeaders {
-    /// The policy name as a structured-field string, e.g. `"default"`.
-    pub quoted_name: String,
-    pub policy: HeaderValue,
-    pub limit: HeaderValue,
-}
-
-impl PolicyHeaders {
-    /// Policy names are plan names, which the config restricts to letters, digits, `-`, `_`
-    /// and `.`; anything else is replaced all the same, so both headers always agree.
-    pub fn new(name: &str, max_cost: u64, window: std::time::Duration) -> PolicyHeaders {
-        let window = window.as_millis().div_ceil(1000).max(1);
-        let safe: String = name
-            .chars()
-            .map(|c| {
-                if c.is_ascii_graphic() && c != '"' && c != '\\' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        let quoted_name = format!("\"{safe}\"");
-        let policy = format!("{quoted_name};q={max_cost};w={window}");
-        PolicyHeaders {
-            quoted_name,
-            policy: HeaderValue::from_str(&policy).unwrap_or_else(|_| HeaderValue::from_static("")),
-            limit: HeaderValue::from(max_cost),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::budget::{Limit, Verdict};
+    use crate::policy::PolicyHeaders;
     use std::time::Duration;
 
     #[test]

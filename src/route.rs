@@ -242,7 +242,8 @@ pub struct Classified<'a> {
     pub route: &'a Arc<Route>,
 }
 
-fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
+/// An endpoint key, `PATH` or `METHOD PATH`, split into its method and path.
+pub fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
     match pattern.split_once(' ') {
         Some((m, p)) => (Some(m), p.trim_start()),
         None => (None, pattern),

@@ -416,6 +416,139 @@ fn cli_check_and_explain() {
     assert!(out.contains("400 bad-path"));
 }
 
+/// Each config that `run` could not honour (DESIGN §1 rules), as `check` reports it: exit 1,
+/// the first line of stderr names the field, and no panic whatever the input.
+#[test]
+fn check_refuses_what_run_cannot_honour() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string("gateway.yaml").unwrap();
+    let redis = |url: &str| {
+        text.replace("backend: memory", "backend: redis")
+            .replace("\"redis://127.0.0.1:6379/0\"", &format!("\"{url}\""))
+    };
+    let long = "a".repeat(70_000);
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("bad db", redis("redis://127.0.0.1:6379/abc"), "store.url: "),
+        ("bad host", redis("redis://[::1"), "store.url: "),
+        ("bad port", redis("redis://:99999"), "store.url: "),
+        (
+            "cluster",
+            redis("redis+cluster://h1:6379,h2:6379"),
+            "store.url: ",
+        ),
+        (
+            "endpoint twice",
+            text.replace(
+                "    /analytics/query:\n",
+                "    /exports/bulk:\n      cost: 2\n    /analytics/query:\n",
+            ),
+            "rate_limits.endpoints.\"/exports/bulk\": appears twice",
+        ),
+        (
+            "plan twice",
+            text.replace(
+                "plans:\n",
+                "plans:\n  enterprise: {max_cost: 5, window: 1s}\n",
+            ),
+            "plans.enterprise: appears twice",
+        ),
+        (
+            "not normalized",
+            text.replace("    /exports/bulk:", "    /exports/%62ulk:"),
+            "rate_limits.endpoints.\"/exports/%62ulk\": ",
+        ),
+        (
+            "never matches",
+            text.replace("    /exports/bulk:", "    /exports%2Fbulk:"),
+            "rate_limits.endpoints.\"/exports%2Fbulk\": ",
+        ),
+        (
+            "long plan name",
+            text.replace("  enterprise:\n", &format!("  ? {long}\n  :\n")),
+            "plans.\"aaaa",
+        ),
+        (
+            "long pattern",
+            text.replace("    /exports/bulk:\n", &format!("    ? /{long}\n    :\n")),
+            "rate_limits.endpoints.\"/aaaa",
+        ),
+        (
+            "deep nesting",
+            "[".repeat(100_000),
+            ".: nested deeper than 64 levels",
+        ),
+    ];
+    for (name, body, expected) in cases {
+        let f = dir.path().join("bad.yaml");
+        std::fs::write(&f, &body).unwrap();
+        let t = Instant::now();
+        let (code, _, err) = tollgate(&["check", "-c", f.to_str().unwrap()]);
+        assert_eq!(code, 1, "{name}: {err}");
+        assert!(
+            err.starts_with(expected),
+            "{name}: {}",
+            &err[..err.len().min(300)]
+        );
+        assert!(!err.contains("panicked"), "{name}: {err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{name}: {:?}",
+            t.elapsed()
+        );
+    }
+
+    // TOLLGATE_REDIS_URL is checked like the file's value, and its password never shown.
+    let f = dir.path().join("redis.yaml");
+    std::fs::write(&f, text.replace("backend: memory", "backend: redis")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c", f.to_str().unwrap()])
+        .env("TOLLGATE_REDIS_URL", "redis://:hunter2@127.0.0.1:6379/abc")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("store.url: ") && err.contains("TOLLGATE_REDIS_URL"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+/// `tollgate check | head -1`: a reader that goes away is not a crash.
+#[test]
+fn check_with_a_closed_stdout_exits_quietly() {
+    for args in [
+        vec!["check", "-c", "gateway.yaml"],
+        vec!["explain", "-c", "gateway.yaml", "GET", "/reports/1"],
+    ] {
+        // The read end is closed before the child writes anything: every write is EPIPE.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(&args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+    // And through a real shell pipeline.
+    let out = Command::new("bash")
+        .args([
+            "-c",
+            &format!(
+                "set -o pipefail; {} check -c gateway.yaml | head -1",
+                env!("CARGO_BIN_EXE_tollgate")
+            ),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_shows_a_503_and_a_429() {
     let (port, admin, upstream) = (free_port(), free_port(), free_port());

@@ -1,0 +1,88 @@
+//! Configuration errors, each with the path of the field in the file, formatted the same way
+//! whether serde or a validation rule found the problem: `a.b."/x/y".c[0]`.
+
+use std::fmt;
+
+/// A configuration problem, always with the path of the offending field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub(super) fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Every problem found in one file (validation does not stop at the first).
+#[derive(Debug, Clone, Default, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl ConfigErrors {
+    pub(super) fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError::new(path, message));
+    }
+
+    pub(super) fn one(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self(vec![ConfigError::new(path, message)])
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Formats a serde path the way the errors of this module do: `a.b."/x/y".c[0]`.
+pub(super) fn format_path(path: &serde_path_to_error::Path) -> String {
+    let mut out = String::new();
+    for seg in path.iter() {
+        match seg {
+            serde_path_to_error::Segment::Seq { index } => out.push_str(&format!("[{index}]")),
+            serde_path_to_error::Segment::Map { key } => push_key(&mut out, key),
+            serde_path_to_error::Segment::Enum { variant } => push_key(&mut out, variant),
+            serde_path_to_error::Segment::Unknown => push_key(&mut out, "?"),
+        }
+    }
+    if out.is_empty() {
+        out.push('.');
+    }
+    out
+}
+
+fn push_key(out: &mut String, key: &str) {
+    if !out.is_empty() {
+        out.push('.');
+    }
+    let plain = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if plain {
+        out.push_str(key);
+    } else {
+        out.push('"');
+        out.push_str(&key.replace('"', "\\\""));
+        out.push('"');
+    }
+}
+
+/// `prefix` followed by a map key, quoted when it is not a plain word.
+pub(super) fn key_path(prefix: &str, key: &str) -> String {
+    let mut s = prefix.to_string();
+    push_key(&mut s, key);
+    s
+}

@@ -1,0 +1,168 @@
+//! gateway.yaml: parsed once at the edge into plain, validated values.
+//!
+//! The file format is the product contract (DESIGN §1). Parsing goes through `serde_path_to_error`
+//! so that every error — a type error from serde or a rule checked afterwards — names its field
+//! path, e.g. `rate_limits.endpoints."/reports/generate".cost: must be a positive integer, got 0`.
+//! The rest of the gateway only ever sees a [`Config`], whose values are known to be usable.
+//!
+//! - [`raw`]: the file as written (serde types, DESIGN's defaults);
+//! - [`duration`]: `250ms` / `10s` / `1m` / `1h`;
+//! - [`error`]: errors that name their path;
+//! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
+//! - `bounds`: limits on file size, nesting and name lengths;
+//! - `validate`: one function per section, from [`RawConfig`] to [`Config`].
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::route::Router;
+
+mod bounds;
+pub mod duration;
+pub mod error;
+mod pattern;
+pub mod raw;
+mod url;
+mod validate;
+
+pub use crate::policy::Policy;
+pub use duration::{format_duration, parse_duration, ConfDuration};
+pub use error::{ConfigError, ConfigErrors};
+pub use raw::{
+    Anonymous, Backend, Listen, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity, RawKey,
+    RawPlan, RawRateLimits, RawServer, RawStore, RawUpstream,
+};
+pub use url::redact_url;
+
+/// One entry of the key registry.
+#[derive(Debug, Clone)]
+pub struct KeyEntry {
+    pub id: Arc<str>,
+    pub policy: Arc<Policy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdentitySource {
+    /// A request header, lower-cased.
+    Header(String),
+    /// `Authorization: Bearer <key>`.
+    Bearer,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamTarget {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// `host:port` as it goes in the `Host` header (port omitted when it is the scheme's default).
+    pub authority: String,
+    /// `authority` as a header value, made once.
+    pub host_header: http::HeaderValue,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub ca_file: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreSettings {
+    pub backend: Backend,
+    pub url: String,
+    pub timeout: Duration,
+    pub on_error: OnError,
+    pub fleet_size: u32,
+    pub lease_ttl: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: Vec<String>,
+    pub admin_listen: String,
+    pub threads: usize,
+    pub grace_period: Duration,
+    pub client_limits: crate::front::ClientLimits,
+    pub upstream: UpstreamTarget,
+    pub store: StoreSettings,
+    pub sources: Vec<IdentitySource>,
+    pub anonymous: Anonymous,
+    pub default_policy: Arc<Policy>,
+    pub plans: HashMap<String, Arc<Policy>>,
+    /// sha256 of the key → registry entry.
+    pub keys: HashMap<[u8; 32], KeyEntry>,
+    /// Registry ids, for `/admin/keys/{id}`.
+    pub key_ids: HashMap<String, [u8; 32]>,
+    pub router: Router,
+    /// The file as parsed, for `/admin/config`.
+    pub raw: RawConfig,
+}
+
+/// Where the gateway's settings may be overridden from the environment (DESIGN §1).
+#[derive(Debug, Clone, Default)]
+pub struct EnvOverrides {
+    pub redis_url: Option<String>,
+    pub fleet_size: Option<String>,
+}
+
+impl EnvOverrides {
+    pub fn from_env() -> Self {
+        Self {
+            redis_url: std::env::var("TOLLGATE_REDIS_URL")
+                .ok()
+                .filter(|s| !s.is_empty()),
+            fleet_size: std::env::var("TOLLGATE_FLEET_SIZE")
+                .ok()
+                .filter(|s| !s.is_empty()),
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
+        let cannot_read = |e: std::io::Error| {
+            ConfigErrors::one(path.display().to_string(), format!("cannot read: {e}"))
+        };
+        // Refuse a huge file before reading it into memory.
+        bounds::check_size(std::fs::metadata(path).map_err(cannot_read)?.len())?;
+        let text = std::fs::read_to_string(path).map_err(cannot_read)?;
+        Self::parse(&text, env)
+    }
+
+    pub fn parse(text: &str, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
+        // serde_yaml's time grows badly with nesting: bound the work before it starts.
+        bounds::check_size(text.len() as u64)?;
+        bounds::check_depth(text)?;
+        let de = serde_yaml::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = error::format_path(e.path());
+            let serde_style = e.path().to_string();
+            // serde_yaml prefixes its own rendering of the path (replaced by ours) and appends
+            // " at line L column C" (kept: it helps find the spot).
+            let msg = e.into_inner().to_string();
+            let msg = msg
+                .strip_prefix(&format!("{serde_style}: "))
+                .map(str::to_string)
+                .unwrap_or_else(|| match msg.split_once(": ") {
+                    Some((head, tail)) if !head.contains(' ') => tail.to_string(),
+                    _ => msg.clone(),
+                });
+            ConfigErrors::one(path, msg)
+        })?;
+        Self::validate(raw, env)
+    }
+
+    /// Checks every rule of DESIGN §1 and reports every problem found, not only the first.
+    pub fn validate(raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
+        validate::validate(raw, env)
+    }
+
+    /// The effective configuration as YAML with secrets (Redis password) redacted.
+    pub fn redacted_yaml(&self) -> String {
+        let mut raw = self.raw.clone();
+        raw.store.url = redact_url(&self.store.url);
+        serde_yaml::to_string(&raw).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

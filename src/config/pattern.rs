@@ -1,0 +1,92 @@
+//! What an endpoint key must be for the router to ever select it.
+//!
+//! Requests are classified by their *normalized* path (`route::normalize_path`), so a pattern
+//! is only useful written in that form, and only if it holds nothing a request path can never
+//! hold. The router itself checks the template syntax (matchit) and conflicts.
+
+use crate::route::{normalize_path, split_pattern};
+
+/// Placeholders for `{name}` / `{*name}` while the literal parts are normalized: private-use
+/// characters, which normalization keeps as they are.
+const OPEN: char = '\u{E000}';
+const CLOSE: char = '\u{E001}';
+
+/// `Ok` for a pattern the router can select; otherwise why not, with the form to write.
+pub(super) fn check_endpoint(pattern: &str) -> Result<(), String> {
+    let (method, path) = split_pattern(pattern);
+    if method == Some("CONNECT") {
+        return Err(
+            "can never match: a CONNECT request names host:port, not a path, and is refused as bad-path"
+                .into(),
+        );
+    }
+    if !path.starts_with('/') {
+        // The router says so, with the same words as for any other path.
+        return Ok(());
+    }
+    let Some((masked, params)) = mask_params(path) else {
+        // Unbalanced braces: the router reports the template error.
+        return Ok(());
+    };
+    let normalized = normalize_path(&masked).map_err(|e| {
+        format!("can never match: {e}, and such requests are refused (400 bad-path) before routing")
+    })?;
+    if let Some(c) = normalized
+        .chars()
+        .find(|c| matches!(c, ' ' | '#' | '<' | '>' | '?' | '`'))
+    {
+        let why = match c {
+            '?' => "it starts the query string, which is not part of the path".to_string(),
+            '#' => "it starts a fragment, which clients never send".to_string(),
+            c => format!("clients send it percent-encoded; write %{:02X}", c as u32),
+        };
+        return Err(format!(
+            "can never match: a request path cannot contain '{c}' ({why})"
+        ));
+    }
+    if normalized != masked {
+        let mut written = unmask_params(&normalized, &params);
+        if let Some(m) = method {
+            written = format!("{m} {written}");
+        }
+        return Err(format!(
+            "is not in normalized form, which is what requests are matched in: write \"{written}\""
+        ));
+    }
+    Ok(())
+}
+
+/// Replaces each `{…}` of a matchit template by a placeholder (`{{` and `}}` are literal
+/// braces). `None` when the braces do not pair up.
+fn mask_params(path: &str) -> Option<(String, Vec<&str>)> {
+    let mut masked = String::with_capacity(path.len());
+    let mut params = Vec::new();
+    let mut rest = path;
+    while let Some(pos) = rest.find(['{', '}']) {
+        masked.push_str(&rest[..pos]);
+        let tail = &rest[pos..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            masked.push_str(&tail[..2]);
+            rest = &tail[2..];
+        } else if tail.starts_with('{') {
+            let end = tail.find('}')?;
+            masked.push(OPEN);
+            masked.push_str(&params.len().to_string());
+            masked.push(CLOSE);
+            params.push(&tail[..=end]);
+            rest = &tail[end + 1..];
+        } else {
+            return None;
+        }
+    }
+    masked.push_str(rest);
+    Some((masked, params))
+}
+
+fn unmask_params(masked: &str, params: &[&str]) -> String {
+    let mut out = masked.to_string();
+    for (i, p) in params.iter().enumerate() {
+        out = out.replace(&format!("{OPEN}{i}{CLOSE}"), p);
+    }
+    out
+}

@@ -1,0 +1,338 @@
+//! The file as written: serde types whose field names and defaults are DESIGN §1.
+//!
+//! Nothing here is checked beyond its type; `validate` turns a [`RawConfig`] into a `Config`.
+//! It is kept (serialized back) for `/admin/config`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use serde::de::{DeserializeSeed, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::duration::ConfDuration;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    pub upstream: RawUpstream,
+    #[serde(default)]
+    pub store: RawStore,
+    #[serde(default)]
+    pub identity: RawIdentity,
+    pub rate_limits: RawRateLimits,
+    #[serde(default, deserialize_with = "unique_keys")]
+    pub plans: BTreeMap<String, RawPlan>,
+    #[serde(default)]
+    pub keys: Vec<RawKey>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Listen {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Listen {
+    pub fn addrs(&self) -> Vec<String> {
+        match self {
+            Listen::One(s) => vec![s.clone()],
+            Listen::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    #[serde(default = "default_listen")]
+    pub listen: Listen,
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    #[serde(default)]
+    pub threads: Option<i64>,
+    #[serde(default = "default_grace")]
+    pub grace_period: ConfDuration,
+}
+
+fn default_listen() -> Listen {
+    Listen::One("0.0.0.0:8080".into())
+}
+fn default_admin_listen() -> String {
+    "127.0.0.1:9901".into()
+}
+fn default_grace() -> ConfDuration {
+    ConfDuration(Duration::from_secs(10))
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            admin_listen: default_admin_listen(),
+            threads: None,
+            grace_period: default_grace(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub url: String,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: ConfDuration,
+    #[serde(default = "default_read_timeout")]
+    pub read_timeout: ConfDuration,
+    /// PEM file of CA certificates to trust for an https upstream (default: the system's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<String>,
+}
+
+fn default_connect_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(2))
+}
+fn default_read_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(60))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    Local,
+    Allow,
+    Deny,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    #[serde(default = "default_backend")]
+    pub backend: Backend,
+    #[serde(default = "default_redis_url")]
+    pub url: String,
+    #[serde(default = "default_store_timeout")]
+    pub timeout: ConfDuration,
+    #[serde(default = "default_on_error")]
+    pub on_error: OnError,
+    #[serde(default = "default_fleet_size")]
+    pub fleet_size: i64,
+    #[serde(default = "default_lease_ttl")]
+    pub lease_ttl: ConfDuration,
+}
+
+fn default_backend() -> Backend {
+    Backend::Memory
+}
+fn default_redis_url() -> String {
+    "redis://127.0.0.1:6379/0".into()
+}
+fn default_store_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_millis(20))
+}
+fn default_on_error() -> OnError {
+    OnError::Local
+}
+fn default_fleet_size() -> i64 {
+    1
+}
+fn default_lease_ttl() -> ConfDuration {
+    ConfDuration(Duration::from_secs(15))
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        Self {
+            backend: default_backend(),
+            url: default_redis_url(),
+            timeout: default_store_timeout(),
+            on_error: default_on_error(),
+            fleet_size: default_fleet_size(),
+            lease_ttl: default_lease_ttl(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Anonymous {
+    Reject,
+    ClientIp,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIdentity {
+    #[serde(default = "default_sources")]
+    pub sources: Vec<String>,
+    #[serde(default = "default_anonymous")]
+    pub anonymous: Anonymous,
+}
+
+fn default_sources() -> Vec<String> {
+    vec!["header:x-api-key".into(), "bearer".into()]
+}
+fn default_anonymous() -> Anonymous {
+    Anonymous::Reject
+}
+
+impl Default for RawIdentity {
+    fn default() -> Self {
+        Self {
+            sources: default_sources(),
+            anonymous: default_anonymous(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRateLimits {
+    pub default: RawDefault,
+    #[serde(default, deserialize_with = "unique_keys")]
+    pub endpoints: BTreeMap<String, RawEndpoint>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDefault {
+    #[serde(default = "one")]
+    pub cost: i64,
+    pub window: ConfDuration,
+    pub max_cost: i64,
+    #[serde(default)]
+    pub max_delay: ConfDuration,
+}
+
+fn one() -> i64 {
+    1
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEndpoint {
+    /// Defaults to `rate_limits.default.cost`.
+    #[serde(default)]
+    pub cost: Option<i64>,
+    #[serde(default)]
+    pub max_in_flight: Option<i64>,
+    #[serde(default)]
+    pub queue_timeout: Option<ConfDuration>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlan {
+    pub max_cost: i64,
+    pub window: ConfDuration,
+    #[serde(default)]
+    pub max_delay: Option<ConfDuration>,
+    #[serde(default)]
+    pub max_in_flight_per_key: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    pub id: String,
+    pub sha256: String,
+    #[serde(default)]
+    pub plan: Option<String>,
+}
+
+/// A map in which a key may appear only once. serde's maps keep the last of two equal keys,
+/// which would silently drop the first endpoint or plan of that name (DESIGN §1: an error).
+fn unique_keys<'de, D, V>(d: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Unique<V>(PhantomData<V>);
+
+    impl<'de, V: Deserialize<'de>> Visitor<'de> for Unique<V> {
+        type Value = BTreeMap<String, V>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a map")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let value = map.next_value_seed(Value {
+                    repeated: out.contains_key(&key),
+                    value: PhantomData,
+                })?;
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+
+    d.deserialize_map(Unique(PhantomData))
+}
+
+/// A map value, refused when its key was seen before. The refusal comes from inside the
+/// value so that `serde_path_to_error` reports the path of the repeated key, and from a
+/// visitor so that serde_yaml reports the line of the repeated entry (not of the map).
+struct Value<V> {
+    repeated: bool,
+    value: PhantomData<V>,
+}
+
+impl<'de, V: Deserialize<'de>> DeserializeSeed<'de> for Value<V> {
+    type Value = V;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V, D::Error> {
+        if self.repeated {
+            return d.deserialize_any(Repeated(PhantomData));
+        }
+        V::deserialize(d)
+    }
+}
+
+const REPEATED: &str = "appears twice in this map; each key may appear only once";
+
+/// Refuses whatever value it is given.
+struct Repeated<V>(PhantomData<V>);
+
+macro_rules! refuse {
+    ($($name:ident: $t:ty),*) => {
+        $(fn $name<E: serde::de::Error>(self, _: $t) -> Result<V, E> {
+            Err(E::custom(REPEATED))
+        })*
+    };
+}
+
+impl<'de, V> Visitor<'de> for Repeated<V> {
+    type Value = V;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REPEATED)
+    }
+
+    refuse!(visit_bool: bool, visit_i64: i64, visit_u64: u64, visit_f64: f64, visit_str: &str);
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<V, E> {
+        Err(E::custom(REPEATED))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<V, A::Error> {
+        Err(serde::de::Error::custom(REPEATED))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, _: A) -> Result<V, A::Error> {
+        Err(serde::de::Error::custom(REPEATED))
+    }
+}
