@@ -258,7 +258,7 @@ pub fn run_with(
     let addr = resolve(&cfg.upstream.host, cfg.upstream.port);
     set_limit_gauges(&cfg);
     warn_unaffordable_in_fallback(&cfg);
-    metrics().store_degraded.set(0);
+    store.publish_gauges();
     let listen = cfg.listen.clone();
     let admin_addr: SocketAddr = cfg.admin_listen.parse()?;
     let threads = cfg.threads;
