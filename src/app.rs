@@ -185,7 +185,7 @@ pub fn run_with(
     watch: bool,
 ) -> anyhow::Result<()> {
     warn_unaffordable_in_fallback(&cfg);
-    metrics().store_degraded.set(0);
+    store.publish_gauges();
     let listen = cfg.listen.clone();
     let admin_addr: SocketAddr = cfg.admin_listen.parse()?;
     let threads = cfg.threads;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Charge, Lease, LeaseInner};
+use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease};
 use crate::budget::{self, Limit, State};
 use crate::identity::KeyHash;
 
@@ -185,14 +185,14 @@ impl MemoryStore {
         drop(shard);
         Admission::Admitted {
             outcome,
-            lease: Lease {
-                inner: LeaseInner::Memory(MemoryLease {
+            lease: Lease::local(
+                MemoryLease {
                     store: self.clone(),
                     key,
                     _route: route,
-                }),
-                charge: Charge::Local(req.limit),
-            },
+                },
+                req.limit,
+            ),
             queued,
         }
     }

@@ -5,6 +5,7 @@
 //! share one budget. Both run the same GCRA arithmetic (`crate::budget`) and hand back a
 //! [`Lease`] whose release (explicit, or on drop) frees the request's in-flight slots.
 
+pub mod fallback;
 pub mod memory;
 pub mod redis;
 
@@ -14,6 +15,7 @@ use std::time::Duration;
 use crate::budget::{Limit, Outcome};
 use crate::identity::KeyHash;
 
+pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
@@ -29,6 +31,58 @@ pub(crate) fn short_key(key: &KeyHash) -> u128 {
 /// have left its map inconsistent, so a poisoned lock is simply taken.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why the shared store could not decide. `transient` errors (a timeout, a dropped
+/// connection) are expected to pass by themselves; the others (a wrong password, an
+/// out-of-memory Redis, an unusable URL) need an operator, so their cause is logged.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store call timed out")]
+    Timeout,
+    #[error("circuit breaker open")]
+    BreakerOpen,
+    #[error("store.url is not usable: {0}")]
+    Config(String),
+    #[error("unexpected script reply {0}")]
+    Reply(String),
+    #[error("{source}")]
+    Redis {
+        source: ::redis::RedisError,
+        transient: bool,
+    },
+}
+
+impl From<::redis::RedisError> for StoreError {
+    fn from(e: ::redis::RedisError) -> Self {
+        if e.is_timeout() {
+            return StoreError::Timeout;
+        }
+        let transient = e.is_connection_dropped() || e.is_connection_refusal();
+        StoreError::Redis {
+            source: e,
+            transient,
+        }
+    }
+}
+
+impl StoreError {
+    pub fn transient(&self) -> bool {
+        match self {
+            StoreError::Timeout | StoreError::BreakerOpen => true,
+            StoreError::Config(_) | StoreError::Reply(_) => false,
+            StoreError::Redis { transient, .. } => *transient,
+        }
+    }
+
+    /// The `result` label of `tollgate_store_calls_total`.
+    pub(crate) fn metric_label(&self) -> &'static str {
+        match self {
+            StoreError::Timeout => "timeout",
+            StoreError::BreakerOpen => "breaker_open",
+            _ => "error",
+        }
+    }
 }
 
 /// Everything a store needs to decide one request.
@@ -70,8 +124,8 @@ pub enum Admission {
 /// records where the request was charged, so that a refund goes back to the same place.
 #[derive(Debug, Default)]
 pub struct Lease {
-    pub(crate) inner: LeaseInner,
-    pub(crate) charge: Charge,
+    slots: Slots,
+    charge: Charge,
 }
 
 /// Where an admitted request's units were taken from.
@@ -87,8 +141,9 @@ pub enum Charge {
     Shared,
 }
 
+/// The slots a lease holds, in whichever store took them.
 #[derive(Debug, Default)]
-pub(crate) enum LeaseInner {
+enum Slots {
     #[default]
     None,
     Memory(memory::MemoryLease),
@@ -96,16 +151,32 @@ pub(crate) enum LeaseInner {
 }
 
 impl Lease {
+    /// Charged in this process under `limit`, holding `slots`.
+    pub(crate) fn local(slots: memory::MemoryLease, limit: Limit) -> Lease {
+        Lease {
+            slots: Slots::Memory(slots),
+            charge: Charge::Local(limit),
+        }
+    }
+
+    /// Charged in the shared store, holding `slots` there (if the request took any).
+    pub(crate) fn shared(slots: Option<redis::RedisLease>) -> Lease {
+        Lease {
+            slots: slots.map_or(Slots::None, Slots::Redis),
+            charge: Charge::Shared,
+        }
+    }
+
     pub fn charge(&self) -> Charge {
         self.charge
     }
 
     /// Frees the slots now (the drop guard does the same, later and without waiting).
     pub async fn release(self) {
-        match self.inner {
-            LeaseInner::None => {}
-            LeaseInner::Memory(l) => drop(l),
-            LeaseInner::Redis(l) => l.release().await,
+        match self.slots {
+            Slots::None => {}
+            Slots::Memory(l) => drop(l),
+            Slots::Redis(l) => l.release().await,
         }
     }
 }
@@ -171,9 +242,10 @@ impl Store {
 
     /// Copies the store's health into the `tollgate_store_degraded` gauge.
     pub fn publish_gauges(&self) {
-        crate::telemetry::metrics()
-            .store_degraded
-            .set(self.degraded() as i64);
+        match self {
+            Store::Memory(_) => fallback::show_degraded(false),
+            Store::Redis(r) => r.publish_gauges(),
+        }
     }
 
     /// True when the store can decide requests (directly or by its fallback policy).

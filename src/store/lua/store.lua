@@ -17,6 +17,9 @@
 --   peek   KEYS budget           ARGV rate                        -> level now (ticks)
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
 
+-- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
+local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED = 0, 1, 2, 3
+
 local function int(x) return string.format('%.0f', x) end
 
 local function now_us()
@@ -86,13 +89,13 @@ if op == 'admit' then
   local level = level_at(KEYS[1], q, now)
   local next_level = level + cost * p
   if next_level > cap + max_delay then
-    return {0, ceil_div(next_level - cap - max_delay, q), remaining(cap, level, p), ceil_div(level, q)}
+    return {OVER_BUDGET, ceil_div(next_level - cap - max_delay, q), remaining(cap, level, p), ceil_div(level, q)}
   end
   if key_cap > 0 and redis.call('ZCOUNT', KEYS[2], int(now), '+inf') >= key_cap then
-    return {1, 0, remaining(cap, level, p), ceil_div(level, q)}
+    return {KEY_BUSY, 0, remaining(cap, level, p), ceil_div(level, q)}
   end
   if route_cap > 0 and redis.call('ZCOUNT', KEYS[3], int(now), '+inf') >= route_cap then
-    return {2, 0, remaining(cap, level, p), ceil_div(level, q)}
+    return {ROUTE_BUSY, 0, remaining(cap, level, p), ceil_div(level, q)}
   end
   store_level(KEYS[1], next_level, q, now)
   for i, limit in ipairs({key_cap, route_cap}) do
@@ -105,7 +108,7 @@ if op == 'admit' then
   end
   local delay = 0
   if next_level > cap then delay = ceil_div(next_level - cap, q) end
-  return {3, delay, remaining(cap, next_level, p), ceil_div(next_level, q)}
+  return {ADMITTED, delay, remaining(cap, next_level, p), ceil_div(next_level, q)}
 end
 
 if op == 'refund' then

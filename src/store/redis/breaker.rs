@@ -1,0 +1,102 @@
+//! The circuit breaker: stops a request from waiting on a Redis that is not answering.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Consecutive failures that open the breaker.
+pub(super) const BREAKER_THRESHOLD: u32 = 3;
+/// How long an open breaker waits before letting one probe through.
+pub(super) const BREAKER_OPEN_FOR: Duration = Duration::from_millis(500);
+
+/// Closed → (3 failures) → open for 500 ms → one probe → closed or open again.
+///
+/// The probe is whoever moves `open_until_us` forward first; there is no "probing" flag, so a
+/// probe whose future is dropped mid-call (an aborted renewal, a client gone) only delays the
+/// next probe by 500 ms instead of leaving the breaker open for good.
+#[derive(Debug)]
+pub(super) struct Breaker {
+    failures: AtomicU32,
+    /// 0 when closed; otherwise when the next probe may go (µs since `epoch`).
+    open_until_us: AtomicU64,
+    epoch: Instant,
+}
+
+impl Breaker {
+    pub(super) fn new() -> Self {
+        Breaker {
+            failures: AtomicU32::new(0),
+            open_until_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64 + 1
+    }
+
+    pub(super) fn allow(&self) -> bool {
+        let until = self.open_until_us.load(Ordering::Acquire);
+        if until == 0 {
+            return true;
+        }
+        let now = self.now_us();
+        if now < until {
+            return false;
+        }
+        // One probe per period: the caller that pushes the next probe time forward.
+        self.open_until_us
+            .compare_exchange(
+                until,
+                now + BREAKER_OPEN_FOR.as_micros() as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
+    pub(super) fn success(&self) {
+        self.failures.store(0, Ordering::Release);
+        self.open_until_us.store(0, Ordering::Release);
+    }
+
+    /// Counts a failure; true when this one opened a closed breaker.
+    pub(super) fn failure(&self) -> bool {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= BREAKER_THRESHOLD {
+            let was = self.open_until_us.swap(
+                self.now_us() + BREAKER_OPEN_FOR.as_micros() as u64,
+                Ordering::AcqRel,
+            );
+            return was == 0;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn breaker_opens_after_failures_and_probes() {
+        let b = Breaker::new();
+        for _ in 0..BREAKER_THRESHOLD {
+            assert!(b.allow());
+            b.failure();
+        }
+        assert!(!b.allow(), "open");
+        std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
+        assert!(b.allow(), "one probe");
+        assert!(!b.allow(), "only one");
+        // The probe's future was dropped: neither success nor failure is reported. The breaker
+        // still lets the next probe through one period later.
+        std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
+        assert!(b.allow(), "next probe after a lost one");
+        assert!(!b.failure(), "already open: not a new opening");
+        assert!(!b.allow(), "probe failed: open again");
+        std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
+        assert!(b.allow());
+        b.success();
+        assert!(b.allow() && b.allow(), "closed");
+    }
+}

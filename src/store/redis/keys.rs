@@ -1,0 +1,55 @@
+//! Where a request's state lives in Redis: the key layout.
+//!
+//! Every key is `t` (tollgate's prefix), a hash tag `{…}`, and a type letter:
+//!
+//! | key             | holds                                               |
+//! |-----------------|-----------------------------------------------------|
+//! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate`)            |
+//! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
+//! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
+//!
+//! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
+//! for a route) in 10 URL-safe base64 characters. Redis Cluster hashes only what is inside the
+//! braces, so one API key's budget and lease set share a slot — a script that touches both
+//! never fails with CROSSSLOT. A budget key is 14 characters: that is what keeps a budget under
+//! 100 bytes of Redis memory (`MEMORY USAGE` 88).
+
+use crate::identity::KeyHash;
+
+/// 60 bits of a SHA-256 in 10 URL-safe base64 characters.
+fn tag(hash: &KeyHash) -> String {
+    use base64::Engine;
+    let mut s = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&hash[..8]);
+    s.truncate(10);
+    s
+}
+
+pub(super) fn budget_key(key: &KeyHash) -> String {
+    format!("t{{{}}}b", tag(key))
+}
+
+pub(super) fn key_slots_key(key: &KeyHash) -> String {
+    format!("t{{{}}}f", tag(key))
+}
+
+pub(super) fn route_slots_key(route: &str) -> String {
+    format!(
+        "t:r{{{}}}f",
+        tag(&crate::identity::hash_key(route.as_bytes()))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_carry_a_hash_tag_and_no_raw_key() {
+        let h = crate::identity::hash_key(b"secret-key");
+        let k = budget_key(&h);
+        assert!(k.starts_with("t{") && k.ends_with("}b"), "{k}");
+        assert_eq!(k.len(), 14);
+        assert!(!k.contains("secret"));
+        assert_eq!(&key_slots_key(&h)[..13], &k[..13], "same slot");
+    }
+}

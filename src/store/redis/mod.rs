@@ -1,0 +1,372 @@
+//! The shared store: every instance of a fleet decides against the same Redis.
+//!
+//! - One Lua script call per request ([`script`], operation `admit`) checks and charges the
+//!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
+//!   trip, and a refused request writes nothing.
+//! - Slots are leases ([`lease`]); connections are per worker thread ([`conn`]); keys are laid
+//!   out in [`keys`].
+//! - Every call is bounded by `store.timeout`; a circuit breaker ([`breaker`]) stops calling a
+//!   dead Redis. Nothing that charges is ever retried. What to do while Redis cannot decide is
+//!   not this module's business: it answers with a [`StoreError`] and `store::fallback`
+//!   applies `store.on_error`.
+//! - A key refused for being over budget is refused locally, without a round trip, until the
+//!   moment Redis said it could next fit ([`deny_cache`]).
+
+mod breaker;
+mod conn;
+mod deny_cache;
+mod keys;
+mod lease;
+mod script;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+pub use lease::RedisLease;
+
+use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
+use super::memory::{Clock, MemoryStore};
+use super::{Admission, AdmitRequest, BudgetView, Lease, StoreError};
+use crate::budget::{Limit, Outcome, Verdict};
+use crate::config::StoreSettings;
+use crate::identity::KeyHash;
+use crate::telemetry::metrics;
+use breaker::Breaker;
+use conn::Connections;
+use deny_cache::DenyCache;
+use script::{AdmitCall, AdmitCode, StoreScript};
+
+/// The gateway's store for a fleet: Redis, with `store.on_error` deciding while it cannot.
+pub type RedisStore = FallbackStore<RedisBackend>;
+
+impl RedisStore {
+    pub fn new(s: &StoreSettings, clock: Clock) -> Arc<Self> {
+        FallbackStore::over(
+            RedisBackend::new(s),
+            MemoryStore::new(clock),
+            s.on_error,
+            s.fleet_size,
+        )
+    }
+}
+
+/// Back-off between retries for a route slot (jittered, doubling up to the max).
+const QUEUE_POLL_MIN: Duration = Duration::from_millis(10);
+const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
+
+/// How long a call's reply is still awaited (in the background) after the request gave up on
+/// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
+const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
+
+/// Redis as a [`SharedStore`].
+pub struct RedisBackend {
+    conns: Connections,
+    timeout: Duration,
+    lease_ttl: Duration,
+    /// Lease ids are `<instance>:<sequence>`: unique across the fleet.
+    instance: String,
+    lease_seq: AtomicU64,
+    breaker: Breaker,
+    deny: DenyCache,
+    script: StoreScript,
+    /// Wakes this instance's waiters for a route slot when one of its own leases is released.
+    wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend").finish_non_exhaustive()
+    }
+}
+
+/// Redis's answer to one `admit` call.
+enum Decided {
+    Admitted(Outcome, Lease),
+    OverBudget(Outcome),
+    KeyBusy(Outcome),
+    RouteBusy(Outcome),
+}
+
+impl RedisBackend {
+    pub fn new(s: &StoreSettings) -> Arc<Self> {
+        Arc::new(RedisBackend {
+            // The connection itself waits longer than a call, so that a late admission reply
+            // can still be seen and undone.
+            conns: Connections::new(&s.url, s.timeout, LATE_REPLY_WAIT),
+            timeout: s.timeout,
+            lease_ttl: s.lease_ttl,
+            instance: format!("{:016x}", rand::random::<u64>()),
+            lease_seq: AtomicU64::new(0),
+            breaker: Breaker::new(),
+            deny: DenyCache::new(),
+            script: StoreScript::new(),
+            wake: Mutex::default(),
+        })
+    }
+
+    /// Metrics, breaker and connection health after one call.
+    fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
+        let m = metrics();
+        m.store_duration.observe(start.elapsed().as_secs_f64());
+        match res {
+            Ok(_) => {
+                m.store_calls.with_label_values(&["ok"]).inc();
+                self.breaker.success();
+            }
+            Err(StoreError::BreakerOpen) => {
+                m.store_calls.with_label_values(&["breaker_open"]).inc();
+            }
+            Err(e) => {
+                m.store_calls.with_label_values(&[e.metric_label()]).inc();
+                tracing::debug!(error = %e, "store call failed");
+                self.conns.forget();
+                self.breaker.failure();
+            }
+        }
+    }
+
+    /// Runs one script call under the timeout and the breaker, recording the outcome.
+    /// For calls that charge nothing (leases, peeks, refunds); `admit` has its own.
+    async fn call<T: redis::FromRedisValue>(
+        &self,
+        inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        if !self.breaker.allow() {
+            let res = Err(StoreError::BreakerOpen);
+            self.record(Instant::now(), &res);
+            return res;
+        }
+        let start = Instant::now();
+        let res = async {
+            let mut conn = self.conns.get().await?;
+            match tokio::time::timeout(self.timeout, inv.invoke_async::<T>(&mut conn)).await {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        self.record(start, &res);
+        res
+    }
+
+    /// The charging call. It runs in a task of its own: when it outlives `store.timeout` the
+    /// request goes on without it (by `on_error`), and the task, if Redis admitted the request
+    /// after all, gives the units and the slots back. So a timed-out request is never charged
+    /// by Redis, and never charged twice (DESIGN §3); and it is never retried.
+    async fn call_admit(
+        self: &Arc<Self>,
+        c: AdmitCall,
+    ) -> Result<(Vec<i64>, AdmitCall), StoreError> {
+        if !self.breaker.allow() {
+            let res = Err(StoreError::BreakerOpen);
+            self.record(Instant::now(), &res);
+            return res;
+        }
+        let start = Instant::now();
+        let mut conn = match self.conns.get().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let res = Err(e);
+                self.record(start, &res);
+                return res;
+            }
+        };
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        tokio::spawn(async move {
+            let reply = store
+                .script
+                .admit(&c)
+                .invoke_async::<Vec<i64>>(&mut conn)
+                .await;
+            if let Err((Ok(v), c)) = tx.send((reply, c)) {
+                // The request stopped waiting: undo what Redis did for it.
+                if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+                    store.undo_admission(&c).await;
+                }
+            }
+        });
+        let remaining = self.timeout.saturating_sub(start.elapsed());
+        let reply = match tokio::time::timeout(remaining, &mut rx).await {
+            Ok(r) => r.ok(),
+            Err(_) => {
+                // A reply that arrived just now is still ours; after close(), the task keeps it.
+                rx.close();
+                rx.try_recv().ok()
+            }
+        };
+        let res = match reply {
+            None => Err(StoreError::Timeout),
+            Some((Err(e), _)) => Err(e.into()),
+            Some((Ok(v), c)) => Ok((v, c)),
+        };
+        self.record(start, &res);
+        res
+    }
+
+    /// Refunds and releases an admission whose request had already given up on it.
+    async fn undo_admission(&self, c: &AdmitCall) {
+        tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+        let Ok(mut conn) = self.conns.get().await else {
+            return;
+        };
+        let refund = self.script.refund(&c.budget, &c.limit, c.cost);
+        let _ = tokio::time::timeout(LATE_REPLY_WAIT, refund.invoke_async::<i64>(&mut conn)).await;
+        let slots = c.slot_keys();
+        if !slots.is_empty() {
+            let release = self.script.lease(&slots, &c.lease_id, 0);
+            let _ =
+                tokio::time::timeout(LATE_REPLY_WAIT, release.invoke_async::<i64>(&mut conn)).await;
+        }
+    }
+
+    fn next_lease_id(&self) -> String {
+        format!(
+            "{}:{}",
+            self.instance,
+            self.lease_seq.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    async fn try_admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<Decided, StoreError> {
+        let key_slots = req.key_cap.is_some();
+        let route_slots = req.route_cap.is_some();
+        let call = AdmitCall {
+            budget: keys::budget_key(&req.key),
+            key_slots: key_slots.then(|| keys::key_slots_key(&req.key)),
+            route_slots: route_slots.then(|| keys::route_slots_key(&req.route)),
+            limit: req.limit,
+            cost: req.cost,
+            key_cap: req.key_cap.unwrap_or(0),
+            route_cap: req.route_cap.unwrap_or(0),
+            lease_id: if key_slots || route_slots {
+                self.next_lease_id()
+            } else {
+                String::new()
+            },
+            lease_ttl_us: self.lease_ttl.as_micros() as u64,
+        };
+        let (r, call) = self.call_admit(call).await?;
+        let [code, a, remaining, reset_us] = r[..] else {
+            return Err(StoreError::Reply(format!("{r:?}")));
+        };
+        let Some(code) = AdmitCode::from_reply(code) else {
+            return Err(StoreError::Reply(format!("{r:?}")));
+        };
+        let (a, remaining, reset_us) = (
+            a.max(0) as u64,
+            remaining.max(0) as u64,
+            reset_us.max(0) as u64,
+        );
+        let outcome = |verdict| Outcome {
+            verdict,
+            state: None,
+            remaining,
+            reset_us,
+        };
+        Ok(match code {
+            AdmitCode::OverBudget => {
+                Decided::OverBudget(outcome(Verdict::Reject { retry_after_us: a }))
+            }
+            AdmitCode::KeyBusy => Decided::KeyBusy(outcome(Verdict::Admit { delay_us: 0 })),
+            AdmitCode::RouteBusy => Decided::RouteBusy(outcome(Verdict::Admit { delay_us: 0 })),
+            AdmitCode::Admitted => {
+                let held = call.slot_keys();
+                let lease = if held.is_empty() {
+                    Lease::shared(None)
+                } else {
+                    Lease::shared(Some(RedisLease::hold(
+                        self,
+                        held,
+                        call.lease_id,
+                        req.route.clone(),
+                    )))
+                };
+                Decided::Admitted(outcome(Verdict::Admit { delay_us: a }), lease)
+            }
+        })
+    }
+}
+
+impl SharedStore for RedisBackend {
+    /// Decides one request; waits (polling, and woken by this instance's own releases) while
+    /// the route's cap is full, up to `queue_timeout`.
+    async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
+        if let Some(o) = self.deny.check(req) {
+            return Ok(SharedAnswer {
+                admission: Admission::OverBudget(o),
+                reached: false,
+            });
+        }
+        let start = Instant::now();
+        let mut backoff = QUEUE_POLL_MIN;
+        loop {
+            // Register for a local wake-up before asking, so a release in between isn't missed.
+            let notify = req.route_cap.map(|_| self.notify_for(&req.route));
+            let notified = notify.as_ref().map(|n| n.notified());
+            let admission = match self.try_admit(req).await? {
+                Decided::Admitted(outcome, lease) => {
+                    self.deny.forget(&req.key);
+                    Admission::Admitted {
+                        outcome,
+                        lease,
+                        queued: start.elapsed(),
+                    }
+                }
+                Decided::OverBudget(o) => {
+                    self.deny.insert(req, &o);
+                    Admission::OverBudget(o)
+                }
+                Decided::KeyBusy(o) => Admission::KeyBusy(o),
+                Decided::RouteBusy(o) => {
+                    let waited = start.elapsed();
+                    if waited >= req.queue_timeout {
+                        Admission::RouteBusy {
+                            outcome: o,
+                            queued: waited,
+                        }
+                    } else {
+                        // Another instance's release is seen on the next poll; ours wakes us
+                        // at once.
+                        let jitter = rand::random_range(0.5..1.0);
+                        let pause = backoff.mul_f64(jitter).min(req.queue_timeout - waited);
+                        backoff = (backoff * 2).min(QUEUE_POLL_MAX);
+                        match notified {
+                            Some(n) => {
+                                tokio::select! {
+                                    _ = n => {}
+                                    _ = tokio::time::sleep(pause) => {}
+                                }
+                            }
+                            None => tokio::time::sleep(pause).await,
+                        }
+                        continue;
+                    }
+                }
+            };
+            return Ok(SharedAnswer {
+                admission,
+                reached: true,
+            });
+        }
+    }
+
+    /// A failed refund is not retried: it might have run.
+    async fn refund(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+        self.deny.forget(&req.key);
+        let key = keys::budget_key(&req.key);
+        self.call::<i64>(self.script.refund(&key, &req.limit, req.cost))
+            .await
+            .map(drop)
+    }
+
+    async fn peek(&self, key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
+        let k = keys::budget_key(key);
+        let level: i64 = self.call(self.script.peek(&k, limit)).await?;
+        Ok(BudgetView::at(limit, level.max(0) as u64))
+    }
+}

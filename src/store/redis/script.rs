@@ -1,0 +1,179 @@
+//! Every call of `lua/store.lua`, with its contract: the script is one file, the operation
+//! its first argument, so that one `EVALSHA` (reloaded on NOSCRIPT by redis-rs) serves all.
+//! Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost, drained at
+//! `rate` per µs), as in `crate::budget`.
+
+use redis::{Script, ScriptInvocation};
+
+use crate::budget::Limit;
+
+/// The reply codes of `admit` (the Lua constants of the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AdmitCode {
+    /// Nothing written; the reply's second figure is the retry-after in µs.
+    OverBudget = 0,
+    /// The key's lease set is full; nothing written.
+    KeyBusy = 1,
+    /// The route's lease set is full; nothing written.
+    RouteBusy = 2,
+    /// Charged and leased; the second figure is the delay in µs before forwarding.
+    Admitted = 3,
+}
+
+impl AdmitCode {
+    const ALL: [AdmitCode; 4] = [
+        AdmitCode::OverBudget,
+        AdmitCode::KeyBusy,
+        AdmitCode::RouteBusy,
+        AdmitCode::Admitted,
+    ];
+
+    pub(super) fn from_reply(code: i64) -> Option<AdmitCode> {
+        Self::ALL.into_iter().find(|c| *c as i64 == code)
+    }
+}
+
+/// The arguments of one `admit` call, owned so that the call can outlive its request.
+#[derive(Debug)]
+pub(super) struct AdmitCall {
+    pub budget: String,
+    pub key_slots: Option<String>,
+    pub route_slots: Option<String>,
+    pub limit: Limit,
+    pub cost: u64,
+    pub key_cap: u32,
+    pub route_cap: u32,
+    pub lease_id: String,
+    pub lease_ttl_us: u64,
+}
+
+impl AdmitCall {
+    /// The lease sets this call takes a slot in.
+    pub fn slot_keys(&self) -> Vec<String> {
+        self.key_slots
+            .iter()
+            .chain(&self.route_slots)
+            .cloned()
+            .collect()
+    }
+}
+
+pub(super) struct StoreScript(Script);
+
+impl StoreScript {
+    pub fn new() -> Self {
+        StoreScript(Script::new(include_str!("../lua/store.lua")))
+    }
+
+    /// `admit`: decides one request and, when it passes, charges it and takes its slots.
+    ///
+    /// KEYS[1] budget, KEYS[2] key lease set, KEYS[3] route lease set (an unused set is passed
+    /// as the budget key: the script never touches it).
+    /// ARGV[2] per_unit, ARGV[3] rate, ARGV[4] capacity, ARGV[5] max_delay (ticks), ARGV[6]
+    /// cost, ARGV[7] key_cap, ARGV[8] route_cap (0 = none), ARGV[9] lease id, ARGV[10]
+    /// lease_ttl (µs).
+    /// Reply `{code, a, remaining, reset_us}` with code an [`AdmitCode`]. Writes only when
+    /// admitted. Charges: never retry it after a timeout (it may have run).
+    pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        let l = &c.limit;
+        inv.key(&c.budget)
+            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
+            .key(c.route_slots.as_ref().unwrap_or(&c.budget))
+            .arg("admit")
+            .arg(l.per_unit)
+            .arg(l.rate)
+            .arg(l.capacity)
+            .arg(l.max_delay)
+            .arg(c.cost)
+            .arg(c.key_cap)
+            .arg(c.route_cap)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        inv
+    }
+
+    /// `refund`: gives `cost` units back to a budget (never below empty).
+    ///
+    /// KEYS[1] budget; ARGV[2] per_unit, ARGV[3] rate, ARGV[4] cost. Reply 1.
+    pub fn refund<'a>(&'a self, key: &'a str, limit: &Limit, cost: u64) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(key)
+            .arg("refund")
+            .arg(limit.per_unit)
+            .arg(limit.rate)
+            .arg(cost);
+        inv
+    }
+
+    /// `peek`: a budget's level now, writing nothing.
+    ///
+    /// KEYS[1] budget; ARGV[2] rate. Reply: the level in ticks.
+    pub fn peek<'a>(&'a self, key: &'a str, limit: &Limit) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(key).arg("peek").arg(limit.rate);
+        inv
+    }
+
+    /// `lease`: renews lease `id` in every set for `ttl_us` (only if still live), or releases it
+    /// when `ttl_us` is 0. Idempotent, so safe to send again.
+    ///
+    /// KEYS[1..n] lease sets; ARGV[2] lease id, ARGV[3] ttl_us. Reply 1.
+    pub fn lease<'a>(
+        &'a self,
+        keys: impl IntoIterator<Item = &'a String>,
+        id: &'a str,
+        ttl_us: u64,
+    ) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        for k in keys {
+            inv.key(k);
+        }
+        inv.arg("lease").arg(id).arg(ttl_us);
+        inv
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
+    #[test]
+    fn admit_codes_match_the_script() {
+        let lua = include_str!("../lua/store.lua");
+        let line = lua
+            .lines()
+            .find(|l| l.starts_with("local OVER_BUDGET"))
+            .expect("the script names its reply codes");
+        let (names, values) = line["local ".len()..].split_once('=').unwrap();
+        let lua_codes: Vec<(String, i64)> = names
+            .split(',')
+            .map(|n| n.trim().to_string())
+            .zip(values.split(',').map(|v| v.trim().parse().unwrap()))
+            .collect();
+        let rust_codes: Vec<(String, i64)> = AdmitCode::ALL
+            .iter()
+            .map(|c| {
+                let camel = format!("{c:?}");
+                let mut snake = String::new();
+                for (i, ch) in camel.chars().enumerate() {
+                    if ch.is_uppercase() && i > 0 {
+                        snake.push('_');
+                    }
+                    snake.push(ch.to_ascii_uppercase());
+                }
+                (snake, *c as i64)
+            })
+            .collect();
+        assert_eq!(lua_codes, rust_codes);
+        for (name, _) in &lua_codes {
+            assert!(
+                lua.contains(&format!("return {{{name},")),
+                "{name} is returned"
+            );
+        }
+        assert_eq!(AdmitCode::from_reply(3), Some(AdmitCode::Admitted));
+        assert_eq!(AdmitCode::from_reply(4), None);
+    }
+}
