@@ -127,23 +127,86 @@ async fn targets_not_starting_with_slash_are_bad_path_and_absolute_form_is_origi
     }
 }
 
+/// An upstream like the frameworks the issue names: it resolves a target without a leading `/`
+/// as if it had one, and works 1.5 s on every request. Counts requests and peak concurrency.
+struct LenientUpstream {
+    port: u16,
+    count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl LenientUpstream {
+    fn start() -> LenientUpstream {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let count = Arc::new(AtomicU64::new(0));
+        let peak = Arc::new(AtomicU64::new(0));
+        let current = Arc::new(AtomicU64::new(0));
+        let (c, p) = (count.clone(), peak.clone());
+        // The thread ends with the test process; it only ever serves this test's gateway.
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let (c, p, cur) = (c.clone(), p.clone(), current.clone());
+                std::thread::spawn(move || {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        match std::io::Read::read(&mut conn, &mut byte) {
+                            Ok(1) => head.push(byte[0]),
+                            _ => return,
+                        }
+                    }
+                    c.fetch_add(1, Ordering::SeqCst);
+                    let now = cur.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1500));
+                    cur.fetch_sub(1, Ordering::SeqCst);
+                    let _ = conn.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                    );
+                });
+            }
+        });
+        LenientUpstream { port, count, peak }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_origin_targets_cannot_pass_the_report_cap() {
-    let up = Upstream::start(Duration::from_millis(1500));
-    let gw = Gateway::start(&up, &incident_with_report_caps("      max_in_flight: 5\n"));
+    use std::sync::atomic::Ordering;
+    let caps = incident_with_report_caps("      max_in_flight: 5\n");
 
-    // Eight reports at once with a relative target: none is forwarded, none escapes the cap.
+    // Eight reports at once with a relative target, to an upstream that would run them all:
+    // none is forwarded, so none escapes the cap.
+    let lenient = LenientUpstream::start();
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{}", lenient.port),
+        body: &caps,
+        ..GatewayOpts::default()
+    });
     let relative = (0..8)
         .map(|i| raw("POST reports/generate", &[&format!("X-API-Key: rel-{i}")]))
         .collect();
-    for r in raw_all_at_once(gw.port, relative) {
+    let answers = raw_all_at_once(gw.port, relative);
+    assert_eq!(
+        (
+            lenient.count.load(Ordering::SeqCst),
+            lenient.peak.load(Ordering::SeqCst)
+        ),
+        (0, 0),
+        "relative-target reports (in all, at once) that reached the upstream"
+    );
+    for r in answers {
         let r = r.expect("an answer");
         assert_eq!(r.status, 400, "{r:?}");
         assert!(r.is_problem("bad-path"), "{r:?}");
     }
-    assert!(up.stats().is_empty(), "the upstream ran {:?}", up.stats());
 
     // Eight at once in absolute-form: the cap of 5 holds (no queue: 503 for the rest).
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(&up, &caps);
     let absolute = (0..8)
         .map(|i| {
             raw(
@@ -160,7 +223,11 @@ async fn non_origin_targets_cannot_pass_the_report_cap() {
     assert_eq!(statuses, vec![200, 200, 200, 200, 200, 503, 503, 503]);
     assert_eq!(up.max_concurrent("/reports/generate"), 5);
     let targets: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
-    assert_eq!(targets, vec!["/reports/generate"; 5], "forwarded as origin-form");
+    assert_eq!(
+        targets,
+        vec!["/reports/generate"; 5],
+        "forwarded as origin-form"
+    );
 }
 
 // ---- 2. Method case ----
@@ -376,7 +443,9 @@ async fn a_client_that_leaves_the_queue_is_never_forwarded_nor_charged() {
     let up = Upstream::start(Duration::ZERO);
     let body = format!(
         "{}keys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n  - {{id: c, sha256: \"{}\"}}\n",
-        incident_with_report_caps("      max_in_flight: 1\n      queue_timeout: 3s\n"),
+        // An hour's window: nothing refills during the test, so every figure is exact.
+        incident_with_report_caps("      max_in_flight: 1\n      queue_timeout: 3s\n")
+            .replacen("window: 60s", "window: 1h", 1),
         sha256_hex("a-secret"),
         sha256_hex("b-secret"),
         sha256_hex("c-secret"),
@@ -564,12 +633,13 @@ async fn a_client_that_never_reads_is_cut_off_at_send_timeout() {
     let up = Upstream::start(Duration::ZERO);
     let gw = slow_gateway(&up);
     let c = client();
-    // 200 MB that the client never reads: the gateway's writes stall once the buffers are full.
+    // 64 MB that the client never reads: far more than the socket buffers hold, so the
+    // gateway's writes stall (and an upstream drained to the end is still done in a moment).
     let mut lazy = raw_connect(gw.port);
-    lazy.write_all(&raw("GET /bytes/200000000", &["X-API-Key: lazy"]))
+    lazy.write_all(&raw("GET /bytes/67108864", &["X-API-Key: lazy"]))
         .unwrap();
     let start = Instant::now();
-    while up.count("/bytes/200000000") == 0 {
+    while up.count("/bytes/67108864") == 0 {
         assert!(start.elapsed() < Duration::from_secs(10), "never forwarded");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
