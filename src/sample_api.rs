@@ -4,10 +4,15 @@
 //! - `/items`, `/items/{id}`, anything else: fast JSON echo of method, path and query;
 //! - `/reports/generate`: slow (the configured report time, ~2 s in the demo);
 //! - `?delay_ms=N` on any path: answer after N ms;
+//! - `?work_ms=N` on any path: N ms of work that goes on even if the caller hangs up (like a
+//!   report the database keeps generating), counted in `current` until it is done;
 //! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
 //! - `/__stats` (GET) and `/__reset` (POST): per-path request counts and peak concurrency.
+//!
+//! The last requests received are kept (`SampleApi::seen`), so tests can check what the gateway
+//! forwarded: the exact request target and every header.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,10 +30,35 @@ pub struct PathStats {
     pub max_concurrent: u64,
 }
 
+/// One request as the API received it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    /// The request target as sent: origin-form `/path?query`, or absolute-form.
+    pub target: String,
+    /// Every header, in order (names lower-case).
+    pub headers: Vec<(String, String)>,
+}
+
+impl Seen {
+    /// The values of header `name`, in order.
+    pub fn header(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+/// How many requests `seen` keeps: the demo runs for as long as it likes.
+const SEEN_KEPT: usize = 1024;
+
 #[derive(Debug, Default)]
 pub struct SampleApi {
     pub report_time: Duration,
     stats: Mutex<BTreeMap<String, PathStats>>,
+    seen: Mutex<VecDeque<Seen>>,
 }
 
 type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
@@ -66,7 +96,39 @@ impl SampleApi {
         Arc::new(SampleApi {
             report_time,
             stats: Mutex::default(),
+            seen: Mutex::default(),
         })
+    }
+
+    /// The last requests received (at most 1024), oldest first; `/__stats` and `/__reset` aside.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn record(&self, req: &Request<Incoming>) {
+        let seen = Seen {
+            method: req.method().as_str().to_string(),
+            target: req.uri().to_string(),
+            headers: req
+                .headers()
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().to_string(),
+                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
+        };
+        if let Ok(mut s) = self.seen.lock() {
+            if s.len() == SEEN_KEPT {
+                s.pop_front();
+            }
+            s.push_back(seen);
+        }
     }
 
     pub fn stats(&self) -> BTreeMap<String, PathStats> {
@@ -98,15 +160,35 @@ impl SampleApi {
                 if let Ok(mut s) = self.stats.lock() {
                     s.clear();
                 }
+                if let Ok(mut s) = self.seen.lock() {
+                    s.clear();
+                }
                 return full(StatusCode::OK, "application/json", "{}");
             }
             _ => {}
         }
+        self.record(&req);
+        let param = |name: &str| -> Option<u64> {
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+        };
+        if let Some(ms) = param("work_ms") {
+            // The work runs in a task of its own: when the connection goes away, hyper drops
+            // this handler, but not the work, as a database would go on generating a report.
+            let api = self.clone();
+            let p = path.clone();
+            let work = tokio::spawn(async move {
+                let _guard = api.enter(&p);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            });
+            let _ = work.await;
+            let body = serde_json::json!({ "path": path, "worked_ms": ms });
+            return full(StatusCode::OK, "application/json", body.to_string());
+        }
         let _guard = self.enter(&path);
-        let delay_ms: Option<u64> = query
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("delay_ms="))
-            .and_then(|v| v.parse().ok());
+        let delay_ms = param("delay_ms");
         let delay = match delay_ms {
             Some(ms) => Duration::from_millis(ms),
             None if path == "/reports/generate" => self.report_time,

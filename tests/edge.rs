@@ -1,0 +1,789 @@
+//! The gateway's edge against a hostile or careless client (DESIGN §1 `server.*_timeout`,
+//! `max_connections`, `identity.*`; §3 "Cost evasion" and "Slots follow the upstream's work"):
+//! what is charged is what the upstream runs, slots bound the upstream's work, and slow clients
+//! can't hold the gateway. Requests no HTTP library would send go over raw sockets.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A request head with `Host`, the given extra header lines and `Connection: close`.
+fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
+    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
+    for h in headers {
+        s.push_str(h);
+        s.push_str("\r\n");
+    }
+    s.push_str("Connection: close\r\n\r\n");
+    s.into_bytes()
+}
+
+/// Sends raw requests all at once, one connection each; `None` where the connection closed
+/// without an answer.
+fn raw_all_at_once(port: u16, requests: Vec<Vec<u8>>) -> Vec<Option<RawResponse>> {
+    let barrier = std::sync::Barrier::new(requests.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|req| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let mut sock = raw_connect(port);
+                    barrier.wait();
+                    sock.write_all(req).unwrap();
+                    read_raw_response(&mut sock)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn redis_store(redis: &Redis) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
+        redis.url()
+    )
+}
+
+/// Budget left for a registry key, from the admin API.
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    let v: serde_json::Value = reqwest::get(gw.admin(&format!("/admin/keys/{id}")))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["remaining"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no remaining for {id}: {v}"))
+}
+
+/// Polls a metric until it equals `want` (within `within`), for counts that take a while.
+async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let got = metric(gw, series).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "{series} is {got}, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---- 1. Request-target forms ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_not_starting_with_slash_are_bad_path_and_absolute_form_is_origin_form() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+
+    for target in [
+        "reports/generate",
+        "./reports/generate",
+        "%2Freports/generate",
+        "*",
+    ] {
+        for method in ["GET", "POST"] {
+            let line = format!("{method} {target}");
+            let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-odd"]))
+                .unwrap_or_else(|| panic!("`{line}`: connection closed without an answer"));
+            assert_eq!(r.status, 400, "`{line}`: {r:?}");
+            assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+        }
+    }
+    let seen: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
+    assert!(seen.is_empty(), "the upstream saw {seen:?}");
+
+    // Absolute-form: classified from its path, forwarded as origin-form.
+    let cases = [
+        (
+            "POST http://localhost/reports/generate",
+            "20",
+            "/reports/generate",
+        ),
+        (
+            "POST http://localhost/x/../reports/%67enerate?format=pdf",
+            "20",
+            "/reports/generate?format=pdf",
+        ),
+        ("GET http://localhost/items/3", "1", "/items/3"),
+    ];
+    for (i, (line, cost, forwarded)) in cases.into_iter().enumerate() {
+        let r = raw_request(gw.port, &raw(line, &[&format!("X-API-Key: k-abs-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some(cost), "`{line}`");
+        let target = up.api.seen().last().map(|s| s.target.clone());
+        assert_eq!(target.as_deref(), Some(forwarded), "`{line}`: forwarded as");
+    }
+}
+
+/// An upstream like the frameworks the issue names: it resolves a target without a leading `/`
+/// as if it had one, and works 1.5 s on every request. Counts requests and peak concurrency.
+struct LenientUpstream {
+    port: u16,
+    count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl LenientUpstream {
+    fn start() -> LenientUpstream {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let count = Arc::new(AtomicU64::new(0));
+        let peak = Arc::new(AtomicU64::new(0));
+        let current = Arc::new(AtomicU64::new(0));
+        let (c, p) = (count.clone(), peak.clone());
+        // The thread ends with the test process; it only ever serves this test's gateway.
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let (c, p, cur) = (c.clone(), p.clone(), current.clone());
+                std::thread::spawn(move || {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        match std::io::Read::read(&mut conn, &mut byte) {
+                            Ok(1) => head.push(byte[0]),
+                            _ => return,
+                        }
+                    }
+                    c.fetch_add(1, Ordering::SeqCst);
+                    let now = cur.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1500));
+                    cur.fetch_sub(1, Ordering::SeqCst);
+                    let _ = conn.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                    );
+                });
+            }
+        });
+        LenientUpstream { port, count, peak }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_origin_targets_cannot_pass_the_report_cap() {
+    use std::sync::atomic::Ordering;
+    let caps = incident_with_report_caps("      max_in_flight: 5\n");
+
+    // Eight reports at once with a relative target, to an upstream that would run them all:
+    // none is forwarded, so none escapes the cap.
+    let lenient = LenientUpstream::start();
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{}", lenient.port),
+        body: &caps,
+        ..GatewayOpts::default()
+    });
+    let relative = (0..8)
+        .map(|i| raw("POST reports/generate", &[&format!("X-API-Key: rel-{i}")]))
+        .collect();
+    let answers = raw_all_at_once(gw.port, relative);
+    assert_eq!(
+        (
+            lenient.count.load(Ordering::SeqCst),
+            lenient.peak.load(Ordering::SeqCst)
+        ),
+        (0, 0),
+        "relative-target reports (in all, at once) that reached the upstream"
+    );
+    for r in answers {
+        let r = r.expect("an answer");
+        assert_eq!(r.status, 400, "{r:?}");
+        assert!(r.is_problem("bad-path"), "{r:?}");
+    }
+
+    // Eight at once in absolute-form: the cap of 5 holds (no queue: 503 for the rest).
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(&up, &caps);
+    let absolute = (0..8)
+        .map(|i| {
+            raw(
+                "POST http://localhost/reports/generate",
+                &[&format!("X-API-Key: abs-{i}")],
+            )
+        })
+        .collect();
+    let mut statuses: Vec<u16> = raw_all_at_once(gw.port, absolute)
+        .into_iter()
+        .map(|r| r.map_or(0, |r| r.status))
+        .collect();
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 200, 200, 200, 200, 503, 503, 503]);
+    assert_eq!(up.max_concurrent("/reports/generate"), 5);
+    let targets: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
+    assert_eq!(
+        targets,
+        vec!["/reports/generate"; 5],
+        "forwarded as origin-form"
+    );
+}
+
+// ---- 2. Method case ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_in_any_case_is_charged_as_the_endpoint_method() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    \"DELETE /items/{id}\": {cost: 7}\n",
+    );
+    let cases = [
+        ("DELETE /items/1", "7"),
+        ("delete /items/2", "7"),
+        ("Delete /items/3", "7"),
+        ("GET /items/4", "1"),
+    ];
+    for (i, (line, cost)) in cases.into_iter().enumerate() {
+        let r = raw_request(gw.port, &raw(line, &[&format!("X-API-Key: m-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some(cost), "`{line}`");
+    }
+}
+
+// ---- 3. Host and conflicting credentials ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http11_without_host_is_400() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let r = raw_request(
+        gw.port,
+        b"GET /items HTTP/1.1\r\nX-API-Key: k\r\nConnection: close\r\n\r\n",
+    )
+    .expect("an answer");
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(up.stats().is_empty(), "the upstream ran {:?}", up.stats());
+    // With Host, the same request passes.
+    let r = raw_request(gw.port, &raw("GET /items", &["X-API-Key: k"])).expect("an answer");
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_that_disagree_are_401() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 120}\n",
+    );
+    let c = client();
+    let conflicting: [&[(&str, &str)]; 3] = [
+        &[("X-API-Key", "cred-a"), ("X-API-Key", "cred-b")],
+        &[("X-API-Key", "cred-a"), ("Authorization", "Bearer cred-b")],
+        &[
+            ("Authorization", "Bearer cred-a"),
+            ("Authorization", "Bearer cred-b"),
+        ],
+    ];
+    for (i, headers) in conflicting.iter().enumerate() {
+        let mut rb = c.get(gw.url("/items"));
+        for (k, v) in *headers {
+            rb = rb.header(*k, *v);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), 401, "conflicting credentials #{i}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            v["type"]
+                .as_str()
+                .unwrap_or("")
+                .ends_with("unauthenticated"),
+            "conflicting credentials #{i}: {v}"
+        );
+    }
+    assert_eq!(up.count("/items"), 0, "a 401 is never forwarded");
+
+    // The same credential twice is one credential; a non-Bearer Authorization is no credential.
+    let agreeing: [&[(&str, &str)]; 3] = [
+        &[("X-API-Key", "cred-a"), ("X-API-Key", "cred-a")],
+        &[("X-API-Key", "cred-a"), ("Authorization", "Bearer cred-a")],
+        &[
+            ("X-API-Key", "cred-a"),
+            ("Authorization", "Basic Zm9vOmJhcg=="),
+        ],
+    ];
+    for (i, headers) in agreeing.iter().enumerate() {
+        let mut rb = c.get(gw.url("/items"));
+        for (k, v) in *headers {
+            rb = rb.header(*k, *v);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), 200, "agreeing credentials #{i}");
+        // All three are the same key's budget: 119, 118, 117.
+        assert_eq!(
+            header(&r, "X-RateLimit-Remaining"),
+            Some((119 - i).to_string()),
+            "agreeing credentials #{i}"
+        );
+    }
+}
+
+// ---- 4. Identity namespaces ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ip_budget_is_out_of_reach_of_api_keys() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "identity:\n  anonymous: client_ip\nrate_limits:\n  default: {cost: 1, window: 1h, max_cost: 3}\n",
+    );
+    let c = client();
+    // Keys spelled like the client's address (today's bucket name for it is `ip:<addr>`):
+    // each drains a budget of its own.
+    for key in ["127.0.0.1", "ip:127.0.0.1"] {
+        let mut seen = vec![];
+        for _ in 0..4 {
+            let r = get(&c, gw.url("/items"), key).await;
+            seen.push(r.status().as_u16());
+        }
+        assert_eq!(seen, [200, 200, 200, 429], "a key spelled like the address");
+    }
+    // The address's own budget is untouched.
+    let mut seen = vec![];
+    for _ in 0..4 {
+        let r = c.get(gw.url("/items")).send().await.unwrap();
+        seen.push((
+            r.status().as_u16(),
+            header(&r, "X-RateLimit-Remaining").unwrap_or_default(),
+        ));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (200, "2".into()),
+            (200, "1".into()),
+            (200, "0".into()),
+            (429, "0".into())
+        ],
+        "the anonymous budget of 127.0.0.1"
+    );
+}
+
+// ---- 5. Slots follow the upstream's work ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_leave_do_not_free_slots_while_the_upstream_works() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}{}",
+        redis_store(&redis),
+        incident_with_report_caps("      max_in_flight: 5\n")
+    );
+    let gw = Gateway::start(&up, &body);
+    // Every client gives up after 0.3 s; each report keeps the upstream busy for 1.5 s.
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let url = gw.url("/reports/generate?work_ms=1500");
+    // 4 keys × 5 reports; a 503 (cap full) is retried until the report got in, then left.
+    let clients = (0..20).map(|i| {
+        let (c, url) = (impatient.clone(), url.clone());
+        tokio::spawn(async move {
+            let start = Instant::now();
+            loop {
+                assert!(start.elapsed() < Duration::from_secs(60), "never admitted");
+                match c
+                    .post(&url)
+                    .header("X-API-Key", format!("leaver-{}", i % 4))
+                    .send()
+                    .await
+                {
+                    Err(e) if e.is_timeout() => return,
+                    Ok(r) if r.status() == 503 => {
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
+                    Ok(r) => panic!("status {}", r.status()),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        })
+    });
+    for c in futures_util::future::join_all(clients).await {
+        c.unwrap();
+    }
+    // Let the last reports finish, then read the upstream's peak.
+    let start = Instant::now();
+    while up.stats().get("/reports/generate").map_or(0, |s| s.current) > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "reports never end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = up.stats()["/reports/generate"].clone();
+    assert!(
+        stats.max_concurrent <= 5,
+        "{} reports ran at once on the upstream with a cap of 5 ({} in all)",
+        stats.max_concurrent,
+        stats.count
+    );
+    assert_eq!(stats.max_concurrent, 5, "the cap was used");
+    assert!(stats.count <= 20, "{} reports for 20 requests", stats.count);
+    // Every slot came back.
+    let r = post(&client(), gw.url("/reports/generate"), "after").await;
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_the_queue_is_never_forwarded_nor_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}keys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n  - {{id: c, sha256: \"{}\"}}\n",
+        // An hour's window: nothing refills during the test, so every figure is exact.
+        incident_with_report_caps("      max_in_flight: 1\n      queue_timeout: 3s\n")
+            .replacen("window: 60s", "window: 1h", 1),
+        sha256_hex("a-secret"),
+        sha256_hex("b-secret"),
+        sha256_hex("c-secret"),
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let first = {
+        let (c, url) = (c.clone(), gw.url("/reports/generate?delay_ms=1000"));
+        tokio::spawn(async move { post(&c, url, "a-secret").await.status().as_u16() })
+    };
+    up.wait_current("/reports/generate", 1).await;
+
+    // B queues for the slot and leaves after 0.3 s.
+    let queued_at = Instant::now();
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = impatient
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "b-secret")
+        .send()
+        .await;
+    assert!(r.is_err(), "B was queued and gave up: {r:?}");
+    assert_eq!(first.await.unwrap(), 200);
+    // C comes after A is done and gets the slot.
+    let r = post(&c, gw.url("/reports/generate"), "c-secret").await;
+    assert_eq!(r.status(), 200);
+    // Past B's queue_timeout: had B been admitted from the queue, it would have been by now.
+    let deadline = queued_at + Duration::from_millis(3500);
+    tokio::time::sleep(deadline.saturating_duration_since(Instant::now())).await;
+    assert_eq!(
+        up.count("/reports/generate"),
+        2,
+        "only A and C reach the upstream"
+    );
+    assert_eq!(remaining(&gw, "b").await, 120, "B is never charged");
+    assert_eq!(remaining(&gw, "a").await, 119);
+    assert_eq!(remaining(&gw, "c").await, 119);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_held_is_never_forwarded_nor_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    // 10 units per 4 s; /held costs all 10, so a second one right after is held ~4 s.
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 4s, max_cost: 10, max_delay: 6s}}\n  endpoints:\n    /held: {{cost: 10}}\nkeys:\n  - {{id: d, sha256: \"{}\"}}\n",
+        sha256_hex("d-secret")
+    );
+    let gw = Gateway::start(&up, &body);
+    let t0 = Instant::now();
+    let r = post(&client(), gw.url("/held"), "d-secret").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = impatient
+        .post(gw.url("/held"))
+        .header("X-API-Key", "d-secret")
+        .send()
+        .await;
+    assert!(r.is_err(), "the second was held and gave up: {r:?}");
+    // Past the end of the hold (~4 s): a held request would have been forwarded by now, and
+    // the bucket, if nothing more was charged, is full again.
+    tokio::time::sleep(
+        (t0 + Duration::from_millis(5500)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    assert_eq!(up.count("/held"), 1, "the held request is never forwarded");
+    assert_eq!(remaining(&gw, "d").await, 10, "nor charged");
+}
+
+// ---- 6. Slow clients ----
+
+const SLOW_SERVER: &str = "  header_timeout: 1s\n  body_timeout: 1s\n  send_timeout: 1s\n";
+
+fn slow_gateway(up: &Upstream) -> Gateway {
+    Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        server_extra: SLOW_SERVER,
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 1, max_in_flight: 1}\n    \"/bytes/{n}\": {cost: 1, max_in_flight: 1}\n",
+        ..GatewayOpts::default()
+    })
+}
+
+/// Retries `make()` (503 while the slot is held) until it answers 200; panics after `within`.
+async fn wait_for_slot(make: impl Fn() -> reqwest::RequestBuilder, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let r = make().send().await.unwrap();
+        match r.status().as_u16() {
+            200 => return start.elapsed(),
+            503 => {}
+            s => panic!("status {s}"),
+        }
+        assert!(start.elapsed() < within, "the slot was never released");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Reads the answer to `sock` in a thread while `feed` trickles bytes into it; returns the
+/// status (None: closed without one) and how long after `start` the gateway gave up.
+fn trickle(
+    sock: &mut TcpStream,
+    start: Instant,
+    every: Duration,
+    byte: u8,
+) -> (Option<u16>, Duration) {
+    let mut reader = sock.try_clone().unwrap();
+    let answer = std::thread::spawn(move || {
+        let status = read_raw_response(&mut reader).map(|r| r.status);
+        (status, start.elapsed())
+    });
+    let mut last = Instant::now();
+    while !answer.is_finished() && start.elapsed() < Duration::from_secs(20) {
+        if last.elapsed() >= every {
+            // A write to a connection the gateway closed may fail: that's the point.
+            let _ = sock.write_all(&[byte]);
+            last = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    answer.join().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_body_times_out_with_408_and_frees_the_slot() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = slow_gateway(&up);
+    let c = client();
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: slow\r\nContent-Length: 100\r\n\r\nx",
+    )
+    .unwrap();
+    up.wait_current("/upload", 1).await;
+    let upload = || {
+        c.post(gw.url("/upload"))
+            .header("X-API-Key", "other")
+            .body("hello")
+    };
+    assert_eq!(upload().send().await.unwrap().status(), 503, "slot held");
+
+    // One byte every 2 s: each gap is longer than body_timeout.
+    let (status, after) = tokio::task::block_in_place(|| {
+        trickle(&mut sock, Instant::now(), Duration::from_secs(2), b'x')
+    });
+    assert!(
+        status.is_none() || status == Some(408),
+        "a trickled body gets 408 or a closed connection, got {status:?}"
+    );
+    assert!(after < Duration::from_secs(4), "gave up after {after:?}");
+    let waited = wait_for_slot(upload, Duration::from_secs(5)).await;
+    assert!(waited < Duration::from_secs(5));
+    assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickled_headers_are_cut_off_at_header_timeout() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = slow_gateway(&up);
+    let start = Instant::now();
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(b"GET /items HTTP/1.1\r\nHost: localhost\r\nX-API-Key: slow\r\nX-Pad: ")
+        .unwrap();
+    // A byte every 200 ms: the connection is never idle, but the head never ends.
+    let (status, after) =
+        tokio::task::block_in_place(|| trickle(&mut sock, start, Duration::from_millis(200), b'a'));
+    assert!(
+        status.is_none() || status == Some(408),
+        "a trickled head gets 408 or a closed connection, got {status:?}"
+    );
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(3),
+        "closed after {after:?} with header_timeout 1s"
+    );
+    assert!(up.stats().is_empty(), "nothing reached the upstream");
+    assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"header\"}", 1.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_cut_off_at_send_timeout() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = slow_gateway(&up);
+    let c = client();
+    // 64 MB that the client never reads: far more than the socket buffers hold, so the
+    // gateway's writes stall (and an upstream drained to the end is still done in a moment).
+    let mut lazy = raw_connect(gw.port);
+    lazy.write_all(&raw("GET /bytes/67108864", &["X-API-Key: lazy"]))
+        .unwrap();
+    let start = Instant::now();
+    while up.count("/bytes/67108864") == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never forwarded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let small = || c.get(gw.url("/bytes/10")).header("X-API-Key", "other");
+    assert_eq!(small().send().await.unwrap().status(), 503, "slot held");
+    // The lazy client is still connected: only send_timeout can free the slot.
+    let waited = wait_for_slot(small, Duration::from_secs(8)).await;
+    assert!(
+        waited < Duration::from_secs(8),
+        "slot back after {waited:?}"
+    );
+    assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"send\"}", 1.0).await;
+    drop(lazy);
+}
+
+// ---- 7. max_connections ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connections_refuses_a_flood_at_once_and_recovers() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        server_extra: "  max_connections: 50\n",
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let mut flood: Vec<TcpStream> = (0..200).map(|_| raw_connect(gw.port)).collect();
+    wait_metric(
+        &gw,
+        "tollgate_connections_refused_total",
+        150.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    // The admin listener answers during the flood.
+    let t = Instant::now();
+    let r = reqwest::get(gw.admin("/healthz")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_metric(&gw, "tollgate_connections", 50.0).await;
+    // The connections past the limit were closed; the first 50 are still open.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let closed = flood.iter_mut().map(is_closed).filter(|&c| c).count();
+    assert_eq!(closed, 150, "connections closed by the gateway");
+
+    drop(flood);
+    wait_metric(&gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+    let r = get(&client(), gw.url("/items"), "after-flood").await;
+    assert_eq!(r.status(), 200);
+    assert_metric(&gw, "tollgate_connections_refused_total", 150.0).await;
+}
+
+// ---- 8. Credentials forwarding ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_learns_the_key_id_and_not_the_secret() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "identity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\n{INCIDENT}keys:\n  - {{id: acme-prod, sha256: \"{}\"}}\n",
+        sha256_hex("acme-secret")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let sent = [
+        c.get(gw.url("/items"))
+            .header("X-API-Key", "acme-secret")
+            .header("X-Tollgate-Key-Id", "someone-else")
+            .header("X-Other", "kept"),
+        c.get(gw.url("/items"))
+            .header("Authorization", "Bearer acme-secret")
+            .header("X-Tollgate-Key-Id", "someone-else")
+            .header("X-Other", "kept"),
+    ];
+    for (i, rb) in sent.into_iter().enumerate() {
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), 200, "request #{i}");
+        let seen = up.api.seen().pop().unwrap();
+        assert!(
+            seen.header("x-api-key").is_empty(),
+            "request #{i}: the key header was forwarded"
+        );
+        assert!(
+            seen.header("authorization").is_empty(),
+            "request #{i}: Authorization was forwarded"
+        );
+        assert_eq!(seen.header("x-tollgate-key-id"), ["acme-prod"], "#{i}");
+        assert_eq!(seen.header("x-other"), ["kept"], "#{i}");
+    }
+
+    // Without a registry the id is `key:` and 8 hex digits of the key's hash; credentials are
+    // forwarded by default.
+    let gw = Gateway::start(
+        &up,
+        &format!("identity:\n  key_id_header: X-Tollgate-Key-Id\n{INCIDENT}"),
+    );
+    let r = c
+        .get(gw.url("/items"))
+        .header("X-API-Key", "free-key")
+        .header("X-Tollgate-Key-Id", "someone-else")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen().pop().unwrap();
+    let want = format!("key:{}", &sha256_hex("free-key")[..8]);
+    assert_eq!(seen.header("x-tollgate-key-id"), [want.as_str()]);
+    assert!(
+        seen.header("x-api-key") == ["free-key"],
+        "forward_credentials defaults to true"
+    );
+}
+
+// ---- 9. A client that goes away is not an error ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_is_not_logged_at_error() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let r = impatient
+        .get(gw.url("/items?delay_ms=800"))
+        .header("X-API-Key", "leaver")
+        .send()
+        .await;
+    assert!(r.is_err(), "the client gave up");
+    // And one that hangs up on a raw socket once it was forwarded.
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(&raw("GET /slow?delay_ms=500", &["X-API-Key: leaver"]))
+        .unwrap();
+    up.wait_current("/slow", 1).await;
+    drop(sock);
+    // Both requests end (the access log has them) before the log is read.
+    let start = Instant::now();
+    while gw.access_log().len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "access log: {:?}",
+            gw.access_log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let errors = error_lines(&gw);
+    assert!(errors.is_empty(), "ERROR lines:\n{}", errors.join("\n"));
+}
