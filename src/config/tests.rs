@@ -379,6 +379,9 @@ fn hostile_yaml_is_bounded_before_parsing() {
     let e = first_error(&format!("{BASE}#{}\n", "x".repeat(5 << 20)));
     assert!(e.starts_with(".: the file is 5"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // What counts is what the YAML parser sees, whatever the quotes around it.
+    let sneaky = format!("a: b '\nc: {}{}\n", "{a: ".repeat(100), "}".repeat(100));
+    assert!(first_error(&sneaky).starts_with(".: nested deeper than 64 levels (line 2)"));
     // Brackets inside quotes and comments are not nesting.
     let s = format!(
         "{BASE}    \"/q[{}]\":\n      cost: 2\n# {}\n",
