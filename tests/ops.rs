@@ -72,6 +72,9 @@ async fn admin_endpoints_and_token() {
     assert!(cfg.contains("redis://:***@127.0.0.1:1/0"), "{cfg}");
     assert!(!cfg.contains("sekret-pw"));
     assert!(cfg.contains("max_cost: 500"));
+    // The edge settings show with DESIGN's defaults.
+    assert!(cfg.contains("header_timeout: 10s") && cfg.contains("max_connections: 10000"));
+    assert!(cfg.contains("forward_credentials: true"), "{cfg}");
 
     for _ in 0..3 {
         get(&c, gw.url("/items"), "acme-key").await;

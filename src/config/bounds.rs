@@ -1,7 +1,7 @@
 //! Limits on what a config file can make the gateway do before and while it is validated.
 //!
-//! serde_yaml (libyaml) spends seconds on a few hundred kilobytes of nested `[`, and names of
-//! 64 KiB break the tables `tollgate check` prints. A real gateway.yaml is a few kilobytes,
+//! serde_yaml (libyaml) spends seconds on a few hundred kilobytes of nested flow collections,
+//! and names of 64 KiB broke the tables `tollgate check` prints. A real gateway.yaml is a few kilobytes,
 //! nested five or six levels, with short names; the limits below are far above that.
 
 use super::error::ConfigErrors;
@@ -25,75 +25,64 @@ pub(super) fn check_size(bytes: u64) -> Result<(), ConfigErrors> {
     Ok(())
 }
 
-/// Refuses text nested deeper than [`MAX_DEPTH`], in one pass over the text and without
-/// parsing YAML. It over-counts rather than under-counts: brackets in plain scalars count as
-/// nesting (quoted strings and comments are skipped), and every deeper indentation or `- `
-/// counts as a level.
+/// Refuses text nested deeper than [`MAX_DEPTH`]. The nesting is measured by libyaml, the
+/// parser serde_yaml itself uses, so that no quoting trick makes the two disagree; it reads
+/// event by event and stops at the first level too deep, so the work stays proportional to
+/// the part of the file that is read (serde_yaml reads every event first, whose cost grows
+/// with the depth of flow collections: 100k nested `{a: ` take seconds).
 pub(super) fn check_depth(text: &str) -> Result<(), ConfigErrors> {
-    let mut flow = 0usize;
-    // Indentation columns of the open block levels.
-    let mut indents: Vec<usize> = Vec::new();
-    let mut quote: Option<u8> = None;
-    for (n, line) in text.lines().enumerate() {
-        let bytes = line.as_bytes();
-        let mut i = 0;
-        if quote.is_none() && flow == 0 {
-            let indent = bytes.iter().take_while(|&&b| b == b' ').count();
-            let rest = &bytes[indent..];
-            if rest.is_empty() || rest[0] == b'#' {
-                continue;
-            }
-            while indents.last().is_some_and(|&top| top > indent) {
-                indents.pop();
-            }
-            if indents.last() != Some(&indent) {
-                indents.push(indent);
-            }
-            // `- - x` opens a sequence per dash on one line.
-            i = indent;
-            let mut dashes = 0;
-            while bytes.get(i) == Some(&b'-') && matches!(bytes.get(i + 1), Some(b' ') | None) {
-                dashes += 1;
-                i += 2;
-            }
-            if indents.len() + dashes > MAX_DEPTH {
-                return Err(too_deep(n));
-            }
+    use unsafe_libyaml as unsafe_yaml;
+
+    // Boxed and never moved: a string-input parser points at itself.
+    let mut parser = Box::new(std::mem::MaybeUninit::<unsafe_yaml::yaml_parser_t>::uninit());
+    let parser = parser.as_mut_ptr();
+    // SAFETY: `parser` is valid for writes and initialized before any other use; `text`
+    // outlives it (deleted below, before returning).
+    unsafe {
+        if unsafe_yaml::yaml_parser_initialize(parser).fail {
+            // Out of memory: serde_yaml will say so.
+            return Ok(());
         }
-        let mut prev = b' ';
-        while i < bytes.len() {
-            let b = bytes[i];
-            match quote {
-                Some(b'"') if b == b'\\' => i += 1,
-                Some(q) if b == q => {
-                    // '' inside a single-quoted string is an escaped quote.
-                    if q == b'\'' && bytes.get(i + 1) == Some(&b'\'') {
-                        i += 1;
-                    } else {
-                        quote = None;
-                    }
-                }
-                Some(_) => {}
-                None => match b {
-                    b'#' if prev == b' ' || prev == b'\t' => break,
-                    b'"' | b'\'' if matches!(prev, b' ' | b'\t' | b'[' | b'{' | b',' | b':') => {
-                        quote = Some(b)
-                    }
-                    b'[' | b'{' => {
-                        flow += 1;
-                        if indents.len() + flow > MAX_DEPTH {
-                            return Err(too_deep(n));
-                        }
-                    }
-                    b']' | b'}' => flow = flow.saturating_sub(1),
-                    _ => {}
-                },
+        unsafe_yaml::yaml_parser_set_encoding(parser, unsafe_yaml::YAML_UTF8_ENCODING);
+        unsafe_yaml::yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as u64);
+    }
+    let mut depth = 0usize;
+    let mut too_deep_at = None;
+    loop {
+        let mut event = std::mem::MaybeUninit::<unsafe_yaml::yaml_event_t>::uninit();
+        let event = event.as_mut_ptr();
+        // SAFETY: `parser` is initialized; a successfully parsed `event` is read, then
+        // deleted exactly once.
+        let (kind, line) = unsafe {
+            if unsafe_yaml::yaml_parser_parse(parser, event).fail {
+                // A syntax error: serde_yaml reports it with its path and position.
+                break;
             }
-            prev = b;
-            i += 1;
+            let seen = ((*event).type_, (*event).start_mark.line);
+            unsafe_yaml::yaml_event_delete(event);
+            seen
+        };
+        match kind {
+            unsafe_yaml::YAML_SEQUENCE_START_EVENT | unsafe_yaml::YAML_MAPPING_START_EVENT => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    too_deep_at = Some(line as usize);
+                    break;
+                }
+            }
+            unsafe_yaml::YAML_SEQUENCE_END_EVENT | unsafe_yaml::YAML_MAPPING_END_EVENT => {
+                depth = depth.saturating_sub(1)
+            }
+            unsafe_yaml::YAML_STREAM_END_EVENT => break,
+            _ => {}
         }
     }
-    Ok(())
+    // SAFETY: initialized above and not used after this.
+    unsafe { unsafe_yaml::yaml_parser_delete(parser) };
+    match too_deep_at {
+        Some(line) => Err(too_deep(line)),
+        None => Ok(()),
+    }
 }
 
 fn too_deep(line: usize) -> ConfigErrors {

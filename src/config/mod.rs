@@ -10,7 +10,8 @@
 //! - [`error`]: errors that name their path;
 //! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
 //! - `bounds`: limits on file size, nesting and name lengths;
-//! - `validate`: one function per section, from [`RawConfig`] to [`Config`].
+//! - `validate`: one function per section, from [`RawConfig`] to [`Config`] (the budget
+//!   sections, checked against each other, in `validate/budgets`);
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -81,11 +82,19 @@ pub struct Config {
     pub admin_listen: String,
     pub threads: usize,
     pub grace_period: Duration,
+    /// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`: what the
+    /// front door enforces on client connections.
     pub client_limits: crate::front::ClientLimits,
     pub upstream: UpstreamTarget,
     pub store: StoreSettings,
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,
+    /// `identity.forward_credentials`: false = the key's header / `Authorization` is removed
+    /// before the request goes upstream.
+    pub forward_credentials: bool,
+    /// `identity.key_id_header`, lower-cased: send the paying key's id upstream in this
+    /// header (and drop a client's copy). `None` when the file says "".
+    pub key_id_header: Option<http::HeaderName>,
     pub default_policy: Arc<Policy>,
     pub plans: HashMap<String, Arc<Policy>>,
     /// sha256 of the key → registry entry.

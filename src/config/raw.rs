@@ -57,6 +57,18 @@ pub struct RawServer {
     pub threads: Option<i64>,
     #[serde(default = "default_grace")]
     pub grace_period: ConfDuration,
+    /// The whole request head must arrive within this (slowloris).
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout: ConfDuration,
+    /// Longest gap between two reads of a request body (then 408).
+    #[serde(default = "default_body_timeout")]
+    pub body_timeout: ConfDuration,
+    /// Longest gap between two writes to a client that does not read.
+    #[serde(default = "default_send_timeout")]
+    pub send_timeout: ConfDuration,
+    /// Open client connections per instance; more are refused at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: i64,
 }
 
 fn default_listen() -> Listen {
@@ -68,6 +80,18 @@ fn default_admin_listen() -> String {
 fn default_grace() -> ConfDuration {
     ConfDuration(Duration::from_secs(10))
 }
+fn default_header_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(10))
+}
+fn default_body_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(30))
+}
+fn default_send_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(30))
+}
+fn default_max_connections() -> i64 {
+    10_000
+}
 
 impl Default for RawServer {
     fn default() -> Self {
@@ -76,6 +100,10 @@ impl Default for RawServer {
             admin_listen: default_admin_listen(),
             threads: None,
             grace_period: default_grace(),
+            header_timeout: default_header_timeout(),
+            body_timeout: default_body_timeout(),
+            send_timeout: default_send_timeout(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -178,6 +206,12 @@ pub struct RawIdentity {
     pub sources: Vec<String>,
     #[serde(default = "default_anonymous")]
     pub anonymous: Anonymous,
+    /// false: the key's header / `Authorization` is not sent upstream.
+    #[serde(default = "default_forward_credentials")]
+    pub forward_credentials: bool,
+    /// A header that tells the upstream which key paid; "" = none.
+    #[serde(default)]
+    pub key_id_header: String,
 }
 
 fn default_sources() -> Vec<String> {
@@ -186,12 +220,17 @@ fn default_sources() -> Vec<String> {
 fn default_anonymous() -> Anonymous {
     Anonymous::Reject
 }
+fn default_forward_credentials() -> bool {
+    true
+}
 
 impl Default for RawIdentity {
     fn default() -> Self {
         Self {
             sources: default_sources(),
             anonymous: default_anonymous(),
+            forward_credentials: default_forward_credentials(),
+            key_id_header: String::new(),
         }
     }
 }

@@ -379,6 +379,9 @@ fn hostile_yaml_is_bounded_before_parsing() {
     let e = first_error(&format!("{BASE}#{}\n", "x".repeat(5 << 20)));
     assert!(e.starts_with(".: the file is 5"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // What counts is what the YAML parser sees, whatever the quotes around it.
+    let sneaky = format!("a: b '\nc: {}{}\n", "{a: ".repeat(100), "}".repeat(100));
+    assert!(first_error(&sneaky).starts_with(".: nested deeper than 64 levels (line 2)"));
     // Brackets inside quotes and comments are not nesting.
     let s = format!(
         "{BASE}    \"/q[{}]\":\n      cost: 2\n# {}\n",
@@ -386,4 +389,95 @@ fn hostile_yaml_is_bounded_before_parsing() {
         "{".repeat(70)
     );
     assert!(parse(&s).is_ok());
+}
+
+#[test]
+fn edge_settings_have_design_defaults() {
+    let c = parse(BASE).unwrap();
+    assert_eq!(c.client_limits.header_timeout, Duration::from_secs(10));
+    assert_eq!(c.client_limits.body_timeout, Duration::from_secs(30));
+    assert_eq!(c.client_limits.send_timeout, Duration::from_secs(30));
+    assert_eq!(c.client_limits.max_connections, 10_000);
+    assert!(c.forward_credentials);
+    assert_eq!(c.key_id_header, None);
+    let y = c.redacted_yaml();
+    for field in [
+        "header_timeout: 10s",
+        "body_timeout: 30s",
+        "send_timeout: 30s",
+        "max_connections: 10000",
+        "forward_credentials: true",
+        "key_id_header: ''",
+    ] {
+        assert!(y.contains(field), "{field} in {y}");
+    }
+}
+
+#[test]
+fn edge_settings_parse() {
+    let s = format!(
+        "server:\n  header_timeout: 2s\n  body_timeout: 500ms\n  send_timeout: 1m\n  max_connections: 1\nidentity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\n{BASE}"
+    );
+    let c = parse(&s).unwrap();
+    assert_eq!(c.client_limits.header_timeout, Duration::from_secs(2));
+    assert_eq!(c.client_limits.body_timeout, Duration::from_millis(500));
+    assert_eq!(c.client_limits.send_timeout, Duration::from_secs(60));
+    assert_eq!(c.client_limits.max_connections, 1);
+    assert!(!c.forward_credentials);
+    assert_eq!(
+        c.key_id_header.as_ref().map(|h| h.as_str()),
+        Some("x-tollgate-key-id")
+    );
+    let y = c.redacted_yaml();
+    assert!(y.contains("key_id_header: X-Tollgate-Key-Id"), "{y}");
+    assert!(y.contains("forward_credentials: false"), "{y}");
+}
+
+#[test]
+fn edge_settings_errors_name_the_field() {
+    let server = |line: &str| first_error(&format!("server:\n  {line}\n{BASE}"));
+    assert_eq!(
+        server("header_timeout: 0s"),
+        "server.header_timeout: must be greater than 0"
+    );
+    assert_eq!(
+        server("body_timeout: 0s"),
+        "server.body_timeout: must be greater than 0"
+    );
+    assert_eq!(
+        server("send_timeout: 0ms"),
+        "server.send_timeout: must be greater than 0"
+    );
+    assert!(server("send_timeout: 30").starts_with("server.send_timeout: "));
+    assert!(
+        server("max_connections: 0")
+            .starts_with("server.max_connections: must be an integer between 1 and"),
+        "{}",
+        server("max_connections: 0")
+    );
+    assert!(server("max_connections: -5").starts_with("server.max_connections: "));
+    assert!(server("max_connections: many").starts_with("server.max_connections: invalid type"));
+
+    let identity = |body: &str| first_error(&format!("identity:\n{body}\n{BASE}"));
+    assert!(identity("  forward_credentials: sometimes")
+        .starts_with("identity.forward_credentials: invalid type"));
+    for (name, why) in [
+        ("X Key", "not a valid header name"),
+        ("x-api-key", "an identity source"),
+        ("X-API-Key", "an identity source"),
+        ("Authorization", "authorization"),
+        ("content-length", "framing"),
+        ("Host", "framing"),
+    ] {
+        let e = identity(&format!("  key_id_header: \"{name}\""));
+        assert!(e.starts_with("identity.key_id_header: "), "{name}: {e}");
+        assert!(e.contains(why), "{name}: {e}");
+    }
+    let e = identity("  sources: [\"header:x-key\"]\n  key_id_header: X-KEY");
+    assert!(e.contains("an identity source"), "{e}");
+    // Not a source here: allowed.
+    assert!(parse(&format!(
+        "identity:\n  sources: [\"header:x-key\"]\n  key_id_header: x-api-key\n{BASE}"
+    ))
+    .is_ok());
 }

@@ -1,31 +1,28 @@
 //! From the file as written to the values the gateway runs on: one function per section, each
 //! reporting every problem it finds with its path, so that one `tollgate check` shows them all.
 
-use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
-use super::error::{key_path, ConfigErrors};
-use super::pattern::check_endpoint;
-use super::raw::{
-    Backend, Listen, RawConfig, RawDefault, RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer,
-    RawStore, RawUpstream,
-};
+use super::bounds::shown;
+use super::error::ConfigErrors;
+use super::raw::{Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawUpstream};
 use super::url::{check_redis_url, parse_upstream_url};
-use super::{Config, EnvOverrides, IdentitySource, KeyEntry, StoreSettings, UpstreamTarget};
-use crate::budget::Limit;
-use crate::policy::{Policy, PolicyHeaders};
-use crate::route::{RouteSpec, Router};
+use super::{Config, EnvOverrides, IdentitySource, StoreSettings, UpstreamTarget};
+
+/// `rate_limits`, `plans` and `keys`, which are checked against each other.
+mod budgets;
+
+use budgets::{default_policy, endpoints, keys, plans};
 
 pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
     let mut errs = ConfigErrors::default();
     apply_env(&mut raw.store, env, &mut errs);
-    let (listen, threads) = server(&raw.server, &mut errs);
+    let (listen, threads, max_connections) = server(&raw.server, &mut errs);
     let upstream = upstream(&raw.upstream, &mut errs);
     let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
-    let sources = identity(&raw.identity, &mut errs);
+    let (sources, key_id_header) = identity(&raw.identity, &mut errs);
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
     let plans = plans(&raw.plans, &raw.rate_limits.default, &mut errs);
     let router = endpoints(&raw.rate_limits, &raw.plans, &mut errs);
@@ -51,7 +48,12 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         admin_listen: raw.server.admin_listen.clone(),
         threads,
         grace_period: raw.server.grace_period.0,
-        client_limits: crate::front::ClientLimits::default(),
+        client_limits: crate::front::ClientLimits {
+            header_timeout: raw.server.header_timeout.0,
+            body_timeout: raw.server.body_timeout.0,
+            send_timeout: raw.server.send_timeout.0,
+            max_connections,
+        },
         upstream,
         store: StoreSettings {
             backend: raw.store.backend,
@@ -63,6 +65,8 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         },
         sources,
         anonymous: raw.identity.anonymous,
+        forward_credentials: raw.identity.forward_credentials,
+        key_id_header,
         default_policy,
         plans,
         keys,
@@ -88,8 +92,8 @@ fn apply_env(store: &mut RawStore, env: &EnvOverrides, errs: &mut ConfigErrors) 
     }
 }
 
-/// `server`: the listen addresses and the worker thread count.
-fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize) {
+/// `server`: the listen addresses, the worker thread count and the connection limit.
+fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize) {
     let listen = s.listen.addrs();
     if listen.is_empty() {
         errs.push("server.listen", "at least one address is needed");
@@ -122,8 +126,30 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize) {
             1
         }
     };
-    (listen, threads)
+    for (name, d) in [
+        ("header_timeout", s.header_timeout),
+        ("body_timeout", s.body_timeout),
+        ("send_timeout", s.send_timeout),
+    ] {
+        if d.0.is_zero() {
+            errs.push(format!("server.{name}"), "must be greater than 0");
+        }
+    }
+    let max_connections = match s.max_connections {
+        n if (1..=MAX_CONNECTIONS).contains(&n) => n as usize,
+        n => {
+            errs.push(
+                "server.max_connections",
+                format!("must be an integer between 1 and {MAX_CONNECTIONS}, got {n}"),
+            );
+            1
+        }
+    };
+    (listen, threads, max_connections)
 }
+
+/// Far above what one process can hold open (file descriptors), and a safe `usize`.
+const MAX_CONNECTIONS: i64 = 10_000_000;
 
 /// `upstream`: where admitted requests go.
 fn upstream(u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> {
@@ -200,8 +226,11 @@ fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
     }
 }
 
-/// `identity`: where the API key is read from.
-fn identity(id: &RawIdentity, errs: &mut ConfigErrors) -> Vec<IdentitySource> {
+/// `identity`: where the API key is read from, and the header that names it upstream.
+fn identity(
+    id: &RawIdentity,
+    errs: &mut ConfigErrors,
+) -> (Vec<IdentitySource>, Option<http::HeaderName>) {
     let mut sources = Vec::new();
     if id.sources.is_empty() {
         errs.push("identity.sources", "at least one source is needed");
@@ -225,293 +254,49 @@ fn identity(id: &RawIdentity, errs: &mut ConfigErrors) -> Vec<IdentitySource> {
             );
         }
     }
-    sources
-}
-
-/// `rate_limits.default`: the budget of every key without a plan.
-fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
-    let policy = build_policy(
-        "default",
-        "rate_limits.default",
-        d.max_cost,
-        d.window.0,
-        d.max_delay.0,
-        None,
-        errs,
-    );
-    if d.cost <= 0 {
-        errs.push(
-            "rate_limits.default.cost",
-            format!("must be a positive integer, got {}", d.cost),
-        );
-    }
-    policy
-}
-
-/// `plans`: per-customer budgets; a plan without `max_delay` inherits the default's.
-fn plans(
-    raw: &BTreeMap<String, RawPlan>,
-    d: &RawDefault,
-    errs: &mut ConfigErrors,
-) -> HashMap<String, Arc<Policy>> {
-    let mut plans = HashMap::new();
-    for (name, p) in raw {
-        let chars = name.chars().count();
-        if chars > MAX_NAME_CHARS {
-            errs.push(
-                key_path("plans", &shown(name)),
-                format!("a plan name is at most {MAX_NAME_CHARS} characters, got {chars}"),
-            );
-            continue;
-        }
-        let base = key_path("plans", name);
-        // Plan names go into RateLimit headers as structured-field strings.
-        if name == "default"
-            || name.is_empty()
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            errs.push(
-                base.clone(),
-                "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default)",
-            );
-        }
-        let per_key = concurrency_cap(
-            format!("{base}.max_in_flight_per_key"),
-            p.max_in_flight_per_key,
-            errs,
-        );
-        if let Some(policy) = build_policy(
-            name,
-            &base,
-            p.max_cost,
-            p.window.0,
-            p.max_delay.map(|d| d.0).unwrap_or(d.max_delay.0),
-            per_key,
-            errs,
-        ) {
-            plans.insert(name.clone(), Arc::new(policy));
-        }
-    }
-    plans
-}
-
-/// `rate_limits.endpoints`: the route table. Every cost (the default's too) must fit every
-/// budget, or some request could never pass.
-fn endpoints(
-    rl: &RawRateLimits,
-    plans: &BTreeMap<String, RawPlan>,
-    errs: &mut ConfigErrors,
-) -> Option<Router> {
-    let d = &rl.default;
-    let budgets: Vec<(String, u64)> =
-        std::iter::once(("rate_limits.default".to_string(), d.max_cost))
-            .chain(
-                plans
-                    .iter()
-                    .map(|(n, p)| (key_path("plans", n), p.max_cost)),
-            )
-            .filter(|(_, m)| *m > 0)
-            .map(|(n, m)| (n, m as u64))
-            .collect();
-    let check_fits = |path: String, cost: i64, errs: &mut ConfigErrors| {
-        if cost <= 0 {
-            return;
-        }
-        for (bname, max) in &budgets {
-            if cost as u64 > *max {
-                errs.push(
-                    path.clone(),
-                    format!("cost {cost} exceeds {bname}.max_cost {max}: such a request could never pass"),
-                );
-            }
+    let key_id_header = match key_id_header(&id.key_id_header, &sources) {
+        Ok(h) => h,
+        Err(m) => {
+            errs.push("identity.key_id_header", m);
+            None
         }
     };
-    check_fits("rate_limits.default.cost".into(), d.cost, errs);
-
-    let mut specs = Vec::new();
-    for (pattern, e) in &rl.endpoints {
-        let chars = pattern.chars().count();
-        if chars > MAX_PATTERN_CHARS {
-            errs.push(
-                key_path("rate_limits.endpoints", &shown(pattern)),
-                format!(
-                    "an endpoint pattern is at most {MAX_PATTERN_CHARS} characters, got {chars}"
-                ),
-            );
-            continue;
-        }
-        let base = key_path("rate_limits.endpoints", pattern);
-        let cost = e.cost.unwrap_or(d.cost);
-        if cost <= 0 {
-            errs.push(
-                format!("{base}.cost"),
-                format!("must be a positive integer, got {cost}"),
-            );
-        }
-        check_fits(format!("{base}.cost"), cost, errs);
-        let max_in_flight = concurrency_cap(format!("{base}.max_in_flight"), e.max_in_flight, errs);
-        if e.queue_timeout.is_some() && max_in_flight.is_none() {
-            errs.push(
-                format!("{base}.queue_timeout"),
-                "only applies together with max_in_flight",
-            );
-        }
-        if let Err(m) = check_endpoint(pattern) {
-            errs.push(base, m);
-            continue;
-        }
-        specs.push(RouteSpec {
-            pattern: pattern.clone(),
-            cost: cost.max(1) as u64,
-            max_in_flight,
-            queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
-        });
-    }
-    match Router::new(specs, d.cost.max(1) as u64) {
-        Ok(r) => Some(r),
-        Err(route_errs) => {
-            for (pattern, m) in route_errs {
-                errs.push(key_path("rate_limits.endpoints", &pattern), m);
-            }
-            None
-        }
-    }
+    (sources, key_id_header)
 }
 
-type Registry = (HashMap<[u8; 32], KeyEntry>, HashMap<String, [u8; 32]>);
-
-/// `keys`: the registry, by sha256 and by id. Keys without a plan get (a copy of) the default
-/// policy; the caller makes them share one.
-fn keys(
-    raw: &[RawKey],
-    default_policy: Option<&Policy>,
-    plans: &HashMap<String, Arc<Policy>>,
-    errs: &mut ConfigErrors,
-) -> Registry {
-    let mut keys = HashMap::new();
-    let mut key_ids = HashMap::new();
-    for (i, k) in raw.iter().enumerate() {
-        let base = format!("keys[{i}]");
-        let chars = k.id.chars().count();
-        if chars > MAX_NAME_CHARS {
-            errs.push(
-                format!("{base}.id"),
-                format!("a key id is at most {MAX_NAME_CHARS} characters, got {chars}"),
-            );
-        } else if k.id.is_empty()
-            || !k
-                .id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            errs.push(
-                format!("{base}.id"),
-                format!(
-                    "must be non-empty and use only letters, digits, '-', '_' or '.', got \"{}\"",
-                    k.id
-                ),
-            );
-        }
-        let hash = match hex::decode(k.sha256.trim()) {
-            Ok(b) if b.len() == 32 => {
-                let mut h = [0u8; 32];
-                h.copy_from_slice(&b);
-                Some(h)
-            }
-            _ => {
-                errs.push(
-                    format!("{base}.sha256"),
-                    "must be the 64 hex digits of the key's sha256 (raw keys never go in the config)",
-                );
-                None
-            }
-        };
-        let policy = match &k.plan {
-            None => default_policy.cloned().map(Arc::new),
-            Some(p) => match plans.get(p) {
-                Some(pol) => Some(pol.clone()),
-                None => {
-                    errs.push(
-                        format!("{base}.plan"),
-                        format!("unknown plan \"{}\"", shown(p)),
-                    );
-                    None
-                }
-            },
-        };
-        if let (Some(hash), Some(policy)) = (hash, policy) {
-            if keys.contains_key(&hash) {
-                errs.push(format!("{base}.sha256"), "duplicate key");
-            }
-            if key_ids.insert(k.id.clone(), hash).is_some() {
-                errs.push(format!("{base}.id"), format!("duplicate id \"{}\"", k.id));
-            }
-            keys.insert(
-                hash,
-                KeyEntry {
-                    id: Arc::from(k.id.as_str()),
-                    policy,
-                },
-            );
-        }
-    }
-    (keys, key_ids)
-}
-
-/// An optional in-flight cap: a positive integer up to a million.
-fn concurrency_cap(path: String, value: Option<i64>, errs: &mut ConfigErrors) -> Option<u32> {
-    match value {
-        Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
-        Some(n) => {
-            errs.push(
-                path,
-                format!("must be a positive integer (at most 1000000), got {n}"),
-            );
-            None
-        }
-        None => None,
-    }
-}
-
-fn build_policy(
+/// "" is none. Otherwise a header the gateway may set on the upstream request: not one that
+/// carries a key (it would be overwritten by, or leak into, credentials) nor one that frames
+/// the request.
+fn key_id_header(
     name: &str,
-    base: &str,
-    max_cost: i64,
-    window: Duration,
-    max_delay: Duration,
-    max_in_flight_per_key: Option<u32>,
-    errs: &mut ConfigErrors,
-) -> Option<Policy> {
-    let mut ok = true;
-    if max_cost <= 0 {
-        errs.push(
-            format!("{base}.max_cost"),
-            format!("must be a positive integer, got {max_cost}"),
-        );
-        ok = false;
+    sources: &[IdentitySource],
+) -> Result<Option<http::HeaderName>, String> {
+    if name.is_empty() {
+        return Ok(None);
     }
-    if window.is_zero() {
-        errs.push(format!("{base}.window"), "must be greater than 0");
-        ok = false;
+    let header = http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("not a valid header name: \"{}\"", shown(name)))?;
+    let is_source = sources
+        .iter()
+        .any(|s| matches!(s, IdentitySource::Header(h) if h == header.as_str()));
+    if is_source {
+        return Err(format!(
+            "\"{name}\" is an identity source (identity.sources): the key id cannot replace the key"
+        ));
     }
-    if !ok {
-        return None;
+    if header == http::header::AUTHORIZATION {
+        return Err("authorization carries credentials; choose another header".into());
     }
-    match Limit::new(max_cost as u64, window, max_delay) {
-        Ok(limit) => Some(Policy {
-            name: name.to_string(),
-            max_cost: max_cost as u64,
-            window,
-            max_delay,
-            max_in_flight_per_key,
-            limit,
-            headers: PolicyHeaders::new(name, max_cost as u64, window),
-        }),
-        Err(m) => {
-            errs.push(format!("{base}.max_cost"), m);
-            None
-        }
+    let framing = [
+        http::header::HOST,
+        http::header::CONTENT_LENGTH,
+        http::header::TRANSFER_ENCODING,
+        http::header::CONNECTION,
+    ];
+    if framing.contains(&header) {
+        return Err(format!(
+            "\"{name}\" is a framing header of the request; choose another header"
+        ));
     }
+    Ok(Some(header))
 }

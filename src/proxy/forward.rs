@@ -11,7 +11,27 @@ use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType};
 
 use super::ctx::Ctx;
-use crate::config::UpstreamTarget;
+use crate::config::{Config, IdentitySource, UpstreamTarget};
+
+/// What the upstream learns about the caller: the credential itself only with
+/// `forward_credentials`, and the key's id in `key_id_header` (never a copy the client sent).
+fn identity_headers(upstream: &mut RequestHeader, ctx: &Ctx, cfg: &Config) -> Result<()> {
+    if !cfg.forward_credentials {
+        for s in &cfg.sources {
+            match s {
+                IdentitySource::Header(name) => upstream.remove_header(name.as_str()),
+                IdentitySource::Bearer => upstream.remove_header("authorization"),
+            };
+        }
+    }
+    if let Some(name) = &cfg.key_id_header {
+        upstream.remove_header(name);
+        if let Some(id) = &ctx.identity {
+            upstream.insert_header(name.clone(), id.log_name())?;
+        }
+    }
+    Ok(())
+}
 
 /// The peer for the configured upstream at its resolved address.
 pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> HttpPeer {
@@ -47,6 +67,7 @@ pub fn request(upstream: &mut RequestHeader, ctx: &Ctx, client: Option<IpAddr>) 
             upstream.append_header("X-Forwarded-Host", host)?;
         }
         upstream.append_header("Host", running.config.upstream.host_header.clone())?;
+        identity_headers(upstream, ctx, &running.config)?;
     }
     if let Some(ip) = client {
         match upstream

@@ -1,0 +1,303 @@
+//! The budget sections: `rate_limits` (default and endpoints), `plans` and the key registry.
+//! Every cost must fit every budget, so these sections are checked against each other.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::budget::Limit;
+use crate::config::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
+use crate::config::error::{key_path, ConfigErrors};
+use crate::config::pattern::check_endpoint;
+use crate::config::raw::{RawDefault, RawKey, RawPlan, RawRateLimits};
+use crate::config::KeyEntry;
+use crate::policy::{Policy, PolicyHeaders};
+use crate::route::{RouteSpec, Router};
+
+/// `rate_limits.default`: the budget of every key without a plan.
+pub(super) fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
+    let policy = build_policy(
+        "default",
+        "rate_limits.default",
+        d.max_cost,
+        d.window.0,
+        d.max_delay.0,
+        None,
+        errs,
+    );
+    if d.cost <= 0 {
+        errs.push(
+            "rate_limits.default.cost",
+            format!("must be a positive integer, got {}", d.cost),
+        );
+    }
+    policy
+}
+
+/// `plans`: per-customer budgets; a plan without `max_delay` inherits the default's.
+pub(super) fn plans(
+    raw: &BTreeMap<String, RawPlan>,
+    d: &RawDefault,
+    errs: &mut ConfigErrors,
+) -> HashMap<String, Arc<Policy>> {
+    let mut plans = HashMap::new();
+    for (name, p) in raw {
+        let chars = name.chars().count();
+        if chars > MAX_NAME_CHARS {
+            errs.push(
+                key_path("plans", &shown(name)),
+                format!("a plan name is at most {MAX_NAME_CHARS} characters, got {chars}"),
+            );
+            continue;
+        }
+        let base = key_path("plans", name);
+        // Plan names go into RateLimit headers as structured-field strings.
+        if name == "default"
+            || name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            errs.push(
+                base.clone(),
+                "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default)",
+            );
+        }
+        let per_key = concurrency_cap(
+            format!("{base}.max_in_flight_per_key"),
+            p.max_in_flight_per_key,
+            errs,
+        );
+        if let Some(policy) = build_policy(
+            name,
+            &base,
+            p.max_cost,
+            p.window.0,
+            p.max_delay.map(|d| d.0).unwrap_or(d.max_delay.0),
+            per_key,
+            errs,
+        ) {
+            plans.insert(name.clone(), Arc::new(policy));
+        }
+    }
+    plans
+}
+
+/// `rate_limits.endpoints`: the route table. Every cost (the default's too) must fit every
+/// budget, or some request could never pass.
+pub(super) fn endpoints(
+    rl: &RawRateLimits,
+    plans: &BTreeMap<String, RawPlan>,
+    errs: &mut ConfigErrors,
+) -> Option<Router> {
+    let d = &rl.default;
+    let budgets: Vec<(String, u64)> =
+        std::iter::once(("rate_limits.default".to_string(), d.max_cost))
+            .chain(
+                plans
+                    .iter()
+                    .map(|(n, p)| (key_path("plans", n), p.max_cost)),
+            )
+            .filter(|(_, m)| *m > 0)
+            .map(|(n, m)| (n, m as u64))
+            .collect();
+    let check_fits = |path: String, cost: i64, errs: &mut ConfigErrors| {
+        if cost <= 0 {
+            return;
+        }
+        for (bname, max) in &budgets {
+            if cost as u64 > *max {
+                errs.push(
+                    path.clone(),
+                    format!("cost {cost} exceeds {bname}.max_cost {max}: such a request could never pass"),
+                );
+            }
+        }
+    };
+    check_fits("rate_limits.default.cost".into(), d.cost, errs);
+
+    let mut specs = Vec::new();
+    for (pattern, e) in &rl.endpoints {
+        let chars = pattern.chars().count();
+        if chars > MAX_PATTERN_CHARS {
+            errs.push(
+                key_path("rate_limits.endpoints", &shown(pattern)),
+                format!(
+                    "an endpoint pattern is at most {MAX_PATTERN_CHARS} characters, got {chars}"
+                ),
+            );
+            continue;
+        }
+        let base = key_path("rate_limits.endpoints", pattern);
+        let cost = e.cost.unwrap_or(d.cost);
+        if cost <= 0 {
+            errs.push(
+                format!("{base}.cost"),
+                format!("must be a positive integer, got {cost}"),
+            );
+        }
+        check_fits(format!("{base}.cost"), cost, errs);
+        let max_in_flight = concurrency_cap(format!("{base}.max_in_flight"), e.max_in_flight, errs);
+        if e.queue_timeout.is_some() && max_in_flight.is_none() {
+            errs.push(
+                format!("{base}.queue_timeout"),
+                "only applies together with max_in_flight",
+            );
+        }
+        if let Err(m) = check_endpoint(pattern) {
+            errs.push(base, m);
+            continue;
+        }
+        specs.push(RouteSpec {
+            pattern: pattern.clone(),
+            cost: cost.max(1) as u64,
+            max_in_flight,
+            queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
+        });
+    }
+    match Router::new(specs, d.cost.max(1) as u64) {
+        Ok(r) => Some(r),
+        Err(route_errs) => {
+            for (pattern, m) in route_errs {
+                errs.push(key_path("rate_limits.endpoints", &pattern), m);
+            }
+            None
+        }
+    }
+}
+
+pub(super) type Registry = (HashMap<[u8; 32], KeyEntry>, HashMap<String, [u8; 32]>);
+
+/// `keys`: the registry, by sha256 and by id. Keys without a plan get (a copy of) the default
+/// policy; the caller makes them share one.
+pub(super) fn keys(
+    raw: &[RawKey],
+    default_policy: Option<&Policy>,
+    plans: &HashMap<String, Arc<Policy>>,
+    errs: &mut ConfigErrors,
+) -> Registry {
+    let mut keys = HashMap::new();
+    let mut key_ids = HashMap::new();
+    for (i, k) in raw.iter().enumerate() {
+        let base = format!("keys[{i}]");
+        let chars = k.id.chars().count();
+        if chars > MAX_NAME_CHARS {
+            errs.push(
+                format!("{base}.id"),
+                format!("a key id is at most {MAX_NAME_CHARS} characters, got {chars}"),
+            );
+        } else if k.id.is_empty()
+            || !k
+                .id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            errs.push(
+                format!("{base}.id"),
+                format!(
+                    "must be non-empty and use only letters, digits, '-', '_' or '.', got \"{}\"",
+                    k.id
+                ),
+            );
+        }
+        let hash = match hex::decode(k.sha256.trim()) {
+            Ok(b) if b.len() == 32 => {
+                let mut h = [0u8; 32];
+                h.copy_from_slice(&b);
+                Some(h)
+            }
+            _ => {
+                errs.push(
+                    format!("{base}.sha256"),
+                    "must be the 64 hex digits of the key's sha256 (raw keys never go in the config)",
+                );
+                None
+            }
+        };
+        let policy = match &k.plan {
+            None => default_policy.cloned().map(Arc::new),
+            Some(p) => match plans.get(p) {
+                Some(pol) => Some(pol.clone()),
+                None => {
+                    errs.push(
+                        format!("{base}.plan"),
+                        format!("unknown plan \"{}\"", shown(p)),
+                    );
+                    None
+                }
+            },
+        };
+        if let (Some(hash), Some(policy)) = (hash, policy) {
+            if keys.contains_key(&hash) {
+                errs.push(format!("{base}.sha256"), "duplicate key");
+            }
+            if key_ids.insert(k.id.clone(), hash).is_some() {
+                errs.push(format!("{base}.id"), format!("duplicate id \"{}\"", k.id));
+            }
+            keys.insert(
+                hash,
+                KeyEntry {
+                    id: Arc::from(k.id.as_str()),
+                    policy,
+                },
+            );
+        }
+    }
+    (keys, key_ids)
+}
+
+/// An optional in-flight cap: a positive integer up to a million.
+fn concurrency_cap(path: String, value: Option<i64>, errs: &mut ConfigErrors) -> Option<u32> {
+    match value {
+        Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),
+        Some(n) => {
+            errs.push(
+                path,
+                format!("must be a positive integer (at most 1000000), got {n}"),
+            );
+            None
+        }
+        None => None,
+    }
+}
+
+fn build_policy(
+    name: &str,
+    base: &str,
+    max_cost: i64,
+    window: Duration,
+    max_delay: Duration,
+    max_in_flight_per_key: Option<u32>,
+    errs: &mut ConfigErrors,
+) -> Option<Policy> {
+    let mut ok = true;
+    if max_cost <= 0 {
+        errs.push(
+            format!("{base}.max_cost"),
+            format!("must be a positive integer, got {max_cost}"),
+        );
+        ok = false;
+    }
+    if window.is_zero() {
+        errs.push(format!("{base}.window"), "must be greater than 0");
+        ok = false;
+    }
+    if !ok {
+        return None;
+    }
+    match Limit::new(max_cost as u64, window, max_delay) {
+        Ok(limit) => Some(Policy {
+            name: name.to_string(),
+            max_cost: max_cost as u64,
+            window,
+            max_delay,
+            max_in_flight_per_key,
+            limit,
+            headers: PolicyHeaders::new(name, max_cost as u64, window),
+        }),
+        Err(m) => {
+            errs.push(format!("{base}.max_cost"), m);
+            None
+        }
+    }
+}
