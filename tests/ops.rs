@@ -173,35 +173,22 @@ async fn metrics_names_and_labels_exactly_as_designed() {
     assert_eq!(exported, designed);
 }
 
+/// The dashboard and the alert rules against what the real binary exports, both ways:
+/// `deploy/check.sh --metrics` starts this build's `tollgate run`, sends it a few requests,
+/// scrapes /metrics and compares (its PENDING allow-list names the DESIGN §5 metrics that are
+/// still being added).
 #[test]
-fn dashboard_and_alerts_use_only_exported_metrics() {
+fn dashboard_and_alerts_match_the_exported_metrics() {
     let out = Command::new("bash")
-        .args(["deploy/check.sh", "--list-metrics"])
+        .args(["deploy/check.sh", "--metrics"])
+        .env("TOLLGATE_BIN", env!("CARGO_BIN_EXE_tollgate"))
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "{}",
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
-    );
-    let used: BTreeSet<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let exported: BTreeSet<String> = tollgate::telemetry::METRIC_NAMES
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let unknown: Vec<_> = used.difference(&exported).collect();
-    assert!(
-        unknown.is_empty(),
-        "dashboard/alerts use metrics the gateway does not export: {unknown:?}"
-    );
-    let unshown: Vec<_> = exported.difference(&used).collect();
-    assert!(
-        unshown.is_empty(),
-        "exported but on no dashboard or alert: {unshown:?}"
     );
 }
 
