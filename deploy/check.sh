@@ -74,14 +74,6 @@ CONFIGMAP = "deploy/k8s/configmap.yaml"
 # belongs here - a used metric that the binary does not export is a panel that never shows data.
 PENDING = [
     "tollgate_fallback_decisions_total",                # decisions made on store.on_error
-    "tollgate_overhead_seconds",                        # histogram: what the gateway adds
-    "tollgate_build_info",                              # {version} 1
-    "tollgate_config_info",                             # {hash} 1
-    "tollgate_config_last_reload_timestamp_seconds",
-    "tollgate_connections",                             # open client connections
-    "tollgate_connections_refused_total",               # over server.max_connections
-    "tollgate_client_timeouts_total",                   # {kind}: header|body|send
-    "process_*",                                        # standard process metrics
 ]
 # Series Prometheus creates itself; allowed in queries, never exported by the gateway.
 PROMETHEUS_SERIES = {

@@ -38,6 +38,12 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
         .ok()
         .filter(|t| !t.is_empty())
         .map(Arc::<str>::from);
+    if token.is_none() && listener.local_addr().is_ok_and(|a| !a.ip().is_loopback()) {
+        tracing::warn!(
+            admin = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            "the admin listener is reachable beyond loopback and TOLLGATE_ADMIN_TOKEN is not set: /admin/* is open to anyone who can connect"
+        );
+    }
     std::thread::Builder::new()
         .name("tollgate-admin".into())
         .spawn(move || {
@@ -94,8 +100,8 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
                 .headers()
                 .get(hyper::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), t.as_bytes()));
+                .and_then(bearer_token)
+                .is_some_and(|given| constant_time_eq(given.as_bytes(), t.as_bytes()));
             if !ok {
                 return json(
                     StatusCode::UNAUTHORIZED,
@@ -175,6 +181,27 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
+/// (RFC 9110 §11.1).
+fn bearer_token(v: &str) -> Option<&str> {
+    let (scheme, token) = v.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer abc "), Some("abc"));
+        assert_eq!(bearer_token("BEARER  abc"), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearer"), None);
+    }
 }

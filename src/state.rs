@@ -31,6 +31,7 @@ impl Shared {
     pub fn new(config: Config, store: Store) -> Arc<Shared> {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
+        crate::telemetry::config_loaded(&config.hash);
         Arc::new(Shared {
             running: ArcSwap::from_pointee(Running { config, metrics }),
             upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
@@ -63,6 +64,7 @@ impl Shared {
         }
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
+        crate::telemetry::config_loaded(&new.hash);
         self.running.store(Arc::new(Running {
             config: new,
             metrics,

@@ -14,9 +14,16 @@ use prometheus::{
     IntGauge, IntGaugeVec,
 };
 
-/// Buckets for request, upstream and queue times: 1 ms to 60 s.
+/// Buckets for request, upstream and queue times: 1 ms to 60 s, close enough above 1 s that
+/// a 10–45 s report's percentiles are not interpolated across a factor of two.
 pub const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5,
+    10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+];
+/// Buckets for the time the gateway itself adds: 10 µs to 1 s.
+pub const OVERHEAD_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 1.0,
 ];
 /// Buckets for store calls: 100 µs to 100 ms (the store timeout is tens of ms).
 pub const STORE_BUCKETS: &[f64] = &[
@@ -42,6 +49,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_connections",
     "tollgate_connections_refused_total",
     "tollgate_client_timeouts_total",
+    "tollgate_overhead_seconds",
+    "tollgate_build_info",
+    "tollgate_config_info",
+    "tollgate_config_last_reload_timestamp_seconds",
 ];
 
 pub struct Metrics {
@@ -62,6 +73,10 @@ pub struct Metrics {
     pub connections: IntGauge,
     pub connections_refused: IntCounter,
     pub client_timeouts: IntCounterVec,
+    pub overhead: HistogramVec,
+    pub build_info: IntGaugeVec,
+    pub config_info: IntGaugeVec,
+    pub config_last_reload: prometheus::Gauge,
 }
 
 /// Registration only fails on a name clash, which is a bug caught by any test.
@@ -170,6 +185,30 @@ fn build() -> Metrics {
             &["kind"]
         )
         .expect("register"),
+        overhead: register_histogram_vec!(
+            "tollgate_overhead_seconds",
+            "Admitted requests: time in the gateway minus upstream time and queue/hold time",
+            &["route"],
+            OVERHEAD_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        build_info: register_int_gauge_vec!(
+            "tollgate_build_info",
+            "1, labelled with the running tollgate version",
+            &["version"]
+        )
+        .expect("register"),
+        config_info: register_int_gauge_vec!(
+            "tollgate_config_info",
+            "1, labelled with the hash of the running gateway.yaml",
+            &["hash"]
+        )
+        .expect("register"),
+        config_last_reload: prometheus::register_gauge!(
+            "tollgate_config_last_reload_timestamp_seconds",
+            "Unix time when the running config was loaded (start or reload)"
+        )
+        .expect("register"),
     }
 }
 
@@ -187,6 +226,14 @@ pub fn metrics() -> &'static Metrics {
         for k in ["header", "body", "send"] {
             m.client_timeouts.with_label_values(&[k]);
         }
+        m.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        // CPU, memory and file descriptors of this process (`process_*`).
+        #[cfg(target_os = "linux")]
+        let _ = prometheus::register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
         m
     })
 }
@@ -205,6 +252,7 @@ pub struct RouteMetrics {
     pub queue_wait: Histogram,
     pub in_flight: IntGauge,
     pub cost_units: IntCounter,
+    pub overhead: Histogram,
     /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
     /// that no zero series appear for statuses a route never answers.
     statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
@@ -229,6 +277,7 @@ impl RouteMetrics {
             queue_wait: m.queue_wait.with_label_values(l),
             in_flight: m.in_flight.with_label_values(l),
             cost_units: m.cost_units.with_label_values(l),
+            overhead: m.overhead.with_label_values(l),
             statuses: Default::default(),
         }
     }
@@ -304,7 +353,12 @@ impl RouteMetricsTable {
             if kept.is_some() {
                 continue;
             }
-            for vec in [&m.request_duration, &m.upstream_duration, &m.queue_wait] {
+            for vec in [
+                &m.request_duration,
+                &m.upstream_duration,
+                &m.queue_wait,
+                &m.overhead,
+            ] {
                 let _ = vec.remove_label_values(&[label]);
             }
             let _ = m.in_flight.remove_label_values(&[label]);
@@ -331,6 +385,19 @@ fn remove_route_series(vec: &IntCounterVec, label: &str) {
             }
         }
     }
+}
+
+/// Says which config is running: `tollgate_config_info{hash}` (only the current hash has a
+/// series) and the time it was loaded.
+pub fn config_loaded(hash: &str) {
+    let m = metrics();
+    m.config_info.reset();
+    m.config_info.with_label_values(&[hash]).set(1);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    m.config_last_reload.set(now);
 }
 
 /// Prometheus text exposition of the default registry.

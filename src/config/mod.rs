@@ -104,6 +104,9 @@ pub struct Config {
     pub router: Router,
     /// The file as parsed, for `/admin/config`.
     pub raw: RawConfig,
+    /// The first 16 hex digits of the file's SHA-256 (`tollgate_config_info{hash}`), so an
+    /// operator can tell which file each instance runs (`sha256sum gateway.yaml`).
+    pub hash: String,
 }
 
 /// Where the gateway's settings may be overridden from the environment (DESIGN §1).
@@ -157,7 +160,9 @@ impl Config {
                 });
             ConfigErrors::one(path, msg)
         })?;
-        Self::validate(raw, env)
+        let mut cfg = Self::validate(raw, env)?;
+        cfg.hash = hex::encode(&crate::identity::hash_key(text.as_bytes())[..8]);
+        Ok(cfg)
     }
 
     /// Checks every rule of DESIGN §1 and reports every problem found, not only the first.

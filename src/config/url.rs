@@ -25,7 +25,16 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// `http://host[:port][/]` or `https://…` → (tls, host, port).
-pub(super) fn parse_upstream_url(url: &str) -> Result<(bool, String, u16), String> {
+pub(super) fn parse_upstream_url(raw: &str) -> Result<(bool, String, u16), String> {
+    // Errors quote the URL, and a URL with user:pass@ carries a secret: quote it redacted.
+    let shown = redact_url(raw);
+    let url = shown.as_str();
+    if raw.contains('@') {
+        return Err(format!(
+            "credentials in the upstream URL are not supported (send them from the upstream's side), got \"{url}\""
+        ));
+    }
+    let url = raw;
     let (tls, rest) = if let Some(r) = url.strip_prefix("http://") {
         (false, r)
     } else if let Some(r) = url.strip_prefix("https://") {

@@ -73,6 +73,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         key_ids,
         router,
         raw,
+        hash: String::new(),
     })
 }
 

@@ -75,6 +75,8 @@ pub struct Timing {
     pub store: Duration,
     /// Waiting for a route slot.
     pub queued: Duration,
+    /// Held by `max_delay` before forwarding.
+    pub hold: Duration,
     pub upstream_start: Option<Instant>,
     pub upstream: Option<Duration>,
 }
@@ -104,6 +106,10 @@ pub struct Ctx {
     pub identity: Option<Identity>,
     pub phase: Phase,
     pub timing: Timing,
+    /// The client's `X-Request-Id`, or one made up for it; sent upstream and logged.
+    pub request_id: Option<String>,
+    /// The status the upstream answered with (before the gateway's own headers).
+    pub upstream_status: Option<u16>,
 }
 
 impl Ctx {
@@ -119,6 +125,8 @@ impl Ctx {
             identity: None,
             phase: Phase::Undecided,
             timing: Timing::default(),
+            request_id: None,
+            upstream_status: None,
         }
     }
 
@@ -195,6 +203,21 @@ impl Ctx {
 
     pub fn is_admitted(&self) -> bool {
         matches!(self.phase, Phase::Admitted(_))
+    }
+
+    /// Admitted at some point (and so forwarded, or about to be): the requests whose latency
+    /// is the gateway's service level, as opposed to its refusals.
+    pub fn was_forwarded(&self) -> bool {
+        matches!(self.phase, Phase::Admitted(_) | Phase::Refunded { .. })
+    }
+
+    /// The time the gateway itself added: all of it but the upstream's part and the waiting.
+    pub fn overhead(&self) -> Duration {
+        self.start
+            .elapsed()
+            .saturating_sub(self.timing.upstream.unwrap_or_default())
+            .saturating_sub(self.timing.queued)
+            .saturating_sub(self.timing.hold)
     }
 
     /// The access log's `decision`.

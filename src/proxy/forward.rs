@@ -85,5 +85,10 @@ pub fn request(upstream: &mut RequestHeader, ctx: &Ctx, client: Option<IpAddr>) 
         }
     }
     upstream.insert_header("X-Forwarded-Proto", HeaderValue::from_static("http"))?;
+    if let Some(id) = &ctx.request_id {
+        if !upstream.headers.contains_key("x-request-id") {
+            upstream.insert_header("X-Request-Id", id.as_str())?;
+        }
+    }
     Ok(())
 }

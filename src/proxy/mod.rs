@@ -112,6 +112,7 @@ impl Gateway {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
         let hold = admitted.hold;
+        ctx.timing.hold = hold;
         ctx.admit(admit, admitted, &m.in_flight);
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
@@ -164,6 +165,10 @@ impl ProxyHttp for Gateway {
         }
         session.set_read_timeout(Some(limits.body_timeout));
         session.set_write_timeout(Some(limits.send_timeout));
+        ctx.request_id = Some(match session.req_header().headers.get("x-request-id") {
+            Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            None => format!("{:032x}", rand::random::<u128>()),
+        });
         Ok(())
     }
 
@@ -237,6 +242,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.timing.upstream_done();
+        ctx.upstream_status = Some(resp.status.as_u16());
         respond::rate_limit_headers(resp, ctx)
     }
 
@@ -351,7 +357,11 @@ impl ProxyHttp for Gateway {
         let rm = running.metrics.get(&route);
         let elapsed = ctx.start.elapsed();
         rm.request(status);
-        rm.request_duration.observe(elapsed.as_secs_f64());
+        if ctx.was_forwarded() {
+            // Refusals are fast and would flatter the latency of the requests that were served.
+            rm.request_duration.observe(elapsed.as_secs_f64());
+            rm.overhead.observe(ctx.overhead().as_secs_f64());
+        }
         if let Some(u) = ctx.timing.upstream {
             rm.upstream_duration.observe(u.as_secs_f64());
         }
@@ -382,6 +392,10 @@ impl ProxyHttp for Gateway {
             upstream_ms = ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
             store_ms = ctx.timing.store.as_secs_f64() * 1e3,
             queue_ms = ctx.timing.queued.as_secs_f64() * 1e3,
+            hold_ms = ctx.timing.hold.as_secs_f64() * 1e3,
+            upstream_status = ctx.upstream_status,
+            request_id = ctx.request_id.as_deref(),
+            client = client_ip(session).map(|ip| ip.to_string()).as_deref(),
             error = e.map(|e| e.etype().as_str()),
         );
     }
