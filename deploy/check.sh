@@ -63,7 +63,7 @@ EXPORTED = {
     "tollgate_queue_wait_seconds", "tollgate_store_calls_total",
     "tollgate_store_duration_seconds", "tollgate_store_degraded",
     "tollgate_config_reloads_total", "tollgate_rejections_by_key_total",
-    "tollgate_shadow_rejections_total",
+    "tollgate_shadow_rejections_total", "tollgate_fallback_decisions_total",
 }
 # Series Prometheus creates itself; allowed in queries, never exported by the gateway.
 PROMETHEUS_SERIES = {

@@ -37,6 +37,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_config_reloads_total",
     "tollgate_rejections_by_key_total",
     "tollgate_shadow_rejections_total",
+    "tollgate_fallback_decisions_total",
 ];
 
 pub struct Metrics {
@@ -54,6 +55,7 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     pub rejections_by_key: IntCounterVec,
     pub shadow_rejections: IntCounterVec,
+    pub fallback_decisions: IntCounterVec,
 }
 
 /// Registration only fails on a name clash, which is a bug caught by any test.
@@ -146,6 +148,19 @@ fn build() -> Metrics {
             &["route", "reason"]
         )
         .expect("register"),
+        fallback_decisions: {
+            let c = register_int_counter_vec!(
+                "tollgate_fallback_decisions_total",
+                "Decisions made by store.on_error while the shared store was unreachable",
+                &["decision"]
+            )
+            .expect("register");
+            // Both series from the start: an alert on their rate needs them before the outage.
+            for d in ["admitted", "rejected"] {
+                c.with_label_values(&[d]);
+            }
+            c
+        },
     }
 }
 
