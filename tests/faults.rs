@@ -278,3 +278,46 @@ async fn a_flapping_redis_keeps_the_budget_plus_one_burst() {
         "admitted {admitted} > {bound:.1} over {elapsed:.2}s"
     );
 }
+
+/// A store error's cause reaches the log (once, not per request), and `/readyz` sees a store
+/// that is unusable from the start, before any request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_unusable_at_start_is_logged_with_its_cause_and_not_ready() {
+    let redis = Redis::start_with(free_port(), &["--requirepass", "s3cret-pw"]);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &store_body(
+            &redis,
+            "deny",
+            1,
+            "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+        ),
+    );
+    let start = Instant::now();
+    loop {
+        let r = reqwest::get(gw.admin("/readyz")).await.unwrap();
+        if r.status() == 503 {
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert!(v["store"].as_str().unwrap().starts_with("degraded"), "{v}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "readyz never saw it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gw.wait_log("NOAUTH").await;
+    let c = client();
+    for _ in 0..6 {
+        assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 503);
+    }
+    let log = gw.log();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("store unreachable"))
+        .count();
+    assert!((1..=2).contains(&warnings), "{warnings} warnings:\n{log}");
+    assert!(!log.contains("s3cret-pw"));
+}
