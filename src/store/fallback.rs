@@ -8,7 +8,7 @@
 //!
 //! - A capped route's (or key's) local share counts every request this instance runs on it,
 //!   however it was admitted: the requests Redis admitted that are still running included.
-//! - What the fallback admits is owed to the shared budget ([`Ledger`]) and charged there in
+//! - What the fallback admits is owed to the shared budget (`write_back::Ledger`) and charged there in
 //!   full when it answers again: before the key's next shared decision, and by a background
 //!   task within a few hundred ms without traffic. The local buckets are kept across outages,
 //!   so a flapping store does not grant the local shares afresh each time; over any period a

@@ -4,6 +4,13 @@
 //! two answers: [`MemoryStore`] for a single instance, and [`RedisStore`] for a fleet that must
 //! share one budget. Both run the same GCRA arithmetic (`crate::budget`) and hand back a
 //! [`Lease`] whose release (explicit, or on drop) frees the request's in-flight slots.
+//!
+//! - `memory`: the embedded store (also each instance's fallback share);
+//! - `redis/`: the shared store ([`redis::RedisBackend`]), split by job: connections,
+//!   breaker, deny cache, key layout, script calls, leases;
+//! - `fallback`: `store.on_error` over any [`SharedStore`]; [`RedisStore`] is
+//!   `FallbackStore<RedisBackend>`. With it: `running` (what the local share counts) and
+//!   `write_back` (what the fallback admitted, owed to the shared budget).
 
 pub mod fallback;
 pub mod memory;

@@ -70,13 +70,14 @@ impl RedisLease {
     }
 
     pub async fn release(mut self) {
-        self.released = true;
         if let Some(r) = self.renew.take() {
             r.abort();
         }
-        let keys = std::mem::take(&mut self.keys);
-        let id = std::mem::take(&mut self.id);
-        self.store.release_keys(keys, id).await;
+        self.store
+            .release_keys(self.keys.clone(), self.id.clone())
+            .await;
+        // Only now: a release cut short is finished by the drop guard (it is idempotent).
+        self.released = true;
         self.store.wake(&self.route);
     }
 }

@@ -1,16 +1,16 @@
 //! The shared store: every instance of a fleet decides against the same Redis.
 //!
-//! - One Lua script call per request ([`script`], operation `admit`) checks and charges the
+//! - One Lua script call per request (`script`, operation `admit`) checks and charges the
 //!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
 //!   trip, and a refused request writes nothing.
-//! - Slots are leases ([`lease`]); connections are per worker thread ([`conn`]); keys are laid
-//!   out in [`keys`].
-//! - Every call is bounded by `store.timeout`; a circuit breaker ([`breaker`]) stops calling a
+//! - Slots are leases (`lease`); connections are per worker thread (`conn`); keys are laid
+//!   out in `keys`.
+//! - Every call is bounded by `store.timeout`; a circuit breaker (`breaker`) stops calling a
 //!   dead Redis. Nothing that charges is ever retried. What to do while Redis cannot decide is
 //!   not this module's business: it answers with a [`StoreError`] and `store::fallback`
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
-//!   moment Redis said it could next fit ([`deny_cache`]).
+//!   moment Redis said it could next fit (`deny_cache`).
 
 mod breaker;
 mod conn;
