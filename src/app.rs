@@ -147,9 +147,22 @@ fn spawn_drain_watch(app: Arc<App>) {
                 tracing::warn!(active, "grace period over with requests in flight; exiting")
             }
         }
+        release_leases(&app);
         crate::telemetry::flush_logs();
         std::process::exit(0);
     });
+}
+
+/// An exiting instance frees the fleet's slots it holds first (the store bounds this to 1 s),
+/// on a runtime of its own: this runs on the drain thread.
+fn release_leases(app: &App) {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(app.shared.store.release_all()),
+        Err(e) => tracing::warn!(error = %e, "cannot release leases before exit"),
+    }
 }
 
 /// `run --watch`: reloads when the file's content changes (checked every second), as SIGHUP

@@ -53,6 +53,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_build_info",
     "tollgate_config_info",
     "tollgate_config_last_reload_timestamp_seconds",
+    "tollgate_fallback_decisions_total",
 ];
 
 pub struct Metrics {
@@ -77,6 +78,7 @@ pub struct Metrics {
     pub build_info: IntGaugeVec,
     pub config_info: IntGaugeVec,
     pub config_last_reload: prometheus::Gauge,
+    pub fallback_decisions: IntCounterVec,
 }
 
 /// Registration only fails on a name clash, which is a bug caught by any test.
@@ -209,6 +211,19 @@ fn build() -> Metrics {
             "Unix time when the running config was loaded (start or reload)"
         )
         .expect("register"),
+        fallback_decisions: {
+            let c = register_int_counter_vec!(
+                "tollgate_fallback_decisions_total",
+                "Decisions made by store.on_error while the shared store was unreachable",
+                &["decision"]
+            )
+            .expect("register");
+            // Both series from the start: an alert on their rate needs them before the outage.
+            for d in ["admitted", "rejected"] {
+                c.with_label_values(&[d]);
+            }
+            c
+        },
     }
 }
 

@@ -258,29 +258,46 @@ async fn outage(on_error: &str) -> Duration {
 
     let _redis = Redis::start_on(port);
     let restarted = Instant::now();
-    loop {
-        let r = get(&c, gw.url("/items"), "fresh-key").await;
+    // A key of its own per attempt: what the fallback admits for a key is written back to
+    // Redis when it returns (DESIGN §4), so only a key's first request reads a full budget.
+    let mut attempt = 0;
+    let fresh = loop {
+        attempt += 1;
+        let fresh = format!("fresh-key-{attempt}");
+        let on_fallback = "tollgate_fallback_decisions_total{decision=\"admitted\"}";
+        let before = metric(&gw, on_fallback).await;
+        let r = get(&c, gw.url("/items"), &fresh).await;
         // Back on the shared (restarted, empty) store: the budget is in Redis, the full 10
         // units (not a local share).
         if r.status() == 200
             && header(&r, "X-RateLimit-Remaining").as_deref() == Some("9")
-            && _redis.cli(&["DBSIZE"]) == "1"
+            && metric(&gw, on_fallback).await == before
         {
-            break;
+            break fresh;
         }
         assert!(
             restarted.elapsed() < Duration::from_secs(5),
             "shared budget not back"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
     let recovery = restarted.elapsed();
     assert_metric(&gw, "tollgate_store_degraded", 0.0).await;
     assert_eq!(
-        _redis.cli(&["DBSIZE"]),
+        _redis.cli(&["EXISTS", &redis_budget_key(&fresh)]),
         "1",
         "the budget lives in Redis again"
     );
+    // What the fallback admitted for "k" during the outage was charged there too.
+    let written_back = || _redis.cli(&["EXISTS", &redis_budget_key("k")]) == "1";
+    while on_error != "deny" && !written_back() {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(8),
+            "k not written back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(written_back(), on_error != "deny");
     recovery
 }
 

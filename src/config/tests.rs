@@ -149,9 +149,15 @@ fn upstream_urls() {
     let s = BASE.replace("http://127.0.0.1:3000", "tcp://x");
     assert!(first_error(&s).starts_with("upstream.url: must start with http://"));
     // A password in the URL is refused without being echoed.
-    let s = BASE.replace("http://127.0.0.1:3000", "http://user:hunter2@127.0.0.1:3000");
+    let s = BASE.replace(
+        "http://127.0.0.1:3000",
+        "http://user:hunter2@127.0.0.1:3000",
+    );
     let e = first_error(&s);
-    assert!(e.starts_with("upstream.url: credentials in the upstream URL"), "{e}");
+    assert!(
+        e.starts_with("upstream.url: credentials in the upstream URL"),
+        "{e}"
+    );
     assert!(!e.contains("hunter2"), "{e}");
 }
 

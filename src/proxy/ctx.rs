@@ -110,6 +110,8 @@ pub struct Ctx {
     pub request_id: Option<String>,
     /// The status the upstream answered with (before the gateway's own headers).
     pub upstream_status: Option<u16>,
+    /// The decision was made by `store.on_error`, not by the shared store.
+    pub fallback: bool,
 }
 
 impl Ctx {
@@ -127,6 +129,7 @@ impl Ctx {
             timing: Timing::default(),
             request_id: None,
             upstream_status: None,
+            fallback: false,
         }
     }
 

@@ -94,15 +94,17 @@ impl Gateway {
         let t = Instant::now();
         let answer = match fd.filter(|_| may_queue) {
             Some(fd) => tokio::select! {
-                a = self.shared.store.admit(&admit) => a,
+                a = self.shared.store.decide(&admit) => a,
                 _ = front::client_gone(fd) => {
                     ctx.phase = Phase::Abandoned;
                     return Ok(false);
                 }
             },
-            None => self.shared.store.admit(&admit).await,
+            None => self.shared.store.decide(&admit).await,
         };
         let elapsed = t.elapsed();
+        ctx.fallback = answer.fallback;
+        let answer = answer.admission;
         let admitted = decision::judge(&route, answer).inspect_err(|r| {
             ctx.timing.store = elapsed.saturating_sub(r.queued);
         })?;
@@ -395,6 +397,7 @@ impl ProxyHttp for Gateway {
             hold_ms = ctx.timing.hold.as_secs_f64() * 1e3,
             upstream_status = ctx.upstream_status,
             request_id = ctx.request_id.as_deref(),
+            fallback = ctx.fallback,
             client = client_ip(session).map(|ip| ip.to_string()).as_deref(),
             error = e.map(|e| e.etype().as_str()),
         );

@@ -3,20 +3,37 @@
 //! [`FallbackStore`] wraps any [`SharedStore`] (Redis in production, a failing fake in the unit
 //! tests) and this process's [`MemoryStore`]. While the shared store answers, it decides; when
 //! it fails, the policy does: `local` = this instance enforces `1/fleet_size` of every budget
-//! and cap in memory, `allow` = admit and count, `deny` = 503. This module owns the degraded
-//! state and is the one writer of `tollgate_store_degraded`.
+//! and cap in memory, `allow` = admit and count, `deny` = 503 (DESIGN §4). This module owns
+//! the degraded state and is the one writer of `tollgate_store_degraded`. Its rules:
+//!
+//! - A capped route's (or key's) local share counts every request this instance runs on it,
+//!   however it was admitted: the requests Redis admitted that are still running included.
+//! - What the fallback admits is owed to the shared budget (`write_back::Ledger`) and charged there in
+//!   full when it answers again: before the key's next shared decision, and by a background
+//!   task within a few hundred ms without traffic. The local buckets are kept across outages,
+//!   so a flapping store does not grant the local shares afresh each time; over any period a
+//!   key gets at most its budget plus one burst of the instances' local shares.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::memory::MemoryStore;
-use super::{Admission, AdmitRequest, BudgetView, Charge, Lease, StoreError};
+use super::running::{slots_of, Running, Slot};
+use super::write_back::{Ledger, Owed};
+use super::{short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Lease, StoreError};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::OnError;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
+
+/// Bound on [`FallbackStore::release_all`]: an exit waits no longer for the store.
+pub const RELEASE_ALL_WITHIN: Duration = Duration::from_secs(1);
+/// How often owed units are sent while the store is unreachable.
+const WRITE_BACK_EVERY: Duration = Duration::from_millis(250);
+/// How often the start-up probe tries a store that was unreachable at start.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// A store every instance of a fleet shares. An `Err` means "could not decide": the caller
 /// falls back on its policy.
@@ -34,6 +51,20 @@ pub trait SharedStore: Send + Sync + 'static {
         key: &KeyHash,
         limit: &Limit,
     ) -> impl Future<Output = Result<BudgetView, StoreError>> + Send;
+
+    /// Charges `units` admitted elsewhere, past the budget if need be (a debt).
+    fn write_back(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        units: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// One cheap round trip: is the store reachable?
+    fn probe(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Releases every lease this instance holds (on exit).
+    fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
 }
 
 /// A shared store's decision.
@@ -57,6 +88,8 @@ pub struct FallbackStore<S> {
     on_error: OnError,
     fleet_size: u32,
     degraded: AtomicBool,
+    running: Arc<Running>,
+    owed: Ledger,
 }
 
 impl<S> std::fmt::Debug for FallbackStore<S> {
@@ -82,6 +115,8 @@ impl<S: SharedStore> FallbackStore<S> {
             on_error,
             fleet_size: fleet_size.max(1),
             degraded: AtomicBool::new(false),
+            running: Arc::default(),
+            owed: Ledger::default(),
         })
     }
 
@@ -99,51 +134,165 @@ impl<S: SharedStore> FallbackStore<S> {
         show_degraded(self.degraded());
     }
 
-    fn set_degraded(&self, on: bool) {
+    fn set_degraded(&self, on: bool, cause: Option<&StoreError>) {
         if self.degraded.swap(on, Ordering::Relaxed) != on {
             show_degraded(on);
             if on {
-                tracing::warn!(policy = ?self.on_error, "store unreachable: deciding by store.on_error");
+                let cause = cause.map(|e| e.to_string()).unwrap_or_default();
+                tracing::warn!(policy = ?self.on_error, error = %cause, "store unreachable: deciding by store.on_error");
             } else {
                 tracing::info!("store reachable again: shared budgets in force");
             }
         }
     }
 
-    pub async fn admit(&self, req: &AdmitRequest) -> Admission {
+    /// Tries the store once now and, while it is unreachable (and no request found it back),
+    /// every second, on a thread of its own: so that `/readyz` and the degraded gauge reflect
+    /// a store that is down at start-up before any request arrives.
+    pub fn spawn_startup_probe(self: &Arc<Self>) {
+        let store = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tollgate-store-probe".into())
+            .spawn(move || {
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                rt.block_on(async {
+                    loop {
+                        match store.shared.probe().await {
+                            Ok(()) => return store.set_degraded(false, None),
+                            Err(StoreError::BreakerOpen) => {}
+                            Err(e) => store.set_degraded(true, Some(&e)),
+                        }
+                        tokio::time::sleep(PROBE_EVERY).await;
+                        if !store.degraded() {
+                            return;
+                        }
+                    }
+                });
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the store probe");
+        }
+    }
+
+    pub async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Admission {
+        self.decide(req).await.admission
+    }
+
+    pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
+        // What the fallback admitted for this key is charged before the shared store decides
+        // on it again, so that its decision sees the debt.
+        if self.owed.owes(&req.key) {
+            if let Some(o) = self.owed.take(&req.key) {
+                self.send_owed(o).await;
+            }
+        }
         match self.shared.admit(req).await {
             Ok(answer) => {
                 if answer.reached {
-                    self.set_degraded(false);
+                    self.set_degraded(false, None);
                 }
-                answer.admission
+                let admission = match answer.admission {
+                    Admission::Admitted {
+                        outcome,
+                        lease,
+                        queued,
+                    } => {
+                        let slots = slots_of(req);
+                        let running = (!slots.is_empty()).then(|| self.running.track(slots));
+                        Admission::Admitted {
+                            outcome,
+                            lease: lease.counted(running, false),
+                            queued,
+                        }
+                    }
+                    refused => refused,
+                };
+                Decision {
+                    admission,
+                    fallback: false,
+                }
             }
-            Err(_) => self.fallback(req).await,
+            Err(e) => {
+                self.set_degraded(true, Some(&e));
+                let admission = self.fallback(req).await;
+                let decision = if let Admission::Admitted { .. } = admission {
+                    if self.owed.add(&req.key, &req.limit, req.cost) {
+                        tokio::spawn(self.clone().write_back_loop());
+                    }
+                    "admitted"
+                } else {
+                    "rejected"
+                };
+                metrics()
+                    .fallback_decisions
+                    .with_label_values(&[decision])
+                    .inc();
+                Decision {
+                    admission,
+                    fallback: true,
+                }
+            }
+        }
+    }
+
+    /// Sends one key's debt; true when done with it (sent, or possibly sent: a charge that
+    /// may have run is not sent again, which could charge it twice).
+    async fn send_owed(&self, o: Owed) -> bool {
+        match self.shared.write_back(&o.key, &o.limit, o.units).await {
+            Ok(()) => true,
+            Err(e) if e.may_have_run() => {
+                tracing::debug!(error = %e, units = o.units, "a write-back may not have reached the store");
+                true
+            }
+            Err(_) => {
+                self.owed.put_back([o]);
+                false
+            }
+        }
+    }
+
+    /// Sends what is owed until nothing is; the store's breaker paces the attempts.
+    async fn write_back_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(WRITE_BACK_EVERY).await;
+            let mut all = self.owed.take_all().into_iter();
+            while let Some(o) = all.next() {
+                if !self.send_owed(o).await {
+                    self.owed.put_back(all);
+                    break;
+                }
+            }
+            if self.owed.done_if_empty() {
+                return;
+            }
         }
     }
 
     /// Decides by `store.on_error` while the shared store cannot.
     async fn fallback(&self, req: &AdmitRequest) -> Admission {
-        self.set_degraded(true);
         match self.on_error {
             OnError::Deny => Admission::Unavailable,
-            OnError::Local => {
-                // Each of fleet_size instances enforces its share of every budget and cap.
-                let n = self.fleet_size;
-                let share = |cap: u32| (cap / n).max(1);
-                let mut r = req.clone();
-                r.limit = req.limit.fraction(n);
-                r.key_cap = req.key_cap.map(share);
-                r.route_cap = req.route_cap.map(share);
-                self.local.admit(&r).await
-            }
+            OnError::Local => self.local_share(req).await,
             OnError::Allow => {
                 // Admit everything; count it locally so the headers still say something true.
                 let mut r = req.clone();
                 r.key_cap = None;
                 r.route_cap = None;
                 match self.local.admit(&r).await {
-                    a @ Admission::Admitted { .. } => a,
+                    Admission::Admitted {
+                        outcome,
+                        lease,
+                        queued,
+                    } => Admission::Admitted {
+                        outcome,
+                        lease: lease.counted(None, true),
+                        queued,
+                    },
                     Admission::OverBudget(o)
                     | Admission::KeyBusy(o)
                     | Admission::RouteBusy { outcome: o, .. } => Admission::Admitted {
@@ -151,7 +300,7 @@ impl<S: SharedStore> FallbackStore<S> {
                             verdict: Verdict::Admit { delay_us: 0 },
                             ..o
                         },
-                        lease: Lease::default(),
+                        lease: Lease::default().counted(None, true),
                         queued: Duration::ZERO,
                     },
                     Admission::Unavailable => Admission::Unavailable,
@@ -160,19 +309,89 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
+    /// `on_error: local`: this instance's `1/fleet_size` of the budget (in its memory) and of
+    /// the caps (counting everything it runs).
+    async fn local_share(&self, req: &AdmitRequest) -> Admission {
+        let n = self.fleet_size;
+        let share = |cap: u32| (cap / n).max(1);
+        let mut r = req.clone();
+        r.limit = req.limit.fraction(n);
+        r.key_cap = None;
+        r.route_cap = None;
+        // Refuse what the budget would refuse anyway before queueing for a slot.
+        if let Some(refusal) = self.local.preview(&r) {
+            return refusal;
+        }
+        let mut wanted = vec![];
+        if let Some(cap) = req.route_cap {
+            wanted.push((Slot::Route(req.route.clone()), share(cap)));
+        }
+        if let Some(cap) = req.key_cap {
+            wanted.push((Slot::Key(short_key(&req.key)), share(cap)));
+        }
+        let start = Instant::now();
+        let running = loop {
+            let freed = self.running.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match self.running.try_take(&wanted) {
+                Ok(g) => break g,
+                Err(Slot::Key(_)) => return Admission::KeyBusy(self.local_outcome(&r)),
+                Err(Slot::Route(_)) => {
+                    let waited = start.elapsed();
+                    if waited >= req.queue_timeout {
+                        return Admission::RouteBusy {
+                            outcome: self.local_outcome(&r),
+                            queued: waited,
+                        };
+                    }
+                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
+                }
+            }
+        };
+        // The budget may have moved while we queued: decide again, now for real.
+        match self.local.admit(&r).await {
+            Admission::Admitted { outcome, lease, .. } => Admission::Admitted {
+                outcome,
+                lease: lease.counted(Some(running), true),
+                queued: start.elapsed(),
+            },
+            refused => refused,
+        }
+    }
+
+    /// The local budget's figures for a refusal that charged nothing.
+    fn local_outcome(&self, r: &AdmitRequest) -> Outcome {
+        let view = self.local.peek(&r.key, &r.limit);
+        Outcome {
+            verdict: Verdict::Admit { delay_us: 0 },
+            state: None,
+            remaining: view.remaining,
+            reset_us: view.reset_us,
+        }
+    }
+
     /// Gives back a charge where it was made: in the shared store, or in this instance's
-    /// memory with the limit it was charged under. A failed shared refund is not retried (it
-    /// might have run) and never lands in the local store, which did not charge.
+    /// memory with the limit it was charged under (and then also out of what is owed to the
+    /// shared budget). A failed shared refund is not retried (it might have run) and never
+    /// lands in the local store, which did not charge.
     pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
         match charge {
-            Charge::None => {}
-            Charge::Local(limit) => self.local.refund(&AdmitRequest {
-                limit,
-                ..req.clone()
-            }),
+            Charge::None | Charge::Local(_) => {
+                if let Charge::Local(limit) = charge {
+                    self.local.refund(&AdmitRequest {
+                        limit,
+                        ..req.clone()
+                    });
+                }
+                // Already written back: the shared budget has it, give it back there.
+                if !self.owed.forgive(&req.key, req.cost) {
+                    let _ = self.shared.refund(req).await;
+                }
+            }
             Charge::Shared => {
                 if self.shared.refund(req).await.is_ok() {
-                    self.set_degraded(false);
+                    self.set_degraded(false, None);
                 }
             }
         }
@@ -180,158 +399,23 @@ impl<S: SharedStore> FallbackStore<S> {
 
     pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
         let view = self.shared.peek(key, limit).await.ok()?;
-        self.set_degraded(false);
+        self.set_degraded(false, None);
         Some(view)
+    }
+
+    /// Releases every lease this instance holds in the shared store, within
+    /// [`RELEASE_ALL_WITHIN`].
+    pub async fn release_all(&self) {
+        if tokio::time::timeout(RELEASE_ALL_WITHIN, self.shared.release_all())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "not every lease could be released before exit; they lapse by lease_ttl"
+            );
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::memory::Clock;
-    use std::sync::atomic::AtomicU32;
-
-    /// A shared store that fails while `down` is set, and otherwise admits everything.
-    #[derive(Default)]
-    struct Fake {
-        down: AtomicBool,
-        calls: AtomicU32,
-    }
-
-    impl SharedStore for Fake {
-        async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
-            self.calls.fetch_add(1, Ordering::Relaxed);
-            if self.down.load(Ordering::Relaxed) {
-                return Err(StoreError::Timeout);
-            }
-            Ok(SharedAnswer {
-                admission: Admission::Admitted {
-                    outcome: Outcome {
-                        verdict: Verdict::Admit { delay_us: 0 },
-                        state: None,
-                        remaining: req.limit.max_cost(),
-                        reset_us: 0,
-                    },
-                    lease: Lease::shared(None),
-                    queued: Duration::ZERO,
-                },
-                reached: true,
-            })
-        }
-
-        async fn refund(&self, _req: &AdmitRequest) -> Result<(), StoreError> {
-            Ok(())
-        }
-
-        async fn peek(&self, _key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
-            if self.down.load(Ordering::Relaxed) {
-                return Err(StoreError::BreakerOpen);
-            }
-            Ok(BudgetView::at(limit, 0))
-        }
-    }
-
-    fn store(on_error: OnError, fleet_size: u32) -> (Arc<Fake>, Arc<FallbackStore<Fake>>) {
-        let fake = Arc::new(Fake::default());
-        fake.down.store(true, Ordering::Relaxed);
-        let s = FallbackStore::over(
-            fake.clone(),
-            MemoryStore::new(Clock::new(0)),
-            on_error,
-            fleet_size,
-        );
-        (fake, s)
-    }
-
-    fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
-        AdmitRequest {
-            key: [3; 32],
-            limit: Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
-            cost,
-            key_cap: None,
-            route: Arc::from("/r"),
-            route_cap,
-            queue_timeout: Duration::ZERO,
-        }
-    }
-
-    fn admitted(a: &Admission) -> bool {
-        matches!(a, Admission::Admitted { .. })
-    }
-
-    #[tokio::test]
-    async fn deny_refuses_and_is_not_ready() {
-        let (fake, s) = store(OnError::Deny, 1);
-        assert!(s.ready() && !s.degraded());
-        assert!(matches!(
-            s.admit(&req(1, None)).await,
-            Admission::Unavailable
-        ));
-        assert!(s.degraded() && !s.ready());
-        fake.down.store(false, Ordering::Relaxed);
-        assert!(admitted(&s.admit(&req(1, None)).await));
-        assert!(!s.degraded() && s.ready(), "back on the shared store");
-    }
-
-    #[tokio::test]
-    async fn local_enforces_the_share_of_budget_and_cap() {
-        let (_fake, s) = store(OnError::Local, 3);
-        // 120/3 = 40 units: two requests of 20.
-        let r = req(20, None);
-        let mut held = vec![];
-        for _ in 0..2 {
-            let a = s.admit(&r).await;
-            assert!(admitted(&a), "{a:?}");
-            held.push(a);
-        }
-        assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
-        assert!(s.degraded() && s.ready());
-        // A cap of 6 over 3 instances: 2 here.
-        let capped = AdmitRequest {
-            key: [4; 32],
-            ..req(1, Some(6))
-        };
-        let a = s.admit(&capped).await;
-        let b = s.admit(&capped).await;
-        assert!(admitted(&a) && admitted(&b));
-        assert!(matches!(
-            s.admit(&capped).await,
-            Admission::RouteBusy { .. }
-        ));
-        let Admission::Admitted { lease, .. } = a else {
-            unreachable!()
-        };
-        assert_eq!(lease.charge(), Charge::Local(capped.limit.fraction(3)));
-    }
-
-    #[tokio::test]
-    async fn allow_admits_past_the_count_uncharged() {
-        let (_fake, s) = store(OnError::Allow, 1);
-        let r = req(60, Some(1));
-        let mut charges = vec![];
-        for _ in 0..4 {
-            let Admission::Admitted { lease, .. } = s.admit(&r).await else {
-                panic!("allow admits")
-            };
-            charges.push(lease.charge());
-        }
-        let local = Charge::Local(r.limit);
-        assert_eq!(charges, [local, local, Charge::None, Charge::None]);
-    }
-
-    #[tokio::test]
-    async fn a_refund_goes_back_where_it_was_charged() {
-        let (fake, s) = store(OnError::Local, 1);
-        let r = req(120, None);
-        let Admission::Admitted { lease, .. } = s.admit(&r).await else {
-            panic!()
-        };
-        assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
-        s.refund(&r, lease.charge()).await;
-        assert!(admitted(&s.admit(&r).await), "the local share got it back");
-        assert!(s.peek(&r.key, &r.limit).await.is_none(), "no shared view");
-        fake.down.store(false, Ordering::Relaxed);
-        assert!(s.peek(&r.key, &r.limit).await.is_some());
-        assert!(!s.degraded());
-    }
-}
+mod tests;

@@ -198,7 +198,7 @@ impl MemoryStore {
     }
 
     /// What the decision would be, without writing anything.
-    fn preview(&self, req: &AdmitRequest) -> Option<Admission> {
+    pub(crate) fn preview(&self, req: &AdmitRequest) -> Option<Admission> {
         let now = self.clock.now_us();
         let key = short_key(&req.key);
         let shard = self.shard(key);

@@ -4,10 +4,19 @@
 //! two answers: [`MemoryStore`] for a single instance, and [`RedisStore`] for a fleet that must
 //! share one budget. Both run the same GCRA arithmetic (`crate::budget`) and hand back a
 //! [`Lease`] whose release (explicit, or on drop) frees the request's in-flight slots.
+//!
+//! - `memory`: the embedded store (also each instance's fallback share);
+//! - `redis/`: the shared store ([`redis::RedisBackend`]), split by job: connections,
+//!   breaker, deny cache, key layout, script calls, leases;
+//! - `fallback`: `store.on_error` over any [`SharedStore`]; [`RedisStore`] is
+//!   `FallbackStore<RedisBackend>`. With it: `running` (what the local share counts) and
+//!   `write_back` (what the fallback admitted, owed to the shared budget).
 
 pub mod fallback;
 pub mod memory;
 pub mod redis;
+mod running;
+mod write_back;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +49,11 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub enum StoreError {
     #[error("store call timed out")]
     Timeout,
+    #[error("no connection to the store within the connect timeout")]
+    ConnectTimeout,
+    /// Connecting failed: refused, a wrong password (WRONGPASS/NOAUTH), a TLS error.
+    #[error("cannot connect to the store: {0}")]
+    Connect(#[source] ::redis::RedisError),
     #[error("circuit breaker open")]
     BreakerOpen,
     #[error("store.url is not usable: {0}")]
@@ -69,16 +83,33 @@ impl From<::redis::RedisError> for StoreError {
 impl StoreError {
     pub fn transient(&self) -> bool {
         match self {
-            StoreError::Timeout | StoreError::BreakerOpen => true,
+            StoreError::Timeout | StoreError::ConnectTimeout | StoreError::BreakerOpen => true,
             StoreError::Config(_) | StoreError::Reply(_) => false,
+            StoreError::Connect(e) => {
+                e.is_timeout() || e.is_connection_refusal() || e.is_connection_dropped()
+            }
             StoreError::Redis { transient, .. } => *transient,
+        }
+    }
+
+    /// False when the call surely never reached the store (so sending it again cannot apply
+    /// it twice): the breaker was open, or there was no connection to send it on.
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            StoreError::BreakerOpen
+            | StoreError::ConnectTimeout
+            | StoreError::Connect(_)
+            | StoreError::Config(_) => false,
+            StoreError::Redis { source, .. } => !source.is_connection_refusal(),
+            StoreError::Timeout | StoreError::Reply(_) => true,
         }
     }
 
     /// The `result` label of `tollgate_store_calls_total`.
     pub(crate) fn metric_label(&self) -> &'static str {
         match self {
-            StoreError::Timeout => "timeout",
+            StoreError::Timeout | StoreError::ConnectTimeout => "timeout",
+            StoreError::Connect(e) if e.is_timeout() => "timeout",
             StoreError::BreakerOpen => "breaker_open",
             _ => "error",
         }
@@ -126,6 +157,10 @@ pub enum Admission {
 pub struct Lease {
     slots: Slots,
     charge: Charge,
+    /// Counts the request among those this instance runs on its route and key (for the
+    /// fallback's local share) until the lease goes.
+    running: Option<running::RunningGuard>,
+    fallback: bool,
 }
 
 /// Where an admitted request's units were taken from.
@@ -156,6 +191,7 @@ impl Lease {
         Lease {
             slots: Slots::Memory(slots),
             charge: Charge::Local(limit),
+            ..Lease::default()
         }
     }
 
@@ -164,11 +200,23 @@ impl Lease {
         Lease {
             slots: slots.map_or(Slots::None, Slots::Redis),
             charge: Charge::Shared,
+            ..Lease::default()
         }
+    }
+
+    fn counted(mut self, running: Option<running::RunningGuard>, fallback: bool) -> Lease {
+        self.running = running;
+        self.fallback = fallback;
+        self
     }
 
     pub fn charge(&self) -> Charge {
         self.charge
+    }
+
+    /// True when `store.on_error` admitted the request (the shared store was unreachable).
+    pub fn fallback(&self) -> bool {
+        self.fallback
     }
 
     /// Frees the slots now (the drop guard does the same, later and without waiting).
@@ -178,6 +226,7 @@ impl Lease {
             Slots::Memory(l) => drop(l),
             Slots::Redis(l) => l.release().await,
         }
+        drop(self.running);
     }
 }
 
@@ -204,11 +253,36 @@ pub enum Store {
     Redis(Arc<RedisStore>),
 }
 
+/// A store's answer, and whether `store.on_error` gave it (the shared store was unreachable).
+#[derive(Debug)]
+pub struct Decision {
+    pub admission: Admission,
+    pub fallback: bool,
+}
+
 impl Store {
     pub async fn admit(&self, req: &AdmitRequest) -> Admission {
+        self.decide(req).await.admission
+    }
+
+    /// [`Store::admit`], saying also whether the decision was a fallback one (for the
+    /// access log).
+    pub async fn decide(&self, req: &AdmitRequest) -> Decision {
         match self {
-            Store::Memory(m) => m.admit(req).await,
-            Store::Redis(r) => r.admit(req).await,
+            Store::Memory(m) => Decision {
+                admission: m.admit(req).await,
+                fallback: false,
+            },
+            Store::Redis(r) => r.decide(req).await,
+        }
+    }
+
+    /// Releases every in-flight lease this instance holds in the shared store; for the exit
+    /// path. Takes at most [`fallback::RELEASE_ALL_WITHIN`].
+    pub async fn release_all(&self) {
+        match self {
+            Store::Memory(_) => {}
+            Store::Redis(r) => r.release_all().await,
         }
     }
 

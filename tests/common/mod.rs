@@ -718,3 +718,36 @@ pub fn error_lines(gw: &Gateway) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+impl Redis {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGSTOP: the process stays, its sockets accept and buffer, nothing answers.
+    pub fn pause(&self) {
+        signal_pid(self.pid(), "STOP");
+    }
+
+    /// SIGCONT: answers again, starting with what was buffered meanwhile.
+    pub fn resume(&self) {
+        signal_pid(self.pid(), "CONT");
+    }
+}
+
+fn signal_pid(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// The Redis key of an API key's budget (the layout of src/store/redis/keys.rs).
+pub fn redis_budget_key(api_key: &str) -> String {
+    use base64::Engine;
+    let h = tollgate::identity::hash_key(api_key.as_bytes());
+    let mut tag = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h[..8]);
+    tag.truncate(10);
+    format!("t{{{tag}}}b")
+}

@@ -14,6 +14,8 @@
 --          -> {code, a, remaining, reset_us}: 0 over budget (a = retry_after_us), 1 key cap
 --             full, 2 route cap full, 3 admitted (a = delay_us). Writes only when admitted.
 --   refund KEYS budget           ARGV per_unit rate cost          -> 1
+--   debit  KEYS budget           ARGV per_unit rate cost          -> 1 (charges even past
+--          capacity: units already admitted elsewhere; the key then waits out the debt)
 --   peek   KEYS budget           ARGV rate                        -> level now (ticks)
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
 
@@ -116,6 +118,14 @@ if op == 'refund' then
   local q = tonumber(ARGV[3])
   local now = now_us()
   store_level(KEYS[1], level_at(KEYS[1], q, now) - tonumber(ARGV[4]) * p, q, now)
+  return 1
+end
+
+if op == 'debit' then
+  local p = tonumber(ARGV[2])
+  local q = tonumber(ARGV[3])
+  local now = now_us()
+  store_level(KEYS[1], level_at(KEYS[1], q, now) + tonumber(ARGV[4]) * p, q, now)
   return 1
 end
 

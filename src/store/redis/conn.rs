@@ -81,12 +81,13 @@ impl Connections {
             }
             let conn = client
                 .get_multiplexed_async_connection_with_config(&self.config)
-                .await?;
+                .await
+                .map_err(StoreError::Connect)?;
             CONN.with(|c| *c.borrow_mut() = Some((self.id, conn.clone())));
             Ok(conn)
         })
         .await
-        .map_err(|_| StoreError::Timeout)?
+        .map_err(|_| StoreError::ConnectTimeout)?
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.

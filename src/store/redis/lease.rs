@@ -1,13 +1,42 @@
 //! In-flight slots as leases: ids in sorted sets scored by expiry, so that a crashed
 //! instance's slots lapse by themselves after `lease_ttl`. A long request renews its leases
 //! every `lease_ttl / 3`; a finished one releases them (explicitly, or from its drop guard).
+//!
+//! A release that cannot reach Redis is remembered and sent again every 200 ms until it does
+//! (or until the lease would have lapsed anyway), so that slots of requests that finished
+//! during an outage are free as soon as Redis is back, with no further traffic needed. Every
+//! lease held is registered, so that an exiting instance can release them all first.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
 use super::RedisBackend;
 use crate::store::lock;
+
+/// How often releases that failed are sent again.
+const RETRY_EVERY: Duration = Duration::from_millis(200);
+/// Bound on remembered releases (an outage under heavy load); past it, leases lapse by TTL.
+const MAX_UNRELEASED: usize = 100_000;
+
+/// A release that has not reached Redis yet.
+#[derive(Debug)]
+pub(super) struct Unreleased {
+    keys: Vec<String>,
+    id: String,
+    /// When the lease lapses by itself: no point in releasing it after that.
+    lapses: Instant,
+}
+
+/// Leases this instance holds (id → lease sets) and releases still to be sent.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    live: HashMap<String, Vec<String>>,
+    unreleased: Vec<Unreleased>,
+    retrying: bool,
+}
 
 /// Leases a request holds in Redis; released explicitly or, failing that, on drop.
 #[derive(Debug)]
@@ -29,6 +58,7 @@ impl RedisLease {
         route: Arc<str>,
     ) -> Self {
         let renew = store.spawn_renewal(keys.clone(), id.clone());
+        lock(&store.held).live.insert(id.clone(), keys.clone());
         RedisLease {
             store: store.clone(),
             keys,
@@ -40,11 +70,14 @@ impl RedisLease {
     }
 
     pub async fn release(mut self) {
-        self.released = true;
         if let Some(r) = self.renew.take() {
             r.abort();
         }
-        self.store.release_keys(&self.keys, &self.id).await;
+        self.store
+            .release_keys(self.keys.clone(), self.id.clone())
+            .await;
+        // Only now: a release cut short is finished by the drop guard (it is idempotent).
+        self.released = true;
         self.store.wake(&self.route);
     }
 }
@@ -64,7 +97,7 @@ impl Drop for RedisLease {
             let id = std::mem::take(&mut self.id);
             let route = self.route.clone();
             h.spawn(async move {
-                store.release_keys(&keys, &id).await;
+                store.release_keys(keys, id).await;
                 store.wake(&route);
             });
         }
@@ -88,12 +121,104 @@ impl RedisBackend {
         .abort_handle()
     }
 
-    async fn release_keys(&self, keys: &[String], id: &str) {
+    /// The lease stays registered as live until the release is sent or remembered: a release
+    /// cut short (its runtime shutting down at exit) is still found by `release_everything`.
+    async fn release_keys(self: &Arc<Self>, keys: Vec<String>, id: String) {
         if keys.is_empty() {
             return;
         }
-        // A failed release is not retried: the lease lapses after lease_ttl.
-        let _ = self.call::<i64>(self.script.lease(keys, id, 0)).await;
+        if self
+            .call::<i64>(self.script.lease(&keys, &id, 0))
+            .await
+            .is_ok()
+        {
+            lock(&self.held).live.remove(&id);
+        } else {
+            // Releasing is idempotent: sending it again is always safe.
+            self.remember_release(keys, id);
+        }
+    }
+
+    fn remember_release(self: &Arc<Self>, keys: Vec<String>, id: String) {
+        let start = {
+            let mut held = lock(&self.held);
+            held.live.remove(&id);
+            if held.unreleased.len() < MAX_UNRELEASED {
+                held.unreleased.push(Unreleased {
+                    keys,
+                    id,
+                    lapses: Instant::now() + self.lease_ttl,
+                });
+            }
+            !std::mem::replace(&mut held.retrying, true)
+        };
+        if start {
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) => {
+                    h.spawn(self.clone().retry_releases());
+                }
+                Err(_) => lock(&self.held).retrying = false,
+            }
+        }
+    }
+
+    /// Sends the remembered releases until none is left; stops at the first failure of a round
+    /// (the store is still unreachable) and tries again a little later.
+    async fn retry_releases(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(RETRY_EVERY).await;
+            let now = Instant::now();
+            let batch = std::mem::take(&mut lock(&self.held).unreleased);
+            let mut rest = batch.into_iter().filter(|u| u.lapses > now);
+            let mut failed = vec![];
+            while let Some(u) = rest.next() {
+                let sent = self.call::<i64>(self.script.lease(&u.keys, &u.id, 0)).await;
+                if sent.is_err() {
+                    failed.push(u);
+                    failed.extend(rest);
+                    break;
+                }
+            }
+            let mut held = lock(&self.held);
+            held.unreleased.extend(failed);
+            if held.unreleased.is_empty() {
+                held.retrying = false;
+                return;
+            }
+        }
+    }
+
+    /// Releases every lease this instance holds or still owes Redis, bypassing the breaker
+    /// (this is the last chance). The caller bounds the time it may take.
+    pub(super) async fn release_everything(self: &Arc<Self>) {
+        let all: Vec<(Vec<String>, String)> = {
+            let mut held = lock(&self.held);
+            let live = std::mem::take(&mut held.live);
+            let owed = std::mem::take(&mut held.unreleased);
+            live.into_iter()
+                .map(|(id, keys)| (keys, id))
+                .chain(owed.into_iter().map(|u| (u.keys, u.id)))
+                .collect()
+        };
+        if all.is_empty() {
+            return;
+        }
+        let Ok(conn) = self.conns.get().await else {
+            return;
+        };
+        let mut sends = tokio::task::JoinSet::new();
+        for (keys, id) in all {
+            let (store, mut conn) = (self.clone(), conn.clone());
+            sends.spawn(async move {
+                let _ = store
+                    .script
+                    .lease(&keys, &id, 0)
+                    .invoke_async::<i64>(&mut conn)
+                    .await;
+            });
+        }
+        while sends.join_next().await.is_some() {}
+        tracing::info!("released this instance's in-flight leases");
     }
 
     pub(super) fn notify_for(&self, route: &Arc<str>) -> Arc<Notify> {

@@ -1,16 +1,16 @@
 //! The shared store: every instance of a fleet decides against the same Redis.
 //!
-//! - One Lua script call per request ([`script`], operation `admit`) checks and charges the
+//! - One Lua script call per request (`script`, operation `admit`) checks and charges the
 //!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
 //!   trip, and a refused request writes nothing.
-//! - Slots are leases ([`lease`]); connections are per worker thread ([`conn`]); keys are laid
-//!   out in [`keys`].
-//! - Every call is bounded by `store.timeout`; a circuit breaker ([`breaker`]) stops calling a
+//! - Slots are leases (`lease`); connections are per worker thread (`conn`); keys are laid
+//!   out in `keys`.
+//! - Every call is bounded by `store.timeout`; a circuit breaker (`breaker`) stops calling a
 //!   dead Redis. Nothing that charges is ever retried. What to do while Redis cannot decide is
 //!   not this module's business: it answers with a [`StoreError`] and `store::fallback`
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
-//!   moment Redis said it could next fit ([`deny_cache`]).
+//!   moment Redis said it could next fit (`deny_cache`).
 
 mod breaker;
 mod conn;
@@ -44,13 +44,16 @@ use script::{AdmitCall, AdmitCode, StoreScript};
 pub type RedisStore = FallbackStore<RedisBackend>;
 
 impl RedisStore {
+    /// Never fails, and connects in the background: the gateway starts while Redis is down.
     pub fn new(s: &StoreSettings, clock: Clock) -> Arc<Self> {
-        FallbackStore::over(
+        let store = FallbackStore::over(
             RedisBackend::new(s),
             MemoryStore::new(clock),
             s.on_error,
             s.fleet_size,
-        )
+        );
+        store.spawn_startup_probe();
+        store
     }
 }
 
@@ -75,6 +78,8 @@ pub struct RedisBackend {
     script: StoreScript,
     /// Wakes this instance's waiters for a route slot when one of its own leases is released.
     wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
+    /// Leases held, and releases still owed to Redis.
+    held: Mutex<lease::Held>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -105,6 +110,7 @@ impl RedisBackend {
             deny: DenyCache::new(),
             script: StoreScript::new(),
             wake: Mutex::default(),
+            held: Mutex::default(),
         })
     }
 
@@ -124,7 +130,11 @@ impl RedisBackend {
                 m.store_calls.with_label_values(&[e.metric_label()]).inc();
                 tracing::debug!(error = %e, "store call failed");
                 self.conns.forget();
-                self.breaker.failure();
+                if self.breaker.failure() {
+                    // Once per opening, with the cause: a wrong password or an out-of-memory
+                    // Redis needs an operator, a timeout may pass by itself.
+                    tracing::warn!(error = %e, transient = e.transient(), "store unreachable: circuit breaker open");
+                }
             }
         }
     }
@@ -368,5 +378,36 @@ impl SharedStore for RedisBackend {
         let k = keys::budget_key(key);
         let level: i64 = self.call(self.script.peek(&k, limit)).await?;
         Ok(BudgetView::at(limit, level.max(0) as u64))
+    }
+
+    async fn write_back(&self, key: &KeyHash, limit: &Limit, units: u64) -> Result<(), StoreError> {
+        self.deny.forget(key);
+        let k = keys::budget_key(key);
+        self.call::<i64>(self.script.debit(&k, limit, units))
+            .await
+            .map(drop)
+    }
+
+    async fn probe(&self) -> Result<(), StoreError> {
+        if !self.breaker.allow() {
+            return Err(StoreError::BreakerOpen);
+        }
+        let start = Instant::now();
+        let res = async {
+            let mut conn = self.conns.get().await?;
+            let cmd = redis::cmd("PING");
+            let ping = cmd.query_async::<String>(&mut conn);
+            match tokio::time::timeout(self.timeout, ping).await {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r.map(drop)?),
+            }
+        }
+        .await;
+        self.record(start, &res);
+        res
+    }
+
+    async fn release_all(self: &Arc<Self>) {
+        self.release_everything().await;
     }
 }

@@ -106,6 +106,20 @@ impl StoreScript {
         inv
     }
 
+    /// `debit`: charges `cost` units that were admitted elsewhere (by the fallback while Redis
+    /// was unreachable), past capacity if need be: the key is then in debt and waits it out.
+    ///
+    /// KEYS[1] budget; ARGV[2] per_unit, ARGV[3] rate, ARGV[4] cost. Reply 1.
+    pub fn debit<'a>(&'a self, key: &'a str, limit: &Limit, cost: u64) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(key)
+            .arg("debit")
+            .arg(limit.per_unit)
+            .arg(limit.rate)
+            .arg(cost);
+        inv
+    }
+
     /// `peek`: a budget's level now, writing nothing.
     ///
     /// KEYS[1] budget; ARGV[2] rate. Reply: the level in ticks.

@@ -1,0 +1,244 @@
+//! The `on_error` policy against a shared store that fails on demand (no Redis needed).
+
+use super::*;
+use crate::store::memory::Clock;
+use std::sync::atomic::AtomicU32;
+
+/// A shared store that fails while `down` is set, and otherwise admits everything.
+#[derive(Default)]
+struct Fake {
+    down: AtomicBool,
+    calls: AtomicU32,
+    /// Units written back.
+    written: AtomicU32,
+}
+
+impl SharedStore for Fake {
+    async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.down.load(Ordering::Relaxed) {
+            return Err(StoreError::Timeout);
+        }
+        Ok(SharedAnswer {
+            admission: Admission::Admitted {
+                outcome: Outcome {
+                    verdict: Verdict::Admit { delay_us: 0 },
+                    state: None,
+                    remaining: req.limit.max_cost(),
+                    reset_us: 0,
+                },
+                lease: Lease::shared(None),
+                queued: Duration::ZERO,
+            },
+            reached: true,
+        })
+    }
+
+    async fn refund(&self, _req: &AdmitRequest) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn peek(&self, _key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(StoreError::BreakerOpen);
+        }
+        Ok(BudgetView::at(limit, 0))
+    }
+
+    async fn write_back(
+        &self,
+        _key: &KeyHash,
+        _limit: &Limit,
+        units: u64,
+    ) -> Result<(), StoreError> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(StoreError::BreakerOpen);
+        }
+        self.written.fetch_add(units as u32, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn probe(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn release_all(self: &Arc<Self>) {}
+}
+
+fn store(on_error: OnError, fleet_size: u32) -> (Arc<Fake>, Arc<FallbackStore<Fake>>) {
+    let fake = Arc::new(Fake::default());
+    fake.down.store(true, Ordering::Relaxed);
+    let s = FallbackStore::over(
+        fake.clone(),
+        MemoryStore::new(Clock::new(0)),
+        on_error,
+        fleet_size,
+    );
+    (fake, s)
+}
+
+fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
+    AdmitRequest {
+        key: [3; 32],
+        limit: Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
+        cost,
+        key_cap: None,
+        route: Arc::from("/r"),
+        route_cap,
+        queue_timeout: Duration::ZERO,
+    }
+}
+
+fn admitted(a: &Admission) -> bool {
+    matches!(a, Admission::Admitted { .. })
+}
+
+#[tokio::test]
+async fn deny_refuses_and_is_not_ready() {
+    let (fake, s) = store(OnError::Deny, 1);
+    assert!(s.ready() && !s.degraded());
+    assert!(matches!(
+        s.admit(&req(1, None)).await,
+        Admission::Unavailable
+    ));
+    assert!(s.degraded() && !s.ready());
+    fake.down.store(false, Ordering::Relaxed);
+    assert!(admitted(&s.admit(&req(1, None)).await));
+    assert!(!s.degraded() && s.ready(), "back on the shared store");
+}
+
+#[tokio::test]
+async fn local_enforces_the_share_of_budget_and_cap() {
+    let (_fake, s) = store(OnError::Local, 3);
+    // 120/3 = 40 units: two requests of 20.
+    let r = req(20, None);
+    let mut held = vec![];
+    for _ in 0..2 {
+        let a = s.admit(&r).await;
+        assert!(admitted(&a), "{a:?}");
+        held.push(a);
+    }
+    assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
+    assert!(s.degraded() && s.ready());
+    // A cap of 6 over 3 instances: 2 here.
+    let capped = AdmitRequest {
+        key: [4; 32],
+        ..req(1, Some(6))
+    };
+    let a = s.admit(&capped).await;
+    let b = s.admit(&capped).await;
+    assert!(admitted(&a) && admitted(&b));
+    assert!(matches!(
+        s.admit(&capped).await,
+        Admission::RouteBusy { .. }
+    ));
+    let Admission::Admitted { lease, .. } = a else {
+        unreachable!()
+    };
+    assert_eq!(lease.charge(), Charge::Local(capped.limit.fraction(3)));
+}
+
+#[tokio::test]
+async fn allow_admits_past_the_count_uncharged() {
+    let (_fake, s) = store(OnError::Allow, 1);
+    let r = req(60, Some(1));
+    let mut charges = vec![];
+    for _ in 0..4 {
+        let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+            panic!("allow admits")
+        };
+        charges.push(lease.charge());
+    }
+    let local = Charge::Local(r.limit);
+    assert_eq!(charges, [local, local, Charge::None, Charge::None]);
+}
+
+#[tokio::test]
+async fn a_refund_goes_back_where_it_was_charged() {
+    let (fake, s) = store(OnError::Local, 1);
+    let r = req(120, None);
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!()
+    };
+    assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
+    s.refund(&r, lease.charge()).await;
+    assert!(admitted(&s.admit(&r).await), "the local share got it back");
+    assert!(s.peek(&r.key, &r.limit).await.is_none(), "no shared view");
+    fake.down.store(false, Ordering::Relaxed);
+    assert!(s.peek(&r.key, &r.limit).await.is_some());
+    assert!(!s.degraded());
+}
+
+#[tokio::test]
+async fn the_local_share_counts_requests_the_shared_store_admitted() {
+    let (fake, s) = store(OnError::Local, 2);
+    fake.down.store(false, Ordering::Relaxed);
+    // Cap 4 over 2 instances: a share of 2. Three run here through the shared store.
+    let r = req(1, Some(4));
+    let mut held = vec![];
+    for _ in 0..3 {
+        let d = s.decide(&r).await;
+        assert!(admitted(&d.admission) && !d.fallback);
+        held.push(d.admission);
+    }
+    fake.down.store(true, Ordering::Relaxed);
+    let d = s.decide(&r).await;
+    assert!(d.fallback);
+    assert!(
+        matches!(d.admission, Admission::RouteBusy { .. }),
+        "3 ≥ 2 here already"
+    );
+    held.truncate(1);
+    let d = s.decide(&r).await;
+    let Admission::Admitted { lease, .. } = d.admission else {
+        panic!("one shared and this one: the share of 2")
+    };
+    assert!(lease.fallback());
+    assert!(matches!(s.admit(&r).await, Admission::RouteBusy { .. }));
+    lease.release().await;
+    assert!(admitted(&s.admit(&r).await), "freed by the release");
+}
+
+#[tokio::test]
+async fn fallback_charges_are_written_back_before_the_next_shared_decision() {
+    let (fake, s) = store(OnError::Local, 2);
+    let r = req(20, None);
+    let mut leases = vec![];
+    for _ in 0..3 {
+        let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+            panic!()
+        };
+        leases.push(lease);
+    }
+    // One refunded (the upstream never answered): not owed any more.
+    let refunded = leases.pop().unwrap();
+    s.refund(&r, refunded.charge()).await;
+    assert_eq!(fake.written.load(Ordering::Relaxed), 0);
+    fake.down.store(false, Ordering::Relaxed);
+    let d = s.decide(&r).await;
+    assert!(!d.fallback && admitted(&d.admission));
+    assert_eq!(fake.written.load(Ordering::Relaxed), 40, "in full, once");
+    tokio::time::sleep(WRITE_BACK_EVERY * 3).await;
+    assert_eq!(fake.written.load(Ordering::Relaxed), 40);
+}
+
+#[tokio::test]
+async fn what_is_owed_is_written_back_without_traffic() {
+    let (fake, s) = store(OnError::Allow, 1);
+    for _ in 0..3 {
+        assert!(admitted(&s.admit(&req(50, None)).await));
+    }
+    tokio::time::sleep(WRITE_BACK_EVERY * 2).await;
+    assert_eq!(fake.written.load(Ordering::Relaxed), 0, "still down");
+    fake.down.store(false, Ordering::Relaxed);
+    let start = Instant::now();
+    while fake.written.load(Ordering::Relaxed) < 150 {
+        assert!(start.elapsed() < Duration::from_secs(2));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        fake.written.load(Ordering::Relaxed),
+        150,
+        "past the budget: a debt"
+    );
+}

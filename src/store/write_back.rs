@@ -1,0 +1,159 @@
+//! What the fallback admitted, still to be charged to the shared budget.
+//!
+//! While the shared store is unreachable each instance admits on its local share; those units
+//! are owed to the shared budget and charged there, in full, when it returns (DESIGN §4). The
+//! ledger aggregates per key (one entry however many requests), and holds at most
+//! [`MAX_KEYS`] keys: past that, new keys' charges are not remembered (an outage touching more
+//! keys than that would need more memory than it is worth; those keys get one extra burst).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::{lock, short_key};
+use crate::budget::Limit;
+use crate::identity::KeyHash;
+
+pub(crate) const MAX_KEYS: usize = 100_000;
+
+/// Units one key owes the shared budget.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Owed {
+    pub key: KeyHash,
+    /// The shared limit (the key's plan), not the local share.
+    pub limit: Limit,
+    pub units: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    owed: HashMap<u128, Owed>,
+    /// A task is sending the ledger to the store.
+    flushing: bool,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    inner: Mutex<Inner>,
+    /// Keys owing: lets the request path skip the lock when nothing is owed.
+    len: AtomicUsize,
+    full_warned: AtomicBool,
+}
+
+impl Ledger {
+    /// Adds `units` to what `key` owes. True when no task is sending the ledger yet: the
+    /// caller should start one (and the ledger now counts it as started).
+    pub fn add(&self, key: &KeyHash, limit: &Limit, units: u64) -> bool {
+        let mut inner = lock(&self.inner);
+        let k = short_key(key);
+        let len = inner.owed.len();
+        match inner.owed.get_mut(&k) {
+            Some(o) => {
+                o.units = o.units.saturating_add(units);
+                o.limit = *limit;
+            }
+            None if len >= MAX_KEYS => {
+                if !self.full_warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        keys = MAX_KEYS,
+                        "write-back ledger full: further keys' fallback charges are not written back"
+                    );
+                }
+            }
+            None => {
+                inner.owed.insert(
+                    k,
+                    Owed {
+                        key: *key,
+                        limit: *limit,
+                        units,
+                    },
+                );
+            }
+        }
+        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        !std::mem::replace(&mut inner.flushing, true)
+    }
+
+    pub fn owes(&self, key: &KeyHash) -> bool {
+        self.len.load(Ordering::Relaxed) > 0 && lock(&self.inner).owed.contains_key(&short_key(key))
+    }
+
+    pub fn take(&self, key: &KeyHash) -> Option<Owed> {
+        let mut inner = lock(&self.inner);
+        let o = inner.owed.remove(&short_key(key));
+        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        o
+    }
+
+    pub fn take_all(&self) -> Vec<Owed> {
+        let mut inner = lock(&self.inner);
+        self.len.store(0, Ordering::Relaxed);
+        inner.owed.drain().map(|(_, o)| o).collect()
+    }
+
+    /// What could not be sent goes back (merged with what was owed meanwhile).
+    pub fn put_back(&self, owed: impl IntoIterator<Item = Owed>) {
+        let mut inner = lock(&self.inner);
+        for o in owed {
+            inner
+                .owed
+                .entry(short_key(&o.key))
+                .and_modify(|e| e.units = e.units.saturating_add(o.units))
+                .or_insert(o);
+        }
+        self.len.store(inner.owed.len(), Ordering::Relaxed);
+    }
+
+    /// A refunded fallback charge: forgets up to `units` of the key's debt. False when the
+    /// debt was no longer here (already sent to the store).
+    pub fn forgive(&self, key: &KeyHash, units: u64) -> bool {
+        let mut inner = lock(&self.inner);
+        let k = short_key(key);
+        let Some(o) = inner.owed.get_mut(&k) else {
+            return false;
+        };
+        o.units = o.units.saturating_sub(units);
+        if o.units == 0 {
+            inner.owed.remove(&k);
+        }
+        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        true
+    }
+
+    /// The sending task is done if nothing is owed; true when it should stop.
+    pub fn done_if_empty(&self) -> bool {
+        let mut inner = lock(&self.inner);
+        if inner.owed.is_empty() {
+            inner.flushing = false;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn aggregates_per_key_and_forgives_refunds() {
+        let l = Ledger::default();
+        let lim = Limit::new(10, Duration::from_secs(60), Duration::ZERO).unwrap();
+        assert!(l.add(&[1; 32], &lim, 2), "first: start a sender");
+        assert!(!l.add(&[1; 32], &lim, 3));
+        assert!(!l.add(&[2; 32], &lim, 1));
+        assert!(l.owes(&[1; 32]) && !l.owes(&[3; 32]));
+        assert!(l.forgive(&[2; 32], 1));
+        assert!(!l.owes(&[2; 32]));
+        assert!(!l.forgive(&[2; 32], 1), "nothing left to forgive");
+        let all = l.take_all();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].units, 5);
+        l.put_back(all);
+        assert_eq!(l.take(&[1; 32]).map(|o| o.units), Some(5));
+        assert!(l.done_if_empty());
+        assert!(l.add(&[1; 32], &lim, 1), "sender stopped: start another");
+    }
+}

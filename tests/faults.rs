@@ -1,0 +1,323 @@
+//! Redis faults under load, and what the fleet still promises (DESIGN §4): at most N in flight,
+//! at most the budget (plus one extra burst of the local shares), and no slot left blocked by
+//! an outage or an exit.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn store_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 100ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 15s\n{rate_limits}",
+        redis.url()
+    )
+}
+
+/// `/reports/generate` costs 1 and runs at most `cap` at once, fleet-wide.
+fn capped(cap: u32) -> String {
+    incident_with_report_caps(&format!("      max_in_flight: {cap}\n"))
+}
+
+/// Sends `n` report requests to `gw` at once, each with a key of its own; the statuses, sorted.
+async fn reports(gw: &Gateway, n: usize) -> Vec<u16> {
+    let c = client();
+    let rs = all_at_once(n, |i| {
+        c.post(gw.url("/reports/generate"))
+            .header("X-API-Key", format!("r{i}"))
+    })
+    .await;
+    sorted_statuses(&rs)
+}
+
+/// Starts `n` report requests on `gw` in the background (their answers don't matter).
+fn start_reports(gw: &Gateway, n: usize) {
+    for i in 0..n {
+        let url = gw.url("/reports/generate");
+        tokio::spawn(async move {
+            let _ = client()
+                .post(url)
+                .header("X-API-Key", format!("bg{i}"))
+                .send()
+                .await;
+        });
+    }
+}
+
+/// (a) Requests that finish while Redis is stopped cannot release their slots; once it
+/// answers again, they are released without any further traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slots_of_requests_finished_during_a_stall_are_free_soon_after() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(2500));
+    let body = store_body(&redis, "deny", 2, &capped(4));
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+
+    let running = tokio::spawn({
+        let url = a.url("/reports/generate");
+        async move {
+            let c = client();
+            let rs = all_at_once(4, |i| c.post(&url).header("X-API-Key", format!("a{i}"))).await;
+            sorted_statuses(&rs)
+        }
+    });
+    up.wait_current("/reports/generate", 4).await;
+    redis.pause();
+    // Calls time out: the breaker opens before the four finish, so their releases can't go.
+    for _ in 0..4 {
+        assert_eq!(get(&c, a.url("/items"), "other").await.status(), 503);
+    }
+    assert_eq!(running.await.unwrap(), vec![200; 4]);
+    redis.resume();
+    let resumed = Instant::now();
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(reports(&b, 4).await, vec![200; 4], "the whole cap on B");
+    assert!(resumed.elapsed() < Duration::from_secs(6));
+    assert_eq!(up.max_concurrent("/reports/generate"), 4);
+    assert_eq!(up.count("/reports/generate"), 8);
+}
+
+/// (b) The local share counts what this instance already runs through Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_route_stays_full_when_redis_dies() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(2500));
+    let gw = Gateway::start(&up, &store_body(&redis, "local", 2, &capped(4)));
+
+    start_reports(&gw, 4);
+    up.wait_current("/reports/generate", 4).await;
+    redis.kill();
+    // 4 run here already, more than this instance's share (4/2): nothing more goes.
+    assert_eq!(reports(&gw, 4).await, vec![503; 4]);
+    assert_eq!(up.max_concurrent("/reports/generate"), 4);
+    assert_eq!(up.count("/reports/generate"), 4);
+    // Once they are done, the share is there: 2 of 3.
+    let start = Instant::now();
+    while up.stats()["/reports/generate"].current > 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(reports(&gw, 3).await, vec![200, 200, 503]);
+    assert_eq!(up.max_concurrent("/reports/generate"), 4);
+    assert_metric(
+        &gw,
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        2.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        "tollgate_fallback_decisions_total{decision=\"rejected\"}",
+        5.0,
+    )
+    .await;
+}
+
+/// (c) What the local shares admitted during an outage is charged to the shared budget when
+/// it returns, even into a Redis that restarted empty: the key then waits out the debt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_shares_are_written_back_as_debt() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start(Duration::ZERO);
+    // 10 units per 20 s: one unit drains every 2 s. Two instances: 5 units each on their own.
+    let body = store_body(
+        &redis,
+        "local",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 20s, max_cost: 10}\n",
+    );
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    let c = client();
+    redis.kill();
+    for gw in &gws {
+        let mut statuses = vec![];
+        for _ in 0..6 {
+            statuses.push(get(&c, gw.url("/items"), "k").await.status().as_u16());
+        }
+        assert_eq!(statuses, [vec![200; 5], vec![429]].concat());
+    }
+    assert_metric(
+        &gws[0],
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        5.0,
+    )
+    .await;
+    assert_metric(
+        &gws[0],
+        "tollgate_fallback_decisions_total{decision=\"rejected\"}",
+        1.0,
+    )
+    .await;
+
+    let redis = Redis::start_on(port);
+    // Both instances write their 5 units back on their own: the budget key then lives for
+    // ~20 s (it expires when the bucket is empty again), i.e. 10 units.
+    let key = redis_budget_key("k");
+    let start = Instant::now();
+    loop {
+        let pttl: i64 = redis.cli(&["PTTL", &key]).parse().unwrap_or(-2);
+        if pttl > 17_000 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the local charges never reached Redis (PTTL {pttl})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = get(&c, gws[0].url("/items"), "k").await;
+    assert_eq!(r.status(), 429, "the key is in debt");
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&retry), "Retry-After {retry}");
+    assert_eq!(get(&c, gws[1].url("/items"), "k").await.status(), 429);
+    tokio::time::sleep(Duration::from_millis(retry * 1000 + 300)).await;
+    assert_eq!(get(&c, gws[1].url("/items"), "k").await.status(), 200);
+    assert_eq!(get(&c, gws[0].url("/items"), "k").await.status(), 429);
+    assert_eq!(up.count("/items"), 11);
+}
+
+/// (d) An instance that exits past its grace period releases the slots it holds first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exit_past_the_grace_period_frees_the_slots() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(4));
+    let body = store_body(&redis, "deny", 2, &capped(3));
+    let mut a = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        grace: "1s",
+        ..GatewayOpts::default()
+    });
+    let b = Gateway::start(&up, &body);
+
+    start_reports(&a, 3);
+    up.wait_current("/reports/generate", 3).await;
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(Duration::from_secs(5)), Some(0));
+    // Right after the exit: the three slots are B's.
+    assert_eq!(reports(&b, 3).await, vec![200; 3]);
+    assert_eq!(up.count("/reports/generate"), 6);
+}
+
+/// (e) A Redis that stops and continues every 0.6 s, two gateways sending all the time: the
+/// key gets at most its budget over the run plus the two local shares.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flapping_redis_keeps_the_budget_plus_one_burst() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    // 20 units per 2 s: a burst of 20 and 10 units/s. Local shares: 10 + 10.
+    let body = store_body(
+        &redis,
+        "local",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 2s, max_cost: 20}\n",
+    );
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    let run_for = Duration::from_secs(6);
+    let start = Instant::now();
+    let pid = redis.pid();
+    let flapper = std::thread::spawn(move || {
+        let kill = |sig: &str| {
+            std::process::Command::new("kill")
+                .args([&format!("-{sig}"), &pid.to_string()])
+                .status()
+                .unwrap();
+        };
+        while start.elapsed() < run_for {
+            kill("STOP");
+            std::thread::sleep(Duration::from_millis(600));
+            kill("CONT");
+            std::thread::sleep(Duration::from_millis(600));
+        }
+    });
+    let c = client();
+    let senders = (0..6).map(|i| {
+        let c = c.clone();
+        let url = gws[i % 2].url("/items");
+        async move {
+            let mut ok = 0u64;
+            while start.elapsed() < run_for {
+                let r = get(&c, url.clone(), "k").await;
+                match r.status().as_u16() {
+                    200 => ok += 1,
+                    429 => {}
+                    s => panic!("status {s}"),
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            ok
+        }
+    });
+    let admitted: u64 = futures_util::future::join_all(senders).await.iter().sum();
+    let elapsed = start.elapsed().as_secs_f64();
+    flapper.join().unwrap();
+    assert_eq!(up.count("/items"), admitted);
+    let fallback: f64 = metric(
+        &gws[0],
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+    )
+    .await
+        + metric(
+            &gws[1],
+            "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        )
+        .await;
+    assert!(fallback > 0.0, "the fallback decided some");
+    // Budget over the run (burst + rate × time) plus the two local shares.
+    let bound = 20.0 + 10.0 * elapsed + 20.0;
+    eprintln!(
+        "admitted {admitted} ({fallback} on the fallback), bound {bound:.1} over {elapsed:.2}s"
+    );
+    assert!(
+        admitted as f64 <= bound.ceil(),
+        "admitted {admitted} > {bound:.1} over {elapsed:.2}s"
+    );
+}
+
+/// A store error's cause reaches the log (once, not per request), and `/readyz` sees a store
+/// that is unusable from the start, before any request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_unusable_at_start_is_logged_with_its_cause_and_not_ready() {
+    let redis = Redis::start_with(free_port(), &["--requirepass", "s3cret-pw"]);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &store_body(
+            &redis,
+            "deny",
+            1,
+            "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+        ),
+    );
+    let start = Instant::now();
+    loop {
+        let r = reqwest::get(gw.admin("/readyz")).await.unwrap();
+        if r.status() == 503 {
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert!(v["store"].as_str().unwrap().starts_with("degraded"), "{v}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "readyz never saw it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gw.wait_log("NOAUTH").await;
+    let c = client();
+    for _ in 0..6 {
+        assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 503);
+    }
+    let log = gw.log();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("store unreachable"))
+        .count();
+    assert!((1..=2).contains(&warnings), "{warnings} warnings:\n{log}");
+    assert!(!log.contains("s3cret-pw"));
+}
