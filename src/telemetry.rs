@@ -50,6 +50,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_connections_refused_total",
     "tollgate_client_timeouts_total",
     "tollgate_overhead_seconds",
+    "tollgate_admitted_duration_seconds",
     "tollgate_build_info",
     "tollgate_config_info",
     "tollgate_config_last_reload_timestamp_seconds",
@@ -75,6 +76,7 @@ pub struct Metrics {
     pub connections_refused: IntCounter,
     pub client_timeouts: IntCounterVec,
     pub overhead: HistogramVec,
+    pub admitted_duration: HistogramVec,
     pub build_info: IntGaugeVec,
     pub config_info: IntGaugeVec,
     pub config_last_reload: prometheus::Gauge,
@@ -194,6 +196,13 @@ fn build() -> Metrics {
             OVERHEAD_BUCKETS.to_vec()
         )
         .expect("register"),
+        admitted_duration: register_histogram_vec!(
+            "tollgate_admitted_duration_seconds",
+            "Whole request time in the gateway, admitted (forwarded) requests only: the latency SLO",
+            &["route"],
+            LATENCY_BUCKETS.to_vec()
+        )
+        .expect("register"),
         build_info: register_int_gauge_vec!(
             "tollgate_build_info",
             "1, labelled with the running tollgate version",
@@ -268,6 +277,7 @@ pub struct RouteMetrics {
     pub in_flight: IntGauge,
     pub cost_units: IntCounter,
     pub overhead: Histogram,
+    pub admitted_duration: Histogram,
     /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
     /// that no zero series appear for statuses a route never answers.
     statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
@@ -293,6 +303,7 @@ impl RouteMetrics {
             in_flight: m.in_flight.with_label_values(l),
             cost_units: m.cost_units.with_label_values(l),
             overhead: m.overhead.with_label_values(l),
+            admitted_duration: m.admitted_duration.with_label_values(l),
             statuses: Default::default(),
         }
     }
@@ -373,6 +384,7 @@ impl RouteMetricsTable {
                 &m.upstream_duration,
                 &m.queue_wait,
                 &m.overhead,
+                &m.admitted_duration,
             ] {
                 let _ = vec.remove_label_values(&[label]);
             }

@@ -359,9 +359,10 @@ impl ProxyHttp for Gateway {
         let rm = running.metrics.get(&route);
         let elapsed = ctx.start.elapsed();
         rm.request(status);
+        rm.request_duration.observe(elapsed.as_secs_f64());
         if ctx.was_forwarded() {
-            // Refusals are fast and would flatter the latency of the requests that were served.
-            rm.request_duration.observe(elapsed.as_secs_f64());
+            // The latency SLO: refusals are fast and would flatter the requests that were served.
+            rm.admitted_duration.observe(elapsed.as_secs_f64());
             rm.overhead.observe(ctx.overhead().as_secs_f64());
         }
         if let Some(u) = ctx.timing.upstream {
