@@ -120,7 +120,12 @@ impl ShutdownSignalWatch for Signals {
                     spawn_drain_watch(self.app.clone());
                     return ShutdownSignal::GracefulTerminate;
                 }
-                _ = int.recv() => return ShutdownSignal::FastShutdown,
+                _ = int.recv() => {
+                    // Pingora stops at once: give the fleet back this instance's slots first.
+                    self.app.shared.store.release_all().await;
+                    crate::telemetry::flush_logs();
+                    return ShutdownSignal::FastShutdown;
+                }
                 _ = quit.recv() => return ShutdownSignal::GracefulUpgrade,
             }
         }

@@ -786,6 +786,14 @@ async fn a_client_disconnect_is_not_logged_at_error() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // And one that hangs up in the middle of its request head (Pingora logs this one itself).
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(b"GET /items HTTP/1.1\r\nHost: x\r\nX-API-Key: le")
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(sock);
+    // Pingora logs it when it sees the close; give it the time to.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let errors = error_lines(&gw);
     assert!(errors.is_empty(), "ERROR lines:\n{}", errors.join("\n"));
 }
