@@ -819,3 +819,31 @@ async fn redis_keys_expire_when_the_bucket_is_full_again() {
         "an idle, refilled budget leaves nothing behind"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_separates_the_store_round_trip_from_queueing() {
+    let up = Upstream::start(Duration::ZERO);
+    let redis = Redis::start();
+    let gw = gateway_on(&up, &redis, "local", 1, INCIDENT);
+    let c = client();
+    for _ in 0..5 {
+        assert_eq!(get(&c, gw.url("/items/1"), "k").await.status(), 200);
+    }
+    let start = Instant::now();
+    let events = loop {
+        let e = gw.access_log();
+        if e.len() >= 5 {
+            break e;
+        }
+        assert!(start.elapsed() < Duration::from_secs(3), "{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for e in &events {
+        // An uncapped route never queues: the Redis round trip is store time.
+        let (queue, store) = (
+            e["queue_ms"].as_f64().unwrap(),
+            e["store_ms"].as_f64().unwrap(),
+        );
+        assert!(store > 0.01 && queue < store / 10.0, "{e}");
+    }
+}

@@ -221,9 +221,41 @@ async fn access_log_has_the_fields_and_no_keys() {
     assert_eq!(e["method"], "POST");
     let key = e["key"].as_str().unwrap();
     assert!(key.starts_with("key:") && key.len() == 12, "{key}");
-    for f in ["latency_ms", "upstream_ms", "store_ms", "queue_ms"] {
+    for f in [
+        "latency_ms",
+        "upstream_ms",
+        "store_ms",
+        "queue_ms",
+        "hold_ms",
+    ] {
         assert!(e[f].as_f64().is_some(), "{f} in {e}");
     }
+    assert_eq!(e["upstream_status"], 200);
+    assert_eq!(e["client"], "127.0.0.1");
+    assert_eq!(e["fallback"], false);
+    // A request id is made up when the client sends none, and is what the upstream received.
+    let id = e["request_id"].as_str().unwrap().to_string();
+    assert_eq!(id.len(), 32, "{id}");
+    let seen = up.api.seen();
+    let sent = seen
+        .iter()
+        .find(|s| s.target == "/reports/generate")
+        .unwrap();
+    assert_eq!(sent.header("x-request-id"), vec![id.as_str()]);
+    // The client's own id is kept, forwarded and logged.
+    c.get(gw.url("/items/1"))
+        .header("X-API-Key", "k")
+        .header("X-Request-Id", "abc-123")
+        .send()
+        .await
+        .unwrap();
+    let start = Instant::now();
+    while !gw.access_log().iter().any(|e| e["request_id"] == "abc-123") {
+        assert!(start.elapsed() < Duration::from_secs(3), "{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let last = up.api.seen();
+    assert_eq!(last.last().unwrap().header("x-request-id"), vec!["abc-123"]);
     assert!(!gw.log().contains("super-secret-key"));
     // Pingora's own `log` records come through the same subscriber.
     gw.wait_log("\"target\":\"pingora_core::server\"").await;

@@ -318,13 +318,16 @@ impl SharedStore for RedisBackend {
             // Register for a local wake-up before asking, so a release in between isn't missed.
             let notify = req.route_cap.map(|_| self.notify_for(&req.route));
             let notified = notify.as_ref().map(|n| n.notified());
+            // Queueing is the time before the call that got the slot, not that call's own
+            // round trip (which is the store's time).
+            let waited_before = start.elapsed();
             let admission = match self.try_admit(req).await? {
                 Decided::Admitted(outcome, lease) => {
                     self.deny.forget(&req.key);
                     Admission::Admitted {
                         outcome,
                         lease,
-                        queued: start.elapsed(),
+                        queued: waited_before,
                     }
                 }
                 Decided::OverBudget(o) => {
