@@ -63,21 +63,6 @@ async fn remaining(gw: &Gateway, id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no remaining for {id}: {v}"))
 }
 
-/// Polls a metric until it equals `want` (within `within`), for counts that take a while.
-async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
-    let start = Instant::now();
-    loop {
-        let got = metric(gw, series).await;
-        if got == want {
-            return;
-        }
-        assert!(
-            start.elapsed() < within,
-            "{series} is {got}, expected {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 // ---- 1. Request-target forms ----
 

@@ -531,6 +531,11 @@ pub async fn metric(gw: &Gateway, series: &str) -> f64 {
 /// Asserts that a metric series reaches `want`. Polls for a while: a request's metrics are
 /// recorded in Pingora's logging phase, just after its response has been sent.
 pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
+    wait_metric(gw, series, want, Duration::from_secs(3)).await
+}
+
+/// Polls a metric until it equals `want` (within `within`), for counts that take a while.
+pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
     let start = Instant::now();
     loop {
         let got = metric(gw, series).await;
@@ -538,7 +543,7 @@ pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
             return;
         }
         assert!(
-            start.elapsed() < Duration::from_secs(3),
+            start.elapsed() < within,
             "{series} is {got}, expected {want}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
