@@ -7,7 +7,9 @@
 //! [`FrontDoor`] is a `ServerApp` of its own around Pingora's `HttpProxy`: it counts the
 //! connection for as long as `process_new` runs (that is the connection's lifetime), wraps the
 //! stream in [`Tracked`], and runs Pingora's HTTP/1 keep-alive loop itself so that each request
-//! head can be raced against `server.header_timeout`.
+//! head can be raced against `server.header_timeout`. TLS connections (`server.tls`) come
+//! through the same door; those that chose HTTP/2 by ALPN are handed to Pingora's h2 server,
+//! still counted and stall-timed, with one request session per stream.
 
 use std::future::Future;
 use std::io;
@@ -518,4 +520,48 @@ pub async fn client_gone(fd: UniqueIDType) {
         // Only data (a request body, a pipelined request): keep waiting.
         ready.clear_ready_matching(Ready::READABLE);
     }
+}
+
+/// Resolves when the client of this request went away, reading nothing: for HTTP/1 the
+/// connection closed ([`client_gone`]); for HTTP/2 the client reset the stream (or the
+/// connection ended), which leaves the connection's other streams alone.
+pub async fn client_left(session: &mut ServerSession) {
+    if let Some(fd) = session.stream().map(|s| s.id()) {
+        return client_gone(fd).await;
+    }
+    match session.watch_h2_stream_close() {
+        // Any answer (a reset's reason, or a stream error) means the stream is gone.
+        Some(closed) => {
+            let _ = closed.await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Keeps an HTTP/2 request's slot until the upstream has finished its answer although the
+/// client reset the stream. Pingora then drops its upstream connection without a `shutdown`,
+/// so the socket stays open through `dup` and the upstream works on; this reads (and
+/// discards) what it sends until end of file — the request went with `Connection: close` —
+/// or until `read_timeout` passes without a byte, as Pingora itself would have waited.
+pub async fn drain_upstream(
+    dup: std::os::fd::OwnedFd,
+    read_timeout: Duration,
+    slot: crate::proxy::ctx::UpstreamSlot,
+) {
+    use tokio::io::AsyncReadExt;
+    // The duplicate shares the original's open file description, so it is non-blocking too.
+    match tokio::net::TcpStream::from_std(std::net::TcpStream::from(dup)) {
+        Ok(mut upstream) => {
+            let mut scratch = vec![0u8; 16 * 1024];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(read_timeout, upstream.read(&mut scratch)).await
+            {
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "cannot watch the upstream of a reset stream"),
+    }
+    slot.release().await;
 }
