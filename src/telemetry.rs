@@ -447,7 +447,7 @@ static LOG_GUARD: std::sync::Mutex<Option<tracing_appender::non_blocking::Worker
     std::sync::Mutex::new(None);
 
 /// Installs the tracing subscriber (`RUST_LOG` filter, default `info`) and bridges the `log`
-/// records that Pingora writes into it. Lines are written to stderr by a background thread, so
+/// records that Pingora writes into it ([`PingoraLog`]). Lines are written to stderr by a background thread, so
 /// a request never waits on the log (the access log at `info` cost 16 % of throughput when
 /// written in place); if that thread falls 128k lines behind, lines are dropped, not waited for.
 pub fn init_logging(format: LogFormat) {
@@ -458,14 +458,67 @@ pub fn init_logging(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(writer);
     let installed = match format {
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-        LogFormat::Pretty => builder.compact().try_init(),
+        LogFormat::Json => {
+            tracing::subscriber::set_global_default(builder.json().flatten_event(true).finish())
+        }
+        LogFormat::Pretty => tracing::subscriber::set_global_default(builder.compact().finish()),
     };
+    if installed.is_ok() && log::set_boxed_logger(Box::new(PingoraLog)).is_ok() {
+        log::set_max_level(tracing_log::AsLog::as_log(
+            &tracing::level_filters::LevelFilter::current(),
+        ));
+    }
     if installed.is_ok() {
         if let Ok(mut g) = LOG_GUARD.lock() {
             *g = Some(guard);
         }
     }
+}
+
+/// Pingora's `log` records, into tracing. Pingora logs at ERROR the TLS and HTTP/2 handshakes
+/// that a client broke off or got wrong; no hook can filter them, and a load balancer's TCP
+/// health check on the TLS port makes one per probe. They are the client's doing, so they go
+/// out at DEBUG.
+struct PingoraLog;
+
+impl PingoraLog {
+    fn is_client_handshake(r: &log::Record<'_>) -> bool {
+        r.level() == log::Level::Error
+            && matches!(
+                r.target(),
+                "pingora_core::services::listening" | "pingora_core::apps"
+            )
+            && {
+                let m = r.args().to_string();
+                m.starts_with("Downstream handshake") || m.starts_with("H2 handshake error")
+            }
+    }
+}
+
+impl log::Log for PingoraLog {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        // `log::max_level` (set from the tracing filter) has already gated the record.
+        true
+    }
+
+    fn log(&self, r: &log::Record<'_>) {
+        if Self::is_client_handshake(r) {
+            let _ = tracing_log::format_trace(
+                &log::Record::builder()
+                    .args(*r.args())
+                    .level(log::Level::Debug)
+                    .target(r.target())
+                    .module_path(r.module_path())
+                    .file(r.file())
+                    .line(r.line())
+                    .build(),
+            );
+        } else {
+            let _ = tracing_log::format_trace(r);
+        }
+    }
+
+    fn flush(&self) {}
 }
 
 /// Writes out every buffered log line. Call before the process exits.
