@@ -129,6 +129,14 @@ impl ConnState {
         }
     }
 
+    /// Resolves after `timeout` if not a byte has arrived by then; pends otherwise.
+    async fn silent_for(&self, timeout: Duration) {
+        tokio::time::sleep(timeout).await;
+        if self.first_byte_us.load(Ordering::SeqCst) > 0 {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Hides a client that goes away from here on (see [`ConnState::shield`]).
     pub fn set_shield(&self, on: bool) {
         self.shield.store(on, Ordering::SeqCst);
@@ -413,6 +421,10 @@ impl Drop for OpenGuard<'_> {
     }
 }
 
+/// An HTTP/2 connection without an open stream for this long is closed, as Pingora closes an
+/// idle HTTP/1 keep-alive connection.
+pub const H2_IDLE: Duration = Duration::from_secs(60);
+
 /// The gateway's `ServerApp`: Pingora's proxy behind the connection-level limits.
 pub struct FrontDoor {
     proxy: Arc<HttpProxy<Gateway>>,
@@ -421,7 +433,10 @@ pub struct FrontDoor {
 }
 
 impl FrontDoor {
-    pub fn new(proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+    pub fn new(mut proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+        let mut options = proxy.server_options.take().unwrap_or_default();
+        options.h2_idle_timeout = Some(H2_IDLE);
+        proxy.server_options = Some(options);
         FrontDoor {
             proxy: Arc::new(proxy),
             shared,
@@ -450,7 +465,18 @@ impl ServerApp for FrontDoor {
             stall: None,
         });
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
-            return ServerApp::process_new(&self.proxy, stream, shutdown).await;
+            // Pingora's h2 server waits for the client's preface without a deadline: a
+            // connection that sends nothing within header_timeout is closed. (Connections
+            // without an open stream are closed after `H2_IDLE`.)
+            let serve = ServerApp::process_new(&self.proxy, stream, shutdown);
+            tokio::pin!(serve);
+            return tokio::select! {
+                r = &mut serve => r,
+                _ = conn.silent_for(limits.header_timeout) => {
+                    metrics().client_timeouts.with_label_values(&["header"]).inc();
+                    None
+                }
+            };
         }
         // Pingora's own HTTP/1 keep-alive loop, with each request head raced against its
         // deadline.

@@ -28,10 +28,21 @@ fn slow_refill(body: &str) -> String {
 }
 
 fn start_tls(upstream: &Upstream, pki: &Pki, body: &str, extra_roots: &[&Path]) -> TlsGateway {
+    start_tls_with(upstream, pki, body, extra_roots, "")
+}
+
+/// With more `server:` lines.
+fn start_tls_with(
+    upstream: &Upstream,
+    pki: &Pki,
+    body: &str,
+    extra_roots: &[&Path],
+    server_more: &str,
+) -> TlsGateway {
     for _attempt in 0..5 {
         let tls_port = free_port();
         let server_extra = format!(
-            "  tls:\n    listen: \"127.0.0.1:{tls_port}\"\n    cert: \"{}\"\n    key: \"{}\"\n",
+            "  tls:\n    listen: \"127.0.0.1:{tls_port}\"\n    cert: \"{}\"\n    key: \"{}\"\n{server_more}",
             pki.cert_file.display(),
             pki.key_file.display()
         );
@@ -375,6 +386,106 @@ async fn a_reset_stream_is_a_client_that_went_away() {
         0.0,
     )
     .await;
+}
+
+#[tokio::test]
+async fn one_front_door_for_both_listeners() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(
+        &up,
+        &pki,
+        INCIDENT,
+        &[],
+        "  max_connections: 1\n  header_timeout: 1s\n",
+    );
+    // A TLS connection that never says a word is closed after header_timeout.
+    let mut silent = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    let mut buf = [0u8; 64];
+    let start = Instant::now();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => continue, // the server's SETTINGS
+            Ok(_) => break,
+            Err(_) => panic!("a silent h2 connection was kept open"),
+        }
+    }
+    assert!(start.elapsed() >= Duration::from_millis(900));
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+
+    // max_connections counts the plain and the TLS listener together.
+    let mut plain = raw_connect(tg.gw.port);
+    std::io::Write::write_all(
+        &mut plain,
+        b"GET /widgets HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\n\r\n",
+    )
+    .unwrap();
+    assert_eq!(read_raw_response(&mut plain).unwrap().status, 200);
+    assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
+    let mut tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    assert_metric(&tg.gw, "tollgate_connections_refused_total", 1.0).await;
+    drop(plain);
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+    let client = h2_connect(&tg).await;
+    assert_eq!(
+        h2_send(&client, h2_request("GET", "/widgets", "k1"))
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_stream_reset_while_held_by_max_delay_is_never_forwarded() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 20s, max_cost: 2, max_delay: 30s}\n";
+    let tg = start_tls(&up, &pki, body, &[]);
+    let client = h2_connect(&tg).await;
+    for _ in 0..2 {
+        assert_eq!(
+            h2_send(&client, h2_request("GET", "/held", "k1"))
+                .await
+                .status,
+            200
+        );
+    }
+    // The third fits only in 10 s: held; the client resets it meanwhile.
+    let mut c = client.clone().ready().await.unwrap();
+    let (held, mut stream) = c
+        .send_request(h2_request("GET", "/held", "k1"), true)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.send_reset(h2::Reason::CANCEL);
+    drop(held);
+    let start = Instant::now();
+    while !tg
+        .gw
+        .access_log()
+        .iter()
+        .any(|l| l["decision"] == "client_gone")
+    {
+        assert!(start.elapsed() < Duration::from_secs(5), "{}", tg.gw.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(up.count("/held"), 2);
+    // Another key on the same connection is served at once.
+    assert_eq!(
+        h2_send(&client, h2_request("GET", "/held", "k2"))
+            .await
+            .status,
+        200
+    );
 }
 
 /// Copies `from`'s certificate and key over the files the gateway was started with.
