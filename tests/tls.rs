@@ -215,6 +215,7 @@ async fn http2_over_tls_gets_200_with_rate_limit_headers() {
             .contains("x-ratelimit-remaining: 98\r\n"),
         "{text}"
     );
+    assert!(text.contains("\"x-forwarded-proto\":\"https\""), "{text}");
 
     // The access log names the client address of the h2 stream.
     let access = tg.gw.access_log();
