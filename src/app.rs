@@ -56,9 +56,7 @@ impl App {
             }
         }
     }
-}
 
-impl App {
     /// The certificate to serve from now on; listener changes need a restart, said so.
     fn tls_on_reload(&self, new: &Config) -> Option<Arc<CertifiedKey>> {
         let running = self.shared.running();

@@ -514,11 +514,6 @@ impl ServerApp for FrontDoor {
     }
 }
 
-/// The client socket of an HTTP/1 request (`None` for streams without one of their own).
-pub fn client_fd(session: &pingora::proxy::Session) -> Option<UniqueIDType> {
-    session.downstream_session.stream().map(|s| s.id())
-}
-
 /// Resolves when the client has closed its connection (FIN or RST), reading nothing from it:
 /// a duplicate of the socket is watched for read-closed readiness, so body bytes still waiting
 /// in the socket stay there for the upstream. Pends forever if the socket cannot be watched.
@@ -552,6 +547,7 @@ pub async fn client_gone(fd: UniqueIDType) {
 /// connection closed ([`client_gone`]); for HTTP/2 the client reset the stream (or the
 /// connection ended), which leaves the connection's other streams alone.
 pub async fn client_left(session: &mut ServerSession) {
+    // An HTTP/1 session has a client socket of its own; an HTTP/2 stream shares one.
     if let Some(fd) = session.stream().map(|s| s.id()) {
         return client_gone(fd).await;
     }
