@@ -526,3 +526,55 @@ pub fn flush_logs() {
     let guard = LOG_GUARD.lock().ok().and_then(|mut g| g.take());
     drop(guard);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::PingoraLog;
+
+    fn is_handshake(target: &str, level: log::Level, msg: std::fmt::Arguments<'_>) -> bool {
+        PingoraLog::is_client_handshake(
+            &log::Record::builder()
+                .args(msg)
+                .level(level)
+                .target(target)
+                .build(),
+        )
+    }
+
+    #[test]
+    fn only_pingoras_client_handshake_errors_are_downgraded() {
+        use log::Level::{Error, Warn};
+        let listening = "pingora_core::services::listening";
+        // The exact messages of pingora-core 0.9 (services/listening.rs, apps/mod.rs).
+        assert!(is_handshake(
+            listening,
+            Error,
+            format_args!("Downstream handshake error from 127.0.0.1:1: TLSHandshakeFailure")
+        ));
+        assert!(is_handshake(
+            listening,
+            Error,
+            format_args!("Downstream handshake timeout")
+        ));
+        assert!(is_handshake(
+            "pingora_core::apps",
+            Error,
+            format_args!("H2 handshake error h2 protocol error")
+        ));
+        assert!(!is_handshake(
+            listening,
+            Error,
+            format_args!("Accept() failed Too many open files")
+        ));
+        assert!(!is_handshake(
+            listening,
+            Warn,
+            format_args!("Downstream handshake timeout")
+        ));
+        assert!(!is_handshake(
+            "tollgate::app",
+            Error,
+            format_args!("Downstream handshake timeout")
+        ));
+    }
+}
