@@ -18,12 +18,16 @@ use crate::state::Shared;
 use crate::store::memory::Clock;
 use crate::store::{MemoryStore, RedisStore, Store};
 use crate::telemetry::metrics;
+use crate::tls::CertResolver;
+use pingora::tls::sign::CertifiedKey;
 
 /// A running gateway's handles, for the signal handlers and the file watcher.
 pub struct App {
     pub shared: Arc<Shared>,
     pub config_path: PathBuf,
     pub env: EnvOverrides,
+    /// The TLS listener's certificate (`server.tls`), replaced on reload.
+    pub tls: Option<Arc<CertResolver>>,
 }
 
 impl App {
@@ -33,7 +37,12 @@ impl App {
         let m = metrics();
         match Config::load(&self.config_path, &self.env) {
             Ok(new) => {
+                let cert = self.tls_on_reload(&new);
                 self.shared.install(new);
+                if let (Some(resolver), Some(cert)) = (&self.tls, cert) {
+                    // Validation has read the files: this is the pair now on disk.
+                    resolver.replace(cert);
+                }
                 m.config_reloads.with_label_values(&["ok"]).inc();
                 tracing::info!(path = %self.config_path.display(), "configuration reloaded");
                 Ok(())
@@ -45,6 +54,33 @@ impl App {
                 }
                 Err(errs)
             }
+        }
+    }
+
+    /// The certificate to serve from now on; listener changes need a restart, said so.
+    fn tls_on_reload(&self, new: &Config) -> Option<Arc<CertifiedKey>> {
+        let running = self.shared.running();
+        match (&running.config.tls, &new.tls, &self.tls) {
+            (Some(was), Some(now), Some(_)) => {
+                if was.listen != now.listen {
+                    tracing::warn!(
+                        listen = %was.listen,
+                        "server.tls.listen takes effect on restart only; keeping the running listener"
+                    );
+                }
+                Some(now.certified.clone())
+            }
+            (None, Some(_), _) => {
+                tracing::warn!("server.tls takes effect on restart only");
+                None
+            }
+            (Some(_), None, _) => {
+                tracing::warn!(
+                    "removing server.tls takes effect on restart only; serving the last certificate"
+                );
+                None
+            }
+            _ => None,
         }
     }
 }
@@ -209,11 +245,14 @@ pub fn run_with(
     let threads = cfg.threads;
     let grace = cfg.grace_period;
     let ca_file = cfg.upstream.ca_file.clone();
+    let tls = cfg.tls.clone();
+    let resolver = tls.as_ref().map(|t| CertResolver::new(t.certified.clone()));
     let shared = Shared::new(cfg, store);
     let app = Arc::new(App {
         shared: shared.clone(),
         config_path,
         env,
+        tls: resolver.clone(),
     });
 
     // Bind the admin port before anything else so a clash fails loudly at start.
@@ -261,8 +300,18 @@ pub fn run_with(
         std::net::TcpListener::bind(a).map_err(|e| anyhow::anyhow!("server.listen {a}: {e}"))?;
         service.add_tcp(a);
     }
+    // The TLS listener belongs to the same service, so that one front door counts (and
+    // limits) the connections of both.
+    if let (Some(t), Some(resolver)) = (&tls, resolver) {
+        std::net::TcpListener::bind(&t.listen)
+            .map_err(|e| anyhow::anyhow!("server.tls.listen {}: {e}", t.listen))?;
+        let settings =
+            crate::tls::settings(resolver).map_err(|e| anyhow::anyhow!("server.tls: {e}"))?;
+        service.add_tls_with_settings(&t.listen, None, settings);
+    }
     server.add_service(service);
-    tracing::info!(listen = ?listen, admin = %admin_addr, "tollgate serving");
+    let tls_listen = tls.as_ref().map(|t| t.listen.as_str());
+    tracing::info!(listen = ?listen, tls = ?tls_listen, admin = %admin_addr, "tollgate serving");
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals { app }),
     });

@@ -7,7 +7,9 @@
 //! [`FrontDoor`] is a `ServerApp` of its own around Pingora's `HttpProxy`: it counts the
 //! connection for as long as `process_new` runs (that is the connection's lifetime), wraps the
 //! stream in [`Tracked`], and runs Pingora's HTTP/1 keep-alive loop itself so that each request
-//! head can be raced against `server.header_timeout`.
+//! head can be raced against `server.header_timeout`. TLS connections (`server.tls`) come
+//! through the same door; those that chose HTTP/2 by ALPN are handed to Pingora's h2 server,
+//! still counted and stall-timed, with one request session per stream.
 
 use std::future::Future;
 use std::io;
@@ -124,6 +126,14 @@ impl ConnState {
                 return;
             }
             notified.await;
+        }
+    }
+
+    /// Resolves after `timeout` if not a byte has arrived by then; pends otherwise.
+    async fn silent_for(&self, timeout: Duration) {
+        tokio::time::sleep(timeout).await;
+        if self.first_byte_us.load(Ordering::SeqCst) > 0 {
+            std::future::pending::<()>().await;
         }
     }
 
@@ -411,6 +421,10 @@ impl Drop for OpenGuard<'_> {
     }
 }
 
+/// An HTTP/2 connection without an open stream for this long is closed, as Pingora closes an
+/// idle HTTP/1 keep-alive connection.
+pub const H2_IDLE: Duration = Duration::from_secs(60);
+
 /// The gateway's `ServerApp`: Pingora's proxy behind the connection-level limits.
 pub struct FrontDoor {
     proxy: Arc<HttpProxy<Gateway>>,
@@ -419,7 +433,10 @@ pub struct FrontDoor {
 }
 
 impl FrontDoor {
-    pub fn new(proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+    pub fn new(mut proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+        let mut options = proxy.server_options.take().unwrap_or_default();
+        options.h2_idle_timeout = Some(H2_IDLE);
+        proxy.server_options = Some(options);
         FrontDoor {
             proxy: Arc::new(proxy),
             shared,
@@ -448,7 +465,18 @@ impl ServerApp for FrontDoor {
             stall: None,
         });
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
-            return ServerApp::process_new(&self.proxy, stream, shutdown).await;
+            // Pingora's h2 server waits for the client's preface without a deadline: a
+            // connection that sends nothing within header_timeout is closed. (Connections
+            // without an open stream are closed after `H2_IDLE`.)
+            let serve = ServerApp::process_new(&self.proxy, stream, shutdown);
+            tokio::pin!(serve);
+            return tokio::select! {
+                r = &mut serve => r,
+                _ = conn.silent_for(limits.header_timeout) => {
+                    metrics().client_timeouts.with_label_values(&["header"]).inc();
+                    None
+                }
+            };
         }
         // Pingora's own HTTP/1 keep-alive loop, with each request head raced against its
         // deadline.
@@ -486,11 +514,6 @@ impl ServerApp for FrontDoor {
     }
 }
 
-/// The client socket of an HTTP/1 request (`None` for streams without one of their own).
-pub fn client_fd(session: &pingora::proxy::Session) -> Option<UniqueIDType> {
-    session.downstream_session.stream().map(|s| s.id())
-}
-
 /// Resolves when the client has closed its connection (FIN or RST), reading nothing from it:
 /// a duplicate of the socket is watched for read-closed readiness, so body bytes still waiting
 /// in the socket stay there for the upstream. Pends forever if the socket cannot be watched.
@@ -518,4 +541,49 @@ pub async fn client_gone(fd: UniqueIDType) {
         // Only data (a request body, a pipelined request): keep waiting.
         ready.clear_ready_matching(Ready::READABLE);
     }
+}
+
+/// Resolves when the client of this request went away, reading nothing: for HTTP/1 the
+/// connection closed ([`client_gone`]); for HTTP/2 the client reset the stream (or the
+/// connection ended), which leaves the connection's other streams alone.
+pub async fn client_left(session: &mut ServerSession) {
+    // An HTTP/1 session has a client socket of its own; an HTTP/2 stream shares one.
+    if let Some(fd) = session.stream().map(|s| s.id()) {
+        return client_gone(fd).await;
+    }
+    match session.watch_h2_stream_close() {
+        // Any answer (a reset's reason, or a stream error) means the stream is gone.
+        Some(closed) => {
+            let _ = closed.await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Keeps an HTTP/2 request's slot until the upstream has finished its answer although the
+/// client reset the stream. Pingora then drops its upstream connection without a `shutdown`,
+/// so the socket stays open through `dup` and the upstream works on; this reads (and
+/// discards) what it sends until end of file — the request went with `Connection: close` —
+/// or until `read_timeout` passes without a byte, as Pingora itself would have waited.
+pub async fn drain_upstream(
+    dup: std::os::fd::OwnedFd,
+    read_timeout: Duration,
+    slot: crate::proxy::ctx::UpstreamSlot,
+) {
+    use tokio::io::AsyncReadExt;
+    // The duplicate shares the original's open file description, so it is non-blocking too.
+    match tokio::net::TcpStream::from_std(std::net::TcpStream::from(dup)) {
+        Ok(mut upstream) => {
+            let mut scratch = vec![0u8; 16 * 1024];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(read_timeout, upstream.read(&mut scratch)).await
+            {
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "cannot watch the upstream of a reset stream"),
+    }
+    slot.release().await;
 }

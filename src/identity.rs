@@ -129,6 +129,97 @@ pub fn identify(
     }
 }
 
+/// `identity.trusted_proxies`: the proxies (load balancers) whose `X-Forwarded-For` is
+/// believed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrustedProxies(Vec<ipnet::IpNet>);
+
+impl TrustedProxies {
+    pub fn new(nets: Vec<ipnet::IpNet>) -> TrustedProxies {
+        TrustedProxies(nets)
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.0.iter().any(|n| n.contains(&ip))
+    }
+
+    /// Where a request from `peer` comes from. Only a trusted peer's `X-Forwarded-For` is
+    /// read: from its right end (the hop nearest to us), the first address that is not itself
+    /// a trusted proxy is the client. Anything further left was written by that client and
+    /// proves nothing. An entry that is not an address stops the walk at the last trusted hop.
+    pub fn origin(&self, peer: IpAddr, headers: &HeaderMap) -> Origin {
+        let peer = peer.to_canonical();
+        if !self.contains(peer) {
+            return Origin {
+                peer,
+                client: peer,
+                trusted_peer: false,
+            };
+        }
+        let mut client = peer;
+        let hops = headers
+            .get_all(http::header::HeaderName::from_static("x-forwarded-for"))
+            .iter()
+            .rev()
+            .flat_map(|v| v.as_bytes().rsplit(|b| *b == b','))
+            .filter(|hop| !hop.trim_ascii().is_empty());
+        for hop in hops {
+            let Some(ip) = parse_hop(hop) else { break };
+            client = ip;
+            if !self.contains(ip) {
+                break;
+            }
+        }
+        Origin {
+            peer,
+            client,
+            trusted_peer: true,
+        }
+    }
+}
+
+/// One `X-Forwarded-For` entry: an address, possibly with a port (`1.2.3.4:80`, `[::1]:80`).
+fn parse_hop(hop: &[u8]) -> Option<IpAddr> {
+    let s = std::str::from_utf8(hop).ok()?.trim();
+    s.parse::<IpAddr>()
+        .ok()
+        .or_else(|| s.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+        .map(|ip| ip.to_canonical())
+}
+
+/// Where a request comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Origin {
+    /// The address of the connection's other end.
+    pub peer: IpAddr,
+    /// The client: the peer itself, or the address a trusted proxy forwarded for.
+    pub client: IpAddr,
+    /// The peer is in `identity.trusted_proxies` (its forwarding headers are believed).
+    pub trusted_peer: bool,
+}
+
+impl Origin {
+    /// The `X-Forwarded-For` to send upstream: a trusted peer's chain with the peer appended;
+    /// for any other peer, only the peer (what it claims is dropped, so the upstream cannot be
+    /// told a made-up chain).
+    pub fn forwarded_for(&self, received: &HeaderMap) -> String {
+        let peer = self.peer.to_string();
+        if !self.trusted_peer {
+            return peer;
+        }
+        let mut chain: Vec<&str> = received
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .collect();
+        chain.push(&peer);
+        chain.join(", ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,5 +309,80 @@ mod tests {
         let ip = identify(&reg, Ok(None), Some("10.1.2.3".parse().unwrap())).unwrap();
         assert_eq!(ip.hash, client_ip_hash("10.1.2.3".parse().unwrap()));
         assert_ne!(ip.hash, hash_key(b"ip:10.1.2.3"));
+    }
+
+    fn proxies(nets: &[&str]) -> TrustedProxies {
+        TrustedProxies::new(nets.iter().map(|n| n.parse().unwrap()).collect())
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn forwarded_for_is_believed_from_trusted_peers_only() {
+        let t = proxies(&["10.0.0.0/8", "fd00::/8"]);
+        let xff = headers(&[("x-forwarded-for", "6.6.6.6, 1.2.3.4")]);
+        // An outsider's header is ignored, and replaced upstream by its own address.
+        let o = t.origin(ip("203.0.113.9"), &xff);
+        assert_eq!((o.client, o.trusted_peer), (ip("203.0.113.9"), false));
+        assert_eq!(o.forwarded_for(&xff), "203.0.113.9");
+        // A trusted balancer: the right-most untrusted address; the upstream gets the chain
+        // with the balancer appended.
+        let o = t.origin(ip("10.1.1.1"), &xff);
+        assert_eq!((o.client, o.trusted_peer), (ip("1.2.3.4"), true));
+        assert_eq!(o.forwarded_for(&xff), "6.6.6.6, 1.2.3.4, 10.1.1.1");
+        // Trusted hops are skipped, across header lines, and the IPv4-mapped form is the same.
+        let two = headers(&[
+            ("x-forwarded-for", "6.6.6.6, 1.2.3.4:5555"),
+            ("x-forwarded-for", "10.2.2.2"),
+        ]);
+        let o = t.origin(ip("::ffff:10.1.1.1"), &two);
+        assert_eq!(o.client, ip("1.2.3.4"));
+        assert_eq!(o.peer, ip("10.1.1.1"));
+        // Only trusted hops: the left-most of them. Garbage stops the walk at the last good hop.
+        let o = t.origin(ip("10.1.1.1"), &headers(&[("x-forwarded-for", "10.3.3.3")]));
+        assert_eq!(o.client, ip("10.3.3.3"));
+        let o = t.origin(
+            ip("10.1.1.1"),
+            &headers(&[("x-forwarded-for", "1.2.3.4, junk, 10.3.3.3")]),
+        );
+        assert_eq!(o.client, ip("10.3.3.3"));
+        // No header: the peer itself.
+        let o = t.origin(ip("fd00::1"), &HeaderMap::new());
+        assert_eq!((o.client, o.trusted_peer), (ip("fd00::1"), true));
+        assert_eq!(o.forwarded_for(&HeaderMap::new()), "fd00::1");
+        // Nothing trusted (the default): never believed.
+        let o = TrustedProxies::default().origin(ip("10.1.1.1"), &xff);
+        assert_eq!(o.client, ip("10.1.1.1"));
+    }
+
+    #[test]
+    fn trusted_proxies_errors_name_the_entry() {
+        let y = |list: &str| {
+            format!(
+                "upstream: {{url: \"http://127.0.0.1:1\"}}\nrate_limits:\n  default: {{window: 60s, max_cost: 120}}\nidentity: {{trusted_proxies: {list}}}\n"
+            )
+        };
+        let ok = Config::parse(
+            &y("[\"10.0.0.0/8\", \"192.0.2.7\", \"fd00::/8\"]"),
+            &EnvOverrides::default(),
+        )
+        .unwrap();
+        assert!(ok.trusted_proxies.contains("192.0.2.7".parse().unwrap()));
+        assert!(!ok.trusted_proxies.contains("192.0.2.8".parse().unwrap()));
+        let errs = Config::parse(
+            &y("[\"10.0.0.0/8\", \"10.0.0.1/8\", \"lb\"]"),
+            &EnvOverrides::default(),
+        )
+        .unwrap_err();
+        let errs: Vec<String> = errs.0.iter().map(|e| e.to_string()).collect();
+        assert_eq!(
+            errs,
+            vec![
+                "identity.trusted_proxies[1]: \"10.0.0.1/8\" has host bits set; the network is \"10.0.0.0/8\"".to_string(),
+                "identity.trusted_proxies[2]: expected a CIDR such as \"10.0.0.0/8\" or an IP address, got \"lb\"".to_string(),
+            ]
+        );
     }
 }

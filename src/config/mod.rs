@@ -33,7 +33,7 @@ pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
     Anonymous, Backend, Listen, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity, RawKey,
-    RawPlan, RawRateLimits, RawServer, RawStore, RawUpstream,
+    RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
 pub use url::redact_url;
 
@@ -85,10 +85,14 @@ pub struct Config {
     /// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`: what the
     /// front door enforces on client connections.
     pub client_limits: crate::front::ClientLimits,
+    /// `server.tls`, with the certificate and key already read (they are re-read on reload).
+    pub tls: Option<crate::tls::TlsListener>,
     pub upstream: UpstreamTarget,
     pub store: StoreSettings,
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,
+    /// `identity.trusted_proxies`: peers whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: crate::identity::TrustedProxies,
     /// `identity.forward_credentials`: false = the key's header / `Authorization` is removed
     /// before the request goes upstream.
     pub forward_credentials: bool,

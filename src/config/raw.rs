@@ -69,6 +69,19 @@ pub struct RawServer {
     /// Open client connections per instance; more are refused at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: i64,
+    /// TLS termination on a listener of its own (HTTP/2 offered by ALPN).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RawTls>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub listen: String,
+    /// PEM certificate chain, leaf first; re-read on reload.
+    pub cert: String,
+    /// PEM private key of the leaf certificate; re-read on reload.
+    pub key: String,
 }
 
 fn default_listen() -> Listen {
@@ -104,6 +117,7 @@ impl Default for RawServer {
             body_timeout: default_body_timeout(),
             send_timeout: default_send_timeout(),
             max_connections: default_max_connections(),
+            tls: None,
         }
     }
 }
@@ -212,6 +226,9 @@ pub struct RawIdentity {
     /// A header that tells the upstream which key paid; "" = none.
     #[serde(default)]
     pub key_id_header: String,
+    /// CIDRs of the proxies (load balancers) whose `X-Forwarded-For` names the client.
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
 }
 
 fn default_sources() -> Vec<String> {
@@ -231,6 +248,7 @@ impl Default for RawIdentity {
             anonymous: default_anonymous(),
             forward_credentials: default_forward_credentials(),
             key_id_header: String::new(),
+            trusted_proxies: Vec::new(),
         }
     }
 }

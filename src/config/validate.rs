@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use super::bounds::shown;
 use super::error::ConfigErrors;
-use super::raw::{Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawUpstream};
+use super::raw::{
+    Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawTls, RawUpstream,
+};
 use super::url::{check_redis_url, parse_upstream_url};
 use super::{Config, EnvOverrides, IdentitySource, StoreSettings, UpstreamTarget};
 
@@ -22,7 +24,9 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let (listen, threads, max_connections) = server(&raw.server, &mut errs);
     let upstream = upstream(&raw.upstream, &mut errs);
     let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
+    let tls = raw.server.tls.as_ref().and_then(|t| tls(t, &mut errs));
     let (sources, key_id_header) = identity(&raw.identity, &mut errs);
+    let trusted_proxies = trusted_proxies(&raw.identity.trusted_proxies, &mut errs);
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
     let plans = plans(&raw.plans, &raw.rate_limits.default, &mut errs);
     let router = endpoints(&raw.rate_limits, &raw.plans, &mut errs);
@@ -54,6 +58,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
             send_timeout: raw.server.send_timeout.0,
             max_connections,
         },
+        tls,
         upstream,
         store: StoreSettings {
             backend: raw.store.backend,
@@ -65,6 +70,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         },
         sources,
         anonymous: raw.identity.anonymous,
+        trusted_proxies,
         forward_credentials: raw.identity.forward_credentials,
         key_id_header,
         default_policy,
@@ -147,6 +153,33 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize)
         }
     };
     (listen, threads, max_connections)
+}
+
+/// `server.tls`: the listener's address, and a certificate and key that can be served (read
+/// now, so that a file Pingora would panic on is a config error instead).
+fn tls(t: &RawTls, errs: &mut ConfigErrors) -> Option<crate::tls::TlsListener> {
+    if t.listen.parse::<SocketAddr>().is_err() {
+        errs.push(
+            "server.tls.listen",
+            format!("expected IP:PORT, got \"{}\"", shown(&t.listen)),
+        );
+    }
+    let (cert, key) = (
+        std::path::PathBuf::from(&t.cert),
+        std::path::PathBuf::from(&t.key),
+    );
+    match crate::tls::load_key_pair(&cert, &key) {
+        Ok(certified) => Some(crate::tls::TlsListener {
+            listen: t.listen.clone(),
+            cert,
+            key,
+            certified: Arc::new(certified),
+        }),
+        Err(e) => {
+            errs.push(e.field(), e.to_string());
+            None
+        }
+    }
 }
 
 /// Far above what one process can hold open (file descriptors), and a safe `usize`.
@@ -300,4 +333,33 @@ fn key_id_header(
         ));
     }
     Ok(Some(header))
+}
+
+/// `identity.trusted_proxies`: CIDRs (`10.0.0.0/8`) or single addresses, in normalized form.
+fn trusted_proxies(list: &[String], errs: &mut ConfigErrors) -> crate::identity::TrustedProxies {
+    let mut nets = Vec::new();
+    for (i, s) in list.iter().enumerate() {
+        let path = format!("identity.trusted_proxies[{i}]");
+        let net = s
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from));
+        match net {
+            Ok(n) if n.trunc() != n => errs.push(
+                path,
+                format!(
+                    "\"{s}\" has host bits set; the network is \"{}\"",
+                    n.trunc()
+                ),
+            ),
+            Ok(n) => nets.push(n),
+            Err(_) => errs.push(
+                path,
+                format!(
+                    "expected a CIDR such as \"10.0.0.0/8\" or an IP address, got \"{}\"",
+                    shown(s)
+                ),
+            ),
+        }
+    }
+    crate::identity::TrustedProxies::new(nets)
 }

@@ -14,7 +14,7 @@ use prometheus::IntGauge;
 use crate::budget::Outcome;
 use crate::decision::{Admitted, Classified, Refusal};
 use crate::front::ConnState;
-use crate::identity::Identity;
+use crate::identity::{Identity, Origin};
 use crate::problem::Problem;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
@@ -42,7 +42,21 @@ pub struct Charged {
     pub req: AdmitRequest,
     pub outcome: Outcome,
     pub lease: Lease,
-    _in_flight: InFlight,
+    /// `None` once the slot has been handed to an [`UpstreamSlot`].
+    in_flight: Option<InFlight>,
+}
+
+/// The slots of an admitted request whose client went away, held on until the upstream is
+/// done (see `front::drain_upstream`).
+pub struct UpstreamSlot {
+    lease: Lease,
+    _in_flight: Option<InFlight>,
+}
+
+impl UpstreamSlot {
+    pub async fn release(self) {
+        self.lease.release().await;
+    }
 }
 
 // Lives inside the context Pingora allocates once per request, and changes state in place:
@@ -104,6 +118,12 @@ pub struct Ctx {
     /// What the upstream receives instead of the client's method / target, if anything.
     pub forward: Option<Classified>,
     pub identity: Option<Identity>,
+    /// The peer and the client address (`identity.trusted_proxies`).
+    pub origin: Option<Origin>,
+    /// A duplicate of the upstream socket, for an HTTP/2 request on a capped route: if the
+    /// client resets the stream, the upstream's answer is drained from it so that the slot
+    /// follows the upstream's work.
+    pub upstream_dup: Option<std::os::fd::OwnedFd>,
     pub phase: Phase,
     pub timing: Timing,
     /// The client's `X-Request-Id`, or one made up for it; sent upstream and logged.
@@ -125,6 +145,8 @@ impl Ctx {
             route: None,
             forward: None,
             identity: None,
+            origin: None,
+            upstream_dup: None,
             phase: Phase::Undecided,
             timing: Timing::default(),
             request_id: None,
@@ -150,7 +172,7 @@ impl Ctx {
             req,
             outcome: a.outcome,
             lease: a.lease,
-            _in_flight: InFlight::new(in_flight),
+            in_flight: Some(InFlight::new(in_flight)),
         });
     }
 
@@ -183,6 +205,18 @@ impl Ctx {
     pub async fn release(&mut self) {
         if let Phase::Admitted(c) = &mut self.phase {
             std::mem::take(&mut c.lease).release().await;
+        }
+    }
+
+    /// Takes the slots out of an admitted request (which stays admitted and charged), for a
+    /// release that waits for the upstream.
+    pub fn detach_slot(&mut self) -> Option<UpstreamSlot> {
+        match &mut self.phase {
+            Phase::Admitted(c) => Some(UpstreamSlot {
+                lease: std::mem::take(&mut c.lease),
+                _in_flight: c.in_flight.take(),
+            }),
+            _ => None,
         }
     }
 

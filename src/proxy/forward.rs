@@ -1,7 +1,7 @@
 //! What the upstream receives: the peer to connect to, and the request as the gateway charged
 //! it (normalized origin-form target, canonical method) with the forwarding headers.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::HeaderValue;
@@ -44,8 +44,19 @@ pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> HttpPeer {
     peer
 }
 
-/// Rewrites the upstream request: what was charged is what is sent.
-pub fn request(upstream: &mut RequestHeader, ctx: &Ctx, client: Option<IpAddr>) -> Result<()> {
+/// Rewrites the upstream request: what was charged is what is sent. `received` are the
+/// client's headers as they arrived; `tls`: the client connection is TLS.
+pub fn request(
+    upstream: &mut RequestHeader,
+    ctx: &Ctx,
+    received: &http::HeaderMap,
+    tls: bool,
+) -> Result<()> {
+    // HTTP/2 has no Host header: its `:authority` is the host the client asked for.
+    let authority = upstream
+        .uri
+        .authority()
+        .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
     if let Some(f) = &ctx.forward {
         if let Some(target) = &f.forward_target {
             let uri = target
@@ -63,28 +74,28 @@ pub fn request(upstream: &mut RequestHeader, ctx: &Ctx, client: Option<IpAddr>) 
     if let Some(running) = &ctx.running {
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
         upstream.remove_header("x-forwarded-host");
-        if let Some(host) = upstream.remove_header("host") {
+        if let Some(host) = upstream.remove_header("host").or(authority) {
             upstream.append_header("X-Forwarded-Host", host)?;
         }
         upstream.append_header("Host", running.config.upstream.host_header.clone())?;
         identity_headers(upstream, ctx, &running.config)?;
     }
-    if let Some(ip) = client {
-        match upstream
-            .headers
-            .get("x-forwarded-for")
-            .and_then(|v| v.to_str().ok())
-        {
-            Some(prev) => {
-                let xff = format!("{prev}, {ip}");
-                upstream.insert_header("X-Forwarded-For", xff)?;
-            }
-            None => {
-                upstream.append_header("X-Forwarded-For", ip.to_string())?;
-            }
+    // Only what a trusted proxy forwarded is passed on (identity.trusted_proxies).
+    match &ctx.origin {
+        Some(origin) => {
+            upstream.insert_header("X-Forwarded-For", origin.forwarded_for(received))?;
+            let proto = match received.get("x-forwarded-proto") {
+                Some(p) if origin.trusted_peer => p.clone(),
+                _ => HeaderValue::from_static(if tls { "https" } else { "http" }),
+            };
+            upstream.insert_header("X-Forwarded-Proto", proto)?;
+        }
+        None => {
+            upstream.remove_header("x-forwarded-for");
+            let proto = HeaderValue::from_static(if tls { "https" } else { "http" });
+            upstream.insert_header("X-Forwarded-Proto", proto)?;
         }
     }
-    upstream.insert_header("X-Forwarded-Proto", HeaderValue::from_static("http"))?;
     if let Some(id) = &ctx.request_id {
         if !upstream.headers.contains_key("x-request-id") {
             upstream.insert_header("X-Request-Id", id.as_str())?;

@@ -32,11 +32,27 @@ pub struct Gateway {
     pub shared: Arc<Shared>,
 }
 
-fn client_ip(session: &Session) -> Option<std::net::IpAddr> {
-    session
-        .client_addr()
-        .and_then(|a| a.as_inet())
-        .map(|a| a.ip())
+/// An HTTP/2 request admitted to a capped route: its slot follows the upstream's work through
+/// a duplicate of the upstream socket (HTTP/1 has the client shield instead, see `front`).
+fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
+    session.downstream_session.is_http2()
+        && ctx.is_admitted()
+        && ctx
+            .route
+            .as_ref()
+            .is_some_and(|r| r.max_in_flight.is_some())
+}
+
+/// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
+fn client_went_away(e: &Error) -> bool {
+    *e.esource() == ErrorSource::Downstream
+        && matches!(
+            e.etype(),
+            ErrorType::H2Error
+                | ErrorType::ConnectionClosed
+                | ErrorType::ReadError
+                | ErrorType::WriteError
+        )
 }
 
 impl Gateway {
@@ -83,24 +99,25 @@ impl Gateway {
         decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
 
         // 2. Identify. The raw key never leaves `decision::identify`.
-        let who = decision::identify(cfg, &req.headers, client_ip(session))?;
+        let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
         let admit = decision::admit_request(&route, &who);
         ctx.identity = Some(who);
 
         // 3. Admit: budget, per-key cap and route cap in one store decision. A client that
         // leaves while queued for a slot is never admitted (the store's admit is cancel-safe).
-        let fd = front::client_fd(session);
+        // An HTTP/2 client leaves by resetting its stream.
         let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
         let t = Instant::now();
-        let answer = match fd.filter(|_| may_queue) {
-            Some(fd) => tokio::select! {
+        let answer = if may_queue {
+            tokio::select! {
                 a = self.shared.store.decide(&admit) => a,
-                _ = front::client_gone(fd) => {
+                _ = front::client_left(&mut session.downstream_session) => {
                     ctx.phase = Phase::Abandoned;
                     return Ok(false);
                 }
-            },
-            None => self.shared.store.decide(&admit).await,
+            }
+        } else {
+            self.shared.store.decide(&admit).await
         };
         let elapsed = t.elapsed();
         ctx.fallback = answer.fallback;
@@ -119,15 +136,9 @@ impl Gateway {
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
             // that leaves meanwhile gets its reservation back and is never forwarded.
-            let gone = async {
-                match fd {
-                    Some(fd) => front::client_gone(fd).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 _ = tokio::time::sleep(hold) => {}
-                _ = gone => {
+                _ = front::client_left(&mut session.downstream_session) => {
                     ctx.abandon(&self.shared.store).await;
                     return Ok(false);
                 }
@@ -160,6 +171,12 @@ impl ProxyHttp for Gateway {
     async fn early_request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
         let running = self.shared.running();
         let limits = running.config.client_limits;
+        ctx.origin = session.client_addr().and_then(|a| a.as_inet()).map(|a| {
+            running
+                .config
+                .trusted_proxies
+                .origin(a.ip(), &session.req_header().headers)
+        });
         ctx.running = Some(running);
         if let Some(c) = front::conn_of(session) {
             c.head_done();
@@ -213,6 +230,7 @@ impl ProxyHttp for Gateway {
                         | ErrorType::WriteError
                         | ErrorType::ReadTimedout
                         | ErrorType::WriteTimedout
+                        | ErrorType::H2Error
                 ))
     }
 
@@ -232,8 +250,32 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        forward::request(upstream, ctx, client_ip(session))?;
+        let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+        forward::request(upstream, ctx, &session.req_header().headers, tls)?;
+        if drains_on_reset(session, ctx) {
+            // The end of the upstream's answer is then the end of its connection, which is
+            // what `front::drain_upstream` waits for.
+            upstream.insert_header(http::header::CONNECTION, "close")?;
+        }
         ctx.timing.upstream_start = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        session: &mut Session,
+        _reused: bool,
+        _peer: &HttpPeer,
+        fd: std::os::unix::io::RawFd,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if drains_on_reset(session, ctx) {
+            // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
+            // a duplicate is kept.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            ctx.upstream_dup = fd.try_clone_to_owned().ok();
+        }
         Ok(())
     }
 
@@ -294,7 +336,7 @@ impl ProxyHttp for Gateway {
                 }
                 // The client went away, stalled or sent garbage; nobody to answer.
                 let code = match e.etype() {
-                    WriteError | ReadError | ConnectionClosed | WriteTimedout => 0,
+                    WriteError | ReadError | ConnectionClosed | WriteTimedout | H2Error => 0,
                     _ => 400,
                 };
                 if code > 0 && !headers_sent {
@@ -342,6 +384,17 @@ impl ProxyHttp for Gateway {
             c.set_shield(false);
             if c.client_gone() {
                 session.set_keepalive(None);
+            }
+        }
+        if let Some(dup) = ctx.upstream_dup.take() {
+            // An HTTP/2 client that reset its stream after sending the whole request: the
+            // upstream works on, so its slot stays taken until the upstream is done. (Else the
+            // duplicate just closes.)
+            if e.is_some_and(client_went_away) && session.is_body_done() {
+                if let (Some(slot), Some(running)) = (ctx.detach_slot(), &ctx.running) {
+                    let read_timeout = running.config.upstream.read_timeout;
+                    tokio::spawn(front::drain_upstream(dup, read_timeout, slot));
+                }
             }
         }
         // Now, with the upstream's answer read to its end (or its read_timeout passed).
@@ -399,7 +452,7 @@ impl ProxyHttp for Gateway {
             upstream_status = ctx.upstream_status,
             request_id = ctx.request_id.as_deref(),
             fallback = ctx.fallback,
-            client = client_ip(session).map(|ip| ip.to_string()).as_deref(),
+            client = ctx.origin.map(|o| o.client.to_string()).as_deref(),
             error = e.map(|e| e.etype().as_str()),
         );
     }

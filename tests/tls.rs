@@ -1,0 +1,683 @@
+//! The front door as API consumers behind HTTPS and load balancers reach it: TLS termination
+//! (certificate made here, rotated on disk and reloaded), HTTP/2 streams charged and capped
+//! like HTTP/1.1 requests, and the client address behind `identity.trusted_proxies`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rustls_pki_types::pem::PemObject;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::rustls;
+
+/// A gateway with `server.tls` on a port of its own, serving the certificate in `pki`.
+struct TlsGateway {
+    gw: Gateway,
+    tls_port: u16,
+    /// The CA that signed the certificate the test rotates in (the client trusts both).
+    roots: Vec<PathBuf>,
+}
+
+/// `body` with a budget that refills too slowly to change `remaining` during a test.
+fn slow_refill(body: &str) -> String {
+    body.replace("window: 60s", "window: 24h")
+}
+
+fn start_tls(upstream: &Upstream, pki: &Pki, body: &str, extra_roots: &[&Path]) -> TlsGateway {
+    start_tls_with(upstream, pki, body, extra_roots, "")
+}
+
+/// With more `server:` lines.
+fn start_tls_with(
+    upstream: &Upstream,
+    pki: &Pki,
+    body: &str,
+    extra_roots: &[&Path],
+    server_more: &str,
+) -> TlsGateway {
+    for _attempt in 0..5 {
+        let tls_port = free_port();
+        let server_extra = format!(
+            "  tls:\n    listen: \"127.0.0.1:{tls_port}\"\n    cert: \"{}\"\n    key: \"{}\"\n{server_more}",
+            pki.cert_file.display(),
+            pki.key_file.display()
+        );
+        let gw = Gateway::start_opts(GatewayOpts {
+            upstream_url: upstream.url(),
+            body,
+            server_extra: &server_extra,
+            ..GatewayOpts::default()
+        });
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_ok() {
+                let mut roots = vec![pki.ca_file.clone()];
+                roots.extend(extra_roots.iter().map(|p| p.to_path_buf()));
+                return TlsGateway {
+                    gw,
+                    tls_port,
+                    roots,
+                };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    panic!("the TLS listener did not start");
+}
+
+/// A TLS connection to `localhost` that trusts `roots` and offers `alpn`.
+async fn tls_connect(
+    port: u16,
+    roots: &[PathBuf],
+    alpn: &[&[u8]],
+) -> TlsStream<tokio::net::TcpStream> {
+    let mut store = rustls::RootCertStore::empty();
+    for r in roots {
+        for c in rustls::pki_types::CertificateDer::pem_file_iter(r).unwrap() {
+            store.add(c.unwrap()).unwrap();
+        }
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(store)
+    .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    connector.connect(name, tcp).await.unwrap()
+}
+
+/// The certificate the server presented.
+fn served_cert(tls: &TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+/// One HTTP/2 connection to the gateway's TLS listener.
+async fn h2_connect(tg: &TlsGateway) -> h2::client::SendRequest<bytes::Bytes> {
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (client, conn) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+struct H2Response {
+    status: u16,
+    version: http::Version,
+    headers: http::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl H2Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    fn remaining(&self) -> u64 {
+        self.header("x-ratelimit-remaining")
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+}
+
+fn h2_request(method: &str, path: &str, key: &str) -> http::Request<()> {
+    http::Request::builder()
+        .method(method)
+        .uri(format!("https://localhost{path}"))
+        .header("x-api-key", key)
+        .body(())
+        .unwrap()
+}
+
+/// Sends a bodyless request as a new stream and reads its whole response.
+async fn h2_send(
+    client: &h2::client::SendRequest<bytes::Bytes>,
+    req: http::Request<()>,
+) -> H2Response {
+    let mut client = client.clone().ready().await.unwrap();
+    let (resp, _) = client.send_request(req, true).unwrap();
+    let resp = resp.await.unwrap();
+    let (parts, mut body) = resp.into_parts();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        bytes.extend_from_slice(&chunk);
+    }
+    H2Response {
+        status: parts.status.as_u16(),
+        version: parts.version,
+        headers: parts.headers,
+        body: bytes,
+    }
+}
+
+#[tokio::test]
+async fn http2_over_tls_gets_200_with_rate_limit_headers() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls(&up, &pki, INCIDENT, &[]);
+
+    let client = h2_connect(&tg).await;
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k1")).await;
+    assert_eq!((r.status, r.version), (200, http::Version::HTTP_2));
+    assert_eq!(r.header("ratelimit-policy"), Some("\"default\";q=120;w=60"));
+    assert_eq!(r.header("x-ratelimit-limit"), Some("120"));
+    assert_eq!(r.header("x-ratelimit-cost"), Some("1"));
+    assert_eq!(r.remaining(), 119);
+    assert!(r
+        .header("ratelimit")
+        .unwrap()
+        .starts_with("\"default\";r=119;t="));
+
+    // The upstream got HTTP/1.1 with the origin-form target, the client's authority as
+    // X-Forwarded-Host, and the scheme the client used.
+    let seen = up.api.seen();
+    let last = seen.last().unwrap();
+    assert_eq!(last.target, "/widgets");
+    assert_eq!(last.header("x-forwarded-proto"), vec!["https"]);
+    assert_eq!(last.header("x-forwarded-host"), vec!["localhost"]);
+    assert_eq!(last.header("x-forwarded-for"), vec!["127.0.0.1"]);
+
+    // A route's cost applies to a stream as to an HTTP/1.1 request, and so does a refusal:
+    // a key without budget left gets its 429 on a stream of the same connection.
+    let r = h2_send(&client, h2_request("POST", "/reports//generate", "k1")).await;
+    assert_eq!((r.status, r.remaining()), (200, 99));
+    assert_eq!(up.api.seen().last().unwrap().target, "/reports/generate");
+
+    // HTTP/1.1 is offered on the same listener (ALPN http/1.1); it needs its Host.
+    let mut tls = tls_connect(tg.tls_port, &tg.roots, &[b"http/1.1"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    tls.write_all(
+        b"GET /widgets HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k1\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut text = String::new();
+    tls.read_to_string(&mut text).await.unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-ratelimit-remaining: 98\r\n"),
+        "{text}"
+    );
+    assert!(text.contains("\"x-forwarded-proto\":\"https\""), "{text}");
+
+    // The access log names the client address of the h2 stream.
+    let access = tg.gw.access_log();
+    assert!(
+        access.iter().all(|l| l["client"] == "127.0.0.1"),
+        "{access:?}"
+    );
+    assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
+    drop(client);
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+}
+
+#[tokio::test]
+async fn twenty_streams_on_one_connection_are_each_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls(&up, &pki, &slow_refill(INCIDENT), &[]);
+
+    let client = h2_connect(&tg).await;
+    let sends = (0..20).map(|i| {
+        h2_send(
+            &client,
+            h2_request("GET", &format!("/items/{i}?delay_ms=50"), "k1"),
+        )
+    });
+    let responses = futures_util::future::join_all(sends).await;
+    assert!(responses.iter().all(|r| r.status == 200));
+    let mut remaining: Vec<u64> = responses.iter().map(|r| r.remaining()).collect();
+    remaining.sort();
+    assert_eq!(
+        remaining,
+        (100..=119).collect::<Vec<u64>>(),
+        "each stream charged once"
+    );
+    let r = h2_send(&client, h2_request("GET", "/items/x", "k1")).await;
+    assert_eq!(r.remaining(), 99);
+    assert_metric(&tg.gw, "tollgate_cost_units_total{route=\"default\"}", 21.0).await;
+    assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
+}
+
+#[tokio::test]
+async fn refused_streams_leave_the_connection_alone() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls(&up, &pki, &slow_refill(INCIDENT), &[]);
+
+    // 120 units, 20 a report: 6 fit, 14 streams of the same connection are refused.
+    let client = h2_connect(&tg).await;
+    let sends = (0..20).map(|_| h2_send(&client, h2_request("POST", "/reports/generate", "k1")));
+    let responses = futures_util::future::join_all(sends).await;
+    let mut statuses: Vec<u16> = responses.iter().map(|r| r.status).collect();
+    statuses.sort();
+    assert_eq!(statuses, [vec![200; 6], vec![429; 14]].concat());
+    for r in responses.iter().filter(|r| r.status == 429) {
+        assert!(r.header("retry-after").is_some());
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        let p: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert!(p["type"].as_str().unwrap().ends_with("quota-exceeded"));
+    }
+    assert_eq!(up.count("/reports/generate"), 6);
+    // The connection still serves: another key's stream goes through.
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k2")).await;
+    assert_eq!((r.status, r.remaining()), (200, 119));
+    // An unidentified stream: 401, and the connection still serves.
+    let anon = http::Request::builder()
+        .uri("https://localhost/widgets")
+        .body(())
+        .unwrap();
+    assert_eq!(h2_send(&client, anon).await.status, 401);
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k2")).await;
+    assert_eq!((r.status, r.remaining()), (200, 118));
+    assert!(error_lines(&tg.gw).is_empty(), "{:?}", error_lines(&tg.gw));
+}
+
+#[tokio::test]
+async fn route_cap_holds_across_streams_of_one_connection() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = incident_with_report_caps("      max_in_flight: 2\n      queue_timeout: 20s\n");
+    let tg = start_tls(&up, &pki, &body, &[]);
+
+    let client = h2_connect(&tg).await;
+    let sends = (0..6).map(|_| {
+        h2_send(
+            &client,
+            h2_request("POST", "/reports/generate?work_ms=300", "k1"),
+        )
+    });
+    let responses = futures_util::future::join_all(sends).await;
+    assert!(responses.iter().all(|r| r.status == 200));
+    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(
+        up.max_concurrent("/reports/generate"),
+        2,
+        "the cap, and only the cap"
+    );
+}
+
+/// A stream reset while its request is with the upstream keeps its slot (and its charge)
+/// until the upstream is done; one reset while queued is never forwarded nor charged.
+#[tokio::test]
+async fn a_reset_stream_is_a_client_that_went_away() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = slow_refill(&incident_with_report_caps(
+        "      max_in_flight: 1\n      queue_timeout: 20s\n",
+    ));
+    let tg = start_tls(&up, &pki, &body, &[]);
+    let path = "/reports/generate";
+
+    let client = h2_connect(&tg).await;
+    let mut c = client.clone().ready().await.unwrap();
+    // A is with the upstream (1.5 s of work), then the client resets it.
+    let (a, mut a_stream) = c
+        .send_request(
+            h2_request("POST", "/reports/generate?work_ms=1500", "k1"),
+            false,
+        )
+        .unwrap();
+    a_stream.send_data(bytes::Bytes::new(), true).unwrap();
+    up.wait_current(path, 1).await;
+    let reset_at = Instant::now();
+    a_stream.send_reset(h2::Reason::CANCEL);
+    drop(a);
+
+    // B, queued behind A's slot on the same connection, is reset while waiting.
+    let mut c = client.clone().ready().await.unwrap();
+    let (b, mut b_stream) = c
+        .send_request(
+            h2_request("POST", "/reports/generate?work_ms=10", "k2"),
+            true,
+        )
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b_stream.send_reset(h2::Reason::CANCEL);
+    drop(b);
+
+    // C waits for the slot that A's upstream work still holds.
+    let r = h2_send(
+        &client,
+        h2_request("POST", "/reports/generate?work_ms=10", "k1"),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(
+        reset_at.elapsed() >= Duration::from_millis(1000),
+        "C ran {:?} after A's reset: the slot was freed before the upstream finished",
+        reset_at.elapsed()
+    );
+    assert_eq!(up.max_concurrent(path), 1);
+    // A (charged 1) and C: k1 has 118 left. B was never forwarded, and k2 never charged.
+    assert_eq!(r.remaining(), 118, "{}", tg.gw.log());
+    assert_eq!(up.count(path), 2);
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k2")).await;
+    assert_eq!((r.status, r.remaining()), (200, 119));
+    let access = tg.gw.access_log();
+    assert!(
+        access.iter().any(|l| l["decision"] == "client_gone"),
+        "{access:?}"
+    );
+    assert!(error_lines(&tg.gw).is_empty(), "{:?}", error_lines(&tg.gw));
+    assert_metric(
+        &tg.gw,
+        "tollgate_in_flight{route=\"/reports/generate\"}",
+        0.0,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn one_front_door_for_both_listeners() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(
+        &up,
+        &pki,
+        INCIDENT,
+        &[],
+        "  max_connections: 1\n  header_timeout: 1s\n",
+    );
+    // A TLS connection that never says a word is closed after header_timeout.
+    let mut silent = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    let mut buf = [0u8; 64];
+    let start = Instant::now();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => continue, // the server's SETTINGS
+            Ok(_) => break,
+            Err(_) => panic!("a silent h2 connection was kept open"),
+        }
+    }
+    assert!(start.elapsed() >= Duration::from_millis(900));
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+
+    // max_connections counts the plain and the TLS listener together.
+    let mut plain = raw_connect(tg.gw.port);
+    std::io::Write::write_all(
+        &mut plain,
+        b"GET /widgets HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\n\r\n",
+    )
+    .unwrap();
+    assert_eq!(read_raw_response(&mut plain).unwrap().status, 200);
+    assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
+    let mut tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    assert_metric(&tg.gw, "tollgate_connections_refused_total", 1.0).await;
+    drop(plain);
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+    let client = h2_connect(&tg).await;
+    assert_eq!(
+        h2_send(&client, h2_request("GET", "/widgets", "k1"))
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_stream_reset_while_held_by_max_delay_is_never_forwarded() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 20s, max_cost: 2, max_delay: 30s}\n";
+    let tg = start_tls(&up, &pki, body, &[]);
+    let client = h2_connect(&tg).await;
+    for _ in 0..2 {
+        assert_eq!(
+            h2_send(&client, h2_request("GET", "/held", "k1"))
+                .await
+                .status,
+            200
+        );
+    }
+    // The third fits only in 10 s: held; the client resets it meanwhile.
+    let mut c = client.clone().ready().await.unwrap();
+    let (held, mut stream) = c
+        .send_request(h2_request("GET", "/held", "k1"), true)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.send_reset(h2::Reason::CANCEL);
+    drop(held);
+    let start = Instant::now();
+    while !tg
+        .gw
+        .access_log()
+        .iter()
+        .any(|l| l["decision"] == "client_gone")
+    {
+        assert!(start.elapsed() < Duration::from_secs(5), "{}", tg.gw.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(up.count("/held"), 2);
+    // Another key on the same connection is served at once.
+    assert_eq!(
+        h2_send(&client, h2_request("GET", "/held", "k2"))
+            .await
+            .status,
+        200
+    );
+}
+
+/// Copies `from`'s certificate and key over the files the gateway was started with.
+fn rotate(to: &Pki, from: &Pki) {
+    std::fs::copy(&from.cert_file, &to.cert_file).unwrap();
+    std::fs::copy(&from.key_file, &to.key_file).unwrap();
+}
+
+#[tokio::test]
+async fn a_certificate_rotated_on_disk_is_served_after_reload() {
+    let up = Upstream::start(Duration::ZERO);
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (first, second) = (Pki::new(d1.path()), Pki::new(d2.path()));
+    let tg = start_tls(&up, &first, INCIDENT, &[&second.ca_file]);
+
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(served_cert(&tls), first.cert_der);
+    rotate(&first, &second);
+    tg.gw.signal("HUP");
+    assert_metric(&tg.gw, "tollgate_config_reloads_total{result=\"ok\"}", 1.0).await;
+    let tls2 = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(
+        served_cert(&tls2),
+        second.cert_der,
+        "the new certificate after SIGHUP"
+    );
+    // And it serves requests.
+    let (client, conn) = h2::client::handshake(tls2).await.unwrap();
+    tokio::spawn(conn);
+    let tg_client = client;
+    let r = h2_send(&tg_client, h2_request("GET", "/widgets", "k1")).await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test]
+async fn a_bad_certificate_on_reload_keeps_the_old_one() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls(&up, &pki, INCIDENT, &[]);
+
+    std::fs::write(&pki.cert_file, "not a certificate\n").unwrap();
+    tg.gw.signal("HUP");
+    assert_metric(
+        &tg.gw,
+        "tollgate_config_reloads_total{result=\"error\"}",
+        1.0,
+    )
+    .await;
+    tg.gw.wait_log("server.tls.cert: no certificate in").await;
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(
+        served_cert(&tls),
+        pki.cert_der,
+        "the running certificate stays"
+    );
+
+    // A key that belongs to another certificate is refused the same way.
+    let other = tempfile::tempdir().unwrap();
+    let other = Pki::new(other.path());
+    std::fs::write(&pki.cert_file, std::fs::read(&other.cert_file).unwrap()).unwrap();
+    tg.gw.signal("HUP");
+    assert_metric(
+        &tg.gw,
+        "tollgate_config_reloads_total{result=\"error\"}",
+        2.0,
+    )
+    .await;
+    tg.gw.wait_log("does not match the certificate").await;
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(served_cert(&tls), pki.cert_der);
+}
+
+#[test]
+fn check_validates_the_tls_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    std::fs::write(
+        &pki.key_file,
+        "-----BEGIN PRIVATE KEY-----\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let cfg = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "server:\n  tls: {{listen: \"127.0.0.1:8443\", cert: \"{}\", key: \"{}\"}}\nupstream: {{url: \"http://127.0.0.1:3000\"}}\nidentity:\n  trusted_proxies: [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n{INCIDENT}",
+            dir.path().join("nope.crt").display(),
+            pki.key_file.display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("server.tls.cert: cannot read \""), "{text}");
+    assert!(
+        text.contains("identity.trusted_proxies[1]: expected a CIDR"),
+        "{text}"
+    );
+}
+
+/// What the upstream was told about the client of its last request.
+fn last_forwarded_for(up: &Upstream) -> Vec<String> {
+    up.api
+        .seen()
+        .last()
+        .unwrap()
+        .header("x-forwarded-for")
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn only_trusted_proxies_name_the_client() {
+    let up = Upstream::start(Duration::ZERO);
+    // 127.0.0.2 is the load balancer; 127.0.0.1 is a client that reaches the gateway directly.
+    let body = format!(
+        "identity:\n  anonymous: client_ip\n  trusted_proxies: [\"127.0.0.2/32\"]\n{}",
+        slow_refill(INCIDENT)
+    );
+    let gw = Gateway::start(&up, &body);
+    let direct = reqwest::Client::builder()
+        .local_address("127.0.0.1".parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap();
+    let balancer = reqwest::Client::builder()
+        .local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap();
+    let send = |c: &reqwest::Client, xff: &str| {
+        c.get(gw.url("/widgets"))
+            .header("X-Forwarded-For", xff)
+            .send()
+    };
+    let remaining = |r: &reqwest::Response| header(r, "x-ratelimit-remaining").unwrap();
+
+    // A direct client cannot choose its budget: whatever it claims, it pays as 127.0.0.1,
+    // and the upstream hears only its real address.
+    let r = send(&direct, "198.51.100.1").await.unwrap();
+    assert_eq!((r.status().as_u16(), remaining(&r)), (200, "119".into()));
+    assert_eq!(last_forwarded_for(&up), vec!["127.0.0.1"]);
+    let r = send(&direct, "198.51.100.2").await.unwrap();
+    assert_eq!(remaining(&r), "118");
+
+    // Behind the balancer, two forwarded clients draw from two budgets.
+    let r = send(&balancer, "198.51.100.1").await.unwrap();
+    assert_eq!(remaining(&r), "119");
+    assert_eq!(last_forwarded_for(&up), vec!["198.51.100.1, 127.0.0.2"]);
+    let r = send(&balancer, "198.51.100.2").await.unwrap();
+    assert_eq!(remaining(&r), "119");
+    // What the client itself put left of its address proves nothing: the right-most
+    // untrusted address pays.
+    let r = send(&balancer, "203.0.113.66, 198.51.100.1").await.unwrap();
+    assert_eq!(remaining(&r), "118");
+    assert_eq!(
+        last_forwarded_for(&up),
+        vec!["203.0.113.66, 198.51.100.1, 127.0.0.2"]
+    );
+    // The balancer's own budget is untouched by its clients, and the direct client's too.
+    let r = balancer.get(gw.url("/widgets")).send().await.unwrap();
+    assert_eq!(remaining(&r), "119");
+    let r = send(&direct, "127.0.0.2").await.unwrap();
+    assert_eq!(remaining(&r), "117");
+    let start = Instant::now();
+    while gw.access_log().len() < 7 && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // (Sorted: a request is logged just after its response, so two workers may log out of order.)
+    let mut clients: Vec<String> = gw
+        .access_log()
+        .iter()
+        .map(|l| l["client"].as_str().unwrap_or("").to_string())
+        .collect();
+    clients.sort();
+    assert_eq!(
+        clients,
+        [
+            "127.0.0.1",
+            "127.0.0.1",
+            "127.0.0.1",
+            "127.0.0.2",
+            "198.51.100.1",
+            "198.51.100.1",
+            "198.51.100.2",
+        ]
+    );
+}
