@@ -63,7 +63,6 @@ async fn remaining(gw: &Gateway, id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no remaining for {id}: {v}"))
 }
 
-
 // ---- 1. Request-target forms ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
