@@ -6,9 +6,10 @@
 //!
 //! What "returns data" means, per kind of expression (evaluated with `/api/v1/query_range`, 1 s
 //! steps, from before the first request to after the last gateway is gone):
-//! - a dashboard target or a recording rule: at least one finite, non-zero sample. Most series
-//!   are created at zero when a route is installed, so "any sample" would pass for a signal that
-//!   never happened;
+//! - a dashboard target or a recording rule: at least one finite, non-zero sample. Many series
+//!   exist at zero before anything happens (every route's histograms, the store and reload
+//!   counters), so "any sample" would pass for a signal that never happened. One explicit
+//!   exception, `ZERO_ALLOWED` (process CPU), must still return samples;
 //! - an alert: at least one sample, thresholds included. The test produces every alert's
 //!   condition (a 429 storm, upstream 5xx, slow requests, a Redis outage, a bad reload, a capped
 //!   route at its cap, gateways killed, the scrape target removed), so nothing is stripped. A
@@ -320,7 +321,8 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
         .await;
     let start = now() - 1.0;
     let c = client();
-    // C closes idle connections at its 1 s header_timeout: no connection reuse there.
+    // C refuses connections over its 4 and closes idle ones at header_timeout: one new
+    // connection per request there, one request at a time.
     let c_new = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(20))
