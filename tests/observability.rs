@@ -415,6 +415,18 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
         post(&c, b.url("/reports/generate"), "k5").await.status(),
         503
     );
+    assert_metric(
+        &a,
+        "tollgate_rejections_total{reason=\"in_flight\",route=\"/exports/bulk\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(
+        &b,
+        "tollgate_rejections_total{reason=\"route_busy\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
     prom.wait_for("sum(tollgate_in_flight{route=\"/reports/generate\"}) >= 1")
         .await;
     for h in held {
@@ -654,7 +666,7 @@ const ZERO_ALLOWED: [(&str, &str); 1] = [(
      of this test uses less than one, so its rate is 0",
 )];
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Want {
     /// At least one finite, non-zero sample (a panel that shows the signal).
     NonZero,
