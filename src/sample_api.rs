@@ -4,6 +4,7 @@
 //! - `/items`, `/items/{id}`, anything else: fast JSON echo of method, path and query;
 //! - `/reports/generate`: slow (the configured report time, ~2 s in the demo);
 //! - `?delay_ms=N` on any path: answer after N ms;
+//! - `?status=N` on the echo paths: answer with status N (an upstream failing with 500, 503…);
 //! - `?work_ms=N` on any path: N ms of work that goes on even if the caller hangs up (like a
 //!   report the database keeps generating), counted in `current` until it is done;
 //! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
@@ -232,7 +233,11 @@ impl SampleApi {
             "query": query,
             "headers": headers,
         });
-        full(StatusCode::OK, "application/json", body.to_string())
+        let status = param("status")
+            .and_then(|n| u16::try_from(n).ok())
+            .and_then(|n| StatusCode::from_u16(n).ok())
+            .unwrap_or(StatusCode::OK);
+        full(status, "application/json", body.to_string())
     }
 }
 
