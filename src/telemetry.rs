@@ -267,6 +267,9 @@ const COMMON_STATUSES: [u16; 16] = [
     200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
 ];
 
+/// Statuses whose series every route has from the start (see [`RouteMetrics::announce`]).
+const ANNOUNCED_STATUSES: [u16; 6] = [200, 429, 500, 502, 503, 504];
+
 /// One route's series, resolved once when a running gateway installs a config (and again, to
 /// the same series, on reload) instead of by label lookup on every request.
 pub struct RouteMetrics {
@@ -305,6 +308,29 @@ impl RouteMetrics {
             overhead: m.overhead.with_label_values(l),
             admitted_duration: m.admitted_duration.with_label_values(l),
             statuses: Default::default(),
+        }
+    }
+
+    /// Creates, at zero, the series of the answers an alert or a dashboard rate watches for —
+    /// a counter that first appears at N is invisible to `rate()` until it grows again, so a
+    /// route's first 429 storm or 5xx burst after a start would go unseen.
+    fn announce(&self, capped: bool) {
+        let m = metrics();
+        for status in ANNOUNCED_STATUSES {
+            if let Some(i) = COMMON_STATUSES.iter().position(|s| *s == status) {
+                let _ = self.statuses[i].get_or_init(|| {
+                    m.requests
+                        .with_label_values(&[&*self.label, &status.to_string()])
+                });
+            }
+        }
+        let reasons: &[&str] = if capped {
+            &["budget", "in_flight", "route_busy"]
+        } else {
+            &["budget"]
+        };
+        for reason in reasons {
+            m.rejections.with_label_values(&[&*self.label, reason]);
         }
     }
 
@@ -352,7 +378,11 @@ impl RouteMetricsTable {
                 previous
                     .and_then(|p| p.by_index.iter().find(|x| x.label == r.label))
                     .cloned()
-                    .unwrap_or_else(|| Arc::new(RouteMetrics::new(&r.label)))
+                    .unwrap_or_else(|| {
+                        let rm = RouteMetrics::new(&r.label);
+                        rm.announce(r.max_in_flight.is_some());
+                        Arc::new(rm)
+                    })
             })
             .collect();
         RouteMetricsTable { by_index }
