@@ -9,6 +9,8 @@
 //! flagged when it is more than 2× off the configured cost; and the *worst case* is the
 //! backend time one key can legally impose by spending its whole plan on the route.
 
+pub mod fetch;
+
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
