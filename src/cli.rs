@@ -107,6 +107,19 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
     }
     let _ = writeln!(out, "route:        {}", route.label);
     let _ = writeln!(out, "cost:         {}", route.cost);
+    if let Some(rate) = route.fidelity.cost_per_second {
+        let _ = writeln!(
+            out,
+            "              then {rate} per second of upstream time, at least {} in total",
+            route.cost
+        );
+    }
+    if route.fidelity.shadow {
+        let _ = writeln!(
+            out,
+            "mode:         shadow (refusals are counted and forwarded, never enforced)"
+        );
+    }
     match route.max_in_flight {
         Some(n) => {
             let _ = writeln!(
@@ -402,5 +415,24 @@ mod tests {
         assert!(!ok && t.contains("400 bad-path"), "{t}");
         let (t, _) = explain(&cfg(), "GET", "/items/1", None);
         assert!(t.contains("401"), "{t}");
+        assert!(!t.contains("mode:") && !t.contains("per second"), "{t}");
+        let timed = Config::parse(
+            &DEMO_CONFIG
+                .replace("{listen}", "127.0.0.1:1")
+                .replace("{admin}", "127.0.0.1:2")
+                .replace("{upstream}", "127.0.0.1:3")
+                .replace(
+                    "      cost: 1\n",
+                    "      cost: 1\n      cost_per_second: 4\n      mode: shadow\n",
+                ),
+            &EnvOverrides::default(),
+        )
+        .unwrap();
+        let (t, _) = explain(&timed, "GET", "/items/1", Some("k"));
+        assert!(
+            t.contains("then 4 per second of upstream time, at least 1 in total"),
+            "{t}"
+        );
+        assert!(t.contains("mode:         shadow"), "{t}");
     }
 }

@@ -344,3 +344,48 @@ async fn cost_per_second_bills_time_on_redis() {
     ))
     .await;
 }
+
+/// `/admin/audit` is behind the admin token like every `/admin/*` path; `tollgate audit`
+/// sends `TOLLGATE_ADMIN_TOKEN` and says what a 401 means.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_uses_the_admin_token() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 10 }\n",
+        env: vec![("TOLLGATE_ADMIN_TOKEN", "s3cret-admin".into())],
+        ..GatewayOpts::default()
+    });
+    assert_eq!(
+        reqwest::get(gw.admin("/admin/audit"))
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let admin = gw.admin("");
+    let run = |token: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.args(["audit", "--admin", &admin])
+            .env_remove("TOLLGATE_ADMIN_TOKEN");
+        if let Some(t) = token {
+            cmd.env("TOLLGATE_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            out.status.code(),
+        )
+    };
+    let (out, code) = run(None);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("answered 401 (set TOLLGATE_ADMIN_TOKEN"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cret"), "{out}");
+    let (out, code) = run(Some("s3cret-admin"));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("instances: 1 of 1 answered"), "{out}");
+    assert!(out.contains("too little traffic (0 < 20)"), "{out}");
+}
