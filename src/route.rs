@@ -35,7 +35,7 @@ impl Fidelity {
     pub fn final_cost(&self, cost: u64, upstream: Option<Duration>) -> u64 {
         match (self.cost_per_second, upstream) {
             (Some(rate), Some(d)) => {
-                // The config bounds `rate`, so the product stays far below u64::MAX.
+                // The config bounds `rate` (≤ 1e6/s), so this is far below u64::MAX.
                 let billed = (d.as_secs_f64() * rate).ceil();
                 cost.max(billed as u64)
             }

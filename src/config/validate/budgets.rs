@@ -255,8 +255,8 @@ pub(super) fn keys(
     (keys, key_ids)
 }
 
-/// Far above any real price of a second, and small enough that `seconds × rate` for any
-/// `read_timeout` stays an exact integer.
+/// Far above any real price of a second; bounded so that a time charge (`seconds × rate`)
+/// stays a plain integer of units however long a request runs.
 const MAX_COST_PER_SECOND: f64 = 1_000_000.0;
 
 /// `cost_per_second`: a positive number of units per second of upstream time.
