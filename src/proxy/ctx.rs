@@ -215,7 +215,7 @@ impl Ctx {
             return;
         };
         let total = route.fidelity.final_cost(c.req.cost, self.timing.upstream);
-        let extra = total - c.req.cost.min(total);
+        let extra = total.saturating_sub(c.req.cost);
         if extra > 0 {
             store.charge_extra(&c.req, c.charge, extra).await;
             self.time_charge = extra;
