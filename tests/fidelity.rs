@@ -328,6 +328,16 @@ keys:
     )
     .await;
     assert_eq!(remaining(&gw, "q").await, 93);
+    // Twice as long, about twice the charge: ceil(2.6 × 4) = 11 against 6.
+    let r = get(&c, gw.url("/analytics/query?delay_ms=2600"), "q-key").await;
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        18.0,
+    )
+    .await;
+    assert_eq!(remaining(&gw, "q").await, 82, "{store}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
