@@ -50,6 +50,7 @@ fn router(n: usize) -> Router {
             cost: 1 + (i % 20) as u64,
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
+            fidelity: Default::default(),
         })
         .collect();
     match Router::new(specs, 1) {

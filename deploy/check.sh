@@ -23,7 +23,7 @@
 #      runbook_url anchor exists in docs/operations.md
 #   5. the metrics match what the binary exports, both ways: a real `tollgate run` (memory
 #      store, in front of `tollgate demo-upstream`, free loopback ports) gets a few requests
-#      (200, 401, 429), its /metrics is scraped, and then every metric a panel or rule uses must
+#      (200, 401, 429, a shadow-mode 200), its /metrics is scraped, and then every metric a panel or rule uses must
 #      be exported (or be on the PENDING allow-list below), and every tollgate_* metric exported
 #      must be used by some panel or rule. The binary is $TOLLGATE_BIN, else `tollgate` on PATH.
 #   6. `tollgate check` on every shipped gateway config, and if installed: `kubectl kustomize
@@ -275,7 +275,8 @@ def http_get(url, headers=None):
 
 def scrape(proxy, admin, key, out):
     """Waits for the gateway, sends requests that create the per-event series (a 401, two 200s
-    and a 429 of a registry key: max_cost is 2), and writes /metrics to `out`."""
+    and a 429 of a registry key: max_cost is 2; then a request to a `mode: shadow` route that
+    the spent budget would refuse, forwarded: 200), and writes /metrics to `out`."""
     deadline = time.monotonic() + 60
     while http_get(f"{admin}/readyz")[0] != 200:
         if time.monotonic() > deadline:
@@ -283,13 +284,15 @@ def scrape(proxy, admin, key, out):
         time.sleep(0.2)
     statuses = [http_get(f"{proxy}/items")[0]]
     statuses += [http_get(f"{proxy}/items", {"X-API-Key": key})[0] for _ in range(3)]
-    if statuses != [401, 200, 200, 429]:
-        sys.exit(f"check.sh: probe requests answered {statuses}, expected [401, 200, 200, 429]")
+    statuses += [http_get(f"{proxy}/shadowed", {"X-API-Key": key})[0]]
+    if statuses != [401, 200, 200, 429, 200]:
+        sys.exit(f"check.sh: probe requests answered {statuses}, expected [401, 200, 200, 429, 200]")
     # Series are recorded just after each response is sent: wait for the last one's. If it
     # never shows, the comparison below reports it.
     deadline = time.monotonic() + 10
     text = http_get(f"{admin}/metrics")[1]
-    while "tollgate_rejections_by_key_total{" not in text and time.monotonic() < deadline:
+    while ("tollgate_rejections_by_key_total{" not in text
+           or "tollgate_shadow_rejections_total{" not in text) and time.monotonic() < deadline:
         time.sleep(0.1)
         text = http_get(f"{admin}/metrics")[1]
     pathlib.Path(out).write_text(text)
@@ -421,6 +424,7 @@ rate_limits:
   default: { cost: 1, window: 1h, max_cost: 2 }
   endpoints:
     /reports/generate: { cost: 1, max_in_flight: 1 }   # a capped route: tollgate_in_flight_limit
+    /shadowed: { cost: 1, mode: shadow }               # tollgate_shadow_rejections_total
 keys:
   - { id: probe, sha256: "$key_sha" }
 YAML

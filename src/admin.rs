@@ -1,4 +1,5 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/admin/config`, `/admin/keys/{id}`.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/admin/config`, `/admin/keys/{id}`,
+//! `/admin/audit` (this instance's measured route costs, [`crate::audit`]).
 //!
 //! It runs on its own thread and tokio runtime, away from the proxy's workers, so a scrape
 //! never competes with traffic and a stuck proxy still answers `/healthz`. `/admin/*` needs
@@ -137,6 +138,13 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
             };
             json(status, body)
         }
+        "/admin/audit" => match serde_json::to_value(crate::audit::snapshot(&shared.running())) {
+            Ok(v) => json(StatusCode::OK, v),
+            Err(e) => json(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                serde_json::json!({"error": e.to_string()}),
+            ),
+        },
         "/admin/config" => reply(
             StatusCode::OK,
             "application/yaml",

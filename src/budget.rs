@@ -190,6 +190,20 @@ pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Op
     })
 }
 
+/// Charges `cost` units without asking whether they fit (units already spent: a fallback
+/// admission, or the measured time of a `cost_per_second` route), so the level may pass
+/// `capacity`: the key is then in debt and waits it out. The Lua `debit` transcribes it.
+pub fn debit(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> State {
+    let level = level_at(limit, state, now_us);
+    State {
+        level: level
+            .saturating_add(cost.saturating_mul(limit.per_unit))
+            .min(MAX_TICKS as u64),
+        at_us: now_us,
+        rate: limit.rate,
+    }
+}
+
 /// Seconds for `Retry-After`: rounded up, never 0.
 pub fn retry_after_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000).max(1)
@@ -376,6 +390,18 @@ mod tests {
         let new = lim(7, 1_000, 0);
         let lvl = level_at(&new, st, 0);
         assert_eq!(div_ceil(lvl, new.rate), 30_000_000);
+    }
+
+    #[test]
+    fn debit_goes_into_debt() {
+        let l = lim(120, 60_000, 0);
+        let (_, st) = burst(&l, 6, 20, 0);
+        let st = Some(debit(&l, st, 0, 30));
+        let o = decide(&l, st, 0, 1);
+        assert_eq!(o.remaining, 0);
+        // 30 units of debt at 2 units/s: a cost-1 request fits after 15.5 s, not before.
+        assert!(!decide(&l, st, 15_499_999, 1).admitted());
+        assert!(decide(&l, st, 15_500_000, 1).admitted());
     }
 
     #[test]

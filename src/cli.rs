@@ -1,4 +1,4 @@
-//! The text behind `tollgate check`, `explain` and `demo`.
+//! The text behind `tollgate check`, `explain`, `audit` and `demo`.
 
 use std::fmt::Write;
 use std::time::Duration;
@@ -107,6 +107,19 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
     }
     let _ = writeln!(out, "route:        {}", route.label);
     let _ = writeln!(out, "cost:         {}", route.cost);
+    if let Some(rate) = route.fidelity.cost_per_second {
+        let _ = writeln!(
+            out,
+            "              then {rate} per second of upstream time, at least {} in total",
+            route.cost
+        );
+    }
+    if route.fidelity.shadow {
+        let _ = writeln!(
+            out,
+            "mode:         shadow (refusals are counted and forwarded, never enforced)"
+        );
+    }
     match route.max_in_flight {
         Some(n) => {
             let _ = writeln!(
@@ -167,6 +180,100 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
         }
     }
     (out, true)
+}
+
+/// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
+/// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
+/// text and the exit code: 0, 2 when some instance did not answer (it is named), 1 when none
+/// did or their reports cannot be merged.
+pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8) {
+    let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty());
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return (format!("tollgate audit: {e}\n"), 1),
+    };
+    // Concurrently, so that one slow instance costs one timeout, not one per instance.
+    let answers: Vec<_> = rt.block_on(async {
+        let tasks: Vec<_> = admins
+            .iter()
+            .map(|a| {
+                let (a, token) = (a.clone(), token.clone());
+                tokio::spawn(async move { crate::audit::fetch::fetch(&a, token.as_deref()).await })
+            })
+            .collect();
+        let mut answers = vec![];
+        for t in tasks {
+            answers.push(
+                t.await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string())),
+            );
+        }
+        answers
+    });
+    let mut reports = vec![];
+    let mut failed = vec![];
+    for (admin, answer) in admins.iter().zip(answers) {
+        match answer {
+            Ok(r) => reports.push(r),
+            Err(e) => failed.push((admin.clone(), e)),
+        }
+    }
+    let merged = crate::audit::merge(&reports);
+    let code = match (&merged, reports.is_empty(), failed.is_empty()) {
+        (Err(_), _, _) | (_, true, _) => 1,
+        (Ok(_), false, false) => 2,
+        (Ok(_), false, true) => 0,
+    };
+    let report = merged
+        .as_ref()
+        .ok()
+        .filter(|_| !reports.is_empty())
+        .map(|m| crate::audit::report(m, cfg));
+    if json {
+        let instances: Vec<serde_json::Value> = admins
+            .iter()
+            .map(|a| match failed.iter().find(|(f, _)| f == a) {
+                Some((_, e)) => serde_json::json!({"admin": a, "ok": false, "error": e}),
+                None => serde_json::json!({"admin": a, "ok": true}),
+            })
+            .collect();
+        let mut v = serde_json::json!({ "instances": instances });
+        if let Some(r) = &report {
+            v["baseline_seconds"] = serde_json::json!(r.baseline_seconds);
+            v["routes"] = serde_json::to_value(&r.routes).unwrap_or_default();
+        }
+        if let Err(e) = &merged {
+            v["error"] = e.to_string().into();
+        }
+        return (format!("{v:#}\n"), code);
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "instances: {} of {} answered",
+        reports.len(),
+        admins.len()
+    );
+    for (admin, e) in &failed {
+        let _ = writeln!(
+            out,
+            "  UNREACHABLE {admin}: {e} (its traffic is not in the figures below)"
+        );
+    }
+    if let Err(e) = &merged {
+        let _ = writeln!(out, "cannot merge: {e}");
+    }
+    if let Some(r) = &report {
+        out.push('\n');
+        out.push_str(&crate::audit::render_table(r));
+    }
+    (out, code)
 }
 
 const DEMO_CONFIG: &str = r#"# tollgate demo: the incident write-up's budget in front of the built-in sample API.
@@ -308,5 +415,24 @@ mod tests {
         assert!(!ok && t.contains("400 bad-path"), "{t}");
         let (t, _) = explain(&cfg(), "GET", "/items/1", None);
         assert!(t.contains("401"), "{t}");
+        assert!(!t.contains("mode:") && !t.contains("per second"), "{t}");
+        let timed = Config::parse(
+            &DEMO_CONFIG
+                .replace("{listen}", "127.0.0.1:1")
+                .replace("{admin}", "127.0.0.1:2")
+                .replace("{upstream}", "127.0.0.1:3")
+                .replace(
+                    "      cost: 1\n",
+                    "      cost: 1\n      cost_per_second: 4\n      mode: shadow\n",
+                ),
+            &EnvOverrides::default(),
+        )
+        .unwrap();
+        let (t, _) = explain(&timed, "GET", "/items/1", Some("k"));
+        assert!(
+            t.contains("then 4 per second of upstream time, at least 1 in total"),
+            "{t}"
+        );
+        assert!(t.contains("mode:         shadow"), "{t}");
     }
 }

@@ -191,7 +191,13 @@ pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
         key_cap: who.policy.max_in_flight_per_key,
         route: route.label.clone(),
         route_cap: route.max_in_flight,
-        queue_timeout: route.queue_timeout,
+        // A shadow route never waits for a slot: shadow mode must not add latency, so a full
+        // cap is counted at once (as the refusal enforcement would make after its queue).
+        queue_timeout: if route.fidelity.shadow {
+            Duration::ZERO
+        } else {
+            route.queue_timeout
+        },
     }
 }
 
@@ -268,6 +274,24 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             )
         }),
     }
+}
+
+/// The refusals `mode: shadow` forwards instead, by their reason: the budget's, the in-flight
+/// caps' and `on_error: deny`'s — the rate limiter's own decisions. Who the caller is and
+/// whether the path is safe to classify are enforced in every mode (they come before a
+/// route's mode is even known to apply: nobody to charge, or no route to charge as).
+pub fn shadowed(route: &Route, r: &Refusal) -> Option<&'static str> {
+    const SHADOWABLE: [&str; 5] = [
+        "budget",
+        "key_in_flight",
+        "in_flight",
+        "route_busy",
+        "store_unavailable",
+    ];
+    if !route.fidelity.shadow {
+        return None;
+    }
+    r.reason.filter(|reason| SHADOWABLE.contains(reason))
 }
 
 /// The answer to a request the upstream never answered (connect failure or timeout); the
@@ -480,6 +504,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.hold, Duration::from_micros(1_500));
+    }
+
+    #[test]
+    fn shadow_mode_forwards_only_the_limiter_refusals() {
+        let c = cfg("");
+        let enforced = classify(&c, "POST", "/reports/generate").unwrap().route;
+        let c = cfg("  mode: shadow\n");
+        let shadow = classify(&c, "POST", "/exports/bulk").unwrap().route;
+        let over = judge(
+            &shadow,
+            Admission::OverBudget(outcome(Verdict::Reject { retry_after_us: 1 }, 0)),
+        )
+        .unwrap_err();
+        assert_eq!(shadowed(&shadow, &over), Some("budget"));
+        assert_eq!(shadowed(&enforced, &over), None);
+        let unauth = Refusal::new(Problem::Unauthenticated, "x");
+        assert_eq!(shadowed(&shadow, &unauth), None);
+        let down = judge(&shadow, Admission::Unavailable).unwrap_err();
+        assert_eq!(shadowed(&shadow, &down), Some("store_unavailable"));
+        // A shadow route never queues for a slot; an enforced one does.
+        let who = identify(
+            &c,
+            &HeaderMap::from_iter([("x-api-key".parse().unwrap(), "k".parse().unwrap())]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(admit_request(&shadow, &who).queue_timeout, Duration::ZERO);
+        let c = cfg("");
+        let exports = classify(&c, "POST", "/exports/bulk").unwrap().route;
+        assert_eq!(
+            admit_request(&exports, &who).queue_timeout,
+            Duration::from_secs(1)
+        );
     }
 
     #[test]

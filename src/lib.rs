@@ -10,12 +10,13 @@
 //! - [`store`]: where budgets and in-flight slots live (memory or Redis);
 //! - [`proxy`]: the Pingora phases, translated to and from `decision`; [`problem`]: what a
 //!   refused client reads;
-//! - [`admin`], [`telemetry`]: what an SRE sees; [`state`]: what a running gateway shares;
-//!   [`shutdown`]: the drain; [`app`]: process assembly and signals; [`front`]: client
-//!   connections; [`tls`]: TLS termination's certificate.
+//! - [`admin`], [`telemetry`]: what an SRE sees; [`audit`]: are the costs true (DESIGN §6);
+//!   [`state`]: what a running gateway shares; [`shutdown`]: the drain; [`app`]: process
+//!   assembly and signals; [`front`]: client connections; [`tls`]: TLS termination's certificate.
 
 pub mod admin;
 pub mod app;
+pub mod audit;
 pub mod budget;
 pub mod cli;
 pub mod config;

@@ -53,6 +53,18 @@ enum Cmd {
         #[arg(long)]
         key: Option<String>,
     },
+    /// Are the costs true? Merges the instances' /admin/audit and compares measured upstream
+    /// time with the configured costs. Exit 2 when an instance did not answer.
+    Audit {
+        /// The config whose costs and plans to audit (default: the instances' own).
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+        /// An instance's admin URL, e.g. http://127.0.0.1:9901; repeat for every instance.
+        #[arg(long = "admin", required = true)]
+        admin: Vec<String>,
+        #[arg(long, value_enum, default_value = "table")]
+        format: AuditFormat,
+    },
     /// The gateway in front of a built-in sample API, ready to curl.
     Demo {
         #[arg(long, default_value = "127.0.0.1:8080")]
@@ -70,6 +82,12 @@ enum Cmd {
         #[arg(long, default_value = "2s", value_parser = parse_duration)]
         report_time: Duration,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum AuditFormat {
+    Table,
+    Json,
 }
 
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
@@ -158,6 +176,19 @@ fn run() -> ExitCode {
             }
             Err(code) => code,
         },
+        Cmd::Audit {
+            config,
+            admin,
+            format,
+        } => {
+            let cfg = match config.as_deref().map(load).transpose() {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let (text, code) =
+                tollgate::cli::audit(cfg.as_ref(), &admin, format == AuditFormat::Json);
+            to_stdout(&text, ExitCode::from(code))
+        }
         Cmd::Demo {
             listen,
             admin_listen,

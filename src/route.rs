@@ -17,6 +17,31 @@ pub struct RouteSpec {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub fidelity: Fidelity,
+}
+
+/// How faithfully a route's cost is applied (DESIGN §6): whether its refusals are enforced or
+/// only counted, and whether measured upstream time is billed on top of the admission cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Fidelity {
+    /// `mode: shadow`: budget and cap refusals are counted and described, never enforced.
+    pub shadow: bool,
+    /// `cost_per_second`: the final charge is `max(cost, ceil(upstream_s × this))`.
+    pub cost_per_second: Option<f64>,
+}
+
+impl Fidelity {
+    /// The total charge of a request admitted at `cost` whose upstream took `upstream`.
+    pub fn final_cost(&self, cost: u64, upstream: Option<Duration>) -> u64 {
+        match (self.cost_per_second, upstream) {
+            (Some(rate), Some(d)) => {
+                // The config bounds `rate` (≤ 1e6/s), so this is far below u64::MAX.
+                let billed = (d.as_secs_f64() * rate).ceil();
+                cost.max(billed as u64)
+            }
+            _ => cost,
+        }
+    }
 }
 
 /// A route the gateway classifies requests into. Plain data: the running gateway keeps the
@@ -32,6 +57,7 @@ pub struct Route {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub fidelity: Fidelity,
 }
 
 impl Route {
@@ -41,6 +67,7 @@ impl Route {
         cost: u64,
         max_in_flight: Option<u32>,
         queue_timeout: Duration,
+        fidelity: Fidelity,
     ) -> Arc<Route> {
         Arc::new(Route {
             label: Arc::from(label),
@@ -48,6 +75,7 @@ impl Route {
             cost,
             max_in_flight,
             queue_timeout,
+            fidelity,
         })
     }
 }
@@ -253,6 +281,15 @@ pub fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
 impl Router {
     /// Builds the table; errors are `(pattern, message)`.
     pub fn new(specs: Vec<RouteSpec>, default_cost: u64) -> Result<Router, Vec<(String, String)>> {
+        Self::with_default(specs, default_cost, Fidelity::default())
+    }
+
+    /// [`Router::new`] with the `default` route's fidelity (`rate_limits.mode`).
+    pub fn with_default(
+        specs: Vec<RouteSpec>,
+        default_cost: u64,
+        default_fidelity: Fidelity,
+    ) -> Result<Router, Vec<(String, String)>> {
         let mut errs = Vec::new();
         let mut routes = Vec::new();
         let mut any = matchit::Router::new();
@@ -301,6 +338,7 @@ impl Router {
                     spec.cost,
                     spec.max_in_flight,
                     spec.queue_timeout,
+                    spec.fidelity,
                 ),
                 specificity(path, method.is_some()),
             ));
@@ -308,7 +346,14 @@ impl Router {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let default = Route::new("default", routes.len(), default_cost, None, Duration::ZERO);
+        let default = Route::new(
+            "default",
+            routes.len(),
+            default_cost,
+            None,
+            Duration::ZERO,
+            default_fidelity,
+        );
         Ok(Router {
             routes,
             any: Table { router: any },
@@ -453,6 +498,7 @@ mod tests {
             cost,
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
+            fidelity: Fidelity::default(),
         }
     }
 

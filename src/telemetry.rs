@@ -347,6 +347,14 @@ impl RouteMetrics {
         }
     }
 
+    /// Counts a refusal that `mode: shadow` did not make.
+    pub fn shadow_rejection(&self, reason: &str) {
+        metrics()
+            .shadow_rejections
+            .with_label_values(&[&*self.label, reason])
+            .inc();
+    }
+
     /// Counts a refusal by the gateway.
     pub fn rejection(&self, reason: &str) {
         metrics()

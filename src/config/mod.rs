@@ -32,8 +32,8 @@ pub use crate::policy::Policy;
 pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
-    Anonymous, Backend, Listen, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity, RawKey,
-    RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
+    Anonymous, Backend, Listen, Mode, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity,
+    RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
 pub use url::redact_url;
 

@@ -256,6 +256,9 @@ impl Default for RawIdentity {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawRateLimits {
+    /// `enforce` (default) or `shadow`: decide and count, never refuse (DESIGN §6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
     pub default: RawDefault,
     #[serde(default, deserialize_with = "unique_keys")]
     pub endpoints: BTreeMap<String, RawEndpoint>,
@@ -286,6 +289,21 @@ pub struct RawEndpoint {
     pub max_in_flight: Option<i64>,
     #[serde(default)]
     pub queue_timeout: Option<ConfDuration>,
+    /// Bill measured upstream time: the final charge is `max(cost, ceil(s × this))`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_second: Option<f64>,
+    /// Overrides `rate_limits.mode` for this endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+}
+
+/// Whether a route's refusals are enforced, or only counted (`shadow`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    Shadow,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

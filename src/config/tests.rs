@@ -2,6 +2,7 @@
 
 use super::url::parse_upstream_url;
 use super::*;
+use crate::route;
 
 const BASE: &str = r#"
 upstream:
@@ -491,4 +492,61 @@ fn edge_settings_errors_name_the_field() {
         "identity:\n  sources: [\"header:x-key\"]\n  key_id_header: x-api-key\n{BASE}"
     ))
     .is_ok());
+}
+
+#[test]
+fn fidelity_settings_parse_and_override() {
+    // Global shadow, one endpoint enforced, one billed by time.
+    let s = BASE
+        .replace("rate_limits:\n", "rate_limits:\n  mode: shadow\n")
+        .replace("      cost: 15\n", "      cost: 15\n      mode: enforce\n")
+        .replace(
+            "      cost: 10\n",
+            "      cost: 10\n      cost_per_second: 4\n",
+        );
+    let c = parse(&s).unwrap();
+    let route = |m: &str, p: &str| c.router.classify(m, p).route.fidelity;
+    assert!(route("POST", "/reports/generate").shadow);
+    assert!(!route("POST", "/exports/bulk").shadow);
+    assert_eq!(route("POST", "/analytics/query").cost_per_second, Some(4.0));
+    assert!(c.router.default_route().fidelity.shadow);
+    // Enforce is the default.
+    let c = parse(BASE).unwrap();
+    assert_eq!(
+        c.router.default_route().fidelity,
+        route::Fidelity::default()
+    );
+
+    let bad = BASE.replace(
+        "      cost: 10\n",
+        "      cost: 10\n      cost_per_second: 0\n",
+    );
+    assert_eq!(
+        first_error(&bad),
+        "rate_limits.endpoints.\"/analytics/query\".cost_per_second: must be a positive number of units per second (at most 1000000), got 0"
+    );
+    let bad = BASE.replace("rate_limits:\n", "rate_limits:\n  mode: dry-run\n");
+    assert!(
+        first_error(&bad).starts_with("rate_limits.mode: unknown variant"),
+        "{}",
+        first_error(&bad)
+    );
+}
+
+#[test]
+fn final_cost_bills_time_but_never_less_than_cost() {
+    let f = route::Fidelity {
+        shadow: false,
+        cost_per_second: Some(4.0),
+    };
+    let s = Duration::from_millis;
+    assert_eq!(f.final_cost(1, Some(s(1500))), 6);
+    assert_eq!(f.final_cost(10, Some(s(1500))), 10);
+    assert_eq!(f.final_cost(1, Some(s(1501))), 7, "rounded up");
+    assert_eq!(
+        f.final_cost(3, None),
+        3,
+        "no upstream time: the admission cost"
+    );
+    assert_eq!(route::Fidelity::default().final_cost(3, Some(s(9000))), 3);
 }

@@ -19,7 +19,7 @@ use crate::problem::Problem;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
 use crate::state::Running;
-use crate::store::{AdmitRequest, Lease, Store};
+use crate::store::{AdmitRequest, Charge, Lease, Store};
 
 /// Counts a request in `tollgate_in_flight{route}` for as long as it lives.
 pub struct InFlight(IntGauge);
@@ -42,6 +42,9 @@ pub struct Charged {
     pub req: AdmitRequest,
     pub outcome: Outcome,
     pub lease: Lease,
+    /// Where the admission was charged (kept after the lease is released), so that a
+    /// `cost_per_second` charge goes to the same place.
+    pub charge: Charge,
     /// `None` once the slot has been handed to an [`UpstreamSlot`].
     in_flight: Option<InFlight>,
 }
@@ -80,6 +83,12 @@ pub enum Phase {
     /// The client went away before the request was forwarded (queued for a slot or held by
     /// `max_delay`): never forwarded, nothing charged.
     Abandoned,
+    /// `mode: shadow`: the store refused (`reason`), and the request is forwarded anyway,
+    /// uncharged and holding no slot; the headers describe the refusal as if enforced.
+    Shadowed {
+        reason: &'static str,
+        outcome: Option<Outcome>,
+    },
 }
 
 /// Where the time went, for the access log and the histograms.
@@ -132,6 +141,8 @@ pub struct Ctx {
     pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
+    /// Units charged after the response for measured upstream time (`cost_per_second`).
+    pub time_charge: u64,
 }
 
 impl Ctx {
@@ -152,6 +163,7 @@ impl Ctx {
             request_id: None,
             upstream_status: None,
             fallback: false,
+            time_charge: 0,
         }
     }
 
@@ -171,6 +183,7 @@ impl Ctx {
         self.phase = Phase::Admitted(Charged {
             req,
             outcome: a.outcome,
+            charge: a.lease.charge(),
             lease: a.lease,
             in_flight: Some(InFlight::new(in_flight)),
         });
@@ -220,10 +233,33 @@ impl Ctx {
         }
     }
 
+    /// Records a refusal that shadow mode forwards instead (nothing charged, no slot).
+    pub fn shadow(&mut self, r: &Refusal, reason: &'static str) {
+        self.timing.queued = r.queued;
+        self.phase = Phase::Shadowed {
+            reason,
+            outcome: r.outcome,
+        };
+    }
+
+    /// `cost_per_second`: once the upstream has answered, charges the measured time beyond
+    /// the admission cost where the admission was charged (even into debt).
+    pub async fn charge_time(&mut self, store: &Store) {
+        let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
+            return;
+        };
+        let total = route.fidelity.final_cost(c.req.cost, self.timing.upstream);
+        let extra = total.saturating_sub(c.req.cost);
+        if extra > 0 {
+            store.charge_extra(&c.req, c.charge, extra).await;
+            self.time_charge = extra;
+        }
+    }
+
     /// The budget decision to describe in the rate-limit headers, if there was one.
     pub fn outcome(&self) -> Option<&Outcome> {
         match &self.phase {
-            Phase::Refused { outcome, .. } => outcome.as_ref(),
+            Phase::Refused { outcome, .. } | Phase::Shadowed { outcome, .. } => outcome.as_ref(),
             Phase::Admitted(c) => Some(&c.outcome),
             Phase::Refunded { outcome, .. } => Some(outcome),
             Phase::Undecided | Phase::Abandoned => None,
@@ -238,6 +274,12 @@ impl Ctx {
         }
     }
 
+    /// The request's whole charge: the admission's plus any time charged after the response
+    /// (the access log's `cost`, `tollgate_cost_units_total`).
+    pub fn final_charge(&self) -> u64 {
+        self.charged() + self.time_charge
+    }
+
     pub fn is_admitted(&self) -> bool {
         matches!(self.phase, Phase::Admitted(_))
     }
@@ -245,7 +287,10 @@ impl Ctx {
     /// Admitted at some point (and so forwarded, or about to be): the requests whose latency
     /// is the gateway's service level, as opposed to its refusals.
     pub fn was_forwarded(&self) -> bool {
-        matches!(self.phase, Phase::Admitted(_) | Phase::Refunded { .. })
+        matches!(
+            self.phase,
+            Phase::Admitted(_) | Phase::Refunded { .. } | Phase::Shadowed { .. }
+        )
     }
 
     /// The time the gateway itself added: all of it but the upstream's part and the waiting.
@@ -255,6 +300,14 @@ impl Ctx {
             .saturating_sub(self.timing.upstream.unwrap_or_default())
             .saturating_sub(self.timing.queued)
             .saturating_sub(self.timing.hold)
+    }
+
+    /// What shadow mode let through: the reason enforcement would have refused.
+    pub fn shadow_reason(&self) -> Option<&'static str> {
+        match self.phase {
+            Phase::Shadowed { reason, .. } => Some(reason),
+            _ => None,
+        }
     }
 
     /// The access log's `decision`.
@@ -268,6 +321,7 @@ impl Ctx {
             Phase::Admitted(_) => "admitted",
             Phase::Refunded { .. } => "refunded",
             Phase::Abandoned => "client_gone",
+            Phase::Shadowed { .. } => "shadow",
         }
     }
 }

@@ -122,9 +122,21 @@ impl Gateway {
         let elapsed = t.elapsed();
         ctx.fallback = answer.fallback;
         let answer = answer.admission;
-        let admitted = decision::judge(&route, answer).inspect_err(|r| {
-            ctx.timing.store = elapsed.saturating_sub(r.queued);
-        })?;
+        let admitted = match decision::judge(&route, answer) {
+            Ok(a) => a,
+            Err(r) => {
+                ctx.timing.store = elapsed.saturating_sub(r.queued);
+                match decision::shadowed(&route, &r) {
+                    Some(reason) => {
+                        // Counted and described, then forwarded as if it had passed.
+                        running.metrics.get(&route).shadow_rejection(reason);
+                        ctx.shadow(&r, reason);
+                        return Ok(true);
+                    }
+                    None => return Err(r),
+                }
+            }
+        };
         ctx.timing.store = elapsed.saturating_sub(admitted.queued);
         let m = running.metrics.get(&route);
         if route.max_in_flight.is_some() {
@@ -399,6 +411,8 @@ impl ProxyHttp for Gateway {
         }
         // Now, with the upstream's answer read to its end (or its read_timeout passed).
         ctx.release().await;
+        // After the slots are free: the time charge is one more store call, for such routes only.
+        ctx.charge_time(&self.shared.store).await;
         let status = session
             .response_written()
             .map(|r| r.status.as_u16())
@@ -421,7 +435,7 @@ impl ProxyHttp for Gateway {
         if let Some(u) = ctx.timing.upstream {
             rm.upstream_duration.observe(u.as_secs_f64());
         }
-        let charged = ctx.charged();
+        let charged = ctx.final_charge();
         if charged > 0 {
             rm.cost_units.inc_by(charged);
         }
@@ -452,6 +466,7 @@ impl ProxyHttp for Gateway {
             upstream_status = ctx.upstream_status,
             request_id = ctx.request_id.as_deref(),
             fallback = ctx.fallback,
+            shadow = ctx.shadow_reason(),
             client = ctx.origin.map(|o| o.client.to_string()).as_deref(),
             error = e.map(|e| e.etype().as_str()),
         );

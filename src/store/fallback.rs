@@ -221,9 +221,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 self.set_degraded(true, Some(&e));
                 let admission = self.fallback(req).await;
                 let decision = if let Admission::Admitted { .. } = admission {
-                    if self.owed.add(&req.key, &req.limit, req.cost) {
-                        tokio::spawn(self.clone().write_back_loop());
-                    }
+                    self.owe(req, req.cost);
                     "admitted"
                 } else {
                     "rejected"
@@ -394,6 +392,33 @@ impl<S: SharedStore> FallbackStore<S> {
                     self.set_degraded(false, None);
                 }
             }
+        }
+    }
+
+    /// Charges `units` more to a request admitted under `charge` (`cost_per_second`), with the
+    /// `debit` that write-back uses. A local charge is charged locally and owed to the shared
+    /// budget like the admission was; a shared debit that surely did not run is owed too.
+    pub async fn charge_extra(self: &Arc<Self>, req: &AdmitRequest, charge: Charge, units: u64) {
+        match charge {
+            Charge::Shared => match self.shared.write_back(&req.key, &req.limit, units).await {
+                Ok(()) => {}
+                Err(e) if e.may_have_run() => {
+                    tracing::debug!(error = %e, units, "a time charge may not have reached the store");
+                }
+                Err(_) => self.owe(req, units),
+            },
+            Charge::Local(limit) => {
+                self.local.debit(&req.key, &limit, units);
+                self.owe(req, units);
+            }
+            Charge::None => self.owe(req, units),
+        }
+    }
+
+    /// Adds to what `req.key` owes the shared budget, starting the sender if none runs.
+    fn owe(self: &Arc<Self>, req: &AdmitRequest, units: u64) {
+        if self.owed.add(&req.key, &req.limit, units) {
+            tokio::spawn(self.clone().write_back_loop());
         }
     }
 

@@ -261,6 +261,15 @@ impl MemoryStore {
         }
     }
 
+    /// Charges `units` that were already spent, past the budget if need be (a debt).
+    pub fn debit(&self, key: &KeyHash, limit: &Limit, units: u64) {
+        let now = self.clock.now_us();
+        let k = short_key(key);
+        let mut shard = self.shard(k);
+        let entry = shard.entries.entry(k).or_default();
+        entry.state = Some(budget::debit(limit, entry.state, now, units));
+    }
+
     pub fn peek(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
         let now = self.clock.now_us();
         let k = short_key(key);

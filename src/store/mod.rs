@@ -299,6 +299,19 @@ impl Store {
         }
     }
 
+    /// Charges `units` more to an admitted request, after the fact and even into debt
+    /// (`cost_per_second`), where its admission was charged: one store call.
+    pub async fn charge_extra(&self, req: &AdmitRequest, charge: Charge, units: u64) {
+        if units == 0 {
+            return;
+        }
+        match (self, charge) {
+            (Store::Memory(m), Charge::Local(limit)) => m.debit(&req.key, &limit, units),
+            (Store::Memory(_), _) => {}
+            (Store::Redis(r), charge) => r.charge_extra(req, charge, units).await,
+        }
+    }
+
     pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
         match self {
             Store::Memory(m) => Some(m.peek(key, limit)),

@@ -9,10 +9,10 @@ use crate::budget::Limit;
 use crate::config::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
 use crate::config::error::{key_path, ConfigErrors};
 use crate::config::pattern::check_endpoint;
-use crate::config::raw::{RawDefault, RawKey, RawPlan, RawRateLimits};
+use crate::config::raw::{Mode, RawDefault, RawKey, RawPlan, RawRateLimits};
 use crate::config::KeyEntry;
 use crate::policy::{Policy, PolicyHeaders};
-use crate::route::{RouteSpec, Router};
+use crate::route::{Fidelity, RouteSpec, Router};
 
 /// `rate_limits.default`: the budget of every key without a plan.
 pub(super) fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
@@ -148,14 +148,23 @@ pub(super) fn endpoints(
             errs.push(base, m);
             continue;
         }
+        let fidelity = Fidelity {
+            shadow: e.mode.or(rl.mode).unwrap_or_default() == Mode::Shadow,
+            cost_per_second: cost_per_second(&base, e.cost_per_second, errs),
+        };
         specs.push(RouteSpec {
             pattern: pattern.clone(),
             cost: cost.max(1) as u64,
             max_in_flight,
             queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
+            fidelity,
         });
     }
-    match Router::new(specs, d.cost.max(1) as u64) {
+    let default_fidelity = Fidelity {
+        shadow: rl.mode == Some(Mode::Shadow),
+        cost_per_second: None,
+    };
+    match Router::with_default(specs, d.cost.max(1) as u64, default_fidelity) {
         Ok(r) => Some(r),
         Err(route_errs) => {
             for (pattern, m) in route_errs {
@@ -244,6 +253,23 @@ pub(super) fn keys(
         }
     }
     (keys, key_ids)
+}
+
+/// Far above any real price of a second; bounded so that a time charge (`seconds × rate`)
+/// stays a plain integer of units however long a request runs.
+const MAX_COST_PER_SECOND: f64 = 1_000_000.0;
+
+/// `cost_per_second`: a positive number of units per second of upstream time.
+fn cost_per_second(base: &str, value: Option<f64>, errs: &mut ConfigErrors) -> Option<f64> {
+    let v = value?;
+    if v.is_finite() && v > 0.0 && v <= MAX_COST_PER_SECOND {
+        return Some(v);
+    }
+    errs.push(
+        format!("{base}.cost_per_second"),
+        format!("must be a positive number of units per second (at most {MAX_COST_PER_SECOND}), got {v}"),
+    );
+    None
 }
 
 /// An optional in-flight cap: a positive integer up to a million.

@@ -242,3 +242,30 @@ async fn what_is_owed_is_written_back_without_traffic() {
         "past the budget: a debt"
     );
 }
+
+/// `cost_per_second`'s extra goes where the admission was charged: the shared budget by a
+/// debit when Redis admitted; the local share, and then the shared budget by write-back, when
+/// the fallback did; and a shared debit that surely never ran is owed, not lost.
+#[tokio::test]
+async fn time_charges_follow_the_admission() {
+    let (fake, s) = store(OnError::Local, 1);
+    let r = req(1, None);
+    fake.down.store(false, Ordering::Relaxed);
+    s.charge_extra(&r, Charge::Shared, 5).await;
+    assert_eq!(fake.written.load(Ordering::Relaxed), 5);
+
+    fake.down.store(true, Ordering::Relaxed);
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!("the fallback admits")
+    };
+    let local = lease.charge();
+    assert!(matches!(local, Charge::Local(_)));
+    s.charge_extra(&r, local, 4).await;
+    // 120 locally: 1 admitted + 4 billed.
+    assert_eq!(s.local.peek(&r.key, &r.limit).remaining, 115);
+    s.charge_extra(&r, Charge::Shared, 2).await;
+    // Back: the next decision for the key first sends the 1 + 4 + 2 owed.
+    fake.down.store(false, Ordering::Relaxed);
+    assert!(admitted(&s.admit(&r).await));
+    assert_eq!(fake.written.load(Ordering::Relaxed), 5 + 7);
+}

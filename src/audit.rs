@@ -1,0 +1,697 @@
+//! Are the costs true? (DESIGN §6.) Each instance reports what its routes really cost the
+//! backend — upstream time from `tollgate_upstream_duration_seconds`, whose fixed buckets keep
+//! memory bounded per route — as `GET /admin/audit`; `tollgate audit` merges a fleet's reports
+//! and compares them with the configured costs.
+//!
+//! Merging is exact where it can be: counts, sums and bucket counts add; percentiles are read
+//! from the merged buckets, never averaged across instances. The comparison: a route's
+//! *implied cost* is its mean upstream time relative to the median mean of the cost-1 routes,
+//! flagged when it is more than 2× off the configured cost; and the *worst case* is the
+//! backend time one key can legally impose by spending its whole plan on the route.
+
+pub mod fetch;
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::policy::Policy;
+use crate::state::Running;
+use crate::telemetry::metrics;
+
+/// Below this many upstream samples a route's figures are not trusted: the report says so
+/// instead of guessing.
+pub const MIN_SAMPLES: u64 = 20;
+/// Configured and implied cost further apart than this factor (either way) are flagged.
+pub const FLAG_FACTOR: f64 = 2.0;
+
+/// Upstream time of one route: a Prometheus histogram's count, sum and cumulative buckets
+/// (the `+Inf` bucket is `count`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Histogram {
+    pub count: u64,
+    pub sum: f64,
+    pub buckets: Vec<Bucket>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// Upper bound in seconds.
+    pub le: f64,
+    /// Samples at or below `le`.
+    pub count: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum MergeError {
+    #[error("route {route}: instances use different histogram buckets (different tollgate versions?); cannot merge them exactly")]
+    Buckets { route: String },
+}
+
+impl Histogram {
+    fn of(h: &prometheus::Histogram) -> Histogram {
+        use prometheus::core::Collector;
+        let families = h.collect();
+        let Some(m) = families.first().and_then(|f| f.get_metric().first()) else {
+            return Histogram::default();
+        };
+        let h = m.get_histogram();
+        Histogram {
+            count: h.get_sample_count(),
+            sum: h.get_sample_sum(),
+            buckets: h
+                .get_bucket()
+                .iter()
+                .filter(|b| b.upper_bound().is_finite())
+                .map(|b| Bucket {
+                    le: b.upper_bound(),
+                    count: b.cumulative_count(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds `other` in; false (and nothing added) when its buckets are not the same.
+    pub fn merge(&mut self, other: &Histogram) -> bool {
+        if self.count == 0 && self.buckets.is_empty() {
+            *self = other.clone();
+            return true;
+        }
+        let same = self.buckets.len() == other.buckets.len()
+            && self
+                .buckets
+                .iter()
+                .zip(&other.buckets)
+                .all(|(a, b)| a.le == b.le);
+        if !same {
+            return false;
+        }
+        self.count += other.count;
+        self.sum += other.sum;
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            a.count += b.count;
+        }
+        true
+    }
+
+    pub fn mean(&self) -> Option<f64> {
+        (self.count > 0).then(|| self.sum / self.count as f64)
+    }
+
+    /// The `q`-quantile as Prometheus' `histogram_quantile` computes it: linear within the
+    /// bucket the rank falls in; past the last finite bucket, that bucket's bound.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = q * self.count as f64;
+        let (mut lower, mut below) = (0.0, 0u64);
+        for b in &self.buckets {
+            if b.count as f64 >= rank {
+                let inside = (b.count - below) as f64;
+                if inside == 0.0 {
+                    return Some(b.le);
+                }
+                return Some(lower + (b.le - lower) * (rank - below as f64) / inside);
+            }
+            (lower, below) = (b.le, b.count);
+        }
+        Some(lower)
+    }
+}
+
+/// One route as one instance (or a merged fleet) saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteAudit {
+    pub route: String,
+    /// Requests answered (any status), this instance.
+    pub requests: u64,
+    /// The configured cost and time price.
+    pub cost: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_second: Option<f64>,
+    /// `enforce` or `shadow`.
+    pub mode: String,
+    pub upstream: Histogram,
+    /// Read from `upstream`; for people reading one instance's report.
+    pub p50_seconds: Option<f64>,
+    pub p95_seconds: Option<f64>,
+    pub mean_seconds: Option<f64>,
+}
+
+/// A plan's budgets (the default budget is the plan `default`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanAudit {
+    pub name: String,
+    pub budgets: Vec<BudgetAudit>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BudgetAudit {
+    pub name: String,
+    pub max_cost: u64,
+    pub window_seconds: f64,
+}
+
+/// `GET /admin/audit`: one instance's view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceAudit {
+    pub version: String,
+    pub config_hash: String,
+    pub routes: Vec<RouteAudit>,
+    pub plans: Vec<PlanAudit>,
+}
+
+/// The budgets a key of `policy` must fit, for the worst case (the tightest one binds).
+fn budgets_of(p: &Policy) -> Vec<BudgetAudit> {
+    vec![BudgetAudit {
+        name: p.name.clone(),
+        max_cost: p.max_cost,
+        window_seconds: p.window.as_secs_f64(),
+    }]
+}
+
+/// Every plan of `cfg`, `default` first.
+pub fn plans_of(cfg: &Config) -> Vec<PlanAudit> {
+    let mut plans: Vec<&Policy> = cfg.plans.values().map(|p| &**p).collect();
+    plans.sort_by(|a, b| a.name.cmp(&b.name));
+    std::iter::once(&*cfg.default_policy)
+        .chain(plans)
+        .map(|p| PlanAudit {
+            name: p.name.clone(),
+            budgets: budgets_of(p),
+        })
+        .collect()
+}
+
+fn mode_name(shadow: bool) -> String {
+    if shadow { "shadow" } else { "enforce" }.into()
+}
+
+/// Requests answered per route, from `tollgate_requests_total{route,status}`.
+fn requests_by_route() -> BTreeMap<String, u64> {
+    use prometheus::core::Collector;
+    let mut out = BTreeMap::new();
+    for family in metrics().requests.collect() {
+        for m in family.get_metric() {
+            let route = m.get_label().iter().find(|l| l.name() == "route");
+            if let Some(route) = route {
+                *out.entry(route.value().to_string()).or_default() +=
+                    m.get_counter().get_value() as u64;
+            }
+        }
+    }
+    out
+}
+
+/// This instance's report, from the series of the config it runs.
+pub fn snapshot(running: &Running) -> InstanceAudit {
+    let requests = requests_by_route();
+    let routes = running
+        .config
+        .router
+        .routes()
+        .map(|r| {
+            let upstream = Histogram::of(&running.metrics.get(r).upstream_duration);
+            RouteAudit {
+                route: r.label.to_string(),
+                requests: requests.get(&*r.label).copied().unwrap_or(0),
+                cost: r.cost,
+                cost_per_second: r.fidelity.cost_per_second,
+                mode: mode_name(r.fidelity.shadow),
+                p50_seconds: upstream.quantile(0.5),
+                p95_seconds: upstream.quantile(0.95),
+                mean_seconds: upstream.mean(),
+                upstream,
+            }
+        })
+        .collect();
+    InstanceAudit {
+        version: env!("CARGO_PKG_VERSION").into(),
+        config_hash: running.config.hash.clone(),
+        routes,
+        plans: plans_of(&running.config),
+    }
+}
+
+/// Adds the instances' reports up, route by route (first seen order). Configured values
+/// (cost, mode, plans) are the first instance's.
+pub fn merge(instances: &[InstanceAudit]) -> Result<InstanceAudit, MergeError> {
+    let mut order: Vec<String> = vec![];
+    let mut routes: BTreeMap<String, RouteAudit> = BTreeMap::new();
+    for inst in instances {
+        for r in &inst.routes {
+            match routes.get_mut(&r.route) {
+                None => {
+                    order.push(r.route.clone());
+                    routes.insert(r.route.clone(), r.clone());
+                }
+                Some(m) => {
+                    m.requests += r.requests;
+                    if !m.upstream.merge(&r.upstream) {
+                        return Err(MergeError::Buckets {
+                            route: r.route.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let routes = order
+        .into_iter()
+        .filter_map(|name| routes.remove(&name))
+        .map(|mut r| {
+            r.p50_seconds = r.upstream.quantile(0.5);
+            r.p95_seconds = r.upstream.quantile(0.95);
+            r.mean_seconds = r.upstream.mean();
+            r
+        })
+        .collect();
+    let first = instances.first();
+    Ok(InstanceAudit {
+        version: first.map(|i| i.version.clone()).unwrap_or_default(),
+        config_hash: first.map(|i| i.config_hash.clone()).unwrap_or_default(),
+        routes,
+        plans: first.map(|i| i.plans.clone()).unwrap_or_default(),
+    })
+}
+
+/// Configured price against measured time, for one route.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Finding {
+    pub route: String,
+    pub requests: u64,
+    pub upstream_requests: u64,
+    pub p50_seconds: Option<f64>,
+    pub p95_seconds: Option<f64>,
+    pub mean_seconds: Option<f64>,
+    pub cost: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost_per_second: Option<f64>,
+    pub mode: String,
+    /// Mean upstream time over the cost-1 routes' median mean; `None` without enough traffic
+    /// here or on the cost-1 routes.
+    pub implied_cost: Option<f64>,
+    /// `under-priced` (implied > 2× configured) or `over-priced` (< ½).
+    pub flag: Option<&'static str>,
+    /// Fewer than [`MIN_SAMPLES`] upstream samples: no figures are guessed.
+    pub too_little_traffic: bool,
+    /// Per plan: backend-seconds per minute one key can impose by spending its whole plan here.
+    pub worst_case: Vec<WorstCase>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorstCase {
+    pub plan: String,
+    /// The binding budget: the one with the lowest sustained rate.
+    pub budget: String,
+    pub backend_seconds_per_minute: f64,
+}
+
+/// The full audit, worst route first.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// The median mean upstream time of the cost-1 routes: what one unit of cost buys.
+    pub baseline_seconds: Option<f64>,
+    pub routes: Vec<Finding>,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// What one request of a route is charged on average: its cost, or its measured time at
+/// `cost_per_second` when that is more.
+fn effective_cost(cost: u64, cost_per_second: Option<f64>, mean: f64) -> f64 {
+    match cost_per_second {
+        Some(rate) => (cost as f64).max((mean * rate).ceil()),
+        None => cost as f64,
+    }
+}
+
+/// Backend-seconds per minute one key can impose on a route of `cost` whose requests take
+/// `mean` seconds: `max_cost / cost × 60 / window × mean`, the tightest budget binding.
+fn worst_case(plan: &PlanAudit, cost: f64, mean: f64) -> Option<WorstCase> {
+    plan.budgets
+        .iter()
+        .map(|b| WorstCase {
+            plan: plan.name.clone(),
+            budget: b.name.clone(),
+            backend_seconds_per_minute: b.max_cost as f64 / cost * 60.0 / b.window_seconds * mean,
+        })
+        .min_by(|a, b| {
+            a.backend_seconds_per_minute
+                .total_cmp(&b.backend_seconds_per_minute)
+        })
+}
+
+/// Compares a merged fleet's measurements with the costs and plans in force. With `cfg` (the
+/// file being audited, maybe an edited one) its costs and plans are used; else the instances'.
+pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
+    let plans = cfg.map(plans_of).unwrap_or_else(|| fleet.plans.clone());
+    let priced = |r: &RouteAudit| -> (u64, Option<f64>, String) {
+        let configured = cfg.and_then(|c| c.router.routes().find(|x| *x.label == r.route));
+        match configured {
+            Some(x) => (
+                x.cost,
+                x.fidelity.cost_per_second,
+                mode_name(x.fidelity.shadow),
+            ),
+            None => (r.cost, r.cost_per_second, r.mode.clone()),
+        }
+    };
+    let enough = |r: &RouteAudit| r.upstream.count >= MIN_SAMPLES;
+    let baseline = median(
+        fleet
+            .routes
+            .iter()
+            .filter(|r| enough(r) && priced(r).0 == 1 && priced(r).1.is_none())
+            .filter_map(|r| r.upstream.mean())
+            .collect(),
+    );
+    let mut routes: Vec<Finding> = fleet
+        .routes
+        .iter()
+        .map(|r| {
+            let (cost, cost_per_second, mode) = priced(r);
+            let mean = r.upstream.mean().filter(|_| enough(r));
+            let implied = mean
+                .zip(baseline)
+                .filter(|(_, b)| *b > 0.0)
+                .map(|(m, b)| m / b);
+            let effective = mean.map(|m| effective_cost(cost, cost_per_second, m));
+            let flag = implied.zip(effective).and_then(|(i, c)| {
+                if i > c * FLAG_FACTOR {
+                    Some("under-priced")
+                } else if i * FLAG_FACTOR < c {
+                    Some("over-priced")
+                } else {
+                    None
+                }
+            });
+            let worst_case = match (mean, effective) {
+                (Some(m), Some(c)) => plans.iter().filter_map(|p| worst_case(p, c, m)).collect(),
+                _ => vec![],
+            };
+            Finding {
+                route: r.route.clone(),
+                requests: r.requests,
+                upstream_requests: r.upstream.count,
+                p50_seconds: r.upstream.quantile(0.5).filter(|_| enough(r)),
+                p95_seconds: r.upstream.quantile(0.95).filter(|_| enough(r)),
+                mean_seconds: mean,
+                cost,
+                cost_per_second,
+                mode,
+                implied_cost: implied,
+                flag,
+                too_little_traffic: !enough(r),
+                worst_case,
+            }
+        })
+        .collect();
+    let worst = |f: &Finding| {
+        f.worst_case
+            .iter()
+            .map(|w| w.backend_seconds_per_minute)
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    // Worst first; routes without figures last, busiest first among them.
+    routes.sort_by(|a, b| {
+        worst(b)
+            .total_cmp(&worst(a))
+            .then(b.requests.cmp(&a.requests))
+    });
+    Report {
+        baseline_seconds: baseline,
+        routes,
+    }
+}
+
+fn secs(v: Option<f64>) -> String {
+    match v {
+        Some(s) if s < 1.0 => format!("{:.0}ms", s * 1e3),
+        Some(s) => format!("{s:.2}s"),
+        None => "-".into(),
+    }
+}
+
+/// The table `tollgate audit` prints.
+pub fn render_table(r: &Report) -> String {
+    let mut rows = vec![[
+        "ROUTE".to_string(),
+        "REQUESTS".into(),
+        "P50".into(),
+        "P95".into(),
+        "MEAN".into(),
+        "COST".into(),
+        "IMPLIED".into(),
+        "FLAG".into(),
+        "WORST CASE PER KEY (backend-s/min)".into(),
+    ]];
+    for f in &r.routes {
+        let cost = match f.cost_per_second {
+            Some(rate) => format!("{}+{rate}/s", f.cost),
+            None => f.cost.to_string(),
+        };
+        let (implied, flag, worst) = if f.too_little_traffic {
+            (
+                "-".to_string(),
+                format!(
+                    "too little traffic ({} < {MIN_SAMPLES})",
+                    f.upstream_requests
+                ),
+                "-".to_string(),
+            )
+        } else {
+            let implied = f
+                .implied_cost
+                .map(|i| format!("{i:.1}"))
+                .unwrap_or("no cost-1 baseline".into());
+            let flag = match f.flag {
+                Some(flag) => format!("!! {flag} (>{FLAG_FACTOR}x)"),
+                None => "ok".into(),
+            };
+            let worst = f
+                .worst_case
+                .iter()
+                .map(|w| format!("{}={:.1}", w.plan, w.backend_seconds_per_minute))
+                .collect::<Vec<_>>()
+                .join(" ");
+            (implied, flag, worst)
+        };
+        let mut route = f.route.clone();
+        if f.mode == "shadow" {
+            route.push_str(" (shadow)");
+        }
+        rows.push([
+            route,
+            f.requests.to_string(),
+            secs(f.p50_seconds),
+            secs(f.p95_seconds),
+            secs(f.mean_seconds),
+            cost,
+            implied,
+            flag,
+            worst,
+        ]);
+    }
+    let mut out = String::new();
+    let mut widths = [0usize; 9];
+    for row in &rows {
+        for (i, c) in row.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    for row in &rows {
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c}{}", " ".repeat(widths[i] - c.chars().count())))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    let _ = match r.baseline_seconds {
+        Some(b) => writeln!(
+            out,
+            "\none cost unit = {} of upstream time (median mean of the cost-1 routes)",
+            secs(Some(b))
+        ),
+        None => writeln!(
+            out,
+            "\nno cost-1 route has {MIN_SAMPLES}+ requests: implied costs need that baseline"
+        ),
+    };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn histo(samples: &[f64]) -> Histogram {
+        let bounds = crate::telemetry::LATENCY_BUCKETS;
+        Histogram {
+            count: samples.len() as u64,
+            sum: samples.iter().sum(),
+            buckets: bounds
+                .iter()
+                .map(|&le| Bucket {
+                    le,
+                    count: samples.iter().filter(|s| **s <= le).count() as u64,
+                })
+                .collect(),
+        }
+    }
+
+    fn route(name: &str, cost: u64, samples: &[f64]) -> RouteAudit {
+        RouteAudit {
+            route: name.into(),
+            requests: samples.len() as u64,
+            cost,
+            cost_per_second: None,
+            mode: "enforce".into(),
+            upstream: histo(samples),
+            p50_seconds: None,
+            p95_seconds: None,
+            mean_seconds: None,
+        }
+    }
+
+    fn instance(routes: Vec<RouteAudit>) -> InstanceAudit {
+        InstanceAudit {
+            version: "t".into(),
+            config_hash: "h".into(),
+            routes,
+            plans: vec![PlanAudit {
+                name: "default".into(),
+                budgets: vec![BudgetAudit {
+                    name: "default".into(),
+                    max_cost: 120,
+                    window_seconds: 60.0,
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn quantiles_interpolate_like_prometheus() {
+        // 10 samples in (0.005, 0.01], 10 in (0.25, 0.5].
+        let h = histo(&[[0.008; 10], [0.3; 10]].concat());
+        // rank 10 of 20: the top of the (0.005, 0.01] bucket.
+        assert!((h.quantile(0.5).unwrap() - 0.01).abs() < 1e-12);
+        // rank 19: 9/10 of the way through (0.25, 0.5].
+        assert!((h.quantile(0.95).unwrap() - 0.475).abs() < 1e-12);
+        assert_eq!(h.quantile(0.5).map(|_| ()), Some(()));
+        assert_eq!(Histogram::default().quantile(0.5), None);
+        // Past the last finite bucket: that bound.
+        assert_eq!(histo(&[100.0; 4]).quantile(0.5), Some(60.0));
+    }
+
+    #[test]
+    fn merging_adds_counts_and_reads_percentiles_from_the_sum() {
+        // Instance A: all fast; B: all slow. Averaging their p95s would say ~0.25 s; the
+        // merged buckets say the slow half dominates the p95.
+        let a = instance(vec![route("/r", 1, &[0.004; 30])]);
+        let b = instance(vec![
+            route("/r", 1, &[0.9; 30]),
+            route("/only-b", 1, &[0.1]),
+        ]);
+        let m = merge(&[a.clone(), b.clone()]).unwrap();
+        let r = &m.routes[0];
+        assert_eq!((r.requests, r.upstream.count), (60, 60));
+        assert!((r.upstream.sum - (30.0 * 0.004 + 30.0 * 0.9)).abs() < 1e-9);
+        assert!((r.mean_seconds.unwrap() - 0.452).abs() < 1e-9);
+        let p95 = r.p95_seconds.unwrap();
+        assert!(p95 > 0.5 && p95 <= 1.0, "{p95}");
+        let avg_of_p95s = (a.routes[0].upstream.quantile(0.95).unwrap()
+            + b.routes[0].upstream.quantile(0.95).unwrap())
+            / 2.0;
+        assert!(p95 > avg_of_p95s);
+        for (x, y) in r.upstream.buckets.iter().zip(&a.routes[0].upstream.buckets) {
+            assert!(x.count >= y.count);
+        }
+        assert_eq!(m.routes[1].route, "/only-b");
+        // Different buckets cannot be merged exactly: an error, not a guess.
+        let mut c = b.clone();
+        c.routes[0].upstream.buckets.pop();
+        assert_eq!(
+            merge(&[a, c]).unwrap_err(),
+            MergeError::Buckets { route: "/r".into() }
+        );
+    }
+
+    #[test]
+    fn implied_cost_flags_and_worst_case() {
+        let fleet = merge(&[instance(vec![
+            route("/a", 1, &[0.010; 40]),
+            route("/b", 1, &[0.010; 40]),
+            route("/slow", 1, &[0.300; 40]),
+            route("/priced", 30, &[0.300; 40]),
+            route("/dear", 20, &[0.010; 40]),
+            route("/quiet", 5, &[1.0; 19]),
+        ])])
+        .unwrap();
+        let r = report(&fleet, None);
+        // Median of the cost-1 means (0.01, 0.01, 0.3) is 0.01 s.
+        assert!((r.baseline_seconds.unwrap() - 0.01).abs() < 1e-12);
+        let by = |n: &str| r.routes.iter().find(|f| f.route == n).unwrap();
+        let slow = by("/slow");
+        assert!((slow.implied_cost.unwrap() - 30.0).abs() < 1e-9);
+        assert_eq!(slow.flag, Some("under-priced"));
+        // 120 / 1 × 60 / 60 × 0.3 s = 36 backend-seconds per minute.
+        assert_eq!(slow.worst_case.len(), 1);
+        assert!((slow.worst_case[0].backend_seconds_per_minute - 36.0).abs() < 1e-9);
+        assert_eq!(by("/priced").flag, None);
+        assert!((by("/priced").worst_case[0].backend_seconds_per_minute - 1.2).abs() < 1e-9);
+        assert_eq!(by("/dear").flag, Some("over-priced"));
+        assert_eq!(by("/a").flag, None);
+        let quiet = by("/quiet");
+        assert!(quiet.too_little_traffic);
+        assert_eq!((quiet.implied_cost, quiet.mean_seconds), (None, None));
+        assert!(quiet.worst_case.is_empty());
+        // Worst first, the quiet route last.
+        assert_eq!(r.routes[0].route, "/slow");
+        assert_eq!(r.routes.last().unwrap().route, "/quiet");
+        let t = render_table(&r);
+        assert!(t.contains("too little traffic (19 < 20)"), "{t}");
+        assert!(t.contains("!! under-priced"), "{t}");
+    }
+
+    #[test]
+    fn tightest_budget_binds_and_time_prices_count() {
+        let plan = PlanAudit {
+            name: "pro".into(),
+            budgets: vec![
+                BudgetAudit {
+                    name: "minute".into(),
+                    max_cost: 120,
+                    window_seconds: 60.0,
+                },
+                BudgetAudit {
+                    name: "day".into(),
+                    max_cost: 20_000,
+                    window_seconds: 86_400.0,
+                },
+            ],
+        };
+        let w = worst_case(&plan, 1.0, 0.5).unwrap();
+        assert_eq!(w.budget, "day");
+        assert!((w.backend_seconds_per_minute - 20_000.0 * 60.0 / 86_400.0 * 0.5).abs() < 1e-9);
+        // A time-priced route costs what its mean time costs when that is more.
+        assert_eq!(effective_cost(1, Some(4.0), 1.4), 6.0);
+        assert_eq!(effective_cost(10, Some(4.0), 1.4), 10.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0, 10.0]), Some(2.5));
+    }
+}

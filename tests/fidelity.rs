@@ -1,0 +1,401 @@
+//! Cost fidelity (DESIGN §6) as an operator meets it: `tollgate audit` over a real fleet,
+//! `mode: shadow` on live traffic, and `cost_per_second` billing measured upstream time.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// Runs `tollgate audit` with `args`; returns stdout and the exit code.
+fn audit(args: &[&str]) -> (String, i32) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("audit")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.code().unwrap_or(-1),
+    )
+}
+
+async fn admin_audit(gw: &Gateway) -> tollgate::audit::InstanceAudit {
+    reqwest::get(gw.admin("/admin/audit"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+const FLEET_LIMITS: &str = r#"rate_limits:
+  default: { cost: 1, window: 1h, max_cost: 10000 }
+  endpoints:
+    /a: { cost: 1 }
+    /b: { cost: 1 }
+    /slow: { cost: 1 }
+"#;
+
+/// Two instances on one Redis, traffic split 12/8 so that neither alone has enough: the audit
+/// of both adds up exactly, reads percentiles from the merged buckets, flags the route whose
+/// upstream takes 30× what its cost says, and names the instance that did not answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n{FLEET_LIMITS}",
+        redis.url()
+    );
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    let c = client();
+    for (gw, n) in gws.iter().zip([12, 8]) {
+        for (path, ms) in [("/a", 10), ("/b", 10), ("/slow", 300)] {
+            let rs = all_at_once(n, |_| {
+                c.get(gw.url(&format!("{path}?delay_ms={ms}")))
+                    .header("X-API-Key", "fleet-key")
+            })
+            .await;
+            assert_eq!(sorted_statuses(&rs), vec![200; n]);
+        }
+    }
+    // Recorded in the logging phase, just after each response: wait for the last ones.
+    for (gw, n) in gws.iter().zip([12.0, 8.0]) {
+        assert_metric(gw, "tollgate_cost_units_total{route=\"/slow\"}", n).await;
+    }
+    let instances = [admin_audit(&gws[0]).await, admin_audit(&gws[1]).await];
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let (a0, a1) = (gws[0].admin(""), gws[1].admin(""));
+
+    let (out, code) = audit(&[
+        "--admin", &a0, "--admin", &a1, "--admin", &dead, "--format", "json",
+    ]);
+    assert_eq!(
+        code, 2,
+        "an unreachable instance shows in the exit code:\n{out}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let inst = v["instances"].as_array().unwrap();
+    assert_eq!(inst.len(), 3);
+    assert_eq!(inst[2]["admin"], dead.as_str());
+    assert_eq!(inst[2]["ok"], false);
+    let route = |name: &str| {
+        v["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["route"] == name)
+            .cloned()
+            .unwrap()
+    };
+    for name in ["/a", "/b", "/slow"] {
+        let r = route(name);
+        assert_eq!(
+            (r["requests"].as_u64(), r["upstream_requests"].as_u64()),
+            (Some(20), Some(20)),
+            "{r}"
+        );
+        assert_eq!(r["too_little_traffic"], false, "{r}");
+        // Exactly the instances' buckets added up, then read.
+        let mut merged = instances[0]
+            .routes
+            .iter()
+            .find(|x| x.route == name)
+            .unwrap()
+            .upstream
+            .clone();
+        let other = &instances[1]
+            .routes
+            .iter()
+            .find(|x| x.route == name)
+            .unwrap()
+            .upstream;
+        assert!(merged.merge(other));
+        assert_eq!(merged.count, 20);
+        assert_eq!(r["p50_seconds"].as_f64(), merged.quantile(0.5), "{name}");
+        assert_eq!(r["p95_seconds"].as_f64(), merged.quantile(0.95), "{name}");
+    }
+    // Each instance alone has too little traffic to say anything.
+    for i in &instances {
+        let slow = i.routes.iter().find(|x| x.route == "/slow").unwrap();
+        assert!(slow.upstream.count < tollgate::audit::MIN_SAMPLES);
+    }
+    let slow = route("/slow");
+    let p95 = slow["p95_seconds"].as_f64().unwrap();
+    assert!((0.25..=0.5).contains(&p95), "{p95}");
+    let implied = slow["implied_cost"].as_f64().unwrap();
+    assert!((12.0..=40.0).contains(&implied), "implied {implied}");
+    assert_eq!(slow["flag"], "under-priced");
+    let mean = slow["mean_seconds"].as_f64().unwrap();
+    let worst = slow["worst_case"][0]["backend_seconds_per_minute"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (worst - 10000.0 / 1.0 * 60.0 / 3600.0 * mean).abs() < 1e-6,
+        "{worst}"
+    );
+    assert_eq!(v["routes"][0]["route"], "/slow", "worst first");
+    for name in ["/a", "/b"] {
+        assert!(route(name)["flag"].is_null());
+    }
+
+    // The table says the same, and names the dead instance.
+    let (table, code) = audit(&["--admin", &a0, "--admin", &a1, "--admin", &dead]);
+    assert_eq!(code, 2);
+    assert!(table.contains(&format!("UNREACHABLE {dead}")), "{table}");
+    assert!(table.contains("instances: 2 of 3 answered"), "{table}");
+    let slow_line = table.lines().find(|l| l.starts_with("/slow ")).unwrap();
+    assert!(slow_line.contains("!! under-priced"), "{table}");
+
+    // Priced as it runs (an edited file, audited before it is deployed): no flag.
+    let edited = gws[0].dir.path().join("edited.yaml");
+    let text = std::fs::read_to_string(&gws[0].config_path)
+        .unwrap()
+        .replace("/slow: { cost: 1 }", "/slow: { cost: 30 }");
+    std::fs::write(&edited, text).unwrap();
+    let (out, code) = audit(&[
+        "-c",
+        edited.to_str().unwrap(),
+        "--admin",
+        &a0,
+        "--admin",
+        &a1,
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let slow = v["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == "/slow")
+        .unwrap();
+    assert_eq!(
+        (slow["cost"].as_u64(), slow["flag"].is_null()),
+        (Some(30), true),
+        "{slow}"
+    );
+}
+
+/// `mode: shadow`: a request the budget would refuse is forwarded uncharged, counted with its
+/// reason, and described by the headers as if refused; a full cap is counted, not waited on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_forwards_would_be_refusals_uncharged() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        r#"rate_limits:
+  default: { cost: 1, window: 1h, max_cost: 3 }
+  endpoints:
+    /reports/generate: { cost: 2, mode: shadow }
+    /capped: { cost: 1, max_in_flight: 1, queue_timeout: 5s, mode: shadow }
+"#,
+    );
+    let c = client();
+    let first = post(&c, gw.url("/reports/generate"), "k1").await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        header(&first, "x-ratelimit-remaining").as_deref(),
+        Some("1")
+    );
+    // Would be a 429 (2 units asked, 1 left): forwarded, uncharged, headers as if refused.
+    let second = post(&c, gw.url("/reports/generate"), "k1").await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(
+        header(&second, "x-ratelimit-remaining").as_deref(),
+        Some("1")
+    );
+    assert_eq!(header(&second, "x-ratelimit-cost").as_deref(), Some("0"));
+    assert_eq!(
+        header(&second, "ratelimit-policy").as_deref(),
+        Some("\"default\";q=3;w=3600")
+    );
+    assert_eq!(up.count("/reports/generate"), 2);
+    assert_metric(
+        &gw,
+        "tollgate_shadow_rejections_total{reason=\"budget\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/reports/generate\"}",
+        2.0,
+    )
+    .await;
+    // Nothing was charged beyond the enforced config's 2: the key's last unit is still there,
+    // and the enforced default route refuses after it.
+    let third = get(&c, gw.url("/items/1"), "k1").await;
+    assert_eq!(
+        (
+            third.status().as_u16(),
+            header(&third, "x-ratelimit-remaining")
+        ),
+        (200, Some("0".into()))
+    );
+    assert_eq!(get(&c, gw.url("/items/1"), "k1").await.status(), 429);
+
+    // The cap: one holds the slot, the other is counted at once (no 5 s queue) and holds none.
+    let start = std::time::Instant::now();
+    let rs = all_at_once(2, |i| {
+        c.get(gw.url(&format!("/capped?delay_ms={}", 600 + 300 * i)))
+            .header("X-API-Key", "k2")
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), vec![200, 200]);
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "a shadow route never queues"
+    );
+    assert_eq!(up.max_concurrent("/capped"), 2);
+    assert_metric(
+        &gw,
+        "tollgate_shadow_rejections_total{reason=\"route_busy\",route=\"/capped\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(&gw, "tollgate_cost_units_total{route=\"/capped\"}", 1.0).await;
+    let log = gw.access_log();
+    let shadowed: Vec<_> = log.iter().filter(|e| e["decision"] == "shadow").collect();
+    assert_eq!(shadowed.len(), 2, "{log:?}");
+    assert!(shadowed
+        .iter()
+        .all(|e| e["cost"] == 0 && e["status"] == 200));
+    assert_eq!(shadowed[0]["shadow"], "budget");
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    let v: serde_json::Value = reqwest::get(gw.admin(&format!("/admin/keys/{id}")))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["remaining"].as_u64().unwrap()
+}
+
+/// A ~1.3 s query at 4 units/s: admitted (and shown) at its cost of 1, charged 6 in total
+/// once it has run: ceil(1.3 × 4). (Exactly 1.5 s would measure a few ms more and bill 7.)
+async fn bills_measured_time(store: &str) {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            r#"{store}rate_limits:
+  default: {{ cost: 1, window: 1h, max_cost: 100 }}
+  endpoints:
+    /analytics/query: {{ cost: 1, cost_per_second: 4 }}
+keys:
+  - {{ id: q, sha256: "{}" }}
+"#,
+            sha256_hex("q-key")
+        ),
+    );
+    let c = client();
+    let r = get(&c, gw.url("/analytics/query?delay_ms=1300"), "q-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "x-ratelimit-cost").as_deref(),
+        Some("1"),
+        "the admission charge"
+    );
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("99"));
+    // The counter moves after the time charge reached the store.
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        6.0,
+    )
+    .await;
+    assert_eq!(remaining(&gw, "q").await, 94, "{store}");
+    let logged: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|e| e["route"] == "/analytics/query")
+        .collect();
+    assert_eq!(logged.len(), 1);
+    assert_eq!(logged[0]["cost"], 6);
+    // A fast one pays its cost, never less.
+    let r = get(&c, gw.url("/analytics/query"), "q-key").await;
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("93"));
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        7.0,
+    )
+    .await;
+    assert_eq!(remaining(&gw, "q").await, 93);
+    // Twice as long, about twice the charge: ceil(2.6 × 4) = 11 against 6.
+    let r = get(&c, gw.url("/analytics/query?delay_ms=2600"), "q-key").await;
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        18.0,
+    )
+    .await;
+    assert_eq!(remaining(&gw, "q").await, 82, "{store}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_per_second_bills_time_on_the_memory_store() {
+    bills_measured_time("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_per_second_bills_time_on_redis() {
+    let redis = Redis::start();
+    bills_measured_time(&format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
+        redis.url()
+    ))
+    .await;
+}
+
+/// `/admin/audit` is behind the admin token like every `/admin/*` path; `tollgate audit`
+/// sends `TOLLGATE_ADMIN_TOKEN` and says what a 401 means.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_uses_the_admin_token() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 10 }\n",
+        env: vec![("TOLLGATE_ADMIN_TOKEN", "s3cret-admin".into())],
+        ..GatewayOpts::default()
+    });
+    assert_eq!(
+        reqwest::get(gw.admin("/admin/audit"))
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let admin = gw.admin("");
+    let run = |token: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.args(["audit", "--admin", &admin])
+            .env_remove("TOLLGATE_ADMIN_TOKEN");
+        if let Some(t) = token {
+            cmd.env("TOLLGATE_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            out.status.code(),
+        )
+    };
+    let (out, code) = run(None);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("answered 401 (set TOLLGATE_ADMIN_TOKEN"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cret"), "{out}");
+    let (out, code) = run(Some("s3cret-admin"));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("instances: 1 of 1 answered"), "{out}");
+    assert!(out.contains("too little traffic (0 < 20)"), "{out}");
+}
