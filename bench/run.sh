@@ -110,7 +110,7 @@ NGINX_MODULES=${NGINX_MODULES:-/usr/lib/nginx/modules}
 # are installed; otherwise the script names them and stops.
 MISSING=()
 for tp in "$NGINX:nginx" wrk:wrk redis-server:redis-server redis-cli:redis-tools curl:curl \
-          awk:mawk sort:coreutils getconf:libc-bin; do
+          ss:iproute2 awk:mawk sort:coreutils getconf:libc-bin; do
   command -v "${tp%:*}" >/dev/null || MISSING+=("${tp##*:}")
 done
 # (h): the Lua module and the resty.core library it loads at start (packaged as dependencies).
@@ -164,16 +164,23 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# A free loopback port (not listening now, and not handed out before in this run).
+# A free loopback port, into the variable named $1 (not in a $(...) subshell, so that
+# USED_PORTS remembers what this run handed out). Taken below the kernel's ephemeral range:
+# there, an outgoing connection (ours to an upstream or Redis, or another process's) can hold
+# the port between this check and the bind. Free means no socket of any state uses it.
 USED_PORTS=" "
+EPHEMERAL_LOW=$(awk '{ print $1 }' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+if [[ $EPHEMERAL_LOW -gt 11000 ]]; then PORT_LO=10000; PORT_HI=$EPHEMERAL_LOW; else PORT_LO=20000; PORT_HI=50000; fi
 free_port() {
+  local -n out=$1
   local p
   for _ in $(seq 200); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO)))
     [[ $USED_PORTS == *" $p "* ]] && continue
+    [[ -z $(ss -Htan "( sport = :$p )" 2>/dev/null) ]] || continue
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
       USED_PORTS+="$p "
-      echo "$p"
+      out=$p
       return
     fi
   done
@@ -211,12 +218,10 @@ if has g && [[ ! -x $BARE_BIN ]]; then
   exit 1
 fi
 
-UP_PORT=$(free_port); PX_PORT=$(free_port); RD_PORT=$(free_port)
-TM_PORT=$(free_port); TM_ADMIN=$(free_port)
-TR_PORT=$(free_port); TR_ADMIN=$(free_port)
-TI_PORT=$(free_port); TI_ADMIN=$(free_port)
-TP_PORT=$(free_port); TP_ADMIN=$(free_port)
-BP_PORT=$(free_port); NL_PORT=$(free_port)
+for v in UP_PORT PX_PORT RD_PORT TM_PORT TM_ADMIN TR_PORT TR_ADMIN TI_PORT TI_ADMIN TP_PORT TP_ADMIN \
+         BP_PORT NL_PORT; do
+  free_port "$v"
+done
 if [[ -n $PRELOAD && ! -r $PRELOAD ]]; then echo "--preload: cannot read $PRELOAD" >&2; exit 1; fi
 PATH_UNDER_TEST=/api/items/42
 
