@@ -86,14 +86,15 @@ local function command(args)
   return out
 end
 
--- One reply; an error reply comes back as nil, message.
+-- One reply. An error reply comes back as nil, message, true (the connection is still in step);
+-- a socket or protocol error as nil, message (the connection must not be reused).
 local function read_reply(sock)
   local line, err = sock:receive('*l')
   if not line then return nil, err end
   local kind, rest = line:sub(1, 1), line:sub(2)
   if kind == ':' then return tonumber(rest) end
   if kind == '+' then return rest end
-  if kind == '-' then return nil, rest end
+  if kind == '-' then return nil, rest, true end
   if kind == '$' then
     local n = tonumber(rest)
     if n < 0 then return ngx.null end
@@ -106,8 +107,8 @@ local function read_reply(sock)
     if n < 0 then return ngx.null end
     local arr = {}
     for i = 1, n do
-      local v, e = read_reply(sock)
-      if v == nil then return nil, e end
+      local v, e, replied = read_reply(sock)
+      if v == nil then return nil, e, replied end
       arr[i] = v
     end
     return arr
@@ -127,13 +128,13 @@ local function charge(key)
   -- reuses a connection from the worker's pool for host:port when there is one
   local ok, err = sock:connect(conf.host, conf.port)
   if not ok then return nil, err end
-  local res
-  res, err = call(sock, { 'EVALSHA', SHA, '1', key, conf.per_unit, conf.rate, conf.capacity, '1' })
-  if res == nil and err and err:sub(1, 8) == 'NOSCRIPT' then
+  local res, replied
+  res, err, replied = call(sock, { 'EVALSHA', SHA, '1', key, conf.per_unit, conf.rate, conf.capacity, '1' })
+  if res == nil and replied and err:sub(1, 8) == 'NOSCRIPT' then
     -- as redis-rs's Script::invoke_async: EVAL once, which also caches the script
-    res, err = call(sock, { 'EVAL', SCRIPT, '1', key, conf.per_unit, conf.rate, conf.capacity, '1' })
+    res, err, replied = call(sock, { 'EVAL', SCRIPT, '1', key, conf.per_unit, conf.rate, conf.capacity, '1' })
   end
-  if res == nil and err and (err == 'timeout' or err == 'closed') then
+  if res == nil and not replied then
     sock:close()
   else
     sock:setkeepalive(60000, conf.pool_size)
