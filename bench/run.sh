@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench/run.sh — one benchmark run of tollgate against nginx, on loopback only.
+# bench/run.sh — one benchmark run of tollgate against its anchors (nginx, a bare Pingora proxy,
+# nginx + Lua + Redis), on loopback only.
 #
 # Starts (all on 127.0.0.1, free ports, everything in a temp dir):
 #   upstream  nginx `return 200` with a small body, 1 worker, keepalive
@@ -10,9 +11,18 @@
 #   (e) tollgate memory as (c) but RUST_LOG=info: the access log on (written to a file)
 #   (f) only with --preload LIB: tollgate memory as (c) with LD_PRELOAD=LIB (another malloc,
 #       e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2), to price the allocator without a rebuild
+#   (g) a bare Pingora 0.9 proxy (examples/bare_pingora.rs: an empty ProxyHttp, jemalloc, one
+#       worker thread, work_stealing false, no logging) to the same upstream: the Pingora floor
+#   (h) nginx (1 worker) with a Lua access phase doing one EVALSHA of a GCRA script per request
+#       on the redis-server of (d), over a pooled cosocket (bench/nginx_gcra.lua), then
+#       proxy_pass as (b): the Kong/APISIX way of a Redis-backed limiter
 # and measures each with wrk at fixed connections and duration, ROUNDS times interleaved
-# (a b c d e, a b c d e, ...), then prints a markdown table of medians, the tollgate/nginx
-# ratios, Redis round trips per request and Redis bytes per budget key.
+# (a b c d e g h, a b c d e g h, ...), then prints a markdown table of medians, the ratios
+# against nginx and against the two anchors with issue 11's targets, Redis round trips per
+# request and Redis bytes per budget key.
+#
+# Preflight: missing tools and packages (nginx, wrk, redis, curl; libnginx-mod-http-lua for h)
+# are installed with apt-get when run as root, and named otherwise.
 #
 # Everything it starts is stopped at exit, Ctrl-C included. No traffic leaves 127.0.0.1, and
 # every load is bounded by wrk's -d (and a `timeout` around it).
@@ -21,7 +31,9 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 usage: bench/run.sh [options]
-  --no-build          use the existing target/release/tollgate (default: cargo build --release)
+  --no-build          use the existing binaries in ${CARGO_TARGET_DIR:-target}/release: tollgate,
+                      examples/bare_pingora (default: cargo build --release --bin tollgate
+                      --example bare_pingora, one invocation so both share dependency builds)
   -c, --connections N wrk connections                      (env CONNS, default 64)
   -d, --duration S    seconds per measurement              (env DURATION, default 10)
   -t, --threads N     wrk threads                          (env WRK_THREADS, default 1)
@@ -31,7 +43,8 @@ usage: bench/run.sh [options]
   -w, --warmup S      warm-up seconds per target, not measured (env WARMUP, default 2)
       --no-info-log   skip (e), the RUST_LOG=info run
       --preload LIB   add (f): tollgate memory store with LD_PRELOAD=LIB (an allocator)
-      --only "b c f"  measure only these configurations (letters above)
+      --only "c g"    measure only these configurations (letters above; g and h are only
+                      built and started when selected)
       --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
   -h, --help
 EOF
@@ -72,12 +85,51 @@ done
 [[ $CONNS -ge 1 && $DURATION -ge 1 && $WRK_THREADS -ge 1 && $ROUNDS -ge 1 && $KEYS -ge 1 ]] ||
   { echo "connections, duration, threads, rounds and keys must be >= 1" >&2; exit 2; }
 
+# The configurations to measure (letters in the header), in the order of each round.
+NAMES=(a b c d)
+[[ $WITH_INFO == 1 ]] && NAMES+=(e)
+[[ -n $PRELOAD ]] && NAMES+=(f)
+NAMES+=(g h)
+if [[ -n $ONLY ]]; then
+  KEEP=()
+  for n in "${NAMES[@]}"; do [[ " $ONLY " == *" $n "* ]] && KEEP+=("$n"); done
+  [[ ${#KEEP[@]} -gt 0 ]] || { echo "--only '$ONLY' selects nothing from: ${NAMES[*]}" >&2; exit 2; }
+  NAMES=("${KEEP[@]}")
+fi
+has() { [[ " ${NAMES[*]} " == *" $1 "* ]]; }
+
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BIN=${TOLLGATE_BIN:-$ROOT/target/release/tollgate}
+# Where cargo puts the binaries: it honours CARGO_TARGET_DIR, so must we.
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+BIN=${TOLLGATE_BIN:-$TARGET_DIR/release/tollgate}
+BARE_BIN=${BARE_PINGORA_BIN:-$TARGET_DIR/release/examples/bare_pingora}
 NGINX=${NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}
-for tool in "$NGINX" wrk redis-server redis-cli curl awk sort; do
-  command -v "$tool" >/dev/null || { echo "missing tool: $tool" >&2; exit 1; }
+NGINX_MODULES=${NGINX_MODULES:-/usr/lib/nginx/modules}
+
+# Preflight: each missing tool with the Debian package that has it. As root with apt-get they
+# are installed; otherwise the script names them and stops.
+MISSING=()
+for tp in "$NGINX:nginx" wrk:wrk redis-server:redis-server redis-cli:redis-tools curl:curl \
+          ss:iproute2 awk:mawk sort:coreutils getconf:libc-bin; do
+  command -v "${tp%:*}" >/dev/null || MISSING+=("${tp##*:}")
 done
+# (h): the Lua module and the resty.core library it loads at start (packaged as dependencies).
+if has h && ! [[ -r $NGINX_MODULES/ngx_http_lua_module.so && -r $NGINX_MODULES/ndk_http_module.so &&
+                 -r /usr/share/lua/5.1/resty/core.lua ]]; then
+  MISSING+=(libnginx-mod-http-lua)
+fi
+if [[ ${#MISSING[@]} -gt 0 ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "[bench] installing missing packages: ${MISSING[*]}" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${MISSING[@]}" >&2 ||
+      { DEBIAN_FRONTEND=noninteractive apt-get update -q >&2 &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${MISSING[@]}" >&2; } ||
+      { echo "apt-get could not install: ${MISSING[*]}" >&2; exit 1; }
+  else
+    echo "missing (Debian packages): ${MISSING[*]} — as root: apt-get install ${MISSING[*]}" >&2
+    exit 1
+  fi
+fi
 
 log() { echo "[bench] $*" >&2; }
 
@@ -112,16 +164,23 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# A free loopback port (not listening now, and not handed out before in this run).
+# A free loopback port, into the variable named $1 (not in a $(...) subshell, so that
+# USED_PORTS remembers what this run handed out). Taken below the kernel's ephemeral range:
+# there, an outgoing connection (ours to an upstream or Redis, or another process's) can hold
+# the port between this check and the bind. Free means no socket of any state uses it.
 USED_PORTS=" "
+EPHEMERAL_LOW=$(awk '{ print $1 }' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+if [[ $EPHEMERAL_LOW -gt 11000 ]]; then PORT_LO=10000; PORT_HI=$EPHEMERAL_LOW; else PORT_LO=20000; PORT_HI=50000; fi
 free_port() {
+  local -n out=$1
   local p
   for _ in $(seq 200); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((PORT_LO + RANDOM % (PORT_HI - PORT_LO)))
     [[ $USED_PORTS == *" $p "* ]] && continue
+    [[ -z $(ss -Htan "( sport = :$p )" 2>/dev/null) ]] || continue
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
       USED_PORTS+="$p "
-      echo "$p"
+      out=$p
       return
     fi
   done
@@ -146,26 +205,34 @@ wait_http() {
 # ---------------------------------------------------------------------------------------------
 # Build.
 if [[ $BUILD == 1 ]]; then
-  log "cargo build --release"
-  (cd "$ROOT" && cargo build --release --bin tollgate) >&2
+  # One invocation for both: the example pulls in the dev-dependencies' features, and building
+  # them together links tollgate and the bare proxy against the very same Pingora and tokio.
+  CARGO_ARGS=(build --release --bin tollgate)
+  has g && CARGO_ARGS+=(--example bare_pingora)
+  log "cargo ${CARGO_ARGS[*]}"
+  (cd "$ROOT" && cargo "${CARGO_ARGS[@]}") >&2
 fi
 [[ -x $BIN ]] || { echo "no binary at $BIN (build it, or drop --no-build)" >&2; exit 1; }
+if has g && [[ ! -x $BARE_BIN ]]; then
+  echo "no binary at $BARE_BIN (cargo build --release --example bare_pingora, or drop --no-build)" >&2
+  exit 1
+fi
 
-UP_PORT=$(free_port); PX_PORT=$(free_port); RD_PORT=$(free_port)
-TM_PORT=$(free_port); TM_ADMIN=$(free_port)
-TR_PORT=$(free_port); TR_ADMIN=$(free_port)
-TI_PORT=$(free_port); TI_ADMIN=$(free_port)
-TP_PORT=$(free_port); TP_ADMIN=$(free_port)
+for v in UP_PORT PX_PORT RD_PORT TM_PORT TM_ADMIN TR_PORT TR_ADMIN TI_PORT TI_ADMIN TP_PORT TP_ADMIN \
+         BP_PORT NL_PORT; do
+  free_port "$v"
+done
 if [[ -n $PRELOAD && ! -r $PRELOAD ]]; then echo "--preload: cannot read $PRELOAD" >&2; exit 1; fi
 PATH_UNDER_TEST=/api/items/42
 
 # ---------------------------------------------------------------------------------------------
 # nginx: the upstream, and the nginx proxy (b). Temp, pid and log paths in $TMP.
-nginx_conf() { # name listen-port server-block-body
+nginx_conf() { # name listen-port http-block-body [main-context lines]
   local dir=$TMP/$1
   mkdir -p "$dir/tmp"
   chmod 755 "$dir" "$dir/tmp"
   cat >"$dir/nginx.conf" <<EOF
+${4:-}
 worker_processes 1;
 pid $dir/nginx.pid;
 error_log $dir/error.log warn;
@@ -239,6 +306,53 @@ done
 [[ $(redis-cli -p "$RD_PORT" ping 2>/dev/null || true) == PONG ]] || { echo "redis-server did not start" >&2; exit 1; }
 
 # ---------------------------------------------------------------------------------------------
+# The anchors of issue 11, started only when selected.
+BP_PID=""
+if has g; then
+  log "starting bare Pingora on :$BP_PORT"
+  # TMPDIR: Pingora's pid file and upgrade socket go to the process's temp dir.
+  TMPDIR=$TMP "$BARE_BIN" "127.0.0.1:$BP_PORT" "127.0.0.1:$UP_PORT" >>"$TMP/bare-pingora.log" 2>&1 &
+  BP_PID=$!
+  PIDS+=("$BP_PID")
+  wait_http "http://127.0.0.1:$BP_PORT$PATH_UNDER_TEST" "bare Pingora"
+fi
+NL_PID=""
+if has h; then
+  # The same budget as tollgate's BENCH_BUDGET below (100000000 units per 1 s: nothing refused),
+  # on (d)'s redis-server; keys ng{...}b do not meet tollgate's t{...}b.
+  mkdir -p "$TMP/nginx-lua/lua"
+  cp "$ROOT/bench/nginx_gcra.lua" "$TMP/nginx-lua/lua/"
+  chmod -R a+rX "$TMP/nginx-lua"
+  nginx_conf nginx-lua "$NL_PORT" "
+  lua_package_path \"$TMP/nginx-lua/lua/?.lua;/usr/share/lua/5.1/?.lua;;\";
+  init_by_lua_block {
+    require(\"nginx_gcra\").configure{ redis_port = $RD_PORT, timeout_ms = 50,
+                                      limit = 100000000, window_us = 1000000 }
+  }
+  upstream backend {
+    server 127.0.0.1:$UP_PORT;
+    keepalive 128;
+    keepalive_requests 1000000;
+  }
+  server {
+    listen 127.0.0.1:$NL_PORT;
+    location / {
+      access_by_lua_block { require(\"nginx_gcra\").access() }
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection \"\";
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+    }
+  }" "load_module $NGINX_MODULES/ndk_http_module.so;
+load_module $NGINX_MODULES/ngx_http_lua_module.so;"
+  log "starting nginx + Lua + Redis on :$NL_PORT"
+  start_nginx nginx-lua; NL_PID=$NGINX_PID
+  wait_http "http://127.0.0.1:$NL_PORT$PATH_UNDER_TEST" "nginx + Lua + Redis"
+fi
+
+# ---------------------------------------------------------------------------------------------
 # tollgate configs: a budget so large nothing is refused; one route matches the path under test.
 tollgate_conf() { # file port admin store-yaml budget-yaml
   cat >"$1" <<EOF
@@ -294,16 +408,6 @@ wait_http "http://127.0.0.1:$TR_PORT$PATH_UNDER_TEST" "tollgate (redis)"
 
 # ---------------------------------------------------------------------------------------------
 # Measurement helpers.
-NAMES=(a b c d)
-[[ $WITH_INFO == 1 ]] && NAMES+=(e)
-[[ -n $PRELOAD ]] && NAMES+=(f)
-if [[ -n $ONLY ]]; then
-  KEEP=()
-  for n in "${NAMES[@]}"; do [[ " $ONLY " == *" $n "* ]] && KEEP+=("$n"); done
-  [[ ${#KEEP[@]} -gt 0 ]] || { echo "--only '$ONLY' selects nothing from: ${NAMES[*]}" >&2; exit 2; }
-  NAMES=("${KEEP[@]}")
-fi
-has() { [[ " ${NAMES[*]} " == *" $1 "* ]]; }
 declare -A LABEL PORT PIDOF
 LABEL[a]="a. upstream direct (nginx return 200)";        PORT[a]=$UP_PORT; PIDOF[a]=$UP_PID
 LABEL[b]="b. nginx proxy_pass, keepalive, 1 worker";     PORT[b]=$PX_PORT; PIDOF[b]=$PX_PID
@@ -311,6 +415,8 @@ LABEL[c]="c. tollgate, memory store, threads 1";         PORT[c]=$TM_PORT; PIDOF
 LABEL[d]="d. tollgate, redis store, threads 1";          PORT[d]=$TR_PORT; PIDOF[d]=$TR_PID
 LABEL[e]="e. tollgate, memory store, RUST_LOG=info";     PORT[e]=$TI_PORT; PIDOF[e]=$TI_PID
 LABEL[f]="f. tollgate, memory store, LD_PRELOAD=$(basename "${PRELOAD:-none}")"; PORT[f]=$TP_PORT; PIDOF[f]=$TP_PID
+LABEL[g]="g. bare Pingora 0.9 (empty ProxyHttp), threads 1"; PORT[g]=$BP_PORT; PIDOF[g]=$BP_PID
+LABEL[h]="h. nginx + Lua, 1 Redis EVALSHA (GCRA)/req";   PORT[h]=$NL_PORT; PIDOF[h]=$NL_PID
 
 WRK_KEY_ARGS=()
 if [[ $KEYS -gt 1 ]]; then
@@ -383,29 +489,33 @@ fi
 [[ -n $TI_PID ]] && : >"$TMP/tollgate-info.log"
 
 declare -A RES CPU
-declare -A RCMD   # Redis calls per command during the (d) runs
-RT_REQS=0
+declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
+declare -A RT_REQS=([d]=0 [h]=0)
 for r in $(seq "$ROUNDS"); do
   for n in "${NAMES[@]}"; do
     log "round $r/$ROUNDS: ${LABEL[$n]} (${DURATION}s, $CONNS connections, $WRK_THREADS wrk thread(s), $KEYS key(s))"
-    if [[ $n == d ]]; then
-      redis_cmdstats >"$TMP/redis-before.txt"
-      q0=$(requests_total "$TR_ADMIN")
-    fi
+    if [[ $n == d || $n == h ]]; then redis_cmdstats >"$TMP/redis-before.txt"; fi
+    [[ $n == d ]] && q0=$(requests_total "$TR_ADMIN")
     t0=$(cpu_ticks "${PIDOF[$n]}")
     run_wrk "$n" "$DURATION" "$TMP/wrk-$n-$r.txt"
     t1=$(cpu_ticks "${PIDOF[$n]}")
-    if [[ $n == d ]]; then
+    RES[$n,$r]=$(parse_wrk "$TMP/wrk-$n-$r.txt")
+    read -r rps p50 p99 reqs errs non2xx <<<"${RES[$n,$r]}"
+    if [[ $n == d || $n == h ]]; then
       redis_cmdstats >"$TMP/redis-after.txt"
-      q1=$(requests_total "$TR_ADMIN")
-      RT_REQS=$((RT_REQS + q1 - q0))
+      if [[ $n == d ]]; then
+        q1=$(requests_total "$TR_ADMIN")
+        RT_REQS[d]=$((RT_REQS[d] + q1 - q0))
+      else
+        # nginx has no request counter here: wrk's completed requests (those still in flight
+        # when wrk stops were charged but are not counted, ≤ CONNS per run)
+        RT_REQS[h]=$((RT_REQS[h] + reqs))
+      fi
       while read -r cmd delta; do
-        RCMD[$cmd]=$(( ${RCMD[$cmd]:-0} + delta ))
+        RCMD[$n,$cmd]=$(( ${RCMD[$n,$cmd]:-0} + delta ))
       done < <(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - b[$1]; if (d > 0) print $1, d }' \
                  "$TMP/redis-before.txt" "$TMP/redis-after.txt")
     fi
-    RES[$n,$r]=$(parse_wrk "$TMP/wrk-$n-$r.txt")
-    read -r rps p50 p99 reqs errs non2xx <<<"${RES[$n,$r]}"
     # CPU µs of the server under test per request served
     CPU[$n,$r]=$(awk -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
     log "  $rps req/s, p50 ${p50}us, p99 ${p99}us, $reqs requests, errors $errs, non-2xx $non2xx, ${CPU[$n,$r]} CPU us/req"
@@ -460,7 +570,7 @@ done
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
 echo
-echo "## tollgate vs nginx — $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+echo "## tollgate vs its anchors — $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo
 echo "wrk: $CONNS connections, ${DURATION}s, $WRK_THREADS thread(s), GET $PATH_UNDER_TEST, $([[ $KEYS -gt 1 ]] && echo "$KEYS API keys (bench/keys.lua)" || echo "one API key (-H)"); median of $ROUNDS interleaved runs; access logs off unless stated."
 echo
@@ -474,42 +584,88 @@ for n in "${NAMES[@]}"; do
     "$(awk -v v="${MED_P50[$n]}" 'BEGIN{print v/1000}')" "$(awk -v v="${MED_P99[$n]}" 'BEGIN{print v/1000}')" \
     "$runs" "$bad" "${MED_CPU[$n]}"
 done
+
+# Issue 11's targets: "ratio OP bound" per line; a target needs both of its letters measured.
+target_row() { # label a b metric(rps|p99) op bound
+  local label=$1 a=$2 b=$3 metric=$4 op=$5 bound=$6 va vb
+  if ! has "$a" || ! has "$b"; then
+    echo "| $label | not measured (needs $a and $b) | $op $bound | |"
+    return
+  fi
+  if [[ $metric == rps ]]; then va=${MED_RPS[$a]}; vb=${MED_RPS[$b]}; else va=${MED_P99[$a]}; vb=${MED_P99[$b]}; fi
+  awk -v a="$va" -v b="$vb" -v op="$op" -v bound="$bound" -v label="$label" 'BEGIN {
+    if (b <= 0) { printf "| %s | n/a | %s %s | |\n", label, op, bound; exit }
+    r = a / b
+    met = (op == "≥") ? (r >= bound) : (r <= bound)
+    printf "| %s | %.2f | %s %.2f | %s |\n", label, r, op, bound, (met ? "**met**" : "**not met**")
+  }'
+}
 echo
-echo "Ratios (median vs median; tollgate / nginx proxy_pass (b)):"
+echo "Targets of issue 11 (median vs median, same run):"
 echo
-echo "| | req/s ratio | p99 ratio |"
-echo "|---|---:|---:|"
-has b && has c && echo "| tollgate memory (c) / nginx (b) | $(ratio "${MED_RPS[c]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[c]}" "${MED_P99[b]}") |"
-has b && has d && echo "| tollgate redis (d) / nginx (b) | $(ratio "${MED_RPS[d]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[d]}" "${MED_P99[b]}") |"
+echo "| target | measured | bound | |"
+echo "|---|---:|---:|---|"
+target_row "tollgate memory (c) / bare Pingora (g), req/s" c g rps "≥" 0.90
+target_row "tollgate memory (c) / bare Pingora (g), p99" c g p99 "≤" 1.15
+target_row "tollgate redis (d) / nginx + Lua + Redis (h), req/s" d h rps "≥" 1.20
+target_row "tollgate redis (d) / nginx + Lua + Redis (h), p99" d h p99 "≤" 1.00
 if has c && has e; then
-  echo "| tollgate memory + access log (e) / no log (c) | $(ratio "${MED_RPS[e]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[e]}" "${MED_P99[c]}") |"
+  awk -v c="${MED_RPS[c]}" -v e="${MED_RPS[e]}" 'BEGIN {
+    if (c <= 0) { print "| access log cost, 1 − (e)/(c) req/s | n/a | ≤ 5 % | |"; exit }
+    cost = (1 - e / c) * 100
+    printf "| access log cost, 1 − (e)/(c) req/s | %.1f %% | ≤ 5 %% | %s |\n", cost, (cost <= 5 ? "**met**" : "**not met**")
+  }'
+else
+  echo "| access log cost, 1 − (e)/(c) req/s | not measured (needs c and e) | ≤ 5 % | |"
 fi
-if has f && has c; then
-  echo "| tollgate memory + $(basename "$PRELOAD") (f) / glibc malloc (c) | $(ratio "${MED_RPS[f]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[f]}" "${MED_P99[c]}") |"
-fi
-if has f && has b; then
-  echo "| tollgate memory + $(basename "$PRELOAD") (f) / nginx (b) | $(ratio "${MED_RPS[f]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[f]}" "${MED_P99[b]}") |"
+other_ratios() { # rows of the table below, for the letters measured
+  has b && has c && echo "| tollgate memory (c) / nginx (b) | $(ratio "${MED_RPS[c]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[c]}" "${MED_P99[b]}") |"
+  has b && has d && echo "| tollgate redis (d) / nginx (b) | $(ratio "${MED_RPS[d]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[d]}" "${MED_P99[b]}") |"
+  has b && has g && echo "| bare Pingora (g) / nginx (b) | $(ratio "${MED_RPS[g]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[g]}" "${MED_P99[b]}") |"
+  has b && has h && echo "| nginx + Lua + Redis (h) / nginx (b) | $(ratio "${MED_RPS[h]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[h]}" "${MED_P99[b]}") |"
+  if has c && has e; then
+    echo "| tollgate memory + access log (e) / no log (c) | $(ratio "${MED_RPS[e]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[e]}" "${MED_P99[c]}") |"
+  fi
+  if has f && has c; then
+    echo "| tollgate memory + $(basename "$PRELOAD") (f) / jemalloc built in (c) | $(ratio "${MED_RPS[f]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[f]}" "${MED_P99[c]}") |"
+  fi
+  if has f && has b; then
+    echo "| tollgate memory + $(basename "$PRELOAD") (f) / nginx (b) | $(ratio "${MED_RPS[f]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[f]}" "${MED_P99[b]}") |"
+  fi
+  true
+}
+OTHER=$(other_ratios)
+if [[ -n $OTHER ]]; then
+  echo
+  echo "Other ratios (median vs median):"
+  echo
+  echo "| | req/s ratio | p99 ratio |"
+  echo "|---|---:|---:|"
+  echo "$OTHER"
 fi
 echo
-echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx proxy's master+worker for (b), tollgate for (c)-(f), not redis-server or wrk — divided by the requests wrk completed."
+echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx master+worker for (b) and (h), tollgate for (c)-(f), the bare Pingora for (g), not redis-server or wrk — divided by the requests wrk completed."
 echo
 # Commands a client sends; the rest (TIME, GET, SET, ZCOUNT...) run inside the scripts, which
 # Redis counts in commandstats too. A round trip is one of the former.
-RT=0; RT_DETAIL=""; INNER_DETAIL=""
-for cmd in $(printf '%s\n' "${!RCMD[@]}" | sort); do
-  per=$(awk -v a="${RCMD[$cmd]}" -v q="$RT_REQS" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }')
-  case $cmd in
-    evalsha|eval|evalsha_ro|eval_ro|fcall|script|ping|hello|client|select|auth)
-      RT=$((RT + RCMD[$cmd])); RT_DETAIL+="${cmd} ${RCMD[$cmd]} (${per}/req), " ;;
-    *) INNER_DETAIL+="${cmd} ${per}/req, " ;;
-  esac
-done
-if has d; then
-  echo "Redis round trips during the (d) runs: ${RT_DETAIL%, } for $RT_REQS requests served (tollgate_requests_total) →" \
-    "**$(awk -v a="$RT" -v q="$RT_REQS" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }') round trips per request**." \
-    "Commands run inside the scripts: ${INNER_DETAIL%, }."
+redis_round_trips() { # letter what-counted-the-requests
+  local n=$1 rt=0 detail="" inner="" key cmd per
+  for key in $(printf '%s\n' "${!RCMD[@]}" | { grep "^$n," || true; } | sort); do
+    cmd=${key#*,}
+    per=$(awk -v a="${RCMD[$key]}" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }')
+    case $cmd in
+      evalsha|eval|evalsha_ro|eval_ro|fcall|script|ping|hello|client|select|auth)
+        rt=$((rt + RCMD[$key])); detail+="${cmd} ${RCMD[$key]} (${per}/req), " ;;
+      *) inner+="${cmd} ${per}/req, " ;;
+    esac
+  done
+  echo "Redis round trips during the ($n) runs: ${detail%, } for ${RT_REQS[$n]} requests ($2) →" \
+    "**$(awk -v a="$rt" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }') round trips per request**." \
+    "Commands run inside the scripts: ${inner%, }."
   echo
-fi
+}
+has d && redis_round_trips d "served, tollgate_requests_total"
+has h && redis_round_trips h "completed by wrk; those in flight at each run's end are charged but not counted"
 echo "Redis MEMORY USAGE of a budget key: during load (bench budget, key value): ${BENCH_KEY_SAMPLE:-not caught};" \
   "realistic budget (120 per 1h): ${REAL_KEY_SAMPLE:-n/a}."
 echo
