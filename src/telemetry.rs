@@ -314,7 +314,7 @@ impl RouteMetrics {
     /// Creates, at zero, the series of the answers an alert or a dashboard rate watches for —
     /// a counter that first appears at N is invisible to `rate()` until it grows again, so a
     /// route's first 429 storm or 5xx burst after a start would go unseen.
-    fn announce(&self, capped: bool) {
+    fn announce(&self, capped: bool, shadow: bool) {
         let m = metrics();
         for status in ANNOUNCED_STATUSES {
             if let Some(i) = COMMON_STATUSES.iter().position(|s| *s == status) {
@@ -329,8 +329,13 @@ impl RouteMetrics {
         } else {
             &["budget"]
         };
+        let refusals = if shadow {
+            &m.shadow_rejections
+        } else {
+            &m.rejections
+        };
         for reason in reasons {
-            m.rejections.with_label_values(&[&*self.label, reason]);
+            refusals.with_label_values(&[&*self.label, reason]);
         }
     }
 
@@ -388,7 +393,7 @@ impl RouteMetricsTable {
                     .cloned()
                     .unwrap_or_else(|| {
                         let rm = RouteMetrics::new(&r.label);
-                        rm.announce(r.max_in_flight.is_some());
+                        rm.announce(r.max_in_flight.is_some(), r.fidelity.shadow);
                         Arc::new(rm)
                     })
             })

