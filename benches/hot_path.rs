@@ -169,6 +169,7 @@ fn admit_request(key: [u8; 32], limit: Limit) -> AdmitRequest {
     AdmitRequest {
         key,
         limit,
+        also: vec![],
         cost: 1,
         key_cap: None,
         route: Arc::from("default"),

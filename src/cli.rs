@@ -39,16 +39,19 @@ pub fn route_table(cfg: &Config) -> String {
     ]];
     let mut plans: Vec<_> = cfg.plans.values().collect();
     plans.sort_by(|a, b| a.name.cmp(&b.name));
+    // One row per budget: a plan with several lists each (`<plan>-<name>`).
     for p in std::iter::once(&cfg.default_policy).chain(plans) {
-        budgets.push([
-            p.name.clone(),
-            p.max_cost.to_string(),
-            format_duration(p.window),
-            format_duration(p.max_delay),
-            p.max_in_flight_per_key
-                .map(|n| n.to_string())
-                .unwrap_or("-".into()),
-        ]);
+        for b in &p.budgets {
+            budgets.push([
+                b.name.clone(),
+                b.max_cost.to_string(),
+                format_duration(b.window),
+                format_duration(p.max_delay),
+                p.max_in_flight_per_key
+                    .map(|n| n.to_string())
+                    .unwrap_or("-".into()),
+            ]);
+        }
     }
     out.push_str(&table(&budgets));
     let _ = writeln!(
@@ -132,20 +135,28 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
                     None => "anonymous (client_ip)".into(),
                 }
             );
-            let _ = writeln!(
-                out,
-                "budget:       \"{}\" {} units per {} (max_delay {})",
-                p.name,
-                p.max_cost,
-                format_duration(p.window),
-                format_duration(p.max_delay)
-            );
-            let _ = writeln!(
-                out,
-                "              = {} such requests in a burst, then one every {:.1} s",
-                p.max_cost / route.cost,
-                p.window.as_secs_f64() * route.cost as f64 / p.max_cost as f64
-            );
+            // Every budget the request is charged against (all must fit).
+            for (i, b) in p.budgets.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{}\"{}\" {} units per {} (max_delay {})",
+                    if i == 0 {
+                        "budget:       "
+                    } else {
+                        "and budget:   "
+                    },
+                    b.name,
+                    b.max_cost,
+                    format_duration(b.window),
+                    format_duration(p.max_delay)
+                );
+                let _ = writeln!(
+                    out,
+                    "              = {} such requests in a burst, then one every {:.1} s",
+                    b.max_cost / route.cost,
+                    b.window.as_secs_f64() * route.cost as f64 / b.max_cost as f64
+                );
+            }
             if let Some(n) = p.max_in_flight_per_key {
                 let _ = writeln!(out, "per key:      at most {n} in flight (429 beyond)");
             }

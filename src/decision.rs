@@ -187,6 +187,7 @@ pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
     AdmitRequest {
         key: who.hash,
         limit: who.policy.limit,
+        also: who.policy.also.clone(),
         cost: route.cost,
         key_cap: who.policy.max_in_flight_per_key,
         route: route.label.clone(),
@@ -404,6 +405,7 @@ mod tests {
             state: None,
             remaining,
             reset_us: 0,
+            each: Default::default(),
         }
     }
 

@@ -524,6 +524,7 @@ async fn memory_and_redis_stores_decide_alike() {
             let req = AdmitRequest {
                 key: [key + li as u8 * 10; 32],
                 limit: limits[li],
+                also: vec![],
                 cost,
                 key_cap: None,
                 route: Arc::from("r"),

@@ -32,8 +32,8 @@ pub use crate::policy::Policy;
 pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
-    Anonymous, Backend, Listen, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity, RawKey,
-    RawPlan, RawRateLimits, RawServer, RawStore, RawUpstream,
+    Anonymous, Backend, Listen, OnError, RawBudget, RawConfig, RawDefault, RawEndpoint,
+    RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawUpstream,
 };
 pub use url::redact_url;
 

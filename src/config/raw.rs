@@ -248,10 +248,24 @@ pub struct RawRateLimits {
 pub struct RawDefault {
     #[serde(default = "one")]
     pub cost: i64,
-    pub window: ConfDuration,
-    pub max_cost: i64,
+    /// With `max_cost`: the one budget; or `budgets` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<ConfDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<i64>,
     #[serde(default)]
     pub max_delay: ConfDuration,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<Vec<RawBudget>>,
+}
+
+/// One of several budgets (`budgets:` instead of `max_cost`/`window`): all must fit.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBudget {
+    pub name: String,
+    pub max_cost: i64,
+    pub window: ConfDuration,
 }
 
 fn one() -> i64 {
@@ -273,8 +287,12 @@ pub struct RawEndpoint {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPlan {
-    pub max_cost: i64,
-    pub window: ConfDuration,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<ConfDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<Vec<RawBudget>>,
     #[serde(default)]
     pub max_delay: Option<ConfDuration>,
     #[serde(default)]

@@ -492,3 +492,44 @@ fn edge_settings_errors_name_the_field() {
     ))
     .is_ok());
 }
+
+#[test]
+fn plans_with_several_budgets() {
+    let ok = format!(
+        "{BASE}plans:\n  pro:\n    budgets:\n      - {{ name: minute, max_cost: 120, window: 60s }}\n      - {{ name: day, max_cost: 20000, window: 24h }}\n  solo:\n    budgets: [{{ name: minute, max_cost: 60, window: 60s }}]\n"
+    );
+    let c = parse(&ok).unwrap();
+    let pro = &c.plans["pro"];
+    let names: Vec<&str> = pro.budgets.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["pro-minute", "pro-day"]);
+    assert_eq!(pro.also.len(), 1);
+    assert_eq!(
+        pro.headers.policy,
+        "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"
+    );
+    let solo = &c.plans["solo"];
+    assert_eq!(
+        solo.budgets[0].name, "solo",
+        "one budget is named by the plan"
+    );
+    assert!(solo.also.is_empty());
+
+    let both = format!(
+        "{BASE}plans:\n  pro:\n    max_cost: 10\n    window: 1s\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}]\n"
+    );
+    assert!(first_error(&both).starts_with("plans.pro.budgets: replaces max_cost and window"));
+    let small = format!(
+        "{BASE}plans:\n  pro:\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}, {{ name: b, max_cost: 10, window: 1h }}]\n"
+    );
+    let e = parse(&small).unwrap_err().to_string();
+    assert!(
+        e.contains("plans.pro.budgets[1]"),
+        "a cost over any budget's max_cost is an error: {e}"
+    );
+    let dup = format!(
+        "{BASE}plans:\n  pro:\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}, {{ name: a, max_cost: 200, window: 1h }}]\n"
+    );
+    assert!(first_error(&dup).contains("duplicate budget name"));
+    let none = format!("{BASE}plans:\n  pro:\n    max_delay: 1s\n");
+    assert!(first_error(&none).starts_with("plans.pro.max_cost: is required"));
+}

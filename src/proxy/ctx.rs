@@ -251,6 +251,7 @@ mod tests {
             state: None,
             remaining: 7,
             reset_us: 0,
+            each: Default::default(),
         }
     }
 
@@ -258,6 +259,7 @@ mod tests {
         AdmitRequest {
             key: [1; 32],
             limit: Limit::new(10, Duration::from_secs(10), Duration::ZERO).unwrap(),
+            also: vec![],
             cost: 3,
             key_cap: None,
             route: Arc::from("/r"),

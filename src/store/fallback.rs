@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use super::memory::MemoryStore;
 use super::running::{slots_of, Running, Slot};
 use super::write_back::{Ledger, Owed};
-use super::{short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Lease, StoreError};
+use super::{
+    short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Lease, StoreError,
+};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::OnError;
 use crate::identity::KeyHash;
@@ -52,11 +54,13 @@ pub trait SharedStore: Send + Sync + 'static {
         limit: &Limit,
     ) -> impl Future<Output = Result<BudgetView, StoreError>> + Send;
 
-    /// Charges `units` admitted elsewhere, past the budget if need be (a debt).
+    /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
+    /// need be (a debt).
     fn write_back(
         &self,
         key: &KeyHash,
         limit: &Limit,
+        also: &[Extra],
         units: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -221,7 +225,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 self.set_degraded(true, Some(&e));
                 let admission = self.fallback(req).await;
                 let decision = if let Admission::Admitted { .. } = admission {
-                    if self.owed.add(&req.key, &req.limit, req.cost) {
+                    if self.owed.add(req) {
                         tokio::spawn(self.clone().write_back_loop());
                     }
                     "admitted"
@@ -243,7 +247,11 @@ impl<S: SharedStore> FallbackStore<S> {
     /// Sends one key's debt; true when done with it (sent, or possibly sent: a charge that
     /// may have run is not sent again, which could charge it twice).
     async fn send_owed(&self, o: Owed) -> bool {
-        match self.shared.write_back(&o.key, &o.limit, o.units).await {
+        match self
+            .shared
+            .write_back(&o.key, &o.limit, &o.also, o.units)
+            .await
+        {
             Ok(()) => true,
             Err(e) if e.may_have_run() => {
                 tracing::debug!(error = %e, units = o.units, "a write-back may not have reached the store");
@@ -314,8 +322,7 @@ impl<S: SharedStore> FallbackStore<S> {
     async fn local_share(&self, req: &AdmitRequest) -> Admission {
         let n = self.fleet_size;
         let share = |cap: u32| (cap / n).max(1);
-        let mut r = req.clone();
-        r.limit = req.limit.fraction(n);
+        let mut r = req.share(n);
         r.key_cap = None;
         r.route_cap = None;
         // Refuse what the budget would refuse anyway before queueing for a slot.
@@ -368,6 +375,7 @@ impl<S: SharedStore> FallbackStore<S> {
             state: None,
             remaining: view.remaining,
             reset_us: view.reset_us,
+            each: Default::default(),
         }
     }
 
@@ -379,10 +387,7 @@ impl<S: SharedStore> FallbackStore<S> {
         match charge {
             Charge::None | Charge::Local(_) => {
                 if let Charge::Local(limit) = charge {
-                    self.local.refund(&AdmitRequest {
-                        limit,
-                        ..req.clone()
-                    });
+                    self.local.refund(&req.charged_under(limit));
                 }
                 // Already written back: the shared budget has it, give it back there.
                 if !self.owed.forgive(&req.key, req.cost) {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease};
+use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Lease};
 use crate::budget::{self, Limit, State};
 use crate::identity::KeyHash;
 
@@ -52,21 +52,58 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Shard {
     entries: HashMap<u128, Entry>,
+    /// The further budgets of keys whose plan has several (`Bucket::Key`), by key and name:
+    /// a map of their own, so that keys with one budget pay nothing for them.
+    named: HashMap<(u128, Arc<str>), State>,
     last_sweep_us: u64,
 }
 
+/// Whether a stored bucket still holds anything at `now_us`.
+fn live(s: &State, now_us: u64) -> bool {
+    (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
+}
+
 impl Shard {
+    /// Every budget of `req` with its stored state, the key's first one first.
+    fn budgets(&self, key: u128, req: &AdmitRequest) -> Vec<(Limit, Option<State>)> {
+        let first = self.entries.get(&key).and_then(|e| e.state);
+        std::iter::once((req.limit, first))
+            .chain(req.also.iter().map(|e| {
+                let state = match &e.bucket {
+                    Bucket::Key(name) => self.named.get(&(key, name.clone())).copied(),
+                };
+                (e.limit, state)
+            }))
+            .collect()
+    }
+
+    /// Stores what [`budget::decide_all`] (or a refund) computed for `req`'s budgets.
+    fn put(&mut self, key: u128, req: &AdmitRequest, states: &[Option<State>]) {
+        let entry = self.entries.entry(key).or_default();
+        if let Some(s) = states.first() {
+            entry.state = *s;
+        }
+        for (e, s) in req.also.iter().zip(states.iter().skip(1)) {
+            let Bucket::Key(name) = &e.bucket;
+            match s {
+                Some(s) => {
+                    self.named.insert((key, name.clone()), *s);
+                }
+                None => {
+                    self.named.remove(&(key, name.clone()));
+                }
+            }
+        }
+    }
+
     fn sweep(&mut self, now_us: u64) {
         if now_us.saturating_sub(self.last_sweep_us) < SWEEP_EVERY_US {
             return;
         }
         self.last_sweep_us = now_us;
-        self.entries.retain(|_, e| {
-            e.in_flight > 0
-                || e.state.is_some_and(|s| {
-                    (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
-                })
-        });
+        self.entries
+            .retain(|_, e| e.in_flight > 0 || e.state.is_some_and(|s| live(&s, now_us)));
+        self.named.retain(|_, s| live(s, now_us));
         // After a burst of keys has gone idle, give the table's memory back (retain keeps it).
         let len = self.entries.len();
         if self.entries.capacity() > 4 * len.max(1024) {
@@ -156,7 +193,8 @@ impl MemoryStore {
         }
     }
 
-    /// Decides and, when admitted, charges and takes the key slot; all under one shard lock.
+    /// Decides and, when admitted, charges every budget and takes the key slot; all under one
+    /// shard lock.
     fn charge(
         self: &Arc<Self>,
         req: &AdmitRequest,
@@ -167,24 +205,22 @@ impl MemoryStore {
         let key = short_key(&req.key);
         let mut shard = self.shard(key);
         shard.sweep(now);
-        let entry = shard.entries.entry(key).or_default();
-        let outcome = budget::decide(&req.limit, entry.state, now, req.cost);
-        if !outcome.admitted() {
-            return Admission::OverBudget(outcome);
+        let budgets = shard.budgets(key, req);
+        let joint = budget::decide_all(&budgets, now, req.cost);
+        if !joint.outcome.admitted() {
+            return Admission::OverBudget(joint.outcome);
         }
-        if req.key_cap.is_some_and(|cap| entry.in_flight >= cap) {
-            return Admission::KeyBusy(budget::uncharged(
-                &req.limit,
-                entry.state,
-                now,
-                outcome.verdict,
-            ));
+        let in_flight = shard.entries.get(&key).map_or(0, |e| e.in_flight);
+        if req.key_cap.is_some_and(|cap| in_flight >= cap) {
+            return Admission::KeyBusy(uncharged(&budgets, now, joint.outcome));
         }
-        entry.state = outcome.state;
-        entry.in_flight += 1;
+        shard.put(key, req, &joint.states[..budgets.len()]);
+        if let Some(e) = shard.entries.get_mut(&key) {
+            e.in_flight += 1;
+        }
         drop(shard);
         Admission::Admitted {
-            outcome,
+            outcome: joint.outcome,
             lease: Lease::local(
                 MemoryLease {
                     store: self.clone(),
@@ -202,24 +238,27 @@ impl MemoryStore {
         let now = self.clock.now_us();
         let key = short_key(&req.key);
         let shard = self.shard(key);
-        let entry = shard.entries.get(&key);
-        let state = entry.and_then(|e| e.state);
-        let outcome = budget::decide(&req.limit, state, now, req.cost);
-        if !outcome.admitted() {
-            return Some(Admission::OverBudget(outcome));
+        let budgets = shard.budgets(key, req);
+        let joint = budget::decide_all(&budgets, now, req.cost);
+        if !joint.outcome.admitted() {
+            return Some(Admission::OverBudget(joint.outcome));
         }
         if req
             .key_cap
-            .is_some_and(|cap| entry.is_some_and(|e| e.in_flight >= cap))
+            .is_some_and(|cap| shard.entries.get(&key).is_some_and(|e| e.in_flight >= cap))
         {
-            return Some(Admission::KeyBusy(budget::uncharged(
-                &req.limit,
-                state,
-                now,
-                outcome.verdict,
-            )));
+            return Some(Admission::KeyBusy(uncharged(&budgets, now, joint.outcome)));
         }
         None
+    }
+
+    /// The figures of every budget as they stand, for a refusal that charged nothing.
+    fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
+        let now = self.clock.now_us();
+        let key = short_key(&req.key);
+        let budgets = self.shard(key).budgets(key, req);
+        let verdict = budget::decide_all(&budgets, now, req.cost).outcome;
+        uncharged(&budgets, now, verdict)
     }
 
     pub async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Admission {
@@ -237,12 +276,8 @@ impl MemoryStore {
             Err(_) => match tokio::time::timeout(req.queue_timeout, sem.acquire_owned()).await {
                 Ok(Ok(p)) => p,
                 _ => {
-                    let now = self.clock.now_us();
-                    let key = short_key(&req.key);
-                    let state = self.shard(key).entries.get(&key).and_then(|e| e.state);
-                    let verdict = budget::decide(&req.limit, state, now, req.cost).verdict;
                     return Admission::RouteBusy {
-                        outcome: budget::uncharged(&req.limit, state, now, verdict),
+                        outcome: self.standing(req),
                         queued: start.elapsed(),
                     };
                 }
@@ -252,13 +287,20 @@ impl MemoryStore {
         self.charge(req, Some(permit), start.elapsed())
     }
 
+    /// Gives `req.cost` back to every budget of `req`.
     pub fn refund(&self, req: &AdmitRequest) {
         let now = self.clock.now_us();
         let key = short_key(&req.key);
         let mut shard = self.shard(key);
-        if let Some(e) = shard.entries.get_mut(&key) {
-            e.state = budget::refund(&req.limit, e.state, now, req.cost);
+        if !shard.entries.contains_key(&key) {
+            return;
         }
+        let states: Vec<Option<State>> = shard
+            .budgets(key, req)
+            .into_iter()
+            .map(|(limit, state)| budget::refund(&limit, state, now, req.cost))
+            .collect();
+        shard.put(key, req, &states);
     }
 
     pub fn peek(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
@@ -277,6 +319,41 @@ impl MemoryStore {
     }
 }
 
+/// `decided` as a refusal that charged nothing: the same verdict, with every budget's figures
+/// as they stand (not after the charge).
+fn uncharged(
+    budgets: &[(Limit, Option<State>)],
+    now: u64,
+    decided: budget::Outcome,
+) -> budget::Outcome {
+    let verdict = decided.verdict;
+    if let [(limit, state)] = budgets {
+        return budget::uncharged(limit, *state, now, verdict);
+    }
+    let mut each = budget::Figures::default();
+    for (limit, state) in budgets {
+        let u = budget::uncharged(limit, *state, now, verdict);
+        each.push(budget::Figure {
+            remaining: u.remaining,
+            reset_us: u.reset_us,
+        });
+    }
+    // The tightest now, which is the one `X-RateLimit-*` describe.
+    let figs = each.as_slice();
+    let tightest = (0..figs.len())
+        .min_by_key(|&i| figs[i].remaining)
+        .unwrap_or(0);
+    let f = figs.get(tightest).copied().unwrap_or_default();
+    each.decisive = tightest as u8;
+    budget::Outcome {
+        verdict,
+        state: None,
+        remaining: f.remaining,
+        reset_us: f.reset_us,
+        each,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +363,7 @@ mod tests {
         AdmitRequest {
             key: [7; 32],
             limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+            also: vec![],
             cost,
             key_cap,
             route: Arc::from("/reports/generate"),

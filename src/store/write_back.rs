@@ -10,18 +10,20 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{lock, short_key};
+use super::{lock, short_key, AdmitRequest, Extra};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 
 pub(crate) const MAX_KEYS: usize = 100_000;
 
 /// Units one key owes the shared budget.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Owed {
     pub key: KeyHash,
     /// The shared limit (the key's plan), not the local share.
     pub limit: Limit,
+    /// The plan's further budgets, owed the same units.
+    pub also: Vec<Extra>,
     pub units: u64,
 }
 
@@ -41,16 +43,21 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// Adds `units` to what `key` owes. True when no task is sending the ledger yet: the
-    /// caller should start one (and the ledger now counts it as started).
-    pub fn add(&self, key: &KeyHash, limit: &Limit, units: u64) -> bool {
+    /// Adds `req.cost` to what `req.key` owes, to each of its budgets. True when no task is
+    /// sending the ledger yet: the caller should start one (and the ledger now counts it as
+    /// started).
+    pub fn add(&self, req: &AdmitRequest) -> bool {
+        let (key, units) = (&req.key, req.cost);
         let mut inner = lock(&self.inner);
         let k = short_key(key);
         let len = inner.owed.len();
         match inner.owed.get_mut(&k) {
             Some(o) => {
                 o.units = o.units.saturating_add(units);
-                o.limit = *limit;
+                o.limit = req.limit;
+                if o.also != req.also {
+                    o.also = req.also.clone();
+                }
             }
             None if len >= MAX_KEYS => {
                 if !self.full_warned.swap(true, Ordering::Relaxed) {
@@ -65,7 +72,8 @@ impl Ledger {
                     k,
                     Owed {
                         key: *key,
-                        limit: *limit,
+                        limit: req.limit,
+                        also: req.also.clone(),
                         units,
                     },
                 );
@@ -141,9 +149,19 @@ mod tests {
     fn aggregates_per_key_and_forgives_refunds() {
         let l = Ledger::default();
         let lim = Limit::new(10, Duration::from_secs(60), Duration::ZERO).unwrap();
-        assert!(l.add(&[1; 32], &lim, 2), "first: start a sender");
-        assert!(!l.add(&[1; 32], &lim, 3));
-        assert!(!l.add(&[2; 32], &lim, 1));
+        let req = |key: u8, cost: u64| AdmitRequest {
+            key: [key; 32],
+            limit: lim,
+            also: vec![],
+            cost,
+            key_cap: None,
+            route: std::sync::Arc::from("r"),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+        };
+        assert!(l.add(&req(1, 2)), "first: start a sender");
+        assert!(!l.add(&req(1, 3)));
+        assert!(!l.add(&req(2, 1)));
         assert!(l.owes(&[1; 32]) && !l.owes(&[3; 32]));
         assert!(l.forgive(&[2; 32], 1));
         assert!(!l.owes(&[2; 32]));
@@ -154,6 +172,6 @@ mod tests {
         l.put_back(all);
         assert_eq!(l.take(&[1; 32]).map(|o| o.units), Some(5));
         assert!(l.done_if_empty());
-        assert!(l.add(&[1; 32], &lim, 1), "sender stopped: start another");
+        assert!(l.add(&req(1, 1)), "sender stopped: start another");
     }
 }

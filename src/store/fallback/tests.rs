@@ -26,6 +26,7 @@ impl SharedStore for Fake {
                     state: None,
                     remaining: req.limit.max_cost(),
                     reset_us: 0,
+                    each: Default::default(),
                 },
                 lease: Lease::shared(None),
                 queued: Duration::ZERO,
@@ -49,6 +50,7 @@ impl SharedStore for Fake {
         &self,
         _key: &KeyHash,
         _limit: &Limit,
+        _also: &[Extra],
         units: u64,
     ) -> Result<(), StoreError> {
         if self.down.load(Ordering::Relaxed) {
@@ -81,6 +83,7 @@ fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
     AdmitRequest {
         key: [3; 32],
         limit: Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
+        also: vec![],
         cost,
         key_cap: None,
         route: Arc::from("/r"),

@@ -5,6 +5,7 @@
 //! | key             | holds                                               |
 //! |-----------------|-----------------------------------------------------|
 //! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate`)            |
+//! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //!
@@ -26,6 +27,12 @@ fn tag(hash: &KeyHash) -> String {
 
 pub(super) fn budget_key(key: &KeyHash) -> String {
     format!("t{{{}}}b", tag(key))
+}
+
+/// A further budget of the key's plan (`budgets:`), by name: the budget key's hash tag, so
+/// that one script charges all of a key's budgets on one node.
+pub(super) fn named_budget_key(key: &KeyHash, name: &str) -> String {
+    format!("{}:{name}", budget_key(key))
 }
 
 pub(super) fn key_slots_key(key: &KeyHash) -> String {
