@@ -50,6 +50,7 @@ fn router(n: usize) -> Router {
             cost: 1 + (i % 20) as u64,
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
+            provider: Default::default(),
         })
         .collect();
     match Router::new(specs, 1) {
@@ -243,6 +244,7 @@ fn bench_per_request_pieces(c: &mut Criterion) {
         b.iter(|| {
             tollgate::problem::rate_limit_headers(
                 black_box(&cfg.default_policy),
+                None,
                 black_box(&outcome),
                 1,
             )

@@ -45,6 +45,21 @@ pub struct Budget {
     pub headers: PolicyHeaders,
 }
 
+/// The name of a route's `shared` budget in the rate-limit headers.
+pub const SHARED_BUDGET: &str = "shared";
+
+impl Budget {
+    pub fn new(name: &str, max_cost: u64, window: Duration, limit: Limit) -> Budget {
+        Budget {
+            name: name.to_string(),
+            max_cost,
+            window,
+            limit,
+            headers: PolicyHeaders::new(name, max_cost, window),
+        }
+    }
+}
+
 impl Policy {
     /// A policy of `budgets` (at least one): `(name within the plan, max_cost, window, limit)`.
     pub fn new(
@@ -61,14 +76,7 @@ impl Policy {
                     (Some(n), true) => format!("{name}-{n}"),
                     _ => name.to_string(),
                 };
-                let budget = Budget {
-                    headers: PolicyHeaders::new(&shown, max_cost, window),
-                    name: shown,
-                    max_cost,
-                    window,
-                    limit,
-                };
-                (inner, budget)
+                (inner, Budget::new(&shown, max_cost, window, limit))
             })
             .collect();
         let first = budgets.first()?.1.clone();

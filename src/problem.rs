@@ -4,7 +4,7 @@
 use crate::budget::{self, Outcome};
 use http::HeaderValue;
 
-use crate::policy::Policy;
+use crate::policy::{Budget, Policy};
 
 /// Base of every problem `type` URI; the last segment is what clients match on.
 pub const TYPE_BASE: &str = "https://tollgate.dev/problems/";
@@ -117,18 +117,23 @@ pub fn body(
 /// policy's own two values are formatted once, when the config is loaded.
 pub fn rate_limit_headers(
     policy: &Policy,
+    shared: Option<&Budget>,
     outcome: &Outcome,
     cost: u64,
 ) -> [(&'static str, HeaderValue); 6] {
     let reset = budget::reset_secs(outcome.reset_us);
     let figures = outcome.each.as_slice();
-    let several = figures.len() > 1 && figures.len() == policy.budgets.len();
+    let budgets = || policy.budgets.iter().chain(shared);
+    let several = figures.len() > 1 && figures.len() == budgets().count();
     // One list member per budget when the request was decided on several (DESIGN §1);
     // `X-RateLimit-*` describe the decisive one: the refusing, else the tightest.
+    let mut policy_header = policy.headers.policy.clone();
+    if let (Some(s), Ok(list)) = (shared, policy.headers.policy.to_str()) {
+        let both = format!("{list}, {}", s.headers.policy.to_str().unwrap_or_default());
+        policy_header = HeaderValue::from_str(&both).unwrap_or(policy_header);
+    }
     let (rate_limit, limit) = if several {
-        let members: Vec<String> = policy
-            .budgets
-            .iter()
+        let members: Vec<String> = budgets()
             .zip(figures)
             .map(|(b, f)| {
                 format!(
@@ -139,9 +144,8 @@ pub fn rate_limit_headers(
                 )
             })
             .collect();
-        let limit = policy
-            .budgets
-            .get(outcome.each.decisive as usize)
+        let limit = budgets()
+            .nth(outcome.each.decisive as usize)
             .map_or(policy.headers.limit.clone(), |b| b.headers.limit.clone());
         (members.join(", "), limit)
     } else {
@@ -154,7 +158,7 @@ pub fn rate_limit_headers(
         )
     };
     [
-        ("RateLimit-Policy", policy.headers.policy.clone()),
+        ("RateLimit-Policy", policy_header),
         (
             "RateLimit",
             HeaderValue::from_maybe_shared(bytes::Bytes::from(rate_limit))
@@ -189,7 +193,7 @@ mod tests {
             reset_us: 39_000_001,
             each: Default::default(),
         };
-        let h = rate_limit_headers(&policy, &o, 20);
+        let h = rate_limit_headers(&policy, None, &o, 20);
         assert_eq!(h[0].0, "RateLimit-Policy");
         assert_eq!(h[0].1, "\"default\";q=120;w=60");
         assert_eq!(h[1].0, "RateLimit");
@@ -232,7 +236,7 @@ mod tests {
             20,
         )
         .outcome;
-        let h = rate_limit_headers(&policy, &o, 20);
+        let h = rate_limit_headers(&policy, None, &o, 20);
         assert_eq!(
             h[0].1,
             "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"

@@ -9,6 +9,8 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::policy::Budget;
+
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
@@ -17,6 +19,15 @@ pub struct RouteSpec {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub provider: Provider,
+}
+
+/// What a route that calls a provider adds (DESIGN §1): the provider's own cap, shared by
+/// every caller fleet-wide.
+#[derive(Debug, Clone, Default)]
+pub struct Provider {
+    /// `shared:`: one budget for all callers of the route, charged with the caller's own.
+    pub shared: Option<Budget>,
 }
 
 /// A route the gateway classifies requests into. Plain data: the running gateway keeps the
@@ -32,6 +43,7 @@ pub struct Route {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub provider: Provider,
 }
 
 impl Route {
@@ -41,6 +53,7 @@ impl Route {
         cost: u64,
         max_in_flight: Option<u32>,
         queue_timeout: Duration,
+        provider: Provider,
     ) -> Arc<Route> {
         Arc::new(Route {
             label: Arc::from(label),
@@ -48,7 +61,13 @@ impl Route {
             cost,
             max_in_flight,
             queue_timeout,
+            provider,
         })
+    }
+
+    /// The route's shared budget, if it has one.
+    pub fn shared(&self) -> Option<&Budget> {
+        self.provider.shared.as_ref()
     }
 }
 
@@ -301,6 +320,7 @@ impl Router {
                     spec.cost,
                     spec.max_in_flight,
                     spec.queue_timeout,
+                    spec.provider.clone(),
                 ),
                 specificity(path, method.is_some()),
             ));
@@ -308,7 +328,14 @@ impl Router {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let default = Route::new("default", routes.len(), default_cost, None, Duration::ZERO);
+        let default = Route::new(
+            "default",
+            routes.len(),
+            default_cost,
+            None,
+            Duration::ZERO,
+            Provider::default(),
+        );
         Ok(Router {
             routes,
             any: Table { router: any },
@@ -453,6 +480,7 @@ mod tests {
             cost,
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
+            provider: Provider::default(),
         }
     }
 

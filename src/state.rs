@@ -25,6 +25,9 @@ pub struct Shared {
     pub upstream_addr: ArcSwapOption<SocketAddr>,
     pub store: Store,
     pub drain: Arc<Drain>,
+    /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
+    /// [`crate::decision::MAX_HELD`] permits.
+    pub holds: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -37,6 +40,7 @@ impl Shared {
             upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
             store,
             drain: Drain::new(),
+            holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
         })
     }
 

@@ -133,3 +133,143 @@ fn check_and_explain_show_every_budget() {
         "{explain}"
     );
 }
+
+/// A store section for a fleet on `redis`.
+fn fleet_store(redis: &Redis, fleet_size: u32) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 500ms\n  on_error: local\n  fleet_size: {fleet_size}\n",
+        redis.url()
+    )
+}
+
+/// The incident through tollgate: six workers, one per gateway process, each with its own
+/// key, call a provider whose cap is one call per 500 ms. The shared budget holds them in line
+/// (`max_delay`), so every call succeeds and the provider sees them spaced, fleet-wide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn six_workers_share_one_provider_cap() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/provider/{{*rest}}\":\n      shared: {{max_cost: 1, window: 500ms, max_delay: 30s}}\n",
+        fleet_store(&redis, 6)
+    );
+    let gws: Vec<Gateway> = (0..6).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    let workers = gws.iter().enumerate().map(|(w, gw)| {
+        let c = c.clone();
+        let url = gw.url("/provider/jobs");
+        async move {
+            let mut statuses = vec![];
+            for _ in 0..5 {
+                let r = get(&c, url.clone(), &format!("worker-{w}")).await;
+                statuses.push(r.status().as_u16());
+            }
+            statuses
+        }
+    });
+    let statuses: Vec<u16> = futures_util::future::join_all(workers)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(statuses, vec![200; 30], "every call waited its turn");
+
+    let mut arrivals: Vec<_> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with("/provider/"))
+        .map(|s| s.at)
+        .collect();
+    arrivals.sort();
+    assert_eq!(arrivals.len(), 30);
+    // One call per 500 ms across the fleet; a little slack for a loaded machine's wake-ups.
+    let gaps: Vec<u128> = arrivals
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    for w in arrivals.windows(2) {
+        let gap = w[1] - w[0];
+        assert!(
+            gap >= Duration::from_millis(350),
+            "calls {gap:?} apart: {gaps:?}"
+        );
+    }
+    for w in arrivals.windows(3) {
+        let span = w[2] - w[0];
+        assert!(
+            span >= Duration::from_millis(850),
+            "three calls within {span:?}: more than 2 in a second"
+        );
+    }
+    // Each key was charged its own 5 calls, nothing more (its budget refills ~1 unit per 15 min).
+    for (w, gw) in gws.iter().enumerate() {
+        let r = get(&c, gw.url("/items"), &format!("worker-{w}")).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "94");
+    }
+}
+
+fn two_providers(store: &str) -> String {
+    format!(
+        "{store}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 100}}\n  endpoints:\n    \"/slow/{{*rest}}\":\n      shared: {{max_cost: 1, window: 500ms}}\n    \"/fast/{{*rest}}\":\n      shared: {{max_cost: 5, window: 1s}}\n"
+    )
+}
+
+/// Two providers with their own caps: refusals of one leave the other alone, carry
+/// `reason="shared_budget"`, and charge the caller's own budget nothing.
+async fn providers_do_not_interfere(gws: &[Gateway]) {
+    let c = client();
+    let gw = |i: usize| &gws[i % gws.len()];
+    let mut slow = vec![];
+    for i in 0..3 {
+        slow.push(get(&c, gw(i).url("/slow/x"), "one-key").await);
+    }
+    let statuses: Vec<u16> = slow.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses, [200, 429, 429]);
+    let refused = &slow[1];
+    assert!(header(refused, "Retry-After").is_some());
+    let policy = header(refused, "RateLimit-Policy").unwrap();
+    assert_eq!(policy, "\"default\";q=100;w=60, \"shared\";q=1;w=1");
+    let rl = header(refused, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"default\";r=99;"),
+        "the key was not charged: {rl}"
+    );
+    assert_eq!(header(refused, "X-RateLimit-Limit").unwrap(), "1");
+    for i in 0..5 {
+        let r = get(&c, gw(i).url("/fast/x"), "one-key").await;
+        assert_eq!(r.status(), 200, "the fast provider's cap is its own");
+    }
+    let r = get(&c, gw(0).url("/fast/x"), "one-key").await;
+    assert_eq!(r.status(), 429);
+    // Charged: 1 slow + 5 fast calls, none of the refused ones.
+    let r = get(&c, gw(1).url("/items"), "one-key").await;
+    assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "93");
+    let mut shared_refusals = 0.0;
+    for g in gws {
+        shared_refusals += metric(
+            g,
+            "tollgate_rejections_total{reason=\"shared_budget\",route=\"/slow/{*rest}\"}",
+        )
+        .await
+        .max(0.0);
+    }
+    assert_eq!(shared_refusals, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_providers_on_memory() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &two_providers(""));
+    providers_do_not_interfere(&[gw]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_providers_on_redis() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = two_providers(&fleet_store(&redis, 2));
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    providers_do_not_interfere(&gws).await;
+}

@@ -282,6 +282,20 @@ pub struct RawEndpoint {
     pub max_in_flight: Option<i64>,
     #[serde(default)]
     pub queue_timeout: Option<ConfDuration>,
+    /// One budget for every caller of this route, fleet-wide (a provider's own cap).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<RawShared>,
+}
+
+/// `shared:` on an endpoint: a budget all callers of the route draw from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShared {
+    pub max_cost: i64,
+    pub window: ConfDuration,
+    /// Hold callers in line this long at most (else 429).
+    #[serde(default)]
+    pub max_delay: ConfDuration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

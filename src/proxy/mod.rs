@@ -114,6 +114,24 @@ impl Gateway {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
         let hold = admitted.hold;
+        // Held requests are bounded per instance: past the bound, give the reservation back
+        // and refuse (429 with Retry-After) rather than queue without limit.
+        let _held = if hold.is_zero() {
+            None
+        } else {
+            match self.shared.holds.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    let outcome = admitted.outcome;
+                    self.shared
+                        .store
+                        .refund(&admit, admitted.lease.charge())
+                        .await;
+                    admitted.lease.release().await;
+                    return Err(decision::too_many_held(&route, hold, outcome));
+                }
+            }
+        };
         ctx.timing.hold = hold;
         ctx.admit(admit, admitted, &m.in_flight);
         if !hold.is_zero() {

@@ -190,8 +190,8 @@ impl<S: SharedStore> FallbackStore<S> {
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
         // What the fallback admitted for this key is charged before the shared store decides
         // on it again, so that its decision sees the debt.
-        if self.owed.owes(&req.key) {
-            if let Some(o) = self.owed.take(&req.key) {
+        if self.owed.owes(req) {
+            if let Some(o) = self.owed.take(req) {
                 self.send_owed(o).await;
             }
         }
@@ -390,7 +390,7 @@ impl<S: SharedStore> FallbackStore<S> {
                     self.local.refund(&req.charged_under(limit));
                 }
                 // Already written back: the shared budget has it, give it back there.
-                if !self.owed.forgive(&req.key, req.cost) {
+                if !self.owed.forgive(req) {
                     let _ = self.shared.refund(req).await;
                 }
             }

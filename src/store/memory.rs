@@ -63,14 +63,29 @@ fn live(s: &State, now_us: u64) -> bool {
     (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
 }
 
-impl Shard {
+/// Routes' `shared` budgets, by route label.
+type SharedBudgets = HashMap<Arc<str>, State>;
+
+/// One request's budgets, locked: its key's shard and, when it has a shared budget, the
+/// routes' budgets (always in that order, so two requests never wait on each other crosswise).
+struct Locked<'a> {
+    shard: MutexGuard<'a, Shard>,
+    shared: Option<MutexGuard<'a, SharedBudgets>>,
+    key: u128,
+}
+
+impl Locked<'_> {
     /// Every budget of `req` with its stored state, the key's first one first.
-    fn budgets(&self, key: u128, req: &AdmitRequest) -> Vec<(Limit, Option<State>)> {
-        let first = self.entries.get(&key).and_then(|e| e.state);
+    fn budgets(&self, req: &AdmitRequest) -> Vec<(Limit, Option<State>)> {
+        let key = self.key;
+        let first = self.shard.entries.get(&key).and_then(|e| e.state);
         std::iter::once((req.limit, first))
             .chain(req.also.iter().map(|e| {
                 let state = match &e.bucket {
-                    Bucket::Key(name) => self.named.get(&(key, name.clone())).copied(),
+                    Bucket::Key(name) => self.shard.named.get(&(key, name.clone())).copied(),
+                    Bucket::Route(label) => {
+                        self.shared.as_ref().and_then(|m| m.get(label).copied())
+                    }
                 };
                 (e.limit, state)
             }))
@@ -78,24 +93,34 @@ impl Shard {
     }
 
     /// Stores what [`budget::decide_all`] (or a refund) computed for `req`'s budgets.
-    fn put(&mut self, key: u128, req: &AdmitRequest, states: &[Option<State>]) {
-        let entry = self.entries.entry(key).or_default();
+    fn put(&mut self, req: &AdmitRequest, states: &[Option<State>]) {
+        let key = self.key;
+        let entry = self.shard.entries.entry(key).or_default();
         if let Some(s) = states.first() {
             entry.state = *s;
         }
         for (e, s) in req.also.iter().zip(states.iter().skip(1)) {
-            let Bucket::Key(name) = &e.bucket;
-            match s {
-                Some(s) => {
-                    self.named.insert((key, name.clone()), *s);
+            match (&e.bucket, s) {
+                (Bucket::Key(name), Some(s)) => {
+                    self.shard.named.insert((key, name.clone()), *s);
                 }
-                None => {
-                    self.named.remove(&(key, name.clone()));
+                (Bucket::Key(name), None) => {
+                    self.shard.named.remove(&(key, name.clone()));
+                }
+                (Bucket::Route(label), s) => {
+                    if let Some(m) = self.shared.as_mut() {
+                        match s {
+                            Some(s) => m.insert(label.clone(), *s),
+                            None => m.remove(label),
+                        };
+                    }
                 }
             }
         }
     }
+}
 
+impl Shard {
     fn sweep(&mut self, now_us: u64) {
         if now_us.saturating_sub(self.last_sweep_us) < SWEEP_EVERY_US {
             return;
@@ -121,6 +146,7 @@ struct RouteSlots {
 pub struct MemoryStore {
     clock: Clock,
     shards: Box<[Mutex<Shard>]>,
+    shared: Mutex<SharedBudgets>,
     routes: Mutex<HashMap<Arc<str>, RouteSlots>>,
 }
 
@@ -152,6 +178,7 @@ impl MemoryStore {
         Arc::new(MemoryStore {
             clock,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            shared: Mutex::default(),
             routes: Mutex::default(),
         })
     }
@@ -162,6 +189,17 @@ impl MemoryStore {
 
     fn shard(&self, key: u128) -> MutexGuard<'_, Shard> {
         lock(&self.shards[(key as usize) % SHARDS])
+    }
+
+    fn lock_budgets(&self, req: &AdmitRequest) -> Locked<'_> {
+        let key = short_key(&req.key);
+        let shard = self.shard(key);
+        let shared = req
+            .also
+            .iter()
+            .any(|e| matches!(e.bucket, Bucket::Route(_)))
+            .then(|| lock(&self.shared));
+        Locked { shard, shared, key }
     }
 
     /// Number of keys held (for tests and the memory benchmark).
@@ -202,23 +240,23 @@ impl MemoryStore {
         queued: Duration,
     ) -> Admission {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let mut shard = self.shard(key);
-        shard.sweep(now);
-        let budgets = shard.budgets(key, req);
+        let mut locked = self.lock_budgets(req);
+        let key = locked.key;
+        locked.shard.sweep(now);
+        let budgets = locked.budgets(req);
         let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
             return Admission::OverBudget(joint.outcome);
         }
-        let in_flight = shard.entries.get(&key).map_or(0, |e| e.in_flight);
+        let in_flight = locked.shard.entries.get(&key).map_or(0, |e| e.in_flight);
         if req.key_cap.is_some_and(|cap| in_flight >= cap) {
             return Admission::KeyBusy(uncharged(&budgets, now, joint.outcome));
         }
-        shard.put(key, req, &joint.states[..budgets.len()]);
-        if let Some(e) = shard.entries.get_mut(&key) {
+        locked.put(req, &joint.states[..budgets.len()]);
+        if let Some(e) = locked.shard.entries.get_mut(&key) {
             e.in_flight += 1;
         }
-        drop(shard);
+        drop(locked);
         Admission::Admitted {
             outcome: joint.outcome,
             lease: Lease::local(
@@ -236,17 +274,18 @@ impl MemoryStore {
     /// What the decision would be, without writing anything.
     pub(crate) fn preview(&self, req: &AdmitRequest) -> Option<Admission> {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let shard = self.shard(key);
-        let budgets = shard.budgets(key, req);
+        let locked = self.lock_budgets(req);
+        let budgets = locked.budgets(req);
         let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
             return Some(Admission::OverBudget(joint.outcome));
         }
-        if req
-            .key_cap
-            .is_some_and(|cap| shard.entries.get(&key).is_some_and(|e| e.in_flight >= cap))
-        {
+        let in_flight = locked
+            .shard
+            .entries
+            .get(&locked.key)
+            .map_or(0, |e| e.in_flight);
+        if req.key_cap.is_some_and(|cap| in_flight >= cap) {
             return Some(Admission::KeyBusy(uncharged(&budgets, now, joint.outcome)));
         }
         None
@@ -255,8 +294,7 @@ impl MemoryStore {
     /// The figures of every budget as they stand, for a refusal that charged nothing.
     fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let budgets = self.shard(key).budgets(key, req);
+        let budgets = self.lock_budgets(req).budgets(req);
         let verdict = budget::decide_all(&budgets, now, req.cost).outcome;
         uncharged(&budgets, now, verdict)
     }
@@ -290,17 +328,16 @@ impl MemoryStore {
     /// Gives `req.cost` back to every budget of `req`.
     pub fn refund(&self, req: &AdmitRequest) {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let mut shard = self.shard(key);
-        if !shard.entries.contains_key(&key) {
+        let mut locked = self.lock_budgets(req);
+        if !locked.shard.entries.contains_key(&locked.key) {
             return;
         }
-        let states: Vec<Option<State>> = shard
-            .budgets(key, req)
+        let states: Vec<Option<State>> = locked
+            .budgets(req)
             .into_iter()
             .map(|(limit, state)| budget::refund(&limit, state, now, req.cost))
             .collect();
-        shard.put(key, req, &states);
+        locked.put(req, &states);
     }
 
     pub fn peek(&self, key: &KeyHash, limit: &Limit) -> BudgetView {

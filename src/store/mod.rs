@@ -146,6 +146,8 @@ pub struct Extra {
 pub enum Bucket {
     /// Another budget of the key's plan, by its name within the plan.
     Key(Arc<str>),
+    /// The `shared` budget of a route (by its label): every caller of the route draws from it.
+    Route(Arc<str>),
 }
 
 impl AdmitRequest {

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{lock, short_key, AdmitRequest, Extra};
+use super::{lock, short_key, AdmitRequest, Bucket, Extra};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 
@@ -25,6 +25,18 @@ pub(crate) struct Owed {
     /// The plan's further budgets, owed the same units.
     pub also: Vec<Extra>,
     pub units: u64,
+}
+
+/// The ledger entry of a key's charges: one per key, and one per key and route for the
+/// requests that also drew on a route's `shared` budget (whose debt is that route's).
+fn entry_of(key: &KeyHash, also: &[Extra]) -> u128 {
+    let mut k = short_key(key);
+    for e in also {
+        if let Bucket::Route(label) = &e.bucket {
+            k ^= short_key(&crate::identity::hash_key(label.as_bytes())).rotate_left(1);
+        }
+    }
+    k
 }
 
 #[derive(Debug, Default)]
@@ -49,7 +61,7 @@ impl Ledger {
     pub fn add(&self, req: &AdmitRequest) -> bool {
         let (key, units) = (&req.key, req.cost);
         let mut inner = lock(&self.inner);
-        let k = short_key(key);
+        let k = entry_of(key, &req.also);
         let len = inner.owed.len();
         match inner.owed.get_mut(&k) {
             Some(o) => {
@@ -83,13 +95,16 @@ impl Ledger {
         !std::mem::replace(&mut inner.flushing, true)
     }
 
-    pub fn owes(&self, key: &KeyHash) -> bool {
-        self.len.load(Ordering::Relaxed) > 0 && lock(&self.inner).owed.contains_key(&short_key(key))
+    pub fn owes(&self, req: &AdmitRequest) -> bool {
+        self.len.load(Ordering::Relaxed) > 0
+            && lock(&self.inner)
+                .owed
+                .contains_key(&entry_of(&req.key, &req.also))
     }
 
-    pub fn take(&self, key: &KeyHash) -> Option<Owed> {
+    pub fn take(&self, req: &AdmitRequest) -> Option<Owed> {
         let mut inner = lock(&self.inner);
-        let o = inner.owed.remove(&short_key(key));
+        let o = inner.owed.remove(&entry_of(&req.key, &req.also));
         self.len.store(inner.owed.len(), Ordering::Relaxed);
         o
     }
@@ -106,7 +121,7 @@ impl Ledger {
         for o in owed {
             inner
                 .owed
-                .entry(short_key(&o.key))
+                .entry(entry_of(&o.key, &o.also))
                 .and_modify(|e| e.units = e.units.saturating_add(o.units))
                 .or_insert(o);
         }
@@ -115,9 +130,10 @@ impl Ledger {
 
     /// A refunded fallback charge: forgets up to `units` of the key's debt. False when the
     /// debt was no longer here (already sent to the store).
-    pub fn forgive(&self, key: &KeyHash, units: u64) -> bool {
+    pub fn forgive(&self, req: &AdmitRequest) -> bool {
+        let units = req.cost;
         let mut inner = lock(&self.inner);
-        let k = short_key(key);
+        let k = entry_of(&req.key, &req.also);
         let Some(o) = inner.owed.get_mut(&k) else {
             return false;
         };
@@ -162,15 +178,15 @@ mod tests {
         assert!(l.add(&req(1, 2)), "first: start a sender");
         assert!(!l.add(&req(1, 3)));
         assert!(!l.add(&req(2, 1)));
-        assert!(l.owes(&[1; 32]) && !l.owes(&[3; 32]));
-        assert!(l.forgive(&[2; 32], 1));
-        assert!(!l.owes(&[2; 32]));
-        assert!(!l.forgive(&[2; 32], 1), "nothing left to forgive");
+        assert!(l.owes(&req(1, 0)) && !l.owes(&req(3, 0)));
+        assert!(l.forgive(&req(2, 1)));
+        assert!(!l.owes(&req(2, 0)));
+        assert!(!l.forgive(&req(2, 1)), "nothing left to forgive");
         let all = l.take_all();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
-        assert_eq!(l.take(&[1; 32]).map(|o| o.units), Some(5));
+        assert_eq!(l.take(&req(1, 0)).map(|o| o.units), Some(5));
         assert!(l.done_if_empty());
         assert!(l.add(&req(1, 1)), "sender stopped: start another");
     }

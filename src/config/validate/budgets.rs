@@ -9,10 +9,10 @@ use crate::budget::{Limit, MAX_PLAN_BUDGETS};
 use crate::config::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
 use crate::config::error::{key_path, ConfigErrors};
 use crate::config::pattern::check_endpoint;
-use crate::config::raw::{RawBudget, RawDefault, RawKey, RawPlan, RawRateLimits};
+use crate::config::raw::{RawBudget, RawDefault, RawKey, RawPlan, RawRateLimits, RawShared};
 use crate::config::KeyEntry;
-use crate::policy::Policy;
-use crate::route::{RouteSpec, Router};
+use crate::policy::{Budget, Policy, SHARED_BUDGET};
+use crate::route::{Provider, RouteSpec, Router};
 
 /// `rate_limits.default`: the budget of every key without a plan.
 pub(super) fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
@@ -144,6 +144,10 @@ pub(super) fn endpoints(
                 "only applies together with max_in_flight",
             );
         }
+        let shared = e
+            .shared
+            .as_ref()
+            .and_then(|s| shared_budget(&format!("{base}.shared"), s, cost, errs));
         if let Err(m) = check_endpoint(pattern) {
             errs.push(base, m);
             continue;
@@ -153,6 +157,7 @@ pub(super) fn endpoints(
             cost: cost.max(1) as u64,
             max_in_flight,
             queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
+            provider: Provider { shared },
         });
     }
     match Router::new(specs, d.cost.max(1) as u64) {
@@ -258,6 +263,39 @@ fn concurrency_cap(path: String, value: Option<i64>, errs: &mut ConfigErrors) ->
             None
         }
         None => None,
+    }
+}
+
+/// An endpoint's `shared` budget (named `shared` in the headers); its route's cost must fit.
+fn shared_budget(path: &str, s: &RawShared, cost: i64, errs: &mut ConfigErrors) -> Option<Budget> {
+    if s.max_cost <= 0 {
+        errs.push(
+            format!("{path}.max_cost"),
+            format!("must be a positive integer, got {}", s.max_cost),
+        );
+        return None;
+    }
+    if s.window.0.is_zero() {
+        errs.push(format!("{path}.window"), "must be greater than 0");
+        return None;
+    }
+    if cost > s.max_cost {
+        errs.push(
+            format!("{path}.max_cost"),
+            format!("the route's cost {cost} exceeds it: such a request could never pass"),
+        );
+    }
+    match Limit::new(s.max_cost as u64, s.window.0, s.max_delay.0) {
+        Ok(limit) => Some(Budget::new(
+            SHARED_BUDGET,
+            s.max_cost as u64,
+            s.window.0,
+            limit,
+        )),
+        Err(m) => {
+            errs.push(format!("{path}.max_cost"), m);
+            None
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 //! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
+//! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
 //!
 //! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
 //! for a route) in 10 URL-safe base64 characters. Redis Cluster hashes only what is inside the
@@ -33,6 +34,14 @@ pub(super) fn budget_key(key: &KeyHash) -> String {
 /// that one script charges all of a key's budgets on one node.
 pub(super) fn named_budget_key(key: &KeyHash, name: &str) -> String {
     format!("{}:{name}", budget_key(key))
+}
+
+/// A route's `shared` budget: the route label's hash tag (its own slot in a Cluster).
+pub(super) fn shared_budget_key(route: &str) -> String {
+    format!(
+        "t:r{{{}}}b",
+        tag(&crate::identity::hash_key(route.as_bytes()))
+    )
 }
 
 pub(super) fn key_slots_key(key: &KeyHash) -> String {

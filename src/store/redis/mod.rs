@@ -312,6 +312,7 @@ fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
         .chain(req.also.iter().map(|e| {
             let key = match &e.bucket {
                 Bucket::Key(name) => keys::named_budget_key(&req.key, name),
+                Bucket::Route(label) => keys::shared_budget_key(label),
             };
             (key, e.limit)
         }))
