@@ -11,7 +11,8 @@
 //! - [`proxy`]: the Pingora phases, translated to and from `decision`; [`problem`]: what a
 //!   refused client reads;
 //! - [`admin`], [`telemetry`]: what an SRE sees; [`state`]: what a running gateway shares;
-//!   [`shutdown`]: the drain; [`app`]: process assembly and signals.
+//!   [`shutdown`]: the drain; [`app`]: process assembly and signals; [`upstreams`]: named
+//!   upstreams and pools.
 
 pub mod admin;
 pub mod app;
@@ -30,3 +31,4 @@ pub mod shutdown;
 pub mod state;
 pub mod store;
 pub mod telemetry;
+pub mod upstreams;

@@ -28,6 +28,10 @@ pub struct RouteSpec {
 pub struct Provider {
     /// `shared:`: one budget for all callers of the route, charged with the caller's own.
     pub shared: Option<Budget>,
+    /// `upstream:`: the named upstream to forward to (`None`: the default `upstream`).
+    pub upstream: Option<Arc<str>>,
+    /// `strip_prefix:`: removed from the path before forwarding.
+    pub strip_prefix: Option<Arc<str>>,
 }
 
 /// A route the gateway classifies requests into. Plain data: the running gateway keeps the

@@ -28,6 +28,8 @@ pub struct Shared {
     /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
     /// [`crate::decision::MAX_HELD`] permits.
     pub holds: Arc<tokio::sync::Semaphore>,
+    /// The named upstreams of the config in force (rebuilt on reload).
+    pub pools: ArcSwap<crate::upstreams::Pools>,
 }
 
 impl Shared {
@@ -35,7 +37,9 @@ impl Shared {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
+        let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(&config));
         Arc::new(Shared {
+            pools,
             running: ArcSwap::from_pointee(Running { config, metrics }),
             upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
             store,
@@ -66,6 +70,8 @@ impl Shared {
             self.upstream_addr
                 .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
         }
+        self.pools
+            .store(Arc::new(crate::upstreams::Pools::build(&new)));
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);

@@ -273,3 +273,67 @@ async fn two_providers_on_redis() {
     let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
     providers_do_not_interfere(&gws).await;
 }
+
+/// A port with nothing listening.
+fn dead_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
+}
+
+async fn pools_skip_dead_addresses(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "upstreams:\n  pool:\n    urls: [\"{}\", \"{}\"]\n    health_check: {{ path: /healthz, interval: 200ms }}\n  dead:\n    urls: [\"{}\", \"{}\"]\n    connect_timeout: 200ms\n{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc}}\n    \"/gone/{{*rest}}\": {{upstream: dead}}\n",
+        dead_url(),
+        up.url(),
+        dead_url(),
+        dead_url(),
+        store(redis)
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // The health check runs every 200 ms: wait until it has seen the live address.
+    let start = std::time::Instant::now();
+    while up.count("/healthz") == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no health check");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..10 {
+        let r = get(&c, gw.url("/svc/items?x=1"), "pool-key").await;
+        assert_eq!(r.status(), 200, "the dead address is skipped");
+    }
+    let items: Vec<String> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| !s.target.starts_with("/healthz"))
+        .map(|s| s.target.clone())
+        .collect();
+    assert_eq!(
+        items,
+        vec!["/items?x=1"; 10],
+        "forwarded without the prefix"
+    );
+
+    // A pool with no live address: 502, and the charge is given back.
+    let r = get(&c, gw.url("/gone/x"), "pool-key").await;
+    assert_eq!(r.status(), 502);
+    let r = get(&c, gw.url("/svc/items"), "pool-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "X-RateLimit-Remaining").unwrap(),
+        "89",
+        "10 + this one charged; the 502 refunded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_pool_on_memory() {
+    pools_skip_dead_addresses(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_pool_on_redis() {
+    let redis = Redis::start();
+    pools_skip_dead_addresses(Some(&redis)).await;
+}

@@ -66,6 +66,21 @@ pub struct UpstreamTarget {
     pub ca_file: Option<String>,
 }
 
+/// One of `upstreams:`: its addresses (one, or a pool) and optional health check.
+#[derive(Debug, Clone)]
+pub struct NamedUpstream {
+    pub name: String,
+    /// One per `url`/`urls` entry, in file order.
+    pub targets: Vec<UpstreamTarget>,
+    pub health_check: Option<HealthCheck>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub path: String,
+    pub interval: Duration,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     pub backend: Backend,
@@ -86,6 +101,8 @@ pub struct Config {
     /// front door enforces on client connections.
     pub client_limits: crate::front::ClientLimits,
     pub upstream: UpstreamTarget,
+    /// `upstreams:`, by name.
+    pub upstreams: HashMap<String, Arc<NamedUpstream>>,
     pub store: StoreSettings,
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,

@@ -19,6 +19,13 @@ pub struct RawConfig {
     #[serde(default)]
     pub server: RawServer,
     pub upstream: RawUpstream,
+    /// Named upstreams besides `upstream` (the default), chosen per endpoint.
+    #[serde(
+        default,
+        deserialize_with = "unique_keys",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub upstreams: BTreeMap<String, RawNamedUpstream>,
     #[serde(default)]
     pub store: RawStore,
     #[serde(default)]
@@ -119,6 +126,32 @@ pub struct RawUpstream {
     /// PEM file of CA certificates to trust for an https upstream (default: the system's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<String>,
+}
+
+/// One of `upstreams:`: an address (`url`), or a pool (`urls`) balanced round robin.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNamedUpstream {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub urls: Option<Vec<String>>,
+    /// Active health checks: unhealthy addresses are skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<RawHealthCheck>,
+    /// Default: `upstream.connect_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_timeout: Option<ConfDuration>,
+    /// Default: `upstream.read_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_timeout: Option<ConfDuration>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    pub path: String,
+    pub interval: ConfDuration,
 }
 
 fn default_connect_timeout() -> ConfDuration {
@@ -285,6 +318,12 @@ pub struct RawEndpoint {
     /// One budget for every caller of this route, fleet-wide (a provider's own cap).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<RawShared>,
+    /// Forward to this named upstream (of `upstreams:`) instead of `upstream`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// Remove this leading path prefix before forwarding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strip_prefix: Option<String>,
 }
 
 /// `shared:` on an endpoint: a budget all callers of the route draw from.

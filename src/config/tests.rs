@@ -533,3 +533,38 @@ fn plans_with_several_budgets() {
     let none = format!("{BASE}plans:\n  pro:\n    max_delay: 1s\n");
     assert!(first_error(&none).starts_with("plans.pro.max_cost: is required"));
 }
+
+#[test]
+fn named_upstreams_and_their_endpoints() {
+    let ok = format!(
+        "{BASE}upstreams:\n  gh: {{ url: \"https://boards-api.greenhouse.io\" }}\n  pool:\n    urls: [\"http://10.0.0.5:8000\", \"http://10.0.0.6:8000\"]\n    health_check: {{ path: /healthz, interval: 5s }}\n"
+    )
+    .replace(
+        "    \"GET /reports/{id}\":\n      cost: 1\n",
+        "    \"GET /reports/{id}\":\n      cost: 1\n    \"/gh/{*rest}\":\n      upstream: gh\n      strip_prefix: /gh\n      shared: { max_cost: 2, window: 1s, max_delay: 30s }\n",
+    );
+    let c = parse(&ok).unwrap();
+    assert_eq!(c.upstreams["pool"].targets.len(), 2);
+    assert!(c.upstreams["gh"].targets[0].tls);
+    let route = c.router.classify("GET", "/gh/v1/boards").route.clone();
+    assert_eq!(route.provider.upstream.as_deref(), Some("gh"));
+    assert_eq!(route.shared().map(|b| b.max_cost), Some(2));
+
+    let unknown = ok.replace("upstream: gh", "upstream: nope");
+    assert_eq!(
+        first_error(&unknown),
+        "rate_limits.endpoints.\"/gh/{*rest}\".upstream: unknown upstream \"nope\" (not in upstreams)"
+    );
+    let both = ok.replace(
+        "gh: { url: \"https://boards-api.greenhouse.io\" }",
+        "gh: { url: \"http://a:1\", urls: [\"http://b:1\"] }",
+    );
+    assert_eq!(
+        first_error(&both),
+        "upstreams.gh: needs exactly one of url or urls"
+    );
+    let bad = ok.replace("http://10.0.0.6:8000", "ftp://x");
+    assert!(first_error(&bad).starts_with("upstreams.pool.urls[1]:"));
+    let prefix = ok.replace("strip_prefix: /gh", "strip_prefix: /other");
+    assert!(first_error(&prefix).contains(".strip_prefix: must be a leading part"));
+}

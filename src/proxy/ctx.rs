@@ -112,6 +112,9 @@ pub struct Ctx {
     pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
+    /// The `Host` of the named upstream address picked for this request (`None`: the default
+    /// upstream's).
+    pub upstream_host: Option<http::HeaderValue>,
 }
 
 impl Ctx {
@@ -130,6 +133,7 @@ impl Ctx {
             request_id: None,
             upstream_status: None,
             fallback: false,
+            upstream_host: None,
         }
     }
 

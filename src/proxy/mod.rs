@@ -238,6 +238,18 @@ impl ProxyHttp for Gateway {
         let Some(running) = ctx.running.as_ref() else {
             return Error::e_explain(ErrorType::InternalError, "no config for request");
         };
+        if let Some(name) = ctx.route.as_ref().and_then(|r| r.provider.upstream.clone()) {
+            // A named upstream: the pool's next healthy address (none: 502, refunded).
+            let pools = self.shared.pools.load();
+            let Some((addr, target)) = pools.get(&name).and_then(|p| p.pick()) else {
+                return Error::e_explain(
+                    ErrorType::ConnectNoRoute,
+                    "no healthy address in the named upstream",
+                );
+            };
+            ctx.upstream_host = Some(target.host_header.clone());
+            return Ok(Box::new(forward::peer(addr, target)));
+        }
         let Some(addr) = self.shared.upstream_addr.load_full() else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };

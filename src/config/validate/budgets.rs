@@ -144,6 +144,18 @@ pub(super) fn endpoints(
                 "only applies together with max_in_flight",
             );
         }
+        if let Some(prefix) = &e.strip_prefix {
+            let path = crate::route::split_pattern(pattern).1;
+            if !prefix.starts_with('/')
+                || prefix.ends_with('/')
+                || !path.starts_with(prefix.as_str())
+            {
+                errs.push(
+                    format!("{base}.strip_prefix"),
+                    format!("must be a leading part of the path, starting with / and not ending with one, got \"{}\"", shown(prefix)),
+                );
+            }
+        }
         let shared = e
             .shared
             .as_ref()
@@ -157,7 +169,11 @@ pub(super) fn endpoints(
             cost: cost.max(1) as u64,
             max_in_flight,
             queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
-            provider: Provider { shared },
+            provider: Provider {
+                shared,
+                upstream: e.upstream.as_deref().map(Arc::from),
+                strip_prefix: e.strip_prefix.as_deref().map(Arc::from),
+            },
         });
     }
     match Router::new(specs, d.cost.max(1) as u64) {
