@@ -71,6 +71,11 @@ impl Limit {
         }
     }
 
+    /// `max_delay` in µs (for display).
+    pub fn max_delay_us(&self) -> u64 {
+        self.max_delay / self.rate.max(1)
+    }
+
     /// Units that fit an empty bucket.
     pub fn max_cost(&self) -> u64 {
         self.capacity / self.per_unit

@@ -337,3 +337,89 @@ async fn named_pool_on_redis() {
     let redis = Redis::start();
     pools_skip_dead_addresses(Some(&redis)).await;
 }
+
+#[test]
+fn check_and_explain_show_the_shared_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        "upstream: {url: \"http://127.0.0.1:1\"}\nupstreams:\n  gh: {url: \"http://127.0.0.1:2\"}\nrate_limits:\n  default: {window: 60s, max_cost: 120}\n  endpoints:\n    \"/gh/{*rest}\": {upstream: gh, strip_prefix: /gh, shared: {max_cost: 2, window: 1s, max_delay: 30s}}\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(args)
+            .arg("-c")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let check = run(&["check"]);
+    assert!(
+        check.contains("2 per 1s") && check.contains("gh"),
+        "{check}"
+    );
+    let explain = run(&["explain", "GET", "/gh/v1/jobs", "--key", "k"]);
+    assert!(
+        explain.contains("and shared:   \"shared\" 2 units per 1s")
+            && explain.contains("upstream:     gh (without the prefix /gh)"),
+        "{explain}"
+    );
+}
+
+/// A caller held in line by a shared budget that gives up is not forwarded, and neither its
+/// key nor the shared budget keeps its charge.
+async fn held_callers_that_leave(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/p/{{*rest}}\":\n      shared: {{max_cost: 1, window: 2s, max_delay: 30s}}\n",
+        store(redis)
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(get(&c, gw.url("/p/a"), "k").await.status(), 200);
+    // Its turn is ~2 s away: the client gives up after 300 ms.
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = impatient
+        .get(gw.url("/p/b"))
+        .header("X-API-Key", "k")
+        .send()
+        .await;
+    assert!(r.is_err(), "held past the client's patience");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let forwarded: Vec<String> = up.api.seen().iter().map(|s| s.target.clone()).collect();
+    assert_eq!(
+        forwarded,
+        ["/p/a"],
+        "the caller that left was never forwarded"
+    );
+    // The shared reservation was given back: the next call's turn is now, not 2 s later.
+    let t = std::time::Instant::now();
+    let r = get(&c, gw.url("/p/c"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    // The key paid for /p/a and /p/c only.
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(rl.starts_with("\"default\";r=98;"), "{rl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_callers_that_leave_on_memory() {
+    held_callers_that_leave(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_callers_that_leave_on_redis() {
+    let redis = Redis::start();
+    held_callers_that_leave(Some(&redis)).await;
+}
