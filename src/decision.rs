@@ -547,4 +547,52 @@ mod tests {
         assert_eq!(upstream_failed(false).problem, Problem::BadGateway);
         assert_eq!(upstream_failed(false).reason, None);
     }
+
+    #[test]
+    fn shared_budget_refusals_and_the_hold_bound() {
+        let c = Config::parse(
+            "upstream: {url: \"http://127.0.0.1:1\"}\nrate_limits:\n  default: {window: 60s, max_cost: 120}\n  endpoints:\n    \"/p/{*rest}\": {shared: {max_cost: 1, window: 500ms, max_delay: 30s}}\n",
+            &crate::config::EnvOverrides::default(),
+        )
+        .unwrap();
+        let route = classify(&c, "GET", "/p/x").unwrap().route;
+        let who = identify(
+            &c,
+            &HeaderMap::from_iter([("x-api-key".parse().unwrap(), "k".parse().unwrap())]),
+            None,
+        )
+        .unwrap();
+        let req = admit_request(&route, &who);
+        assert_eq!(
+            req.also.len(),
+            1,
+            "the key's budget and the route's shared one"
+        );
+        // Refused by the last budget (the shared one): reason shared_budget.
+        let joint = budget::decide_all(
+            &[
+                (req.limit, None),
+                (
+                    req.also[0].limit,
+                    Some(budget::State {
+                        level: u64::MAX / 4,
+                        at_us: 0,
+                        rate: req.also[0].limit.rate,
+                    }),
+                ),
+            ],
+            0,
+            1,
+        );
+        assert_eq!(joint.outcome.each.decisive, 1);
+        let r = judge(&route, Admission::OverBudget(joint.outcome)).unwrap_err();
+        assert_eq!(
+            (r.problem, r.reason),
+            (Problem::QuotaExceeded, Some("shared_budget"))
+        );
+        // Past the bound on held requests: 429, Retry-After from the hold.
+        let r = too_many_held(&route, Duration::from_millis(1_500), joint.outcome);
+        assert_eq!(r.problem.status(), 429);
+        assert_eq!((r.retry_after, r.reason), (Some(2), Some("shared_budget")));
+    }
 }
