@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Lease};
-use crate::budget::{self, Limit, State};
+use crate::budget::{self, Limit, State, MAX_BUDGETS};
 use crate::identity::KeyHash;
 
 const SHARDS: usize = 64;
@@ -63,6 +63,21 @@ fn live(s: &State, now_us: u64) -> bool {
     (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
 }
 
+/// A request's budgets with their states, on the stack: the request path allocates nothing
+/// for them.
+struct Budgets {
+    each: [(Limit, Option<State>); MAX_BUDGETS],
+    len: usize,
+}
+
+impl std::ops::Deref for Budgets {
+    type Target = [(Limit, Option<State>)];
+
+    fn deref(&self) -> &Self::Target {
+        &self.each[..self.len]
+    }
+}
+
 /// Routes' `shared` budgets, by route label.
 type SharedBudgets = HashMap<Arc<str>, State>;
 
@@ -76,20 +91,22 @@ struct Locked<'a> {
 
 impl Locked<'_> {
     /// Every budget of `req` with its stored state, the key's first one first.
-    fn budgets(&self, req: &AdmitRequest) -> Vec<(Limit, Option<State>)> {
+    fn budgets(&self, req: &AdmitRequest) -> Budgets {
         let key = self.key;
         let first = self.shard.entries.get(&key).and_then(|e| e.state);
-        std::iter::once((req.limit, first))
-            .chain(req.also.iter().map(|e| {
-                let state = match &e.bucket {
-                    Bucket::Key(name) => self.shard.named.get(&(key, name.clone())).copied(),
-                    Bucket::Route(label) => {
-                        self.shared.as_ref().and_then(|m| m.get(label).copied())
-                    }
-                };
-                (e.limit, state)
-            }))
-            .collect()
+        let mut b = Budgets {
+            each: [(req.limit, first); MAX_BUDGETS],
+            len: 1,
+        };
+        for e in req.also.iter().take(MAX_BUDGETS - 1) {
+            let state = match &e.bucket {
+                Bucket::Key(name) => self.shard.named.get(&(key, name.clone())).copied(),
+                Bucket::Route(label) => self.shared.as_ref().and_then(|m| m.get(label).copied()),
+            };
+            b.each[b.len] = (e.limit, state);
+            b.len += 1;
+        }
+        b
     }
 
     /// Stores what [`budget::decide_all`] (or a refund) computed for `req`'s budgets.
@@ -334,8 +351,8 @@ impl MemoryStore {
         }
         let states: Vec<Option<State>> = locked
             .budgets(req)
-            .into_iter()
-            .map(|(limit, state)| budget::refund(&limit, state, now, req.cost))
+            .iter()
+            .map(|(limit, state)| budget::refund(limit, *state, now, req.cost))
             .collect();
         locked.put(req, &states);
     }
