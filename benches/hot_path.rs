@@ -51,6 +51,7 @@ fn router(n: usize) -> Router {
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
             fidelity: Default::default(),
+            provider: Default::default(),
         })
         .collect();
     match Router::new(specs, 1) {
@@ -170,6 +171,7 @@ fn admit_request(key: [u8; 32], limit: Limit) -> AdmitRequest {
     AdmitRequest {
         key,
         limit,
+        also: vec![],
         cost: 1,
         key_cap: None,
         route: Arc::from("default"),
@@ -243,6 +245,7 @@ fn bench_per_request_pieces(c: &mut Criterion) {
         b.iter(|| {
             tollgate::problem::rate_limit_headers(
                 black_box(&cfg.default_policy),
+                None,
                 black_box(&outcome),
                 1,
             )

@@ -58,6 +58,7 @@ fn admit_keys(store: &Arc<MemoryStore>, limit: Limit, prefix: &str, n: usize) ->
         let req = AdmitRequest {
             key: hash_key(format!("{prefix}-{i}").as_bytes()),
             limit,
+            also: vec![],
             cost: 1,
             key_cap: None,
             route: route.clone(),

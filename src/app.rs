@@ -93,7 +93,7 @@ fn warn_unaffordable_in_fallback(cfg: &Config) {
     }
     let n = cfg.store.fleet_size as u64;
     let budgets = std::iter::once(&cfg.default_policy).chain(cfg.plans.values());
-    for p in budgets {
+    for p in budgets.flat_map(|p| &p.budgets) {
         for r in cfg.router.routes() {
             if r.cost * n > p.max_cost {
                 tracing::warn!(

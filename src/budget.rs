@@ -71,6 +71,11 @@ impl Limit {
         }
     }
 
+    /// `max_delay` in µs (for display).
+    pub fn max_delay_us(&self) -> u64 {
+        self.max_delay / self.rate.max(1)
+    }
+
     /// Units that fit an empty bucket.
     pub fn max_cost(&self) -> u64 {
         self.capacity / self.per_unit
@@ -107,12 +112,53 @@ pub enum Verdict {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     pub verdict: Verdict,
-    /// The state to store; `None` when nothing is to be written (a rejection).
+    /// The state to store; `None` when nothing is to be written (a rejection, or a decision on
+    /// several budgets: [`Joint::states`] has theirs).
     pub state: Option<State>,
-    /// Whole units left after this decision (`RateLimit: r=`).
+    /// Whole units left after this decision (`RateLimit: r=`); of the decisive budget when
+    /// there are several.
     pub remaining: u64,
     /// µs until the bucket is empty again (`RateLimit: t=` rounds it up to seconds).
     pub reset_us: u64,
+    /// Every budget's figures when the request was decided on several; empty for one.
+    pub each: Figures,
+}
+
+/// Most budgets one request is charged against: its plan's (at most [`MAX_PLAN_BUDGETS`])
+/// and its route's shared budget. Fixed, so that an [`Outcome`] stays `Copy` and allocation-free.
+pub const MAX_BUDGETS: usize = 5;
+/// Most budgets a plan (or `rate_limits.default`) may list.
+pub const MAX_PLAN_BUDGETS: usize = MAX_BUDGETS - 1;
+
+/// One budget's figures after a decision (`RateLimit: r=…;t=…`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Figure {
+    pub remaining: u64,
+    pub reset_us: u64,
+}
+
+/// Every budget's figures of a decision on several, in the order they were given, and which
+/// one decided: the one that refused, or (admitted) the tightest, with the fewest units left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Figures {
+    len: u8,
+    each: [Figure; MAX_BUDGETS],
+    /// Index of the budget the outcome's own `remaining`/`reset_us`/verdict describe.
+    pub decisive: u8,
+}
+
+impl Figures {
+    pub fn as_slice(&self) -> &[Figure] {
+        &self.each[..self.len as usize]
+    }
+
+    /// Adds one budget's figures; past [`MAX_BUDGETS`] they are dropped (the config refuses more).
+    pub fn push(&mut self, f: Figure) {
+        if let Some(slot) = self.each.get_mut(self.len as usize) {
+            *slot = f;
+            self.len += 1;
+        }
+    }
 }
 
 impl Outcome {
@@ -156,6 +202,7 @@ pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Ou
             }),
             remaining: limit.remaining(next),
             reset_us: limit.reset_us(next),
+            each: Figures::default(),
         }
     } else {
         let retry_after_us = div_ceil(next - limit.capacity - limit.max_delay, limit.rate);
@@ -164,8 +211,93 @@ pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Ou
             state: None,
             remaining: limit.remaining(level),
             reset_us: limit.reset_us(level),
+            each: Figures::default(),
         }
     }
+}
+
+/// A decision on several budgets at once, and the states to store when it admits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Joint {
+    pub outcome: Outcome,
+    /// Per budget, in order: the state to store; all `None` when refused (nothing is written).
+    pub states: [Option<State>; MAX_BUDGETS],
+}
+
+/// Decides a request of `cost` units against every budget in `budgets` (limit and stored
+/// state), all or nothing: it is admitted only if each admits it, and then charged to each.
+///
+/// - Refused: by the budget whose retry is furthest (the first of equals) — the request fits
+///   all of them only then; every budget's figures are its level now (nothing was charged).
+/// - Admitted: held for the longest of the delays; the outcome's own figures are the tightest
+///   budget's (fewest units left, the first of equals), which `X-RateLimit-*` describe.
+///
+/// With one budget this is exactly [`decide`] (and `each` stays empty). The Lua script's
+/// `admit` transcribes it; keep the two in step.
+pub fn decide_all(budgets: &[(Limit, Option<State>)], now_us: u64, cost: u64) -> Joint {
+    let mut states = [None; MAX_BUDGETS];
+    let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
+    if let [(limit, state)] = budgets {
+        let outcome = decide(limit, *state, now_us, cost);
+        states[0] = outcome.state;
+        return Joint { outcome, states };
+    }
+    let outs: Vec<Outcome> = budgets
+        .iter()
+        .map(|(l, s)| decide(l, *s, now_us, cost))
+        .collect();
+    let mut refused: Option<(usize, u64)> = None;
+    for (i, o) in outs.iter().enumerate() {
+        if let Verdict::Reject { retry_after_us } = o.verdict {
+            if refused.is_none_or(|(_, r)| retry_after_us > r) {
+                refused = Some((i, retry_after_us));
+            }
+        }
+    }
+    let mut each = Figures::default();
+    if let Some((i, _)) = refused {
+        for (o, (l, s)) in outs.iter().zip(budgets) {
+            let u = uncharged(l, *s, now_us, o.verdict);
+            each.push(Figure {
+                remaining: u.remaining,
+                reset_us: u.reset_us,
+            });
+        }
+        each.decisive = i as u8;
+        let f = each.as_slice()[i];
+        let outcome = Outcome {
+            verdict: outs[i].verdict,
+            state: None,
+            remaining: f.remaining,
+            reset_us: f.reset_us,
+            each,
+        };
+        return Joint { outcome, states };
+    }
+    let mut tightest = 0;
+    let mut delay_us = 0;
+    for (i, o) in outs.iter().enumerate() {
+        if o.remaining < outs[tightest].remaining {
+            tightest = i;
+        }
+        if let Verdict::Admit { delay_us: d } = o.verdict {
+            delay_us = delay_us.max(d);
+        }
+        states[i] = o.state;
+        each.push(Figure {
+            remaining: o.remaining,
+            reset_us: o.reset_us,
+        });
+    }
+    each.decisive = tightest as u8;
+    let outcome = Outcome {
+        verdict: Verdict::Admit { delay_us },
+        state: None,
+        remaining: outs[tightest].remaining,
+        reset_us: outs[tightest].reset_us,
+        each,
+    };
+    Joint { outcome, states }
 }
 
 /// The bucket as it stands, for answers that charge nothing (a busy slot): same verdict,
@@ -177,6 +309,7 @@ pub fn uncharged(limit: &Limit, state: Option<State>, now_us: u64, verdict: Verd
         state: None,
         remaining: limit.remaining(level),
         reset_us: limit.reset_us(level),
+        each: Figures::default(),
     }
 }
 
@@ -410,5 +543,56 @@ mod tests {
         assert_eq!(l.max_cost(), 20);
         let (out, _) = burst(&l, 3, 10, 0);
         assert_eq!(out.iter().filter(|o| o.admitted()).count(), 2);
+    }
+
+    #[test]
+    fn several_budgets_all_or_nothing() {
+        let minute = lim(3, 60_000, 0);
+        let day = lim(4, 86_400_000, 0);
+        let mut st = [None, None];
+        let mut admitted = 0;
+        for _ in 0..3 {
+            let j = decide_all(&[(minute, st[0]), (day, st[1])], 0, 1);
+            assert!(j.outcome.admitted());
+            admitted += 1;
+            st = [j.states[0], j.states[1]];
+        }
+        assert_eq!(admitted, 3);
+        // The minute budget is the tightest now (0 left against the day's 1).
+        let j = decide_all(&[(minute, st[0]), (day, st[1])], 0, 1);
+        assert!(!j.outcome.admitted());
+        assert_eq!(j.outcome.each.decisive, 0);
+        assert_eq!(j.states, [None; MAX_BUDGETS], "a refusal writes nothing");
+        // A minute later the minute budget has room, the day budget one unit only.
+        let j = decide_all(&[(minute, st[0]), (day, st[1])], 60_000_000, 2);
+        assert_eq!(j.outcome.each.decisive, 1, "the day budget refuses");
+        let Verdict::Reject { retry_after_us } = j.outcome.verdict else {
+            panic!()
+        };
+        assert!(retry_after_us > 3_600_000_000, "hours: {retry_after_us}");
+        let figs = j.outcome.each.as_slice();
+        assert_eq!(figs.len(), 2);
+        assert_eq!((figs[0].remaining, figs[1].remaining), (3, 1));
+        assert_eq!(j.outcome.remaining, 1);
+        let j = decide_all(&[(minute, st[0]), (day, st[1])], 60_000_000, 1);
+        assert!(j.outcome.admitted());
+        assert_eq!(
+            j.outcome.each.decisive, 1,
+            "tightest: the day budget, 0 left"
+        );
+        assert!(j.states[0].is_some() && j.states[1].is_some());
+    }
+
+    #[test]
+    fn several_budgets_wait_for_the_slowest() {
+        let a = lim(1, 500, 30_000);
+        let b = lim(10, 1_000, 0);
+        let (_, sa) = burst(&a, 1, 1, 0);
+        let j = decide_all(&[(a, sa), (b, None)], 0, 1);
+        assert_eq!(j.outcome.verdict, Verdict::Admit { delay_us: 500_000 });
+        // One budget is exactly `decide`.
+        let one = decide_all(&[(b, None)], 0, 1);
+        assert_eq!(one.outcome, decide(&b, None, 0, 1));
+        assert!(one.outcome.each.as_slice().is_empty());
     }
 }

@@ -39,18 +39,59 @@ pub fn route_table(cfg: &Config) -> String {
     ]];
     let mut plans: Vec<_> = cfg.plans.values().collect();
     plans.sort_by(|a, b| a.name.cmp(&b.name));
+    // One row per budget: a plan with several lists each (`<plan>-<name>`).
     for p in std::iter::once(&cfg.default_policy).chain(plans) {
-        budgets.push([
-            p.name.clone(),
-            p.max_cost.to_string(),
-            format_duration(p.window),
-            format_duration(p.max_delay),
-            p.max_in_flight_per_key
-                .map(|n| n.to_string())
-                .unwrap_or("-".into()),
-        ]);
+        for b in &p.budgets {
+            budgets.push([
+                b.name.clone(),
+                b.max_cost.to_string(),
+                format_duration(b.window),
+                format_duration(p.max_delay),
+                p.max_in_flight_per_key
+                    .map(|n| n.to_string())
+                    .unwrap_or("-".into()),
+            ]);
+        }
     }
     out.push_str(&table(&budgets));
+    // Routes that call a provider: their shared budget and where they forward.
+    let providers: Vec<_> = cfg
+        .router
+        .routes()
+        .filter(|r| r.shared().is_some() || r.provider.upstream.is_some())
+        .collect();
+    if !providers.is_empty() {
+        let mut rows = vec![[
+            "ROUTE".to_string(),
+            "SHARED".into(),
+            "MAX_DELAY".into(),
+            "UPSTREAM".into(),
+            "STRIP_PREFIX".into(),
+        ]];
+        for r in providers {
+            rows.push([
+                r.label.to_string(),
+                r.shared().map_or("-".into(), |b| {
+                    format!("{} per {}", b.max_cost, format_duration(b.window))
+                }),
+                r.shared().map_or("-".into(), |b| {
+                    format_duration(Duration::from_micros(b.limit.max_delay_us()))
+                }),
+                r.provider
+                    .upstream
+                    .as_deref()
+                    .unwrap_or("upstream")
+                    .to_string(),
+                r.provider
+                    .strip_prefix
+                    .as_deref()
+                    .unwrap_or("-")
+                    .to_string(),
+            ]);
+        }
+        out.push('\n');
+        out.push_str(&table(&rows));
+    }
     let _ = writeln!(
         out,
         "\nstore: {:?}  registry keys: {}  identity: {}",
@@ -120,6 +161,17 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
             "mode:         shadow (refusals are counted and forwarded, never enforced)"
         );
     }
+    if let Some(name) = &route.provider.upstream {
+        let _ = writeln!(
+            out,
+            "upstream:     {name}{}",
+            route
+                .provider
+                .strip_prefix
+                .as_deref()
+                .map_or(String::new(), |p| format!(" (without the prefix {p})"))
+        );
+    }
     match route.max_in_flight {
         Some(n) => {
             let _ = writeln!(
@@ -145,20 +197,39 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
                     None => "anonymous (client_ip)".into(),
                 }
             );
-            let _ = writeln!(
-                out,
-                "budget:       \"{}\" {} units per {} (max_delay {})",
-                p.name,
-                p.max_cost,
-                format_duration(p.window),
-                format_duration(p.max_delay)
-            );
-            let _ = writeln!(
-                out,
-                "              = {} such requests in a burst, then one every {:.1} s",
-                p.max_cost / route.cost,
-                p.window.as_secs_f64() * route.cost as f64 / p.max_cost as f64
-            );
+            // Every budget the request is charged against (all must fit).
+            for (i, b) in p.budgets.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{}\"{}\" {} units per {} (max_delay {})",
+                    if i == 0 {
+                        "budget:       "
+                    } else {
+                        "and budget:   "
+                    },
+                    b.name,
+                    b.max_cost,
+                    format_duration(b.window),
+                    format_duration(p.max_delay)
+                );
+                let _ = writeln!(
+                    out,
+                    "              = {} such requests in a burst, then one every {:.1} s",
+                    b.max_cost / route.cost,
+                    b.window.as_secs_f64() * route.cost as f64 / b.max_cost as f64
+                );
+            }
+            if let Some(b) = route.shared() {
+                let delay = Duration::from_micros(b.limit.max_delay_us());
+                let _ = writeln!(
+                    out,
+                    "and shared:   \"{}\" {} units per {} for all callers of this route, fleet-wide (held up to {}, then 429)",
+                    b.name,
+                    b.max_cost,
+                    format_duration(b.window),
+                    format_duration(delay)
+                );
+            }
             if let Some(n) = p.max_in_flight_per_key {
                 let _ = writeln!(out, "per key:      at most {n} in flight (429 beyond)");
             }

@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::identity::{self, Identity, Unauthenticated};
 use crate::problem::Problem;
 use crate::route::{normalize_path, BadPath, Route};
-use crate::store::{Admission, AdmitRequest, Lease};
+use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease};
 
 /// What a request is charged as, and what the upstream receives for it.
 #[derive(Debug, Clone)]
@@ -182,11 +182,55 @@ pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// The budgets a request is charged besides its key's first: the plan's others, then the
+/// route's `shared` budget (always last: [`judge`] tells a shared refusal by that).
+fn charged_also(route: &Route, who: &Identity) -> Vec<Extra> {
+    let mut also = who.policy.also.clone();
+    if let Some(shared) = route.shared() {
+        also.push(Extra {
+            bucket: Bucket::Route(route.label.clone()),
+            limit: shared.limit,
+        });
+    }
+    also
+}
+
+/// Whether the route's `shared` budget (the last one) is what refused `outcome`.
+fn refused_by_shared(route: &Route, outcome: &Outcome) -> bool {
+    let n = outcome.each.as_slice().len();
+    route.shared().is_some() && n > 1 && outcome.each.decisive as usize == n - 1
+}
+
+/// Most requests one instance holds at once for `max_delay` (waiting their turn on a budget):
+/// past it, a request that would be held is refused with `Retry-After` instead, so a queue of
+/// callers never grows this process's memory without bound.
+pub const MAX_HELD: usize = 1024;
+
+/// The refusal of a request that would be held while [`MAX_HELD`] others are (its
+/// reservation is given back by the caller).
+pub fn too_many_held(route: &Route, hold: Duration, outcome: Outcome) -> Refusal {
+    let retry = budget::retry_after_secs(hold.as_micros() as u64);
+    Refusal {
+        retry_after: Some(retry),
+        outcome: Some(outcome),
+        reason: Some(if route.shared().is_some() {
+            "shared_budget"
+        } else {
+            "budget"
+        }),
+        ..Refusal::new(
+            Problem::QuotaExceeded,
+            format!("{MAX_HELD} requests are already waiting their turn here; retry in {retry} s"),
+        )
+    }
+}
+
 /// The store question for a classified, identified request.
 pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
     AdmitRequest {
         key: who.hash,
         limit: who.policy.limit,
+        also: charged_also(route, who),
         cost: route.cost,
         key_cap: who.policy.max_in_flight_per_key,
         route: route.label.clone(),
@@ -225,6 +269,20 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 Verdict::Reject { retry_after_us } => budget::retry_after_secs(retry_after_us),
                 Verdict::Admit { .. } => 1,
             };
+            if refused_by_shared(route, &outcome) {
+                return Err(Refusal {
+                    retry_after: Some(retry),
+                    outcome: Some(outcome),
+                    reason: Some("shared_budget"),
+                    ..Refusal::new(
+                        Problem::QuotaExceeded,
+                        format!(
+                            "{} is shared by all callers and its turn is more than max_delay away; retry in {retry} s",
+                            route.label
+                        ),
+                    )
+                });
+            }
             Err(Refusal {
                 retry_after: Some(retry),
                 outcome: Some(outcome),
@@ -428,6 +486,7 @@ mod tests {
             state: None,
             remaining,
             reset_us: 0,
+            each: Default::default(),
         }
     }
 
@@ -544,5 +603,53 @@ mod tests {
         assert_eq!(upstream_failed(true).problem, Problem::GatewayTimeout);
         assert_eq!(upstream_failed(false).problem, Problem::BadGateway);
         assert_eq!(upstream_failed(false).reason, None);
+    }
+
+    #[test]
+    fn shared_budget_refusals_and_the_hold_bound() {
+        let c = Config::parse(
+            "upstream: {url: \"http://127.0.0.1:1\"}\nrate_limits:\n  default: {window: 60s, max_cost: 120}\n  endpoints:\n    \"/p/{*rest}\": {shared: {max_cost: 1, window: 500ms, max_delay: 30s}}\n",
+            &crate::config::EnvOverrides::default(),
+        )
+        .unwrap();
+        let route = classify(&c, "GET", "/p/x").unwrap().route;
+        let who = identify(
+            &c,
+            &HeaderMap::from_iter([("x-api-key".parse().unwrap(), "k".parse().unwrap())]),
+            None,
+        )
+        .unwrap();
+        let req = admit_request(&route, &who);
+        assert_eq!(
+            req.also.len(),
+            1,
+            "the key's budget and the route's shared one"
+        );
+        // Refused by the last budget (the shared one): reason shared_budget.
+        let joint = budget::decide_all(
+            &[
+                (req.limit, None),
+                (
+                    req.also[0].limit,
+                    Some(budget::State {
+                        level: u64::MAX / 4,
+                        at_us: 0,
+                        rate: req.also[0].limit.rate,
+                    }),
+                ),
+            ],
+            0,
+            1,
+        );
+        assert_eq!(joint.outcome.each.decisive, 1);
+        let r = judge(&route, Admission::OverBudget(joint.outcome)).unwrap_err();
+        assert_eq!(
+            (r.problem, r.reason),
+            (Problem::QuotaExceeded, Some("shared_budget"))
+        );
+        // Past the bound on held requests: 429, Retry-After from the hold.
+        let r = too_many_held(&route, Duration::from_millis(1_500), joint.outcome);
+        assert_eq!(r.problem.status(), 429);
+        assert_eq!((r.retry_after, r.reason), (Some(2), Some("shared_budget")));
     }
 }

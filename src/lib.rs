@@ -12,7 +12,8 @@
 //!   refused client reads;
 //! - [`admin`], [`telemetry`]: what an SRE sees; [`audit`]: are the costs true (DESIGN §6);
 //!   [`state`]: what a running gateway shares; [`shutdown`]: the drain; [`app`]: process
-//!   assembly and signals; [`front`]: client connections; [`tls`]: TLS termination's certificate.
+//!   assembly and signals; [`front`]: client connections; [`tls`]: TLS termination's
+//!   certificate; [`upstreams`]: named upstreams and pools.
 
 pub mod admin;
 pub mod app;
@@ -33,3 +34,4 @@ pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod upstreams;

@@ -4,16 +4,20 @@
 //! Its own module because both the config (which builds policies) and the problem responses
 //! (which describe them) need it; living in either made the two import each other.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderValue;
 
 use crate::budget::Limit;
+use crate::store::{Bucket, Extra};
 
-/// A budget: the default one, or a plan's.
+/// A budget: the default one, or a plan's. A plan with several budgets (`budgets:`) is charged
+/// against all of them; `max_cost`, `window`, `limit` and `headers` are then its first one's,
+/// and `budgets` lists every one.
 #[derive(Debug, Clone)]
 pub struct Policy {
-    /// `default` or the plan's name; shown in `RateLimit-Policy`.
+    /// `default` or the plan's name.
     pub name: String,
     pub max_cost: u64,
     pub window: Duration,
@@ -21,8 +25,90 @@ pub struct Policy {
     pub max_in_flight_per_key: Option<u32>,
     /// The GCRA parameters derived from the fields above.
     pub limit: Limit,
-    /// Its `RateLimit-Policy` and `X-RateLimit-Limit` values, formatted once.
+    /// Its `RateLimit-Policy` (every budget's member) and `X-RateLimit-Limit` values,
+    /// formatted once.
     pub headers: PolicyHeaders,
+    /// Every budget, the first one first; one entry for a plan of one budget.
+    pub budgets: Vec<Budget>,
+    /// The budgets after the first, as the store is asked to charge them.
+    pub also: Vec<Extra>,
+}
+
+/// One budget of a policy.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    /// Its name in the headers: the plan's when it has one budget, else `<plan>-<name>`.
+    pub name: String,
+    pub max_cost: u64,
+    pub window: Duration,
+    pub limit: Limit,
+    pub headers: PolicyHeaders,
+}
+
+/// The name of a route's `shared` budget in the rate-limit headers.
+pub const SHARED_BUDGET: &str = "shared";
+
+impl Budget {
+    pub fn new(name: &str, max_cost: u64, window: Duration, limit: Limit) -> Budget {
+        Budget {
+            name: name.to_string(),
+            max_cost,
+            window,
+            limit,
+            headers: PolicyHeaders::new(name, max_cost, window),
+        }
+    }
+}
+
+impl Policy {
+    /// A policy of `budgets` (at least one): `(name within the plan, max_cost, window, limit)`.
+    pub fn new(
+        name: &str,
+        budgets: Vec<(Option<String>, u64, Duration, Limit)>,
+        max_delay: Duration,
+        max_in_flight_per_key: Option<u32>,
+    ) -> Option<Policy> {
+        let several = budgets.len() > 1;
+        let budgets: Vec<(Option<String>, Budget)> = budgets
+            .into_iter()
+            .map(|(inner, max_cost, window, limit)| {
+                let shown = match (&inner, several) {
+                    (Some(n), true) => format!("{name}-{n}"),
+                    _ => name.to_string(),
+                };
+                (inner, Budget::new(&shown, max_cost, window, limit))
+            })
+            .collect();
+        let first = budgets.first()?.1.clone();
+        let also = budgets
+            .iter()
+            .skip(1)
+            .map(|(inner, b)| Extra {
+                bucket: Bucket::Key(Arc::from(inner.as_deref().unwrap_or(&b.name))),
+                limit: b.limit,
+            })
+            .collect();
+        let mut headers = first.headers.clone();
+        if several {
+            let list: Vec<&str> = budgets
+                .iter()
+                .filter_map(|(_, b)| b.headers.policy.to_str().ok())
+                .collect();
+            headers.policy = HeaderValue::from_str(&list.join(", "))
+                .unwrap_or_else(|_| HeaderValue::from_static(""));
+        }
+        Some(Policy {
+            name: name.to_string(),
+            max_cost: first.max_cost,
+            window: first.window,
+            max_delay,
+            max_in_flight_per_key,
+            limit: first.limit,
+            headers,
+            budgets: budgets.into_iter().map(|(_, b)| b).collect(),
+            also,
+        })
+    }
 }
 
 /// A policy's header values that never change: `RateLimit-Policy` and `X-RateLimit-Limit`.

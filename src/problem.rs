@@ -4,7 +4,7 @@
 use crate::budget::{self, Outcome};
 use http::HeaderValue;
 
-use crate::policy::Policy;
+use crate::policy::{Budget, Policy};
 
 /// Base of every problem `type` URI; the last segment is what clients match on.
 pub const TYPE_BASE: &str = "https://tollgate.dev/problems/";
@@ -117,22 +117,54 @@ pub fn body(
 /// policy's own two values are formatted once, when the config is loaded.
 pub fn rate_limit_headers(
     policy: &Policy,
+    shared: Option<&Budget>,
     outcome: &Outcome,
     cost: u64,
 ) -> [(&'static str, HeaderValue); 6] {
     let reset = budget::reset_secs(outcome.reset_us);
-    let rate_limit = format!(
-        "{};r={};t={reset}",
-        policy.headers.quoted_name, outcome.remaining
-    );
+    let figures = outcome.each.as_slice();
+    let budgets = || policy.budgets.iter().chain(shared);
+    let several = figures.len() > 1 && figures.len() == budgets().count();
+    // One list member per budget when the request was decided on several (DESIGN §1);
+    // `X-RateLimit-*` describe the decisive one: the refusing, else the tightest.
+    let mut policy_header = policy.headers.policy.clone();
+    if let (Some(s), Ok(list)) = (shared, policy.headers.policy.to_str()) {
+        let both = format!("{list}, {}", s.headers.policy.to_str().unwrap_or_default());
+        policy_header = HeaderValue::from_str(&both).unwrap_or(policy_header);
+    }
+    let (rate_limit, limit) = if several {
+        let members: Vec<String> = budgets()
+            .zip(figures)
+            .map(|(b, f)| {
+                format!(
+                    "{};r={};t={}",
+                    b.headers.quoted_name,
+                    f.remaining,
+                    budget::reset_secs(f.reset_us)
+                )
+            })
+            .collect();
+        let limit = budgets()
+            .nth(outcome.each.decisive as usize)
+            .map_or(policy.headers.limit.clone(), |b| b.headers.limit.clone());
+        (members.join(", "), limit)
+    } else {
+        (
+            format!(
+                "{};r={};t={reset}",
+                policy.headers.quoted_name, outcome.remaining
+            ),
+            policy.headers.limit.clone(),
+        )
+    };
     [
-        ("RateLimit-Policy", policy.headers.policy.clone()),
+        ("RateLimit-Policy", policy_header),
         (
             "RateLimit",
             HeaderValue::from_maybe_shared(bytes::Bytes::from(rate_limit))
                 .unwrap_or_else(|_| HeaderValue::from_static("")),
         ),
-        ("X-RateLimit-Limit", policy.headers.limit.clone()),
+        ("X-RateLimit-Limit", limit),
         (
             "X-RateLimit-Remaining",
             HeaderValue::from(outcome.remaining),
@@ -146,27 +178,22 @@ pub fn rate_limit_headers(
 mod tests {
     use super::*;
     use crate::budget::{Limit, Verdict};
-    use crate::policy::PolicyHeaders;
     use std::time::Duration;
 
     #[test]
     fn headers_syntax() {
-        let policy = Policy {
-            name: "default".into(),
-            max_cost: 120,
-            window: Duration::from_secs(60),
-            max_delay: Duration::ZERO,
-            max_in_flight_per_key: None,
-            limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
-            headers: PolicyHeaders::new("default", 120, Duration::from_secs(60)),
-        };
+        let w = Duration::from_secs(60);
+        let limit = Limit::new(120, w, Duration::ZERO).unwrap();
+        let policy =
+            Policy::new("default", vec![(None, 120, w, limit)], Duration::ZERO, None).unwrap();
         let o = Outcome {
             verdict: Verdict::Admit { delay_us: 0 },
             state: None,
             remaining: 40,
             reset_us: 39_000_001,
+            each: Default::default(),
         };
-        let h = rate_limit_headers(&policy, &o, 20);
+        let h = rate_limit_headers(&policy, None, &o, 20);
         assert_eq!(h[0].0, "RateLimit-Policy");
         assert_eq!(h[0].1, "\"default\";q=120;w=60");
         assert_eq!(h[1].0, "RateLimit");
@@ -175,6 +202,53 @@ mod tests {
         assert_eq!(h[3].1, "40");
         assert_eq!(h[4].1, "40");
         assert_eq!(h[5].1, "20");
+    }
+
+    #[test]
+    fn headers_of_several_budgets() {
+        let (m, d) = (Duration::from_secs(60), Duration::from_secs(86_400));
+        let policy = Policy::new(
+            "pro",
+            vec![
+                (
+                    Some("minute".into()),
+                    120,
+                    m,
+                    Limit::new(120, m, Duration::ZERO).unwrap(),
+                ),
+                (
+                    Some("day".into()),
+                    20_000,
+                    d,
+                    Limit::new(20_000, d, Duration::ZERO).unwrap(),
+                ),
+            ],
+            Duration::ZERO,
+            None,
+        )
+        .unwrap();
+        let o = crate::budget::decide_all(
+            &[
+                (policy.budgets[0].limit, None),
+                (policy.budgets[1].limit, None),
+            ],
+            0,
+            20,
+        )
+        .outcome;
+        let h = rate_limit_headers(&policy, None, &o, 20);
+        assert_eq!(
+            h[0].1,
+            "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"
+        );
+        assert_eq!(
+            h[1].1,
+            "\"pro-minute\";r=100;t=10, \"pro-day\";r=19980;t=87"
+        );
+        assert_eq!(
+            (h[2].1.to_str().unwrap(), h[3].1.to_str().unwrap()),
+            ("120", "100")
+        );
     }
 
     #[test]

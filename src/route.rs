@@ -9,6 +9,8 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::policy::Budget;
+
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
@@ -18,6 +20,7 @@ pub struct RouteSpec {
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
     pub fidelity: Fidelity,
+    pub provider: Provider,
 }
 
 /// How faithfully a route's cost is applied (DESIGN §6): whether its refusals are enforced or
@@ -44,6 +47,18 @@ impl Fidelity {
     }
 }
 
+/// What a route that calls a provider adds (DESIGN §1): the provider's own cap, shared by
+/// every caller fleet-wide.
+#[derive(Debug, Clone, Default)]
+pub struct Provider {
+    /// `shared:`: one budget for all callers of the route, charged with the caller's own.
+    pub shared: Option<Budget>,
+    /// `upstream:`: the named upstream to forward to (`None`: the default `upstream`).
+    pub upstream: Option<Arc<str>>,
+    /// `strip_prefix:`: removed from the path before forwarding.
+    pub strip_prefix: Option<Arc<str>>,
+}
+
 /// A route the gateway classifies requests into. Plain data: the running gateway keeps the
 /// route's metric series (`telemetry::RouteMetricsTable`), so parsing a config touches nothing
 /// global.
@@ -58,6 +73,7 @@ pub struct Route {
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
     pub fidelity: Fidelity,
+    pub provider: Provider,
 }
 
 impl Route {
@@ -68,6 +84,7 @@ impl Route {
         max_in_flight: Option<u32>,
         queue_timeout: Duration,
         fidelity: Fidelity,
+        provider: Provider,
     ) -> Arc<Route> {
         Arc::new(Route {
             label: Arc::from(label),
@@ -76,7 +93,13 @@ impl Route {
             max_in_flight,
             queue_timeout,
             fidelity,
+            provider,
         })
+    }
+
+    /// The route's shared budget, if it has one.
+    pub fn shared(&self) -> Option<&Budget> {
+        self.provider.shared.as_ref()
     }
 }
 
@@ -339,6 +362,7 @@ impl Router {
                     spec.max_in_flight,
                     spec.queue_timeout,
                     spec.fidelity,
+                    spec.provider.clone(),
                 ),
                 specificity(path, method.is_some()),
             ));
@@ -353,6 +377,7 @@ impl Router {
             None,
             Duration::ZERO,
             default_fidelity,
+            Provider::default(),
         );
         Ok(Router {
             routes,
@@ -499,6 +524,7 @@ mod tests {
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
             fidelity: Fidelity::default(),
+            provider: Provider::default(),
         }
     }
 

@@ -39,6 +39,8 @@ pub struct Seen {
     pub target: String,
     /// Every header, in order (names lower-case).
     pub headers: Vec<(String, String)>,
+    /// When it arrived (tests check how callers were spaced).
+    pub at: std::time::Instant,
 }
 
 impl Seen {
@@ -123,6 +125,7 @@ impl SampleApi {
                     )
                 })
                 .collect(),
+            at: std::time::Instant::now(),
         };
         if let Ok(mut s) = self.seen.lock() {
             if s.len() == SEEN_KEPT {

@@ -25,6 +25,11 @@ pub struct Shared {
     pub upstream_addr: ArcSwapOption<SocketAddr>,
     pub store: Store,
     pub drain: Arc<Drain>,
+    /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
+    /// [`crate::decision::MAX_HELD`] permits.
+    pub holds: Arc<tokio::sync::Semaphore>,
+    /// The named upstreams of the config in force (rebuilt on reload).
+    pub pools: ArcSwap<crate::upstreams::Pools>,
 }
 
 impl Shared {
@@ -32,11 +37,14 @@ impl Shared {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
+        let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(&config));
         Arc::new(Shared {
+            pools,
             running: ArcSwap::from_pointee(Running { config, metrics }),
             upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
             store,
             drain: Drain::new(),
+            holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
         })
     }
 
@@ -62,6 +70,8 @@ impl Shared {
             self.upstream_addr
                 .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
         }
+        self.pools
+            .store(Arc::new(crate::upstreams::Pools::build(&new)));
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);

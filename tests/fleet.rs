@@ -481,7 +481,7 @@ async fn memory_and_redis_stores_decide_alike() {
     use tollgate::budget::{Limit, Verdict};
     use tollgate::config::{Backend, OnError, StoreSettings};
     use tollgate::store::memory::Clock;
-    use tollgate::store::{Admission, AdmitRequest, MemoryStore, RedisStore, Store};
+    use tollgate::store::{Admission, AdmitRequest, Bucket, Extra, MemoryStore, RedisStore, Store};
 
     let redis = Redis::start();
     let settings = StoreSettings {
@@ -500,7 +500,25 @@ async fn memory_and_redis_stores_decide_alike() {
         Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
         Limit::new(7, Duration::from_secs(3600), Duration::from_secs(1200)).unwrap(),
         Limit::new(100_000_000, Duration::from_secs(3600 * 24), Duration::ZERO).unwrap(),
+        // Plans of several budgets: this day one and a minute one (listed second) that is
+        // looser (the day budget refuses first) or tighter (the minute budget does).
+        Limit::new(
+            25,
+            Duration::from_secs(3600 * 24),
+            Duration::from_secs(1200),
+        )
+        .unwrap(),
     ];
+    let minute = |max_cost, delay_s| Extra {
+        bucket: Bucket::Key("minute".into()),
+        limit: Limit::new(
+            max_cost,
+            Duration::from_secs(60),
+            Duration::from_secs(delay_s),
+        )
+        .unwrap(),
+    };
+    let extras = [vec![minute(20, 30)], vec![minute(5, 0)]];
     // A fixed pseudo-random sequence of (key, limit, cost).
     let mut x: u64 = 0x9e3779b97f4a7c15;
     let mut seq = vec![];
@@ -509,11 +527,12 @@ async fn memory_and_redis_stores_decide_alike() {
         x ^= x >> 7;
         x ^= x << 17;
         let key = (x % 4) as u8;
-        let li = ((x >> 8) % 3) as usize;
+        let li = ((x >> 8) % 5) as usize;
         let cost = match li {
             0 => 1 + (x >> 16) % 30,
             1 => 1 + (x >> 16) % 3,
-            _ => 1 + (x >> 16) % 40_000_000,
+            2 => 1 + (x >> 16) % 40_000_000,
+            _ => 1 + (x >> 16) % 8,
         };
         seq.push((key, li, cost));
     }
@@ -523,7 +542,12 @@ async fn memory_and_redis_stores_decide_alike() {
         for &(key, li, cost) in &seq {
             let req = AdmitRequest {
                 key: [key + li as u8 * 10; 32],
-                limit: limits[li],
+                limit: limits[li.min(3)],
+                also: if li >= 3 {
+                    extras[li - 3].clone()
+                } else {
+                    vec![]
+                },
                 cost,
                 key_cap: None,
                 route: Arc::from("r"),
@@ -536,9 +560,16 @@ async fn memory_and_redis_stores_decide_alike() {
                         unreachable!()
                     };
                     format!(
-                        "admit r={} delay_s={}",
+                        "admit r={} delay_s={} by={} each={:?}",
                         outcome.remaining,
-                        delay_us.div_ceil(1_000_000)
+                        delay_us.div_ceil(1_000_000),
+                        outcome.each.decisive,
+                        outcome
+                            .each
+                            .as_slice()
+                            .iter()
+                            .map(|f| f.remaining)
+                            .collect::<Vec<_>>()
                     )
                 }
                 Admission::OverBudget(o) => {
@@ -546,9 +577,15 @@ async fn memory_and_redis_stores_decide_alike() {
                         unreachable!()
                     };
                     format!(
-                        "reject r={} retry_s={}",
+                        "reject r={} retry_s={} by={} each={:?}",
                         o.remaining,
-                        retry_after_us.div_ceil(1_000_000)
+                        retry_after_us.div_ceil(1_000_000),
+                        o.each.decisive,
+                        o.each
+                            .as_slice()
+                            .iter()
+                            .map(|f| f.remaining)
+                            .collect::<Vec<_>>()
                     )
                 }
                 other => format!("{other:?}"),
@@ -568,6 +605,15 @@ async fn memory_and_redis_stores_decide_alike() {
     assert!(decisions[0]
         .iter()
         .any(|d| d.contains("delay_s=") && !d.contains("delay_s=0")));
+    // The plan of two budgets was refused by each of them at some point.
+    for by in ["by=0 each=[", "by=1 each=["] {
+        assert!(
+            decisions[0]
+                .iter()
+                .any(|d| d.starts_with("reject") && d.contains(by) && !d.contains("each=[]")),
+            "{by}"
+        );
+    }
     for (i, (m, r)) in decisions[0].iter().zip(&decisions[1]).enumerate() {
         assert_eq!(m, r, "decision {i} ({:?}) differs", seq[i]);
     }

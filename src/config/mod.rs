@@ -32,8 +32,8 @@ pub use crate::policy::Policy;
 pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
-    Anonymous, Backend, Listen, Mode, OnError, RawConfig, RawDefault, RawEndpoint, RawIdentity,
-    RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
+    Anonymous, Backend, Listen, Mode, OnError, RawBudget, RawConfig, RawDefault, RawEndpoint,
+    RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
 pub use url::redact_url;
 
@@ -66,6 +66,21 @@ pub struct UpstreamTarget {
     pub ca_file: Option<String>,
 }
 
+/// One of `upstreams:`: its addresses (one, or a pool) and optional health check.
+#[derive(Debug, Clone)]
+pub struct NamedUpstream {
+    pub name: String,
+    /// One per `url`/`urls` entry, in file order.
+    pub targets: Vec<UpstreamTarget>,
+    pub health_check: Option<HealthCheck>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub path: String,
+    pub interval: Duration,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     pub backend: Backend,
@@ -88,6 +103,8 @@ pub struct Config {
     /// `server.tls`, with the certificate and key already read (they are re-read on reload).
     pub tls: Option<crate::tls::TlsListener>,
     pub upstream: UpstreamTarget,
+    /// `upstreams:`, by name.
+    pub upstreams: HashMap<String, Arc<NamedUpstream>>,
     pub store: StoreSettings,
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,

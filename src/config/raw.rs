@@ -19,6 +19,13 @@ pub struct RawConfig {
     #[serde(default)]
     pub server: RawServer,
     pub upstream: RawUpstream,
+    /// Named upstreams besides `upstream` (the default), chosen per endpoint.
+    #[serde(
+        default,
+        deserialize_with = "unique_keys",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub upstreams: BTreeMap<String, RawNamedUpstream>,
     #[serde(default)]
     pub store: RawStore,
     #[serde(default)]
@@ -133,6 +140,32 @@ pub struct RawUpstream {
     /// PEM file of CA certificates to trust for an https upstream (default: the system's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<String>,
+}
+
+/// One of `upstreams:`: an address (`url`), or a pool (`urls`) balanced round robin.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNamedUpstream {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub urls: Option<Vec<String>>,
+    /// Active health checks: unhealthy addresses are skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<RawHealthCheck>,
+    /// Default: `upstream.connect_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_timeout: Option<ConfDuration>,
+    /// Default: `upstream.read_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_timeout: Option<ConfDuration>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    pub path: String,
+    pub interval: ConfDuration,
 }
 
 fn default_connect_timeout() -> ConfDuration {
@@ -269,10 +302,24 @@ pub struct RawRateLimits {
 pub struct RawDefault {
     #[serde(default = "one")]
     pub cost: i64,
-    pub window: ConfDuration,
-    pub max_cost: i64,
+    /// With `max_cost`: the one budget; or `budgets` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<ConfDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<i64>,
     #[serde(default)]
     pub max_delay: ConfDuration,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<Vec<RawBudget>>,
+}
+
+/// One of several budgets (`budgets:` instead of `max_cost`/`window`): all must fit.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBudget {
+    pub name: String,
+    pub max_cost: i64,
+    pub window: ConfDuration,
 }
 
 fn one() -> i64 {
@@ -295,6 +342,15 @@ pub struct RawEndpoint {
     /// Overrides `rate_limits.mode` for this endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
+    /// One budget for every caller of this route, fleet-wide (a provider's own cap).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<RawShared>,
+    /// Forward to this named upstream (of `upstreams:`) instead of `upstream`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// Remove this leading path prefix before forwarding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strip_prefix: Option<String>,
 }
 
 /// Whether a route's refusals are enforced, or only counted (`shadow`).
@@ -306,11 +362,26 @@ pub enum Mode {
     Shadow,
 }
 
+/// `shared:` on an endpoint: a budget all callers of the route draw from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShared {
+    pub max_cost: i64,
+    pub window: ConfDuration,
+    /// Hold callers in line this long at most (else 429).
+    #[serde(default)]
+    pub max_delay: ConfDuration,
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPlan {
-    pub max_cost: i64,
-    pub window: ConfDuration,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<ConfDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<Vec<RawBudget>>,
     #[serde(default)]
     pub max_delay: Option<ConfDuration>,
     #[serde(default)]

@@ -550,3 +550,79 @@ fn final_cost_bills_time_but_never_less_than_cost() {
     );
     assert_eq!(route::Fidelity::default().final_cost(3, Some(s(9000))), 3);
 }
+
+#[test]
+fn plans_with_several_budgets() {
+    let ok = format!(
+        "{BASE}plans:\n  pro:\n    budgets:\n      - {{ name: minute, max_cost: 120, window: 60s }}\n      - {{ name: day, max_cost: 20000, window: 24h }}\n  solo:\n    budgets: [{{ name: minute, max_cost: 60, window: 60s }}]\n"
+    );
+    let c = parse(&ok).unwrap();
+    let pro = &c.plans["pro"];
+    let names: Vec<&str> = pro.budgets.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["pro-minute", "pro-day"]);
+    assert_eq!(pro.also.len(), 1);
+    assert_eq!(
+        pro.headers.policy,
+        "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"
+    );
+    let solo = &c.plans["solo"];
+    assert_eq!(
+        solo.budgets[0].name, "solo",
+        "one budget is named by the plan"
+    );
+    assert!(solo.also.is_empty());
+
+    let both = format!(
+        "{BASE}plans:\n  pro:\n    max_cost: 10\n    window: 1s\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}]\n"
+    );
+    assert!(first_error(&both).starts_with("plans.pro.budgets: replaces max_cost and window"));
+    let small = format!(
+        "{BASE}plans:\n  pro:\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}, {{ name: b, max_cost: 10, window: 1h }}]\n"
+    );
+    let e = parse(&small).unwrap_err().to_string();
+    assert!(
+        e.contains("plans.pro.budgets[1]"),
+        "a cost over any budget's max_cost is an error: {e}"
+    );
+    let dup = format!(
+        "{BASE}plans:\n  pro:\n    budgets: [{{ name: a, max_cost: 120, window: 60s }}, {{ name: a, max_cost: 200, window: 1h }}]\n"
+    );
+    assert!(first_error(&dup).contains("duplicate budget name"));
+    let none = format!("{BASE}plans:\n  pro:\n    max_delay: 1s\n");
+    assert!(first_error(&none).starts_with("plans.pro.max_cost: is required"));
+}
+
+#[test]
+fn named_upstreams_and_their_endpoints() {
+    let ok = format!(
+        "{BASE}upstreams:\n  gh: {{ url: \"https://boards-api.greenhouse.io\" }}\n  pool:\n    urls: [\"http://10.0.0.5:8000\", \"http://10.0.0.6:8000\"]\n    health_check: {{ path: /healthz, interval: 5s }}\n"
+    )
+    .replace(
+        "    \"GET /reports/{id}\":\n      cost: 1\n",
+        "    \"GET /reports/{id}\":\n      cost: 1\n    \"/gh/{*rest}\":\n      upstream: gh\n      strip_prefix: /gh\n      shared: { max_cost: 2, window: 1s, max_delay: 30s }\n",
+    );
+    let c = parse(&ok).unwrap();
+    assert_eq!(c.upstreams["pool"].targets.len(), 2);
+    assert!(c.upstreams["gh"].targets[0].tls);
+    let route = c.router.classify("GET", "/gh/v1/boards").route.clone();
+    assert_eq!(route.provider.upstream.as_deref(), Some("gh"));
+    assert_eq!(route.shared().map(|b| b.max_cost), Some(2));
+
+    let unknown = ok.replace("upstream: gh", "upstream: nope");
+    assert_eq!(
+        first_error(&unknown),
+        "rate_limits.endpoints.\"/gh/{*rest}\".upstream: unknown upstream \"nope\" (not in upstreams)"
+    );
+    let both = ok.replace(
+        "gh: { url: \"https://boards-api.greenhouse.io\" }",
+        "gh: { url: \"http://a:1\", urls: [\"http://b:1\"] }",
+    );
+    assert_eq!(
+        first_error(&both),
+        "upstreams.gh: needs exactly one of url or urls"
+    );
+    let bad = ok.replace("http://10.0.0.6:8000", "ftp://x");
+    assert!(first_error(&bad).starts_with("upstreams.pool.urls[1]:"));
+    let prefix = ok.replace("strip_prefix: /gh", "strip_prefix: /other");
+    assert!(first_error(&prefix).contains(".strip_prefix: must be a leading part"));
+}

@@ -1,17 +1,20 @@
 //! From the file as written to the values the gateway runs on: one function per section, each
 //! reporting every problem it finds with its path, so that one `tollgate check` shows them all.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::bounds::shown;
-use super::error::ConfigErrors;
+use super::bounds::{shown, MAX_NAME_CHARS};
+use super::error::{key_path, ConfigErrors};
 use super::raw::{
     Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawTls, RawUpstream,
 };
 use super::url::{check_redis_url, parse_upstream_url};
-use super::{Config, EnvOverrides, IdentitySource, StoreSettings, UpstreamTarget};
+use super::{
+    Config, EnvOverrides, HealthCheck, IdentitySource, NamedUpstream, StoreSettings, UpstreamTarget,
+};
 
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
 mod budgets;
@@ -22,7 +25,8 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let mut errs = ConfigErrors::default();
     apply_env(&mut raw.store, env, &mut errs);
     let (listen, threads, max_connections) = server(&raw.server, &mut errs);
-    let upstream = upstream(&raw.upstream, &mut errs);
+    let upstream = upstream("upstream", &raw.upstream, &mut errs);
+    let upstreams = named_upstreams(&raw, &mut errs);
     let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
     let tls = raw.server.tls.as_ref().and_then(|t| tls(t, &mut errs));
     let (sources, key_id_header) = identity(&raw.identity, &mut errs);
@@ -30,6 +34,16 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
     let plans = plans(&raw.plans, &raw.rate_limits.default, &mut errs);
     let router = endpoints(&raw.rate_limits, &raw.plans, &mut errs);
+    for (pattern, e) in &raw.rate_limits.endpoints {
+        if let Some(name) = &e.upstream {
+            if !upstreams.contains_key(name) {
+                errs.push(
+                    format!("{}.upstream", key_path("rate_limits.endpoints", pattern)),
+                    format!("unknown upstream \"{}\" (not in upstreams)", shown(name)),
+                );
+            }
+        }
+    }
     let (mut keys, key_ids) = keys(&raw.keys, default_policy.as_ref(), &plans, &mut errs);
 
     if !errs.0.is_empty() {
@@ -60,6 +74,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         },
         tls,
         upstream,
+        upstreams,
         store: StoreSettings {
             backend: raw.store.backend,
             url: raw.store.url.clone(),
@@ -186,7 +201,95 @@ fn tls(t: &RawTls, errs: &mut ConfigErrors) -> Option<crate::tls::TlsListener> {
 const MAX_CONNECTIONS: i64 = 10_000_000;
 
 /// `upstream`: where admitted requests go.
-fn upstream(u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> {
+/// `upstreams:`: each one `url` or a pool of `urls`, with the default upstream's timeouts
+/// unless it gives its own.
+fn named_upstreams(
+    raw: &RawConfig,
+    errs: &mut ConfigErrors,
+) -> HashMap<String, Arc<NamedUpstream>> {
+    let mut out = HashMap::new();
+    for (name, u) in &raw.upstreams {
+        let base = key_path("upstreams", name);
+        if name.is_empty()
+            || name.chars().count() > MAX_NAME_CHARS
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            errs.push(
+                key_path("upstreams", &shown(name)),
+                format!(
+                    "an upstream name uses 1 to {MAX_NAME_CHARS} letters, digits, '-', '_' or '.'"
+                ),
+            );
+            continue;
+        }
+        let urls: Vec<(String, &String)> = match (&u.url, &u.urls) {
+            (Some(url), None) => vec![(format!("{base}.url"), url)],
+            (None, Some(urls)) if !urls.is_empty() => urls
+                .iter()
+                .enumerate()
+                .map(|(i, url)| (format!("{base}.urls[{i}]"), url))
+                .collect(),
+            (None, Some(_)) => {
+                errs.push(format!("{base}.urls"), "lists at least one address");
+                continue;
+            }
+            _ => {
+                errs.push(base.clone(), "needs exactly one of url or urls");
+                continue;
+            }
+        };
+        let mut targets = vec![];
+        for (path, url) in urls {
+            let one = RawUpstream {
+                url: url.clone(),
+                connect_timeout: u.connect_timeout.unwrap_or(raw.upstream.connect_timeout),
+                read_timeout: u.read_timeout.unwrap_or(raw.upstream.read_timeout),
+                ca_file: None,
+            };
+            if let Some(t) = upstream(&path, &one, errs) {
+                targets.push(t);
+            }
+        }
+        let health_check = u.health_check.as_ref().and_then(|h| {
+            if !h.path.starts_with('/') {
+                errs.push(format!("{base}.health_check.path"), "must start with /");
+                return None;
+            }
+            if h.interval.0.is_zero() {
+                errs.push(
+                    format!("{base}.health_check.interval"),
+                    "must be greater than 0",
+                );
+                return None;
+            }
+            Some(HealthCheck {
+                path: h.path.clone(),
+                interval: h.interval.0,
+            })
+        });
+        out.insert(
+            name.clone(),
+            Arc::new(NamedUpstream {
+                name: name.clone(),
+                targets,
+                health_check,
+            }),
+        );
+    }
+    out
+}
+
+/// An upstream's address and timeouts; errors are reported under `base` (`upstream.url` for
+/// the default upstream's `url`, the address's own path for a named one).
+fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> {
+    let (url_path, base) = if base == "upstream" {
+        ("upstream.url".to_string(), "upstream".to_string())
+    } else {
+        let parent = base.rsplit_once('.').map_or(base, |(p, _)| p).to_string();
+        (base.to_string(), parent)
+    };
     let target = match parse_upstream_url(&u.url) {
         Ok((tls, host, port)) => {
             let default_port = if tls { 443 } else { 80 };
@@ -210,20 +313,23 @@ fn upstream(u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> 
             })
         }
         Err(m) => {
-            errs.push("upstream.url", m);
+            errs.push(url_path, m);
             None
         }
     };
     if let Some(f) = &u.ca_file {
         if let Err(e) = std::fs::metadata(f) {
-            errs.push("upstream.ca_file", format!("cannot read \"{f}\": {e}"));
+            errs.push(
+                format!("{base}.ca_file"),
+                format!("cannot read \"{f}\": {e}"),
+            );
         }
     }
     if u.connect_timeout.0.is_zero() {
-        errs.push("upstream.connect_timeout", "must be greater than 0");
+        errs.push(format!("{base}.connect_timeout"), "must be greater than 0");
     }
     if u.read_timeout.0.is_zero() {
-        errs.push("upstream.read_timeout", "must be greater than 0");
+        errs.push(format!("{base}.read_timeout"), "must be greater than 0");
     }
     target
 }

@@ -143,6 +143,9 @@ pub struct Ctx {
     pub fallback: bool,
     /// Units charged after the response for measured upstream time (`cost_per_second`).
     pub time_charge: u64,
+    /// The `Host` of the named upstream address picked for this request (`None`: the default
+    /// upstream's).
+    pub upstream_host: Option<http::HeaderValue>,
 }
 
 impl Ctx {
@@ -164,6 +167,7 @@ impl Ctx {
             upstream_status: None,
             fallback: false,
             time_charge: 0,
+            upstream_host: None,
         }
     }
 
@@ -339,6 +343,7 @@ mod tests {
             state: None,
             remaining: 7,
             reset_us: 0,
+            each: Default::default(),
         }
     }
 
@@ -346,6 +351,7 @@ mod tests {
         AdmitRequest {
             key: [1; 32],
             limit: Limit::new(10, Duration::from_secs(10), Duration::ZERO).unwrap(),
+            also: vec![],
             cost: 3,
             key_cap: None,
             route: Arc::from("/r"),

@@ -44,6 +44,29 @@ pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> HttpPeer {
     peer
 }
 
+/// `strip_prefix`: `/greenhouse/v1/boards?x` → `/v1/boards?x`, `/greenhouse` → `/`. Only a
+/// whole leading segment is removed (`/greenhousex` is left alone).
+fn strip_prefix(upstream: &mut RequestHeader, prefix: &str) -> Result<()> {
+    let target = upstream
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let Some(rest) = target.strip_prefix(prefix) else {
+        return Ok(());
+    };
+    let stripped = match rest.chars().next() {
+        None | Some('?') => format!("/{rest}"),
+        Some('/') => rest.to_string(),
+        Some(_) => return Ok(()),
+    };
+    let uri = stripped
+        .parse::<http::Uri>()
+        .map_err(|e| Error::because(ErrorType::InternalError, "stripped uri", e))?;
+    upstream.set_uri(uri);
+    Ok(())
+}
+
 /// Rewrites the upstream request: what was charged is what is sent. `received` are the
 /// client's headers as they arrived; `tls`: the client connection is TLS.
 pub fn request(
@@ -71,13 +94,24 @@ pub fn request(
             );
         }
     }
+    if let Some(prefix) = ctx
+        .route
+        .as_ref()
+        .and_then(|r| r.provider.strip_prefix.clone())
+    {
+        strip_prefix(upstream, &prefix)?;
+    }
     if let Some(running) = &ctx.running {
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
         upstream.remove_header("x-forwarded-host");
         if let Some(host) = upstream.remove_header("host").or(authority) {
             upstream.append_header("X-Forwarded-Host", host)?;
         }
-        upstream.append_header("Host", running.config.upstream.host_header.clone())?;
+        let host = ctx
+            .upstream_host
+            .clone()
+            .unwrap_or_else(|| running.config.upstream.host_header.clone());
+        upstream.append_header("Host", host)?;
         identity_headers(upstream, ctx, &running.config)?;
     }
     // Only what a trusted proxy forwarded is passed on (identity.trusted_proxies).

@@ -143,6 +143,24 @@ impl Gateway {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
         let hold = admitted.hold;
+        // Held requests are bounded per instance: past the bound, give the reservation back
+        // and refuse (429 with Retry-After) rather than queue without limit.
+        let _held = if hold.is_zero() {
+            None
+        } else {
+            match self.shared.holds.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    let outcome = admitted.outcome;
+                    self.shared
+                        .store
+                        .refund(&admit, admitted.lease.charge())
+                        .await;
+                    admitted.lease.release().await;
+                    return Err(decision::too_many_held(&route, hold, outcome));
+                }
+            }
+        };
         ctx.timing.hold = hold;
         ctx.admit(admit, admitted, &m.in_flight);
         if !hold.is_zero() {
@@ -250,6 +268,18 @@ impl ProxyHttp for Gateway {
         let Some(running) = ctx.running.as_ref() else {
             return Error::e_explain(ErrorType::InternalError, "no config for request");
         };
+        if let Some(name) = ctx.route.as_ref().and_then(|r| r.provider.upstream.clone()) {
+            // A named upstream: the pool's next healthy address (none: 502, refunded).
+            let pools = self.shared.pools.load();
+            let Some((addr, target)) = pools.get(&name).and_then(|p| p.pick()) else {
+                return Error::e_explain(
+                    ErrorType::ConnectNoRoute,
+                    "no healthy address in the named upstream",
+                );
+            };
+            ctx.upstream_host = Some(target.host_header.clone());
+            return Ok(Box::new(forward::peer(addr, target)));
+        }
         let Some(addr) = self.shared.upstream_addr.load_full() else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };

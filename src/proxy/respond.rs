@@ -65,7 +65,8 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         h.insert_header("X-RateLimit-Cost", HeaderValue::from_static("0"))?;
         return Ok(());
     };
-    let headers = problem::rate_limit_headers(&id.policy, outcome, ctx.charged());
+    let shared = ctx.route.as_ref().and_then(|r| r.shared());
+    let headers = problem::rate_limit_headers(&id.policy, shared, outcome, ctx.charged());
     // Ours replace any the upstream sent; appending is cheaper when there are none.
     let replace = headers
         .iter()

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use super::memory::MemoryStore;
 use super::running::{slots_of, Running, Slot};
 use super::write_back::{Ledger, Owed};
-use super::{short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Lease, StoreError};
+use super::{
+    short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Lease, StoreError,
+};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::OnError;
 use crate::identity::KeyHash;
@@ -52,11 +54,13 @@ pub trait SharedStore: Send + Sync + 'static {
         limit: &Limit,
     ) -> impl Future<Output = Result<BudgetView, StoreError>> + Send;
 
-    /// Charges `units` admitted elsewhere, past the budget if need be (a debt).
+    /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
+    /// need be (a debt).
     fn write_back(
         &self,
         key: &KeyHash,
         limit: &Limit,
+        also: &[Extra],
         units: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -186,8 +190,8 @@ impl<S: SharedStore> FallbackStore<S> {
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
         // What the fallback admitted for this key is charged before the shared store decides
         // on it again, so that its decision sees the debt.
-        if self.owed.owes(&req.key) {
-            if let Some(o) = self.owed.take(&req.key) {
+        if self.owed.owes(req) {
+            if let Some(o) = self.owed.take(req) {
                 self.send_owed(o).await;
             }
         }
@@ -241,7 +245,11 @@ impl<S: SharedStore> FallbackStore<S> {
     /// Sends one key's debt; true when done with it (sent, or possibly sent: a charge that
     /// may have run is not sent again, which could charge it twice).
     async fn send_owed(&self, o: Owed) -> bool {
-        match self.shared.write_back(&o.key, &o.limit, o.units).await {
+        match self
+            .shared
+            .write_back(&o.key, &o.limit, &o.also, o.units)
+            .await
+        {
             Ok(()) => true,
             Err(e) if e.may_have_run() => {
                 tracing::debug!(error = %e, units = o.units, "a write-back may not have reached the store");
@@ -312,8 +320,7 @@ impl<S: SharedStore> FallbackStore<S> {
     async fn local_share(&self, req: &AdmitRequest) -> Admission {
         let n = self.fleet_size;
         let share = |cap: u32| (cap / n).max(1);
-        let mut r = req.clone();
-        r.limit = req.limit.fraction(n);
+        let mut r = req.share(n);
         r.key_cap = None;
         r.route_cap = None;
         // Refuse what the budget would refuse anyway before queueing for a slot.
@@ -366,6 +373,7 @@ impl<S: SharedStore> FallbackStore<S> {
             state: None,
             remaining: view.remaining,
             reset_us: view.reset_us,
+            each: Default::default(),
         }
     }
 
@@ -377,13 +385,10 @@ impl<S: SharedStore> FallbackStore<S> {
         match charge {
             Charge::None | Charge::Local(_) => {
                 if let Charge::Local(limit) = charge {
-                    self.local.refund(&AdmitRequest {
-                        limit,
-                        ..req.clone()
-                    });
+                    self.local.refund(&req.charged_under(limit));
                 }
                 // Already written back: the shared budget has it, give it back there.
-                if !self.owed.forgive(&req.key, req.cost) {
+                if !self.owed.forgive(req) {
                     let _ = self.shared.refund(req).await;
                 }
             }
@@ -400,7 +405,11 @@ impl<S: SharedStore> FallbackStore<S> {
     /// budget like the admission was; a shared debit that surely did not run is owed too.
     pub async fn charge_extra(self: &Arc<Self>, req: &AdmitRequest, charge: Charge, units: u64) {
         match charge {
-            Charge::Shared => match self.shared.write_back(&req.key, &req.limit, units).await {
+            Charge::Shared => match self
+                .shared
+                .write_back(&req.key, &req.limit, &req.also, units)
+                .await
+            {
                 Ok(()) => {}
                 Err(e) if e.may_have_run() => {
                     tracing::debug!(error = %e, units, "a time charge may not have reached the store");
@@ -408,7 +417,15 @@ impl<S: SharedStore> FallbackStore<S> {
                 Err(_) => self.owe(req, units),
             },
             Charge::Local(limit) => {
-                self.local.debit(&req.key, &limit, units);
+                // The charge holds the first budget's local share; a plan's other budgets are
+                // debited under their own limits (a stored level converts between rates).
+                self.local.debit(
+                    &AdmitRequest {
+                        limit,
+                        ..req.clone()
+                    },
+                    units,
+                );
                 self.owe(req, units);
             }
             Charge::None => self.owe(req, units),
@@ -417,7 +434,7 @@ impl<S: SharedStore> FallbackStore<S> {
 
     /// Adds to what `req.key` owes the shared budget, starting the sender if none runs.
     fn owe(self: &Arc<Self>, req: &AdmitRequest, units: u64) {
-        if self.owed.add(&req.key, &req.limit, units) {
+        if self.owed.add(req, units) {
             tokio::spawn(self.clone().write_back_loop());
         }
     }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, short_key, Admission, AdmitRequest, BudgetView, Lease};
-use crate::budget::{self, Limit, State};
+use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Lease};
+use crate::budget::{self, Limit, State, MAX_BUDGETS};
 use crate::identity::KeyHash;
 
 const SHARDS: usize = 64;
@@ -52,7 +52,89 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Shard {
     entries: HashMap<u128, Entry>,
+    /// The further budgets of keys whose plan has several (`Bucket::Key`), by key and name:
+    /// a map of their own, so that keys with one budget pay nothing for them.
+    named: HashMap<(u128, Arc<str>), State>,
     last_sweep_us: u64,
+}
+
+/// Whether a stored bucket still holds anything at `now_us`.
+fn live(s: &State, now_us: u64) -> bool {
+    (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
+}
+
+/// A request's budgets with their states, on the stack: the request path allocates nothing
+/// for them.
+struct Budgets {
+    each: [(Limit, Option<State>); MAX_BUDGETS],
+    len: usize,
+}
+
+impl std::ops::Deref for Budgets {
+    type Target = [(Limit, Option<State>)];
+
+    fn deref(&self) -> &Self::Target {
+        &self.each[..self.len]
+    }
+}
+
+/// Routes' `shared` budgets, by route label.
+type SharedBudgets = HashMap<Arc<str>, State>;
+
+/// One request's budgets, locked: its key's shard and, when it has a shared budget, the
+/// routes' budgets (always in that order, so two requests never wait on each other crosswise).
+struct Locked<'a> {
+    shard: MutexGuard<'a, Shard>,
+    shared: Option<MutexGuard<'a, SharedBudgets>>,
+    key: u128,
+}
+
+impl Locked<'_> {
+    /// Every budget of `req` with its stored state, the key's first one first.
+    fn budgets(&self, req: &AdmitRequest) -> Budgets {
+        let key = self.key;
+        let first = self.shard.entries.get(&key).and_then(|e| e.state);
+        let mut b = Budgets {
+            each: [(req.limit, first); MAX_BUDGETS],
+            len: 1,
+        };
+        for e in req.also.iter().take(MAX_BUDGETS - 1) {
+            let state = match &e.bucket {
+                Bucket::Key(name) => self.shard.named.get(&(key, name.clone())).copied(),
+                Bucket::Route(label) => self.shared.as_ref().and_then(|m| m.get(label).copied()),
+            };
+            b.each[b.len] = (e.limit, state);
+            b.len += 1;
+        }
+        b
+    }
+
+    /// Stores what [`budget::decide_all`] (or a refund) computed for `req`'s budgets.
+    fn put(&mut self, req: &AdmitRequest, states: &[Option<State>]) {
+        let key = self.key;
+        let entry = self.shard.entries.entry(key).or_default();
+        if let Some(s) = states.first() {
+            entry.state = *s;
+        }
+        for (e, s) in req.also.iter().zip(states.iter().skip(1)) {
+            match (&e.bucket, s) {
+                (Bucket::Key(name), Some(s)) => {
+                    self.shard.named.insert((key, name.clone()), *s);
+                }
+                (Bucket::Key(name), None) => {
+                    self.shard.named.remove(&(key, name.clone()));
+                }
+                (Bucket::Route(label), s) => {
+                    if let Some(m) = self.shared.as_mut() {
+                        match s {
+                            Some(s) => m.insert(label.clone(), *s),
+                            None => m.remove(label),
+                        };
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Shard {
@@ -61,12 +143,9 @@ impl Shard {
             return;
         }
         self.last_sweep_us = now_us;
-        self.entries.retain(|_, e| {
-            e.in_flight > 0
-                || e.state.is_some_and(|s| {
-                    (now_us.saturating_sub(s.at_us) as u128) * (s.rate as u128) < s.level as u128
-                })
-        });
+        self.entries
+            .retain(|_, e| e.in_flight > 0 || e.state.is_some_and(|s| live(&s, now_us)));
+        self.named.retain(|_, s| live(s, now_us));
         // After a burst of keys has gone idle, give the table's memory back (retain keeps it).
         let len = self.entries.len();
         if self.entries.capacity() > 4 * len.max(1024) {
@@ -84,6 +163,7 @@ struct RouteSlots {
 pub struct MemoryStore {
     clock: Clock,
     shards: Box<[Mutex<Shard>]>,
+    shared: Mutex<SharedBudgets>,
     routes: Mutex<HashMap<Arc<str>, RouteSlots>>,
 }
 
@@ -115,6 +195,7 @@ impl MemoryStore {
         Arc::new(MemoryStore {
             clock,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            shared: Mutex::default(),
             routes: Mutex::default(),
         })
     }
@@ -125,6 +206,17 @@ impl MemoryStore {
 
     fn shard(&self, key: u128) -> MutexGuard<'_, Shard> {
         lock(&self.shards[(key as usize) % SHARDS])
+    }
+
+    fn lock_budgets(&self, req: &AdmitRequest) -> Locked<'_> {
+        let key = short_key(&req.key);
+        let shard = self.shard(key);
+        let shared = req
+            .also
+            .iter()
+            .any(|e| matches!(e.bucket, Bucket::Route(_)))
+            .then(|| lock(&self.shared));
+        Locked { shard, shared, key }
     }
 
     /// Number of keys held (for tests and the memory benchmark).
@@ -156,7 +248,8 @@ impl MemoryStore {
         }
     }
 
-    /// Decides and, when admitted, charges and takes the key slot; all under one shard lock.
+    /// Decides and, when admitted, charges every budget and takes the key slot; all under one
+    /// shard lock.
     fn charge(
         self: &Arc<Self>,
         req: &AdmitRequest,
@@ -164,27 +257,25 @@ impl MemoryStore {
         queued: Duration,
     ) -> Admission {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let mut shard = self.shard(key);
-        shard.sweep(now);
-        let entry = shard.entries.entry(key).or_default();
-        let outcome = budget::decide(&req.limit, entry.state, now, req.cost);
-        if !outcome.admitted() {
-            return Admission::OverBudget(outcome);
+        let mut locked = self.lock_budgets(req);
+        let key = locked.key;
+        locked.shard.sweep(now);
+        let budgets = locked.budgets(req);
+        let joint = budget::decide_all(&budgets, now, req.cost);
+        if !joint.outcome.admitted() {
+            return Admission::OverBudget(joint.outcome);
         }
-        if req.key_cap.is_some_and(|cap| entry.in_flight >= cap) {
-            return Admission::KeyBusy(budget::uncharged(
-                &req.limit,
-                entry.state,
-                now,
-                outcome.verdict,
-            ));
+        let in_flight = locked.shard.entries.get(&key).map_or(0, |e| e.in_flight);
+        if req.key_cap.is_some_and(|cap| in_flight >= cap) {
+            return Admission::KeyBusy(uncharged(&budgets, now, joint.outcome));
         }
-        entry.state = outcome.state;
-        entry.in_flight += 1;
-        drop(shard);
+        locked.put(req, &joint.states[..budgets.len()]);
+        if let Some(e) = locked.shard.entries.get_mut(&key) {
+            e.in_flight += 1;
+        }
+        drop(locked);
         Admission::Admitted {
-            outcome,
+            outcome: joint.outcome,
             lease: Lease::local(
                 MemoryLease {
                     store: self.clone(),
@@ -200,26 +291,29 @@ impl MemoryStore {
     /// What the decision would be, without writing anything.
     pub(crate) fn preview(&self, req: &AdmitRequest) -> Option<Admission> {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let shard = self.shard(key);
-        let entry = shard.entries.get(&key);
-        let state = entry.and_then(|e| e.state);
-        let outcome = budget::decide(&req.limit, state, now, req.cost);
-        if !outcome.admitted() {
-            return Some(Admission::OverBudget(outcome));
+        let locked = self.lock_budgets(req);
+        let budgets = locked.budgets(req);
+        let joint = budget::decide_all(&budgets, now, req.cost);
+        if !joint.outcome.admitted() {
+            return Some(Admission::OverBudget(joint.outcome));
         }
-        if req
-            .key_cap
-            .is_some_and(|cap| entry.is_some_and(|e| e.in_flight >= cap))
-        {
-            return Some(Admission::KeyBusy(budget::uncharged(
-                &req.limit,
-                state,
-                now,
-                outcome.verdict,
-            )));
+        let in_flight = locked
+            .shard
+            .entries
+            .get(&locked.key)
+            .map_or(0, |e| e.in_flight);
+        if req.key_cap.is_some_and(|cap| in_flight >= cap) {
+            return Some(Admission::KeyBusy(uncharged(&budgets, now, joint.outcome)));
         }
         None
+    }
+
+    /// The figures of every budget as they stand, for a refusal that charged nothing.
+    fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
+        let now = self.clock.now_us();
+        let budgets = self.lock_budgets(req).budgets(req);
+        let verdict = budget::decide_all(&budgets, now, req.cost).outcome;
+        uncharged(&budgets, now, verdict)
     }
 
     pub async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Admission {
@@ -237,12 +331,8 @@ impl MemoryStore {
             Err(_) => match tokio::time::timeout(req.queue_timeout, sem.acquire_owned()).await {
                 Ok(Ok(p)) => p,
                 _ => {
-                    let now = self.clock.now_us();
-                    let key = short_key(&req.key);
-                    let state = self.shard(key).entries.get(&key).and_then(|e| e.state);
-                    let verdict = budget::decide(&req.limit, state, now, req.cost).verdict;
                     return Admission::RouteBusy {
-                        outcome: budget::uncharged(&req.limit, state, now, verdict),
+                        outcome: self.standing(req),
                         queued: start.elapsed(),
                     };
                 }
@@ -252,22 +342,32 @@ impl MemoryStore {
         self.charge(req, Some(permit), start.elapsed())
     }
 
+    /// Gives `req.cost` back to every budget of `req`.
     pub fn refund(&self, req: &AdmitRequest) {
         let now = self.clock.now_us();
-        let key = short_key(&req.key);
-        let mut shard = self.shard(key);
-        if let Some(e) = shard.entries.get_mut(&key) {
-            e.state = budget::refund(&req.limit, e.state, now, req.cost);
+        let mut locked = self.lock_budgets(req);
+        if !locked.shard.entries.contains_key(&locked.key) {
+            return;
         }
+        let states: Vec<Option<State>> = locked
+            .budgets(req)
+            .iter()
+            .map(|(limit, state)| budget::refund(limit, *state, now, req.cost))
+            .collect();
+        locked.put(req, &states);
     }
 
-    /// Charges `units` that were already spent, past the budget if need be (a debt).
-    pub fn debit(&self, key: &KeyHash, limit: &Limit, units: u64) {
+    /// Charges `units` that were already spent to each of the request's budgets, past them if
+    /// need be (a debt).
+    pub fn debit(&self, req: &AdmitRequest, units: u64) {
         let now = self.clock.now_us();
-        let k = short_key(key);
-        let mut shard = self.shard(k);
-        let entry = shard.entries.entry(k).or_default();
-        entry.state = Some(budget::debit(limit, entry.state, now, units));
+        let mut locked = self.lock_budgets(req);
+        let states: Vec<Option<State>> = locked
+            .budgets(req)
+            .iter()
+            .map(|(limit, state)| Some(budget::debit(limit, *state, now, units)))
+            .collect();
+        locked.put(req, &states);
     }
 
     pub fn peek(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
@@ -286,6 +386,41 @@ impl MemoryStore {
     }
 }
 
+/// `decided` as a refusal that charged nothing: the same verdict, with every budget's figures
+/// as they stand (not after the charge).
+fn uncharged(
+    budgets: &[(Limit, Option<State>)],
+    now: u64,
+    decided: budget::Outcome,
+) -> budget::Outcome {
+    let verdict = decided.verdict;
+    if let [(limit, state)] = budgets {
+        return budget::uncharged(limit, *state, now, verdict);
+    }
+    let mut each = budget::Figures::default();
+    for (limit, state) in budgets {
+        let u = budget::uncharged(limit, *state, now, verdict);
+        each.push(budget::Figure {
+            remaining: u.remaining,
+            reset_us: u.reset_us,
+        });
+    }
+    // The tightest now, which is the one `X-RateLimit-*` describe.
+    let figs = each.as_slice();
+    let tightest = (0..figs.len())
+        .min_by_key(|&i| figs[i].remaining)
+        .unwrap_or(0);
+    let f = figs.get(tightest).copied().unwrap_or_default();
+    each.decisive = tightest as u8;
+    budget::Outcome {
+        verdict,
+        state: None,
+        remaining: f.remaining,
+        reset_us: f.reset_us,
+        each,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +430,7 @@ mod tests {
         AdmitRequest {
             key: [7; 32],
             limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+            also: vec![],
             cost,
             key_cap,
             route: Arc::from("/reports/generate"),

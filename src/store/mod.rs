@@ -120,7 +120,11 @@ impl StoreError {
 #[derive(Debug, Clone)]
 pub struct AdmitRequest {
     pub key: KeyHash,
+    /// The key's (first) budget.
     pub limit: Limit,
+    /// Further budgets the request must fit as well, all or none (DESIGN §1): the other
+    /// budgets of the key's plan. Empty for a plan of one budget (no allocation then).
+    pub also: Vec<Extra>,
     pub cost: u64,
     /// `max_in_flight_per_key` of the key's plan.
     pub key_cap: Option<u32>,
@@ -128,6 +132,58 @@ pub struct AdmitRequest {
     pub route: Arc<str>,
     pub route_cap: Option<u32>,
     pub queue_timeout: Duration,
+}
+
+/// One more budget a request is charged against, besides [`AdmitRequest::limit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extra {
+    pub bucket: Bucket,
+    pub limit: Limit,
+}
+
+/// Where an extra budget's state lives.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Bucket {
+    /// Another budget of the key's plan, by its name within the plan.
+    Key(Arc<str>),
+    /// The `shared` budget of a route (by its label): every caller of the route draws from it.
+    Route(Arc<str>),
+}
+
+impl AdmitRequest {
+    /// Every budget the request is charged against, the key's first one first.
+    pub fn limits(&self) -> impl Iterator<Item = &Limit> {
+        std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
+    }
+
+    /// The same request against `1/n` of every budget: one instance's `on_error: local` share.
+    pub(crate) fn share(&self, n: u32) -> AdmitRequest {
+        AdmitRequest {
+            limit: self.limit.fraction(n),
+            also: self
+                .also
+                .iter()
+                .map(|e| Extra {
+                    bucket: e.bucket.clone(),
+                    limit: e.limit.fraction(n),
+                })
+                .collect(),
+            ..self.clone()
+        }
+    }
+
+    /// The request as it was charged under `limit` (a [`Charge::Local`]): the local share's
+    /// divisor is read off the first budget, and applied to the others too.
+    pub(crate) fn charged_under(&self, limit: Limit) -> AdmitRequest {
+        if limit == self.limit {
+            return self.clone();
+        }
+        let n = (limit.per_unit / self.limit.per_unit.max(1)).max(1);
+        AdmitRequest {
+            limit,
+            ..self.share(u32::try_from(n).unwrap_or(u32::MAX))
+        }
+    }
 }
 
 /// A store's answer.
@@ -290,10 +346,7 @@ impl Store {
     pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
         match (self, charge) {
             (_, Charge::None) => {}
-            (Store::Memory(m), Charge::Local(limit)) => m.refund(&AdmitRequest {
-                limit,
-                ..req.clone()
-            }),
+            (Store::Memory(m), Charge::Local(limit)) => m.refund(&req.charged_under(limit)),
             (Store::Memory(_), Charge::Shared) => {}
             (Store::Redis(r), charge) => r.refund(req, charge).await,
         }
@@ -306,7 +359,13 @@ impl Store {
             return;
         }
         match (self, charge) {
-            (Store::Memory(m), Charge::Local(limit)) => m.debit(&req.key, &limit, units),
+            (Store::Memory(m), Charge::Local(limit)) => m.debit(
+                &AdmitRequest {
+                    limit,
+                    ..req.clone()
+                },
+                units,
+            ),
             (Store::Memory(_), _) => {}
             (Store::Redis(r), charge) => r.charge_extra(req, charge, units).await,
         }

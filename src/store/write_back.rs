@@ -10,19 +10,33 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{lock, short_key};
+use super::{lock, short_key, AdmitRequest, Bucket, Extra};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 
 pub(crate) const MAX_KEYS: usize = 100_000;
 
 /// Units one key owes the shared budget.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Owed {
     pub key: KeyHash,
     /// The shared limit (the key's plan), not the local share.
     pub limit: Limit,
+    /// The plan's further budgets, owed the same units.
+    pub also: Vec<Extra>,
     pub units: u64,
+}
+
+/// The ledger entry of a key's charges: one per key, and one per key and route for the
+/// requests that also drew on a route's `shared` budget (whose debt is that route's).
+fn entry_of(key: &KeyHash, also: &[Extra]) -> u128 {
+    let mut k = short_key(key);
+    for e in also {
+        if let Bucket::Route(label) = &e.bucket {
+            k ^= short_key(&crate::identity::hash_key(label.as_bytes())).rotate_left(1);
+        }
+    }
+    k
 }
 
 #[derive(Debug, Default)]
@@ -41,16 +55,21 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// Adds `units` to what `key` owes. True when no task is sending the ledger yet: the
-    /// caller should start one (and the ledger now counts it as started).
-    pub fn add(&self, key: &KeyHash, limit: &Limit, units: u64) -> bool {
+    /// Adds `units` to what `req.key` owes, to each of its budgets. True when no task is
+    /// sending the ledger yet: the caller should start one (and the ledger now counts it as
+    /// started).
+    pub fn add(&self, req: &AdmitRequest, units: u64) -> bool {
+        let key = &req.key;
         let mut inner = lock(&self.inner);
-        let k = short_key(key);
+        let k = entry_of(key, &req.also);
         let len = inner.owed.len();
         match inner.owed.get_mut(&k) {
             Some(o) => {
                 o.units = o.units.saturating_add(units);
-                o.limit = *limit;
+                o.limit = req.limit;
+                if o.also != req.also {
+                    o.also = req.also.clone();
+                }
             }
             None if len >= MAX_KEYS => {
                 if !self.full_warned.swap(true, Ordering::Relaxed) {
@@ -65,7 +84,8 @@ impl Ledger {
                     k,
                     Owed {
                         key: *key,
-                        limit: *limit,
+                        limit: req.limit,
+                        also: req.also.clone(),
                         units,
                     },
                 );
@@ -75,13 +95,16 @@ impl Ledger {
         !std::mem::replace(&mut inner.flushing, true)
     }
 
-    pub fn owes(&self, key: &KeyHash) -> bool {
-        self.len.load(Ordering::Relaxed) > 0 && lock(&self.inner).owed.contains_key(&short_key(key))
+    pub fn owes(&self, req: &AdmitRequest) -> bool {
+        self.len.load(Ordering::Relaxed) > 0
+            && lock(&self.inner)
+                .owed
+                .contains_key(&entry_of(&req.key, &req.also))
     }
 
-    pub fn take(&self, key: &KeyHash) -> Option<Owed> {
+    pub fn take(&self, req: &AdmitRequest) -> Option<Owed> {
         let mut inner = lock(&self.inner);
-        let o = inner.owed.remove(&short_key(key));
+        let o = inner.owed.remove(&entry_of(&req.key, &req.also));
         self.len.store(inner.owed.len(), Ordering::Relaxed);
         o
     }
@@ -98,7 +121,7 @@ impl Ledger {
         for o in owed {
             inner
                 .owed
-                .entry(short_key(&o.key))
+                .entry(entry_of(&o.key, &o.also))
                 .and_modify(|e| e.units = e.units.saturating_add(o.units))
                 .or_insert(o);
         }
@@ -107,9 +130,10 @@ impl Ledger {
 
     /// A refunded fallback charge: forgets up to `units` of the key's debt. False when the
     /// debt was no longer here (already sent to the store).
-    pub fn forgive(&self, key: &KeyHash, units: u64) -> bool {
+    pub fn forgive(&self, req: &AdmitRequest) -> bool {
+        let units = req.cost;
         let mut inner = lock(&self.inner);
-        let k = short_key(key);
+        let k = entry_of(&req.key, &req.also);
         let Some(o) = inner.owed.get_mut(&k) else {
             return false;
         };
@@ -141,19 +165,29 @@ mod tests {
     fn aggregates_per_key_and_forgives_refunds() {
         let l = Ledger::default();
         let lim = Limit::new(10, Duration::from_secs(60), Duration::ZERO).unwrap();
-        assert!(l.add(&[1; 32], &lim, 2), "first: start a sender");
-        assert!(!l.add(&[1; 32], &lim, 3));
-        assert!(!l.add(&[2; 32], &lim, 1));
-        assert!(l.owes(&[1; 32]) && !l.owes(&[3; 32]));
-        assert!(l.forgive(&[2; 32], 1));
-        assert!(!l.owes(&[2; 32]));
-        assert!(!l.forgive(&[2; 32], 1), "nothing left to forgive");
+        let req = |key: u8, cost: u64| AdmitRequest {
+            key: [key; 32],
+            limit: lim,
+            also: vec![],
+            cost,
+            key_cap: None,
+            route: std::sync::Arc::from("r"),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+        };
+        assert!(l.add(&req(1, 2), 2), "first: start a sender");
+        assert!(!l.add(&req(1, 3), 3));
+        assert!(!l.add(&req(2, 1), 1));
+        assert!(l.owes(&req(1, 0)) && !l.owes(&req(3, 0)));
+        assert!(l.forgive(&req(2, 1)));
+        assert!(!l.owes(&req(2, 0)));
+        assert!(!l.forgive(&req(2, 1)), "nothing left to forgive");
         let all = l.take_all();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
-        assert_eq!(l.take(&[1; 32]).map(|o| o.units), Some(5));
+        assert_eq!(l.take(&req(1, 0)).map(|o| o.units), Some(5));
         assert!(l.done_if_empty());
-        assert!(l.add(&[1; 32], &lim, 1), "sender stopped: start another");
+        assert!(l.add(&req(1, 1), 1), "sender stopped: start another");
     }
 }

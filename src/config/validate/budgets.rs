@@ -1,26 +1,25 @@
 //! The budget sections: `rate_limits` (default and endpoints), `plans` and the key registry.
 //! Every cost must fit every budget, so these sections are checked against each other.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::budget::Limit;
+use crate::budget::{Limit, MAX_PLAN_BUDGETS};
 use crate::config::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
 use crate::config::error::{key_path, ConfigErrors};
 use crate::config::pattern::check_endpoint;
-use crate::config::raw::{Mode, RawDefault, RawKey, RawPlan, RawRateLimits};
+use crate::config::raw::{Mode, RawBudget, RawDefault, RawKey, RawPlan, RawRateLimits, RawShared};
 use crate::config::KeyEntry;
-use crate::policy::{Policy, PolicyHeaders};
-use crate::route::{Fidelity, RouteSpec, Router};
+use crate::policy::{Budget, Policy, SHARED_BUDGET};
+use crate::route::{Fidelity, Provider, RouteSpec, Router};
 
 /// `rate_limits.default`: the budget of every key without a plan.
 pub(super) fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
     let policy = build_policy(
         "default",
         "rate_limits.default",
-        d.max_cost,
-        d.window.0,
+        (d.max_cost, d.window.map(|w| w.0), d.budgets.as_deref()),
         d.max_delay.0,
         None,
         errs,
@@ -71,8 +70,7 @@ pub(super) fn plans(
         if let Some(policy) = build_policy(
             name,
             &base,
-            p.max_cost,
-            p.window.0,
+            (p.max_cost, p.window.map(|w| w.0), p.budgets.as_deref()),
             p.max_delay.map(|d| d.0).unwrap_or(d.max_delay.0),
             per_key,
             errs,
@@ -91,16 +89,18 @@ pub(super) fn endpoints(
     errs: &mut ConfigErrors,
 ) -> Option<Router> {
     let d = &rl.default;
-    let budgets: Vec<(String, u64)> =
-        std::iter::once(("rate_limits.default".to_string(), d.max_cost))
-            .chain(
-                plans
-                    .iter()
-                    .map(|(n, p)| (key_path("plans", n), p.max_cost)),
-            )
-            .filter(|(_, m)| *m > 0)
-            .map(|(n, m)| (n, m as u64))
-            .collect();
+    let budgets: Vec<(String, u64)> = budget_caps(
+        "rate_limits.default".to_string(),
+        d.max_cost,
+        d.budgets.as_deref(),
+    )
+    .into_iter()
+    .chain(
+        plans
+            .iter()
+            .flat_map(|(n, p)| budget_caps(key_path("plans", n), p.max_cost, p.budgets.as_deref())),
+    )
+    .collect();
     let check_fits = |path: String, cost: i64, errs: &mut ConfigErrors| {
         if cost <= 0 {
             return;
@@ -144,6 +144,22 @@ pub(super) fn endpoints(
                 "only applies together with max_in_flight",
             );
         }
+        if let Some(prefix) = &e.strip_prefix {
+            let path = crate::route::split_pattern(pattern).1;
+            if !prefix.starts_with('/')
+                || prefix.ends_with('/')
+                || !path.starts_with(prefix.as_str())
+            {
+                errs.push(
+                    format!("{base}.strip_prefix"),
+                    format!("must be a leading part of the path, starting with / and not ending with one, got \"{}\"", shown(prefix)),
+                );
+            }
+        }
+        let shared = e
+            .shared
+            .as_ref()
+            .and_then(|s| shared_budget(&format!("{base}.shared"), s, cost, errs));
         if let Err(m) = check_endpoint(pattern) {
             errs.push(base, m);
             continue;
@@ -158,6 +174,11 @@ pub(super) fn endpoints(
             max_in_flight,
             queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
             fidelity,
+            provider: Provider {
+                shared,
+                upstream: e.upstream.as_deref().map(Arc::from),
+                strip_prefix: e.strip_prefix.as_deref().map(Arc::from),
+            },
         });
     }
     let default_fidelity = Fidelity {
@@ -287,43 +308,147 @@ fn concurrency_cap(path: String, value: Option<i64>, errs: &mut ConfigErrors) ->
     }
 }
 
+/// An endpoint's `shared` budget (named `shared` in the headers); its route's cost must fit.
+fn shared_budget(path: &str, s: &RawShared, cost: i64, errs: &mut ConfigErrors) -> Option<Budget> {
+    if s.max_cost <= 0 {
+        errs.push(
+            format!("{path}.max_cost"),
+            format!("must be a positive integer, got {}", s.max_cost),
+        );
+        return None;
+    }
+    if s.window.0.is_zero() {
+        errs.push(format!("{path}.window"), "must be greater than 0");
+        return None;
+    }
+    if cost > s.max_cost {
+        errs.push(
+            format!("{path}.max_cost"),
+            format!("the route's cost {cost} exceeds it: such a request could never pass"),
+        );
+    }
+    match Limit::new(s.max_cost as u64, s.window.0, s.max_delay.0) {
+        Ok(limit) => Some(Budget::new(
+            SHARED_BUDGET,
+            s.max_cost as u64,
+            s.window.0,
+            limit,
+        )),
+        Err(m) => {
+            errs.push(format!("{path}.max_cost"), m);
+            None
+        }
+    }
+}
+
+/// Every budget's path and `max_cost` (positive ones only), for the "cost fits" check.
+fn budget_caps(
+    base: String,
+    max_cost: Option<i64>,
+    budgets: Option<&[RawBudget]>,
+) -> Vec<(String, u64)> {
+    let mut out = vec![];
+    if let Some(m) = max_cost.filter(|m| *m > 0) {
+        out.push((base.clone(), m as u64));
+    }
+    for (i, b) in budgets.unwrap_or_default().iter().enumerate() {
+        if b.max_cost > 0 {
+            out.push((format!("{base}.budgets[{i}]"), b.max_cost as u64));
+        }
+    }
+    out
+}
+
+/// A policy from either `max_cost` + `window` (one budget) or `budgets:` (several, all of
+/// which must fit), never both.
 fn build_policy(
     name: &str,
     base: &str,
-    max_cost: i64,
-    window: Duration,
+    (max_cost, window, budgets): (Option<i64>, Option<Duration>, Option<&[RawBudget]>),
     max_delay: Duration,
     max_in_flight_per_key: Option<u32>,
     errs: &mut ConfigErrors,
 ) -> Option<Policy> {
     let mut ok = true;
-    if max_cost <= 0 {
-        errs.push(
-            format!("{base}.max_cost"),
-            format!("must be a positive integer, got {max_cost}"),
-        );
-        ok = false;
+    let mut each = vec![];
+    match (budgets, max_cost, window) {
+        (Some(list), None, None) => {
+            if list.is_empty() || list.len() > MAX_PLAN_BUDGETS {
+                errs.push(
+                    format!("{base}.budgets"),
+                    format!("lists 1 to {MAX_PLAN_BUDGETS} budgets, got {}", list.len()),
+                );
+                ok = false;
+            }
+            let mut seen = HashSet::new();
+            for (i, b) in list.iter().enumerate() {
+                let path = format!("{base}.budgets[{i}]");
+                // Budget names go into RateLimit headers and Redis keys.
+                if b.name.is_empty()
+                    || b.name.chars().count() > MAX_NAME_CHARS
+                    || !b
+                        .name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                {
+                    errs.push(
+                        format!("{path}.name"),
+                        format!("a budget name uses 1 to {MAX_NAME_CHARS} letters, digits, '-', '_' or '.'"),
+                    );
+                    ok = false;
+                } else if !seen.insert(b.name.as_str()) {
+                    errs.push(
+                        format!("{path}.name"),
+                        format!("duplicate budget name \"{}\"", b.name),
+                    );
+                    ok = false;
+                }
+                each.push((Some(b.name.clone()), path, b.max_cost, b.window.0));
+            }
+        }
+        (None, Some(m), Some(w)) => each.push((None, base.to_string(), m, w)),
+        (Some(_), _, _) => {
+            errs.push(
+                format!("{base}.budgets"),
+                "replaces max_cost and window: give either budgets or max_cost and window",
+            );
+            return None;
+        }
+        (None, m, w) => {
+            if m.is_none() {
+                errs.push(format!("{base}.max_cost"), "is required (or budgets)");
+            }
+            if w.is_none() {
+                errs.push(format!("{base}.window"), "is required (or budgets)");
+            }
+            return None;
+        }
     }
-    if window.is_zero() {
-        errs.push(format!("{base}.window"), "must be greater than 0");
-        ok = false;
+    let mut built = vec![];
+    for (inner, path, max_cost, window) in each {
+        if max_cost <= 0 {
+            errs.push(
+                format!("{path}.max_cost"),
+                format!("must be a positive integer, got {max_cost}"),
+            );
+            ok = false;
+            continue;
+        }
+        if window.is_zero() {
+            errs.push(format!("{path}.window"), "must be greater than 0");
+            ok = false;
+            continue;
+        }
+        match Limit::new(max_cost as u64, window, max_delay) {
+            Ok(limit) => built.push((inner, max_cost as u64, window, limit)),
+            Err(m) => {
+                errs.push(format!("{path}.max_cost"), m);
+                ok = false;
+            }
+        }
     }
     if !ok {
         return None;
     }
-    match Limit::new(max_cost as u64, window, max_delay) {
-        Ok(limit) => Some(Policy {
-            name: name.to_string(),
-            max_cost: max_cost as u64,
-            window,
-            max_delay,
-            max_in_flight_per_key,
-            limit,
-            headers: PolicyHeaders::new(name, max_cost as u64, window),
-        }),
-        Err(m) => {
-            errs.push(format!("{base}.max_cost"), m);
-            None
-        }
-    }
+    Policy::new(name, built, max_delay, max_in_flight_per_key)
 }

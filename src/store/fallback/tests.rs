@@ -11,6 +11,8 @@ struct Fake {
     calls: AtomicU32,
     /// Units written back.
     written: AtomicU32,
+    /// Further budgets the write-backs named.
+    written_also: AtomicU32,
 }
 
 impl SharedStore for Fake {
@@ -26,6 +28,7 @@ impl SharedStore for Fake {
                     state: None,
                     remaining: req.limit.max_cost(),
                     reset_us: 0,
+                    each: Default::default(),
                 },
                 lease: Lease::shared(None),
                 queued: Duration::ZERO,
@@ -49,12 +52,15 @@ impl SharedStore for Fake {
         &self,
         _key: &KeyHash,
         _limit: &Limit,
+        also: &[Extra],
         units: u64,
     ) -> Result<(), StoreError> {
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);
         }
         self.written.fetch_add(units as u32, Ordering::Relaxed);
+        self.written_also
+            .fetch_add(also.len() as u32, Ordering::Relaxed);
         Ok(())
     }
 
@@ -81,6 +87,7 @@ fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
     AdmitRequest {
         key: [3; 32],
         limit: Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
+        also: vec![],
         cost,
         key_cap: None,
         route: Arc::from("/r"),
@@ -268,4 +275,43 @@ async fn time_charges_follow_the_admission() {
     fake.down.store(false, Ordering::Relaxed);
     assert!(admitted(&s.admit(&r).await));
     assert_eq!(fake.written.load(Ordering::Relaxed), 5 + 7);
+}
+
+#[tokio::test]
+async fn local_share_and_write_back_cover_every_budget() {
+    let (fake, s) = store(OnError::Local, 2);
+    // The first budget's share is 60, the day budget's 10/2 = 5: the day one refuses.
+    let r = AdmitRequest {
+        also: vec![Extra {
+            bucket: super::super::Bucket::Key("day".into()),
+            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
+        }],
+        ..req(2, None)
+    };
+    let a = s.admit(&r).await;
+    let b = s.admit(&r).await;
+    assert!(admitted(&a) && admitted(&b));
+    let Admission::OverBudget(o) = s.admit(&r).await else {
+        panic!("the day budget's local share is spent")
+    };
+    assert_eq!(o.each.decisive, 1);
+    // A refund of a local charge gives the units back to every budget's share.
+    let Admission::Admitted { lease, .. } = b else {
+        unreachable!()
+    };
+    s.refund(&r, lease.charge()).await;
+    assert!(admitted(&s.admit(&r).await), "the refund made room in both");
+    // Back on the shared store: what the fallback admitted is charged to every budget.
+    fake.down.store(false, Ordering::Relaxed);
+    assert!(admitted(&s.admit(&r).await));
+    assert_eq!(
+        fake.written.load(Ordering::Relaxed),
+        4,
+        "2 + 2 (one refunded)"
+    );
+    assert_eq!(
+        fake.written_also.load(Ordering::Relaxed),
+        1,
+        "with the day budget"
+    );
 }

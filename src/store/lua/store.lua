@@ -9,12 +9,15 @@
 -- a sorted set of lease ids scored by expiry (µs).
 --
 -- ARGV[1] is the operation:
---   admit  KEYS budget, key leases, route leases
---          ARGV per_unit rate capacity max_delay cost key_cap route_cap lease_id lease_ttl_us
+--   admit  KEYS budget, key leases, route leases, further budgets...
+--          ARGV per_unit rate capacity max_delay cost key_cap route_cap lease_id lease_ttl_us,
+--               then per_unit rate capacity max_delay of each further budget
 --          -> {code, a, remaining, reset_us}: 0 over budget (a = retry_after_us), 1 key cap
---             full, 2 route cap full, 3 admitted (a = delay_us). Writes only when admitted.
---   refund KEYS budget           ARGV per_unit rate cost          -> 1
---   debit  KEYS budget           ARGV per_unit rate cost          -> 1 (charges even past
+--             full, 2 route cap full, 3 admitted (a = delay_us). Writes only when admitted,
+--             and then to every budget (all fit, or none is charged). With further budgets
+--             the reply goes on: decisive budget's index, then remaining, reset_us of each.
+--   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
+--   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
 --   peek   KEYS budget           ARGV rate                        -> level now (ticks)
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
@@ -78,28 +81,70 @@ end
 local op = ARGV[1]
 
 if op == 'admit' then
-  local p = tonumber(ARGV[2])
-  local q = tonumber(ARGV[3])
-  local cap = tonumber(ARGV[4])
-  local max_delay = tonumber(ARGV[5])
   local cost = tonumber(ARGV[6])
   local key_cap = tonumber(ARGV[7])
   local route_cap = tonumber(ARGV[8])
   local lease = ARGV[9]
   local ttl = tonumber(ARGV[10])
+  -- Every budget the request must fit: KEYS[1] (ARGV 2-5), then KEYS[4], KEYS[5], ... with
+  -- four ARGV each from ARGV[11] on (crate::budget::decide_all, all or nothing).
+  local b = {{key = KEYS[1], p = tonumber(ARGV[2]), q = tonumber(ARGV[3]),
+              cap = tonumber(ARGV[4]), delay = tonumber(ARGV[5])}}
+  for i = 1, math.floor((#ARGV - 10) / 4) do
+    local j = 10 + 4 * (i - 1)
+    b[#b + 1] = {key = KEYS[3 + i], p = tonumber(ARGV[j + 1]), q = tonumber(ARGV[j + 2]),
+                 cap = tonumber(ARGV[j + 3]), delay = tonumber(ARGV[j + 4])}
+  end
   local now = now_us()
-  local level = level_at(KEYS[1], q, now)
-  local next_level = level + cost * p
-  if next_level > cap + max_delay then
-    return {OVER_BUDGET, ceil_div(next_level - cap - max_delay, q), remaining(cap, level, p), ceil_div(level, q)}
+  local refused, retry = nil, 0
+  for i, x in ipairs(b) do
+    x.level = level_at(x.key, x.q, now)
+    x.next = x.level + cost * x.p
+    if x.next > x.cap + x.delay then
+      local r = ceil_div(x.next - x.cap - x.delay, x.q)
+      if refused == nil or r > retry then refused, retry = i, r end
+    end
+  end
+  -- The reply: {code, a, remaining, reset_us} of the decisive budget and, when there are
+  -- several, its index (from 0) and every budget's remaining and reset_us. `after` = the
+  -- levels after the charge; `decisive` = nil picks the tightest (fewest left, first of equals).
+  local function reply(code, a, after, decisive)
+    local figs = {}
+    for i, x in ipairs(b) do
+      local l = x.level
+      if after then l = x.next end
+      figs[i] = {remaining(x.cap, l, x.p), ceil_div(l, x.q)}
+    end
+    if decisive == nil then
+      decisive = 1
+      for i = 2, #b do
+        if figs[i][1] < figs[decisive][1] then decisive = i end
+      end
+    end
+    local out = {code, a, figs[decisive][1], figs[decisive][2]}
+    if #b > 1 then
+      out[5] = decisive - 1
+      for i = 1, #b do
+        out[#out + 1] = figs[i][1]
+        out[#out + 1] = figs[i][2]
+      end
+    end
+    return out
+  end
+  if refused then
+    return reply(OVER_BUDGET, retry, false, refused)
   end
   if key_cap > 0 and redis.call('ZCOUNT', KEYS[2], int(now), '+inf') >= key_cap then
-    return {KEY_BUSY, 0, remaining(cap, level, p), ceil_div(level, q)}
+    return reply(KEY_BUSY, 0, false, nil)
   end
   if route_cap > 0 and redis.call('ZCOUNT', KEYS[3], int(now), '+inf') >= route_cap then
-    return {ROUTE_BUSY, 0, remaining(cap, level, p), ceil_div(level, q)}
+    return reply(ROUTE_BUSY, 0, false, nil)
   end
-  store_level(KEYS[1], next_level, q, now)
+  local delay = 0
+  for _, x in ipairs(b) do
+    store_level(x.key, x.next, x.q, now)
+    if x.next > x.cap then delay = math.max(delay, ceil_div(x.next - x.cap, x.q)) end
+  end
   for i, limit in ipairs({key_cap, route_cap}) do
     if limit > 0 then
       local set = KEYS[i + 1]
@@ -108,25 +153,28 @@ if op == 'admit' then
       expire_with_last_lease(set)
     end
   end
-  local delay = 0
-  if next_level > cap then delay = ceil_div(next_level - cap, q) end
-  return {ADMITTED, delay, remaining(cap, next_level, p), ceil_div(next_level, q)}
+  return reply(ADMITTED, delay, true, nil)
+end
+
+-- refund and debit take one budget per key: KEYS[i] with ARGV per_unit, rate, cost from
+-- ARGV[2 + 3 (i - 1)] (several budgets of one request in one call).
+local function adjust(sign)
+  local now = now_us()
+  for i = 1, #KEYS do
+    local j = 2 + 3 * (i - 1)
+    local p = tonumber(ARGV[j])
+    local q = tonumber(ARGV[j + 1])
+    store_level(KEYS[i], level_at(KEYS[i], q, now) + sign * tonumber(ARGV[j + 2]) * p, q, now)
+  end
+  return 1
 end
 
 if op == 'refund' then
-  local p = tonumber(ARGV[2])
-  local q = tonumber(ARGV[3])
-  local now = now_us()
-  store_level(KEYS[1], level_at(KEYS[1], q, now) - tonumber(ARGV[4]) * p, q, now)
-  return 1
+  return adjust(-1)
 end
 
 if op == 'debit' then
-  local p = tonumber(ARGV[2])
-  local q = tonumber(ARGV[3])
-  local now = now_us()
-  store_level(KEYS[1], level_at(KEYS[1], q, now) + tonumber(ARGV[4]) * p, q, now)
-  return 1
+  return adjust(1)
 end
 
 if op == 'peek' then

@@ -37,6 +37,11 @@ impl DenyCache {
     }
 
     pub(super) fn check(&self, req: &AdmitRequest) -> Option<Outcome> {
+        // A request on several budgets is refused by Redis only: which one refused, and every
+        // one's figures, are not kept here.
+        if !req.also.is_empty() {
+            return None;
+        }
         let k = short_key(&req.key);
         let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
         let e = *shard.get(&k)?;
@@ -56,6 +61,7 @@ impl DenyCache {
             state: None,
             remaining: e.remaining,
             reset_us: e.reset_at.saturating_duration_since(now).as_micros() as u64,
+            each: Default::default(),
         })
     }
 
@@ -73,6 +79,9 @@ impl DenyCache {
         let Verdict::Reject { retry_after_us } = o.verdict else {
             return;
         };
+        if !req.also.is_empty() {
+            return;
+        }
         let now = Instant::now();
         let k = short_key(&req.key);
         let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
@@ -103,6 +112,7 @@ mod tests {
         let req = AdmitRequest {
             key: [1; 32],
             limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+            also: vec![],
             cost: 20,
             key_cap: None,
             route: Arc::from("r"),
@@ -117,6 +127,7 @@ mod tests {
             state: None,
             remaining: 5,
             reset_us: 60_000_000,
+            each: Default::default(),
         };
         c.insert(&req, &o);
         assert!(c.check(&req).is_some());

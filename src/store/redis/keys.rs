@@ -5,8 +5,10 @@
 //! | key             | holds                                               |
 //! |-----------------|-----------------------------------------------------|
 //! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate`)            |
+//! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
+//! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
 //!
 //! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
 //! for a route) in 10 URL-safe base64 characters. Redis Cluster hashes only what is inside the
@@ -26,6 +28,20 @@ fn tag(hash: &KeyHash) -> String {
 
 pub(super) fn budget_key(key: &KeyHash) -> String {
     format!("t{{{}}}b", tag(key))
+}
+
+/// A further budget of the key's plan (`budgets:`), by name: the budget key's hash tag, so
+/// that one script charges all of a key's budgets on one node.
+pub(super) fn named_budget_key(key: &KeyHash, name: &str) -> String {
+    format!("{}:{name}", budget_key(key))
+}
+
+/// A route's `shared` budget: the route label's hash tag (its own slot in a Cluster).
+pub(super) fn shared_budget_key(route: &str) -> String {
+    format!(
+        "t:r{{{}}}b",
+        tag(&crate::identity::hash_key(route.as_bytes()))
+    )
 }
 
 pub(super) fn key_slots_key(key: &KeyHash) -> String {

@@ -30,8 +30,8 @@ pub use lease::RedisLease;
 
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
 use super::memory::{Clock, MemoryStore};
-use super::{Admission, AdmitRequest, BudgetView, Lease, StoreError};
-use crate::budget::{Limit, Outcome, Verdict};
+use super::{Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease, StoreError};
+use crate::budget::{Figure, Figures, Limit, Outcome, Verdict, MAX_BUDGETS};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
@@ -224,7 +224,8 @@ impl RedisBackend {
         let Ok(mut conn) = self.conns.get().await else {
             return;
         };
-        let refund = self.script.refund(&c.budget, &c.limit, c.cost);
+        let budgets = StoreScript::budgets_of(c);
+        let refund = self.script.refund(&budgets, c.cost);
         let _ = tokio::time::timeout(LATE_REPLY_WAIT, refund.invoke_async::<i64>(&mut conn)).await;
         let slots = c.slot_keys();
         if !slots.is_empty() {
@@ -259,11 +260,13 @@ impl RedisBackend {
                 String::new()
             },
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
+            also: budget_keys(req).into_iter().skip(1).collect(),
         };
         let (r, call) = self.call_admit(call).await?;
-        let [code, a, remaining, reset_us] = r[..] else {
+        let [code, a, remaining, reset_us, ref more @ ..] = r[..] else {
             return Err(StoreError::Reply(format!("{r:?}")));
         };
+        let each = figures(more).ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
         let Some(code) = AdmitCode::from_reply(code) else {
             return Err(StoreError::Reply(format!("{r:?}")));
         };
@@ -277,6 +280,7 @@ impl RedisBackend {
             state: None,
             remaining,
             reset_us,
+            each,
         };
         Ok(match code {
             AdmitCode::OverBudget => {
@@ -300,6 +304,39 @@ impl RedisBackend {
             }
         })
     }
+}
+
+/// Every budget of `req` with its Redis key, the key's first one first.
+fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
+    std::iter::once((keys::budget_key(&req.key), req.limit))
+        .chain(req.also.iter().map(|e| {
+            let key = match &e.bucket {
+                Bucket::Key(name) => keys::named_budget_key(&req.key, name),
+                Bucket::Route(label) => keys::shared_budget_key(label),
+            };
+            (key, e.limit)
+        }))
+        .collect()
+}
+
+/// The rest of an `admit` reply with several budgets: the decisive one's index, then each
+/// one's remaining and reset_us. `None` if malformed.
+fn figures(more: &[i64]) -> Option<Figures> {
+    let mut each = Figures::default();
+    let Some((&decisive, pairs)) = more.split_first() else {
+        return Some(each);
+    };
+    if pairs.len() % 2 != 0 || pairs.len() / 2 > MAX_BUDGETS {
+        return None;
+    }
+    each.decisive = u8::try_from(decisive).ok()?;
+    for p in pairs.chunks_exact(2) {
+        each.push(Figure {
+            remaining: p[0].max(0) as u64,
+            reset_us: p[1].max(0) as u64,
+        });
+    }
+    Some(each)
 }
 
 impl SharedStore for RedisBackend {
@@ -371,8 +408,8 @@ impl SharedStore for RedisBackend {
     /// A failed refund is not retried: it might have run.
     async fn refund(&self, req: &AdmitRequest) -> Result<(), StoreError> {
         self.deny.forget(&req.key);
-        let key = keys::budget_key(&req.key);
-        self.call::<i64>(self.script.refund(&key, &req.limit, req.cost))
+        let budgets = budget_keys(req);
+        self.call::<i64>(self.script.refund(&budgets, req.cost))
             .await
             .map(drop)
     }
@@ -383,10 +420,25 @@ impl SharedStore for RedisBackend {
         Ok(BudgetView::at(limit, level.max(0) as u64))
     }
 
-    async fn write_back(&self, key: &KeyHash, limit: &Limit, units: u64) -> Result<(), StoreError> {
+    async fn write_back(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        also: &[Extra],
+        units: u64,
+    ) -> Result<(), StoreError> {
         self.deny.forget(key);
-        let k = keys::budget_key(key);
-        self.call::<i64>(self.script.debit(&k, limit, units))
+        let budgets = budget_keys(&AdmitRequest {
+            key: *key,
+            limit: *limit,
+            also: also.to_vec(),
+            cost: units,
+            key_cap: None,
+            route: Arc::from(""),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+        });
+        self.call::<i64>(self.script.debit(&budgets, units))
             .await
             .map(drop)
     }

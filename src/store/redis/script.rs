@@ -45,6 +45,8 @@ pub(super) struct AdmitCall {
     pub route_cap: u32,
     pub lease_id: String,
     pub lease_ttl_us: u64,
+    /// Further budgets (their keys and limits), charged with the first or not at all.
+    pub also: Vec<(String, Limit)>,
 }
 
 impl AdmitCall {
@@ -68,12 +70,13 @@ impl StoreScript {
     /// `admit`: decides one request and, when it passes, charges it and takes its slots.
     ///
     /// KEYS[1] budget, KEYS[2] key lease set, KEYS[3] route lease set (an unused set is passed
-    /// as the budget key: the script never touches it).
+    /// as the budget key: the script never touches it), KEYS[4..] further budgets.
     /// ARGV[2] per_unit, ARGV[3] rate, ARGV[4] capacity, ARGV[5] max_delay (ticks), ARGV[6]
     /// cost, ARGV[7] key_cap, ARGV[8] route_cap (0 = none), ARGV[9] lease id, ARGV[10]
-    /// lease_ttl (µs).
-    /// Reply `{code, a, remaining, reset_us}` with code an [`AdmitCode`]. Writes only when
-    /// admitted. Charges: never retry it after a timeout (it may have run).
+    /// lease_ttl (µs); from ARGV[11], per_unit, rate, capacity, max_delay of each further budget.
+    /// Reply `{code, a, remaining, reset_us}` with code an [`AdmitCode`], then, with further
+    /// budgets, the decisive budget's index and `remaining, reset_us` of each. Writes only when
+    /// admitted (to every budget). Charges: never retry it after a timeout (it may have run).
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         let l = &c.limit;
@@ -90,33 +93,50 @@ impl StoreScript {
             .arg(c.route_cap)
             .arg(&c.lease_id)
             .arg(c.lease_ttl_us);
+        for (key, l) in &c.also {
+            inv.key(key)
+                .arg(l.per_unit)
+                .arg(l.rate)
+                .arg(l.capacity)
+                .arg(l.max_delay);
+        }
         inv
     }
 
-    /// `refund`: gives `cost` units back to a budget (never below empty).
+    /// Every budget of the call, the first one first (for a refund of all of them).
+    pub fn budgets_of(c: &AdmitCall) -> Vec<(String, Limit)> {
+        std::iter::once((c.budget.clone(), c.limit))
+            .chain(c.also.iter().cloned())
+            .collect()
+    }
+
+    /// `refund`: gives `cost` units back to each budget (never below empty).
     ///
-    /// KEYS[1] budget; ARGV[2] per_unit, ARGV[3] rate, ARGV[4] cost. Reply 1.
-    pub fn refund<'a>(&'a self, key: &'a str, limit: &Limit, cost: u64) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(key)
-            .arg("refund")
-            .arg(limit.per_unit)
-            .arg(limit.rate)
-            .arg(cost);
-        inv
+    /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
+    pub fn refund<'a>(&'a self, budgets: &'a [(String, Limit)], cost: u64) -> ScriptInvocation<'a> {
+        self.adjust("refund", budgets, cost)
     }
 
     /// `debit`: charges `cost` units that were admitted elsewhere (by the fallback while Redis
-    /// was unreachable), past capacity if need be: the key is then in debt and waits it out.
+    /// was unreachable) to each budget, past capacity if need be: the key is then in debt and
+    /// waits it out.
     ///
-    /// KEYS[1] budget; ARGV[2] per_unit, ARGV[3] rate, ARGV[4] cost. Reply 1.
-    pub fn debit<'a>(&'a self, key: &'a str, limit: &Limit, cost: u64) -> ScriptInvocation<'a> {
+    /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
+    pub fn debit<'a>(&'a self, budgets: &'a [(String, Limit)], cost: u64) -> ScriptInvocation<'a> {
+        self.adjust("debit", budgets, cost)
+    }
+
+    fn adjust<'a>(
+        &'a self,
+        op: &str,
+        budgets: &'a [(String, Limit)],
+        cost: u64,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
-        inv.key(key)
-            .arg("debit")
-            .arg(limit.per_unit)
-            .arg(limit.rate)
-            .arg(cost);
+        inv.arg(op);
+        for (key, l) in budgets {
+            inv.key(key).arg(l.per_unit).arg(l.rate).arg(cost);
+        }
         inv
     }
 
@@ -183,7 +203,7 @@ mod tests {
         assert_eq!(lua_codes, rust_codes);
         for (name, _) in &lua_codes {
             assert!(
-                lua.contains(&format!("return {{{name},")),
+                lua.contains(&format!("return reply({name},")),
                 "{name} is returned"
             );
         }

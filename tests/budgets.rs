@@ -1,0 +1,425 @@
+//! Several budgets per request (DESIGN §1, §3): plans with a minute and a day budget, charged
+//! all or nothing, against the real gateway on both stores.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// The store section for `redis`, or nothing for the memory store.
+fn store(redis: Option<&Redis>) -> String {
+    match redis {
+        Some(r) => format!(
+            "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n",
+            r.url()
+        ),
+        None => String::new(),
+    }
+}
+
+fn minute_and_day(redis: Option<&Redis>) -> String {
+    format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 120}}\n  endpoints:\n    /reports/generate: {{cost: 20}}\nplans:\n  pro:\n    budgets:\n      - {{ name: minute, max_cost: 50, window: 60s }}\n      - {{ name: day, max_cost: 30, window: 24h }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: pro }}\n",
+        store(redis),
+        sha256_hex("acme-key")
+    )
+}
+
+async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &minute_and_day(redis));
+    let c = client();
+
+    let r = post(&c, gw.url("/reports/generate"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "RateLimit-Policy").unwrap(),
+        "\"pro-minute\";q=50;w=60, \"pro-day\";q=30;w=86400"
+    );
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"pro-minute\";r=30;t=") && rl.contains(", \"pro-day\";r=10;t="),
+        "{rl}"
+    );
+    // The tightest budget: the day one, 10 left.
+    assert_eq!(header(&r, "X-RateLimit-Limit").unwrap(), "30");
+    assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "10");
+
+    // The minute budget has room for another report, the day budget has not.
+    let r = post(&c, gw.url("/reports/generate"), "acme-key").await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    // 10 more units of a 30-per-day budget: 8 hours.
+    assert!(
+        (7 * 3600..=8 * 3600).contains(&retry),
+        "Retry-After {retry}"
+    );
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"pro-minute\";r=30;") && rl.contains("\"pro-day\";r=10;"),
+        "nothing was charged: {rl}"
+    );
+    assert_eq!(header(&r, "X-RateLimit-Limit").unwrap(), "30");
+    assert_eq!(header(&r, "X-RateLimit-Cost").unwrap(), "0");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(body["type"].as_str().unwrap().ends_with("quota-exceeded"));
+
+    // The refusal charged neither: a cheap request sees both budgets as they were, less 1.
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"pro-minute\";r=29;") && rl.contains("\"pro-day\";r=9;"),
+        "{rl}"
+    );
+    assert_eq!(up.count("/reports/generate"), 1);
+
+    if let Some(redis) = redis {
+        // Both budgets live under the key's hash tag (one Cluster slot, one script call).
+        let keys = redis.cli(&["KEYS", "t{*"]);
+        let mut keys: Vec<&str> = keys.lines().collect();
+        keys.sort();
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        assert!(
+            keys[1].ends_with("}b:day") && keys[1].starts_with(keys[0]),
+            "{keys:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minute_and_day_budgets_on_memory() {
+    the_day_budget_refuses_and_charges_neither(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minute_and_day_budgets_on_redis() {
+    let redis = Redis::start();
+    the_day_budget_refuses_and_charges_neither(Some(&redis)).await;
+}
+
+#[test]
+fn check_and_explain_show_every_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream: {{url: \"http://127.0.0.1:1\"}}\n{}",
+            minute_and_day(None)
+        ),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(args)
+            .arg("-c")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let check = run(&["check"]);
+    assert!(
+        check.contains("pro-minute") && check.contains("pro-day"),
+        "{check}"
+    );
+    let explain = run(&["explain", "POST", "/reports/generate", "--key", "acme-key"]);
+    assert!(
+        explain.contains("\"pro-minute\" 50 units per 1m")
+            && explain.contains("\"pro-day\" 30 units per 24h"),
+        "{explain}"
+    );
+}
+
+/// A store section for a fleet on `redis`.
+fn fleet_store(redis: &Redis, fleet_size: u32) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 500ms\n  on_error: local\n  fleet_size: {fleet_size}\n",
+        redis.url()
+    )
+}
+
+/// The incident through tollgate: six workers, one per gateway process, each with its own
+/// key, call a provider whose cap is one call per 500 ms. The shared budget holds them in line
+/// (`max_delay`), so every call succeeds and the provider sees them spaced, fleet-wide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn six_workers_share_one_provider_cap() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/provider/{{*rest}}\":\n      shared: {{max_cost: 1, window: 500ms, max_delay: 30s}}\n",
+        fleet_store(&redis, 6)
+    );
+    let gws: Vec<Gateway> = (0..6).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    let workers = gws.iter().enumerate().map(|(w, gw)| {
+        let c = c.clone();
+        let url = gw.url("/provider/jobs");
+        async move {
+            let mut statuses = vec![];
+            for _ in 0..5 {
+                let r = get(&c, url.clone(), &format!("worker-{w}")).await;
+                statuses.push(r.status().as_u16());
+            }
+            statuses
+        }
+    });
+    let statuses: Vec<u16> = futures_util::future::join_all(workers)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(statuses, vec![200; 30], "every call waited its turn");
+
+    let mut arrivals: Vec<_> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with("/provider/"))
+        .map(|s| s.at)
+        .collect();
+    arrivals.sort();
+    assert_eq!(arrivals.len(), 30);
+    // One call per 500 ms across the fleet; a little slack for a loaded machine's wake-ups.
+    let gaps: Vec<u128> = arrivals
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    for w in arrivals.windows(2) {
+        let gap = w[1] - w[0];
+        assert!(
+            gap >= Duration::from_millis(350),
+            "calls {gap:?} apart: {gaps:?}"
+        );
+    }
+    for w in arrivals.windows(3) {
+        let span = w[2] - w[0];
+        assert!(
+            span >= Duration::from_millis(850),
+            "three calls within {span:?}: more than 2 in a second"
+        );
+    }
+    // Each key was charged its own 5 calls, nothing more (its budget refills ~1 unit per 15 min).
+    for (w, gw) in gws.iter().enumerate() {
+        let r = get(&c, gw.url("/items"), &format!("worker-{w}")).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "94");
+    }
+}
+
+fn two_providers(store: &str) -> String {
+    format!(
+        "{store}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 100}}\n  endpoints:\n    \"/slow/{{*rest}}\":\n      shared: {{max_cost: 1, window: 500ms}}\n    \"/fast/{{*rest}}\":\n      shared: {{max_cost: 5, window: 1s}}\n"
+    )
+}
+
+/// Two providers with their own caps: refusals of one leave the other alone, carry
+/// `reason="shared_budget"`, and charge the caller's own budget nothing.
+async fn providers_do_not_interfere(gws: &[Gateway]) {
+    let c = client();
+    let gw = |i: usize| &gws[i % gws.len()];
+    let mut slow = vec![];
+    for i in 0..3 {
+        slow.push(get(&c, gw(i).url("/slow/x"), "one-key").await);
+    }
+    let statuses: Vec<u16> = slow.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses, [200, 429, 429]);
+    let refused = &slow[1];
+    assert!(header(refused, "Retry-After").is_some());
+    let policy = header(refused, "RateLimit-Policy").unwrap();
+    assert_eq!(policy, "\"default\";q=100;w=60, \"shared\";q=1;w=1");
+    let rl = header(refused, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"default\";r=99;"),
+        "the key was not charged: {rl}"
+    );
+    assert_eq!(header(refused, "X-RateLimit-Limit").unwrap(), "1");
+    for i in 0..5 {
+        let r = get(&c, gw(i).url("/fast/x"), "one-key").await;
+        assert_eq!(r.status(), 200, "the fast provider's cap is its own");
+    }
+    let r = get(&c, gw(0).url("/fast/x"), "one-key").await;
+    assert_eq!(r.status(), 429);
+    // Charged: 1 slow + 5 fast calls, none of the refused ones.
+    let r = get(&c, gw(1).url("/items"), "one-key").await;
+    assert_eq!(header(&r, "X-RateLimit-Remaining").unwrap(), "93");
+    let mut shared_refusals = 0.0;
+    for g in gws {
+        shared_refusals += metric(
+            g,
+            "tollgate_rejections_total{reason=\"shared_budget\",route=\"/slow/{*rest}\"}",
+        )
+        .await
+        .max(0.0);
+    }
+    assert_eq!(shared_refusals, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_providers_on_memory() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &two_providers(""));
+    providers_do_not_interfere(&[gw]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_providers_on_redis() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = two_providers(&fleet_store(&redis, 2));
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    providers_do_not_interfere(&gws).await;
+}
+
+/// A port with nothing listening.
+fn dead_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
+}
+
+async fn pools_skip_dead_addresses(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "upstreams:\n  pool:\n    urls: [\"{}\", \"{}\"]\n    health_check: {{ path: /healthz, interval: 200ms }}\n  dead:\n    urls: [\"{}\", \"{}\"]\n    connect_timeout: 200ms\n{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc}}\n    \"/gone/{{*rest}}\": {{upstream: dead}}\n",
+        dead_url(),
+        up.url(),
+        dead_url(),
+        dead_url(),
+        store(redis)
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // The health check runs every 200 ms: wait until it has seen the live address.
+    let start = std::time::Instant::now();
+    while up.count("/healthz") == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no health check");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..10 {
+        let r = get(&c, gw.url("/svc/items?x=1"), "pool-key").await;
+        assert_eq!(r.status(), 200, "the dead address is skipped");
+    }
+    let items: Vec<String> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| !s.target.starts_with("/healthz"))
+        .map(|s| s.target.clone())
+        .collect();
+    assert_eq!(
+        items,
+        vec!["/items?x=1"; 10],
+        "forwarded without the prefix"
+    );
+
+    // A pool with no live address: 502, and the charge is given back.
+    let r = get(&c, gw.url("/gone/x"), "pool-key").await;
+    assert_eq!(r.status(), 502);
+    let r = get(&c, gw.url("/svc/items"), "pool-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "X-RateLimit-Remaining").unwrap(),
+        "89",
+        "10 + this one charged; the 502 refunded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_pool_on_memory() {
+    pools_skip_dead_addresses(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_pool_on_redis() {
+    let redis = Redis::start();
+    pools_skip_dead_addresses(Some(&redis)).await;
+}
+
+#[test]
+fn check_and_explain_show_the_shared_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        "upstream: {url: \"http://127.0.0.1:1\"}\nupstreams:\n  gh: {url: \"http://127.0.0.1:2\"}\nrate_limits:\n  default: {window: 60s, max_cost: 120}\n  endpoints:\n    \"/gh/{*rest}\": {upstream: gh, strip_prefix: /gh, shared: {max_cost: 2, window: 1s, max_delay: 30s}}\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(args)
+            .arg("-c")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let check = run(&["check"]);
+    assert!(
+        check.contains("2 per 1s") && check.contains("gh"),
+        "{check}"
+    );
+    let explain = run(&["explain", "GET", "/gh/v1/jobs", "--key", "k"]);
+    assert!(
+        explain.contains("and shared:   \"shared\" 2 units per 1s")
+            && explain.contains("upstream:     gh (without the prefix /gh)"),
+        "{explain}"
+    );
+}
+
+/// A caller held in line by a shared budget that gives up is not forwarded, and neither its
+/// key nor the shared budget keeps its charge.
+async fn held_callers_that_leave(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/p/{{*rest}}\":\n      shared: {{max_cost: 1, window: 2s, max_delay: 30s}}\n",
+        store(redis)
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(get(&c, gw.url("/p/a"), "k").await.status(), 200);
+    // Its turn is ~2 s away: the client gives up after 300 ms.
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = impatient
+        .get(gw.url("/p/b"))
+        .header("X-API-Key", "k")
+        .send()
+        .await;
+    assert!(r.is_err(), "held past the client's patience");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let forwarded: Vec<String> = up.api.seen().iter().map(|s| s.target.clone()).collect();
+    assert_eq!(
+        forwarded,
+        ["/p/a"],
+        "the caller that left was never forwarded"
+    );
+    // The shared reservation was given back: the next call's turn is now, not 2 s later.
+    let t = std::time::Instant::now();
+    let r = get(&c, gw.url("/p/c"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    // The key paid for /p/a and /p/c only.
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(rl.starts_with("\"default\";r=98;"), "{rl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_callers_that_leave_on_memory() {
+    held_callers_that_leave(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_callers_that_leave_on_redis() {
+    let redis = Redis::start();
+    held_callers_that_leave(Some(&redis)).await;
+}
