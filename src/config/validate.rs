@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::bounds::shown;
 use super::error::ConfigErrors;
 use super::raw::{Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawUpstream};
-use super::url::{check_redis_url, parse_upstream_url};
+use super::url::{parse_redis_target, parse_upstream_url};
 use super::{Config, EnvOverrides, IdentitySource, StoreSettings, UpstreamTarget};
 
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
@@ -199,7 +199,7 @@ fn upstream(u: &RawUpstream, errs: &mut ConfigErrors) -> Option<UpstreamTarget> 
 /// read by the Redis backend, so only checked for it.
 fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
     if s.backend == Backend::Redis {
-        if let Err(m) = check_redis_url(&s.url) {
+        if let Err(m) = parse_redis_target(&s.url) {
             if url_from_env {
                 errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
             } else {

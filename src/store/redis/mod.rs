@@ -2,7 +2,8 @@
 //!
 //! - One Lua script call per request (`script`, operation `admit`) checks and charges the
 //!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
-//!   trip, and a refused request writes nothing.
+//!   trip, and a refused request writes nothing. On Redis Cluster a capped route's lease set
+//!   lives in a slot of its own, so such a request takes two (`run_admit`).
 //! - Slots are leases (`lease`); connections are per worker thread (`conn`); keys are laid
 //!   out in `keys`.
 //! - Every call is bounded by `store.timeout`; a circuit breaker (`breaker`) stops calling a
@@ -36,7 +37,7 @@ use crate::config::StoreSettings;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
 use breaker::Breaker;
-use conn::Connections;
+use conn::{Conn, Connections};
 use deny_cache::DenyCache;
 use script::{AdmitCall, AdmitCode, StoreScript};
 
@@ -153,7 +154,7 @@ impl RedisBackend {
         let start = Instant::now();
         let res = async {
             let mut conn = self.conns.get().await?;
-            match tokio::time::timeout(self.timeout, inv.invoke_async::<T>(&mut conn)).await {
+            match tokio::time::timeout(self.timeout, script::invoke::<T>(&inv, &mut conn)).await {
                 Err(_) => Err(StoreError::Timeout),
                 Ok(r) => Ok(r?),
             }
@@ -188,14 +189,11 @@ impl RedisBackend {
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         let store = self.clone();
         tokio::spawn(async move {
-            let reply = store
-                .script
-                .admit(&c)
-                .invoke_async::<Vec<i64>>(&mut conn)
-                .await;
+            let reply = store.run_admit(&c, &mut conn).await;
             if let Err((Ok(v), c)) = tx.send((reply, c)) {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+                    tracing::warn!("a timed-out admission reached Redis after all; refunding it");
                     store.undo_admission(&c).await;
                 }
             }
@@ -218,19 +216,61 @@ impl RedisBackend {
         res
     }
 
-    /// Refunds and releases an admission whose request had already given up on it.
-    async fn undo_admission(&self, c: &AdmitCall) {
-        tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+    /// One admission in Redis: one round trip, except on Redis Cluster for a capped route.
+    /// There the key's side goes first (its budget and lease set share a slot), then the
+    /// route's slot (`take`, in the route's own slot): a fixed order, and a second call only
+    /// for requests that passed the first. When the route's side refuses or fails, the key's
+    /// side is undone (refund + release, and the route's lease released in case a failed
+    /// `take` ran), so a request is never charged without its slot and never leaks one.
+    async fn run_admit(
+        self: &Arc<Self>,
+        c: &AdmitCall,
+        conn: &mut Conn,
+    ) -> Result<Vec<i64>, redis::RedisError> {
+        let Some(route_set) = c.route_slots.as_ref().filter(|_| self.conns.is_cluster()) else {
+            return script::invoke(&self.script.admit(c), conn).await;
+        };
+        let key_side: Vec<i64> = script::invoke(&self.script.admit_key(c), conn).await?;
+        if key_side.first().copied().and_then(AdmitCode::from_reply) != Some(AdmitCode::Admitted) {
+            return Ok(key_side);
+        }
+        let route_side = script::invoke::<i64>(&self.script.take(route_set, c), conn).await;
+        let code = route_side
+            .as_ref()
+            .ok()
+            .copied()
+            .and_then(AdmitCode::from_reply);
+        if code == Some(AdmitCode::Admitted) {
+            return Ok(key_side);
+        }
+        self.undo_admission(c).await;
+        match (route_side, code) {
+            (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
+            (Ok(v), _) => Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "unexpected reply to take",
+                v.to_string(),
+            ))),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// Refunds and releases an admission that its request cannot use: the request had
+    /// already given up on it, or (Cluster) the route's side refused it.
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall) {
         let Ok(mut conn) = self.conns.get().await else {
             return;
         };
         let refund = self.script.refund(&c.budget, &c.limit, c.cost);
-        let _ = tokio::time::timeout(LATE_REPLY_WAIT, refund.invoke_async::<i64>(&mut conn)).await;
+        let refunded =
+            tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn)).await;
+        if !matches!(refunded, Ok(Ok(_))) {
+            tracing::warn!("an admission could not be refunded; the key stays charged for it");
+        }
         let slots = c.slot_keys();
         if !slots.is_empty() {
-            let release = self.script.lease(&slots, &c.lease_id, 0);
-            let _ =
-                tokio::time::timeout(LATE_REPLY_WAIT, release.invoke_async::<i64>(&mut conn)).await;
+            // Releasing is idempotent: one that fails is remembered and sent again.
+            self.release_keys(slots, c.lease_id.clone()).await;
         }
     }
 
@@ -300,6 +340,27 @@ impl RedisBackend {
             }
         })
     }
+}
+
+/// What `admit` on one node would have answered for a request whose key's side passed and
+/// whose route was full (Cluster): the key's figures as they were before the undone charge.
+fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
+    let [_, delay_us, remaining, reset_us] = key_side[..] else {
+        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0];
+    };
+    // A delayed admission had no units left before it either.
+    let remaining = if delay_us > 0 {
+        remaining
+    } else {
+        remaining.saturating_add(c.cost as i64)
+    };
+    let charge_us = (c.cost * c.limit.per_unit).div_ceil(c.limit.rate.max(1)) as i64;
+    vec![
+        AdmitCode::RouteBusy as i64,
+        0,
+        remaining,
+        (reset_us - charge_us).max(0),
+    ]
 }
 
 impl SharedStore for RedisBackend {

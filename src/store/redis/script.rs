@@ -3,9 +3,44 @@
 //! Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost, drained at
 //! `rate` per µs), as in `crate::budget`.
 
-use redis::{Script, ScriptInvocation};
+use std::time::Duration;
 
+use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
+
+use super::conn::Conn;
 use crate::budget::Limit;
+
+/// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
+/// SCRIPT LOAD and EVALSHA again, by redis-rs), resending it only when the answer proves it
+/// did not run: MOVED or READONLY (Redis checks the slot and the role before running a
+/// script; the cluster client re-reads its slot map on either). Never after a timeout or a
+/// dropped connection: the script may have run, and it may charge. An ASK (a slot being
+/// migrated right now) is not followed: it is an error, and `store.on_error` decides.
+pub(super) async fn invoke<T: FromRedisValue>(
+    inv: &ScriptInvocation<'_>,
+    conn: &mut Conn,
+) -> Result<T, RedisError> {
+    const RESENDS: usize = 2;
+    let mut resent = 0;
+    loop {
+        match inv.invoke_async::<T>(conn).await {
+            Err(e) if resent < RESENDS && stale_topology(&e) => {
+                resent += 1;
+                // Let the slot map refresh that the error started go first.
+                tokio::time::sleep(Duration::from_millis(resent as u64)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// MOVED or READONLY: sent to a node that does not own the key (any more), so not run.
+fn stale_topology(e: &RedisError) -> bool {
+    matches!(
+        e.retry_method(),
+        RetryMethod::MovedRedirect | RetryMethod::RefreshSlotsAndRetry
+    )
+}
 
 /// The reply codes of `admit` (the Lua constants of the same names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +122,41 @@ impl StoreScript {
             .arg(l.max_delay)
             .arg(c.cost)
             .arg(c.key_cap)
+            .arg(c.route_cap)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        inv
+    }
+
+    /// `admit` for the key's side only (its budget and lease set, one hash slot), as Redis
+    /// Cluster needs on a capped route; the route's slot is then taken by [`Self::take`].
+    pub fn admit_key<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        let l = &c.limit;
+        inv.key(&c.budget)
+            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
+            .key(&c.budget)
+            .arg("admit")
+            .arg(l.per_unit)
+            .arg(l.rate)
+            .arg(l.capacity)
+            .arg(l.max_delay)
+            .arg(c.cost)
+            .arg(c.key_cap)
+            .arg(0)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        inv
+    }
+
+    /// `take`: a slot in a route's lease set for lease `id`, if one is free.
+    ///
+    /// KEYS[1] route lease set; ARGV[2] route_cap, ARGV[3] lease id, ARGV[4] lease_ttl (µs).
+    /// Reply [`AdmitCode::Admitted`] (taken) or [`AdmitCode::RouteBusy`] (nothing written).
+    pub fn take<'a>(&'a self, set: &'a str, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(set)
+            .arg("take")
             .arg(c.route_cap)
             .arg(&c.lease_id)
             .arg(c.lease_ttl_us);
