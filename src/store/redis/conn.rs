@@ -81,7 +81,7 @@ impl ConnectionLike for Conn {
 /// How to reach the store, built once from `store.url` (no connection yet).
 enum Target {
     Node(redis::Client),
-    Cluster(ClusterClient),
+    Cluster(Box<ClusterClient>),
     Sentinel {
         sentinels: Vec<ConnectionInfo>,
         master: String,
@@ -99,14 +99,14 @@ impl Target {
             RedisTarget::Node(url) => {
                 Target::Node(redis::Client::open(url).map_err(|e| e.to_string())?)
             }
-            RedisTarget::Cluster { seeds } => Target::Cluster(
+            RedisTarget::Cluster { seeds } => Target::Cluster(Box::new(
                 ClusterClient::builder(seeds)
                     .retries(0)
                     .connection_timeout(connect_timeout)
                     .response_timeout(response_timeout)
                     .build()
                     .map_err(|e| e.to_string())?,
-            ),
+            )),
             RedisTarget::Sentinel {
                 sentinels,
                 master,

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 pub use lease::RedisLease;
+pub(super) use script::refused_before_running;
 
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
 use super::memory::{Clock, MemoryStore};
@@ -65,6 +66,9 @@ const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
 /// How long a call's reply is still awaited (in the background) after the request gave up on
 /// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
 const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
+
+/// How often a refund that Redis refused unrun is sent again.
+const REFUND_RETRY_EVERY: Duration = Duration::from_millis(200);
 
 /// Redis as a [`SharedStore`].
 pub struct RedisBackend {
@@ -258,20 +262,55 @@ impl RedisBackend {
     /// Refunds and releases an admission that its request cannot use: the request had
     /// already given up on it, or (Cluster) the route's side refused it.
     async fn undo_admission(self: &Arc<Self>, c: &AdmitCall) {
-        let Ok(mut conn) = self.conns.get().await else {
-            return;
-        };
-        let refund = self.script.refund(&c.budget, &c.limit, c.cost);
-        let refunded =
-            tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn)).await;
-        if !matches!(refunded, Ok(Ok(_))) {
-            tracing::warn!("an admission could not be refunded; the key stays charged for it");
+        let refunded = async {
+            let mut conn = self.conns.get().await?;
+            let refund = self.script.refund(&c.budget, &c.limit, c.cost);
+            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
+                .await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        match refunded {
+            Ok(_) => {}
+            Err(e) if refund_again(&e) => self.retry_refund(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+            }
         }
         let slots = c.slot_keys();
         if !slots.is_empty() {
             // Releasing is idempotent: one that fails is remembered and sent again.
             self.release_keys(slots, c.lease_id.clone()).await;
         }
+    }
+
+    /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
+    /// lives: the topology change that refused it is over by then, or it is an outage.
+    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
+        let (store, budget, limit, cost) = (self.clone(), c.budget.clone(), c.limit, c.cost);
+        let give_up = Instant::now() + self.lease_ttl;
+        tokio::spawn(async move {
+            while Instant::now() < give_up {
+                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+                match store
+                    .call::<i64>(store.script.refund(&budget, &limit, cost))
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(e) if refund_again(&e) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+                        return;
+                    }
+                }
+            }
+            tracing::warn!(
+                "an admission could not be refunded in time; the key stays charged for it"
+            );
+        });
     }
 
     fn next_lease_id(&self) -> String {
@@ -340,6 +379,16 @@ impl RedisBackend {
             }
         })
     }
+}
+
+/// Whether a refund of an undone admission that failed is sent again. Yes when it did not run
+/// (no connection, CLUSTERDOWN while a failover is under way), and also when its connection
+/// broke: the node is dying, and its charge may live on in the replica that takes over. A
+/// refund sent twice gives a key one cost too many (the rare case: it ran just before the
+/// node died), one never sent charges it twice for one request: the first is the lesser harm.
+/// Not after a timeout: a live, slow node will run it.
+fn refund_again(e: &StoreError) -> bool {
+    !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
 }
 
 /// What `admit` on one node would have answered for a request whose key's side passed and

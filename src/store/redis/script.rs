@@ -34,6 +34,26 @@ pub(super) async fn invoke<T: FromRedisValue>(
     }
 }
 
+/// Redis answered without running the script: the slot is elsewhere or moving (MOVED, ASK,
+/// TRYAGAIN), the cluster or the primary is down (CLUSTERDOWN, MASTERDOWN), the node is
+/// loading, or it is a replica now (READONLY: every op writes only after its reads, so the
+/// first write refused means nothing was written).
+pub(crate) fn refused_before_running(e: &RedisError) -> bool {
+    use redis::ServerErrorKind as K;
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            K::Moved
+                | K::Ask
+                | K::TryAgain
+                | K::ClusterDown
+                | K::MasterDown
+                | K::BusyLoading
+                | K::ReadOnly
+        )
+    )
+}
+
 /// MOVED or READONLY: sent to a node that does not own the key (any more), so not run.
 fn stale_topology(e: &RedisError) -> bool {
     matches!(
