@@ -198,7 +198,7 @@ impl RedisBackend {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
                     tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                    store.undo_admission(&c).await;
+                    store.undo_admission(&c, true).await;
                 }
             }
         });
@@ -247,7 +247,9 @@ impl RedisBackend {
         if code == Some(AdmitCode::Admitted) {
             return Ok(key_side);
         }
-        self.undo_admission(c).await;
+        // A route found full wrote nothing there; a failed `take` may have run.
+        let route_maybe_taken = code != Some(AdmitCode::RouteBusy);
+        self.undo_admission(c, route_maybe_taken).await;
         match (route_side, code) {
             (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
             (Ok(v), _) => Err(redis::RedisError::from((
@@ -260,8 +262,9 @@ impl RedisBackend {
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had
-    /// already given up on it, or (Cluster) the route's side refused it.
-    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall) {
+    /// already given up on it, or (Cluster) the route's side refused it. The route's lease
+    /// is released too unless `route` is false (it was surely not taken).
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, route: bool) {
         let refunded = async {
             let mut conn = self.conns.get().await?;
             let refund = self.script.refund(&c.budget, &c.limit, c.cost);
@@ -280,7 +283,10 @@ impl RedisBackend {
                 tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
             }
         }
-        let slots = c.slot_keys();
+        let mut slots = c.slot_keys();
+        if !route {
+            slots.retain(|k| Some(k) != c.route_slots.as_ref());
+        }
         if !slots.is_empty() {
             // Releasing is idempotent: one that fails is remembered and sent again.
             self.release_keys(slots, c.lease_id.clone()).await;
