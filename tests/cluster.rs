@@ -329,3 +329,74 @@ async fn a_sentinel_failover_is_followed() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn resharding_under_load_keeps_one_budget() {
+    let cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::ZERO);
+    const MAX: u64 = 1000;
+    let limits = format!("rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: {MAX}}}\n");
+    let gw = Gateway::start(&up, &store_body(&cluster.url(), "local", 1, &limits));
+    let c = client();
+    let keys: Vec<String> = (0..30).map(|i| format!("move-{i}")).collect();
+    // Every key's budget exists before the move, so slots with keys in them migrate.
+    for k in &keys {
+        assert_eq!(get(&c, gw.url("/items"), k).await.status(), 200);
+    }
+    let (from, to) = {
+        let p = cluster.primaries();
+        (p[0], p[1])
+    };
+    let owner = |k: &String| cluster.owner(&redis_budget_key(k));
+    let moving: Vec<&String> = keys.iter().filter(|k| owner(k) == from).collect();
+    let id = |port: u16| cluster.node(port).cli(&["CLUSTER", "MYID"]);
+    let (from_id, to_id) = (id(from), id(to));
+    let seed = format!("127.0.0.1:{from}");
+    let reshard = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("redis-cli")
+            .args(["--cluster", "reshard", &seed, "--cluster-from", &from_id])
+            .args(["--cluster-to", &to_id, "--cluster-slots", "3000"])
+            .args(["--cluster-yes", "--cluster-pipeline", "5"])
+            .output()
+            .expect("redis-cli")
+    });
+    let mut admitted: HashMap<&str, u64> = keys.iter().map(|k| (k.as_str(), 1)).collect();
+    let mut statuses = vec![];
+    while !reshard.is_finished() {
+        for k in &keys {
+            let r = get(&c, gw.url("/items"), k).await;
+            statuses.push(r.status().as_u16());
+            *admitted.get_mut(k.as_str()).unwrap() += 1;
+        }
+    }
+    let out = reshard.await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // MOVED is followed, ASK and TRYAGAIN go to on_error=local: nothing fails.
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    shared_budget_back(&c, &gw, MAX).await;
+    // Exactly once: a call refused with ASK/TRYAGAIN did not run, and its fallback charge is
+    // written back; MIGRATE moves a budget whole.
+    let start = Instant::now();
+    'settled: loop {
+        let mut exact = true;
+        for k in &keys {
+            let got = charged(&c, &gw, k, MAX).await;
+            let want = admitted.get_mut(k.as_str()).unwrap();
+            assert!(got <= *want, "{k} charged {got} for {want} admitted");
+            exact &= got == *want;
+            *want += 1; // the probe
+        }
+        if exact {
+            break 'settled;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "charges not settled"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}

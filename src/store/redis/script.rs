@@ -242,6 +242,33 @@ impl StoreScript {
 mod tests {
     use super::*;
 
+    /// Only answers that prove the script did not run are resent, or count as "not run".
+    #[test]
+    fn what_is_resent_and_what_counts_as_not_run() {
+        use redis::{ErrorKind, ServerErrorKind as K};
+        let server = |k| RedisError::from((ErrorKind::Server(k), "x"));
+        assert!(stale_topology(&server(K::Moved)));
+        assert!(stale_topology(&server(K::ReadOnly)));
+        for k in [K::Ask, K::TryAgain, K::ClusterDown, K::NoScript] {
+            assert!(!stale_topology(&server(k)), "{k:?}");
+        }
+        for k in [
+            K::Moved,
+            K::Ask,
+            K::TryAgain,
+            K::ClusterDown,
+            K::MasterDown,
+            K::ReadOnly,
+        ] {
+            assert!(refused_before_running(&server(k)), "{k:?}");
+        }
+        let dropped = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        for e in [server(K::ResponseError), dropped, timeout] {
+            assert!(!stale_topology(&e) && !refused_before_running(&e), "{e}");
+        }
+    }
+
     /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
     #[test]
     fn admit_codes_match_the_script() {
