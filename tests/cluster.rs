@@ -375,6 +375,11 @@ async fn resharding_under_load_keeps_one_budget() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    assert!(
+        moving.iter().any(|k| owner(k) == to),
+        "no budget moved: {statuses:?}"
+    );
+    assert!(statuses.len() >= keys.len(), "requests during the move");
     // MOVED is followed, ASK and TRYAGAIN go to on_error=local: nothing fails.
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     shared_budget_back(&c, &gw, MAX).await;

@@ -951,10 +951,18 @@ pub struct SentinelSet {
 impl SentinelSet {
     pub fn start() -> SentinelSet {
         let dir = tempfile::tempdir().unwrap();
-        let primary = Redis::start();
+        // A replica's full sync writes an RDB file: into the test's directory.
+        let data = dir.path().to_str().unwrap().to_string();
+        let primary = Redis::start_with(free_port(), &["--dir", &data]);
         let replica = Redis::start_with(
             free_port(),
-            &["--replicaof", "127.0.0.1", &primary.port.to_string()],
+            &[
+                "--replicaof",
+                "127.0.0.1",
+                &primary.port.to_string(),
+                "--dir",
+                &data,
+            ],
         );
         let start = Instant::now();
         while !replica
