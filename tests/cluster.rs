@@ -405,3 +405,39 @@ async fn resharding_under_load_keeps_one_budget() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+/// The password form: `redis+sentinel://:pw@…/<master>` authenticates to the primary (the
+/// Sentinel itself asks for none), and the password never shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sentinel_url_with_a_password() {
+    let set = SentinelSet::start_with_password(Some("s3cret"));
+    let up = Upstream::start(Duration::ZERO);
+    let url = format!(
+        "redis+sentinel://:s3cret@127.0.0.1:{}/tollgate",
+        set.sentinel.port
+    );
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 10}\n";
+    let gw = Gateway::start(&up, &store_body(&url, "deny", 1, limits));
+    let c = client();
+    for want in ["9", "8", "7"] {
+        let r = get(&c, gw.url("/items"), "pw-key").await;
+        assert_eq!(r.status(), 200, "{}", gw.log());
+        assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some(want));
+    }
+    let auth = ["-a", "s3cret", "--no-auth-warning"];
+    let budget = redis_budget_key("pw-key");
+    assert_eq!(
+        set.primary.cli(&[&auth[..], &["EXISTS", &budget]].concat()),
+        "1"
+    );
+    let cfg = reqwest::get(gw.admin("/admin/config"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !cfg.contains("s3cret") && !gw.log().contains("s3cret"),
+        "{cfg}"
+    );
+}

@@ -950,23 +950,30 @@ pub struct SentinelSet {
 
 impl SentinelSet {
     pub fn start() -> SentinelSet {
+        Self::start_with_password(None)
+    }
+
+    /// With `password`, the primary and the replica require it (`requirepass`, `masterauth`)
+    /// and the Sentinel uses it (`auth-pass`); the Sentinel itself asks for none.
+    pub fn start_with_password(password: Option<&str>) -> SentinelSet {
         let dir = tempfile::tempdir().unwrap();
         // A replica's full sync writes an RDB file: into the test's directory.
         let data = dir.path().to_str().unwrap().to_string();
-        let primary = Redis::start_with(free_port(), &["--dir", &data]);
-        let replica = Redis::start_with(
-            free_port(),
-            &[
-                "--replicaof",
-                "127.0.0.1",
-                &primary.port.to_string(),
-                "--dir",
-                &data,
-            ],
-        );
+        let auth: Vec<&str> = match password {
+            Some(pw) => vec!["--requirepass", pw, "--masterauth", pw],
+            None => vec![],
+        };
+        let primary = Redis::start_with(free_port(), &[&["--dir", &data][..], &auth].concat());
+        let primary_port = primary.port.to_string();
+        let replica_args = ["--replicaof", "127.0.0.1", &primary_port, "--dir", &data];
+        let replica = Redis::start_with(free_port(), &[&replica_args[..], &auth].concat());
+        let cli_auth: Vec<&str> = match password {
+            Some(pw) => vec!["-a", pw, "--no-auth-warning"],
+            None => vec![],
+        };
         let start = Instant::now();
         while !replica
-            .cli(&["INFO", "replication"])
+            .cli(&[&cli_auth[..], &["INFO", "replication"]].concat())
             .contains("master_link_status:up")
         {
             assert!(
@@ -980,9 +987,12 @@ impl SentinelSet {
         std::fs::write(
             &conf,
             format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\nsentinel monitor tollgate 127.0.0.1 {p} 1\nsentinel down-after-milliseconds tollgate 500\nsentinel failover-timeout tollgate 2000\n",
+                "port {port}\nbind 127.0.0.1\ndir {dir}\nsentinel monitor tollgate 127.0.0.1 {p} 1\nsentinel down-after-milliseconds tollgate 500\nsentinel failover-timeout tollgate 2000\n{auth}",
                 dir = dir.path().display(),
-                p = primary.port
+                p = primary.port,
+                auth = password
+                    .map(|pw| format!("sentinel auth-pass tollgate {pw}\n"))
+                    .unwrap_or_default(),
             ),
         )
         .unwrap();
