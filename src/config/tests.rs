@@ -132,6 +132,14 @@ fn env_overrides_and_redaction() {
     assert!(y.contains("redis://:***@10.0.0.1:6379/0"), "{y}");
     assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
     assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+    assert_eq!(
+        redact_url("rediss+cluster://u:pw@h1:1,h2:2"),
+        "rediss+cluster://u:***@h1:1,h2:2"
+    );
+    assert_eq!(
+        redact_url("redis+sentinel://:pw@s1:1,s2:2/mymaster"),
+        "redis+sentinel://:***@s1:1,s2:2/mymaster"
+    );
 }
 
 #[test]
