@@ -454,8 +454,8 @@ fn check_refuses_what_run_cannot_honour() {
         ("bad host", redis("redis://[::1"), "store.url: "),
         ("bad port", redis("redis://:99999"), "store.url: "),
         (
-            "cluster",
-            redis("redis+cluster://h1:6379,h2:6379"),
+            "sentinel without a master name",
+            redis("redis+sentinel://h1:26379,h2:26379"),
             "store.url: ",
         ),
         (

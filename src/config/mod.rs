@@ -35,7 +35,7 @@ pub use raw::{
     Anonymous, Backend, Listen, Mode, OnError, RawBudget, RawConfig, RawDefault, RawEndpoint,
     RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
-pub use url::redact_url;
+pub use url::{parse_redis_target, redact_url, RedisTarget};
 
 /// One entry of the key registry.
 #[derive(Debug, Clone)]

@@ -133,6 +133,14 @@ fn env_overrides_and_redaction() {
     assert!(y.contains("redis://:***@10.0.0.1:6379/0"), "{y}");
     assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
     assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+    assert_eq!(
+        redact_url("rediss+cluster://u:pw@h1:1,h2:2"),
+        "rediss+cluster://u:***@h1:1,h2:2"
+    );
+    assert_eq!(
+        redact_url("redis+sentinel://:pw@s1:1,s2:2/mymaster"),
+        "redis+sentinel://:***@s1:1,s2:2/mymaster"
+    );
 }
 
 #[test]
@@ -239,15 +247,55 @@ fn store_url_from_env_is_checked_too() {
 }
 
 #[test]
-fn cluster_and_sentinel_urls_are_refused_until_supported() {
+fn cluster_and_sentinel_urls() {
+    use super::url::{parse_redis_target, RedisTarget};
+    assert_eq!(
+        parse_redis_target("redis+cluster://10.0.0.1:7000,10.0.0.2").unwrap(),
+        RedisTarget::Cluster {
+            seeds: vec![
+                "redis://10.0.0.1:7000".into(),
+                "redis://10.0.0.2:6379".into()
+            ]
+        }
+    );
+    assert_eq!(
+        parse_redis_target("rediss+cluster://:pw@[::1]:7000,h2:7001/").unwrap(),
+        RedisTarget::Cluster {
+            seeds: vec![
+                "rediss://:pw@[::1]:7000".into(),
+                "rediss://:pw@h2:7001".into()
+            ]
+        }
+    );
+    assert_eq!(
+        parse_redis_target("rediss+sentinel://u:pw@s1,s2:5000/my-master/2").unwrap(),
+        RedisTarget::Sentinel {
+            sentinels: vec!["rediss://s1:26379".into(), "rediss://s2:5000".into()],
+            master: "my-master".into(),
+            primary: "rediss://u:pw@sentinel-named/2".into(),
+        }
+    );
     for url in [
         "redis+cluster://10.0.0.1:6379,10.0.0.2:6379",
         "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster",
         "rediss+cluster://:pw@10.0.0.1:6379",
     ] {
+        let s = with_redis(url);
+        assert!(Config::parse(&s, &EnvOverrides::default()).is_ok(), "{url}");
+    }
+    for (url, why) in [
+        ("redis+cluster://h1:6379,,h2:6379", "needs a host"),
+        ("redis+cluster://:pw@h1:6379,h2:0", "port"),
+        ("redis+cluster://h1:6379/3", "only database 0"),
+        ("redis+cluster://h1:6379?x=1", "no query"),
+        ("redis+sentinel://:pw@h1:26379", "name the master"),
+        ("redis+sentinel://h1:26379/a b", "name the master"),
+        ("redis+sentinel://:pw@h1:26379/m/x", "database"),
+        ("redis+clusterx://h1", "must start with"),
+    ] {
         let e = first_error(&with_redis(url));
         assert!(
-            e.starts_with("store.url: ") && e.contains("not supported by this build"),
+            e.starts_with("store.url: ") && e.contains(why),
             "{url}: {e}"
         );
         assert!(!e.contains(":pw@"), "{e}");
@@ -625,4 +673,19 @@ fn named_upstreams_and_their_endpoints() {
     assert!(first_error(&bad).starts_with("upstreams.pool.urls[1]:"));
     let prefix = ok.replace("strip_prefix: /gh", "strip_prefix: /other");
     assert!(first_error(&prefix).contains(".strip_prefix: must be a leading part"));
+}
+
+#[test]
+fn shared_budgets_are_refused_on_redis_cluster() {
+    let s = format!(
+        "{BASE}store:\n  backend: redis\n  url: \"redis+cluster://127.0.0.1:7000,127.0.0.1:7001\"\n"
+    )
+    .replace(
+        "    \"GET /reports/{id}\":\n      cost: 1\n",
+        "    \"GET /reports/{id}\":\n      cost: 1\n    /provider:\n      shared: { max_cost: 2, window: 1s }\n",
+    );
+    assert_eq!(
+        first_error(&s),
+        "rate_limits.endpoints.\"/provider\".shared: a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)"
+    );
 }

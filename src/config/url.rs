@@ -79,22 +79,133 @@ pub(super) fn parse_upstream_url(raw: &str) -> Result<(bool, String, u16), Strin
     Ok((tls, host, port))
 }
 
+/// What `store.url` names (DESIGN §1), read once: `check` and the store use the same parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis://` or `rediss://`: one node, the URL as the client reads it.
+    Node(String),
+    /// `redis[s]+cluster://[user:pass@]h1:p1,h2:p2,…`: the seed nodes, one `redis[s]://` URL
+    /// each (with the credentials); the client learns the rest of the topology from them.
+    Cluster { seeds: Vec<String> },
+    /// `redis[s]+sentinel://[user:pass@]h1:p1,h2:p2/<master-name>[/<db>]`: the Sentinels
+    /// (`redis[s]://host:port`, no credentials), the master's name, and how to reach the
+    /// primary they name: `primary` is a `redis[s]://[user:pass@]sentinel-named/<db>` URL whose
+    /// host is a placeholder (Sentinel says the address) and whose rest (TLS, credentials,
+    /// database) applies to the primary.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+        primary: String,
+    },
+}
+
+/// Default ports of the multi-host forms (a Sentinel listens on 26379).
+const CLUSTER_PORT: u16 = 6379;
+const SENTINEL_PORT: u16 = 26379;
+
 /// Reads `store.url` the way the Redis client will when the gateway runs, so that `check`
 /// refuses a URL that `run` could never connect with. The error shows the URL only redacted.
-pub(super) fn check_redis_url(url: &str) -> Result<(), String> {
+pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
     let shown = redact_url(url);
-    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
-    if scheme.ends_with("+cluster") || scheme.ends_with("+sentinel") {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", ""));
+    let (tls, kind) = match scheme {
+        "redis" | "rediss" => {
+            check_node_url(url, &shown)?;
+            return Ok(RedisTarget::Node(url.to_string()));
+        }
+        "redis+cluster" => (false, "cluster"),
+        "rediss+cluster" => (true, "cluster"),
+        "redis+sentinel" => (false, "sentinel"),
+        "rediss+sentinel" => (true, "sentinel"),
+        _ => {
+            return Err(format!(
+                "must start with redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel:// (got \"{shown}\")"
+            ))
+        }
+    };
+    if rest.contains(['?', '#']) {
         return Err(format!(
-            "{scheme}:// (Redis {}) is not supported by this build; use redis:// or rediss:// (got \"{shown}\")",
-            if scheme.ends_with("+cluster") { "Cluster" } else { "Sentinel" }
+            "{scheme}:// takes no query or fragment (got \"{shown}\")"
         ));
     }
-    if scheme != "redis" && scheme != "rediss" {
-        return Err(format!(
-            "must start with redis:// or rediss:// (got \"{shown}\")"
-        ));
+    let node_scheme = if tls { "rediss" } else { "redis" };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (userinfo, hosts) = match authority.rfind('@') {
+        Some(at) => (&authority[..at + 1], &authority[at + 1..]),
+        None => ("", authority),
+    };
+    let default_port = if kind == "cluster" {
+        CLUSTER_PORT
+    } else {
+        SENTINEL_PORT
+    };
+    let mut nodes = vec![];
+    for host in hosts.split(',') {
+        let host = host.trim();
+        if host.is_empty() {
+            return Err(format!(
+                "every address in the list needs a host, as in h1:6379,h2:6379 (got \"{shown}\")"
+            ));
+        }
+        let has_port = match host.rfind(']') {
+            Some(end) => host[end..].contains(':'),
+            None => host.contains(':'),
+        };
+        let host = if has_port {
+            host.to_string()
+        } else {
+            format!("{host}:{default_port}")
+        };
+        nodes.push(host);
     }
+    match kind {
+        "cluster" => {
+            if !matches!(path, "" | "0") {
+                return Err(format!(
+                    "a Redis Cluster has only database 0: give no path (got \"{shown}\")"
+                ));
+            }
+            let seeds: Vec<String> = nodes
+                .iter()
+                .map(|h| format!("{node_scheme}://{userinfo}{h}"))
+                .collect();
+            for seed in &seeds {
+                check_node_url(seed, &shown)?;
+            }
+            Ok(RedisTarget::Cluster { seeds })
+        }
+        _ => {
+            let (master, db) = path.split_once('/').unwrap_or((path, "0"));
+            let db = if db.is_empty() { "0" } else { db };
+            if master.is_empty()
+                || !master
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                return Err(format!(
+                    "name the master after the hosts, as in {scheme}://h1:26379,h2:26379/mymaster (letters, digits, - _ .) (got \"{shown}\")"
+                ));
+            }
+            let sentinels: Vec<String> = nodes
+                .iter()
+                .map(|h| format!("{node_scheme}://{h}"))
+                .collect();
+            for s in &sentinels {
+                check_node_url(s, &shown)?;
+            }
+            let primary = format!("{node_scheme}://{userinfo}sentinel-named/{db}");
+            check_node_url(&primary, &shown)?;
+            Ok(RedisTarget::Sentinel {
+                sentinels,
+                master: master.to_string(),
+                primary,
+            })
+        }
+    }
+}
+
+/// One node's `redis[s]://` URL, as the client will read it; errors quote `shown`.
+fn check_node_url(url: &str, shown: &str) -> Result<(), String> {
     let parsed = redis::parse_redis_url(url).ok_or_else(|| {
         // The same parser, asked again for its reason (parse_redis_url keeps it to itself).
         let why = ::url::Url::parse(url)

@@ -11,7 +11,7 @@ use super::error::{key_path, ConfigErrors};
 use super::raw::{
     Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawTls, RawUpstream,
 };
-use super::url::{check_redis_url, parse_upstream_url};
+use super::url::{parse_redis_target, parse_upstream_url};
 use super::{
     Config, EnvOverrides, HealthCheck, IdentitySource, NamedUpstream, StoreSettings, UpstreamTarget,
 };
@@ -42,6 +42,21 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
                     format!("unknown upstream \"{}\" (not in upstreams)", shown(name)),
                 );
             }
+        }
+    }
+    let on_cluster = raw.store.backend == Backend::Redis
+        && matches!(
+            parse_redis_target(&raw.store.url),
+            Ok(super::RedisTarget::Cluster { .. })
+        );
+    for (pattern, e) in &raw.rate_limits.endpoints {
+        if on_cluster && e.shared.is_some() {
+            // The shared budget's key lives in the route's hash slot, the caller's budgets in
+            // the key's: one script cannot charge both on Redis Cluster.
+            errs.push(
+                format!("{}.shared", key_path("rate_limits.endpoints", pattern)),
+                "a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)",
+            );
         }
     }
     let (mut keys, key_ids) = keys(&raw.keys, default_policy.as_ref(), &plans, &mut errs);
@@ -338,7 +353,7 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
 /// read by the Redis backend, so only checked for it.
 fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
     if s.backend == Backend::Redis {
-        if let Err(m) = check_redis_url(&s.url) {
+        if let Err(m) = parse_redis_target(&s.url) {
             if url_from_env {
                 errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
             } else {

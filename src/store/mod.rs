@@ -93,14 +93,17 @@ impl StoreError {
     }
 
     /// False when the call surely never reached the store (so sending it again cannot apply
-    /// it twice): the breaker was open, or there was no connection to send it on.
+    /// it twice): the breaker was open, there was no connection to send it on, or Redis
+    /// refused it before running it (CLUSTERDOWN, MOVED, … during a failover).
     pub fn may_have_run(&self) -> bool {
         match self {
             StoreError::BreakerOpen
             | StoreError::ConnectTimeout
             | StoreError::Connect(_)
             | StoreError::Config(_) => false,
-            StoreError::Redis { source, .. } => !source.is_connection_refusal(),
+            StoreError::Redis { source, .. } => {
+                !source.is_connection_refusal() && !redis::refused_before_running(source)
+            }
             StoreError::Timeout | StoreError::Reply(_) => true,
         }
     }

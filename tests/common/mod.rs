@@ -756,3 +756,305 @@ pub fn redis_budget_key(api_key: &str) -> String {
     tag.truncate(10);
     format!("t{{{tag}}}b")
 }
+
+/// The Redis key of a route's in-flight lease set (src/store/redis/keys.rs).
+pub fn redis_route_slots_key(route: &str) -> String {
+    use base64::Engine;
+    let h = tollgate::identity::hash_key(route.as_bytes());
+    let mut tag = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h[..8]);
+    tag.truncate(10);
+    format!("t:r{{{tag}}}f")
+}
+
+/// A free port whose cluster bus port (+10000) is free too.
+fn free_cluster_port() -> u16 {
+    loop {
+        let p = free_port();
+        if p < 55_000 && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+fn cli_on(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A Redis Cluster made by the test: `primaries` primaries with one replica each
+/// (`redis-cli --cluster create … --cluster-replicas 1`), a 1 s node timeout so that a replica
+/// takes over a dead primary within seconds.
+pub struct RedisCluster {
+    pub nodes: Vec<Redis>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    pub fn start(primaries: usize) -> RedisCluster {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes: Vec<Redis> = (0..primaries * 2)
+            .map(|_| {
+                let port = free_cluster_port();
+                let conf = dir.path().join(format!("nodes-{port}.conf"));
+                Redis::start_with(
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        conf.to_str().unwrap(),
+                        "--cluster-node-timeout",
+                        "1000",
+                        // A replica may take over however long its link was down.
+                        "--cluster-replica-validity-factor",
+                        "0",
+                        "--dir",
+                        dir.path().to_str().unwrap(),
+                    ],
+                )
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster { nodes, dir };
+        cluster.wait_healthy(primaries, Duration::from_secs(20));
+        cluster
+    }
+
+    /// `redis+cluster://` with every node as a seed.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Redis> {
+        self.nodes.iter().filter(|n| n.child.is_some())
+    }
+
+    /// `redis-cli -c` on a live node: follows MOVED to the key's owner.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let port = self.live().next().expect("a live node").port;
+        cli_on(port, &[&["-c"], args].concat())
+    }
+
+    /// Ports of the primaries serving slots now, as a live node sees them.
+    pub fn primaries(&self) -> Vec<u16> {
+        let nodes = self.cli(&["CLUSTER", "NODES"]);
+        let mut ports: Vec<u16> = nodes
+            .lines()
+            .filter(|l| l.contains("master") && !l.contains("fail") && l.split(' ').count() > 8)
+            .filter_map(|l| {
+                let addr = l.split(' ').nth(1)?;
+                addr.split(['@', ':']).nth(1)?.parse().ok()
+            })
+            .collect();
+        ports.sort();
+        ports
+    }
+
+    /// The port of the primary that owns `key`'s slot.
+    pub fn owner(&self, key: &str) -> u16 {
+        let slot: u16 = self.cli(&["CLUSTER", "KEYSLOT", key]).parse().unwrap();
+        for l in self.cli(&["CLUSTER", "NODES"]).lines() {
+            let f: Vec<&str> = l.split(' ').collect();
+            if !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let owns = f[8..].iter().any(|r| match r.split_once('-') {
+                Some((a, b)) => {
+                    (a.parse::<u16>().unwrap_or(u16::MAX)..=b.parse().unwrap_or(0)).contains(&slot)
+                }
+                None => r.parse::<u16>().ok() == Some(slot),
+            });
+            if owns {
+                return f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap();
+            }
+        }
+        panic!("no owner for slot {slot}");
+    }
+
+    pub fn node(&self, port: u16) -> &Redis {
+        self.nodes.iter().find(|n| n.port == port).unwrap()
+    }
+
+    pub fn kill(&mut self, port: u16) {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .unwrap()
+            .kill();
+    }
+
+    /// Waits until a replica took over from the (dead) primary on `port`, and the cluster is
+    /// ok again.
+    pub fn wait_failover(&self, port: u16, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let primaries = self.primaries();
+            if !primaries.contains(&port) && primaries.len() == self.nodes.len() / 2 {
+                break;
+            }
+            assert!(start.elapsed() < timeout, "no failover: {primaries:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.wait_healthy(self.nodes.len() / 2, timeout);
+    }
+
+    /// Waits until every live node says the cluster is ok with `primaries` primaries.
+    pub fn wait_healthy(&self, primaries: usize, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let ok = self.live().all(|n| {
+                let info = n.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_size:{primaries}"))
+            });
+            // Replicas in sync: a promoted one has the data.
+            let synced = self.live().all(|n| {
+                let info = n.cli(&["INFO", "replication"]);
+                info.contains("role:master") || info.contains("master_link_status:up")
+            });
+            if ok && synced && self.primaries().len() == primaries {
+                return;
+            }
+            assert!(start.elapsed() < timeout, "cluster not healthy");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// A Sentinel-managed pair: a primary, its replica, one Sentinel (quorum 1,
+/// `down-after-milliseconds 500`, `failover-timeout 2000`) watching master `tollgate`.
+pub struct SentinelSet {
+    pub primary: Redis,
+    pub replica: Redis,
+    pub sentinel: Redis,
+    dir: tempfile::TempDir,
+}
+
+impl SentinelSet {
+    pub fn start() -> SentinelSet {
+        Self::start_with_password(None)
+    }
+
+    /// With `password`, the primary and the replica require it (`requirepass`, `masterauth`)
+    /// and the Sentinel uses it (`auth-pass`); the Sentinel itself asks for none.
+    pub fn start_with_password(password: Option<&str>) -> SentinelSet {
+        let dir = tempfile::tempdir().unwrap();
+        // A replica's full sync writes an RDB file: into the test's directory.
+        let data = dir.path().to_str().unwrap().to_string();
+        let auth: Vec<&str> = match password {
+            Some(pw) => vec!["--requirepass", pw, "--masterauth", pw],
+            None => vec![],
+        };
+        let primary = Redis::start_with(free_port(), &[&["--dir", &data][..], &auth].concat());
+        let primary_port = primary.port.to_string();
+        let replica_args = ["--replicaof", "127.0.0.1", &primary_port, "--dir", &data];
+        let replica = Redis::start_with(free_port(), &[&replica_args[..], &auth].concat());
+        let cli_auth: Vec<&str> = match password {
+            Some(pw) => vec!["-a", pw, "--no-auth-warning"],
+            None => vec![],
+        };
+        let start = Instant::now();
+        while !replica
+            .cli(&[&cli_auth[..], &["INFO", "replication"]].concat())
+            .contains("master_link_status:up")
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "replica never synced"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\nsentinel monitor tollgate 127.0.0.1 {p} 1\nsentinel down-after-milliseconds tollgate 500\nsentinel failover-timeout tollgate 2000\n{auth}",
+                dir = dir.path().display(),
+                p = primary.port,
+                auth = password
+                    .map(|pw| format!("sentinel auth-pass tollgate {pw}\n"))
+                    .unwrap_or_default(),
+            ),
+        )
+        .unwrap();
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server --sentinel");
+        assert!(
+            wait_for_port(port, Duration::from_secs(10)),
+            "sentinel did not start"
+        );
+        let sentinel = Redis {
+            port,
+            child: Some(child),
+        };
+        let set = SentinelSet {
+            primary,
+            replica,
+            sentinel,
+            dir,
+        };
+        // The Sentinel knows the replica (it may then promote it).
+        let start = Instant::now();
+        while !set
+            .sentinel
+            .cli(&["SENTINEL", "REPLICAS", "tollgate"])
+            .contains(&set.replica.port.to_string())
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "sentinel never saw the replica"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        set
+    }
+
+    /// `redis+sentinel://` naming a dead Sentinel first: the next one in the list answers.
+    pub fn url(&self) -> String {
+        format!(
+            "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/tollgate",
+            free_port(),
+            self.sentinel.port
+        )
+    }
+
+    /// The primary's port as the Sentinel names it.
+    pub fn current_primary(&self) -> u16 {
+        let out = self
+            .sentinel
+            .cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "tollgate"]);
+        out.lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}

@@ -21,6 +21,9 @@
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
 --   peek   KEYS budget           ARGV rate                        -> level now (ticks)
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
+--   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
+--          taken) or 2 (ROUTE_BUSY: nothing written). On Redis Cluster a route's lease set is
+--          in another slot than the key's budget: `admit` (without the route) then `take`.
 
 -- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
 local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED = 0, 1, 2, 3
@@ -198,6 +201,18 @@ if op == 'lease' then
     end
   end
   return 1
+end
+
+if op == 'take' then
+  local route_cap = tonumber(ARGV[2])
+  local now = now_us()
+  if redis.call('ZCOUNT', KEYS[1], int(now), '+inf') >= route_cap then
+    return ROUTE_BUSY
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. int(now))
+  redis.call('ZADD', KEYS[1], int(now + tonumber(ARGV[4])), ARGV[3])
+  expire_with_last_lease(KEYS[1])
+  return ADMITTED
 end
 
 return redis.error_reply('tollgate: unknown operation ' .. tostring(op))

@@ -1,24 +1,40 @@
-//! Connections to Redis: one multiplexed connection per worker thread, made lazily.
+//! Connections to Redis — one node, a Cluster, or the primary a Sentinel group names — one
+//! per worker thread, made lazily.
 //!
 //! A redis-rs connection's driver task runs on the runtime that created it, and each Pingora
 //! worker is a current-thread runtime of its own: so each thread connects on first use (on its
-//! own runtime), concurrent requests on it share that one socket, and a connection that failed
-//! or timed out is dropped and made again on the next call. Connecting lazily is also what
-//! lets the gateway start while Redis is down.
+//! own runtime), concurrent requests on it share that one connection, and a connection that
+//! failed or timed out is dropped and made again on the next call. Connecting lazily is also
+//! what lets the gateway start while Redis is down.
+//!
+//! Making a connection again is also how a topology change is followed:
+//! - Sentinel: the Sentinels are asked for the primary's address on every connect, so after
+//!   a failover the next connection goes to the promoted replica (the old primary's socket
+//!   fails, or answers READONLY once demoted: both are errors, and errors drop the connection).
+//! - Cluster: the client reads the slot map from the seed nodes when it connects and again on
+//!   MOVED; a dead primary's slots are re-read on reconnect once its replica took over.
+//!
+//! The cluster client is built with no retries of its own: it would resend a command after a
+//! timeout or a dropped connection, and the charging script must never be sent twice (it may
+//! have run). What is surely safe to resend is resent by `script::invoke`.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-use redis::AsyncConnectionConfig;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
+use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, RedisFuture, Value};
 
+use crate::config::{parse_redis_target, RedisTarget};
 use crate::store::StoreError;
 
 thread_local! {
     /// This thread's connection: (connections id, connection).
-    static CONN: RefCell<Option<(u64, MultiplexedConnection)>> = const { RefCell::new(None) };
+    static CONN: RefCell<Option<(u64, Conn)>> = const { RefCell::new(None) };
     /// Held while this thread connects, so concurrent requests wait for one connection
     /// instead of each opening their own.
     static CONNECTING: Arc<tokio::sync::Mutex<()>> = Arc::new(tokio::sync::Mutex::new(()));
@@ -26,10 +42,104 @@ thread_local! {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// How to reach one Redis; tells its thread-local connections apart from another store's.
+/// One connection, whatever `store.url` names; cheap to clone (they share the socket(s)).
+#[derive(Clone)]
+pub(super) enum Conn {
+    /// A single node, or the primary a Sentinel named.
+    Node(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Node(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Node(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Node(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// How to reach the store, built once from `store.url` (no connection yet).
+enum Target {
+    Node(redis::Client),
+    Cluster(Box<ClusterClient>),
+    Sentinel {
+        sentinels: Vec<ConnectionInfo>,
+        master: String,
+        primary: SentinelNodeConnectionInfo,
+    },
+}
+
+impl Target {
+    fn open(
+        url: &str,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> Result<Self, String> {
+        Ok(match parse_redis_target(url)? {
+            RedisTarget::Node(url) => {
+                Target::Node(redis::Client::open(url).map_err(|e| e.to_string())?)
+            }
+            RedisTarget::Cluster { seeds } => Target::Cluster(Box::new(
+                ClusterClient::builder(seeds)
+                    .retries(0)
+                    .connection_timeout(connect_timeout)
+                    .response_timeout(response_timeout)
+                    .build()
+                    .map_err(|e| e.to_string())?,
+            )),
+            RedisTarget::Sentinel {
+                sentinels,
+                master,
+                primary,
+            } => {
+                let primary = primary.into_connection_info().map_err(|e| e.to_string())?;
+                let mut node = SentinelNodeConnectionInfo::default()
+                    .set_redis_connection_info(primary.redis_settings().clone());
+                if let redis::ConnectionAddr::TcpTls { insecure, .. } = primary.addr() {
+                    node = node.set_tls_mode(if *insecure {
+                        redis::TlsMode::Insecure
+                    } else {
+                        redis::TlsMode::Secure
+                    });
+                }
+                Target::Sentinel {
+                    sentinels: sentinels
+                        .into_iter()
+                        .map(|s| s.into_connection_info())
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| e.to_string())?,
+                    master,
+                    primary: node,
+                }
+            }
+        })
+    }
+}
+
+/// How to reach one store; tells its thread-local connections apart from another store's.
 pub(super) struct Connections {
     id: u64,
-    client: Result<redis::Client, String>,
+    target: Result<Target, String>,
     config: AsyncConnectionConfig,
     /// Bound on making a connection: `max(store.timeout, 100ms)`, since a TCP (and TLS)
     /// handshake needs more than a call.
@@ -40,14 +150,14 @@ impl Connections {
     /// `response_timeout` bounds how long a reply is awaited on the connection itself; calls
     /// are bounded by `store.timeout` by their callers.
     pub(super) fn new(url: &str, timeout: Duration, response_timeout: Duration) -> Self {
-        let client = redis::Client::open(url).map_err(|e| e.to_string());
-        if let Err(e) = &client {
+        let connect_timeout = timeout.max(Duration::from_millis(100));
+        let target = Target::open(url, connect_timeout, response_timeout);
+        if let Err(e) = &target {
             tracing::error!(error = %e, "store.url is not usable; running on store.on_error");
         }
-        let connect_timeout = timeout.max(Duration::from_millis(100));
         Connections {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            client,
+            target,
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(Some(response_timeout)),
@@ -55,7 +165,12 @@ impl Connections {
         }
     }
 
-    fn cached(&self) -> Option<MultiplexedConnection> {
+    /// A Redis Cluster: keys of different hash tags cannot meet in one script call.
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.target, Ok(Target::Cluster(_)))
+    }
+
+    fn cached(&self) -> Option<Conn> {
         CONN.with(|c| {
             c.borrow()
                 .as_ref()
@@ -65,12 +180,12 @@ impl Connections {
     }
 
     /// This thread's connection, made on first use (on this thread's runtime).
-    pub(super) async fn get(&self) -> Result<MultiplexedConnection, StoreError> {
+    pub(super) async fn get(&self) -> Result<Conn, StoreError> {
         if let Some(c) = self.cached() {
             return Ok(c);
         }
-        let client = self
-            .client
+        let target = self
+            .target
             .as_ref()
             .map_err(|e| StoreError::Config(e.clone()))?;
         let lock = CONNECTING.with(|l| l.clone());
@@ -79,15 +194,38 @@ impl Connections {
             if let Some(c) = self.cached() {
                 return Ok(c);
             }
-            let conn = client
-                .get_multiplexed_async_connection_with_config(&self.config)
-                .await
-                .map_err(StoreError::Connect)?;
+            let conn = self.connect(target).await.map_err(StoreError::Connect)?;
             CONN.with(|c| *c.borrow_mut() = Some((self.id, conn.clone())));
             Ok(conn)
         })
         .await
         .map_err(|_| StoreError::ConnectTimeout)?
+    }
+
+    async fn connect(&self, target: &Target) -> redis::RedisResult<Conn> {
+        Ok(match target {
+            Target::Node(client) => Conn::Node(
+                client
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await?,
+            ),
+            Target::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+            Target::Sentinel {
+                sentinels,
+                master,
+                primary,
+            } => {
+                // A Sentinel client of its own for each connect: it keeps connections to the
+                // Sentinels, which must not outlive this runtime's use of them.
+                let mut sentinel = Sentinel::build(sentinels.clone())?;
+                let client = sentinel.async_master_for(master, Some(primary)).await?;
+                Conn::Node(
+                    client
+                        .get_multiplexed_async_connection_with_config(&self.config)
+                        .await?,
+                )
+            }
+        })
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.

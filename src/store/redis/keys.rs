@@ -13,7 +13,10 @@
 //! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
 //! for a route) in 10 URL-safe base64 characters. Redis Cluster hashes only what is inside the
 //! braces, so one API key's budget and lease set share a slot — a script that touches both
-//! never fails with CROSSSLOT. A budget key is 14 characters: that is what keeps a budget under
+//! never fails with CROSSSLOT. A route's lease set is shared by every key, so it has a slot of
+//! its own: on Redis Cluster a capped request is decided in two calls, the key's slot first,
+//! then the route's (see `RedisBackend::run_admit`); anything else shared by all callers of a
+//! route belongs with the route's tag, in that second call. A budget key is 14 characters: that is what keeps a budget under
 //! 100 bytes of Redis memory (`MEMORY USAGE` 88).
 
 use crate::identity::KeyHash;

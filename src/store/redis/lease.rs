@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::RedisBackend;
+use super::{script, RedisBackend};
 use crate::store::lock;
+use crate::store::StoreError;
 
 /// How often releases that failed are sent again.
 const RETRY_EVERY: Duration = Duration::from_millis(200);
@@ -113,9 +114,7 @@ impl RedisBackend {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let _ = store
-                    .call::<i64>(store.script.lease(&keys, &id, ttl_us))
-                    .await;
+                let _ = store.lease_op(&keys, &id, ttl_us).await;
             }
         })
         .abort_handle()
@@ -123,15 +122,11 @@ impl RedisBackend {
 
     /// The lease stays registered as live until the release is sent or remembered: a release
     /// cut short (its runtime shutting down at exit) is still found by `release_everything`.
-    async fn release_keys(self: &Arc<Self>, keys: Vec<String>, id: String) {
+    pub(super) async fn release_keys(self: &Arc<Self>, keys: Vec<String>, id: String) {
         if keys.is_empty() {
             return;
         }
-        if self
-            .call::<i64>(self.script.lease(&keys, &id, 0))
-            .await
-            .is_ok()
-        {
+        if self.lease_op(&keys, &id, 0).await.is_ok() {
             lock(&self.held).live.remove(&id);
         } else {
             // Releasing is idempotent: sending it again is always safe.
@@ -172,7 +167,7 @@ impl RedisBackend {
             let mut rest = batch.into_iter().filter(|u| u.lapses > now);
             let mut failed = vec![];
             while let Some(u) = rest.next() {
-                let sent = self.call::<i64>(self.script.lease(&u.keys, &u.id, 0)).await;
+                let sent = self.lease_op(&u.keys, &u.id, 0).await;
                 if sent.is_err() {
                     failed.push(u);
                     failed.extend(rest);
@@ -210,15 +205,34 @@ impl RedisBackend {
         for (keys, id) in all {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                let _ = store
-                    .script
-                    .lease(&keys, &id, 0)
-                    .invoke_async::<i64>(&mut conn)
-                    .await;
+                for group in store.lease_groups(&keys) {
+                    let release = store.script.lease(group, &id, 0);
+                    let _ = script::invoke::<i64>(&release, &mut conn).await;
+                }
             });
         }
         while sends.join_next().await.is_some() {}
         tracing::info!("released this instance's in-flight leases");
+    }
+
+    /// A lease's sets as script calls: one call on one node; on Redis Cluster one call per
+    /// set, since a key's lease set and a route's are in different hash slots.
+    fn lease_groups<'a>(&self, keys: &'a [String]) -> Vec<&'a [String]> {
+        if self.conns.is_cluster() {
+            keys.chunks(1).collect()
+        } else {
+            vec![keys]
+        }
+    }
+
+    /// Renews (`ttl_us` > 0) or releases (0) lease `id` in all of `keys`; the first call that
+    /// fails ends it (a lease op is idempotent: sending it all again is safe).
+    async fn lease_op(&self, keys: &[String], id: &str, ttl_us: u64) -> Result<(), StoreError> {
+        for group in self.lease_groups(keys) {
+            self.call::<i64>(self.script.lease(group, id, ttl_us))
+                .await?;
+        }
+        Ok(())
     }
 
     pub(super) fn notify_for(&self, route: &Arc<str>) -> Arc<Notify> {

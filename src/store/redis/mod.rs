@@ -2,7 +2,8 @@
 //!
 //! - One Lua script call per request (`script`, operation `admit`) checks and charges the
 //!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
-//!   trip, and a refused request writes nothing.
+//!   trip, and a refused request writes nothing. On Redis Cluster a capped route's lease set
+//!   lives in a slot of its own, so such a request takes two (`run_admit`).
 //! - Slots are leases (`lease`); connections are per worker thread (`conn`); keys are laid
 //!   out in `keys`.
 //! - Every call is bounded by `store.timeout`; a circuit breaker (`breaker`) stops calling a
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 pub use lease::RedisLease;
+pub(super) use script::refused_before_running;
 
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
 use super::memory::{Clock, MemoryStore};
@@ -36,7 +38,7 @@ use crate::config::StoreSettings;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
 use breaker::Breaker;
-use conn::Connections;
+use conn::{Conn, Connections};
 use deny_cache::DenyCache;
 use script::{AdmitCall, AdmitCode, StoreScript};
 
@@ -64,6 +66,9 @@ const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
 /// How long a call's reply is still awaited (in the background) after the request gave up on
 /// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
 const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
+
+/// How often a refund that Redis refused unrun is sent again.
+const REFUND_RETRY_EVERY: Duration = Duration::from_millis(200);
 
 /// Redis as a [`SharedStore`].
 pub struct RedisBackend {
@@ -153,7 +158,7 @@ impl RedisBackend {
         let start = Instant::now();
         let res = async {
             let mut conn = self.conns.get().await?;
-            match tokio::time::timeout(self.timeout, inv.invoke_async::<T>(&mut conn)).await {
+            match tokio::time::timeout(self.timeout, script::invoke::<T>(&inv, &mut conn)).await {
                 Err(_) => Err(StoreError::Timeout),
                 Ok(r) => Ok(r?),
             }
@@ -188,15 +193,12 @@ impl RedisBackend {
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         let store = self.clone();
         tokio::spawn(async move {
-            let reply = store
-                .script
-                .admit(&c)
-                .invoke_async::<Vec<i64>>(&mut conn)
-                .await;
+            let reply = store.run_admit(&c, &mut conn).await;
             if let Err((Ok(v), c)) = tx.send((reply, c)) {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
-                    store.undo_admission(&c).await;
+                    tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+                    store.undo_admission(&c, true).await;
                 }
             }
         });
@@ -218,21 +220,101 @@ impl RedisBackend {
         res
     }
 
-    /// Refunds and releases an admission whose request had already given up on it.
-    async fn undo_admission(&self, c: &AdmitCall) {
-        tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-        let Ok(mut conn) = self.conns.get().await else {
-            return;
+    /// One admission in Redis: one round trip, except on Redis Cluster for a capped route.
+    /// There the key's side goes first (its budget and lease set share a slot), then the
+    /// route's slot (`take`, in the route's own slot): a fixed order, and a second call only
+    /// for requests that passed the first. When the route's side refuses or fails, the key's
+    /// side is undone (refund + release, and the route's lease released in case a failed
+    /// `take` ran), so a request is never charged without its slot and never leaks one.
+    async fn run_admit(
+        self: &Arc<Self>,
+        c: &AdmitCall,
+        conn: &mut Conn,
+    ) -> Result<Vec<i64>, redis::RedisError> {
+        let Some(route_set) = c.route_slots.as_ref().filter(|_| self.conns.is_cluster()) else {
+            return script::invoke(&self.script.admit(c), conn).await;
         };
-        let budgets = StoreScript::budgets_of(c);
-        let refund = self.script.refund(&budgets, c.cost);
-        let _ = tokio::time::timeout(LATE_REPLY_WAIT, refund.invoke_async::<i64>(&mut conn)).await;
-        let slots = c.slot_keys();
-        if !slots.is_empty() {
-            let release = self.script.lease(&slots, &c.lease_id, 0);
-            let _ =
-                tokio::time::timeout(LATE_REPLY_WAIT, release.invoke_async::<i64>(&mut conn)).await;
+        let key_side: Vec<i64> = script::invoke(&self.script.admit_key(c), conn).await?;
+        if key_side.first().copied().and_then(AdmitCode::from_reply) != Some(AdmitCode::Admitted) {
+            return Ok(key_side);
         }
+        let route_side = script::invoke::<i64>(&self.script.take(route_set, c), conn).await;
+        let code = route_side
+            .as_ref()
+            .ok()
+            .copied()
+            .and_then(AdmitCode::from_reply);
+        if code == Some(AdmitCode::Admitted) {
+            return Ok(key_side);
+        }
+        // A route found full wrote nothing there; a failed `take` may have run.
+        let route_maybe_taken = code != Some(AdmitCode::RouteBusy);
+        self.undo_admission(c, route_maybe_taken).await;
+        match (route_side, code) {
+            (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
+            (Ok(v), _) => Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "unexpected reply to take",
+                v.to_string(),
+            ))),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// Refunds and releases an admission that its request cannot use: the request had
+    /// already given up on it, or (Cluster) the route's side refused it. The route's lease
+    /// is released too unless `route` is false (it was surely not taken).
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, route: bool) {
+        let refunded = async {
+            let mut conn = self.conns.get().await?;
+            let budgets = StoreScript::budgets_of(c);
+            let refund = self.script.refund(&budgets, c.cost);
+            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
+                .await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        match refunded {
+            Ok(_) => {}
+            Err(e) if refund_again(&e) => self.retry_refund(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+            }
+        }
+        let mut slots = c.slot_keys();
+        if !route {
+            slots.retain(|k| Some(k) != c.route_slots.as_ref());
+        }
+        if !slots.is_empty() {
+            // Releasing is idempotent: one that fails is remembered and sent again.
+            self.release_keys(slots, c.lease_id.clone()).await;
+        }
+    }
+
+    /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
+    /// lives: the topology change that refused it is over by then, or it is an outage.
+    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
+        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), c.cost);
+        let give_up = Instant::now() + self.lease_ttl;
+        tokio::spawn(async move {
+            while Instant::now() < give_up {
+                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+                match store.call::<i64>(store.script.refund(&budgets, cost)).await {
+                    Ok(_) => return,
+                    Err(e) if refund_again(&e) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+                        return;
+                    }
+                }
+            }
+            tracing::warn!(
+                "an admission could not be refunded in time; the key stays charged for it"
+            );
+        });
     }
 
     fn next_lease_id(&self) -> String {
@@ -337,6 +419,37 @@ fn figures(more: &[i64]) -> Option<Figures> {
         });
     }
     Some(each)
+}
+
+/// Whether a refund of an undone admission that failed is sent again. Yes when it did not run
+/// (no connection, CLUSTERDOWN while a failover is under way), and also when its connection
+/// broke: the node is dying, and its charge may live on in the replica that takes over. A
+/// refund sent twice gives a key one cost too many (the rare case: it ran just before the
+/// node died), one never sent charges it twice for one request: the first is the lesser harm.
+/// Not after a timeout: a live, slow node will run it.
+fn refund_again(e: &StoreError) -> bool {
+    !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
+}
+
+/// What `admit` on one node would have answered for a request whose key's side passed and
+/// whose route was full (Cluster): the key's figures as they were before the undone charge.
+fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
+    let [_, delay_us, remaining, reset_us, ..] = key_side[..] else {
+        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0];
+    };
+    // A delayed admission had no units left before it either.
+    let remaining = if delay_us > 0 {
+        remaining
+    } else {
+        remaining.saturating_add(c.cost as i64)
+    };
+    let charge_us = (c.cost * c.limit.per_unit).div_ceil(c.limit.rate.max(1)) as i64;
+    vec![
+        AdmitCode::RouteBusy as i64,
+        0,
+        remaining,
+        (reset_us - charge_us).max(0),
+    ]
 }
 
 impl SharedStore for RedisBackend {
@@ -464,5 +577,56 @@ impl SharedStore for RedisBackend {
 
     async fn release_all(self: &Arc<Self>) {
         self.release_everything().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(cost: u64) -> AdmitCall {
+        AdmitCall {
+            budget: "t{a}b".into(),
+            key_slots: None,
+            route_slots: Some("t:r{b}f".into()),
+            // 120 units per 60 s: one unit is 0.5 s of drain.
+            limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
+            cost,
+            key_cap: 0,
+            route_cap: 5,
+            lease_id: "i:1".into(),
+            lease_ttl_us: 15_000_000,
+            also: Vec::new(),
+        }
+    }
+
+    /// A full route answers with the key's figures as they were before the undone charge.
+    #[test]
+    fn route_busy_reply_shows_the_budget_before_the_undone_charge() {
+        let admitted = [AdmitCode::Admitted as i64, 0, 100, 10_000_000];
+        assert_eq!(
+            route_busy_reply(&admitted, &call(20)),
+            vec![AdmitCode::RouteBusy as i64, 0, 120, 0]
+        );
+        let delayed = [AdmitCode::Admitted as i64, 2_000_000, 0, 62_000_000];
+        assert_eq!(
+            route_busy_reply(&delayed, &call(4)),
+            vec![AdmitCode::RouteBusy as i64, 0, 0, 60_000_000]
+        );
+    }
+
+    #[test]
+    fn refunds_are_sent_again_unless_they_timed_out() {
+        assert!(!refund_again(&StoreError::Timeout));
+        assert!(refund_again(&StoreError::BreakerOpen));
+        assert!(refund_again(&StoreError::ConnectTimeout));
+        let dropped =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(refund_again(&StoreError::from(dropped)));
+        let script_error = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "x",
+        ));
+        assert!(!refund_again(&StoreError::from(script_error)));
     }
 }

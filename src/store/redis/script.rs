@@ -3,9 +3,64 @@
 //! Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost, drained at
 //! `rate` per µs), as in `crate::budget`.
 
-use redis::{Script, ScriptInvocation};
+use std::time::Duration;
 
+use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
+
+use super::conn::Conn;
 use crate::budget::Limit;
+
+/// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
+/// SCRIPT LOAD and EVALSHA again, by redis-rs), resending it only when the answer proves it
+/// did not run: MOVED or READONLY (Redis checks the slot and the role before running a
+/// script; the cluster client re-reads its slot map on either). Never after a timeout or a
+/// dropped connection: the script may have run, and it may charge. An ASK (a slot being
+/// migrated right now) is not followed: it is an error, and `store.on_error` decides.
+pub(super) async fn invoke<T: FromRedisValue>(
+    inv: &ScriptInvocation<'_>,
+    conn: &mut Conn,
+) -> Result<T, RedisError> {
+    const RESENDS: usize = 2;
+    let mut resent = 0;
+    loop {
+        match inv.invoke_async::<T>(conn).await {
+            Err(e) if resent < RESENDS && stale_topology(&e) => {
+                resent += 1;
+                // Let the slot map refresh that the error started go first.
+                tokio::time::sleep(Duration::from_millis(resent as u64)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Redis answered without running the script: the slot is elsewhere or moving (MOVED, ASK,
+/// TRYAGAIN), the cluster or the primary is down (CLUSTERDOWN, MASTERDOWN), the node is
+/// loading, or it is a replica now (READONLY: every op writes only after its reads, so the
+/// first write refused means nothing was written).
+pub(crate) fn refused_before_running(e: &RedisError) -> bool {
+    use redis::ServerErrorKind as K;
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            K::Moved
+                | K::Ask
+                | K::TryAgain
+                | K::ClusterDown
+                | K::MasterDown
+                | K::BusyLoading
+                | K::ReadOnly
+        )
+    )
+}
+
+/// MOVED or READONLY: sent to a node that does not own the key (any more), so not run.
+fn stale_topology(e: &RedisError) -> bool {
+    matches!(
+        e.retry_method(),
+        RetryMethod::MovedRedirect | RetryMethod::RefreshSlotsAndRetry
+    )
+}
 
 /// The reply codes of `admit` (the Lua constants of the same names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +165,48 @@ impl StoreScript {
             .collect()
     }
 
+    /// `admit` for the key's side only (its budget and lease set, one hash slot), as Redis
+    /// Cluster needs on a capped route; the route's slot is then taken by [`Self::take`].
+    pub fn admit_key<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        let l = &c.limit;
+        inv.key(&c.budget)
+            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
+            .key(&c.budget)
+            .arg("admit")
+            .arg(l.per_unit)
+            .arg(l.rate)
+            .arg(l.capacity)
+            .arg(l.max_delay)
+            .arg(c.cost)
+            .arg(c.key_cap)
+            .arg(0)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        for (key, l) in &c.also {
+            inv.key(key)
+                .arg(l.per_unit)
+                .arg(l.rate)
+                .arg(l.capacity)
+                .arg(l.max_delay);
+        }
+        inv
+    }
+
+    /// `take`: a slot in a route's lease set for lease `id`, if one is free.
+    ///
+    /// KEYS[1] route lease set; ARGV[2] route_cap, ARGV[3] lease id, ARGV[4] lease_ttl (µs).
+    /// Reply [`AdmitCode::Admitted`] (taken) or [`AdmitCode::RouteBusy`] (nothing written).
+    pub fn take<'a>(&'a self, set: &'a str, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(set)
+            .arg("take")
+            .arg(c.route_cap)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        inv
+    }
+
     /// `refund`: gives `cost` units back to each budget (never below empty).
     ///
     /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
@@ -171,6 +268,33 @@ impl StoreScript {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only answers that prove the script did not run are resent, or count as "not run".
+    #[test]
+    fn what_is_resent_and_what_counts_as_not_run() {
+        use redis::{ErrorKind, ServerErrorKind as K};
+        let server = |k| RedisError::from((ErrorKind::Server(k), "x"));
+        assert!(stale_topology(&server(K::Moved)));
+        assert!(stale_topology(&server(K::ReadOnly)));
+        for k in [K::Ask, K::TryAgain, K::ClusterDown, K::NoScript] {
+            assert!(!stale_topology(&server(k)), "{k:?}");
+        }
+        for k in [
+            K::Moved,
+            K::Ask,
+            K::TryAgain,
+            K::ClusterDown,
+            K::MasterDown,
+            K::ReadOnly,
+        ] {
+            assert!(refused_before_running(&server(k)), "{k:?}");
+        }
+        let dropped = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        for e in [server(K::ResponseError), dropped, timeout] {
+            assert!(!stale_topology(&e) && !refused_before_running(&e), "{e}");
+        }
+    }
 
     /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
     #[test]
