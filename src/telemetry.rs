@@ -531,7 +531,8 @@ pub fn init_logging(format: LogFormat) {
 
 /// Bridges Pingora's `log` records into tracing, with one change: the errors Pingora logs
 /// for a client that went away, timed out or failed its handshake — which no hook can
-/// suppress — are debug events. A client that leaves is not a gateway error.
+/// suppress — are debug events (a client that leaves is not a gateway error), and so is the
+/// one for a pooled upstream connection it could not reuse (it connects anew).
 struct PingoraLog;
 
 /// Parts of the messages of those records (pingora-proxy and pingora-core 0.9).
@@ -549,6 +550,9 @@ fn is_client_gone(message: &str) -> bool {
     CLIENT_GONE.iter().any(|m| message.contains(m))
         || message.starts_with("Downstream handshake")
         || message.starts_with("H2 handshake error")
+        // A pooled upstream connection lost a race with its idle watcher: Pingora connects
+        // anew and the request is not affected (pingora-core connectors/mod.rs).
+        || message == "failed to acquire reusable stream"
 }
 
 impl log::Log for PingoraLog {
@@ -598,6 +602,7 @@ mod tests {
         assert!(is_client_gone(
             "Downstream handshake error from 127.0.0.1:5555"
         ));
+        assert!(is_client_gone("failed to acquire reusable stream"));
         assert!(!is_client_gone("Fail to proxy: Upstream ConnectRefused"));
     }
 }
