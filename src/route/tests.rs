@@ -1,0 +1,145 @@
+use super::*;
+
+#[test]
+fn normalization() {
+    let ok = |p: &str| normalize_path(p).unwrap().into_owned();
+    assert_eq!(ok("/reports/generate"), "/reports/generate");
+    assert_eq!(ok("/reports//generate"), "/reports/generate");
+    assert_eq!(ok("/reports/./generate"), "/reports/generate");
+    assert_eq!(ok("/x/../reports/generate"), "/reports/generate");
+    assert_eq!(ok("/reports/%67enerate"), "/reports/generate");
+    assert_eq!(ok("/%2E%2E/reports/generate"), "/reports/generate");
+    assert_eq!(ok("/reports/generate/"), "/reports/generate");
+    assert_eq!(ok("/../../etc"), "/etc");
+    assert_eq!(ok("/"), "/");
+    assert_eq!(ok("//"), "/");
+    assert_eq!(ok("/a/b/.."), "/a");
+    assert_eq!(ok("/caf%c3%a9"), "/caf%C3%A9");
+    assert_eq!(ok("/a%20b"), "/a%20b");
+    assert_eq!(ok("/ünï"), "/ünï");
+}
+
+#[test]
+fn canonical_fast_path_agrees() {
+    for p in [
+        "/",
+        "/a",
+        "/a/b",
+        "/a.b/c",
+        "/.well-known/x",
+        "/a/..b",
+        "/a/b..",
+        "/a/.b/",
+        "//",
+        "/a//b",
+        "/a/./b",
+        "/a/../b",
+        "/a/.",
+        "/a/..",
+        "/a/",
+        "/.",
+        "/..",
+        "/a/b/c.d",
+        "/...",
+    ] {
+        let fast = is_canonical(p.as_bytes());
+        let slow = normalize_path(p).map(|c| c.into_owned());
+        assert_eq!(fast, slow.as_deref() == Ok(p), "{p}: {slow:?}");
+    }
+}
+
+#[test]
+fn normalization_refusals() {
+    let bad = |p: &str| normalize_path(p).unwrap_err();
+    assert_eq!(bad("/reports%2fgenerate"), BadPath::EncodedSeparator);
+    assert_eq!(bad("/reports%2Fgenerate"), BadPath::EncodedSeparator);
+    assert_eq!(bad("/reports%5cgenerate"), BadPath::EncodedSeparator);
+    assert_eq!(bad("/reports\\generate"), BadPath::Backslash);
+    assert_eq!(bad("/reports%00"), BadPath::ControlChar);
+    assert_eq!(bad("/reports%0a"), BadPath::ControlChar);
+    assert_eq!(bad("/reports\u{7f}"), BadPath::ControlChar);
+    assert_eq!(bad("/reports\t"), BadPath::ControlChar);
+    assert_eq!(bad("/r%zz"), BadPath::BadEncoding);
+    assert_eq!(bad("/r%2"), BadPath::BadEncoding);
+    assert_eq!(bad("reports"), BadPath::NotAbsolute);
+}
+
+fn spec(p: &str, cost: u64) -> RouteSpec {
+    RouteSpec {
+        pattern: p.into(),
+        cost,
+        max_in_flight: None,
+        queue_timeout: Duration::ZERO,
+        fidelity: Fidelity::default(),
+        provider: Provider::default(),
+    }
+}
+
+fn router() -> Router {
+    Router::new(
+        vec![
+            spec("/reports/generate", 20),
+            spec("GET /reports/{id}", 2),
+            spec("/reports/{id}", 3),
+            spec("/files/{*rest}", 4),
+            spec("GET /files/{*rest}", 5),
+            spec("/files/special", 6),
+            spec("DELETE /reports/generate", 7),
+            spec("/a/{x}/c", 8),
+            spec("/a/b/{y}", 9),
+        ],
+        1,
+    )
+    .unwrap()
+}
+
+#[test]
+fn most_specific_wins() {
+    let r = router();
+    let c = |m: &str, p: &str| r.classify(m, p).route.cost;
+    assert_eq!(c("POST", "/reports/generate"), 20);
+    assert_eq!(
+        c("GET", "/reports/generate"),
+        20,
+        "exact beats a METHOD template"
+    );
+    assert_eq!(
+        c("DELETE", "/reports/generate"),
+        7,
+        "METHOD exact beats exact"
+    );
+    assert_eq!(
+        c("GET", "/reports/42"),
+        2,
+        "METHOD beats method-less at equal shape"
+    );
+    assert_eq!(c("PUT", "/reports/42"), 3);
+    assert_eq!(c("PUT", "/files/x/y/z"), 4);
+    assert_eq!(c("GET", "/files/x/y"), 5);
+    assert_eq!(c("GET", "/files/special"), 6, "exact beats a METHOD tail");
+    assert_eq!(c("GET", "/a/b/c"), 9);
+    assert_eq!(c("GET", "/nothing"), 1);
+    assert_eq!(&*r.classify("GET", "/nothing").route.label, "default");
+    assert_eq!(
+        c("POST", "/Reports/GENERATE"),
+        20,
+        "case cannot dodge a cost"
+    );
+    assert_eq!(c("GET", "/reports/42/more"), 1);
+}
+
+#[test]
+fn pattern_errors() {
+    let e = Router::new(vec![spec("reports", 1)], 1).unwrap_err();
+    assert!(e[0].1.contains("must start with '/'"), "{e:?}");
+    let e = Router::new(vec![spec("get /x", 1)], 1).unwrap_err();
+    assert!(e[0].1.contains("upper-case method"), "{e:?}");
+    let e = Router::new(vec![spec("/x/{a}", 1), spec("/x/{b}", 1)], 1).unwrap_err();
+    assert!(e[0].0 == "/x/{b}" && e[0].1.contains("conflicts"), "{e:?}");
+    let e = Router::new(vec![spec("/x//y", 1)], 1).unwrap_err();
+    assert!(e[0].1.contains("normalized"), "{e:?}");
+    let e = Router::new(vec![spec("/x/", 1)], 1).unwrap_err();
+    assert!(e[0].1.contains("normalized"), "{e:?}");
+    let e = Router::new(vec![spec("/X", 1), spec("/x", 1)], 1).unwrap_err();
+    assert!(e[0].1.contains("conflicts"), "{e:?}");
+}
