@@ -1,0 +1,253 @@
+//! The client stream as the front door wraps it: the first byte of each request head, the
+//! send-stall timer, and the shield that hides a client that went away from Pingora.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use async_trait::async_trait;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, Stream, UniqueID,
+    UniqueIDType, ALPN,
+};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use super::ConnState;
+use crate::telemetry::metrics;
+
+fn peer_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+/// A client stream with the front door's bookkeeping: first-byte time, the send-stall timer
+/// and the shield.
+pub struct Tracked {
+    inner: Stream,
+    conn: Arc<ConnState>,
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl std::fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracked")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tracked {
+    pub fn new(inner: Stream, conn: Arc<ConnState>) -> Tracked {
+        Tracked {
+            inner,
+            conn,
+            stall: None,
+        }
+    }
+
+    pub fn conn(&self) -> &Arc<ConnState> {
+        &self.conn
+    }
+
+    /// A write that makes no progress for `send_timeout` fails with `TimedOut`.
+    fn poll_stall<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let timeout = self.conn.send_timeout();
+        if timeout.is_zero() {
+            return Poll::Pending;
+        }
+        let sleep = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stall = None;
+                if !self.conn.send_timed_out.swap(true, Ordering::SeqCst) {
+                    metrics().client_timeouts.with_label_values(&["send"]).inc();
+                }
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "client did not read within send_timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// The result of a write (or flush, or shutdown) of `len` bytes, through the shield.
+    fn written<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<T>>,
+        ok: impl FnOnce() -> T,
+    ) -> Poll<io::Result<T>> {
+        match r {
+            Poll::Ready(Err(e)) if self.conn.shielded() && peer_gone(&e) => {
+                self.conn.gone.store(true, Ordering::SeqCst);
+                self.stall = None;
+                Poll::Ready(Ok(ok()))
+            }
+            Poll::Ready(r) => {
+                self.stall = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.poll_stall(cx),
+        }
+    }
+
+    fn discarding(&self) -> bool {
+        self.conn.shielded() && self.conn.client_gone()
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Pending;
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let n = buf.filled().len() - before;
+                if n == 0 && this.conn.shielded() {
+                    // The client closed: pend, so the proxy loop keeps reading the upstream
+                    // (it is woken by the upstream side, not by this stream).
+                    this.conn.gone.store(true, Ordering::SeqCst);
+                    return Poll::Pending;
+                }
+                if n > 0
+                    && !this.conn.head_complete()
+                    && this.conn.first_byte_us.load(Ordering::Relaxed) == 0
+                {
+                    this.conn
+                        .first_byte_us
+                        .store(this.conn.now_us(), Ordering::SeqCst);
+                    this.conn.first_byte.notify_waiters();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) if this.conn.shielded() && peer_gone(&e) => {
+                this.conn.gone.store(true, Ordering::SeqCst);
+                Poll::Pending
+            }
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(buf.len()));
+        }
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        let len = buf.len();
+        this.written(cx, r, || len)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        if this.discarding() {
+            return Poll::Ready(Ok(len));
+        }
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.written(cx, r, || len)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(()));
+        }
+        let r = Pin::new(&mut this.inner).poll_flush(cx);
+        this.written(cx, r, || ())
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.discarding() {
+            return Poll::Ready(Ok(()));
+        }
+        let r = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.written(cx, r, || ())
+    }
+}
+
+#[async_trait]
+impl Shutdown for Tracked {
+    async fn shutdown(&mut self) {
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for Tracked {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for Tracked {
+    fn get_ssl(&self) -> Option<&pingora::protocols::tls::TlsRef> {
+        self.inner.get_ssl()
+    }
+
+    fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for Tracked {
+    fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+}
+
+impl GetProxyDigest for Tracked {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+}
+
+impl GetSocketDigest for Tracked {
+    fn get_socket_digest(&self) -> Option<Arc<pingora::protocols::SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+}
+
+#[async_trait]
+impl Peek for Tracked {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
