@@ -339,8 +339,9 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
 /// whether the path is safe to classify are enforced in every mode (they come before a
 /// route's mode is even known to apply: nobody to charge, or no route to charge as).
 pub fn shadowed(route: &Route, r: &Refusal) -> Option<&'static str> {
-    const SHADOWABLE: [&str; 5] = [
+    const SHADOWABLE: [&str; 6] = [
         "budget",
+        "shared_budget",
         "key_in_flight",
         "in_flight",
         "route_busy",

@@ -316,7 +316,7 @@ impl RouteMetrics {
     /// Creates, at zero, the series of the answers an alert or a dashboard rate watches for —
     /// a counter that first appears at N is invisible to `rate()` until it grows again, so a
     /// route's first 429 storm or 5xx burst after a start would go unseen.
-    fn announce(&self, capped: bool, shadow: bool) {
+    fn announce(&self, route: &Route) {
         let m = metrics();
         for status in ANNOUNCED_STATUSES {
             if let Some(i) = COMMON_STATUSES.iter().position(|s| *s == status) {
@@ -326,12 +326,14 @@ impl RouteMetrics {
                 });
             }
         }
-        let reasons: &[&str] = if capped {
-            &["budget", "in_flight", "route_busy"]
-        } else {
-            &["budget"]
-        };
-        let refusals = if shadow {
+        let mut reasons = vec!["budget", "key_in_flight"];
+        if route.max_in_flight.is_some() {
+            reasons.extend(["in_flight", "route_busy"]);
+        }
+        if route.shared().is_some() {
+            reasons.push("shared_budget");
+        }
+        let refusals = if route.fidelity.shadow {
             &m.shadow_rejections
         } else {
             &m.rejections
@@ -395,7 +397,7 @@ impl RouteMetricsTable {
                     .cloned()
                     .unwrap_or_else(|| {
                         let rm = RouteMetrics::new(&r.label);
-                        rm.announce(r.max_in_flight.is_some(), r.fidelity.shadow);
+                        rm.announce(r);
                         Arc::new(rm)
                     })
             })

@@ -689,3 +689,16 @@ fn shared_budgets_are_refused_on_redis_cluster() {
         "rate_limits.endpoints.\"/provider\".shared: a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)"
     );
 }
+
+#[test]
+fn a_password_with_a_slash_is_redacted_too() {
+    assert_eq!(
+        super::redact_url("redis://:pa/ss@h:6379/0"),
+        "redis://:***@h:6379/0"
+    );
+    assert_eq!(
+        super::redact_url("redis://u:p@h:6379/0"),
+        "redis://u:***@h:6379/0"
+    );
+    assert_eq!(super::redact_url("redis://h:6379/0"), "redis://h:6379/0");
+}

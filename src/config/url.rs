@@ -7,8 +7,9 @@ pub fn redact_url(url: &str) -> String {
         return url.to_string();
     };
     let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
+    // Everything up to the last '@' is user information, even when a password holds a '/'
+    // (invalid, but it must not be shown): store URLs' paths (`/db`) never hold an '@'.
+    let authority = rest;
     match authority.rfind('@') {
         None => url.to_string(),
         Some(at) => {

@@ -210,6 +210,18 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
     assert_eq!(shadowed(&shadow, &unauth), None);
     let down = judge(&shadow, Admission::Unavailable).unwrap_err();
     assert_eq!(shadowed(&shadow, &down), Some("store_unavailable"));
+    // A shared budget's refusals and the bound on held requests are the limiter's too.
+    let shared = Refusal {
+        reason: Some("shared_budget"),
+        ..over.clone()
+    };
+    assert_eq!(shadowed(&shadow, &shared), Some("shared_budget"));
+    let held = too_many_held(
+        &shadow,
+        Duration::from_secs(2),
+        outcome(Verdict::Admit { delay_us: 0 }, 0),
+    );
+    assert_eq!(shadowed(&shadow, &held), Some("budget"));
     // A shadow route never queues for a slot; an enforced one does.
     let who = identify(
         &c,

@@ -252,7 +252,12 @@ impl Ctx {
         let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
             return;
         };
-        let total = route.fidelity.final_cost(c.req.cost, self.timing.upstream);
+        // Without a response (the client left first) the upstream worked at least until now.
+        let upstream = self
+            .timing
+            .upstream
+            .or_else(|| self.timing.upstream_start.map(|s| s.elapsed()));
+        let total = route.fidelity.final_cost(c.req.cost, upstream);
         let extra = total.saturating_sub(c.req.cost);
         if extra > 0 {
             store.charge_extra(&c.req, c.charge, extra).await;

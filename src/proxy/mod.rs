@@ -157,7 +157,13 @@ impl Gateway {
                         .refund(&admit, admitted.lease.charge())
                         .await;
                     admitted.lease.release().await;
-                    return Err(decision::too_many_held(&route, hold, outcome));
+                    let r = decision::too_many_held(&route, hold, outcome);
+                    if let Some(reason) = decision::shadowed(&route, &r) {
+                        m.shadow_rejection(reason);
+                        ctx.shadow(&r, reason);
+                        return Ok(true);
+                    }
+                    return Err(r);
                 }
             }
         };

@@ -86,6 +86,10 @@ pub(crate) fn show_degraded(on: bool) {
     metrics().store_degraded.set(on as i64);
 }
 
+/// How often, and for how long, a shared refund that did not run is sent again.
+const REFUND_RETRY_EVERY: Duration = Duration::from_millis(500);
+const REFUND_RETRY_FOR: Duration = Duration::from_secs(30);
+
 pub struct FallbackStore<S> {
     shared: Arc<S>,
     local: Arc<MemoryStore>,
@@ -379,8 +383,9 @@ impl<S: SharedStore> FallbackStore<S> {
 
     /// Gives back a charge where it was made: in the shared store, or in this instance's
     /// memory with the limit it was charged under (and then also out of what is owed to the
-    /// shared budget). A failed shared refund is not retried (it might have run) and never
-    /// lands in the local store, which did not charge.
+    /// shared budget). A shared refund that surely did not run (no connection, the breaker
+    /// open) is sent again in the background; one that might have run is not (it would give
+    /// back twice); it never lands in the local store, which did not charge.
     pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
         match charge {
             Charge::None | Charge::Local(_) => {
@@ -392,11 +397,11 @@ impl<S: SharedStore> FallbackStore<S> {
                     let _ = self.shared.refund(req).await;
                 }
             }
-            Charge::Shared => {
-                if self.shared.refund(req).await.is_ok() {
-                    self.set_degraded(false, None);
-                }
-            }
+            Charge::Shared => match self.shared.refund(req).await {
+                Ok(_) => self.set_degraded(false, None),
+                Err(e) if !e.may_have_run() => self.refund_later(req.clone()),
+                Err(_) => {}
+            },
         }
     }
 
@@ -417,19 +422,31 @@ impl<S: SharedStore> FallbackStore<S> {
                 Err(_) => self.owe(req, units),
             },
             Charge::Local(limit) => {
-                // The charge holds the first budget's local share; a plan's other budgets are
-                // debited under their own limits (a stored level converts between rates).
-                self.local.debit(
-                    &AdmitRequest {
-                        limit,
-                        ..req.clone()
-                    },
-                    units,
-                );
+                // Under the local shares it was admitted under, every budget's.
+                self.local.debit(&req.charged_under(limit), units);
                 self.owe(req, units);
             }
             Charge::None => self.owe(req, units),
         }
+    }
+
+    /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`], while the
+    /// store stays unreachable, for at most [`REFUND_RETRY_FOR`].
+    fn refund_later(&self, req: AdmitRequest) {
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let give_up = std::time::Instant::now() + REFUND_RETRY_FOR;
+            while std::time::Instant::now() < give_up {
+                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+                match shared.refund(&req).await {
+                    Err(e) if !e.may_have_run() => continue,
+                    _ => return,
+                }
+            }
+            tracing::warn!(
+                "a refund could not reach the store in time; the key stays charged for it"
+            );
+        });
     }
 
     /// Adds to what `req.key` owes the shared budget, starting the sender if none runs.

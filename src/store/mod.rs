@@ -362,13 +362,7 @@ impl Store {
             return;
         }
         match (self, charge) {
-            (Store::Memory(m), Charge::Local(limit)) => m.debit(
-                &AdmitRequest {
-                    limit,
-                    ..req.clone()
-                },
-                units,
-            ),
+            (Store::Memory(m), Charge::Local(limit)) => m.debit(&req.charged_under(limit), units),
             (Store::Memory(_), _) => {}
             (Store::Redis(r), charge) => r.charge_extra(req, charge, units).await,
         }

@@ -9,6 +9,8 @@ use std::sync::atomic::AtomicU32;
 struct Fake {
     down: AtomicBool,
     calls: AtomicU32,
+    /// Units refunded.
+    refunded: AtomicU32,
     /// Units written back.
     written: AtomicU32,
     /// Further budgets the write-backs named.
@@ -37,7 +39,11 @@ impl SharedStore for Fake {
         })
     }
 
-    async fn refund(&self, _req: &AdmitRequest) -> Result<(), StoreError> {
+    async fn refund(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(StoreError::BreakerOpen);
+        }
+        self.refunded.fetch_add(req.cost as u32, Ordering::Relaxed);
         Ok(())
     }
 
@@ -314,4 +320,51 @@ async fn local_share_and_write_back_cover_every_budget() {
         1,
         "with the day budget"
     );
+}
+
+/// A time charge in fallback lands on every budget's local share at the share's weight: with
+/// fleet_size 2 the day budget of 10 is a share of 5, so after 1 admitted + 3 billed one more
+/// request fits, and the next is refused by the day budget.
+#[tokio::test]
+async fn time_charges_weigh_every_local_share_alike() {
+    let (fake, s) = store(OnError::Local, 2);
+    fake.down.store(true, Ordering::Relaxed);
+    let r = AdmitRequest {
+        also: vec![Extra {
+            bucket: super::super::Bucket::Key("day".into()),
+            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
+        }],
+        ..req(1, None)
+    };
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!("the fallback admits")
+    };
+    s.charge_extra(&r, lease.charge(), 3).await;
+    assert!(
+        admitted(&s.admit(&r).await),
+        "1 of the day share's 5 is left"
+    );
+    let Admission::OverBudget(o) = s.admit(&r).await else {
+        panic!("the day share is spent")
+    };
+    assert_eq!(o.each.decisive, 1, "refused by the day budget");
+}
+
+/// A refund of a shared charge that could not reach the store (the breaker open: it surely did
+/// not run) is sent again once the store is back (a 502/504 is refunded, DESIGN §3).
+#[tokio::test]
+async fn a_shared_refund_that_did_not_run_is_sent_again() {
+    let (fake, s) = store(OnError::Local, 1);
+    fake.down.store(false, Ordering::Relaxed);
+    let r = req(7, None);
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!("the shared store admits")
+    };
+    assert_eq!(lease.charge(), Charge::Shared);
+    fake.down.store(true, Ordering::Relaxed);
+    s.refund(&r, Charge::Shared).await;
+    assert_eq!(fake.refunded.load(Ordering::Relaxed), 0);
+    fake.down.store(false, Ordering::Relaxed);
+    tokio::time::sleep(REFUND_RETRY_EVERY * 3).await;
+    assert_eq!(fake.refunded.load(Ordering::Relaxed), 7);
 }

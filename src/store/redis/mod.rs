@@ -168,7 +168,8 @@ impl RedisBackend {
         res
     }
 
-    /// The charging call. It runs in a task of its own: when it outlives `store.timeout` the
+    /// The charging call. It runs in a task of its own (see [`PendingReply`] for a request
+    /// that goes away while waiting for it): when it outlives `store.timeout` the
     /// request goes on without it (by `on_error`), and the task, if Redis admitted the request
     /// after all, gives the units and the slots back. So a timed-out request is never charged
     /// by Redis, and never charged twice (DESIGN §3); and it is never retried.
@@ -190,7 +191,11 @@ impl RedisBackend {
                 return res;
             }
         };
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let mut rx = PendingReply {
+            rx,
+            store: self.clone(),
+        };
         let store = self.clone();
         tokio::spawn(async move {
             let reply = store.run_admit(&c, &mut conn).await;
@@ -203,12 +208,12 @@ impl RedisBackend {
             }
         });
         let remaining = self.timeout.saturating_sub(start.elapsed());
-        let reply = match tokio::time::timeout(remaining, &mut rx).await {
+        let reply = match tokio::time::timeout(remaining, &mut rx.rx).await {
             Ok(r) => r.ok(),
             Err(_) => {
                 // A reply that arrived just now is still ours; after close(), the task keeps it.
-                rx.close();
-                rx.try_recv().ok()
+                rx.rx.close();
+                rx.rx.try_recv().ok()
             }
         };
         let res = match reply {
@@ -450,6 +455,29 @@ fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
         remaining,
         (reset_us - charge_us).max(0),
     ]
+}
+
+type AdmitReply = (Result<Vec<i64>, redis::RedisError>, AdmitCall);
+
+/// The request's end of the admitting call's reply. A request that goes away while waiting
+/// for it (a client that left a queue: its future is dropped) leaves an admission that Redis
+/// made and nobody will hold: dropped unread, the reply is taken and the admission undone, as
+/// one that came after `store.timeout` is by the task.
+struct PendingReply {
+    rx: tokio::sync::oneshot::Receiver<AdmitReply>,
+    store: Arc<RedisBackend>,
+}
+
+impl Drop for PendingReply {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok((Ok(v), c)) = self.rx.try_recv() {
+            if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+                let store = self.store.clone();
+                tokio::spawn(async move { store.undo_admission(&c, true).await });
+            }
+        }
+    }
 }
 
 impl SharedStore for RedisBackend {
