@@ -23,37 +23,14 @@ use pingora::proxy::HttpProxy;
 use pingora::server::ShutdownWatch;
 use tokio::sync::Notify;
 
-use crate::proxy::Gateway;
 use crate::state::Shared;
 use crate::telemetry::metrics;
+use pingora::proxy::ProxyHttp;
 
+pub mod limits;
 mod stream;
+pub use limits::ClientLimits;
 pub use stream::Tracked;
-
-/// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ClientLimits {
-    /// The whole request head must arrive within this (from accept, or from its first byte on
-    /// a kept-alive connection).
-    pub header_timeout: Duration,
-    /// Longest gap between two reads of a request body (→ 408).
-    pub body_timeout: Duration,
-    /// Longest gap between two writes to a client that doesn't read (→ connection closed).
-    pub send_timeout: Duration,
-    /// Open client connections per instance; more are refused at once.
-    pub max_connections: usize,
-}
-
-impl Default for ClientLimits {
-    fn default() -> Self {
-        ClientLimits {
-            header_timeout: Duration::from_secs(10),
-            body_timeout: Duration::from_secs(30),
-            send_timeout: Duration::from_secs(30),
-            max_connections: 10_000,
-        }
-    }
-}
 
 /// What the front door and the request phases know about one connection.
 #[derive(Debug)]
@@ -195,14 +172,14 @@ impl Drop for OpenGuard<'_> {
 pub const H2_IDLE: Duration = Duration::from_secs(60);
 
 /// The gateway's `ServerApp`: Pingora's proxy behind the connection-level limits.
-pub struct FrontDoor {
-    proxy: Arc<HttpProxy<Gateway>>,
+pub struct FrontDoor<SV> {
+    proxy: Arc<HttpProxy<SV>>,
     shared: Arc<Shared>,
     open: OpenConnections,
 }
 
-impl FrontDoor {
-    pub fn new(mut proxy: HttpProxy<Gateway>, shared: Arc<Shared>) -> FrontDoor {
+impl<SV> FrontDoor<SV> {
+    pub fn new(mut proxy: HttpProxy<SV>, shared: Arc<Shared>) -> FrontDoor<SV> {
         let mut options = proxy.server_options.take().unwrap_or_default();
         options.h2_idle_timeout = Some(H2_IDLE);
         proxy.server_options = Some(options);
@@ -215,7 +192,11 @@ impl FrontDoor {
 }
 
 #[async_trait]
-impl ServerApp for FrontDoor {
+impl<SV> ServerApp for FrontDoor<SV>
+where
+    SV: ProxyHttp + Send + Sync + 'static,
+    SV::CTX: Send + Sync,
+{
     async fn process_new(
         self: &Arc<Self>,
         stream: Stream,
@@ -333,7 +314,7 @@ pub async fn client_left(session: &mut ServerSession) {
 pub async fn drain_upstream(
     dup: std::os::fd::OwnedFd,
     read_timeout: Duration,
-    slot: crate::proxy::ctx::UpstreamSlot,
+    release: impl std::future::Future<Output = ()>,
 ) {
     use tokio::io::AsyncReadExt;
     // The duplicate shares the original's open file description, so it is non-blocking too.
@@ -350,5 +331,5 @@ pub async fn drain_upstream(
         }
         Err(e) => tracing::debug!(error = %e, "cannot watch the upstream of a reset stream"),
     }
-    slot.release().await;
+    release.await;
 }

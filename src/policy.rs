@@ -10,7 +10,6 @@ use std::time::Duration;
 use http::HeaderValue;
 
 use crate::budget::Limit;
-use crate::store::{Bucket, Extra};
 
 /// A budget: the default one, or a plan's. A plan with several budgets (`budgets:`) is charged
 /// against all of them; `max_cost`, `window`, `limit` and `headers` are then its first one's,
@@ -143,4 +142,20 @@ impl PolicyHeaders {
             limit: HeaderValue::from(max_cost),
         }
     }
+}
+
+/// One more budget a request is charged against, besides the first (`store::AdmitRequest::limit`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extra {
+    pub bucket: Bucket,
+    pub limit: Limit,
+}
+
+/// Where an extra budget's state lives.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Bucket {
+    /// Another budget of the key's plan, by its name within the plan.
+    Key(Arc<str>),
+    /// The `shared` budget of a route (by its label): every caller of the route draws from it.
+    Route(Arc<str>),
 }

@@ -99,7 +99,7 @@ pub struct Config {
     pub grace_period: Duration,
     /// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`: what the
     /// front door enforces on client connections.
-    pub client_limits: crate::front::ClientLimits,
+    pub client_limits: crate::front::limits::ClientLimits,
     /// `server.tls`, with the certificate and key already read (they are re-read on reload).
     pub tls: Option<crate::tls::TlsListener>,
     pub upstream: UpstreamTarget,
@@ -109,7 +109,7 @@ pub struct Config {
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,
     /// `identity.trusted_proxies`: peers whose `X-Forwarded-For` is believed.
-    pub trusted_proxies: crate::identity::TrustedProxies,
+    pub trusted_proxies: crate::identity::origin::TrustedProxies,
     /// `identity.forward_credentials`: false = the key's header / `Authorization` is removed
     /// before the request goes upstream.
     pub forward_credentials: bool,
@@ -182,7 +182,10 @@ impl Config {
             ConfigErrors::one(path, msg)
         })?;
         let mut cfg = Self::validate(raw, env)?;
-        cfg.hash = hex::encode(&crate::identity::hash_key(text.as_bytes())[..8]);
+        cfg.hash = {
+            use sha2::Digest;
+            hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8])
+        };
         Ok(cfg)
     }
 

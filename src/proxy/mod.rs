@@ -441,7 +441,7 @@ impl ProxyHttp for Gateway {
             if e.is_some_and(client_went_away) && session.is_body_done() {
                 if let (Some(slot), Some(running)) = (ctx.detach_slot(), &ctx.running) {
                     let read_timeout = running.config.upstream.read_timeout;
-                    tokio::spawn(front::drain_upstream(dup, read_timeout, slot));
+                    tokio::spawn(front::drain_upstream(dup, read_timeout, slot.release()));
                 }
             }
         }

@@ -137,21 +137,8 @@ pub struct AdmitRequest {
     pub queue_timeout: Duration,
 }
 
-/// One more budget a request is charged against, besides [`AdmitRequest::limit`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Extra {
-    pub bucket: Bucket,
-    pub limit: Limit,
-}
-
-/// Where an extra budget's state lives.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Bucket {
-    /// Another budget of the key's plan, by its name within the plan.
-    Key(Arc<str>),
-    /// The `shared` budget of a route (by its label): every caller of the route draws from it.
-    Route(Arc<str>),
-}
+// A plan's further budgets are the policy's to define; the store keeps their state.
+pub use crate::policy::{Bucket, Extra};
 
 impl AdmitRequest {
     /// Every budget the request is charged against, the key's first one first.
