@@ -47,6 +47,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_store_degraded",
     "tollgate_config_reloads_total",
     "tollgate_rejections_by_key_total",
+    "tollgate_rejections_by_plan_total",
     "tollgate_shadow_rejections_total",
     "tollgate_connections",
     "tollgate_connections_refused_total",
@@ -73,6 +74,7 @@ pub struct Metrics {
     pub store_degraded: IntGauge,
     pub config_reloads: IntCounterVec,
     pub rejections_by_key: IntCounterVec,
+    pub rejections_by_plan: IntCounterVec,
     pub shadow_rejections: IntCounterVec,
     pub connections: IntGauge,
     pub connections_refused: IntCounter,
@@ -161,6 +163,12 @@ fn build() -> Metrics {
             "tollgate_config_reloads_total",
             "Configuration reloads by result",
             &["result"]
+        )
+        .expect("register"),
+        rejections_by_plan: register_int_counter_vec!(
+            "tollgate_rejections_by_plan_total",
+            "Rejections of identified callers, by plan (bounded by the plans in gateway.yaml)",
+            &["plan"]
         )
         .expect("register"),
         rejections_by_key: register_int_counter_vec!(

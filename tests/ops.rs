@@ -126,6 +126,7 @@ async fn metrics_names_and_labels_exactly_as_designed() {
         "tollgate_rejections_total{reason=\"unauthenticated\",route=\"default\"} 1",
         "tollgate_rejections_total{reason=\"bad_path\",route=\"default\"} 1",
         "tollgate_rejections_by_key_total{key=\"reg-1\"} 1",
+        "tollgate_rejections_by_plan_total{plan=\"default\"} 1",
         "tollgate_cost_units_total{route=\"/reports/generate\"} 120",
         "tollgate_in_flight{route=\"/reports/generate\"} 0",
         "tollgate_in_flight_limit{route=\"/reports/generate\"} 5",

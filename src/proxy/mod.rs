@@ -481,8 +481,14 @@ impl ProxyHttp for Gateway {
         } = ctx.phase
         {
             rm.rejection(reason);
-            if let Some(id) = ctx.identity.as_ref().and_then(|i| i.id.as_deref()) {
-                metrics().rejections_by_key.with_label_values(&[id]).inc();
+            if let Some(who) = &ctx.identity {
+                if let Some(id) = who.id.as_deref() {
+                    metrics().rejections_by_key.with_label_values(&[id]).inc();
+                }
+                metrics()
+                    .rejections_by_plan
+                    .with_label_values(&[&who.policy.name])
+                    .inc();
             }
         }
         // Field expressions are only evaluated when the access log is enabled.
