@@ -240,7 +240,7 @@ fn bench_per_request_pieces(c: &mut Criterion) {
 
     let cfg = Config::parse(&gateway_yaml(5), &EnvOverrides::default()).unwrap();
     let limit = cfg.default_policy.limit;
-    let outcome = budget::decide(&limit, None, 1 << 40, 1);
+    let outcome: tollgate::store::Standing = (&budget::decide(&limit, None, 1 << 40, 1)).into();
     g.bench_function("rate_limit_headers_6_strings", |b| {
         b.iter(|| {
             tollgate::problem::rate_limit_headers(

@@ -16,12 +16,12 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::budget::{self, Outcome, Verdict};
+use crate::budget;
 use crate::config::Config;
 use crate::identity::{self, Identity, Unauthenticated};
 use crate::problem::Problem;
 use crate::route::{normalize_path, BadPath, Route};
-use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease};
+use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease, Standing};
 
 /// What a request is charged as, and what the upstream receives for it.
 #[derive(Debug, Clone)]
@@ -43,7 +43,7 @@ pub struct Refusal {
     pub retry_after: Option<u64>,
     /// The budget as the store last saw it, for the rate-limit headers (`None` when there was no
     /// decision: the caller is unidentified or the store was unavailable).
-    pub outcome: Option<Outcome>,
+    pub outcome: Option<Standing>,
     /// Time spent waiting for a route slot before the refusal.
     pub queued: Duration,
     /// `tollgate_rejections_total{reason}`; `None` for answers that are not a gateway refusal.
@@ -66,7 +66,7 @@ impl Refusal {
 /// A request the store admitted: charged, holding its slots until `lease` is dropped.
 #[derive(Debug)]
 pub struct Admitted {
-    pub outcome: Outcome,
+    pub outcome: Standing,
     pub lease: Lease,
     /// Time spent waiting for a route slot.
     pub queued: Duration,
@@ -196,7 +196,7 @@ fn charged_also(route: &Route, who: &Identity) -> Vec<Extra> {
 }
 
 /// Whether the route's `shared` budget (the last one) is what refused `outcome`.
-fn refused_by_shared(route: &Route, outcome: &Outcome) -> bool {
+fn refused_by_shared(route: &Route, outcome: &Standing) -> bool {
     let n = outcome.each.as_slice().len();
     route.shared().is_some() && n > 1 && outcome.each.decisive as usize == n - 1
 }
@@ -208,7 +208,7 @@ pub const MAX_HELD: usize = 1024;
 
 /// The refusal of a request that would be held while [`MAX_HELD`] others are (its
 /// reservation is given back by the caller).
-pub fn too_many_held(route: &Route, hold: Duration, outcome: Outcome) -> Refusal {
+pub fn too_many_held(route: &Route, hold: Duration, outcome: Standing) -> Refusal {
     let retry = budget::retry_after_secs(hold.as_micros() as u64);
     Refusal {
         retry_after: Some(retry),
@@ -249,26 +249,21 @@ pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
 pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
     match admission {
         Admission::Admitted {
-            outcome,
+            standing,
+            delay_us,
             lease,
             queued,
+        } => Ok(Admitted {
+            outcome: standing,
+            lease,
+            queued,
+            hold: Duration::from_micros(delay_us),
+        }),
+        Admission::OverBudget {
+            standing: outcome,
+            retry_after_us,
         } => {
-            let hold = match outcome.verdict {
-                Verdict::Admit { delay_us } => Duration::from_micros(delay_us),
-                Verdict::Reject { .. } => Duration::ZERO,
-            };
-            Ok(Admitted {
-                outcome,
-                lease,
-                queued,
-                hold,
-            })
-        }
-        Admission::OverBudget(outcome) => {
-            let retry = match outcome.verdict {
-                Verdict::Reject { retry_after_us } => budget::retry_after_secs(retry_after_us),
-                Verdict::Admit { .. } => 1,
-            };
+            let retry = budget::retry_after_secs(retry_after_us);
             if refused_by_shared(route, &outcome) {
                 return Err(Refusal {
                     retry_after: Some(retry),
@@ -303,7 +298,10 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "this key has as many requests in flight as its plan allows",
             )
         }),
-        Admission::RouteBusy { outcome, queued } => Err(Refusal {
+        Admission::RouteBusy {
+            standing: outcome,
+            queued,
+        } => Err(Refusal {
             retry_after: Some(1),
             outcome: Some(outcome),
             queued,

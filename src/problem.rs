@@ -1,7 +1,8 @@
 //! What a consumer reads on a refusal: RFC 9457 problem JSON, and the rate-limit headers of
 //! DESIGN §3 (IETF draft-ietf-httpapi-ratelimit-headers plus the de-facto `X-RateLimit-*`).
 
-use crate::budget::{self, Outcome};
+use crate::budget;
+use crate::store::Standing;
 use http::HeaderValue;
 
 use crate::policy::{Budget, Policy};
@@ -118,7 +119,7 @@ pub fn body(
 pub fn rate_limit_headers(
     policy: &Policy,
     shared: Option<&Budget>,
-    outcome: &Outcome,
+    outcome: &Standing,
     cost: u64,
 ) -> [(&'static str, HeaderValue); 6] {
     let reset = budget::reset_secs(outcome.reset_us);
@@ -177,7 +178,7 @@ pub fn rate_limit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::{Limit, Verdict};
+    use crate::budget::Limit;
     use std::time::Duration;
 
     #[test]
@@ -186,9 +187,7 @@ mod tests {
         let limit = Limit::new(120, w, Duration::ZERO).unwrap();
         let policy =
             Policy::new("default", vec![(None, 120, w, limit)], Duration::ZERO, None).unwrap();
-        let o = Outcome {
-            verdict: Verdict::Admit { delay_us: 0 },
-            state: None,
+        let o = Standing {
             remaining: 40,
             reset_us: 39_000_001,
             each: Default::default(),
@@ -236,7 +235,7 @@ mod tests {
             20,
         )
         .outcome;
-        let h = rate_limit_headers(&policy, None, &o, 20);
+        let h = rate_limit_headers(&policy, None, &(&o).into(), 20);
         assert_eq!(
             h[0].1,
             "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"

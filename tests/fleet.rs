@@ -478,7 +478,7 @@ async fn one_round_trip_per_admitted_request_and_none_when_over_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_and_redis_stores_decide_alike() {
     use std::sync::Arc;
-    use tollgate::budget::{Limit, Verdict};
+    use tollgate::budget::Limit;
     use tollgate::config::{Backend, OnError, StoreSettings};
     use tollgate::store::memory::Clock;
     use tollgate::store::{Admission, AdmitRequest, Bucket, Extra, MemoryStore, RedisStore, Store};
@@ -555,10 +555,11 @@ async fn memory_and_redis_stores_decide_alike() {
                 queue_timeout: Duration::ZERO,
             };
             let s = match store.admit(&req).await {
-                Admission::Admitted { outcome, .. } => {
-                    let Verdict::Admit { delay_us } = outcome.verdict else {
-                        unreachable!()
-                    };
+                Admission::Admitted {
+                    standing: outcome,
+                    delay_us,
+                    ..
+                } => {
                     format!(
                         "admit r={} delay_s={} by={} each={:?}",
                         outcome.remaining,
@@ -572,10 +573,10 @@ async fn memory_and_redis_stores_decide_alike() {
                             .collect::<Vec<_>>()
                     )
                 }
-                Admission::OverBudget(o) => {
-                    let Verdict::Reject { retry_after_us } = o.verdict else {
-                        unreachable!()
-                    };
+                Admission::OverBudget {
+                    standing: o,
+                    retry_after_us,
+                } => {
                     format!(
                         "reject r={} retry_s={} by={} each={:?}",
                         o.remaining,

@@ -108,10 +108,8 @@ fn client_ip_namespace_is_unreachable_by_keys() {
     }
 }
 
-fn outcome(verdict: Verdict, remaining: u64) -> Outcome {
-    Outcome {
-        verdict,
-        state: None,
+fn standing(remaining: u64) -> Standing {
+    Standing {
         remaining,
         reset_us: 0,
         each: Default::default(),
@@ -126,12 +124,10 @@ fn store_answers_become_refusals() {
 
     let over = judge(
         &reports,
-        Admission::OverBudget(outcome(
-            Verdict::Reject {
-                retry_after_us: 9_000_001,
-            },
-            3,
-        )),
+        Admission::OverBudget {
+            standing: standing(3),
+            retry_after_us: 9_000_001,
+        },
     )
     .unwrap_err();
     assert_eq!(
@@ -147,7 +143,7 @@ fn store_answers_become_refusals() {
         judge(
             route,
             Admission::RouteBusy {
-                outcome: outcome(Verdict::Admit { delay_us: 0 }, 1),
+                standing: standing(1),
                 queued: Duration::from_millis(5),
             },
         )
@@ -165,11 +161,7 @@ fn store_answers_become_refusals() {
         )
     );
 
-    let key = judge(
-        &reports,
-        Admission::KeyBusy(outcome(Verdict::Admit { delay_us: 0 }, 1)),
-    )
-    .unwrap_err();
+    let key = judge(&reports, Admission::KeyBusy(standing(1))).unwrap_err();
     assert_eq!(
         (key.problem, key.reason, key.retry_after),
         (Problem::ConcurrencyLimit, Some("key_in_flight"), Some(1))
@@ -184,7 +176,8 @@ fn store_answers_become_refusals() {
     let ok = judge(
         &reports,
         Admission::Admitted {
-            outcome: outcome(Verdict::Admit { delay_us: 1_500 }, 100),
+            standing: standing(100),
+            delay_us: 1_500,
             lease: Lease::default(),
             queued: Duration::ZERO,
         },
@@ -201,7 +194,10 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
     let shadow = classify(&c, "POST", "/exports/bulk").unwrap().route;
     let over = judge(
         &shadow,
-        Admission::OverBudget(outcome(Verdict::Reject { retry_after_us: 1 }, 0)),
+        Admission::OverBudget {
+            standing: standing(0),
+            retry_after_us: 1,
+        },
     )
     .unwrap_err();
     assert_eq!(shadowed(&shadow, &over), Some("budget"));
@@ -216,11 +212,7 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
         ..over.clone()
     };
     assert_eq!(shadowed(&shadow, &shared), Some("shared_budget"));
-    let held = too_many_held(
-        &shadow,
-        Duration::from_secs(2),
-        outcome(Verdict::Admit { delay_us: 0 }, 0),
-    );
+    let held = too_many_held(&shadow, Duration::from_secs(2), standing(0));
     assert_eq!(shadowed(&shadow, &held), Some("budget"));
     // A shadow route never queues for a slot; an enforced one does.
     let who = identify(
@@ -282,13 +274,17 @@ fn shared_budget_refusals_and_the_hold_bound() {
         1,
     );
     assert_eq!(joint.outcome.each.decisive, 1);
-    let r = judge(&route, Admission::OverBudget(joint.outcome)).unwrap_err();
+    let r = judge(&route, Admission::over_budget(&joint.outcome)).unwrap_err();
     assert_eq!(
         (r.problem, r.reason),
         (Problem::QuotaExceeded, Some("shared_budget"))
     );
     // Past the bound on held requests: 429, Retry-After from the hold.
-    let r = too_many_held(&route, Duration::from_millis(1_500), joint.outcome);
+    let r = too_many_held(
+        &route,
+        Duration::from_millis(1_500),
+        (&joint.outcome).into(),
+    );
     assert_eq!(r.problem.status(), 429);
     assert_eq!((r.retry_after, r.reason), (Some(2), Some("shared_budget")));
 }

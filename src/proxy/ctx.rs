@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntGauge;
 
-use crate::budget::Outcome;
 use crate::decision::{Admitted, Classified, Refusal};
 use crate::front::ConnState;
 use crate::identity::{Identity, Origin};
@@ -19,7 +18,7 @@ use crate::problem::Problem;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
 use crate::state::Running;
-use crate::store::{AdmitRequest, Charge, Lease, Store};
+use crate::store::{AdmitRequest, Charge, Lease, Standing, Store};
 
 /// Counts a request in `tollgate_in_flight{route}` for as long as it lives.
 pub struct InFlight(IntGauge);
@@ -40,7 +39,7 @@ impl Drop for InFlight {
 /// An admitted request: what it was charged under, and the slots it holds.
 pub struct Charged {
     pub req: AdmitRequest,
-    pub outcome: Outcome,
+    pub outcome: Standing,
     pub lease: Lease,
     /// Where the admission was charged (kept after the lease is released), so that a
     /// `cost_per_second` charge goes to the same place.
@@ -72,13 +71,13 @@ pub enum Phase {
     Refused {
         problem: Problem,
         reason: Option<&'static str>,
-        outcome: Option<Outcome>,
+        outcome: Option<Standing>,
     },
     Admitted(Charged),
     /// Charged, then given back because the upstream never produced a response.
     Refunded {
         problem: Problem,
-        outcome: Outcome,
+        outcome: Standing,
     },
     /// The client went away before the request was forwarded (queued for a slot or held by
     /// `max_delay`): never forwarded, nothing charged.
@@ -87,7 +86,7 @@ pub enum Phase {
     /// uncharged and holding no slot; the headers describe the refusal as if enforced.
     Shadowed {
         reason: &'static str,
-        outcome: Option<Outcome>,
+        outcome: Option<Standing>,
     },
 }
 
@@ -266,7 +265,7 @@ impl Ctx {
     }
 
     /// The budget decision to describe in the rate-limit headers, if there was one.
-    pub fn outcome(&self) -> Option<&Outcome> {
+    pub fn outcome(&self) -> Option<&Standing> {
         match &self.phase {
             Phase::Refused { outcome, .. } | Phase::Shadowed { outcome, .. } => outcome.as_ref(),
             Phase::Admitted(c) => Some(&c.outcome),
@@ -338,14 +337,12 @@ impl Ctx {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::{Limit, Verdict};
+    use crate::budget::Limit;
     use crate::shutdown::Drain;
     use crate::store::MemoryStore;
 
-    fn outcome() -> Outcome {
-        Outcome {
-            verdict: Verdict::Admit { delay_us: 0 },
-            state: None,
+    fn outcome() -> Standing {
+        Standing {
             remaining: 7,
             reset_us: 0,
             each: Default::default(),

@@ -23,9 +23,10 @@ use super::memory::MemoryStore;
 use super::running::{slots_of, Running, Slot};
 use super::write_back::{Ledger, Owed};
 use super::{
-    short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Lease, StoreError,
+    short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Lease, Standing,
+    StoreError,
 };
-use crate::budget::{Limit, Outcome, Verdict};
+use crate::budget::Limit;
 use crate::config::OnError;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
@@ -206,14 +207,16 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
                 let admission = match answer.admission {
                     Admission::Admitted {
-                        outcome,
+                        standing,
+                        delay_us,
                         lease,
                         queued,
                     } => {
                         let slots = slots_of(req);
                         let running = (!slots.is_empty()).then(|| self.running.track(slots));
                         Admission::Admitted {
-                            outcome,
+                            standing,
+                            delay_us,
                             lease: lease.counted(running, false),
                             queued,
                         }
@@ -295,21 +298,21 @@ impl<S: SharedStore> FallbackStore<S> {
                 r.route_cap = None;
                 match self.local.admit(&r).await {
                     Admission::Admitted {
-                        outcome,
+                        standing,
+                        delay_us,
                         lease,
                         queued,
                     } => Admission::Admitted {
-                        outcome,
+                        standing,
+                        delay_us,
                         lease: lease.counted(None, true),
                         queued,
                     },
-                    Admission::OverBudget(o)
-                    | Admission::KeyBusy(o)
-                    | Admission::RouteBusy { outcome: o, .. } => Admission::Admitted {
-                        outcome: Outcome {
-                            verdict: Verdict::Admit { delay_us: 0 },
-                            ..o
-                        },
+                    Admission::OverBudget { standing, .. }
+                    | Admission::KeyBusy(standing)
+                    | Admission::RouteBusy { standing, .. } => Admission::Admitted {
+                        standing,
+                        delay_us: 0,
                         lease: Lease::default().counted(None, true),
                         queued: Duration::ZERO,
                     },
@@ -345,12 +348,12 @@ impl<S: SharedStore> FallbackStore<S> {
             freed.as_mut().enable();
             match self.running.try_take(&wanted) {
                 Ok(g) => break g,
-                Err(Slot::Key(_)) => return Admission::KeyBusy(self.local_outcome(&r)),
+                Err(Slot::Key(_)) => return Admission::KeyBusy(self.local_standing(&r)),
                 Err(Slot::Route(_)) => {
                     let waited = start.elapsed();
                     if waited >= req.queue_timeout {
                         return Admission::RouteBusy {
-                            outcome: self.local_outcome(&r),
+                            standing: self.local_standing(&r),
                             queued: waited,
                         };
                     }
@@ -360,8 +363,14 @@ impl<S: SharedStore> FallbackStore<S> {
         };
         // The budget may have moved while we queued: decide again, now for real.
         match self.local.admit(&r).await {
-            Admission::Admitted { outcome, lease, .. } => Admission::Admitted {
-                outcome,
+            Admission::Admitted {
+                standing,
+                delay_us,
+                lease,
+                ..
+            } => Admission::Admitted {
+                standing,
+                delay_us,
                 lease: lease.counted(Some(running), true),
                 queued: start.elapsed(),
             },
@@ -370,11 +379,9 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     /// The local budget's figures for a refusal that charged nothing.
-    fn local_outcome(&self, r: &AdmitRequest) -> Outcome {
+    fn local_standing(&self, r: &AdmitRequest) -> Standing {
         let view = self.local.peek(&r.key, &r.limit);
-        Outcome {
-            verdict: Verdict::Admit { delay_us: 0 },
-            state: None,
+        Standing {
             remaining: view.remaining,
             reset_us: view.reset_us,
             each: Default::default(),

@@ -263,29 +263,26 @@ impl MemoryStore {
         let budgets = locked.budgets(req);
         let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
-            return Admission::OverBudget(joint.outcome);
+            return Admission::over_budget(&joint.outcome);
         }
         let in_flight = locked.shard.entries.get(&key).map_or(0, |e| e.in_flight);
         if req.key_cap.is_some_and(|cap| in_flight >= cap) {
-            return Admission::KeyBusy(uncharged(&budgets, now, joint.outcome));
+            return Admission::KeyBusy((&uncharged(&budgets, now, joint.outcome)).into());
         }
         locked.put(req, &joint.states[..budgets.len()]);
         if let Some(e) = locked.shard.entries.get_mut(&key) {
             e.in_flight += 1;
         }
         drop(locked);
-        Admission::Admitted {
-            outcome: joint.outcome,
-            lease: Lease::local(
-                MemoryLease {
-                    store: self.clone(),
-                    key,
-                    _route: route,
-                },
-                req.limit,
-            ),
-            queued,
-        }
+        let lease = Lease::local(
+            MemoryLease {
+                store: self.clone(),
+                key,
+                _route: route,
+            },
+            req.limit,
+        );
+        Admission::admitted(&joint.outcome, lease, queued)
     }
 
     /// What the decision would be, without writing anything.
@@ -295,7 +292,7 @@ impl MemoryStore {
         let budgets = locked.budgets(req);
         let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
-            return Some(Admission::OverBudget(joint.outcome));
+            return Some(Admission::over_budget(&joint.outcome));
         }
         let in_flight = locked
             .shard
@@ -303,7 +300,9 @@ impl MemoryStore {
             .get(&locked.key)
             .map_or(0, |e| e.in_flight);
         if req.key_cap.is_some_and(|cap| in_flight >= cap) {
-            return Some(Admission::KeyBusy(uncharged(&budgets, now, joint.outcome)));
+            return Some(Admission::KeyBusy(
+                (&uncharged(&budgets, now, joint.outcome)).into(),
+            ));
         }
         None
     }
@@ -332,7 +331,7 @@ impl MemoryStore {
                 Ok(Ok(p)) => p,
                 _ => {
                     return Admission::RouteBusy {
-                        outcome: self.standing(req),
+                        standing: (&self.standing(req)).into(),
                         queued: start.elapsed(),
                     };
                 }

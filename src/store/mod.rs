@@ -21,7 +21,7 @@ mod write_back;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::budget::{Limit, Outcome};
+use crate::budget::{Figures, Limit, Outcome, Verdict};
 use crate::identity::KeyHash;
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
@@ -176,25 +176,82 @@ impl AdmitRequest {
     }
 }
 
-/// A store's answer.
+/// The budget as a decision left it: what the rate-limit headers describe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// Whole units left (`RateLimit: r=`); of the decisive budget when there are several.
+    pub remaining: u64,
+    /// µs until the bucket is full again (`RateLimit: t=`).
+    pub reset_us: u64,
+    /// Every budget's figures when the request was decided on several; empty for one.
+    pub each: Figures,
+}
+
+impl From<&Outcome> for Standing {
+    fn from(o: &Outcome) -> Standing {
+        Standing {
+            remaining: o.remaining,
+            reset_us: o.reset_us,
+            each: o.each,
+        }
+    }
+}
+
+/// A store's answer. Each variant carries only what is true of it: a delay only when
+/// admitted, a retry time only when over budget.
 #[derive(Debug)]
 pub enum Admission {
-    /// Charged; forward the request (after `outcome`'s delay, if any). Dropping the lease frees
-    /// the in-flight slots.
+    /// Charged; forward the request after `delay_us` (`max_delay`; usually 0). Dropping the
+    /// lease frees the in-flight slots.
     Admitted {
-        outcome: Outcome,
+        standing: Standing,
+        delay_us: u64,
         lease: Lease,
         /// How long the request waited for a route slot.
         queued: Duration,
     },
-    /// Over budget: 429 `quota-exceeded`. Nothing was charged.
-    OverBudget(Outcome),
+    /// Over budget: 429 `quota-exceeded`, retry in `retry_after_us`. Nothing was charged.
+    OverBudget {
+        standing: Standing,
+        retry_after_us: u64,
+    },
     /// The key's in-flight cap is full: 429 `concurrency-limit`. Nothing was charged.
-    KeyBusy(Outcome),
+    KeyBusy(Standing),
     /// The route's cap stayed full for `queue_timeout`: 503 `route-busy`. Nothing was charged.
-    RouteBusy { outcome: Outcome, queued: Duration },
+    RouteBusy {
+        standing: Standing,
+        queued: Duration,
+    },
     /// The store failed and `on_error: deny`: 503 `store-unavailable`.
     Unavailable,
+}
+
+impl Admission {
+    /// The answer of a budget decision that charged (`verdict` Admit).
+    pub(crate) fn admitted(o: &Outcome, lease: Lease, queued: Duration) -> Admission {
+        let delay_us = match o.verdict {
+            Verdict::Admit { delay_us } => delay_us,
+            Verdict::Reject { .. } => 0,
+        };
+        Admission::Admitted {
+            standing: o.into(),
+            delay_us,
+            lease,
+            queued,
+        }
+    }
+
+    /// The answer of a budget decision that refused (`verdict` Reject).
+    pub(crate) fn over_budget(o: &Outcome) -> Admission {
+        let retry_after_us = match o.verdict {
+            Verdict::Reject { retry_after_us } => retry_after_us,
+            Verdict::Admit { .. } => 0,
+        };
+        Admission::OverBudget {
+            standing: o.into(),
+            retry_after_us,
+        }
+    }
 }
 
 /// Held while a request is in flight; frees its slots when released or dropped. It also

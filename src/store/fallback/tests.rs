@@ -25,13 +25,12 @@ impl SharedStore for Fake {
         }
         Ok(SharedAnswer {
             admission: Admission::Admitted {
-                outcome: Outcome {
-                    verdict: Verdict::Admit { delay_us: 0 },
-                    state: None,
+                standing: Standing {
                     remaining: req.limit.max_cost(),
                     reset_us: 0,
                     each: Default::default(),
                 },
+                delay_us: 0,
                 lease: Lease::shared(None),
                 queued: Duration::ZERO,
             },
@@ -131,7 +130,7 @@ async fn local_enforces_the_share_of_budget_and_cap() {
         assert!(admitted(&a), "{a:?}");
         held.push(a);
     }
-    assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
+    assert!(matches!(s.admit(&r).await, Admission::OverBudget { .. }));
     assert!(s.degraded() && s.ready());
     // A cap of 6 over 3 instances: 2 here.
     let capped = AdmitRequest {
@@ -173,7 +172,7 @@ async fn a_refund_goes_back_where_it_was_charged() {
     let Admission::Admitted { lease, .. } = s.admit(&r).await else {
         panic!()
     };
-    assert!(matches!(s.admit(&r).await, Admission::OverBudget(_)));
+    assert!(matches!(s.admit(&r).await, Admission::OverBudget { .. }));
     s.refund(&r, lease.charge()).await;
     assert!(admitted(&s.admit(&r).await), "the local share got it back");
     assert!(s.peek(&r.key, &r.limit).await.is_none(), "no shared view");
@@ -297,7 +296,7 @@ async fn local_share_and_write_back_cover_every_budget() {
     let a = s.admit(&r).await;
     let b = s.admit(&r).await;
     assert!(admitted(&a) && admitted(&b));
-    let Admission::OverBudget(o) = s.admit(&r).await else {
+    let Admission::OverBudget { standing: o, .. } = s.admit(&r).await else {
         panic!("the day budget's local share is spent")
     };
     assert_eq!(o.each.decisive, 1);
@@ -344,7 +343,7 @@ async fn time_charges_weigh_every_local_share_alike() {
         admitted(&s.admit(&r).await),
         "1 of the day share's 5 is left"
     );
-    let Admission::OverBudget(o) = s.admit(&r).await else {
+    let Admission::OverBudget { standing: o, .. } = s.admit(&r).await else {
         panic!("the day share is spent")
     };
     assert_eq!(o.each.decisive, 1, "refused by the day budget");

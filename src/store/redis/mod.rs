@@ -32,7 +32,7 @@ pub(super) use script::refused_before_running;
 
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
 use super::memory::{Clock, MemoryStore};
-use super::{Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease, StoreError};
+use super::{Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease, Standing, StoreError};
 use crate::budget::{Figure, Figures, Limit, Outcome, Verdict, MAX_BUDGETS};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
@@ -97,8 +97,8 @@ impl std::fmt::Debug for RedisBackend {
 enum Decided {
     Admitted(Outcome, Lease),
     OverBudget(Outcome),
-    KeyBusy(Outcome),
-    RouteBusy(Outcome),
+    KeyBusy(Standing),
+    RouteBusy(Standing),
 }
 
 impl RedisBackend {
@@ -373,8 +373,16 @@ impl RedisBackend {
             AdmitCode::OverBudget => {
                 Decided::OverBudget(outcome(Verdict::Reject { retry_after_us: a }))
             }
-            AdmitCode::KeyBusy => Decided::KeyBusy(outcome(Verdict::Admit { delay_us: 0 })),
-            AdmitCode::RouteBusy => Decided::RouteBusy(outcome(Verdict::Admit { delay_us: 0 })),
+            AdmitCode::KeyBusy => Decided::KeyBusy(Standing {
+                remaining,
+                reset_us,
+                each,
+            }),
+            AdmitCode::RouteBusy => Decided::RouteBusy(Standing {
+                remaining,
+                reset_us,
+                each,
+            }),
             AdmitCode::Admitted => {
                 let held = call.slot_keys();
                 let lease = if held.is_empty() {
@@ -486,7 +494,7 @@ impl SharedStore for RedisBackend {
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
         if let Some(o) = self.deny.check(req) {
             return Ok(SharedAnswer {
-                admission: Admission::OverBudget(o),
+                admission: Admission::over_budget(&o),
                 reached: false,
             });
         }
@@ -502,22 +510,18 @@ impl SharedStore for RedisBackend {
             let admission = match self.try_admit(req).await? {
                 Decided::Admitted(outcome, lease) => {
                     self.deny.forget(&req.key);
-                    Admission::Admitted {
-                        outcome,
-                        lease,
-                        queued: waited_before,
-                    }
+                    Admission::admitted(&outcome, lease, waited_before)
                 }
                 Decided::OverBudget(o) => {
                     self.deny.insert(req, &o);
-                    Admission::OverBudget(o)
+                    Admission::over_budget(&o)
                 }
                 Decided::KeyBusy(o) => Admission::KeyBusy(o),
                 Decided::RouteBusy(o) => {
                     let waited = start.elapsed();
                     if waited >= req.queue_timeout {
                         Admission::RouteBusy {
-                            outcome: o,
+                            standing: o,
                             queued: waited,
                         }
                     } else {
