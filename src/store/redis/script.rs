@@ -133,11 +133,22 @@ impl StoreScript {
     /// budgets, the decisive budget's index and `remaining, reset_us` of each. Writes only when
     /// admitted (to every budget). Charges: never retry it after a timeout (it may have run).
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        self.admit_with(c, c.route_slots.as_ref().unwrap_or(&c.budget), c.route_cap)
+    }
+
+    /// `admit` with the route's lease set and cap given (the key's side alone: the budget key
+    /// again, and cap 0).
+    fn admit_with<'a>(
+        &'a self,
+        c: &'a AdmitCall,
+        route_set: &'a str,
+        route_cap: u32,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         let l = &c.limit;
         inv.key(&c.budget)
             .key(c.key_slots.as_ref().unwrap_or(&c.budget))
-            .key(c.route_slots.as_ref().unwrap_or(&c.budget))
+            .key(route_set)
             .arg("admit")
             .arg(l.per_unit)
             .arg(l.rate)
@@ -145,7 +156,7 @@ impl StoreScript {
             .arg(l.max_delay)
             .arg(c.cost)
             .arg(c.key_cap)
-            .arg(c.route_cap)
+            .arg(route_cap)
             .arg(&c.lease_id)
             .arg(c.lease_ttl_us);
         for (key, l) in &c.also {
@@ -168,29 +179,7 @@ impl StoreScript {
     /// `admit` for the key's side only (its budget and lease set, one hash slot), as Redis
     /// Cluster needs on a capped route; the route's slot is then taken by [`Self::take`].
     pub fn admit_key<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        let l = &c.limit;
-        inv.key(&c.budget)
-            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
-            .key(&c.budget)
-            .arg("admit")
-            .arg(l.per_unit)
-            .arg(l.rate)
-            .arg(l.capacity)
-            .arg(l.max_delay)
-            .arg(c.cost)
-            .arg(c.key_cap)
-            .arg(0)
-            .arg(&c.lease_id)
-            .arg(c.lease_ttl_us);
-        for (key, l) in &c.also {
-            inv.key(key)
-                .arg(l.per_unit)
-                .arg(l.rate)
-                .arg(l.capacity)
-                .arg(l.max_delay);
-        }
-        inv
+        self.admit_with(c, &c.budget, 0)
     }
 
     /// `take`: a slot in a route's lease set for lease `id`, if one is free.
