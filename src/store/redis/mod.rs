@@ -481,8 +481,12 @@ impl Drop for PendingReply {
         self.rx.close();
         if let Ok((Ok(v), c)) = self.rx.try_recv() {
             if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
-                let store = self.store.clone();
-                tokio::spawn(async move { store.undo_admission(&c, true).await });
+                // Dropped outside a runtime only when the process is going away: the lease
+                // then lapses after lease_ttl.
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    let store = self.store.clone();
+                    rt.spawn(async move { store.undo_admission(&c, true).await });
+                }
             }
         }
     }
