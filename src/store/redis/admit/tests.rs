@@ -1,4 +1,6 @@
 use super::*;
+use crate::budget::Limit;
+use std::time::Duration;
 
 fn call(cost: u64) -> AdmitCall {
     AdmitCall {

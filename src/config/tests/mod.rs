@@ -1,0 +1,341 @@
+//! Parsing and validation as `tollgate check` sees them: whole files in, errors with paths out.
+
+use super::url::parse_upstream_url;
+use super::*;
+use crate::route;
+
+const BASE: &str = r#"
+upstream:
+  url: "http://127.0.0.1:3000"
+rate_limits:
+  default:
+    cost: 1
+    window: 60s
+    max_cost: 120
+    max_delay: 0s
+  endpoints:
+    /reports/generate:
+      cost: 20
+      max_in_flight: 5
+      queue_timeout: 2s
+    /exports/bulk:
+      cost: 15
+    /analytics/query:
+      cost: 10
+    "GET /reports/{id}":
+      cost: 1
+"#;
+
+fn parse(s: &str) -> Result<Config, ConfigErrors> {
+    Config::parse(s, &EnvOverrides::default())
+}
+
+fn first_error(s: &str) -> String {
+    parse(s).expect_err("config should be rejected").0[0].to_string()
+}
+
+#[test]
+fn incident_block_parses() {
+    let c = parse(BASE).unwrap();
+    assert_eq!(c.default_policy.max_cost, 120);
+    assert_eq!(c.default_policy.window, Duration::from_secs(60));
+    let m = c.router.classify("POST", "/reports/generate");
+    assert_eq!(m.route.cost, 20);
+    assert_eq!(m.route.max_in_flight, Some(5));
+    assert_eq!(m.route.queue_timeout, Duration::from_secs(2));
+    assert_eq!(c.listen, vec!["0.0.0.0:8080".to_string()]);
+    assert_eq!(c.store.backend, Backend::Memory);
+}
+
+#[test]
+fn zero_cost_names_the_field() {
+    let s = BASE.replace("cost: 20", "cost: 0");
+    assert_eq!(
+        first_error(&s),
+        "rate_limits.endpoints.\"/reports/generate\".cost: must be a positive integer, got 0"
+    );
+}
+
+#[test]
+fn unknown_field_is_rejected_with_path() {
+    let s = BASE.replace("      cost: 15", "      cost: 15\n      weight: 3");
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.endpoints.\"/exports/bulk\".weight: unknown field `weight`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn type_error_has_path() {
+    let s = BASE.replace("max_cost: 120", "max_cost: lots");
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.default.max_cost: invalid type"),
+        "{e}"
+    );
+    let s = BASE.replace("window: 60s", "window: 60");
+    let e = first_error(&s);
+    assert!(e.starts_with("rate_limits.default.window: "), "{e}");
+}
+
+#[test]
+fn cost_over_plan_is_rejected() {
+    let s = format!("{BASE}\nplans:\n  small:\n    max_cost: 10\n    window: 60s\n");
+    let errs = parse(&s).err().unwrap().0;
+    let msgs: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+    assert!(msgs.contains(&"rate_limits.endpoints.\"/reports/generate\".cost: cost 20 exceeds plans.small.max_cost 10: such a request could never pass".to_string()), "{msgs:?}");
+    assert!(msgs
+        .iter()
+        .any(|m| m.starts_with("rate_limits.endpoints.\"/exports/bulk\".cost")));
+    assert!(!msgs
+        .iter()
+        .any(|m| m.contains("/analytics/query\".cost: cost 10")));
+}
+
+#[test]
+fn registry_and_plans() {
+    let s = format!(
+        "{BASE}\nplans:\n  enterprise:\n    max_cost: 600\n    window: 60s\n    max_in_flight_per_key: 10\nkeys:\n  - id: acme-prod\n    sha256: \"{}\"\n    plan: enterprise\n",
+        "ab".repeat(32)
+    );
+    let c = parse(&s).unwrap();
+    let e = c.keys.get(&[0xab; 32]).unwrap();
+    assert_eq!(&*e.id, "acme-prod");
+    assert_eq!(e.policy.name, "enterprise");
+    assert_eq!(e.policy.max_in_flight_per_key, Some(10));
+
+    let bad = s.replace(&"ab".repeat(32), "secret-key");
+    assert!(first_error(&bad).starts_with("keys[0].sha256: must be the 64 hex digits"));
+    let bad = s.replace("plan: enterprise", "plan: gold");
+    assert_eq!(first_error(&bad), "keys[0].plan: unknown plan \"gold\"");
+}
+
+#[test]
+fn plan_names_fit_in_headers() {
+    let s = format!("{BASE}\nplans:\n  \"gold plan\": {{max_cost: 600, window: 60s}}\n");
+    assert!(first_error(&s).starts_with("plans.\"gold plan\": a plan name uses only"));
+    let s = format!("{BASE}\nplans:\n  default: {{max_cost: 600, window: 60s}}\n");
+    assert!(first_error(&s).starts_with("plans.default: a plan name"));
+}
+
+#[test]
+fn env_overrides_and_redaction() {
+    let env = EnvOverrides {
+        redis_url: Some("redis://:hunter2@10.0.0.1:6379/0".into()),
+        fleet_size: Some("6".into()),
+    };
+    let c = Config::parse(BASE, &env).unwrap();
+    assert_eq!(c.store.fleet_size, 6);
+    assert_eq!(c.store.url, "redis://:hunter2@10.0.0.1:6379/0");
+    let y = c.redacted_yaml();
+    assert!(!y.contains("hunter2"), "{y}");
+    assert!(y.contains("redis://:***@10.0.0.1:6379/0"), "{y}");
+    assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
+    assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
+    assert_eq!(
+        redact_url("rediss+cluster://u:pw@h1:1,h2:2"),
+        "rediss+cluster://u:***@h1:1,h2:2"
+    );
+    assert_eq!(
+        redact_url("redis+sentinel://:pw@s1:1,s2:2/mymaster"),
+        "redis+sentinel://:***@s1:1,s2:2/mymaster"
+    );
+}
+
+#[test]
+fn upstream_urls() {
+    assert_eq!(
+        parse_upstream_url("https://api.example.com").unwrap(),
+        (true, "api.example.com".into(), 443)
+    );
+    assert_eq!(
+        parse_upstream_url("http://127.0.0.1:3000/").unwrap(),
+        (false, "127.0.0.1".into(), 3000)
+    );
+    assert!(parse_upstream_url("ftp://x").is_err());
+    assert!(parse_upstream_url("http://x/api").is_err());
+    let s = BASE.replace("http://127.0.0.1:3000", "tcp://x");
+    assert!(first_error(&s).starts_with("upstream.url: must start with http://"));
+    // A password in the URL is refused without being echoed.
+    let s = BASE.replace(
+        "http://127.0.0.1:3000",
+        "http://user:hunter2@127.0.0.1:3000",
+    );
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("upstream.url: credentials in the upstream URL"),
+        "{e}"
+    );
+    assert!(!e.contains("hunter2"), "{e}");
+}
+
+#[test]
+fn identity_sources() {
+    let s = format!("{BASE}\nidentity:\n  sources: [\"bearer\", \"header:X-Key\", \"cookie\"]\n");
+    assert_eq!(
+        first_error(&s),
+        "identity.sources[2]: expected \"header:<name>\" or \"bearer\", got \"cookie\""
+    );
+}
+
+#[test]
+fn listen_list() {
+    let s = format!("server:\n  listen: [\"127.0.0.1:1\", \"nope\"]\n{BASE}");
+    assert_eq!(
+        first_error(&s),
+        "server.listen[1]: expected IP:PORT, got \"nope\""
+    );
+}
+
+#[test]
+fn a_key_twice_in_a_map_is_an_error() {
+    let s = BASE.replace(
+        "    /analytics/query:\n      cost: 10\n",
+        "    /analytics/query:\n      cost: 10\n    /exports/bulk:\n      cost: 3\n",
+    );
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.endpoints.\"/exports/bulk\": appears twice"),
+        "{e}"
+    );
+    let s = format!(
+        "{BASE}plans:\n  pro: {{max_cost: 600, window: 60s}}\n  free: {{max_cost: 60, window: 60s}}\n  pro: {{max_cost: 900, window: 60s}}\n"
+    );
+    let e = first_error(&s);
+    assert!(e.starts_with("plans.pro: appears twice"), "{e}");
+}
+
+fn with_endpoint(pattern: &str) -> String {
+    format!("{BASE}    \"{pattern}\":\n      cost: 2\n")
+}
+
+#[test]
+fn patterns_must_be_written_normalized() {
+    for (pattern, normalized) in [
+        ("/a/%67", "/a/g"),
+        ("/a//b", "/a/b"),
+        ("/a/./b", "/a/b"),
+        ("/a/../b", "/b"),
+        ("/a/", "/a"),
+        ("/a/%7e%41", "/a/~A"),
+        ("/caf%c3%a9", "/caf%C3%A9"),
+        ("GET /a/%67", "GET /a/g"),
+        ("/a/%67/{id}", "/a/g/{id}"),
+        ("/x//{*rest}", "/x/{*rest}"),
+        ("/x/{id}/..", "/x"),
+    ] {
+        let e = first_error(&with_endpoint(pattern));
+        let path = format!("rate_limits.endpoints.\"{pattern}\": ");
+        assert!(e.starts_with(&path), "{pattern}: {e}");
+        assert!(
+            e.contains(&format!("write \"{normalized}\"")),
+            "{pattern}: {e}"
+        );
+    }
+    // Already normalized: accepted.
+    for pattern in [
+        "/a/g",
+        "/caf%C3%A9",
+        "/a%20b",
+        "GET /a/{id}.json",
+        "/x/{*rest}",
+    ] {
+        assert!(parse(&with_endpoint(pattern)).is_ok(), "{pattern}");
+    }
+}
+
+#[test]
+fn patterns_that_can_never_match_are_errors() {
+    for pattern in [
+        "/a%2Fb",
+        "/a%5cb",
+        "/a\\b",
+        "/a%00",
+        "/a%zz",
+        "/a?b=1",
+        "/a#b",
+        "/a<b>",
+        "/a`b",
+        "CONNECT /x",
+    ] {
+        let e = first_error(&format!("{BASE}    '{pattern}':\n      cost: 2\n"));
+        let path = super::error::key_path("rate_limits.endpoints", pattern);
+        assert!(e.starts_with(&format!("{path}: ")), "{pattern}: {e}");
+        assert!(e.contains("never"), "{pattern}: {e}");
+    }
+}
+
+#[test]
+fn huge_names_are_refused_with_a_short_error() {
+    let long = "a".repeat(70_000);
+    let s = format!("{BASE}plans:\n  ? {long}\n  : {{max_cost: 600, window: 60s}}\n");
+    let e = first_error(&s);
+    assert!(e.starts_with("plans.\"aaaa"), "{}", &e[..100]);
+    assert!(e.contains("at most 128 characters"), "{}", &e[..200]);
+    assert!(
+        e.len() < 400,
+        "the error does not repeat the name: {} bytes",
+        e.len()
+    );
+
+    let s = format!("{BASE}    ? /{long}\n    :\n      cost: 2\n");
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.endpoints.\"/aaaa"),
+        "{}",
+        &e[..100]
+    );
+    assert!(e.contains("at most 2048 characters"), "{}", &e[..200]);
+    assert!(e.len() < 400, "{} bytes", e.len());
+
+    let s = format!(
+        "{BASE}keys:\n  - id: {long}\n    sha256: \"{}\"\n    plan: {long}\n",
+        "ab".repeat(32)
+    );
+    let errs = parse(&s).unwrap_err().0;
+    assert_eq!(
+        errs[0].path,
+        "keys[0].id",
+        "{}",
+        &errs[0].to_string()[..100]
+    );
+    assert!(errs[0].message.contains("at most 128 characters"));
+    assert!(errs.iter().all(|e| e.to_string().len() < 400));
+}
+
+#[test]
+fn hostile_yaml_is_bounded_before_parsing() {
+    let t = std::time::Instant::now();
+    let e = first_error(&"[".repeat(100_000));
+    assert!(e.starts_with(".: nested deeper than 64 levels"), "{e}");
+    let e = first_error(&format!(
+        "{BASE}x: {}{}\n",
+        "{a: ".repeat(65),
+        "}".repeat(65)
+    ));
+    assert!(e.starts_with(".: nested deeper than 64 levels"), "{e}");
+    let e = first_error(&"- ".repeat(100_000));
+    assert!(e.starts_with(".: nested deeper than 64 levels"), "{e}");
+    let deep: String = (0..100)
+        .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+        .collect();
+    let e = first_error(&deep);
+    assert!(e.starts_with(".: nested deeper than 64 levels"), "{e}");
+    let e = first_error(&format!("{BASE}#{}\n", "x".repeat(5 << 20)));
+    assert!(e.starts_with(".: the file is 5"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // What counts is what the YAML parser sees, whatever the quotes around it.
+    let sneaky = format!("a: b '\nc: {}{}\n", "{a: ".repeat(100), "}".repeat(100));
+    assert!(first_error(&sneaky).starts_with(".: nested deeper than 64 levels (line 2)"));
+    // Brackets inside quotes and comments are not nesting.
+    let s = format!(
+        "{BASE}    \"/q[{}]\":\n      cost: 2\n# {}\n",
+        "[".repeat(70),
+        "{".repeat(70)
+    );
+    assert!(parse(&s).is_ok());
+}
+
+mod sections;
+mod store_url;

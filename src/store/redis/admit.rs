@@ -1,0 +1,229 @@
+//! The charging call to Redis and what undoes it: the admitting script runs in a task of its
+//! own (so a timed-out charge is refunded, never retried), its reply has a drop guard (so a
+//! request that goes away unread gives it back), and on Redis Cluster a capped route's
+//! second call (the route's slot) undoes the first when it refuses or fails.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::conn::Conn;
+use super::script::{self, AdmitCall, AdmitCode, StoreScript};
+use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
+use crate::store::StoreError;
+
+impl RedisBackend {
+    /// The charging call. It runs in a task of its own (see [`PendingReply`] for a request
+    /// that goes away while waiting for it): when it outlives `store.timeout` the
+    /// request goes on without it (by `on_error`), and the task, if Redis admitted the request
+    /// after all, gives the units and the slots back. So a timed-out request is never charged
+    /// by Redis, and never charged twice (DESIGN §3); and it is never retried.
+    pub(super) async fn call_admit(
+        self: &Arc<Self>,
+        c: AdmitCall,
+    ) -> Result<(Vec<i64>, AdmitCall), StoreError> {
+        if !self.breaker.allow() {
+            let res = Err(StoreError::BreakerOpen);
+            self.record(Instant::now(), &res);
+            return res;
+        }
+        let start = Instant::now();
+        let mut conn = match self.conns.get().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let res = Err(e);
+                self.record(start, &res);
+                return res;
+            }
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let mut rx = PendingReply {
+            rx,
+            store: self.clone(),
+        };
+        let store = self.clone();
+        tokio::spawn(async move {
+            let reply = store.run_admit(&c, &mut conn).await;
+            if let Err((Ok(v), c)) = tx.send((reply, c)) {
+                // The request stopped waiting: undo what Redis did for it.
+                if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+                    tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+                    store.undo_admission(&c, true).await;
+                }
+            }
+        });
+        let remaining = self.timeout.saturating_sub(start.elapsed());
+        let reply = match tokio::time::timeout(remaining, &mut rx.rx).await {
+            Ok(r) => r.ok(),
+            Err(_) => {
+                // A reply that arrived just now is still ours; after close(), the task keeps it.
+                rx.rx.close();
+                rx.rx.try_recv().ok()
+            }
+        };
+        let res = match reply {
+            None => Err(StoreError::Timeout),
+            Some((Err(e), _)) => Err(e.into()),
+            Some((Ok(v), c)) => Ok((v, c)),
+        };
+        self.record(start, &res);
+        res
+    }
+
+    /// One admission in Redis: one round trip, except on Redis Cluster for a capped route.
+    /// There the key's side goes first (its budget and lease set share a slot), then the
+    /// route's slot (`take`, in the route's own slot): a fixed order, and a second call only
+    /// for requests that passed the first. When the route's side refuses or fails, the key's
+    /// side is undone (refund + release, and the route's lease released in case a failed
+    /// `take` ran), so a request is never charged without its slot and never leaks one.
+    async fn run_admit(
+        self: &Arc<Self>,
+        c: &AdmitCall,
+        conn: &mut Conn,
+    ) -> Result<Vec<i64>, redis::RedisError> {
+        let Some(route_set) = c.route_slots.as_ref().filter(|_| self.conns.is_cluster()) else {
+            return script::invoke(&self.script.admit(c), conn).await;
+        };
+        let key_side: Vec<i64> = script::invoke(&self.script.admit_key(c), conn).await?;
+        if key_side.first().copied().and_then(AdmitCode::from_reply) != Some(AdmitCode::Admitted) {
+            return Ok(key_side);
+        }
+        let route_side = script::invoke::<i64>(&self.script.take(route_set, c), conn).await;
+        let code = route_side
+            .as_ref()
+            .ok()
+            .copied()
+            .and_then(AdmitCode::from_reply);
+        if code == Some(AdmitCode::Admitted) {
+            return Ok(key_side);
+        }
+        // A route found full wrote nothing there; a failed `take` may have run.
+        let route_maybe_taken = code != Some(AdmitCode::RouteBusy);
+        self.undo_admission(c, route_maybe_taken).await;
+        match (route_side, code) {
+            (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
+            (Ok(v), _) => Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "unexpected reply to take",
+                v.to_string(),
+            ))),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// Refunds and releases an admission that its request cannot use: the request had
+    /// already given up on it, or (Cluster) the route's side refused it. The route's lease
+    /// is released too unless `route` is false (it was surely not taken).
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, route: bool) {
+        let refunded = async {
+            let mut conn = self.conns.get().await?;
+            let budgets = StoreScript::budgets_of(c);
+            let refund = self.script.refund(&budgets, c.cost);
+            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
+                .await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        match refunded {
+            Ok(_) => {}
+            Err(e) if refund_again(&e) => self.retry_refund(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+            }
+        }
+        let mut slots = c.slot_keys();
+        if !route {
+            slots.retain(|k| Some(k) != c.route_slots.as_ref());
+        }
+        if !slots.is_empty() {
+            // Releasing is idempotent: one that fails is remembered and sent again.
+            self.release_keys(slots, c.lease_id.clone()).await;
+        }
+    }
+
+    /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
+    /// lives: the topology change that refused it is over by then, or it is an outage.
+    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
+        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), c.cost);
+        let give_up = Instant::now() + self.lease_ttl;
+        tokio::spawn(async move {
+            while Instant::now() < give_up {
+                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+                match store.call::<i64>(store.script.refund(&budgets, cost)).await {
+                    Ok(_) => return,
+                    Err(e) if refund_again(&e) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+                        return;
+                    }
+                }
+            }
+            tracing::warn!(
+                "an admission could not be refunded in time; the key stays charged for it"
+            );
+        });
+    }
+}
+
+/// Whether a refund of an undone admission that failed is sent again. Yes when it did not run
+/// (no connection, CLUSTERDOWN while a failover is under way), and also when its connection
+/// broke: the node is dying, and its charge may live on in the replica that takes over. A
+/// refund sent twice gives a key one cost too many (the rare case: it ran just before the
+/// node died), one never sent charges it twice for one request: the first is the lesser harm.
+/// Not after a timeout: a live, slow node will run it.
+fn refund_again(e: &StoreError) -> bool {
+    !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
+}
+
+/// What `admit` on one node would have answered for a request whose key's side passed and
+/// whose route was full (Cluster): the key's figures as they were before the undone charge.
+fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
+    let [_, delay_us, remaining, reset_us, ..] = key_side[..] else {
+        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0];
+    };
+    // A delayed admission had no units left before it either.
+    let remaining = if delay_us > 0 {
+        remaining
+    } else {
+        remaining.saturating_add(c.cost as i64)
+    };
+    let charge_us = (c.cost * c.limit.per_unit).div_ceil(c.limit.rate.max(1)) as i64;
+    vec![
+        AdmitCode::RouteBusy as i64,
+        0,
+        remaining,
+        (reset_us - charge_us).max(0),
+    ]
+}
+
+type AdmitReply = (Result<Vec<i64>, redis::RedisError>, AdmitCall);
+
+/// The request's end of the admitting call's reply. A request that goes away while waiting
+/// for it (a client that left a queue: its future is dropped) leaves an admission that Redis
+/// made and nobody will hold: dropped unread, the reply is taken and the admission undone, as
+/// one that came after `store.timeout` is by the task.
+struct PendingReply {
+    rx: tokio::sync::oneshot::Receiver<AdmitReply>,
+    store: Arc<RedisBackend>,
+}
+
+impl Drop for PendingReply {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok((Ok(v), c)) = self.rx.try_recv() {
+            if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+                // Dropped outside a runtime only when the process is going away: the lease
+                // then lapses after lease_ttl.
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    let store = self.store.clone();
+                    rt.spawn(async move { store.undo_admission(&c, true).await });
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
