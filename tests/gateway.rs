@@ -569,16 +569,8 @@ async fn anonymous_client_ip_budget() {
         "identity:\n  anonymous: client_ip\nrate_limits:\n  default: {cost: 1, window: 1h, max_cost: 3}\n",
     );
     let c = client();
-    let mut seen = vec![];
-    for _ in 0..4 {
-        let r = c.get(gw.url("/items")).send().await.unwrap();
-        seen.push((
-            r.status().as_u16(),
-            header(&r, "X-RateLimit-Remaining").unwrap(),
-        ));
-    }
     assert_eq!(
-        seen,
+        anonymous_gets(&c, &gw.url("/items"), 4).await,
         vec![
             (200, "2".into()),
             (200, "1".into()),

@@ -1058,3 +1058,17 @@ impl SentinelSet {
             .unwrap_or(0)
     }
 }
+
+/// `n` GETs of `url` without a key, one after another: each one's status and
+/// `X-RateLimit-Remaining` ("" when absent).
+pub async fn anonymous_gets(c: &reqwest::Client, url: &str, n: usize) -> Vec<(u16, String)> {
+    let mut seen = vec![];
+    for _ in 0..n {
+        let r = c.get(url).send().await.unwrap();
+        seen.push((
+            r.status().as_u16(),
+            header(&r, "X-RateLimit-Remaining").unwrap_or_default(),
+        ));
+    }
+    seen
+}
