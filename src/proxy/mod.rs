@@ -55,6 +55,26 @@ fn client_went_away(e: &Error) -> bool {
         )
 }
 
+/// A refusal of the limiter on a `mode: shadow` route is counted and described, then the
+/// request goes on as if it had passed (`Ok(true)`); any other is sent (`Err`).
+// Returned by value once per refused request, like decision's refusals.
+#[allow(clippy::result_large_err)]
+fn shadow_or_refuse(
+    ctx: &mut Ctx,
+    route: &crate::route::Route,
+    m: &crate::telemetry::RouteMetrics,
+    r: Refusal,
+) -> Result<bool, Refusal> {
+    match decision::shadowed(route, &r) {
+        Some(reason) => {
+            m.shadow_rejection(reason);
+            ctx.shadow(&r, reason);
+            Ok(true)
+        }
+        None => Err(r),
+    }
+}
+
 impl Gateway {
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         ctx.refuse(&r);
@@ -126,15 +146,7 @@ impl Gateway {
             Ok(a) => a,
             Err(r) => {
                 ctx.timing.store = elapsed.saturating_sub(r.queued);
-                match decision::shadowed(&route, &r) {
-                    Some(reason) => {
-                        // Counted and described, then forwarded as if it had passed.
-                        running.metrics.get(&route).shadow_rejection(reason);
-                        ctx.shadow(&r, reason);
-                        return Ok(true);
-                    }
-                    None => return Err(r),
-                }
+                return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
             }
         };
         ctx.timing.store = elapsed.saturating_sub(admitted.queued);
@@ -158,12 +170,7 @@ impl Gateway {
                         .await;
                     admitted.lease.release().await;
                     let r = decision::too_many_held(&route, hold, outcome);
-                    if let Some(reason) = decision::shadowed(&route, &r) {
-                        m.shadow_rejection(reason);
-                        ctx.shadow(&r, reason);
-                        return Ok(true);
-                    }
-                    return Err(r);
+                    return shadow_or_refuse(ctx, &route, m, r);
                 }
             }
         };
