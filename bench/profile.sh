@@ -8,6 +8,7 @@
 #   bash bench/profile.sh syscalls   [-d 5]  [-c 64]  # system calls per request, tollgate vs an
 #                                                     # nginx proxy_pass (perf stat on syscall tracepoints)
 #   bash bench/profile.sh perf-nginx [-d 10] [-c 64]  # as perf, of the nginx proxy_pass worker instead
+#   bash bench/profile.sh perf-bare  [-d 10] [-c 64]  # as perf, of examples/bare_pingora (the floor)
 #
 # Starts an nginx upstream (return 200, 1 worker) and tollgate (memory store, server.threads 1,
 # RUST_LOG=warn) built as target/release/tollgate (release has debug=1: symbols and lines), drives
@@ -16,10 +17,10 @@
 set -euo pipefail
 
 TOOL=${1:-}
-[[ $TOOL == perf || $TOOL == perf-nginx || $TOOL == callgrind || $TOOL == syscalls ]] || { echo "usage: bench/profile.sh perf|perf-nginx|callgrind|syscalls [-d S] [-c N] [--keys N] [--out DIR]" >&2; exit 2; }
+[[ $TOOL == perf || $TOOL == perf-nginx || $TOOL == perf-bare || $TOOL == callgrind || $TOOL == syscalls ]] || { echo "usage: bench/profile.sh perf|perf-nginx|perf-bare|callgrind|syscalls [-d S] [-c N] [--keys N] [--out DIR]" >&2; exit 2; }
 shift
 case $TOOL in
-  perf|perf-nginx) DURATION=10; CONNS=64 ;;
+  perf|perf-nginx|perf-bare) DURATION=10; CONNS=64 ;;
   callgrind) DURATION=5; CONNS=8 ;;
   syscalls) DURATION=5; CONNS=64 ;;
 esac
@@ -39,6 +40,8 @@ done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=${TOLLGATE_BIN:-$ROOT/target/release/tollgate}
+BARE_BIN=${BARE_PINGORA_BIN:-$ROOT/target/release/examples/bare_pingora}
+[[ $TOOL != perf-bare || -x $BARE_BIN ]] || { echo "no $BARE_BIN: cargo build --release --example bare_pingora first" >&2; exit 1; }
 [[ -x $BIN ]] || { echo "no $BIN: cargo build --release first" >&2; exit 1; }
 NGINX=${NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}
 for t in "$NGINX" wrk curl; do command -v "$t" >/dev/null || { echo "missing: $t" >&2; exit 1; }; done
@@ -180,8 +183,23 @@ if [[ $TOOL == syscalls ]]; then
   PX_WORKER=$(pgrep -P "$PX_PID" | head -1)
   count_syscalls tollgate "$GW_PID" "$URL"
   count_syscalls nginx-proxy "$PX_WORKER" "http://127.0.0.1:$PX_PORT/api/items/42"
-elif [[ $TOOL == perf || $TOOL == perf-nginx ]]; then
+  if [[ -x $BARE_BIN ]]; then
+    BP_PORT=$(free_port)
+    "$BARE_BIN" "127.0.0.1:$BP_PORT" "127.0.0.1:$UP_PORT" >"$TMP/bare-pingora.log" 2>&1 &
+    BP_PID=$!
+    PIDS+=("$BP_PID")
+    for _ in $(seq 100); do [[ $(curl -s -o /dev/null -w '%{http_code}' -m 1 "http://127.0.0.1:$BP_PORT/" || true) == 200 ]] && break; sleep 0.1; done
+    count_syscalls bare-pingora "$BP_PID" "http://127.0.0.1:$BP_PORT/api/items/42"
+  fi
+elif [[ $TOOL == perf || $TOOL == perf-nginx || $TOOL == perf-bare ]]; then
   TARGET_PID=$GW_PID
+  if [[ $TOOL == perf-bare ]]; then
+    "$BARE_BIN" "127.0.0.1:$PX_PORT" "127.0.0.1:$UP_PORT" >"$TMP/bare-pingora.log" 2>&1 &
+    TARGET_PID=$!
+    PIDS+=("$TARGET_PID")
+    for _ in $(seq 100); do [[ $(curl -s -o /dev/null -w '%{http_code}' -m 1 "http://127.0.0.1:$PX_PORT/" || true) == 200 ]] && break; sleep 0.1; done
+    URL="http://127.0.0.1:$PX_PORT/api/items/42"
+  fi
   if [[ $TOOL == perf-nginx ]]; then
     for _ in $(seq 100); do [[ $(curl -s -o /dev/null -w '%{http_code}' -m 1 "http://127.0.0.1:$PX_PORT/" || true) == 200 ]] && break; sleep 0.1; done
     TARGET_PID=$(pgrep -P "$PX_PID" | head -1)
