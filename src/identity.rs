@@ -63,8 +63,8 @@ pub fn extract_key<'a>(
     let mut found: Option<&'a [u8]> = None;
     for s in sources {
         let (name, bearer) = match s {
-            IdentitySource::Header(name) => (name.as_str(), false),
-            IdentitySource::Bearer => ("authorization", true),
+            IdentitySource::Header(name) => (name, false),
+            IdentitySource::Bearer => (&http::header::AUTHORIZATION, true),
         };
         for v in headers.get_all(name) {
             let v = v.as_bytes().trim_ascii();
@@ -156,7 +156,7 @@ mod tests {
     #[test]
     fn sources_in_order() {
         let sources = vec![
-            IdentitySource::Header("x-api-key".into()),
+            IdentitySource::Header(http::HeaderName::from_static("x-api-key")),
             IdentitySource::Bearer,
         ];
         let key = |pairs: &[(&'static str, &'static str)]| {
@@ -230,6 +230,20 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn ip_text_is_display() {
+        for s in [
+            "0.0.0.0",
+            "1.2.3.4",
+            "10.0.255.9",
+            "255.255.255.255",
+            "::1",
+            "fd00::1",
+        ] {
+            assert_eq!(super::origin::ip_text(ip(s)), ip(s).to_string());
+        }
     }
 
     #[test]

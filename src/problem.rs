@@ -113,6 +113,27 @@ pub fn body(
     serde_json::to_vec(&v).unwrap_or_default()
 }
 
+/// The names of [`rate_limit_headers`]' headers, in its order, parsed once: for looking them
+/// up in a response (`http` parses a `&str` name on every lookup).
+pub const RATE_LIMIT_NAMES: [http::HeaderName; 6] = [
+    http::HeaderName::from_static("ratelimit-policy"),
+    http::HeaderName::from_static("ratelimit"),
+    http::HeaderName::from_static("x-ratelimit-limit"),
+    http::HeaderName::from_static("x-ratelimit-remaining"),
+    http::HeaderName::from_static("x-ratelimit-reset"),
+    http::HeaderName::from_static("x-ratelimit-cost"),
+];
+
+/// One `RateLimit` list member, `<name>;r=<remaining>;t=<reset>`, appended to `out`. Once
+/// per request, so without the formatting machinery.
+fn push_member(out: &mut String, quoted_name: &str, remaining: u64, reset: u64) {
+    out.push_str(quoted_name);
+    out.push_str(";r=");
+    out.push_str(itoa::Buffer::new().format(remaining));
+    out.push_str(";t=");
+    out.push_str(itoa::Buffer::new().format(reset));
+}
+
 /// `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for a decision under `policy`.
 /// `cost` is the price of the request (charged when admitted, nothing when refused). The
 /// policy's own two values are formatted once, when the config is loaded.
@@ -133,30 +154,22 @@ pub fn rate_limit_headers(
         let both = format!("{list}, {}", s.headers.policy.to_str().unwrap_or_default());
         policy_header = HeaderValue::from_str(&both).unwrap_or(policy_header);
     }
-    let (rate_limit, limit) = if several {
-        let members: Vec<String> = budgets()
-            .zip(figures)
-            .map(|(b, f)| {
-                format!(
-                    "{};r={};t={}",
-                    b.headers.quoted_name,
-                    f.remaining,
-                    budget::reset_secs(f.reset_us)
-                )
-            })
-            .collect();
-        let limit = budgets()
+    let mut rate_limit = String::with_capacity(64);
+    let limit = if several {
+        for (i, (b, f)) in budgets().zip(figures).enumerate() {
+            if i > 0 {
+                rate_limit.push_str(", ");
+            }
+            let reset = budget::reset_secs(f.reset_us);
+            push_member(&mut rate_limit, &b.headers.quoted_name, f.remaining, reset);
+        }
+        budgets()
             .nth(outcome.each.decisive as usize)
-            .map_or(policy.headers.limit.clone(), |b| b.headers.limit.clone());
-        (members.join(", "), limit)
+            .map_or(policy.headers.limit.clone(), |b| b.headers.limit.clone())
     } else {
-        (
-            format!(
-                "{};r={};t={reset}",
-                policy.headers.quoted_name, outcome.remaining
-            ),
-            policy.headers.limit.clone(),
-        )
+        let name = &policy.headers.quoted_name;
+        push_member(&mut rate_limit, name, outcome.remaining, reset);
+        policy.headers.limit.clone()
     };
     [
         ("RateLimit-Policy", policy_header),
@@ -201,6 +214,13 @@ mod tests {
         assert_eq!(h[3].1, "40");
         assert_eq!(h[4].1, "40");
         assert_eq!(h[5].1, "20");
+        // The parsed names that responses are searched by are the same headers, in order.
+        for ((name, _), parsed) in h.iter().zip(&RATE_LIMIT_NAMES) {
+            assert_eq!(
+                http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                parsed
+            );
+        }
     }
 
     #[test]

@@ -46,8 +46,8 @@ pub struct KeyEntry {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdentitySource {
-    /// A request header, lower-cased.
-    Header(String),
+    /// A request header (parsed once here, so that a request's lookups hash it and no more).
+    Header(http::HeaderName),
     /// `Authorization: Bearer <key>`.
     Bearer,
 }

@@ -394,13 +394,12 @@ fn identity(
         if s == "bearer" {
             sources.push(IdentitySource::Bearer);
         } else if let Some(h) = s.strip_prefix("header:") {
-            if h.is_empty() || http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-                errs.push(
+            match http::HeaderName::from_bytes(h.as_bytes()) {
+                Ok(name) if !h.is_empty() => sources.push(IdentitySource::Header(name)),
+                _ => errs.push(
                     format!("identity.sources[{i}]"),
                     format!("invalid header name in \"{s}\""),
-                );
-            } else {
-                sources.push(IdentitySource::Header(h.to_ascii_lowercase()));
+                ),
             }
         } else {
             errs.push(
@@ -433,7 +432,7 @@ fn key_id_header(
         .map_err(|_| format!("not a valid header name: \"{}\"", shown(name)))?;
     let is_source = sources
         .iter()
-        .any(|s| matches!(s, IdentitySource::Header(h) if h == header.as_str()));
+        .any(|s| matches!(s, IdentitySource::Header(h) if *h == header));
     if is_source {
         return Err(format!(
             "\"{name}\" is an identity source (identity.sources): the key id cannot replace the key"

@@ -3,7 +3,9 @@
 
 use std::net::IpAddr;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// `identity.trusted_proxies`: the proxies (load balancers) whose `X-Forwarded-For` is
 /// believed.
@@ -35,7 +37,7 @@ impl TrustedProxies {
         }
         let mut client = peer;
         let hops = headers
-            .get_all(http::header::HeaderName::from_static("x-forwarded-for"))
+            .get_all(X_FORWARDED_FOR)
             .iter()
             .rev()
             .flat_map(|v| v.as_bytes().rsplit(|b| *b == b','))
@@ -64,6 +66,23 @@ fn parse_hop(hop: &[u8]) -> Option<IpAddr> {
         .map(|ip| ip.to_canonical())
 }
 
+/// `ip` as text. Once per request: IPv4 skips the formatting machinery.
+pub fn ip_text(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mut s = String::with_capacity(15);
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    s.push('.');
+                }
+                s.push_str(itoa::Buffer::new().format(octet));
+            }
+            s
+        }
+        IpAddr::V6(_) => ip.to_string(),
+    }
+}
+
 /// Where a request comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Origin {
@@ -80,12 +99,12 @@ impl Origin {
     /// for any other peer, only the peer (what it claims is dropped, so the upstream cannot be
     /// told a made-up chain).
     pub fn forwarded_for(&self, received: &HeaderMap) -> String {
-        let peer = self.peer.to_string();
+        let peer = ip_text(self.peer);
         if !self.trusted_peer {
             return peer;
         }
         let mut chain: Vec<&str> = received
-            .get_all("x-forwarded-for")
+            .get_all(X_FORWARDED_FOR)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .map(str::trim)

@@ -4,7 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use http::HeaderValue;
+use http::header::{AUTHORIZATION, HOST};
+use http::{HeaderName, HeaderValue};
 use pingora::http::RequestHeader;
 use pingora::prelude::*;
 use pingora::upstreams::peer::HttpPeer;
@@ -13,19 +14,35 @@ use pingora::{Error, ErrorType};
 use super::ctx::Ctx;
 use crate::config::{Config, IdentitySource, UpstreamTarget};
 
+// Looked up by these (parsed once), not by `&str` names, which `http` parses on every lookup.
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Removes `name` if the request has it: a lookup is one hash, a removal two (Pingora keeps
+/// the header names' case in a second map).
+fn remove_if_present(upstream: &mut RequestHeader, name: &HeaderName) -> Option<HeaderValue> {
+    if upstream.headers.contains_key(name) {
+        upstream.remove_header(name)
+    } else {
+        None
+    }
+}
+
 /// What the upstream learns about the caller: the credential itself only with
 /// `forward_credentials`, and the key's id in `key_id_header` (never a copy the client sent).
 fn identity_headers(upstream: &mut RequestHeader, ctx: &Ctx, cfg: &Config) -> Result<()> {
     if !cfg.forward_credentials {
         for s in &cfg.sources {
             match s {
-                IdentitySource::Header(name) => upstream.remove_header(name.as_str()),
-                IdentitySource::Bearer => upstream.remove_header("authorization"),
+                IdentitySource::Header(name) => remove_if_present(upstream, name),
+                IdentitySource::Bearer => remove_if_present(upstream, &AUTHORIZATION),
             };
         }
     }
     if let Some(name) = &cfg.key_id_header {
-        upstream.remove_header(name);
+        remove_if_present(upstream, name);
         if let Some(id) = &ctx.identity {
             upstream.insert_header(name.clone(), id.log_name())?;
         }
@@ -103,8 +120,8 @@ pub fn request(
     }
     if let Some(running) = &ctx.running {
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
-        upstream.remove_header("x-forwarded-host");
-        if let Some(host) = upstream.remove_header("host").or(authority) {
+        remove_if_present(upstream, &X_FORWARDED_HOST);
+        if let Some(host) = remove_if_present(upstream, &HOST).or(authority) {
             upstream.append_header("X-Forwarded-Host", host)?;
         }
         let host = ctx
@@ -118,20 +135,24 @@ pub fn request(
     match &ctx.origin {
         Some(origin) => {
             upstream.insert_header("X-Forwarded-For", origin.forwarded_for(received))?;
-            let proto = match received.get("x-forwarded-proto") {
-                Some(p) if origin.trusted_peer => p.clone(),
-                _ => HeaderValue::from_static(if tls { "https" } else { "http" }),
+            let proto = match origin
+                .trusted_peer
+                .then(|| received.get(&X_FORWARDED_PROTO))
+                .flatten()
+            {
+                Some(p) => p.clone(),
+                None => HeaderValue::from_static(if tls { "https" } else { "http" }),
             };
             upstream.insert_header("X-Forwarded-Proto", proto)?;
         }
         None => {
-            upstream.remove_header("x-forwarded-for");
+            remove_if_present(upstream, &X_FORWARDED_FOR);
             let proto = HeaderValue::from_static(if tls { "https" } else { "http" });
             upstream.insert_header("X-Forwarded-Proto", proto)?;
         }
     }
     if let Some(id) = &ctx.request_id {
-        if !upstream.headers.contains_key("x-request-id") {
+        if !upstream.headers.contains_key(&X_REQUEST_ID) {
             upstream.insert_header("X-Request-Id", id.as_str())?;
         }
     }

@@ -28,6 +28,8 @@ use crate::state::Shared;
 use crate::telemetry::metrics;
 use ctx::{Ctx, Phase};
 
+const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
 pub struct Gateway {
     pub shared: Arc<Shared>,
 }
@@ -227,9 +229,10 @@ impl ProxyHttp for Gateway {
         }
         session.set_read_timeout(Some(limits.body_timeout));
         session.set_write_timeout(Some(limits.send_timeout));
-        ctx.request_id = Some(match session.req_header().headers.get("x-request-id") {
+        ctx.request_id = Some(match session.req_header().headers.get(&X_REQUEST_ID) {
             Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            None => format!("{:032x}", rand::random::<u128>()),
+            // 32 hex digits of a random 128-bit number.
+            None => hex::encode(rand::random::<u128>().to_be_bytes()),
         });
         Ok(())
     }

@@ -327,7 +327,8 @@ impl Lease {
         match self.slots {
             Slots::None => {}
             Slots::Memory(l) => drop(l),
-            Slots::Redis(l) => l.release().await,
+            // Boxed for the reason given in `Store::decide`.
+            Slots::Redis(l) => Box::pin(l.release()).await,
         }
         drop(self.running);
     }
@@ -376,7 +377,10 @@ impl Store {
                 admission: m.admit(req).await,
                 fallback: false,
             },
-            Store::Redis(r) => r.decide(req).await,
+            // Boxed: the shared store's future is ~4 KB, and every request phase's future
+            // (which Pingora boxes and so copies whole) would carry it inline, memory store
+            // or not. One allocation per round trip costs less.
+            Store::Redis(r) => Box::pin(r.decide(req)).await,
         }
     }
 
@@ -385,7 +389,7 @@ impl Store {
     pub async fn release_all(&self) {
         match self {
             Store::Memory(_) => {}
-            Store::Redis(r) => r.release_all().await,
+            Store::Redis(r) => Box::pin(r.release_all()).await,
         }
     }
 
@@ -395,7 +399,7 @@ impl Store {
             (_, Charge::None) => {}
             (Store::Memory(m), Charge::Local(limit)) => m.refund(&req.charged_under(limit)),
             (Store::Memory(_), Charge::Shared) => {}
-            (Store::Redis(r), charge) => r.refund(req, charge).await,
+            (Store::Redis(r), charge) => Box::pin(r.refund(req, charge)).await,
         }
     }
 
@@ -408,7 +412,7 @@ impl Store {
         match (self, charge) {
             (Store::Memory(m), Charge::Local(limit)) => m.debit(&req.charged_under(limit), units),
             (Store::Memory(_), _) => {}
-            (Store::Redis(r), charge) => r.charge_extra(req, charge, units).await,
+            (Store::Redis(r), charge) => Box::pin(r.charge_extra(req, charge, units)).await,
         }
     }
 
@@ -441,5 +445,36 @@ impl Store {
             Store::Memory(_) => true,
             Store::Redis(r) => r.ready(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn size_of_future<F: std::future::Future>(_: &F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Every request phase's future embeds the store's; Pingora boxes (copies) those futures
+    /// per request, so the shared store's large ones must stay behind a pointer.
+    #[test]
+    fn store_futures_stay_small() {
+        let store = Store::Memory(MemoryStore::new(memory::Clock::new(0)));
+        let req = AdmitRequest {
+            key: [0; 32],
+            limit: Limit::new(10, Duration::from_secs(1), Duration::ZERO).unwrap(),
+            also: vec![],
+            cost: 1,
+            key_cap: None,
+            route: Arc::from("/"),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+        };
+        let bound = 512;
+        assert!(size_of_future(&store.decide(&req)) <= bound);
+        assert!(size_of_future(&store.refund(&req, Charge::None)) <= bound);
+        assert!(size_of_future(&store.charge_extra(&req, Charge::None, 1)) <= bound);
+        assert!(size_of_future(&Lease::default().release()) <= bound);
     }
 }
