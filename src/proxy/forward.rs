@@ -121,14 +121,17 @@ pub fn request(
     if let Some(running) = &ctx.running {
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
         remove_if_present(upstream, &X_FORWARDED_HOST);
-        if let Some(host) = remove_if_present(upstream, &HOST).or(authority) {
-            upstream.append_header("X-Forwarded-Host", host)?;
-        }
         let host = ctx
             .upstream_host
             .clone()
             .unwrap_or_else(|| running.config.upstream.host_header.clone());
-        upstream.append_header("Host", host)?;
+        // Replaced where it stands (an insert over an existing name neither removes nor
+        // grows either of Pingora's two maps).
+        let client_host = upstream.headers.get(&HOST).cloned();
+        upstream.insert_header(HOST, host)?;
+        if let Some(sent) = client_host.or(authority) {
+            upstream.append_header("X-Forwarded-Host", sent)?;
+        }
         identity_headers(upstream, ctx, &running.config)?;
     }
     // Only what a trusted proxy forwarded is passed on (identity.trusted_proxies).

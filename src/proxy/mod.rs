@@ -228,7 +228,12 @@ impl ProxyHttp for Gateway {
             ctx.conn = Some(c);
         }
         session.set_read_timeout(Some(limits.body_timeout));
-        session.set_write_timeout(Some(limits.send_timeout));
+        // Through the front door, an HTTP/1 client's stalled write is timed by its stream
+        // (`front::Tracked`), which costs nothing while writes complete. An HTTP/2 stream can
+        // stall on flow control with no socket write pending: Pingora's per-write timer then.
+        if ctx.conn.is_none() || session.downstream_session.is_http2() {
+            session.set_write_timeout(Some(limits.send_timeout));
+        }
         ctx.request_id = Some(match session.req_header().headers.get(&X_REQUEST_ID) {
             Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
             // 32 hex digits of a random 128-bit number.
