@@ -84,12 +84,21 @@ impl ConnState {
 
     /// Resolves when the head has been in transit for `timeout`: counted from now for a new
     /// connection, from its first byte on a kept-alive one (idle time is Pingora's keep-alive).
+    /// Once the head is complete the deadline no longer matters and no timer is armed: the
+    /// front door polls the request first, so a head that arrives whole (the usual case)
+    /// costs no timer at all.
     async fn head_deadline(&self, timeout: Duration, from_now: bool) {
         if from_now {
+            if self.head_complete() {
+                return std::future::pending().await;
+            }
             tokio::time::sleep(timeout).await;
             return;
         }
         loop {
+            if self.head_complete() {
+                return std::future::pending().await;
+            }
             let notified = self.first_byte.notified();
             let at = self.first_byte_us.load(Ordering::SeqCst);
             if at > 0 {
@@ -234,6 +243,8 @@ where
             let request = HttpServerApp::process_new_http(&self.proxy, session, shutdown);
             tokio::pin!(request);
             let done = tokio::select! {
+                // The request first: see `ConnState::head_deadline`.
+                biased;
                 r = &mut request => r,
                 _ = conn.head_deadline(limits.header_timeout, first) => {
                     if conn.head_complete() {

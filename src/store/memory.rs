@@ -176,16 +176,20 @@ impl std::fmt::Debug for MemoryStore {
 /// The slots a memory-store request holds; freed on drop.
 #[derive(Debug)]
 pub struct MemoryLease {
-    store: Arc<MemoryStore>,
-    key: u128,
+    /// The key's slot, counted only when its plan caps the key's requests in flight (so an
+    /// uncapped request takes no second lock to give it back). A reload that adds a cap
+    /// counts from then on: the requests already running are not in the count.
+    key_slot: Option<(Arc<MemoryStore>, u128)>,
     _route: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for MemoryLease {
     fn drop(&mut self) {
-        let mut shard = self.store.shard(self.key);
-        if let Some(e) = shard.entries.get_mut(&self.key) {
-            e.in_flight = e.in_flight.saturating_sub(1);
+        if let Some((store, key)) = &self.key_slot {
+            let mut shard = store.shard(*key);
+            if let Some(e) = shard.entries.get_mut(key) {
+                e.in_flight = e.in_flight.saturating_sub(1);
+            }
         }
     }
 }
@@ -270,14 +274,16 @@ impl MemoryStore {
             return Admission::KeyBusy((&uncharged(&budgets, now, joint.outcome)).into());
         }
         locked.put(req, &joint.states[..budgets.len()]);
-        if let Some(e) = locked.shard.entries.get_mut(&key) {
-            e.in_flight += 1;
-        }
+        let key_slot = req.key_cap.map(|_| {
+            if let Some(e) = locked.shard.entries.get_mut(&key) {
+                e.in_flight += 1;
+            }
+            (self.clone(), key)
+        });
         drop(locked);
         let lease = Lease::local(
             MemoryLease {
-                store: self.clone(),
-                key,
+                key_slot,
                 _route: route,
             },
             req.limit,
