@@ -272,12 +272,13 @@ impl RedisBackend {
                 }));
             }
         }
-        let ask = self.slices.ask(req, Instant::now(), || budget_keys(req));
-        self.keep_sweeping();
+        let ask = self.slices.ask(req, Instant::now());
         let (decided, seen) = match self.try_admit(req, ask).await {
             Ok(r) => r,
             Err(e) => {
-                self.slices.failed(req, ask);
+                self.slices.failed(req, ask, e.may_have_run());
+                // The key's entry is the sweeper's to remove.
+                self.keep_sweeping();
                 return Some(Err(e));
             }
         };
@@ -287,6 +288,8 @@ impl RedisBackend {
             .settle(req, ask, &seen, admitted, Instant::now(), || {
                 budget_keys(req)
             });
+        // After the answer: it may have left a grant to give back, and the key's entry.
+        self.keep_sweeping();
         let admission = match decided {
             Decided::Admitted(outcome, lease) => {
                 self.deny.forget(&req.key);
@@ -330,8 +333,10 @@ impl RedisBackend {
             tokio::time::sleep(slices::SWEEP_EVERY).await;
             let mut again = vec![];
             for ((budgets, units), deadline) in self.slices.sweep(Instant::now()) {
+                // Sent again as an undone admission's refund is (a broken connection too:
+                // a failover may keep the charge; a give-back lost strands a whole slice).
                 match self.call::<i64>(self.script.refund(&budgets, units)).await {
-                    Err(e) if !e.may_have_run() => again.push(((budgets, units), deadline)),
+                    Err(e) if admit::refund_again(&e) => again.push(((budgets, units), deadline)),
                     _ => {}
                 }
             }

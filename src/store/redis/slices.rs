@@ -80,7 +80,8 @@ struct Entry {
     /// The budget set the slice was taken from: a reload that changes it never spends it.
     limit: Limit,
     also: Vec<Extra>,
-    /// Their Redis keys, to give units back.
+    /// Their Redis keys, to give units back (named at the key's first grant: a key that never
+    /// gets one costs no more than its entry).
     keys: Vec<(String, Limit)>,
     left: u64,
     /// The last levels Redis reported for these budgets, at its `TIME`, seen here at `seen`.
@@ -198,14 +199,8 @@ impl Slices {
     }
 
     /// What a request going to Redis asks for: the key's next slice (if this request is its
-    /// reservation) and the unspent rest of its last one. `keys` names the budgets in Redis
-    /// (called once per key while it stays busy).
-    pub(super) fn ask(
-        &self,
-        req: &AdmitRequest,
-        now: Instant,
-        keys: impl FnOnce() -> Vec<(String, Limit)>,
-    ) -> Ask {
+    /// reservation) and the unspent rest of its last one.
+    pub(super) fn ask(&self, req: &AdmitRequest, now: Instant) -> Ask {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
         let stale = shard.get(&k).filter(|e| !e.serves(req)).is_some();
@@ -222,7 +217,7 @@ impl Slices {
                 Entry {
                     limit: req.limit,
                     also: req.also.clone(),
-                    keys: keys(),
+                    keys: Vec::new(),
                     left: 0,
                     levels: [0; MAX_BUDGETS],
                     redis_at_us: 0,
@@ -267,7 +262,8 @@ impl Slices {
         e.reserved = now;
         e.asking = Some(now);
         Ask {
-            slice: e.size,
+            // A slice smaller than this request's cost would not serve the next like it.
+            slice: if e.size >= req.cost { e.size } else { 0 },
             give_back,
             asker: true,
         }
@@ -276,7 +272,7 @@ impl Slices {
     /// Takes in Redis's answer to a call made with `ask`: the slice granted (if any) becomes
     /// spendable, and the levels it reports become the key's mirror. For an admission, its
     /// figures as this instance shows them (its slice counted as given back). `keys` names
-    /// the budgets in Redis, for a grant that arrives after its key's slices were handed back.
+    /// the budgets in Redis, to give a grant back some day (called at the key's first).
     pub(super) fn settle(
         &self,
         req: &AdmitRequest,
@@ -298,6 +294,9 @@ impl Slices {
         if ask.asker {
             e.asking = None;
         }
+        if seen.granted > 0 && e.keys.is_empty() {
+            e.keys = keys();
+        }
         e.left = e.left.saturating_add(seen.granted);
         // Replies may cross: the mirror keeps the latest word of Redis.
         if seen.now_us >= e.redis_at_us {
@@ -308,15 +307,21 @@ impl Slices {
         admitted.then(|| e.outcome(now))
     }
 
-    /// A call made with `ask` failed: whatever it gave back counts as given (it may have run;
-    /// keeping the units could spend them twice), and the next request may reserve again.
-    pub(super) fn failed(&self, req: &AdmitRequest, ask: Ask) {
-        if !ask.asker {
-            return;
-        }
+    /// A call made with `ask` failed, and the next request may reserve again. What it gave
+    /// back is this instance's again if the call surely did not `run` (the breaker was open,
+    /// no connection): Redis still holds those units for it. If it may have run, they count
+    /// as given (keeping them could spend them twice).
+    pub(super) fn failed(&self, req: &AdmitRequest, ask: Ask, run: bool) {
         let k = short_key(&req.key);
-        if let Some(e) = self.shard(k).get_mut(&k) {
+        let mut shard = self.shard(k);
+        let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
+            return;
+        };
+        if ask.asker {
             e.asking = None;
+        }
+        if !run {
+            e.left = e.left.saturating_add(ask.give_back);
         }
     }
 
@@ -390,7 +395,8 @@ impl Slices {
 
     /// True when the caller must start the sweeper (none runs).
     pub(super) fn start_sweeping(&self) -> bool {
-        !self.sweeping.swap(true, Ordering::AcqRel)
+        // Read first: the common answer ("it runs") then writes no shared cache line.
+        !self.sweeping.load(Ordering::Acquire) && !self.sweeping.swap(true, Ordering::AcqRel)
     }
 
     /// The sweeper stops when there is nothing left to sweep. False if it must go on: not

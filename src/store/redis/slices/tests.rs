@@ -118,7 +118,7 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     let t0 = Instant::now();
     let ms = |n: u64| t0 + Duration::from_millis(n);
     assert_eq!(s.spend(&r, t0), None, "nothing reserved yet");
-    let ask = s.ask(&r, t0, keys);
+    let ask = s.ask(&r, t0);
     assert_eq!(
         (ask.slice, ask.give_back),
         (0, 0),
@@ -133,7 +133,7 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     for i in 1..8 {
         let now = ms(i);
         assert_eq!(s.spend(&r, now), None, "slice spent");
-        let ask = s.ask(&r, now, keys);
+        let ask = s.ask(&r, now);
         sizes.push(ask.slice);
         let granted = Seen {
             granted: ask.slice,
@@ -150,9 +150,9 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     }
     assert_eq!(sizes, [3, 6, 12, 24, 48, 96, 100]);
     // A reservation while another is in flight goes exact (and gives back what it holds).
-    let ask = s.ask(&r, ms(10), keys);
+    let ask = s.ask(&r, ms(10));
     assert_eq!((ask.slice, ask.give_back), (100, 100 % 3));
-    let meanwhile = s.ask(&r, ms(10), keys);
+    let meanwhile = s.ask(&r, ms(10));
     assert_eq!((meanwhile.slice, meanwhile.give_back), (0, 0));
     s.settle(
         &r,
@@ -171,12 +171,17 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     // Past its lifetime a slice is not spent; the next reservation gives it back, and halves.
     let late = ms(10) + LIFETIME;
     assert_eq!(s.spend(&r, late), None);
-    let ask = s.ask(&r, late, keys);
+    let ask = s.ask(&r, late);
     assert_eq!((ask.slice, ask.give_back), (50, 97));
-    // Failed: what it gave back counts as given; the next one may ask again.
-    s.failed(&r, ask);
+    // Failed unrun (the breaker open): what it gave back is still this instance's.
+    s.failed(&r, ask, false);
+    assert_eq!(s.unspent(&r.key, &r.limit), 97);
+    // Failed, perhaps run: it counts as given; the next one may ask again.
+    let ask = s.ask(&r, late);
+    assert_eq!(ask.give_back, 97);
+    s.failed(&r, ask, true);
     assert_eq!(s.unspent(&r.key, &r.limit), 0);
-    assert!(s.ask(&r, late, keys).asker);
+    assert!(s.ask(&r, late).asker);
 }
 
 /// A changed budget (a reload) never spends an old slice: the slice goes back, by the sweeper,
@@ -191,9 +196,9 @@ fn a_changed_budget_or_an_idle_key_gives_its_slice_back() {
         now_us: 1,
         ..Seen::default()
     };
-    let ask = s.ask(&old, t0, keys);
+    let ask = s.ask(&old, t0);
     s.settle(&old, ask, &grant(0), true, t0, keys);
-    let ask = s.ask(&old, t0, keys);
+    let ask = s.ask(&old, t0);
     s.settle(&old, ask, &grant(ask.slice), true, t0, keys);
     s.settle(&old, Ask::default(), &grant(9), true, t0, keys);
     assert_eq!(
@@ -203,7 +208,7 @@ fn a_changed_budget_or_an_idle_key_gives_its_slice_back() {
     );
     let new = req(limit(800, Duration::from_secs(3600)), 1);
     assert_eq!(s.spend(&new, t0), None);
-    let ask = s.ask(&new, t0, keys);
+    let ask = s.ask(&new, t0);
     assert_eq!(ask.slice, 0, "a new budget starts exact");
     s.settle(&new, ask, &grant(0), true, t0, keys);
     let swept = s.sweep(t0);
@@ -211,7 +216,7 @@ fn a_changed_budget_or_an_idle_key_gives_its_slice_back() {
     assert_eq!(swept[0].0 .1, 10);
     assert!(!s.stop_sweeping(), "the new key's entry is still there");
     // Idle past its lifetime: swept, with what it did not spend.
-    let ask = s.ask(&new, t0, keys);
+    let ask = s.ask(&new, t0);
     s.settle(&new, ask, &grant(ask.slice), true, t0, keys);
     assert_eq!(s.sweep(t0 + LIFETIME / 2).len(), 0, "still live");
     let swept = s.sweep(t0 + LIFETIME);
@@ -219,7 +224,7 @@ fn a_changed_budget_or_an_idle_key_gives_its_slice_back() {
     assert!(s.start_sweeping());
     assert!(s.stop_sweeping(), "nothing left");
     // A reload takes everything out at once.
-    let ask = s.ask(&new, t0, keys);
+    let ask = s.ask(&new, t0);
     s.settle(&new, ask, &grant(5), true, t0, keys);
     s.retire_all();
     assert_eq!(s.spend(&new, t0), None);
@@ -270,7 +275,7 @@ fn a_single_instance_shows_the_exact_paths_headers() {
                 Some(o) => o,
                 None => {
                     calls += 1;
-                    let ask = s.ask(&r, now, keys);
+                    let ask = s.ask(&r, now);
                     let (admitted, seen) = redis_admit(&mut sliced, now_us, cost, ask);
                     assert!(admitted, "request {i}");
                     s.settle(&r, ask, &seen, admitted, now, keys).unwrap()
@@ -311,7 +316,7 @@ fn no_slice_below_the_floor() {
             admitted += 1;
             continue;
         }
-        let ask = s.ask(&r, now, keys);
+        let ask = s.ask(&r, now);
         let (ok, seen) = redis_admit(&mut redis, 1 + 100 * i, 1, ask);
         s.settle(&r, ask, &seen, ok, now, keys);
         admitted += ok as u64;
@@ -322,4 +327,25 @@ fn no_slice_below_the_floor() {
     }
     assert_eq!(admitted, 400, "every unit, and not one more");
     assert_eq!(held_below_floor, 0);
+}
+
+/// A budget too small for a slice of one request's cost (`max_cost / (8 × fleet_size)`
+/// below it) stays exact: one call per request, nothing held.
+#[test]
+fn no_slice_smaller_than_the_cost() {
+    // 120 units, six instances: slices of at most 2 units, and a request costs 3.
+    let s = Slices::new(6);
+    let r = req(limit(120, Duration::from_secs(60)), 3);
+    let t0 = Instant::now();
+    for i in 0..10 {
+        let now = t0 + Duration::from_millis(i);
+        assert_eq!(s.spend(&r, now), None);
+        let ask = s.ask(&r, now);
+        assert_eq!((ask.slice, ask.give_back), (0, 0), "request {i}");
+        let seen = Seen {
+            now_us: 1 + i,
+            ..Seen::default()
+        };
+        s.settle(&r, ask, &seen, true, now, keys);
+    }
 }
