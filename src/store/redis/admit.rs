@@ -176,7 +176,7 @@ impl RedisBackend {
 /// refund sent twice gives a key one cost too many (the rare case: it ran just before the
 /// node died), one never sent charges it twice for one request: the first is the lesser harm.
 /// Not after a timeout: a live, slow node will run it.
-pub(super) fn refund_again(e: &StoreError) -> bool {
+fn refund_again(e: &StoreError) -> bool {
     !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
 }
 

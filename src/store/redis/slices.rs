@@ -61,7 +61,8 @@ pub(super) struct Ask {
     pub slice: u64,
     /// Unspent units of this instance's last slice, returned before the decision.
     pub give_back: u64,
-    /// This call is the key's reservation (the others, meanwhile, go exact).
+    /// This call is the key's reservation, which sets the next size (others meanwhile ask
+    /// for the size in force).
     asker: bool,
 }
 
@@ -235,8 +236,11 @@ impl Slices {
         };
         let give_back = std::mem::take(&mut e.left);
         if e.asking(now) {
+            // Another request of the key is reserving: this one asks for a slice of the size
+            // in force too (concurrent requests would otherwise all go exact while a round
+            // trip is slow), but only the reservation decides the next size.
             return Ask {
-                slice: 0,
+                slice: if e.size >= req.cost { e.size } else { 0 },
                 give_back,
                 asker: false,
             };

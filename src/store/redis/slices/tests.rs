@@ -149,11 +149,12 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
         assert_eq!(spent, ask.slice / 3 * 3);
     }
     assert_eq!(sizes, [3, 6, 12, 24, 48, 96, 100]);
-    // A reservation while another is in flight goes exact (and gives back what it holds).
+    // A reservation while another is in flight asks for the size in force, not a new one.
     let ask = s.ask(&r, ms(10));
     assert_eq!((ask.slice, ask.give_back), (100, 100 % 3));
     let meanwhile = s.ask(&r, ms(10));
-    assert_eq!((meanwhile.slice, meanwhile.give_back), (0, 0));
+    assert_eq!((meanwhile.slice, meanwhile.give_back), (100, 0));
+    assert!(!meanwhile.asker);
     s.settle(
         &r,
         ask,
