@@ -79,6 +79,9 @@ impl Shared {
             config: new,
             metrics,
         }));
+        // After the swap: a request that still spends a slice now asks again under the new
+        // budgets.
+        self.store.reloaded();
     }
 }
 

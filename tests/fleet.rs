@@ -444,15 +444,25 @@ async fn one_round_trip_per_admitted_request_and_none_when_over_budget() {
         .filter(|(_, d)| *d > 0)
         .collect();
     // Redis counts the commands a script runs too: TIME, GET and SET inside each EVALSHA.
-    // The only command the gateway sent was EVALSHA, once per request.
-    let want: std::collections::BTreeMap<String, u64> =
-        [("evalsha", 40), ("get", 40), ("set", 40), ("time", 40)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-    assert_eq!(
-        delta, want,
-        "exactly one round trip (EVALSHA) per admitted request"
+    // The only command the gateway sent was EVALSHA, at most once per request (a busy key
+    // spends budget slices without a round trip: tests/slices.rs).
+    let evalsha = delta.get("evalsha").copied().unwrap_or(0);
+    assert!(
+        (1..=40).contains(&evalsha),
+        "at most one round trip (EVALSHA) per admitted request: {delta:?}"
+    );
+    for cmd in ["get", "time"] {
+        assert_eq!(
+            delta.get(cmd),
+            Some(&evalsha),
+            "one {cmd} per call: {delta:?}"
+        );
+    }
+    assert!(
+        delta
+            .keys()
+            .all(|k| ["evalsha", "get", "set", "time"].contains(&k.as_str())),
+        "nothing but the script: {delta:?}"
     );
     // Exhaust the budget (9 left): the 10th refusal is decided by Redis...
     for _ in 0..9 {

@@ -70,6 +70,9 @@ pub trait SharedStore: Send + Sync + 'static {
 
     /// Releases every lease this instance holds (on exit).
     fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
+
+    /// A new config was put in force: nothing decided under the old one may be spent on.
+    fn reloaded(self: &Arc<Self>) {}
 }
 
 /// A shared store's decision.
@@ -467,6 +470,11 @@ impl<S: SharedStore> FallbackStore<S> {
         let view = self.shared.peek(key, limit).await.ok()?;
         self.set_degraded(false, None);
         Some(view)
+    }
+
+    /// A new config is in force (see [`SharedStore::reloaded`]).
+    pub fn reloaded(&self) {
+        self.shared.reloaded();
     }
 
     /// Releases every lease this instance holds in the shared store, within

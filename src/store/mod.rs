@@ -393,6 +393,15 @@ impl Store {
         }
     }
 
+    /// A new config was put in force: the Redis store hands back the budget slices it holds
+    /// (they were reserved under the old budgets).
+    pub fn reloaded(&self) {
+        match self {
+            Store::Memory(_) => {}
+            Store::Redis(r) => r.reloaded(),
+        }
+    }
+
     /// Gives a charge back (the upstream never handled the request), where it was made.
     pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
         match (self, charge) {

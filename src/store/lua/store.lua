@@ -10,12 +10,21 @@
 --
 -- ARGV[1] is the operation:
 --   admit  KEYS budget, key leases, route leases, further budgets...
---          ARGV per_unit rate capacity max_delay cost key_cap route_cap lease_id lease_ttl_us,
---               then per_unit rate capacity max_delay of each further budget
---          -> {code, a, remaining, reset_us}: 0 over budget (a = retry_after_us), 1 key cap
---             full, 2 route cap full, 3 admitted (a = delay_us). Writes only when admitted,
---             and then to every budget (all fit, or none is charged). With further budgets
---             the reply goes on: decisive budget's index, then remaining, reset_us of each.
+--          ARGV per_unit rate capacity max_delay floor, cost key_cap route_cap lease_id
+--               lease_ttl_us slice give_back, then per_unit rate capacity max_delay floor of
+--               each further budget
+--          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...}:
+--             code 0 over budget (a = retry_after_us), 1 key cap full, 2 route cap full,
+--             3 admitted (a = delay_us). Writes only when admitted, and then to every budget
+--             (all fit, or none is charged) -- except `give_back`, which is applied first,
+--             whatever the answer. `slice` asks for that many extra units (a budget slice,
+--             crate::store::redis::slices): granted in full when cost + slice fit every budget
+--             with `floor` units of it still left and no max_delay in play, else not at all
+--             (granted 0, and the request is decided exactly as without it). The figures
+--             describe the budgets as if the granted units were not taken (what the instance
+--             shows while it holds them); the levels are the stored ones, at now_us. With
+--             further budgets the reply goes on: decisive budget's index, then remaining,
+--             reset_us of each.
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
 --   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
@@ -84,38 +93,55 @@ end
 local op = ARGV[1]
 
 if op == 'admit' then
-  local cost = tonumber(ARGV[6])
-  local key_cap = tonumber(ARGV[7])
-  local route_cap = tonumber(ARGV[8])
-  local lease = ARGV[9]
-  local ttl = tonumber(ARGV[10])
-  -- Every budget the request must fit: KEYS[1] (ARGV 2-5), then KEYS[4], KEYS[5], ... with
-  -- four ARGV each from ARGV[11] on (crate::budget::decide_all, all or nothing).
-  local b = {{key = KEYS[1], p = tonumber(ARGV[2]), q = tonumber(ARGV[3]),
-              cap = tonumber(ARGV[4]), delay = tonumber(ARGV[5])}}
-  for i = 1, math.floor((#ARGV - 10) / 4) do
-    local j = 10 + 4 * (i - 1)
-    b[#b + 1] = {key = KEYS[3 + i], p = tonumber(ARGV[j + 1]), q = tonumber(ARGV[j + 2]),
-                 cap = tonumber(ARGV[j + 3]), delay = tonumber(ARGV[j + 4])}
+  local cost = tonumber(ARGV[7])
+  local key_cap = tonumber(ARGV[8])
+  local route_cap = tonumber(ARGV[9])
+  local lease = ARGV[10]
+  local ttl = tonumber(ARGV[11])
+  local slice = tonumber(ARGV[12])
+  local give_back = tonumber(ARGV[13])
+  -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[4], KEYS[5], ... with
+  -- five ARGV each from ARGV[14] on (crate::budget::decide_all, all or nothing).
+  local function budget(key, j)
+    return {key = key, p = tonumber(ARGV[j]), q = tonumber(ARGV[j + 1]),
+            cap = tonumber(ARGV[j + 2]), delay = tonumber(ARGV[j + 3]),
+            floor = tonumber(ARGV[j + 4])}
+  end
+  local b = {budget(KEYS[1], 2)}
+  for i = 1, math.floor((#ARGV - 13) / 5) do
+    b[#b + 1] = budget(KEYS[3 + i], 14 + 5 * (i - 1))
   end
   local now = now_us()
   local refused, retry = nil, 0
   for i, x in ipairs(b) do
     x.level = level_at(x.key, x.q, now)
+    if give_back > 0 then
+      -- The unspent rest of this instance's last slice: back before anything is decided.
+      x.level = math.max(0, x.level - give_back * x.p)
+      store_level(x.key, x.level, x.q, now)
+    end
     x.next = x.level + cost * x.p
     if x.next > x.cap + x.delay then
       local r = ceil_div(x.next - x.cap - x.delay, x.q)
       if refused == nil or r > retry then refused, retry = i, r end
     end
   end
-  -- The reply: {code, a, remaining, reset_us} of the decisive budget and, when there are
-  -- several, its index (from 0) and every budget's remaining and reset_us. `after` = the
-  -- levels after the charge; `decisive` = nil picks the tightest (fewest left, first of equals).
+  local granted = 0
+  if refused == nil and slice > 0 and key_cap == 0 and route_cap == 0 then
+    granted = slice
+    for _, x in ipairs(b) do
+      if x.delay > 0 or x.level + (cost + slice + x.floor) * x.p > x.cap then granted = 0 end
+    end
+  end
+  -- The reply: {code, a, remaining, reset_us, granted, now, levels...} of the decisive budget
+  -- and, when there are several, its index (from 0) and every budget's remaining and
+  -- reset_us. `after` = the levels after the charge; `decisive` = nil picks the tightest
+  -- (fewest left, first of equals).
   local function reply(code, a, after, decisive)
     local figs = {}
     for i, x in ipairs(b) do
       local l = x.level
-      if after then l = x.next end
+      if after then l = x.next - granted * x.p end
       figs[i] = {remaining(x.cap, l, x.p), ceil_div(l, x.q)}
     end
     if decisive == nil then
@@ -124,9 +150,12 @@ if op == 'admit' then
         if figs[i][1] < figs[decisive][1] then decisive = i end
       end
     end
-    local out = {code, a, figs[decisive][1], figs[decisive][2]}
+    local out = {code, a, figs[decisive][1], figs[decisive][2], granted, int(now)}
+    for _, x in ipairs(b) do
+      if after then out[#out + 1] = int(x.next) else out[#out + 1] = int(x.level) end
+    end
     if #b > 1 then
-      out[5] = decisive - 1
+      out[#out + 1] = decisive - 1
       for i = 1, #b do
         out[#out + 1] = figs[i][1]
         out[#out + 1] = figs[i][2]
@@ -145,6 +174,7 @@ if op == 'admit' then
   end
   local delay = 0
   for _, x in ipairs(b) do
+    x.next = x.next + granted * x.p
     store_level(x.key, x.next, x.q, now)
     if x.next > x.cap then delay = math.max(delay, ceil_div(x.next - x.cap, x.q)) end
   end

@@ -47,7 +47,7 @@ impl RedisBackend {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
                     tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                    store.undo_admission(&c, true).await;
+                    store.undo_admission(&c, granted(&v), true).await;
                 }
             }
         });
@@ -98,7 +98,8 @@ impl RedisBackend {
         }
         // A route found full wrote nothing there; a failed `take` may have run.
         let route_maybe_taken = code != Some(AdmitCode::RouteBusy);
-        self.undo_admission(c, route_maybe_taken).await;
+        self.undo_admission(c, granted(&key_side), route_maybe_taken)
+            .await;
         match (route_side, code) {
             (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
             (Ok(v), _) => Err(redis::RedisError::from((
@@ -112,12 +113,14 @@ impl RedisBackend {
 
     /// Refunds and releases an admission that its request cannot use: the request had
     /// already given up on it, or (Cluster) the route's side refused it. The route's lease
-    /// is released too unless `route` is false (it was surely not taken).
-    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, route: bool) {
+    /// is released too unless `route` is false (it was surely not taken). The `granted` units
+    /// of a budget slice that came with it go back too: nobody will spend them.
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64, route: bool) {
+        let units = c.cost.saturating_add(granted);
         let refunded = async {
             let mut conn = self.conns.get().await?;
             let budgets = StoreScript::budgets_of(c);
-            let refund = self.script.refund(&budgets, c.cost);
+            let refund = self.script.refund(&budgets, units);
             match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
                 .await
             {
@@ -128,7 +131,7 @@ impl RedisBackend {
         .await;
         match refunded {
             Ok(_) => {}
-            Err(e) if refund_again(&e) => self.retry_refund(c),
+            Err(e) if refund_again(&e) => self.retry_refund(c, units),
             Err(e) => {
                 tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
             }
@@ -145,8 +148,8 @@ impl RedisBackend {
 
     /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
     /// lives: the topology change that refused it is over by then, or it is an outage.
-    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
-        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), c.cost);
+    fn retry_refund(self: &Arc<Self>, c: &AdmitCall, units: u64) {
+        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), units);
         let give_up = Instant::now() + self.lease_ttl;
         tokio::spawn(async move {
             while Instant::now() < give_up {
@@ -177,11 +180,17 @@ fn refund_again(e: &StoreError) -> bool {
     !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
 }
 
+/// The units of a budget slice an `admit` reply granted (0 if none, or malformed).
+fn granted(reply: &[i64]) -> u64 {
+    reply.get(4).map_or(0, |g| (*g).max(0) as u64)
+}
+
 /// What `admit` on one node would have answered for a request whose key's side passed and
-/// whose route was full (Cluster): the key's figures as they were before the undone charge.
+/// whose route was full (Cluster): the key's figures and levels as they were before the
+/// undone charge (a capped request never asks for a slice).
 fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
-    let [_, delay_us, remaining, reset_us, ..] = key_side[..] else {
-        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0];
+    let [_, delay_us, remaining, reset_us, _, now_us, ref levels @ ..] = key_side[..] else {
+        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0, 0, 0, 0];
     };
     // A delayed admission had no units left before it either.
     let remaining = if delay_us > 0 {
@@ -190,12 +199,19 @@ fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
         remaining.saturating_add(c.cost as i64)
     };
     let charge_us = (c.cost * c.limit.per_unit).div_ceil(c.limit.rate.max(1)) as i64;
-    vec![
+    let mut out = vec![
         AdmitCode::RouteBusy as i64,
         0,
         remaining,
         (reset_us - charge_us).max(0),
-    ]
+        0,
+        now_us,
+    ];
+    let limits = std::iter::once(&c.limit).chain(c.also.iter().map(|(_, l)| l));
+    for (level, l) in levels.iter().zip(limits) {
+        out.push((level - (c.cost * l.per_unit) as i64).max(0));
+    }
+    out
 }
 
 type AdmitReply = (Result<Vec<i64>, redis::RedisError>, AdmitCall);
@@ -218,7 +234,7 @@ impl Drop for PendingReply {
                 // then lapses after lease_ttl.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     let store = self.store.clone();
-                    rt.spawn(async move { store.undo_admission(&c, true).await });
+                    rt.spawn(async move { store.undo_admission(&c, granted(&v), true).await });
                 }
             }
         }

@@ -54,6 +54,12 @@ impl Breaker {
             .is_ok()
     }
 
+    /// True while the breaker is closed (no recent run of failures); asks nothing of it, unlike
+    /// [`Breaker::allow`], which may hand out the probe.
+    pub(super) fn closed(&self) -> bool {
+        self.open_until_us.load(Ordering::Acquire) == 0
+    }
+
     pub(super) fn success(&self) {
         self.failures.store(0, Ordering::Release);
         self.open_until_us.store(0, Ordering::Release);

@@ -186,6 +186,7 @@ impl RedisBackend {
     /// Releases every lease this instance holds or still owes Redis, bypassing the breaker
     /// (this is the last chance). The caller bounds the time it may take.
     pub(super) async fn release_everything(self: &Arc<Self>) {
+        let slices = self.slices.hand_back_all();
         let all: Vec<(Vec<String>, String)> = {
             let mut held = lock(&self.held);
             let live = std::mem::take(&mut held.live);
@@ -195,13 +196,21 @@ impl RedisBackend {
                 .chain(owed.into_iter().map(|u| (u.keys, u.id)))
                 .collect()
         };
-        if all.is_empty() {
+        if all.is_empty() && slices.is_empty() {
             return;
         }
         let Ok(conn) = self.conns.get().await else {
             return;
         };
         let mut sends = tokio::task::JoinSet::new();
+        // Budget slices not spent go back to the fleet, like the slots.
+        for (budgets, units) in slices {
+            let (store, mut conn) = (self.clone(), conn.clone());
+            sends.spawn(async move {
+                let refund = store.script.refund(&budgets, units);
+                let _ = script::invoke::<i64>(&refund, &mut conn).await;
+            });
+        }
         for (keys, id) in all {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
@@ -212,7 +221,7 @@ impl RedisBackend {
             });
         }
         while sends.join_next().await.is_some() {}
-        tracing::info!("released this instance's in-flight leases");
+        tracing::info!("released this instance's in-flight leases and budget slices");
     }
 
     /// A lease's sets as script calls: one call on one node; on Redis Cluster one call per

@@ -12,6 +12,10 @@
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
 //!   moment Redis said it could next fit (`deny_cache`).
+//! - A busy key reserves a slice of its budget in the same `admit` call and spends it here,
+//!   without round trips, giving back what it did not spend (`slices`): only for requests
+//!   without in-flight caps, route-shared budgets or `max_delay`, and never near the end of a
+//!   budget.
 
 mod admit;
 mod breaker;
@@ -20,6 +24,8 @@ mod deny_cache;
 mod keys;
 mod lease;
 mod script;
+mod sliced;
+mod slices;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +40,7 @@ pub(super) use script::refused_before_running;
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
 use super::memory::{Clock, MemoryStore};
 use super::{Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease, Standing, StoreError};
-use crate::budget::{Figure, Figures, Limit, Outcome, Verdict, MAX_BUDGETS};
+use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
 use crate::telemetry::metrics;
@@ -42,6 +48,7 @@ use breaker::Breaker;
 use conn::Connections;
 use deny_cache::DenyCache;
 use script::{AdmitCall, AdmitCode, StoreScript};
+use slices::{Ask, Seen, Slices};
 
 /// The gateway's store for a fleet: Redis, with `store.on_error` deciding while it cannot.
 pub type RedisStore = FallbackStore<RedisBackend>;
@@ -86,6 +93,8 @@ pub struct RedisBackend {
     wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
     /// Leases held, and releases still owed to Redis.
     held: Mutex<lease::Held>,
+    /// Budget slices this instance holds.
+    slices: Slices,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -117,6 +126,7 @@ impl RedisBackend {
             script: StoreScript::new(),
             wake: Mutex::default(),
             held: Mutex::default(),
+            slices: Slices::new(s.fleet_size),
         })
     }
 
@@ -177,7 +187,12 @@ impl RedisBackend {
         )
     }
 
-    async fn try_admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<Decided, StoreError> {
+    /// One `admit` call for `req`, asking `ask` of its slices.
+    async fn try_admit(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        ask: Ask,
+    ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
         let route_slots = req.route_cap.is_some();
         let call = AdmitCall {
@@ -195,41 +210,30 @@ impl RedisBackend {
             },
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             also: budget_keys(req).into_iter().skip(1).collect(),
+            slice: ask.slice,
+            give_back: ask.give_back,
         };
         let (r, call) = self.call_admit(call).await?;
-        let [code, a, remaining, reset_us, ref more @ ..] = r[..] else {
-            return Err(StoreError::Reply(format!("{r:?}")));
+        let reply = script::parse_admit(&r, 1 + req.also.len())
+            .ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
+        let standing = Standing {
+            remaining: reply.remaining,
+            reset_us: reply.reset_us,
+            each: reply.each,
         };
-        let each = figures(more).ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
-        let Some(code) = AdmitCode::from_reply(code) else {
-            return Err(StoreError::Reply(format!("{r:?}")));
-        };
-        let (a, remaining, reset_us) = (
-            a.max(0) as u64,
-            remaining.max(0) as u64,
-            reset_us.max(0) as u64,
-        );
         let outcome = |verdict| Outcome {
             verdict,
             state: None,
-            remaining,
-            reset_us,
-            each,
+            remaining: reply.remaining,
+            reset_us: reply.reset_us,
+            each: reply.each,
         };
-        Ok(match code {
-            AdmitCode::OverBudget => {
-                Decided::OverBudget(outcome(Verdict::Reject { retry_after_us: a }))
-            }
-            AdmitCode::KeyBusy => Decided::KeyBusy(Standing {
-                remaining,
-                reset_us,
-                each,
-            }),
-            AdmitCode::RouteBusy => Decided::RouteBusy(Standing {
-                remaining,
-                reset_us,
-                each,
-            }),
+        let decided = match reply.code {
+            AdmitCode::OverBudget => Decided::OverBudget(outcome(Verdict::Reject {
+                retry_after_us: reply.a,
+            })),
+            AdmitCode::KeyBusy => Decided::KeyBusy(standing),
+            AdmitCode::RouteBusy => Decided::RouteBusy(standing),
             AdmitCode::Admitted => {
                 let held = call.slot_keys();
                 let lease = if held.is_empty() {
@@ -242,9 +246,10 @@ impl RedisBackend {
                         req.route.clone(),
                     )))
                 };
-                Decided::Admitted(outcome(Verdict::Admit { delay_us: a }), lease)
+                Decided::Admitted(outcome(Verdict::Admit { delay_us: reply.a }), lease)
             }
-        })
+        };
+        Ok((decided, reply.seen))
     }
 }
 
@@ -261,26 +266,6 @@ fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
         .collect()
 }
 
-/// The rest of an `admit` reply with several budgets: the decisive one's index, then each
-/// one's remaining and reset_us. `None` if malformed.
-fn figures(more: &[i64]) -> Option<Figures> {
-    let mut each = Figures::default();
-    let Some((&decisive, pairs)) = more.split_first() else {
-        return Some(each);
-    };
-    if pairs.len() % 2 != 0 || pairs.len() / 2 > MAX_BUDGETS {
-        return None;
-    }
-    each.decisive = u8::try_from(decisive).ok()?;
-    for p in pairs.chunks_exact(2) {
-        each.push(Figure {
-            remaining: p[0].max(0) as u64,
-            reset_us: p[1].max(0) as u64,
-        });
-    }
-    Some(each)
-}
-
 impl SharedStore for RedisBackend {
     /// Decides one request; waits (polling, and woken by this instance's own releases) while
     /// the route's cap is full, up to `queue_timeout`.
@@ -291,6 +276,9 @@ impl SharedStore for RedisBackend {
                 reached: false,
             });
         }
+        if let Some(answer) = self.admit_sliced(req).await {
+            return answer;
+        }
         let start = Instant::now();
         let mut backoff = QUEUE_POLL_MIN;
         loop {
@@ -300,7 +288,7 @@ impl SharedStore for RedisBackend {
             // Queueing is the time before the call that got the slot, not that call's own
             // round trip (which is the store's time).
             let waited_before = start.elapsed();
-            let admission = match self.try_admit(req).await? {
+            let admission = match self.try_admit(req, Ask::default()).await?.0 {
                 Decided::Admitted(outcome, lease) => {
                     self.deny.forget(&req.key);
                     Admission::admitted(&outcome, lease, waited_before)
@@ -355,7 +343,15 @@ impl SharedStore for RedisBackend {
     async fn peek(&self, key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
         let k = keys::budget_key(key);
         let level: i64 = self.call(self.script.peek(&k, limit)).await?;
-        Ok(BudgetView::at(limit, level.max(0) as u64))
+        // What this instance holds of it is not spent yet: shown as Redis will have it back.
+        let held = self
+            .slices
+            .unspent(key, limit)
+            .saturating_mul(limit.per_unit);
+        Ok(BudgetView::at(
+            limit,
+            (level.max(0) as u64).saturating_sub(held),
+        ))
     }
 
     async fn write_back(
@@ -402,5 +398,9 @@ impl SharedStore for RedisBackend {
 
     async fn release_all(self: &Arc<Self>) {
         self.release_everything().await;
+    }
+
+    fn reloaded(self: &Arc<Self>) {
+        self.retire_slices();
     }
 }

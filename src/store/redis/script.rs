@@ -8,7 +8,8 @@ use std::time::Duration;
 use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
 
 use super::conn::Conn;
-use crate::budget::Limit;
+use super::slices::{self, Seen};
+use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
 /// SCRIPT LOAD and EVALSHA again, by redis-rs), resending it only when the answer proves it
@@ -102,6 +103,10 @@ pub(super) struct AdmitCall {
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,
+    /// Extra units asked for a budget slice (0: none), and units of an earlier slice given
+    /// back first (`super::slices`).
+    pub slice: u64,
+    pub give_back: u64,
 }
 
 impl AdmitCall {
@@ -113,6 +118,66 @@ impl AdmitCall {
             .cloned()
             .collect()
     }
+}
+
+/// An `admit` reply taken apart: code, `a` (retry-after or delay, µs), the decisive budget's
+/// remaining and reset_us, every budget's figures when there are several, and what it says
+/// of the slice and the levels. `budgets` is how many the call was made on. `None` if
+/// malformed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct AdmitReply {
+    pub code: AdmitCode,
+    pub a: u64,
+    pub remaining: u64,
+    pub reset_us: u64,
+    pub each: Figures,
+    pub seen: Seen,
+}
+
+pub(super) fn parse_admit(r: &[i64], budgets: usize) -> Option<AdmitReply> {
+    let [code, a, remaining, reset_us, granted, now_us, ref rest @ ..] = r[..] else {
+        return None;
+    };
+    if budgets == 0 || budgets > MAX_BUDGETS || rest.len() < budgets {
+        return None;
+    }
+    let (levels, more) = rest.split_at(budgets);
+    let mut seen = Seen {
+        granted: granted.max(0) as u64,
+        now_us: now_us.max(0) as u64,
+        levels: [0; MAX_BUDGETS],
+    };
+    for (slot, l) in seen.levels.iter_mut().zip(levels) {
+        *slot = (*l).max(0) as u64;
+    }
+    Some(AdmitReply {
+        code: AdmitCode::from_reply(code)?,
+        a: a.max(0) as u64,
+        remaining: remaining.max(0) as u64,
+        reset_us: reset_us.max(0) as u64,
+        each: figures(more)?,
+        seen,
+    })
+}
+
+/// The rest of an `admit` reply with several budgets: the decisive one's index, then each
+/// one's remaining and reset_us. Empty for one budget.
+fn figures(more: &[i64]) -> Option<Figures> {
+    let mut each = Figures::default();
+    let Some((&decisive, pairs)) = more.split_first() else {
+        return Some(each);
+    };
+    if pairs.len() % 2 != 0 || pairs.len() / 2 > MAX_BUDGETS {
+        return None;
+    }
+    each.decisive = u8::try_from(decisive).ok()?;
+    for p in pairs.chunks_exact(2) {
+        each.push(Figure {
+            remaining: p[0].max(0) as u64,
+            reset_us: p[1].max(0) as u64,
+        });
+    }
+    Some(each)
 }
 
 pub(super) struct StoreScript(Script);
@@ -127,11 +192,14 @@ impl StoreScript {
     /// KEYS[1] budget, KEYS[2] key lease set, KEYS[3] route lease set (an unused set is passed
     /// as the budget key: the script never touches it), KEYS[4..] further budgets.
     /// ARGV[2] per_unit, ARGV[3] rate, ARGV[4] capacity, ARGV[5] max_delay (ticks), ARGV[6]
-    /// cost, ARGV[7] key_cap, ARGV[8] route_cap (0 = none), ARGV[9] lease id, ARGV[10]
-    /// lease_ttl (µs); from ARGV[11], per_unit, rate, capacity, max_delay of each further budget.
-    /// Reply `{code, a, remaining, reset_us}` with code an [`AdmitCode`], then, with further
-    /// budgets, the decisive budget's index and `remaining, reset_us` of each. Writes only when
-    /// admitted (to every budget). Charges: never retry it after a timeout (it may have run).
+    /// floor (units a slice must leave), ARGV[7] cost, ARGV[8] key_cap, ARGV[9] route_cap
+    /// (0 = none), ARGV[10] lease id, ARGV[11] lease_ttl (µs), ARGV[12] slice (extra units
+    /// wanted), ARGV[13] give_back (units returned first); from ARGV[14], per_unit, rate,
+    /// capacity, max_delay, floor of each further budget.
+    /// Reply `{code, a, remaining, reset_us, granted, now_us, level of each budget...}` with
+    /// code an [`AdmitCode`], then, with further budgets, the decisive budget's index and
+    /// `remaining, reset_us` of each (see [`parse_admit`]). Writes only when admitted (to
+    /// every budget), and the give-back always. Charges: never retry it after a timeout.
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
         self.admit_with(c, c.route_slots.as_ref().unwrap_or(&c.budget), c.route_cap)
     }
@@ -145,6 +213,7 @@ impl StoreScript {
         route_cap: u32,
     ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
+        let floor = |l: &Limit| if c.slice > 0 { slices::floor(l) } else { 0 };
         let l = &c.limit;
         inv.key(&c.budget)
             .key(c.key_slots.as_ref().unwrap_or(&c.budget))
@@ -154,17 +223,21 @@ impl StoreScript {
             .arg(l.rate)
             .arg(l.capacity)
             .arg(l.max_delay)
+            .arg(floor(l))
             .arg(c.cost)
             .arg(c.key_cap)
             .arg(route_cap)
             .arg(&c.lease_id)
-            .arg(c.lease_ttl_us);
+            .arg(c.lease_ttl_us)
+            .arg(c.slice)
+            .arg(c.give_back);
         for (key, l) in &c.also {
             inv.key(key)
                 .arg(l.per_unit)
                 .arg(l.rate)
                 .arg(l.capacity)
-                .arg(l.max_delay);
+                .arg(l.max_delay)
+                .arg(floor(l));
         }
         inv
     }

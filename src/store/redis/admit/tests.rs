@@ -15,21 +15,48 @@ fn call(cost: u64) -> AdmitCall {
         lease_id: "i:1".into(),
         lease_ttl_us: 15_000_000,
         also: Vec::new(),
+        slice: 0,
+        give_back: 0,
     }
 }
 
 /// A full route answers with the key's figures as they were before the undone charge.
 #[test]
 fn route_busy_reply_shows_the_budget_before_the_undone_charge() {
-    let admitted = [AdmitCode::Admitted as i64, 0, 100, 10_000_000];
+    // One unit is 500 000 ticks here (drained at 1 per µs).
+    let admitted = [
+        AdmitCode::Admitted as i64,
+        0,
+        100,
+        10_000_000,
+        0,
+        7,
+        10_000_000,
+    ];
     assert_eq!(
         route_busy_reply(&admitted, &call(20)),
-        vec![AdmitCode::RouteBusy as i64, 0, 120, 0]
+        vec![AdmitCode::RouteBusy as i64, 0, 120, 0, 0, 7, 0]
     );
-    let delayed = [AdmitCode::Admitted as i64, 2_000_000, 0, 62_000_000];
+    let delayed = [
+        AdmitCode::Admitted as i64,
+        2_000_000,
+        0,
+        62_000_000,
+        0,
+        7,
+        62_000_000,
+    ];
     assert_eq!(
         route_busy_reply(&delayed, &call(4)),
-        vec![AdmitCode::RouteBusy as i64, 0, 0, 60_000_000]
+        vec![
+            AdmitCode::RouteBusy as i64,
+            0,
+            0,
+            60_000_000,
+            0,
+            7,
+            60_000_000
+        ]
     );
 }
 

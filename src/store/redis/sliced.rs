@@ -1,0 +1,115 @@
+//! An eligible request's way through its key's budget slice (`slices`), and the sweeper
+//! that gives idle keys' slices back: the Redis side of the slice table.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::slices;
+use super::{budget_keys, Decided, RedisBackend};
+use crate::store::fallback::SharedAnswer;
+use crate::store::{Admission, AdmitRequest, Lease, StoreError};
+
+impl RedisBackend {
+    /// An eligible request's way through its key's slice: spent here when the slice holds
+    /// its cost (and Redis is not known to be down), else one `admit` call that also
+    /// reserves the next slice. `None`: not eligible, decide it exactly.
+    pub(super) async fn admit_sliced(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+    ) -> Option<Result<SharedAnswer, StoreError>> {
+        if !slices::eligible(req) {
+            return None;
+        }
+        // While the breaker is open, what Redis granted earlier is not spent: an outage
+        // is an outage for slices too.
+        if self.breaker.closed() {
+            if let Some(o) = self.slices.spend(req, Instant::now()) {
+                return Some(Ok(SharedAnswer {
+                    admission: Admission::admitted(&o, Lease::shared(None), Duration::ZERO),
+                    // A local word, not Redis's: it says nothing of Redis being reachable.
+                    reached: false,
+                }));
+            }
+        }
+        let ask = self.slices.ask(req, Instant::now());
+        let (decided, seen) = match self.try_admit(req, ask).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.slices.failed(req, ask, e.may_have_run());
+                // The key's entry is the sweeper's to remove.
+                self.keep_sweeping();
+                return Some(Err(e));
+            }
+        };
+        let admitted = matches!(decided, Decided::Admitted(..));
+        let mine = self
+            .slices
+            .settle(req, ask, &seen, admitted, Instant::now(), || {
+                budget_keys(req)
+            });
+        // After the answer: it may have left a grant to give back, and the key's entry.
+        self.keep_sweeping();
+        let admission = match decided {
+            Decided::Admitted(outcome, lease) => {
+                self.deny.forget(&req.key);
+                Admission::admitted(mine.as_ref().unwrap_or(&outcome), lease, Duration::ZERO)
+            }
+            Decided::OverBudget(o) => {
+                self.deny.insert(req, &o);
+                Admission::over_budget(&o)
+            }
+            // Not for a request without slots; answered as Redis said all the same.
+            Decided::KeyBusy(o) => Admission::KeyBusy(o),
+            Decided::RouteBusy(standing) => Admission::RouteBusy {
+                standing,
+                queued: Duration::ZERO,
+            },
+        };
+        Some(Ok(SharedAnswer {
+            admission,
+            reached: true,
+        }))
+    }
+
+    /// Starts the slice sweeper unless it runs.
+    fn keep_sweeping(self: &Arc<Self>) {
+        if self.slices.start_sweeping() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) => {
+                    h.spawn(self.clone().sweep_slices());
+                }
+                Err(_) => {
+                    self.slices.stop_sweeping();
+                }
+            }
+        }
+    }
+
+    /// Every [`slices::SWEEP_EVERY`]: gives back what idle keys' expired slices did not
+    /// spend (and slices handed back), until no slice is left.
+    async fn sweep_slices(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(slices::SWEEP_EVERY).await;
+            let mut again = vec![];
+            for ((budgets, units), deadline) in self.slices.sweep(Instant::now()) {
+                // Sent again only if it surely did not run: a give-back applied twice would
+                // let the fleet admit a slice more than its budget; one lost only strands it.
+                match self.call::<i64>(self.script.refund(&budgets, units)).await {
+                    Err(e) if !e.may_have_run() => again.push(((budgets, units), deadline)),
+                    _ => {}
+                }
+            }
+            self.slices.retry(again);
+            if self.slices.stop_sweeping() {
+                return;
+            }
+        }
+    }
+
+    /// A new config is in force: no slice of the old one is spent any more, and every one is
+    /// given back by the sweeper.
+    pub(super) fn retire_slices(self: &Arc<Self>) {
+        self.slices.retire_all();
+        self.keep_sweeping();
+    }
+}

@@ -1,0 +1,431 @@
+//! Budget slices (issue 11) with real processes: a busy key spends slices of its budget
+//! reserved in Redis, and the fleet still never admits more than the budget — while slices are
+//! handed back (reload, idle keys, an instance exiting), near the end of a budget, and when
+//! Redis goes away.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 2s\n{rate_limits}",
+        redis.url()
+    )
+}
+
+/// EVALSHA calls Redis has run so far.
+fn evalsha_calls(redis: &Redis) -> u64 {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix("cmdstat_evalsha:calls=")?;
+            rest.split(',').next()?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// What the client loops of a run share: when to stop or pause, and what they counted.
+#[derive(Default)]
+struct Run {
+    stop: AtomicBool,
+    pause: AtomicBool,
+    /// 200s.
+    ok: AtomicU64,
+    /// Every request sent.
+    sent: AtomicU64,
+}
+
+/// Sends `key`'s requests to `url` from `n` concurrent loops until `run.stop`. Connection
+/// errors (an instance that exited) count as sent, not admitted.
+fn hammer(
+    c: &reqwest::Client,
+    url: String,
+    key: &'static str,
+    n: usize,
+    run: &Arc<Run>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let (c, url, run) = (c.clone(), url.clone(), run.clone());
+            tokio::spawn(async move {
+                while !run.stop.load(Ordering::Relaxed) {
+                    if run.pause.load(Ordering::Relaxed) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                    run.sent.fetch_add(1, Ordering::Relaxed);
+                    match c.get(&url).header("X-API-Key", key).send().await {
+                        Ok(r) if r.status() == 200 => {
+                            run.ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(r) => assert!(
+                            [429, 503].contains(&r.status().as_u16()),
+                            "status {}",
+                            r.status()
+                        ),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// Three gateways, one hot key from all of them, `max_cost` units per `window_s` seconds:
+/// the 200s never pass burst + rate × elapsed (the test's own clock, which spans Redis's),
+/// through a reload, a pause longer than a slice's life, and one instance's SIGTERM.
+/// Returns the 200s and the bound, and the 200s and EVALSHA calls of the first 400 ms.
+async fn hot_key_through_hand_backs(max_cost: u64, window_s: u64) -> [(u64, u64); 2] {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        3,
+        &format!(
+            "rate_limits:\n  default: {{cost: 1, window: {window_s}s, max_cost: {max_cost}}}\n"
+        ),
+    );
+    let mut gws: Vec<Gateway> = (0..3).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    let run = Arc::new(Run::default());
+    let calls_before = evalsha_calls(&redis);
+    let start = Instant::now();
+    let mut loops = vec![];
+    for gw in &gws {
+        loops.extend(hammer(&c, gw.url("/items"), "hot", 6, &run));
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let first_phase = (
+        run.ok.load(Ordering::Relaxed),
+        evalsha_calls(&redis) - calls_before,
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    gws[0].signal("HUP");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Idle past a slice's life: slices go back by the sweeper.
+    run.pause.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    run.pause.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    gws[2].signal("TERM");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    run.stop.store(true, Ordering::Relaxed);
+    for l in loops {
+        l.await.unwrap();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    assert_eq!(gws[2].wait_exit(Duration::from_secs(10)), Some(0));
+    let admitted = run.ok.load(Ordering::Relaxed);
+    let sent = run.sent.load(Ordering::Relaxed);
+    assert_eq!(up.count("/items"), admitted);
+    let bound = max_cost as f64 * (1.0 + elapsed / window_s as f64);
+    let calls = evalsha_calls(&redis) - calls_before;
+    eprintln!(
+        "{admitted} admitted of {sent} sent (bound {bound:.0} over {elapsed:.2}s), {calls} EVALSHA"
+    );
+    assert!(
+        admitted as f64 <= bound,
+        "admitted {admitted} > {bound:.0} over {elapsed:.2}s"
+    );
+    assert!(
+        gws[0].log().contains("configuration reloaded"),
+        "the reload happened"
+    );
+    [(admitted, bound as u64), first_phase]
+}
+
+/// Less budget than the clients ask for (100/s, even on a loaded machine): the fleet is at
+/// its limit most of the time, where slices stop (none below 25 left), and admits about all
+/// it may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_key_on_three_gateways_never_passes_its_budget_at_the_limit() {
+    let [(admitted, bound), _] = hot_key_through_hand_backs(100, 1).await;
+    assert!(
+        admitted * 2 > bound,
+        "the budget was usable: {admitted} of {bound}"
+    );
+}
+
+/// A deep bucket (600 units, refilling 60/s): slices of up to 25 units are spent at first,
+/// and handed back by the reload, the pause and the exit; then the limit is hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_key_on_three_gateways_never_passes_its_budget_while_spending_slices() {
+    let [(admitted, bound), (early, calls)] = hot_key_through_hand_backs(600, 10).await;
+    eprintln!("first 400 ms: {early} admitted, {calls} EVALSHA");
+    // Every admission without a slice is a call of its own: early on, most had none.
+    assert!(
+        calls * 2 < early,
+        "slices were in use: {calls} EVALSHA for the first {early} admitted"
+    );
+    assert!(
+        admitted * 2 > bound,
+        "the budget was usable: {admitted} of {bound}"
+    );
+}
+
+/// Instance A is hot on a key until the key is near its limit; then B asks. B gets every
+/// unit A did not spend: none is stranded in A's slices, and the count is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_instance_gets_the_rest_of_a_budget_a_busy_one_was_spending() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    // Practically no refill during the test: 1000 units per 30 days.
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n",
+    );
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let calls_before = evalsha_calls(&redis);
+    let admitted_a = Arc::new(AtomicU64::new(0));
+    let near_end = Arc::new(AtomicBool::new(false));
+    let loops: Vec<_> = (0..6)
+        .map(|_| {
+            let (c, url, ok, near_end) = (
+                c.clone(),
+                a.url("/items"),
+                admitted_a.clone(),
+                near_end.clone(),
+            );
+            tokio::spawn(async move {
+                while !near_end.load(Ordering::Relaxed) {
+                    let r = get(&c, url.clone(), "shared-key").await;
+                    assert_eq!(r.status(), 200, "A is not refused before the end");
+                    ok.fetch_add(1, Ordering::Relaxed);
+                    let left: u64 = header(&r, "X-RateLimit-Remaining")
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    if left <= 100 {
+                        near_end.store(true, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for l in loops {
+        l.await.unwrap();
+    }
+    let from_a = admitted_a.load(Ordering::Relaxed);
+    assert!(
+        evalsha_calls(&redis) - calls_before < from_a,
+        "A spent slices"
+    );
+    // B asks at once, and then until every unit is gone (A's unspent slices come back
+    // within a lifetime and a sweep).
+    let first = get(&c, b.url("/items"), "shared-key").await;
+    assert_eq!(first.status(), 200, "B is not starved");
+    let mut from_b = 1;
+    let mut refused_since: Option<Instant> = None;
+    while refused_since.is_none_or(|t| t.elapsed() < Duration::from_millis(800)) {
+        let r = get(&c, b.url("/items"), "shared-key").await;
+        match r.status().as_u16() {
+            200 => {
+                from_b += 1;
+                refused_since = None;
+            }
+            429 => {
+                refused_since.get_or_insert_with(Instant::now);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            s => panic!("status {s}"),
+        }
+    }
+    eprintln!("A {from_a} + B {from_b}");
+    assert_eq!(from_a + from_b, 1000, "A {from_a} + B {from_b}");
+    assert_eq!(up.count("/items"), 1000);
+}
+
+/// One instance, sequential requests fast enough for slices: `X-RateLimit-Remaining` goes
+/// down by exactly the cost each request, as on the exact path, and exactly the budget is
+/// admitted — with fewer EVALSHA calls than requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &redis_body(
+            &redis,
+            "deny",
+            1,
+            &format!(
+                "rate_limits:\n  default: {{cost: 1, window: 720h, max_cost: 1000}}\n  endpoints:\n    /exports/bulk: {{cost: 4}}\nkeys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
+                sha256_hex("k")
+            ),
+        ),
+    );
+    let c = client();
+    let calls_before = evalsha_calls(&redis);
+    let mut seen = vec![];
+    let mut admitted = 0;
+    loop {
+        let r = get(&c, gw.url("/exports/bulk"), "k").await;
+        if r.status() == 429 {
+            break;
+        }
+        assert_eq!(r.status(), 200);
+        admitted += 1;
+        seen.push(
+            header(&r, "X-RateLimit-Remaining")
+                .unwrap()
+                .parse::<u64>()
+                .unwrap(),
+        );
+        assert!(admitted <= 250, "past the budget");
+        if admitted == 100 {
+            // The admin view counts what this instance holds unspent as still there.
+            let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/k-id"))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(v["remaining"], 600, "{v}");
+        }
+    }
+    let want: Vec<u64> = (0..250).map(|i| 1000 - 4 * (i + 1)).collect();
+    assert_eq!(seen, want);
+    assert_eq!(admitted, 250);
+    let calls = evalsha_calls(&redis) - calls_before;
+    eprintln!("{calls} EVALSHA for 251 requests");
+    assert!(
+        calls < 150,
+        "slices were in use: {calls} EVALSHA for 251 requests"
+    );
+    assert_eq!(up.count("/exports/bulk"), 250);
+}
+
+/// `on_error: deny`: once Redis is gone, a hot key's slice is not spent past its lifetime:
+/// 503 within a second, and no 200 for a request that started later than that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_key_sees_503_within_a_second_of_redis_going_away() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &redis_body(
+            &redis,
+            "deny",
+            1,
+            "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 100000}\n",
+        ),
+    );
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let killed_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+    let loops: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, url, stop, killed_at) =
+                (c.clone(), gw.url("/items"), stop.clone(), killed_at.clone());
+            tokio::spawn(async move {
+                // (started after the kill by, status) of each request.
+                let mut after = vec![];
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let since = killed_at.lock().unwrap().map(|k| started - k);
+                    let status = get(&c, url.clone(), "hot").await.status().as_u16();
+                    if let Some(since) = since {
+                        after.push((since, status));
+                    }
+                }
+                after
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    redis.kill();
+    *killed_at.lock().unwrap() = Some(Instant::now());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut after = vec![];
+    for l in loops {
+        after.extend(l.await.unwrap());
+    }
+    let first_503 = after
+        .iter()
+        .filter(|(_, s)| *s == 503)
+        .map(|(t, _)| *t)
+        .min()
+        .expect("503s after Redis went away");
+    assert!(
+        first_503 < Duration::from_secs(1),
+        "first 503 after {first_503:?}"
+    );
+    let late_200 = after
+        .iter()
+        .filter(|(t, s)| *s == 200 && *t >= Duration::from_secs(1))
+        .count();
+    assert_eq!(
+        late_200, 0,
+        "no slice was spent after Redis was gone a second"
+    );
+    assert!(after.iter().all(|(_, s)| [200, 503].contains(s)));
+}
+
+/// Units left in Redis for `key` under 1000 units per 720 h (one unit drains in 43 min, so
+/// nothing drains during a test): what another instance would be told.
+fn left_in_redis(redis: &Redis, key: &str) -> u64 {
+    let limit = tollgate::budget::Limit::new(1000, Duration::from_secs(720 * 3600), Duration::ZERO)
+        .unwrap();
+    let v = redis.cli(&["GET", &redis_budget_key(key)]);
+    let level: u64 = v.split(':').next().unwrap().parse().unwrap_or(0);
+    limit.remaining(level)
+}
+
+/// A reload and an exit (SIGINT: no drain, no time for the sweeper) hand this instance's
+/// slices back: Redis then holds exactly what was admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_go_back_on_reload_and_on_exit() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let mut gw = Gateway::start(
+        &up,
+        &redis_body(
+            &redis,
+            "deny",
+            1,
+            "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
+        ),
+    );
+    let c = client();
+    let burst = |n: u64| {
+        let (c, url) = (c.clone(), gw.url("/exports/bulk"));
+        async move {
+            for _ in 0..n {
+                assert_eq!(get(&c, url.clone(), "k").await.status(), 200);
+            }
+        }
+    };
+    burst(40).await;
+    // Fast sequential requests double the slice up to 125 units: this instance holds some.
+    let held = 1000 - 160 - left_in_redis(&redis, "k");
+    assert!(held > 0, "a slice is held");
+    gw.signal("HUP");
+    gw.wait_log("configuration reloaded").await;
+    let start = Instant::now();
+    while left_in_redis(&redis, "k") != 840 {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "handed back on reload: {} left",
+            left_in_redis(&redis, "k")
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    burst(40).await;
+    let held = 1000 - 320 - left_in_redis(&redis, "k");
+    assert!(held > 0, "a slice is held again");
+    gw.signal("INT");
+    let exited = gw.wait_exit(Duration::from_secs(10)).is_some();
+    assert!(exited, "exited:\n{}", gw.log());
+    assert_eq!(left_in_redis(&redis, "k"), 680, "handed back on exit");
+}
