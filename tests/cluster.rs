@@ -209,8 +209,8 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
         l.await.unwrap();
     }
     // Budget slices a gateway reserved and did not spend are charged in Redis until given
-    // back (a slice lives 250 ms, the sweeper runs every 100 ms): let them go back first.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // back (a slice lives 500 ms, the sweeper runs every 100 ms): let them go back first.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     // Bounded errors by on_error=local: every request was answered by the shared store or
     // the local share, none failed.
     let failures = failures.lock().unwrap().clone();

@@ -111,7 +111,7 @@ async fn hot_key_through_hand_backs(max_cost: u64, window_s: u64) -> [(u64, u64)
     tokio::time::sleep(Duration::from_millis(1000)).await;
     // Idle past a slice's life: slices go back by the sweeper.
     run.pause.store(true, Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
     run.pause.store(false, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(1000)).await;
     gws[2].signal("TERM");

@@ -29,7 +29,7 @@ use crate::budget::{self, Figure, Figures, Limit, Outcome, State, Verdict, MAX_B
 use crate::store::{lock, short_key, AdmitRequest, Bucket, Extra};
 
 /// Longest a slice may be spent after it was granted.
-pub(super) const LIFETIME: Duration = Duration::from_millis(250);
+pub(super) const LIFETIME: Duration = Duration::from_millis(500);
 /// How often idle keys' expired slices are given back.
 pub(super) const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// How long a give-back that surely did not run is sent again (the store is unreachable).
