@@ -51,10 +51,10 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct Shard {
-    entries: HashMap<u128, Entry>,
+    entries: super::KeyMap<Entry>,
     /// The further budgets of keys whose plan has several (`Bucket::Key`), by key and name:
     /// a map of their own, so that keys with one budget pay nothing for them.
-    named: HashMap<(u128, Arc<str>), State>,
+    named: HashMap<(u128, Arc<str>), State, foldhash::fast::RandomState>,
     last_sweep_us: u64,
 }
 

@@ -36,6 +36,11 @@ pub(crate) fn short_key(key: &KeyHash) -> u128 {
     u128::from_le_bytes(b)
 }
 
+/// A map keyed by [`short_key`]s. Its keys are SHA-256 output, which no client chooses, so a
+/// fast (per-process seeded) hasher is enough; std's SipHash was the largest single cost of a
+/// memory-store decision.
+pub(crate) type KeyMap<V> = std::collections::HashMap<u128, V, foldhash::fast::RandomState>;
+
 /// Locks one of the stores' short, never-awaited mutexes. A panic while one was held cannot
 /// have left its map inconsistent, so a poisoned lock is simply taken.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -1,6 +1,5 @@
 //! Refusals without a round trip: keys Redis just refused as over budget.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,7 @@ const DENY_SHARDS: usize = 32;
 /// than needed, never shorter. A config change invalidates an entry (its `Limit` differs).
 #[derive(Debug)]
 pub(super) struct DenyCache {
-    shards: Box<[Mutex<HashMap<u128, DenyEntry>>]>,
+    shards: Box<[Mutex<crate::store::KeyMap<DenyEntry>>]>,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -20,13 +20,12 @@
 //! slice back now: the level Redis stored at the reservation, drained since, minus the units
 //! still held. On a single instance that is exactly the exact path's sequence.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::budget::{self, Figure, Figures, Limit, Outcome, State, Verdict, MAX_BUDGETS};
-use crate::store::{lock, short_key, AdmitRequest, Bucket, Extra};
+use crate::store::{lock, short_key, AdmitRequest, Bucket, Extra, KeyMap};
 
 /// Longest a slice may be spent after it was granted.
 pub(super) const LIFETIME: Duration = Duration::from_millis(500);
@@ -165,7 +164,7 @@ impl Entry {
 /// This instance's slices, by key.
 #[derive(Debug)]
 pub(super) struct Slices {
-    shards: Box<[Mutex<HashMap<u128, Entry>>]>,
+    shards: Box<[Mutex<KeyMap<Entry>>]>,
     fleet_size: u64,
     /// Give-backs of slices taken out of the table (a reload, a changed budget), with the
     /// moment to stop trying.
@@ -183,7 +182,7 @@ impl Slices {
         }
     }
 
-    fn shard(&self, k: u128) -> std::sync::MutexGuard<'_, HashMap<u128, Entry>> {
+    fn shard(&self, k: u128) -> std::sync::MutexGuard<'_, KeyMap<Entry>> {
         lock(&self.shards[(k as usize) % SHARDS])
     }
 
