@@ -62,11 +62,14 @@ struct AccessLog {
 
 static ACCESS: OnceLock<AccessLog> = OnceLock::new();
 
-/// ~32 KiB per `write(2)`, a line at most 50 ms late (tests wait 3 s for one), and 8 MiB —
-/// tens of thousands of lines — before a stalled stderr costs lines instead of memory.
+/// At most one `write(2)` per 5 ms or per 32 KiB — at 20k requests/s, ~200 writes of ~35 KB
+/// a second, a few hundredths of a core — and 8 MiB, tens of thousands of lines, before a
+/// stalled stderr costs lines instead of memory. A line is at most 5 ms late, and one after a
+/// quiet spell goes out at once, as through tracing's writer: some tests read the log right
+/// after a response (tests/fidelity.rs).
 const LIMITS: Limits = Limits {
     batch: 32 * 1024,
-    delay: Duration::from_millis(50),
+    delay: Duration::from_millis(5),
     max_pending: 8 * 1024 * 1024,
 };
 

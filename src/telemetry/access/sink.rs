@@ -2,9 +2,10 @@
 //! to and the writer swaps out whole, so a busy gateway pays one lock and a copy per line and
 //! one `write(2)` per batch — no message, allocation or wake-up per line.
 //!
-//! The writer wakes for the first line after a quiet spell and then lets the batch grow for
-//! up to `delay` or until it holds `batch` bytes, whichever comes first. A request never
-//! waits for the writer: past `max_pending` bytes a line is dropped and counted.
+//! The writer writes at most once per `delay`, or sooner when `batch` bytes wait: a line after
+//! a quiet spell goes out at once (as it did through tracing's writer), a busy gateway's lines
+//! go out in batches. A request never waits for the writer: past `max_pending` bytes a line is
+//! dropped and counted.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 pub struct Limits {
     /// Write as soon as this many bytes wait.
     pub batch: usize,
-    /// Write at most this long after the first line of a batch arrived.
+    /// Write at most this often (unless a batch is full), so also the longest a line waits.
     pub delay: Duration,
     /// Drop lines rather than buffer more than this.
     pub max_pending: usize,
@@ -34,7 +35,7 @@ pub struct Sink {
 
 struct Pending {
     bytes: Vec<u8>,
-    /// The writer sleeps on `wake` and wants to hear of the first line or a full batch.
+    /// The writer sleeps on `wake` and wants to hear of a first line or a full batch.
     writer_waiting: bool,
 }
 
@@ -72,15 +73,19 @@ impl Sink {
         let sink = self.clone();
         std::thread::Builder::new()
             .name("access-log".into())
-            .spawn(move || loop {
-                sink.wait_for_batch();
-                sink.flush();
-                let dropped = sink.take_dropped();
-                if dropped > 0 {
-                    tracing::warn!(
-                        dropped,
-                        "the access log fell behind its writer; lines were dropped"
-                    );
+            .spawn(move || {
+                let mut last_write = None;
+                loop {
+                    sink.wait_for_batch(last_write);
+                    last_write = Some(Instant::now());
+                    sink.flush();
+                    let dropped = sink.take_dropped();
+                    if dropped > 0 {
+                        tracing::warn!(
+                            dropped,
+                            "the access log fell behind its writer; lines were dropped"
+                        );
+                    }
                 }
             })
             .map(drop)
@@ -97,7 +102,7 @@ impl Sink {
         }
         let was_empty = p.bytes.is_empty();
         p.bytes.extend_from_slice(line);
-        // One wake-up per batch at most: the writer counts the time from the first line.
+        // One wake-up per write at most, and none while the writer is busy or sure to wake.
         let wake = p.writer_waiting && (was_empty || p.bytes.len() >= self.limits.batch);
         if wake {
             p.writer_waiting = false;
@@ -130,15 +135,18 @@ impl Sink {
         self.dropped.swap(0, Ordering::Relaxed)
     }
 
-    /// Returns when there is a batch to write: something waits, and it is either `batch`
-    /// bytes or `delay` old.
-    fn wait_for_batch(&self) {
+    /// Returns when there is something to write and either it is `batch` bytes or the last
+    /// write was `delay` ago.
+    fn wait_for_batch(&self, last_write: Option<Instant>) {
         let mut p = lock(&self.pending);
         while p.bytes.is_empty() {
             p.writer_waiting = true;
             p = self.wake.wait(p).unwrap_or_else(|e| e.into_inner());
         }
-        let deadline = Instant::now() + self.limits.delay;
+        let Some(deadline) = last_write.map(|t| t + self.limits.delay) else {
+            p.writer_waiting = false;
+            return;
+        };
         while p.bytes.len() < self.limits.batch {
             let now = Instant::now();
             if now >= deadline {
@@ -193,7 +201,7 @@ mod tests {
     const LINE: &[u8] = b"0123456789abcdef0123456789abcde\n"; // 32 bytes
 
     #[test]
-    fn a_full_batch_is_written_without_waiting_for_the_delay() {
+    fn a_line_after_a_quiet_spell_goes_out_at_once_and_a_full_batch_too() {
         let cap = Capture::default();
         let sink = Sink::new(
             Box::new(cap.clone()),
@@ -204,19 +212,21 @@ mod tests {
             },
         );
         sink.spawn_writer().unwrap();
+        sink.push(LINE);
+        cap.wait_for(LINE.len());
+        // 992 bytes: under the batch, and the next write is not due for an hour.
         for _ in 0..31 {
             sink.push(LINE);
         }
-        // 992 bytes: under the batch, and the delay is an hour away.
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(cap.len(), 0);
+        assert_eq!(cap.len(), LINE.len());
         sink.push(LINE);
-        cap.wait_for(1024);
-        assert_eq!(*lock(&cap.0), LINE.repeat(32));
+        cap.wait_for(33 * LINE.len());
+        assert_eq!(*lock(&cap.0), LINE.repeat(33));
     }
 
     #[test]
-    fn a_small_batch_is_written_after_the_delay() {
+    fn a_small_batch_goes_out_after_the_delay() {
         let cap = Capture::default();
         let sink = Sink::new(
             Box::new(cap.clone()),
@@ -227,13 +237,16 @@ mod tests {
             },
         );
         sink.spawn_writer().unwrap();
-        sink.push(LINE);
-        cap.wait_for(LINE.len());
+        for n in 1..=3 {
+            sink.push(LINE);
+            sink.push(LINE);
+            cap.wait_for(2 * n * LINE.len());
+        }
         // And again after a quiet spell (the writer sleeps until the next line).
         std::thread::sleep(Duration::from_millis(100));
         sink.push(LINE);
-        cap.wait_for(2 * LINE.len());
-        assert_eq!(*lock(&cap.0), LINE.repeat(2));
+        cap.wait_for(7 * LINE.len());
+        assert_eq!(*lock(&cap.0), LINE.repeat(7));
     }
 
     #[test]
