@@ -4,6 +4,7 @@
 //! use — so `/metrics` shows both. Names and labels are contract; `route` is always an endpoint
 //! pattern or `default`, and per-key series only ever carry registry ids.
 
+pub mod access;
 mod logging;
 
 use std::sync::{Arc, OnceLock};

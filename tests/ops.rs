@@ -262,6 +262,35 @@ async fn access_log_has_the_fields_and_no_keys() {
     gw.wait_log("\"target\":\"pingora_core::server\"").await;
 }
 
+/// `RUST_LOG` decides whether there is an access log, as it did when the line was a tracing
+/// event: `info` on, `warn` off, and the `tollgate::access` target on or off by itself. Counted
+/// after a graceful exit, which writes out every queued line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_log_turns_the_access_log_on_and_off() {
+    let up = Upstream::start(Duration::ZERO);
+    let c = client();
+    for (rust_log, lines, info) in [
+        ("info", 3, true),
+        ("warn", 0, false),
+        ("info,tollgate::access=off", 0, true),
+        ("warn,tollgate::access=info", 3, false),
+    ] {
+        let mut gw = Gateway::start_opts(GatewayOpts {
+            upstream_url: up.url(),
+            body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+            env: vec![("RUST_LOG", rust_log.to_string())],
+            ..GatewayOpts::default()
+        });
+        for _ in 0..3 {
+            assert_eq!(get(&c, gw.url("/items/1"), "k").await.status(), 200);
+        }
+        gw.signal("TERM");
+        assert_eq!(gw.wait_exit(Duration::from_secs(12)), Some(0), "{rust_log}");
+        assert_eq!(gw.access_log().len(), lines, "{rust_log}:\n{}", gw.log());
+        assert_eq!(gw.log().contains("drained; exiting"), info, "{rust_log}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reload_valid_and_invalid() {
     let up = Upstream::start(Duration::ZERO);

@@ -25,7 +25,7 @@ use crate::decision::{self, Refusal};
 use crate::front;
 use crate::problem::Problem;
 use crate::state::Shared;
-use crate::telemetry::metrics;
+use crate::telemetry::{access, metrics};
 use ctx::{Ctx, Phase};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
@@ -507,25 +507,27 @@ impl ProxyHttp for Gateway {
             }
         }
         // Field expressions are only evaluated when the access log is enabled.
-        tracing::info!(
-            target: "tollgate::access",
-            method = session.req_header().method.as_str(),
-            route = &*route.label,
-            key = ctx.identity.as_ref().map(|i| i.log_name()).as_deref().unwrap_or("-"),
-            cost = charged,
-            decision = ctx.decision(),
-            status,
-            latency_ms = elapsed.as_secs_f64() * 1e3,
-            upstream_ms = ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
-            store_ms = ctx.timing.store.as_secs_f64() * 1e3,
-            queue_ms = ctx.timing.queued.as_secs_f64() * 1e3,
-            hold_ms = ctx.timing.hold.as_secs_f64() * 1e3,
-            upstream_status = ctx.upstream_status,
-            request_id = ctx.request_id.as_deref(),
-            fallback = ctx.fallback,
-            shadow = ctx.shadow_reason(),
-            client = ctx.origin.map(|o| o.client.to_string()).as_deref(),
-            error = e.map(|e| e.etype().as_str()),
-        );
+        if access::enabled() {
+            let key = ctx.identity.as_ref().map(|i| i.log_name());
+            access::write(&access::AccessRecord {
+                method: session.req_header().method.as_str(),
+                route: &route.label,
+                key: key.as_deref().unwrap_or("-"),
+                cost: charged,
+                decision: ctx.decision(),
+                status,
+                latency_ms: elapsed.as_secs_f64() * 1e3,
+                upstream_ms: ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
+                store_ms: ctx.timing.store.as_secs_f64() * 1e3,
+                queue_ms: ctx.timing.queued.as_secs_f64() * 1e3,
+                hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
+                upstream_status: ctx.upstream_status,
+                request_id: ctx.request_id.as_deref(),
+                fallback: ctx.fallback,
+                shadow: ctx.shadow_reason(),
+                client: ctx.origin.map(|o| o.client),
+                error: e.map(|e| e.etype().as_str()),
+            });
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! Logging: tracing-subscriber (JSON or pretty, `RUST_LOG`), written by a background thread,
-//! with Pingora's `log` records bridged in.
+//! with Pingora's `log` records bridged in. The access log has a writer of its own
+//! ([`super::access`]), in the same formats and under the same filter.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -32,9 +33,13 @@ pub fn init_logging(format: LogFormat) {
             .map(|l| l.as_log())
             .unwrap_or(log::LevelFilter::Trace)
     };
+    // tracing-subscriber's own default (https://no-color.org), decided here once so that the
+    // access log's pretty lines are coloured exactly when the other lines are.
+    let ansi = std::env::var("NO_COLOR").map_or(true, |v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(writer);
+        .with_writer(writer)
+        .with_ansi(ansi);
     let installed = match format {
         LogFormat::Json => {
             tracing::subscriber::set_global_default(builder.json().flatten_event(true).finish())
@@ -48,6 +53,7 @@ pub fn init_logging(format: LogFormat) {
         if let Ok(mut g) = LOG_GUARD.lock() {
             *g = Some(guard);
         }
+        super::access::install(format == LogFormat::Json, ansi);
     }
 }
 
@@ -104,6 +110,7 @@ impl log::Log for PingoraLog {
 
 /// Writes out every buffered log line. Call before the process exits.
 pub fn flush_logs() {
+    super::access::flush();
     let guard = LOG_GUARD.lock().ok().and_then(|mut g| g.take());
     drop(guard);
 }
