@@ -7,7 +7,8 @@
 #   (a) the upstream direct
 #   (b) nginx proxy_pass to the upstream, upstream keepalive, worker_processes 1
 #   (c) tollgate, store.backend memory, server.threads 1, RUST_LOG=warn (no access log)
-#   (d) tollgate, store.backend redis (a redis-server started here), threads 1, RUST_LOG=warn
+#   (d) tollgate, store.backend redis (a redis-server started here), threads 1, RUST_LOG=warn,
+#       store.slices on (--exact-redis: off, one round trip per request)
 #   (e) tollgate memory as (c) but RUST_LOG=info: the access log on (written to a file)
 #   (f) only with --preload LIB: tollgate memory as (c) with LD_PRELOAD=LIB (another malloc,
 #       e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2), to price the allocator without a rebuild
@@ -42,6 +43,7 @@ usage: bench/run.sh [options]
                       1 = one static X-API-Key header      (env KEYS, default 1000)
   -w, --warmup S      warm-up seconds per target, not measured (env WARMUP, default 2)
       --no-info-log   skip (e), the RUST_LOG=info run
+      --exact-redis   (d) with store.slices off: one Redis round trip per request
       --preload LIB   add (f): tollgate memory store with LD_PRELOAD=LIB (an allocator)
       --only "c g"    measure only these configurations (letters above; g and h are only
                       built and started when selected)
@@ -71,6 +73,7 @@ while [[ $# -gt 0 ]]; do
     -k|--keys) KEYS=$2; shift ;;
     -w|--warmup) WARMUP=$2; shift ;;
     --no-info-log) WITH_INFO=0 ;;
+    --exact-redis) SLICES=false ;;
     --preload) PRELOAD=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
@@ -379,7 +382,8 @@ BENCH_BUDGET='{cost: 1, window: 1s, max_cost: 100000000}'
 MEM_STORE='  backend: memory'
 REDIS_STORE="  backend: redis
   url: \"redis://127.0.0.1:$RD_PORT/0\"
-  timeout: 50ms"
+  timeout: 50ms
+  slices: ${SLICES:-true}"
 tollgate_conf "$TMP/tollgate-memory.yaml" "$TM_PORT" "$TM_ADMIN" "$MEM_STORE" "$BENCH_BUDGET"
 tollgate_conf "$TMP/tollgate-redis.yaml" "$TR_PORT" "$TR_ADMIN" "$REDIS_STORE" "$BENCH_BUDGET"
 tollgate_conf "$TMP/tollgate-info.yaml" "$TI_PORT" "$TI_ADMIN" "$MEM_STORE" "$BENCH_BUDGET"
@@ -412,7 +416,7 @@ declare -A LABEL PORT PIDOF
 LABEL[a]="a. upstream direct (nginx return 200)";        PORT[a]=$UP_PORT; PIDOF[a]=$UP_PID
 LABEL[b]="b. nginx proxy_pass, keepalive, 1 worker";     PORT[b]=$PX_PORT; PIDOF[b]=$PX_PID
 LABEL[c]="c. tollgate, memory store, threads 1";         PORT[c]=$TM_PORT; PIDOF[c]=$TM_PID
-LABEL[d]="d. tollgate, redis store, threads 1";          PORT[d]=$TR_PORT; PIDOF[d]=$TR_PID
+LABEL[d]="d. tollgate, redis store (slices ${SLICES:-true}), threads 1";          PORT[d]=$TR_PORT; PIDOF[d]=$TR_PID
 LABEL[e]="e. tollgate, memory store, RUST_LOG=info";     PORT[e]=$TI_PORT; PIDOF[e]=$TI_PID
 LABEL[f]="f. tollgate, memory store, LD_PRELOAD=$(basename "${PRELOAD:-none}")"; PORT[f]=$TP_PORT; PIDOF[f]=$TP_PID
 LABEL[g]="g. bare Pingora 0.9 (empty ProxyHttp), threads 1"; PORT[g]=$BP_PORT; PIDOF[g]=$BP_PID

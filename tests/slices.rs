@@ -13,7 +13,7 @@ use common::*;
 
 fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str) -> String {
     format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 2s\n{rate_limits}",
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: {on_error}\n  fleet_size: {fleet_size}\n  lease_ttl: 2s\n  slices: true\n{rate_limits}",
         redis.url()
     )
 }

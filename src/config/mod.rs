@@ -89,6 +89,8 @@ pub struct StoreSettings {
     pub on_error: OnError,
     pub fleet_size: u32,
     pub lease_ttl: Duration,
+    /// `store.slices`: busy keys reserve slices of their budgets (`store::redis::slices`).
+    pub slices: bool,
 }
 
 #[derive(Debug, Clone)]

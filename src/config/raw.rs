@@ -205,6 +205,9 @@ pub struct RawStore {
     pub fleet_size: i64,
     #[serde(default = "default_lease_ttl")]
     pub lease_ttl: ConfDuration,
+    /// Budget slices (Redis): fewer round trips for busy keys, a looser burst bound.
+    #[serde(default)]
+    pub slices: bool,
 }
 
 fn default_backend() -> Backend {
@@ -235,6 +238,7 @@ impl Default for RawStore {
             on_error: default_on_error(),
             fleet_size: default_fleet_size(),
             lease_ttl: default_lease_ttl(),
+            slices: false,
         }
     }
 }

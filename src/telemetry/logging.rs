@@ -108,9 +108,23 @@ impl log::Log for PingoraLog {
     fn flush(&self) {}
 }
 
-/// Writes out every buffered log line. Call before the process exits.
+/// How long an exit waits for the access log to be written out: a stalled stderr (a full
+/// pipe to a log shipper that stopped reading) must not keep the process from exiting.
+const FLUSH_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Writes out every buffered log line, waiting at most [`FLUSH_WITHIN`] for the access log.
+/// Call before the process exits.
 pub fn flush_logs() {
-    super::access::flush();
+    let (done, wait) = std::sync::mpsc::channel();
+    let flushing = std::thread::Builder::new()
+        .name("log-flush".into())
+        .spawn(move || {
+            super::access::flush();
+            let _ = done.send(());
+        });
+    if flushing.is_ok() {
+        let _ = wait.recv_timeout(FLUSH_WITHIN);
+    }
     let guard = LOG_GUARD.lock().ok().and_then(|mut g| g.take());
     drop(guard);
 }

@@ -339,3 +339,13 @@ fn hostile_yaml_is_bounded_before_parsing() {
 
 mod sections;
 mod store_url;
+
+#[test]
+fn store_slices_are_off_unless_asked_for() {
+    assert!(!parse(BASE).unwrap().store.slices);
+    let on = format!("{BASE}store:\n  backend: redis\n  slices: true\n");
+    assert!(parse(&on).unwrap().store.slices);
+    let bad = format!("{BASE}store:\n  backend: redis\n  slices: often\n");
+    let e = first_error(&bad);
+    assert!(e.starts_with("store.slices: invalid"), "{e}");
+}

@@ -12,7 +12,7 @@
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
 //!   moment Redis said it could next fit (`deny_cache`).
-//! - A busy key reserves a slice of its budget in the same `admit` call and spends it here,
+//! - With `store.slices`, a busy key reserves a slice of its budget in the same `admit` call and spends it here,
 //!   without round trips, giving back what it did not spend (`slices`): only for requests
 //!   without in-flight caps, route-shared budgets or `max_delay`, and never near the end of a
 //!   budget.
@@ -93,8 +93,9 @@ pub struct RedisBackend {
     wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
     /// Leases held, and releases still owed to Redis.
     held: Mutex<lease::Held>,
-    /// Budget slices this instance holds.
+    /// Budget slices this instance holds (`store.slices`; never any when off).
     slices: Slices,
+    slices_on: bool,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -127,6 +128,7 @@ impl RedisBackend {
             wake: Mutex::default(),
             held: Mutex::default(),
             slices: Slices::new(s.fleet_size),
+            slices_on: s.slices,
         })
     }
 

@@ -17,7 +17,7 @@ impl RedisBackend {
         self: &Arc<Self>,
         req: &AdmitRequest,
     ) -> Option<Result<SharedAnswer, StoreError>> {
-        if !slices::eligible(req) {
+        if !self.slices_on || !slices::eligible(req) {
             return None;
         }
         // While the breaker is open, what Redis granted earlier is not spent: an outage
@@ -35,7 +35,8 @@ impl RedisBackend {
         let (decided, seen) = match self.try_admit(req, ask).await {
             Ok(r) => r,
             Err(e) => {
-                self.slices.failed(req, ask, e.may_have_run());
+                self.slices
+                    .failed(req, ask, e.may_have_run(), Instant::now());
                 // The key's entry is the sweeper's to remove.
                 self.keep_sweeping();
                 return Some(Err(e));
@@ -78,9 +79,7 @@ impl RedisBackend {
                 Ok(h) => {
                     h.spawn(self.clone().sweep_slices());
                 }
-                Err(_) => {
-                    self.slices.stop_sweeping();
-                }
+                Err(_) => self.slices.sweeper_gone(),
             }
         }
     }

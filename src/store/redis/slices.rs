@@ -1,10 +1,15 @@
-//! Budget slices: a busy key spends most of its requests without a round trip.
+//! Budget slices (`store.slices`, off by default): a busy key spends most of its requests
+//! without a round trip.
 //!
 //! A key whose requests come fast reserves a *slice* of its budget in Redis, in the same
 //! atomic `admit` call that admits a request (`slice` extra units, granted only while every
 //! budget keeps a `floor` of a quarter of itself), and spends it here. Every unit admitted
-//! here was charged in Redis first, so the fleet never admits more than its budgets; what a
-//! slice did not spend goes back (`give_back` on the key's next reservation, or the `refund`
+//! here was charged in Redis first, so over any period the fleet admits no more than its
+//! budgets allow from the level Redis had at its start. Within a burst it can admit more than
+//! `max_cost`: Redis drains a held slice at the refill rate as if it had been spent, so a key
+//! that bursts while slices are held gets its full bucket plus what is held — at most one
+//! slice per key and instance (the cap below), `max_cost / 8` across the fleet. That is the
+//! price of the option, and why it is off by default. What a slice did not spend goes back (`give_back` on the key's next reservation, or the `refund`
 //! op from the sweeper once the key went idle). So that light traffic stays exact and one
 //! instance cannot sit on units another needs:
 //!
@@ -12,7 +17,8 @@
 //!   ([`eligible`]); the others are decided by Redis alone, as before;
 //! - a key's first reservation asks for nothing; the size doubles (from the cost) while slices
 //!   run out within half their lifetime, halves when one expired unspent, and never passes
-//!   `max_cost / (8 × fleet_size)` of any budget;
+//!   `max_cost / (8 × fleet_size)` of any budget; a request that arrives while its key's
+//!   reservation is in flight is decided exactly, so an instance holds one slice per key;
 //! - a slice lives [`LIFETIME`] at most: an outage is seen within that, and a reload or an exit
 //!   hands every slice back.
 //!
@@ -88,8 +94,11 @@ struct Entry {
     levels: [u64; MAX_BUDGETS],
     redis_at_us: u64,
     seen: Instant,
-    /// When the last reservation was asked for (the slice's lifetime starts there).
+    /// When the last reservation was asked for (what sizes the next one).
     reserved: Instant,
+    /// When the units in `left` were granted: their lifetime starts there, and nothing (a
+    /// failed call handing them back, a new ask) moves it.
+    granted_at: Instant,
     /// Size of the last slice asked.
     size: u64,
     /// A reservation is in flight since then.
@@ -150,7 +159,7 @@ impl Entry {
     }
 
     fn expired(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.reserved) >= LIFETIME
+        now.saturating_duration_since(self.granted_at) >= LIFETIME
     }
 
     fn asking(&self, now: Instant) -> bool {
@@ -223,6 +232,7 @@ impl Slices {
                     redis_at_us: 0,
                     seen: now,
                     reserved: now,
+                    granted_at: now,
                     size: 0,
                     asking: Some(now),
                 },
@@ -235,11 +245,11 @@ impl Slices {
         };
         let give_back = std::mem::take(&mut e.left);
         if e.asking(now) {
-            // Another request of the key is reserving: this one asks for a slice of the size
-            // in force too (concurrent requests would otherwise all go exact while a round
-            // trip is slow), but only the reservation decides the next size.
+            // Another request of the key is reserving: this one is decided exactly, so that
+            // this instance never holds more than one slice of a key (at most the cap below:
+            // what a burst can exceed the budget by while slices are held).
             return Ask {
-                slice: if e.size >= req.cost { e.size } else { 0 },
+                slice: 0,
                 give_back,
                 asker: false,
             };
@@ -300,6 +310,15 @@ impl Slices {
         if seen.granted > 0 && e.keys.is_empty() {
             e.keys = keys();
         }
+        if seen.granted > 0 {
+            // Units left over from before (a failed call's give-back kept) go with this
+            // grant's lifetime only if they are still live; else they go back.
+            if e.expired(now) && e.left > 0 {
+                let stale = std::mem::take(&mut e.left);
+                lock(&self.returns).push(((e.keys.clone(), stale), now + GIVE_BACK_FOR));
+            }
+            e.granted_at = now;
+        }
         e.left = e.left.saturating_add(seen.granted);
         // Replies may cross: the mirror keeps the latest word of Redis.
         if seen.now_us >= e.redis_at_us {
@@ -314,7 +333,7 @@ impl Slices {
     /// back is this instance's again if the call surely did not `run` (the breaker was open,
     /// no connection): Redis still holds those units for it. If it may have run, they count
     /// as given (keeping them could spend them twice).
-    pub(super) fn failed(&self, req: &AdmitRequest, ask: Ask, run: bool) {
+    pub(super) fn failed(&self, req: &AdmitRequest, ask: Ask, run: bool, now: Instant) {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
         let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
@@ -323,8 +342,14 @@ impl Slices {
         if ask.asker {
             e.asking = None;
         }
-        if !run {
-            e.left = e.left.saturating_add(ask.give_back);
+        if !run && ask.give_back > 0 {
+            // Redis still holds them for this instance; spent only within their own lifetime,
+            // else given back by the sweeper.
+            if e.expired(now) {
+                lock(&self.returns).push(((e.keys.clone(), ask.give_back), now + GIVE_BACK_FOR));
+            } else {
+                e.left = e.left.saturating_add(ask.give_back);
+            }
         }
     }
 
@@ -400,6 +425,11 @@ impl Slices {
     pub(super) fn start_sweeping(&self) -> bool {
         // Read first: the common answer ("it runs") then writes no shared cache line.
         !self.sweeping.load(Ordering::Acquire) && !self.sweeping.swap(true, Ordering::AcqRel)
+    }
+
+    /// No sweeper can run (no runtime to spawn it on): the next answer tries again.
+    pub(super) fn sweeper_gone(&self) {
+        self.sweeping.store(false, Ordering::Release);
     }
 
     /// The sweeper stops when there is nothing left to sweep. False if it must go on: not

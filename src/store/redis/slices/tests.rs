@@ -149,11 +149,11 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
         assert_eq!(spent, ask.slice / 3 * 3);
     }
     assert_eq!(sizes, [3, 6, 12, 24, 48, 96, 100]);
-    // A reservation while another is in flight asks for the size in force, not a new one.
+    // A reservation while another is in flight is decided exactly: one slice per key here.
     let ask = s.ask(&r, ms(10));
     assert_eq!((ask.slice, ask.give_back), (100, 100 % 3));
     let meanwhile = s.ask(&r, ms(10));
-    assert_eq!((meanwhile.slice, meanwhile.give_back), (100, 0));
+    assert_eq!((meanwhile.slice, meanwhile.give_back), (0, 0));
     assert!(!meanwhile.asker);
     s.settle(
         &r,
@@ -169,19 +169,47 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     );
     assert!(s.spend(&r, ms(11)).is_some());
     assert_eq!(s.unspent(&r.key, &r.limit), 97);
-    // Past its lifetime a slice is not spent; the next reservation gives it back, and halves.
-    let late = ms(10) + LIFETIME;
+    // Failed unrun (the breaker open) while the slice is live: what it gave back is still
+    // this instance's, within the slice's own lifetime.
+    for _ in 0..32 {
+        s.spend(&r, ms(12));
+    }
+    assert_eq!(s.unspent(&r.key, &r.limit), 1);
+    let ask = s.ask(&r, ms(12));
+    assert_eq!(ask.give_back, 1);
+    s.failed(&r, ask, false, ms(12));
+    assert_eq!(s.unspent(&r.key, &r.limit), 1);
+    // Failed, perhaps run: it counts as given; the next one may ask again.
+    let ask = s.ask(&r, ms(12));
+    assert_eq!(ask.give_back, 1);
+    s.failed(&r, ask, true, ms(12));
+    assert_eq!(s.unspent(&r.key, &r.limit), 0);
+    // A new slice; past its lifetime it is not spent, and the next reservation gives it
+    // back and halves.
+    let ask = s.ask(&r, ms(13));
+    s.settle(
+        &r,
+        ask,
+        &Seen {
+            granted: ask.slice,
+            now_us: 30,
+            ..Seen::default()
+        },
+        true,
+        ms(13),
+        keys,
+    );
+    assert!(s.spend(&r, ms(13)).is_some());
+    let left = s.unspent(&r.key, &r.limit);
+    let late = ms(13) + LIFETIME;
     assert_eq!(s.spend(&r, late), None);
     let ask = s.ask(&r, late);
-    assert_eq!((ask.slice, ask.give_back), (50, 97));
-    // Failed unrun (the breaker open): what it gave back is still this instance's.
-    s.failed(&r, ask, false);
-    assert_eq!(s.unspent(&r.key, &r.limit), 97);
-    // Failed, perhaps run: it counts as given; the next one may ask again.
-    let ask = s.ask(&r, late);
-    assert_eq!(ask.give_back, 97);
-    s.failed(&r, ask, true);
+    assert_eq!(ask.give_back, left);
+    // Failed unrun past the lifetime: Redis still holds the units, but they are never spent
+    // here again (a failed call cannot renew a slice): the sweeper gives them back.
+    s.failed(&r, ask, false, late);
     assert_eq!(s.unspent(&r.key, &r.limit), 0);
+    assert!(s.sweep(late).iter().any(|((_, units), _)| *units == left));
     assert!(s.ask(&r, late).asker);
 }
 
