@@ -131,7 +131,13 @@ impl RedisBackend {
         .await;
         match refunded {
             Ok(_) => {}
-            Err(e) if refund_again(&e) => self.retry_refund(c, units),
+            Err(e) if refund_again(&e) => {
+                // A slice's units are sent again only if the refund surely did not run: twice,
+                // they would give the fleet a whole slice more than its budget (one cost twice
+                // is the rare case accepted above). Else they stay charged: never over budget.
+                let again = if e.may_have_run() { c.cost } else { units };
+                self.retry_refund(c, again)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
             }
