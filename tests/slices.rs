@@ -429,3 +429,60 @@ async fn slices_go_back_on_reload_and_on_exit() {
     assert!(exited, "exited:\n{}", gw.log());
     assert_eq!(left_in_redis(&redis, "k"), 680, "handed back on exit");
 }
+
+/// A burst after a quiet spell, while an instance still holds a slice: the units Redis has
+/// drained meanwhile come back as refill, so the burst may get the full bucket plus what is
+/// held — at most one slice per instance (`max_cost / (8 × fleet_size)` each) on top of the
+/// exact bound, the tolerance docs/operations.md states for `store.slices`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket_and_the_held_slices() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    // 160 per second: a slice is capped at 160 / (8 × 2) = 10 units per instance.
+    let (max_cost, fleet) = (160u64, 2u64);
+    let body = redis_body(
+        &redis,
+        "deny",
+        fleet as u32,
+        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 160}\n",
+    );
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    // Warm-up on the first instance, slower than the refill, so that its slices grow to the
+    // cap without the bucket running low.
+    for _ in 0..40 {
+        assert_eq!(get(&c, gws[0].url("/items"), "q").await.status(), 200);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Quiet past a refill of the whole bucket, but within the held slice's life.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let start = Instant::now();
+    let mut burst = vec![];
+    for gw in &gws {
+        for _ in 0..6 {
+            let (c, url) = (c.clone(), gw.url("/items"));
+            burst.push(tokio::spawn(async move {
+                let mut ok = 0u64;
+                for _ in 0..60 {
+                    if get(&c, url.clone(), "q").await.status() == 200 {
+                        ok += 1;
+                    }
+                }
+                ok
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for b in burst {
+        admitted += b.await.unwrap();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let held = fleet * (max_cost / (8 * fleet));
+    let bound = max_cost as f64 + held as f64 + max_cost as f64 * elapsed;
+    eprintln!("{admitted} admitted in a {elapsed:.3}s burst (bound {bound:.0})");
+    assert!(
+        admitted as f64 <= bound,
+        "admitted {admitted} > bucket + held slices + refill = {bound:.0}"
+    );
+    assert!(admitted >= max_cost, "the bucket was full: {admitted}");
+}
