@@ -45,48 +45,32 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
             "the admin listener is reachable beyond loopback and TOLLGATE_ADMIN_TOKEN is not set: /admin/* is open to anyone who can connect"
         );
     }
-    std::thread::Builder::new()
-        .name("tollgate-admin".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    tracing::error!(error = %e, "admin runtime failed to start");
-                    return;
-                }
+    crate::background::spawn("tollgate-admin".into(), move || async move {
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "admin listener failed");
+                return;
+            }
+        };
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
             };
-            rt.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        tracing::error!(error = %e, "admin listener failed");
-                        return;
-                    }
-                };
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
-                    };
+            let shared = shared.clone();
+            let token = token.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
                     let shared = shared.clone();
                     let token = token.clone();
-                    tokio::spawn(async move {
-                        let svc = hyper::service::service_fn(move |req| {
-                            let shared = shared.clone();
-                            let token = token.clone();
-                            async move {
-                                Ok::<_, Infallible>(handle(req, &shared, token.as_deref()).await)
-                            }
-                        });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), svc)
-                            .await;
-                    });
-                }
+                    async move { Ok::<_, Infallible>(handle(req, &shared, token.as_deref()).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
             });
-        })?;
+        }
+    })?;
     Ok(())
 }
 

@@ -18,6 +18,7 @@
 pub mod admin;
 pub mod app;
 pub mod audit;
+pub mod background;
 pub mod budget;
 pub mod cli;
 pub mod config;

@@ -107,24 +107,14 @@ fn health_check(hc: &HealthCheck, t: &UpstreamTarget) -> Option<Box<HttpHealthCh
 /// Runs the pool's health check every `interval` on a thread of its own (Pingora's own
 /// runtimes serve requests), until the pool is dropped by a reload.
 fn spawn_health_checks(name: &str, pool: Weak<Pool>, interval: std::time::Duration) {
-    let spawned = std::thread::Builder::new()
-        .name(format!("tollgate-hc-{name}"))
-        .spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                loop {
-                    let Some(p) = pool.upgrade() else { return };
-                    p.lb.backends().run_health_check(true).await;
-                    drop(p);
-                    tokio::time::sleep(interval).await;
-                }
-            });
-        });
+    let spawned = crate::background::spawn(format!("tollgate-hc-{name}"), move || async move {
+        loop {
+            let Some(p) = pool.upgrade() else { return };
+            p.lb.backends().run_health_check(true).await;
+            drop(p);
+            tokio::time::sleep(interval).await;
+        }
+    });
     if let Err(e) = spawned {
         tracing::warn!(upstream = %name, error = %e, "cannot start the health check");
     }

@@ -163,29 +163,19 @@ impl<S: SharedStore> FallbackStore<S> {
     /// a store that is down at start-up before any request arrives.
     pub fn spawn_startup_probe(self: &Arc<Self>) {
         let store = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("tollgate-store-probe".into())
-            .spawn(move || {
-                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                else {
+        let spawned = crate::background::spawn("tollgate-store-probe".into(), move || async move {
+            loop {
+                match store.shared.probe().await {
+                    Ok(()) => return store.set_degraded(false, None),
+                    Err(StoreError::BreakerOpen) => {}
+                    Err(e) => store.set_degraded(true, Some(&e)),
+                }
+                tokio::time::sleep(PROBE_EVERY).await;
+                if !store.degraded() {
                     return;
-                };
-                rt.block_on(async {
-                    loop {
-                        match store.shared.probe().await {
-                            Ok(()) => return store.set_degraded(false, None),
-                            Err(StoreError::BreakerOpen) => {}
-                            Err(e) => store.set_degraded(true, Some(&e)),
-                        }
-                        tokio::time::sleep(PROBE_EVERY).await;
-                        if !store.degraded() {
-                            return;
-                        }
-                    }
-                });
-            });
+                }
+            }
+        });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start the store probe");
         }
