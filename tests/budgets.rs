@@ -111,16 +111,7 @@ fn check_and_explain_show_every_budget() {
         ),
     )
     .unwrap();
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .args(args)
-            .arg("-c")
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |args: &[&str]| cli_ok(&path, args);
     let check = run(&["check"]);
     assert!(
         check.contains("pro-minute") && check.contains("pro-day"),
@@ -347,16 +338,7 @@ fn check_and_explain_show_the_shared_budget() {
         "upstream: {url: \"http://127.0.0.1:1\"}\nupstreams:\n  gh: {url: \"http://127.0.0.1:2\"}\nrate_limits:\n  default: {window: 60s, max_cost: 120}\n  endpoints:\n    \"/gh/{*rest}\": {upstream: gh, strip_prefix: /gh, shared: {max_cost: 2, window: 1s, max_delay: 30s}}\n",
     )
     .unwrap();
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .args(args)
-            .arg("-c")
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |args: &[&str]| cli_ok(&path, args);
     let check = run(&["check"]);
     assert!(
         check.contains("2 per 1s") && check.contains("gh"),

@@ -467,6 +467,18 @@ impl Drop for Gateway {
     }
 }
 
+/// Runs `tollgate <args> -c <config>`, which must succeed; its stdout.
+pub fn cli_ok(config: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .arg("-c")
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .pool_max_idle_per_host(64)
