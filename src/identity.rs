@@ -34,12 +34,43 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// What logs may show: the registry id, or `key:` and 8 hex digits of the hash.
-    pub fn log_name(&self) -> String {
+    /// What logs may show: the registry id, or `key:` and 8 hex digits of the hash. Once per
+    /// logged request, so it allocates nothing.
+    pub fn log_name(&self) -> LogName<'_> {
         match &self.id {
-            Some(id) => id.to_string(),
-            None => format!("key:{}", hex::encode(&self.hash[..4])),
+            Some(id) => LogName::Id(id),
+            None => {
+                let mut name = *b"key:00000000";
+                // 4 bytes are exactly 8 hex digits: cannot fail.
+                let _ = hex::encode_to_slice(&self.hash[..4], &mut name[4..]);
+                LogName::Hash(name)
+            }
         }
+    }
+}
+
+/// [`Identity::log_name`]: read it as a `&str`.
+#[derive(Debug, Clone, Copy)]
+pub enum LogName<'a> {
+    Id(&'a str),
+    Hash([u8; 12]),
+}
+
+impl std::ops::Deref for LogName<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            LogName::Id(id) => id,
+            // ASCII by construction.
+            LogName::Hash(b) => std::str::from_utf8(b).unwrap_or("key:"),
+        }
+    }
+}
+
+impl std::fmt::Display for LogName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self)
     }
 }
 
@@ -199,7 +230,7 @@ mod tests {
         let open = cfg("");
         let id = identify(&open, Ok(Some(b"abc")), None).unwrap();
         assert_eq!(id.policy.name, "default");
-        assert_eq!(id.log_name(), "key:ba7816bf");
+        assert_eq!(&*id.log_name(), "key:ba7816bf");
         assert_eq!(
             identify(&open, Ok(None), None).unwrap_err(),
             Unauthenticated::Missing
@@ -210,7 +241,7 @@ mod tests {
             hex::encode(hash_key(b"secret"))
         ));
         assert_eq!(
-            identify(&reg, Ok(Some(b"secret")), None)
+            &*identify(&reg, Ok(Some(b"secret")), None)
                 .unwrap()
                 .log_name(),
             "acme"

@@ -44,7 +44,7 @@ fn identity_headers(upstream: &mut RequestHeader, ctx: &Ctx, cfg: &Config) -> Re
     if let Some(name) = &cfg.key_id_header {
         remove_if_present(upstream, name);
         if let Some(id) = &ctx.identity {
-            upstream.insert_header(name.clone(), id.log_name())?;
+            upstream.insert_header(name.clone(), &*id.log_name())?;
         }
     }
     Ok(())
