@@ -373,13 +373,23 @@ async fn a_hot_key_sees_503_within_a_second_of_redis_going_away() {
 }
 
 /// Units left in Redis for `key` under 1000 units per 720 h (one unit drains in 43 min, so
-/// nothing drains during a test): what another instance would be told.
+/// nothing drains during a test): what another instance would be told — the budget's level
+/// and the slices instances hold of it.
 fn left_in_redis(redis: &Redis, key: &str) -> u64 {
     let limit = tollgate::budget::Limit::new(1000, Duration::from_secs(720 * 3600), Duration::ZERO)
         .unwrap();
     let v = redis.cli(&["GET", &redis_budget_key(key)]);
     let level: u64 = v.split(':').next().unwrap().parse().unwrap_or(0);
-    limit.remaining(level)
+    limit.remaining(level + held_in_redis(redis, key) * limit.per_unit)
+}
+
+/// Units of `key`'s budget that instances hold as slices in Redis.
+fn held_in_redis(redis: &Redis, key: &str) -> u64 {
+    redis
+        .cli(&["HVALS", &redis_holds_key(key)])
+        .lines()
+        .filter_map(|v| v.split(':').next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// A reload and an exit (SIGINT: no drain, no time for the sweeper) hand this instance's
@@ -430,28 +440,36 @@ async fn slices_go_back_on_reload_and_on_exit() {
     assert_eq!(left_in_redis(&redis, "k"), 680, "handed back on exit");
 }
 
-/// A burst after a quiet spell, while an instance still holds a slice: the units Redis has
-/// drained meanwhile come back as refill, so the burst may get the full bucket plus what is
-/// held — at most one slice per instance (`max_cost / (8 × fleet_size)` each) on top of the
-/// exact bound, the tolerance docs/operations.md states for `store.slices`.
+/// A burst after a quiet spell, while an instance still holds a slice it reserved just
+/// before: Redis drains the bucket meanwhile, but never the slice (a hold), so the burst gets
+/// the bucket and its refill, and not the slice on top (docs/operations.md, Budget slices).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket_and_the_held_slices() {
+async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
     // 160 per second: a slice is capped at 160 / (8 × 2) = 10 units per instance.
-    let (max_cost, fleet) = (160u64, 2u64);
+    let max_cost = 160u64;
     let body = redis_body(
         &redis,
         "deny",
-        fleet as u32,
+        2,
         "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 160}\n",
     );
     let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
     let c = client();
     // Warm-up on the first instance, slower than the refill, so that its slices grow to the
-    // cap without the bucket running low.
-    for _ in 0..40 {
+    // cap without the bucket running low; it ends on a request that reserved a slice (one
+    // that reached Redis), so the instance holds about a whole one.
+    let mut calls = evalsha_calls(&redis);
+    for n in 1.. {
         assert_eq!(get(&c, gws[0].url("/items"), "q").await.status(), 200);
+        let now = evalsha_calls(&redis);
+        let reserved = now > calls;
+        calls = now;
+        if n >= 30 && reserved {
+            break;
+        }
+        assert!(n < 200, "a slice was reserved");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // Quiet past a refill of the whole bucket, but within the held slice's life.
@@ -477,12 +495,15 @@ async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket_and_the_held_slices
         admitted += b.await.unwrap();
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let held = fleet * (max_cost / (8 * fleet));
-    let bound = max_cost as f64 + held as f64 + max_cost as f64 * elapsed;
+    // The bucket, its refill over the burst, and one unit of rounding.
+    let bound = (max_cost as f64 + max_cost as f64 * elapsed).floor() + 1.0;
     eprintln!("{admitted} admitted in a {elapsed:.3}s burst (bound {bound:.0})");
     assert!(
         admitted as f64 <= bound,
-        "admitted {admitted} > bucket + held slices + refill = {bound:.0}"
+        "admitted {admitted} > bucket + refill = {bound:.0}"
     );
-    assert!(admitted >= max_cost, "the bucket was full: {admitted}");
+    assert!(
+        admitted >= max_cost - 20,
+        "the bucket was near full: {admitted}"
+    );
 }

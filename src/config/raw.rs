@@ -205,7 +205,7 @@ pub struct RawStore {
     pub fleet_size: i64,
     #[serde(default = "default_lease_ttl")]
     pub lease_ttl: ConfDuration,
-    /// Budget slices (Redis): fewer round trips for busy keys, a looser burst bound.
+    /// Budget slices (Redis): fewer round trips for busy keys; their units drain a little later.
     #[serde(default)]
     pub slices: bool,
 }

@@ -769,6 +769,14 @@ pub fn redis_budget_key(api_key: &str) -> String {
     format!("t{{{tag}}}b")
 }
 
+/// The Redis key of the budget slices instances hold of an API key (src/store/redis/keys.rs).
+pub fn redis_holds_key(api_key: &str) -> String {
+    let mut k = redis_budget_key(api_key);
+    k.pop();
+    k.push('h');
+    k
+}
+
 /// The Redis key of a route's in-flight lease set (src/store/redis/keys.rs).
 pub fn redis_route_slots_key(route: &str) -> String {
     use base64::Engine;

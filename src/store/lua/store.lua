@@ -8,27 +8,41 @@
 -- A budget is the string "level:at_us:rate" (ticks, µs, ticks drained per µs); a lease set is
 -- a sorted set of lease ids scored by expiry (µs).
 --
+-- A key's budget slices (crate::store::redis::slices) are *holds*: the hash `t{tag}h` maps a
+-- hold id (`<instance>:s<n>`) to "units:expiry_us". A live hold counts as charged in every one
+-- of the key's budgets (`t{` keys; never a route's `t:r{`) and never drains: what an instance
+-- spends of it is charged to the level only when it settles the hold (`settle`, or the
+-- settle part of its next `admit`), so no unit drains before it was admitted and a burst never
+-- exceeds max_cost. A hold past its expiry (its instance died) is charged in full by the next
+-- call that sees it. Settling is idempotent: a hold that is gone (settled, or charged as
+-- expired) is not settled again.
+--
 -- ARGV[1] is the operation:
---   admit  KEYS budget, key leases, route leases, further budgets...
+--   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...
 --          ARGV per_unit rate capacity max_delay floor, cost key_cap route_cap lease_id
---               lease_ttl_us slice give_back, then per_unit rate capacity max_delay floor of
---               each further budget
---          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...}:
+--               lease_ttl_us slice unspent settle_id grant_id hold_ttl_us, then per_unit
+--               rate capacity max_delay floor of each further budget
+--          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...,
+--             held ticks of each budget...}:
 --             code 0 over budget (a = retry_after_us), 1 key cap full, 2 route cap full,
---             3 admitted (a = delay_us). Writes only when admitted, and then to every budget
---             (all fit, or none is charged) -- except `give_back`, which is applied first,
---             whatever the answer. `slice` asks for that many extra units (a budget slice,
---             crate::store::redis::slices): granted in full when cost + slice fit every budget
---             with `floor` units of it still left and no max_delay in play, else not at all
---             (granted 0, and the request is decided exactly as without it). The figures
---             describe the budgets as if the granted units were not taken (what the instance
---             shows while it holds them); the levels are the stored ones, at now_us. With
+--             3 admitted (a = delay_us). Charges only when admitted, and then every budget
+--             (all fit, or none is charged) -- except the settling of hold `settle_id` ('' for
+--             none) with `unspent` units not spent, which is done first, whatever the answer.
+--             `slice` asks for that many extra units as hold `grant_id`, live for
+--             hold_ttl_us: granted in full when cost + slice fit every budget with `floor`
+--             units of it still left and no max_delay in play, else not at all (granted 0,
+--             and the request is decided exactly as without it). The figures describe the
+--             budgets as if the granted units were not held (what the instance shows while it
+--             holds them); levels and held ticks are the stored ones, at now_us. With
 --             further budgets the reply goes on: decisive budget's index, then remaining,
 --             reset_us of each.
+--   settle KEYS the key's holds, its budgets...  ARGV hold_id unspent (per_unit rate)...
+--          -> 1 (charges what hold_id spent, and expired holds, to each budget)
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
 --   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
---   peek   KEYS budget           ARGV rate                        -> level now (ticks)
+--   peek   KEYS budget, holds    ARGV rate per_unit               -> level now, holds
+--          included (ticks)
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
 --   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
 --          taken) or 2 (ROUTE_BUSY: nothing written). On Redis Cluster a route's lease set is
@@ -90,6 +104,34 @@ local function remaining(cap, level, p)
   return 0
 end
 
+-- A key's holds at `now`: the units of live ones, and the units to charge now -- what hold
+-- `settle` spent (all but `unspent`) and all of every expired one. With `write`, the charged
+-- holds are removed (the caller charges them); without, nothing is written (a peek).
+local function take_holds(holds, settle, unspent, now, write)
+  local live, charge = 0, 0
+  local all = redis.call('HGETALL', holds)
+  for i = 1, #all, 2 do
+    local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
+    units, exp = tonumber(units) or 0, tonumber(exp) or 0
+    if all[i] == settle then
+      charge = charge + units - math.min(units, unspent)
+    elseif exp <= now then
+      charge = charge + units
+    else
+      live = live + units
+    end
+    if write and (all[i] == settle or exp <= now) then
+      redis.call('HDEL', holds, all[i])
+    end
+  end
+  return live, charge
+end
+
+-- Holds count in the key's own budgets only, never in a route's shared one.
+local function keys_own(key)
+  return string.sub(key, 1, 2) == 't{'
+end
+
 local op = ARGV[1]
 
 if op == 'admit' then
@@ -99,49 +141,61 @@ if op == 'admit' then
   local lease = ARGV[10]
   local ttl = tonumber(ARGV[11])
   local slice = tonumber(ARGV[12])
-  local give_back = tonumber(ARGV[13])
-  -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[4], KEYS[5], ... with
-  -- five ARGV each from ARGV[14] on (crate::budget::decide_all, all or nothing).
+  local unspent = tonumber(ARGV[13])
+  local settle = ARGV[14]
+  local grant_id = ARGV[15]
+  local hold_ttl = tonumber(ARGV[16])
+  local holds = KEYS[4]
+  -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[5], KEYS[6], ... with
+  -- five ARGV each from ARGV[17] on (crate::budget::decide_all, all or nothing).
   local function budget(key, j)
     return {key = key, p = tonumber(ARGV[j]), q = tonumber(ARGV[j + 1]),
             cap = tonumber(ARGV[j + 2]), delay = tonumber(ARGV[j + 3]),
-            floor = tonumber(ARGV[j + 4])}
+            floor = tonumber(ARGV[j + 4]), own = keys_own(key)}
   end
   local b = {budget(KEYS[1], 2)}
-  for i = 1, math.floor((#ARGV - 13) / 5) do
-    b[#b + 1] = budget(KEYS[3 + i], 14 + 5 * (i - 1))
+  for i = 1, math.floor((#ARGV - 16) / 5) do
+    b[#b + 1] = budget(KEYS[4 + i], 17 + 5 * (i - 1))
   end
   local now = now_us()
+  local live, charge = take_holds(holds, settle, unspent, now, true)
   local refused, retry = nil, 0
   for i, x in ipairs(b) do
     x.level = level_at(x.key, x.q, now)
-    if give_back > 0 then
-      -- The unspent rest of this instance's last slice: back before anything is decided.
-      x.level = math.max(0, x.level - give_back * x.p)
-      store_level(x.key, x.level, x.q, now)
+    x.held = 0
+    if x.own then
+      x.held = live * x.p
+      if charge > 0 then
+        -- A settled or expired hold's spent units: charged before anything is decided.
+        x.level = x.level + charge * x.p
+        store_level(x.key, x.level, x.q, now)
+      end
     end
     x.next = x.level + cost * x.p
-    if x.next > x.cap + x.delay then
-      local r = ceil_div(x.next - x.cap - x.delay, x.q)
+    if x.next + x.held > x.cap + x.delay then
+      local r = ceil_div(x.next + x.held - x.cap - x.delay, x.q)
       if refused == nil or r > retry then refused, retry = i, r end
     end
   end
   local granted = 0
-  if refused == nil and slice > 0 and key_cap == 0 and route_cap == 0 then
+  if refused == nil and slice > 0 and grant_id ~= '' and key_cap == 0 and route_cap == 0 then
     granted = slice
     for _, x in ipairs(b) do
-      if x.delay > 0 or x.level + (cost + slice + x.floor) * x.p > x.cap then granted = 0 end
+      if x.delay > 0 or not x.own
+          or x.level + x.held + (cost + slice + x.floor) * x.p > x.cap then
+        granted = 0
+      end
     end
   end
-  -- The reply: {code, a, remaining, reset_us, granted, now, levels...} of the decisive budget
-  -- and, when there are several, its index (from 0) and every budget's remaining and
-  -- reset_us. `after` = the levels after the charge; `decisive` = nil picks the tightest
-  -- (fewest left, first of equals).
+  -- The reply: {code, a, remaining, reset_us, granted, now, levels..., helds...} of the
+  -- decisive budget and, when there are several, its index (from 0) and every budget's
+  -- remaining and reset_us. `after` = the levels after the charge; `decisive` = nil picks the
+  -- tightest (fewest left, first of equals).
   local function reply(code, a, after, decisive)
     local figs = {}
     for i, x in ipairs(b) do
-      local l = x.level
-      if after then l = x.next - granted * x.p end
+      local l = x.level + x.held
+      if after then l = x.next + x.held end
       figs[i] = {remaining(x.cap, l, x.p), ceil_div(l, x.q)}
     end
     if decisive == nil then
@@ -153,6 +207,9 @@ if op == 'admit' then
     local out = {code, a, figs[decisive][1], figs[decisive][2], granted, int(now)}
     for _, x in ipairs(b) do
       if after then out[#out + 1] = int(x.next) else out[#out + 1] = int(x.level) end
+    end
+    for _, x in ipairs(b) do
+      out[#out + 1] = int(x.held + granted * x.p)
     end
     if #b > 1 then
       out[#out + 1] = decisive - 1
@@ -174,9 +231,23 @@ if op == 'admit' then
   end
   local delay = 0
   for _, x in ipairs(b) do
-    x.next = x.next + granted * x.p
     store_level(x.key, x.next, x.q, now)
-    if x.next > x.cap then delay = math.max(delay, ceil_div(x.next - x.cap, x.q)) end
+    if x.next + x.held > x.cap then
+      delay = math.max(delay, ceil_div(x.next + x.held - x.cap, x.q))
+    end
+  end
+  if granted > 0 then
+    redis.call('HSET', holds, grant_id, int(granted) .. ':' .. int(now + hold_ttl))
+    -- The hash outlives its last hold by the time the key's budgets take to drain a full
+    -- bucket twice: a hold of a dead instance that no call saw expire has drained by then
+    -- as if charged at its expiry.
+    local drain = 0
+    for _, x in ipairs(b) do drain = math.max(drain, ceil_div(2 * x.cap, x.q)) end
+    local until_ms = ceil_div(now + hold_ttl + drain, 1000)
+    local pttl = redis.call('PTTL', holds)
+    if pttl < 0 or now / 1000 + pttl < until_ms then
+      redis.call('PEXPIREAT', holds, int(until_ms))
+    end
   end
   for i, limit in ipairs({key_cap, route_cap}) do
     if limit > 0 then
@@ -210,8 +281,25 @@ if op == 'debit' then
   return adjust(1)
 end
 
+if op == 'settle' then
+  -- KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV per_unit, rate from ARGV[4].
+  local now = now_us()
+  local _, charge = take_holds(KEYS[1], ARGV[2], tonumber(ARGV[3]), now, true)
+  if charge > 0 then
+    for i = 2, #KEYS do
+      local j = 4 + 2 * (i - 2)
+      local p = tonumber(ARGV[j])
+      local q = tonumber(ARGV[j + 1])
+      store_level(KEYS[i], level_at(KEYS[i], q, now) + charge * p, q, now)
+    end
+  end
+  return 1
+end
+
 if op == 'peek' then
-  return level_at(KEYS[1], tonumber(ARGV[2]), now_us())
+  local now = now_us()
+  local live, charge = take_holds(KEYS[2], '', 0, now, false)
+  return level_at(KEYS[1], tonumber(ARGV[2]), now) + (live + charge) * tonumber(ARGV[3])
 end
 
 if op == 'lease' then

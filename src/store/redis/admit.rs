@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::conn::Conn;
 use super::script::{self, AdmitCall, AdmitCode, StoreScript};
+use super::slices::{Place, Settle};
 use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
 use crate::store::StoreError;
 
@@ -113,14 +114,23 @@ impl RedisBackend {
 
     /// Refunds and releases an admission that its request cannot use: the request had
     /// already given up on it, or (Cluster) the route's side refused it. The route's lease
-    /// is released too unless `route` is false (it was surely not taken). The `granted` units
-    /// of a budget slice that came with it go back too: nobody will spend them.
+    /// is released too unless `route` is false (it was surely not taken). A budget slice that
+    /// came with it (`granted` units) is settled unspent, by the sweeper: nobody will spend it.
     async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64, route: bool) {
-        let units = c.cost.saturating_add(granted);
+        if granted > 0 {
+            self.settle_later(Settle {
+                place: Place {
+                    holds: c.holds.clone(),
+                    budgets: StoreScript::budgets_of(c),
+                },
+                id: c.grant,
+                unspent: granted,
+            });
+        }
         let refunded = async {
             let mut conn = self.conns.get().await?;
             let budgets = StoreScript::budgets_of(c);
-            let refund = self.script.refund(&budgets, units);
+            let refund = self.script.refund(&budgets, c.cost);
             match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
                 .await
             {
@@ -131,13 +141,7 @@ impl RedisBackend {
         .await;
         match refunded {
             Ok(_) => {}
-            Err(e) if refund_again(&e) => {
-                // A slice's units are sent again only if the refund surely did not run: twice,
-                // they would give the fleet a whole slice more than its budget (one cost twice
-                // is the rare case accepted above). Else they stay charged: never over budget.
-                let again = if e.may_have_run() { c.cost } else { units };
-                self.retry_refund(c, again)
-            }
+            Err(e) if refund_again(&e) => self.retry_refund(c),
             Err(e) => {
                 tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
             }
@@ -154,8 +158,8 @@ impl RedisBackend {
 
     /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
     /// lives: the topology change that refused it is over by then, or it is an outage.
-    fn retry_refund(self: &Arc<Self>, c: &AdmitCall, units: u64) {
-        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), units);
+    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
+        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), c.cost);
         let give_up = Instant::now() + self.lease_ttl;
         tokio::spawn(async move {
             while Instant::now() < give_up {
@@ -195,9 +199,11 @@ fn granted(reply: &[i64]) -> u64 {
 /// whose route was full (Cluster): the key's figures and levels as they were before the
 /// undone charge (a capped request never asks for a slice).
 fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
-    let [_, delay_us, remaining, reset_us, _, now_us, ref levels @ ..] = key_side[..] else {
-        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0, 0, 0, 0];
+    let budgets = 1 + c.also.len();
+    let [_, delay_us, remaining, reset_us, _, now_us, ref rest @ ..] = key_side[..] else {
+        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0, 0, 0, 0, 0];
     };
+    let (levels, held) = rest.split_at(budgets.min(rest.len()));
     // A delayed admission had no units left before it either.
     let remaining = if delay_us > 0 {
         remaining
@@ -217,6 +223,7 @@ fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
     for (level, l) in levels.iter().zip(limits) {
         out.push((level - (c.cost * l.per_unit) as i64).max(0));
     }
+    out.extend(held.iter().take(budgets));
     out
 }
 

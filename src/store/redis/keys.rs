@@ -7,6 +7,7 @@
 //! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate`)            |
 //! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
+//! | `t{<key tag>}h` | the API key's budget slices held by instances (hash: hold id → `units:expiry_us`) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
 //!
@@ -16,8 +17,10 @@
 //! never fails with CROSSSLOT. A route's lease set is shared by every key, so it has a slot of
 //! its own: on Redis Cluster a capped request is decided in two calls, the key's slot first,
 //! then the route's (see `RedisBackend::run_admit`); anything else shared by all callers of a
-//! route belongs with the route's tag, in that second call. A budget key is 14 characters: that is what keeps a budget under
-//! 100 bytes of Redis memory (`MEMORY USAGE` 88).
+//! route belongs with the route's tag, in that second call. The script tells a key's own
+//! budgets (`t{`, where slices are held) from a route's (`t:r{`) by that prefix. A budget key
+//! is 14 characters: that is what keeps a budget under 100 bytes of Redis memory (`MEMORY
+//! USAGE` 88).
 
 use crate::identity::KeyHash;
 
@@ -47,6 +50,11 @@ pub(super) fn shared_budget_key(route: &str) -> String {
     )
 }
 
+/// The budget slices instances hold of the key (`super::slices`), in its budgets' slot.
+pub(super) fn holds_key(key: &KeyHash) -> String {
+    format!("t{{{}}}h", tag(key))
+}
+
 pub(super) fn key_slots_key(key: &KeyHash) -> String {
     format!("t{{{}}}f", tag(key))
 }
@@ -70,5 +78,7 @@ mod tests {
         assert_eq!(k.len(), 14);
         assert!(!k.contains("secret"));
         assert_eq!(&key_slots_key(&h)[..13], &k[..13], "same slot");
+        assert_eq!(&holds_key(&h)[..13], &k[..13], "same slot");
+        assert_ne!(holds_key(&h), named_budget_key(&h, "h"));
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::{script, RedisBackend};
+use super::{script, slices, RedisBackend};
 use crate::store::lock;
 use crate::store::StoreError;
 
@@ -203,12 +203,16 @@ impl RedisBackend {
             return;
         };
         let mut sends = tokio::task::JoinSet::new();
-        // Budget slices not spent go back to the fleet, like the slots.
-        for (budgets, units) in slices {
+        // Budget slices are settled: what was not spent goes back to the fleet, like the
+        // slots, and what was starts draining.
+        for s in slices {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                let refund = store.script.refund(&budgets, units);
-                let _ = script::invoke::<i64>(&refund, &mut conn).await;
+                let id = slices::hold_field(s.id);
+                let settle = store
+                    .script
+                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
+                let _ = script::invoke::<i64>(&settle, &mut conn).await;
             });
         }
         for (keys, id) in all {

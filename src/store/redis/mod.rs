@@ -12,10 +12,10 @@
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
 //!   moment Redis said it could next fit (`deny_cache`).
-//! - With `store.slices`, a busy key reserves a slice of its budget in the same `admit` call and spends it here,
-//!   without round trips, giving back what it did not spend (`slices`): only for requests
-//!   without in-flight caps, route-shared budgets or `max_delay`, and never near the end of a
-//!   budget.
+//! - With `store.slices`, a busy key reserves a slice of its budget in the same `admit` call
+//!   and spends it here, without round trips (`slices`): Redis holds the slice, undrained,
+//!   until this instance settles it. Only for requests without in-flight caps, route-shared
+//!   budgets or `max_delay`, and never near the end of a budget.
 
 mod admit;
 mod breaker;
@@ -114,20 +114,21 @@ enum Decided {
 
 impl RedisBackend {
     pub fn new(s: &StoreSettings) -> Arc<Self> {
+        let instance = rand::random::<u64>();
         Arc::new(RedisBackend {
             // The connection itself waits longer than a call, so that a late admission reply
             // can still be seen and undone.
             conns: Connections::new(&s.url, s.timeout, LATE_REPLY_WAIT),
             timeout: s.timeout,
             lease_ttl: s.lease_ttl,
-            instance: format!("{:016x}", rand::random::<u64>()),
+            instance: format!("{instance:016x}"),
             lease_seq: AtomicU64::new(0),
             breaker: Breaker::new(),
             deny: DenyCache::new(),
             script: StoreScript::new(),
             wake: Mutex::default(),
             held: Mutex::default(),
-            slices: Slices::new(s.fleet_size),
+            slices: Slices::new(s.fleet_size, instance),
             slices_on: s.slices,
         })
     }
@@ -212,8 +213,12 @@ impl RedisBackend {
             },
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             also: budget_keys(req).into_iter().skip(1).collect(),
+            holds: keys::holds_key(&req.key),
             slice: ask.slice,
-            give_back: ask.give_back,
+            grant: ask.grant,
+            hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
+            settle: ask.settle,
+            unspent: ask.unspent,
         };
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
@@ -343,8 +348,8 @@ impl SharedStore for RedisBackend {
     }
 
     async fn peek(&self, key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
-        let k = keys::budget_key(key);
-        let level: i64 = self.call(self.script.peek(&k, limit)).await?;
+        let (k, holds) = (keys::budget_key(key), keys::holds_key(key));
+        let level: i64 = self.call(self.script.peek(&k, &holds, limit)).await?;
         // What this instance holds of it is not spent yet: shown as Redis will have it back.
         let held = self
             .slices

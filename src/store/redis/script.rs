@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
 
 use super::conn::Conn;
-use super::slices::{self, Seen};
+use super::slices::{self, HoldId, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
@@ -103,10 +103,16 @@ pub(super) struct AdmitCall {
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,
-    /// Extra units asked for a budget slice (0: none), and units of an earlier slice given
-    /// back first (`super::slices`).
+    /// The key's budget slices held in Redis (`super::slices`).
+    pub holds: String,
+    /// Extra units asked for a budget slice (0: none), to be held as `grant` for
+    /// `hold_ttl_us`.
     pub slice: u64,
-    pub give_back: u64,
+    pub grant: HoldId,
+    pub hold_ttl_us: u64,
+    /// The hold this call settles first (0: none), with its units not spent.
+    pub settle: HoldId,
+    pub unspent: u64,
 }
 
 impl AdmitCall {
@@ -122,8 +128,8 @@ impl AdmitCall {
 
 /// An `admit` reply taken apart: code, `a` (retry-after or delay, µs), the decisive budget's
 /// remaining and reset_us, every budget's figures when there are several, and what it says
-/// of the slice and the levels. `budgets` is how many the call was made on. `None` if
-/// malformed.
+/// of the slice, the levels and the holds. `budgets` is how many the call was made on. `None`
+/// if malformed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct AdmitReply {
     pub code: AdmitCode,
@@ -141,14 +147,21 @@ pub(super) fn parse_admit(r: &[i64], budgets: usize) -> Option<AdmitReply> {
     if budgets == 0 || budgets > MAX_BUDGETS || rest.len() < budgets {
         return None;
     }
-    let (levels, more) = rest.split_at(budgets);
+    if rest.len() < 2 * budgets {
+        return None;
+    }
+    let (levels, rest) = rest.split_at(budgets);
+    let (held, more) = rest.split_at(budgets);
     let mut seen = Seen {
         granted: granted.max(0) as u64,
         now_us: now_us.max(0) as u64,
-        levels: [0; MAX_BUDGETS],
+        ..Seen::default()
     };
     for (slot, l) in seen.levels.iter_mut().zip(levels) {
         *slot = (*l).max(0) as u64;
+    }
+    for (slot, h) in seen.held.iter_mut().zip(held) {
+        *slot = (*h).max(0) as u64;
     }
     Some(AdmitReply {
         code: AdmitCode::from_reply(code)?,
@@ -190,16 +203,19 @@ impl StoreScript {
     /// `admit`: decides one request and, when it passes, charges it and takes its slots.
     ///
     /// KEYS[1] budget, KEYS[2] key lease set, KEYS[3] route lease set (an unused set is passed
-    /// as the budget key: the script never touches it), KEYS[4..] further budgets.
+    /// as the budget key: the script never touches it), KEYS[4] the key's holds, KEYS[5..]
+    /// further budgets.
     /// ARGV[2] per_unit, ARGV[3] rate, ARGV[4] capacity, ARGV[5] max_delay (ticks), ARGV[6]
     /// floor (units a slice must leave), ARGV[7] cost, ARGV[8] key_cap, ARGV[9] route_cap
     /// (0 = none), ARGV[10] lease id, ARGV[11] lease_ttl (µs), ARGV[12] slice (extra units
-    /// wanted), ARGV[13] give_back (units returned first); from ARGV[14], per_unit, rate,
-    /// capacity, max_delay, floor of each further budget.
-    /// Reply `{code, a, remaining, reset_us, granted, now_us, level of each budget...}` with
-    /// code an [`AdmitCode`], then, with further budgets, the decisive budget's index and
-    /// `remaining, reset_us` of each (see [`parse_admit`]). Writes only when admitted (to
-    /// every budget), and the give-back always. Charges: never retry it after a timeout.
+    /// wanted), ARGV[13] unspent (of the hold settled), ARGV[14] the hold settled first (''
+    /// none), ARGV[15] the new hold's id, ARGV[16] its life (µs); from ARGV[17], per_unit,
+    /// rate, capacity, max_delay, floor of each further budget.
+    /// Reply `{code, a, remaining, reset_us, granted, now_us, level of each budget..., held
+    /// ticks of each budget...}` with code an [`AdmitCode`], then, with further budgets, the
+    /// decisive budget's index and `remaining, reset_us` of each (see [`parse_admit`]). Writes
+    /// only when admitted (to every budget), and the settling always. Charges: never retry
+    /// it after a timeout.
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
         self.admit_with(c, c.route_slots.as_ref().unwrap_or(&c.budget), c.route_cap)
     }
@@ -230,7 +246,11 @@ impl StoreScript {
             .arg(&c.lease_id)
             .arg(c.lease_ttl_us)
             .arg(c.slice)
-            .arg(c.give_back);
+            .arg(c.unspent)
+            .arg(slices::hold_field(c.settle))
+            .arg(slices::hold_field(c.grant))
+            .arg(c.hold_ttl_us);
+        inv.key(&c.holds);
         for (key, l) in &c.also {
             inv.key(key)
                 .arg(l.per_unit)
@@ -299,12 +319,38 @@ impl StoreScript {
         inv
     }
 
-    /// `peek`: a budget's level now, writing nothing.
+    /// `settle`: hands hold `id` of the key's slices back with `unspent` units not spent,
+    /// charging the rest (and any expired hold) to each of its budgets. Idempotent: a hold
+    /// that is gone is not settled again, so it is safe to send again.
     ///
-    /// KEYS[1] budget; ARGV[2] rate. Reply: the level in ticks.
-    pub fn peek<'a>(&'a self, key: &'a str, limit: &Limit) -> ScriptInvocation<'a> {
+    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] unspent, then
+    /// per_unit, rate of each budget. Reply 1.
+    pub fn settle<'a>(
+        &'a self,
+        holds: &'a str,
+        budgets: &'a [(String, Limit)],
+        id: &'a str,
+        unspent: u64,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
-        inv.key(key).arg("peek").arg(limit.rate);
+        inv.key(holds).arg("settle").arg(id).arg(unspent);
+        for (key, l) in budgets {
+            inv.key(key).arg(l.per_unit).arg(l.rate);
+        }
+        inv
+    }
+
+    /// `peek`: a budget's level now, the slices held of it included, writing nothing.
+    ///
+    /// KEYS[1] budget, KEYS[2] the key's holds; ARGV[2] rate, ARGV[3] per_unit. Reply: the
+    /// level in ticks.
+    pub fn peek<'a>(&'a self, key: &'a str, holds: &'a str, limit: &Limit) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(key)
+            .key(holds)
+            .arg("peek")
+            .arg(limit.rate)
+            .arg(limit.per_unit);
         inv
     }
 

@@ -1,11 +1,11 @@
 //! An eligible request's way through its key's budget slice (`slices`), and the sweeper
-//! that gives idle keys' slices back: the Redis side of the slice table.
+//! that settles idle keys' slices: the Redis side of the slice table.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::slices;
-use super::{budget_keys, Decided, RedisBackend};
+use super::slices::{self, Place};
+use super::{budget_keys, keys, Decided, RedisBackend};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{Admission, AdmitRequest, Lease, StoreError};
 
@@ -36,7 +36,7 @@ impl RedisBackend {
             Ok(r) => r,
             Err(e) => {
                 self.slices
-                    .failed(req, ask, e.may_have_run(), Instant::now());
+                    .failed(req, ask, e.may_have_run(), Instant::now(), || place(req));
                 // The key's entry is the sweeper's to remove.
                 self.keep_sweeping();
                 return Some(Err(e));
@@ -45,10 +45,8 @@ impl RedisBackend {
         let admitted = matches!(decided, Decided::Admitted(..));
         let mine = self
             .slices
-            .settle(req, ask, &seen, admitted, Instant::now(), || {
-                budget_keys(req)
-            });
-        // After the answer: it may have left a grant to give back, and the key's entry.
+            .settle(req, ask, &seen, admitted, Instant::now(), || place(req));
+        // After the answer: it may have left a grant to settle, and the key's entry.
         self.keep_sweeping();
         let admission = match decided {
             Decided::Admitted(outcome, lease) => {
@@ -84,18 +82,20 @@ impl RedisBackend {
         }
     }
 
-    /// Every [`slices::SWEEP_EVERY`]: gives back what idle keys' expired slices did not
-    /// spend (and slices handed back), until no slice is left.
+    /// Every [`slices::SWEEP_EVERY`]: settles idle keys' expired slices (and slices handed
+    /// back), until no slice is left. A settling that failed is sent again, whether it ran or
+    /// not: settling twice is settling once.
     async fn sweep_slices(self: Arc<Self>) {
         loop {
             tokio::time::sleep(slices::SWEEP_EVERY).await;
             let mut again = vec![];
-            for ((budgets, units), deadline) in self.slices.sweep(Instant::now()) {
-                // Sent again only if it surely did not run: a give-back applied twice would
-                // let the fleet admit a slice more than its budget; one lost only strands it.
-                match self.call::<i64>(self.script.refund(&budgets, units)).await {
-                    Err(e) if !e.may_have_run() => again.push(((budgets, units), deadline)),
-                    _ => {}
+            for (s, deadline) in self.slices.sweep(Instant::now()) {
+                let id = slices::hold_field(s.id);
+                let settle = self
+                    .script
+                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
+                if self.call::<i64>(settle).await.is_err() {
+                    again.push((s, deadline));
                 }
             }
             self.slices.retry(again);
@@ -105,10 +105,24 @@ impl RedisBackend {
         }
     }
 
+    /// A settling to send, by the sweeper (a late admission's grant that nobody will spend).
+    pub(super) fn settle_later(self: &Arc<Self>, s: slices::Settle) {
+        self.slices.settle_later(s);
+        self.keep_sweeping();
+    }
+
     /// A new config is in force: no slice of the old one is spent any more, and every one is
-    /// given back by the sweeper.
+    /// settled by the sweeper.
     pub(super) fn retire_slices(self: &Arc<Self>) {
         self.slices.retire_all();
         self.keep_sweeping();
+    }
+}
+
+/// Where `req`'s key keeps its slices in Redis.
+pub(super) fn place(req: &AdmitRequest) -> Place {
+    Place {
+        holds: keys::holds_key(&req.key),
+        budgets: budget_keys(req),
     }
 }

@@ -3,15 +3,17 @@
 //!
 //! A key whose requests come fast reserves a *slice* of its budget in Redis, in the same
 //! atomic `admit` call that admits a request (`slice` extra units, granted only while every
-//! budget keeps a `floor` of a quarter of itself), and spends it here. Every unit admitted
-//! here was charged in Redis first, so over any period the fleet admits no more than its
-//! budgets allow from the level Redis had at its start. Within a burst it can admit more than
-//! `max_cost`: Redis drains a held slice at the refill rate as if it had been spent, so a key
-//! that bursts while slices are held gets its full bucket plus what is held — at most one
-//! slice per key and instance (the cap below), `max_cost / 8` across the fleet. That is the
-//! price of the option, and why it is off by default. What a slice did not spend goes back (`give_back` on the key's next reservation, or the `refund`
-//! op from the sweeper once the key went idle). So that light traffic stays exact and one
-//! instance cannot sit on units another needs:
+//! budget keeps a `floor` of a quarter of itself), and spends it here. Redis keeps the slice
+//! as a *hold* of this instance (the key's `t{…}h` hash, see `lua/store.lua`): it counts as
+//! charged in every budget of the key and does not drain. What this instance spent of it is
+//! charged to the budget's level (and starts draining) only when the hold is settled: by the
+//! key's next call to Redis, by the sweeper once the key went idle, on reload and on exit. So
+//! no unit drains before it was admitted: the fleet never admits more than its budgets allow,
+//! not over any period and not within a burst (`max_cost`), while each unit spent locally
+//! drains a little later than on the exact path (the key's headers show up to a slice's worth
+//! of drain less). A hold whose instance died is charged in full once it expires. Settling is
+//! idempotent (a settled hold is gone), so one that may or may not have run is sent again.
+//! So that light traffic stays exact and one instance cannot sit on units another needs:
 //!
 //! - only requests without in-flight caps, route-shared budgets or `max_delay` take part
 //!   ([`eligible`]); the others are decided by Redis alone, as before;
@@ -19,31 +21,59 @@
 //!   run out within half their lifetime, halves when one expired unspent, and never passes
 //!   `max_cost / (8 × fleet_size)` of any budget; a request that arrives while its key's
 //!   reservation is in flight is decided exactly, so an instance holds one slice per key;
-//! - a slice lives [`LIFETIME`] at most: an outage is seen within that, and a reload or an exit
-//!   hands every slice back.
+//! - a slice is spent for [`LIFETIME`] at most from when it was asked for (Redis keeps the
+//!   hold for [`HOLD_TTL`], longer): an outage is seen within that.
 //!
 //! The headers of a locally spent request are what Redis would show if this instance gave its
-//! slice back now: the level Redis stored at the reservation, drained since, minus the units
-//! still held. On a single instance that is exactly the exact path's sequence.
+//! slice back now: the level Redis stored at the reservation, drained since, plus the units
+//! held, minus those this instance has not spent.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::budget::{self, Figure, Figures, Limit, Outcome, State, Verdict, MAX_BUDGETS};
 use crate::store::{lock, short_key, AdmitRequest, Bucket, Extra, KeyMap};
 
-/// Longest a slice may be spent after it was granted.
+/// Longest a slice may be spent after it was asked for.
 pub(super) const LIFETIME: Duration = Duration::from_millis(500);
-/// How often idle keys' expired slices are given back.
+/// How long Redis keeps a hold that is not settled: past every local spend of it, whatever
+/// the difference between this instance's clock and Redis `TIME`.
+pub(super) const HOLD_TTL: Duration = Duration::from_millis(1500);
+/// How often idle keys' expired slices are settled.
 pub(super) const SWEEP_EVERY: Duration = Duration::from_millis(100);
-/// How long a give-back that surely did not run is sent again (the store is unreachable).
-const GIVE_BACK_FOR: Duration = Duration::from_secs(30);
+/// How long a settling that failed is sent again (the store is unreachable); after that the
+/// hold expires in Redis and is charged in full (never over budget).
+const SETTLE_FOR: Duration = Duration::from_secs(30);
 
 const SHARDS: usize = 32;
 
-/// Budgets (Redis keys and limits) and the units to give back to each.
-pub(super) type GiveBack = (Vec<(String, Limit)>, u64);
+/// A hold's id: this instance's (random) id, then a sequence number; 0 is none.
+pub(super) type HoldId = u128;
+
+/// The field of hold `id` in the key's holds (`""` for none).
+pub(super) fn hold_field(id: HoldId) -> String {
+    if id == 0 {
+        String::new()
+    } else {
+        format!("{id:032x}")
+    }
+}
+
+/// Where a key's slices live in Redis: its holds, and its budgets (keys and limits).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Place {
+    pub holds: String,
+    pub budgets: Vec<(String, Limit)>,
+}
+
+/// A hold handed back: `unspent` of its units were not spent here, the rest are charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Settle {
+    pub place: Place,
+    pub id: HoldId,
+    pub unspent: u64,
+}
 
 /// True for a request that slices may serve: none of its budgets is shared with other keys
 /// or holds requests (`max_delay`), and it takes no in-flight slot.
@@ -62,22 +92,28 @@ pub(super) fn floor(limit: &Limit) -> u64 {
 /// What a request asks of Redis besides its own cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Ask {
-    /// Extra units wanted (0: an exact call).
+    /// Extra units wanted (0: an exact call), to be held as `grant`.
     pub slice: u64,
-    /// Unspent units of this instance's last slice, returned before the decision.
-    pub give_back: u64,
+    pub grant: HoldId,
+    /// This instance's last hold of the key (0: none), settled before the decision, with its
+    /// units not spent.
+    pub settle: HoldId,
+    pub unspent: u64,
     /// This call is the key's reservation, which sets the next size (others meanwhile ask
     /// for the size in force).
     asker: bool,
+    /// When it was asked: a grant's life here starts then, before Redis's clock saw it.
+    at: Option<Instant>,
 }
 
 /// What an `admit` reply says beyond the decision: the slice granted, and the stored levels
-/// at Redis `TIME`.
+/// and held ticks at Redis `TIME`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Seen {
     pub granted: u64,
     pub now_us: u64,
     pub levels: [u64; MAX_BUDGETS],
+    pub held: [u64; MAX_BUDGETS],
 }
 
 /// One key's slice (possibly spent) and what the next one should be.
@@ -86,18 +122,22 @@ struct Entry {
     /// The budget set the slice was taken from: a reload that changes it never spends it.
     limit: Limit,
     also: Vec<Extra>,
-    /// Their Redis keys, to give units back (named at the key's first grant: a key that never
-    /// gets one costs no more than its entry).
-    keys: Vec<(String, Limit)>,
+    /// Where its holds and budgets are in Redis (named at the key's first grant: a key that
+    /// never gets one costs no more than its entry).
+    place: Place,
+    /// The hold in Redis not settled yet (0: none), and its units not spent.
+    hold: HoldId,
     left: u64,
-    /// The last levels Redis reported for these budgets, at its `TIME`, seen here at `seen`.
+    /// The last levels and held ticks Redis reported for these budgets, at its `TIME`, seen
+    /// here at `seen`.
     levels: [u64; MAX_BUDGETS],
+    held: [u64; MAX_BUDGETS],
     redis_at_us: u64,
     seen: Instant,
     /// When the last reservation was asked for (what sizes the next one).
     reserved: Instant,
-    /// When the units in `left` were granted: their lifetime starts there, and nothing (a
-    /// failed call handing them back, a new ask) moves it.
+    /// When the hold was asked for: its lifetime starts there, and nothing (a failed call
+    /// handing it back, a new ask) moves it.
     granted_at: Instant,
     /// Size of the last slice asked.
     size: u64,
@@ -114,7 +154,8 @@ impl Entry {
         std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
     }
 
-    /// The budgets as Redis would show them at `now` if the slice were given back.
+    /// The budgets as Redis would show them at `now` if the slice were handed back unspent
+    /// as it is.
     fn outcome(&self, now: Instant) -> Outcome {
         let elapsed = now.saturating_duration_since(self.seen).as_micros() as u64;
         let at = self.redis_at_us.saturating_add(elapsed);
@@ -125,7 +166,7 @@ impl Entry {
                 at_us: self.redis_at_us,
                 rate: l.rate,
             };
-            let level = budget::level_at(l, Some(state), at)
+            let level = (budget::level_at(l, Some(state), at) + self.held[i])
                 .saturating_sub(self.left.saturating_mul(l.per_unit));
             each.push(Figure {
                 remaining: l.remaining(level),
@@ -158,6 +199,16 @@ impl Entry {
         }
     }
 
+    fn settle(&mut self) -> Option<Settle> {
+        let id = std::mem::take(&mut self.hold);
+        let unspent = std::mem::take(&mut self.left);
+        (id != 0).then(|| Settle {
+            place: self.place.clone(),
+            id,
+            unspent,
+        })
+    }
+
     fn expired(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.granted_at) >= LIFETIME
     }
@@ -175,17 +226,22 @@ impl Entry {
 pub(super) struct Slices {
     shards: Box<[Mutex<KeyMap<Entry>>]>,
     fleet_size: u64,
-    /// Give-backs of slices taken out of the table (a reload, a changed budget), with the
-    /// moment to stop trying.
-    returns: Mutex<Vec<(GiveBack, Instant)>>,
+    /// Hold ids are this (random, per instance) in the high half, a sequence in the low.
+    instance: u64,
+    next_hold: AtomicU64,
+    /// Holds taken out of the table (a reload, a changed budget, a failed call), with the
+    /// moment to stop trying to settle them.
+    returns: Mutex<Vec<(Settle, Instant)>>,
     sweeping: AtomicBool,
 }
 
 impl Slices {
-    pub(super) fn new(fleet_size: u32) -> Self {
+    pub(super) fn new(fleet_size: u32, instance: u64) -> Self {
         Slices {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             fleet_size: fleet_size.max(1) as u64,
+            instance,
+            next_hold: AtomicU64::new(1),
             returns: Mutex::default(),
             sweeping: AtomicBool::new(false),
         }
@@ -193,6 +249,10 @@ impl Slices {
 
     fn shard(&self, k: u128) -> std::sync::MutexGuard<'_, KeyMap<Entry>> {
         lock(&self.shards[(k as usize) % SHARDS])
+    }
+
+    fn new_hold(&self) -> HoldId {
+        ((self.instance as u128) << 64) | self.next_hold.fetch_add(1, Ordering::Relaxed) as u128
     }
 
     /// Takes `req.cost` from the key's live slice, if it holds that much: the admission's
@@ -208,15 +268,15 @@ impl Slices {
     }
 
     /// What a request going to Redis asks for: the key's next slice (if this request is its
-    /// reservation) and the unspent rest of its last one.
+    /// reservation), and the settling of its last one.
     pub(super) fn ask(&self, req: &AdmitRequest, now: Instant) -> Ask {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
         let stale = shard.get(&k).filter(|e| !e.serves(req)).is_some();
         if stale {
             // The key's budgets changed (a reload): its old slice goes back where it came from.
-            if let Some(old) = shard.remove(&k) {
-                self.give_back_later(old);
+            if let Some(settle) = shard.remove(&k).and_then(|mut old| old.settle()) {
+                self.settle_later(settle);
             }
         }
         let Some(e) = shard.get_mut(&k) else {
@@ -226,9 +286,11 @@ impl Slices {
                 Entry {
                     limit: req.limit,
                     also: req.also.clone(),
-                    keys: Vec::new(),
+                    place: Place::default(),
+                    hold: 0,
                     left: 0,
                     levels: [0; MAX_BUDGETS],
+                    held: [0; MAX_BUDGETS],
                     redis_at_us: 0,
                     seen: now,
                     reserved: now,
@@ -238,24 +300,24 @@ impl Slices {
                 },
             );
             return Ask {
-                slice: 0,
-                give_back: 0,
                 asker: true,
+                at: Some(now),
+                ..Ask::default()
             };
         };
-        let give_back = std::mem::take(&mut e.left);
+        let (settle, unspent) = (std::mem::take(&mut e.hold), std::mem::take(&mut e.left));
         if e.asking(now) {
             // Another request of the key is reserving: this one is decided exactly, so that
-            // this instance never holds more than one slice of a key (at most the cap below:
-            // what a burst can exceed the budget by while slices are held).
+            // this instance never holds more than one slice of a key.
             return Ask {
-                slice: 0,
-                give_back,
-                asker: false,
+                settle,
+                unspent,
+                at: Some(now),
+                ..Ask::default()
             };
         }
         let age = now.saturating_duration_since(e.reserved);
-        let size = if age >= LIFETIME && give_back > 0 {
+        let size = if age >= LIFETIME && unspent > 0 {
             e.size / 2
         } else if age < LIFETIME / 2 {
             if e.size == 0 {
@@ -274,18 +336,23 @@ impl Slices {
         e.size = size.min(cap);
         e.reserved = now;
         e.asking = Some(now);
+        // A slice smaller than this request's cost would not serve the next like it.
+        let slice = if e.size >= req.cost { e.size } else { 0 };
         Ask {
-            // A slice smaller than this request's cost would not serve the next like it.
-            slice: if e.size >= req.cost { e.size } else { 0 },
-            give_back,
+            slice,
+            grant: if slice > 0 { self.new_hold() } else { 0 },
+            settle,
+            unspent,
             asker: true,
+            at: Some(now),
         }
     }
 
     /// Takes in Redis's answer to a call made with `ask`: the slice granted (if any) becomes
     /// spendable, and the levels it reports become the key's mirror. For an admission, its
-    /// figures as this instance shows them (its slice counted as given back). `keys` names
-    /// the budgets in Redis, to give a grant back some day (called at the key's first).
+    /// figures as this instance shows them (its slice counted as handed back). `place` names
+    /// the key's holds and budgets in Redis, to settle a grant some day (called at the key's
+    /// first).
     pub(super) fn settle(
         &self,
         req: &AdmitRequest,
@@ -293,68 +360,101 @@ impl Slices {
         seen: &Seen,
         admitted: bool,
         now: Instant,
-        keys: impl FnOnce() -> Vec<(String, Limit)>,
+        place: impl FnOnce() -> Place,
     ) -> Option<Outcome> {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
         let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
             // Handed back meanwhile (a reload): what was granted is never spent here.
             if seen.granted > 0 {
-                lock(&self.returns).push(((keys(), seen.granted), now + GIVE_BACK_FOR));
+                self.settle_later(Settle {
+                    place: place(),
+                    id: ask.grant,
+                    unspent: seen.granted,
+                });
             }
             return None;
         };
         if ask.asker {
             e.asking = None;
         }
-        if seen.granted > 0 && e.keys.is_empty() {
-            e.keys = keys();
-        }
         if seen.granted > 0 {
-            // Units left over from before (a failed call's give-back kept) go with this
-            // grant's lifetime only if they are still live; else they go back.
-            if e.expired(now) && e.left > 0 {
-                let stale = std::mem::take(&mut e.left);
-                lock(&self.returns).push(((e.keys.clone(), stale), now + GIVE_BACK_FOR));
+            if e.place.budgets.is_empty() {
+                e.place = place();
             }
-            e.granted_at = now;
+            // One asker at a time: no other hold is live here. Should one be, it is settled.
+            if let Some(old) = e.settle() {
+                self.settle_later(old);
+            }
+            e.hold = ask.grant;
+            e.left = seen.granted;
+            e.granted_at = ask.at.unwrap_or(now);
         }
-        e.left = e.left.saturating_add(seen.granted);
         // Replies may cross: the mirror keeps the latest word of Redis.
         if seen.now_us >= e.redis_at_us {
             e.levels = seen.levels;
+            e.held = seen.held;
             e.redis_at_us = seen.now_us;
             e.seen = now;
         }
         admitted.then(|| e.outcome(now))
     }
 
-    /// A call made with `ask` failed, and the next request may reserve again. What it gave
-    /// back is this instance's again if the call surely did not `run` (the breaker was open,
-    /// no connection): Redis still holds those units for it. If it may have run, they count
-    /// as given (keeping them could spend them twice).
-    pub(super) fn failed(&self, req: &AdmitRequest, ask: Ask, run: bool, now: Instant) {
+    /// A call made with `ask` failed, and the next request may reserve again. The hold it
+    /// settled is this instance's again if the call surely did not `run` (the breaker was
+    /// open, no connection) and it is still live: Redis still holds it. Else it is settled
+    /// again by the sweeper (idempotent: if the call did run, that is a no-op), and so is the
+    /// hold the call may have granted.
+    pub(super) fn failed(
+        &self,
+        req: &AdmitRequest,
+        ask: Ask,
+        run: bool,
+        now: Instant,
+        place: impl FnOnce() -> Place,
+    ) {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
-        let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
-            return;
-        };
-        if ask.asker {
-            e.asking = None;
-        }
-        if !run && ask.give_back > 0 {
-            // Redis still holds them for this instance; spent only within their own lifetime,
-            // else given back by the sweeper.
-            if e.expired(now) {
-                lock(&self.returns).push(((e.keys.clone(), ask.give_back), now + GIVE_BACK_FOR));
-            } else {
-                e.left = e.left.saturating_add(ask.give_back);
+        let entry = shard.get_mut(&k).filter(|e| e.serves(req));
+        let mut later = vec![];
+        let mut named = None;
+        match entry {
+            Some(e) => {
+                if ask.asker {
+                    e.asking = None;
+                }
+                if ask.settle != 0 && !run && e.hold == 0 && !e.expired(now) {
+                    e.hold = ask.settle;
+                    e.left = ask.unspent;
+                } else if ask.settle != 0 {
+                    later.push((ask.settle, ask.unspent));
+                }
+                if !e.place.budgets.is_empty() {
+                    named = Some(e.place.clone());
+                }
             }
+            None if ask.settle != 0 => later.push((ask.settle, ask.unspent)),
+            None => {}
+        }
+        drop(shard);
+        if run && ask.slice > 0 {
+            later.push((ask.grant, ask.slice));
+        }
+        if later.is_empty() {
+            return;
+        }
+        let place = named.unwrap_or_else(place);
+        for (id, unspent) in later {
+            self.settle_later(Settle {
+                place: place.clone(),
+                id,
+                unspent,
+            });
         }
     }
 
     /// Units of the key's slice not spent yet, if it was taken under `limit` (for
-    /// `/admin/keys/{id}`: they are charged in Redis but still this instance's to spend).
+    /// `/admin/keys/{id}`: they are held in Redis but still this instance's to spend).
     pub(super) fn unspent(&self, key: &crate::identity::KeyHash, limit: &Limit) -> u64 {
         let k = short_key(key);
         self.shard(k)
@@ -363,38 +463,36 @@ impl Slices {
             .map_or(0, |e| e.left)
     }
 
-    fn give_back_later(&self, e: Entry) {
-        if e.left > 0 {
-            lock(&self.returns).push(((e.keys, e.left), Instant::now() + GIVE_BACK_FOR));
-        }
+    /// Queues a hold for the sweeper to settle.
+    pub(super) fn settle_later(&self, s: Settle) {
+        lock(&self.returns).push((s, Instant::now() + SETTLE_FOR));
     }
 
     /// Takes every slice out of the table (a reload, an exit): nothing of them is spent any
-    /// more; the returned units are to be given back.
-    pub(super) fn hand_back_all(&self) -> Vec<GiveBack> {
-        let mut out: Vec<GiveBack> = lock(&self.returns).drain(..).map(|(g, _)| g).collect();
+    /// more; the returned holds are to be settled.
+    pub(super) fn hand_back_all(&self) -> Vec<Settle> {
+        let mut out: Vec<Settle> = lock(&self.returns).drain(..).map(|(s, _)| s).collect();
         for shard in self.shards.iter() {
-            for (_, e) in lock(shard).drain() {
-                if e.left > 0 {
-                    out.push((e.keys, e.left));
-                }
+            for (_, mut e) in lock(shard).drain() {
+                out.extend(e.settle());
             }
         }
         out
     }
 
-    /// Moves every slice to the give-back queue (a reload): the sweeper sends them.
+    /// Moves every slice to the settling queue (a reload): the sweeper sends them.
     pub(super) fn retire_all(&self) {
-        let deadline = Instant::now() + GIVE_BACK_FOR;
+        let deadline = Instant::now() + SETTLE_FOR;
         let all = self.hand_back_all();
-        lock(&self.returns).extend(all.into_iter().map(|g| (g, deadline)));
+        lock(&self.returns).extend(all.into_iter().map(|s| (s, deadline)));
     }
 
-    /// One sweep: the slices of keys idle past their lifetime leave the table, and what they
-    /// (and earlier handed-back slices) did not spend is returned to be given back. Give-backs
-    /// past their deadline are dropped (the key stays charged for them: never over budget).
-    pub(super) fn sweep(&self, now: Instant) -> Vec<(GiveBack, Instant)> {
-        let mut out: Vec<(GiveBack, Instant)> = std::mem::take(&mut *lock(&self.returns))
+    /// One sweep: the slices of keys idle past their lifetime leave the table, and they (and
+    /// earlier handed-back holds) are returned to be settled — a spent one too, so that its
+    /// units start draining now. Settlings past their deadline are dropped (the hold expires
+    /// in Redis and is charged in full: never over budget).
+    pub(super) fn sweep(&self, now: Instant) -> Vec<(Settle, Instant)> {
+        let mut out: Vec<(Settle, Instant)> = std::mem::take(&mut *lock(&self.returns))
             .into_iter()
             .filter(|(_, deadline)| *deadline > now)
             .collect();
@@ -406,18 +504,16 @@ impl Slices {
                 .map(|(k, _)| *k)
                 .collect();
             for k in idle {
-                if let Some(e) = shard.remove(&k) {
-                    if e.left > 0 {
-                        out.push(((e.keys, e.left), now + GIVE_BACK_FOR));
-                    }
+                if let Some(s) = shard.remove(&k).and_then(|mut e| e.settle()) {
+                    out.push((s, now + SETTLE_FOR));
                 }
             }
         }
         out
     }
 
-    /// Give-backs that did not reach Redis, for the next sweep.
-    pub(super) fn retry(&self, again: Vec<(GiveBack, Instant)>) {
+    /// Settlings that did not reach Redis, for the next sweep.
+    pub(super) fn retry(&self, again: Vec<(Settle, Instant)>) {
         lock(&self.returns).extend(again);
     }
 

@@ -15,8 +15,12 @@ fn call(cost: u64) -> AdmitCall {
         lease_id: "i:1".into(),
         lease_ttl_us: 15_000_000,
         also: Vec::new(),
+        holds: "t{a}h".into(),
         slice: 0,
-        give_back: 0,
+        grant: 0,
+        hold_ttl_us: 0,
+        settle: 0,
+        unspent: 0,
     }
 }
 
@@ -32,10 +36,11 @@ fn route_busy_reply_shows_the_budget_before_the_undone_charge() {
         0,
         7,
         10_000_000,
+        3,
     ];
     assert_eq!(
         route_busy_reply(&admitted, &call(20)),
-        vec![AdmitCode::RouteBusy as i64, 0, 120, 0, 0, 7, 0]
+        vec![AdmitCode::RouteBusy as i64, 0, 120, 0, 0, 7, 0, 3]
     );
     let delayed = [
         AdmitCode::Admitted as i64,
@@ -45,6 +50,7 @@ fn route_busy_reply_shows_the_budget_before_the_undone_charge() {
         0,
         7,
         62_000_000,
+        0,
     ];
     assert_eq!(
         route_busy_reply(&delayed, &call(4)),
@@ -55,7 +61,8 @@ fn route_busy_reply_shows_the_budget_before_the_undone_charge() {
             60_000_000,
             0,
             7,
-            60_000_000
+            60_000_000,
+            0
         ]
     );
 }
