@@ -440,6 +440,53 @@ async fn slices_go_back_on_reload_and_on_exit() {
     assert_eq!(left_in_redis(&redis, "k"), 680, "handed back on exit");
 }
 
+/// An instance that dies (SIGKILL) holding a slice: the hold stays charged for everyone else,
+/// and once it expires the next call on the key charges all of it to the budget — what the
+/// dead instance spent of it is never lost, nor is the key charged twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_instances_slice_stays_charged_and_is_folded_in_once_it_expires() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
+    );
+    let mut a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    for _ in 0..40 {
+        assert_eq!(get(&c, a.url("/exports/bulk"), "k").await.status(), 200);
+    }
+    let held = held_in_redis(&redis, "k");
+    assert!(held > 0, "A holds a slice");
+    // Redis counts all of the hold: what A spent of it and what it did not.
+    let unspent = 1000 - 160 - left_in_redis(&redis, "k");
+    assert!(unspent <= held, "unspent {unspent} of a {held}-unit hold");
+    a.kill9();
+    let remaining = |r: &reqwest::Response| -> u64 {
+        header(r, "X-RateLimit-Remaining").unwrap().parse().unwrap()
+    };
+    let r = get(&c, b.url("/exports/bulk"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        remaining(&r),
+        1000 - 160 - unspent - 4,
+        "the hold counts for B"
+    );
+    assert_eq!(held_in_redis(&redis, "k"), held, "still held");
+    // Past the hold's life in Redis (1.5 s from its grant), B's next request (exact: B's
+    // requests are too far apart for a slice) folds it into the budget, all of it.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let r = get(&c, b.url("/exports/bulk"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(remaining(&r), 1000 - 160 - unspent - 8);
+    assert_eq!(held_in_redis(&redis, "k"), 0, "folded in");
+    assert_eq!(left_in_redis(&redis, "k"), 1000 - 160 - unspent - 8);
+    assert_eq!(up.count("/exports/bulk"), 42);
+}
+
 /// A burst after a quiet spell, while an instance still holds a slice it reserved just
 /// before: Redis drains the bucket meanwhile, but never the slice (a hold), so the burst gets
 /// the bucket and its refill, and not the slice on top (docs/operations.md, Budget slices).
