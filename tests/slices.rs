@@ -440,6 +440,43 @@ async fn slices_go_back_on_reload_and_on_exit() {
     assert_eq!(left_in_redis(&redis, "k"), 680, "handed back on exit");
 }
 
+/// Requests spent from slices whose upstream fails (502) are refunded: once the slices are
+/// settled, Redis has nothing charged — whether a refund found its slice still here, being
+/// settled, or settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refunds_of_requests_spent_from_slices_leave_nothing_charged() {
+    let redis = Redis::start();
+    let body = redis_body(
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{}", free_port()),
+        body: &body,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let before = evalsha_calls(&redis);
+    for _ in 0..60 {
+        assert_eq!(get(&c, gw.url("/exports/bulk"), "k").await.status(), 502);
+    }
+    let calls = evalsha_calls(&redis) - before;
+    let start = Instant::now();
+    while held_in_redis(&redis, "k") > 0 || left_in_redis(&redis, "k") != 1000 {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{} left, {} held after 60 refunded requests ({calls} EVALSHA)",
+            left_in_redis(&redis, "k"),
+            held_in_redis(&redis, "k")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("{calls} EVALSHA for 60 requests");
+    assert!(calls < 50, "slices were in use: {calls} EVALSHA");
+}
+
 /// An instance that dies (SIGKILL) holding a slice: the hold stays charged for everyone else,
 /// and once it expires the next call on the key charges all of it to the budget — what the
 /// dead instance spent of it is never lost, nor is the key charged twice.

@@ -46,8 +46,13 @@ pub trait SharedStore: Send + Sync + 'static {
         req: &AdmitRequest,
     ) -> impl Future<Output = Result<SharedAnswer, StoreError>> + Send;
 
-    /// Gives `req.cost` back to `req.key`'s shared budget.
-    fn refund(&self, req: &AdmitRequest) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Gives `req.cost` back to `req.key`'s shared budget; `hold` is the budget slice it was
+    /// spent from (0: none, charged to the budget itself).
+    fn refund(
+        &self,
+        req: &AdmitRequest,
+        hold: u128,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     fn peek(
         &self,
@@ -394,14 +399,20 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
                 // Already written back: the shared budget has it, give it back there.
                 if !self.owed.forgive(req) {
-                    let _ = self.shared.refund(req).await;
+                    let _ = self.shared.refund(req, 0).await;
                 }
             }
-            Charge::Shared => match self.shared.refund(req).await {
-                Ok(_) => self.set_degraded(false, None),
-                Err(e) if !e.may_have_run() => self.refund_later(req.clone()),
-                Err(_) => {}
-            },
+            Charge::Shared | Charge::Slice(_) => {
+                let hold = match charge {
+                    Charge::Slice(hold) => hold,
+                    _ => 0,
+                };
+                match self.shared.refund(req, hold).await {
+                    Ok(_) => self.set_degraded(false, None),
+                    Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
+                    Err(_) => {}
+                }
+            }
         }
     }
 
@@ -410,7 +421,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// budget like the admission was; a shared debit that surely did not run is owed too.
     pub async fn charge_extra(self: &Arc<Self>, req: &AdmitRequest, charge: Charge, units: u64) {
         match charge {
-            Charge::Shared => match self
+            Charge::Shared | Charge::Slice(_) => match self
                 .shared
                 .write_back(&req.key, &req.limit, &req.also, units)
                 .await
@@ -432,13 +443,13 @@ impl<S: SharedStore> FallbackStore<S> {
 
     /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`], while the
     /// store stays unreachable, for at most [`REFUND_RETRY_FOR`].
-    fn refund_later(&self, req: AdmitRequest) {
+    fn refund_later(&self, req: AdmitRequest, hold: u128) {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             let give_up = std::time::Instant::now() + REFUND_RETRY_FOR;
             while std::time::Instant::now() < give_up {
                 tokio::time::sleep(REFUND_RETRY_EVERY).await;
-                match shared.refund(&req).await {
+                match shared.refund(&req, hold).await {
                     Err(e) if !e.may_have_run() => continue,
                     _ => return,
                 }

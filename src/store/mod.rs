@@ -282,6 +282,9 @@ pub enum Charge {
     Local(Limit),
     /// The shared Redis budget.
     Shared,
+    /// The shared Redis budget, from this instance's budget slice held there under this id
+    /// (`store.slices`): a refund goes back into the slice, or to the hold in Redis.
+    Slice(u128),
 }
 
 /// The slots a lease holds, in whichever store took them.
@@ -308,6 +311,14 @@ impl Lease {
         Lease {
             slots: slots.map_or(Slots::None, Slots::Redis),
             charge: Charge::Shared,
+            ..Lease::default()
+        }
+    }
+
+    /// Spent from this instance's budget slice `hold` (charged in the shared store).
+    pub(crate) fn sliced(hold: u128) -> Lease {
+        Lease {
+            charge: Charge::Slice(hold),
             ..Lease::default()
         }
     }
@@ -412,7 +423,7 @@ impl Store {
         match (self, charge) {
             (_, Charge::None) => {}
             (Store::Memory(m), Charge::Local(limit)) => m.refund(&req.charged_under(limit)),
-            (Store::Memory(_), Charge::Shared) => {}
+            (Store::Memory(_), Charge::Shared | Charge::Slice(_)) => {}
             (Store::Redis(r), charge) => Box::pin(r.refund(req, charge)).await,
         }
     }

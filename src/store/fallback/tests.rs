@@ -38,7 +38,7 @@ impl SharedStore for Fake {
         })
     }
 
-    async fn refund(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+    async fn refund(&self, req: &AdmitRequest, _hold: u128) -> Result<(), StoreError> {
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);
         }

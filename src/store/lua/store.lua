@@ -38,6 +38,9 @@
 --             reset_us of each.
 --   settle KEYS the key's holds, its budgets...  ARGV hold_id unspent (per_unit rate)...
 --          -> 1 (charges what hold_id spent, and expired holds, to each budget)
+--   unspend KEYS the key's holds, its budgets...  ARGV hold_id cost (per_unit rate)...
+--          -> 1 (a request spent from hold_id refunded: out of the hold while it is not
+--          settled, else out of each budget)
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
 --   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
@@ -292,6 +295,29 @@ if op == 'settle' then
       local q = tonumber(ARGV[j + 1])
       store_level(KEYS[i], level_at(KEYS[i], q, now) + charge * p, q, now)
     end
+  end
+  return 1
+end
+
+if op == 'unspend' then
+  -- A request spent from hold ARGV[2] got its cost ARGV[3] back: the hold shrinks if it is
+  -- not settled yet, else (its units are in the levels now) the budgets get it back.
+  local v = redis.call('HGET', KEYS[1], ARGV[2])
+  local cost = tonumber(ARGV[3])
+  if v then
+    local units, exp = string.match(v, '^(%d+):(%d+)$')
+    if units then
+      units = math.max(0, tonumber(units) - cost)
+      redis.call('HSET', KEYS[1], ARGV[2], int(units) .. ':' .. exp)
+      return 1
+    end
+  end
+  local now = now_us()
+  for i = 2, #KEYS do
+    local j = 4 + 2 * (i - 2)
+    local p = tonumber(ARGV[j])
+    local q = tonumber(ARGV[j + 1])
+    store_level(KEYS[i], level_at(KEYS[i], q, now) - cost * p, q, now)
   end
   return 1
 end

@@ -338,11 +338,23 @@ impl SharedStore for RedisBackend {
         }
     }
 
-    /// A failed refund is not retried: it might have run.
-    async fn refund(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+    /// A failed refund is not retried: it might have run. One spent from this instance's
+    /// slice goes back into it while it is still the key's live hold here (no round trip);
+    /// else to the hold in Redis if that is not settled yet, or to the budget.
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<(), StoreError> {
         self.deny.forget(&req.key);
+        if hold != 0 && self.slices.unspend(req, hold) {
+            return Ok(());
+        }
         let budgets = budget_keys(req);
-        self.call::<i64>(self.script.refund(&budgets, req.cost))
+        if hold == 0 {
+            return self
+                .call::<i64>(self.script.refund(&budgets, req.cost))
+                .await
+                .map(drop);
+        }
+        let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
+        self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
             .await
             .map(drop)
     }

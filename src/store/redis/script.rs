@@ -340,6 +340,26 @@ impl StoreScript {
         inv
     }
 
+    /// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if
+    /// it is not settled yet (its settling then charges them no more), else to each budget.
+    ///
+    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] cost, then
+    /// per_unit, rate of each budget. Reply 1.
+    pub fn unspend<'a>(
+        &'a self,
+        holds: &'a str,
+        budgets: &'a [(String, Limit)],
+        id: &'a str,
+        cost: u64,
+    ) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(holds).arg("unspend").arg(id).arg(cost);
+        for (key, l) in budgets {
+            inv.key(key).arg(l.per_unit).arg(l.rate);
+        }
+        inv
+    }
+
     /// `peek`: a budget's level now, the slices held of it included, writing nothing.
     ///
     /// KEYS[1] budget, KEYS[2] the key's holds; ARGV[2] rate, ARGV[3] per_unit. Reply: the

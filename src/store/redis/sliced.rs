@@ -23,16 +23,23 @@ impl RedisBackend {
         // While the breaker is open, what Redis granted earlier is not spent: an outage
         // is an outage for slices too.
         if self.breaker.closed() {
-            if let Some(o) = self.slices.spend(req, Instant::now()) {
+            if let Some((o, hold)) = self.slices.spend(req, Instant::now()) {
                 return Some(Ok(SharedAnswer {
-                    admission: Admission::admitted(&o, Lease::shared(None), Duration::ZERO),
+                    admission: Admission::admitted(&o, Lease::sliced(hold), Duration::ZERO),
                     // A local word, not Redis's: it says nothing of Redis being reachable.
                     reached: false,
                 }));
             }
         }
         let ask = self.slices.ask(req, Instant::now());
-        let (decided, seen) = match self.try_admit(req, ask).await {
+        let guard = AskGuard {
+            store: self,
+            req,
+            ask,
+        };
+        let answer = self.try_admit(req, ask).await;
+        std::mem::forget(guard);
+        let (decided, seen) = match answer {
             Ok(r) => r,
             Err(e) => {
                 self.slices
@@ -124,5 +131,24 @@ pub(super) fn place(req: &AdmitRequest) -> Place {
     Place {
         holds: keys::holds_key(&req.key),
         budgets: budget_keys(req),
+    }
+}
+
+/// A reservation whose request went away before its answer (its future dropped): the hold
+/// it settles and the one it may have been granted are settled by the sweeper (a no-op for
+/// what did run), and the key may reserve again at once.
+struct AskGuard<'a> {
+    store: &'a Arc<RedisBackend>,
+    req: &'a AdmitRequest,
+    ask: slices::Ask,
+}
+
+impl Drop for AskGuard<'_> {
+    fn drop(&mut self) {
+        let req = self.req;
+        self.store
+            .slices
+            .failed(req, self.ask, true, Instant::now(), || place(req));
+        self.store.keep_sweeping();
     }
 }

@@ -96,9 +96,10 @@ pub(super) struct Ask {
     pub slice: u64,
     pub grant: HoldId,
     /// This instance's last hold of the key (0: none), settled before the decision, with its
-    /// units not spent.
+    /// units not spent and when it was asked for.
     pub settle: HoldId,
     pub unspent: u64,
+    settle_at: Option<Instant>,
     /// This call is the key's reservation, which sets the next size (others meanwhile ask
     /// for the size in force).
     asker: bool,
@@ -209,6 +210,14 @@ impl Entry {
         })
     }
 
+    /// `ask`, this entry's reservation, has its answer (an entry that replaced the one it
+    /// was asked of keeps its own).
+    fn done_asking(&mut self, ask: &Ask) {
+        if ask.asker && self.asking == ask.at {
+            self.asking = None;
+        }
+    }
+
     fn expired(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.granted_at) >= LIFETIME
     }
@@ -256,15 +265,30 @@ impl Slices {
     }
 
     /// Takes `req.cost` from the key's live slice, if it holds that much: the admission's
-    /// figures, or `None` (ask Redis).
-    pub(super) fn spend(&self, req: &AdmitRequest, now: Instant) -> Option<Outcome> {
+    /// figures and the hold it was spent from, or `None` (ask Redis).
+    pub(super) fn spend(&self, req: &AdmitRequest, now: Instant) -> Option<(Outcome, HoldId)> {
         let mut shard = self.shard(short_key(&req.key));
         let e = shard.get_mut(&short_key(&req.key))?;
         if e.left < req.cost || e.expired(now) || !e.serves(req) {
             return None;
         }
         e.left -= req.cost;
-        Some(e.outcome(now))
+        Some((e.outcome(now), e.hold))
+    }
+
+    /// A request spent from `hold` is refunded: its cost goes back into the slice if that is
+    /// still the key's hold here. False: it is not (settled, or being settled); refund it in
+    /// Redis.
+    pub(super) fn unspend(&self, req: &AdmitRequest, hold: HoldId) -> bool {
+        let k = short_key(&req.key);
+        let mut shard = self.shard(k);
+        match shard.get_mut(&k) {
+            Some(e) if e.hold == hold && e.serves(req) => {
+                e.left = e.left.saturating_add(req.cost);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// What a request going to Redis asks for: the key's next slice (if this request is its
@@ -305,6 +329,7 @@ impl Slices {
                 ..Ask::default()
             };
         };
+        let settle_at = (e.hold != 0).then_some(e.granted_at);
         let (settle, unspent) = (std::mem::take(&mut e.hold), std::mem::take(&mut e.left));
         if e.asking(now) {
             // Another request of the key is reserving: this one is decided exactly, so that
@@ -312,6 +337,7 @@ impl Slices {
             return Ask {
                 settle,
                 unspent,
+                settle_at,
                 at: Some(now),
                 ..Ask::default()
             };
@@ -343,6 +369,7 @@ impl Slices {
             grant: if slice > 0 { self.new_hold() } else { 0 },
             settle,
             unspent,
+            settle_at,
             asker: true,
             at: Some(now),
         }
@@ -375,9 +402,7 @@ impl Slices {
             }
             return None;
         };
-        if ask.asker {
-            e.asking = None;
-        }
+        e.done_asking(&ask);
         if seen.granted > 0 {
             if e.place.budgets.is_empty() {
                 e.place = place();
@@ -402,9 +427,9 @@ impl Slices {
 
     /// A call made with `ask` failed, and the next request may reserve again. The hold it
     /// settled is this instance's again if the call surely did not `run` (the breaker was
-    /// open, no connection) and it is still live: Redis still holds it. Else it is settled
-    /// again by the sweeper (idempotent: if the call did run, that is a no-op), and so is the
-    /// hold the call may have granted.
+    /// open, no connection) and the hold is still within its lifetime: Redis still holds it.
+    /// Else it is settled again by the sweeper (idempotent: if the call did run, that is a
+    /// no-op), and so is the hold the call may have granted.
     pub(super) fn failed(
         &self,
         req: &AdmitRequest,
@@ -414,36 +439,42 @@ impl Slices {
         place: impl FnOnce() -> Place,
     ) {
         let k = short_key(&req.key);
-        let mut shard = self.shard(k);
-        let entry = shard.get_mut(&k).filter(|e| e.serves(req));
+        let mut place = Some(place);
+        let mut named: Option<Place> = None;
         let mut later = vec![];
-        let mut named = None;
-        match entry {
-            Some(e) => {
-                if ask.asker {
-                    e.asking = None;
-                }
-                if ask.settle != 0 && !run && e.hold == 0 && !e.expired(now) {
-                    e.hold = ask.settle;
-                    e.left = ask.unspent;
-                } else if ask.settle != 0 {
-                    later.push((ask.settle, ask.unspent));
-                }
-                if !e.place.budgets.is_empty() {
+        {
+            let mut shard = self.shard(k);
+            let live = ask
+                .settle_at
+                .is_some_and(|t| now.saturating_duration_since(t) < LIFETIME);
+            match shard.get_mut(&k).filter(|e| e.serves(req)) {
+                Some(e) => {
+                    e.done_asking(&ask);
+                    if e.place.budgets.is_empty() {
+                        e.place = place.take().map(|f| f()).unwrap_or_default();
+                    }
+                    if ask.settle != 0 && !run && live && e.hold == 0 {
+                        e.hold = ask.settle;
+                        e.left = ask.unspent;
+                        e.granted_at = ask.settle_at.unwrap_or(now);
+                    } else if ask.settle != 0 {
+                        later.push((ask.settle, ask.unspent));
+                    }
                     named = Some(e.place.clone());
                 }
+                None if ask.settle != 0 => later.push((ask.settle, ask.unspent)),
+                None => {}
             }
-            None if ask.settle != 0 => later.push((ask.settle, ask.unspent)),
-            None => {}
         }
-        drop(shard);
         if run && ask.slice > 0 {
             later.push((ask.grant, ask.slice));
         }
         if later.is_empty() {
             return;
         }
-        let place = named.unwrap_or_else(place);
+        let place = named
+            .or_else(|| place.take().map(|f| f()))
+            .unwrap_or_default();
         for (id, unspent) in later {
             self.settle_later(Settle {
                 place: place.clone(),

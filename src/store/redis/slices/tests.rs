@@ -74,6 +74,28 @@ impl Model {
         self.take_holds(s.id, s.unspent, now_us);
     }
 
+    /// `unspend`: out of the hold while it is there, else out of the budgets.
+    fn unspend(&mut self, id: HoldId, cost: u64, now_us: u64) {
+        if let Some((units, _)) = self.holds.get_mut(&id) {
+            *units = units.saturating_sub(cost);
+            return;
+        }
+        for (l, s) in self.budgets.iter_mut() {
+            *s = Some(State {
+                level: budget::level_at(l, *s, now_us).saturating_sub(cost * l.per_unit),
+                at_us: now_us,
+                rate: l.rate,
+            });
+        }
+    }
+
+    /// Units charged or held: what another instance is told is gone.
+    fn taken(&self, now_us: u64) -> u64 {
+        let (l, s) = self.budgets[0];
+        let held: u64 = self.holds.values().map(|(u, _)| u).sum();
+        (budget::level_at(&l, s, now_us) + held * l.per_unit).div_ceil(l.per_unit)
+    }
+
     /// `admit` of one request with its ask: whether it admitted, and what the reply says.
     fn admit(&mut self, now_us: u64, cost: u64, ask: Ask) -> (bool, Seen) {
         let live = self.take_holds(ask.settle, ask.unspent, now_us);
@@ -361,7 +383,7 @@ fn a_single_instance_shows_the_exact_paths_headers_or_a_little_less() {
                 }
             }
             let got = match s.spend(&r, now) {
-                Some(o) => o,
+                Some((o, _)) => o,
                 None => {
                     calls += 1;
                     let ask = s.ask(&r, now);
@@ -516,6 +538,97 @@ fn holds_settle_once_and_expire_as_spent() {
     let (_, seen) = redis.admit(after, 1, Ask::default());
     assert_eq!(level(&redis, after), 31 + 1 + 50 + 1);
     assert_eq!(seen.held[0], 0);
+}
+
+/// A request spent from a slice and refunded (its upstream failed) is never charged: its
+/// cost goes back into the slice while that is the key's hold here, to the hold in Redis
+/// while it is being settled, and to the budget once it was.
+#[test]
+fn a_refunded_request_from_a_slice_is_never_charged() {
+    let l = limit(1000, Duration::from_secs(3600 * 720));
+    let r = req(l, 1);
+    let s = Slices::new(1, 1);
+    let mut redis = Model::new(&[l]);
+    let t0 = Instant::now();
+    let mut admitted = 0;
+    let call = |s: &Slices, redis: &mut Model, i: u64| {
+        let ask = s.ask(&r, t0);
+        let (ok, seen) = redis.admit(1 + i, 1, ask);
+        s.settle(&r, ask, &seen, ok, t0, place);
+        ask
+    };
+    call(&s, &mut redis, 0);
+    call(&s, &mut redis, 1);
+    admitted += 2;
+    let held = s.unspent(&r.key, &l);
+    assert!(held > 0);
+    // Spent and refunded while the hold is this instance's: back into the slice.
+    let (_, hold) = s.spend(&r, t0).unwrap();
+    assert!(s.unspend(&r, hold));
+    assert_eq!(s.unspent(&r.key, &l), held);
+    // Spent, then the hold is being settled (the next reservation took it) when the refund
+    // comes: it goes to the hold in Redis, and the settling charges it no more.
+    let (_, hold) = s.spend(&r, t0).unwrap();
+    admitted += 1;
+    let _ = s.spend(&r, t0).map(|_| admitted += 1);
+    let ask = s.ask(&r, t0);
+    assert_eq!(ask.settle, hold);
+    assert!(
+        !s.unspend(&r, hold),
+        "not this instance's to give back any more"
+    );
+    redis.unspend(hold, 1, 3);
+    admitted -= 1;
+    let (ok, seen) = redis.admit(4, 1, ask);
+    assert!(ok);
+    admitted += 1;
+    s.settle(&r, ask, &seen, ok, t0, place);
+    let unspent = s.unspent(&r.key, &l);
+    assert_eq!(
+        redis.taken(5),
+        admitted + unspent,
+        "charged: what was admitted, and the slice"
+    );
+    // Refunded after its hold was settled: to the budget.
+    redis.unspend(hold, 1, 6);
+    admitted -= 1;
+    assert_eq!(redis.taken(6), admitted + unspent);
+}
+
+/// A reservation that failed unrun gives its hold back to this instance only within the
+/// hold's own lifetime, and an entry that replaced its own (a reload) keeps its reservation.
+#[test]
+fn a_failed_reservation_restores_its_hold_only_while_it_lives() {
+    let s = Slices::new(1, 1);
+    let r = req(limit(1600, Duration::from_secs(3600)), 1);
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let grant = |ask: Ask| Seen {
+        granted: ask.slice,
+        now_us: 1,
+        ..Seen::default()
+    };
+    let ask = s.ask(&r, t0);
+    s.settle(&r, ask, &grant(ask), true, t0, place);
+    let first = s.ask(&r, t0);
+    s.settle(&r, first, &grant(first), true, t0, place);
+    assert!(first.slice > 0);
+    // A takes the hold at 400 ms; a reload; C starts a new entry at 450 ms.
+    let a = s.ask(&r, ms(400));
+    assert_eq!(a.settle, first.grant);
+    s.retire_all();
+    let c = s.ask(&r, ms(450));
+    assert!(c.asker);
+    // A fails unrun at 600 ms, past the hold's life (from 0 ms): the sweeper settles it.
+    s.failed(&r, a, false, ms(600), place);
+    assert_eq!(s.unspent(&r.key, &r.limit), 0);
+    let swept: Vec<_> = s
+        .sweep(ms(600))
+        .into_iter()
+        .map(|(x, _)| (x.id, x.unspent))
+        .collect();
+    assert!(swept.contains(&(first.grant, a.unspent)), "{swept:?}");
+    assert!(!s.ask(&r, ms(600)).asker, "C is still reserving");
 }
 
 /// A budget too small for a slice of one request's cost (`max_cost / (8 × fleet_size)`
