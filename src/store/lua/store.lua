@@ -284,18 +284,21 @@ if op == 'debit' then
   return adjust(1)
 end
 
+-- settle and unspend: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV per_unit, rate
+-- from ARGV[4]. Adds `units` (negative: takes) to each budget's level.
+local function charge_budgets(units, now)
+  for i = 2, #KEYS do
+    local j = 4 + 2 * (i - 2)
+    local p = tonumber(ARGV[j])
+    local q = tonumber(ARGV[j + 1])
+    store_level(KEYS[i], level_at(KEYS[i], q, now) + units * p, q, now)
+  end
+end
+
 if op == 'settle' then
-  -- KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV per_unit, rate from ARGV[4].
   local now = now_us()
   local _, charge = take_holds(KEYS[1], ARGV[2], tonumber(ARGV[3]), now, true)
-  if charge > 0 then
-    for i = 2, #KEYS do
-      local j = 4 + 2 * (i - 2)
-      local p = tonumber(ARGV[j])
-      local q = tonumber(ARGV[j + 1])
-      store_level(KEYS[i], level_at(KEYS[i], q, now) + charge * p, q, now)
-    end
-  end
+  if charge > 0 then charge_budgets(charge, now) end
   return 1
 end
 
@@ -312,13 +315,7 @@ if op == 'unspend' then
       return 1
     end
   end
-  local now = now_us()
-  for i = 2, #KEYS do
-    local j = 4 + 2 * (i - 2)
-    local p = tonumber(ARGV[j])
-    local q = tonumber(ARGV[j + 1])
-    store_level(KEYS[i], level_at(KEYS[i], q, now) - cost * p, q, now)
-  end
+  charge_budgets(-cost, now_us())
   return 1
 end
 

@@ -332,12 +332,7 @@ impl StoreScript {
         id: &'a str,
         unspent: u64,
     ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(holds).arg("settle").arg(id).arg(unspent);
-        for (key, l) in budgets {
-            inv.key(key).arg(l.per_unit).arg(l.rate);
-        }
-        inv
+        self.on_hold("settle", holds, budgets, id, unspent)
     }
 
     /// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if
@@ -352,8 +347,19 @@ impl StoreScript {
         id: &'a str,
         cost: u64,
     ) -> ScriptInvocation<'a> {
+        self.on_hold("unspend", holds, budgets, id, cost)
+    }
+
+    fn on_hold<'a>(
+        &'a self,
+        op: &str,
+        holds: &'a str,
+        budgets: &'a [(String, Limit)],
+        id: &'a str,
+        units: u64,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
-        inv.key(holds).arg("unspend").arg(id).arg(cost);
+        inv.key(holds).arg(op).arg(id).arg(units);
         for (key, l) in budgets {
             inv.key(key).arg(l.per_unit).arg(l.rate);
         }
