@@ -129,6 +129,54 @@ async fn a_fleet_shares_budgets_and_caps_through_a_cluster() {
     }
 }
 
+/// Budget slices on a Cluster: the key's holds live in its budget's slot, so reserving,
+/// spending, `/admin/keys` (which counts holds) and settling on exit all work there, and Redis
+/// ends with exactly what was admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_slices_are_held_and_settled_on_a_cluster() {
+    let cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::ZERO);
+    let limits = format!(
+        "  slices: true\nrate_limits:\n  default: {{cost: 1, window: 720h, max_cost: 1000}}\n  endpoints:\n    /exports/bulk: {{cost: 4}}\nkeys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
+        sha256_hex("k")
+    );
+    let mut gw = Gateway::start(&up, &store_body(&cluster.url(), "deny", 1, &limits));
+    let c = client();
+    for i in 0..40 {
+        let r = get(&c, gw.url("/exports/bulk"), "k").await;
+        assert_eq!(r.status(), 200, "request {i}");
+    }
+    let holds = cluster.cli(&["HVALS", &redis_holds_key("k")]);
+    assert!(!holds.is_empty(), "a slice is held");
+    let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/k-id"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["remaining"], 1000 - 160, "{v}");
+    gw.signal("INT");
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).is_some(),
+        "{}",
+        gw.log()
+    );
+    assert_eq!(
+        cluster.cli(&["EXISTS", &redis_holds_key("k")]),
+        "0",
+        "settled"
+    );
+    let limit = tollgate::budget::Limit::new(1000, Duration::from_secs(720 * 3600), Duration::ZERO)
+        .unwrap();
+    let v = cluster.cli(&["GET", &redis_budget_key("k")]);
+    let level: u64 = v.split(':').next().unwrap().parse().unwrap();
+    assert_eq!(
+        limit.remaining(level),
+        1000 - 160,
+        "exactly what was admitted: {v}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_cluster_primary_fails_over_under_load() {
     let mut cluster = RedisCluster::start(3);
