@@ -47,12 +47,13 @@ pub trait SharedStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SharedAnswer, StoreError>> + Send;
 
     /// Gives `req.cost` back to `req.key`'s shared budget; `hold` is the budget slice it was
-    /// spent from (0: none, charged to the budget itself).
+    /// spent from (0: none, charged to the budget itself). True if the store itself took it
+    /// (false: it went back into this instance's slice, which says nothing of the store).
     fn refund(
         &self,
         req: &AdmitRequest,
         hold: u128,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     fn peek(
         &self,
@@ -408,7 +409,8 @@ impl<S: SharedStore> FallbackStore<S> {
                     _ => 0,
                 };
                 match self.shared.refund(req, hold).await {
-                    Ok(_) => self.set_degraded(false, None),
+                    Ok(true) => self.set_degraded(false, None),
+                    Ok(false) => {}
                     Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
                     Err(_) => {}
                 }

@@ -38,12 +38,16 @@ impl SharedStore for Fake {
         })
     }
 
-    async fn refund(&self, req: &AdmitRequest, _hold: u128) -> Result<(), StoreError> {
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
+        if hold != 0 {
+            // Back into this instance's slice, as the Redis store does while the slice lives.
+            return Ok(false);
+        }
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);
         }
         self.refunded.fetch_add(req.cost as u32, Ordering::Relaxed);
-        Ok(())
+        Ok(true)
     }
 
     async fn peek(&self, _key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
@@ -114,6 +118,9 @@ async fn deny_refuses_and_is_not_ready() {
         Admission::Unavailable
     ));
     assert!(s.degraded() && !s.ready());
+    // A refund that went back into this instance's slice says nothing of the store.
+    s.refund(&req(1, None), Charge::Slice(1)).await;
+    assert!(s.degraded() && !s.ready(), "still down");
     fake.down.store(false, Ordering::Relaxed);
     assert!(admitted(&s.admit(&req(1, None)).await));
     assert!(!s.degraded() && s.ready(), "back on the shared store");

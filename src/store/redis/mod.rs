@@ -339,24 +339,23 @@ impl SharedStore for RedisBackend {
     }
 
     /// A failed refund is not retried: it might have run. One spent from this instance's
-    /// slice goes back into it while it is still the key's live hold here (no round trip);
-    /// else to the hold in Redis if that is not settled yet, or to the budget.
-    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<(), StoreError> {
+    /// slice goes back into it while that is still the key's live hold here (no round trip:
+    /// `Ok(false)`); else to the hold in Redis if that is not settled yet, or to the budget.
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
         self.deny.forget(&req.key);
-        if hold != 0 && self.slices.unspend(req, hold) {
-            return Ok(());
+        if hold != 0 && self.slices.unspend(req, hold, Instant::now()) {
+            return Ok(false);
         }
         let budgets = budget_keys(req);
-        if hold == 0 {
-            return self
-                .call::<i64>(self.script.refund(&budgets, req.cost))
+        let call = if hold == 0 {
+            self.call::<i64>(self.script.refund(&budgets, req.cost))
                 .await
-                .map(drop);
-        }
-        let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
-        self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
-            .await
-            .map(drop)
+        } else {
+            let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
+            self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
+                .await
+        };
+        call.map(|_| true)
     }
 
     async fn peek(&self, key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {

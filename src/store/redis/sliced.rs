@@ -136,7 +136,7 @@ pub(super) fn place(req: &AdmitRequest) -> Place {
 
 /// A reservation whose request went away before its answer (its future dropped): the hold
 /// it settles and the one it may have been granted are settled by the sweeper (a no-op for
-/// what did run), and the key may reserve again at once.
+/// what did run).
 struct AskGuard<'a> {
     store: &'a Arc<RedisBackend>,
     req: &'a AdmitRequest,
@@ -148,7 +148,7 @@ impl Drop for AskGuard<'_> {
         let req = self.req;
         self.store
             .slices
-            .failed(req, self.ask, true, Instant::now(), || place(req));
+            .abandoned(req, self.ask, Instant::now(), || place(req));
         self.store.keep_sweeping();
     }
 }

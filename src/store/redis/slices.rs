@@ -277,13 +277,14 @@ impl Slices {
     }
 
     /// A request spent from `hold` is refunded: its cost goes back into the slice if that is
-    /// still the key's hold here. False: it is not (settled, or being settled); refund it in
+    /// still the key's live hold here. False: it is not (settled, being settled, or past its
+    /// life, when Redis may charge it as expired before the sweeper settles it); refund it in
     /// Redis.
-    pub(super) fn unspend(&self, req: &AdmitRequest, hold: HoldId) -> bool {
+    pub(super) fn unspend(&self, req: &AdmitRequest, hold: HoldId, now: Instant) -> bool {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
         match shard.get_mut(&k) {
-            Some(e) if e.hold == hold && e.serves(req) => {
+            Some(e) if e.hold == hold && e.serves(req) && !e.expired(now) => {
                 e.left = e.left.saturating_add(req.cost);
                 true
             }
@@ -482,6 +483,24 @@ impl Slices {
                 unspent,
             });
         }
+    }
+
+    /// A reservation whose request went away before its answer: what it took and what it may
+    /// have been granted are settled by the sweeper, as for a call that may have run. The key's
+    /// reservation stays in flight (until its lifetime): the dropped call may still be
+    /// granting a slice, and another now would hold two.
+    pub(super) fn abandoned(
+        &self,
+        req: &AdmitRequest,
+        ask: Ask,
+        now: Instant,
+        place: impl FnOnce() -> Place,
+    ) {
+        let ask = Ask {
+            asker: false,
+            ..ask
+        };
+        self.failed(req, ask, true, now, place);
     }
 
     /// Units of the key's slice not spent yet, if it was taken under `limit` (for

@@ -564,7 +564,11 @@ fn a_refunded_request_from_a_slice_is_never_charged() {
     assert!(held > 0);
     // Spent and refunded while the hold is this instance's: back into the slice.
     let (_, hold) = s.spend(&r, t0).unwrap();
-    assert!(s.unspend(&r, hold));
+    assert!(
+        !s.unspend(&r, hold, t0 + LIFETIME),
+        "past its life: Redis may charge it as expired first"
+    );
+    assert!(s.unspend(&r, hold, t0));
     assert_eq!(s.unspent(&r.key, &l), held);
     // Spent, then the hold is being settled (the next reservation took it) when the refund
     // comes: it goes to the hold in Redis, and the settling charges it no more.
@@ -574,7 +578,7 @@ fn a_refunded_request_from_a_slice_is_never_charged() {
     let ask = s.ask(&r, t0);
     assert_eq!(ask.settle, hold);
     assert!(
-        !s.unspend(&r, hold),
+        !s.unspend(&r, hold, t0),
         "not this instance's to give back any more"
     );
     redis.unspend(hold, 1, 3);
@@ -629,6 +633,11 @@ fn a_failed_reservation_restores_its_hold_only_while_it_lives() {
         .collect();
     assert!(swept.contains(&(first.grant, a.unspent)), "{swept:?}");
     assert!(!s.ask(&r, ms(600)).asker, "C is still reserving");
+    // C's request goes away before its answer: what it may be granted is settled, and the
+    // key stays "reserving" until that lifetime ends (the call may still grant a slice).
+    s.abandoned(&r, c, ms(600), place);
+    assert!(!s.ask(&r, ms(700)).asker);
+    assert!(s.ask(&r, ms(950)).asker);
 }
 
 /// A budget too small for a slice of one request's cost (`max_cost / (8 × fleet_size)`
