@@ -148,12 +148,7 @@ async fn budget_slices_are_held_and_settled_on_a_cluster() {
     }
     let holds = cluster.cli(&["HVALS", &redis_holds_key("k")]);
     assert!(!holds.is_empty(), "a slice is held");
-    let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/k-id"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = admin_json(&gw, "/admin/keys/k-id").await;
     assert_eq!(v["remaining"], 1000 - 160, "{v}");
     gw.signal("INT");
     assert!(

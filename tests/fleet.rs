@@ -671,12 +671,7 @@ async fn per_key_cap_is_fleet_wide() {
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
     // Either instance's admin listener reads the shared budget from Redis.
     for gw in [&a, &b] {
-        let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/g"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = admin_json(gw, "/admin/keys/g").await;
         assert_eq!(
             (v["plan"].as_str(), v["remaining"].as_u64()),
             (Some("gold"), Some(98))

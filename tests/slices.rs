@@ -289,12 +289,7 @@ async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
         assert!(admitted <= 250, "past the budget");
         if admitted == 100 {
             // The admin view counts what this instance holds unspent as still there.
-            let v: serde_json::Value = reqwest::get(gw.admin("/admin/keys/k-id"))
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v = admin_json(&gw, "/admin/keys/k-id").await;
             assert_eq!(v["remaining"], 600, "{v}");
         }
     }

@@ -522,6 +522,16 @@ pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
         .map(|v| v.to_str().unwrap().to_string())
 }
 
+/// GETs `path` on the gateway's admin listener and parses the JSON answer.
+pub async fn admin_json(gw: &Gateway, path: &str) -> serde_json::Value {
+    reqwest::get(gw.admin(path))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed. Panics when
 /// the series is missing, so that a renamed or absent metric can't pass for a zero.
 pub async fn metric(gw: &Gateway, series: &str) -> f64 {
