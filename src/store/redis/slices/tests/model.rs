@@ -1,0 +1,123 @@
+//! Redis's side of the budget slices, transcribed from `lua/store.lua` for the unit tests:
+//! what `admit`, `settle` and `unspend` do to a key's budgets and holds.
+
+use super::super::*;
+
+/// Redis's side of the slices, transcribed from the Lua: a key's budgets and its holds
+/// (units, expiry µs).
+#[derive(Debug, Clone)]
+pub(super) struct Model {
+    pub(super) budgets: Vec<(Limit, Option<State>)>,
+    holds: std::collections::HashMap<HoldId, (u64, u64)>,
+}
+
+impl Model {
+    pub(super) fn new(limits: &[Limit]) -> Self {
+        Model {
+            budgets: limits.iter().map(|l| (*l, None)).collect(),
+            holds: Default::default(),
+        }
+    }
+
+    /// `take_holds`: live units, and charges what the settled hold spent and expired ones.
+    fn take_holds(&mut self, settle: HoldId, unspent: u64, now_us: u64) -> u64 {
+        let mut live = 0;
+        let mut charge = 0;
+        self.holds.retain(|id, (units, exp)| {
+            if *id == settle {
+                charge += *units - unspent.min(*units);
+                false
+            } else if *exp <= now_us {
+                charge += *units;
+                false
+            } else {
+                live += *units;
+                true
+            }
+        });
+        if charge > 0 {
+            for (l, s) in self.budgets.iter_mut() {
+                *s = Some(State {
+                    level: budget::level_at(l, *s, now_us) + charge * l.per_unit,
+                    at_us: now_us,
+                    rate: l.rate,
+                });
+            }
+        }
+        live
+    }
+
+    /// `settle`.
+    pub(super) fn settle(&mut self, s: &Settle, now_us: u64) {
+        self.take_holds(s.id, s.unspent, now_us);
+    }
+
+    /// `unspend`: out of the hold while it is there, else out of the budgets.
+    pub(super) fn unspend(&mut self, id: HoldId, cost: u64, now_us: u64) {
+        if let Some((units, _)) = self.holds.get_mut(&id) {
+            *units = units.saturating_sub(cost);
+            return;
+        }
+        for (l, s) in self.budgets.iter_mut() {
+            *s = Some(State {
+                level: budget::level_at(l, *s, now_us).saturating_sub(cost * l.per_unit),
+                at_us: now_us,
+                rate: l.rate,
+            });
+        }
+    }
+
+    /// Units charged or held: what another instance is told is gone.
+    pub(super) fn taken(&self, now_us: u64) -> u64 {
+        let (l, s) = self.budgets[0];
+        let held: u64 = self.holds.values().map(|(u, _)| u).sum();
+        (budget::level_at(&l, s, now_us) + held * l.per_unit).div_ceil(l.per_unit)
+    }
+
+    /// `admit` of one request with its ask: whether it admitted, and what the reply says.
+    pub(super) fn admit(&mut self, now_us: u64, cost: u64, ask: Ask) -> (bool, Seen) {
+        let live = self.take_holds(ask.settle, ask.unspent, now_us);
+        let levels: Vec<u64> = self
+            .budgets
+            .iter()
+            .map(|(l, s)| budget::level_at(l, *s, now_us))
+            .collect();
+        let mut seen = Seen {
+            now_us,
+            ..Seen::default()
+        };
+        let fits = self
+            .budgets
+            .iter()
+            .zip(&levels)
+            .all(|((l, _), lv)| lv + (live + cost) * l.per_unit <= l.capacity);
+        if !fits {
+            for (i, ((l, _), lv)) in self.budgets.iter().zip(&levels).enumerate() {
+                seen.levels[i] = *lv;
+                seen.held[i] = live * l.per_unit;
+            }
+            return (false, seen);
+        }
+        let grant = ask.slice > 0
+            && ask.grant != 0
+            && self.budgets.iter().zip(&levels).all(|((l, _), lv)| {
+                lv + (live + cost + ask.slice + floor(l)) * l.per_unit <= l.capacity
+            });
+        seen.granted = if grant { ask.slice } else { 0 };
+        if grant {
+            self.holds
+                .insert(ask.grant, (ask.slice, now_us + HOLD_TTL.as_micros() as u64));
+        }
+        for (i, ((l, s), lv)) in self.budgets.iter_mut().zip(&levels).enumerate() {
+            let next = lv + cost * l.per_unit;
+            *s = Some(State {
+                level: next,
+                at_us: now_us,
+                rate: l.rate,
+            });
+            seen.levels[i] = next;
+            seen.held[i] = (live + seen.granted) * l.per_unit;
+        }
+        (true, seen)
+    }
+}
