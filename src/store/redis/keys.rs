@@ -55,6 +55,12 @@ pub(super) fn holds_key(key: &KeyHash) -> String {
     format!("t{{{}}}h", tag(key))
 }
 
+/// The key's budget and its holds, from one hash of the key (what every `admit` names).
+pub(super) fn budget_and_holds_keys(key: &KeyHash) -> (String, String) {
+    let tag = tag(key);
+    (format!("t{{{tag}}}b"), format!("t{{{tag}}}h"))
+}
+
 pub(super) fn key_slots_key(key: &KeyHash) -> String {
     format!("t{{{}}}f", tag(key))
 }
@@ -79,6 +85,7 @@ mod tests {
         assert!(!k.contains("secret"));
         assert_eq!(&key_slots_key(&h)[..13], &k[..13], "same slot");
         assert_eq!(&holds_key(&h)[..13], &k[..13], "same slot");
+        assert_eq!(budget_and_holds_keys(&h), (k.clone(), holds_key(&h)));
         assert_ne!(holds_key(&h), named_budget_key(&h, "h"));
     }
 }

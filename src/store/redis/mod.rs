@@ -198,8 +198,9 @@ impl RedisBackend {
     ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
         let route_slots = req.route_cap.is_some();
+        let (budget, holds) = keys::budget_and_holds_keys(&req.key);
         let call = AdmitCall {
-            budget: keys::budget_key(&req.key),
+            budget,
             key_slots: key_slots.then(|| keys::key_slots_key(&req.key)),
             route_slots: route_slots.then(|| keys::route_slots_key(&req.route)),
             limit: req.limit,
@@ -212,8 +213,8 @@ impl RedisBackend {
                 String::new()
             },
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
-            also: budget_keys(req).into_iter().skip(1).collect(),
-            holds: keys::holds_key(&req.key),
+            also: also_keys(req).collect(),
+            holds,
             slice: ask.slice,
             grant: ask.grant,
             hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
@@ -263,14 +264,19 @@ impl RedisBackend {
 /// Every budget of `req` with its Redis key, the key's first one first.
 fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
     std::iter::once((keys::budget_key(&req.key), req.limit))
-        .chain(req.also.iter().map(|e| {
-            let key = match &e.bucket {
-                Bucket::Key(name) => keys::named_budget_key(&req.key, name),
-                Bucket::Route(label) => keys::shared_budget_key(label),
-            };
-            (key, e.limit)
-        }))
+        .chain(also_keys(req))
         .collect()
+}
+
+/// `req`'s budgets after the key's first, with their Redis keys.
+fn also_keys(req: &AdmitRequest) -> impl Iterator<Item = (String, Limit)> + '_ {
+    req.also.iter().map(|e| {
+        let key = match &e.bucket {
+            Bucket::Key(name) => keys::named_budget_key(&req.key, name),
+            Bucket::Route(label) => keys::shared_budget_key(label),
+        };
+        (key, e.limit)
+    })
 }
 
 impl SharedStore for RedisBackend {
@@ -359,7 +365,7 @@ impl SharedStore for RedisBackend {
     }
 
     async fn peek(&self, key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
-        let (k, holds) = (keys::budget_key(key), keys::holds_key(key));
+        let (k, holds) = keys::budget_and_holds_keys(key);
         let level: i64 = self.call(self.script.peek(&k, &holds, limit)).await?;
         // What this instance holds of it is not spent yet: shown as Redis will have it back.
         let held = self
