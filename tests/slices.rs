@@ -18,6 +18,10 @@ fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str)
     )
 }
 
+/// 1000 units per 720 h (nothing refills during a test; what `left_in_redis` reads), and a
+/// route that costs 4.
+const BULK: &str = "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n";
+
 /// EVALSHA calls Redis has run so far.
 fn evalsha_calls(redis: &Redis) -> u64 {
     redis
@@ -264,7 +268,7 @@ async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
             "deny",
             1,
             &format!(
-                "rate_limits:\n  default: {{cost: 1, window: 720h, max_cost: 1000}}\n  endpoints:\n    /exports/bulk: {{cost: 4}}\nkeys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
+                "{BULK}keys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
                 sha256_hex("k")
             ),
         ),
@@ -398,15 +402,7 @@ fn held_in_redis(redis: &Redis, key: &str) -> u64 {
 async fn slices_go_back_on_reload_and_on_exit() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let mut gw = Gateway::start(
-        &up,
-        &redis_body(
-            &redis,
-            "deny",
-            1,
-            "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
-        ),
-    );
+    let mut gw = Gateway::start(&up, &redis_body(&redis, "deny", 1, BULK));
     let c = client();
     let burst = |n: u64| {
         let (c, url) = (c.clone(), gw.url("/exports/bulk"));
@@ -446,12 +442,7 @@ async fn slices_go_back_on_reload_and_on_exit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refunds_of_requests_spent_from_slices_leave_nothing_charged() {
     let redis = Redis::start();
-    let body = redis_body(
-        &redis,
-        "deny",
-        1,
-        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
-    );
+    let body = redis_body(&redis, "deny", 1, BULK);
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: format!("http://127.0.0.1:{}", free_port()),
         body: &body,
@@ -484,12 +475,7 @@ async fn refunds_of_requests_spent_from_slices_leave_nothing_charged() {
 async fn a_dead_instances_slice_stays_charged_and_is_folded_in_once_it_expires() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = redis_body(
-        &redis,
-        "deny",
-        2,
-        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n",
-    );
+    let body = redis_body(&redis, "deny", 2, BULK);
     let mut a = Gateway::start(&up, &body);
     let b = Gateway::start(&up, &body);
     let c = client();
