@@ -43,7 +43,7 @@ impl RedisBackend {
             Ok(r) => r,
             Err(e) => {
                 self.slices
-                    .failed(req, ask, e.may_have_run(), Instant::now(), || place(req));
+                    .failed(req, ask, e.may_have_run(), Instant::now(), place(req));
                 // The key's entry is the sweeper's to remove.
                 self.keep_sweeping();
                 return Some(Err(e));
@@ -148,7 +148,7 @@ impl Drop for AskGuard<'_> {
         let req = self.req;
         self.store
             .slices
-            .abandoned(req, self.ask, Instant::now(), || place(req));
+            .abandoned(req, self.ask, Instant::now(), place(req));
         self.store.keep_sweeping();
     }
 }

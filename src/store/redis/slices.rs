@@ -437,11 +437,9 @@ impl Slices {
         ask: Ask,
         run: bool,
         now: Instant,
-        place: impl FnOnce() -> Place,
+        place: Place,
     ) {
         let k = short_key(&req.key);
-        let mut place = Some(place);
-        let mut named: Option<Place> = None;
         let mut later = vec![];
         {
             let mut shard = self.shard(k);
@@ -452,7 +450,7 @@ impl Slices {
                 Some(e) => {
                     e.done_asking(&ask);
                     if e.place.budgets.is_empty() {
-                        e.place = place.take().map(|f| f()).unwrap_or_default();
+                        e.place = place.clone();
                     }
                     if ask.settle != 0 && !run && live && e.hold == 0 {
                         e.hold = ask.settle;
@@ -461,7 +459,6 @@ impl Slices {
                     } else if ask.settle != 0 {
                         later.push((ask.settle, ask.unspent));
                     }
-                    named = Some(e.place.clone());
                 }
                 None if ask.settle != 0 => later.push((ask.settle, ask.unspent)),
                 None => {}
@@ -470,12 +467,6 @@ impl Slices {
         if run && ask.slice > 0 {
             later.push((ask.grant, ask.slice));
         }
-        if later.is_empty() {
-            return;
-        }
-        let place = named
-            .or_else(|| place.take().map(|f| f()))
-            .unwrap_or_default();
         for (id, unspent) in later {
             self.settle_later(Settle {
                 place: place.clone(),
@@ -489,13 +480,7 @@ impl Slices {
     /// have been granted are settled by the sweeper, as for a call that may have run. The key's
     /// reservation stays in flight (until its lifetime): the dropped call may still be
     /// granting a slice, and another now would hold two.
-    pub(super) fn abandoned(
-        &self,
-        req: &AdmitRequest,
-        ask: Ask,
-        now: Instant,
-        place: impl FnOnce() -> Place,
-    ) {
+    pub(super) fn abandoned(&self, req: &AdmitRequest, ask: Ask, now: Instant, place: Place) {
         let ask = Ask {
             asker: false,
             ..ask

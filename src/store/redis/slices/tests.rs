@@ -121,14 +121,14 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     let held = ask.grant;
     let ask = s.ask(&r, ms(12));
     assert_eq!((ask.settle, ask.unspent), (held, 1));
-    s.failed(&r, ask, false, ms(12), place);
+    s.failed(&r, ask, false, ms(12), place());
     assert_eq!(s.unspent(&r.key, &r.limit), 1);
     assert!(s.sweep(ms(12)).is_empty());
     // Failed, perhaps run: not spent here any more; the hold it settled and the one it may
     // have granted are settled again by the sweeper (a no-op for what did run).
     let ask = s.ask(&r, ms(12));
     assert_eq!((ask.settle, ask.unspent), (held, 1));
-    s.failed(&r, ask, true, ms(12), place);
+    s.failed(&r, ask, true, ms(12), place());
     assert_eq!(s.unspent(&r.key, &r.limit), 0);
     let again: Vec<(HoldId, u64)> = s
         .sweep(ms(12))
@@ -150,7 +150,7 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     assert_eq!(next.slice, ask.slice / 2);
     // Failed unrun past the lifetime: Redis still holds it, but it is never spent here
     // again (a failed call cannot renew a slice): the sweeper settles it.
-    s.failed(&r, next, false, late, place);
+    s.failed(&r, next, false, late, place());
     assert_eq!(s.unspent(&r.key, &r.limit), 0);
     let swept = s.sweep(late);
     assert!(swept
@@ -508,7 +508,7 @@ fn a_failed_reservation_restores_its_hold_only_while_it_lives() {
     let c = s.ask(&r, ms(450));
     assert!(c.asker);
     // A fails unrun at 600 ms, past the hold's life (from 0 ms): the sweeper settles it.
-    s.failed(&r, a, false, ms(600), place);
+    s.failed(&r, a, false, ms(600), place());
     assert_eq!(s.unspent(&r.key, &r.limit), 0);
     let swept: Vec<_> = s
         .sweep(ms(600))
@@ -519,7 +519,7 @@ fn a_failed_reservation_restores_its_hold_only_while_it_lives() {
     assert!(!s.ask(&r, ms(600)).asker, "C is still reserving");
     // C's request goes away before its answer: what it may be granted is settled, and the
     // key stays "reserving" until that lifetime ends (the call may still grant a slice).
-    s.abandoned(&r, c, ms(600), place);
+    s.abandoned(&r, c, ms(600), place());
     assert!(!s.ask(&r, ms(700)).asker);
     assert!(s.ask(&r, ms(950)).asker);
 }
