@@ -41,6 +41,54 @@ fn wait_for_port(port: u16, timeout: Duration) -> bool {
     false
 }
 
+/// True when process `pid` itself listens on `port` (Linux: its socket inodes against
+/// `/proc/net/tcp`). A connect alone can reach another process: `free_port` hands out a port
+/// that a test running in parallel may be handed too, and whichever binds second exits.
+fn listens_on(pid: u32, port: u16) -> bool {
+    let inodes: std::collections::HashSet<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|t| std::fs::read_to_string(t).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    let local_port = f.get(1)?.rsplit(':').next()?;
+                    let listening = f.get(3)? == &"0A";
+                    (listening && u16::from_str_radix(local_port, 16).ok()? == port)
+                        .then(|| f.get(9).map(|i| i.to_string()))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .any(|i| inodes.contains(&i))
+}
+
+/// Waits until `child` listens on every one of `ports` itself; false if it exits first (a
+/// port clash) or `timeout` passes.
+fn wait_for_own_ports(child: &mut std::process::Child, ports: &[u16], timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return false;
+        }
+        if ports.iter().all(|p| listens_on(child.id(), *p)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
 /// A tokio runtime of the harness's own, for servers the test talks to. Tests drop it inside
 /// their own runtime, where a blocking shutdown would panic: it shuts down in the background.
 struct BackgroundRuntime(Option<tokio::runtime::Runtime>);
@@ -373,8 +421,8 @@ impl Gateway {
                 cmd.env(k, v);
             }
             let mut child = cmd.spawn().unwrap();
-            let up = wait_for_port(port, Duration::from_secs(15))
-                && wait_for_port(admin_port, Duration::from_secs(5));
+            let up = wait_for_own_ports(&mut child, &[port, admin_port], Duration::from_secs(15))
+                && wait_for_port(port, Duration::from_secs(5));
             if up {
                 return Gateway {
                     port,
