@@ -14,11 +14,15 @@
 #       e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2), to price the allocator without a rebuild
 #   (g) a bare Pingora 0.9 proxy (examples/bare_pingora.rs: an empty ProxyHttp, jemalloc, one
 #       worker thread, work_stealing false, no logging) to the same upstream: the Pingora floor
+#   (i) the same bare Pingora doing only the header work DESIGN requires of every proxied request
+#       (BARE_PINGORA_HEADERS=1: Host replaced, X-Forwarded-*, X-Request-Id upstream, the six
+#       rate-limit headers on the response, fixed values, through Pingora's header API): the floor
+#       of any gateway that keeps DESIGN's interface on Pingora 0.9
 #   (h) nginx (1 worker) with a Lua access phase doing one EVALSHA of a GCRA script per request
 #       on the redis-server of (d), over a pooled cosocket (bench/nginx_gcra.lua), then
 #       proxy_pass as (b): the Kong/APISIX way of a Redis-backed limiter
 # and measures each with wrk at fixed connections and duration, ROUNDS times interleaved
-# (a b c d e g h, a b c d e g h, ...), then prints a markdown table of medians, the ratios
+# (a b c d e g i h, a b c d e g i h, ...), then prints a markdown table of medians, the ratios
 # against nginx and against the two anchors with issue 11's targets, Redis round trips per
 # request and Redis bytes per budget key.
 #
@@ -45,7 +49,7 @@ usage: bench/run.sh [options]
       --no-info-log   skip (e), the RUST_LOG=info run
       --exact-redis   (d) with store.slices off: one Redis round trip per request
       --preload LIB   add (f): tollgate memory store with LD_PRELOAD=LIB (an allocator)
-      --only "c g"    measure only these configurations (letters above; g and h are only
+      --only "c g"    measure only these configurations (letters above; g, i and h are only
                       built and started when selected)
       --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
   -h, --help
@@ -92,7 +96,7 @@ done
 NAMES=(a b c d)
 [[ $WITH_INFO == 1 ]] && NAMES+=(e)
 [[ -n $PRELOAD ]] && NAMES+=(f)
-NAMES+=(g h)
+NAMES+=(g i h)
 if [[ -n $ONLY ]]; then
   KEEP=()
   for n in "${NAMES[@]}"; do [[ " $ONLY " == *" $n "* ]] && KEEP+=("$n"); done
@@ -211,18 +215,18 @@ if [[ $BUILD == 1 ]]; then
   # One invocation for both: the example pulls in the dev-dependencies' features, and building
   # them together links tollgate and the bare proxy against the very same Pingora and tokio.
   CARGO_ARGS=(build --release --bin tollgate)
-  has g && CARGO_ARGS+=(--example bare_pingora)
+  { has g || has i; } && CARGO_ARGS+=(--example bare_pingora)
   log "cargo ${CARGO_ARGS[*]}"
   (cd "$ROOT" && cargo "${CARGO_ARGS[@]}") >&2
 fi
 [[ -x $BIN ]] || { echo "no binary at $BIN (build it, or drop --no-build)" >&2; exit 1; }
-if has g && [[ ! -x $BARE_BIN ]]; then
+if { has g || has i; } && [[ ! -x $BARE_BIN ]]; then
   echo "no binary at $BARE_BIN (cargo build --release --example bare_pingora, or drop --no-build)" >&2
   exit 1
 fi
 
 for v in UP_PORT PX_PORT RD_PORT TM_PORT TM_ADMIN TR_PORT TR_ADMIN TI_PORT TI_ADMIN TP_PORT TP_ADMIN \
-         BP_PORT NL_PORT; do
+         BP_PORT BI_PORT NL_PORT; do
   free_port "$v"
 done
 if [[ -n $PRELOAD && ! -r $PRELOAD ]]; then echo "--preload: cannot read $PRELOAD" >&2; exit 1; fi
@@ -318,6 +322,14 @@ if has g; then
   BP_PID=$!
   PIDS+=("$BP_PID")
   wait_http "http://127.0.0.1:$BP_PORT$PATH_UNDER_TEST" "bare Pingora"
+fi
+BI_PID=""
+if has i; then
+  log "starting bare Pingora with DESIGN's headers on :$BI_PORT"
+  BARE_PINGORA_HEADERS=1 TMPDIR=$TMP "$BARE_BIN" "127.0.0.1:$BI_PORT" "127.0.0.1:$UP_PORT" >>"$TMP/bare-pingora-headers.log" 2>&1 &
+  BI_PID=$!
+  PIDS+=("$BI_PID")
+  wait_http "http://127.0.0.1:$BI_PORT$PATH_UNDER_TEST" "bare Pingora with headers"
 fi
 NL_PID=""
 if has h; then
@@ -420,6 +432,7 @@ LABEL[d]="d. tollgate, redis store (slices ${SLICES:-true}), threads 1";        
 LABEL[e]="e. tollgate, memory store, RUST_LOG=info";     PORT[e]=$TI_PORT; PIDOF[e]=$TI_PID
 LABEL[f]="f. tollgate, memory store, LD_PRELOAD=$(basename "${PRELOAD:-none}")"; PORT[f]=$TP_PORT; PIDOF[f]=$TP_PID
 LABEL[g]="g. bare Pingora 0.9 (empty ProxyHttp), threads 1"; PORT[g]=$BP_PORT; PIDOF[g]=$BP_PID
+LABEL[i]="i. bare Pingora + DESIGN's required headers";   PORT[i]=$BI_PORT; PIDOF[i]=$BI_PID
 LABEL[h]="h. nginx + Lua, 1 Redis EVALSHA (GCRA)/req";   PORT[h]=$NL_PORT; PIDOF[h]=$NL_PID
 
 WRK_KEY_ARGS=()
@@ -626,6 +639,10 @@ other_ratios() { # rows of the table below, for the letters measured
   has b && has c && echo "| tollgate memory (c) / nginx (b) | $(ratio "${MED_RPS[c]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[c]}" "${MED_P99[b]}") |"
   has b && has d && echo "| tollgate redis (d) / nginx (b) | $(ratio "${MED_RPS[d]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[d]}" "${MED_P99[b]}") |"
   has b && has g && echo "| bare Pingora (g) / nginx (b) | $(ratio "${MED_RPS[g]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[g]}" "${MED_P99[b]}") |"
+  has g && has i && echo "| bare Pingora + DESIGN's headers (i) / bare Pingora (g) | $(ratio "${MED_RPS[i]}" "${MED_RPS[g]}") | $(ratio "${MED_P99[i]}" "${MED_P99[g]}") |"
+  has c && has i && echo "| tollgate memory (c) / bare Pingora + DESIGN's headers (i) | $(ratio "${MED_RPS[c]}" "${MED_RPS[i]}") | $(ratio "${MED_P99[c]}" "${MED_P99[i]}") |"
+  has g && has h && echo "| bare Pingora (g) / nginx + Lua + Redis (h) | $(ratio "${MED_RPS[g]}" "${MED_RPS[h]}") | $(ratio "${MED_P99[g]}" "${MED_P99[h]}") |"
+  has i && has h && echo "| bare Pingora + DESIGN's headers (i) / nginx + Lua + Redis (h) | $(ratio "${MED_RPS[i]}" "${MED_RPS[h]}") | $(ratio "${MED_P99[i]}" "${MED_P99[h]}") |"
   has b && has h && echo "| nginx + Lua + Redis (h) / nginx (b) | $(ratio "${MED_RPS[h]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[h]}" "${MED_P99[b]}") |"
   if has c && has e; then
     echo "| tollgate memory + access log (e) / no log (c) | $(ratio "${MED_RPS[e]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[e]}" "${MED_P99[c]}") |"
@@ -648,7 +665,7 @@ if [[ -n $OTHER ]]; then
   echo "$OTHER"
 fi
 echo
-echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx master+worker for (b) and (h), tollgate for (c)-(f), the bare Pingora for (g), not redis-server or wrk — divided by the requests wrk completed."
+echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx master+worker for (b) and (h), tollgate for (c)-(f), the bare Pingora for (g) and (i), not redis-server or wrk — divided by the requests wrk completed."
 echo
 # Commands a client sends; the rest (TIME, GET, SET, ZCOUNT...) run inside the scripts, which
 # Redis counts in commandstats too. A round trip is one of the former.

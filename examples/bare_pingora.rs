@@ -7,6 +7,13 @@
 //! It logs nothing (no logger is installed, so Pingora's `log` calls are no-ops) and stops on
 //! SIGTERM/SIGINT through Pingora's own signal handling. Deliberately independent of the
 //! `tollgate` library: nothing of tollgate's may run here.
+//!
+//! `BARE_PINGORA_HEADERS=1` adds only the header work that DESIGN requires of every proxied
+//! request, with fixed values and through Pingora's own header API as tollgate does: `Host`
+//! replaced, `X-Forwarded-Host/-For/-Proto` and `X-Request-Id` sent upstream, and the six
+//! rate-limit headers on the response. `BARE_PINGORA_HEADERS=nocase` does the same on a
+//! response rebuilt without Pingora's header-case map (names written lower-case, as HTTP/2 and
+//! Envoy do). Both are floors for `bench/instructions.sh`, not systems of the bench table.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -23,7 +30,29 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 struct Bare {
     upstream: SocketAddr,
+    headers: Headers,
 }
+
+#[derive(Clone, Copy, PartialEq)]
+enum Headers {
+    None,
+    Case,
+    NoCase,
+}
+
+/// (name as DESIGN writes it, the same lower-case, value)
+const RATE_LIMIT: [(&str, &str, &str); 6] = [
+    (
+        "RateLimit-Policy",
+        "ratelimit-policy",
+        "\"default\";q=100000000;w=1",
+    ),
+    ("RateLimit", "ratelimit", "\"default\";r=99999999;t=1"),
+    ("X-RateLimit-Limit", "x-ratelimit-limit", "100000000"),
+    ("X-RateLimit-Remaining", "x-ratelimit-remaining", "99999999"),
+    ("X-RateLimit-Reset", "x-ratelimit-reset", "1"),
+    ("X-RateLimit-Cost", "x-ratelimit-cost", "1"),
+];
 
 #[async_trait]
 impl ProxyHttp for Bare {
@@ -35,6 +64,57 @@ impl ProxyHttp for Bare {
     /// timeouts, the client's request forwarded unchanged.
     async fn upstream_peer(&self, _session: &mut Session, _ctx: &mut ()) -> Result<Box<HttpPeer>> {
         Ok(Box::new(HttpPeer::new(self.upstream, false, String::new())))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        req: &mut pingora::http::RequestHeader,
+        _ctx: &mut (),
+    ) -> Result<()> {
+        if self.headers != Headers::None {
+            let host = req.headers.get(http::header::HOST).cloned();
+            req.insert_header(http::header::HOST, "upstream.internal")?;
+            if let Some(h) = host {
+                req.append_header("X-Forwarded-Host", h)?;
+            }
+            req.insert_header("X-Forwarded-For", "127.0.0.1")?;
+            req.insert_header("X-Forwarded-Proto", "http")?;
+            req.insert_header("X-Request-Id", "0123456789abcdef0123456789abcdef")?;
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut pingora::http::ResponseHeader,
+        _ctx: &mut (),
+    ) -> Result<()> {
+        match self.headers {
+            Headers::None => {}
+            Headers::Case => {
+                for (name, _, value) in RATE_LIMIT {
+                    resp.append_header(name, value)?;
+                }
+            }
+            Headers::NoCase => {
+                let taken = std::mem::replace(
+                    resp,
+                    pingora::http::ResponseHeader::build_no_case(200, Some(0))?,
+                );
+                let mut parts = http::response::Parts::from(taken);
+                parts.headers.reserve(RATE_LIMIT.len());
+                for (_, lower, value) in RATE_LIMIT {
+                    parts.headers.append(
+                        http::HeaderName::from_static(lower),
+                        http::HeaderValue::from_static(value),
+                    );
+                }
+                *resp = pingora::http::ResponseHeader::from(parts);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -74,7 +154,13 @@ fn main() -> ExitCode {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, Bare { upstream });
+    let headers = match std::env::var("BARE_PINGORA_HEADERS").as_deref() {
+        Ok("nocase") => Headers::NoCase,
+        Ok(_) => Headers::Case,
+        Err(_) => Headers::None,
+    };
+    let mut proxy =
+        pingora::proxy::http_proxy_service(&server.configuration, Bare { upstream, headers });
     proxy.add_tcp(&listen);
     server.add_service(proxy);
     server.run_forever()
