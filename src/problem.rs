@@ -124,6 +124,13 @@ pub const RATE_LIMIT_NAMES: [http::HeaderName; 6] = [
     http::HeaderName::from_static("x-ratelimit-cost"),
 ];
 
+/// Whether `name` is one of [`RATE_LIMIT_NAMES`]: a prefix test first, which almost every
+/// upstream header fails, so a response is scanned once instead of hashed six times.
+pub fn is_rate_limit_name(name: &http::HeaderName) -> bool {
+    let s = name.as_str();
+    (s.starts_with("ratelimit") || s.starts_with("x-ratelimit-")) && RATE_LIMIT_NAMES.contains(name)
+}
+
 /// One `RateLimit` list member, `<name>;r=<remaining>;t=<reset>`, appended to `out`. Once
 /// per request, so without the formatting machinery.
 fn push_member(out: &mut String, quoted_name: &str, remaining: u64, reset: u64) {
@@ -220,6 +227,19 @@ mod tests {
                 http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
                 parsed
             );
+        }
+        for name in &RATE_LIMIT_NAMES {
+            assert!(is_rate_limit_name(name), "{name}");
+        }
+        for other in [
+            "ratelimit-foo",
+            "x-ratelimit-used",
+            "x-ratelimit",
+            "retry-after",
+            "rate",
+        ] {
+            let name = http::HeaderName::from_static(other);
+            assert!(!is_rate_limit_name(&name), "{other}");
         }
     }
 

@@ -5,6 +5,9 @@
 //! - `/reports/generate`: slow (the configured report time, ~2 s in the demo);
 //! - `?delay_ms=N` on any path: answer after N ms;
 //! - `?status=N` on the echo paths: answer with status N (an upstream failing with 500, 503…);
+//! - `?ratelimit=1` on the echo paths: the answer carries rate-limit headers of its own
+//!   (`RateLimit`, `X-RateLimit-Remaining`, and `X-RateLimit-Used`, which is not one of the
+//!   gateway's), as a provider behind the gateway may send;
 //! - `?work_ms=N` on any path: N ms of work that goes on even if the caller hangs up (like a
 //!   report the database keeps generating), counted in `current` until it is done;
 //! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
@@ -240,7 +243,14 @@ impl SampleApi {
             .and_then(|n| u16::try_from(n).ok())
             .and_then(|n| StatusCode::from_u16(n).ok())
             .unwrap_or(StatusCode::OK);
-        full(status, "application/json", body.to_string())
+        let mut r = full(status, "application/json", body.to_string());
+        if param("ratelimit").is_some() {
+            let h = r.headers_mut();
+            h.insert("ratelimit", "\"upstream\";r=999;t=1".parse().unwrap());
+            h.insert("x-ratelimit-remaining", "999".parse().unwrap());
+            h.insert("x-ratelimit-used", "5".parse().unwrap());
+        }
+        r
     }
 }
 

@@ -119,6 +119,70 @@ async fn rate_limit_headers_exact_syntax() {
     assert_eq!(v["title"], "Rate limit budget exceeded");
 }
 
+/// A provider's own rate-limit headers give way to the gateway's (one of each, ours), and the
+/// ones the gateway does not write pass through. On the wire, ours are named as DESIGN writes
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_rate_limit_headers_replace_the_upstreams() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+    );
+    let r = client()
+        .get(gw.url("/items?ratelimit=1"))
+        .header("X-API-Key", "k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let all = |name: &str| -> Vec<String> {
+        r.headers()
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(all("RateLimit"), ["\"default\";r=99;t=36"]);
+    assert_eq!(all("X-RateLimit-Remaining"), ["99"]);
+    assert_eq!(
+        all("X-RateLimit-Used"),
+        ["5"],
+        "not the gateway's: passed on"
+    );
+    assert_eq!(all("X-RateLimit-Cost"), ["1"]);
+
+    // The head as sent (the harness's raw reader folds names to lower case).
+    let mut sock = raw_connect(gw.port);
+    std::io::Write::write_all(
+        &mut sock,
+        b"GET /items?ratelimit=1 HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    let mut wire = Vec::new();
+    std::io::Read::read_to_end(&mut sock, &mut wire).unwrap();
+    let wire = String::from_utf8_lossy(&wire);
+    let head = wire.split("\r\n\r\n").next().unwrap();
+    for line in [
+        "RateLimit-Policy: \"default\";q=100;w=3600",
+        "RateLimit: \"default\";r=98;t=72",
+        "X-RateLimit-Limit: 100",
+        "X-RateLimit-Remaining: 98",
+        "X-RateLimit-Reset: 72",
+        "X-RateLimit-Cost: 1",
+    ] {
+        let name = line.split(':').next().unwrap();
+        let named: Vec<&str> = head
+            .lines()
+            .filter(|l| {
+                l.to_ascii_lowercase()
+                    .starts_with(&format!("{}:", name.to_ascii_lowercase()))
+            })
+            .collect();
+        assert_eq!(named, [line], "{head}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unauthenticated_and_registry() {
     let up = Upstream::start(Duration::ZERO);

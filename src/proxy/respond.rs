@@ -68,9 +68,7 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     let shared = ctx.route.as_ref().and_then(|r| r.shared());
     let headers = problem::rate_limit_headers(&id.policy, shared, outcome, ctx.charged());
     // Ours replace any the upstream sent; appending is cheaper when there are none.
-    let replace = problem::RATE_LIMIT_NAMES
-        .iter()
-        .any(|name| h.headers.contains_key(name));
+    let replace = h.headers.keys().any(problem::is_rate_limit_name);
     for (name, value) in headers {
         if replace {
             h.insert_header(name, value)?;
