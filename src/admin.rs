@@ -15,7 +15,9 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
 use crate::budget;
+use crate::policy::Policy;
 use crate::state::Shared;
+use crate::store::BudgetView;
 
 type Resp = Response<Full<Bytes>>;
 
@@ -151,18 +153,8 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
                 );
             };
             let policy = &entry.policy;
-            match shared.store.peek(hash, &policy.limit).await {
-                Some(view) => json(
-                    StatusCode::OK,
-                    serde_json::json!({
-                        "id": id,
-                        "plan": policy.name,
-                        "limit": policy.max_cost,
-                        "window_seconds": policy.window.as_secs_f64(),
-                        "remaining": view.remaining,
-                        "reset_seconds": budget::reset_secs(view.reset_us),
-                    }),
-                ),
+            match shared.store.peek(hash, &policy.limit, &policy.also).await {
+                Some(views) => json(StatusCode::OK, key_json(id, policy, &views)),
                 None => json(
                     StatusCode::SERVICE_UNAVAILABLE,
                     serde_json::json!({"error": "store unavailable"}),
@@ -171,6 +163,39 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
         }
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
+}
+
+/// `/admin/keys/{id}`: every budget of the key's plan in `budgets` (in the config's order),
+/// and at the top the tightest of them, the one with the fewest units left (the first on a
+/// tie), as `X-RateLimit-*` describe it: what the key can spend now.
+fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Value {
+    let budgets: Vec<serde_json::Value> = policy
+        .budgets
+        .iter()
+        .zip(views)
+        .map(|(b, v)| {
+            serde_json::json!({
+                "name": b.name,
+                "limit": b.max_cost,
+                "window_seconds": b.window.as_secs_f64(),
+                "remaining": v.remaining,
+                "reset_seconds": budget::reset_secs(v.reset_us),
+            })
+        })
+        .collect();
+    let tightest = views
+        .iter()
+        .enumerate()
+        .min_by_key(|(i, v)| (v.remaining, *i))
+        .map_or(0, |(i, _)| i);
+    let mut top = serde_json::json!({ "id": id, "plan": policy.name });
+    if let (Some(t), Some(fields)) = (budgets.get(tightest), top.as_object_mut()) {
+        for k in ["limit", "window_seconds", "remaining", "reset_seconds"] {
+            fields.insert(k.into(), t[k].clone());
+        }
+        fields.insert("budgets".into(), budgets.clone().into());
+    }
+    top
 }
 
 /// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive

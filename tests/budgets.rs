@@ -75,6 +75,38 @@ async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
     );
     assert_eq!(up.count("/reports/generate"), 1);
 
+    // The admin view shows both budgets, and at the top the one the key is short of.
+    let v = admin_json(&gw, "/admin/keys/acme").await;
+    assert_eq!(v["plan"], "pro");
+    let b = &v["budgets"];
+    assert_eq!(b.as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!(
+        (
+            &b[0]["name"],
+            &b[0]["limit"],
+            &b[0]["window_seconds"],
+            &b[0]["remaining"]
+        ),
+        (&"pro-minute".into(), &50.into(), &60.0.into(), &29.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (
+            &b[1]["name"],
+            &b[1]["limit"],
+            &b[1]["window_seconds"],
+            &b[1]["remaining"]
+        ),
+        (&"pro-day".into(), &30.into(), &86400.0.into(), &9.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["limit"], &v["remaining"]),
+        (&30.into(), &9.into()),
+        "{v}"
+    );
+    assert_eq!(v["reset_seconds"], b[1]["reset_seconds"]);
+
     if let Some(redis) = redis {
         // Both budgets live under the key's hash tag (one Cluster slot, one script call).
         let keys = redis.cli(&["KEYS", "t{*"]);

@@ -55,11 +55,14 @@ pub trait SharedStore: Send + Sync + 'static {
         hold: u128,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// What is left of the key's budgets: the one under `limit`, then each of `also` that is
+    /// the key's own (as [`crate::store::memory::MemoryStore::peek`]).
     fn peek(
         &self,
         key: &KeyHash,
         limit: &Limit,
-    ) -> impl Future<Output = Result<BudgetView, StoreError>> + Send;
+        also: &[Extra],
+    ) -> impl Future<Output = Result<Vec<BudgetView>, StoreError>> + Send;
 
     /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
     /// need be (a debt).
@@ -379,7 +382,7 @@ impl<S: SharedStore> FallbackStore<S> {
 
     /// The local budget's figures for a refusal that charged nothing.
     fn local_standing(&self, r: &AdmitRequest) -> Standing {
-        let view = self.local.peek(&r.key, &r.limit);
+        let view = self.local.peek_first(&r.key, &r.limit);
         Standing {
             remaining: view.remaining,
             reset_us: view.reset_us,
@@ -469,8 +472,13 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
-        let view = self.shared.peek(key, limit).await.ok()?;
+    pub async fn peek(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        also: &[Extra],
+    ) -> Option<Vec<BudgetView>> {
+        let view = self.shared.peek(key, limit, also).await.ok()?;
         self.set_degraded(false, None);
         Some(view)
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Lease};
+use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease};
 use crate::budget::{self, Limit, State, MAX_BUDGETS};
 use crate::identity::KeyHash;
 
@@ -375,11 +375,28 @@ impl MemoryStore {
         locked.put(req, &states);
     }
 
-    pub fn peek(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
-        let now = self.clock.now_us();
+    /// What is left of the key's (first) budget under `limit`.
+    pub fn peek_first(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
         let k = short_key(key);
         let state = self.shard(k).entries.get(&k).and_then(|e| e.state);
-        BudgetView::at(limit, budget::level_at(limit, state, now))
+        BudgetView::at(limit, budget::level_at(limit, state, self.clock.now_us()))
+    }
+
+    /// What is left of the key's budget under `limit` and of each of its further budgets in
+    /// `also` (a route's shared budget there is not the key's, and is left out), in order.
+    pub fn peek(&self, key: &KeyHash, limit: &Limit, also: &[Extra]) -> Vec<BudgetView> {
+        let now = self.clock.now_us();
+        let k = short_key(key);
+        let shard = self.shard(k);
+        let first = shard.entries.get(&k).and_then(|e| e.state);
+        let named = also.iter().filter_map(|e| match &e.bucket {
+            Bucket::Key(name) => Some((e.limit, shard.named.get(&(k, name.clone())).copied())),
+            Bucket::Route(_) => None,
+        });
+        std::iter::once((*limit, first))
+            .chain(named)
+            .map(|(l, state)| BudgetView::at(&l, budget::level_at(&l, state, now)))
+            .collect()
     }
 
     /// In-flight count on a route's slots in this process (for tests).

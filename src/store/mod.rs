@@ -441,10 +441,17 @@ impl Store {
         }
     }
 
-    pub async fn peek(&self, key: &KeyHash, limit: &Limit) -> Option<BudgetView> {
+    /// What is left of the key's budgets, the one under `limit` first, then each of `also`
+    /// that is the key's own; `None` while the shared store cannot say.
+    pub async fn peek(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        also: &[Extra],
+    ) -> Option<Vec<BudgetView>> {
         match self {
-            Store::Memory(m) => Some(m.peek(key, limit)),
-            Store::Redis(r) => r.peek(key, limit).await,
+            Store::Memory(m) => Some(m.peek(key, limit, also)),
+            Store::Redis(r) => r.peek(key, limit, also).await,
         }
     }
 

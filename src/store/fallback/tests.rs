@@ -50,11 +50,16 @@ impl SharedStore for Fake {
         Ok(true)
     }
 
-    async fn peek(&self, _key: &KeyHash, limit: &Limit) -> Result<BudgetView, StoreError> {
+    async fn peek(
+        &self,
+        _key: &KeyHash,
+        limit: &Limit,
+        _also: &[Extra],
+    ) -> Result<Vec<BudgetView>, StoreError> {
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);
         }
-        Ok(BudgetView::at(limit, 0))
+        Ok(vec![BudgetView::at(limit, 0)])
     }
 
     async fn write_back(
@@ -182,9 +187,12 @@ async fn a_refund_goes_back_where_it_was_charged() {
     assert!(matches!(s.admit(&r).await, Admission::OverBudget { .. }));
     s.refund(&r, lease.charge()).await;
     assert!(admitted(&s.admit(&r).await), "the local share got it back");
-    assert!(s.peek(&r.key, &r.limit).await.is_none(), "no shared view");
+    assert!(
+        s.peek(&r.key, &r.limit, &[]).await.is_none(),
+        "no shared view"
+    );
     fake.down.store(false, Ordering::Relaxed);
-    assert!(s.peek(&r.key, &r.limit).await.is_some());
+    assert!(s.peek(&r.key, &r.limit, &[]).await.is_some());
     assert!(!s.degraded());
 }
 
@@ -281,7 +289,7 @@ async fn time_charges_follow_the_admission() {
     assert!(matches!(local, Charge::Local(_)));
     s.charge_extra(&r, local, 4).await;
     // 120 locally: 1 admitted + 4 billed.
-    assert_eq!(s.local.peek(&r.key, &r.limit).remaining, 115);
+    assert_eq!(s.local.peek_first(&r.key, &r.limit).remaining, 115);
     s.charge_extra(&r, Charge::Shared, 2).await;
     // Back: the next decision for the key first sends the 1 + 4 + 2 owed.
     fake.down.store(false, Ordering::Relaxed);
