@@ -236,7 +236,13 @@ async fn access_log_has_the_fields_and_no_keys() {
     assert_eq!(e["fallback"], false);
     // A request id is made up when the client sends none, and is what the upstream received.
     let id = e["request_id"].as_str().unwrap().to_string();
-    assert_eq!(id.len(), 32, "{id}");
+    assert!(
+        id.len() == 32
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
+        "32 lower-case hex digits: {id}"
+    );
     let seen = up.api.seen();
     let sent = seen
         .iter()

