@@ -166,8 +166,10 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
 }
 
 /// `/admin/keys/{id}`: every budget of the key's plan in `budgets` (in the config's order),
-/// and at the top the tightest of them, the one with the fewest units left (the first on a
-/// tie), as `X-RateLimit-*` describe it: what the key can spend now.
+/// and at the top the tightest of them, named in `budget`: the one with the fewest units left
+/// now, the first on a tie (the rule of `X-RateLimit-*` on an admitted request; a refusal's
+/// headers describe the refusing budget instead). A route's `shared` budget is not the key's
+/// and is not shown.
 fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Value {
     let budgets: Vec<serde_json::Value> = policy
         .budgets
@@ -190,6 +192,7 @@ fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Valu
         .map_or(0, |(i, _)| i);
     let mut top = serde_json::json!({ "id": id, "plan": policy.name });
     if let (Some(t), Some(fields)) = (budgets.get(tightest), top.as_object_mut()) {
+        fields.insert("budget".into(), t["name"].clone());
         for k in ["limit", "window_seconds", "remaining", "reset_seconds"] {
             fields.insert(k.into(), t[k].clone());
         }
@@ -212,6 +215,52 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::Limit;
+    use std::time::Duration;
+
+    /// The top level is the budget with the fewest units left, the first on a tie, whichever
+    /// place it has in the plan.
+    #[test]
+    fn the_tightest_budget_is_at_the_top() {
+        let (m, d) = (Duration::from_secs(60), Duration::from_secs(86_400));
+        let policy = Policy::new(
+            "pro",
+            vec![
+                (
+                    Some("minute".into()),
+                    50,
+                    m,
+                    Limit::new(50, m, Duration::ZERO).unwrap(),
+                ),
+                (
+                    Some("day".into()),
+                    30,
+                    d,
+                    Limit::new(30, d, Duration::ZERO).unwrap(),
+                ),
+            ],
+            Duration::ZERO,
+            None,
+        )
+        .unwrap();
+        let view = |remaining| BudgetView {
+            remaining,
+            reset_us: 1_000_000,
+        };
+        for (left, top) in [
+            ([5, 10], "pro-minute"),
+            ([10, 5], "pro-day"),
+            ([7, 7], "pro-minute"),
+        ] {
+            let v = key_json("k", &policy, &left.map(view));
+            assert_eq!(v["budget"], top, "{v}");
+            assert_eq!(v["remaining"], left.iter().min().copied().unwrap(), "{v}");
+            assert_eq!(v["budgets"][0]["remaining"], left[0], "{v}");
+            assert_eq!(v["budgets"][1]["remaining"], left[1], "{v}");
+            let limit = if top == "pro-minute" { 50 } else { 30 };
+            assert_eq!(v["limit"], limit, "{v}");
+        }
+    }
 
     #[test]
     fn bearer_scheme_is_case_insensitive() {

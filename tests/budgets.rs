@@ -75,21 +75,18 @@ async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
     );
     assert_eq!(up.count("/reports/generate"), 1);
 
-    // The admin view shows both budgets, and at the top the one the key is short of.
+    // The admin view shows both budgets, and at the top the one the key is short of. (The
+    // minute budget gets a unit back every 1.2 s: 29 left, or 30 on a slow machine.)
     let v = admin_json(&gw, "/admin/keys/acme").await;
     assert_eq!(v["plan"], "pro");
     let b = &v["budgets"];
     assert_eq!(b.as_array().map(Vec::len), Some(2), "{v}");
     assert_eq!(
-        (
-            &b[0]["name"],
-            &b[0]["limit"],
-            &b[0]["window_seconds"],
-            &b[0]["remaining"]
-        ),
-        (&"pro-minute".into(), &50.into(), &60.0.into(), &29.into()),
+        (&b[0]["name"], &b[0]["limit"], &b[0]["window_seconds"]),
+        (&"pro-minute".into(), &50.into(), &60.0.into()),
         "{v}"
     );
+    assert!(matches!(b[0]["remaining"].as_u64(), Some(29 | 30)), "{v}");
     assert_eq!(
         (
             &b[1]["name"],
@@ -101,11 +98,10 @@ async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
         "{v}"
     );
     assert_eq!(
-        (&v["limit"], &v["remaining"]),
-        (&30.into(), &9.into()),
+        (&v["budget"], &v["limit"], &v["remaining"]),
+        (&"pro-day".into(), &30.into(), &9.into()),
         "{v}"
     );
-    assert_eq!(v["reset_seconds"], b[1]["reset_seconds"]);
 
     if let Some(redis) = redis {
         // Both budgets live under the key's hash tag (one Cluster slot, one script call).

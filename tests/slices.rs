@@ -309,6 +309,55 @@ async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
     assert_eq!(up.count("/exports/bulk"), 250);
 }
 
+/// A plan of two budgets while its key spends slices: `/admin/keys` shows each budget as
+/// exactly what was admitted, the slice's unspent part counted back in both (each in its own
+/// ticks: the two budgets have different rates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_view_of_two_budgets_counts_the_unspent_slice_in_each() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &redis_body(
+            &redis,
+            "deny",
+            1,
+            &format!(
+                "{BULK}plans:\n  pro:\n    budgets:\n      - {{ name: month, max_cost: 1000, window: 720h }}\n      - {{ name: year, max_cost: 2000, window: 8760h }}\nkeys:\n  - {{id: k-id, sha256: \"{}\", plan: pro}}\n",
+                sha256_hex("k")
+            ),
+        ),
+    );
+    let c = client();
+    let calls_before = evalsha_calls(&redis);
+    for i in 0..100 {
+        let r = get(&c, gw.url("/exports/bulk"), "k").await;
+        assert_eq!(r.status(), 200, "request {i}");
+    }
+    let calls = evalsha_calls(&redis) - calls_before;
+    assert!(
+        calls < 80,
+        "slices were in use: {calls} EVALSHA for 100 requests"
+    );
+    let v = admin_json(&gw, "/admin/keys/k-id").await;
+    let b = &v["budgets"];
+    assert_eq!(
+        (&b[0]["name"], &b[0]["remaining"]),
+        (&"pro-month".into(), &600.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (&b[1]["name"], &b[1]["remaining"]),
+        (&"pro-year".into(), &1600.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["budget"], &v["remaining"]),
+        (&"pro-month".into(), &600.into()),
+        "{v}"
+    );
+}
+
 /// `on_error: deny`: once Redis is gone, a hot key's slice is not spent past its lifetime:
 /// 503 within a second, and no 200 for a request that started later than that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -44,8 +44,8 @@
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
 --   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
---   peek   KEYS budget, holds    ARGV rate per_unit               -> level now, holds
---          included (ticks)
+--   peek   KEYS budget, holds, further budgets...  ARGV (rate per_unit) of each budget
+--          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
 --   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
 --          taken) or 2 (ROUTE_BUSY: nothing written). On Redis Cluster a route's lease set is
@@ -322,7 +322,16 @@ end
 if op == 'peek' then
   local now = now_us()
   local live, charge = take_holds(KEYS[2], '', 0, now, false)
-  return level_at(KEYS[1], tonumber(ARGV[2]), now) + (live + charge) * tonumber(ARGV[3])
+  local held = live + charge
+  local levels = {}
+  -- KEYS[1] with ARGV[2..3], then KEYS[3], KEYS[4]... with ARGV[4..5], ARGV[6..7]...
+  for i = 1, #KEYS do
+    if i ~= 2 then
+      local a = (i == 1) and 2 or (2 * i - 2)
+      levels[#levels + 1] = level_at(KEYS[i], tonumber(ARGV[a]), now) + held * tonumber(ARGV[a + 1])
+    end
+  end
+  return levels
 end
 
 if op == 'lease' then

@@ -371,20 +371,23 @@ impl SharedStore for RedisBackend {
         also: &[Extra],
     ) -> Result<Vec<BudgetView>, StoreError> {
         let (k, holds) = keys::budget_and_holds_keys(key);
-        // What this instance holds of the key's slice is not spent yet: shown as Redis will
-        // have it back. A hold counts in every budget of the key, a route's shared one aside.
-        let held = self.slices.unspent(key, limit);
         let named = also.iter().filter_map(|e| match &e.bucket {
             Bucket::Key(name) => Some((keys::named_budget_key(key, name), e.limit)),
             Bucket::Route(_) => None,
         });
-        let mut views = Vec::with_capacity(1 + also.len());
-        for (budget, l) in std::iter::once((k, *limit)).chain(named) {
-            let level: i64 = self.call(self.script.peek(&budget, &holds, &l)).await?;
-            let level = (level.max(0) as u64).saturating_sub(held.saturating_mul(l.per_unit));
-            views.push(BudgetView::at(&l, level));
-        }
-        Ok(views)
+        let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
+        let levels: Vec<i64> = self.call(self.script.peek(&budgets, &holds)).await?;
+        // What this instance holds of the key's slice is not spent yet: shown as Redis will
+        // have it back. A hold counts in every budget of the key, a route's shared one aside.
+        let held = self.slices.unspent(key, limit);
+        Ok(budgets
+            .iter()
+            .zip(levels)
+            .map(|((_, l), level)| {
+                let level = (level.max(0) as u64).saturating_sub(held.saturating_mul(l.per_unit));
+                BudgetView::at(l, level)
+            })
+            .collect())
     }
 
     async fn write_back(

@@ -366,17 +366,25 @@ impl StoreScript {
         inv
     }
 
-    /// `peek`: a budget's level now, the slices held of it included, writing nothing.
+    /// `peek`: the levels of a key's budgets now, the slices held of them included, in one
+    /// atomic view, writing nothing.
     ///
-    /// KEYS[1] budget, KEYS[2] the key's holds; ARGV[2] rate, ARGV[3] per_unit. Reply: the
-    /// level in ticks.
-    pub fn peek<'a>(&'a self, key: &'a str, holds: &'a str, limit: &Limit) -> ScriptInvocation<'a> {
+    /// KEYS[1] the first budget, KEYS[2] the key's holds, KEYS[3..] the further budgets; ARGV
+    /// rate and per_unit of each budget in that order. Reply: each budget's level in ticks.
+    pub fn peek<'a>(
+        &'a self,
+        budgets: &'a [(String, Limit)],
+        holds: &'a str,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
-        inv.key(key)
-            .key(holds)
-            .arg("peek")
-            .arg(limit.rate)
-            .arg(limit.per_unit);
+        inv.arg("peek");
+        for (i, (key, limit)) in budgets.iter().enumerate() {
+            inv.key(key);
+            if i == 0 {
+                inv.key(holds);
+            }
+            inv.arg(limit.rate).arg(limit.per_unit);
+        }
         inv
     }
 
