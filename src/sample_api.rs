@@ -7,7 +7,7 @@
 //! - `?status=N` on the echo paths: answer with status N (an upstream failing with 500, 503…);
 //! - `?ratelimit=1` on the echo paths: the answer carries rate-limit headers of its own
 //!   (`RateLimit`, `X-RateLimit-Remaining`, and `X-RateLimit-Used`, which is not one of the
-//!   gateway's), as a provider behind the gateway may send;
+//!   gateway's), as a provider behind the gateway may send; `?ratelimit=2`: only the last two;
 //! - `?work_ms=N` on any path: N ms of work that goes on even if the caller hangs up (like a
 //!   report the database keeps generating), counted in `current` until it is done;
 //! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
@@ -24,6 +24,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
+use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
@@ -244,11 +245,16 @@ impl SampleApi {
             .and_then(|n| StatusCode::from_u16(n).ok())
             .unwrap_or(StatusCode::OK);
         let mut r = full(status, "application/json", body.to_string());
-        if param("ratelimit").is_some() {
+        if let Some(which) = param("ratelimit") {
             let h = r.headers_mut();
-            h.insert("ratelimit", "\"upstream\";r=999;t=1".parse().unwrap());
-            h.insert("x-ratelimit-remaining", "999".parse().unwrap());
-            h.insert("x-ratelimit-used", "5".parse().unwrap());
+            if which == 1 {
+                h.insert(
+                    "ratelimit",
+                    HeaderValue::from_static("\"upstream\";r=999;t=1"),
+                );
+            }
+            h.insert("x-ratelimit-remaining", HeaderValue::from_static("999"));
+            h.insert("x-ratelimit-used", HeaderValue::from_static("5"));
         }
         r
     }

@@ -152,35 +152,61 @@ async fn the_gateways_rate_limit_headers_replace_the_upstreams() {
     );
     assert_eq!(all("X-RateLimit-Cost"), ["1"]);
 
-    // The head as sent (the harness's raw reader folds names to lower case).
-    let mut sock = raw_connect(gw.port);
-    std::io::Write::write_all(
-        &mut sock,
-        b"GET /items?ratelimit=1 HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\nConnection: close\r\n\r\n",
-    )
-    .unwrap();
+    // On the wire, names as DESIGN writes them, each once: also when the upstream sent only
+    // `X-RateLimit-*` ones (ratelimit=2). 36 s of refill per unit: a reset of 72 s after two
+    // units, 108 s after three, or a second less if that much went by since the first.
+    for (query, left, reset) in [("ratelimit=1", 98, 72), ("ratelimit=2", 97, 108)] {
+        let head = raw_head(gw.port, &format!("/items?{query}"));
+        // Ours: each once, named as DESIGN writes them.
+        let value = |name: &str| -> Vec<String> {
+            head.lines()
+                .filter_map(|l| l.split_once(": "))
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(n, v)| {
+                    assert_eq!(n, name, "the name's case: {head}");
+                    v.to_string()
+                })
+                .collect()
+        };
+        let reset_is = |v: &str| v == reset.to_string() || v == (reset - 1).to_string();
+        assert_eq!(
+            value("RateLimit-Policy"),
+            ["\"default\";q=100;w=3600"],
+            "{head}"
+        );
+        let rl = value("RateLimit");
+        assert!(
+            rl.len() == 1
+                && rl[0]
+                    .strip_prefix(&format!("\"default\";r={left};t="))
+                    .is_some_and(reset_is),
+            "{head}"
+        );
+        assert_eq!(value("X-RateLimit-Limit"), ["100"], "{head}");
+        assert_eq!(value("X-RateLimit-Remaining"), [left.to_string()], "{head}");
+        let r = value("X-RateLimit-Reset");
+        assert!(r.len() == 1 && reset_is(&r[0]), "{head}");
+        assert_eq!(value("X-RateLimit-Cost"), ["1"], "{head}");
+        let used = head
+            .lines()
+            .filter(|l| l.eq_ignore_ascii_case("x-ratelimit-used: 5"));
+        assert_eq!(used.count(), 1, "the upstream's own, as it sent it: {head}");
+    }
+}
+
+/// The response head exactly as sent (the harness's raw reader folds names to lower case).
+fn raw_head(port: u16, path: &str) -> String {
+    let mut sock = raw_connect(port);
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\nConnection: close\r\n\r\n");
+    std::io::Write::write_all(&mut sock, request.as_bytes()).unwrap();
     let mut wire = Vec::new();
     std::io::Read::read_to_end(&mut sock, &mut wire).unwrap();
-    let wire = String::from_utf8_lossy(&wire);
-    let head = wire.split("\r\n\r\n").next().unwrap();
-    for line in [
-        "RateLimit-Policy: \"default\";q=100;w=3600",
-        "RateLimit: \"default\";r=98;t=72",
-        "X-RateLimit-Limit: 100",
-        "X-RateLimit-Remaining: 98",
-        "X-RateLimit-Reset: 72",
-        "X-RateLimit-Cost: 1",
-    ] {
-        let name = line.split(':').next().unwrap();
-        let named: Vec<&str> = head
-            .lines()
-            .filter(|l| {
-                l.to_ascii_lowercase()
-                    .starts_with(&format!("{}:", name.to_ascii_lowercase()))
-            })
-            .collect();
-        assert_eq!(named, [line], "{head}");
-    }
+    let wire = String::from_utf8_lossy(&wire).into_owned();
+    wire.split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
