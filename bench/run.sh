@@ -14,10 +14,10 @@
 #       e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2), to price the allocator without a rebuild
 #   (g) a bare Pingora 0.9 proxy (examples/bare_pingora.rs: an empty ProxyHttp, jemalloc, one
 #       worker thread, work_stealing false, no logging) to the same upstream: the Pingora floor
-#   (i) the same bare Pingora doing only the header work DESIGN requires of every proxied request
-#       (BARE_PINGORA_HEADERS=1: Host replaced, X-Forwarded-*, X-Request-Id upstream, the six
-#       rate-limit headers on the response, fixed values, through Pingora's header API): the floor
-#       of any gateway that keeps DESIGN's interface on Pingora 0.9
+#   (i) the same bare Pingora doing only the header work tollgate does on every proxied request
+#       (BARE_PINGORA_HEADERS=1: Host replaced, X-Forwarded-Host/-For/-Proto and X-Request-Id
+#       upstream, the six rate-limit headers on the response; fixed values, through Pingora's
+#       header API): what is left of (g) for everything else tollgate does
 #   (h) nginx (1 worker) with a Lua access phase doing one EVALSHA of a GCRA script per request
 #       on the redis-server of (d), over a pooled cosocket (bench/nginx_gcra.lua), then
 #       proxy_pass as (b): the Kong/APISIX way of a Redis-backed limiter
@@ -325,7 +325,7 @@ if has g; then
 fi
 BI_PID=""
 if has i; then
-  log "starting bare Pingora with DESIGN's headers on :$BI_PORT"
+  log "starting bare Pingora with tollgate's headers on :$BI_PORT"
   BARE_PINGORA_HEADERS=1 TMPDIR=$TMP "$BARE_BIN" "127.0.0.1:$BI_PORT" "127.0.0.1:$UP_PORT" >>"$TMP/bare-pingora-headers.log" 2>&1 &
   BI_PID=$!
   PIDS+=("$BI_PID")
@@ -432,7 +432,7 @@ LABEL[d]="d. tollgate, redis store (slices ${SLICES:-true}), threads 1";        
 LABEL[e]="e. tollgate, memory store, RUST_LOG=info";     PORT[e]=$TI_PORT; PIDOF[e]=$TI_PID
 LABEL[f]="f. tollgate, memory store, LD_PRELOAD=$(basename "${PRELOAD:-none}")"; PORT[f]=$TP_PORT; PIDOF[f]=$TP_PID
 LABEL[g]="g. bare Pingora 0.9 (empty ProxyHttp), threads 1"; PORT[g]=$BP_PORT; PIDOF[g]=$BP_PID
-LABEL[i]="i. bare Pingora + DESIGN's required headers";   PORT[i]=$BI_PORT; PIDOF[i]=$BI_PID
+LABEL[i]="i. bare Pingora + tollgate's headers (fixed values)";   PORT[i]=$BI_PORT; PIDOF[i]=$BI_PID
 LABEL[h]="h. nginx + Lua, 1 Redis EVALSHA (GCRA)/req";   PORT[h]=$NL_PORT; PIDOF[h]=$NL_PID
 
 WRK_KEY_ARGS=()
@@ -639,10 +639,10 @@ other_ratios() { # rows of the table below, for the letters measured
   has b && has c && echo "| tollgate memory (c) / nginx (b) | $(ratio "${MED_RPS[c]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[c]}" "${MED_P99[b]}") |"
   has b && has d && echo "| tollgate redis (d) / nginx (b) | $(ratio "${MED_RPS[d]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[d]}" "${MED_P99[b]}") |"
   has b && has g && echo "| bare Pingora (g) / nginx (b) | $(ratio "${MED_RPS[g]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[g]}" "${MED_P99[b]}") |"
-  has g && has i && echo "| bare Pingora + DESIGN's headers (i) / bare Pingora (g) | $(ratio "${MED_RPS[i]}" "${MED_RPS[g]}") | $(ratio "${MED_P99[i]}" "${MED_P99[g]}") |"
-  has c && has i && echo "| tollgate memory (c) / bare Pingora + DESIGN's headers (i) | $(ratio "${MED_RPS[c]}" "${MED_RPS[i]}") | $(ratio "${MED_P99[c]}" "${MED_P99[i]}") |"
+  has g && has i && echo "| bare Pingora + tollgate's headers (i) / bare Pingora (g) | $(ratio "${MED_RPS[i]}" "${MED_RPS[g]}") | $(ratio "${MED_P99[i]}" "${MED_P99[g]}") |"
+  has c && has i && echo "| tollgate memory (c) / bare Pingora + tollgate's headers (i) | $(ratio "${MED_RPS[c]}" "${MED_RPS[i]}") | $(ratio "${MED_P99[c]}" "${MED_P99[i]}") |"
   has g && has h && echo "| bare Pingora (g) / nginx + Lua + Redis (h) | $(ratio "${MED_RPS[g]}" "${MED_RPS[h]}") | $(ratio "${MED_P99[g]}" "${MED_P99[h]}") |"
-  has i && has h && echo "| bare Pingora + DESIGN's headers (i) / nginx + Lua + Redis (h) | $(ratio "${MED_RPS[i]}" "${MED_RPS[h]}") | $(ratio "${MED_P99[i]}" "${MED_P99[h]}") |"
+  has i && has h && echo "| bare Pingora + tollgate's headers (i) / nginx + Lua + Redis (h) | $(ratio "${MED_RPS[i]}" "${MED_RPS[h]}") | $(ratio "${MED_P99[i]}" "${MED_P99[h]}") |"
   has b && has h && echo "| nginx + Lua + Redis (h) / nginx (b) | $(ratio "${MED_RPS[h]}" "${MED_RPS[b]}") | $(ratio "${MED_P99[h]}" "${MED_P99[b]}") |"
   if has c && has e; then
     echo "| tollgate memory + access log (e) / no log (c) | $(ratio "${MED_RPS[e]}" "${MED_RPS[c]}") | $(ratio "${MED_P99[e]}" "${MED_P99[c]}") |"

@@ -1,4 +1,4 @@
-//! The bare Pingora floor for `bench/run.sh` (letter g): an empty `ProxyHttp` that only picks
+//! The bare Pingora floor for `bench/run.sh` (letters g and i): an empty `ProxyHttp` that only picks
 //! the upstream, built with the same Pingora, allocator and runtime settings as tollgate, so
 //! that the bench can say how much of Pingora's throughput tollgate's own work costs.
 //!
@@ -8,12 +8,17 @@
 //! SIGTERM/SIGINT through Pingora's own signal handling. Deliberately independent of the
 //! `tollgate` library: nothing of tollgate's may run here.
 //!
-//! `BARE_PINGORA_HEADERS=1` adds only the header work that DESIGN requires of every proxied
-//! request, with fixed values and through Pingora's own header API as tollgate does: `Host`
-//! replaced, `X-Forwarded-Host/-For/-Proto` and `X-Request-Id` sent upstream, and the six
-//! rate-limit headers on the response. `BARE_PINGORA_HEADERS=nocase` does the same on a
-//! response rebuilt without Pingora's header-case map (names written lower-case, as HTTP/2 and
-//! Envoy do). Both are floors for `bench/instructions.sh`, not systems of the bench table.
+//! `BARE_PINGORA_HEADERS` adds header work, with fixed values and through Pingora's own header
+//! API as tollgate does (bench letter i is `1`):
+//! - `1`: the headers tollgate puts on every proxied request: upstream, `Host` replaced and
+//!   `X-Forwarded-Host/-For/-Proto` and `X-Request-Id` added (as nginx's (b) adds the first
+//!   three); on the response, the six rate-limit headers;
+//! - `design`: only what DESIGN itself requires: `X-Request-Id` upstream (§5) and the six
+//!   rate-limit headers (§3);
+//! - `nocase`: as `1`, on a response rebuilt without Pingora's header-case map (names written
+//!   lower-case, as HTTP/2 and Envoy do).
+//!
+//! Anything else is refused.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -36,7 +41,8 @@ struct Bare {
 #[derive(Clone, Copy, PartialEq)]
 enum Headers {
     None,
-    Case,
+    Forwarding,
+    Design,
     NoCase,
 }
 
@@ -72,7 +78,7 @@ impl ProxyHttp for Bare {
         req: &mut pingora::http::RequestHeader,
         _ctx: &mut (),
     ) -> Result<()> {
-        if self.headers != Headers::None {
+        if matches!(self.headers, Headers::Forwarding | Headers::NoCase) {
             let host = req.headers.get(http::header::HOST).cloned();
             req.insert_header(http::header::HOST, "upstream.internal")?;
             if let Some(h) = host {
@@ -80,6 +86,8 @@ impl ProxyHttp for Bare {
             }
             req.insert_header("X-Forwarded-For", "127.0.0.1")?;
             req.insert_header("X-Forwarded-Proto", "http")?;
+        }
+        if self.headers != Headers::None {
             req.insert_header("X-Request-Id", "0123456789abcdef0123456789abcdef")?;
         }
         Ok(())
@@ -93,7 +101,7 @@ impl ProxyHttp for Bare {
     ) -> Result<()> {
         match self.headers {
             Headers::None => {}
-            Headers::Case => {
+            Headers::Forwarding | Headers::Design => {
                 for (name, _, value) in RATE_LIMIT {
                     resp.append_header(name, value)?;
                 }
@@ -155,9 +163,14 @@ fn main() -> ExitCode {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let headers = match std::env::var("BARE_PINGORA_HEADERS").as_deref() {
-        Ok("nocase") => Headers::NoCase,
-        Ok(_) => Headers::Case,
         Err(_) => Headers::None,
+        Ok("1") => Headers::Forwarding,
+        Ok("design") => Headers::Design,
+        Ok("nocase") => Headers::NoCase,
+        Ok(other) => {
+            eprintln!("bare_pingora: BARE_PINGORA_HEADERS={other:?}: expected 1, design or nocase");
+            return ExitCode::from(2);
+        }
     };
     let mut proxy =
         pingora::proxy::http_proxy_service(&server.configuration, Bare { upstream, headers });
