@@ -215,34 +215,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::Limit;
-    use std::time::Duration;
 
     /// The top level is the budget with the fewest units left, the first on a tie, whichever
     /// place it has in the plan.
     #[test]
     fn the_tightest_budget_is_at_the_top() {
-        let (m, d) = (Duration::from_secs(60), Duration::from_secs(86_400));
-        let policy = Policy::new(
-            "pro",
-            vec![
-                (
-                    Some("minute".into()),
-                    50,
-                    m,
-                    Limit::new(50, m, Duration::ZERO).unwrap(),
-                ),
-                (
-                    Some("day".into()),
-                    30,
-                    d,
-                    Limit::new(30, d, Duration::ZERO).unwrap(),
-                ),
-            ],
-            Duration::ZERO,
-            None,
-        )
-        .unwrap();
+        let policy = crate::policy::minute_and_day(50, 30);
         let view = |remaining| BudgetView {
             remaining,
             reset_us: 1_000_000,

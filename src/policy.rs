@@ -159,3 +159,20 @@ pub enum Bucket {
     /// The `shared` budget of a route (by its label): every caller of the route draws from it.
     Route(Arc<str>),
 }
+
+/// Plan `pro` of two budgets, `minute` and `day`, for unit tests.
+#[cfg(test)]
+pub fn minute_and_day(per_minute: u64, per_day: u64) -> Policy {
+    let (m, d) = (Duration::from_secs(60), Duration::from_secs(86_400));
+    let budget = |name: &str, max_cost, window| {
+        let limit = Limit::new(max_cost, window, Duration::ZERO).expect("a valid test budget");
+        (Some(name.to_string()), max_cost, window, limit)
+    };
+    Policy::new(
+        "pro",
+        vec![budget("minute", per_minute, m), budget("day", per_day, d)],
+        Duration::ZERO,
+        None,
+    )
+    .expect("a valid test plan")
+}

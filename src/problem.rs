@@ -245,27 +245,7 @@ mod tests {
 
     #[test]
     fn headers_of_several_budgets() {
-        let (m, d) = (Duration::from_secs(60), Duration::from_secs(86_400));
-        let policy = Policy::new(
-            "pro",
-            vec![
-                (
-                    Some("minute".into()),
-                    120,
-                    m,
-                    Limit::new(120, m, Duration::ZERO).unwrap(),
-                ),
-                (
-                    Some("day".into()),
-                    20_000,
-                    d,
-                    Limit::new(20_000, d, Duration::ZERO).unwrap(),
-                ),
-            ],
-            Duration::ZERO,
-            None,
-        )
-        .unwrap();
+        let policy = crate::policy::minute_and_day(120, 20_000);
         let o = crate::budget::decide_all(
             &[
                 (policy.budgets[0].limit, None),
