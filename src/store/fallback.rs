@@ -380,14 +380,10 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// The local budget's figures for a refusal that charged nothing.
+    /// The local shares' figures for a refusal that charged nothing: every budget's, the
+    /// tightest at the top.
     fn local_standing(&self, r: &AdmitRequest) -> Standing {
-        let view = self.local.peek_first(&r.key, &r.limit);
-        Standing {
-            remaining: view.remaining,
-            reset_us: view.reset_us,
-            each: Default::default(),
-        }
+        (&self.local.standing(r)).into()
     }
 
     /// Gives back a charge where it was made: in the shared store, or in this instance's

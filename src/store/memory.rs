@@ -314,7 +314,7 @@ impl MemoryStore {
     }
 
     /// The figures of every budget as they stand, for a refusal that charged nothing.
-    fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
+    pub fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
         let now = self.clock.now_us();
         let budgets = self.lock_budgets(req).budgets(req);
         let verdict = budget::decide_all(&budgets, now, req.cost).outcome;
@@ -373,13 +373,6 @@ impl MemoryStore {
             .map(|(limit, state)| Some(budget::debit(limit, *state, now, units)))
             .collect();
         locked.put(req, &states);
-    }
-
-    /// What is left of the key's (first) budget under `limit`.
-    pub fn peek_first(&self, key: &KeyHash, limit: &Limit) -> BudgetView {
-        let k = short_key(key);
-        let state = self.shard(k).entries.get(&k).and_then(|e| e.state);
-        BudgetView::at(limit, budget::level_at(limit, state, self.clock.now_us()))
     }
 
     /// What is left of the key's budget under `limit` and of each of its further budgets in

@@ -289,7 +289,7 @@ async fn time_charges_follow_the_admission() {
     assert!(matches!(local, Charge::Local(_)));
     s.charge_extra(&r, local, 4).await;
     // 120 locally: 1 admitted + 4 billed.
-    assert_eq!(s.local.peek_first(&r.key, &r.limit).remaining, 115);
+    assert_eq!(s.local.peek(&r.key, &r.limit, &[])[0].remaining, 115);
     s.charge_extra(&r, Charge::Shared, 2).await;
     // Back: the next decision for the key first sends the 1 + 4 + 2 owed.
     fake.down.store(false, Ordering::Relaxed);
@@ -334,6 +334,35 @@ async fn local_share_and_write_back_cover_every_budget() {
         1,
         "with the day budget"
     );
+}
+
+/// A key at its in-flight cap under `on_error: local` is told about every budget's local
+/// share, the tightest at the top, as on the shared store: not the first budget alone.
+#[tokio::test]
+async fn a_busy_key_in_fallback_sees_every_budget() {
+    let (_fake, s) = store(OnError::Local, 2);
+    let r = AdmitRequest {
+        also: vec![Extra {
+            bucket: super::super::Bucket::Key("day".into()),
+            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
+        }],
+        key_cap: Some(2),
+        ..req(2, None)
+    };
+    let a = s.admit(&r).await;
+    assert!(admitted(&a), "{a:?}");
+    let Admission::KeyBusy(standing) = s.admit(&r).await else {
+        panic!("one in flight of a cap of 2 over 2 instances")
+    };
+    // Shares: 120/2 = 60 of the first budget, 58 left; 10/2 = 5 of the day one, 3 left.
+    let each: Vec<u64> = standing
+        .each
+        .as_slice()
+        .iter()
+        .map(|f| f.remaining)
+        .collect();
+    assert_eq!(each, [58, 3]);
+    assert_eq!((standing.each.decisive, standing.remaining), (1, 3));
 }
 
 /// A time charge in fallback lands on every budget's local share at the share's weight: with

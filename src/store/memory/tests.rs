@@ -70,9 +70,9 @@ async fn route_cap_queues_fifo_then_503() {
     };
     assert!(queued >= Duration::from_millis(40), "{queued:?}");
     // Nobody releases now: after 200 ms, route-busy, and nothing charged.
-    let before = s.peek_first(&r.key, &r.limit);
+    let before = s.peek(&r.key, &r.limit, &[])[0];
     assert!(matches!(s.admit(&r).await, Admission::RouteBusy { .. }));
-    assert_eq!(s.peek_first(&r.key, &r.limit).remaining, before.remaining);
+    assert_eq!(s.peek(&r.key, &r.limit, &[])[0].remaining, before.remaining);
     drop(lease);
     assert_eq!(s.route_in_flight("/reports/generate"), 0);
 }
