@@ -102,6 +102,11 @@ async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
         (&"pro-day".into(), &30.into(), &9.into()),
         "{v}"
     );
+    assert_eq!(
+        (&v["window_seconds"], &v["reset_seconds"]),
+        (&b[1]["window_seconds"], &b[1]["reset_seconds"]),
+        "{v}"
+    );
 
     if let Some(redis) = redis {
         // Both budgets live under the key's hash tag (one Cluster slot, one script call).

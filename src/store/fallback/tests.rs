@@ -365,6 +365,34 @@ async fn a_busy_key_in_fallback_sees_every_budget() {
     assert_eq!((standing.each.decisive, standing.remaining), (1, 3));
 }
 
+/// A route busy past its queue under `on_error: local`: the figures of the key's budget and of
+/// the route's `shared` one, both local shares, the tightest at the top.
+#[tokio::test]
+async fn a_busy_route_in_fallback_sees_its_shared_budget_too() {
+    let (_fake, s) = store(OnError::Local, 2);
+    let r = AdmitRequest {
+        also: vec![Extra {
+            bucket: super::super::Bucket::Route("/r".into()),
+            limit: Limit::new(20, Duration::from_secs(3600), Duration::ZERO).unwrap(),
+        }],
+        ..req(4, Some(2))
+    };
+    let a = s.admit(&r).await;
+    assert!(admitted(&a), "{a:?}");
+    let Admission::RouteBusy { standing, .. } = s.admit(&r).await else {
+        panic!("one in flight of a route cap of 2 over 2 instances")
+    };
+    // Shares: 120/2 = 60 of the key's budget, 56 left; 20/2 = 10 of the route's, 6 left.
+    let each: Vec<u64> = standing
+        .each
+        .as_slice()
+        .iter()
+        .map(|f| f.remaining)
+        .collect();
+    assert_eq!(each, [56, 6]);
+    assert_eq!((standing.each.decisive, standing.remaining), (1, 6));
+}
+
 /// A time charge in fallback lands on every budget's local share at the share's weight: with
 /// fleet_size 2 the day budget of 10 is a share of 5, so after 1 admitted + 3 billed one more
 /// request fits, and the next is refused by the day budget.

@@ -328,7 +328,9 @@ if op == 'peek' then
   for i = 1, #KEYS do
     if i ~= 2 then
       local a = (i == 1) and 2 or (2 * i - 2)
-      levels[#levels + 1] = level_at(KEYS[i], tonumber(ARGV[a]), now) + held * tonumber(ARGV[a + 1])
+      -- Holds count in the key's own budgets only, as in admit (a route's is never passed).
+      local h = keys_own(KEYS[i]) and held or 0
+      levels[#levels + 1] = level_at(KEYS[i], tonumber(ARGV[a]), now) + h * tonumber(ARGV[a + 1])
     end
   end
   return levels

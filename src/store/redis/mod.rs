@@ -377,8 +377,17 @@ impl SharedStore for RedisBackend {
         });
         let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
         let levels: Vec<i64> = self.call(self.script.peek(&budgets, &holds)).await?;
+        if levels.len() != budgets.len() {
+            return Err(StoreError::Reply(format!(
+                "peek: {} levels for {} budgets",
+                levels.len(),
+                budgets.len()
+            )));
+        }
         // What this instance holds of the key's slice is not spent yet: shown as Redis will
         // have it back. A hold counts in every budget of the key, a route's shared one aside.
+        // Read after the call: a slice granted or settled in between shows as up to one slice
+        // more or less (the view is for people, not decisions).
         let held = self.slices.unspent(key, limit);
         Ok(budgets
             .iter()
