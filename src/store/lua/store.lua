@@ -44,7 +44,7 @@
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
 --   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt)
---   peek   KEYS budget, holds, further budgets...  ARGV (rate per_unit) of each budget
+--   peek   KEYS the key's holds, its budgets...  ARGV '' 0 (per_unit rate)...
 --          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
 --   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
@@ -284,13 +284,17 @@ if op == 'debit' then
   return adjust(1)
 end
 
--- settle and unspend: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV per_unit, rate
--- from ARGV[4]. Adds `units` (negative: takes) to each budget's level.
+-- settle, unspend and peek: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV
+-- per_unit, rate from ARGV[4]. The per_unit and rate of budget KEYS[i]:
+local function hold_budget(i)
+  local j = 4 + 2 * (i - 2)
+  return tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+end
+
+-- Adds `units` (negative: takes) to each budget's level.
 local function charge_budgets(units, now)
   for i = 2, #KEYS do
-    local j = 4 + 2 * (i - 2)
-    local p = tonumber(ARGV[j])
-    local q = tonumber(ARGV[j + 1])
+    local p, q = hold_budget(i)
     store_level(KEYS[i], level_at(KEYS[i], q, now) + units * p, q, now)
   end
 end
@@ -321,17 +325,13 @@ end
 
 if op == 'peek' then
   local now = now_us()
-  local live, charge = take_holds(KEYS[2], '', 0, now, false)
-  local held = live + charge
+  local live, charge = take_holds(KEYS[1], '', 0, now, false)
   local levels = {}
-  -- KEYS[1] with ARGV[2..3], then KEYS[3], KEYS[4]... with ARGV[4..5], ARGV[6..7]...
-  for i = 1, #KEYS do
-    if i ~= 2 then
-      local a = (i == 1) and 2 or (2 * i - 2)
-      -- Holds count in the key's own budgets only, as in admit (a route's is never passed).
-      local h = keys_own(KEYS[i]) and held or 0
-      levels[#levels + 1] = level_at(KEYS[i], tonumber(ARGV[a]), now) + h * tonumber(ARGV[a + 1])
-    end
+  for i = 2, #KEYS do
+    local p, q = hold_budget(i)
+    -- Holds count in the key's own budgets only, as in admit (a route's is never passed).
+    local held = keys_own(KEYS[i]) and (live + charge) or 0
+    levels[#levels + 1] = level_at(KEYS[i], q, now) + held * p
   end
   return levels
 end

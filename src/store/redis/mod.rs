@@ -376,7 +376,7 @@ impl SharedStore for RedisBackend {
             Bucket::Route(_) => None,
         });
         let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
-        let levels: Vec<i64> = self.call(self.script.peek(&budgets, &holds)).await?;
+        let levels: Vec<i64> = self.call(self.script.peek(&holds, &budgets)).await?;
         if levels.len() != budgets.len() {
             return Err(StoreError::Reply(format!(
                 "peek: {} levels for {} budgets",

@@ -144,10 +144,7 @@ pub(super) fn parse_admit(r: &[i64], budgets: usize) -> Option<AdmitReply> {
     let [code, a, remaining, reset_us, granted, now_us, ref rest @ ..] = r[..] else {
         return None;
     };
-    if budgets == 0 || budgets > MAX_BUDGETS || rest.len() < budgets {
-        return None;
-    }
-    if rest.len() < 2 * budgets {
+    if budgets == 0 || budgets > MAX_BUDGETS || rest.len() < 2 * budgets {
         return None;
     }
     let (levels, rest) = rest.split_at(budgets);
@@ -369,23 +366,14 @@ impl StoreScript {
     /// `peek`: the levels of a key's budgets now, the slices held of them included, in one
     /// atomic view, writing nothing.
     ///
-    /// KEYS[1] the first budget, KEYS[2] the key's holds, KEYS[3..] the further budgets; ARGV
-    /// rate and per_unit of each budget in that order. Reply: each budget's level in ticks.
+    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] '', ARGV[3] 0, then per_unit,
+    /// rate of each budget. Reply: each budget's level in ticks.
     pub fn peek<'a>(
         &'a self,
-        budgets: &'a [(String, Limit)],
         holds: &'a str,
+        budgets: &'a [(String, Limit)],
     ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.arg("peek");
-        for (i, (key, limit)) in budgets.iter().enumerate() {
-            inv.key(key);
-            if i == 0 {
-                inv.key(holds);
-            }
-            inv.arg(limit.rate).arg(limit.per_unit);
-        }
-        inv
+        self.on_hold("peek", holds, budgets, "", 0)
     }
 
     /// `lease`: renews lease `id` in every set for `ttl_us` (only if still live), or releases it
