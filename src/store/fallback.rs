@@ -402,18 +402,19 @@ impl<S: SharedStore> FallbackStore<S> {
                     let _ = self.shared.refund(req, 0).await;
                 }
             }
-            Charge::Shared | Charge::Slice(_) => {
-                let hold = match charge {
-                    Charge::Slice(hold) => hold,
-                    _ => 0,
-                };
-                match self.shared.refund(req, hold).await {
-                    Ok(true) => self.set_degraded(false, None),
-                    Ok(false) => {}
-                    Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
-                    Err(_) => {}
-                }
-            }
+            Charge::Shared => self.refund_shared(req, 0).await,
+            Charge::Slice(hold) => self.refund_shared(req, hold).await,
+        }
+    }
+
+    /// A refund to the shared store (from the slice `hold`, 0: none), sent again in the
+    /// background if it surely did not run.
+    async fn refund_shared(&self, req: &AdmitRequest, hold: u128) {
+        match self.shared.refund(req, hold).await {
+            Ok(true) => self.set_degraded(false, None),
+            Ok(false) => {}
+            Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
+            Err(_) => {}
         }
     }
 
