@@ -185,18 +185,23 @@ fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Valu
             })
         })
         .collect();
+    // `min_by_key` keeps the first of equals.
     let tightest = views
         .iter()
         .enumerate()
-        .min_by_key(|(i, v)| (v.remaining, *i))
+        .min_by_key(|(_, v)| v.remaining)
         .map_or(0, |(i, _)| i);
-    let mut top = serde_json::json!({ "id": id, "plan": policy.name });
-    if let (Some(t), Some(fields)) = (budgets.get(tightest), top.as_object_mut()) {
-        fields.insert("budget".into(), t["name"].clone());
-        for k in ["limit", "window_seconds", "remaining", "reset_seconds"] {
-            fields.insert(k.into(), t[k].clone());
+    let mut top = budgets
+        .get(tightest)
+        .cloned()
+        .unwrap_or_else(|| serde_json::json!({}));
+    if let Some(fields) = top.as_object_mut() {
+        if let Some(name) = fields.remove("name") {
+            fields.insert("budget".into(), name);
         }
-        fields.insert("budgets".into(), budgets.clone().into());
+        fields.insert("id".into(), id.into());
+        fields.insert("plan".into(), policy.name.clone().into());
+        fields.insert("budgets".into(), budgets.into());
     }
     top
 }
