@@ -110,6 +110,19 @@ fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
     }
 }
 
+/// A plan's second budget: 10 units a day.
+fn day_budget() -> Extra {
+    Extra {
+        bucket: super::super::Bucket::Key("day".into()),
+        limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
+    }
+}
+
+/// Each budget's units left, in order.
+fn remaining_each(s: &Standing) -> Vec<u64> {
+    s.each.as_slice().iter().map(|f| f.remaining).collect()
+}
+
 fn admitted(a: &Admission) -> bool {
     matches!(a, Admission::Admitted { .. })
 }
@@ -302,10 +315,7 @@ async fn local_share_and_write_back_cover_every_budget() {
     let (fake, s) = store(OnError::Local, 2);
     // The first budget's share is 60, the day budget's 10/2 = 5: the day one refuses.
     let r = AdmitRequest {
-        also: vec![Extra {
-            bucket: super::super::Bucket::Key("day".into()),
-            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
-        }],
+        also: vec![day_budget()],
         ..req(2, None)
     };
     let a = s.admit(&r).await;
@@ -342,10 +352,7 @@ async fn local_share_and_write_back_cover_every_budget() {
 async fn a_busy_key_in_fallback_sees_every_budget() {
     let (_fake, s) = store(OnError::Local, 2);
     let r = AdmitRequest {
-        also: vec![Extra {
-            bucket: super::super::Bucket::Key("day".into()),
-            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
-        }],
+        also: vec![day_budget()],
         key_cap: Some(2),
         ..req(2, None)
     };
@@ -355,13 +362,7 @@ async fn a_busy_key_in_fallback_sees_every_budget() {
         panic!("one in flight of a cap of 2 over 2 instances")
     };
     // Shares: 120/2 = 60 of the first budget, 58 left; 10/2 = 5 of the day one, 3 left.
-    let each: Vec<u64> = standing
-        .each
-        .as_slice()
-        .iter()
-        .map(|f| f.remaining)
-        .collect();
-    assert_eq!(each, [58, 3]);
+    assert_eq!(remaining_each(&standing), [58, 3]);
     assert_eq!((standing.each.decisive, standing.remaining), (1, 3));
 }
 
@@ -383,13 +384,7 @@ async fn a_busy_route_in_fallback_sees_its_shared_budget_too() {
         panic!("one in flight of a route cap of 2 over 2 instances")
     };
     // Shares: 120/2 = 60 of the key's budget, 56 left; 20/2 = 10 of the route's, 6 left.
-    let each: Vec<u64> = standing
-        .each
-        .as_slice()
-        .iter()
-        .map(|f| f.remaining)
-        .collect();
-    assert_eq!(each, [56, 6]);
+    assert_eq!(remaining_each(&standing), [56, 6]);
     assert_eq!((standing.each.decisive, standing.remaining), (1, 6));
 }
 
@@ -401,10 +396,7 @@ async fn time_charges_weigh_every_local_share_alike() {
     let (fake, s) = store(OnError::Local, 2);
     fake.down.store(true, Ordering::Relaxed);
     let r = AdmitRequest {
-        also: vec![Extra {
-            bucket: super::super::Bucket::Key("day".into()),
-            limit: Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap(),
-        }],
+        also: vec![day_budget()],
         ..req(1, None)
     };
     let Admission::Admitted { lease, .. } = s.admit(&r).await else {
