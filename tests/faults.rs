@@ -321,3 +321,50 @@ async fn a_store_unusable_at_start_is_logged_with_its_cause_and_not_ready() {
     assert!((1..=2).contains(&warnings), "{warnings} warnings:\n{log}");
     assert!(!log.contains("s3cret-pw"));
 }
+
+/// `/admin/keys/{id}` while Redis is away: a 503 that says so, not figures made up or a hang;
+/// the budget left again once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "{}keys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
+            store_body(
+                &redis,
+                "deny",
+                1,
+                "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+            ),
+            sha256_hex("k")
+        ),
+    );
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+    assert_eq!(admin_json(&gw, "/admin/keys/k-id").await["remaining"], 9);
+    redis.kill();
+    let r = reqwest::get(gw.admin("/admin/keys/k-id")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"], "store unavailable", "{v}");
+    let _redis = Redis::start_on(port);
+    let start = Instant::now();
+    loop {
+        let r = reqwest::get(gw.admin("/admin/keys/k-id")).await.unwrap();
+        if r.status() == 200 {
+            // A Redis that restarted empty: the whole budget.
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(v["remaining"], 10, "{v}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the admin view never came back ({})",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
