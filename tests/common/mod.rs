@@ -45,23 +45,27 @@ fn wait_for_port(port: u16, timeout: Duration) -> bool {
 /// `/proc/net/tcp`). A connect alone can reach another process: `free_port` hands out a port
 /// that a test running in parallel may be handed too, and whichever binds second exits.
 fn listens_on(pid: u32, port: u16) -> bool {
-    let inodes: std::collections::HashSet<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .filter_map(|t| std::fs::read_to_string(t).ok())
-        .flat_map(|table| {
-            table
-                .lines()
-                .skip(1)
-                .filter_map(|l| {
-                    let f: Vec<&str> = l.split_whitespace().collect();
-                    let local_port = f.get(1)?.rsplit(':').next()?;
-                    let listening = f.get(3)? == &"0A";
-                    (listening && u16::from_str_radix(local_port, 16).ok()? == port)
-                        .then(|| f.get(9).map(|i| i.to_string()))?
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    // Inodes of the sockets listening (state 0A) on `port`: fields 1 (local address:port, hex),
+    // 3 (state) and 9 (inode) of each line.
+    let mut inodes = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(table) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in table.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(&"0A"), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
+                continue;
+            };
+            let local_port = local
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if local_port == Some(port) {
+                inodes.insert(inode.to_string());
+            }
+        }
+    }
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
