@@ -440,39 +440,41 @@ impl Slices {
         place: Place,
     ) {
         let k = short_key(&req.key);
-        let mut later = vec![];
-        {
+        let live = ask
+            .settle_at
+            .is_some_and(|t| now.saturating_duration_since(t) < LIFETIME);
+        // The hold the call settled, back in the key's entry if it is still this instance's.
+        let restored = {
             let mut shard = self.shard(k);
-            let live = ask
-                .settle_at
-                .is_some_and(|t| now.saturating_duration_since(t) < LIFETIME);
-            match shard.get_mut(&k).filter(|e| e.serves(req)) {
-                Some(e) => {
+            shard
+                .get_mut(&k)
+                .filter(|e| e.serves(req))
+                .is_some_and(|e| {
                     e.done_asking(&ask);
                     if e.place.budgets.is_empty() {
                         e.place = place.clone();
                     }
-                    if ask.settle != 0 && !run && live && e.hold == 0 {
+                    let restore = ask.settle != 0 && !run && live && e.hold == 0;
+                    if restore {
                         e.hold = ask.settle;
                         e.left = ask.unspent;
                         e.granted_at = ask.settle_at.unwrap_or(now);
-                    } else if ask.settle != 0 {
-                        later.push((ask.settle, ask.unspent));
                     }
-                }
-                None if ask.settle != 0 => later.push((ask.settle, ask.unspent)),
-                None => {}
-            }
-        }
-        if run && ask.slice > 0 {
-            later.push((ask.grant, ask.slice));
-        }
-        for (id, unspent) in later {
+                    restore
+                })
+        };
+        let settle = |id, unspent| {
             self.settle_later(Settle {
                 place: place.clone(),
                 id,
                 unspent,
-            });
+            })
+        };
+        if ask.settle != 0 && !restored {
+            settle(ask.settle, ask.unspent);
+        }
+        if run && ask.slice > 0 {
+            settle(ask.grant, ask.slice);
         }
     }
 
