@@ -34,7 +34,22 @@ echo "==> cargo clippy"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "==> cargo test"
 # Two test threads: integration tests start gateway processes; the machine may have 2 cores.
-cargo test --all-targets -- --test-threads="${TEST_THREADS:-2}"
+# Every target runs even after one fails (--no-fail-fast); the failures are listed at the end.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+tests_rc=0
+cargo test --all-targets --no-fail-fast -- --test-threads="${TEST_THREADS:-2}" 2>&1 | tee "$log" || tests_rc=$?
 echo "==> deploy/ artefacts"
+deploy_rc=0
 cargo build --quiet
-TOLLGATE_BIN="${CARGO_TARGET_DIR:-target}/debug/tollgate" bash deploy/check.sh
+TOLLGATE_BIN="${CARGO_TARGET_DIR:-target}/debug/tollgate" bash deploy/check.sh || deploy_rc=$?
+if [ "$tests_rc" != 0 ] || [ "$deploy_rc" != 0 ]; then
+    echo "==> FAILED"
+    # Each failed test, then cargo's list of the targets that failed.
+    awk '/^test .* \.\.\. FAILED$/ { print; next }
+         /^error: .*targets? failed/ { t = 1 }
+         t && (/^error/ || /^    /) { print; next }
+         { t = 0 }' "$log"
+    [ "$deploy_rc" = 0 ] || echo "deploy/check.sh failed (exit $deploy_rc)"
+    exit 1
+fi

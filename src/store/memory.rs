@@ -6,6 +6,7 @@
 //! which queue waiters first-in first-out and wake them without polling.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,9 @@ pub struct Clock {
     anchor: Instant,
     /// Added to every reading. Lets tests give one instance a skewed clock.
     offset_us: i64,
+    /// A clock that reads what its owner set, and nothing else: tests that compare the memory
+    /// store with Redis give it the instant Redis decided at.
+    manual: Option<&'static AtomicU64>,
 }
 
 impl Clock {
@@ -32,10 +36,22 @@ impl Clock {
         Clock {
             anchor: Instant::now(),
             offset_us,
+            manual: None,
+        }
+    }
+
+    /// A clock that stands still at whatever `now` holds.
+    pub fn manual(now: &'static AtomicU64) -> Self {
+        Clock {
+            manual: Some(now),
+            ..Clock::new(0)
         }
     }
 
     pub fn now_us(&self) -> u64 {
+        if let Some(now) = self.manual {
+            return now.load(Ordering::Relaxed);
+        }
         // Start far from zero so a negative offset never underflows.
         let base = 1u64 << 40;
         let t = base + self.anchor.elapsed().as_micros() as u64;

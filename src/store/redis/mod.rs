@@ -96,6 +96,9 @@ pub struct RedisBackend {
     /// Budget slices this instance holds (`store.slices`; never any when off).
     slices: Slices,
     slices_on: bool,
+    /// Redis's `TIME` of the last `admit` it answered (µs): lets a test replay Redis's
+    /// decisions on the memory store at the very same instants.
+    last_decided_us: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -130,7 +133,13 @@ impl RedisBackend {
             held: Mutex::default(),
             slices: Slices::new(s.fleet_size, instance),
             slices_on: s.slices,
+            last_decided_us: AtomicU64::new(0),
         })
+    }
+
+    /// Redis's clock (µs) when it last decided an `admit` for this instance; 0 before any.
+    pub fn last_decided_us(&self) -> u64 {
+        self.last_decided_us.load(Ordering::Relaxed)
     }
 
     /// Metrics, breaker and connection health after one call.
@@ -224,6 +233,8 @@ impl RedisBackend {
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
             .ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
+        self.last_decided_us
+            .store(reply.seen.now_us, Ordering::Relaxed);
         let standing = Standing {
             remaining: reply.remaining,
             reset_us: reply.reset_us,
