@@ -357,7 +357,7 @@ pub fn upstream_failed(timed_out: bool) -> Refusal {
     if timed_out {
         Refusal::new(
             Problem::GatewayTimeout,
-            "the upstream did not answer in time; the request was not charged",
+            "the upstream did not answer in time; it had the request, so the request is charged",
         )
     } else {
         Refusal::new(

@@ -27,8 +27,11 @@ use crate::state::Shared;
 use crate::telemetry::metrics;
 use pingora::proxy::ProxyHttp;
 
+mod late;
 pub mod limits;
 mod stream;
+
+pub use late::{drain_upstream, LateAnswer};
 pub use limits::ClientLimits;
 pub use stream::Tracked;
 
@@ -315,32 +318,4 @@ pub async fn client_left(session: &mut ServerSession) {
         }
         None => std::future::pending().await,
     }
-}
-
-/// Keeps an HTTP/2 request's slot until the upstream has finished its answer although the
-/// client reset the stream. Pingora then drops its upstream connection without a `shutdown`,
-/// so the socket stays open through `dup` and the upstream works on; this reads (and
-/// discards) what it sends until end of file — the request went with `Connection: close` —
-/// or until `read_timeout` passes without a byte, as Pingora itself would have waited.
-pub async fn drain_upstream(
-    dup: std::os::fd::OwnedFd,
-    read_timeout: Duration,
-    release: impl std::future::Future<Output = ()>,
-) {
-    use tokio::io::AsyncReadExt;
-    // The duplicate shares the original's open file description, so it is non-blocking too.
-    match tokio::net::TcpStream::from_std(std::net::TcpStream::from(dup)) {
-        Ok(mut upstream) => {
-            let mut scratch = vec![0u8; 16 * 1024];
-            while let Ok(Ok(n)) =
-                tokio::time::timeout(read_timeout, upstream.read(&mut scratch)).await
-            {
-                if n == 0 {
-                    break;
-                }
-            }
-        }
-        Err(e) => tracing::debug!(error = %e, "cannot watch the upstream of a reset stream"),
-    }
-    release.await;
 }

@@ -316,7 +316,10 @@ where
         let api = api.clone();
         async move { Ok::<_, Infallible>(api.handle(req).await) }
     });
+    // Like most backends, it finishes a request whose client half-closed the connection
+    // (the gateway shuts its side when it stops waiting at read_timeout): the work goes on.
     let _ = hyper::server::conn::http1::Builder::new()
+        .half_close(true)
         .serve_connection(TokioIo::new(io), svc)
         .await;
 }

@@ -466,7 +466,7 @@ async fn upstream_failures_are_refunded() {
         .unwrap();
     assert_eq!(v["remaining"], 100, "502s are refunded: {v}");
 
-    // Timed-out upstream: 504, nothing charged.
+    // Timed-out upstream: 504, charged: the upstream had the request (DESIGN §3).
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
@@ -478,7 +478,7 @@ async fn upstream_failures_are_refunded() {
     assert_eq!(r.status(), 504);
     let r = get(&c, gw.url("/items"), "key-1").await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("99"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

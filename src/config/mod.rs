@@ -63,6 +63,9 @@ pub struct UpstreamTarget {
     pub host_header: http::HeaderValue,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
+    /// How long a capped request's slot follows a late answer after the client got its 504,
+    /// counted from when the request was sent.
+    pub abandon_timeout: Duration,
     pub ca_file: Option<String>,
 }
 

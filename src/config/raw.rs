@@ -137,6 +137,10 @@ pub struct RawUpstream {
     pub connect_timeout: ConfDuration,
     #[serde(default = "default_read_timeout")]
     pub read_timeout: ConfDuration,
+    /// How long a capped slot follows a late upstream after the request was sent (default
+    /// 10 × `read_timeout`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandon_timeout: Option<ConfDuration>,
     /// PEM file of CA certificates to trust for an https upstream (default: the system's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<String>,
@@ -159,6 +163,9 @@ pub struct RawNamedUpstream {
     /// Default: `upstream.read_timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_timeout: Option<ConfDuration>,
+    /// Default: `upstream.abandon_timeout` if set, else 10 × this upstream's `read_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandon_timeout: Option<ConfDuration>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

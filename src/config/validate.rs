@@ -262,6 +262,7 @@ fn named_upstreams(
                 url: url.clone(),
                 connect_timeout: u.connect_timeout.unwrap_or(raw.upstream.connect_timeout),
                 read_timeout: u.read_timeout.unwrap_or(raw.upstream.read_timeout),
+                abandon_timeout: u.abandon_timeout.or(raw.upstream.abandon_timeout),
                 ca_file: None,
             };
             if let Some(t) = upstream(&path, &one, errs) {
@@ -325,6 +326,9 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
                 authority,
                 connect_timeout: u.connect_timeout.0,
                 read_timeout: u.read_timeout.0,
+                abandon_timeout: u
+                    .abandon_timeout
+                    .map_or(u.read_timeout.0.saturating_mul(10), |d| d.0),
                 ca_file: u.ca_file.clone(),
             })
         }
@@ -346,6 +350,18 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
     }
     if u.read_timeout.0.is_zero() {
         errs.push(format!("{base}.read_timeout"), "must be greater than 0");
+    }
+    if let Some(a) = u.abandon_timeout {
+        if a.0 < u.read_timeout.0 {
+            errs.push(
+                format!("{base}.abandon_timeout"),
+                format!(
+                    "must be at least read_timeout ({}), got {}",
+                    super::duration::format_duration(u.read_timeout.0),
+                    super::duration::format_duration(a.0)
+                ),
+            );
+        }
     }
     target
 }

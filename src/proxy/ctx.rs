@@ -132,6 +132,9 @@ pub struct Ctx {
     /// client resets the stream, the upstream's answer is drained from it so that the slot
     /// follows the upstream's work.
     pub upstream_dup: Option<std::os::fd::OwnedFd>,
+    /// How long after the request was sent a late answer is still followed (the upstream's
+    /// `abandon_timeout`).
+    pub abandon_after: Duration,
     pub phase: Phase,
     pub timing: Timing,
     /// The client's `X-Request-Id`, or one made up for it; sent upstream and logged.
@@ -160,6 +163,7 @@ impl Ctx {
             identity: None,
             origin: None,
             upstream_dup: None,
+            abandon_after: Duration::ZERO,
             phase: Phase::Undecided,
             timing: Timing::default(),
             request_id: None,

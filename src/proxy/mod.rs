@@ -34,15 +34,21 @@ pub struct Gateway {
     pub shared: Arc<Shared>,
 }
 
-/// An HTTP/2 request admitted to a capped route: its slot follows the upstream's work through
-/// a duplicate of the upstream socket (HTTP/1 has the client shield instead, see `front`).
-fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
-    session.downstream_session.is_http2()
-        && ctx.is_admitted()
+/// A request admitted to a capped route: its slot follows the upstream's work, through a
+/// duplicate of the upstream socket, when the gateway stops waiting for the answer (the
+/// client got its 504 at `read_timeout`; an HTTP/2 client reset its stream).
+fn follows_upstream(ctx: &Ctx) -> bool {
+    ctx.is_admitted()
         && ctx
             .route
             .as_ref()
             .is_some_and(|r| r.max_in_flight.is_some())
+}
+
+/// An HTTP/2 request admitted to a capped route: a reset stream is followed to the end of its
+/// upstream connection (HTTP/1 has the client shield instead, see `front`).
+fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
+    session.downstream_session.is_http2() && follows_upstream(ctx)
 }
 
 /// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
@@ -78,6 +84,27 @@ fn shadow_or_refuse(
 }
 
 impl Gateway {
+    /// The gateway stopped waiting for the upstream's answer while the upstream may still be
+    /// working on it: the request's slot stays taken until that answer ends, read (and
+    /// discarded) through the duplicate of the upstream socket, for at most
+    /// `abandon_timeout` after the request was sent. Without a duplicate (an uncapped route)
+    /// the slot, if any, is freed in `logging` as usual.
+    fn follow_late_answer(&self, ctx: &mut Ctx, answer: front::LateAnswer) {
+        let Some(dup) = ctx.upstream_dup.take() else {
+            return;
+        };
+        let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
+        let deadline = sent + ctx.abandon_after;
+        if let Some(slot) = ctx.detach_slot() {
+            tokio::spawn(front::drain_upstream(
+                dup,
+                deadline.into(),
+                answer,
+                slot.release(),
+            ));
+        }
+    }
+
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         ctx.refuse(&r);
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
@@ -298,11 +325,13 @@ impl ProxyHttp for Gateway {
                 );
             };
             ctx.upstream_host = Some(target.host_header.clone());
+            ctx.abandon_after = target.abandon_timeout;
             return Ok(Box::new(forward::peer(addr, target)));
         }
         let Some(addr) = self.shared.upstream_addr.load_full() else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };
+        ctx.abandon_after = running.config.upstream.abandon_timeout;
         Ok(Box::new(forward::peer(*addr, &running.config.upstream)))
     }
 
@@ -325,14 +354,14 @@ impl ProxyHttp for Gateway {
 
     async fn connected_to_upstream(
         &self,
-        session: &mut Session,
+        _session: &mut Session,
         _reused: bool,
         _peer: &HttpPeer,
         fd: std::os::unix::io::RawFd,
         _digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if drains_on_reset(session, ctx) {
+        if follows_upstream(ctx) {
             // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
             // a duplicate is kept.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
@@ -369,11 +398,10 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
             (ErrorSource::Downstream, ReadTimedout) => {
-                // The request body stalled past body_timeout: the upstream never had the whole
-                // request, so nothing is charged.
+                // The request body stalled past body_timeout. The upstream had the request
+                // (its head, and the body so far): the charge stands (DESIGN §3), else a
+                // stalled body would hold a slot for free; the slot is freed in `logging`.
                 metrics().client_timeouts.with_label_values(&["body"]).inc();
-                ctx.refund(&self.shared.store, Problem::RequestTimeout)
-                    .await;
                 if !headers_sent {
                     session.set_keepalive(None);
                     let _ = respond::problem(
@@ -427,9 +455,19 @@ impl ProxyHttp for Gateway {
                 can_reuse_downstream: false,
             };
         }
-        // The upstream never produced a response: refund, before answering, so that the
-        // client's next request already sees the units back.
-        ctx.refund(&self.shared.store, failure.problem).await;
+        if timed_out {
+            // The upstream has the request and may still be working on it: the charge stands,
+            // and a capped slot follows the late answer to its end — if the upstream had the
+            // whole request (one still waiting for the rest of a stalled body is not working).
+            if session.is_body_done() {
+                let head = session.req_header().method == http::Method::HEAD;
+                self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
+            }
+        } else {
+            // The upstream never received the request: refund, before answering, so that the
+            // client's next request already sees the units back.
+            ctx.refund(&self.shared.store, failure.problem).await;
+        }
         ctx.timing.upstream_done();
         // Pingora will not reuse this connection after an upstream error: say so, so that the
         // client doesn't send its next request into a closing socket.
@@ -452,14 +490,17 @@ impl ProxyHttp for Gateway {
             // An HTTP/2 client that reset its stream after sending the whole request: the
             // upstream works on, so its slot stays taken until the upstream is done. (Else the
             // duplicate just closes.)
-            if e.is_some_and(client_went_away) && session.is_body_done() {
-                if let (Some(slot), Some(running)) = (ctx.detach_slot(), &ctx.running) {
-                    let read_timeout = running.config.upstream.read_timeout;
-                    tokio::spawn(front::drain_upstream(dup, read_timeout, slot.release()));
-                }
+            if session.downstream_session.is_http2()
+                && e.is_some_and(client_went_away)
+                && session.is_body_done()
+            {
+                // Part of the answer may have been read: its request went with
+                // `Connection: close`, so it ends with the connection.
+                ctx.upstream_dup = Some(dup);
+                self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
             }
         }
-        // Now, with the upstream's answer read to its end (or its read_timeout passed).
+        // Now, with the upstream's answer read to its end (or abandon_timeout passed).
         ctx.release().await;
         // After the slots are free: the time charge is one more store call, for such routes only.
         ctx.charge_time(&self.shared.store).await;

@@ -1,0 +1,187 @@
+//! Slots follow the upstream's work, not the client's connection (DESIGN §3): a request the
+//! upstream received stays charged, and a capped slot stays taken until the upstream's late
+//! answer ends (at most `upstream.abandon_timeout` after the request was sent).
+
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A 1,000-a-day budget (under a unit of refill in a test's minutes), a cost-10 route capped
+/// at 2 with no queue, and the key `a` in the registry so that its budget can be read.
+fn capped(extra_route: &str) -> String {
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /reports/generate:\n      cost: 10\n      max_in_flight: 2\n{extra_route}keys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
+        sha256_hex("key-a"),
+        sha256_hex("key-b"),
+    )
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Sends quick reports of key `b` until one is admitted (200), for at most `within`; returns
+/// when.
+async fn first_admitted(gw: &Gateway, within: Duration) -> Option<Instant> {
+    let c = client();
+    let start = Instant::now();
+    while start.elapsed() < within {
+        let r = post(&c, gw.url("/reports/generate?delay_ms=0"), "key-b").await;
+        match r.status().as_u16() {
+            200 => return Some(Instant::now()),
+            503 => tokio::time::sleep(Duration::from_millis(50)).await,
+            s => panic!("unexpected {s}"),
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_504_stays_charged_and_its_slot_follows_the_late_answer() {
+    // Reports take 3 s; the gateway gives up on them after 1 s.
+    let up = Upstream::start(Duration::from_secs(3));
+    let body = capped("");
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 1s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let sent = Instant::now();
+    let rs = all_at_once(2, |_| {
+        c.post(gw.url("/reports/generate"))
+            .header("X-API-Key", "key-a")
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), vec![504, 504]);
+    for r in &rs {
+        assert_eq!(header(r, "X-RateLimit-Cost").as_deref(), Some("10"));
+    }
+    // The upstream ran both: both are charged.
+    assert_eq!(remaining(&gw, "a").await, 980);
+    // The upstream is still working on both: the route is full until their answers end.
+    assert_eq!(up.stats()["/reports/generate"].current, 2);
+    let r = post(&c, gw.url("/reports/generate?delay_ms=0"), "key-b").await;
+    assert_eq!(r.status(), 503, "the late requests still hold the slots");
+    // The slots come back once the late answers are in (3 s after they were sent).
+    let admitted = first_admitted(&gw, Duration::from_secs(10))
+        .await
+        .expect("a slot came back");
+    let after = admitted - sent;
+    assert!(
+        after >= Duration::from_millis(2900) && after < Duration::from_secs(8),
+        "{after:?}"
+    );
+    assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    assert_eq!(up.count("/reports/generate"), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_answer_is_followed_for_abandon_timeout_at_most() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = capped("");
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 500ms\n  abandon_timeout: 2s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let sent = Instant::now();
+    // Both slots taken by reports that take 30 s.
+    let rs = all_at_once(2, |_| {
+        c.post(gw.url("/reports/generate?delay_ms=30000"))
+            .header("X-API-Key", "key-a")
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), vec![504, 504]);
+    let r = post(&c, gw.url("/reports/generate"), "key-b").await;
+    assert_eq!(r.status(), 503);
+    let admitted = first_admitted(&gw, Duration::from_secs(10))
+        .await
+        .expect("the slots were given up after abandon_timeout");
+    let after = admitted - sent;
+    assert!(
+        after >= Duration::from_millis(1900) && after < Duration::from_secs(8),
+        "{after:?}"
+    );
+    assert_eq!(remaining(&gw, "a").await, 980);
+}
+
+#[test]
+fn abandon_timeout_shorter_than_read_timeout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        "upstream:\n  url: \"http://127.0.0.1:1\"\n  read_timeout: 5s\n  abandon_timeout: 1s\nrate_limits:\n  default: {cost: 1, window: 1m, max_cost: 10}\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("upstream.abandon_timeout: must be at least read_timeout (5s), got 1s"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stalls_after_admission_is_charged_and_frees_its_slot() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /upload:\n      cost: 10\n      max_in_flight: 1\nkeys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
+        sha256_hex("key-a"),
+        sha256_hex("key-b"),
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        server_extra: "  body_timeout: 1s\n",
+        ..GatewayOpts::default()
+    });
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: key-a\r\nContent-Length: 100\r\n\r\nx",
+    )
+    .unwrap();
+    up.wait_current("/upload", 1).await;
+    // The body never comes: 408 (or a closed connection) after body_timeout.
+    let answer = tokio::task::spawn_blocking(move || read_raw_response(&mut sock))
+        .await
+        .unwrap();
+    assert!(
+        answer.as_ref().is_none_or(|r| r.status == 408),
+        "{answer:?}"
+    );
+    // The upstream had the request: charged. The slot is free again.
+    assert_eq!(remaining(&gw, "a").await, 990);
+    let c = client();
+    let start = Instant::now();
+    loop {
+        let r = c
+            .post(gw.url("/upload"))
+            .header("X-API-Key", "key-b")
+            .body("hello")
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert_eq!(r.status(), 503);
+        assert!(start.elapsed() < Duration::from_secs(5), "slot never freed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
