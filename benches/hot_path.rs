@@ -50,6 +50,7 @@ fn router(n: usize) -> Router {
             cost: 1 + (i % 20) as u64,
             max_in_flight: None,
             queue_timeout: Duration::ZERO,
+            queue: Default::default(),
             fidelity: Default::default(),
             provider: Default::default(),
         })
@@ -177,6 +178,7 @@ fn admit_request(key: [u8; 32], limit: Limit) -> AdmitRequest {
         route: Arc::from("default"),
         route_cap: None,
         queue_timeout: Duration::ZERO,
+        fair: Default::default(),
     }
 }
 

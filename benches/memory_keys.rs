@@ -64,6 +64,7 @@ fn admit_keys(store: &Arc<MemoryStore>, limit: Limit, prefix: &str, n: usize) ->
             route: route.clone(),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         };
         if matches!(poll_ready(store.admit(&req)), Admission::Admitted { .. }) {
             admitted += 1;

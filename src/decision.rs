@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::identity::{self, Identity, Unauthenticated};
 use crate::problem::Problem;
 use crate::route::{normalize_path, BadPath, Route};
+use crate::store::fair::Fair;
 use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease, Standing};
 
 /// What a request is charged as, and what the upstream receives for it.
@@ -241,6 +242,11 @@ pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
             Duration::ZERO
         } else {
             route.queue_timeout
+        },
+        fair: Fair {
+            weight: who.policy.weight,
+            per_key: route.queue.per_key,
+            max_queue: route.queue.max_queue,
         },
     }
 }

@@ -22,6 +22,8 @@ pub struct Policy {
     pub window: Duration,
     pub max_delay: Duration,
     pub max_in_flight_per_key: Option<u32>,
+    /// Its share of a full capped route's slots (`weight`, default 1; DESIGN §8).
+    pub weight: u32,
     /// The GCRA parameters derived from the fields above.
     pub limit: Limit,
     /// Its `RateLimit-Policy` (every budget's member) and `X-RateLimit-Limit` values,
@@ -102,6 +104,7 @@ impl Policy {
             window: first.window,
             max_delay,
             max_in_flight_per_key,
+            weight: 1,
             limit: first.limit,
             headers,
             budgets: budgets.into_iter().map(|(_, b)| b).collect(),

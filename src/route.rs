@@ -19,8 +19,18 @@ pub struct RouteSpec {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub queue: QueueRules,
     pub fidelity: Fidelity,
     pub provider: Provider,
+}
+
+/// How a capped route's fair queue is bounded (DESIGN §8).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueRules {
+    /// `max_queue`: most waiters, fleet-wide; beyond, 503 `route-busy` at once.
+    pub max_queue: Option<u32>,
+    /// `max_in_flight_per_key`: one key's share of the slots; beyond it, its requests wait.
+    pub per_key: Option<u32>,
 }
 
 /// How faithfully a route's cost is applied (DESIGN §6): whether its refusals are enforced or
@@ -72,28 +82,22 @@ pub struct Route {
     pub cost: u64,
     pub max_in_flight: Option<u32>,
     pub queue_timeout: Duration,
+    pub queue: QueueRules,
     pub fidelity: Fidelity,
     pub provider: Provider,
 }
 
 impl Route {
-    fn new(
-        label: &str,
-        index: usize,
-        cost: u64,
-        max_in_flight: Option<u32>,
-        queue_timeout: Duration,
-        fidelity: Fidelity,
-        provider: Provider,
-    ) -> Arc<Route> {
+    fn new(spec: &RouteSpec, label: &str, index: usize) -> Arc<Route> {
         Arc::new(Route {
             label: Arc::from(label),
             index,
-            cost,
-            max_in_flight,
-            queue_timeout,
-            fidelity,
-            provider,
+            cost: spec.cost,
+            max_in_flight: spec.max_in_flight,
+            queue_timeout: spec.queue_timeout,
+            queue: spec.queue,
+            fidelity: spec.fidelity,
+            provider: spec.provider.clone(),
         })
     }
 
@@ -355,15 +359,7 @@ impl Router {
                 continue;
             }
             routes.push((
-                Route::new(
-                    &spec.pattern,
-                    idx,
-                    spec.cost,
-                    spec.max_in_flight,
-                    spec.queue_timeout,
-                    spec.fidelity,
-                    spec.provider.clone(),
-                ),
+                Route::new(&spec, &spec.pattern, idx),
                 specificity(path, method.is_some()),
             ));
         }
@@ -371,13 +367,17 @@ impl Router {
             return Err(errs);
         }
         let default = Route::new(
+            &RouteSpec {
+                pattern: "default".into(),
+                cost: default_cost,
+                max_in_flight: None,
+                queue_timeout: Duration::ZERO,
+                queue: QueueRules::default(),
+                fidelity: default_fidelity,
+                provider: Provider::default(),
+            },
             "default",
             routes.len(),
-            default_cost,
-            None,
-            Duration::ZERO,
-            default_fidelity,
-            Provider::default(),
         );
         Ok(Router {
             routes,

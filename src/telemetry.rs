@@ -33,6 +33,23 @@ pub const STORE_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 ];
 
+/// Counts a request in `tollgate_queued{route}` while it waits for a route's slot.
+pub struct Queued(IntGauge);
+
+impl Queued {
+    pub fn new(route: &str) -> Queued {
+        let g = metrics().queued.with_label_values(&[route]);
+        g.inc();
+        Queued(g)
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Every metric the gateway exports (the dashboard test checks against this list).
 pub const METRIC_NAMES: &[&str] = &[
     "tollgate_requests_total",
@@ -43,6 +60,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_in_flight",
     "tollgate_in_flight_limit",
     "tollgate_queue_wait_seconds",
+    "tollgate_queued",
     "tollgate_store_calls_total",
     "tollgate_store_duration_seconds",
     "tollgate_store_degraded",
@@ -70,6 +88,7 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     pub in_flight_limit: IntGaugeVec,
     pub queue_wait: HistogramVec,
+    pub queued: IntGaugeVec,
     pub store_calls: IntCounterVec,
     pub store_duration: Histogram,
     pub store_degraded: IntGauge,
@@ -141,6 +160,12 @@ fn build() -> Metrics {
             "Time spent waiting for a route's in-flight slot",
             &["route"],
             LATENCY_BUCKETS.to_vec()
+        )
+        .expect("register"),
+        queued: register_int_gauge_vec!(
+            "tollgate_queued",
+            "Requests of this instance waiting for a slot of a capped route",
+            &["route"]
         )
         .expect("register"),
         store_calls: register_int_counter_vec!(
@@ -334,6 +359,10 @@ impl RouteMetrics {
                         .with_label_values(&[&*self.label, &status.to_string()])
                 });
             }
+        }
+        if route.max_in_flight.is_some() {
+            // At zero from the start: a queue's first waiters must show.
+            let _ = m.queued.with_label_values(&[&*self.label]);
         }
         let mut reasons = vec!["budget", "key_in_flight"];
         if route.max_in_flight.is_some() {

@@ -604,6 +604,7 @@ async fn memory_and_redis_stores_decide_alike() {
             route: Arc::from("r"),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         };
         let before = shared.shared().last_decided_us();
         let r = shared.admit(&req).await;

@@ -347,6 +347,12 @@ pub struct RawEndpoint {
     pub max_in_flight: Option<i64>,
     #[serde(default)]
     pub queue_timeout: Option<ConfDuration>,
+    /// Fleet-wide waiters for a slot; beyond it 503 `route-busy` at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_queue: Option<i64>,
+    /// One key's share of the route's slots: its further requests wait (not refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight_per_key: Option<i64>,
     /// Bill measured upstream time: the final charge is `max(cost, ceil(s × this))`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_per_second: Option<f64>,
@@ -397,6 +403,9 @@ pub struct RawPlan {
     pub max_delay: Option<ConfDuration>,
     #[serde(default)]
     pub max_in_flight_per_key: Option<i64>,
+    /// The plan's share of a full capped route's slots (default 1), DESIGN §8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<i64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

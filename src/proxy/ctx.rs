@@ -363,6 +363,7 @@ mod tests {
             route: Arc::from("/r"),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         }
     }
 

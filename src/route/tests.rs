@@ -70,6 +70,7 @@ fn spec(p: &str, cost: u64) -> RouteSpec {
         cost,
         max_in_flight: None,
         queue_timeout: Duration::ZERO,
+        queue: Default::default(),
         fidelity: Fidelity::default(),
         provider: Provider::default(),
     }

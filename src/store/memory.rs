@@ -2,19 +2,19 @@
 //!
 //! Right for one instance, and the fallback each instance uses (with `1/fleet_size` of every
 //! budget and cap) while Redis is unreachable under `on_error: local`. Budgets sit in sharded
-//! maps behind short std mutexes (never held across an await); route slots are tokio semaphores,
-//! which queue waiters first-in first-out and wake them without polling.
+//! maps behind short std mutexes (never held across an await); route slots are fair queues
+//! (`store::fair`), which hand a freed slot to the next waiter in the release itself.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
+use super::fair::{Joined, RouteQueues, RouteSlot};
 use super::{lock, short_key, Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease};
 use crate::budget::{self, Limit, State, MAX_BUDGETS};
 use crate::identity::KeyHash;
+use crate::telemetry::Queued;
 
 const SHARDS: usize = 64;
 /// How often a shard drops the keys whose bucket has emptied.
@@ -170,17 +170,11 @@ impl Shard {
     }
 }
 
-#[derive(Debug)]
-struct RouteSlots {
-    cap: u32,
-    sem: Arc<Semaphore>,
-}
-
 pub struct MemoryStore {
     clock: Clock,
     shards: Box<[Mutex<Shard>]>,
     shared: Mutex<SharedBudgets>,
-    routes: Mutex<HashMap<Arc<str>, RouteSlots>>,
+    routes: RouteQueues,
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -196,7 +190,14 @@ pub struct MemoryLease {
     /// uncapped request takes no second lock to give it back). A reload that adds a cap
     /// counts from then on: the requests already running are not in the count.
     key_slot: Option<(Arc<MemoryStore>, u128)>,
-    _route: Option<OwnedSemaphorePermit>,
+    /// The route slot; freeing it hands it to the route's next waiter.
+    route: Option<RouteSlot>,
+}
+
+impl MemoryLease {
+    pub(crate) fn attach_route(&mut self, slot: RouteSlot) {
+        self.route = Some(slot);
+    }
 }
 
 impl Drop for MemoryLease {
@@ -216,7 +217,7 @@ impl MemoryStore {
             clock,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             shared: Mutex::default(),
-            routes: Mutex::default(),
+            routes: RouteQueues::default(),
         })
     }
 
@@ -248,34 +249,9 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn route_sem(&self, label: &Arc<str>, cap: u32) -> Arc<Semaphore> {
-        let mut routes = lock(&self.routes);
-        match routes.get(label) {
-            Some(r) if r.cap == cap => r.sem.clone(),
-            _ => {
-                // New route, or a reload changed its cap: requests in flight keep their permits
-                // on the old semaphore; new ones use the new one.
-                let sem = Arc::new(Semaphore::new(cap as usize));
-                routes.insert(
-                    label.clone(),
-                    RouteSlots {
-                        cap,
-                        sem: sem.clone(),
-                    },
-                );
-                sem
-            }
-        }
-    }
-
     /// Decides and, when admitted, charges every budget and takes the key slot; all under one
     /// shard lock.
-    fn charge(
-        self: &Arc<Self>,
-        req: &AdmitRequest,
-        route: Option<OwnedSemaphorePermit>,
-        queued: Duration,
-    ) -> Admission {
+    fn charge(self: &Arc<Self>, req: &AdmitRequest) -> Admission {
         let now = self.clock.now_us();
         let mut locked = self.lock_budgets(req);
         let key = locked.key;
@@ -300,11 +276,11 @@ impl MemoryStore {
         let lease = Lease::local(
             MemoryLease {
                 key_slot,
-                _route: route,
+                route: None,
             },
             req.limit,
         );
-        Admission::admitted(&joint.outcome, lease, queued)
+        Admission::admitted(&joint.outcome, lease, Duration::ZERO)
     }
 
     /// What the decision would be, without writing anything.
@@ -338,29 +314,61 @@ impl MemoryStore {
     }
 
     pub async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Admission {
-        let Some(cap) = req.route_cap else {
-            return self.charge(req, None, Duration::ZERO);
-        };
-        // Refuse what the budget or key cap would refuse anyway before queueing for a slot.
-        if let Some(refusal) = self.preview(req) {
-            return refusal;
+        match req.route_cap {
+            None => self.charge(req),
+            // Boxed: the queued path's state would make every request's future larger.
+            Some(cap) => Box::pin(self.admit_capped(req, cap)).await,
         }
-        let sem = self.route_sem(&req.route, cap);
+    }
+
+    async fn admit_capped(self: &Arc<Self>, req: &AdmitRequest, cap: u32) -> Admission {
+        // Charged on joining the route's queue (DESIGN §8): the budgets and the key's cap
+        // decide first, so a refusal comes at once, never after waiting.
         let start = Instant::now();
-        let permit = match sem.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => match tokio::time::timeout(req.queue_timeout, sem.acquire_owned()).await {
-                Ok(Ok(p)) => p,
-                _ => {
-                    return Admission::RouteBusy {
-                        standing: (&self.standing(req)).into(),
-                        queued: start.elapsed(),
-                    };
-                }
-            },
+        let (standing, delay_us, mut lease) = match self.charge(req) {
+            Admission::Admitted {
+                standing,
+                delay_us,
+                lease,
+                ..
+            } => (standing, delay_us, lease),
+            refused => return refused,
         };
-        // The budget may have moved while we queued: decide again, now for real.
-        self.charge(req, Some(permit), start.elapsed())
+        // Given back if the request leaves the queue unserved, also when this future is
+        // dropped (the client left while it waited).
+        let charged = Unserved {
+            store: self,
+            req: Some(req),
+        };
+        let slot = match self
+            .routes
+            .join(&req.route, cap, short_key(&req.key), req.fair)
+        {
+            Joined::Slot(slot) => Some(slot),
+            Joined::QueueFull => None,
+            Joined::Waiting(w) => {
+                let _queued = Queued::new(&req.route);
+                tokio::time::timeout(req.queue_timeout, w.granted())
+                    .await
+                    .ok()
+            }
+        };
+        let Some(slot) = slot else {
+            drop(charged);
+            drop(lease);
+            return Admission::RouteBusy {
+                standing: (&self.standing(req)).into(),
+                queued: start.elapsed(),
+            };
+        };
+        charged.served();
+        lease.attach_route(slot);
+        Admission::Admitted {
+            standing,
+            delay_us,
+            lease,
+            queued: start.elapsed(),
+        }
     }
 
     /// Gives `req.cost` back to every budget of `req`.
@@ -408,12 +416,34 @@ impl MemoryStore {
             .collect()
     }
 
+    /// Requests running on and waiting for each capped route in this process.
+    pub fn queues(&self) -> &RouteQueues {
+        &self.routes
+    }
+
     /// In-flight count on a route's slots in this process (for tests).
     pub fn route_in_flight(&self, label: &str) -> u32 {
-        lock(&self.routes)
-            .get(label)
-            .map(|r| r.cap - r.sem.available_permits() as u32)
-            .unwrap_or(0)
+        self.routes.counts(label).0
+    }
+}
+
+/// The charge of a request queued for a route slot: given back unless it was served.
+struct Unserved<'a> {
+    store: &'a MemoryStore,
+    req: Option<&'a AdmitRequest>,
+}
+
+impl Unserved<'_> {
+    fn served(mut self) {
+        self.req = None;
+    }
+}
+
+impl Drop for Unserved<'_> {
+    fn drop(&mut self) {
+        if let Some(req) = self.req {
+            self.store.refund(req);
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 //!   `FallbackStore<RedisBackend>`. With it: `running` (what the local share counts) and
 //!   `write_back` (what the fallback admitted, owed to the shared budget).
 
+pub mod fair;
 pub mod fallback;
 pub mod memory;
 pub mod redis;
@@ -140,6 +141,9 @@ pub struct AdmitRequest {
     pub route: Arc<str>,
     pub route_cap: Option<u32>,
     pub queue_timeout: Duration,
+    /// How the request queues for the route's slots: its plan's weight, the route's per-key
+    /// share and queue bound.
+    pub fair: fair::Fair,
 }
 
 // A plan's further budgets are the policy's to define; the store keeps their state.
@@ -303,6 +307,13 @@ impl Lease {
             slots: Slots::Memory(slots),
             charge: Charge::Local(limit),
             ..Lease::default()
+        }
+    }
+
+    /// Adds the route slot a memory-store request got after it was charged (it queued).
+    pub(crate) fn attach_route(&mut self, slot: fair::RouteSlot) {
+        if let Slots::Memory(m) = &mut self.slots {
+            m.attach_route(slot);
         }
     }
 
@@ -502,6 +513,7 @@ mod tests {
             route: Arc::from("/"),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         };
         let bound = 512;
         assert!(size_of_future(&store.decide(&req)) <= bound);

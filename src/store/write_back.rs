@@ -174,6 +174,7 @@ mod tests {
             route: std::sync::Arc::from("r"),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         };
         assert!(l.add(&req(1, 2), 2), "first: start a sender");
         assert!(!l.add(&req(1, 3), 3));

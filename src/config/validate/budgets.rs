@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use crate::budget::{Limit, MAX_PLAN_BUDGETS};
 use crate::config::bounds::{shown, MAX_NAME_CHARS, MAX_PATTERN_CHARS};
+use crate::config::duration::format_duration;
 use crate::config::error::{key_path, ConfigErrors};
 use crate::config::pattern::check_endpoint;
-use crate::config::raw::{Mode, RawBudget, RawDefault, RawKey, RawPlan, RawRateLimits, RawShared};
+use crate::config::raw::{
+    Mode, RawBudget, RawDefault, RawEndpoint, RawKey, RawPlan, RawRateLimits, RawShared,
+};
 use crate::config::KeyEntry;
 use crate::policy::{Budget, Policy, SHARED_BUDGET};
-use crate::route::{Fidelity, Provider, RouteSpec, Router};
+use crate::route::{Fidelity, Provider, QueueRules, RouteSpec, Router};
 
 /// `rate_limits.default`: the budget of every key without a plan.
 pub(super) fn default_policy(d: &RawDefault, errs: &mut ConfigErrors) -> Option<Policy> {
@@ -67,7 +70,18 @@ pub(super) fn plans(
             p.max_in_flight_per_key,
             errs,
         );
-        if let Some(policy) = build_policy(
+        let weight = match p.weight {
+            None => 1,
+            Some(w) if (1..=MAX_WEIGHT).contains(&w) => w as u32,
+            Some(w) => {
+                errs.push(
+                    format!("{base}.weight"),
+                    format!("must be a positive integer (at most {MAX_WEIGHT}), got {w}"),
+                );
+                1
+            }
+        };
+        if let Some(mut policy) = build_policy(
             name,
             &base,
             (p.max_cost, p.window.map(|w| w.0), p.budgets.as_deref()),
@@ -75,6 +89,7 @@ pub(super) fn plans(
             per_key,
             errs,
         ) {
+            policy.weight = weight;
             plans.insert(name.clone(), Arc::new(policy));
         }
     }
@@ -144,6 +159,15 @@ pub(super) fn endpoints(
                 "only applies together with max_in_flight",
             );
         }
+        if let Some(t) = e.queue_timeout {
+            if t.0 > MAX_QUEUE_TIMEOUT {
+                errs.push(
+                    format!("{base}.queue_timeout"),
+                    format!("must be at most 1h, got {}", format_duration(t.0)),
+                );
+            }
+        }
+        let queue = queue_rules(&base, e, max_in_flight, errs);
         if let Some(prefix) = &e.strip_prefix {
             let path = crate::route::split_pattern(pattern).1;
             if !prefix.starts_with('/')
@@ -173,6 +197,7 @@ pub(super) fn endpoints(
             cost: cost.max(1) as u64,
             max_in_flight,
             queue_timeout: e.queue_timeout.map(|d| d.0).unwrap_or_default(),
+            queue,
             fidelity,
             provider: Provider {
                 shared,
@@ -294,6 +319,47 @@ fn cost_per_second(base: &str, value: Option<f64>, errs: &mut ConfigErrors) -> O
 }
 
 /// An optional in-flight cap: a positive integer up to a million.
+/// Most a plan's `weight` may be.
+const MAX_WEIGHT: i64 = 1000;
+/// Longest `queue_timeout` (DESIGN §8).
+const MAX_QUEUE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// An endpoint's `max_queue` and `max_in_flight_per_key`: both only with `max_in_flight`, and
+/// a key's share at most the cap.
+fn queue_rules(
+    base: &str,
+    e: &RawEndpoint,
+    max_in_flight: Option<u32>,
+    errs: &mut ConfigErrors,
+) -> QueueRules {
+    let max_queue = concurrency_cap(format!("{base}.max_queue"), e.max_queue, errs);
+    let per_key = concurrency_cap(
+        format!("{base}.max_in_flight_per_key"),
+        e.max_in_flight_per_key,
+        errs,
+    );
+    for (field, set) in [
+        ("max_queue", max_queue.is_some()),
+        ("max_in_flight_per_key", per_key.is_some()),
+    ] {
+        if set && max_in_flight.is_none() {
+            errs.push(
+                format!("{base}.{field}"),
+                "only applies together with max_in_flight",
+            );
+        }
+    }
+    if let (Some(share), Some(cap)) = (per_key, max_in_flight) {
+        if share > cap {
+            errs.push(
+                format!("{base}.max_in_flight_per_key"),
+                format!("must be at most max_in_flight ({cap}), got {share}"),
+            );
+        }
+    }
+    QueueRules { max_queue, per_key }
+}
+
 fn concurrency_cap(path: String, value: Option<i64>, errs: &mut ConfigErrors) -> Option<u32> {
     match value {
         Some(n) if (1..=1_000_000).contains(&n) => Some(n as u32),

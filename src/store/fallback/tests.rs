@@ -107,6 +107,7 @@ fn req(cost: u64, route_cap: Option<u32>) -> AdmitRequest {
         route: Arc::from("/r"),
         route_cap,
         queue_timeout: Duration::ZERO,
+        fair: Default::default(),
     }
 }
 

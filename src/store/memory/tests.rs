@@ -10,6 +10,7 @@ fn req(cost: u64, key_cap: Option<u32>, route_cap: Option<u32>, queue_ms: u64) -
         route: Arc::from("/reports/generate"),
         route_cap,
         queue_timeout: Duration::from_millis(queue_ms),
+        fair: Default::default(),
     }
 }
 

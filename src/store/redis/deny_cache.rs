@@ -117,6 +117,7 @@ mod tests {
             route: Arc::from("r"),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         };
         assert!(c.check(&req).is_none());
         let o = Outcome {

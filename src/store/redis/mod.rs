@@ -305,6 +305,8 @@ impl SharedStore for RedisBackend {
         }
         let start = Instant::now();
         let mut backoff = QUEUE_POLL_MIN;
+        // Counted in `tollgate_queued` from its first refusal by the full route until it leaves.
+        let mut queued: Option<crate::telemetry::Queued> = None;
         loop {
             // Register for a local wake-up before asking, so a release in between isn't missed.
             let notify = req.route_cap.map(|_| self.notify_for(&req.route));
@@ -330,6 +332,7 @@ impl SharedStore for RedisBackend {
                             queued: waited,
                         }
                     } else {
+                        queued.get_or_insert_with(|| crate::telemetry::Queued::new(&req.route));
                         // Another instance's release is seen on the next poll; ours wakes us
                         // at once.
                         let jitter = rand::random_range(0.5..1.0);
@@ -427,6 +430,7 @@ impl SharedStore for RedisBackend {
             route: Arc::from(""),
             route_cap: None,
             queue_timeout: Duration::ZERO,
+            fair: Default::default(),
         });
         self.call::<i64>(self.script.debit(&budgets, units))
             .await

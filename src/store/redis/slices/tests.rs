@@ -18,6 +18,7 @@ fn req(limit: Limit, cost: u64) -> AdmitRequest {
         route: Arc::from("r"),
         route_cap: None,
         queue_timeout: Duration::ZERO,
+        fair: Default::default(),
     }
 }
 

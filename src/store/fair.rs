@@ -1,0 +1,340 @@
+//! A capped route's fair queue, in this process (DESIGN §8): the memory store's, and so the
+//! `local` fallback's among this instance's waiters.
+//!
+//! While the route is full, waiters queue per key (each key's in arrival order). A freed slot
+//! goes, in the same step as the release, to the head of the key with the fewest requests
+//! running on the route divided by its plan's `weight`; among equals, to the one that has
+//! waited longest. A key at the endpoint's `max_in_flight_per_key` waits even while slots are
+//! free. One key's 60 queued reports thus delay another key's single report by at most one
+//! release.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use crate::store::lock;
+
+/// How one request queues: its plan's weight and the route's per-key share and queue bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fair {
+    /// The key's plan's `weight` (at least 1).
+    pub weight: u32,
+    /// The endpoint's `max_in_flight_per_key`.
+    pub per_key: Option<u32>,
+    /// The endpoint's `max_queue`.
+    pub max_queue: Option<u32>,
+}
+
+impl Default for Fair {
+    fn default() -> Self {
+        Fair {
+            weight: 1,
+            per_key: None,
+            max_queue: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Waiter {
+    seq: u64,
+    tx: oneshot::Sender<()>,
+}
+
+#[derive(Debug, Default)]
+struct KeyState {
+    running: u32,
+    weight: u32,
+    waiting: VecDeque<Waiter>,
+}
+
+/// One route's slots and waiters.
+#[derive(Debug)]
+pub struct FairQueue {
+    cap: u32,
+    per_key: Option<u32>,
+    running: u32,
+    queued: usize,
+    seq: u64,
+    keys: HashMap<u128, KeyState, foldhash::fast::RandomState>,
+}
+
+/// What joining the route gave.
+#[derive(Debug)]
+pub enum Joined {
+    /// A slot at once.
+    Slot(RouteSlot),
+    /// A place in the queue: await its grant.
+    Waiting(Waiting),
+    /// The queue already holds `max_queue` waiters.
+    QueueFull,
+}
+
+/// A slot taken on a route; freeing it hands it to the next waiter.
+#[derive(Debug)]
+pub struct RouteSlot {
+    queue: Arc<Mutex<FairQueue>>,
+    key: u128,
+}
+
+impl Drop for RouteSlot {
+    fn drop(&mut self) {
+        lock(&self.queue).release(self.key);
+    }
+}
+
+/// A request waiting for a slot. Dropped before its grant, it leaves the queue; granted as it
+/// was dropped, the slot goes on to the next waiter.
+#[derive(Debug)]
+pub struct Waiting {
+    queue: Arc<Mutex<FairQueue>>,
+    key: u128,
+    seq: u64,
+    rx: Option<oneshot::Receiver<()>>,
+}
+
+impl Waiting {
+    /// Waits for the slot (cancel-safe: dropping this future leaves the queue).
+    pub async fn granted(mut self) -> RouteSlot {
+        if let Some(rx) = self.rx.as_mut() {
+            // The sender lives in the queue until it grants; it is only dropped with the queue
+            // itself, which this waiter holds.
+            let _ = rx.await;
+        }
+        self.rx = None;
+        RouteSlot {
+            queue: self.queue.clone(),
+            key: self.key,
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let mut q = lock(&self.queue);
+        if !q.leave(self.key, self.seq) && rx.try_recv().is_ok() {
+            // Granted while it gave up: pass the slot on.
+            q.release(self.key);
+        }
+    }
+}
+
+impl FairQueue {
+    fn new(cap: u32, per_key: Option<u32>) -> FairQueue {
+        FairQueue {
+            cap,
+            per_key,
+            running: 0,
+            queued: 0,
+            seq: 0,
+            keys: HashMap::default(),
+        }
+    }
+
+    /// Requests running on the route, and waiting for it.
+    pub fn counts(&self) -> (u32, usize) {
+        (self.running, self.queued)
+    }
+
+    fn eligible(&self, k: &KeyState) -> bool {
+        self.per_key.is_none_or(|share| k.running < share)
+    }
+
+    /// The key whose head waiter is served next: fewest running per weight, then the oldest
+    /// head. Ratios compare by cross-multiplication (exact).
+    fn next_key(&self) -> Option<u128> {
+        self.keys
+            .iter()
+            .filter(|(_, k)| !k.waiting.is_empty() && self.eligible(k))
+            .min_by(|(_, a), (_, b)| {
+                let (ra, rb) = (
+                    u64::from(a.running) * u64::from(b.weight),
+                    u64::from(b.running) * u64::from(a.weight),
+                );
+                ra.cmp(&rb)
+                    .then_with(|| a.waiting[0].seq.cmp(&b.waiting[0].seq))
+            })
+            .map(|(key, _)| *key)
+    }
+
+    /// Gives free slots to waiters, best first; a waiter whose receiver is gone is skipped.
+    fn grant(&mut self) {
+        while self.running < self.cap {
+            let Some(key) = self.next_key() else {
+                return;
+            };
+            let Some(k) = self.keys.get_mut(&key) else {
+                return;
+            };
+            let Some(w) = k.waiting.pop_front() else {
+                return;
+            };
+            self.queued -= 1;
+            if w.tx.send(()).is_ok() {
+                k.running += 1;
+                self.running += 1;
+            }
+        }
+    }
+
+    fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair) -> Joined {
+        let mut q = lock(this);
+        let weight = fair.weight.max(1);
+        let (running, none_waiting) = q
+            .keys
+            .get(&key)
+            .map_or((0, true), |k| (k.running, k.waiting.is_empty()));
+        // A free slot with nobody of this key ahead (its own earlier requests go first).
+        if q.running < q.cap && q.per_key.is_none_or(|share| running < share) && none_waiting {
+            let k = q.keys.entry(key).or_default();
+            k.weight = weight;
+            k.running += 1;
+            q.running += 1;
+            return Joined::Slot(RouteSlot {
+                queue: this.clone(),
+                key,
+            });
+        }
+        if fair.max_queue.is_some_and(|m| q.queued >= m as usize) {
+            return Joined::QueueFull;
+        }
+        q.seq += 1;
+        let seq = q.seq;
+        let (tx, rx) = oneshot::channel();
+        let k = q.keys.entry(key).or_default();
+        k.weight = weight;
+        k.waiting.push_back(Waiter { seq, tx });
+        q.queued += 1;
+        Joined::Waiting(Waiting {
+            queue: this.clone(),
+            key,
+            seq,
+            rx: Some(rx),
+        })
+    }
+
+    /// Takes waiter `seq` of `key` out of the queue; `false` if it is no longer there (granted).
+    fn leave(&mut self, key: u128, seq: u64) -> bool {
+        let Some(k) = self.keys.get_mut(&key) else {
+            return false;
+        };
+        let Some(pos) = k.waiting.iter().position(|w| w.seq == seq) else {
+            return false;
+        };
+        k.waiting.remove(pos);
+        self.queued -= 1;
+        self.forget_if_idle(key);
+        // A key that left may have been the one holding back others (a per-key share).
+        self.grant();
+        true
+    }
+
+    fn release(&mut self, key: u128) {
+        if let Some(k) = self.keys.get_mut(&key) {
+            k.running = k.running.saturating_sub(1);
+        }
+        self.running = self.running.saturating_sub(1);
+        self.forget_if_idle(key);
+        self.grant();
+    }
+
+    fn forget_if_idle(&mut self, key: u128) {
+        if self
+            .keys
+            .get(&key)
+            .is_some_and(|k| k.running == 0 && k.waiting.is_empty())
+        {
+            self.keys.remove(&key);
+        }
+    }
+
+    /// The keys running on the route and waiting for it, with their counts.
+    fn holders(&self) -> Vec<KeyView> {
+        self.keys
+            .iter()
+            .map(|(key, k)| KeyView {
+                key: *key,
+                running: k.running,
+                waiting: k.waiting.len(),
+            })
+            .collect()
+    }
+}
+
+/// Every capped route's queue in this process, by route label.
+#[derive(Debug, Default)]
+pub struct RouteQueues {
+    routes: Mutex<HashMap<Arc<str>, Arc<Mutex<FairQueue>>>>,
+}
+
+impl RouteQueues {
+    /// Joins `route`'s queue (capped at `cap`; a reload that changes the cap or the per-key
+    /// share starts a new queue, the requests of the old one keep their slots there).
+    pub fn join(&self, route: &Arc<str>, cap: u32, key: u128, fair: Fair) -> Joined {
+        let queue = {
+            let mut routes = lock(&self.routes);
+            let current = routes.get(route).filter(|q| {
+                let q = lock(q);
+                q.cap == cap && q.per_key == fair.per_key
+            });
+            match current {
+                Some(q) => q.clone(),
+                None => {
+                    let q = Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key)));
+                    routes.insert(route.clone(), q.clone());
+                    q
+                }
+            }
+        };
+        FairQueue::join(&queue, key, fair)
+    }
+
+    /// Running and waiting on `route` in this process.
+    pub fn counts(&self, route: &str) -> (u32, usize) {
+        lock(&self.routes)
+            .get(route)
+            .map_or((0, 0), |q| lock(q).counts())
+    }
+
+    /// Every route's queue in this process, as it stands.
+    pub fn snapshot(&self) -> Vec<QueueView> {
+        lock(&self.routes)
+            .iter()
+            .map(|(label, q)| {
+                let q = lock(q);
+                let (running, queued) = q.counts();
+                QueueView {
+                    route: label.clone(),
+                    running,
+                    queued,
+                    keys: q.holders(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One route's queue as it stands.
+#[derive(Debug, Clone)]
+pub struct QueueView {
+    pub route: Arc<str>,
+    pub running: u32,
+    pub queued: usize,
+    /// The keys running on the route or waiting for it.
+    pub keys: Vec<KeyView>,
+}
+
+/// A key on a route: how many of its requests run, and how many wait.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyView {
+    pub key: u128,
+    pub running: u32,
+    pub waiting: usize,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,140 @@
+use super::*;
+
+fn fair(weight: u32) -> Fair {
+    Fair {
+        weight,
+        ..Fair::default()
+    }
+}
+
+/// Joins `key` and expects to wait.
+fn wait(q: &RouteQueues, cap: u32, key: u128, f: Fair) -> Waiting {
+    match q.join(&Arc::from("r"), cap, key, f) {
+        Joined::Waiting(w) => w,
+        other => panic!("expected to wait, got {other:?}"),
+    }
+}
+
+fn slot(q: &RouteQueues, cap: u32, key: u128, f: Fair) -> RouteSlot {
+    match q.join(&Arc::from("r"), cap, key, f) {
+        Joined::Slot(s) => s,
+        other => panic!("expected a slot, got {other:?}"),
+    }
+}
+
+/// Whether `w` was granted (without waiting).
+fn granted(w: &mut Waiting) -> bool {
+    w.rx.as_mut().is_some_and(|rx| rx.try_recv().is_ok())
+}
+
+#[test]
+fn a_freed_slot_goes_to_the_key_with_fewest_running_then_the_longest_waiting() {
+    let q = RouteQueues::default();
+    // Key 1 fills both slots and queues 5 more; then keys 2 and 3 queue one each.
+    let s1 = slot(&q, 2, 1, fair(1));
+    let s2 = slot(&q, 2, 1, fair(1));
+    let mut a: Vec<Waiting> = (0..5).map(|_| wait(&q, 2, 1, fair(1))).collect();
+    let mut b = wait(&q, 2, 2, fair(1));
+    let mut c = wait(&q, 2, 3, fair(1));
+    assert_eq!(q.counts("r"), (2, 7));
+    // First release: key 2 (0 running, waited longer than key 3) goes before key 1's queue.
+    drop(s1);
+    assert!(granted(&mut b));
+    assert!(!granted(&mut c) && !a.iter_mut().any(granted));
+    // Second (key 1's own): keys 1 and 3 both run none now; key 1's head waited longest.
+    drop(s2);
+    assert!(granted(&mut a[0]));
+    assert!(!granted(&mut c));
+    // Third (key 2's): key 3 runs none, key 1 one: key 3, ahead of key 1's other four.
+    let b_slot = RouteSlot {
+        queue: lock(&q.routes)["r"].clone(),
+        key: 2,
+    };
+    drop(b_slot);
+    assert!(granted(&mut c));
+    assert!(!a[1..].iter_mut().any(granted));
+    assert_eq!(q.counts("r"), (2, 4));
+}
+
+#[test]
+fn a_keys_own_requests_run_in_arrival_order_and_weights_share_the_slots() {
+    let q = RouteQueues::default();
+    let cap = 3;
+    let held: Vec<RouteSlot> = (0..cap).map(|_| slot(&q, cap, 9, fair(1))).collect();
+    // Key 1 of weight 2 and key 2 of weight 1 each queue 6.
+    let mut heavy: Vec<Waiting> = (0..6).map(|_| wait(&q, cap, 1, fair(2))).collect();
+    let mut light: Vec<Waiting> = (0..6).map(|_| wait(&q, cap, 2, fair(1))).collect();
+    drop(held);
+    // Three free slots: heavy 0/2 = light 0/1, heavy waited longer; then light 0/1 < heavy
+    // 1/2; then heavy 1/2 < light 1/1.
+    let got_heavy: Vec<bool> = heavy.iter_mut().map(granted).collect();
+    let got_light: Vec<bool> = light.iter_mut().map(granted).collect();
+    assert_eq!(got_heavy, [true, true, false, false, false, false]);
+    assert_eq!(got_light, [true, false, false, false, false, false]);
+}
+
+#[test]
+fn a_per_key_share_makes_the_key_wait_while_others_run() {
+    let q = RouteQueues::default();
+    let f = Fair {
+        per_key: Some(1),
+        ..Fair::default()
+    };
+    let s = slot(&q, 3, 1, f);
+    // Key 1 is at its share: it waits although two slots are free; key 2 does not.
+    let mut w = wait(&q, 3, 1, f);
+    let _other = slot(&q, 3, 2, f);
+    assert!(!granted(&mut w));
+    drop(s);
+    assert!(granted(&mut w));
+}
+
+#[test]
+fn max_queue_bounds_the_waiters_and_a_waiter_that_leaves_frees_its_place() {
+    let q = RouteQueues::default();
+    let f = Fair {
+        max_queue: Some(2),
+        ..Fair::default()
+    };
+    let s = slot(&q, 1, 1, f);
+    let w1 = wait(&q, 1, 2, f);
+    let mut w2 = wait(&q, 1, 3, f);
+    assert!(matches!(
+        q.join(&Arc::from("r"), 1, 4, f),
+        Joined::QueueFull
+    ));
+    drop(w1);
+    assert_eq!(q.counts("r"), (1, 1));
+    let _w3 = wait(&q, 1, 4, f);
+    // The waiter that left is skipped: the slot goes to the next one.
+    drop(s);
+    assert!(granted(&mut w2));
+}
+
+#[test]
+fn a_waiter_granted_as_it_gives_up_passes_the_slot_on() {
+    let q = RouteQueues::default();
+    let s = slot(&q, 1, 1, fair(1));
+    let w1 = wait(&q, 1, 2, fair(1));
+    let mut w2 = wait(&q, 1, 3, fair(1));
+    drop(s); // granted to w1...
+    drop(w1); // ...which had given up: w2 gets it.
+    assert!(granted(&mut w2));
+    assert_eq!(q.counts("r"), (1, 0));
+}
+
+#[tokio::test]
+async fn granted_resolves_when_the_slot_is_handed_over() {
+    let q = Arc::new(RouteQueues::default());
+    let s = slot(&q, 1, 1, fair(1));
+    let w = wait(&q, 1, 2, fair(1));
+    let task = tokio::spawn(w.granted());
+    drop(s);
+    let s2 = tokio::time::timeout(std::time::Duration::from_secs(5), task)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(q.counts("r"), (1, 0));
+    drop(s2);
+    assert_eq!(q.counts("r"), (0, 0));
+}

@@ -1,0 +1,292 @@
+//! A capped route's fair queue (DESIGN §8), measured at the upstream: one key's backlog never
+//! makes another key's request wait behind it, weights share the slots, and a request is
+//! charged when it joins the queue and refunded if it leaves unserved.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Registry keys `a`..`d` (raw keys `key-a`...), a 24 h budget (no refill within a test) and
+/// `endpoint` (YAML lines under `endpoints:`).
+fn config(endpoint: &str, plans: &str) -> String {
+    let keys: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|id| {
+            let plan = match *id {
+                "c" if !plans.is_empty() => ", plan: gold",
+                "d" if !plans.is_empty() => ", plan: basic",
+                _ => "",
+            };
+            format!(
+                "  - {{id: {id}, sha256: \"{}\"{plan}}}\n",
+                sha256_hex(&format!("key-{id}"))
+            )
+        })
+        .collect();
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
+    )
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Waits until the gateway reports `n` requests waiting on `route`.
+async fn wait_queued(gw: &Gateway, route: &str, n: f64) {
+    wait_metric(
+        gw,
+        &format!("tollgate_queued{{route=\"{route}\"}}"),
+        n,
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_customer_is_served_ahead_of_a_big_ones_queue() {
+    // Reports take 1 s, two at a time.
+    let up = Upstream::start(Duration::from_secs(1));
+    let body = config(
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let start = Instant::now();
+    // Key a sends 10 reports at once: 2 run, 8 wait.
+    let big: Vec<_> = (0..10)
+        .map(|_| {
+            let req = c
+                .post(gw.url("/reports/generate"))
+                .header("X-API-Key", "key-a");
+            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    wait_queued(&gw, "/reports/generate", 8.0).await;
+    // Then keys b and c send one each.
+    let small: Vec<_> = ["key-b", "key-c"]
+        .iter()
+        .map(|k| {
+            let req = c.post(gw.url("/reports/generate")).header("X-API-Key", *k);
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let status = req.send().await.unwrap().status().as_u16();
+                (status, sent.elapsed())
+            })
+        })
+        .collect();
+    for s in small {
+        let (status, took) = s.await.unwrap();
+        assert_eq!(status, 200);
+        // The first release goes to them (each runs no report yet): at most one report's
+        // wait and their own. In arrival order they would have waited behind 8 (4 s more).
+        assert!(took < Duration::from_millis(3200), "waited {took:?}");
+    }
+    for b in big {
+        assert_eq!(b.await.unwrap(), 200);
+    }
+    // 12 reports of 1 s, 2 at a time: 6 s if no slot ever idles while someone waits.
+    let all = start.elapsed();
+    assert!(all < Duration::from_millis(7500), "took {all:?}");
+    assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    assert_eq!(up.count("/reports/generate"), 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_of_weight_two_gets_twice_the_slots() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    \"/reports/{kind}\":\n      cost: 1\n      max_in_flight: 3\n      queue_timeout: 60s\n",
+        "plans:\n  gold: {max_cost: 1000, window: 24h, weight: 2}\n  basic: {max_cost: 1000, window: 24h}\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // Key a holds every slot for 1.5 s; meanwhile c (weight 2) and d (weight 1) queue 9 each.
+    let blockers: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c
+                .post(gw.url("/reports/x?delay_ms=1500"))
+                .header("X-API-Key", "key-a");
+            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    up.wait_current("/reports/x", 3).await;
+    let mut queued = vec![];
+    for (key, path, n) in [
+        ("key-c", "/reports/gold", 9.0),
+        ("key-d", "/reports/basic", 18.0),
+    ] {
+        for _ in 0..9 {
+            let req = c
+                .post(gw.url(&format!("{path}?delay_ms=600")))
+                .header("X-API-Key", key);
+            queued.push(tokio::spawn(async move {
+                req.send().await.unwrap().status().as_u16()
+            }));
+        }
+        wait_queued(&gw, "/reports/{kind}", n).await;
+    }
+    // Once the weight-1 key has had 3 slots, the weight-2 key has had twice as many (±1).
+    let start = Instant::now();
+    while up.count("/reports/basic") < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let gold = up.count("/reports/gold");
+    assert!(
+        (5..=7).contains(&gold),
+        "gold had {gold} slots to basic's 3"
+    );
+    for q in queued.into_iter().chain(blockers) {
+        assert_eq!(q.await.unwrap(), 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_unserved() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    /reports/generate:\n      cost: 10\n      max_in_flight: 1\n      queue_timeout: 500ms\n      max_queue: 2\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // Key a holds the slot for 3 s.
+    let holder = {
+        let req = c
+            .post(gw.url("/reports/generate?delay_ms=3000"))
+            .header("X-API-Key", "key-a");
+        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+    };
+    up.wait_current("/reports/generate", 1).await;
+    // Two wait (charged while they wait), a third finds the queue full: 503 at once.
+    let waiters: Vec<_> = ["key-b", "key-b"]
+        .iter()
+        .map(|k| {
+            let req = c.post(gw.url("/reports/generate")).header("X-API-Key", *k);
+            tokio::spawn(async move { req.send().await.unwrap() })
+        })
+        .collect();
+    wait_queued(&gw, "/reports/generate", 2.0).await;
+    assert_eq!(remaining(&gw, "b").await, 980, "charged on joining");
+    let t = Instant::now();
+    let r = post(&c, gw.url("/reports/generate"), "key-c").await;
+    assert_eq!(r.status(), 503);
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
+    let problem: serde_json::Value = r.json().await.unwrap();
+    assert!(problem["type"].as_str().unwrap().ends_with("route-busy"));
+    assert_eq!(
+        remaining(&gw, "c").await,
+        1000,
+        "a full queue charges nothing"
+    );
+    // The waiters give up at queue_timeout: 503, and their charge comes back.
+    for w in waiters {
+        let r = w.await.unwrap();
+        assert_eq!(r.status(), 503);
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+    }
+    assert_eq!(remaining(&gw, "b").await, 1000);
+    assert_eq!(holder.await.unwrap(), 200);
+    assert_eq!(up.count("/reports/generate"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    /reports/generate:\n      cost: 600\n      max_in_flight: 1\n      queue_timeout: 10s\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = {
+        let req = c
+            .post(gw.url("/reports/generate?delay_ms=2000"))
+            .header("X-API-Key", "key-a");
+        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+    };
+    up.wait_current("/reports/generate", 1).await;
+    // Key a has 400 units left: its next report (600) is refused now, not after waiting.
+    let t = Instant::now();
+    let r = post(&c, gw.url("/reports/generate"), "key-a").await;
+    assert_eq!(r.status(), 429);
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(holder.await.unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_keys_share_of_a_route_makes_its_further_requests_wait() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    \"/reports/{kind}\":\n      cost: 1\n      max_in_flight: 3\n      max_in_flight_per_key: 1\n      queue_timeout: 30s\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let mine: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c
+                .post(gw.url("/reports/a?delay_ms=400"))
+                .header("X-API-Key", "key-a");
+            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    up.wait_current("/reports/a", 1).await;
+    wait_queued(&gw, "/reports/{kind}", 2.0).await;
+    // Another key still gets a slot at once.
+    let t = Instant::now();
+    let r = post(&c, gw.url("/reports/b"), "key-b").await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    for m in mine {
+        assert_eq!(m.await.unwrap(), 200, "waited, not refused");
+    }
+    assert_eq!(up.max_concurrent("/reports/a"), 1);
+    assert_eq!(up.count("/reports/a"), 3);
+}
+
+#[test]
+fn check_refuses_queue_fields_without_a_cap_and_a_share_above_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        "upstream:\n  url: \"http://127.0.0.1:1\"\nrate_limits:\n  default: {cost: 1, window: 1m, max_cost: 10}\n  endpoints:\n    /a: {max_queue: 5}\n    /b: {max_in_flight: 2, max_in_flight_per_key: 3, queue_timeout: 2h}\nplans:\n  p: {max_cost: 10, window: 1m, weight: 0}\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    for want in [
+        "rate_limits.endpoints.\"/a\".max_queue: only applies together with max_in_flight",
+        "rate_limits.endpoints.\"/b\".max_in_flight_per_key: must be at most max_in_flight (2), got 3",
+        "rate_limits.endpoints.\"/b\".queue_timeout: must be at most 1h, got 2h",
+        "plans.p.weight: must be a positive integer (at most 1000), got 0",
+    ] {
+        assert!(text.contains(want), "{want}\nin:\n{text}");
+    }
+}
