@@ -1,0 +1,235 @@
+//! Cost evasion, round 3 (DESIGN §3 "Cost evasion", §5 admin token): spellings of a priced
+//! path that a framework upstream runs as that path (matrix parameters, `..;`, format
+//! suffixes, Unicode case folds), headers that make the upstream run something else or believe
+//! another caller, request ids that bloat the log, pipelined requests, and placeholder admin
+//! tokens. Each test sends what a hostile client would and looks at what the upstream got.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A request head with `Host`, the given extra header lines and `Connection: close`.
+fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
+    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
+    for h in headers {
+        s.push_str(h);
+        s.push_str("\r\n");
+    }
+    s.push_str("Connection: close\r\n\r\n");
+    s.into_bytes()
+}
+
+// ---- Matrix parameters, `..;`, format suffixes ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_parameters_are_charged_as_the_route_and_forwarded_as_sent() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let cases = [
+        ("POST", "/reports/generate;x=1", "20"),
+        ("POST", "/reports;v=2/generate", "20"),
+        ("POST", "/Reports;v=2/generate;x=1;y=2?format=pdf", "20"),
+        ("POST", "/analytics/query;jsessionid=abc", "10"),
+        ("GET", "/reports/42;v=1", "1"),
+        ("GET", "/items/3;x=1", "1"),
+    ];
+    for (i, (method, target, cost)) in cases.into_iter().enumerate() {
+        let line = format!("{method} {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-matrix-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some(cost), "`{line}`");
+        let seen = up.api.seen().last().map(|s| s.target.clone());
+        assert_eq!(seen.as_deref(), Some(target), "`{line}`: forwarded as");
+    }
+
+    // `..;` is `..` to Tomcat and Spring: it cannot be classified safely.
+    let before = up.api.seen().len();
+    for target in [
+        "/x/..;/reports/generate",
+        "/reports/..;x=1/generate",
+        "/x/%2e%2e;/reports/generate",
+        "/x/..;",
+    ] {
+        let line = format!("POST {target}");
+        let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-dotdot"]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 400, "`{line}`: {r:?}");
+        assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+    }
+    assert_eq!(up.api.seen().len(), before, "the upstream saw a `..;` path");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_parameter_reports_count_against_the_cap() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &incident_with_report_caps("      max_in_flight: 2\n"));
+    let c = client();
+    let path = "/reports/generate;x=1";
+    let rs = all_at_once(6, |i| {
+        c.post(gw.url(&format!("{path}?work_ms=1500")))
+            .header("X-API-Key", format!("k-cap-{i}"))
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), [200, 200, 503, 503, 503, 503]);
+    assert!(
+        up.max_concurrent(path) <= 2,
+        "{} reports ran at once on a cap of 2",
+        up.max_concurrent(path)
+    );
+    assert_eq!(up.count(path), 2);
+}
+
+fn with_suffixes(suffixes: &str) -> String {
+    INCIDENT.replace(
+        "rate_limits:\n",
+        &format!("rate_limits:\n  match_suffixes: {suffixes}\n"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn format_suffixes_match_the_route_without_them() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &with_suffixes("[\".json\", \".xml\"]"));
+    let c = client();
+    for (path, cost) in [
+        ("/reports/generate.json", "20"),
+        ("/reports/generate.XML", "20"),
+        ("/analytics/query.xml;x=1", "10"),
+        ("/reports/generate", "20"),
+        ("/reports/generate.csv", "1"),
+        ("/items/1.json", "1"),
+    ] {
+        let r = post(&c, gw.url(path), &format!("k-suffix-{path}")).await;
+        assert_eq!(r.status(), 200, "{path}");
+        assert_eq!(
+            header(&r, "x-ratelimit-cost").as_deref(),
+            Some(cost),
+            "{path}"
+        );
+        let seen = up.api.seen().last().map(|s| s.target.clone());
+        assert_eq!(seen.as_deref(), Some(path), "{path}: forwarded as sent");
+    }
+    // Without the setting a suffix is part of the path.
+    let plain = Gateway::start(&up, INCIDENT);
+    let r = post(&c, plain.url("/reports/generate.json"), "k-plain").await;
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+}
+
+#[test]
+fn check_refuses_bad_match_suffixes_and_matrix_patterns_with_their_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    for (suffixes, want) in [
+        ("[\".json\", \"xml\"]", "rate_limits.match_suffixes[1]"),
+        ("[\".\"]", "rate_limits.match_suffixes[0]"),
+        ("[\".js/on\"]", "rate_limits.match_suffixes[0]"),
+    ] {
+        let path = dir.path().join("gateway.yaml");
+        std::fs::write(
+            &path,
+            format!(
+                "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+                with_suffixes(suffixes)
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["check", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{suffixes}: accepted");
+        assert!(err.contains(want), "{suffixes}: {err}");
+    }
+    // A pattern with a matrix parameter could never match: requests are matched without them.
+    let path = dir.path().join("matrix.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+            INCIDENT.replace("/exports/bulk:", "/exports/bulk;v=1:")
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("\"/exports/bulk;v=1\": can never match"),
+        "{err}"
+    );
+}
+
+#[test]
+fn explain_ignores_matrix_parameters_and_refuses_dotdot_semicolon() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+            with_suffixes("[\".json\"]")
+        ),
+    )
+    .unwrap();
+    for target in [
+        "/reports/generate;x=1",
+        "/reports;v=2/generate",
+        "/reports/generate.json",
+    ] {
+        let out = cli_ok(&path, &["explain", "POST", target]);
+        assert!(
+            out.contains("route:        /reports/generate\n") && out.contains("cost:         20"),
+            "{target}: {out}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["explain", "-c"])
+        .arg(&path)
+        .args(["POST", "/x/..;/reports/generate"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("400 bad-path"), "{out:?}");
+}
+
+// ---- Unicode case folds ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unicode_spellings_that_fold_onto_another_route_are_bad_path() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    for target in [
+        "/report%C5%BF/generate", // ſ (long s) upper-cases to S
+        "/analyt%C4%B1cs/query",  // ı (dotless i) upper-cases to I
+        "/exports/bul%E2%84%AA",  // K (Kelvin sign) lower-cases to k
+        "/%EF%AC%80/../analyt%C4%B1cs/query",
+        "/analytıcs/query", // the same, sent as raw UTF-8
+    ] {
+        let line = format!("POST {target}");
+        let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-fold"]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 400, "`{line}`: {r:?}");
+        assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+    }
+    assert!(up.api.seen().is_empty(), "the upstream saw a folded path");
+    // Such letters elsewhere are fine: folded or not, the path is the same route.
+    for (i, target) in ["/items/I%C5%9F%C4%B1k", "/users/%C5%BFam", "/caf%C3%A9"]
+        .into_iter()
+        .enumerate()
+    {
+        let line = format!("GET {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-ok-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some("1"), "`{line}`");
+    }
+}
