@@ -233,3 +233,226 @@ async fn unicode_spellings_that_fold_onto_another_route_are_bad_path() {
         assert_eq!(r.header("X-RateLimit-Cost"), Some("1"), "`{line}`");
     }
 }
+
+// ---- Headers that change what the upstream runs, or whom it believes ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_and_url_override_headers_do_not_reach_the_upstream() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let r = c
+        .post(gw.url("/items/1"))
+        .header("X-API-Key", "k-override")
+        .header("X-HTTP-Method-Override", "DELETE")
+        .header("X-HTTP-Method", "DELETE")
+        .header("X-Method-Override", "DELETE")
+        .header("X-Original-URL", "/reports/generate")
+        .header("X-Rewrite-URL", "/reports/generate")
+        .header("X_HTTP_Method_Override", "DELETE")
+        .header("X-Other", "kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+    let seen = up.api.seen().pop().unwrap();
+    for name in [
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+        "x-original-url",
+        "x-rewrite-url",
+        "x_http_method_override",
+    ] {
+        assert!(seen.header(name).is_empty(), "{name} reached the upstream");
+    }
+    assert_eq!(seen.header("x-other"), ["kept"]);
+    assert_eq!(seen.method, "POST");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn underscore_copies_of_the_credential_and_the_key_id_do_not_reach_the_upstream() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "identity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\nkeys:\n  - id: acme-prod\n    sha256: \"{}\"\n  - id: other\n    sha256: \"{}\"\n{INCIDENT}",
+        sha256_hex("acme-secret"),
+        sha256_hex("other-secret"),
+    );
+    let gw = Gateway::start(&up, &body);
+    // Mixed spellings too: CGI servers fold every '-' to '_'.
+    let line = "GET /items/1";
+    let r = raw_request(
+        gw.port,
+        &raw(
+            line,
+            &[
+                "X-API-Key: acme-secret",
+                "X_API_KEY: other-secret",
+                "X-Api_Key: other-secret",
+                "X_Tollgate_Key_Id: other",
+                "X-Tollgate_Key-Id: other",
+                "X-Tollgate-Key-Id: other",
+                "X-Other: kept",
+            ],
+        ),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let seen = up.api.seen().pop().unwrap();
+    for (name, _) in &seen.headers {
+        let folded = name.replace('_', "-");
+        assert!(
+            folded != "x-api-key",
+            "a copy of the credential reached the upstream as {name}"
+        );
+        assert!(
+            folded != "x-tollgate-key-id" || name == "x-tollgate-key-id",
+            "a client's key id reached the upstream as {name}"
+        );
+    }
+    assert_eq!(seen.header("x-tollgate-key-id"), ["acme-prod"]);
+    assert_eq!(seen.header("x-other"), ["kept"]);
+}
+
+const CLAIMS: [(&str, &str); 6] = [
+    ("Forwarded", "for=203.0.113.7;proto=https"),
+    ("X-Real-IP", "203.0.113.7"),
+    ("True-Client-IP", "203.0.113.7"),
+    ("X-Client-IP", "203.0.113.7"),
+    ("X-Forwarded-Port", "443"),
+    ("X-Forwarded-Prefix", "/admin"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn address_claims_pass_only_from_trusted_proxies() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!("identity:\n  trusted_proxies: [\"127.0.0.2/32\"]\n{INCIDENT}");
+    let gw = Gateway::start(&up, &body);
+    let from = |ip: &str| {
+        reqwest::Client::builder()
+            .local_address(ip.parse::<std::net::IpAddr>().unwrap())
+            .build()
+            .unwrap()
+    };
+    let send = |c: reqwest::Client| {
+        let mut rb = c
+            .get(gw.url("/items/1"))
+            .header("X-API-Key", "k-claims")
+            .header("X-Forwarded-For", "198.51.100.1");
+        for (name, value) in CLAIMS {
+            rb = rb.header(name, value);
+        }
+        rb.send()
+    };
+
+    // A direct client: the upstream hears of it only through X-Forwarded-For, its real address.
+    let r = send(from("127.0.0.1")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen().pop().unwrap();
+    for (name, _) in CLAIMS {
+        assert!(
+            seen.header(name).is_empty(),
+            "{name} from an untrusted peer reached the upstream"
+        );
+    }
+    assert_eq!(seen.header("x-forwarded-for"), ["127.0.0.1"]);
+
+    // The load balancer's claims are its own to make: kept, and its chain extended as before.
+    let r = send(from("127.0.0.2")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen().pop().unwrap();
+    for (name, value) in CLAIMS {
+        assert_eq!(seen.header(name), [value], "{name} from the trusted proxy");
+    }
+    assert_eq!(seen.header("x-forwarded-for"), ["198.51.100.1, 127.0.0.2"]);
+}
+
+// ---- Request ids ----
+
+fn is_generated_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_or_odd_request_id_is_replaced_by_a_generated_one() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let huge = "a".repeat(1_000_000);
+    for _ in 0..3 {
+        // No key: a 401, which is logged too.
+        let r = c
+            .get(gw.url("/items/1"))
+            .header("X-Request-Id", &huge)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+    }
+    let too_long = "b".repeat(129);
+    for (i, id) in [
+        huge.as_str(),
+        too_long.as_str(),
+        "a b",
+        "id\"with<quote>",
+        "x/y",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = c
+            .get(gw.url("/items/1"))
+            .header("X-API-Key", format!("k-id-{i}"))
+            .header("X-Request-Id", id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let seen = up.api.seen().pop().unwrap();
+        let sent = seen.header("x-request-id");
+        assert!(
+            sent.len() == 1 && is_generated_id(sent[0]),
+            "#{i}: the upstream got {} id(s), the first {} chars long",
+            sent.len(),
+            sent.first().map_or(0, |s| s.len())
+        );
+    }
+    // A fair id is kept, at the upstream and in the log.
+    let fair = format!("{}-Ab.9:_", "z".repeat(120));
+    let r = c
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", "k-fair")
+        .header("X-Request-Id", &fair)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        up.api.seen().pop().unwrap().header("x-request-id"),
+        [fair.as_str()]
+    );
+
+    let start = Instant::now();
+    while gw.access_log().len() < 9 && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = gw.log();
+    assert!(
+        log.len() < 200_000,
+        "the log is {} bytes: a client's id was written whole",
+        log.len()
+    );
+    let ids: Vec<String> = gw
+        .access_log()
+        .iter()
+        .map(|e| e["request_id"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(ids.len(), 9, "{ids:?}");
+    assert_eq!(
+        ids.iter().filter(|id| is_generated_id(id)).count(),
+        8,
+        "{ids:?}"
+    );
+    assert!(ids.contains(&fair));
+}
