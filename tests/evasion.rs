@@ -456,3 +456,42 @@ async fn an_oversized_or_odd_request_id_is_replaced_by_a_generated_one() {
     );
     assert!(ids.contains(&fair));
 }
+
+// ---- Pipelining ----
+
+#[test]
+fn pipelined_requests_are_all_answered_in_order() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let mut all = Vec::new();
+    for i in 0..10 {
+        let close = if i == 9 { "Connection: close\r\n" } else { "" };
+        all.extend_from_slice(
+            format!(
+                "GET /items/{i} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-pipe\r\n{close}\r\n"
+            )
+            .as_bytes(),
+        );
+    }
+    let mut s = raw_connect(gw.port);
+    s.write_all(&all).unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    while let Ok(n) = s.read(&mut chunk) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let answered = text.matches("HTTP/1.1 200").count();
+    assert_eq!(answered, 10, "{answered} of 10 pipelined requests answered");
+    let mut at = 0;
+    for i in 0..10 {
+        let needle = format!("\"path\":\"/items/{i}\"");
+        let pos = text[at..]
+            .find(&needle)
+            .unwrap_or_else(|| panic!("answer {i} missing or out of order"));
+        at += pos + needle.len();
+    }
+}
