@@ -495,3 +495,75 @@ fn pipelined_requests_are_all_answered_in_order() {
         at += pos + needle.len();
     }
 }
+
+// ---- Admin token ----
+
+/// Starts `tollgate run` with `TOLLGATE_ADMIN_TOKEN=token`; its exit code and stderr if it
+/// exited within 10 s (`None`: still running, killed).
+fn run_with_token(token: &str) -> Option<(i32, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "server:\n  listen: \"127.0.0.1:{}\"\n  admin_listen: \"127.0.0.1:{}\"\n  grace_period: 1s\nupstream:\n  url: \"http://127.0.0.1:3000\"\n{INCIDENT}",
+            free_port(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["run", "-c"])
+        .arg(&path)
+        .env("TOLLGATE_ADMIN_TOKEN", token)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Reap(child);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .0
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some((status.code().unwrap_or(-1), err));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+#[test]
+fn a_short_or_placeholder_admin_token_is_refused_at_start() {
+    for token in [
+        "CHANGE-ME",
+        "short-token",
+        "secret",
+        "Password",
+        "please-change-me-0123456789",
+        "CHANGEME0123456789abcdef",
+    ] {
+        let Some((code, err)) = run_with_token(token) else {
+            panic!("a gateway with the admin token {token:?} kept running");
+        };
+        assert_ne!(code, 0, "{token:?}");
+        assert!(err.contains("TOLLGATE_ADMIN_TOKEN"), "{token:?}: {err}");
+        if token.len() > 8 {
+            assert!(
+                !err.contains(token),
+                "{token:?}: the token was echoed: {err}"
+            );
+        }
+    }
+    assert_eq!(
+        run_with_token("0f3c9a7e5b1d4c2a8e6f0b9d7c5a3e1f"),
+        None,
+        "a good token"
+    );
+}
