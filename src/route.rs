@@ -313,6 +313,9 @@ impl Router {
     /// `key` (lower-case) without the match suffix it ends in, if any; the last segment keeps
     /// at least one character.
     fn without_suffix<'k>(&self, key: &'k str) -> Option<&'k str> {
+        if self.suffixes.is_empty() {
+            return None;
+        }
         let last = &key[key.rfind('/').map_or(0, |i| i + 1)..];
         self.suffixes
             .iter()
