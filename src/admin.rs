@@ -19,6 +19,8 @@ use crate::policy::Policy;
 use crate::state::Shared;
 use crate::store::BudgetView;
 
+pub mod token;
+
 type Resp = Response<Full<Bytes>>;
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
@@ -37,10 +39,7 @@ fn json(status: StatusCode, v: serde_json::Value) -> Resp {
 /// Starts serving on `listener` in a thread of its own.
 pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
-    let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-        .map(Arc::<str>::from);
+    let token = token::from_env()?;
     if token.is_none() && listener.local_addr().is_ok_and(|a| !a.ip().is_loopback()) {
         tracing::warn!(
             admin = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),

@@ -136,8 +136,8 @@ pub fn classify(cfg: &Config, method: &str, target: &str) -> Result<Classified, 
     let forward_method = canonical_method(method);
     let route = cfg
         .router
-        .classify(forward_method.unwrap_or(method), &normalized)
-        .route
+        .route_of(forward_method.unwrap_or(method), &normalized)
+        .map_err(|e| Refusal::new(Problem::BadPath, e.to_string()))?
         .clone();
     let forward_target = match (normalized, absolute) {
         (Cow::Borrowed(_), false) => None,

@@ -240,6 +240,11 @@ where
         // deadline.
         let mut session = ServerSession::new_http1(stream);
         session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        // Requests a client pipelines are answered one after the other, in order (RFC 9112
+        // §9.3.2). Without this Pingora answers the first and closes the connection, and the
+        // bytes it read ahead (the next requests) are lost. The settings below carry the flag
+        // and the read-ahead from each request to the next.
+        session.set_pipelining_enabled(true);
         let mut first = true;
         loop {
             conn.await_head();

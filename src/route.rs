@@ -5,11 +5,13 @@
 //! `/reports/%67enerate` cannot dodge a cost), and [`Router::classify`] finds the most specific
 //! endpoint pattern for it.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::policy::Budget;
+
+mod path;
+pub use path::{fold_to_ascii, match_path, normalize_path, BadPath};
 
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
@@ -107,134 +109,6 @@ impl Route {
     }
 }
 
-/// Why a path cannot be classified safely (→ 400 `bad-path`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum BadPath {
-    #[error("the path must start with '/'")]
-    NotAbsolute,
-    #[error("the path contains an encoded '/' or '\\'")]
-    EncodedSeparator,
-    #[error("the path contains a backslash")]
-    Backslash,
-    #[error("the path contains a NUL or control character")]
-    ControlChar,
-    #[error("the path contains an invalid percent-encoding")]
-    BadEncoding,
-}
-
-fn hex_val(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
-}
-
-fn is_unreserved(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
-}
-
-/// Canonical form of a request path (no query):
-/// - percent-encoded unreserved characters are decoded, other escapes are upper-cased;
-/// - encoded `/` or `\`, backslashes, NUL and control characters are refused;
-/// - `//` collapses, `.` and `..` segments resolve (never above the root);
-/// - a trailing `/` is dropped (`/reports/generate/` is `/reports/generate`).
-pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
-    let bytes = path.as_bytes();
-    if bytes.first() != Some(&b'/') {
-        return Err(BadPath::NotAbsolute);
-    }
-    if is_canonical(bytes) {
-        // The common case: nothing to decode, refuse or resolve, and no allocation.
-        return Ok(Cow::Borrowed(path));
-    }
-    // Pass 1: decode what may be decoded, refuse what can't be classified.
-    let mut decoded = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        match b {
-            b'%' => {
-                let (Some(h), Some(l)) = (
-                    bytes.get(i + 1).copied().and_then(hex_val),
-                    bytes.get(i + 2).copied().and_then(hex_val),
-                ) else {
-                    return Err(BadPath::BadEncoding);
-                };
-                let v = h << 4 | l;
-                if v == b'/' || v == b'\\' {
-                    return Err(BadPath::EncodedSeparator);
-                }
-                if v < 0x20 || v == 0x7f {
-                    return Err(BadPath::ControlChar);
-                }
-                if is_unreserved(v) {
-                    decoded.push(v);
-                } else {
-                    decoded.extend_from_slice(&[
-                        b'%',
-                        bytes[i + 1].to_ascii_uppercase(),
-                        bytes[i + 2].to_ascii_uppercase(),
-                    ]);
-                }
-                i += 3;
-            }
-            b'\\' => return Err(BadPath::Backslash),
-            0..=0x1f | 0x7f => return Err(BadPath::ControlChar),
-            _ => {
-                decoded.push(b);
-                i += 1;
-            }
-        }
-    }
-    // Pass 2: resolve segments.
-    let mut out: Vec<&[u8]> = Vec::new();
-    for seg in decoded.split(|&b| b == b'/') {
-        match seg {
-            b"" | b"." => {}
-            b".." => {
-                out.pop();
-            }
-            s => out.push(s),
-        }
-    }
-    let mut s = String::with_capacity(decoded.len());
-    if out.is_empty() {
-        s.push('/');
-    }
-    for seg in out {
-        s.push('/');
-        // Only ASCII bytes were decoded; the rest came from a valid &str.
-        s.push_str(std::str::from_utf8(seg).map_err(|_| BadPath::BadEncoding)?);
-    }
-    Ok(Cow::Owned(s))
-}
-
-/// True when `normalize_path` would return the path unchanged: no escapes, backslashes or
-/// control characters, no empty, `.` or `..` segment, no trailing `/`.
-fn is_canonical(bytes: &[u8]) -> bool {
-    let mut prev = 0u8;
-    // Dots since the last '/', or -1 once the segment has another byte: a segment of exactly
-    // one or two dots is `.` or `..`.
-    let mut dots = 0;
-    for &b in bytes {
-        match b {
-            b'%' | b'\\' | 0..=0x1f | 0x7f => return false,
-            b'/' => {
-                if prev == b'/' || dots == 1 || dots == 2 {
-                    return false;
-                }
-                dots = 0;
-            }
-            b'.' if dots >= 0 => dots += 1,
-            _ => dots = -1,
-        }
-        prev = b;
-    }
-    !(dots == 1 || dots == 2 || (prev == b'/' && bytes.len() > 1))
-}
-
 /// How specific a pattern is: exact > template > tail, then more literal characters, then a
 /// METHOD match beats a method-less one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -281,6 +155,8 @@ pub struct Router {
     any: Table,
     by_method: Vec<(String, Table)>,
     default: Arc<Route>,
+    /// `rate_limits.match_suffixes`, lower-case: a path ending in one also matches without it.
+    suffixes: Vec<Box<str>>,
 }
 
 impl std::fmt::Debug for Router {
@@ -387,11 +263,36 @@ impl Router {
                 .map(|(m, router)| (m, Table { router }))
                 .collect(),
             default,
+            suffixes: Vec::new(),
         })
     }
 
-    /// Finds the route of a *normalized* path. Matching ignores ASCII case, so that an upstream
-    /// that does not care about case cannot be reached at a cheaper price.
+    /// `rate_limits.match_suffixes` (validated: each starts with `.`).
+    pub fn with_suffixes(mut self, suffixes: &[String]) -> Router {
+        self.suffixes = suffixes
+            .iter()
+            .map(|s| s.to_ascii_lowercase().into_boxed_str())
+            .collect();
+        self
+    }
+
+    /// The route of a *normalized* path ([`normalize_path`]), as the gateway charges it:
+    /// matched without matrix parameters ([`match_path`]); refused when a Unicode letter in it
+    /// case-folds onto ASCII and the folded spelling is another route ([`fold_to_ascii`]).
+    pub fn route_of(&self, method: &str, normalized: &str) -> Result<&Arc<Route>, BadPath> {
+        let path = match_path(normalized)?;
+        let route = self.classify(method, &path).route;
+        if let Some(folded) = fold_to_ascii(&path) {
+            if self.classify(method, &folded).route.index != route.index {
+                return Err(BadPath::CaseFold);
+            }
+        }
+        Ok(route)
+    }
+
+    /// Finds the route of a path as matched ([`match_path`]). Matching ignores ASCII case, so
+    /// that an upstream that does not care about case cannot be reached at a cheaper price; a
+    /// path ending in one of `match_suffixes` also matches without it (the more specific wins).
     pub fn classify(&self, method: &str, path: &str) -> Classified<'_> {
         let lowered;
         let key = if path.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -400,18 +301,45 @@ impl Router {
         } else {
             path
         };
-        let mut best: Option<usize> = self.any.router.at(key).ok().map(|m| *m.value);
-        if let Some((_, t)) = self.by_method.iter().find(|(m, _)| m == method) {
-            if let Ok(m) = t.router.at(key) {
-                let cand = *m.value;
-                best = match best {
-                    Some(b) if self.routes[b].1 > self.routes[cand].1 => Some(b),
-                    _ => Some(cand),
-                };
-            }
+        let mut best = self.lookup(method, key);
+        if let Some(bare) = self.without_suffix(key) {
+            best = self.more_specific(best, self.lookup(method, bare));
         }
         Classified {
             route: best.map(|i| &self.routes[i].0).unwrap_or(&self.default),
+        }
+    }
+
+    /// `key` (lower-case) without the match suffix it ends in, if any; the last segment keeps
+    /// at least one character.
+    fn without_suffix<'k>(&self, key: &'k str) -> Option<&'k str> {
+        if self.suffixes.is_empty() {
+            return None;
+        }
+        let last = &key[key.rfind('/').map_or(0, |i| i + 1)..];
+        self.suffixes
+            .iter()
+            .find(|s| last.len() > s.len() && last.ends_with(&***s))
+            .map(|s| &key[..key.len() - s.len()])
+    }
+
+    /// The most specific endpoint that matches a lower-case path.
+    fn lookup(&self, method: &str, key: &str) -> Option<usize> {
+        let any = self.any.router.at(key).ok().map(|m| *m.value);
+        let by_method = self
+            .by_method
+            .iter()
+            .find(|(m, _)| m == method)
+            .and_then(|(_, t)| t.router.at(key).ok().map(|m| *m.value));
+        self.more_specific(any, by_method)
+    }
+
+    /// The more specific of two matches; `b` on a tie.
+    fn more_specific(&self, a: Option<usize>, b: Option<usize>) -> Option<usize> {
+        match (a, b) {
+            (Some(a), Some(b)) if self.routes[a].1 > self.routes[b].1 => Some(a),
+            (a, None) => a,
+            (_, b) => b,
         }
     }
 

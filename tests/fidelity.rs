@@ -375,7 +375,7 @@ async fn audit_uses_the_admin_token() {
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
         body: "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 10 }\n",
-        env: vec![("TOLLGATE_ADMIN_TOKEN", "s3cret-admin".into())],
+        env: vec![("TOLLGATE_ADMIN_TOKEN", "s3cret-admin-7f2c91d4".into())],
         ..GatewayOpts::default()
     });
     assert_eq!(
@@ -406,7 +406,7 @@ async fn audit_uses_the_admin_token() {
         "{out}"
     );
     assert!(!out.contains("s3cret"), "{out}");
-    let (out, code) = run(Some("s3cret-admin"));
+    let (out, code) = run(Some("s3cret-admin-7f2c91d4"));
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("instances: 1 of 1 answered"), "{out}");
     assert!(out.contains("too little traffic (0 < 20)"), "{out}");

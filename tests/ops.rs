@@ -28,7 +28,7 @@ async fn admin_endpoints_and_token() {
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
         body: &body,
-        env: vec![("TOLLGATE_ADMIN_TOKEN", "admintok".into())],
+        env: vec![("TOLLGATE_ADMIN_TOKEN", "admintok-5e8a13c7b2f0".into())],
         ..GatewayOpts::default()
     });
     let c = client();
@@ -62,7 +62,7 @@ async fn admin_endpoints_and_token() {
     assert_eq!(r.status(), 401);
     let cfg = c
         .get(gw.admin("/admin/config"))
-        .header("Authorization", "Bearer admintok")
+        .header("Authorization", "Bearer admintok-5e8a13c7b2f0")
         .send()
         .await
         .unwrap()
@@ -81,7 +81,7 @@ async fn admin_endpoints_and_token() {
     }
     let v: serde_json::Value = c
         .get(gw.admin("/admin/keys/acme"))
-        .header("Authorization", "Bearer admintok")
+        .header("Authorization", "Bearer admintok-5e8a13c7b2f0")
         .send()
         .await
         .unwrap()
@@ -94,7 +94,7 @@ async fn admin_endpoints_and_token() {
     assert_eq!(v["remaining"], 497);
     let r = c
         .get(gw.admin("/admin/keys/nobody"))
-        .header("Authorization", "Bearer admintok")
+        .header("Authorization", "Bearer admintok-5e8a13c7b2f0")
         .send()
         .await
         .unwrap();

@@ -44,6 +44,12 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), String> {
             "can never match: a request path cannot contain '{c}' ({why})"
         ));
     }
+    if normalized.contains(';') {
+        return Err(
+            "can never match: requests are matched without matrix parameters (';' and what follows it in a segment)"
+                .into(),
+        );
+    }
     if normalized != masked {
         let mut written = unmask_params(&normalized, &params);
         if let Some(m) = method {

@@ -306,6 +306,10 @@ pub struct RawRateLimits {
     pub default: RawDefault,
     #[serde(default, deserialize_with = "unique_keys")]
     pub endpoints: BTreeMap<String, RawEndpoint>,
+    /// Rails-style formats (`[".json", ".xml"]`): a path ending in one also matches the route
+    /// without it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub match_suffixes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -133,6 +133,8 @@ pub fn request(
             upstream.append_header("X-Forwarded-Host", sent)?;
         }
         identity_headers(upstream, ctx, &running.config)?;
+        let trusted_peer = ctx.origin.is_some_and(|o| o.trusted_peer);
+        super::scrub::scrub(upstream, &running.config, trusted_peer);
     }
     // Only what a trusted proxy forwarded is passed on (identity.trusted_proxies).
     match &ctx.origin {
@@ -155,7 +157,12 @@ pub fn request(
         }
     }
     if let Some(id) = &ctx.request_id {
-        if !upstream.headers.contains_key(&X_REQUEST_ID) {
+        // The client's own id is kept where it stands when it was believed (and is the only
+        // one); otherwise the id the gateway logged replaces whatever was sent.
+        let mut sent = upstream.headers.get_all(&X_REQUEST_ID).iter();
+        let kept = matches!((sent.next(), sent.next()),
+            (Some(v), None) if v.as_bytes() == id.as_bytes());
+        if !kept {
             upstream.insert_header("X-Request-Id", id.as_str())?;
         }
     }

@@ -10,6 +10,7 @@
 pub mod ctx;
 pub mod forward;
 pub mod respond;
+mod scrub;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -261,10 +262,12 @@ impl ProxyHttp for Gateway {
         if ctx.conn.is_none() || session.downstream_session.is_http2() {
             session.set_write_timeout(Some(limits.send_timeout));
         }
-        ctx.request_id = Some(match session.req_header().headers.get(&X_REQUEST_ID) {
-            Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            None => new_request_id(),
-        });
+        let client_id = session.req_header().headers.get(&X_REQUEST_ID);
+        ctx.request_id = Some(
+            client_id
+                .and_then(scrub::client_request_id)
+                .unwrap_or_else(new_request_id),
+        );
         Ok(())
     }
 

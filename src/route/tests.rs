@@ -1,3 +1,6 @@
+use std::borrow::Cow;
+
+use super::path::is_canonical;
 use super::*;
 
 #[test]
@@ -143,4 +146,71 @@ fn pattern_errors() {
     assert!(e[0].1.contains("normalized"), "{e:?}");
     let e = Router::new(vec![spec("/X", 1), spec("/x", 1)], 1).unwrap_err();
     assert!(e[0].1.contains("conflicts"), "{e:?}");
+}
+
+#[test]
+fn matrix_parameters_are_not_matched() {
+    let m = |p: &str| match_path(p).map(|c| c.into_owned());
+    assert_eq!(m("/reports/generate").as_deref(), Ok("/reports/generate"));
+    assert_eq!(
+        m("/reports/generate;x=1").as_deref(),
+        Ok("/reports/generate")
+    );
+    assert_eq!(
+        m("/reports;v=2/generate").as_deref(),
+        Ok("/reports/generate")
+    );
+    assert_eq!(
+        m("/reports/;x/generate").as_deref(),
+        Ok("/reports/generate")
+    );
+    assert_eq!(
+        m("/reports/.;x/generate").as_deref(),
+        Ok("/reports/generate")
+    );
+    assert_eq!(m("/;x").as_deref(), Ok("/"));
+    assert_eq!(m("/x/..;/reports"), Err(BadPath::DotDotParameter));
+    assert_eq!(m("/x/..;y=1"), Err(BadPath::DotDotParameter));
+    assert!(matches!(match_path("/a/b"), Ok(Cow::Borrowed(_))));
+}
+
+#[test]
+fn case_folds_onto_ascii() {
+    assert_eq!(fold_to_ascii("/reports/generate"), None);
+    assert_eq!(fold_to_ascii("/caf%C3%A9"), None);
+    assert_eq!(fold_to_ascii("/café"), None);
+    assert_eq!(
+        fold_to_ascii("/report%C5%BF/generate").as_deref(),
+        Some("/reports/generate")
+    );
+    assert_eq!(
+        fold_to_ascii("/analyt%C4%B1cs/query").as_deref(),
+        Some("/analytics/query")
+    );
+    assert_eq!(fold_to_ascii("/analytıcs").as_deref(), Some("/analytics"));
+    assert_eq!(fold_to_ascii("/%E2%84%AA").as_deref(), Some("/k"));
+    assert_eq!(fold_to_ascii("/%EF%AC%81le").as_deref(), Some("/file"));
+    // What does not fold keeps its spelling, escapes included.
+    assert_eq!(
+        fold_to_ascii("/caf%C3%A9/%C4%B1/%FF").as_deref(),
+        Some("/caf%C3%A9/i/%FF")
+    );
+}
+
+#[test]
+fn suffixes_and_folds_in_the_router() {
+    let r = Router::new(
+        vec![spec("/reports/generate", 20), spec("/files/{name}", 2)],
+        1,
+    )
+    .unwrap()
+    .with_suffixes(&[".json".into(), ".XML".into()]);
+    let c = |p: &str| r.route_of("POST", p).map(|r| r.cost);
+    assert_eq!(c("/reports/generate.json"), Ok(20));
+    assert_eq!(c("/reports/generate.xml;x=1"), Ok(20));
+    assert_eq!(c("/reports/GENERATE.JSON"), Ok(20));
+    assert_eq!(c("/reports/.json"), Ok(1));
+    assert_eq!(c("/files/a.json"), Ok(2));
+    assert_eq!(c("/report%C5%BF/generate"), Err(BadPath::CaseFold));
+    assert_eq!(c("/files/%C4%B1"), Ok(2), "folded or not, the same route");
 }

@@ -210,8 +210,9 @@ pub(super) fn endpoints(
         shadow: rl.mode == Some(Mode::Shadow),
         cost_per_second: None,
     };
+    let suffixes = match_suffixes(&rl.match_suffixes, errs);
     match Router::with_default(specs, d.cost.max(1) as u64, default_fidelity) {
-        Ok(r) => Some(r),
+        Ok(r) => Some(r.with_suffixes(&suffixes)),
         Err(route_errs) => {
             for (pattern, m) in route_errs {
                 errs.push(key_path("rate_limits.endpoints", &pattern), m);
@@ -219,6 +220,32 @@ pub(super) fn endpoints(
             None
         }
     }
+}
+
+/// `rate_limits.match_suffixes`: each a `.` and then letters, digits, `-`, `_` or more dots
+/// (what a path segment can end in without escapes), at most 16 characters.
+fn match_suffixes(raw: &[String], errs: &mut ConfigErrors) -> Vec<String> {
+    let mut ok = Vec::new();
+    for (i, s) in raw.iter().enumerate() {
+        let rest = s.strip_prefix('.').unwrap_or("");
+        let fits = rest.bytes().any(|b| b != b'.')
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && s.len() <= 16;
+        if fits {
+            ok.push(s.clone());
+        } else {
+            errs.push(
+                format!("rate_limits.match_suffixes[{i}]"),
+                format!(
+                    "must be '.' then letters, digits, '-', '_' or '.', at most 16 characters (e.g. \".json\"), got \"{}\"",
+                    shown(s)
+                ),
+            );
+        }
+    }
+    ok
 }
 
 pub(super) type Registry = (HashMap<[u8; 32], KeyEntry>, HashMap<String, [u8; 32]>);

@@ -1,0 +1,131 @@
+//! What of a client's headers the upstream must not believe (DESIGN §3 "Cost evasion"): headers
+//! that make a framework run another method or path than the one charged, claims about the
+//! client's address from a peer that is not a trusted proxy, other spellings of the credential
+//! and of `key_id_header` (CGI-style servers fold `-` and `_` onto one variable), and request
+//! ids that would bloat the log.
+//!
+//! One pass over the header names, compared in place: a request that carries none of these
+//! (nearly all) costs no allocation.
+
+use http::{HeaderName, HeaderValue};
+use pingora::http::RequestHeader;
+
+use crate::config::{Config, IdentitySource};
+
+/// Make the upstream run another method or path than the one the gateway classified.
+const OVERRIDES: [&str; 5] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+    "x-original-url",
+    "x-rewrite-url",
+];
+
+/// Claims about the client that only a trusted proxy may make.
+const CLAIMS: [&str; 6] = [
+    "forwarded",
+    "x-real-ip",
+    "true-client-ip",
+    "x-client-ip",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+];
+
+/// Set by the gateway itself (`forward::request`); a client's other spellings of them are claims.
+const GATEWAY_SET: [&str; 3] = ["x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"];
+
+/// `name` (lower-case, as `http` keeps header names) equals `want` when `-` and `_` are one.
+fn same_folded(name: &[u8], want: &[u8]) -> bool {
+    name.len() == want.len()
+        && name
+            .iter()
+            .zip(want)
+            .all(|(&a, &b)| a == b || (matches!(a, b'-' | b'_') && matches!(b, b'-' | b'_')))
+}
+
+/// `name` is another spelling of `want`: folded the same, written differently.
+fn other_spelling(name: &[u8], want: &[u8]) -> bool {
+    name != want && same_folded(name, want)
+}
+
+/// Whether the header `name` is removed before forwarding.
+fn scrubbed(name: &str, cfg: &Config, trusted_peer: bool) -> bool {
+    let n = name.as_bytes();
+    if OVERRIDES.iter().any(|o| same_folded(n, o.as_bytes())) {
+        return true;
+    }
+    if !trusted_peer
+        && (CLAIMS.iter().any(|c| same_folded(n, c.as_bytes()))
+            || GATEWAY_SET.iter().any(|g| other_spelling(n, g.as_bytes())))
+    {
+        return true;
+    }
+    let credential = cfg.sources.iter().any(|s| match s {
+        IdentitySource::Header(h) => other_spelling(n, h.as_str().as_bytes()),
+        IdentitySource::Bearer => false,
+    });
+    credential
+        || cfg
+            .key_id_header
+            .as_ref()
+            .is_some_and(|k| other_spelling(n, k.as_str().as_bytes()))
+}
+
+/// Removes every header the upstream must not believe. `trusted_peer`: the connection comes
+/// from `identity.trusted_proxies`, whose address claims are passed on.
+pub fn scrub(upstream: &mut RequestHeader, cfg: &Config, trusted_peer: bool) {
+    let mut found: Option<Vec<HeaderName>> = None;
+    for name in upstream.headers.keys() {
+        if scrubbed(name.as_str(), cfg, trusted_peer) {
+            found.get_or_insert_with(Vec::new).push(name.clone());
+        }
+    }
+    for name in found.into_iter().flatten() {
+        upstream.remove_header(&name);
+    }
+}
+
+/// The longest client request id that is believed (and logged).
+const MAX_REQUEST_ID: usize = 128;
+
+/// A client's `X-Request-Id`, when it is one worth keeping: 1 to 128 of `[A-Za-z0-9._:-]`.
+/// Anything else is replaced by a generated id (a 1 MB id would be written whole into the log).
+pub fn client_request_id(v: &HeaderValue) -> Option<String> {
+    let b = v.as_bytes();
+    let fair = !b.is_empty()
+        && b.len() <= MAX_REQUEST_ID
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'-'));
+    // All ASCII, so the conversion cannot fail.
+    fair.then(|| String::from_utf8_lossy(b).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spellings() {
+        assert!(same_folded(b"x_api_key", b"x-api-key"));
+        assert!(same_folded(b"x-api_key", b"x-api-key"));
+        assert!(!same_folded(b"x-api-keys", b"x-api-key"));
+        assert!(!same_folded(b"xxapi-key", b"x-api-key"));
+        assert!(!other_spelling(b"x-api-key", b"x-api-key"));
+        assert!(other_spelling(b"x_forwarded_for", b"x-forwarded-for"));
+    }
+
+    #[test]
+    fn request_ids() {
+        let id = |s: &str| client_request_id(&HeaderValue::from_str(s).unwrap());
+        assert_eq!(id("abc-123.x:y_z").as_deref(), Some("abc-123.x:y_z"));
+        assert_eq!(id(&"a".repeat(128)).map(|s| s.len()), Some(128));
+        assert_eq!(id(&"a".repeat(129)), None);
+        assert_eq!(id(""), None);
+        assert_eq!(id("a b"), None);
+        assert_eq!(id("a/b"), None);
+        assert_eq!(
+            client_request_id(&HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap()),
+            None
+        );
+    }
+}

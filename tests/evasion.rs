@@ -1,0 +1,569 @@
+//! Cost evasion, round 3 (DESIGN §3 "Cost evasion", §5 admin token): spellings of a priced
+//! path that a framework upstream runs as that path (matrix parameters, `..;`, format
+//! suffixes, Unicode case folds), headers that make the upstream run something else or believe
+//! another caller, request ids that bloat the log, pipelined requests, and placeholder admin
+//! tokens. Each test sends what a hostile client would and looks at what the upstream got.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A request head with `Host`, the given extra header lines and `Connection: close`.
+fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
+    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
+    for h in headers {
+        s.push_str(h);
+        s.push_str("\r\n");
+    }
+    s.push_str("Connection: close\r\n\r\n");
+    s.into_bytes()
+}
+
+// ---- Matrix parameters, `..;`, format suffixes ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_parameters_are_charged_as_the_route_and_forwarded_as_sent() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let cases = [
+        ("POST", "/reports/generate;x=1", "20"),
+        ("POST", "/reports;v=2/generate", "20"),
+        ("POST", "/Reports;v=2/generate;x=1;y=2?format=pdf", "20"),
+        ("POST", "/analytics/query;jsessionid=abc", "10"),
+        ("GET", "/reports/42;v=1", "1"),
+        ("GET", "/items/3;x=1", "1"),
+    ];
+    for (i, (method, target, cost)) in cases.into_iter().enumerate() {
+        let line = format!("{method} {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-matrix-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some(cost), "`{line}`");
+        let seen = up.api.seen().last().map(|s| s.target.clone());
+        assert_eq!(seen.as_deref(), Some(target), "`{line}`: forwarded as");
+    }
+
+    // `..;` is `..` to Tomcat and Spring: it cannot be classified safely.
+    let before = up.api.seen().len();
+    for target in [
+        "/x/..;/reports/generate",
+        "/reports/..;x=1/generate",
+        "/x/%2e%2e;/reports/generate",
+        "/x/..;",
+    ] {
+        let line = format!("POST {target}");
+        let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-dotdot"]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 400, "`{line}`: {r:?}");
+        assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+    }
+    assert_eq!(up.api.seen().len(), before, "the upstream saw a `..;` path");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_parameter_reports_count_against_the_cap() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &incident_with_report_caps("      max_in_flight: 2\n"));
+    let c = client();
+    let path = "/reports/generate;x=1";
+    let rs = all_at_once(6, |i| {
+        c.post(gw.url(&format!("{path}?work_ms=1500")))
+            .header("X-API-Key", format!("k-cap-{i}"))
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), [200, 200, 503, 503, 503, 503]);
+    assert!(
+        up.max_concurrent(path) <= 2,
+        "{} reports ran at once on a cap of 2",
+        up.max_concurrent(path)
+    );
+    assert_eq!(up.count(path), 2);
+}
+
+fn with_suffixes(suffixes: &str) -> String {
+    INCIDENT.replace(
+        "rate_limits:\n",
+        &format!("rate_limits:\n  match_suffixes: {suffixes}\n"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn format_suffixes_match_the_route_without_them() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &with_suffixes("[\".json\", \".xml\"]"));
+    let c = client();
+    for (path, cost) in [
+        ("/reports/generate.json", "20"),
+        ("/reports/generate.XML", "20"),
+        ("/analytics/query.xml;x=1", "10"),
+        ("/reports/generate", "20"),
+        ("/reports/generate.csv", "1"),
+        ("/items/1.json", "1"),
+    ] {
+        let r = post(&c, gw.url(path), &format!("k-suffix-{path}")).await;
+        assert_eq!(r.status(), 200, "{path}");
+        assert_eq!(
+            header(&r, "x-ratelimit-cost").as_deref(),
+            Some(cost),
+            "{path}"
+        );
+        let seen = up.api.seen().last().map(|s| s.target.clone());
+        assert_eq!(seen.as_deref(), Some(path), "{path}: forwarded as sent");
+    }
+    // Without the setting a suffix is part of the path.
+    let plain = Gateway::start(&up, INCIDENT);
+    let r = post(&c, plain.url("/reports/generate.json"), "k-plain").await;
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+}
+
+#[test]
+fn check_refuses_bad_match_suffixes_and_matrix_patterns_with_their_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    for (suffixes, want) in [
+        ("[\".json\", \"xml\"]", "rate_limits.match_suffixes[1]"),
+        ("[\".\"]", "rate_limits.match_suffixes[0]"),
+        ("[\".js/on\"]", "rate_limits.match_suffixes[0]"),
+    ] {
+        let path = dir.path().join("gateway.yaml");
+        std::fs::write(
+            &path,
+            format!(
+                "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+                with_suffixes(suffixes)
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["check", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{suffixes}: accepted");
+        assert!(err.contains(want), "{suffixes}: {err}");
+    }
+    // A pattern with a matrix parameter could never match: requests are matched without them.
+    let path = dir.path().join("matrix.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+            INCIDENT.replace("/exports/bulk:", "/exports/bulk;v=1:")
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("\"/exports/bulk;v=1\": can never match"),
+        "{err}"
+    );
+}
+
+#[test]
+fn explain_ignores_matrix_parameters_and_refuses_dotdot_semicolon() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream:\n  url: \"http://127.0.0.1:3000\"\n{}",
+            with_suffixes("[\".json\"]")
+        ),
+    )
+    .unwrap();
+    for target in [
+        "/reports/generate;x=1",
+        "/reports;v=2/generate",
+        "/reports/generate.json",
+    ] {
+        let out = cli_ok(&path, &["explain", "POST", target]);
+        assert!(
+            out.contains("route:        /reports/generate\n") && out.contains("cost:         20"),
+            "{target}: {out}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["explain", "-c"])
+        .arg(&path)
+        .args(["POST", "/x/..;/reports/generate"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("400 bad-path"), "{out:?}");
+}
+
+// ---- Unicode case folds ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unicode_spellings_that_fold_onto_another_route_are_bad_path() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    for target in [
+        "/report%C5%BF/generate", // ſ (long s) upper-cases to S
+        "/analyt%C4%B1cs/query",  // ı (dotless i) upper-cases to I
+        "/exports/bul%E2%84%AA",  // K (Kelvin sign) lower-cases to k
+        "/%EF%AC%80/../analyt%C4%B1cs/query",
+        "/analytıcs/query", // the same, sent as raw UTF-8
+    ] {
+        let line = format!("POST {target}");
+        let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-fold"]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 400, "`{line}`: {r:?}");
+        assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+    }
+    assert!(up.api.seen().is_empty(), "the upstream saw a folded path");
+    // Such letters elsewhere are fine: folded or not, the path is the same route.
+    for (i, target) in ["/items/I%C5%9F%C4%B1k", "/users/%C5%BFam", "/caf%C3%A9"]
+        .into_iter()
+        .enumerate()
+    {
+        let line = format!("GET {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-ok-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some("1"), "`{line}`");
+    }
+}
+
+// ---- Headers that change what the upstream runs, or whom it believes ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_and_url_override_headers_do_not_reach_the_upstream() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let r = c
+        .post(gw.url("/items/1"))
+        .header("X-API-Key", "k-override")
+        .header("X-HTTP-Method-Override", "DELETE")
+        .header("X-HTTP-Method", "DELETE")
+        .header("X-Method-Override", "DELETE")
+        .header("X-Original-URL", "/reports/generate")
+        .header("X-Rewrite-URL", "/reports/generate")
+        .header("X_HTTP_Method_Override", "DELETE")
+        .header("X-Other", "kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+    let seen = up.api.seen().pop().unwrap();
+    for name in [
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+        "x-original-url",
+        "x-rewrite-url",
+        "x_http_method_override",
+    ] {
+        assert!(seen.header(name).is_empty(), "{name} reached the upstream");
+    }
+    assert_eq!(seen.header("x-other"), ["kept"]);
+    assert_eq!(seen.method, "POST");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn underscore_copies_of_the_credential_and_the_key_id_do_not_reach_the_upstream() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "identity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\nkeys:\n  - id: acme-prod\n    sha256: \"{}\"\n  - id: other\n    sha256: \"{}\"\n{INCIDENT}",
+        sha256_hex("acme-secret"),
+        sha256_hex("other-secret"),
+    );
+    let gw = Gateway::start(&up, &body);
+    // Mixed spellings too: CGI servers fold every '-' to '_'.
+    let line = "GET /items/1";
+    let r = raw_request(
+        gw.port,
+        &raw(
+            line,
+            &[
+                "X-API-Key: acme-secret",
+                "X_API_KEY: other-secret",
+                "X-Api_Key: other-secret",
+                "X_Tollgate_Key_Id: other",
+                "X-Tollgate_Key-Id: other",
+                "X-Tollgate-Key-Id: other",
+                "X-Other: kept",
+            ],
+        ),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let seen = up.api.seen().pop().unwrap();
+    for (name, _) in &seen.headers {
+        let folded = name.replace('_', "-");
+        assert!(
+            folded != "x-api-key",
+            "a copy of the credential reached the upstream as {name}"
+        );
+        assert!(
+            folded != "x-tollgate-key-id" || name == "x-tollgate-key-id",
+            "a client's key id reached the upstream as {name}"
+        );
+    }
+    assert_eq!(seen.header("x-tollgate-key-id"), ["acme-prod"]);
+    assert_eq!(seen.header("x-other"), ["kept"]);
+}
+
+const CLAIMS: [(&str, &str); 6] = [
+    ("Forwarded", "for=203.0.113.7;proto=https"),
+    ("X-Real-IP", "203.0.113.7"),
+    ("True-Client-IP", "203.0.113.7"),
+    ("X-Client-IP", "203.0.113.7"),
+    ("X-Forwarded-Port", "443"),
+    ("X-Forwarded-Prefix", "/admin"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn address_claims_pass_only_from_trusted_proxies() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!("identity:\n  trusted_proxies: [\"127.0.0.2/32\"]\n{INCIDENT}");
+    let gw = Gateway::start(&up, &body);
+    let from = |ip: &str| {
+        reqwest::Client::builder()
+            .local_address(ip.parse::<std::net::IpAddr>().unwrap())
+            .build()
+            .unwrap()
+    };
+    let send = |c: reqwest::Client| {
+        let mut rb = c
+            .get(gw.url("/items/1"))
+            .header("X-API-Key", "k-claims")
+            .header("X-Forwarded-For", "198.51.100.1");
+        for (name, value) in CLAIMS {
+            rb = rb.header(name, value);
+        }
+        rb.send()
+    };
+
+    // A direct client: the upstream hears of it only through X-Forwarded-For, its real address.
+    let r = send(from("127.0.0.1")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen().pop().unwrap();
+    for (name, _) in CLAIMS {
+        assert!(
+            seen.header(name).is_empty(),
+            "{name} from an untrusted peer reached the upstream"
+        );
+    }
+    assert_eq!(seen.header("x-forwarded-for"), ["127.0.0.1"]);
+
+    // The load balancer's claims are its own to make: kept, and its chain extended as before.
+    let r = send(from("127.0.0.2")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen().pop().unwrap();
+    for (name, value) in CLAIMS {
+        assert_eq!(seen.header(name), [value], "{name} from the trusted proxy");
+    }
+    assert_eq!(seen.header("x-forwarded-for"), ["198.51.100.1, 127.0.0.2"]);
+}
+
+// ---- Request ids ----
+
+fn is_generated_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_or_odd_request_id_is_replaced_by_a_generated_one() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    let huge = "a".repeat(1_000_000);
+    for _ in 0..3 {
+        // No key: a 401, which is logged too.
+        let r = c
+            .get(gw.url("/items/1"))
+            .header("X-Request-Id", &huge)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+    }
+    let too_long = "b".repeat(129);
+    for (i, id) in [
+        huge.as_str(),
+        too_long.as_str(),
+        "a b",
+        "id\"with<quote>",
+        "x/y",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = c
+            .get(gw.url("/items/1"))
+            .header("X-API-Key", format!("k-id-{i}"))
+            .header("X-Request-Id", id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let seen = up.api.seen().pop().unwrap();
+        let sent = seen.header("x-request-id");
+        assert!(
+            sent.len() == 1 && is_generated_id(sent[0]),
+            "#{i}: the upstream got {} id(s), the first {} chars long",
+            sent.len(),
+            sent.first().map_or(0, |s| s.len())
+        );
+    }
+    // A fair id is kept, at the upstream and in the log.
+    let fair = format!("{}-Ab.9:_", "z".repeat(120));
+    let r = c
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", "k-fair")
+        .header("X-Request-Id", &fair)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        up.api.seen().pop().unwrap().header("x-request-id"),
+        [fair.as_str()]
+    );
+
+    let start = Instant::now();
+    while gw.access_log().len() < 9 && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = gw.log();
+    assert!(
+        log.len() < 200_000,
+        "the log is {} bytes: a client's id was written whole",
+        log.len()
+    );
+    let ids: Vec<String> = gw
+        .access_log()
+        .iter()
+        .map(|e| e["request_id"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(ids.len(), 9, "{ids:?}");
+    assert_eq!(
+        ids.iter().filter(|id| is_generated_id(id)).count(),
+        8,
+        "{ids:?}"
+    );
+    assert!(ids.contains(&fair));
+}
+
+// ---- Pipelining ----
+
+#[test]
+fn pipelined_requests_are_all_answered_in_order() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let mut all = Vec::new();
+    for i in 0..10 {
+        let close = if i == 9 { "Connection: close\r\n" } else { "" };
+        all.extend_from_slice(
+            format!(
+                "GET /items/{i} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-pipe\r\n{close}\r\n"
+            )
+            .as_bytes(),
+        );
+    }
+    let mut s = raw_connect(gw.port);
+    s.write_all(&all).unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    while let Ok(n) = s.read(&mut chunk) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let answered = text.matches("HTTP/1.1 200").count();
+    assert_eq!(answered, 10, "{answered} of 10 pipelined requests answered");
+    let mut at = 0;
+    for i in 0..10 {
+        let needle = format!("\"path\":\"/items/{i}\"");
+        let pos = text[at..]
+            .find(&needle)
+            .unwrap_or_else(|| panic!("answer {i} missing or out of order"));
+        at += pos + needle.len();
+    }
+}
+
+// ---- Admin token ----
+
+/// Starts `tollgate run` with `TOLLGATE_ADMIN_TOKEN=token`; its exit code and stderr if it
+/// exited within 10 s (`None`: still running, killed).
+fn run_with_token(token: &str) -> Option<(i32, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "server:\n  listen: \"127.0.0.1:{}\"\n  admin_listen: \"127.0.0.1:{}\"\n  grace_period: 1s\nupstream:\n  url: \"http://127.0.0.1:3000\"\n{INCIDENT}",
+            free_port(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["run", "-c"])
+        .arg(&path)
+        .env("TOLLGATE_ADMIN_TOKEN", token)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Reap(child);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .0
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some((status.code().unwrap_or(-1), err));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+#[test]
+fn a_short_or_placeholder_admin_token_is_refused_at_start() {
+    for token in [
+        "CHANGE-ME",
+        "short-token",
+        "secret",
+        "Password",
+        "please-change-me-0123456789",
+        "CHANGEME0123456789abcdef",
+    ] {
+        let Some((code, err)) = run_with_token(token) else {
+            panic!("a gateway with the admin token {token:?} kept running");
+        };
+        assert_ne!(code, 0, "{token:?}");
+        assert!(err.contains("TOLLGATE_ADMIN_TOKEN"), "{token:?}: {err}");
+        if token.len() > 8 {
+            assert!(
+                !err.contains(token),
+                "{token:?}: the token was echoed: {err}"
+            );
+        }
+    }
+    assert_eq!(
+        run_with_token("0f3c9a7e5b1d4c2a8e6f0b9d7c5a3e1f"),
+        None,
+        "a good token"
+    );
+}
