@@ -140,8 +140,9 @@ pub struct Ctx {
     pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
-    /// Units charged after the response for measured upstream time (`cost_per_second`).
-    pub time_charge: u64,
+    /// The request's final charge once settled after the response (`cost_per_second`,
+    /// `cost_from_response`); `None` before, or when nothing was charged.
+    pub settled: Option<u64>,
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
@@ -165,7 +166,7 @@ impl Ctx {
             request_id: None,
             upstream_status: None,
             fallback: false,
-            time_charge: 0,
+            settled: None,
             upstream_host: None,
         }
     }
@@ -245,9 +246,10 @@ impl Ctx {
         };
     }
 
-    /// `cost_per_second`: once the upstream has answered, charges the measured time beyond
-    /// the admission cost where the admission was charged (even into debt).
-    pub async fn charge_time(&mut self, store: &Store) {
+    /// Once the upstream has answered: makes the request's final charge what its route bills
+    /// for measured time (`cost_per_second`), charging or refunding the difference where the
+    /// admission was charged (even into debt).
+    pub async fn settle(&mut self, store: &Store) {
         let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
             return;
         };
@@ -257,11 +259,8 @@ impl Ctx {
             .upstream
             .or_else(|| self.timing.upstream_start.map(|s| s.elapsed()));
         let total = route.fidelity.final_cost(c.req.cost, upstream);
-        let extra = total.saturating_sub(c.req.cost);
-        if extra > 0 {
-            store.charge_extra(&c.req, c.charge, extra).await;
-            self.time_charge = extra;
-        }
+        store.settle(&c.req, c.charge, total).await;
+        self.settled = Some(total);
     }
 
     /// The budget decision to describe in the rate-limit headers, if there was one.
@@ -282,10 +281,13 @@ impl Ctx {
         }
     }
 
-    /// The request's whole charge: the admission's plus any time charged after the response
-    /// (the access log's `cost`, `tollgate_cost_units_total`).
+    /// The request's whole charge: the admission's, or what it was settled to after the
+    /// response (the access log's `cost`, `tollgate_cost_units_total`).
     pub fn final_charge(&self) -> u64 {
-        self.charged() + self.time_charge
+        match (&self.phase, self.settled) {
+            (Phase::Admitted(_), Some(total)) => total,
+            _ => self.charged(),
+        }
     }
 
     pub fn is_admitted(&self) -> bool {

@@ -461,8 +461,8 @@ impl ProxyHttp for Gateway {
         }
         // Now, with the upstream's answer read to its end (or its read_timeout passed).
         ctx.release().await;
-        // After the slots are free: the time charge is one more store call, for such routes only.
-        ctx.charge_time(&self.shared.store).await;
+        // After the slots are free: settling is one more store call, for such routes only.
+        ctx.settle(&self.shared.store).await;
         let status = session
             .response_written()
             .map(|r| r.status.as_u16())
