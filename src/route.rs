@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use crate::policy::Budget;
 
+pub mod stated;
+
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
@@ -25,12 +27,15 @@ pub struct RouteSpec {
 
 /// How faithfully a route's cost is applied (DESIGN §6): whether its refusals are enforced or
 /// only counted, and whether measured upstream time is billed on top of the admission cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Fidelity {
     /// `mode: shadow`: budget and cap refusals are counted and described, never enforced.
     pub shadow: bool,
     /// `cost_per_second`: the final charge is `max(cost, ceil(upstream_s × this))`.
     pub cost_per_second: Option<f64>,
+    /// `cost_from_response`: the response header in which the upstream states the request's
+    /// real cost; the final charge becomes it (see [`stated`]).
+    pub cost_from_response: Option<http::HeaderName>,
 }
 
 impl Fidelity {

@@ -15,6 +15,7 @@ use crate::decision::{Admitted, Classified, Refusal};
 use crate::front::ConnState;
 use crate::identity::{Identity, Origin};
 use crate::problem::Problem;
+use crate::route::stated::Report;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
 use crate::state::Running;
@@ -143,6 +144,9 @@ pub struct Ctx {
     /// The request's final charge once settled after the response (`cost_per_second`,
     /// `cost_from_response`); `None` before, or when nothing was charged.
     pub settled: Option<u64>,
+    /// What the upstream's response said the request cost (`cost_from_response` routes,
+    /// charged requests).
+    pub report: Option<Report>,
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
@@ -167,6 +171,7 @@ impl Ctx {
             upstream_status: None,
             fallback: false,
             settled: None,
+            report: None,
             upstream_host: None,
         }
     }
@@ -246,9 +251,10 @@ impl Ctx {
         };
     }
 
-    /// Once the upstream has answered: makes the request's final charge what its route bills
-    /// for measured time (`cost_per_second`), charging or refunding the difference where the
-    /// admission was charged (even into debt).
+    /// Once the upstream has answered: makes the request's final charge what the upstream
+    /// stated (`cost_from_response`), else what its route bills for measured time
+    /// (`cost_per_second`), charging (even into debt) or refunding the difference where the
+    /// admission was charged.
     pub async fn settle(&mut self, store: &Store) {
         let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
             return;
@@ -258,7 +264,10 @@ impl Ctx {
             .timing
             .upstream
             .or_else(|| self.timing.upstream_start.map(|s| s.elapsed()));
-        let total = route.fidelity.final_cost(c.req.cost, upstream);
+        let total = match self.report {
+            Some(Report::Applied(units)) => units,
+            _ => route.fidelity.final_cost(c.req.cost, upstream),
+        };
         store.settle(&c.req, c.charge, total).await;
         self.settled = Some(total);
     }

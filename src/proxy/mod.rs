@@ -349,6 +349,7 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.timing.upstream_done();
         ctx.upstream_status = Some(resp.status.as_u16());
+        respond::take_stated_cost(resp, ctx);
         respond::rate_limit_headers(resp, ctx)
     }
 
@@ -488,6 +489,10 @@ impl ProxyHttp for Gateway {
         let charged = ctx.final_charge();
         if charged > 0 {
             rm.cost_units.inc_by(charged);
+        }
+        // Counted once settled: what the report made of the charge is in the store by now.
+        if let Some(report) = ctx.report {
+            rm.cost_report(report);
         }
         if let Phase::Refused {
             reason: Some(reason),
