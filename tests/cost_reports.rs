@@ -321,3 +321,129 @@ async fn stated_costs_leave_the_shared_budget_alone_on_redis() {
     let redis = Redis::start();
     shared_budget_counts_calls(&redis_store(&redis, ""), true).await;
 }
+
+/// `tollgate audit` (and the `/admin/audit` it reads) puts each `cost_from_response` route's
+/// mean stated cost beside its configured one, and flags a route whose cost is more than 2×
+/// off it: `/q` (1, stated 5) is under-priced, `/analytics/query` (10, stated 3) over-priced,
+/// `/big` (5, stated 4 and 6) is fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_compares_stated_and_configured_costs() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        r#"rate_limits:
+  default: { cost: 1, window: 1h, max_cost: 100000 }
+  endpoints:
+    /q: { cost: 1, cost_from_response: X-Actual-Cost }
+    /big: { cost: 5, cost_from_response: X-Actual-Cost }
+    /analytics/query: { cost: 10, cost_from_response: X-Actual-Cost }
+    /plain: { cost: 1 }
+"#,
+    );
+    let c = client();
+    for i in 0..20 {
+        let big = if i % 2 == 0 { 4 } else { 6 };
+        for target in [
+            "/q?actual_cost=5".to_string(),
+            format!("/big?actual_cost={big}"),
+            "/analytics/query?rows=2500".into(),
+            "/plain".into(),
+        ] {
+            assert_eq!(get(&c, gw.url(&target), "a-key").await.status(), 200);
+        }
+    }
+    // One the upstream got wrong: counted, and left out of the mean.
+    get(&c, gw.url("/q?actual_cost=oops"), "a-key").await;
+    let reports = "tollgate_cost_reports_total{result=\"applied\",route=\"/analytics/query\"}";
+    assert_metric(&gw, reports, 20.0).await;
+    assert_metric(
+        &gw,
+        "tollgate_cost_reports_total{result=\"invalid\",route=\"/q\"}",
+        1.0,
+    )
+    .await;
+
+    let inst: serde_json::Value = admin_json(&gw, "/admin/audit").await;
+    let q = inst["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == "/q")
+        .unwrap();
+    assert_eq!(
+        q["stated"],
+        serde_json::json!({"header": "x-actual-cost", "reports": 20, "sum": 100}),
+        "{q}"
+    );
+    let plain = inst["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == "/plain")
+        .unwrap();
+    assert!(plain.get("stated").is_none(), "{plain}");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["audit", "--admin", &gw.admin(""), "--format", "json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let finding = |name: &str| {
+        v["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["route"] == name)
+            .cloned()
+            .unwrap()
+    };
+    let stated = |name: &str| finding(name)["stated"].clone();
+    assert_eq!(
+        stated("/q"),
+        serde_json::json!({"header": "x-actual-cost", "reports": 20, "mean_cost": 5.0, "flag": "under-priced"})
+    );
+    assert_eq!(
+        stated("/analytics/query"),
+        serde_json::json!({"header": "x-actual-cost", "reports": 20, "mean_cost": 3.0, "flag": "over-priced"})
+    );
+    assert_eq!(
+        stated("/big"),
+        serde_json::json!({"header": "x-actual-cost", "reports": 20, "mean_cost": 5.0, "flag": null})
+    );
+    assert!(finding("/plain").get("stated").is_none());
+    // The existing fields are all still there.
+    for field in [
+        "requests",
+        "cost",
+        "implied_cost",
+        "flag",
+        "worst_case",
+        "p95_seconds",
+    ] {
+        assert!(finding("/q").get(field).is_some(), "{field}");
+    }
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["audit", "--admin", &gw.admin("")])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    let head = table.lines().find(|l| l.starts_with("ROUTE")).unwrap();
+    assert!(head.contains("  IMPLIED  STATED  "), "{table}");
+    let line = |name: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} in\n{table}"))
+            .to_string()
+    };
+    assert!(
+        line("/q").contains("!! under-priced vs stated 5.0"),
+        "{table}"
+    );
+    assert!(
+        line("/analytics/query").contains("!! over-priced vs stated 3.0"),
+        "{table}"
+    );
+    assert!(!line("/big").contains("stated"), "{table}");
+}
