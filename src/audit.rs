@@ -364,6 +364,18 @@ fn effective_cost(cost: u64, cost_per_second: Option<f64>, mean: f64) -> f64 {
     }
 }
 
+/// How a configured (or effective) cost compares with the cost the evidence implies:
+/// `under-priced` above twice it, `over-priced` below half of it.
+pub(crate) fn price_flag(configured: f64, evidence: f64) -> Option<&'static str> {
+    if evidence > configured * FLAG_FACTOR {
+        Some("under-priced")
+    } else if evidence * FLAG_FACTOR < configured {
+        Some("over-priced")
+    } else {
+        None
+    }
+}
+
 /// Backend-seconds per minute one key can impose on a route of `cost` whose requests take
 /// `mean` seconds: `max_cost / cost × 60 / window × mean`, the tightest budget binding.
 fn worst_case(plan: &PlanAudit, cost: f64, mean: f64) -> Option<WorstCase> {
@@ -415,15 +427,7 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
                 .filter(|(_, b)| *b > 0.0)
                 .map(|(m, b)| m / b);
             let effective = mean.map(|m| effective_cost(cost, cost_per_second, m));
-            let flag = implied.zip(effective).and_then(|(i, c)| {
-                if i > c * FLAG_FACTOR {
-                    Some("under-priced")
-                } else if i * FLAG_FACTOR < c {
-                    Some("over-priced")
-                } else {
-                    None
-                }
-            });
+            let flag = implied.zip(effective).and_then(|(i, c)| price_flag(c, i));
             let worst_case = match (mean, effective) {
                 (Some(m), Some(c)) => plans.iter().filter_map(|p| worst_case(p, c, m)).collect(),
                 _ => vec![],

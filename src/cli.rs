@@ -122,6 +122,27 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
     out
 }
 
+/// `explain`'s `cost:` lines: the price, and how it is settled after the response.
+fn explain_cost(out: &mut String, route: &crate::route::Route) {
+    let _ = writeln!(out, "cost:         {}", route.cost);
+    if let Some(rate) = route.fidelity.cost_per_second {
+        let _ = writeln!(
+            out,
+            "              then {rate} per second of upstream time, at least {} in total",
+            route.cost
+        );
+    }
+    if let Some(name) = &route.fidelity.cost_from_response {
+        let bound = route
+            .cost
+            .saturating_mul(crate::route::stated::BOUND_FACTOR);
+        let _ = writeln!(
+            out,
+            "              settled to what the upstream states in {name} (0 to {bound} units), when it does"
+        );
+    }
+}
+
 /// `tollgate explain`: which route, what cost, which limits. Returns the text and whether the
 /// request would be classified at all.
 pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (String, bool) {
@@ -147,23 +168,7 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
         let _ = writeln!(out, "normalized:   {t}  (what the upstream receives)");
     }
     let _ = writeln!(out, "route:        {}", route.label);
-    let _ = writeln!(out, "cost:         {}", route.cost);
-    if let Some(rate) = route.fidelity.cost_per_second {
-        let _ = writeln!(
-            out,
-            "              then {rate} per second of upstream time, at least {} in total",
-            route.cost
-        );
-    }
-    if let Some(name) = &route.fidelity.cost_from_response {
-        let bound = route
-            .cost
-            .saturating_mul(crate::route::stated::BOUND_FACTOR);
-        let _ = writeln!(
-            out,
-            "              settled to what the upstream states in {name} (0 to {bound} units), when it does"
-        );
-    }
+    explain_cost(&mut out, route);
     if route.fidelity.shadow {
         let _ = writeln!(
             out,

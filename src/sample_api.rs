@@ -249,22 +249,28 @@ impl SampleApi {
             .and_then(|n| StatusCode::from_u16(n).ok())
             .unwrap_or(StatusCode::OK);
         let mut r = full(status, "application/json", body.to_string());
+        let h = r.headers_mut();
         if let Some(v) = stated_cost(&path, &query, param("rows")) {
-            r.headers_mut().insert("x-actual-cost", v);
+            h.insert("x-actual-cost", v);
         }
         if let Some(which) = param("ratelimit") {
-            let h = r.headers_mut();
-            if which == 1 {
-                h.insert(
-                    "ratelimit",
-                    HeaderValue::from_static("\"upstream\";r=999;t=1"),
-                );
-            }
-            h.insert("x-ratelimit-remaining", HeaderValue::from_static("999"));
-            h.insert("x-ratelimit-used", HeaderValue::from_static("5"));
+            provider_rate_limit_headers(h, which);
         }
         r
     }
+}
+
+/// `?ratelimit=1`: the rate-limit headers a provider behind the gateway may send (`2`: only
+/// the de-facto two).
+fn provider_rate_limit_headers(h: &mut hyper::HeaderMap, which: u64) {
+    if which == 1 {
+        h.insert(
+            "ratelimit",
+            HeaderValue::from_static("\"upstream\";r=999;t=1"),
+        );
+    }
+    h.insert("x-ratelimit-remaining", HeaderValue::from_static("999"));
+    h.insert("x-ratelimit-used", HeaderValue::from_static("5"));
 }
 
 /// The `X-Actual-Cost` an echo answer states: `?actual_cost=` as sent, else one unit per

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{FLAG_FACTOR, MIN_SAMPLES};
+use super::{price_flag, MIN_SAMPLES};
 
 /// One instance's (or a merged fleet's) stated costs of a route: the costs the upstream
 /// stated and the gateway applied, counted and summed (exact to add across instances).
@@ -42,16 +42,9 @@ pub struct StatedFinding {
 impl StatedFinding {
     pub fn of(s: &Stated, cost: u64) -> StatedFinding {
         let mean = s.mean();
-        let cost = cost as f64;
-        let flag = mean.filter(|_| s.reports >= MIN_SAMPLES).and_then(|m| {
-            if m > cost * FLAG_FACTOR {
-                Some("under-priced")
-            } else if m * FLAG_FACTOR < cost {
-                Some("over-priced")
-            } else {
-                None
-            }
-        });
+        let flag = mean
+            .filter(|_| s.reports >= MIN_SAMPLES)
+            .and_then(|m| price_flag(cost as f64, m));
         StatedFinding {
             header: s.header.clone(),
             reports: s.reports,
