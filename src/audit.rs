@@ -7,12 +7,17 @@
 //! from the merged buckets, never averaged across instances. The comparison: a route's
 //! *implied cost* is its mean upstream time relative to the median mean of the cost-1 routes,
 //! flagged when it is more than 2× off the configured cost; and the *worst case* is the
-//! backend time one key can legally impose by spending its whole plan on the route.
+//! backend time one key can legally impose by spending its whole plan on the route. Routes
+//! whose upstream states its costs (`cost_from_response`) are compared with those as well.
 
 pub mod fetch;
+mod stated;
+mod table;
+
+pub use stated::{Stated, StatedFinding};
+pub use table::render_table;
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 
@@ -139,6 +144,9 @@ pub struct RouteAudit {
     pub p50_seconds: Option<f64>,
     pub p95_seconds: Option<f64>,
     pub mean_seconds: Option<f64>,
+    /// `cost_from_response` routes: the costs their upstream stated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stated: Option<Stated>,
 }
 
 /// A plan's budgets (the default budget is the plan `default`).
@@ -225,6 +233,14 @@ pub fn snapshot(running: &Running) -> InstanceAudit {
                 p95_seconds: upstream.quantile(0.95),
                 mean_seconds: upstream.mean(),
                 upstream,
+                stated: r.fidelity.cost_from_response.as_ref().map(|h| {
+                    let (reports, sum) = running.metrics.get(r).stated.read();
+                    Stated {
+                        header: h.to_string(),
+                        reports,
+                        sum,
+                    }
+                }),
             }
         })
         .collect();
@@ -250,6 +266,11 @@ pub fn merge(instances: &[InstanceAudit]) -> Result<InstanceAudit, MergeError> {
                 }
                 Some(m) => {
                     m.requests += r.requests;
+                    match (&mut m.stated, &r.stated) {
+                        (Some(a), Some(b)) => a.merge(b),
+                        (a @ None, Some(b)) => *a = Some(b.clone()),
+                        _ => {}
+                    }
                     if !m.upstream.merge(&r.upstream) {
                         return Err(MergeError::Buckets {
                             route: r.route.clone(),
@@ -300,6 +321,9 @@ pub struct Finding {
     pub too_little_traffic: bool,
     /// Per plan: backend-seconds per minute one key can impose by spending its whole plan here.
     pub worst_case: Vec<WorstCase>,
+    /// `cost_from_response` routes: the mean stated cost beside the configured one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stated: Option<StatedFinding>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -337,6 +361,18 @@ fn effective_cost(cost: u64, cost_per_second: Option<f64>, mean: f64) -> f64 {
     match cost_per_second {
         Some(rate) => (cost as f64).max((mean * rate).ceil()),
         None => cost as f64,
+    }
+}
+
+/// How a configured (or effective) cost compares with the cost the evidence implies:
+/// `under-priced` above twice it, `over-priced` below half of it.
+pub(crate) fn price_flag(configured: f64, evidence: f64) -> Option<&'static str> {
+    if evidence > configured * FLAG_FACTOR {
+        Some("under-priced")
+    } else if evidence * FLAG_FACTOR < configured {
+        Some("over-priced")
+    } else {
+        None
     }
 }
 
@@ -391,15 +427,7 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
                 .filter(|(_, b)| *b > 0.0)
                 .map(|(m, b)| m / b);
             let effective = mean.map(|m| effective_cost(cost, cost_per_second, m));
-            let flag = implied.zip(effective).and_then(|(i, c)| {
-                if i > c * FLAG_FACTOR {
-                    Some("under-priced")
-                } else if i * FLAG_FACTOR < c {
-                    Some("over-priced")
-                } else {
-                    None
-                }
-            });
+            let flag = implied.zip(effective).and_then(|(i, c)| price_flag(c, i));
             let worst_case = match (mean, effective) {
                 (Some(m), Some(c)) => plans.iter().filter_map(|p| worst_case(p, c, m)).collect(),
                 _ => vec![],
@@ -418,6 +446,7 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
                 flag,
                 too_little_traffic: !enough(r),
                 worst_case,
+                stated: r.stated.as_ref().map(|s| StatedFinding::of(s, cost)),
             }
         })
         .collect();
@@ -437,103 +466,6 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
         baseline_seconds: baseline,
         routes,
     }
-}
-
-fn secs(v: Option<f64>) -> String {
-    match v {
-        Some(s) if s < 1.0 => format!("{:.0}ms", s * 1e3),
-        Some(s) => format!("{s:.2}s"),
-        None => "-".into(),
-    }
-}
-
-/// The table `tollgate audit` prints.
-pub fn render_table(r: &Report) -> String {
-    let mut rows = vec![[
-        "ROUTE".to_string(),
-        "REQUESTS".into(),
-        "P50".into(),
-        "P95".into(),
-        "MEAN".into(),
-        "COST".into(),
-        "IMPLIED".into(),
-        "FLAG".into(),
-        "WORST CASE PER KEY (backend-s/min)".into(),
-    ]];
-    for f in &r.routes {
-        let cost = match f.cost_per_second {
-            Some(rate) => format!("{}+{rate}/s", f.cost),
-            None => f.cost.to_string(),
-        };
-        let (implied, flag, worst) = if f.too_little_traffic {
-            (
-                "-".to_string(),
-                format!(
-                    "too little traffic ({} < {MIN_SAMPLES})",
-                    f.upstream_requests
-                ),
-                "-".to_string(),
-            )
-        } else {
-            let implied = f
-                .implied_cost
-                .map(|i| format!("{i:.1}"))
-                .unwrap_or("no cost-1 baseline".into());
-            let flag = match f.flag {
-                Some(flag) => format!("!! {flag} (>{FLAG_FACTOR}x)"),
-                None => "ok".into(),
-            };
-            let worst = f
-                .worst_case
-                .iter()
-                .map(|w| format!("{}={:.1}", w.plan, w.backend_seconds_per_minute))
-                .collect::<Vec<_>>()
-                .join(" ");
-            (implied, flag, worst)
-        };
-        let mut route = f.route.clone();
-        if f.mode == "shadow" {
-            route.push_str(" (shadow)");
-        }
-        rows.push([
-            route,
-            f.requests.to_string(),
-            secs(f.p50_seconds),
-            secs(f.p95_seconds),
-            secs(f.mean_seconds),
-            cost,
-            implied,
-            flag,
-            worst,
-        ]);
-    }
-    let mut out = String::new();
-    let mut widths = [0usize; 9];
-    for row in &rows {
-        for (i, c) in row.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
-        }
-    }
-    for row in &rows {
-        let line: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c}{}", " ".repeat(widths[i] - c.chars().count())))
-            .collect();
-        let _ = writeln!(out, "{}", line.join("  ").trim_end());
-    }
-    let _ = match r.baseline_seconds {
-        Some(b) => writeln!(
-            out,
-            "\none cost unit = {} of upstream time (median mean of the cost-1 routes)",
-            secs(Some(b))
-        ),
-        None => writeln!(
-            out,
-            "\nno cost-1 route has {MIN_SAMPLES}+ requests: implied costs need that baseline"
-        ),
-    };
-    out
 }
 
 #[cfg(test)]

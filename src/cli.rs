@@ -122,6 +122,27 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
     out
 }
 
+/// `explain`'s `cost:` lines: the price, and how it is settled after the response.
+fn explain_cost(out: &mut String, route: &crate::route::Route) {
+    let _ = writeln!(out, "cost:         {}", route.cost);
+    if let Some(rate) = route.fidelity.cost_per_second {
+        let _ = writeln!(
+            out,
+            "              then {rate} per second of upstream time, at least {} in total",
+            route.cost
+        );
+    }
+    if let Some(name) = &route.fidelity.cost_from_response {
+        let bound = route
+            .cost
+            .saturating_mul(crate::route::stated::BOUND_FACTOR);
+        let _ = writeln!(
+            out,
+            "              settled to what the upstream states in {name} (0 to {bound} units), when it does"
+        );
+    }
+}
+
 /// `tollgate explain`: which route, what cost, which limits. Returns the text and whether the
 /// request would be classified at all.
 pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (String, bool) {
@@ -147,14 +168,7 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
         let _ = writeln!(out, "normalized:   {t}  (what the upstream receives)");
     }
     let _ = writeln!(out, "route:        {}", route.label);
-    let _ = writeln!(out, "cost:         {}", route.cost);
-    if let Some(rate) = route.fidelity.cost_per_second {
-        let _ = writeln!(
-            out,
-            "              then {rate} per second of upstream time, at least {} in total",
-            route.cost
-        );
-    }
+    explain_cost(&mut out, route);
     if route.fidelity.shadow {
         let _ = writeln!(
             out,
@@ -369,6 +383,9 @@ rate_limits:
       queue_timeout: 1s              # shorter than a report (2 s), so a full route answers 503
     "GET /items/{id}":
       cost: 1
+    /analytics/query:
+      cost: 10                       # admitted at 10, then settled to what the API states:
+      cost_from_response: X-Actual-Cost   # the sample API says 1 unit per 1000 rows scanned
 "#;
 
 fn demo_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -434,6 +451,11 @@ and at most 5 reports run at once (a 6th waits up to 1 s for a slot, then gets 5
 
   # another key is unaffected: a CRUD call costs 1 of its own 120
   curl -i -H 'X-API-Key: other-key' http://{listen}/items/42
+
+  # a query is admitted at its cost of 10 and settled to what the API states it cost
+  # (1 unit per 1000 rows: 50 here); the next response shows the 50 gone
+  curl -s -o /dev/null -H 'X-API-Key: third-key' 'http://{listen}/analytics/query?rows=50000'
+  curl -si -H 'X-API-Key: third-key' http://{listen}/items/1 | grep -i '^x-ratelimit-remaining'
 
 Ctrl-C to stop.
 "#,

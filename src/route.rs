@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::policy::Budget;
 
 mod path;
+pub mod stated;
 pub use path::{fold_to_ascii, match_path, normalize_path, BadPath};
 
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
@@ -37,12 +38,15 @@ pub struct QueueRules {
 
 /// How faithfully a route's cost is applied (DESIGN §6): whether its refusals are enforced or
 /// only counted, and whether measured upstream time is billed on top of the admission cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Fidelity {
     /// `mode: shadow`: budget and cap refusals are counted and described, never enforced.
     pub shadow: bool,
     /// `cost_per_second`: the final charge is `max(cost, ceil(upstream_s × this))`.
     pub cost_per_second: Option<f64>,
+    /// `cost_from_response`: the response header in which the upstream states the request's
+    /// real cost; the final charge becomes it (see [`stated`]).
+    pub cost_from_response: Option<http::HeaderName>,
 }
 
 impl Fidelity {
@@ -98,7 +102,7 @@ impl Route {
             max_in_flight: spec.max_in_flight,
             queue_timeout: spec.queue_timeout,
             queue: spec.queue,
-            fidelity: spec.fidelity,
+            fidelity: spec.fidelity.clone(),
             provider: spec.provider.clone(),
         })
     }

@@ -10,6 +10,10 @@
 //!   gateway's), as a provider behind the gateway may send; `?ratelimit=2`: only the last two;
 //! - `?work_ms=N` on any path: N ms of work that goes on even if the caller hangs up (like a
 //!   report the database keeps generating), counted in `current` until it is done;
+//! - `/analytics/query?rows=N`: states what it cost, `X-Actual-Cost: ceil(N/1000)` (a query
+//!   that scans more rows costs more; `cost_from_response` settles on it);
+//! - `?actual_cost=V` on the echo paths: the answer carries `X-Actual-Cost: V`, verbatim (so
+//!   tests can state any cost, or garbage);
 //! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
 //! - `/__stats` (GET) and `/__reset` (POST): per-path request counts and peak concurrency.
 //!
@@ -245,18 +249,42 @@ impl SampleApi {
             .and_then(|n| StatusCode::from_u16(n).ok())
             .unwrap_or(StatusCode::OK);
         let mut r = full(status, "application/json", body.to_string());
+        let h = r.headers_mut();
+        if let Some(v) = stated_cost(&path, &query, param("rows")) {
+            h.insert("x-actual-cost", v);
+        }
         if let Some(which) = param("ratelimit") {
-            let h = r.headers_mut();
-            if which == 1 {
-                h.insert(
-                    "ratelimit",
-                    HeaderValue::from_static("\"upstream\";r=999;t=1"),
-                );
-            }
-            h.insert("x-ratelimit-remaining", HeaderValue::from_static("999"));
-            h.insert("x-ratelimit-used", HeaderValue::from_static("5"));
+            provider_rate_limit_headers(h, which);
         }
         r
+    }
+}
+
+/// `?ratelimit=1`: the rate-limit headers a provider behind the gateway may send (`2`: only
+/// the de-facto two).
+fn provider_rate_limit_headers(h: &mut hyper::HeaderMap, which: u64) {
+    if which == 1 {
+        h.insert(
+            "ratelimit",
+            HeaderValue::from_static("\"upstream\";r=999;t=1"),
+        );
+    }
+    h.insert("x-ratelimit-remaining", HeaderValue::from_static("999"));
+    h.insert("x-ratelimit-used", HeaderValue::from_static("5"));
+}
+
+/// The `X-Actual-Cost` an echo answer states: `?actual_cost=` as sent, else one unit per
+/// thousand rows (rounded up) on `/analytics/query?rows=N`.
+fn stated_cost(path: &str, query: &str, rows: Option<u64>) -> Option<HeaderValue> {
+    let verbatim = query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("actual_cost="));
+    if let Some(v) = verbatim {
+        return HeaderValue::from_str(v).ok();
+    }
+    match (path, rows) {
+        ("/analytics/query", Some(n)) => Some(HeaderValue::from(n.div_ceil(1000))),
+        _ => None,
     }
 }
 

@@ -6,10 +6,9 @@
 
 pub mod access;
 mod logging;
+mod routes;
 
-use std::sync::{Arc, OnceLock};
-
-use crate::route::{Route, Router};
+use std::sync::OnceLock;
 
 use prometheus::{
     register_histogram, register_histogram_vec, register_int_counter, register_int_counter_vec,
@@ -77,6 +76,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_config_info",
     "tollgate_config_last_reload_timestamp_seconds",
     "tollgate_fallback_decisions_total",
+    "tollgate_cost_reports_total",
 ];
 
 pub struct Metrics {
@@ -105,6 +105,7 @@ pub struct Metrics {
     pub config_info: IntGaugeVec,
     pub config_last_reload: prometheus::Gauge,
     pub fallback_decisions: IntCounterVec,
+    pub cost_reports: IntCounterVec,
 }
 
 /// Registration only fails on a name clash, which is a bug caught by any test.
@@ -269,6 +270,12 @@ fn build() -> Metrics {
             }
             c
         },
+        cost_reports: register_int_counter_vec!(
+            "tollgate_cost_reports_total",
+            "Responses of cost_from_response routes, by what their stated cost was: applied|missing|invalid",
+            &["route", "result"]
+        )
+        .expect("register"),
     }
 }
 
@@ -298,207 +305,6 @@ pub fn metrics() -> &'static Metrics {
     })
 }
 
-/// Statuses whose `tollgate_requests_total` series a route keeps a handle to.
-const COMMON_STATUSES: [u16; 16] = [
-    200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
-];
-
-/// Statuses whose series every route has from the start (see [`RouteMetrics::announce`]).
-const ANNOUNCED_STATUSES: [u16; 6] = [200, 429, 500, 502, 503, 504];
-
-/// One route's series, resolved once when a running gateway installs a config (and again, to
-/// the same series, on reload) instead of by label lookup on every request.
-pub struct RouteMetrics {
-    label: Arc<str>,
-    pub request_duration: Histogram,
-    pub upstream_duration: Histogram,
-    pub queue_wait: Histogram,
-    pub in_flight: IntGauge,
-    pub cost_units: IntCounter,
-    pub overhead: Histogram,
-    pub admitted_duration: Histogram,
-    /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
-    /// that no zero series appear for statuses a route never answers.
-    statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
-}
-
-impl std::fmt::Debug for RouteMetrics {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RouteMetrics")
-            .field("label", &self.label)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RouteMetrics {
-    fn new(label: &Arc<str>) -> RouteMetrics {
-        let m = metrics();
-        let l: &[&str] = &[label];
-        RouteMetrics {
-            label: label.clone(),
-            request_duration: m.request_duration.with_label_values(l),
-            upstream_duration: m.upstream_duration.with_label_values(l),
-            queue_wait: m.queue_wait.with_label_values(l),
-            in_flight: m.in_flight.with_label_values(l),
-            cost_units: m.cost_units.with_label_values(l),
-            overhead: m.overhead.with_label_values(l),
-            admitted_duration: m.admitted_duration.with_label_values(l),
-            statuses: Default::default(),
-        }
-    }
-
-    /// Creates, at zero, the series of the answers an alert or a dashboard rate watches for —
-    /// a counter that first appears at N is invisible to `rate()` until it grows again, so a
-    /// route's first 429 storm or 5xx burst after a start would go unseen.
-    fn announce(&self, route: &Route) {
-        let m = metrics();
-        for status in ANNOUNCED_STATUSES {
-            if let Some(i) = COMMON_STATUSES.iter().position(|s| *s == status) {
-                let _ = self.statuses[i].get_or_init(|| {
-                    m.requests
-                        .with_label_values(&[&*self.label, &status.to_string()])
-                });
-            }
-        }
-        if route.max_in_flight.is_some() {
-            // At zero from the start: a queue's first waiters must show.
-            let _ = m.queued.with_label_values(&[&*self.label]);
-        }
-        let mut reasons = vec!["budget", "key_in_flight"];
-        if route.max_in_flight.is_some() {
-            reasons.extend(["in_flight", "route_busy"]);
-        }
-        if route.shared().is_some() {
-            reasons.push("shared_budget");
-        }
-        let refusals = if route.fidelity.shadow {
-            &m.shadow_rejections
-        } else {
-            &m.rejections
-        };
-        for reason in reasons {
-            refusals.with_label_values(&[&*self.label, reason]);
-        }
-    }
-
-    /// Counts one answered request.
-    pub fn request(&self, status: u16) {
-        let series = || {
-            metrics()
-                .requests
-                .with_label_values(&[&*self.label, &status.to_string()])
-        };
-        match COMMON_STATUSES.iter().position(|s| *s == status) {
-            Some(i) => self.statuses[i].get_or_init(series).inc(),
-            None => series().inc(),
-        }
-    }
-
-    /// Counts a refusal that `mode: shadow` did not make.
-    pub fn shadow_rejection(&self, reason: &str) {
-        metrics()
-            .shadow_rejections
-            .with_label_values(&[&*self.label, reason])
-            .inc();
-    }
-
-    /// Counts a refusal by the gateway.
-    pub fn rejection(&self, reason: &str) {
-        metrics()
-            .rejections
-            .with_label_values(&[&*self.label, reason])
-            .inc();
-    }
-}
-
-/// The series of every route of one config, indexed by [`Route::index`]. Only a running
-/// gateway builds one (parsing a config registers nothing); a reload reuses the handles of
-/// routes it keeps, so counters and in-flight gauges carry on.
-#[derive(Debug)]
-pub struct RouteMetricsTable {
-    by_index: Vec<Arc<RouteMetrics>>,
-}
-
-impl RouteMetricsTable {
-    pub fn new(router: &Router, previous: Option<&RouteMetricsTable>) -> RouteMetricsTable {
-        let m = metrics();
-        let by_index = router
-            .routes()
-            .map(|r| {
-                if let Some(cap) = r.max_in_flight {
-                    m.in_flight_limit
-                        .with_label_values(&[&*r.label])
-                        .set(cap as i64);
-                }
-                previous
-                    .and_then(|p| p.by_index.iter().find(|x| x.label == r.label))
-                    .cloned()
-                    .unwrap_or_else(|| {
-                        let rm = RouteMetrics::new(&r.label);
-                        rm.announce(r);
-                        Arc::new(rm)
-                    })
-            })
-            .collect();
-        RouteMetricsTable { by_index }
-    }
-
-    pub fn get(&self, route: &Route) -> &RouteMetrics {
-        // A route always comes from the router this table was built from; `default` is last.
-        match self.by_index.get(route.index) {
-            Some(m) => m,
-            None => &self.by_index[self.by_index.len() - 1],
-        }
-    }
-
-    /// Removes the series of routes that `self` has and `next` no longer does, and the
-    /// in-flight limits of routes that lost their cap.
-    pub fn retire(&self, next: &Router) {
-        let m = metrics();
-        for old in &self.by_index {
-            let label = &*old.label;
-            let kept = next.routes().find(|r| &*r.label == label);
-            if kept.is_none_or(|r| r.max_in_flight.is_none()) {
-                let _ = m.in_flight_limit.remove_label_values(&[label]);
-            }
-            if kept.is_some() {
-                continue;
-            }
-            for vec in [
-                &m.request_duration,
-                &m.upstream_duration,
-                &m.queue_wait,
-                &m.overhead,
-                &m.admitted_duration,
-            ] {
-                let _ = vec.remove_label_values(&[label]);
-            }
-            let _ = m.in_flight.remove_label_values(&[label]);
-            let _ = m.cost_units.remove_label_values(&[label]);
-            remove_route_series(&m.requests, label);
-            remove_route_series(&m.rejections, label);
-            remove_route_series(&m.shadow_rejections, label);
-        }
-    }
-}
-
-/// Removes every series of a `{route, ...}` counter whose route is `label`.
-fn remove_route_series(vec: &IntCounterVec, label: &str) {
-    use prometheus::core::Collector;
-    for family in vec.collect() {
-        for metric in family.get_metric() {
-            let labels: std::collections::HashMap<&str, &str> = metric
-                .get_label()
-                .iter()
-                .map(|l| (l.name(), l.value()))
-                .collect();
-            if labels.get("route") == Some(&label) {
-                let _ = vec.remove(&labels);
-            }
-        }
-    }
-}
-
 /// Says which config is running: `tollgate_config_info{hash}` (only the current hash has a
 /// series) and the time it was loaded.
 pub fn config_loaded(hash: &str) {
@@ -522,3 +328,4 @@ pub fn render() -> String {
 }
 
 pub use logging::{flush_logs, init_logging, LogFormat};
+pub use routes::{RouteMetrics, RouteMetricsTable};

@@ -26,6 +26,7 @@ fn route(name: &str, cost: u64, samples: &[f64]) -> RouteAudit {
         p50_seconds: None,
         p95_seconds: None,
         mean_seconds: None,
+        stated: None,
     }
 }
 

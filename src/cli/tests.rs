@@ -59,4 +59,11 @@ fn explain_text() {
         "{t}"
     );
     assert!(t.contains("mode:         shadow"), "{t}");
+    // The demo's analytics route settles on what the sample API states.
+    let (t, _) = explain(&cfg(), "GET", "/analytics/query", Some("k"));
+    assert!(t.contains("cost:         10\n"), "{t}");
+    assert!(
+        t.contains("              settled to what the upstream states in x-actual-cost (0 to 1000 units), when it does"),
+        "{t}"
+    );
 }

@@ -360,6 +360,10 @@ pub struct RawEndpoint {
     /// Bill measured upstream time: the final charge is `max(cost, ceil(s × this))`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_per_second: Option<f64>,
+    /// The upstream states the request's real cost in this response header; the charge
+    /// settles on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_from_response: Option<String>,
     /// Overrides `rate_limits.mode` for this endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,

@@ -15,6 +15,7 @@ use crate::decision::{Admitted, Classified, Refusal};
 use crate::front::ConnState;
 use crate::identity::{Identity, Origin};
 use crate::problem::Problem;
+use crate::route::stated::Report;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
 use crate::state::Running;
@@ -143,8 +144,12 @@ pub struct Ctx {
     pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
-    /// Units charged after the response for measured upstream time (`cost_per_second`).
-    pub time_charge: u64,
+    /// The request's final charge once settled after the response (`cost_per_second`,
+    /// `cost_from_response`); `None` before, or when nothing was charged.
+    pub settled: Option<u64>,
+    /// What the upstream's response said the request cost (`cost_from_response` routes,
+    /// charged requests).
+    pub report: Option<Report>,
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
@@ -169,7 +174,8 @@ impl Ctx {
             request_id: None,
             upstream_status: None,
             fallback: false,
-            time_charge: 0,
+            settled: None,
+            report: None,
             upstream_host: None,
         }
     }
@@ -249,9 +255,11 @@ impl Ctx {
         };
     }
 
-    /// `cost_per_second`: once the upstream has answered, charges the measured time beyond
-    /// the admission cost where the admission was charged (even into debt).
-    pub async fn charge_time(&mut self, store: &Store) {
+    /// Once the upstream has answered: makes the request's final charge what the upstream
+    /// stated (`cost_from_response`), else what its route bills for measured time
+    /// (`cost_per_second`), charging (even into debt) or refunding the difference where the
+    /// admission was charged.
+    pub async fn settle(&mut self, store: &Store) {
         let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
             return;
         };
@@ -260,12 +268,12 @@ impl Ctx {
             .timing
             .upstream
             .or_else(|| self.timing.upstream_start.map(|s| s.elapsed()));
-        let total = route.fidelity.final_cost(c.req.cost, upstream);
-        let extra = total.saturating_sub(c.req.cost);
-        if extra > 0 {
-            store.charge_extra(&c.req, c.charge, extra).await;
-            self.time_charge = extra;
-        }
+        let total = match self.report {
+            Some(Report::Applied(units)) => units,
+            _ => route.fidelity.final_cost(c.req.cost, upstream),
+        };
+        store.settle(&c.req, c.charge, total).await;
+        self.settled = Some(total);
     }
 
     /// The budget decision to describe in the rate-limit headers, if there was one.
@@ -286,10 +294,13 @@ impl Ctx {
         }
     }
 
-    /// The request's whole charge: the admission's plus any time charged after the response
-    /// (the access log's `cost`, `tollgate_cost_units_total`).
+    /// The request's whole charge: the admission's, or what it was settled to after the
+    /// response (the access log's `cost`, `tollgate_cost_units_total`).
     pub fn final_charge(&self) -> u64 {
-        self.charged() + self.time_charge
+        match (&self.phase, self.settled) {
+            (Phase::Admitted(_), Some(total)) => total,
+            _ => self.charged(),
+        }
     }
 
     pub fn is_admitted(&self) -> bool {

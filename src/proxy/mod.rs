@@ -9,6 +9,7 @@
 
 pub mod ctx;
 pub mod forward;
+mod record;
 pub mod respond;
 mod scrub;
 
@@ -381,6 +382,7 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.timing.upstream_done();
         ctx.upstream_status = Some(resp.status.as_u16());
+        respond::take_stated_cost(resp, ctx);
         respond::rate_limit_headers(resp, ctx)
     }
 
@@ -505,8 +507,8 @@ impl ProxyHttp for Gateway {
         }
         // Now, with the upstream's answer read to its end (or abandon_timeout passed).
         ctx.release().await;
-        // After the slots are free: the time charge is one more store call, for such routes only.
-        ctx.charge_time(&self.shared.store).await;
+        // After the slots are free: settling is one more store call, for such routes only.
+        ctx.settle(&self.shared.store).await;
         let status = session
             .response_written()
             .map(|r| r.status.as_u16())
@@ -519,36 +521,8 @@ impl ProxyHttp for Gateway {
         };
         let rm = running.metrics.get(&route);
         let elapsed = ctx.start.elapsed();
-        rm.request(status);
-        rm.request_duration.observe(elapsed.as_secs_f64());
-        if ctx.was_forwarded() {
-            // The latency SLO: refusals are fast and would flatter the requests that were served.
-            rm.admitted_duration.observe(elapsed.as_secs_f64());
-            rm.overhead.observe(ctx.overhead().as_secs_f64());
-        }
-        if let Some(u) = ctx.timing.upstream {
-            rm.upstream_duration.observe(u.as_secs_f64());
-        }
         let charged = ctx.final_charge();
-        if charged > 0 {
-            rm.cost_units.inc_by(charged);
-        }
-        if let Phase::Refused {
-            reason: Some(reason),
-            ..
-        } = ctx.phase
-        {
-            rm.rejection(reason);
-            if let Some(who) = &ctx.identity {
-                if let Some(id) = who.id.as_deref() {
-                    metrics().rejections_by_key.with_label_values(&[id]).inc();
-                }
-                metrics()
-                    .rejections_by_plan
-                    .with_label_values(&[&who.policy.name])
-                    .inc();
-            }
-        }
+        record::finished(rm, ctx, status, elapsed, charged);
         // Field expressions are only evaluated when the access log is enabled.
         if access::enabled() {
             let key = ctx.identity.as_ref().map(|i| i.log_name());

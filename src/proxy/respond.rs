@@ -9,6 +9,7 @@ use pingora::proxy::Session;
 
 use super::ctx::Ctx;
 use crate::problem::{self, Problem};
+use crate::route::stated::Report;
 
 /// Writes the gateway's own answer: problem JSON, `Retry-After` where given, and the
 /// rate-limit headers when the caller is identified. Returns `Ok(true)` ("response sent") for
@@ -77,4 +78,21 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `cost_from_response`: reads what the upstream says the request cost (kept for settling
+/// when the request was charged) and removes the header: it is for the gateway, not the
+/// client.
+pub fn take_stated_cost(h: &mut ResponseHeader, ctx: &mut Ctx) {
+    let Some(route) = &ctx.route else {
+        return;
+    };
+    let Some(name) = &route.fidelity.cost_from_response else {
+        return;
+    };
+    let report = Report::read(&h.headers, name, route.cost);
+    h.remove_header(name);
+    if ctx.is_admitted() {
+        ctx.report = Some(report);
+    }
 }

@@ -10,13 +10,15 @@
 //!   breaker, deny cache, key layout, script calls, leases;
 //! - `fallback`: `store.on_error` over any [`SharedStore`]; [`RedisStore`] is
 //!   `FallbackStore<RedisBackend>`. With it: `running` (what the local share counts) and
-//!   `write_back` (what the fallback admitted, owed to the shared budget).
+//!   `write_back` (what the fallback admitted, owed to the shared budget);
+//! - `settle`: a charge made final after the response (`cost_per_second`, `cost_from_response`).
 
 pub mod fair;
 pub mod fallback;
 pub mod memory;
 pub mod redis;
 mod running;
+mod settle;
 mod write_back;
 
 use std::sync::Arc;
@@ -439,19 +441,6 @@ impl Store {
         }
     }
 
-    /// Charges `units` more to an admitted request, after the fact and even into debt
-    /// (`cost_per_second`), where its admission was charged: one store call.
-    pub async fn charge_extra(&self, req: &AdmitRequest, charge: Charge, units: u64) {
-        if units == 0 {
-            return;
-        }
-        match (self, charge) {
-            (Store::Memory(m), Charge::Local(limit)) => m.debit(&req.charged_under(limit), units),
-            (Store::Memory(_), _) => {}
-            (Store::Redis(r), charge) => Box::pin(r.charge_extra(req, charge, units)).await,
-        }
-    }
-
     /// What is left of the key's budgets, the one under `limit` first, then each of `also`
     /// that is the key's own; `None` while the shared store cannot say.
     pub async fn peek(
@@ -518,7 +507,6 @@ mod tests {
         let bound = 512;
         assert!(size_of_future(&store.decide(&req)) <= bound);
         assert!(size_of_future(&store.refund(&req, Charge::None)) <= bound);
-        assert!(size_of_future(&store.charge_extra(&req, Charge::None, 1)) <= bound);
         assert!(size_of_future(&Lease::default().release()) <= bound);
     }
 }

@@ -105,7 +105,7 @@ fn fidelity_settings_parse_and_override() {
             "      cost: 10\n      cost_per_second: 4\n",
         );
     let c = parse(&s).unwrap();
-    let route = |m: &str, p: &str| c.router.classify(m, p).route.fidelity;
+    let route = |m: &str, p: &str| c.router.classify(m, p).route.fidelity.clone();
     assert!(route("POST", "/reports/generate").shadow);
     assert!(!route("POST", "/exports/bulk").shadow);
     assert_eq!(route("POST", "/analytics/query").cost_per_second, Some(4.0));
@@ -134,10 +134,50 @@ fn fidelity_settings_parse_and_override() {
 }
 
 #[test]
+fn cost_from_response_names_a_header() {
+    let with = |name: &str| {
+        BASE.replace(
+            "      cost: 10\n",
+            &format!(
+                "      cost: 10\n      cost_per_second: 4\n      cost_from_response: \"{name}\"\n"
+            ),
+        )
+    };
+    let c = parse(&with("X-Actual-Cost")).unwrap();
+    let f = c
+        .router
+        .classify("GET", "/analytics/query")
+        .route
+        .fidelity
+        .clone();
+    assert_eq!(
+        (
+            f.cost_from_response.as_ref().map(|h| h.as_str()),
+            f.cost_per_second
+        ),
+        (Some("x-actual-cost"), Some(4.0)),
+        "combinable with cost_per_second"
+    );
+    assert_eq!(
+        first_error(&with("X Actual")),
+        "rate_limits.endpoints.\"/analytics/query\".cost_from_response: must be a valid HTTP header name, got \"X Actual\""
+    );
+    assert_eq!(
+        first_error(&with("")),
+        "rate_limits.endpoints.\"/analytics/query\".cost_from_response: must be a valid HTTP header name, got \"\""
+    );
+    assert_eq!(
+        first_error(&with("Content-Length")),
+        "rate_limits.endpoints.\"/analytics/query\".cost_from_response: must not be a header that frames or routes the response, got \"Content-Length\""
+    );
+}
+
+#[test]
 fn final_cost_bills_time_but_never_less_than_cost() {
     let f = route::Fidelity {
         shadow: false,
         cost_per_second: Some(4.0),
+        cost_from_response: None,
     };
     let s = Duration::from_millis;
     assert_eq!(f.final_cost(1, Some(s(1500))), 6);

@@ -191,6 +191,7 @@ pub(super) fn endpoints(
         let fidelity = Fidelity {
             shadow: e.mode.or(rl.mode).unwrap_or_default() == Mode::Shadow,
             cost_per_second: cost_per_second(&base, e.cost_per_second, errs),
+            cost_from_response: cost_from_response(&base, e.cost_from_response.as_deref(), errs),
         };
         specs.push(RouteSpec {
             pattern: pattern.clone(),
@@ -209,6 +210,7 @@ pub(super) fn endpoints(
     let default_fidelity = Fidelity {
         shadow: rl.mode == Some(Mode::Shadow),
         cost_per_second: None,
+        cost_from_response: None,
     };
     let suffixes = match_suffixes(&rl.match_suffixes, errs);
     match Router::with_default(specs, d.cost.max(1) as u64, default_fidelity) {
@@ -342,6 +344,42 @@ fn cost_per_second(base: &str, value: Option<f64>, errs: &mut ConfigErrors) -> O
         format!("{base}.cost_per_second"),
         format!("must be a positive number of units per second (at most {MAX_COST_PER_SECOND}), got {v}"),
     );
+    None
+}
+
+/// Headers that frame the response or the connection: stripping one would break the answer.
+const FRAMING_HEADERS: &[&str] = &[
+    "connection",
+    "content-length",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// `cost_from_response`: the name of the response header the upstream states the cost in.
+fn cost_from_response(
+    base: &str,
+    value: Option<&str>,
+    errs: &mut ConfigErrors,
+) -> Option<http::HeaderName> {
+    let v = value?;
+    let path = format!("{base}.cost_from_response");
+    match http::HeaderName::from_bytes(v.as_bytes()) {
+        Ok(name) if FRAMING_HEADERS.contains(&name.as_str()) => errs.push(
+            path,
+            format!(
+                "must not be a header that frames or routes the response, got \"{}\"",
+                shown(v)
+            ),
+        ),
+        Ok(name) => return Some(name),
+        Err(_) => errs.push(
+            path,
+            format!("must be a valid HTTP header name, got \"{}\"", shown(v)),
+        ),
+    }
     None
 }
 
