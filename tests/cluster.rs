@@ -257,7 +257,27 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
     // Bounded errors by on_error=local: every request was answered by the shared store or
     // the local share, none failed.
     let failures = failures.lock().unwrap().clone();
-    assert!(failures.is_empty(), "{failures:?}");
+    let route = redis_route_slots_key("/reports/generate");
+    let state = format!("{}s", &route[..route.len() - 1]);
+    assert!(
+        failures.is_empty(),
+        "{} failures: {:?}\nleases {} at {}\nstate {}\n{}",
+        failures.len(),
+        &failures[..failures.len().min(6)],
+        cluster.cli(&["ZRANGE", &route, "0", "-1", "WITHSCORES"]),
+        cluster.cli(&["TIME"]),
+        cluster.cli(&["HGETALL", &state]),
+        gws.iter()
+            .map(|g| g
+                .log()
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+                .take(15)
+                .collect::<Vec<_>>()
+                .join("\n"))
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    );
 
     // Recovery: the shared budget is back on every gateway, on the promoted replica too.
     for gw in gws.iter() {
@@ -301,7 +321,12 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
     let slots = redis_route_slots_key("/reports/generate");
     let start = Instant::now();
     while cluster.cli(&["ZCARD", &slots]) != "0" {
-        assert!(start.elapsed() < Duration::from_secs(5), "leaked slots");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "leaked slots: {} {}",
+            cluster.cli(&["ZRANGE", &slots, "0", "-1", "WITHSCORES"]),
+            cluster.cli(&["TIME"])
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(promoted < Duration::from_secs(20));

@@ -47,33 +47,49 @@ async fn wait_queued(gw: &Gateway, route: &str, n: f64) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_small_customer_is_served_ahead_of_a_big_ones_queue() {
-    // Reports take 1 s, two at a time.
-    let up = Upstream::start(Duration::from_secs(1));
-    let body = config(
-        "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
-        "",
-    );
-    let gw = Gateway::start(&up, &body);
+/// The scenario: reports take 1 s, 5 at a time; key a sends 20 at once through the
+/// gateways in turn, then keys b and c send one each. b and c reach the upstream in the first
+/// release wave (each runs no report yet); in arrival order they would wait behind 15 (3 s
+/// more). No slot idles while anyone waits: 22 reports, 5 at a time, take 5 s.
+async fn small_customers_first(up: &Upstream, gws: &[Gateway], store: &str) {
     let c = client();
     let start = Instant::now();
-    // Key a sends 10 reports at once: 2 run, 8 wait.
-    let big: Vec<_> = (0..10)
-        .map(|_| {
+    let big: Vec<_> = (0..20)
+        .map(|i| {
             let req = c
-                .post(gw.url("/reports/generate"))
+                .post(gws[i % gws.len()].url("/reports/generate"))
                 .header("X-API-Key", "key-a");
             tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
         })
         .collect();
-    up.wait_current("/reports/generate", 2).await;
-    wait_queued(&gw, "/reports/generate", 8.0).await;
-    // Then keys b and c send one each.
+    up.wait_current("/reports/generate", 5).await;
+    // Until every report of key a is queued or at the upstream.
+    let t = Instant::now();
+    loop {
+        let mut queued = 0.0;
+        for gw in gws {
+            queued += metric(gw, "tollgate_queued{route=\"/reports/generate\"}").await;
+        }
+        if queued as u64 + up.count("/reports/generate") >= 20 {
+            assert!(
+                queued >= 10.0,
+                "{store}: only {queued} were waiting at once"
+            );
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{store}: {queued} queued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let small: Vec<_> = ["key-b", "key-c"]
         .iter()
-        .map(|k| {
-            let req = c.post(gw.url("/reports/generate")).header("X-API-Key", *k);
+        .enumerate()
+        .map(|(i, k)| {
+            let req = c
+                .post(gws[(i + 1) % gws.len()].url("/reports/generate"))
+                .header("X-API-Key", *k);
             tokio::spawn(async move {
                 let sent = Instant::now();
                 let status = req.send().await.unwrap().status().as_u16();
@@ -83,19 +99,48 @@ async fn a_small_customer_is_served_ahead_of_a_big_ones_queue() {
         .collect();
     for s in small {
         let (status, took) = s.await.unwrap();
-        assert_eq!(status, 200);
-        // The first release goes to them (each runs no report yet): at most one report's
-        // wait and their own. In arrival order they would have waited behind 8 (4 s more).
-        assert!(took < Duration::from_millis(3200), "waited {took:?}");
+        assert_eq!(status, 200, "{store}");
+        assert!(
+            took < Duration::from_millis(3000),
+            "{store}: waited {took:?}"
+        );
     }
     for b in big {
-        assert_eq!(b.await.unwrap(), 200);
+        assert_eq!(b.await.unwrap(), 200, "{store}");
     }
-    // 12 reports of 1 s, 2 at a time: 6 s if no slot ever idles while someone waits.
     let all = start.elapsed();
-    assert!(all < Duration::from_millis(7500), "took {all:?}");
-    assert_eq!(up.max_concurrent("/reports/generate"), 2);
-    assert_eq!(up.count("/reports/generate"), 12);
+    assert!(all < Duration::from_millis(6500), "{store}: took {all:?}");
+    assert_eq!(up.max_concurrent("/reports/generate"), 5, "{store}");
+    assert_eq!(up.count("/reports/generate"), 22, "{store}");
+}
+
+const FIVE_SLOTS: &str =
+    "    /reports/generate:\n      cost: 1\n      max_in_flight: 5\n      queue_timeout: 30s\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_customer_is_served_ahead_of_a_big_ones_queue() {
+    let up = Upstream::start(Duration::from_secs(1));
+    let gw = Gateway::start(&up, &config(FIVE_SLOTS, ""));
+    small_customers_first(&up, &[gw], "memory").await;
+}
+
+fn on_redis(url: &str, body: &str) -> String {
+    format!("store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: 3s\n{body}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_queue_is_fair_across_two_and_three_gateways_on_redis() {
+    for (n, runs) in [(2, 3), (3, 2)] {
+        for run in 0..runs {
+            // A Redis of its own for each run: the last run's gateways are killed right after
+            // their last answer, and their slots would come back only after lease_ttl.
+            let redis = Redis::start();
+            let body = on_redis(&redis.url(), &config(FIVE_SLOTS, ""));
+            let up = Upstream::start(Duration::from_secs(1));
+            let gws: Vec<Gateway> = (0..n).map(|_| Gateway::start(&up, &body)).collect();
+            small_customers_first(&up, &gws, &format!("{n} gateways, run {run}")).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -10,6 +10,7 @@ use super::conn::Conn;
 use super::script::{self, AdmitCall, AdmitCode, StoreScript};
 use super::slices::{Place, Settle};
 use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
+use crate::budget::Limit;
 use crate::store::StoreError;
 
 impl RedisBackend {
@@ -127,25 +128,7 @@ impl RedisBackend {
                 unspent: granted,
             });
         }
-        let refunded = async {
-            let mut conn = self.conns.get().await?;
-            let budgets = StoreScript::budgets_of(c);
-            let refund = self.script.refund(&budgets, c.cost);
-            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
-                .await
-            {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r?),
-            }
-        }
-        .await;
-        match refunded {
-            Ok(_) => {}
-            Err(e) if refund_again(&e) => self.retry_refund(c),
-            Err(e) => {
-                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
-            }
-        }
+        self.undo_charge(StoreScript::budgets_of(c), c.cost).await;
         let mut slots = c.slot_keys();
         if !route {
             slots.retain(|k| Some(k) != c.route_slots.as_ref());
@@ -156,10 +139,33 @@ impl RedisBackend {
         }
     }
 
+    /// Gives back a charge that its request will not use, surely: a refund that did not run
+    /// (or whose node is dying) is sent again until it does.
+    pub(super) async fn undo_charge(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
+        let refunded = async {
+            let mut conn = self.conns.get().await?;
+            let refund = self.script.refund(&budgets, cost);
+            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
+                .await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        match refunded {
+            Ok(_) => {}
+            Err(e) if refund_again(&e) => self.retry_refund(budgets, cost),
+            Err(e) => {
+                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
+            }
+        }
+    }
+
     /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
     /// lives: the topology change that refused it is over by then, or it is an outage.
-    fn retry_refund(self: &Arc<Self>, c: &AdmitCall) {
-        let (store, budgets, cost) = (self.clone(), StoreScript::budgets_of(c), c.cost);
+    fn retry_refund(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
+        let store = self.clone();
         let give_up = Instant::now() + self.lease_ttl;
         tokio::spawn(async move {
             while Instant::now() < give_up {

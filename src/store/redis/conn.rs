@@ -81,7 +81,9 @@ impl ConnectionLike for Conn {
 /// How to reach the store, built once from `store.url` (no connection yet).
 enum Target {
     Node(redis::Client),
-    Cluster(Box<ClusterClient>),
+    /// The client, and a client for each seed node: classic Pub/Sub messages reach every
+    /// node of a Cluster, so any one node that answers is enough to listen on.
+    Cluster(Box<ClusterClient>, Vec<redis::Client>),
     Sentinel {
         sentinels: Vec<ConnectionInfo>,
         master: String,
@@ -99,14 +101,24 @@ impl Target {
             RedisTarget::Node(url) => {
                 Target::Node(redis::Client::open(url).map_err(|e| e.to_string())?)
             }
-            RedisTarget::Cluster { seeds } => Target::Cluster(Box::new(
-                ClusterClient::builder(seeds)
-                    .retries(0)
-                    .connection_timeout(connect_timeout)
-                    .response_timeout(response_timeout)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            )),
+            RedisTarget::Cluster { seeds } => {
+                let nodes = seeds
+                    .iter()
+                    .map(|s| redis::Client::open(s.as_str()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?;
+                Target::Cluster(
+                    Box::new(
+                        ClusterClient::builder(seeds)
+                            .retries(0)
+                            .connection_timeout(connect_timeout)
+                            .response_timeout(response_timeout)
+                            .build()
+                            .map_err(|e| e.to_string())?,
+                    ),
+                    nodes,
+                )
+            }
             RedisTarget::Sentinel {
                 sentinels,
                 master,
@@ -167,7 +179,7 @@ impl Connections {
 
     /// A Redis Cluster: keys of different hash tags cannot meet in one script call.
     pub(super) fn is_cluster(&self) -> bool {
-        matches!(self.target, Ok(Target::Cluster(_)))
+        matches!(self.target, Ok(Target::Cluster(..)))
     }
 
     fn cached(&self) -> Option<Conn> {
@@ -209,7 +221,7 @@ impl Connections {
                     .get_multiplexed_async_connection_with_config(&self.config)
                     .await?,
             ),
-            Target::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+            Target::Cluster(client, _) => Conn::Cluster(client.get_async_connection().await?),
             Target::Sentinel {
                 sentinels,
                 master,
@@ -226,6 +238,44 @@ impl Connections {
                 )
             }
         })
+    }
+
+    /// A Pub/Sub connection of its own (a subscribed connection can send nothing else): to
+    /// the node, a Cluster's first seed, or the primary the Sentinels name now.
+    pub(super) async fn pubsub(&self) -> redis::RedisResult<redis::aio::PubSub> {
+        let target = self.target.as_ref().map_err(|e| {
+            redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "store.url",
+                e.clone(),
+            ))
+        })?;
+        match target {
+            Target::Node(client) => client.get_async_pubsub().await,
+            Target::Cluster(_, nodes) => {
+                let mut last = None;
+                for node in nodes {
+                    match tokio::time::timeout(self.connect_timeout, node.get_async_pubsub()).await
+                    {
+                        Ok(Ok(ps)) => return Ok(ps),
+                        Ok(Err(e)) => last = Some(e),
+                        Err(_) => {}
+                    }
+                }
+                Err(last.unwrap_or_else(|| {
+                    redis::RedisError::from((redis::ErrorKind::Io, "no cluster node answered"))
+                }))
+            }
+            Target::Sentinel {
+                sentinels,
+                master,
+                primary,
+            } => {
+                let mut sentinel = Sentinel::build(sentinels.clone())?;
+                let client = sentinel.async_master_for(master, Some(primary)).await?;
+                client.get_async_pubsub().await
+            }
+        }
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.

@@ -32,6 +32,11 @@ fn tag(hash: &KeyHash) -> String {
     s
 }
 
+/// The key's tag, as a route's queue names the key (`lua/queue.lua`).
+pub(super) fn key_tag(key: &KeyHash) -> String {
+    tag(key)
+}
+
 pub(super) fn budget_key(key: &KeyHash) -> String {
     format!("t{{{}}}b", tag(key))
 }

@@ -11,8 +11,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
-
 use super::{script, slices, RedisBackend};
 use crate::store::lock;
 use crate::store::StoreError;
@@ -45,26 +43,19 @@ pub struct RedisLease {
     store: Arc<RedisBackend>,
     keys: Vec<String>,
     id: String,
-    route: Arc<str>,
     renew: Option<tokio::task::AbortHandle>,
     released: bool,
 }
 
 impl RedisLease {
     /// Holds `id` in the lease sets `keys` and keeps it alive until released.
-    pub(super) fn hold(
-        store: &Arc<RedisBackend>,
-        keys: Vec<String>,
-        id: String,
-        route: Arc<str>,
-    ) -> Self {
+    pub(super) fn hold(store: &Arc<RedisBackend>, keys: Vec<String>, id: String) -> Self {
         let renew = store.spawn_renewal(keys.clone(), id.clone());
         lock(&store.held).live.insert(id.clone(), keys.clone());
         RedisLease {
             store: store.clone(),
             keys,
             id,
-            route,
             renew: Some(renew),
             released: false,
         }
@@ -79,7 +70,6 @@ impl RedisLease {
             .await;
         // Only now: a release cut short is finished by the drop guard (it is idempotent).
         self.released = true;
-        self.store.wake(&self.route);
     }
 }
 
@@ -96,10 +86,8 @@ impl Drop for RedisLease {
             let store = self.store.clone();
             let keys = std::mem::take(&mut self.keys);
             let id = std::mem::take(&mut self.id);
-            let route = self.route.clone();
             h.spawn(async move {
                 store.release_keys(keys, id).await;
-                store.wake(&route);
             });
         }
     }
@@ -240,24 +228,27 @@ impl RedisBackend {
 
     /// Renews (`ttl_us` > 0) or releases (0) lease `id` in all of `keys`; the first call that
     /// fails ends it (a lease op is idempotent: sending it all again is safe).
-    async fn lease_op(&self, keys: &[String], id: &str, ttl_us: u64) -> Result<(), StoreError> {
-        for group in self.lease_groups(keys) {
+    /// A route's lease set is released through its queue, which hands the slot on.
+    pub(super) async fn lease_op(
+        &self,
+        keys: &[String],
+        id: &str,
+        ttl_us: u64,
+    ) -> Result<(), StoreError> {
+        let (routes, others): (Vec<String>, Vec<String>) = keys
+            .iter()
+            .cloned()
+            .partition(|k| ttl_us == 0 && super::queue::queue_keys(k).is_some());
+        for route in &routes {
+            if let Some(q) = super::queue::queue_keys(route) {
+                self.call::<Vec<i64>>(self.queue_script.release(&q, id))
+                    .await?;
+            }
+        }
+        for group in self.lease_groups(&others) {
             self.call::<i64>(self.script.lease(group, id, ttl_us))
                 .await?;
         }
         Ok(())
-    }
-
-    pub(super) fn notify_for(&self, route: &Arc<str>) -> Arc<Notify> {
-        lock(&self.wake)
-            .entry(route.clone())
-            .or_insert_with(|| Arc::new(Notify::new()))
-            .clone()
-    }
-
-    fn wake(&self, route: &Arc<str>) {
-        if let Some(n) = lock(&self.wake).get(route) {
-            n.notify_waiters();
-        }
     }
 }

@@ -23,16 +23,14 @@ mod conn;
 mod deny_cache;
 mod keys;
 mod lease;
+mod queue;
 mod script;
 mod sliced;
 mod slices;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-use tokio::sync::Notify;
 
 pub use lease::RedisLease;
 pub(super) use script::refused_before_running;
@@ -67,10 +65,6 @@ impl RedisStore {
     }
 }
 
-/// Back-off between retries for a route slot (jittered, doubling up to the max).
-const QUEUE_POLL_MIN: Duration = Duration::from_millis(10);
-const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
-
 /// How long a call's reply is still awaited (in the background) after the request gave up on
 /// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
 const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
@@ -89,8 +83,6 @@ pub struct RedisBackend {
     breaker: Breaker,
     deny: DenyCache,
     script: StoreScript,
-    /// Wakes this instance's waiters for a route slot when one of its own leases is released.
-    wake: Mutex<HashMap<Arc<str>, Arc<Notify>>>,
     /// Leases held, and releases still owed to Redis.
     held: Mutex<lease::Held>,
     /// Budget slices this instance holds (`store.slices`; never any when off).
@@ -99,6 +91,9 @@ pub struct RedisBackend {
     /// Redis's `TIME` of the last `admit` it answered (µs): lets a test replay Redis's
     /// decisions on the memory store at the very same instants.
     last_decided_us: AtomicU64,
+    queue_script: queue::QueueScript,
+    /// This instance's requests waiting in a route's queue.
+    waiters: Mutex<queue::Waiters>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -110,9 +105,80 @@ impl std::fmt::Debug for RedisBackend {
 /// Redis's answer to one `admit` call.
 enum Decided {
     Admitted(Outcome, Lease),
+    /// A capped request's key side passed (charged; the key's lease sets and the lease id to
+    /// hold): its route's queue comes next (`queue`).
+    KeyAdmitted(Outcome, Vec<String>, String),
     OverBudget(Outcome),
     KeyBusy(Standing),
     RouteBusy(Standing),
+}
+
+/// Back-off between retries for a route slot on Redis Cluster (jittered, doubling up to the
+/// max).
+const QUEUE_POLL_MIN: Duration = Duration::from_millis(10);
+const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
+
+impl RedisBackend {
+    /// A capped request on Redis Cluster: the route's slot is taken by polling (`take` in the
+    /// route's slot) with a jittered back-off, up to `queue_timeout` — no fair order yet
+    /// there (README, "When a route is full").
+    async fn admit_polling(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+    ) -> Result<SharedAnswer, StoreError> {
+        let start = Instant::now();
+        let mut backoff = QUEUE_POLL_MIN;
+        // Counted in `tollgate_queued` from its first refusal by the full route until it leaves.
+        let mut queued: Option<crate::telemetry::Queued> = None;
+        loop {
+            let waited_before = start.elapsed();
+            match self.try_admit(req, Ask::default()).await?.0 {
+                Decided::RouteBusy(_) if start.elapsed() < req.queue_timeout => {
+                    queued.get_or_insert_with(|| crate::telemetry::Queued::new(&req.route));
+                    let waited = start.elapsed();
+                    let jitter = rand::random_range(0.5..1.0);
+                    let pause = backoff.mul_f64(jitter).min(req.queue_timeout - waited);
+                    backoff = (backoff * 2).min(QUEUE_POLL_MAX);
+                    tokio::time::sleep(pause).await;
+                }
+                Decided::Admitted(outcome, lease) => {
+                    self.deny.forget(&req.key);
+                    return Ok(SharedAnswer {
+                        admission: Admission::admitted(&outcome, lease, waited_before),
+                        reached: true,
+                    });
+                }
+                other => return Ok(self.answer(req, other, start)),
+            }
+        }
+    }
+
+    /// The answer to a request as Redis decided it (not queued for a slot).
+    fn answer(&self, req: &AdmitRequest, decided: Decided, start: Instant) -> SharedAnswer {
+        let admission = match decided {
+            Decided::Admitted(outcome, lease) => {
+                self.deny.forget(&req.key);
+                Admission::admitted(&outcome, lease, Duration::ZERO)
+            }
+            Decided::KeyAdmitted(outcome, ..) => {
+                // Not reached: a capped request's key side is answered by `admit_capped`.
+                Admission::admitted(&outcome, Lease::shared(None), Duration::ZERO)
+            }
+            Decided::OverBudget(o) => {
+                self.deny.insert(req, &o);
+                Admission::over_budget(&o)
+            }
+            Decided::KeyBusy(o) => Admission::KeyBusy(o),
+            Decided::RouteBusy(o) => Admission::RouteBusy {
+                standing: o,
+                queued: start.elapsed(),
+            },
+        };
+        SharedAnswer {
+            admission,
+            reached: true,
+        }
+    }
 }
 
 impl RedisBackend {
@@ -129,11 +195,12 @@ impl RedisBackend {
             breaker: Breaker::new(),
             deny: DenyCache::new(),
             script: StoreScript::new(),
-            wake: Mutex::default(),
             held: Mutex::default(),
             slices: Slices::new(s.fleet_size, instance),
             slices_on: s.slices,
             last_decided_us: AtomicU64::new(0),
+            queue_script: queue::QueueScript::new(),
+            waiters: Mutex::default(),
         })
     }
 
@@ -206,7 +273,11 @@ impl RedisBackend {
         ask: Ask,
     ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
-        let route_slots = req.route_cap.is_some();
+        // A capped route's slot is taken in its fair queue, after this call (`queue`); on
+        // Redis Cluster by `take`, in the route's slot, right after the key's side.
+        let cluster = self.conns.is_cluster();
+        let capped = req.route_cap.is_some() && !cluster;
+        let route_slots = req.route_cap.is_some() && cluster;
         let (budget, holds) = keys::budget_and_holds_keys(&req.key);
         let call = AdmitCall {
             budget,
@@ -215,8 +286,12 @@ impl RedisBackend {
             limit: req.limit,
             cost: req.cost,
             key_cap: req.key_cap.unwrap_or(0),
-            route_cap: req.route_cap.unwrap_or(0),
-            lease_id: if key_slots || route_slots {
+            route_cap: if route_slots {
+                req.route_cap.unwrap_or(0)
+            } else {
+                0
+            },
+            lease_id: if key_slots || route_slots || capped {
                 self.next_lease_id()
             } else {
                 String::new()
@@ -253,17 +328,20 @@ impl RedisBackend {
             })),
             AdmitCode::KeyBusy => Decided::KeyBusy(standing),
             AdmitCode::RouteBusy => Decided::RouteBusy(standing),
+            AdmitCode::Admitted if capped => {
+                self.deny.forget(&req.key);
+                Decided::KeyAdmitted(
+                    outcome(Verdict::Admit { delay_us: reply.a }),
+                    call.slot_keys(),
+                    call.lease_id,
+                )
+            }
             AdmitCode::Admitted => {
                 let held = call.slot_keys();
                 let lease = if held.is_empty() {
                     Lease::shared(None)
                 } else {
-                    Lease::shared(Some(RedisLease::hold(
-                        self,
-                        held,
-                        call.lease_id,
-                        req.route.clone(),
-                    )))
+                    Lease::shared(Some(RedisLease::hold(self, held, call.lease_id)))
                 };
                 Decided::Admitted(outcome(Verdict::Admit { delay_us: reply.a }), lease)
             }
@@ -273,7 +351,7 @@ impl RedisBackend {
 }
 
 /// Every budget of `req` with its Redis key, the key's first one first.
-fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
+pub(super) fn budget_keys(req: &AdmitRequest) -> Vec<(String, Limit)> {
     std::iter::once((keys::budget_key(&req.key), req.limit))
         .chain(also_keys(req))
         .collect()
@@ -291,8 +369,8 @@ fn also_keys(req: &AdmitRequest) -> impl Iterator<Item = (String, Limit)> + '_ {
 }
 
 impl SharedStore for RedisBackend {
-    /// Decides one request; waits (polling, and woken by this instance's own releases) while
-    /// the route's cap is full, up to `queue_timeout`.
+    /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
+    /// `queue_timeout`.
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
         if let Some(o) = self.deny.check(req) {
             return Ok(SharedAnswer {
@@ -303,58 +381,15 @@ impl SharedStore for RedisBackend {
         if let Some(answer) = self.admit_sliced(req).await {
             return answer;
         }
-        let start = Instant::now();
-        let mut backoff = QUEUE_POLL_MIN;
-        // Counted in `tollgate_queued` from its first refusal by the full route until it leaves.
-        let mut queued: Option<crate::telemetry::Queued> = None;
-        loop {
-            // Register for a local wake-up before asking, so a release in between isn't missed.
-            let notify = req.route_cap.map(|_| self.notify_for(&req.route));
-            let notified = notify.as_ref().map(|n| n.notified());
-            // Queueing is the time before the call that got the slot, not that call's own
-            // round trip (which is the store's time).
-            let waited_before = start.elapsed();
-            let admission = match self.try_admit(req, Ask::default()).await?.0 {
-                Decided::Admitted(outcome, lease) => {
-                    self.deny.forget(&req.key);
-                    Admission::admitted(&outcome, lease, waited_before)
-                }
-                Decided::OverBudget(o) => {
-                    self.deny.insert(req, &o);
-                    Admission::over_budget(&o)
-                }
-                Decided::KeyBusy(o) => Admission::KeyBusy(o),
-                Decided::RouteBusy(o) => {
-                    let waited = start.elapsed();
-                    if waited >= req.queue_timeout {
-                        Admission::RouteBusy {
-                            standing: o,
-                            queued: waited,
-                        }
-                    } else {
-                        queued.get_or_insert_with(|| crate::telemetry::Queued::new(&req.route));
-                        // Another instance's release is seen on the next poll; ours wakes us
-                        // at once.
-                        let jitter = rand::random_range(0.5..1.0);
-                        let pause = backoff.mul_f64(jitter).min(req.queue_timeout - waited);
-                        backoff = (backoff * 2).min(QUEUE_POLL_MAX);
-                        match notified {
-                            Some(n) => {
-                                tokio::select! {
-                                    _ = n => {}
-                                    _ = tokio::time::sleep(pause) => {}
-                                }
-                            }
-                            None => tokio::time::sleep(pause).await,
-                        }
-                        continue;
-                    }
-                }
-            };
-            return Ok(SharedAnswer {
-                admission,
-                reached: true,
-            });
+        match req.route_cap {
+            // Boxed: the queued path's state would make every request's future larger.
+            Some(cap) if !self.conns.is_cluster() => Box::pin(self.admit_capped(req, cap)).await,
+            Some(_) => Box::pin(self.admit_polling(req)).await,
+            None => {
+                let start = Instant::now();
+                let decided = self.try_admit(req, Ask::default()).await?.0;
+                Ok(self.answer(req, decided, start))
+            }
         }
     }
 

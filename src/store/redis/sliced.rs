@@ -60,6 +60,10 @@ impl RedisBackend {
                 self.deny.forget(&req.key);
                 Admission::admitted(mine.as_ref().unwrap_or(&outcome), lease, Duration::ZERO)
             }
+            // Not for a request without slots (a capped one never takes a slice).
+            Decided::KeyAdmitted(outcome, ..) => {
+                Admission::admitted(&outcome, Lease::shared(None), Duration::ZERO)
+            }
             Decided::OverBudget(o) => {
                 self.deny.insert(req, &o);
                 Admission::over_budget(&o)

@@ -1,0 +1,268 @@
+-- A capped route's slots and its fair queue, fleet-wide (DESIGN §8), on Redis TIME.
+--
+-- Every key is in the route's slot (`t:r{<route tag>}…`):
+--   KEYS[1] `…f` the route's leases: sorted set, lease id -> expiry (µs)
+--   KEYS[2] `…q` the waiters: sorted set, every score 0, member
+--            `<key tag>:<seq, 16 digits>:<waiter id>`, so that a key's own waiters sort in
+--            arrival order and ZRANGEBYLEX finds a key's oldest
+--   KEYS[3] `…k` the keys whose oldest waiter may be served: member `<seq>:<key tag>` (that
+--            waiter's seq), score = requests the key runs on the route / its weight. The first
+--            member is the next to serve: fewest running per weight, then the longest waiting
+--   KEYS[4] `…s` a hash: `seq` (the arrival counter); `cap`, `share` (the route's
+--            max_in_flight and max_in_flight_per_key, 0 = none, as the last caller saw them);
+--            `r:<key>` requests the key runs; `wt:<key>` its weight; `h:<key>` its member in
+--            KEYS[3]; `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
+--            KEYS[2]>|<instance>"; `i:<instance>` until when that instance is alive (µs);
+--            `g:<instance>` the waiters granted to it, space-separated, until it collects them.
+--
+-- A slot freed (released, or a lease lapsed) goes to the next waiter in the same call: its
+-- waiter id becomes the lease id, held for `grant_ttl_us` until its instance confirms it
+-- (renewing it for lease_ttl), and the instance is told on channel `tollgate:q:<instance>`
+-- (and by its next `beat`). A waiter whose instance stopped beating is skipped and dropped.
+--
+-- ARGV[1] is the operation; every operation's reply starts with a code:
+--   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
+--          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
+--             {0 QUEUED, position}
+--   leave  ARGV id ... -> {0 LEFT} | {1 GRANTED (the caller holds the lease: release it)} |
+--          {2 GONE}
+--   confirm ARGV id lease_ttl_us -> {1} (the granted lease, renewed for lease_ttl) | {0} (it
+--          lapsed unconfirmed and went to another waiter: nothing written)
+--   release ARGV id grant_ttl_us -> {0}
+--   beat   ARGV instance alive_us grant_ttl_us n, then n waiter ids of this instance ->
+--          {0, g, the g waiters granted to it whose grant still holds..., then those of the n
+--          that are neither waiting nor granted (the queue lost them: a failover, a flush)}
+--   peek   -> {running, queued, then per key: key, running, waiting}
+-- Reads and checks come before the first write of each operation's own work; the upkeep
+-- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
+
+local QUEUED, TAKEN, FULL = 0, 1, 2
+local leases, waiters, heads, state = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local op = ARGV[1]
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function int(x) return string.format('%.0f', x) end
+
+local function num(field)
+  return tonumber(redis.call('HGET', state, field) or '0') or 0
+end
+
+local function share() return num('share') end
+local function cap() return num('cap') end
+
+-- The key's oldest waiter's member of KEYS[2], if any.
+local function oldest(key)
+  local m = redis.call('ZRANGEBYLEX', waiters, '[' .. key .. ':', '(' .. key .. ';', 'LIMIT', 0, 1)
+  return m[1]
+end
+
+-- Puts the key's entry in KEYS[3] right: its oldest waiter, at its running / weight, if it
+-- may be served (below the route's per-key share).
+local function refresh(key)
+  local old = redis.call('HGET', state, 'h:' .. key)
+  if old then
+    redis.call('ZREM', heads, old)
+    redis.call('HDEL', state, 'h:' .. key)
+  end
+  local m = oldest(key)
+  if not m then return end
+  local running = num('r:' .. key)
+  local s = share()
+  if s > 0 and running >= s then return end
+  local seq = string.match(m, '^[^:]*:(%d+):')
+  local member = seq .. ':' .. key
+  local weight = math.max(1, num('wt:' .. key))
+  redis.call('ZADD', heads, running / weight, member)
+  redis.call('HSET', state, 'h:' .. key, member)
+end
+
+local function add_running(key, n)
+  local r = redis.call('HINCRBY', state, 'r:' .. key, n)
+  if r <= 0 then redis.call('HDEL', state, 'r:' .. key) end
+end
+
+-- A lease gone (released or lapsed): its key runs one fewer.
+local function lease_gone(id)
+  local key = redis.call('HGET', state, 'l:' .. id)
+  if key then
+    redis.call('HDEL', state, 'l:' .. id)
+    add_running(key, -1)
+    refresh(key)
+  end
+end
+
+local function drop_waiter(id, info)
+  local key, member = string.match(info, '^([^|]*)|([^|]*)|')
+  redis.call('ZREM', waiters, member)
+  redis.call('HDEL', state, 'w:' .. id)
+  return key
+end
+
+local function alive(instance)
+  return num('i:' .. instance) >= now
+end
+
+-- Gives free slots to the next waiters; returns the waiters granted.
+local function grant(grant_ttl)
+  local granted = {}
+  while redis.call('ZCARD', leases) < cap() do
+    local top = redis.call('ZRANGE', heads, 0, 0)[1]
+    if not top then break end
+    local key = string.match(top, '^%d+:(.*)$')
+    local m = oldest(key)
+    if not m then
+      redis.call('ZREM', heads, top)
+      redis.call('HDEL', state, 'h:' .. key)
+    else
+      local id = string.match(m, '^[^:]*:%d+:(.*)$')
+      local info = redis.call('HGET', state, 'w:' .. id) or ''
+      local instance = string.match(info, '|([^|]*)$') or ''
+      drop_waiter(id, info ~= '' and info or (key .. '|' .. m .. '|'))
+      if alive(instance) then
+        redis.call('ZADD', leases, now + grant_ttl, id)
+        redis.call('HSET', state, 'l:' .. id, key)
+        add_running(key, 1)
+        local g = redis.call('HGET', state, 'g:' .. instance)
+        redis.call('HSET', state, 'g:' .. instance, g and (g .. ' ' .. id) or id)
+        redis.call('PUBLISH', 'tollgate:q:' .. instance, id)
+        granted[#granted + 1] = id
+      end
+      refresh(key)
+    end
+  end
+  return granted
+end
+
+-- Leases past their expiry (their instance died or stalled) go, with their key's count.
+local function purge()
+  local lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+  for _, id in ipairs(lapsed) do
+    redis.call('ZREM', leases, id)
+    lease_gone(id)
+  end
+end
+
+-- Every structure lives a while past the last call (renewals and beats keep it alive).
+local function keep(ttl_us)
+  local ms = int(math.max(60000, math.ceil(ttl_us / 1000) * 4))
+  redis.call('PEXPIRE', waiters, ms)
+  redis.call('PEXPIRE', heads, ms)
+  redis.call('PEXPIRE', state, ms)
+  if redis.call('EXISTS', leases) == 1 then
+    local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
+    if last[2] then
+      redis.call('PEXPIREAT', leases, int(math.ceil(tonumber(last[2]) / 1000) + 1000))
+    end
+  end
+end
+
+if op == 'enter' then
+  local id, key, weight = ARGV[2], ARGV[3], tonumber(ARGV[4])
+  local route_cap, route_share, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  local lease_ttl, instance, alive_us, grant_ttl = tonumber(ARGV[8]), ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
+  redis.call('HSET', state, 'cap', route_cap, 'share', route_share, 'i:' .. instance, int(now + alive_us))
+  purge()
+  grant(grant_ttl)
+  local running = num('r:' .. key)
+  if redis.call('ZCARD', leases) < route_cap and (route_share == 0 or running < route_share)
+      and not oldest(key) then
+    redis.call('ZADD', leases, now + lease_ttl, id)
+    redis.call('HSET', state, 'l:' .. id, key)
+    add_running(key, 1)
+    refresh(key)
+    keep(lease_ttl)
+    return {TAKEN}
+  end
+  local queued = redis.call('ZCARD', waiters)
+  if max_queue > 0 and queued >= max_queue then
+    keep(lease_ttl)
+    return {FULL}
+  end
+  local seq = redis.call('HINCRBY', state, 'seq', 1)
+  local member = key .. ':' .. string.format('%016d', seq) .. ':' .. id
+  redis.call('ZADD', waiters, 0, member)
+  redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. instance, 'wt:' .. key, weight)
+  refresh(key)
+  keep(lease_ttl)
+  return {QUEUED, queued + 1}
+elseif op == 'leave' then
+  local id = ARGV[2]
+  local info = redis.call('HGET', state, 'w:' .. id)
+  if info then
+    local key = drop_waiter(id, info)
+    refresh(key)
+    return {0}
+  end
+  if redis.call('ZSCORE', leases, id) then return {1} end
+  return {2}
+elseif op == 'confirm' then
+  local id, lease_ttl = ARGV[2], tonumber(ARGV[3])
+  if not redis.call('ZSCORE', leases, id) then return {0} end
+  redis.call('ZADD', leases, 'XX', now + lease_ttl, id)
+  keep(lease_ttl)
+  return {1}
+elseif op == 'release' then
+  local id, grant_ttl = ARGV[2], tonumber(ARGV[3])
+  redis.call('ZREM', leases, id)
+  lease_gone(id)
+  purge()
+  grant(grant_ttl)
+  return {0}
+elseif op == 'beat' then
+  local instance, alive_us, grant_ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
+  purge()
+  -- Waiters of instances that stopped beating leave the queue.
+  local seen = {}
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+    local id = string.match(m, '^[^:]*:%d+:(.*)$')
+    local info = redis.call('HGET', state, 'w:' .. id) or ''
+    local inst = string.match(info, '|([^|]*)$') or ''
+    if seen[inst] == nil then seen[inst] = alive(inst) end
+    if not seen[inst] then
+      local key = drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|'))
+      refresh(key)
+    end
+  end
+  grant(grant_ttl)
+  local mine = redis.call('HGET', state, 'g:' .. instance)
+  redis.call('HDEL', state, 'g:' .. instance)
+  local out = {0, 0}
+  if mine then
+    for id in string.gmatch(mine, '%S+') do
+      if redis.call('ZSCORE', leases, id) then out[#out + 1] = id end
+    end
+  end
+  out[2] = #out - 2
+  for i = 1, tonumber(ARGV[5]) or 0 do
+    local id = ARGV[5 + i]
+    if not redis.call('HGET', state, 'w:' .. id) and not redis.call('ZSCORE', leases, id) then
+      out[#out + 1] = id
+    end
+  end
+  keep(alive_us)
+  return out
+elseif op == 'peek' then
+  purge()
+  local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}
+  local per = {}
+  local order = {}
+  for _, f in ipairs(redis.call('HKEYS', state)) do
+    local key = string.match(f, '^r:(.*)$')
+    if key then per[key] = {num(f), 0}; order[#order + 1] = key end
+  end
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+    local key = string.match(m, '^([^:]*):')
+    if not per[key] then per[key] = {0, 0}; order[#order + 1] = key end
+    per[key][2] = per[key][2] + 1
+  end
+  for _, key in ipairs(order) do
+    out[#out + 1] = key
+    out[#out + 1] = per[key][1]
+    out[#out + 1] = per[key][2]
+  end
+  return out
+end
+return redis.error_reply('unknown queue operation ' .. tostring(op))

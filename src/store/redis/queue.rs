@@ -1,0 +1,464 @@
+//! A capped route's fair queue, fleet-wide, in Redis (`lua/queue.lua`; DESIGN §8).
+//!
+//! A capped request is charged first (the key's budgets and its in-flight cap, in the key's
+//! slot: `admit` without the route), then it *enters* the route (in the route's slot): it
+//! takes a slot if one is free and nobody of its key waits, else it waits in the route's queue
+//! (or is refused at `max_queue`). A release (or a lapsed lease) hands the slot to the next
+//! waiter in the same script call and publishes the waiter's id on its instance's channel:
+//! this instance's subscriber wakes it at once. A waiter therefore never polls; each instance
+//! with waiters on a route *beats* there every 500 ms (its waiters are alive; grants it might
+//! have missed come back in the reply; lapsed leases and dead instances' waiters are cleared
+//! then, so a slot granted to a dead waiter goes to the next within about 2 s).
+//!
+//! Leaving unserved (`queue_timeout`, `max_queue`, the client gone) gives the charge back.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use redis::Script;
+use tokio::sync::oneshot;
+
+use super::keys;
+use super::{Decided, RedisBackend, RedisLease};
+use crate::store::fallback::SharedAnswer;
+use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
+use crate::telemetry::Queued;
+
+/// How often an instance with waiters on a route beats there.
+const BEAT_EVERY: Duration = Duration::from_millis(500);
+/// How long an instance counts as alive after its last beat.
+const ALIVE_FOR: Duration = Duration::from_secs(2);
+/// Beats on a route after this instance's last waiter there left.
+const IDLE_BEATS: u32 = 10;
+/// How long a granted slot waits for its instance to confirm it.
+const GRANT_TTL: Duration = Duration::from_secs(2);
+
+const TAKEN: i64 = 1;
+const FULL: i64 = 2;
+const QUEUED: i64 = 0;
+const LEFT: i64 = 0;
+const GRANTED: i64 = 1;
+
+/// The four keys of a route's queue, from its lease set (`t:r{tag}f`).
+pub(super) fn queue_keys(lease_set: &str) -> Option<[String; 4]> {
+    let base = lease_set
+        .strip_suffix('f')
+        .filter(|b| b.starts_with("t:r{"))?;
+    Some([
+        lease_set.to_string(),
+        format!("{base}q"),
+        format!("{base}k"),
+        format!("{base}s"),
+    ])
+}
+
+/// `lua/queue.lua`.
+pub(super) struct QueueScript(Script);
+
+impl QueueScript {
+    pub fn new() -> Self {
+        QueueScript(Script::new(include_str!("../lua/queue.lua")))
+    }
+
+    fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        for k in keys {
+            inv.key(k);
+        }
+        inv.arg(op);
+        inv
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        keys: &[String; 4],
+        id: &str,
+        lease_ttl: Duration,
+    ) -> redis::ScriptInvocation<'a> {
+        let mut inv = self.call(keys, "confirm");
+        inv.arg(id).arg(lease_ttl.as_micros() as u64);
+        inv
+    }
+
+    pub fn release<'a>(&'a self, keys: &[String; 4], id: &str) -> redis::ScriptInvocation<'a> {
+        let mut inv = self.call(keys, "release");
+        inv.arg(id).arg(GRANT_TTL.as_micros() as u64);
+        inv
+    }
+}
+
+/// What wakes a waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// Its slot: confirm it.
+    Granted,
+    /// The queue lost it (a failover, a flush) or cannot be reached: enter again.
+    Requeue,
+}
+
+/// A route this instance beats on.
+#[derive(Debug)]
+struct Beating {
+    keys: [String; 4],
+    /// This instance's waiters there.
+    waiting: usize,
+    /// Beats that failed in a row.
+    failed: u32,
+    /// Beats since the last waiter here left.
+    idle: u32,
+}
+
+/// This instance's waiters, by waiter id, and the routes it beats on.
+#[derive(Debug, Default)]
+pub(super) struct Waiters {
+    waiting: HashMap<String, (String, oneshot::Sender<Wake>)>,
+    /// Route lease set → what this instance beats there.
+    routes: HashMap<String, Beating>,
+    running: bool,
+}
+
+impl Waiters {
+    fn deliver(&mut self, id: &str, wake: Wake) {
+        if let Some((_, tx)) = self.waiting.remove(id) {
+            let _ = tx.send(wake);
+        }
+    }
+
+    /// This instance's waiters on the route of lease set `route`.
+    fn on_route(&self, route: &str) -> Vec<String> {
+        self.waiting
+            .iter()
+            .filter(|(_, (r, _))| r == route)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+}
+
+/// A charged request that has not (yet) got its route slot: dropped before it is served, it
+/// leaves the queue (releasing a slot granted meanwhile) and gives its charge back.
+struct Unserved {
+    store: Arc<RedisBackend>,
+    req: Option<AdmitRequest>,
+    keys: [String; 4],
+    key_slots: Vec<String>,
+    id: String,
+    waiting: bool,
+    /// The route may hold a waiter or a lease of this id (an `enter` was sent).
+    in_route: bool,
+}
+
+impl Unserved {
+    fn served(mut self) -> (Vec<String>, String) {
+        self.req = None;
+        self.forget_waiter();
+        (
+            std::mem::take(&mut self.key_slots),
+            std::mem::take(&mut self.id),
+        )
+    }
+
+    fn forget_waiter(&mut self) {
+        if std::mem::take(&mut self.waiting) {
+            let mut w = lock(&self.store.waiters);
+            w.waiting.remove(&self.id);
+            if let Some(b) = w.routes.get_mut(&self.keys[0]) {
+                b.waiting = b.waiting.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl Drop for Unserved {
+    fn drop(&mut self) {
+        self.forget_waiter();
+        let Some(req) = self.req.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
+        let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
+        rt.spawn(async move {
+            if in_route {
+                let left = store
+                    .call::<Vec<i64>>(leave(&store.queue_script, &keys, &id))
+                    .await
+                    .ok()
+                    .and_then(|v| v.first().copied());
+                if left != Some(LEFT) {
+                    // Granted as it gave up (or not known): the slot goes on to the next
+                    // waiter (a release of a lease that is not there does nothing).
+                    store.release_keys(vec![keys[0].clone()], id.clone()).await;
+                }
+            }
+            store.undo_charge(super::budget_keys(&req), req.cost).await;
+            store.release_keys(key_slots, id).await;
+        });
+    }
+}
+
+fn leave<'a>(script: &'a QueueScript, keys: &[String; 4], id: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = script.call(keys, "leave");
+    inv.arg(id);
+    inv
+}
+
+impl RedisBackend {
+    /// A capped request: charged for its key, then into the route's fair queue.
+    pub(super) async fn admit_capped(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        cap: u32,
+    ) -> Result<SharedAnswer, StoreError> {
+        let start = Instant::now();
+        let (outcome, key_slots, id) = match self.try_admit(req, Default::default()).await?.0 {
+            Decided::KeyAdmitted(o, key_slots, id) => (o, key_slots, id),
+            other => return Ok(self.answer(req, other, start)),
+        };
+        let keys = queue_keys(&keys::route_slots_key(&req.route))
+            .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
+        let mut unserved = Unserved {
+            store: self.clone(),
+            req: Some(req.clone()),
+            keys,
+            key_slots,
+            id,
+            waiting: false,
+            in_route: true,
+        };
+        loop {
+            let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
+            match entered.first().copied() {
+                Some(TAKEN) => break,
+                Some(QUEUED) => {
+                    if self.wait_granted(req, &mut unserved, start).await? {
+                        break;
+                    }
+                    if start.elapsed() >= req.queue_timeout {
+                        return Ok(self.route_busy(req, &outcome, start));
+                    }
+                    // The grant lapsed before this instance confirmed it (it reached us
+                    // late): queue again.
+                }
+                Some(FULL) => {
+                    unserved.in_route = false;
+                    return Ok(self.route_busy(req, &outcome, start));
+                }
+                _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
+            }
+        }
+        let route_set = unserved.keys[0].clone();
+        let (mut held, id) = unserved.served();
+        held.push(route_set);
+        let lease = Lease::shared(Some(RedisLease::hold(self, held, id)));
+        Ok(SharedAnswer {
+            admission: Admission::admitted(&outcome, lease, start.elapsed()),
+            reached: true,
+        })
+    }
+
+    /// Waits for a queued request's grant (until its `queue_timeout`) and confirms it: `true`
+    /// when the request holds its slot, `false` when it left the queue or its grant lapsed.
+    async fn wait_granted(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        u: &mut Unserved,
+        start: Instant,
+    ) -> Result<bool, StoreError> {
+        let rx = self.wait_for(u);
+        let _queued = Queued::new(&req.route);
+        let left = req.queue_timeout.saturating_sub(start.elapsed());
+        let woken = tokio::time::timeout(left, rx).await;
+        if let Ok(Ok(Wake::Requeue)) = woken {
+            u.forget_waiter();
+            return Ok(false);
+        }
+        if woken.is_err() {
+            let code = self
+                .call::<Vec<i64>>(leave(&self.queue_script, &u.keys, &u.id))
+                .await
+                .ok()
+                .and_then(|v| v.first().copied());
+            if code != Some(GRANTED) {
+                // Left unserved: `Unserved` gives the charge back (and, if leaving failed,
+                // tries again).
+                u.in_route = code != Some(LEFT);
+                return Ok(false);
+            }
+        }
+        u.forget_waiter();
+        // Confirm the slot for a whole lease before its short grant lapses.
+        let confirmed: Vec<i64> = self
+            .call(self.queue_script.confirm(&u.keys, &u.id, self.lease_ttl))
+            .await?;
+        Ok(confirmed.first() == Some(&1))
+    }
+
+    fn enter(&self, req: &AdmitRequest, cap: u32, u: &Unserved) -> redis::ScriptInvocation<'_> {
+        let mut inv = self.queue_script.call(&u.keys, "enter");
+        inv.arg(&u.id)
+            .arg(keys::key_tag(&req.key))
+            .arg(req.fair.weight.max(1))
+            .arg(cap)
+            .arg(req.fair.per_key.unwrap_or(0))
+            .arg(req.fair.max_queue.unwrap_or(0))
+            .arg(self.lease_ttl.as_micros() as u64)
+            .arg(&self.instance)
+            .arg(ALIVE_FOR.as_micros() as u64)
+            .arg(GRANT_TTL.as_micros() as u64);
+        inv
+    }
+
+    /// 503 `route-busy` for a charged request that leaves unserved (its charge goes back as
+    /// the `Unserved` guard drops): the figures as before its charge.
+    fn route_busy(
+        &self,
+        req: &AdmitRequest,
+        o: &crate::budget::Outcome,
+        start: Instant,
+    ) -> SharedAnswer {
+        let mut standing: Standing = o.into();
+        standing.remaining = standing.remaining.saturating_add(req.cost);
+        SharedAnswer {
+            admission: Admission::RouteBusy {
+                standing,
+                queued: start.elapsed(),
+            },
+            reached: true,
+        }
+    }
+
+    /// Registers a waiter, and makes sure this instance beats on its route and listens for
+    /// its grants.
+    fn wait_for(self: &Arc<Self>, u: &mut Unserved) -> oneshot::Receiver<Wake> {
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut w = lock(&self.waiters);
+            w.waiting.insert(u.id.clone(), (u.keys[0].clone(), tx));
+            let b = w
+                .routes
+                .entry(u.keys[0].clone())
+                .or_insert_with(|| Beating {
+                    keys: u.keys.clone(),
+                    waiting: 0,
+                    failed: 0,
+                    idle: 0,
+                });
+            b.waiting += 1;
+            b.idle = 0;
+            !std::mem::replace(&mut w.running, true)
+        };
+        u.waiting = true;
+        if start {
+            let weak = Arc::downgrade(self);
+            let channel = format!("tollgate:q:{}", self.instance);
+            let spawned = crate::background::spawn("tollgate-queue".into(), move || async move {
+                tokio::join!(listen(weak.clone(), channel), beat(weak));
+            });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start the queue's listener; waiters rely on their beats");
+            }
+        }
+        rx
+    }
+}
+
+/// Delivers this instance's grants as Redis publishes them.
+async fn listen(store: Weak<RedisBackend>, channel: String) {
+    use futures_util::StreamExt;
+    loop {
+        let Some(s) = store.upgrade() else { return };
+        let pubsub = s.conns.pubsub().await;
+        drop(s);
+        match pubsub {
+            Ok(mut ps) => {
+                if ps.subscribe(&channel).await.is_ok() {
+                    let mut messages = ps.on_message();
+                    while let Some(msg) = messages.next().await {
+                        let Some(s) = store.upgrade() else { return };
+                        if let Ok(id) = msg.get_payload::<String>() {
+                            lock(&s.waiters).deliver(id.as_str(), Wake::Granted);
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "queue listener cannot connect"),
+        }
+        tokio::time::sleep(BEAT_EVERY).await;
+    }
+}
+
+/// Beats on every route this instance has waiters on; delivers grants the reply names, and
+/// sends waiters the queue lost (or that it cannot reach for two beats) to enter again.
+async fn beat(store: Weak<RedisBackend>) {
+    loop {
+        tokio::time::sleep(BEAT_EVERY).await;
+        let Some(s) = store.upgrade() else { return };
+        let routes: Vec<([String; 4], Vec<String>)> = {
+            let mut w = lock(&s.waiters);
+            // A route is beaten on for a while after its last waiter here (the count goes
+            // negative, one a beat): slots granted to waiters that never confirmed them lapse
+            // and are handed on by the next call on the route.
+            w.routes.retain(|_, b| {
+                if b.waiting == 0 {
+                    b.idle += 1;
+                }
+                b.waiting > 0 || b.idle < IDLE_BEATS
+            });
+            w.routes
+                .iter()
+                .map(|(route, b)| (b.keys.clone(), w.on_route(route)))
+                .collect()
+        };
+        for (keys, ids) in routes {
+            let mut inv = s.queue_script.call(&keys, "beat");
+            inv.arg(&s.instance)
+                .arg(ALIVE_FOR.as_micros() as u64)
+                .arg(GRANT_TTL.as_micros() as u64)
+                .arg(ids.len());
+            for id in &ids {
+                inv.arg(id);
+            }
+            let reply = s.call::<Vec<redis::Value>>(inv).await;
+            let mut w = lock(&s.waiters);
+            match reply {
+                Ok(reply) => {
+                    if let Some(b) = w.routes.get_mut(&keys[0]) {
+                        b.failed = 0;
+                    }
+                    let granted = reply
+                        .get(1)
+                        .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
+                        .unwrap_or(0);
+                    for (i, v) in reply.iter().skip(2).enumerate() {
+                        if let Ok(id) = redis::from_redis_value::<String>(v.clone()) {
+                            let wake = if i < granted {
+                                Wake::Granted
+                            } else {
+                                Wake::Requeue
+                            };
+                            w.deliver(&id, wake);
+                        }
+                    }
+                }
+                Err(e) => {
+                    let failed = w.routes.get_mut(&keys[0]).map(|b| {
+                        b.failed += 1;
+                        b.failed
+                    });
+                    // The breaker open: the store is away for a while, do not keep anyone
+                    // waiting on it.
+                    if failed >= Some(2) || matches!(e, StoreError::BreakerOpen) {
+                        // The route's queue is out of reach: its waiters enter again, which
+                        // answers them by `store.on_error` while it stays so.
+                        for id in ids {
+                            w.deliver(&id, Wake::Requeue);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
