@@ -476,6 +476,40 @@ fn cli_check_and_explain() {
 
 /// Each config that `run` could not honour (DESIGN §1 rules), as `check` reports it: exit 1,
 /// the first line of stderr names the field, and no panic whatever the input.
+/// Unknown keys do not hide the file's other errors: every one is reported, each with its
+/// field path, unknown keys in several sections included.
+#[test]
+fn check_reports_every_unknown_key_and_every_other_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "server:\n  listn: \"127.0.0.1:8080\"\nupstream:\n  url: \"http://127.0.0.1:3000\"\nstore:\n  fleetsize: 2\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n  endpoints:\n    /reports/generate: {cost: 0}\n    /exports/bulk: {cost: 500}\n",
+    )
+    .unwrap();
+    let (code, out, err) = tollgate(&["check", "-c", bad.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 5, "{err}");
+    assert!(
+        lines[0].starts_with("server.listn: unknown field `listn`, expected one of `listen`"),
+        "{err}"
+    );
+    assert!(
+        lines[1].starts_with("store.fleetsize: unknown field `fleetsize`, expected one of"),
+        "{err}"
+    );
+    assert_eq!(
+        lines[2],
+        "rate_limits.endpoints.\"/exports/bulk\".cost: cost 500 exceeds rate_limits.default.max_cost 120: such a request could never pass"
+    );
+    assert_eq!(
+        lines[3],
+        "rate_limits.endpoints.\"/reports/generate\".cost: must be a positive integer, got 0"
+    );
+    assert!(lines[4].ends_with("bad.yaml: 4 error(s)"), "{err}");
+}
+
 #[test]
 fn check_refuses_what_run_cannot_honour() {
     let dir = tempfile::tempdir().unwrap();
