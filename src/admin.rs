@@ -76,11 +76,36 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
     Ok(())
 }
 
+/// GET, and HEAD (load balancers probe with it): the same answer without its body.
 async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
-    let path = req.uri().path();
-    if req.method() != hyper::Method::GET {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+    match *req.method() {
+        hyper::Method::GET => answer(req, shared, token).await,
+        hyper::Method::HEAD => without_body(answer(req, shared, token).await),
+        _ => {
+            let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+            r.headers_mut().insert(
+                hyper::header::ALLOW,
+                hyper::header::HeaderValue::from_static("GET, HEAD"),
+            );
+            r
+        }
     }
+}
+
+/// A HEAD answer: the GET answer's status and headers, its length kept in `Content-Length`.
+fn without_body(r: Resp) -> Resp {
+    use hyper::body::Body;
+
+    let len = r.body().size_hint().exact().unwrap_or(0);
+    let (mut parts, _) = r.into_parts();
+    parts
+        .headers
+        .insert(hyper::header::CONTENT_LENGTH, len.into());
+    Response::from_parts(parts, Full::new(Bytes::new()))
+}
+
+async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
+    let path = req.uri().path();
     if path.starts_with("/admin/") {
         if let Some(t) = token {
             let ok = req

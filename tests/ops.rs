@@ -101,6 +101,39 @@ async fn admin_endpoints_and_token() {
     assert_eq!(r.status(), 404);
 }
 
+/// Load balancers probe with HEAD: `/healthz` and `/readyz` answer it as they answer GET
+/// (status, type, length), without a body; other methods are still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_on_healthz_and_readyz_answers_like_get() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 50}\n",
+    );
+    let c = client();
+    for path in ["/healthz", "/readyz"] {
+        let get = c.get(gw.admin(path)).send().await.unwrap();
+        let head = c.head(gw.admin(path)).send().await.unwrap();
+        assert_eq!(head.status(), 200, "HEAD {path}");
+        for name in ["content-type", "content-length"] {
+            assert_eq!(
+                head.headers().get(name),
+                get.headers().get(name),
+                "{path} {name}"
+            );
+        }
+        assert!(get.text().await.unwrap().len() > 1, "{path}");
+        assert_eq!(head.text().await.unwrap(), "", "HEAD {path} has no body");
+    }
+    let post = c.post(gw.admin("/healthz")).send().await.unwrap();
+    assert_eq!(post.status(), 405);
+    assert_eq!(
+        header(&post, "Allow").as_deref(),
+        Some("GET, HEAD"),
+        "405 says what is allowed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_names_and_labels_exactly_as_designed() {
     let up = Upstream::start(Duration::ZERO);
