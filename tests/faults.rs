@@ -368,3 +368,70 @@ async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// On the `local` fallback every rate-limit figure describes the budget in force, this
+/// instance's share (`max_cost / fleet_size`): `X-RateLimit-Limit` and `RateLimit-Policy`'s
+/// `q` as well as the units left, for a plan of several budgets and for the default one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_fallback_headers_describe_the_local_share() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = store_body(
+        &redis,
+        "local",
+        2,
+        &format!(
+            "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 10}}\nplans:\n  pro:\n    budgets:\n      - {{ name: minute, max_cost: 50, window: 60s }}\n      - {{ name: day, max_cost: 30, window: 24h }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: pro }}\n  - {{ id: other, sha256: \"{}\" }}\n",
+            sha256_hex("acme-key"),
+            sha256_hex("other-key")
+        ),
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(
+        header(&r, "X-RateLimit-Limit").as_deref(),
+        Some("30"),
+        "fleet-wide on Redis"
+    );
+    redis.kill();
+
+    // 50 and 30 across two instances: 25 and 15 here; the day share is the tightest.
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    assert_metric(
+        &gw,
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        header(&r, "RateLimit-Policy").as_deref(),
+        Some("\"pro-minute\";q=25;w=60, \"pro-day\";q=15;w=86400")
+    );
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"pro-minute\";r=24;t=") && rl.contains(", \"pro-day\";r=14;t="),
+        "{rl}"
+    );
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("15"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("14"));
+    // A refusal on the share says the same.
+    for _ in 0..14 {
+        assert_eq!(get(&c, gw.url("/items"), "acme-key").await.status(), 200);
+    }
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("15"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+
+    // One budget: 10 across two instances, 5 here.
+    let r = get(&c, gw.url("/items"), "other-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "RateLimit-Policy").as_deref(),
+        Some("\"default\";q=5;w=3600")
+    );
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("5"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("4"));
+}

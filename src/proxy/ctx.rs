@@ -140,6 +140,8 @@ pub struct Ctx {
     pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
+    /// The decision's figures are of `1/share` of each budget (`store::Decision::share`).
+    pub share: u32,
     /// Units charged after the response for measured upstream time (`cost_per_second`).
     pub time_charge: u64,
     /// The `Host` of the named upstream address picked for this request (`None`: the default
@@ -165,6 +167,7 @@ impl Ctx {
             request_id: None,
             upstream_status: None,
             fallback: false,
+            share: 1,
             time_charge: 0,
             upstream_host: None,
         }

@@ -228,6 +228,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 Decision {
                     admission,
                     fallback: false,
+                    share: 1,
                 }
             }
             Err(e) => {
@@ -246,6 +247,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 Decision {
                     admission,
                     fallback: true,
+                    share: self.local_divisor(),
                 }
             }
         }
@@ -321,6 +323,14 @@ impl<S: SharedStore> FallbackStore<S> {
                     Admission::Unavailable => Admission::Unavailable,
                 }
             }
+        }
+    }
+
+    /// What the fallback's budgets are divided by: `fleet_size` for `on_error: local`.
+    fn local_divisor(&self) -> u32 {
+        match self.on_error {
+            OnError::Local => self.fleet_size,
+            OnError::Allow | OnError::Deny => 1,
         }
     }
 

@@ -155,14 +155,7 @@ impl AdmitRequest {
     pub(crate) fn share(&self, n: u32) -> AdmitRequest {
         AdmitRequest {
             limit: self.limit.fraction(n),
-            also: self
-                .also
-                .iter()
-                .map(|e| Extra {
-                    bucket: e.bucket.clone(),
-                    limit: e.limit.fraction(n),
-                })
-                .collect(),
+            also: self.also.iter().map(|e| e.fraction(n)).collect(),
             ..self.clone()
         }
     }
@@ -378,6 +371,9 @@ pub enum Store {
 pub struct Decision {
     pub admission: Admission,
     pub fallback: bool,
+    /// The admission's figures are of `1/share` of every budget: the instance's share on
+    /// the `local` fallback (`fleet_size`), else 1.
+    pub share: u32,
 }
 
 impl Store {
@@ -392,6 +388,7 @@ impl Store {
             Store::Memory(m) => Decision {
                 admission: m.admit(req).await,
                 fallback: false,
+                share: 1,
             },
             // Boxed: the shared store's future is ~4 KB, and every request phase's future
             // (which Pingora boxes and so copies whole) would carry it inline, memory store
