@@ -69,19 +69,7 @@ impl Pool {
                 }
             }
         }
-        let checker = u.health_check.as_ref().and_then(|hc| {
-            let spec = CheckSpec::new(hc, u.targets.first()?);
-            match previous.and_then(|p| p.checker.as_ref()) {
-                Some(c) if c.spec == spec => {
-                    // New addresses are healthy until checked: check them now.
-                    if previous.is_some_and(|p| !same_addresses(&p.targets, &targets)) {
-                        c.wake.notify_one();
-                    }
-                    Some(c.clone())
-                }
-                _ => Checker::start(&u.name, spec),
-            }
-        });
+        let checker = checker_for(u, previous, &targets);
         let backends: BTreeSet<Backend> = targets
             .keys()
             .map(|a| Backend::new(&a.to_string()))
@@ -90,7 +78,7 @@ impl Pool {
             .ok()?;
         let discovery = Static::new(backends);
         let backends = match &checker {
-            Some(c) => Backends::new_with_health_registry(discovery, c.registry.clone()),
+            Some((c, _)) => Backends::new_with_health_registry(discovery, c.registry.clone()),
             None => Backends::new(discovery),
         };
         let lb = LoadBalancer::<RoundRobin>::from_backends(backends);
@@ -99,6 +87,12 @@ impl Pool {
             tracing::error!(upstream = %u.name, "cannot build the upstream pool");
             return None;
         }
+        // Addresses the checker has not seen are healthy until checked: check them now (a new
+        // checker's thread may have made its first pass before the pool gave it any).
+        if let Some((c, true)) = &checker {
+            c.wake.notify_one();
+        }
+        let checker = checker.map(|(c, _)| c);
         Some(Arc::new(Pool {
             lb,
             targets,
@@ -111,6 +105,20 @@ impl Pool {
         let backend = self.lb.select(b"", 256)?;
         let addr = backend.addr.as_inet().copied()?;
         Some((addr, self.targets.get(&addr)?))
+    }
+}
+
+/// The pool's health checker: its namesake's in `previous` when the check is the same, else a
+/// new one; and whether it has addresses to check that it has not seen.
+fn checker_for(
+    u: &NamedUpstream,
+    previous: Option<&Arc<Pool>>,
+    targets: &HashMap<SocketAddr, UpstreamTarget>,
+) -> Option<(Arc<Checker>, bool)> {
+    let spec = CheckSpec::new(u.health_check.as_ref()?, u.targets.first()?);
+    match previous.and_then(|p| Some((p, p.checker.as_ref()?))) {
+        Some((p, c)) if c.spec == spec => Some((c.clone(), !same_addresses(&p.targets, targets))),
+        _ => Some((Checker::start(&u.name, spec)?, true)),
     }
 }
 
