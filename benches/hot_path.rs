@@ -250,6 +250,7 @@ fn bench_per_request_pieces(c: &mut Criterion) {
                 None,
                 black_box(&outcome),
                 1,
+                1,
             )
         })
     });

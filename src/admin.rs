@@ -17,7 +17,7 @@ use hyper_util::rt::TokioIo;
 use crate::budget;
 use crate::policy::Policy;
 use crate::state::Shared;
-use crate::store::BudgetView;
+use crate::store::{BudgetView, Peek};
 
 pub mod token;
 
@@ -75,11 +75,36 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
     Ok(())
 }
 
+/// GET, and HEAD (load balancers probe with it): the same answer without its body.
 async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
-    let path = req.uri().path();
-    if req.method() != hyper::Method::GET {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+    match *req.method() {
+        hyper::Method::GET => answer(req, shared, token).await,
+        hyper::Method::HEAD => without_body(answer(req, shared, token).await),
+        _ => {
+            let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+            r.headers_mut().insert(
+                hyper::header::ALLOW,
+                hyper::header::HeaderValue::from_static("GET, HEAD"),
+            );
+            r
+        }
     }
+}
+
+/// A HEAD answer: the GET answer's status and headers, its length kept in `Content-Length`.
+fn without_body(r: Resp) -> Resp {
+    use hyper::body::Body;
+
+    let len = r.body().size_hint().exact().unwrap_or(0);
+    let (mut parts, _) = r.into_parts();
+    parts
+        .headers
+        .insert(hyper::header::CONTENT_LENGTH, len.into());
+    Response::from_parts(parts, Full::new(Bytes::new()))
+}
+
+async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
+    let path = req.uri().path();
     if path.starts_with("/admin/") {
         if let Some(t) = token {
             let ok = req
@@ -135,32 +160,43 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
             "application/yaml",
             shared.running().config.redacted_yaml(),
         ),
-        p if p.starts_with("/admin/keys/") => {
-            let id = &p["/admin/keys/".len()..];
-            let running = shared.running();
-            let cfg = &running.config;
-            let Some(hash) = cfg.key_ids.get(id) else {
-                return json(
-                    StatusCode::NOT_FOUND,
-                    serde_json::json!({"error": "no such key id in the registry"}),
-                );
-            };
-            let Some(entry) = cfg.keys.get(hash) else {
-                return json(
-                    StatusCode::NOT_FOUND,
-                    serde_json::json!({"error": "no such key"}),
-                );
-            };
-            let policy = &entry.policy;
-            match shared.store.peek(hash, &policy.limit, &policy.also).await {
-                Some(views) => json(StatusCode::OK, key_json(id, policy, &views)),
-                None => json(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    serde_json::json!({"error": "store unavailable"}),
-                ),
-            }
-        }
+        p if p.starts_with("/admin/keys/") => key(&p["/admin/keys/".len()..], shared).await,
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
+    }
+}
+
+/// `/admin/keys/{id}`: the key's budgets, from the store or (while it cannot say) from the
+/// `local` fallback's share in force; 503 when neither can.
+async fn key(id: &str, shared: &Shared) -> Resp {
+    let running = shared.running();
+    let cfg = &running.config;
+    let found = cfg
+        .key_ids
+        .get(id)
+        .and_then(|h| Some((h, cfg.keys.get(h)?)));
+    let Some((hash, entry)) = found else {
+        return json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "no such key id in the registry"}),
+        );
+    };
+    let policy = &entry.policy;
+    match shared.store.peek(hash, &policy.limit, &policy.also).await {
+        Some(Peek {
+            views,
+            local_share: None,
+        }) => json(StatusCode::OK, key_json(id, policy, &views, "store")),
+        Some(Peek {
+            views,
+            local_share: Some(n),
+        }) => json(
+            StatusCode::OK,
+            key_json(id, &policy.share(n), &views, "local"),
+        ),
+        None => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"error": "store unavailable"}),
+        ),
     }
 }
 
@@ -168,8 +204,9 @@ async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
 /// and at the top the tightest of them, named in `budget`: the one with the fewest units left
 /// now, the first on a tie (the rule of `X-RateLimit-*` on an admitted request; a refusal's
 /// headers describe the refusing budget instead). A route's `shared` budget is not the key's
-/// and is not shown.
-fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Value {
+/// and is not shown. `source` says whose figures they are: `store`, or `local` (this
+/// instance's share on the fallback; `policy` is then that share).
+fn key_json(id: &str, policy: &Policy, views: &[BudgetView], source: &str) -> serde_json::Value {
     let budgets: Vec<serde_json::Value> = policy
         .budgets
         .iter()
@@ -201,6 +238,7 @@ fn key_json(id: &str, policy: &Policy, views: &[BudgetView]) -> serde_json::Valu
         fields.insert("id".into(), id.into());
         fields.insert("plan".into(), policy.name.clone().into());
         fields.insert("budgets".into(), budgets.into());
+        fields.insert("source".into(), source.into());
     }
     top
 }
@@ -234,7 +272,7 @@ mod tests {
             ([10, 5], "pro-day"),
             ([7, 7], "pro-minute"),
         ] {
-            let v = key_json("k", &policy, &left.map(view));
+            let v = key_json("k", &policy, &left.map(view), "store");
             assert_eq!(v["budget"], top, "{v}");
             assert_eq!(v["remaining"], left.iter().min().copied().unwrap(), "{v}");
             assert_eq!(v["budgets"][0]["remaining"], left[0], "{v}");

@@ -59,6 +59,12 @@ impl Budget {
             headers: PolicyHeaders::new(name, max_cost, window),
         }
     }
+
+    /// One of `n` instances' share of this budget, as `on_error: local` enforces it.
+    pub fn share(&self, n: u32) -> Budget {
+        let limit = self.limit.fraction(n);
+        Budget::new(&self.name, limit.max_cost(), self.window, limit)
+    }
 }
 
 impl Policy {
@@ -80,7 +86,6 @@ impl Policy {
                 (inner, Budget::new(&shown, max_cost, window, limit))
             })
             .collect();
-        let first = budgets.first()?.1.clone();
         let also = budgets
             .iter()
             .skip(1)
@@ -89,11 +94,40 @@ impl Policy {
                 limit: b.limit,
             })
             .collect();
+        let budgets: Vec<Budget> = budgets.into_iter().map(|(_, b)| b).collect();
+        Policy::of(name, budgets, also, max_delay, max_in_flight_per_key)
+    }
+
+    /// One of `n` instances' share of every budget (`on_error: local`), for the headers that
+    /// describe a decision made on it.
+    pub fn share(&self, n: u32) -> Policy {
+        let budgets = self.budgets.iter().map(|b| b.share(n)).collect();
+        let also = self.also.iter().map(|e| e.fraction(n)).collect();
+        Policy::of(
+            &self.name,
+            budgets,
+            also,
+            self.max_delay,
+            self.max_in_flight_per_key,
+        )
+        .unwrap_or_else(|| self.clone())
+    }
+
+    /// The policy of `budgets` (at least one), the first one's figures at the top and one
+    /// `RateLimit-Policy` member per budget.
+    fn of(
+        name: &str,
+        budgets: Vec<Budget>,
+        also: Vec<Extra>,
+        max_delay: Duration,
+        max_in_flight_per_key: Option<u32>,
+    ) -> Option<Policy> {
+        let first = budgets.first()?;
         let mut headers = first.headers.clone();
-        if several {
+        if budgets.len() > 1 {
             let list: Vec<&str> = budgets
                 .iter()
-                .filter_map(|(_, b)| b.headers.policy.to_str().ok())
+                .filter_map(|b| b.headers.policy.to_str().ok())
                 .collect();
             headers.policy = HeaderValue::from_str(&list.join(", "))
                 .unwrap_or_else(|_| HeaderValue::from_static(""));
@@ -107,7 +141,7 @@ impl Policy {
             weight: 1,
             limit: first.limit,
             headers,
-            budgets: budgets.into_iter().map(|(_, b)| b).collect(),
+            budgets,
             also,
         })
     }
@@ -152,6 +186,16 @@ impl PolicyHeaders {
 pub struct Extra {
     pub bucket: Bucket,
     pub limit: Limit,
+}
+
+impl Extra {
+    /// One of `n` instances' share of it (`on_error: local`).
+    pub fn fraction(&self, n: u32) -> Extra {
+        Extra {
+            bucket: self.bucket.clone(),
+            limit: self.limit.fraction(n),
+        }
+    }
 }
 
 /// Where an extra budget's state lives.

@@ -143,13 +143,21 @@ fn push_member(out: &mut String, quoted_name: &str, remaining: u64, reset: u64) 
 
 /// `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for a decision under `policy`.
 /// `cost` is the price of the request (charged when admitted, nothing when refused). The
-/// policy's own two values are formatted once, when the config is loaded.
+/// policy's own two values are formatted once, when the config is loaded. A decision made on
+/// `1/share` of every budget (the `local` fallback) is described by those shares: every
+/// figure of the headers is of the budget that decided.
 pub fn rate_limit_headers(
     policy: &Policy,
     shared: Option<&Budget>,
     outcome: &Standing,
     cost: u64,
+    share: u32,
 ) -> [(&'static str, HeaderValue); 6] {
+    if share > 1 {
+        let local = policy.share(share);
+        let shared = shared.map(|b| b.share(share));
+        return rate_limit_headers(&local, shared.as_ref(), outcome, cost, 1);
+    }
     let reset = budget::reset_secs(outcome.reset_us);
     let figures = outcome.each.as_slice();
     let budgets = || policy.budgets.iter().chain(shared);
@@ -212,7 +220,7 @@ mod tests {
             reset_us: 39_000_001,
             each: Default::default(),
         };
-        let h = rate_limit_headers(&policy, None, &o, 20);
+        let h = rate_limit_headers(&policy, None, &o, 20, 1);
         assert_eq!(h[0].0, "RateLimit-Policy");
         assert_eq!(h[0].1, "\"default\";q=120;w=60");
         assert_eq!(h[1].0, "RateLimit");
@@ -255,7 +263,7 @@ mod tests {
             20,
         )
         .outcome;
-        let h = rate_limit_headers(&policy, None, &(&o).into(), 20);
+        let h = rate_limit_headers(&policy, None, &(&o).into(), 20, 1);
         assert_eq!(
             h[0].1,
             "\"pro-minute\";q=120;w=60, \"pro-day\";q=20000;w=86400"
@@ -267,6 +275,38 @@ mod tests {
         assert_eq!(
             (h[2].1.to_str().unwrap(), h[3].1.to_str().unwrap()),
             ("120", "100")
+        );
+    }
+
+    /// On the local fallback of a fleet of 2 (a share of every budget, the route's shared
+    /// one too), every figure is of the shares.
+    #[test]
+    fn headers_of_a_local_share() {
+        let policy = crate::policy::minute_and_day(120, 20_000);
+        let shared = crate::policy::Budget::new(
+            crate::policy::SHARED_BUDGET,
+            10,
+            Duration::from_secs(1),
+            Limit::new(10, Duration::from_secs(1), Duration::ZERO).unwrap(),
+        );
+        let limits: Vec<_> = [&policy.budgets[0], &policy.budgets[1], &shared]
+            .iter()
+            .map(|b| (b.limit.fraction(2), None))
+            .collect();
+        let o = crate::budget::decide_all(&limits, 0, 1).outcome;
+        let h = rate_limit_headers(&policy, Some(&shared), &(&o).into(), 1, 2);
+        assert_eq!(
+            h[0].1,
+            "\"pro-minute\";q=60;w=60, \"pro-day\";q=10000;w=86400, \"shared\";q=5;w=1"
+        );
+        assert_eq!(
+            h[1].1,
+            "\"pro-minute\";r=59;t=1, \"pro-day\";r=9999;t=9, \"shared\";r=4;t=1"
+        );
+        // The tightest is the shared budget's share: 4 of 5.
+        assert_eq!(
+            (h[2].1.to_str().unwrap(), h[3].1.to_str().unwrap()),
+            ("5", "4")
         );
     }
 

@@ -37,7 +37,10 @@ impl Shared {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
-        let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(&config));
+        let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(
+            &config,
+            &crate::upstreams::Pools::default(),
+        ));
         Arc::new(Shared {
             pools,
             running: ArcSwap::from_pointee(Running { config, metrics }),
@@ -70,8 +73,9 @@ impl Shared {
             self.upstream_addr
                 .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
         }
-        self.pools
-            .store(Arc::new(crate::upstreams::Pools::build(&new)));
+        // Built while the old pools are in force, so that their checkers carry over.
+        let pools = crate::upstreams::Pools::build(&new, &self.pools.load());
+        self.pools.store(Arc::new(pools));
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);

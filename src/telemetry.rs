@@ -27,9 +27,9 @@ pub const OVERHEAD_BUCKETS: &[f64] = &[
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 1.0,
 ];
-/// Buckets for store calls: 100 µs to 100 ms (the store timeout is tens of ms).
+/// Buckets for store calls: 100 µs to 1 s (the default store timeout is 250 ms).
 pub const STORE_BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
 /// Counts a request in `tollgate_queued{route}` while it waits for a route's slot.

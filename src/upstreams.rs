@@ -4,17 +4,23 @@
 //!
 //! Each address keeps its own TLS/SNI host and timeouts ([`UpstreamTarget`]); Pingora pools
 //! connections per peer, so every named upstream has its own connections. Pools are built
-//! from each config put in force (names resolve then, never per request); a pool's health
-//! check runs on a thread of its own until the pool is replaced.
+//! from each config put in force (names resolve then, never per request). A pool's health
+//! check is a [`Checker`] that outlives reloads: the next config's pool of the same name with
+//! the same check takes it over, so addresses that did not change keep their health, and a
+//! checker no pool uses any more stops at once (a reload starts no thread that lingers).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
+use std::time::Duration;
 
 use pingora::http::RequestHeader;
+use pingora::lb::discovery::Static;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::RoundRobin;
-use pingora::lb::LoadBalancer;
+use pingora::lb::{Backend, Backends, HealthRegistry, LoadBalancer};
+use tokio::sync::{oneshot, Notify};
 
 use crate::config::{Config, HealthCheck, NamedUpstream, UpstreamTarget};
 
@@ -26,16 +32,19 @@ pub struct Pools(HashMap<String, Arc<Pool>>);
 pub struct Pool {
     lb: LoadBalancer<RoundRobin>,
     targets: HashMap<SocketAddr, UpstreamTarget>,
+    /// Its health check, shared with the pools of earlier configs that had the same one.
+    checker: Option<Arc<Checker>>,
 }
 
 impl Pools {
-    /// Resolves every named upstream's addresses (blocking: at start and reload only) and
-    /// starts the health checks.
-    pub fn build(cfg: &Config) -> Pools {
+    /// Resolves every named upstream's addresses (blocking: at start and reload only). A
+    /// pool whose health check is the one its namesake in `previous` had takes over that
+    /// checker and the health it found; the others start checks of their own.
+    pub fn build(cfg: &Config, previous: &Pools) -> Pools {
         let pools = cfg
             .upstreams
             .values()
-            .filter_map(|u| Some((u.name.clone(), Pool::build(u)?)))
+            .filter_map(|u| Some((u.name.clone(), Pool::build(u, previous.0.get(&u.name))?)))
             .collect();
         Pools(pools)
     }
@@ -46,7 +55,7 @@ impl Pools {
 }
 
 impl Pool {
-    fn build(u: &NamedUpstream) -> Option<Arc<Pool>> {
+    fn build(u: &NamedUpstream, previous: Option<&Arc<Pool>>) -> Option<Arc<Pool>> {
         let mut targets = HashMap::new();
         for t in &u.targets {
             match (t.host.as_str(), t.port).to_socket_addrs() {
@@ -60,26 +69,35 @@ impl Pool {
                 }
             }
         }
-        let mut lb = match LoadBalancer::<RoundRobin>::try_from_iter(targets.keys().copied()) {
-            Ok(lb) => lb,
-            Err(e) => {
-                tracing::error!(upstream = %u.name, error = %e, "cannot build the upstream pool");
-                return None;
-            }
+        let checker = checker_for(u, previous, &targets);
+        let backends: BTreeSet<Backend> = targets
+            .keys()
+            .map(|a| Backend::new(&a.to_string()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| tracing::error!(upstream = %u.name, error = %e, "cannot build the upstream pool"))
+            .ok()?;
+        let discovery = Static::new(backends);
+        let backends = match &checker {
+            Some((c, _)) => Backends::new_with_health_registry(discovery, c.registry.clone()),
+            None => Backends::new(discovery),
         };
-        if let (Some(hc), Some(first)) = (&u.health_check, u.targets.first()) {
-            match health_check(hc, first) {
-                Some(check) => lb.set_health_check(check),
-                None => {
-                    tracing::error!(upstream = %u.name, "cannot build the health check request")
-                }
-            }
+        let lb = LoadBalancer::<RoundRobin>::from_backends(backends);
+        // Static discovery answers at once: the addresses are in the balancer after one poll.
+        if !matches!(poll_once(lb.update()), Some(Ok(()))) {
+            tracing::error!(upstream = %u.name, "cannot build the upstream pool");
+            return None;
         }
-        let pool = Arc::new(Pool { lb, targets });
-        if let Some(hc) = &u.health_check {
-            spawn_health_checks(&u.name, Arc::downgrade(&pool), hc.interval);
+        // Addresses the checker has not seen are healthy until checked: check them now (a new
+        // checker's thread may have made its first pass before the pool gave it any).
+        if let Some((c, true)) = &checker {
+            c.wake.notify_one();
         }
-        Some(pool)
+        let checker = checker.map(|(c, _)| c);
+        Some(Arc::new(Pool {
+            lb,
+            targets,
+            checker,
+        }))
     }
 
     /// The next healthy address, round robin, with its target; `None` when none is.
@@ -90,32 +108,118 @@ impl Pool {
     }
 }
 
-/// `GET <path>` with the upstream's Host, any 200 being healthy; one failure marks an
-/// address down and one success up again.
-fn health_check(hc: &HealthCheck, t: &UpstreamTarget) -> Option<Box<HttpHealthCheck>> {
-    let mut check = HttpHealthCheck::new(&t.authority, t.tls);
-    if t.tls {
-        check.peer_template.sni = t.host.clone();
+/// The pool's health checker: its namesake's in `previous` when the check is the same, else a
+/// new one; and whether it has addresses to check that it has not seen.
+fn checker_for(
+    u: &NamedUpstream,
+    previous: Option<&Arc<Pool>>,
+    targets: &HashMap<SocketAddr, UpstreamTarget>,
+) -> Option<(Arc<Checker>, bool)> {
+    let spec = CheckSpec::new(u.health_check.as_ref()?, u.targets.first()?);
+    match previous.and_then(|p| Some((p, p.checker.as_ref()?))) {
+        Some((p, c)) if c.spec == spec => Some((c.clone(), !same_addresses(&p.targets, targets))),
+        _ => Some((Checker::start(&u.name, spec)?, true)),
     }
-    let mut req = RequestHeader::build("GET", hc.path.as_bytes(), None).ok()?;
-    req.append_header("Host", t.authority.as_str()).ok()?;
-    check.req = req;
-    check.peer_template.options.connection_timeout = Some(t.connect_timeout);
-    Some(Box::new(check))
 }
 
-/// Runs the pool's health check every `interval` on a thread of its own (Pingora's own
-/// runtimes serve requests), until the pool is dropped by a reload.
-fn spawn_health_checks(name: &str, pool: Weak<Pool>, interval: std::time::Duration) {
-    let spawned = crate::background::spawn(format!("tollgate-hc-{name}"), move || async move {
-        loop {
-            let Some(p) = pool.upgrade() else { return };
-            p.lb.backends().run_health_check(true).await;
-            drop(p);
-            tokio::time::sleep(interval).await;
-        }
-    });
-    if let Err(e) = spawned {
-        tracing::warn!(upstream = %name, error = %e, "cannot start the health check");
+fn same_addresses(
+    a: &HashMap<SocketAddr, UpstreamTarget>,
+    b: &HashMap<SocketAddr, UpstreamTarget>,
+) -> bool {
+    a.len() == b.len() && a.keys().all(|k| b.contains_key(k))
+}
+
+/// Polls `f` once; its output if it was ready.
+fn poll_once<F: Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
     }
+}
+
+/// What makes two health checks the same one: the request sent and how often.
+#[derive(Debug, Clone, PartialEq)]
+struct CheckSpec {
+    check: HealthCheck,
+    /// The target whose Host, TLS/SNI and connect timeout the check request uses.
+    authority: String,
+    tls: bool,
+    host: String,
+    connect_timeout: Duration,
+}
+
+impl CheckSpec {
+    fn new(check: &HealthCheck, t: &UpstreamTarget) -> CheckSpec {
+        CheckSpec {
+            check: check.clone(),
+            authority: t.authority.clone(),
+            tls: t.tls,
+            host: t.host.clone(),
+            connect_timeout: t.connect_timeout,
+        }
+    }
+}
+
+/// A pool's active health check: the health of its addresses (a Pingora [`HealthRegistry`],
+/// which the balancers of successive configs share) and the thread that checks them every
+/// interval. Dropping the last handle stops the thread at once, mid-check or mid-sleep.
+struct Checker {
+    spec: CheckSpec,
+    registry: Arc<HealthRegistry>,
+    /// Asks for a check now (new addresses).
+    wake: Arc<Notify>,
+    /// Dropped with the checker, which ends its thread.
+    _stop: oneshot::Sender<()>,
+}
+
+impl Checker {
+    fn start(name: &str, spec: CheckSpec) -> Option<Arc<Checker>> {
+        let Some(check) = health_check(&spec) else {
+            tracing::error!(upstream = %name, "cannot build the health check request");
+            return None;
+        };
+        let registry = Arc::new(HealthRegistry::new());
+        registry.set_health_check(check);
+        let (stop_tx, mut stop) = oneshot::channel::<()>();
+        let wake = Arc::new(Notify::new());
+        let (reg, woken, interval) = (registry.clone(), wake.clone(), spec.check.interval);
+        let spawned = crate::background::spawn(format!("tollgate-hc-{name}"), move || async move {
+            loop {
+                tokio::select! {
+                    _ = reg.run_health_check(true) => {}
+                    _ = &mut stop => return,
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = woken.notified() => {}
+                    _ = &mut stop => return,
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(upstream = %name, error = %e, "cannot start the health check");
+        }
+        Some(Arc::new(Checker {
+            spec,
+            registry,
+            wake,
+            _stop: stop_tx,
+        }))
+    }
+}
+
+/// `GET <path>` with the upstream's Host, any 200 being healthy; one failure marks an
+/// address down and one success up again.
+fn health_check(spec: &CheckSpec) -> Option<Box<HttpHealthCheck>> {
+    let mut check = HttpHealthCheck::new(&spec.authority, spec.tls);
+    if spec.tls {
+        check.peer_template.sni = spec.host.clone();
+    }
+    let mut req = RequestHeader::build("GET", spec.check.path.as_bytes(), None).ok()?;
+    req.append_header("Host", spec.authority.as_str()).ok()?;
+    check.req = req;
+    check.peer_template.options.connection_timeout = Some(spec.connect_timeout);
+    Some(Box::new(check))
 }

@@ -322,10 +322,10 @@ async fn a_store_unusable_at_start_is_logged_with_its_cause_and_not_ready() {
     assert!(!log.contains("s3cret-pw"));
 }
 
-/// `/admin/keys/{id}` while Redis is away: a 503 that says so, not figures made up or a hang;
-/// the budget left again once Redis is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
+/// `/admin/keys/{id}` while Redis is away: under `on_error: deny`, a 503 that says so (not
+/// figures made up, nor a hang); under `local`, the local share in force, marked `"source":
+/// "local"`. The shared budget (`"source": "store"`) again once Redis is back.
+async fn the_admin_view_of_a_key_while_redis_is_away(on_error: &str) {
     let mut redis = Redis::start();
     let port = redis.port;
     let up = Upstream::start(Duration::ZERO);
@@ -335,8 +335,8 @@ async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
             "{}keys:\n  - {{id: k-id, sha256: \"{}\"}}\n",
             store_body(
                 &redis,
-                "deny",
-                1,
+                on_error,
+                2,
                 "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
             ),
             sha256_hex("k")
@@ -344,27 +344,130 @@ async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
     );
     let c = client();
     assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
-    assert_eq!(admin_json(&gw, "/admin/keys/k-id").await["remaining"], 9);
+    let v = admin_json(&gw, "/admin/keys/k-id").await;
+    assert_eq!(
+        (&v["remaining"], &v["source"]),
+        (&9.into(), &"store".into()),
+        "{v}"
+    );
     redis.kill();
     let r = reqwest::get(gw.admin("/admin/keys/k-id")).await.unwrap();
-    assert_eq!(r.status(), 503);
-    let v: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(v["error"], "store unavailable", "{v}");
+    let mut written_back = 0;
+    if on_error == "deny" {
+        assert_eq!(r.status(), 503);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"], "store unavailable", "{v}");
+    } else {
+        // This instance's share of 10 across 2, untouched so far; then one unit of it spent.
+        assert_eq!(r.status(), 200);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(
+            (&v["source"], &v["limit"], &v["remaining"]),
+            (&"local".into(), &5.into(), &5.into()),
+            "{v}"
+        );
+        assert_eq!(v["budgets"][0]["limit"], 5, "{v}");
+        assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+        let v = admin_json(&gw, "/admin/keys/k-id").await;
+        assert_eq!(
+            (&v["source"], &v["remaining"]),
+            (&"local".into(), &4.into()),
+            "{v}"
+        );
+        written_back = 1;
+    }
     let _redis = Redis::start_on(port);
     let start = Instant::now();
     loop {
+        // A Redis that restarted empty: the whole budget, less what the fallback wrote back.
         let r = reqwest::get(gw.admin("/admin/keys/k-id")).await.unwrap();
-        if r.status() == 200 {
-            // A Redis that restarted empty: the whole budget.
-            let v: serde_json::Value = r.json().await.unwrap();
-            assert_eq!(v["remaining"], 10, "{v}");
+        let status = r.status();
+        let v: serde_json::Value = r.json().await.unwrap();
+        if status == 200 && v["source"] == "store" && v["remaining"] == 10 - written_back {
+            assert_eq!(v["limit"], 10, "{v}");
             break;
         }
         assert!(
             start.elapsed() < Duration::from_secs(10),
-            "the admin view never came back ({})",
-            r.status()
+            "the admin view never came back ({status} {v})"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_view_of_a_key_says_when_the_store_is_away() {
+    the_admin_view_of_a_key_while_redis_is_away("deny").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_view_of_a_key_shows_the_local_share_while_the_store_is_away() {
+    the_admin_view_of_a_key_while_redis_is_away("local").await;
+}
+
+/// On the `local` fallback every rate-limit figure describes the budget in force, this
+/// instance's share (`max_cost / fleet_size`): `X-RateLimit-Limit` and `RateLimit-Policy`'s
+/// `q` as well as the units left, for a plan of several budgets and for the default one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_fallback_headers_describe_the_local_share() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = store_body(
+        &redis,
+        "local",
+        2,
+        &format!(
+            "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 10}}\nplans:\n  pro:\n    budgets:\n      - {{ name: minute, max_cost: 50, window: 60s }}\n      - {{ name: day, max_cost: 30, window: 24h }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: pro }}\n  - {{ id: other, sha256: \"{}\" }}\n",
+            sha256_hex("acme-key"),
+            sha256_hex("other-key")
+        ),
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(
+        header(&r, "X-RateLimit-Limit").as_deref(),
+        Some("30"),
+        "fleet-wide on Redis"
+    );
+    redis.kill();
+
+    // 50 and 30 across two instances: 25 and 15 here; the day share is the tightest.
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    assert_metric(
+        &gw,
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        header(&r, "RateLimit-Policy").as_deref(),
+        Some("\"pro-minute\";q=25;w=60, \"pro-day\";q=15;w=86400")
+    );
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(
+        rl.starts_with("\"pro-minute\";r=24;t=") && rl.contains(", \"pro-day\";r=14;t="),
+        "{rl}"
+    );
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("15"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("14"));
+    // A refusal on the share says the same.
+    for _ in 0..14 {
+        assert_eq!(get(&c, gw.url("/items"), "acme-key").await.status(), 200);
+    }
+    let r = get(&c, gw.url("/items"), "acme-key").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("15"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+
+    // One budget: 10 across two instances, 5 here.
+    let r = get(&c, gw.url("/items"), "other-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "RateLimit-Policy").as_deref(),
+        Some("\"default\";q=5;w=3600")
+    );
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("5"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("4"));
 }

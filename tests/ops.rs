@@ -101,6 +101,39 @@ async fn admin_endpoints_and_token() {
     assert_eq!(r.status(), 404);
 }
 
+/// Load balancers probe with HEAD: `/healthz` and `/readyz` answer it as they answer GET
+/// (status, type, length), without a body; other methods are still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_on_healthz_and_readyz_answers_like_get() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 50}\n",
+    );
+    let c = client();
+    for path in ["/healthz", "/readyz"] {
+        let get = c.get(gw.admin(path)).send().await.unwrap();
+        let head = c.head(gw.admin(path)).send().await.unwrap();
+        assert_eq!(head.status(), 200, "HEAD {path}");
+        for name in ["content-type", "content-length"] {
+            assert_eq!(
+                head.headers().get(name),
+                get.headers().get(name),
+                "{path} {name}"
+            );
+        }
+        assert!(get.text().await.unwrap().len() > 1, "{path}");
+        assert_eq!(head.text().await.unwrap(), "", "HEAD {path} has no body");
+    }
+    let post = c.post(gw.admin("/healthz")).send().await.unwrap();
+    assert_eq!(post.status(), 405);
+    assert_eq!(
+        header(&post, "Allow").as_deref(),
+        Some("GET, HEAD"),
+        "405 says what is allowed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_names_and_labels_exactly_as_designed() {
     let up = Upstream::start(Duration::ZERO);
@@ -358,6 +391,163 @@ async fn sighup_reload_valid_and_invalid() {
         .await;
 }
 
+/// An upstream that reads each request's head, records its target and never answers: a
+/// health check of it fails only at the check's read timeout (1 s).
+struct Silent {
+    port: u16,
+    targets: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Silent {
+    async fn start() -> Silent {
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let targets = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let seen = targets.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut head = vec![];
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&head)
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_string();
+                    let target = line.split(' ').nth(1).unwrap_or("").to_string();
+                    seen.lock().unwrap().push(target);
+                    // Hold the connection until the peer gives up.
+                    while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+                });
+            }
+        });
+        Silent { port, targets }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn count(&self, health: bool) -> usize {
+        let t = self.targets.lock().unwrap();
+        t.iter()
+            .filter(|t| (t.as_str() == "/healthz") == health)
+            .count()
+    }
+}
+
+/// A pool of a silent address and a live one, health-checked every `interval`.
+fn checked_pool(silent: &Silent, up: &Upstream, interval: &str) -> String {
+    format!(
+        "upstreams:\n  pool:\n    urls: [\"{}\", \"{}\"]\n    read_timeout: 1s\n    health_check: {{ path: /healthz, interval: {interval} }}\nrate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc}}\n",
+        silent.url(),
+        up.url()
+    )
+}
+
+/// Sends SIGHUP and waits until the reload it caused is counted (signals sent faster would
+/// be merged into fewer reloads).
+async fn reload(gw: &Gateway, done_before: f64) {
+    gw.signal("HUP");
+    let start = Instant::now();
+    while metric(gw, "tollgate_config_reloads_total{result=\"ok\"}").await < done_before + 1.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "reload not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// An address the health check found down stays skipped across a reload that leaves it as
+/// it was: the new config's pool does not start it out as healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_health_of_unchanged_addresses() {
+    let up = Upstream::start(Duration::ZERO);
+    let silent = Silent::start().await;
+    let gw = Gateway::start(&up, &checked_pool(&silent, &up, "200ms"));
+    let c = client();
+    // The second check of the silent address starts after the first pass has marked it down.
+    let start = Instant::now();
+    while silent.count(true) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no health check");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..4 {
+        assert_eq!(get(&c, gw.url("/svc/items"), "k").await.status(), 200);
+    }
+    reload(&gw, 0.0).await;
+    for i in 0..6 {
+        let r = get(&c, gw.url("/svc/items"), "k").await;
+        assert_eq!(r.status(), 200, "request {i} after the reload");
+    }
+    assert_eq!(
+        silent.count(false),
+        0,
+        "no request reached the down address"
+    );
+}
+
+/// The gateway's threads and open files (Linux /proc).
+fn threads_and_fds(pid: u32) -> (usize, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let threads = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    (threads, fds)
+}
+
+/// 50 reloads, each changing the pool's health check (so each starts a checker of its own):
+/// the checkers of the configs replaced stop at once, and threads and fds stay flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_with_a_health_checked_pool_leave_no_threads_behind() {
+    let up = Upstream::start(Duration::ZERO);
+    let silent = Silent::start().await;
+    let gw = Gateway::start(&up, &checked_pool(&silent, &up, "30s"));
+    let start = Instant::now();
+    while up.count("/healthz") == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no health check");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = threads_and_fds(gw.pid());
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    for i in 0..50 {
+        let interval = if i % 2 == 0 { "31s" } else { "30s" };
+        std::fs::write(
+            &gw.config_path,
+            text.replace("interval: 30s", &format!("interval: {interval}")),
+        )
+        .unwrap();
+        reload(&gw, i as f64).await;
+    }
+    // A replaced checker that lived on would last its 30 s interval; a stopped one is gone
+    // within its check's timeout (1 s).
+    let start = Instant::now();
+    let mut after = threads_and_fds(gw.pid());
+    while after.0 > before.0 + 3 || after.1 > before.1 + 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "threads, fds before {before:?}, after 50 reloads {after:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = threads_and_fds(gw.pid());
+    }
+    eprintln!("threads, fds before {before:?}, after 50 reloads {after:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_reloads_a_changed_file() {
     let up = Upstream::start(Duration::ZERO);
@@ -484,6 +674,40 @@ fn cli_check_and_explain() {
 
 /// Each config that `run` could not honour (DESIGN §1 rules), as `check` reports it: exit 1,
 /// the first line of stderr names the field, and no panic whatever the input.
+/// Unknown keys do not hide the file's other errors: every one is reported, each with its
+/// field path, unknown keys in several sections included.
+#[test]
+fn check_reports_every_unknown_key_and_every_other_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "server:\n  listn: \"127.0.0.1:8080\"\nupstream:\n  url: \"http://127.0.0.1:3000\"\nstore:\n  fleetsize: 2\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n  endpoints:\n    /reports/generate: {cost: 0}\n    /exports/bulk: {cost: 500}\n",
+    )
+    .unwrap();
+    let (code, out, err) = tollgate(&["check", "-c", bad.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 5, "{err}");
+    assert!(
+        lines[0].starts_with("server.listn: unknown field `listn`, expected one of `listen`"),
+        "{err}"
+    );
+    assert!(
+        lines[1].starts_with("store.fleetsize: unknown field `fleetsize`, expected one of"),
+        "{err}"
+    );
+    assert_eq!(
+        lines[2],
+        "rate_limits.endpoints.\"/exports/bulk\".cost: cost 500 exceeds rate_limits.default.max_cost 120: such a request could never pass"
+    );
+    assert_eq!(
+        lines[3],
+        "rate_limits.endpoints.\"/reports/generate\".cost: must be a positive integer, got 0"
+    );
+    assert!(lines[4].ends_with("bad.yaml: 4 error(s)"), "{err}");
+}
+
 #[test]
 fn check_refuses_what_run_cannot_honour() {
     let dir = tempfile::tempdir().unwrap();

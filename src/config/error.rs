@@ -46,6 +46,31 @@ impl fmt::Display for ConfigErrors {
     }
 }
 
+/// A serde error as a [`ConfigError`], with the path in this module's format.
+pub(super) fn from_serde(e: serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
+    ConfigError::new(format_path(e.path()), message(&e))
+}
+
+/// True when serde stopped at a key that `deny_unknown_fields` refuses (its message is
+/// serde's own `unknown field` wording); the error's path then ends with that key.
+pub(super) fn is_unknown_field(e: &serde_path_to_error::Error<serde_yaml::Error>) -> bool {
+    message(e).starts_with("unknown field `")
+}
+
+/// serde's message without the rendering of the path serde_yaml puts in front of it (ours
+/// replaces it). Parsing text, serde_yaml appends " at line L column C": kept, it helps find
+/// the spot.
+fn message(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
+    let msg = e.inner().to_string();
+    match msg.strip_prefix(&format!("{}: ", e.path())) {
+        Some(rest) => rest.to_string(),
+        None => match msg.split_once(": ") {
+            Some((head, tail)) if !head.contains(' ') => tail.to_string(),
+            _ => msg,
+        },
+    }
+}
+
 /// Formats a serde path the way the errors of this module do: `a.b."/x/y".c[0]`.
 pub(super) fn format_path(path: &serde_path_to_error::Path) -> String {
     let mut out = String::new();

@@ -10,6 +10,7 @@
 //! - [`error`]: errors that name their path;
 //! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
 //! - `bounds`: limits on file size, nesting and name lengths;
+//! - `unknown`: every unknown key of a file, not only the first serde stops at;
 //! - `validate`: one function per section, from [`RawConfig`] to [`Config`] (the budget
 //!   sections, checked against each other, in `validate/budgets`);
 
@@ -25,6 +26,7 @@ pub mod duration;
 pub mod error;
 mod pattern;
 pub mod raw;
+mod unknown;
 mod url;
 mod validate;
 
@@ -171,22 +173,17 @@ impl Config {
         bounds::check_size(text.len() as u64)?;
         bounds::check_depth(text)?;
         let de = serde_yaml::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = error::format_path(e.path());
-            let serde_style = e.path().to_string();
-            // serde_yaml prefixes its own rendering of the path (replaced by ours) and appends
-            // " at line L column C" (kept: it helps find the spot).
-            let msg = e.into_inner().to_string();
-            let msg = msg
-                .strip_prefix(&format!("{serde_style}: "))
-                .map(str::to_string)
-                .unwrap_or_else(|| match msg.split_once(": ") {
-                    Some((head, tail)) if !head.contains(' ') => tail.to_string(),
-                    _ => msg.clone(),
-                });
-            ConfigErrors::one(path, msg)
-        })?;
-        let mut cfg = Self::validate(raw, env)?;
+        let (raw, unknown) = match serde_path_to_error::deserialize::<_, RawConfig>(de) {
+            Ok(raw) => (raw, ConfigErrors::default()),
+            Err(e) if error::is_unknown_field(&e) => unknown::every_unknown_key(text, e)?,
+            Err(e) => return Err(ConfigErrors(vec![error::from_serde(e)])),
+        };
+        // The unknown keys first (in file order), then what validation finds in the rest.
+        let mut cfg = match (Self::validate(raw, env), unknown.0.is_empty()) {
+            (Ok(cfg), true) => cfg,
+            (Ok(_), false) => return Err(unknown),
+            (Err(errs), _) => return Err(ConfigErrors([unknown.0, errs.0].concat())),
+        };
         cfg.hash = {
             use sha2::Digest;
             hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8])

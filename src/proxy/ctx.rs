@@ -150,6 +150,8 @@ pub struct Ctx {
     /// What the upstream's response said the request cost (`cost_from_response` routes,
     /// charged requests).
     pub report: Option<Report>,
+    /// The decision's figures are of `1/share` of each budget (`store::Decision::share`).
+    pub share: u32,
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
@@ -176,6 +178,7 @@ impl Ctx {
             fallback: false,
             settled: None,
             report: None,
+            share: 1,
             upstream_host: None,
         }
     }

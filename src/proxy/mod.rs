@@ -172,6 +172,7 @@ impl Gateway {
         };
         let elapsed = t.elapsed();
         ctx.fallback = answer.fallback;
+        ctx.share = answer.share;
         let answer = answer.admission;
         let admitted = match decision::judge(&route, answer) {
             Ok(a) => a,

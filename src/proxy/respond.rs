@@ -67,7 +67,8 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     let shared = ctx.route.as_ref().and_then(|r| r.shared());
-    let headers = problem::rate_limit_headers(&id.policy, shared, outcome, ctx.charged());
+    let headers =
+        problem::rate_limit_headers(&id.policy, shared, outcome, ctx.charged(), ctx.share);
     // Ours replace any the upstream sent; appending is cheaper when there are none.
     let replace = h.headers.keys().any(problem::is_rate_limit_name);
     for (name, value) in headers {

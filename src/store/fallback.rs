@@ -17,15 +17,12 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::memory::MemoryStore;
-use super::running::{slots_of, Running, Slot};
+use super::running::{slots_of, Running};
 use super::write_back::{Ledger, Owed};
-use super::{
-    short_key, Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Lease, Standing,
-    StoreError,
-};
+use super::{Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Peek, StoreError};
 use crate::budget::Limit;
 use crate::config::OnError;
 use crate::identity::KeyHash;
@@ -233,6 +230,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 Decision {
                     admission,
                     fallback: false,
+                    share: 1,
                 }
             }
             Err(e) => {
@@ -251,6 +249,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 Decision {
                     admission,
                     fallback: true,
+                    share: self.local_divisor(),
                 }
             }
         }
@@ -291,104 +290,6 @@ impl<S: SharedStore> FallbackStore<S> {
                 return;
             }
         }
-    }
-
-    /// Decides by `store.on_error` while the shared store cannot.
-    async fn fallback(&self, req: &AdmitRequest) -> Admission {
-        match self.on_error {
-            OnError::Deny => Admission::Unavailable,
-            OnError::Local => self.local_share(req).await,
-            OnError::Allow => {
-                // Admit everything; count it locally so the headers still say something true.
-                let mut r = req.clone();
-                r.key_cap = None;
-                r.route_cap = None;
-                match self.local.admit(&r).await {
-                    Admission::Admitted {
-                        standing,
-                        delay_us,
-                        lease,
-                        queued,
-                    } => Admission::Admitted {
-                        standing,
-                        delay_us,
-                        lease: lease.counted(None, true),
-                        queued,
-                    },
-                    Admission::OverBudget { standing, .. }
-                    | Admission::KeyBusy(standing)
-                    | Admission::RouteBusy { standing, .. } => Admission::Admitted {
-                        standing,
-                        delay_us: 0,
-                        lease: Lease::default().counted(None, true),
-                        queued: Duration::ZERO,
-                    },
-                    Admission::Unavailable => Admission::Unavailable,
-                }
-            }
-        }
-    }
-
-    /// `on_error: local`: this instance's `1/fleet_size` of the budget (in its memory) and of
-    /// the caps (counting everything it runs).
-    async fn local_share(&self, req: &AdmitRequest) -> Admission {
-        let n = self.fleet_size;
-        let share = |cap: u32| (cap / n).max(1);
-        let mut r = req.share(n);
-        r.key_cap = None;
-        r.route_cap = None;
-        // Refuse what the budget would refuse anyway before queueing for a slot.
-        if let Some(refusal) = self.local.preview(&r) {
-            return refusal;
-        }
-        let mut wanted = vec![];
-        if let Some(cap) = req.route_cap {
-            wanted.push((Slot::Route(req.route.clone()), share(cap)));
-        }
-        if let Some(cap) = req.key_cap {
-            wanted.push((Slot::Key(short_key(&req.key)), share(cap)));
-        }
-        let start = Instant::now();
-        let running = loop {
-            let freed = self.running.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            match self.running.try_take(&wanted) {
-                Ok(g) => break g,
-                Err(Slot::Key(_)) => return Admission::KeyBusy(self.local_standing(&r)),
-                Err(Slot::Route(_)) => {
-                    let waited = start.elapsed();
-                    if waited >= req.queue_timeout {
-                        return Admission::RouteBusy {
-                            standing: self.local_standing(&r),
-                            queued: waited,
-                        };
-                    }
-                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
-                }
-            }
-        };
-        // The budget may have moved while we queued: decide again, now for real.
-        match self.local.admit(&r).await {
-            Admission::Admitted {
-                standing,
-                delay_us,
-                lease,
-                ..
-            } => Admission::Admitted {
-                standing,
-                delay_us,
-                lease: lease.counted(Some(running), true),
-                queued: start.elapsed(),
-            },
-            refused => refused,
-        }
-    }
-
-    /// The local shares' figures for a refusal that charged nothing: every budget's, the
-    /// tightest at the top.
-    fn local_standing(&self, r: &AdmitRequest) -> Standing {
-        (&self.local.standing(r)).into()
     }
 
     /// Gives back a charge where it was made: in the shared store, or in this instance's
@@ -474,15 +375,20 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    pub async fn peek(
-        &self,
-        key: &KeyHash,
-        limit: &Limit,
-        also: &[Extra],
-    ) -> Option<Vec<BudgetView>> {
-        let view = self.shared.peek(key, limit, also).await.ok()?;
-        self.set_degraded(false, None);
-        Some(view)
+    /// What is left of the key's budgets in the shared store; while it cannot say, the local
+    /// share in force under `on_error: local` (`None` under the other policies, which
+    /// enforce no budget of their own).
+    pub async fn peek(&self, key: &KeyHash, limit: &Limit, also: &[Extra]) -> Option<Peek> {
+        match self.shared.peek(key, limit, also).await {
+            Ok(views) => {
+                self.set_degraded(false, None);
+                Some(Peek {
+                    views,
+                    local_share: None,
+                })
+            }
+            Err(_) => self.local_peek(key, limit, also),
+        }
     }
 
     /// A new config is in force (see [`SharedStore::reloaded`]).
@@ -504,5 +410,6 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 }
 
+mod local;
 #[cfg(test)]
 mod tests;

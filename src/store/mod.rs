@@ -161,14 +161,7 @@ impl AdmitRequest {
     pub(crate) fn share(&self, n: u32) -> AdmitRequest {
         AdmitRequest {
             limit: self.limit.fraction(n),
-            also: self
-                .also
-                .iter()
-                .map(|e| Extra {
-                    bucket: e.bucket.clone(),
-                    limit: e.limit.fraction(n),
-                })
-                .collect(),
+            also: self.also.iter().map(|e| e.fraction(n)).collect(),
             ..self.clone()
         }
     }
@@ -379,6 +372,16 @@ impl BudgetView {
     }
 }
 
+/// A key's budgets as `/admin/keys/{id}` shows them: the figures, and of which budgets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peek {
+    /// Each budget's, in the order asked.
+    pub views: Vec<BudgetView>,
+    /// `Some(n)`: this instance's `1/n` share on the `local` fallback (the shared store cannot
+    /// say); `None`: the store's own figures.
+    pub local_share: Option<u32>,
+}
+
 /// The store the gateway runs on; lives across config reloads so budgets do too.
 #[derive(Clone)]
 pub enum Store {
@@ -391,6 +394,9 @@ pub enum Store {
 pub struct Decision {
     pub admission: Admission,
     pub fallback: bool,
+    /// The admission's figures are of `1/share` of every budget: the instance's share on
+    /// the `local` fallback (`fleet_size`), else 1.
+    pub share: u32,
 }
 
 impl Store {
@@ -405,6 +411,7 @@ impl Store {
             Store::Memory(m) => Decision {
                 admission: m.admit(req).await,
                 fallback: false,
+                share: 1,
             },
             // Boxed: the shared store's future is ~4 KB, and every request phase's future
             // (which Pingora boxes and so copies whole) would carry it inline, memory store
@@ -442,15 +449,14 @@ impl Store {
     }
 
     /// What is left of the key's budgets, the one under `limit` first, then each of `also`
-    /// that is the key's own; `None` while the shared store cannot say.
-    pub async fn peek(
-        &self,
-        key: &KeyHash,
-        limit: &Limit,
-        also: &[Extra],
-    ) -> Option<Vec<BudgetView>> {
+    /// that is the key's own; while the shared store cannot say, the `local` fallback's
+    /// share, or `None` under the other policies.
+    pub async fn peek(&self, key: &KeyHash, limit: &Limit, also: &[Extra]) -> Option<Peek> {
         match self {
-            Store::Memory(m) => Some(m.peek(key, limit, also)),
+            Store::Memory(m) => Some(Peek {
+                views: m.peek(key, limit, also),
+                local_share: None,
+            }),
             Store::Redis(r) => r.peek(key, limit, also).await,
         }
     }
@@ -481,32 +487,4 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn size_of_future<F: std::future::Future>(_: &F) -> usize {
-        std::mem::size_of::<F>()
-    }
-
-    /// Every request phase's future embeds the store's; Pingora boxes (copies) those futures
-    /// per request, so the shared store's large ones must stay behind a pointer.
-    #[test]
-    fn store_futures_stay_small() {
-        let store = Store::Memory(MemoryStore::new(memory::Clock::new(0)));
-        let req = AdmitRequest {
-            key: [0; 32],
-            limit: Limit::new(10, Duration::from_secs(1), Duration::ZERO).unwrap(),
-            also: vec![],
-            cost: 1,
-            key_cap: None,
-            route: Arc::from("/"),
-            route_cap: None,
-            queue_timeout: Duration::ZERO,
-            fair: Default::default(),
-        };
-        let bound = 512;
-        assert!(size_of_future(&store.decide(&req)) <= bound);
-        assert!(size_of_future(&store.refund(&req, Charge::None)) <= bound);
-        assert!(size_of_future(&Lease::default().release()) <= bound);
-    }
-}
+mod tests;

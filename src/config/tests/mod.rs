@@ -47,6 +47,15 @@ fn incident_block_parses() {
     assert_eq!(c.store.backend, Backend::Memory);
 }
 
+/// The default store timeout stays above a loaded machine's slowest calls to a healthy local
+/// Redis (README, `store.timeout`: up to 250 ms seen under a burst on 2 oversubscribed cores),
+/// so a burst alone does not open the breaker.
+#[test]
+fn the_default_store_timeout_outlasts_a_burst() {
+    let c = parse(BASE).unwrap();
+    assert_eq!(c.store.timeout, Duration::from_millis(250));
+}
+
 #[test]
 fn zero_cost_names_the_field() {
     let s = BASE.replace("cost: 20", "cost: 0");

@@ -2,7 +2,9 @@
 
 use super::*;
 use crate::store::memory::Clock;
+use crate::store::{Lease, Standing};
 use std::sync::atomic::AtomicU32;
+use std::time::Instant;
 
 /// A shared store that fails while `down` is set, and otherwise admits everything.
 #[derive(Default)]
@@ -201,12 +203,15 @@ async fn a_refund_goes_back_where_it_was_charged() {
     assert!(matches!(s.admit(&r).await, Admission::OverBudget { .. }));
     s.refund(&r, lease.charge()).await;
     assert!(admitted(&s.admit(&r).await), "the local share got it back");
-    assert!(
-        s.peek(&r.key, &r.limit, &[]).await.is_none(),
-        "no shared view"
+    let peek = s.peek(&r.key, &r.limit, &[]).await.unwrap();
+    assert_eq!(
+        peek.local_share,
+        Some(1),
+        "no shared view: the local share's"
     );
     fake.down.store(false, Ordering::Relaxed);
-    assert!(s.peek(&r.key, &r.limit, &[]).await.is_some());
+    let peek = s.peek(&r.key, &r.limit, &[]).await.unwrap();
+    assert_eq!(peek.local_share, None, "the shared view");
     assert!(!s.degraded());
 }
 
