@@ -681,3 +681,77 @@ async fn only_trusted_proxies_name_the_client() {
         ]
     );
 }
+
+// ---- Handshakes inside header_timeout and max_connections (DESIGN §1) ----
+
+/// The first bytes of a TLS ClientHello record (header and the start of the handshake), so
+/// that the server waits for the rest.
+const PARTIAL_CLIENT_HELLO: &[u8] = &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_count_against_max_connections_and_header_timeout() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(
+        &up,
+        &pki,
+        INCIDENT,
+        &[],
+        "  max_connections: 50\n  header_timeout: 2s\n",
+    );
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+    let opened = Instant::now();
+    let mut silent: Vec<std::net::TcpStream> = (0..100)
+        .map(|i| {
+            let mut s = raw_connect(tg.tls_port);
+            if i % 2 == 1 {
+                s.write_all(PARTIAL_CLIENT_HELLO).unwrap();
+            }
+            s
+        })
+        .collect();
+    // Past the limit: refused at once, and the handshakes in progress are counted.
+    wait_metric(
+        &tg.gw,
+        "tollgate_connections_refused_total",
+        50.0,
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_metric(&tg.gw, "tollgate_connections", 50.0).await;
+    let refused_after = opened.elapsed();
+    assert!(refused_after < Duration::from_secs(2), "{refused_after:?}");
+    // The rest are closed when header_timeout ends without a finished handshake.
+    let all_closed = tokio::task::block_in_place(|| {
+        let start = Instant::now();
+        loop {
+            let closed = silent.iter_mut().map(is_closed).filter(|&c| c).count();
+            if closed == silent.len() {
+                return opened.elapsed();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{closed} of 100 closed"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    eprintln!("refused after {refused_after:?}, stalled handshakes closed after {all_closed:?}");
+    assert!(
+        all_closed >= Duration::from_millis(1800) && all_closed < Duration::from_secs(5),
+        "stalled handshakes closed after {all_closed:?} with header_timeout 2s"
+    );
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(3)).await;
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        50.0,
+    )
+    .await;
+    // And a real client is served afterwards.
+    let client = h2_connect(&tg).await;
+    let r = h2_send(&client, h2_request("GET", "/widgets", "after")).await;
+    assert_eq!(r.status, 200);
+}
