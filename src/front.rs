@@ -26,11 +26,13 @@ use crate::state::Shared;
 use crate::telemetry::metrics;
 use pingora::proxy::ProxyHttp;
 
+mod body_watch;
 mod late;
 pub mod limits;
 mod listen;
 mod stream;
 
+pub use body_watch::BodyWatch;
 pub use late::{drain_upstream, LateAnswer};
 pub use limits::ClientLimits;
 pub use listen::Listeners;

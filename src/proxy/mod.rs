@@ -291,6 +291,11 @@ impl ProxyHttp for Gateway {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if end_of_stream {
+            ctx.body_watch = None;
+        } else if let Some(w) = &ctx.body_watch {
+            w.touch();
+        }
         if end_of_stream && ctx.shield_after_body {
             ctx.shield_after_body = false;
             if let Some(c) = &ctx.conn {
@@ -358,7 +363,7 @@ impl ProxyHttp for Gateway {
 
     async fn connected_to_upstream(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         _reused: bool,
         _peer: &HttpPeer,
         fd: std::os::unix::io::RawFd,
@@ -371,6 +376,14 @@ impl ProxyHttp for Gateway {
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
             ctx.upstream_dup = fd.try_clone_to_owned().ok();
         }
+        let h2_body = session.downstream_session.is_http2()
+            && !(session.is_body_empty() || session.is_body_done());
+        if let (true, Some(running)) = (h2_body, &ctx.running) {
+            let timeout = running.config.client_limits.body_timeout;
+            // SAFETY: as above; the watch keeps a duplicate.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            ctx.body_watch = front::BodyWatch::start(fd, timeout).ok();
+        }
         Ok(())
     }
 
@@ -381,6 +394,8 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.timing.upstream_done();
+        // The upstream answered: it no longer waits on the client's body.
+        ctx.body_watch = None;
         ctx.upstream_status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         respond::rate_limit_headers(resp, ctx)
@@ -389,6 +404,10 @@ impl ProxyHttp for Gateway {
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         use ErrorType::*;
         let headers_sent = session.response_written().is_some();
+        if ctx.body_watch.take().is_some_and(|w| w.stalled()) {
+            // An HTTP/2 body stalled: its watch shut the upstream connection down.
+            return body_stalled(session, ctx, headers_sent).await;
+        }
         let timed_out = match (e.esource(), e.etype()) {
             (_, HTTPStatus(code)) => {
                 if !headers_sent {
@@ -403,25 +422,7 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
             (ErrorSource::Downstream, ReadTimedout) => {
-                // The request body stalled past body_timeout. The upstream had the request
-                // (its head, and the body so far): the charge stands (DESIGN §3), else a
-                // stalled body would hold a slot for free; the slot is freed in `logging`.
-                metrics().client_timeouts.with_label_values(&["body"]).inc();
-                if !headers_sent {
-                    session.set_keepalive(None);
-                    let _ = respond::problem(
-                        session,
-                        ctx,
-                        Problem::RequestTimeout,
-                        "the request body did not arrive within server.body_timeout",
-                        None,
-                    )
-                    .await;
-                }
-                return FailToProxy {
-                    error_code: 408,
-                    can_reuse_downstream: false,
-                };
+                return body_stalled(session, ctx, headers_sent).await;
             }
             (ErrorSource::Downstream, _) => {
                 if e.etype() == &WriteTimedout
@@ -546,6 +547,29 @@ impl ProxyHttp for Gateway {
                 error: e.map(|e| e.etype().as_str()),
             });
         }
+    }
+}
+
+/// The request body stalled past `body_timeout` (HTTP/1: Pingora's read timeout; HTTP/2:
+/// `front::BodyWatch`). The upstream had the request (its head, and the body so far): the
+/// charge stands (DESIGN §3), else a stalled body would hold a slot for free; the slot is freed
+/// in `logging`.
+async fn body_stalled(session: &mut Session, ctx: &mut Ctx, headers_sent: bool) -> FailToProxy {
+    metrics().client_timeouts.with_label_values(&["body"]).inc();
+    if !headers_sent {
+        session.set_keepalive(None);
+        let _ = respond::problem(
+            session,
+            ctx,
+            Problem::RequestTimeout,
+            "the request body did not arrive within server.body_timeout",
+            None,
+        )
+        .await;
+    }
+    FailToProxy {
+        error_code: 408,
+        can_reuse_downstream: false,
     }
 }
 
