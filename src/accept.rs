@@ -93,7 +93,7 @@ pub fn raise_fd_limit() -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     if lim.rlim_cur >= lim.rlim_max {
-        return Ok(lim.rlim_cur as u64);
+        return Ok(lim.rlim_cur);
     }
     let raised = libc::rlimit {
         rlim_cur: lim.rlim_max,
@@ -103,7 +103,7 @@ pub fn raise_fd_limit() -> io::Result<u64> {
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(raised.rlim_cur as u64)
+    Ok(raised.rlim_cur)
 }
 
 #[cfg(test)]

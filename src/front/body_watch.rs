@@ -10,7 +10,7 @@
 //! as a stalled body (408; charged, the upstream had the request; the slot is freed). The
 //! upstream sees its connection end in the middle of a body, so it is not working on it.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +42,7 @@ impl BodyWatch {
     /// Starts the watch on the upstream socket `upstream` (a duplicate is kept, so the socket
     /// shut down is always this request's).
     pub fn start(upstream: BorrowedFd<'_>, timeout: Duration) -> std::io::Result<BodyWatch> {
-        let socket = std::net::TcpStream::from(OwnedFd::from(upstream.try_clone_to_owned()?));
+        let socket = std::net::TcpStream::from(upstream.try_clone_to_owned()?);
         let clock = Arc::new(Clock {
             epoch: Instant::now(),
             last_us: AtomicU64::new(0),
