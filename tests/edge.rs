@@ -928,3 +928,27 @@ async fn when_file_descriptors_run_out_accept_backs_off_and_admin_recovers() {
     let r = get(&client(), gw.url("/items"), "after-exhaustion").await;
     assert_eq!(r.status(), 200);
 }
+
+// ---- 10. Half-closed clients, broken chunked bodies ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_after_its_request_gets_the_response() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = incident_with_report_caps("      max_in_flight: 2\n");
+    let gw = Gateway::start(&up, &body);
+    for (target, path) in [
+        ("GET /items/1", "/items/1"),
+        ("POST /reports/generate?work_ms=200", "/reports/generate"),
+    ] {
+        let mut sock = raw_connect(gw.port);
+        sock.write_all(
+            format!("{target} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: halfclose\r\nContent-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
+        .unwrap();
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+        let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
+        assert_eq!(r.map(|r| r.status), Some(200), "{target}");
+        assert_eq!(up.count(path), 1, "{target}");
+    }
+}

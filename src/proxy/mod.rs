@@ -221,7 +221,6 @@ impl Gateway {
         if route.max_in_flight.is_some() {
             // The slot follows the upstream's work: once the request is with the upstream, a
             // client that leaves no longer cancels it (see `front::ConnState::set_shield`).
-            session.downstream_session.set_abort_on_close(false);
             if session.is_body_empty() || session.is_body_done() {
                 if let Some(c) = &ctx.conn {
                     c.set_shield(true);
@@ -257,6 +256,10 @@ impl ProxyHttp for Gateway {
             ctx.conn = Some(c);
         }
         session.set_read_timeout(Some(limits.body_timeout));
+        // A client that half-closes (FIN) after its request still reads the answer (RFC 9112
+        // §9.6): Pingora would take the FIN for a client gone and drop the request it may
+        // already have been charged for. One that really left fails the first write instead.
+        session.downstream_session.set_abort_on_close(false);
         // Through the front door, an HTTP/1 client's stalled write is timed by its stream
         // (`front::Tracked`), which costs nothing while writes complete. An HTTP/2 stream can
         // stall on flow control with no socket write pending: Pingora's per-write timer then.
