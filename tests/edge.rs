@@ -952,3 +952,24 @@ async fn a_client_that_half_closes_after_its_request_gets_the_response() {
         assert_eq!(up.count(path), 1, "{target}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_size_that_overflows_is_400_and_not_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 20}\n";
+    let gw = Gateway::start(&up, body);
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: chunky\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nffffffffffffffffff\r\nworld\r\n0\r\n\r\n",
+    )
+    .unwrap();
+    let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
+    assert_eq!(r.as_ref().map(|r| r.status), Some(400), "{r:?}");
+    assert_eq!(
+        up.api.uploads_completed(),
+        0,
+        "a truncated body reached the upstream whole"
+    );
+    let r = post(&client(), gw.url("/items"), "chunky").await;
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("999"));
+}

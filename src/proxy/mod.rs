@@ -439,6 +439,10 @@ impl ProxyHttp for Gateway {
                     _ => 400,
                 };
                 if code > 0 && !headers_sent {
+                    // A request the client framed wrongly (a chunk size that overflows, say):
+                    // the upstream got it cut off mid-body, and its connection is dropped, so
+                    // it never had a whole request to run. Not charged (issue 23, item 13).
+                    ctx.refund(&self.shared.store, Problem::BadRequest).await;
                     let _ = session.respond_error(code).await;
                 }
                 return FailToProxy {
