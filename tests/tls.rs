@@ -438,7 +438,10 @@ async fn one_front_door_for_both_listeners() {
     let refused_at = Instant::now();
     tokio::task::block_in_place(|| {
         while !is_closed(&mut tcp) {
-            assert!(refused_at.elapsed() < Duration::from_millis(900), "not refused at once");
+            assert!(
+                refused_at.elapsed() < Duration::from_millis(900),
+                "not refused at once"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     });
