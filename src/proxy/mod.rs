@@ -409,7 +409,7 @@ impl ProxyHttp for Gateway {
         let headers_sent = session.response_written().is_some();
         if ctx.body_watch.take().is_some_and(|w| w.stalled()) {
             // An HTTP/2 body stalled: its watch shut the upstream connection down.
-            return body_stalled(session, ctx, headers_sent).await;
+            return respond::body_stalled(session, ctx, headers_sent).await;
         }
         let timed_out = match (e.esource(), e.etype()) {
             (_, HTTPStatus(code)) => {
@@ -425,7 +425,7 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
             (ErrorSource::Downstream, ReadTimedout) => {
-                return body_stalled(session, ctx, headers_sent).await;
+                return respond::body_stalled(session, ctx, headers_sent).await;
             }
             (ErrorSource::Downstream, _) => {
                 if e.etype() == &WriteTimedout
@@ -554,29 +554,6 @@ impl ProxyHttp for Gateway {
                 error: e.map(|e| e.etype().as_str()),
             });
         }
-    }
-}
-
-/// The request body stalled past `body_timeout` (HTTP/1: Pingora's read timeout; HTTP/2:
-/// `front::BodyWatch`). The upstream had the request (its head, and the body so far): the
-/// charge stands (DESIGN §3), else a stalled body would hold a slot for free; the slot is freed
-/// in `logging`.
-async fn body_stalled(session: &mut Session, ctx: &mut Ctx, headers_sent: bool) -> FailToProxy {
-    metrics().client_timeouts.with_label_values(&["body"]).inc();
-    if !headers_sent {
-        session.set_keepalive(None);
-        let _ = respond::problem(
-            session,
-            ctx,
-            Problem::RequestTimeout,
-            "the request body did not arrive within server.body_timeout",
-            None,
-        )
-        .await;
-    }
-    FailToProxy {
-        error_code: 408,
-        can_reuse_downstream: false,
     }
 }
 
