@@ -804,6 +804,7 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
         .await
         .expect("no answer to the stalled stream");
     let after = stalled_at.elapsed();
+    eprintln!("stalled HTTP/2 body answered after {after:?} (body_timeout 1s)");
     match resp {
         Ok(r) => assert_eq!(r.status(), 408),
         Err(e) => assert!(e.is_reset(), "{e:?}"),
