@@ -2,17 +2,20 @@
 //! `/admin/audit` (this instance's measured route costs, [`crate::audit`]).
 //!
 //! It runs on its own thread and tokio runtime, away from the proxy's workers, so a scrape
-//! never competes with traffic and a stuck proxy still answers `/healthz`. `/admin/*` needs
+//! never competes with traffic and a stuck proxy still answers `/healthz`. It has limits of
+//! its own (DESIGN §5): a request head within [`HEAD_TIMEOUT`], at most [`MAX_CONNECTIONS`]
+//! open, and accept backs off when descriptors run out ([`crate::accept`]). `/admin/*` needs
 //! `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` when that variable is set.
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 
 use crate::budget;
 use crate::policy::Policy;
@@ -22,6 +25,13 @@ use crate::store::{BudgetView, Peek};
 pub mod token;
 
 type Resp = Response<Full<Bytes>>;
+
+/// A request head must arrive within this, counted from accept and, on a kept-alive
+/// connection, from the end of the previous response (so an idle connection is closed too).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Open admin connections; more are closed at once (the proxy's `max_connections` does not
+/// cover this listener, and a flood of idle ones must not take every descriptor).
+pub const MAX_CONNECTIONS: usize = 256;
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
     let mut r = Response::new(Full::new(body.into()));
@@ -54,19 +64,26 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
                 return;
             }
         };
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let mut backoff = crate::accept::Backoff::new("admin");
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let (stream, _) = crate::accept::next(&listener, &mut backoff).await;
+            // Past the limit the connection is closed at once: it costs no more than the accept.
+            let Ok(permit) = open.clone().try_acquire_owned() else {
                 continue;
             };
             let shared = shared.clone();
             let token = token.clone();
             tokio::spawn(async move {
+                let _permit = permit;
                 let svc = hyper::service::service_fn(move |req| {
                     let shared = shared.clone();
                     let token = token.clone();
                     async move { Ok::<_, Infallible>(handle(req, &shared, token.as_deref()).await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEAD_TIMEOUT)
                     .serve_connection(TokioIo::new(stream), svc)
                     .await;
             });

@@ -11,7 +11,7 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 
 use crate::config::{Backend, Config, ConfigErrors, EnvOverrides};
-use crate::front::FrontDoor;
+use crate::front::{FrontDoor, Listeners};
 use crate::proxy::Gateway;
 use crate::shutdown::Drained;
 use crate::state::Shared;
@@ -234,6 +234,28 @@ pub fn run(cfg: Config, config_path: &Path, watch: bool) -> anyhow::Result<()> {
     run_with(cfg, config_path.to_path_buf(), env, store, watch)
 }
 
+/// A listening socket for `addr` with a backlog like Pingora's (std's is 128: a burst of
+/// connections beyond it would wait for SYN retries instead of being refused at once).
+fn bind(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use std::os::fd::AsRawFd;
+    let l = std::net::TcpListener::bind(addr)?;
+    // SAFETY: `l` owns the socket; listen(2) on a listening socket only changes its backlog.
+    if unsafe { libc::listen(l.as_raw_fd(), LISTEN_BACKLOG) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(l)
+}
+
+const LISTEN_BACKLOG: i32 = 65535;
+
+/// RLIMIT_NOFILE's soft limit up to the hard one (DESIGN §5), said in the log.
+fn raise_fd_limit() {
+    match crate::accept::raise_fd_limit() {
+        Ok(n) => tracing::info!(open_files = n, "file descriptor limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
+    }
+}
+
 pub fn run_with(
     cfg: Config,
     config_path: PathBuf,
@@ -241,6 +263,7 @@ pub fn run_with(
     store: Store,
     watch: bool,
 ) -> anyhow::Result<()> {
+    raise_fd_limit();
     warn_unaffordable_in_fallback(&cfg);
     store.publish_gauges();
     let listen = cfg.listen.clone();
@@ -294,23 +317,20 @@ pub fn run_with(
             shared: shared.clone(),
         },
     );
-    let mut service = pingora::services::listening::Service::new(
-        "tollgate".to_string(),
-        FrontDoor::new(proxy, shared.clone()),
-    );
+    let mut service = Listeners::new(FrontDoor::new(proxy, shared.clone()));
     for a in &listen {
-        // Bind once here so a port clash is an error at start, not a panic inside Pingora.
-        std::net::TcpListener::bind(a).map_err(|e| anyhow::anyhow!("server.listen {a}: {e}"))?;
-        service.add_tcp(a);
+        // Bound here so a port clash is an error at start, not a panic inside Pingora.
+        let l = bind(a).map_err(|e| anyhow::anyhow!("server.listen {a}: {e}"))?;
+        service.add_tcp(l);
     }
     // The TLS listener belongs to the same service, so that one front door counts (and
     // limits) the connections of both.
     if let (Some(t), Some(resolver)) = (&tls, resolver) {
-        std::net::TcpListener::bind(&t.listen)
-            .map_err(|e| anyhow::anyhow!("server.tls.listen {}: {e}", t.listen))?;
+        let l =
+            bind(&t.listen).map_err(|e| anyhow::anyhow!("server.tls.listen {}: {e}", t.listen))?;
         let settings =
             crate::tls::settings(resolver).map_err(|e| anyhow::anyhow!("server.tls: {e}"))?;
-        service.add_tls_with_settings(&t.listen, None, settings);
+        service.add_tls(l, settings);
     }
     server.add_service(service);
     let tls_listen = tls.as_ref().map(|t| t.listen.as_str());

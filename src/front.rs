@@ -3,19 +3,18 @@
 //! send-stall timeout, and the shield that lets an admitted request on a capped route run to
 //! the upstream's end after its client has gone.
 //!
-//! Pingora has no accept or close hook and no total deadline for a request head, so
-//! [`FrontDoor`] is a `ServerApp` of its own around Pingora's `HttpProxy`: it counts the
-//! connection for as long as `process_new` runs (that is the connection's lifetime), wraps the
+//! Pingora has no accept or close hook and no total deadline for a request head, so the
+//! gateway accepts connections itself ([`Listeners`]: counted from accept, TLS handshakes
+//! within `server.header_timeout`) and [`FrontDoor`] wraps Pingora's `HttpProxy`: it wraps the
 //! stream in [`Tracked`], and runs Pingora's HTTP/1 keep-alive loop itself so that each request
 //! head can be raced against `server.header_timeout`. TLS connections (`server.tls`) come
 //! through the same door; those that chose HTTP/2 by ALPN are handed to Pingora's h2 server,
 //! still counted and stall-timed, with one request session per stream.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::{Stream, UniqueIDType, ALPN};
@@ -27,12 +26,16 @@ use crate::state::Shared;
 use crate::telemetry::metrics;
 use pingora::proxy::ProxyHttp;
 
+mod body_watch;
 mod late;
 pub mod limits;
+mod listen;
 mod stream;
 
+pub use body_watch::BodyWatch;
 pub use late::{drain_upstream, LateAnswer};
 pub use limits::ClientLimits;
+pub use listen::Listeners;
 pub use stream::Tracked;
 
 /// What the front door and the request phases know about one connection.
@@ -154,40 +157,15 @@ pub fn conn_of(session: &pingora::proxy::Session) -> Option<Arc<ConnState>> {
         .map(|t| t.conn().clone())
 }
 
-/// Counts open client connections; a slot is held for a connection's lifetime.
-#[derive(Debug, Default)]
-struct OpenConnections(AtomicUsize);
-
-struct OpenGuard<'a>(&'a OpenConnections);
-
-impl OpenConnections {
-    fn try_open(&self, max: usize) -> Option<OpenGuard<'_>> {
-        let n = self.0.fetch_add(1, Ordering::AcqRel) + 1;
-        if n > max {
-            self.0.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        metrics().connections.inc();
-        Some(OpenGuard(self))
-    }
-}
-
-impl Drop for OpenGuard<'_> {
-    fn drop(&mut self) {
-        self.0 .0.fetch_sub(1, Ordering::AcqRel);
-        metrics().connections.dec();
-    }
-}
-
 /// An HTTP/2 connection without an open stream for this long is closed, as Pingora closes an
 /// idle HTTP/1 keep-alive connection.
 pub const H2_IDLE: Duration = Duration::from_secs(60);
 
-/// The gateway's `ServerApp`: Pingora's proxy behind the connection-level limits.
+/// Pingora's proxy behind the connection-level limits; [`Listeners`] accepts for it.
 pub struct FrontDoor<SV> {
     proxy: Arc<HttpProxy<SV>>,
     shared: Arc<Shared>,
-    open: OpenConnections,
+    open: listen::OpenConnections,
 }
 
 impl<SV> FrontDoor<SV> {
@@ -198,28 +176,19 @@ impl<SV> FrontDoor<SV> {
         FrontDoor {
             proxy: Arc::new(proxy),
             shared,
-            open: OpenConnections::default(),
+            open: listen::OpenConnections::default(),
         }
     }
 }
 
-#[async_trait]
-impl<SV> ServerApp for FrontDoor<SV>
+impl<SV> FrontDoor<SV>
 where
     SV: ProxyHttp + Send + Sync + 'static,
     SV::CTX: Send + Sync,
 {
-    async fn process_new(
-        self: &Arc<Self>,
-        stream: Stream,
-        shutdown: &ShutdownWatch,
-    ) -> Option<Stream> {
+    /// Serves one client connection (counted by the caller) until it closes.
+    async fn serve(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) {
         let limits = self.shared.running().config.client_limits;
-        let Some(_open) = self.open.try_open(limits.max_connections) else {
-            // Dropping the stream closes it at once: the refusal costs no more than the accept.
-            metrics().connections_refused.inc();
-            return None;
-        };
         let conn = Arc::new(ConnState::new(limits.send_timeout));
         let stream: Stream = Box::new(Tracked::new(stream, conn.clone()));
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
@@ -228,13 +197,13 @@ where
             // without an open stream are closed after `H2_IDLE`.)
             let serve = ServerApp::process_new(&self.proxy, stream, shutdown);
             tokio::pin!(serve);
-            return tokio::select! {
-                r = &mut serve => r,
+            tokio::select! {
+                _ = &mut serve => {}
                 _ = conn.silent_for(limits.header_timeout) => {
                     metrics().client_timeouts.with_label_values(&["header"]).inc();
-                    None
                 }
-            };
+            }
+            return;
         }
         // Pingora's own HTTP/1 keep-alive loop, with each request head raced against its
         // deadline.
@@ -260,11 +229,12 @@ where
                     } else {
                         // Dropping the request closes the connection; nothing was decided yet.
                         metrics().client_timeouts.with_label_values(&["header"]).inc();
-                        return None;
+                        return;
                     }
                 }
             };
-            let (stream, settings) = done?.consume();
+            let Some(done) = done else { return };
+            let (stream, settings) = done.consume();
             session = ServerSession::new_http1(stream);
             if let Some(s) = settings {
                 s.apply_to_session(&mut session);
@@ -273,8 +243,8 @@ where
         }
     }
 
+    /// At shutdown: wakes keep-alive reads parked in Pingora so that they don't hold it up.
     async fn cleanup(&self) {
-        // Wakes keep-alive reads parked in Pingora so that shutdown doesn't wait for them.
         self.proxy.http_cleanup().await
     }
 }

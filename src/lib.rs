@@ -15,6 +15,7 @@
 //!   assembly and signals; [`front`]: client connections; [`tls`]: TLS termination's
 //!   certificate; [`upstreams`]: named upstreams and pools.
 
+pub mod accept;
 pub mod admin;
 pub mod app;
 pub mod audit;

@@ -70,6 +70,9 @@ pub struct SampleApi {
     pub report_time: Duration,
     stats: Mutex<BTreeMap<String, PathStats>>,
     seen: Mutex<VecDeque<Seen>>,
+    /// `POST /upload` bodies that arrived whole (a gateway that passes on a truncated body as
+    /// if it were complete shows here).
+    uploads_completed: std::sync::atomic::AtomicU64,
 }
 
 type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
@@ -108,7 +111,14 @@ impl SampleApi {
             report_time,
             stats: Mutex::default(),
             seen: Mutex::default(),
+            uploads_completed: Default::default(),
         })
+    }
+
+    /// How many `POST /upload` bodies arrived whole.
+    pub fn uploads_completed(&self) -> u64 {
+        self.uploads_completed
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The last requests received (at most 1024), oldest first; `/__stats` and `/__reset` aside.
@@ -218,6 +228,8 @@ impl SampleApi {
                     Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
                 }
             }
+            self.uploads_completed
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             return full(
                 StatusCode::OK,
                 "application/json",

@@ -69,6 +69,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_shadow_rejections_total",
     "tollgate_connections",
     "tollgate_connections_refused_total",
+    "tollgate_accept_backoff_total",
     "tollgate_client_timeouts_total",
     "tollgate_overhead_seconds",
     "tollgate_admitted_duration_seconds",
@@ -98,6 +99,7 @@ pub struct Metrics {
     pub shadow_rejections: IntCounterVec,
     pub connections: IntGauge,
     pub connections_refused: IntCounter,
+    pub accept_backoff: IntCounterVec,
     pub client_timeouts: IntCounterVec,
     pub overhead: HistogramVec,
     pub admitted_duration: HistogramVec,
@@ -220,6 +222,12 @@ fn build() -> Metrics {
             "Client connections refused because server.max_connections were open"
         )
         .expect("register"),
+        accept_backoff: register_int_counter_vec!(
+            "tollgate_accept_backoff_total",
+            "Times a listener (proxy or admin) paused accepting because the process or system ran out of file descriptors (or memory)",
+            &["listener"]
+        )
+        .expect("register"),
         client_timeouts: register_int_counter_vec!(
             "tollgate_client_timeouts_total",
             "Client connections closed for being too slow: header, body or send",
@@ -292,6 +300,9 @@ pub fn metrics() -> &'static Metrics {
         }
         for k in ["header", "body", "send"] {
             m.client_timeouts.with_label_values(&[k]);
+        }
+        for l in ["proxy", "admin"] {
+            m.accept_backoff.with_label_values(&[l]);
         }
         m.build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])

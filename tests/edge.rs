@@ -773,3 +773,203 @@ async fn a_client_disconnect_is_not_logged_at_error() {
     let errors = error_lines(&gw);
     assert!(errors.is_empty(), "ERROR lines:\n{}", errors.join("\n"));
 }
+
+// ---- 9. The admin listener's own limits, and file descriptors running out ----
+
+/// CPU seconds (user + system) the process `pid` has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat(5): 12 and 13 after the name.
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    let hz = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .unwrap_or(100.0);
+    ticks / hz
+}
+
+/// Polls until `n` of `socks` have been closed by the gateway; returns how long that took.
+fn wait_closed(socks: &mut [TcpStream], n: usize, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let closed = socks.iter_mut().map(is_closed).filter(|&c| c).count();
+        if closed >= n {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "{closed} of {} closed after {within:?}, want {n}",
+            socks.len()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_holds_256_connections_and_closes_idle_ones() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    assert_eq!(
+        reqwest::get(gw.admin("/healthz")).await.unwrap().status(),
+        200
+    );
+    let opened = Instant::now();
+    let mut idle: Vec<TcpStream> = (0..300).map(|_| raw_connect(gw.admin_port)).collect();
+    tokio::task::block_in_place(|| {
+        // Those past 256 are closed at once...
+        let t = wait_closed(&mut idle, 44, Duration::from_secs(3));
+        assert!(t < Duration::from_secs(3), "{t:?}");
+        std::thread::sleep(Duration::from_millis(300));
+        let closed = idle.iter_mut().map(is_closed).filter(|&c| c).count();
+        assert_eq!(closed, 44, "connections past 256 closed, the others kept");
+        // ...and the rest once they have sent no request head for 10 s.
+        wait_closed(&mut idle, 300, Duration::from_secs(15));
+    });
+    let after = opened.elapsed();
+    eprintln!("idle admin connections closed after {after:?}");
+    assert!(
+        after >= Duration::from_secs(9) && after < Duration::from_secs(15),
+        "idle admin connections closed after {after:?}"
+    );
+    assert_eq!(
+        reqwest::get(gw.admin("/healthz")).await.unwrap().status(),
+        200
+    );
+}
+
+/// At the start the soft RLIMIT_NOFILE is raised to the hard limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_file_limit_is_raised_to_the_hard_limit_at_start() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: INCIDENT,
+        wrapper: vec!["prlimit", "--nofile=256:4096", "--"],
+        ..GatewayOpts::default()
+    });
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", gw.pid())).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let soft: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(&soft[3..5], &["4096", "4096"], "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_file_descriptors_run_out_accept_backs_off_and_admin_recovers() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: INCIDENT,
+        wrapper: vec!["prlimit", "--nofile=64:64", "--"],
+        ..GatewayOpts::default()
+    });
+    assert_eq!(
+        reqwest::get(gw.admin("/healthz")).await.unwrap().status(),
+        200
+    );
+    let pid = gw.pid();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    // Open connections to both listeners until the gateway has no descriptor left.
+    let mut flood: Vec<TcpStream> = Vec::new();
+    let start = Instant::now();
+    while fds() < 64 {
+        assert!(start.elapsed() < Duration::from_secs(10), "fds: {}", fds());
+        flood.push(raw_connect(gw.port));
+        flood.push(raw_connect(gw.admin_port));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A few more wait in both backlogs: each accept now fails with EMFILE.
+    for _ in 0..4 {
+        flood.push(raw_connect(gw.port));
+        flood.push(raw_connect(gw.admin_port));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cpu = cpu_seconds(pid);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu_seconds(pid) - cpu;
+    eprintln!("CPU while out of descriptors: {used:.2} s in 2 s");
+    assert!(
+        used < 0.5,
+        "{used:.2} s of CPU in 2 s while out of descriptors"
+    );
+
+    drop(flood);
+    let start = Instant::now();
+    loop {
+        let ok = reqwest::Client::new()
+            .get(gw.admin("/healthz"))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200);
+        if ok {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "/healthz never answered again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metric(&gw, "tollgate_accept_backoff_total{listener=\"admin\"}").await >= 1.0);
+    assert!(metric(&gw, "tollgate_accept_backoff_total{listener=\"proxy\"}").await >= 1.0);
+    let r = get(&client(), gw.url("/items"), "after-exhaustion").await;
+    assert_eq!(r.status(), 200);
+}
+
+// ---- 10. Half-closed clients, broken chunked bodies ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_after_its_request_gets_the_response() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = incident_with_report_caps("      max_in_flight: 2\n");
+    let gw = Gateway::start(&up, &body);
+    for (target, path) in [
+        ("GET /items/1", "/items/1"),
+        ("POST /reports/generate?work_ms=200", "/reports/generate"),
+    ] {
+        let mut sock = raw_connect(gw.port);
+        sock.write_all(
+            format!("{target} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: halfclose\r\nContent-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
+        .unwrap();
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+        let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
+        assert_eq!(r.map(|r| r.status), Some(200), "{target}");
+        assert_eq!(up.count(path), 1, "{target}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_size_that_overflows_is_400_and_not_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 20}\n";
+    let gw = Gateway::start(&up, body);
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: chunky\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nffffffffffffffffff\r\nworld\r\n0\r\n\r\n",
+    )
+    .unwrap();
+    let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
+    assert_eq!(r.as_ref().map(|r| r.status), Some(400), "{r:?}");
+    assert_eq!(
+        up.api.uploads_completed(),
+        0,
+        "a truncated body reached the upstream whole"
+    );
+    let r = post(&client(), gw.url("/items"), "chunky").await;
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("999"));
+}

@@ -389,7 +389,7 @@ async fn a_reset_stream_is_a_client_that_went_away() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_front_door_for_both_listeners() {
     let up = Upstream::start(Duration::ZERO);
     let dir = tempfile::tempdir().unwrap();
@@ -401,6 +401,8 @@ async fn one_front_door_for_both_listeners() {
         &[],
         "  max_connections: 1\n  header_timeout: 1s\n",
     );
+    // The harness's start-up probe counts until the gateway has seen it close.
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
     // A TLS connection that never says a word is closed after header_timeout.
     let mut silent = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
     let mut buf = [0u8; 64];
@@ -430,9 +432,19 @@ async fn one_front_door_for_both_listeners() {
     .unwrap();
     assert_eq!(read_raw_response(&mut plain).unwrap().status, 200);
     assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
-    let mut tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
-    let closed = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await;
-    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    // Refused at accept, before its handshake (DESIGN §1: handshakes count).
+    let mut tcp = raw_connect(tg.tls_port);
+    std::io::Write::write_all(&mut tcp, PARTIAL_CLIENT_HELLO).unwrap_or_default();
+    let refused_at = Instant::now();
+    tokio::task::block_in_place(|| {
+        while !is_closed(&mut tcp) {
+            assert!(
+                refused_at.elapsed() < Duration::from_millis(900),
+                "not refused at once"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
     assert_metric(&tg.gw, "tollgate_connections_refused_total", 1.0).await;
     drop(plain);
     assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
@@ -680,4 +692,139 @@ async fn only_trusted_proxies_name_the_client() {
             "198.51.100.2",
         ]
     );
+}
+
+// ---- Handshakes inside header_timeout and max_connections (DESIGN §1) ----
+
+/// The first bytes of a TLS ClientHello record (header and the start of the handshake), so
+/// that the server waits for the rest.
+const PARTIAL_CLIENT_HELLO: &[u8] = &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_count_against_max_connections_and_header_timeout() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(
+        &up,
+        &pki,
+        INCIDENT,
+        &[],
+        "  max_connections: 50\n  header_timeout: 2s\n",
+    );
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+    let opened = Instant::now();
+    let mut silent: Vec<std::net::TcpStream> = (0..100)
+        .map(|i| {
+            let mut s = raw_connect(tg.tls_port);
+            if i % 2 == 1 {
+                s.write_all(PARTIAL_CLIENT_HELLO).unwrap();
+            }
+            s
+        })
+        .collect();
+    // Past the limit: refused at once, and the handshakes in progress are counted.
+    wait_metric(
+        &tg.gw,
+        "tollgate_connections_refused_total",
+        50.0,
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_metric(&tg.gw, "tollgate_connections", 50.0).await;
+    let refused_after = opened.elapsed();
+    assert!(refused_after < Duration::from_secs(2), "{refused_after:?}");
+    // The rest are closed when header_timeout ends without a finished handshake.
+    let all_closed = tokio::task::block_in_place(|| {
+        let start = Instant::now();
+        loop {
+            let closed = silent.iter_mut().map(is_closed).filter(|&c| c).count();
+            if closed == silent.len() {
+                return opened.elapsed();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{closed} of 100 closed"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    eprintln!("refused after {refused_after:?}, stalled handshakes closed after {all_closed:?}");
+    assert!(
+        all_closed >= Duration::from_millis(1800) && all_closed < Duration::from_secs(5),
+        "stalled handshakes closed after {all_closed:?} with header_timeout 2s"
+    );
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(3)).await;
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        50.0,
+    )
+    .await;
+    // And a real client is served afterwards.
+    let client = h2_connect(&tg).await;
+    let r = h2_send(&client, h2_request("GET", "/widgets", "after")).await;
+    assert_eq!(r.status, 200);
+}
+
+// ---- server.body_timeout over HTTP/2 (DESIGN §3) ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 1, max_in_flight: 1}\n";
+    let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 1s\n");
+    let client = h2_connect(&tg).await;
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("https://localhost/upload")
+        .header("x-api-key", "staller")
+        .header("content-length", "100")
+        .body(())
+        .unwrap();
+    let mut c = client.clone().ready().await.unwrap();
+    let (resp, mut send) = c.send_request(req, false).unwrap();
+    send.send_data(bytes::Bytes::from_static(b"x"), false)
+        .unwrap();
+    up.wait_current("/upload", 1).await;
+    let stalled_at = Instant::now();
+    let other = || {
+        http::Request::builder()
+            .method("POST")
+            .uri("https://localhost/upload")
+            .header("x-api-key", "other")
+            .body(())
+            .unwrap()
+    };
+    assert_eq!(h2_send(&client, other()).await.status, 503, "slot held");
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("no answer to the stalled stream");
+    let after = stalled_at.elapsed();
+    eprintln!("stalled HTTP/2 body answered after {after:?} (body_timeout 1s)");
+    match resp {
+        Ok(r) => assert_eq!(r.status(), 408),
+        Err(e) => assert!(e.is_reset(), "{e:?}"),
+    }
+    assert!(after < Duration::from_secs(4), "gave up after {after:?}");
+    // The slot is free again, and the stalled request stayed charged (1000 - 1 - 1).
+    let start = Instant::now();
+    let r = loop {
+        let r = h2_send(&client, h2_request("POST", "/upload", "staller")).await;
+        if r.status == 200 {
+            break r;
+        }
+        assert_eq!(r.status, 503);
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the slot was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(r.remaining(), 998);
+    assert_metric(&tg.gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
+    drop(send);
 }

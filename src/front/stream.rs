@@ -123,9 +123,10 @@ impl AsyncRead for Tracked {
             Poll::Ready(Ok(())) => {
                 let n = buf.filled().len() - before;
                 if n == 0 && this.conn.shielded() {
-                    // The client closed: pend, so the proxy loop keeps reading the upstream
-                    // (it is woken by the upstream side, not by this stream).
-                    this.conn.gone.store(true, Ordering::SeqCst);
+                    // The client closed its side: pend, so the proxy loop keeps reading the
+                    // upstream (it is woken by the upstream side, not by this stream). A FIN
+                    // may be a half-close from a client still reading: not gone until a write
+                    // fails.
                     return Poll::Pending;
                 }
                 if n > 0

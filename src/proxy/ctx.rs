@@ -133,6 +133,9 @@ pub struct Ctx {
     /// client resets the stream, the upstream's answer is drained from it so that the slot
     /// follows the upstream's work.
     pub upstream_dup: Option<std::os::fd::OwnedFd>,
+    /// `server.body_timeout` for an HTTP/2 request body being forwarded (Pingora times only
+    /// HTTP/1 bodies).
+    pub body_watch: Option<crate::front::BodyWatch>,
     /// How long after the request was sent a late answer is still followed (the upstream's
     /// `abandon_timeout`).
     pub abandon_after: Duration,
@@ -170,6 +173,7 @@ impl Ctx {
             identity: None,
             origin: None,
             upstream_dup: None,
+            body_watch: None,
             abandon_after: Duration::ZERO,
             phase: Phase::Undecided,
             timing: Timing::default(),

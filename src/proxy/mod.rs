@@ -222,7 +222,6 @@ impl Gateway {
         if route.max_in_flight.is_some() {
             // The slot follows the upstream's work: once the request is with the upstream, a
             // client that leaves no longer cancels it (see `front::ConnState::set_shield`).
-            session.downstream_session.set_abort_on_close(false);
             if session.is_body_empty() || session.is_body_done() {
                 if let Some(c) = &ctx.conn {
                     c.set_shield(true);
@@ -258,6 +257,10 @@ impl ProxyHttp for Gateway {
             ctx.conn = Some(c);
         }
         session.set_read_timeout(Some(limits.body_timeout));
+        // A client that half-closes (FIN) after its request still reads the answer (RFC 9112
+        // §9.6): Pingora would take the FIN for a client gone and drop the request it may
+        // already have been charged for. One that really left fails the first write instead.
+        session.downstream_session.set_abort_on_close(false);
         // Through the front door, an HTTP/1 client's stalled write is timed by its stream
         // (`front::Tracked`), which costs nothing while writes complete. An HTTP/2 stream can
         // stall on flow control with no socket write pending: Pingora's per-write timer then.
@@ -292,6 +295,11 @@ impl ProxyHttp for Gateway {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if end_of_stream {
+            ctx.body_watch = None;
+        } else if let Some(w) = &ctx.body_watch {
+            w.touch();
+        }
         if end_of_stream && ctx.shield_after_body {
             ctx.shield_after_body = false;
             if let Some(c) = &ctx.conn {
@@ -359,7 +367,7 @@ impl ProxyHttp for Gateway {
 
     async fn connected_to_upstream(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         _reused: bool,
         _peer: &HttpPeer,
         fd: std::os::unix::io::RawFd,
@@ -372,6 +380,14 @@ impl ProxyHttp for Gateway {
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
             ctx.upstream_dup = fd.try_clone_to_owned().ok();
         }
+        let h2_body = session.downstream_session.is_http2()
+            && !(session.is_body_empty() || session.is_body_done());
+        if let (true, Some(running)) = (h2_body, &ctx.running) {
+            let timeout = running.config.client_limits.body_timeout;
+            // SAFETY: as above; the watch keeps a duplicate.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            ctx.body_watch = front::BodyWatch::start(fd, timeout).ok();
+        }
         Ok(())
     }
 
@@ -382,6 +398,8 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.timing.upstream_done();
+        // The upstream answered: it no longer waits on the client's body.
+        ctx.body_watch = None;
         ctx.upstream_status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         respond::rate_limit_headers(resp, ctx)
@@ -390,6 +408,10 @@ impl ProxyHttp for Gateway {
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         use ErrorType::*;
         let headers_sent = session.response_written().is_some();
+        if ctx.body_watch.take().is_some_and(|w| w.stalled()) {
+            // An HTTP/2 body stalled: its watch shut the upstream connection down.
+            return respond::body_stalled(session, ctx, headers_sent).await;
+        }
         let timed_out = match (e.esource(), e.etype()) {
             (_, HTTPStatus(code)) => {
                 if !headers_sent {
@@ -404,25 +426,7 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
             (ErrorSource::Downstream, ReadTimedout) => {
-                // The request body stalled past body_timeout. The upstream had the request
-                // (its head, and the body so far): the charge stands (DESIGN §3), else a
-                // stalled body would hold a slot for free; the slot is freed in `logging`.
-                metrics().client_timeouts.with_label_values(&["body"]).inc();
-                if !headers_sent {
-                    session.set_keepalive(None);
-                    let _ = respond::problem(
-                        session,
-                        ctx,
-                        Problem::RequestTimeout,
-                        "the request body did not arrive within server.body_timeout",
-                        None,
-                    )
-                    .await;
-                }
-                return FailToProxy {
-                    error_code: 408,
-                    can_reuse_downstream: false,
-                };
+                return respond::body_stalled(session, ctx, headers_sent).await;
             }
             (ErrorSource::Downstream, _) => {
                 if e.etype() == &WriteTimedout
@@ -436,6 +440,10 @@ impl ProxyHttp for Gateway {
                     _ => 400,
                 };
                 if code > 0 && !headers_sent {
+                    // A request the client framed wrongly (a chunk size that overflows, say):
+                    // the upstream got it cut off mid-body, and its connection is dropped, so
+                    // it never had a whole request to run. Not charged (issue 23, item 13).
+                    ctx.refund(&self.shared.store, Problem::BadRequest).await;
                     let _ = session.respond_error(code).await;
                 }
                 return FailToProxy {

@@ -7,9 +7,12 @@ use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::Session;
 
+use pingora::proxy::FailToProxy;
+
 use super::ctx::Ctx;
 use crate::problem::{self, Problem};
 use crate::route::stated::Report;
+use crate::telemetry::metrics;
 
 /// Writes the gateway's own answer: problem JSON, `Retry-After` where given, and the
 /// rate-limit headers when the caller is identified. Returns `Ok(true)` ("response sent") for
@@ -95,5 +98,28 @@ pub fn take_stated_cost(h: &mut ResponseHeader, ctx: &mut Ctx) {
     h.remove_header(name);
     if ctx.is_admitted() {
         ctx.report = Some(report);
+    }
+}
+
+/// The request body stalled past `body_timeout` (HTTP/1: Pingora's read timeout; HTTP/2:
+/// `front::BodyWatch`). The upstream had the request (its head, and the body so far): the
+/// charge stands (DESIGN §3), else a stalled body would hold a slot for free; the slot is freed
+/// in `logging`.
+pub async fn body_stalled(session: &mut Session, ctx: &mut Ctx, headers_sent: bool) -> FailToProxy {
+    metrics().client_timeouts.with_label_values(&["body"]).inc();
+    if !headers_sent {
+        session.set_keepalive(None);
+        let _ = problem(
+            session,
+            ctx,
+            Problem::RequestTimeout,
+            "the request body did not arrive within server.body_timeout",
+            None,
+        )
+        .await;
+    }
+    FailToProxy {
+        error_code: 408,
+        can_reuse_downstream: false,
     }
 }

@@ -372,6 +372,9 @@ pub struct GatewayOpts<'a> {
     pub env: Vec<(&'a str, String)>,
     pub grace: &'a str,
     pub args: Vec<&'a str>,
+    /// A command the gateway runs under, e.g. `["prlimit", "--nofile=64:64", "--"]` (it
+    /// must exec the gateway, so that the child's pid is the gateway's).
+    pub wrapper: Vec<&'a str>,
 }
 
 impl Default for GatewayOpts<'_> {
@@ -384,6 +387,7 @@ impl Default for GatewayOpts<'_> {
             env: vec![],
             grace: "2s",
             args: vec![],
+            wrapper: vec![],
         }
     }
 }
@@ -413,7 +417,14 @@ impl Gateway {
             let config_path = dir.path().join("gateway.yaml");
             std::fs::write(&config_path, yaml).unwrap();
             let log = std::fs::File::create(dir.path().join("gateway.log")).unwrap();
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+            let mut cmd = match o.wrapper.split_first() {
+                Some((program, args)) => {
+                    let mut c = Command::new(program);
+                    c.args(args).arg(env!("CARGO_BIN_EXE_tollgate"));
+                    c
+                }
+                None => Command::new(env!("CARGO_BIN_EXE_tollgate")),
+            };
             cmd.args(["run", "-c"])
                 .arg(&config_path)
                 .args(["--log-format", "json"])
