@@ -626,3 +626,93 @@ async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket() {
         "the bucket was near full: {admitted}"
     );
 }
+
+/// Units of a 10-per-720 h budget charged in Redis for `key` (its level, rounded up, and the
+/// holds on it): one unit drains in 72 h, so nothing drains during a test.
+fn charged_of_ten(redis: &Redis, key: &str) -> u64 {
+    let limit =
+        tollgate::budget::Limit::new(10, Duration::from_secs(720 * 3600), Duration::ZERO).unwrap();
+    let v = redis.cli(&["GET", &redis_budget_key(key)]);
+    let level: u64 = v.split(':').next().unwrap().parse().unwrap_or(0);
+    level.div_ceil(limit.per_unit) + held_in_redis(redis, key)
+}
+
+/// Issue 22: the key holds a slice when Redis is SIGKILLed; 10 units are spent through the
+/// gateway (`on_error: local`, one instance: its share is the whole budget), and Redis comes
+/// back empty on the same port. Once the gateway is back on Redis, all 10 are charged there,
+/// once: the next request is 429 with the figures of a spent budget — whether the first
+/// requests after the kill were spent from the slice Redis lost, or decided locally. Looped:
+/// it is a matter of timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn units_spent_while_redis_was_down_are_charged_when_it_returns_empty() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "local",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 10}\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // One unit drains in 259,200 s.
+    let unit_s = 720 * 3600 / 10;
+    let mut failures = vec![];
+    for round in 0..10 {
+        let key = format!("down-{round}");
+        // Fast requests on Redis: a slice of one unit is reserved every other request, so
+        // the fourth leaves this instance holding one unspent.
+        for i in 0..4 {
+            let r = get(&c, gw.url("/items"), &key).await;
+            let status = r.status();
+            assert_eq!(
+                status,
+                200,
+                "round {round}, request {i} before the kill: {}",
+                r.text().await.unwrap()
+            );
+        }
+        redis.kill();
+        for i in 0..10 {
+            let r = get(&c, gw.url("/items"), &key).await;
+            assert_eq!(
+                r.status(),
+                200,
+                "round {round}, request {i} while Redis is down"
+            );
+        }
+        redis = Redis::start_on(port);
+        // The write-back reached Redis (so the gateway decides there again, its breaker
+        // closed by that call).
+        let start = Instant::now();
+        while redis.cli(&["EXISTS", &redis_budget_key(&key)]) != "1" {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "round {round}: nothing written back"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let next = get(&c, gw.url("/items"), &key).await;
+        let retry: u64 = header(&next, "Retry-After").map_or(0, |v| v.parse().unwrap());
+        let remaining = header(&next, "X-RateLimit-Remaining");
+        let charged = charged_of_ten(&redis, &key);
+        eprintln!(
+            "round {round}: next {}, Retry-After {retry}, remaining {remaining:?}, {charged} charged in Redis",
+            next.status()
+        );
+        // The 10 units, within the second or two since they were written back.
+        let exact = next.status() == 429
+            && remaining.as_deref() == Some("0")
+            && (unit_s - 5..=unit_s).contains(&retry)
+            && charged == 10;
+        if !exact {
+            failures.push(round);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "rounds {failures:?} were not charged exactly"
+    );
+    assert_eq!(up.count("/items"), 10 * 14);
+}
