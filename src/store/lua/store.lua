@@ -15,7 +15,11 @@
 -- settle part of its next `admit`), so no unit drains before it was admitted and a burst never
 -- exceeds max_cost. A hold past its expiry (its instance died) is charged in full by the next
 -- call that sees it. Settling is idempotent: a hold that is gone (settled, or charged as
--- expired) is not settled again.
+-- expired) is not settled again. The hash's field `~` dates it ('@' and the Redis TIME when
+-- it was made):
+-- a hold missing from a hash made after it was granted (or from no hash) was lost with
+-- Redis's data (a restart without persistence, an empty replica promoted), so `settle`
+-- charges what its instance spent of it then, once (a tombstone answers a resend).
 --
 -- ARGV[1] is the operation:
 --   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...
@@ -37,7 +41,9 @@
 --             further budgets the reply goes on: decisive budget's index, then remaining,
 --             reset_us of each.
 --   settle KEYS the key's holds, its budgets...  ARGV hold_id unspent (per_unit rate)...
---          -> 1 (charges what hold_id spent, and expired holds, to each budget)
+--          units granted_us
+--          -> 1 (charges what hold_id spent, and expired holds, to each budget; a hold of
+--          `units` granted at granted_us that Redis lost: units - unspent)
 --   unspend KEYS the key's holds, its budgets...  ARGV hold_id cost (per_unit rate)...
 --          -> 1 (a request spent from hold_id refunded: out of the hold while it is not
 --          settled, else out of each budget)
@@ -110,20 +116,24 @@ end
 -- A key's holds at `now`: the units of live ones, and the units to charge now -- what hold
 -- `settle` spent (all but `unspent`) and all of every expired one. With `write`, the charged
 -- holds are removed (the caller charges them); without, nothing is written (a peek).
+local BORN = '~'
+
 local function take_holds(holds, settle, unspent, now, write)
   local live, charge = 0, 0
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
     local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
     units, exp = tonumber(units) or 0, tonumber(exp) or 0
-    if all[i] == settle then
+    if all[i] == BORN then
+      -- the hash's date, not a hold
+    elseif all[i] == settle then
       charge = charge + units - math.min(units, unspent)
     elseif exp <= now then
       charge = charge + units
     else
       live = live + units
     end
-    if write and (all[i] == settle or exp <= now) then
+    if write and all[i] ~= BORN and (all[i] == settle or exp <= now) then
       redis.call('HDEL', holds, all[i])
     end
   end
@@ -241,6 +251,7 @@ if op == 'admit' then
   end
   if granted > 0 then
     redis.call('HSET', holds, grant_id, int(granted) .. ':' .. int(now + hold_ttl))
+    redis.call('HSETNX', holds, BORN, '@' .. int(now))
     -- The hash outlives its last hold by the time the key's budgets take to drain a full
     -- bucket twice: a hold of a dead instance that no call saw expire has drained by then
     -- as if charged at its expiry.
@@ -299,9 +310,28 @@ local function charge_budgets(units, now)
   end
 end
 
+-- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
+local TOMBSTONE_US = 60000000
+
 if op == 'settle' then
   local now = now_us()
-  local _, charge = take_holds(KEYS[1], ARGV[2], tonumber(ARGV[3]), now, true)
+  local holds, id, unspent = KEYS[1], ARGV[2], tonumber(ARGV[3])
+  local units = tonumber(ARGV[4 + 2 * (#KEYS - 1)]) or 0
+  local granted_us = tonumber(ARGV[5 + 2 * (#KEYS - 1)]) or 0
+  -- Reads first: was the hold lost with Redis's data since it was granted?
+  local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
+  local lost = units > unspent and redis.call('HEXISTS', holds, id) == 0
+    and (born == nil or born > granted_us)
+  local _, charge = take_holds(holds, id, unspent, now, true)
+  if lost then
+    charge = charge + units - unspent
+    redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
+    redis.call('HSETNX', holds, BORN, '@' .. int(now))
+    local pttl = redis.call('PTTL', holds)
+    if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
+      redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
+    end
+  end
   if charge > 0 then charge_budgets(charge, now) end
   return 1
 end

@@ -118,14 +118,11 @@ impl RedisBackend {
     /// came with it (`granted` units) is settled unspent, by the sweeper: nobody will spend it.
     async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64, route: bool) {
         if granted > 0 {
-            self.settle_later(Settle {
-                place: Place {
-                    holds: c.holds.clone(),
-                    budgets: StoreScript::budgets_of(c),
-                },
-                id: c.grant,
-                unspent: granted,
-            });
+            let place = Place {
+                holds: c.holds.clone(),
+                budgets: StoreScript::budgets_of(c),
+            };
+            self.settle_later(Settle::unspent(place, c.grant, granted));
         }
         let refunded = async {
             let mut conn = self.conns.get().await?;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::{script, slices, RedisBackend};
+use super::{script, RedisBackend};
 use crate::store::lock;
 use crate::store::StoreError;
 
@@ -208,11 +208,7 @@ impl RedisBackend {
         for s in slices {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                let id = slices::hold_field(s.id);
-                let settle = store
-                    .script
-                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
-                let _ = script::invoke::<i64>(&settle, &mut conn).await;
+                let _ = script::invoke::<i64>(&store.settle_call(&s), &mut conn).await;
             });
         }
         for (keys, id) in all {

@@ -300,6 +300,9 @@ impl SharedStore for RedisBackend {
                 reached: false,
             });
         }
+        if self.slices_on {
+            self.settle_pending(req).await;
+        }
         if let Some(answer) = self.admit_sliced(req).await {
             return answer;
         }

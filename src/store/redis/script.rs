@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
 
 use super::conn::Conn;
-use super::slices::{self, HoldId, Seen};
+use super::slices::{self, HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
@@ -320,16 +320,22 @@ impl StoreScript {
     /// charging the rest (and any expired hold) to each of its budgets. Idempotent: a hold
     /// that is gone is not settled again, so it is safe to send again.
     ///
+    /// A hold Redis lost with its data (restarted empty) since `lost.granted_us` (its TIME
+    /// at the grant) is charged what was spent of its `lost.units`, once.
+    ///
     /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] unspent, then
-    /// per_unit, rate of each budget. Reply 1.
+    /// per_unit, rate of each budget, then units, granted_us. Reply 1.
     pub fn settle<'a>(
         &'a self,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-        id: &'a str,
+        holds: &str,
+        budgets: &[(String, Limit)],
+        id: &str,
         unspent: u64,
+        lost: IfLost,
     ) -> ScriptInvocation<'a> {
-        self.on_hold("settle", holds, budgets, id, unspent)
+        let mut inv = self.on_hold("settle", holds, budgets, id, unspent);
+        inv.arg(lost.units).arg(lost.granted_us);
+        inv
     }
 
     /// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if
@@ -350,9 +356,9 @@ impl StoreScript {
     fn on_hold<'a>(
         &'a self,
         op: &str,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-        id: &'a str,
+        holds: &str,
+        budgets: &[(String, Limit)],
+        id: &str,
         units: u64,
     ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::slices::{self, Place};
+use super::slices::{self, Place, Settle};
 use super::{budget_keys, keys, Decided, RedisBackend};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{Admission, AdmitRequest, Lease, StoreError};
@@ -97,17 +97,38 @@ impl RedisBackend {
             tokio::time::sleep(slices::SWEEP_EVERY).await;
             let mut again = vec![];
             for (s, deadline) in self.slices.sweep(Instant::now()) {
-                let id = slices::hold_field(s.id);
-                let settle = self
-                    .script
-                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
-                if self.call::<i64>(settle).await.is_err() {
-                    again.push((s, deadline));
+                match self.call::<i64>(self.settle_call(&s)).await {
+                    Ok(_) => self.slices.settled(&s),
+                    Err(_) => again.push((s, deadline)),
                 }
             }
             self.slices.retry(again);
             if self.slices.stop_sweeping() {
                 return;
+            }
+        }
+    }
+
+    /// The `settle` call that hands `s` back.
+    pub(super) fn settle_call<'a>(&'a self, s: &'a Settle) -> redis::ScriptInvocation<'a> {
+        let id = slices::hold_field(s.id);
+        self.script.settle(
+            &s.place.holds,
+            &s.place.budgets,
+            &id,
+            s.unspent,
+            s.if_lost(Instant::now()),
+        )
+    }
+
+    /// Sends the settlings queued for `req`'s key (a failed call's, an idle slice's) before
+    /// its next decision in Redis, which must see them: a hold Redis lost with its data is
+    /// charged by its settling, and one still being sent by the sweeper is sent again
+    /// (settling twice is settling once). One that fails stays queued.
+    pub(super) async fn settle_pending(&self, req: &AdmitRequest) {
+        for s in self.slices.pending(|| keys::holds_key(&req.key)) {
+            if self.call::<i64>(self.settle_call(&s)).await.is_ok() {
+                self.slices.settled(&s);
             }
         }
     }

@@ -28,7 +28,7 @@
 //! slice back now: the level Redis stored at the reservation, drained since, plus the units
 //! held, minus those this instance has not spent.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,62 @@ pub(super) struct Settle {
     pub place: Place,
     pub id: HoldId,
     pub unspent: u64,
+    /// The hold as granted: its units, Redis `TIME` then and this instance's clock then.
+    pub granted: Grant,
+}
+
+/// A hold as Redis granted it (all zero: one that spent nothing here, so that it does not
+/// matter whether Redis still has it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Grant {
+    pub units: u64,
+    pub redis_us: u64,
+    pub at: Option<Instant>,
+}
+
+/// What `settle` charges if Redis lost the hold with its data: `units` (less the unspent)
+/// of a hold granted at Redis `TIME` `granted_us`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct IfLost {
+    pub units: u64,
+    pub granted_us: u64,
+}
+
+impl Settle {
+    /// A hold whose units were none of them spent here (a grant nobody will spend).
+    pub(super) fn unspent(place: Place, id: HoldId, units: u64) -> Settle {
+        Settle {
+            place,
+            id,
+            unspent: units,
+            granted: Grant::default(),
+        }
+    }
+
+    /// What to charge if Redis no longer has the hold: what was spent of it, as long as its
+    /// hash could not have expired in Redis meanwhile (a hold no call saw expire counts as
+    /// charged at its expiry, and its hash outlives it by two drains of a full bucket); past
+    /// that it is not known, and nothing is charged (never twice).
+    pub(super) fn if_lost(&self, now: Instant) -> IfLost {
+        let drain_us = self
+            .place
+            .budgets
+            .iter()
+            .map(|(_, l)| (2 * l.capacity).div_ceil(l.rate.max(1)))
+            .max()
+            .unwrap_or(0);
+        let known = self.granted.at.is_some_and(|at| {
+            now.saturating_duration_since(at) < HOLD_TTL + Duration::from_micros(drain_us)
+        });
+        if known {
+            IfLost {
+                units: self.granted.units,
+                granted_us: self.granted.redis_us,
+            }
+        } else {
+            IfLost::default()
+        }
+    }
 }
 
 /// True for a request that slices may serve: none of its budgets is shared with other keys
@@ -100,6 +156,7 @@ pub(super) struct Ask {
     pub settle: HoldId,
     pub unspent: u64,
     settle_at: Option<Instant>,
+    settled: Grant,
     /// This call is the key's reservation, which sets the next size (others meanwhile ask
     /// for the size in force).
     asker: bool,
@@ -126,9 +183,10 @@ struct Entry {
     /// Where its holds and budgets are in Redis (named at the key's first grant: a key that
     /// never gets one costs no more than its entry).
     place: Place,
-    /// The hold in Redis not settled yet (0: none), and its units not spent.
+    /// The hold in Redis not settled yet (0: none), its units not spent, and the grant.
     hold: HoldId,
     left: u64,
+    grant: Grant,
     /// The last levels and held ticks Redis reported for these budgets, at its `TIME`, seen
     /// here at `seen`.
     levels: [u64; MAX_BUDGETS],
@@ -203,10 +261,12 @@ impl Entry {
     fn settle(&mut self) -> Option<Settle> {
         let id = std::mem::take(&mut self.hold);
         let unspent = std::mem::take(&mut self.left);
+        let granted = std::mem::take(&mut self.grant);
         (id != 0).then(|| Settle {
             place: self.place.clone(),
             id,
             unspent,
+            granted,
         })
     }
 
@@ -238,9 +298,13 @@ pub(super) struct Slices {
     /// Hold ids are this (random, per instance) in the high half, a sequence in the low.
     instance: u64,
     next_hold: AtomicU64,
-    /// Holds taken out of the table (a reload, a changed budget, a failed call), with the
-    /// moment to stop trying to settle them.
+    /// Holds taken out of the table (a reload, a changed budget, a failed call, an idle
+    /// key), with the moment to stop trying to settle them: each stays until it was settled.
     returns: Mutex<Vec<(Settle, Instant)>>,
+    /// Those the sweeper is sending.
+    sending: Mutex<Vec<Settle>>,
+    /// How many of both: lets a request skip the locks when none is queued.
+    returning: AtomicUsize,
     sweeping: AtomicBool,
 }
 
@@ -252,6 +316,8 @@ impl Slices {
             instance,
             next_hold: AtomicU64::new(1),
             returns: Mutex::default(),
+            sending: Mutex::default(),
+            returning: AtomicUsize::new(0),
             sweeping: AtomicBool::new(false),
         }
     }
@@ -314,6 +380,7 @@ impl Slices {
                     place: Place::default(),
                     hold: 0,
                     left: 0,
+                    grant: Grant::default(),
                     levels: [0; MAX_BUDGETS],
                     held: [0; MAX_BUDGETS],
                     redis_at_us: 0,
@@ -332,6 +399,7 @@ impl Slices {
         };
         let settle_at = (e.hold != 0).then_some(e.granted_at);
         let (settle, unspent) = (std::mem::take(&mut e.hold), std::mem::take(&mut e.left));
+        let settled = std::mem::take(&mut e.grant);
         if e.asking(now) {
             // Another request of the key is reserving: this one is decided exactly, so that
             // this instance never holds more than one slice of a key.
@@ -339,6 +407,7 @@ impl Slices {
                 settle,
                 unspent,
                 settle_at,
+                settled,
                 at: Some(now),
                 ..Ask::default()
             };
@@ -371,6 +440,7 @@ impl Slices {
             settle,
             unspent,
             settle_at,
+            settled,
             asker: true,
             at: Some(now),
         }
@@ -395,11 +465,7 @@ impl Slices {
         let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
             // Handed back meanwhile (a reload): what was granted is never spent here.
             if seen.granted > 0 {
-                self.settle_later(Settle {
-                    place: place(),
-                    id: ask.grant,
-                    unspent: seen.granted,
-                });
+                self.settle_later(Settle::unspent(place(), ask.grant, seen.granted));
             }
             return None;
         };
@@ -415,6 +481,11 @@ impl Slices {
             e.hold = ask.grant;
             e.left = seen.granted;
             e.granted_at = ask.at.unwrap_or(now);
+            e.grant = Grant {
+                units: seen.granted,
+                redis_us: seen.now_us,
+                at: Some(e.granted_at),
+            };
         }
         // Replies may cross: the mirror keeps the latest word of Redis.
         if seen.now_us >= e.redis_at_us {
@@ -459,22 +530,21 @@ impl Slices {
                         e.hold = ask.settle;
                         e.left = ask.unspent;
                         e.granted_at = ask.settle_at.unwrap_or(now);
+                        e.grant = ask.settled;
                     }
                     restore
                 })
         };
-        let settle = |id, unspent| {
+        if ask.settle != 0 && !restored {
             self.settle_later(Settle {
                 place: place.clone(),
-                id,
-                unspent,
-            })
-        };
-        if ask.settle != 0 && !restored {
-            settle(ask.settle, ask.unspent);
+                id: ask.settle,
+                unspent: ask.unspent,
+                granted: ask.settled,
+            });
         }
         if run && ask.slice > 0 {
-            settle(ask.grant, ask.slice);
+            self.settle_later(Settle::unspent(place, ask.grant, ask.slice));
         }
     }
 
@@ -502,13 +572,52 @@ impl Slices {
 
     /// Queues a hold for the sweeper to settle.
     pub(super) fn settle_later(&self, s: Settle) {
-        lock(&self.returns).push((s, Instant::now() + SETTLE_FOR));
+        self.queue(std::iter::once((s, Instant::now() + SETTLE_FOR)));
+    }
+
+    fn queue(&self, more: impl IntoIterator<Item = (Settle, Instant)>) {
+        lock(&self.returns).extend(more);
+        self.count_returns();
+    }
+
+    fn count_returns(&self) {
+        let n = lock(&self.returns).len() + lock(&self.sending).len();
+        self.returning.store(n, Ordering::Relaxed);
+    }
+
+    /// The settlings queued for the key whose holds are `holds` (named only if any is
+    /// queued): sent before the key's next decision, so that it sees them — above all a
+    /// hold Redis lost, whose spent units it then charges.
+    pub(super) fn pending(&self, holds: impl FnOnce() -> String) -> Vec<Settle> {
+        if self.returning.load(Ordering::Relaxed) == 0 {
+            return vec![];
+        }
+        let holds = holds();
+        let mut out: Vec<Settle> = lock(&self.returns)
+            .iter()
+            .map(|(s, _)| s)
+            .filter(|s| s.place.holds == holds)
+            .cloned()
+            .collect();
+        let sending = lock(&self.sending);
+        out.extend(sending.iter().filter(|s| s.place.holds == holds).cloned());
+        out
+    }
+
+    /// `s` reached Redis (sent by the sweeper or by a request of its key): it leaves the
+    /// queue.
+    pub(super) fn settled(&self, s: &Settle) {
+        lock(&self.returns).retain(|(r, _)| r.id != s.id);
+        lock(&self.sending).retain(|r| r.id != s.id);
+        self.count_returns();
     }
 
     /// Takes every slice out of the table (a reload, an exit): nothing of them is spent any
     /// more; the returned holds are to be settled.
     pub(super) fn hand_back_all(&self) -> Vec<Settle> {
+        // (Those the sweeper is sending are its own to finish.)
         let mut out: Vec<Settle> = lock(&self.returns).drain(..).map(|(s, _)| s).collect();
+        self.count_returns();
         for shard in self.shards.iter() {
             for (_, mut e) in lock(shard).drain() {
                 out.extend(e.settle());
@@ -521,7 +630,7 @@ impl Slices {
     pub(super) fn retire_all(&self) {
         let deadline = Instant::now() + SETTLE_FOR;
         let all = self.hand_back_all();
-        lock(&self.returns).extend(all.into_iter().map(|s| (s, deadline)));
+        self.queue(all.into_iter().map(|s| (s, deadline)));
     }
 
     /// One sweep: the slices of keys idle past their lifetime leave the table, and they (and
@@ -546,12 +655,19 @@ impl Slices {
                 }
             }
         }
+        // Still findable by the key's requests while they are on their way.
+        lock(&self.sending).extend(out.iter().map(|(s, _)| s.clone()));
+        self.count_returns();
         out
     }
 
     /// Settlings that did not reach Redis, for the next sweep.
     pub(super) fn retry(&self, again: Vec<(Settle, Instant)>) {
-        lock(&self.returns).extend(again);
+        {
+            let mut sending = lock(&self.sending);
+            sending.retain(|s| !again.iter().any(|(a, _)| a.id == s.id));
+        }
+        self.queue(again);
     }
 
     /// True when the caller must start the sweeper (none runs).
