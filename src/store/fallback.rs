@@ -37,6 +37,9 @@ pub const RELEASE_ALL_WITHIN: Duration = Duration::from_secs(1);
 const WRITE_BACK_EVERY: Duration = Duration::from_millis(250);
 /// How often the start-up probe tries a store that was unreachable at start.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Longest a request waits for the write-back task to send its key's debt (a send is
+/// bounded by `store.timeout`; this only bounds a stuck one).
+const SENDING_WAIT: Duration = Duration::from_secs(2);
 
 /// A store every instance of a fleet shares. An `Err` means "could not decide": the caller
 /// falls back on its policy.
@@ -202,9 +205,13 @@ impl<S: SharedStore> FallbackStore<S> {
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
         // What the fallback admitted for this key is charged before the shared store decides
         // on it again, so that its decision sees the debt.
+        // One the write-back task is sending is waited for: it would be overtaken.
         if self.owed.owes(req) {
-            if let Some(o) = self.owed.take(req) {
-                self.send_owed(o).await;
+            match self.owed.take(req) {
+                Some(o) => {
+                    self.send_owed(o).await;
+                }
+                None => self.owed.sending_done(req, SENDING_WAIT).await,
             }
         }
         match self.shared.admit(req).await {
@@ -282,10 +289,12 @@ impl<S: SharedStore> FallbackStore<S> {
             tokio::time::sleep(WRITE_BACK_EVERY).await;
             let mut all = self.owed.take_all().into_iter();
             while let Some(o) = all.next() {
+                let sent = o.clone();
                 if !self.send_owed(o).await {
                     self.owed.put_back(all);
                     break;
                 }
+                self.owed.done_sending(&sent);
             }
             if self.owed.done_if_empty() {
                 return;

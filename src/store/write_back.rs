@@ -6,9 +6,12 @@
 //! [`MAX_KEYS`] keys: past that, new keys' charges are not remembered (an outage touching more
 //! keys than that would need more memory than it is worth; those keys get one extra burst).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use super::{lock, short_key, AdmitRequest, Bucket, Extra};
 use crate::budget::Limit;
@@ -42,16 +45,27 @@ fn entry_of(key: &KeyHash, also: &[Extra]) -> u128 {
 #[derive(Debug, Default)]
 struct Inner {
     owed: HashMap<u128, Owed>,
+    /// Entries the sending task took and has not finished sending: their keys' next
+    /// decisions wait for it, or they would overtake the debt (another connection).
+    sending: HashSet<u128>,
     /// A task is sending the ledger to the store.
     flushing: bool,
+}
+
+impl Inner {
+    fn len(&self) -> usize {
+        self.owed.len() + self.sending.len()
+    }
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
     inner: Mutex<Inner>,
-    /// Keys owing: lets the request path skip the lock when nothing is owed.
+    /// Keys owing or being sent: lets the request path skip the lock when nothing is owed.
     len: AtomicUsize,
     full_warned: AtomicBool,
+    /// Told when a send of the task is over.
+    sent: Notify,
 }
 
 impl Ledger {
@@ -91,41 +105,79 @@ impl Ledger {
                 );
             }
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
         !std::mem::replace(&mut inner.flushing, true)
     }
 
+    /// True while `req.key` owes units, or the sending task is sending them.
     pub fn owes(&self, req: &AdmitRequest) -> bool {
-        self.len.load(Ordering::Relaxed) > 0
-            && lock(&self.inner)
-                .owed
-                .contains_key(&entry_of(&req.key, &req.also))
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let k = entry_of(&req.key, &req.also);
+        let inner = lock(&self.inner);
+        inner.owed.contains_key(&k) || inner.sending.contains(&k)
+    }
+
+    /// Waits (at most `within`) until the sending task is no longer sending `req.key`'s
+    /// units: sent, or put back to be taken.
+    pub async fn sending_done(&self, req: &AdmitRequest, within: Duration) {
+        let k = entry_of(&req.key, &req.also);
+        let _ = tokio::time::timeout(within, async {
+            loop {
+                let sent = self.sent.notified();
+                tokio::pin!(sent);
+                sent.as_mut().enable();
+                if !lock(&self.inner).sending.contains(&k) {
+                    return;
+                }
+                sent.await;
+            }
+        })
+        .await;
+    }
+
+    /// The sending task is done with `o`: sent (or possibly sent).
+    pub fn done_sending(&self, o: &Owed) {
+        let mut inner = lock(&self.inner);
+        inner.sending.remove(&entry_of(&o.key, &o.also));
+        self.len.store(inner.len(), Ordering::Relaxed);
+        drop(inner);
+        self.sent.notify_waiters();
     }
 
     pub fn take(&self, req: &AdmitRequest) -> Option<Owed> {
         let mut inner = lock(&self.inner);
         let o = inner.owed.remove(&entry_of(&req.key, &req.also));
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
         o
     }
 
+    /// Everything owed, for the sending task, which tells [`Ledger::done_sending`] of each.
     pub fn take_all(&self) -> Vec<Owed> {
         let mut inner = lock(&self.inner);
-        self.len.store(0, Ordering::Relaxed);
-        inner.owed.drain().map(|(_, o)| o).collect()
+        let all: Vec<(u128, Owed)> = inner.owed.drain().collect();
+        inner.sending.extend(all.iter().map(|(k, _)| *k));
+        self.len.store(inner.len(), Ordering::Relaxed);
+        all.into_iter().map(|(_, o)| o).collect()
     }
 
     /// What could not be sent goes back (merged with what was owed meanwhile).
+    /// (The sending task is done with them: they are to be taken again.)
     pub fn put_back(&self, owed: impl IntoIterator<Item = Owed>) {
         let mut inner = lock(&self.inner);
         for o in owed {
+            let k = entry_of(&o.key, &o.also);
+            inner.sending.remove(&k);
             inner
                 .owed
-                .entry(entry_of(&o.key, &o.also))
+                .entry(k)
                 .and_modify(|e| e.units = e.units.saturating_add(o.units))
                 .or_insert(o);
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
+        drop(inner);
+        self.sent.notify_waiters();
     }
 
     /// A refunded fallback charge: forgets up to `units` of the key's debt. False when the
@@ -141,14 +193,14 @@ impl Ledger {
         if o.units == 0 {
             inner.owed.remove(&k);
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
         true
     }
 
     /// The sending task is done if nothing is owed; true when it should stop.
     pub fn done_if_empty(&self) -> bool {
         let mut inner = lock(&self.inner);
-        if inner.owed.is_empty() {
+        if inner.owed.is_empty() && inner.sending.is_empty() {
             inner.flushing = false;
             return true;
         }
