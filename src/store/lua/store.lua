@@ -113,13 +113,14 @@ local function remaining(cap, level, p)
   return 0
 end
 
--- A key's holds at `now`: the units of live ones, and the units to charge now -- what hold
--- `settle` spent (all but `unspent`) and all of every expired one. With `write`, the charged
--- holds are removed (the caller charges them); without, nothing is written (a peek).
+-- A key's holds at `now`: the units of live ones, the units to charge now -- what hold
+-- `settle` spent (all but `unspent`) and all of every expired one -- and when the last live
+-- one expires (0: none). With `write`, the charged holds are removed (the caller charges
+-- them); without, nothing is written (a peek).
 local BORN = '~'
 
 local function take_holds(holds, settle, unspent, now, write)
-  local live, charge = 0, 0
+  local live, charge, last = 0, 0, 0
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
     local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
@@ -132,12 +133,13 @@ local function take_holds(holds, settle, unspent, now, write)
       charge = charge + units
     else
       live = live + units
+      if units > 0 and exp > last then last = exp end
     end
     if write and all[i] ~= BORN and (all[i] == settle or exp <= now) then
       redis.call('HDEL', holds, all[i])
     end
   end
-  return live, charge
+  return live, charge, last
 end
 
 -- Holds count in the key's own budgets only, never in a route's shared one.
@@ -171,7 +173,7 @@ if op == 'admit' then
     b[#b + 1] = budget(KEYS[4 + i], 17 + 5 * (i - 1))
   end
   local now = now_us()
-  local live, charge = take_holds(holds, settle, unspent, now, true)
+  local live, charge, last = take_holds(holds, settle, unspent, now, true)
   local refused, retry = nil, 0
   for i, x in ipairs(b) do
     x.level = level_at(x.key, x.q, now)
@@ -187,6 +189,12 @@ if op == 'admit' then
     x.next = x.level + cost * x.p
     if x.next + x.held > x.cap + x.delay then
       local r = ceil_div(x.next + x.held - x.cap - x.delay, x.q)
+      -- Held units count as charged until settled, and drain only from then: at the latest
+      -- when their holds expire. A level that runs dry before that makes the wait longer.
+      local after_held = x.held + cost * x.p - x.cap - x.delay
+      if x.held > 0 and after_held > 0 then
+        r = math.max(r, last - now + ceil_div(after_held, x.q))
+      end
       if refused == nil or r > retry then refused, retry = i, r end
     end
   end
