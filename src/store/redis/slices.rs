@@ -28,7 +28,7 @@
 //! slice back now: the level Redis stored at the reservation, drained since, plus the units
 //! held, minus those this instance has not spent.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -65,70 +65,6 @@ pub(super) fn hold_field(id: HoldId) -> String {
 pub(super) struct Place {
     pub holds: String,
     pub budgets: Vec<(String, Limit)>,
-}
-
-/// A hold handed back: `unspent` of its units were not spent here, the rest are charged.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Settle {
-    pub place: Place,
-    pub id: HoldId,
-    pub unspent: u64,
-    /// The hold as granted: its units, Redis `TIME` then and this instance's clock then.
-    pub granted: Grant,
-}
-
-/// A hold as Redis granted it (all zero: one that spent nothing here, so that it does not
-/// matter whether Redis still has it).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct Grant {
-    pub units: u64,
-    pub redis_us: u64,
-    pub at: Option<Instant>,
-}
-
-/// What `settle` charges if Redis lost the hold with its data: `units` (less the unspent)
-/// of a hold granted at Redis `TIME` `granted_us`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct IfLost {
-    pub units: u64,
-    pub granted_us: u64,
-}
-
-impl Settle {
-    /// A hold whose units were none of them spent here (a grant nobody will spend).
-    pub(super) fn unspent(place: Place, id: HoldId, units: u64) -> Settle {
-        Settle {
-            place,
-            id,
-            unspent: units,
-            granted: Grant::default(),
-        }
-    }
-
-    /// What to charge if Redis no longer has the hold: what was spent of it, as long as its
-    /// hash could not have expired in Redis meanwhile (a hold no call saw expire counts as
-    /// charged at its expiry, and its hash outlives it by two drains of a full bucket); past
-    /// that it is not known, and nothing is charged (never twice).
-    pub(super) fn if_lost(&self, now: Instant) -> IfLost {
-        let drain_us = self
-            .place
-            .budgets
-            .iter()
-            .map(|(_, l)| (2 * l.capacity).div_ceil(l.rate.max(1)))
-            .max()
-            .unwrap_or(0);
-        let known = self.granted.at.is_some_and(|at| {
-            now.saturating_duration_since(at) < HOLD_TTL + Duration::from_micros(drain_us)
-        });
-        if known {
-            IfLost {
-                units: self.granted.units,
-                granted_us: self.granted.redis_us,
-            }
-        } else {
-            IfLost::default()
-        }
-    }
 }
 
 /// True for a request that slices may serve: none of its budgets is shared with other keys
@@ -299,12 +235,8 @@ pub(super) struct Slices {
     instance: u64,
     next_hold: AtomicU64,
     /// Holds taken out of the table (a reload, a changed budget, a failed call, an idle
-    /// key), with the moment to stop trying to settle them: each stays until it was settled.
-    returns: Mutex<Vec<(Settle, Instant)>>,
-    /// Those the sweeper is sending.
-    sending: Mutex<Vec<Settle>>,
-    /// How many of both: lets a request skip the locks when none is queued.
-    returning: AtomicUsize,
+    /// key), until they reached Redis.
+    returns: Returns,
     sweeping: AtomicBool,
 }
 
@@ -315,9 +247,7 @@ impl Slices {
             fleet_size: fleet_size.max(1) as u64,
             instance,
             next_hold: AtomicU64::new(1),
-            returns: Mutex::default(),
-            sending: Mutex::default(),
-            returning: AtomicUsize::new(0),
+            returns: Returns::default(),
             sweeping: AtomicBool::new(false),
         }
     }
@@ -572,52 +502,27 @@ impl Slices {
 
     /// Queues a hold for the sweeper to settle.
     pub(super) fn settle_later(&self, s: Settle) {
-        self.queue(std::iter::once((s, Instant::now() + SETTLE_FOR)));
-    }
-
-    fn queue(&self, more: impl IntoIterator<Item = (Settle, Instant)>) {
-        lock(&self.returns).extend(more);
-        self.count_returns();
-    }
-
-    fn count_returns(&self) {
-        let n = lock(&self.returns).len() + lock(&self.sending).len();
-        self.returning.store(n, Ordering::Relaxed);
+        self.returns
+            .queue(std::iter::once((s, Instant::now() + SETTLE_FOR)));
     }
 
     /// The settlings queued for the key whose holds are `holds` (named only if any is
     /// queued): sent before the key's next decision, so that it sees them — above all a
     /// hold Redis lost, whose spent units it then charges.
     pub(super) fn pending(&self, holds: impl FnOnce() -> String) -> Vec<Settle> {
-        if self.returning.load(Ordering::Relaxed) == 0 {
-            return vec![];
-        }
-        let holds = holds();
-        let mut out: Vec<Settle> = lock(&self.returns)
-            .iter()
-            .map(|(s, _)| s)
-            .filter(|s| s.place.holds == holds)
-            .cloned()
-            .collect();
-        let sending = lock(&self.sending);
-        out.extend(sending.iter().filter(|s| s.place.holds == holds).cloned());
-        out
+        self.returns.pending(holds)
     }
 
     /// `s` reached Redis (sent by the sweeper or by a request of its key): it leaves the
     /// queue.
     pub(super) fn settled(&self, s: &Settle) {
-        lock(&self.returns).retain(|(r, _)| r.id != s.id);
-        lock(&self.sending).retain(|r| r.id != s.id);
-        self.count_returns();
+        self.returns.settled(s);
     }
 
     /// Takes every slice out of the table (a reload, an exit): nothing of them is spent any
     /// more; the returned holds are to be settled.
     pub(super) fn hand_back_all(&self) -> Vec<Settle> {
-        // (Those the sweeper is sending are its own to finish.)
-        let mut out: Vec<Settle> = lock(&self.returns).drain(..).map(|(s, _)| s).collect();
-        self.count_returns();
+        let mut out = self.returns.drain();
         for shard in self.shards.iter() {
             for (_, mut e) in lock(shard).drain() {
                 out.extend(e.settle());
@@ -630,7 +535,7 @@ impl Slices {
     pub(super) fn retire_all(&self) {
         let deadline = Instant::now() + SETTLE_FOR;
         let all = self.hand_back_all();
-        self.queue(all.into_iter().map(|s| (s, deadline)));
+        self.returns.queue(all.into_iter().map(|s| (s, deadline)));
     }
 
     /// One sweep: the slices of keys idle past their lifetime leave the table, and they (and
@@ -638,10 +543,7 @@ impl Slices {
     /// units start draining now. Settlings past their deadline are dropped (the hold expires
     /// in Redis and is charged in full: never over budget).
     pub(super) fn sweep(&self, now: Instant) -> Vec<(Settle, Instant)> {
-        let mut out: Vec<(Settle, Instant)> = std::mem::take(&mut *lock(&self.returns))
-            .into_iter()
-            .filter(|(_, deadline)| *deadline > now)
-            .collect();
+        let mut out = self.returns.take(now);
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             let idle: Vec<u128> = shard
@@ -655,19 +557,13 @@ impl Slices {
                 }
             }
         }
-        // Still findable by the key's requests while they are on their way.
-        lock(&self.sending).extend(out.iter().map(|(s, _)| s.clone()));
-        self.count_returns();
+        self.returns.sending(&out);
         out
     }
 
     /// Settlings that did not reach Redis, for the next sweep.
     pub(super) fn retry(&self, again: Vec<(Settle, Instant)>) {
-        {
-            let mut sending = lock(&self.sending);
-            sending.retain(|s| !again.iter().any(|(a, _)| a.id == s.id));
-        }
-        self.queue(again);
+        self.returns.retry(again);
     }
 
     /// True when the caller must start the sweeper (none runs).
@@ -693,9 +589,13 @@ impl Slices {
     }
 
     fn is_empty(&self) -> bool {
-        lock(&self.returns).is_empty() && self.shards.iter().all(|s| lock(s).is_empty())
+        self.returns.is_empty() && self.shards.iter().all(|s| lock(s).is_empty())
     }
 }
+
+mod settling;
+use settling::Returns;
+pub(super) use settling::{Grant, IfLost, Settle};
 
 #[cfg(test)]
 mod tests;
