@@ -68,13 +68,14 @@ pub trait SharedStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<BudgetView>, StoreError>> + Send;
 
     /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
-    /// need be (a debt).
+    /// need be (a debt); once per `id` (0: no id, every call charges).
     fn write_back(
         &self,
         key: &KeyHash,
         limit: &Limit,
         also: &[Extra],
         units: u64,
+        id: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// One cheap round trip: is the store reachable?
@@ -203,18 +204,11 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
-        // What the fallback admitted for this key is charged before the shared store decides
-        // on it again, so that its decision sees the debt.
-        // One the write-back task is sending is waited for: it would be overtaken.
-        if self.owed.owes(req) {
-            match self.owed.take(req) {
-                Some(o) => {
-                    self.send_owed(o).await;
-                }
-                None => self.owed.sending_done(req, SENDING_WAIT).await,
-            }
-        }
-        match self.shared.admit(req).await {
+        let shared = match self.charge_owed_first(req).await {
+            Ok(()) => self.shared.admit(req).await,
+            Err(e) => Err(e),
+        };
+        match shared {
             Ok(answer) => {
                 if answer.reached {
                     self.set_degraded(false, None);
@@ -263,24 +257,50 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// Sends one key's debt; true when done with it (sent, or possibly sent: a charge that
-    /// may have run is not sent again, which could charge it twice).
-    async fn send_owed(&self, o: Owed) -> bool {
-        match self
-            .shared
-            .write_back(&o.key, &o.limit, &o.also, o.units)
-            .await
-        {
-            Ok(()) => true,
-            Err(e) if e.may_have_run() => {
-                tracing::debug!(error = %e, units = o.units, "a write-back may not have reached the store");
-                true
-            }
-            Err(_) => {
+    /// What the fallback admitted for this key is charged before the shared store decides
+    /// on it again, so that its decision sees the debt; one the write-back task is sending
+    /// is waited for (it would be overtaken). A debt that could not be sent leaves this
+    /// decision to the fallback.
+    async fn charge_owed_first(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+        if !self.owed.owes(req) {
+            return Ok(());
+        }
+        let mut owed = self.owed.take(req);
+        if owed.is_empty() {
+            self.owed.sending_done(req, SENDING_WAIT).await;
+            owed = self.owed.take(req);
+        }
+        let mut res = Ok(());
+        for o in owed {
+            if res.is_ok() {
+                res = self.send_owed(o).await;
+            } else {
                 self.owed.put_back([o]);
-                false
             }
         }
+        res
+    }
+
+    /// Sends one key's debt under an id of its own; on an error it is owed again. One that
+    /// may have run (a timeout, a connection that broke: after a restart, every thread's old
+    /// connection does) is sent again as it was, and the store charges its id once.
+    async fn send_owed(&self, mut o: Owed) -> Result<(), StoreError> {
+        if o.id == 0 {
+            o.id = rand::random::<u64>() | 1;
+        }
+        let sent = self
+            .shared
+            .write_back(&o.key, &o.limit, &o.also, o.units, o.id)
+            .await;
+        if let Err(e) = &sent {
+            tracing::debug!(error = %e, units = o.units, "a write-back did not reach the store: sent again");
+            if !e.may_have_run() {
+                // Surely not run: owed like any other units (merged, forgivable).
+                o.id = 0;
+            }
+            self.owed.put_back([o]);
+        }
+        sent
     }
 
     /// Sends what is owed until nothing is; the store's breaker paces the attempts.
@@ -290,11 +310,15 @@ impl<S: SharedStore> FallbackStore<S> {
             let mut all = self.owed.take_all().into_iter();
             while let Some(o) = all.next() {
                 let sent = o.clone();
-                if !self.send_owed(o).await {
-                    self.owed.put_back(all);
-                    break;
+                match self.send_owed(o).await {
+                    Ok(()) => self.owed.done_sending(&sent),
+                    // Sent again next time; the others may go now.
+                    Err(e) if e.may_have_run() => {}
+                    Err(_) => {
+                        self.owed.put_back(all);
+                        break;
+                    }
                 }
-                self.owed.done_sending(&sent);
             }
             if self.owed.done_if_empty() {
                 return;
@@ -439,7 +463,7 @@ impl<S: SharedStore> FallbackStore<S> {
         match charge {
             Charge::Shared | Charge::Slice(_) => match self
                 .shared
-                .write_back(&req.key, &req.limit, &req.also, units)
+                .write_back(&req.key, &req.limit, &req.also, units, 0)
                 .await
             {
                 Ok(()) => {}

@@ -28,6 +28,9 @@ pub(crate) struct Owed {
     /// The plan's further budgets, owed the same units.
     pub also: Vec<Extra>,
     pub units: u64,
+    /// The id of the write-back that carried them (0: not sent yet): one that may have run
+    /// is sent again with its id and its units, and Redis charges an id once.
+    pub id: u64,
 }
 
 /// The ledger entry of a key's charges: one per key, and one per key and route for the
@@ -48,13 +51,15 @@ struct Inner {
     /// Entries the sending task took and has not finished sending: their keys' next
     /// decisions wait for it, or they would overtake the debt (another connection).
     sending: HashSet<u128>,
+    /// Write-backs sent that may have run: sent again as they are (same id, same units).
+    doubtful: Vec<Owed>,
     /// A task is sending the ledger to the store.
     flushing: bool,
 }
 
 impl Inner {
     fn len(&self) -> usize {
-        self.owed.len() + self.sending.len()
+        self.owed.len() + self.sending.len() + self.doubtful.len()
     }
 }
 
@@ -101,6 +106,7 @@ impl Ledger {
                         limit: req.limit,
                         also: req.also.clone(),
                         units,
+                        id: 0,
                     },
                 );
             }
@@ -116,7 +122,12 @@ impl Ledger {
         }
         let k = entry_of(&req.key, &req.also);
         let inner = lock(&self.inner);
-        inner.owed.contains_key(&k) || inner.sending.contains(&k)
+        inner.owed.contains_key(&k)
+            || inner.sending.contains(&k)
+            || inner
+                .doubtful
+                .iter()
+                .any(|o| entry_of(&o.key, &o.also) == k)
     }
 
     /// Waits (at most `within`) until the sending task is no longer sending `req.key`'s
@@ -146,20 +157,28 @@ impl Ledger {
         self.sent.notify_waiters();
     }
 
-    pub fn take(&self, req: &AdmitRequest) -> Option<Owed> {
+    /// What `req.key` owes: write-backs that may have run first (as they were), then the rest.
+    pub fn take(&self, req: &AdmitRequest) -> Vec<Owed> {
+        let k = entry_of(&req.key, &req.also);
         let mut inner = lock(&self.inner);
-        let o = inner.owed.remove(&entry_of(&req.key, &req.also));
+        let (mut out, rest): (Vec<Owed>, Vec<Owed>) = std::mem::take(&mut inner.doubtful)
+            .into_iter()
+            .partition(|o| entry_of(&o.key, &o.also) == k);
+        inner.doubtful = rest;
+        out.extend(inner.owed.remove(&k));
         self.len.store(inner.len(), Ordering::Relaxed);
-        o
+        out
     }
 
     /// Everything owed, for the sending task, which tells [`Ledger::done_sending`] of each.
     pub fn take_all(&self) -> Vec<Owed> {
         let mut inner = lock(&self.inner);
-        let all: Vec<(u128, Owed)> = inner.owed.drain().collect();
-        inner.sending.extend(all.iter().map(|(k, _)| *k));
+        let mut all: Vec<Owed> = std::mem::take(&mut inner.doubtful);
+        all.extend(inner.owed.drain().map(|(_, o)| o));
+        let keys: Vec<u128> = all.iter().map(|o| entry_of(&o.key, &o.also)).collect();
+        inner.sending.extend(keys);
         self.len.store(inner.len(), Ordering::Relaxed);
-        all.into_iter().map(|(_, o)| o).collect()
+        all
     }
 
     /// What could not be sent goes back (merged with what was owed meanwhile).
@@ -169,6 +188,10 @@ impl Ledger {
         for o in owed {
             let k = entry_of(&o.key, &o.also);
             inner.sending.remove(&k);
+            if o.id != 0 {
+                inner.doubtful.push(o);
+                continue;
+            }
             inner
                 .owed
                 .entry(k)
@@ -200,7 +223,7 @@ impl Ledger {
     /// The sending task is done if nothing is owed; true when it should stop.
     pub fn done_if_empty(&self) -> bool {
         let mut inner = lock(&self.inner);
-        if inner.owed.is_empty() && inner.sending.is_empty() {
+        if inner.len() == 0 {
             inner.flushing = false;
             return true;
         }
@@ -239,7 +262,7 @@ mod tests {
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
-        assert_eq!(l.take(&req(1, 0)).map(|o| o.units), Some(5));
+        assert_eq!(l.take(&req(1, 0)).first().map(|o| o.units), Some(5));
         assert!(l.done_if_empty());
         assert!(l.add(&req(1, 1), 1), "sender stopped: start another");
     }

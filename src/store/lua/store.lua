@@ -25,7 +25,8 @@
 --   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...
 --          ARGV per_unit rate capacity max_delay floor, cost key_cap route_cap lease_id
 --               lease_ttl_us slice unspent settle_id grant_id hold_ttl_us, then per_unit
---               rate capacity max_delay floor of each further budget
+--               rate capacity max_delay floor of each further budget, then the settled
+--               hold's units and grant time (as `settle`'s, for a hold Redis lost)
 --          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...,
 --             held ticks of each budget...}:
 --             code 0 over budget (a = retry_after_us), 1 key cap full, 2 route cap full,
@@ -48,8 +49,9 @@
 --          -> 1 (a request spent from hold_id refunded: out of the hold while it is not
 --          settled, else out of each budget)
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
---   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
---          capacity: units already admitted elsewhere; the key then waits out the debt)
+--   debit  KEYS budget...        ARGV (per_unit rate cost)... id  -> 1 (charges even past
+--          capacity: units already admitted elsewhere; the key then waits out the debt;
+--          once per id unless it is '0')
 --   peek   KEYS the key's holds, its budgets...  ARGV '' 0 (per_unit rate)...
 --          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
@@ -142,6 +144,30 @@ local function take_holds(holds, settle, unspent, now, write)
   return live, charge, last
 end
 
+-- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
+local TOMBSTONE_US = 60000000
+
+-- Reads only: was hold `id` (of `units`, `unspent` of them not spent, granted at Redis TIME
+-- `granted_us`) lost with Redis's data? It is missing from a hash made after the grant, or
+-- from no hash. Only a hold something was spent of matters.
+local function lost_hold(holds, id, units, unspent, granted_us)
+  if id == '' or units <= unspent or redis.call('HEXISTS', holds, id) == 1 then
+    return false
+  end
+  local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
+  return born == nil or born > granted_us
+end
+
+-- A lost hold whose spent units are being charged: a 0-unit tombstone answers a resend.
+local function bury(holds, id, now)
+  redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
+  redis.call('HSETNX', holds, BORN, '@' .. int(now))
+  local pttl = redis.call('PTTL', holds)
+  if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
+    redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
+  end
+end
+
 -- Holds count in the key's own budgets only, never in a route's shared one.
 local function keys_own(key)
   return string.sub(key, 1, 2) == 't{'
@@ -160,6 +186,9 @@ if op == 'admit' then
   local settle = ARGV[14]
   local grant_id = ARGV[15]
   local hold_ttl = tonumber(ARGV[16])
+  -- The settled hold's size and grant time (last two ARGV), in case Redis lost it.
+  local settle_units = tonumber(ARGV[#ARGV - 1]) or 0
+  local settle_us = tonumber(ARGV[#ARGV]) or 0
   local holds = KEYS[4]
   -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[5], KEYS[6], ... with
   -- five ARGV each from ARGV[17] on (crate::budget::decide_all, all or nothing).
@@ -169,11 +198,16 @@ if op == 'admit' then
             floor = tonumber(ARGV[j + 4]), own = keys_own(key)}
   end
   local b = {budget(KEYS[1], 2)}
-  for i = 1, math.floor((#ARGV - 16) / 5) do
+  for i = 1, math.floor((#ARGV - 18) / 5) do
     b[#b + 1] = budget(KEYS[4 + i], 17 + 5 * (i - 1))
   end
   local now = now_us()
+  local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
   local live, charge, last = take_holds(holds, settle, unspent, now, true)
+  if lost then
+    charge = charge + settle_units - unspent
+    bury(holds, settle, now)
+  end
   local refused, retry = nil, 0
   for i, x in ipairs(b) do
     x.level = level_at(x.key, x.q, now)
@@ -299,8 +333,22 @@ if op == 'refund' then
   return adjust(-1)
 end
 
+-- A debit with an id (the trailing ARGV, '0': none) charges once: a write-back that may have
+-- run is sent again with its id, and this key (in the first budget's slot) remembers it.
+local WRITE_BACK_SEEN_MS = 120000
+
 if op == 'debit' then
-  return adjust(1)
+  local id = ARGV[2 + 3 * #KEYS]
+  if id == nil or id == '0' then
+    return adjust(1)
+  end
+  local seen = KEYS[1] .. ':w:' .. id
+  if redis.call('EXISTS', seen) == 1 then
+    return 1
+  end
+  adjust(1)
+  redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
+  return 1
 end
 
 -- settle, unspend and peek: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV
@@ -318,27 +366,16 @@ local function charge_budgets(units, now)
   end
 end
 
--- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
-local TOMBSTONE_US = 60000000
-
 if op == 'settle' then
   local now = now_us()
   local holds, id, unspent = KEYS[1], ARGV[2], tonumber(ARGV[3])
   local units = tonumber(ARGV[4 + 2 * (#KEYS - 1)]) or 0
   local granted_us = tonumber(ARGV[5 + 2 * (#KEYS - 1)]) or 0
-  -- Reads first: was the hold lost with Redis's data since it was granted?
-  local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
-  local lost = units > unspent and redis.call('HEXISTS', holds, id) == 0
-    and (born == nil or born > granted_us)
+  local lost = lost_hold(holds, id, units, unspent, granted_us)
   local _, charge = take_holds(holds, id, unspent, now, true)
   if lost then
     charge = charge + units - unspent
-    redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
-    redis.call('HSETNX', holds, BORN, '@' .. int(now))
-    local pttl = redis.call('PTTL', holds)
-    if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
-      redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
-    end
+    bury(holds, id, now)
   end
   if charge > 0 then charge_budgets(charge, now) end
   return 1

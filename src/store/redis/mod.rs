@@ -229,6 +229,7 @@ impl RedisBackend {
             hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
             settle: ask.settle,
             unspent: ask.unspent,
+            if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
         };
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
@@ -301,7 +302,7 @@ impl SharedStore for RedisBackend {
             });
         }
         if self.slices_on {
-            self.settle_pending(req).await;
+            self.settle_pending(req).await?;
         }
         if let Some(answer) = self.admit_sliced(req).await {
             return answer;
@@ -422,6 +423,7 @@ impl SharedStore for RedisBackend {
         limit: &Limit,
         also: &[Extra],
         units: u64,
+        id: u64,
     ) -> Result<(), StoreError> {
         self.deny.forget(key);
         let budgets = budget_keys(&AdmitRequest {
@@ -435,7 +437,7 @@ impl SharedStore for RedisBackend {
             queue_timeout: Duration::ZERO,
             fair: Default::default(),
         });
-        self.call::<i64>(self.script.debit(&budgets, units))
+        self.call::<i64>(self.script.debit(&budgets, units, id))
             .await
             .map(drop)
     }

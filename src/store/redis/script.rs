@@ -110,9 +110,11 @@ pub(super) struct AdmitCall {
     pub slice: u64,
     pub grant: HoldId,
     pub hold_ttl_us: u64,
-    /// The hold this call settles first (0: none), with its units not spent.
+    /// The hold this call settles first (0: none), with its units not spent, and what to
+    /// charge of it if Redis lost it.
     pub settle: HoldId,
     pub unspent: u64,
+    pub if_lost: IfLost,
 }
 
 impl AdmitCall {
@@ -256,6 +258,7 @@ impl StoreScript {
                 .arg(l.max_delay)
                 .arg(floor(l));
         }
+        inv.arg(c.if_lost.units).arg(c.if_lost.granted_us);
         inv
     }
 
@@ -298,8 +301,15 @@ impl StoreScript {
     /// waits it out.
     ///
     /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
-    pub fn debit<'a>(&'a self, budgets: &'a [(String, Limit)], cost: u64) -> ScriptInvocation<'a> {
-        self.adjust("debit", budgets, cost)
+    pub fn debit<'a>(
+        &'a self,
+        budgets: &'a [(String, Limit)],
+        cost: u64,
+        id: u64,
+    ) -> ScriptInvocation<'a> {
+        let mut inv = self.adjust("debit", budgets, cost);
+        inv.arg(id);
+        inv
     }
 
     fn adjust<'a>(

@@ -124,13 +124,14 @@ impl RedisBackend {
     /// Sends the settlings queued for `req`'s key (a failed call's, an idle slice's) before
     /// its next decision in Redis, which must see them: a hold Redis lost with its data is
     /// charged by its settling, and one still being sent by the sweeper is sent again
-    /// (settling twice is settling once). One that fails stays queued.
-    pub(super) async fn settle_pending(&self, req: &AdmitRequest) {
+    /// (settling twice is settling once). One that fails stays queued, and the key is not
+    /// decided in Redis now (the fallback decides).
+    pub(super) async fn settle_pending(&self, req: &AdmitRequest) -> Result<(), StoreError> {
         for s in self.slices.pending(|| keys::holds_key(&req.key)) {
-            if self.call::<i64>(self.settle_call(&s)).await.is_ok() {
-                self.slices.settled(&s);
-            }
+            self.call::<i64>(self.settle_call(&s)).await?;
+            self.slices.settled(&s);
         }
+        Ok(())
     }
 
     /// A settling to send, by the sweeper (a late admission's grant that nobody will spend).

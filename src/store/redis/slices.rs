@@ -92,7 +92,7 @@ pub(super) struct Ask {
     pub settle: HoldId,
     pub unspent: u64,
     settle_at: Option<Instant>,
-    settled: Grant,
+    pub settled: Grant,
     /// This call is the key's reservation, which sets the next size (others meanwhile ask
     /// for the size in force).
     asker: bool,
@@ -595,7 +595,7 @@ impl Slices {
 
 mod settling;
 use settling::Returns;
-pub(super) use settling::{Grant, IfLost, Settle};
+pub(super) use settling::{if_lost, Grant, IfLost, Settle};
 
 #[cfg(test)]
 mod tests;

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{HoldId, Place, HOLD_TTL};
+use crate::budget::Limit;
 use crate::store::lock;
 
 /// A hold handed back: `unspent` of its units were not spent here, the rest are charged.
@@ -51,24 +52,35 @@ impl Settle {
     /// charged at its expiry, and its hash outlives it by two drains of a full bucket); past
     /// that it is not known, and nothing is charged (never twice).
     pub(in crate::store::redis) fn if_lost(&self, now: Instant) -> IfLost {
-        let drain_us = self
-            .place
-            .budgets
-            .iter()
-            .map(|(_, l)| (2 * l.capacity).div_ceil(l.rate.max(1)))
-            .max()
-            .unwrap_or(0);
-        let known = self.granted.at.is_some_and(|at| {
-            now.saturating_duration_since(at) < HOLD_TTL + Duration::from_micros(drain_us)
-        });
-        if known {
-            IfLost {
-                units: self.granted.units,
-                granted_us: self.granted.redis_us,
-            }
-        } else {
-            IfLost::default()
+        if_lost(
+            &self.granted,
+            self.place.budgets.iter().map(|(_, l)| l),
+            now,
+        )
+    }
+}
+
+/// What to charge of a hold granted as `grant` under `limits` if Redis no longer has it
+/// (see [`Settle::if_lost`]).
+pub(in crate::store::redis) fn if_lost<'a>(
+    grant: &Grant,
+    limits: impl Iterator<Item = &'a Limit>,
+    now: Instant,
+) -> IfLost {
+    let Some(at) = grant.at else {
+        return IfLost::default();
+    };
+    let drain_us = limits
+        .map(|l| (2 * l.capacity).div_ceil(l.rate.max(1)))
+        .max()
+        .unwrap_or(0);
+    if now.saturating_duration_since(at) < HOLD_TTL + Duration::from_micros(drain_us) {
+        IfLost {
+            units: grant.units,
+            granted_us: grant.redis_us,
         }
+    } else {
+        IfLost::default()
     }
 }
 
