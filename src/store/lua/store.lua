@@ -52,6 +52,7 @@
 --   debit  KEYS budget...        ARGV (per_unit rate cost)... id  -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt;
 --          once per id unless it is '0')
+--   debited KEYS budget  ARGV id  -> 1 (the debit's answer arrived: its id is forgotten)
 --   peek   KEYS the key's holds, its budgets...  ARGV '' 0 (per_unit rate)...
 --          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
@@ -348,6 +349,12 @@ if op == 'debit' then
   end
   adjust(1)
   redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
+  return 1
+end
+
+-- The instance got the answer to debit ARGV[2] (KEYS[1] its first budget): no resend comes.
+if op == 'debited' then
+  redis.call('DEL', KEYS[1] .. ':w:' .. ARGV[2])
   return 1
 end
 

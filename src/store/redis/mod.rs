@@ -438,8 +438,14 @@ impl SharedStore for RedisBackend {
             fair: Default::default(),
         });
         self.call::<i64>(self.script.debit(&budgets, units, id))
-            .await
-            .map(drop)
+            .await?;
+        if id != 0 {
+            // Best effort: a marker not deleted lapses.
+            let _ = self
+                .call::<i64>(self.script.debited(&budgets[0].0, id))
+                .await;
+        }
+        Ok(())
     }
 
     async fn probe(&self) -> Result<(), StoreError> {

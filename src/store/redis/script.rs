@@ -312,6 +312,14 @@ impl StoreScript {
         inv
     }
 
+    /// `debited`: the answer to debit `id` on `budget` (its first) arrived, so no resend
+    /// will come: Redis forgets the id (else it lapses).
+    pub fn debited<'a>(&'a self, budget: &str, id: u64) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(budget).arg("debited").arg(id);
+        inv
+    }
+
     fn adjust<'a>(
         &'a self,
         op: &str,
