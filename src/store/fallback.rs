@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use super::memory::MemoryStore;
 use super::running::{slots_of, Running};
-use super::write_back::{Ledger, Owed};
+use super::write_back::Ledger;
 use super::{Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Peek, StoreError};
 use crate::budget::Limit;
 use crate::config::OnError;
@@ -34,6 +34,9 @@ pub const RELEASE_ALL_WITHIN: Duration = Duration::from_secs(1);
 const WRITE_BACK_EVERY: Duration = Duration::from_millis(250);
 /// How often the start-up probe tries a store that was unreachable at start.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Longest a request waits for the write-back task to send its key's debt (a send is
+/// bounded by `store.timeout`; this only bounds a stuck one).
+const SENDING_WAIT: Duration = Duration::from_secs(2);
 
 /// A store every instance of a fleet shares. An `Err` means "could not decide": the caller
 /// falls back on its policy.
@@ -62,13 +65,14 @@ pub trait SharedStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<BudgetView>, StoreError>> + Send;
 
     /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
-    /// need be (a debt).
+    /// need be (a debt); once per `id` (0: no id, every call charges).
     fn write_back(
         &self,
         key: &KeyHash,
         limit: &Limit,
         also: &[Extra],
         units: u64,
+        id: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// One cheap round trip: is the store reachable?
@@ -197,14 +201,11 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
-        // What the fallback admitted for this key is charged before the shared store decides
-        // on it again, so that its decision sees the debt.
-        if self.owed.owes(req) {
-            if let Some(o) = self.owed.take(req) {
-                self.send_owed(o).await;
-            }
-        }
-        match self.shared.admit(req).await {
+        let shared = match self.charge_owed_first(req).await {
+            Ok(()) => self.shared.admit(req).await,
+            Err(e) => Err(e),
+        };
+        match shared {
             Ok(answer) => {
                 if answer.reached {
                     self.set_degraded(false, None);
@@ -255,43 +256,6 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// Sends one key's debt; true when done with it (sent, or possibly sent: a charge that
-    /// may have run is not sent again, which could charge it twice).
-    async fn send_owed(&self, o: Owed) -> bool {
-        match self
-            .shared
-            .write_back(&o.key, &o.limit, &o.also, o.units)
-            .await
-        {
-            Ok(()) => true,
-            Err(e) if e.may_have_run() => {
-                tracing::debug!(error = %e, units = o.units, "a write-back may not have reached the store");
-                true
-            }
-            Err(_) => {
-                self.owed.put_back([o]);
-                false
-            }
-        }
-    }
-
-    /// Sends what is owed until nothing is; the store's breaker paces the attempts.
-    async fn write_back_loop(self: Arc<Self>) {
-        loop {
-            tokio::time::sleep(WRITE_BACK_EVERY).await;
-            let mut all = self.owed.take_all().into_iter();
-            while let Some(o) = all.next() {
-                if !self.send_owed(o).await {
-                    self.owed.put_back(all);
-                    break;
-                }
-            }
-            if self.owed.done_if_empty() {
-                return;
-            }
-        }
-    }
-
     /// Gives back a charge where it was made: in the shared store, or in this instance's
     /// memory with the limit it was charged under (and then also out of what is owed to the
     /// shared budget). A shared refund that surely did not run (no connection, the breaker
@@ -331,7 +295,7 @@ impl<S: SharedStore> FallbackStore<S> {
         match charge {
             Charge::Shared | Charge::Slice(_) => match self
                 .shared
-                .write_back(&req.key, &req.limit, &req.also, units)
+                .write_back(&req.key, &req.limit, &req.also, units, 0)
                 .await
             {
                 Ok(()) => {}
@@ -366,13 +330,6 @@ impl<S: SharedStore> FallbackStore<S> {
                 "a refund could not reach the store in time; the key stays charged for it"
             );
         });
-    }
-
-    /// Adds to what `req.key` owes the shared budget, starting the sender if none runs.
-    fn owe(self: &Arc<Self>, req: &AdmitRequest, units: u64) {
-        if self.owed.add(req, units) {
-            tokio::spawn(self.clone().write_back_loop());
-        }
     }
 
     /// What is left of the key's budgets in the shared store; while it cannot say, the local
@@ -411,5 +368,6 @@ impl<S: SharedStore> FallbackStore<S> {
 }
 
 mod local;
+mod owing;
 #[cfg(test)]
 mod tests;

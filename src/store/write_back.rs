@@ -6,9 +6,12 @@
 //! [`MAX_KEYS`] keys: past that, new keys' charges are not remembered (an outage touching more
 //! keys than that would need more memory than it is worth; those keys get one extra burst).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use super::{lock, short_key, AdmitRequest, Bucket, Extra};
 use crate::budget::Limit;
@@ -25,6 +28,9 @@ pub(crate) struct Owed {
     /// The plan's further budgets, owed the same units.
     pub also: Vec<Extra>,
     pub units: u64,
+    /// The id of the write-back that carried them (0: not sent yet): one that may have run
+    /// is sent again with its id and its units, and Redis charges an id once.
+    pub id: u64,
 }
 
 /// The ledger entry of a key's charges: one per key, and one per key and route for the
@@ -42,16 +48,29 @@ fn entry_of(key: &KeyHash, also: &[Extra]) -> u128 {
 #[derive(Debug, Default)]
 struct Inner {
     owed: HashMap<u128, Owed>,
+    /// Entries the sending task took and has not finished sending: their keys' next
+    /// decisions wait for it, or they would overtake the debt (another connection).
+    sending: HashSet<u128>,
+    /// Write-backs sent that may have run: sent again as they are (same id, same units).
+    doubtful: Vec<Owed>,
     /// A task is sending the ledger to the store.
     flushing: bool,
+}
+
+impl Inner {
+    fn len(&self) -> usize {
+        self.owed.len() + self.sending.len() + self.doubtful.len()
+    }
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
     inner: Mutex<Inner>,
-    /// Keys owing: lets the request path skip the lock when nothing is owed.
+    /// Keys owing or being sent: lets the request path skip the lock when nothing is owed.
     len: AtomicUsize,
     full_warned: AtomicBool,
+    /// Told when a send of the task is over.
+    sent: Notify,
 }
 
 impl Ledger {
@@ -87,45 +106,101 @@ impl Ledger {
                         limit: req.limit,
                         also: req.also.clone(),
                         units,
+                        id: 0,
                     },
                 );
             }
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
         !std::mem::replace(&mut inner.flushing, true)
     }
 
+    /// True while `req.key` owes units, or the sending task is sending them.
     pub fn owes(&self, req: &AdmitRequest) -> bool {
-        self.len.load(Ordering::Relaxed) > 0
-            && lock(&self.inner)
-                .owed
-                .contains_key(&entry_of(&req.key, &req.also))
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let k = entry_of(&req.key, &req.also);
+        let inner = lock(&self.inner);
+        inner.owed.contains_key(&k)
+            || inner.sending.contains(&k)
+            || inner
+                .doubtful
+                .iter()
+                .any(|o| entry_of(&o.key, &o.also) == k)
     }
 
-    pub fn take(&self, req: &AdmitRequest) -> Option<Owed> {
+    /// Waits (at most `within`) until the sending task is no longer sending `req.key`'s
+    /// units: sent, or put back to be taken.
+    pub async fn sending_done(&self, req: &AdmitRequest, within: Duration) {
+        let k = entry_of(&req.key, &req.also);
+        let _ = tokio::time::timeout(within, async {
+            loop {
+                let sent = self.sent.notified();
+                tokio::pin!(sent);
+                sent.as_mut().enable();
+                if !lock(&self.inner).sending.contains(&k) {
+                    return;
+                }
+                sent.await;
+            }
+        })
+        .await;
+    }
+
+    /// The sending task is done with `o`: sent (or possibly sent).
+    pub fn done_sending(&self, o: &Owed) {
         let mut inner = lock(&self.inner);
-        let o = inner.owed.remove(&entry_of(&req.key, &req.also));
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
-        o
+        inner.sending.remove(&entry_of(&o.key, &o.also));
+        self.len.store(inner.len(), Ordering::Relaxed);
+        drop(inner);
+        self.sent.notify_waiters();
     }
 
+    /// What `req.key` owes: write-backs that may have run first (as they were), then the rest.
+    pub fn take(&self, req: &AdmitRequest) -> Vec<Owed> {
+        let k = entry_of(&req.key, &req.also);
+        let mut inner = lock(&self.inner);
+        let (mut out, rest): (Vec<Owed>, Vec<Owed>) = std::mem::take(&mut inner.doubtful)
+            .into_iter()
+            .partition(|o| entry_of(&o.key, &o.also) == k);
+        inner.doubtful = rest;
+        out.extend(inner.owed.remove(&k));
+        self.len.store(inner.len(), Ordering::Relaxed);
+        out
+    }
+
+    /// Everything owed, for the sending task, which tells [`Ledger::done_sending`] of each.
     pub fn take_all(&self) -> Vec<Owed> {
         let mut inner = lock(&self.inner);
-        self.len.store(0, Ordering::Relaxed);
-        inner.owed.drain().map(|(_, o)| o).collect()
+        let mut all: Vec<Owed> = std::mem::take(&mut inner.doubtful);
+        all.extend(inner.owed.drain().map(|(_, o)| o));
+        let keys: Vec<u128> = all.iter().map(|o| entry_of(&o.key, &o.also)).collect();
+        inner.sending.extend(keys);
+        self.len.store(inner.len(), Ordering::Relaxed);
+        all
     }
 
     /// What could not be sent goes back (merged with what was owed meanwhile).
+    /// (The sending task is done with them: they are to be taken again.)
     pub fn put_back(&self, owed: impl IntoIterator<Item = Owed>) {
         let mut inner = lock(&self.inner);
         for o in owed {
+            let k = entry_of(&o.key, &o.also);
+            inner.sending.remove(&k);
+            if o.id != 0 {
+                inner.doubtful.push(o);
+                continue;
+            }
             inner
                 .owed
-                .entry(entry_of(&o.key, &o.also))
+                .entry(k)
                 .and_modify(|e| e.units = e.units.saturating_add(o.units))
                 .or_insert(o);
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
+        drop(inner);
+        self.sent.notify_waiters();
     }
 
     /// A refunded fallback charge: forgets up to `units` of the key's debt. False when the
@@ -141,14 +216,14 @@ impl Ledger {
         if o.units == 0 {
             inner.owed.remove(&k);
         }
-        self.len.store(inner.owed.len(), Ordering::Relaxed);
+        self.len.store(inner.len(), Ordering::Relaxed);
         true
     }
 
     /// The sending task is done if nothing is owed; true when it should stop.
     pub fn done_if_empty(&self) -> bool {
         let mut inner = lock(&self.inner);
-        if inner.owed.is_empty() {
+        if inner.len() == 0 {
             inner.flushing = false;
             return true;
         }
@@ -187,7 +262,7 @@ mod tests {
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
-        assert_eq!(l.take(&req(1, 0)).map(|o| o.units), Some(5));
+        assert_eq!(l.take(&req(1, 0)).first().map(|o| o.units), Some(5));
         assert!(l.done_if_empty());
         assert!(l.add(&req(1, 1), 1), "sender stopped: start another");
     }

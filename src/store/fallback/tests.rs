@@ -70,6 +70,7 @@ impl SharedStore for Fake {
         _limit: &Limit,
         also: &[Extra],
         units: u64,
+        _id: u64,
     ) -> Result<(), StoreError> {
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);

@@ -15,13 +15,18 @@
 -- settle part of its next `admit`), so no unit drains before it was admitted and a burst never
 -- exceeds max_cost. A hold past its expiry (its instance died) is charged in full by the next
 -- call that sees it. Settling is idempotent: a hold that is gone (settled, or charged as
--- expired) is not settled again.
+-- expired) is not settled again. The hash's field `~` dates it ('@' and the Redis TIME when
+-- it was made):
+-- a hold missing from a hash made after it was granted (or from no hash) was lost with
+-- Redis's data (a restart without persistence, an empty replica promoted), so `settle`
+-- charges what its instance spent of it then, once (a tombstone answers a resend).
 --
 -- ARGV[1] is the operation:
 --   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...
 --          ARGV per_unit rate capacity max_delay floor, cost key_cap route_cap lease_id
 --               lease_ttl_us slice unspent settle_id grant_id hold_ttl_us, then per_unit
---               rate capacity max_delay floor of each further budget
+--               rate capacity max_delay floor of each further budget, then the settled
+--               hold's units and grant time (as `settle`'s, for a hold Redis lost)
 --          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...,
 --             held ticks of each budget...}:
 --             code 0 over budget (a = retry_after_us), 1 key cap full, 2 route cap full,
@@ -37,13 +42,17 @@
 --             further budgets the reply goes on: decisive budget's index, then remaining,
 --             reset_us of each.
 --   settle KEYS the key's holds, its budgets...  ARGV hold_id unspent (per_unit rate)...
---          -> 1 (charges what hold_id spent, and expired holds, to each budget)
+--          units granted_us
+--          -> 1 (charges what hold_id spent, and expired holds, to each budget; a hold of
+--          `units` granted at granted_us that Redis lost: units - unspent)
 --   unspend KEYS the key's holds, its budgets...  ARGV hold_id cost (per_unit rate)...
 --          -> 1 (a request spent from hold_id refunded: out of the hold while it is not
 --          settled, else out of each budget)
 --   refund KEYS budget...        ARGV (per_unit rate cost)...     -> 1
---   debit  KEYS budget...        ARGV (per_unit rate cost)...     -> 1 (charges even past
---          capacity: units already admitted elsewhere; the key then waits out the debt)
+--   debit  KEYS budget...        ARGV (per_unit rate cost)... id  -> 1 (charges even past
+--          capacity: units already admitted elsewhere; the key then waits out the debt;
+--          once per id unless it is '0')
+--   debited KEYS budget  ARGV id  -> 1 (the debit's answer arrived: its id is forgotten)
 --   peek   KEYS the key's holds, its budgets...  ARGV '' 0 (per_unit rate)...
 --          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
@@ -107,27 +116,57 @@ local function remaining(cap, level, p)
   return 0
 end
 
--- A key's holds at `now`: the units of live ones, and the units to charge now -- what hold
--- `settle` spent (all but `unspent`) and all of every expired one. With `write`, the charged
--- holds are removed (the caller charges them); without, nothing is written (a peek).
+-- A key's holds at `now`: the units of live ones, the units to charge now -- what hold
+-- `settle` spent (all but `unspent`) and all of every expired one -- and when the last live
+-- one expires (0: none). With `write`, the charged holds are removed (the caller charges
+-- them); without, nothing is written (a peek).
+local BORN = '~'
+
 local function take_holds(holds, settle, unspent, now, write)
-  local live, charge = 0, 0
+  local live, charge, last = 0, 0, 0
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
     local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
     units, exp = tonumber(units) or 0, tonumber(exp) or 0
-    if all[i] == settle then
+    if all[i] == BORN then
+      -- the hash's date, not a hold
+    elseif all[i] == settle then
       charge = charge + units - math.min(units, unspent)
     elseif exp <= now then
       charge = charge + units
     else
       live = live + units
+      if units > 0 and exp > last then last = exp end
     end
-    if write and (all[i] == settle or exp <= now) then
+    if write and all[i] ~= BORN and (all[i] == settle or exp <= now) then
       redis.call('HDEL', holds, all[i])
     end
   end
-  return live, charge
+  return live, charge, last
+end
+
+-- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
+local TOMBSTONE_US = 60000000
+
+-- Reads only: was hold `id` (of `units`, `unspent` of them not spent, granted at Redis TIME
+-- `granted_us`) lost with Redis's data? It is missing from a hash made after the grant, or
+-- from no hash. Only a hold something was spent of matters.
+local function lost_hold(holds, id, units, unspent, granted_us)
+  if id == '' or units <= unspent or redis.call('HEXISTS', holds, id) == 1 then
+    return false
+  end
+  local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
+  return born == nil or born > granted_us
+end
+
+-- A lost hold whose spent units are being charged: a 0-unit tombstone answers a resend.
+local function bury(holds, id, now)
+  redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
+  redis.call('HSETNX', holds, BORN, '@' .. int(now))
+  local pttl = redis.call('PTTL', holds)
+  if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
+    redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
+  end
 end
 
 -- Holds count in the key's own budgets only, never in a route's shared one.
@@ -148,6 +187,9 @@ if op == 'admit' then
   local settle = ARGV[14]
   local grant_id = ARGV[15]
   local hold_ttl = tonumber(ARGV[16])
+  -- The settled hold's size and grant time (last two ARGV), in case Redis lost it.
+  local settle_units = tonumber(ARGV[#ARGV - 1]) or 0
+  local settle_us = tonumber(ARGV[#ARGV]) or 0
   local holds = KEYS[4]
   -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[5], KEYS[6], ... with
   -- five ARGV each from ARGV[17] on (crate::budget::decide_all, all or nothing).
@@ -157,11 +199,16 @@ if op == 'admit' then
             floor = tonumber(ARGV[j + 4]), own = keys_own(key)}
   end
   local b = {budget(KEYS[1], 2)}
-  for i = 1, math.floor((#ARGV - 16) / 5) do
+  for i = 1, math.floor((#ARGV - 18) / 5) do
     b[#b + 1] = budget(KEYS[4 + i], 17 + 5 * (i - 1))
   end
   local now = now_us()
-  local live, charge = take_holds(holds, settle, unspent, now, true)
+  local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
+  local live, charge, last = take_holds(holds, settle, unspent, now, true)
+  if lost then
+    charge = charge + settle_units - unspent
+    bury(holds, settle, now)
+  end
   local refused, retry = nil, 0
   for i, x in ipairs(b) do
     x.level = level_at(x.key, x.q, now)
@@ -177,6 +224,12 @@ if op == 'admit' then
     x.next = x.level + cost * x.p
     if x.next + x.held > x.cap + x.delay then
       local r = ceil_div(x.next + x.held - x.cap - x.delay, x.q)
+      -- Held units count as charged until settled, and drain only from then: at the latest
+      -- when their holds expire. A level that runs dry before that makes the wait longer.
+      local after_held = x.held + cost * x.p - x.cap - x.delay
+      if x.held > 0 and after_held > 0 then
+        r = math.max(r, last - now + ceil_div(after_held, x.q))
+      end
       if refused == nil or r > retry then refused, retry = i, r end
     end
   end
@@ -241,6 +294,7 @@ if op == 'admit' then
   end
   if granted > 0 then
     redis.call('HSET', holds, grant_id, int(granted) .. ':' .. int(now + hold_ttl))
+    redis.call('HSETNX', holds, BORN, '@' .. int(now))
     -- The hash outlives its last hold by the time the key's budgets take to drain a full
     -- bucket twice: a hold of a dead instance that no call saw expire has drained by then
     -- as if charged at its expiry.
@@ -280,8 +334,28 @@ if op == 'refund' then
   return adjust(-1)
 end
 
+-- A debit with an id (the trailing ARGV, '0': none) charges once: a write-back that may have
+-- run is sent again with its id, and this key (in the first budget's slot) remembers it.
+local WRITE_BACK_SEEN_MS = 120000
+
 if op == 'debit' then
-  return adjust(1)
+  local id = ARGV[2 + 3 * #KEYS]
+  if id == nil or id == '0' then
+    return adjust(1)
+  end
+  local seen = KEYS[1] .. ':w:' .. id
+  if redis.call('EXISTS', seen) == 1 then
+    return 1
+  end
+  adjust(1)
+  redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
+  return 1
+end
+
+-- The instance got the answer to debit ARGV[2] (KEYS[1] its first budget): no resend comes.
+if op == 'debited' then
+  redis.call('DEL', KEYS[1] .. ':w:' .. ARGV[2])
+  return 1
 end
 
 -- settle, unspend and peek: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV
@@ -301,7 +375,15 @@ end
 
 if op == 'settle' then
   local now = now_us()
-  local _, charge = take_holds(KEYS[1], ARGV[2], tonumber(ARGV[3]), now, true)
+  local holds, id, unspent = KEYS[1], ARGV[2], tonumber(ARGV[3])
+  local units = tonumber(ARGV[4 + 2 * (#KEYS - 1)]) or 0
+  local granted_us = tonumber(ARGV[5 + 2 * (#KEYS - 1)]) or 0
+  local lost = lost_hold(holds, id, units, unspent, granted_us)
+  local _, charge = take_holds(holds, id, unspent, now, true)
+  if lost then
+    charge = charge + units - unspent
+    bury(holds, id, now)
+  end
   if charge > 0 then charge_budgets(charge, now) end
   return 1
 end

@@ -119,14 +119,11 @@ impl RedisBackend {
     /// came with it (`granted` units) is settled unspent, by the sweeper: nobody will spend it.
     async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64, route: bool) {
         if granted > 0 {
-            self.settle_later(Settle {
-                place: Place {
-                    holds: c.holds.clone(),
-                    budgets: StoreScript::budgets_of(c),
-                },
-                id: c.grant,
-                unspent: granted,
-            });
+            let place = Place {
+                holds: c.holds.clone(),
+                budgets: StoreScript::budgets_of(c),
+            };
+            self.settle_later(Settle::unspent(place, c.grant, granted));
         }
         self.undo_charge(StoreScript::budgets_of(c), c.cost).await;
         let mut slots = c.slot_keys();

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{script, slices, RedisBackend};
+use super::{script, RedisBackend};
 use crate::store::lock;
 use crate::store::StoreError;
 
@@ -196,11 +196,7 @@ impl RedisBackend {
         for s in slices {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                let id = slices::hold_field(s.id);
-                let settle = store
-                    .script
-                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
-                let _ = script::invoke::<i64>(&settle, &mut conn).await;
+                let _ = script::invoke::<i64>(&store.settle_call(&s), &mut conn).await;
             });
         }
         for (keys, id) in all {

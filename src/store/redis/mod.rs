@@ -304,6 +304,7 @@ impl RedisBackend {
             hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
             settle: ask.settle,
             unspent: ask.unspent,
+            if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
         };
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
@@ -377,6 +378,9 @@ impl SharedStore for RedisBackend {
                 admission: Admission::over_budget(&o),
                 reached: false,
             });
+        }
+        if self.slices_on {
+            self.settle_pending(req).await?;
         }
         if let Some(answer) = self.admit_sliced(req).await {
             return answer;
@@ -454,6 +458,7 @@ impl SharedStore for RedisBackend {
         limit: &Limit,
         also: &[Extra],
         units: u64,
+        id: u64,
     ) -> Result<(), StoreError> {
         self.deny.forget(key);
         let budgets = budget_keys(&AdmitRequest {
@@ -467,9 +472,15 @@ impl SharedStore for RedisBackend {
             queue_timeout: Duration::ZERO,
             fair: Default::default(),
         });
-        self.call::<i64>(self.script.debit(&budgets, units))
-            .await
-            .map(drop)
+        self.call::<i64>(self.script.debit(&budgets, units, id))
+            .await?;
+        if id != 0 {
+            // Best effort: a marker not deleted lapses.
+            let _ = self
+                .call::<i64>(self.script.debited(&budgets[0].0, id))
+                .await;
+        }
+        Ok(())
     }
 
     async fn probe(&self) -> Result<(), StoreError> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
 
 use super::conn::Conn;
-use super::slices::{self, HoldId, Seen};
+use super::slices::{self, HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
@@ -110,9 +110,11 @@ pub(super) struct AdmitCall {
     pub slice: u64,
     pub grant: HoldId,
     pub hold_ttl_us: u64,
-    /// The hold this call settles first (0: none), with its units not spent.
+    /// The hold this call settles first (0: none), with its units not spent, and what to
+    /// charge of it if Redis lost it.
     pub settle: HoldId,
     pub unspent: u64,
+    pub if_lost: IfLost,
 }
 
 impl AdmitCall {
@@ -256,6 +258,7 @@ impl StoreScript {
                 .arg(l.max_delay)
                 .arg(floor(l));
         }
+        inv.arg(c.if_lost.units).arg(c.if_lost.granted_us);
         inv
     }
 
@@ -298,8 +301,23 @@ impl StoreScript {
     /// waits it out.
     ///
     /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
-    pub fn debit<'a>(&'a self, budgets: &'a [(String, Limit)], cost: u64) -> ScriptInvocation<'a> {
-        self.adjust("debit", budgets, cost)
+    pub fn debit<'a>(
+        &'a self,
+        budgets: &'a [(String, Limit)],
+        cost: u64,
+        id: u64,
+    ) -> ScriptInvocation<'a> {
+        let mut inv = self.adjust("debit", budgets, cost);
+        inv.arg(id);
+        inv
+    }
+
+    /// `debited`: the answer to debit `id` on `budget` (its first) arrived, so no resend
+    /// will come: Redis forgets the id (else it lapses).
+    pub fn debited<'a>(&'a self, budget: &str, id: u64) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(budget).arg("debited").arg(id);
+        inv
     }
 
     fn adjust<'a>(
@@ -320,16 +338,22 @@ impl StoreScript {
     /// charging the rest (and any expired hold) to each of its budgets. Idempotent: a hold
     /// that is gone is not settled again, so it is safe to send again.
     ///
+    /// A hold Redis lost with its data (restarted empty) since `lost.granted_us` (its TIME
+    /// at the grant) is charged what was spent of its `lost.units`, once.
+    ///
     /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] unspent, then
-    /// per_unit, rate of each budget. Reply 1.
+    /// per_unit, rate of each budget, then units, granted_us. Reply 1.
     pub fn settle<'a>(
         &'a self,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-        id: &'a str,
+        holds: &str,
+        budgets: &[(String, Limit)],
+        id: &str,
         unspent: u64,
+        lost: IfLost,
     ) -> ScriptInvocation<'a> {
-        self.on_hold("settle", holds, budgets, id, unspent)
+        let mut inv = self.on_hold("settle", holds, budgets, id, unspent);
+        inv.arg(lost.units).arg(lost.granted_us);
+        inv
     }
 
     /// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if
@@ -350,9 +374,9 @@ impl StoreScript {
     fn on_hold<'a>(
         &'a self,
         op: &str,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-        id: &'a str,
+        holds: &str,
+        budgets: &[(String, Limit)],
+        id: &str,
         units: u64,
     ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::slices::{self, Place};
+use super::slices::{self, Place, Settle};
 use super::{budget_keys, keys, Decided, RedisBackend};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{Admission, AdmitRequest, Lease, StoreError};
@@ -101,12 +101,9 @@ impl RedisBackend {
             tokio::time::sleep(slices::SWEEP_EVERY).await;
             let mut again = vec![];
             for (s, deadline) in self.slices.sweep(Instant::now()) {
-                let id = slices::hold_field(s.id);
-                let settle = self
-                    .script
-                    .settle(&s.place.holds, &s.place.budgets, &id, s.unspent);
-                if self.call::<i64>(settle).await.is_err() {
-                    again.push((s, deadline));
+                match self.call::<i64>(self.settle_call(&s)).await {
+                    Ok(_) => self.slices.settled(&s),
+                    Err(_) => again.push((s, deadline)),
                 }
             }
             self.slices.retry(again);
@@ -114,6 +111,31 @@ impl RedisBackend {
                 return;
             }
         }
+    }
+
+    /// The `settle` call that hands `s` back.
+    pub(super) fn settle_call<'a>(&'a self, s: &'a Settle) -> redis::ScriptInvocation<'a> {
+        let id = slices::hold_field(s.id);
+        self.script.settle(
+            &s.place.holds,
+            &s.place.budgets,
+            &id,
+            s.unspent,
+            s.if_lost(Instant::now()),
+        )
+    }
+
+    /// Sends the settlings queued for `req`'s key (a failed call's, an idle slice's) before
+    /// its next decision in Redis, which must see them: a hold Redis lost with its data is
+    /// charged by its settling, and one still being sent by the sweeper is sent again
+    /// (settling twice is settling once). One that fails stays queued, and the key is not
+    /// decided in Redis now (the fallback decides).
+    pub(super) async fn settle_pending(&self, req: &AdmitRequest) -> Result<(), StoreError> {
+        for s in self.slices.pending(|| keys::holds_key(&req.key)) {
+            self.call::<i64>(self.settle_call(&s)).await?;
+            self.slices.settled(&s);
+        }
+        Ok(())
     }
 
     /// A settling to send, by the sweeper (a late admission's grant that nobody will spend).

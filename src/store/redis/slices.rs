@@ -67,14 +67,6 @@ pub(super) struct Place {
     pub budgets: Vec<(String, Limit)>,
 }
 
-/// A hold handed back: `unspent` of its units were not spent here, the rest are charged.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Settle {
-    pub place: Place,
-    pub id: HoldId,
-    pub unspent: u64,
-}
-
 /// True for a request that slices may serve: none of its budgets is shared with other keys
 /// or holds requests (`max_delay`), and it takes no in-flight slot.
 pub(super) fn eligible(req: &AdmitRequest) -> bool {
@@ -100,6 +92,7 @@ pub(super) struct Ask {
     pub settle: HoldId,
     pub unspent: u64,
     settle_at: Option<Instant>,
+    pub settled: Grant,
     /// This call is the key's reservation, which sets the next size (others meanwhile ask
     /// for the size in force).
     asker: bool,
@@ -126,9 +119,10 @@ struct Entry {
     /// Where its holds and budgets are in Redis (named at the key's first grant: a key that
     /// never gets one costs no more than its entry).
     place: Place,
-    /// The hold in Redis not settled yet (0: none), and its units not spent.
+    /// The hold in Redis not settled yet (0: none), its units not spent, and the grant.
     hold: HoldId,
     left: u64,
+    grant: Grant,
     /// The last levels and held ticks Redis reported for these budgets, at its `TIME`, seen
     /// here at `seen`.
     levels: [u64; MAX_BUDGETS],
@@ -203,10 +197,12 @@ impl Entry {
     fn settle(&mut self) -> Option<Settle> {
         let id = std::mem::take(&mut self.hold);
         let unspent = std::mem::take(&mut self.left);
+        let granted = std::mem::take(&mut self.grant);
         (id != 0).then(|| Settle {
             place: self.place.clone(),
             id,
             unspent,
+            granted,
         })
     }
 
@@ -238,9 +234,9 @@ pub(super) struct Slices {
     /// Hold ids are this (random, per instance) in the high half, a sequence in the low.
     instance: u64,
     next_hold: AtomicU64,
-    /// Holds taken out of the table (a reload, a changed budget, a failed call), with the
-    /// moment to stop trying to settle them.
-    returns: Mutex<Vec<(Settle, Instant)>>,
+    /// Holds taken out of the table (a reload, a changed budget, a failed call, an idle
+    /// key), until they reached Redis.
+    returns: Returns,
     sweeping: AtomicBool,
 }
 
@@ -251,7 +247,7 @@ impl Slices {
             fleet_size: fleet_size.max(1) as u64,
             instance,
             next_hold: AtomicU64::new(1),
-            returns: Mutex::default(),
+            returns: Returns::default(),
             sweeping: AtomicBool::new(false),
         }
     }
@@ -314,6 +310,7 @@ impl Slices {
                     place: Place::default(),
                     hold: 0,
                     left: 0,
+                    grant: Grant::default(),
                     levels: [0; MAX_BUDGETS],
                     held: [0; MAX_BUDGETS],
                     redis_at_us: 0,
@@ -332,6 +329,7 @@ impl Slices {
         };
         let settle_at = (e.hold != 0).then_some(e.granted_at);
         let (settle, unspent) = (std::mem::take(&mut e.hold), std::mem::take(&mut e.left));
+        let settled = std::mem::take(&mut e.grant);
         if e.asking(now) {
             // Another request of the key is reserving: this one is decided exactly, so that
             // this instance never holds more than one slice of a key.
@@ -339,6 +337,7 @@ impl Slices {
                 settle,
                 unspent,
                 settle_at,
+                settled,
                 at: Some(now),
                 ..Ask::default()
             };
@@ -371,6 +370,7 @@ impl Slices {
             settle,
             unspent,
             settle_at,
+            settled,
             asker: true,
             at: Some(now),
         }
@@ -395,11 +395,7 @@ impl Slices {
         let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
             // Handed back meanwhile (a reload): what was granted is never spent here.
             if seen.granted > 0 {
-                self.settle_later(Settle {
-                    place: place(),
-                    id: ask.grant,
-                    unspent: seen.granted,
-                });
+                self.settle_later(Settle::unspent(place(), ask.grant, seen.granted));
             }
             return None;
         };
@@ -415,6 +411,11 @@ impl Slices {
             e.hold = ask.grant;
             e.left = seen.granted;
             e.granted_at = ask.at.unwrap_or(now);
+            e.grant = Grant {
+                units: seen.granted,
+                redis_us: seen.now_us,
+                at: Some(e.granted_at),
+            };
         }
         // Replies may cross: the mirror keeps the latest word of Redis.
         if seen.now_us >= e.redis_at_us {
@@ -459,22 +460,21 @@ impl Slices {
                         e.hold = ask.settle;
                         e.left = ask.unspent;
                         e.granted_at = ask.settle_at.unwrap_or(now);
+                        e.grant = ask.settled;
                     }
                     restore
                 })
         };
-        let settle = |id, unspent| {
+        if ask.settle != 0 && !restored {
             self.settle_later(Settle {
                 place: place.clone(),
-                id,
-                unspent,
-            })
-        };
-        if ask.settle != 0 && !restored {
-            settle(ask.settle, ask.unspent);
+                id: ask.settle,
+                unspent: ask.unspent,
+                granted: ask.settled,
+            });
         }
         if run && ask.slice > 0 {
-            settle(ask.grant, ask.slice);
+            self.settle_later(Settle::unspent(place, ask.grant, ask.slice));
         }
     }
 
@@ -502,13 +502,27 @@ impl Slices {
 
     /// Queues a hold for the sweeper to settle.
     pub(super) fn settle_later(&self, s: Settle) {
-        lock(&self.returns).push((s, Instant::now() + SETTLE_FOR));
+        self.returns
+            .queue(std::iter::once((s, Instant::now() + SETTLE_FOR)));
+    }
+
+    /// The settlings queued for the key whose holds are `holds` (named only if any is
+    /// queued): sent before the key's next decision, so that it sees them — above all a
+    /// hold Redis lost, whose spent units it then charges.
+    pub(super) fn pending(&self, holds: impl FnOnce() -> String) -> Vec<Settle> {
+        self.returns.pending(holds)
+    }
+
+    /// `s` reached Redis (sent by the sweeper or by a request of its key): it leaves the
+    /// queue.
+    pub(super) fn settled(&self, s: &Settle) {
+        self.returns.settled(s);
     }
 
     /// Takes every slice out of the table (a reload, an exit): nothing of them is spent any
     /// more; the returned holds are to be settled.
     pub(super) fn hand_back_all(&self) -> Vec<Settle> {
-        let mut out: Vec<Settle> = lock(&self.returns).drain(..).map(|(s, _)| s).collect();
+        let mut out = self.returns.drain();
         for shard in self.shards.iter() {
             for (_, mut e) in lock(shard).drain() {
                 out.extend(e.settle());
@@ -521,7 +535,7 @@ impl Slices {
     pub(super) fn retire_all(&self) {
         let deadline = Instant::now() + SETTLE_FOR;
         let all = self.hand_back_all();
-        lock(&self.returns).extend(all.into_iter().map(|s| (s, deadline)));
+        self.returns.queue(all.into_iter().map(|s| (s, deadline)));
     }
 
     /// One sweep: the slices of keys idle past their lifetime leave the table, and they (and
@@ -529,10 +543,7 @@ impl Slices {
     /// units start draining now. Settlings past their deadline are dropped (the hold expires
     /// in Redis and is charged in full: never over budget).
     pub(super) fn sweep(&self, now: Instant) -> Vec<(Settle, Instant)> {
-        let mut out: Vec<(Settle, Instant)> = std::mem::take(&mut *lock(&self.returns))
-            .into_iter()
-            .filter(|(_, deadline)| *deadline > now)
-            .collect();
+        let mut out = self.returns.take(now);
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             let idle: Vec<u128> = shard
@@ -546,12 +557,13 @@ impl Slices {
                 }
             }
         }
+        self.returns.sending(&out);
         out
     }
 
     /// Settlings that did not reach Redis, for the next sweep.
     pub(super) fn retry(&self, again: Vec<(Settle, Instant)>) {
-        lock(&self.returns).extend(again);
+        self.returns.retry(again);
     }
 
     /// True when the caller must start the sweeper (none runs).
@@ -577,9 +589,13 @@ impl Slices {
     }
 
     fn is_empty(&self) -> bool {
-        lock(&self.returns).is_empty() && self.shards.iter().all(|s| lock(s).is_empty())
+        self.returns.is_empty() && self.shards.iter().all(|s| lock(s).is_empty())
     }
 }
+
+mod settling;
+use settling::Returns;
+pub(super) use settling::{if_lost, Grant, IfLost, Settle};
 
 #[cfg(test)]
 mod tests;

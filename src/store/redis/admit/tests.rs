@@ -21,6 +21,7 @@ fn call(cost: u64) -> AdmitCall {
         hold_ttl_us: 0,
         settle: 0,
         unspent: 0,
+        if_lost: Default::default(),
     }
 }
 

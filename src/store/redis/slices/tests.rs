@@ -411,6 +411,7 @@ fn holds_settle_once_and_expire_as_spent() {
         place: place(),
         id: 7,
         unspent: 20,
+        granted: Grant::default(),
     };
     redis.settle(&s, 2);
     assert_eq!(level(&redis, 2), 31);
