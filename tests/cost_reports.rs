@@ -41,6 +41,10 @@ async fn remaining(gw: &Gateway) -> Option<u64> {
         return None;
     }
     let v: serde_json::Value = r.json().await.ok()?;
+    // The shared budget's figure: during an outage `/admin/keys` shows the local share.
+    if v["source"] == "local" {
+        return None;
+    }
     v["remaining"].as_u64()
 }
 

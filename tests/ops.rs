@@ -984,3 +984,45 @@ async fn in_flight_slots_survive_a_reload() {
     );
     assert_eq!(slow.await.unwrap(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
+    let up = Upstream::start(Duration::ZERO);
+    let endpoints: String = (0..20_000)
+        .map(|i| format!("    /e{i}/items: {{cost: {}}}\n", 1 + i % 5))
+        .collect();
+    let body =
+        format!("rate_limits:\n  default: {{cost: 1, window: 1m, max_cost: 100}}\n  endpoints:\n{endpoints}");
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(get(&c, gw.url("/e19999/items"), "k").await.status(), 200);
+    let scrape = reqwest::get(gw.admin("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(scrape.len() < 2_000_000, "{} bytes", scrape.len());
+    // A route past the first 200 has its series once it has traffic.
+    assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));
+    assert!(!scrape.contains("route=\"/e19998/items\""));
+    // A reload of the whole table is done within a few seconds.
+    let yaml = std::fs::read_to_string(&gw.config_path)
+        .unwrap()
+        .replace("/e0/items: {cost: 1}", "/e0/items: {cost: 2}");
+    std::fs::write(&gw.config_path, yaml).unwrap();
+    let t = Instant::now();
+    gw.signal("HUP");
+    wait_metric(
+        &gw,
+        "tollgate_config_reloads_total{result=\"ok\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(5), "reload took {took:?}");
+    let r = get(&c, gw.url("/e0/items"), "k").await;
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
+    println!("scrape {} bytes, reload {took:?}", scrape.len());
+}

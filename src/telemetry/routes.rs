@@ -21,19 +21,49 @@ const ANNOUNCED_STATUSES: [u16; 6] = [200, 429, 500, 502, 503, 504];
 /// the same series, on reload) instead of by label lookup on every request.
 pub struct RouteMetrics {
     label: Arc<str>,
-    pub request_duration: Histogram,
-    pub upstream_duration: Histogram,
-    pub queue_wait: Histogram,
-    pub in_flight: IntGauge,
-    pub cost_units: IntCounter,
-    pub overhead: Histogram,
-    pub admitted_duration: Histogram,
+    pub request_duration: Lazy<Histogram>,
+    pub upstream_duration: Lazy<Histogram>,
+    pub queue_wait: Lazy<Histogram>,
+    pub in_flight: Lazy<IntGauge>,
+    pub cost_units: Lazy<IntCounter>,
+    pub overhead: Lazy<Histogram>,
+    pub admitted_duration: Lazy<Histogram>,
     /// `cost_from_response`: the costs the upstream stated and the charges settled on them
     /// (for the audit's mean stated cost), beside `tollgate_cost_reports_total`.
     pub stated: StatedCosts,
     /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
     /// that no zero series appear for statuses a route never answers.
     statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
+}
+
+/// How many routes (in file order) have their series from the start; the others get theirs
+/// with their first request, so that `/metrics` stays small with thousands of endpoints.
+pub const ANNOUNCED_ROUTES: usize = 200;
+
+/// A route's series of one metric, registered on first use.
+pub struct Lazy<T> {
+    cell: OnceLock<T>,
+    label: Arc<str>,
+    make: fn(&crate::telemetry::Metrics, &[&str]) -> T,
+}
+
+impl<T> Lazy<T> {
+    fn new(label: &Arc<str>, make: fn(&crate::telemetry::Metrics, &[&str]) -> T) -> Lazy<T> {
+        Lazy {
+            cell: OnceLock::new(),
+            label: label.clone(),
+            make,
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Lazy<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.cell
+            .get_or_init(|| (self.make)(metrics(), &[&*self.label]))
+    }
 }
 
 impl std::fmt::Debug for RouteMetrics {
@@ -46,17 +76,15 @@ impl std::fmt::Debug for RouteMetrics {
 
 impl RouteMetrics {
     fn new(label: &Arc<str>) -> RouteMetrics {
-        let m = metrics();
-        let l: &[&str] = &[label];
         RouteMetrics {
             label: label.clone(),
-            request_duration: m.request_duration.with_label_values(l),
-            upstream_duration: m.upstream_duration.with_label_values(l),
-            queue_wait: m.queue_wait.with_label_values(l),
-            in_flight: m.in_flight.with_label_values(l),
-            cost_units: m.cost_units.with_label_values(l),
-            overhead: m.overhead.with_label_values(l),
-            admitted_duration: m.admitted_duration.with_label_values(l),
+            request_duration: Lazy::new(label, |m, l| m.request_duration.with_label_values(l)),
+            upstream_duration: Lazy::new(label, |m, l| m.upstream_duration.with_label_values(l)),
+            queue_wait: Lazy::new(label, |m, l| m.queue_wait.with_label_values(l)),
+            in_flight: Lazy::new(label, |m, l| m.in_flight.with_label_values(l)),
+            cost_units: Lazy::new(label, |m, l| m.cost_units.with_label_values(l)),
+            overhead: Lazy::new(label, |m, l| m.overhead.with_label_values(l)),
+            admitted_duration: Lazy::new(label, |m, l| m.admitted_duration.with_label_values(l)),
             stated: StatedCosts::default(),
             statuses: Default::default(),
         }
@@ -67,6 +95,17 @@ impl RouteMetrics {
     /// route's first 429 storm or 5xx burst after a start would go unseen.
     fn announce(&self, route: &Route) {
         let m = metrics();
+        for series in [
+            &self.request_duration,
+            &self.upstream_duration,
+            &self.queue_wait,
+            &self.overhead,
+            &self.admitted_duration,
+        ] {
+            let _: &Histogram = series;
+        }
+        let _: &IntGauge = &self.in_flight;
+        let _: &IntCounter = &self.cost_units;
         for status in ANNOUNCED_STATUSES {
             if let Some(i) = COMMON_STATUSES.iter().position(|s| *s == status) {
                 let _ = self.statuses[i].get_or_init(|| {
@@ -175,6 +214,10 @@ pub struct RouteMetricsTable {
 impl RouteMetricsTable {
     pub fn new(router: &Router, previous: Option<&RouteMetricsTable>) -> RouteMetricsTable {
         let m = metrics();
+        // By label, so that a reload of 20,000 endpoints is not 20,000² comparisons.
+        let previous: std::collections::HashMap<&str, &Arc<RouteMetrics>> = previous
+            .map(|p| p.by_index.iter().map(|x| (&*x.label, x)).collect())
+            .unwrap_or_default();
         let by_index = router
             .routes()
             .map(|r| {
@@ -184,11 +227,16 @@ impl RouteMetricsTable {
                         .set(cap as i64);
                 }
                 previous
-                    .and_then(|p| p.by_index.iter().find(|x| x.label == r.label))
-                    .cloned()
+                    .get(&*r.label)
+                    .map(|x| Arc::clone(x))
                     .unwrap_or_else(|| {
                         let rm = RouteMetrics::new(&r.label);
-                        rm.announce(r);
+                        if r.index < ANNOUNCED_ROUTES
+                            || r.max_in_flight.is_some()
+                            || &*r.label == "default"
+                        {
+                            rm.announce(r);
+                        }
                         Arc::new(rm)
                     })
             })
@@ -208,9 +256,11 @@ impl RouteMetricsTable {
     /// in-flight limits of routes that lost their cap.
     pub fn retire(&self, next: &Router) {
         let m = metrics();
+        let next: std::collections::HashMap<&str, &Route> =
+            next.routes().map(|r| (&*r.label, r)).collect();
         for old in &self.by_index {
             let label = &*old.label;
-            let kept = next.routes().find(|r| &*r.label == label);
+            let kept = next.get(label).copied();
             if kept.is_none_or(|r| r.max_in_flight.is_none()) {
                 let _ = m.in_flight_limit.remove_label_values(&[label]);
             }
