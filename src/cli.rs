@@ -92,6 +92,41 @@ pub fn route_table(cfg: &Config) -> String {
         out.push('\n');
         out.push_str(&table(&rows));
     }
+    // Capped routes' queues and the plans' weights in them (DESIGN §8).
+    let capped: Vec<_> = cfg
+        .router
+        .routes()
+        .filter(|r| r.max_in_flight.is_some())
+        .collect();
+    if !capped.is_empty() {
+        let mut rows = vec![[
+            "QUEUED ROUTE".to_string(),
+            "MAX_QUEUE".into(),
+            "PER_KEY".into(),
+        ]];
+        for r in capped {
+            let or_dash = |n: Option<u32>| n.map_or("-".into(), |n| n.to_string());
+            rows.push([
+                r.label.to_string(),
+                or_dash(r.queue.max_queue),
+                or_dash(r.queue.per_key),
+            ]);
+        }
+        out.push('\n');
+        out.push_str(&table(&rows));
+        let mut weights: Vec<_> = cfg.plans.values().filter(|p| p.weight != 1).collect();
+        weights.sort_by(|a, b| a.name.cmp(&b.name));
+        if !weights.is_empty() {
+            let mut rows = vec![["PLAN".to_string(), "WEIGHT".into()]];
+            rows.extend(
+                weights
+                    .iter()
+                    .map(|p| [p.name.clone(), p.weight.to_string()]),
+            );
+            out.push('\n');
+            out.push_str(&table(&rows));
+        }
+    }
     let _ = writeln!(
         out,
         "\nstore: {:?}  registry keys: {}  identity: {}",
@@ -198,6 +233,21 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
             let _ = writeln!(out, "in-flight:    no cap");
         }
     }
+    if route.max_in_flight.is_some() {
+        let _ = writeln!(
+            out,
+            "queue:        fair: a freed slot goes to the key running fewest here per its plan's weight; {}; {}",
+            route
+                .queue
+                .max_queue
+                .map_or("no bound on waiters".into(), |n| format!(
+                    "at most {n} waiting fleet-wide (503 at once beyond)"
+                )),
+            route.queue.per_key.map_or("no per-key share".into(), |n| format!(
+                "a key runs at most {n} at once here (it waits beyond)"
+            ))
+        );
+    }
     let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
     match who {
         Ok(id) => {
@@ -246,6 +296,9 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
             }
             if let Some(n) = p.max_in_flight_per_key {
                 let _ = writeln!(out, "per key:      at most {n} in flight (429 beyond)");
+            }
+            if route.max_in_flight.is_some() {
+                let _ = writeln!(out, "weight:       {} (plan \"{}\")", p.weight, p.name);
             }
         }
         Err(Unauthenticated::Missing) => {

@@ -311,21 +311,9 @@ async fn a_keys_share_of_a_route_makes_its_further_requests_wait() {
 
 #[test]
 fn check_refuses_queue_fields_without_a_cap_and_a_share_above_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gateway.yaml");
-    std::fs::write(
-        &path,
+    let text = check_fails(
         "upstream:\n  url: \"http://127.0.0.1:1\"\nrate_limits:\n  default: {cost: 1, window: 1m, max_cost: 10}\n  endpoints:\n    /a: {max_queue: 5}\n    /b: {max_in_flight: 2, max_in_flight_per_key: 3, queue_timeout: 2h}\nplans:\n  p: {max_cost: 10, window: 1m, weight: 0}\n",
-    )
-    .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(["check", "-c"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    );
     for want in [
         "rate_limits.endpoints.\"/a\".max_queue: only applies together with max_in_flight",
         "rate_limits.endpoints.\"/b\".max_in_flight_per_key: must be at most max_in_flight (2), got 3",
@@ -334,4 +322,48 @@ fn check_refuses_queue_fields_without_a_cap_and_a_share_above_it() {
     ] {
         assert!(text.contains(want), "{want}\nin:\n{text}");
     }
+}
+
+#[test]
+fn check_and_explain_show_the_queue_and_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "upstream:\n  url: \"http://127.0.0.1:1\"\n{}",
+            config(
+                "    /reports/generate:\n      cost: 20\n      max_in_flight: 5\n      queue_timeout: 30s\n      max_queue: 200\n      max_in_flight_per_key: 2\n",
+                "plans:\n  gold: {max_cost: 1000, window: 24h, weight: 4}\n  basic: {max_cost: 1000, window: 24h}\n",
+            )
+        ),
+    )
+    .unwrap();
+    let check = cli_ok(&path, &["check"]);
+    let table: Vec<&str> = check
+        .lines()
+        .skip_while(|l| !l.starts_with("QUEUED ROUTE"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(
+        table,
+        [
+            "QUEUED ROUTE       MAX_QUEUE  PER_KEY",
+            "/reports/generate  200        2"
+        ],
+        "{check}"
+    );
+    assert!(check.contains("PLAN  WEIGHT\ngold  4\n"), "{check}");
+    let explain = cli_ok(
+        &path,
+        &["explain", "POST", "/reports/generate", "--key", "key-c"],
+    );
+    assert!(
+        explain.contains("at most 200 waiting fleet-wide (503 at once beyond); a key runs at most 2 at once here (it waits beyond)"),
+        "{explain}"
+    );
+    assert!(
+        explain.contains("weight:       4 (plan \"gold\")"),
+        "{explain}"
+    );
 }

@@ -542,6 +542,20 @@ pub fn cli_ok(config: &std::path::Path, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs `tollgate check` on `yaml`, which must fail: its output (stdout and stderr).
+pub fn check_fails(yaml: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .pool_max_idle_per_host(64)

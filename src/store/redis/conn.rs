@@ -148,6 +148,25 @@ impl Target {
     }
 }
 
+/// A client for the primary the Sentinels name now. A Sentinel client of its own for each
+/// connect: it keeps connections to the Sentinels, which must not outlive this runtime's use
+/// of them.
+async fn primary_client(target: &Target) -> redis::RedisResult<redis::Client> {
+    let Target::Sentinel {
+        sentinels,
+        master,
+        primary,
+    } = target
+    else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "not a Sentinel target",
+        )));
+    };
+    let mut sentinel = Sentinel::build(sentinels.clone())?;
+    sentinel.async_master_for(master, Some(primary)).await
+}
+
 /// How to reach one store; tells its thread-local connections apart from another store's.
 pub(super) struct Connections {
     id: u64,
@@ -222,21 +241,12 @@ impl Connections {
                     .await?,
             ),
             Target::Cluster(client, _) => Conn::Cluster(client.get_async_connection().await?),
-            Target::Sentinel {
-                sentinels,
-                master,
-                primary,
-            } => {
-                // A Sentinel client of its own for each connect: it keeps connections to the
-                // Sentinels, which must not outlive this runtime's use of them.
-                let mut sentinel = Sentinel::build(sentinels.clone())?;
-                let client = sentinel.async_master_for(master, Some(primary)).await?;
-                Conn::Node(
-                    client
-                        .get_multiplexed_async_connection_with_config(&self.config)
-                        .await?,
-                )
-            }
+            Target::Sentinel { .. } => Conn::Node(
+                primary_client(target)
+                    .await?
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await?,
+            ),
         })
     }
 
@@ -266,15 +276,7 @@ impl Connections {
                     redis::RedisError::from((redis::ErrorKind::Io, "no cluster node answered"))
                 }))
             }
-            Target::Sentinel {
-                sentinels,
-                master,
-                primary,
-            } => {
-                let mut sentinel = Sentinel::build(sentinels.clone())?;
-                let client = sentinel.async_master_for(master, Some(primary)).await?;
-                client.get_async_pubsub().await
-            }
+            Target::Sentinel { .. } => primary_client(target).await?.get_async_pubsub().await,
         }
     }
 
