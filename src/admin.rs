@@ -177,9 +177,53 @@ async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
             "application/yaml",
             shared.running().config.redacted_yaml(),
         ),
+        "/admin/routes" => routes(shared).await,
         p if p.starts_with("/admin/keys/") => key(&p["/admin/keys/".len()..], shared).await,
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
+}
+
+/// `/admin/routes`: every route's cost, and each capped route's cap, slots running and
+/// waiters queued (fleet-wide on Redis), with the keys holding and awaiting them by registry
+/// id (`key:<8 hex>` outside the registry). 503 when the store cannot say.
+async fn routes(shared: &Shared) -> Resp {
+    let running = shared.running();
+    let cfg = &running.config;
+    let name = |k: &crate::store::fair::KeyRef| {
+        cfg.keys
+            .iter()
+            .find(|(hash, _)| k.is(hash))
+            .map_or_else(|| k.log_name(), |(_, e)| e.id.to_string())
+    };
+    let mut out = vec![];
+    for r in cfg.router.routes() {
+        let mut v = serde_json::json!({"route": &*r.label, "cost": r.cost});
+        if let Some(cap) = r.max_in_flight {
+            let q = match shared.store.route_queue(&r.label).await {
+                Ok(q) => q,
+                Err(e) => {
+                    return json(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        serde_json::json!({"error": format!("store unavailable: {e}")}),
+                    )
+                }
+            };
+            let mut keys: Vec<serde_json::Value> = q
+                .keys
+                .iter()
+                .map(|k| serde_json::json!({"key": name(&k.key), "running": k.running, "waiting": k.waiting}))
+                .collect();
+            keys.sort_by(|a, b| a["key"].as_str().cmp(&b["key"].as_str()));
+            v["cap"] = cap.into();
+            v["running"] = q.running.into();
+            v["queued"] = q.queued.into();
+            v["max_queue"] = r.queue.max_queue.into();
+            v["max_in_flight_per_key"] = r.queue.per_key.into();
+            v["keys"] = keys.into();
+        }
+        out.push(v);
+    }
+    json(StatusCode::OK, serde_json::json!({"routes": out}))
 }
 
 /// `/admin/keys/{id}`: the key's budgets, from the store or (while it cannot say) from the

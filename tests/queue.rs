@@ -367,3 +367,63 @@ fn check_and_explain_show_the_queue_and_the_weights() {
         "{explain}"
     );
 }
+
+/// Who holds the slots and who waits, by registry id: fleet-wide on Redis (asked on the
+/// gateway that holds none of them), this process's on the memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_routes_names_the_keys_holding_and_awaiting_the_slots() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let endpoint =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n";
+    let fleet_body = on_redis(&redis.url(), &config(endpoint, ""));
+    let (a, b) = (
+        Gateway::start(&up, &fleet_body),
+        Gateway::start(&up, &fleet_body),
+    );
+    let memory = Gateway::start(&up, &config(endpoint, ""));
+    for (holder, asked) in [(&a, &b), (&memory, &memory)] {
+        let c = client();
+        let mut tasks = vec![];
+        for (key, n) in [("key-a", 2), ("key-b", 1)] {
+            for _ in 0..n {
+                let req = c
+                    .post(holder.url("/reports/generate?delay_ms=1500"))
+                    .header("X-API-Key", key);
+                tasks.push(tokio::spawn(
+                    async move { req.send().await.unwrap().status() },
+                ));
+            }
+            if key == "key-a" {
+                let start = Instant::now();
+                while up.stats().get("/reports/generate").map_or(0, |s| s.current) < 2 {
+                    assert!(start.elapsed() < Duration::from_secs(10));
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+        wait_queued(holder, "/reports/generate", 1.0).await;
+        let v = admin_json(asked, "/admin/routes").await;
+        let route = v["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["route"] == "/reports/generate")
+            .unwrap()
+            .clone();
+        assert_eq!(route["cap"], 2, "{v}");
+        assert_eq!(route["running"], 2, "{v}");
+        assert_eq!(route["queued"], 1, "{v}");
+        assert_eq!(
+            route["keys"],
+            serde_json::json!([
+                {"key": "a", "running": 2, "waiting": 0},
+                {"key": "b", "running": 0, "waiting": 1}
+            ]),
+            "{v}"
+        );
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), 200);
+        }
+    }
+}

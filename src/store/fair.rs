@@ -257,7 +257,7 @@ impl FairQueue {
         self.keys
             .iter()
             .map(|(key, k)| KeyView {
-                key: *key,
+                key: KeyRef::Short(*key),
                 running: k.running,
                 waiting: k.waiting.len(),
             })
@@ -329,11 +329,42 @@ pub struct QueueView {
 }
 
 /// A key on a route: how many of its requests run, and how many wait.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct KeyView {
-    pub key: u128,
+    pub key: KeyRef,
     pub running: u32,
     pub waiting: usize,
+}
+
+/// A key as a store names it: the memory store by its short key, Redis by its tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRef {
+    Short(u128),
+    Tag(String),
+}
+
+impl KeyRef {
+    /// Whether this is the key of hash `hash`.
+    pub fn is(&self, hash: &crate::identity::KeyHash) -> bool {
+        match self {
+            KeyRef::Short(k) => *k == crate::store::short_key(hash),
+            KeyRef::Tag(t) => *t == crate::store::redis::key_tag(hash),
+        }
+    }
+
+    /// `key:<8 hex>` of the key's hash, as the access log names a key outside the registry.
+    pub fn log_name(&self) -> String {
+        let first4 = match self {
+            KeyRef::Short(k) => k.to_le_bytes()[..4].to_vec(),
+            KeyRef::Tag(t) => {
+                use base64::Engine;
+                base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(&t[..t.len().min(8)])
+                    .unwrap_or_default()
+            }
+        };
+        format!("key:{}", hex::encode(&first4[..first4.len().min(4)]))
+    }
 }
 
 #[cfg(test)]

@@ -451,6 +451,25 @@ impl Store {
     /// What is left of the key's budgets, the one under `limit` first, then each of `also`
     /// that is the key's own; while the shared store cannot say, the `local` fallback's
     /// share, or `None` under the other policies.
+    /// Capped route `route`'s slots and waiters: fleet-wide from Redis, this process's on the
+    /// memory store.
+    pub async fn route_queue(&self, route: &str) -> Result<fair::QueueView, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m
+                .queues()
+                .snapshot()
+                .into_iter()
+                .find(|q| &*q.route == route)
+                .unwrap_or(fair::QueueView {
+                    route: Arc::from(route),
+                    running: 0,
+                    queued: 0,
+                    keys: vec![],
+                })),
+            Store::Redis(r) => r.shared().route_queue(route).await,
+        }
+    }
+
     pub async fn peek(&self, key: &KeyHash, limit: &Limit, also: &[Extra]) -> Option<Peek> {
         match self {
             Store::Memory(m) => Some(Peek {

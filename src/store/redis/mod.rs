@@ -33,6 +33,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use lease::RedisLease;
+
+/// The key's tag, as Redis's keys and a route's queue name it.
+pub(crate) fn key_tag(key: &KeyHash) -> String {
+    keys::key_tag(key)
+}
 pub(super) use script::refused_before_running;
 
 use super::fallback::{FallbackStore, SharedAnswer, SharedStore};

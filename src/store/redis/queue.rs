@@ -365,6 +365,39 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// A capped route's slots and waiters, fleet-wide, as its queue holds them.
+    pub async fn route_queue(
+        &self,
+        route: &str,
+    ) -> Result<crate::store::fair::QueueView, StoreError> {
+        use crate::store::fair::{KeyRef, KeyView, QueueView};
+        let keys = queue_keys(&keys::route_slots_key(route))
+            .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
+        let v: Vec<redis::Value> = self.call(self.queue_script.call(&keys, "peek")).await?;
+        let int = |v: &redis::Value| redis::from_redis_value::<u64>(v.clone()).unwrap_or(0);
+        let (running, queued) = (v.first().map_or(0, int), v.get(1).map_or(0, int));
+        let keys = v
+            .get(2..)
+            .unwrap_or_default()
+            .chunks(3)
+            .filter_map(|c| {
+                Some(KeyView {
+                    key: KeyRef::Tag(redis::from_redis_value::<String>(c.first()?.clone()).ok()?),
+                    running: int(c.get(1)?) as u32,
+                    waiting: int(c.get(2)?) as usize,
+                })
+            })
+            .collect();
+        Ok(QueueView {
+            route: Arc::from(route),
+            running: running as u32,
+            queued: queued as usize,
+            keys,
+        })
+    }
+}
+
 /// Delivers this instance's grants as Redis publishes them.
 async fn listen(store: Weak<RedisBackend>, channel: String) {
     use futures_util::StreamExt;
