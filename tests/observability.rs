@@ -444,6 +444,9 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
     let flood: Vec<std::net::TcpStream> = (0..8).map(|_| raw_connect(gc.port)).collect();
     wait_metric_at_least(&gc, "tollgate_connections_refused_total", 1.0).await;
     drop(flood);
+    // Only once C has seen the flood's connections close: until then a new one is over its
+    // limit and refused at once, and would never time out.
+    wait_metric(&gc, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
     let mut slowloris = raw_connect(gc.port);
     slowloris
         .write_all(b"GET /items HTTP/1.1\r\nHost: localhost\r\nX-Pad: ")
