@@ -110,122 +110,6 @@ pub(super) struct Seen {
     pub held: [u64; MAX_BUDGETS],
 }
 
-/// One key's slice (possibly spent) and what the next one should be.
-#[derive(Debug)]
-struct Entry {
-    /// The budget set the slice was taken from: a reload that changes it never spends it.
-    limit: Limit,
-    also: Vec<Extra>,
-    /// Where its holds and budgets are in Redis (named at the key's first grant: a key that
-    /// never gets one costs no more than its entry).
-    place: Place,
-    /// The hold in Redis not settled yet (0: none), its units not spent, and the grant.
-    hold: HoldId,
-    left: u64,
-    grant: Grant,
-    /// The last levels and held ticks Redis reported for these budgets, at its `TIME`, seen
-    /// here at `seen`.
-    levels: [u64; MAX_BUDGETS],
-    held: [u64; MAX_BUDGETS],
-    redis_at_us: u64,
-    seen: Instant,
-    /// When the last reservation was asked for (what sizes the next one).
-    reserved: Instant,
-    /// When the hold was asked for: its lifetime starts there, and nothing (a failed call
-    /// handing it back, a new ask) moves it.
-    granted_at: Instant,
-    /// Size of the last slice asked.
-    size: u64,
-    /// A reservation is in flight since then.
-    asking: Option<Instant>,
-}
-
-impl Entry {
-    fn serves(&self, req: &AdmitRequest) -> bool {
-        self.limit == req.limit && self.also == req.also
-    }
-
-    fn limits(&self) -> impl Iterator<Item = &Limit> {
-        std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
-    }
-
-    /// The budgets as Redis would show them at `now` if the slice were handed back unspent
-    /// as it is.
-    fn outcome(&self, now: Instant) -> Outcome {
-        let elapsed = now.saturating_duration_since(self.seen).as_micros() as u64;
-        let at = self.redis_at_us.saturating_add(elapsed);
-        let mut each = Figures::default();
-        for (i, l) in self.limits().enumerate() {
-            let state = State {
-                level: self.levels[i],
-                at_us: self.redis_at_us,
-                rate: l.rate,
-            };
-            let level = (budget::level_at(l, Some(state), at) + self.held[i])
-                .saturating_sub(self.left.saturating_mul(l.per_unit));
-            each.push(Figure {
-                remaining: l.remaining(level),
-                reset_us: l.reset_us(level),
-            });
-        }
-        // The tightest budget speaks for all (fewest left, the first of equals), as in Redis.
-        let figs = each.as_slice();
-        let mut tightest = 0;
-        for (i, f) in figs.iter().enumerate() {
-            if f.remaining < figs[tightest].remaining {
-                tightest = i;
-            }
-        }
-        let Figure {
-            remaining,
-            reset_us,
-        } = figs[tightest];
-        each.decisive = tightest as u8;
-        Outcome {
-            verdict: Verdict::Admit { delay_us: 0 },
-            state: None,
-            remaining,
-            reset_us,
-            each: if self.also.is_empty() {
-                Figures::default()
-            } else {
-                each
-            },
-        }
-    }
-
-    fn settle(&mut self) -> Option<Settle> {
-        let id = std::mem::take(&mut self.hold);
-        let unspent = std::mem::take(&mut self.left);
-        let granted = std::mem::take(&mut self.grant);
-        (id != 0).then(|| Settle {
-            place: self.place.clone(),
-            id,
-            unspent,
-            granted,
-        })
-    }
-
-    /// `ask`, this entry's reservation, has its answer (an entry that replaced the one it
-    /// was asked of keeps its own).
-    fn done_asking(&mut self, ask: &Ask) {
-        if ask.asker && self.asking == ask.at {
-            self.asking = None;
-        }
-    }
-
-    fn expired(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.granted_at) >= LIFETIME
-    }
-
-    fn asking(&self, now: Instant) -> bool {
-        // A reservation whose request went away never settles: it stops counting after a
-        // lifetime (any real call has timed out by then).
-        self.asking
-            .is_some_and(|t| now.saturating_duration_since(t) < LIFETIME)
-    }
-}
-
 /// This instance's slices, by key.
 #[derive(Debug)]
 pub(super) struct Slices {
@@ -593,7 +477,9 @@ impl Slices {
     }
 }
 
+mod entry;
 mod settling;
+use entry::Entry;
 use settling::Returns;
 pub(super) use settling::{if_lost, Grant, IfLost, Settle};
 

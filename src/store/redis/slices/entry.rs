@@ -1,0 +1,121 @@
+//! One key's entry in the slice table.
+
+use std::time::Instant;
+
+use super::*;
+
+/// One key's slice (possibly spent) and what the next one should be.
+#[derive(Debug)]
+pub(super) struct Entry {
+    /// The budget set the slice was taken from: a reload that changes it never spends it.
+    pub(super) limit: Limit,
+    pub(super) also: Vec<Extra>,
+    /// Where its holds and budgets are in Redis (named at the key's first grant: a key that
+    /// never gets one costs no more than its entry).
+    pub(super) place: Place,
+    /// The hold in Redis not settled yet (0: none), its units not spent, and the grant.
+    pub(super) hold: HoldId,
+    pub(super) left: u64,
+    pub(super) grant: Grant,
+    /// The last levels and held ticks Redis reported for these budgets, at its `TIME`, seen
+    /// here at `seen`.
+    pub(super) levels: [u64; MAX_BUDGETS],
+    pub(super) held: [u64; MAX_BUDGETS],
+    pub(super) redis_at_us: u64,
+    pub(super) seen: Instant,
+    /// When the last reservation was asked for (what sizes the next one).
+    pub(super) reserved: Instant,
+    /// When the hold was asked for: its lifetime starts there, and nothing (a failed call
+    /// handing it back, a new ask) moves it.
+    pub(super) granted_at: Instant,
+    /// Size of the last slice asked.
+    pub(super) size: u64,
+    /// A reservation is in flight since then.
+    pub(super) asking: Option<Instant>,
+}
+
+impl Entry {
+    pub(super) fn serves(&self, req: &AdmitRequest) -> bool {
+        self.limit == req.limit && self.also == req.also
+    }
+
+    pub(super) fn limits(&self) -> impl Iterator<Item = &Limit> {
+        std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
+    }
+
+    /// The budgets as Redis would show them at `now` if the slice were handed back unspent
+    /// as it is.
+    pub(super) fn outcome(&self, now: Instant) -> Outcome {
+        let elapsed = now.saturating_duration_since(self.seen).as_micros() as u64;
+        let at = self.redis_at_us.saturating_add(elapsed);
+        let mut each = Figures::default();
+        for (i, l) in self.limits().enumerate() {
+            let state = State {
+                level: self.levels[i],
+                at_us: self.redis_at_us,
+                rate: l.rate,
+            };
+            let level = (budget::level_at(l, Some(state), at) + self.held[i])
+                .saturating_sub(self.left.saturating_mul(l.per_unit));
+            each.push(Figure {
+                remaining: l.remaining(level),
+                reset_us: l.reset_us(level),
+            });
+        }
+        // The tightest budget speaks for all (fewest left, the first of equals), as in Redis.
+        let figs = each.as_slice();
+        let mut tightest = 0;
+        for (i, f) in figs.iter().enumerate() {
+            if f.remaining < figs[tightest].remaining {
+                tightest = i;
+            }
+        }
+        let Figure {
+            remaining,
+            reset_us,
+        } = figs[tightest];
+        each.decisive = tightest as u8;
+        Outcome {
+            verdict: Verdict::Admit { delay_us: 0 },
+            state: None,
+            remaining,
+            reset_us,
+            each: if self.also.is_empty() {
+                Figures::default()
+            } else {
+                each
+            },
+        }
+    }
+
+    pub(super) fn settle(&mut self) -> Option<Settle> {
+        let id = std::mem::take(&mut self.hold);
+        let unspent = std::mem::take(&mut self.left);
+        let granted = std::mem::take(&mut self.grant);
+        (id != 0).then(|| Settle {
+            place: self.place.clone(),
+            id,
+            unspent,
+            granted,
+        })
+    }
+
+    /// `ask`, this entry's reservation, has its answer (an entry that replaced the one it
+    /// was asked of keeps its own).
+    pub(super) fn done_asking(&mut self, ask: &Ask) {
+        if ask.asker && self.asking == ask.at {
+            self.asking = None;
+        }
+    }
+
+    pub(super) fn expired(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.granted_at) >= LIFETIME
+    }
+
+    pub(super) fn asking(&self, now: Instant) -> bool {
+        // A reservation whose request went away never settles: it stops counting after a
+        // lifetime (any real call has timed out by then).
+        self.asking
+            .is_some_and(|t| now.saturating_duration_since(t) < LIFETIME)
+    }
+}
