@@ -52,6 +52,9 @@ usage: bench/run.sh [options]
       --only "c g"    measure only these configurations (letters above; g, i and h are only
                       built and started when selected)
       --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
+      --syscalls      after the rounds, one more wrk run per selected letter (b c d g i h) under
+                      `perf stat`: system calls (tracepoints) and allocations (uprobes on the
+                      malloc family of libc and of jemalloc) per request, side by side
   -h, --help
 EOF
 }
@@ -67,6 +70,7 @@ WITH_INFO=1
 PRELOAD=""
 ONLY=""
 OUT=""
+SYSCALLS=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-build) BUILD=0 ;;
@@ -81,6 +85,7 @@ while [[ $# -gt 0 ]]; do
     --preload) PRELOAD=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
+    --syscalls) SYSCALLS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -541,6 +546,77 @@ for r in $(seq "$ROUNDS"); do
 done
 
 # ---------------------------------------------------------------------------------------------
+# --syscalls: what each server asks of the kernel and of its allocator per request.
+SYSCALL_TABLE=""
+if [[ $SYSCALLS == 1 ]]; then
+  command -v perf >/dev/null || { echo "--syscalls needs perf (apt-get install linux-perf)" >&2; exit 1; }
+  SC_LIST=(read write readv writev recvfrom sendto recvmsg sendmsg epoll_wait epoll_pwait epoll_ctl
+           futex accept4 close sched_yield mmap munmap madvise mprotect brk getrandom ioctl
+           clock_gettime setsockopt getsockopt)
+  SC_EVENTS="raw_syscalls:sys_enter"
+  for c in "${SC_LIST[@]}"; do
+    [[ -d /sys/kernel/tracing/events/syscalls/sys_enter_$c ]] && SC_EVENTS+=",syscalls:sys_enter_$c"
+  done
+  # (grep reads all of perf's output: with `grep -q`, pipefail would see perf's SIGPIPE.)
+  probe_exists() { perf probe -l 2>/dev/null | grep -F "$1" >/dev/null; }
+  # Allocation probes: libc's malloc family for every server, jemalloc's (tollgate, bare Pingora).
+  LIBC=$(ldd "$BIN" | awk '/libc\.so/ { print $3 }')
+  ALLOC_EVENTS=""
+  for f in malloc calloc realloc; do
+    perf probe -q -x "$LIBC" --add "libc_$f=$f" 2>/dev/null || true
+    probe_exists "probe_libc:libc_$f" && ALLOC_EVENTS+=",probe_libc:libc_$f"
+  done
+  for b in "$BIN" "$BARE_BIN"; do
+    grp=$(basename "$b")
+    for f in malloc mallocx calloc rallocx realloc; do
+      perf probe -q -x "$b" --add "${grp}_$f=_rjem_$f" 2>/dev/null || true
+    done
+  done
+  sc_pids() { local p=$1; echo -n "$p"; for c in $(pgrep -P "$p" || true); do echo -n ",$c"; done; }
+  SYSCALL_TABLE="| configuration | syscalls/req | allocations/req | the largest per request |"$'\n'"|---|---:|---:|---|"
+  for n in "${NAMES[@]}"; do
+    [[ $n == b || $n == c || $n == d || $n == g || $n == i || $n == h ]] || continue
+    ev="$SC_EVENTS$ALLOC_EVENTS"
+    case $n in
+      c|d) grp=$(basename "$BIN") ;;
+      g|i) grp=$(basename "$BARE_BIN") ;;
+      *) grp="" ;;
+    esac
+    if [[ -n $grp ]]; then
+      for f in malloc mallocx calloc rallocx realloc; do
+        probe_exists "probe_$grp:${grp}_$f " && ev+=",probe_$grp:${grp}_$f"
+      done
+    fi
+    log "syscalls: ${LABEL[$n]} (${DURATION}s under perf stat)"
+    perf stat -x, -e "$ev" -p "$(sc_pids "${PIDOF[$n]}")" -o "$TMP/perf-$n.txt" -- sleep $((DURATION + 1)) &
+    PERF_PID=$!
+    sleep 0.5
+    run_wrk "$n" "$DURATION" "$TMP/wrk-sc-$n.txt"
+    wait "$PERF_PID" || true
+    read -r _ _ _ reqs _ _ <<<"$(parse_wrk "$TMP/wrk-sc-$n.txt")"
+    row=$(awk -F, -v q="$reqs" '
+      $3 == "raw_syscalls:sys_enter" { total = $1 }
+      $3 ~ /^syscalls:sys_enter_/ { n = $3; sub("syscalls:sys_enter_", "", n); per[n] = $1 }
+      $3 ~ /^probe_/ { allocs += $1 }
+      END {
+        out = ""
+        for (k = 0; k < 6; k++) {
+          best = ""; bv = 0
+          for (c in per) if (per[c] > bv) { bv = per[c]; best = c }
+          if (best == "" || bv / q < 0.05) break
+          out = out sprintf("%s%s %.2f", (out == "" ? "" : ", "), best, bv / q)
+          delete per[best]
+        }
+        printf "%.2f | %.2f | %s", total / q, allocs / q, out
+      }' "$TMP/perf-$n.txt")
+    SYSCALL_TABLE+=$'\n'"| ${LABEL[$n]} | $row |"
+  done
+  perf probe -q --del 'probe_libc:*' 2>/dev/null || true
+  perf probe -q --del "probe_$(basename "$BIN"):*" 2>/dev/null || true
+  perf probe -q --del "probe_$(basename "$BARE_BIN"):*" 2>/dev/null || true
+fi
+
+# ---------------------------------------------------------------------------------------------
 # Redis memory per budget key. (1) keys written during a short load with the bench budget
 # (they live ~1 ms: sampled atomically inside a script); (2) one key written with a realistic
 # budget (120 units per hour, so it lives 30 s), after a SIGHUP reload of (d)'s config.
@@ -705,3 +781,10 @@ echo "Redis MEMORY USAGE of a budget key: during load (bench budget, key value):
   "realistic budget (120 per 1h): ${REAL_KEY_SAMPLE:-n/a}."
 echo
 echo "tollgate RSS after the runs: memory store $TM_RSS, redis store $TR_RSS."
+
+if [[ -n $SYSCALL_TABLE ]]; then
+  echo
+  echo "System calls (perf stat tracepoints) and allocations (uprobes on libc's and jemalloc's malloc, calloc, realloc, mallocx, rallocx) per request, one more ${DURATION}s wrk run each, server processes only (nginx: master and worker):"
+  echo
+  echo "$SYSCALL_TABLE"
+fi
