@@ -6,6 +6,8 @@
 
 pub mod access;
 mod logging;
+#[cfg(target_os = "linux")]
+mod process;
 mod routes;
 
 use std::sync::OnceLock;
@@ -309,9 +311,7 @@ pub fn metrics() -> &'static Metrics {
             .set(1);
         // CPU, memory and file descriptors of this process (`process_*`).
         #[cfg(target_os = "linux")]
-        let _ = prometheus::register(Box::new(
-            prometheus::process_collector::ProcessCollector::for_self(),
-        ));
+        let _ = prometheus::register(Box::new(process::Process::for_self()));
         m
     })
 }
