@@ -8,6 +8,7 @@ pub mod access;
 mod logging;
 #[cfg(target_os = "linux")]
 mod process;
+pub mod recent;
 mod routes;
 
 use std::sync::OnceLock;
