@@ -37,6 +37,10 @@ enum Cmd {
         /// Also reload when the file changes (checked every second), as on SIGHUP.
         #[arg(long)]
         watch: bool,
+        /// Write the process id to this file at start (and remove it at exit), for
+        /// `kill -HUP "$(cat FILE)"`.
+        #[arg(long)]
+        pid_file: Option<PathBuf>,
     },
     /// Validate the config and print the route/cost table; exit 1 on error.
     Check {
@@ -117,6 +121,24 @@ fn to_stdout(text: &str, code: ExitCode) -> ExitCode {
     }
 }
 
+/// `--pid-file`: this process's id in a file while it runs, so that a reload signals this
+/// gateway and no other (`pidof tollgate` would find every tollgate on the host).
+struct PidFile(PathBuf);
+
+impl PidFile {
+    fn write(path: PathBuf) -> Result<PidFile, String> {
+        std::fs::write(&path, format!("{}\n", std::process::id()))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(PidFile(path))
+    }
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// eprintln! panics on a closed stderr; with nowhere to report, there is nothing to do.
 fn to_stderr(text: &str) {
     let mut err = std::io::stderr().lock();
@@ -132,11 +154,22 @@ fn main() -> ExitCode {
 fn run() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { config, watch } => {
+        Cmd::Run {
+            config,
+            watch,
+            pid_file,
+        } => {
             init_logging(cli.log_format);
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
+            };
+            let _pid = match pid_file.map(PidFile::write).transpose() {
+                Ok(p) => p,
+                Err(e) => {
+                    to_stderr(&format!("tollgate: --pid-file: {e}\n"));
+                    return ExitCode::from(1);
+                }
             };
             match tollgate::app::run(cfg, &config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
