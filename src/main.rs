@@ -121,24 +121,6 @@ fn to_stdout(text: &str, code: ExitCode) -> ExitCode {
     }
 }
 
-/// `--pid-file`: this process's id in a file while it runs, so that a reload signals this
-/// gateway and no other (`pidof tollgate` would find every tollgate on the host).
-struct PidFile(PathBuf);
-
-impl PidFile {
-    fn write(path: PathBuf) -> Result<PidFile, String> {
-        std::fs::write(&path, format!("{}\n", std::process::id()))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(PidFile(path))
-    }
-}
-
-impl Drop for PidFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// eprintln! panics on a closed stderr; with nowhere to report, there is nothing to do.
 fn to_stderr(text: &str) {
     let mut err = std::io::stderr().lock();
@@ -164,20 +146,21 @@ fn run() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            let _pid = match pid_file.map(PidFile::write).transpose() {
-                Ok(p) => p,
-                Err(e) => {
-                    to_stderr(&format!("tollgate: --pid-file: {e}\n"));
+            if let Some(path) = &pid_file {
+                if let Err(e) = tollgate::pid_file::write(path) {
+                    to_stderr(&format!("tollgate: --pid-file {}: {e}\n", path.display()));
                     return ExitCode::from(1);
                 }
-            };
-            match tollgate::app::run(cfg, &config, watch) {
+            }
+            let code = match tollgate::app::run(cfg, &config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     to_stderr(&format!("tollgate: {e:#}\n"));
                     ExitCode::from(1)
                 }
-            }
+            };
+            tollgate::pid_file::remove();
+            code
         }
         Cmd::Check { config } => match load(&config) {
             Ok(cfg) => {
