@@ -312,7 +312,7 @@ pub fn metrics() -> &'static Metrics {
             .set(1);
         // CPU, memory and file descriptors of this process (`process_*`).
         #[cfg(target_os = "linux")]
-        let _ = prometheus::register(Box::new(process::Process::for_self()));
+        process::register();
         m
     })
 }
