@@ -41,11 +41,21 @@ impl Default for LastMinute {
     }
 }
 
-/// Whole seconds since the process's first call: the ring's clock (monotonic, so a wall
+fn start() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// The ring's clock: whole seconds since the process's first call (monotonic, so a wall
 /// clock step neither loses nor doubles a minute).
 pub fn now_second() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs()
+    start().elapsed().as_secs()
+}
+
+/// The second of `at` on the ring's clock, for a caller that has read the time anyway (an
+/// instant before the clock's start is its second 0).
+pub fn second_of(at: Instant) -> u64 {
+    at.saturating_duration_since(start()).as_secs()
 }
 
 fn pack(second: u64, admitted: u64, refused: u64) -> u64 {

@@ -171,10 +171,11 @@ impl RouteMetrics {
 
     /// Counts a request in the last minute's figures: admitted (when the decision is made,
     /// shadow mode's included) or refused (when its refusal is answered).
-    pub fn count_recent(&self, admitted: bool) {
+    /// `at`: when, from an instant the request has read anyway (no clock read here).
+    pub fn count_recent(&self, admitted: bool, at: std::time::Instant) {
         self.recent
             .get_or_init(Box::default)
-            .count(recent::now_second(), admitted);
+            .count(recent::second_of(at), admitted);
     }
 
     /// The last minute's admitted and refused requests (zeros for a route without any).
