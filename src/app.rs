@@ -163,6 +163,7 @@ impl ShutdownSignalWatch for Signals {
                     // after SIGINT that way (a worker that did not come back to its runtime).
                     self.app.shared.store.release_all().await;
                     crate::telemetry::flush_logs();
+                    crate::pid_file::remove();
                     std::process::exit(0);
                 }
                 _ = quit.recv() => return ShutdownSignal::GracefulUpgrade,
@@ -193,6 +194,7 @@ fn spawn_drain_watch(app: Arc<App>) {
         }
         release_leases(&app);
         crate::telemetry::flush_logs();
+        crate::pid_file::remove();
         std::process::exit(0);
     });
 }

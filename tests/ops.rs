@@ -1074,3 +1074,36 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
     println!("scrape {} bytes, reload {took:?}", scrape.len());
 }
+
+/// `tollgate run --pid-file`: the file names this gateway's process (a reload signals it and
+/// no other tollgate on the host: docs/operations.md), and is gone after a clean exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pid_file_names_the_gateway_to_reload() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("tollgate.pid");
+    let path = pid_file.display().to_string();
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+        args: vec!["--pid-file", &path],
+        ..GatewayOpts::default()
+    });
+    let written = std::fs::read_to_string(&pid_file).unwrap();
+    assert_eq!(written, format!("{}\n", gw.pid()));
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", written.trim()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_metric(
+        &gw,
+        "tollgate_config_reloads_total{result=\"ok\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    gw.signal("TERM");
+    assert_eq!(gw.wait_exit(Duration::from_secs(12)), Some(0));
+    assert!(!pid_file.exists(), "the pid file is removed at exit");
+}

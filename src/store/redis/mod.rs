@@ -170,17 +170,24 @@ impl RedisBackend {
         })
     }
 
+    /// True while the circuit breaker is closed (the status page's "breaker" field).
+    pub fn breaker_closed(&self) -> bool {
+        self.breaker.closed()
+    }
+
     /// Redis's clock (µs) when it last decided an `admit` for this instance; 0 before any.
     pub fn last_decided_us(&self) -> u64 {
         self.last_decided_us.load(Ordering::Relaxed)
     }
 
-    /// Metrics, breaker and connection health after one call.
+    /// Metrics, breaker and connection health after one call. A call the open breaker
+    /// refused never went to Redis: it is counted (`breaker_open`, an error for the alerts)
+    /// but has no duration, so the latency histogram describes Redis only.
     fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
         let m = metrics();
-        m.store_duration.observe(start.elapsed().as_secs_f64());
         match res {
             Ok(_) => {
+                m.store_duration.observe(start.elapsed().as_secs_f64());
                 m.store_calls.with_label_values(&["ok"]).inc();
                 self.breaker.success();
             }
@@ -188,6 +195,7 @@ impl RedisBackend {
                 m.store_calls.with_label_values(&["breaker_open"]).inc();
             }
             Err(e) => {
+                m.store_duration.observe(start.elapsed().as_secs_f64());
                 m.store_calls.with_label_values(&[e.metric_label()]).inc();
                 tracing::debug!(error = %e, "store call failed");
                 self.conns.forget();
