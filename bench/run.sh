@@ -488,9 +488,9 @@ parse_wrk() {
   ' "$1"
 }
 
-redis_cmdstats() { # "command calls" lines (INFO itself excluded)
+redis_cmdstats() { # "command calls usec" lines (INFO itself excluded)
   redis-cli -p "$RD_PORT" INFO commandstats | tr -d '\r' | awk -F'[:,=]' '
-    /^cmdstat_/ { cmd = $1; sub("cmdstat_", "", cmd); if (cmd != "info") print cmd, $3 }'
+    /^cmdstat_/ { cmd = $1; sub("cmdstat_", "", cmd); if (cmd != "info") print cmd, $3, $5 }'
 }
 requests_total() { # sum of tollgate_requests_total over all series
   curl -s -m 2 "http://127.0.0.1:$1/metrics" | awk '/^tollgate_requests_total\{/ { s += $NF } END { printf "%d\n", s }'
@@ -512,6 +512,7 @@ fi
 
 declare -A RES CPU
 declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
+declare -A RUSEC=([d]=0 [h]=0)  # letter → Redis's usec (INFO commandstats, top-level calls)
 declare -A RT_REQS=([d]=0 [h]=0)
 for r in $(seq "$ROUNDS"); do
   for n in "${NAMES[@]}"; do
@@ -533,9 +534,13 @@ for r in $(seq "$ROUNDS"); do
         # when wrk stops were charged but are not counted, ≤ CONNS per run)
         RT_REQS[h]=$((RT_REQS[h] + reqs))
       fi
-      while read -r cmd delta; do
+      while read -r cmd delta usec; do
         RCMD[$n,$cmd]=$(( ${RCMD[$n,$cmd]:-0} + delta ))
-      done < <(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - b[$1]; if (d > 0) print $1, d }' \
+        # A script's usec includes the commands it runs: count top-level calls only.
+        case $cmd in evalsha|eval|evalsha_ro|eval_ro|fcall|script|ping|hello|client|select|auth)
+          RUSEC[$n]=$(( RUSEC[$n] + usec )) ;;
+        esac
+      done < <(awk 'NR == FNR { b[$1] = $2; u[$1] = $3; next } { d = $2 - b[$1]; if (d > 0) print $1, d, $3 - u[$1] }' \
                  "$TMP/redis-before.txt" "$TMP/redis-after.txt")
     fi
     # CPU µs of the server under test per request served
@@ -772,7 +777,8 @@ redis_round_trips() { # letter what-counted-the-requests
   done
   echo "Redis round trips during the ($n) runs: ${detail%, } for ${RT_REQS[$n]} requests ($2) →" \
     "**$(awk -v a="$rt" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }') round trips per request**." \
-    "Commands run inside the scripts: ${inner%, }."
+    "Commands run inside the scripts: ${inner%, }." \
+    "Redis CPU (INFO commandstats usec) per request: **$(awk -v a="${RUSEC[$n]}" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.1f", (q > 0 ? a / q : 0) }') µs**."
   echo
 }
 has d && redis_round_trips d "served, tollgate_requests_total"
