@@ -130,7 +130,7 @@ fn on_redis(url: &str, body: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_queue_is_fair_across_two_and_three_gateways_on_redis() {
-    for (n, runs) in [(2, 3), (3, 2)] {
+    for (n, runs) in [(2, 5), (3, 5)] {
         for run in 0..runs {
             // A Redis of its own for each run: the last run's gateways are killed right after
             // their last answer, and their slots would come back only after lease_ttl.
@@ -510,4 +510,69 @@ async fn the_queue_is_fair_through_three_gateways_on_a_redis_cluster() {
     let up = Upstream::start(Duration::from_secs(1));
     let gws: Vec<Gateway> = (0..3).map(|_| Gateway::start(&up, &body)).collect();
     small_customers_first(&up, &gws, "3 gateways on a Cluster").await;
+}
+
+/// Issue 25: a Sentinel failover while requests wait in a route's queue: every waiter is
+/// answered (served, or 503 while the store is away under `on_error: deny`) — none hangs —
+/// and the cap holds throughout (`deny` admits nothing locally).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_are_answered_through_a_sentinel_failover() {
+    let set = SentinelSet::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = on_redis(
+        &set.url(),
+        &config(
+            "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
+            "",
+        ),
+    );
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    let sent: Vec<_> = (0..8)
+        .map(|i| {
+            let req = c
+                .post(gws[i % 2].url("/reports/generate"))
+                .header("X-API-Key", "key-a");
+            tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()).ok() })
+        })
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    let start = Instant::now();
+    loop {
+        let mut queued = 0.0;
+        for gw in &gws {
+            queued += metric(gw, "tollgate_queued{route=\"/reports/generate\"}").await;
+        }
+        if queued >= 6.0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{queued} queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old = set.current_primary();
+    assert_eq!(
+        set.sentinel.cli(&["SENTINEL", "FAILOVER", "tollgate"]),
+        "OK"
+    );
+    let failover = Instant::now();
+    let mut statuses = vec![];
+    for s in sent {
+        let status = tokio::time::timeout(Duration::from_secs(40), s)
+            .await
+            .expect("a waiter hung through the failover")
+            .unwrap();
+        statuses.push(status.unwrap_or(0));
+    }
+    assert_ne!(set.current_primary(), old, "no failover happened");
+    statuses.sort();
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 503),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().filter(|s| **s == 200).count() >= 2,
+        "{statuses:?}"
+    );
+    assert!(failover.elapsed() < Duration::from_secs(40));
+    assert_eq!(up.max_concurrent("/reports/generate"), 2, "{statuses:?}");
 }
