@@ -220,6 +220,10 @@ async fn routes(shared: &Shared) -> Resp {
             v["max_queue"] = r.queue.max_queue.into();
             v["max_in_flight_per_key"] = r.queue.per_key.into();
             v["keys"] = keys.into();
+            if r.jobs.is_some() {
+                let (queued, running) = shared.jobs.counts(&r.label);
+                v["jobs"] = serde_json::json!({"queued": queued, "running": running});
+            }
         }
         out.push(v);
     }

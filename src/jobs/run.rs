@@ -1,0 +1,313 @@
+//! A job's life: charged and queued at submission ([`submit`]), then its own task waits for
+//! the route's slot (or a `DELETE`, or `result_ttl`), sends the request, keeps the answer, and
+//! settles the charge the way a synchronous request's is settled (DESIGN §3, §6, §8).
+
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::metrics::{self, InState};
+use super::send::{self, JobRequest, Sent};
+use super::{new_id, Job, Status, Stored};
+use crate::identity::Identity;
+use crate::problem::{self, Problem};
+use crate::proxy::ctx::InFlight;
+use crate::route::stated::Report;
+use crate::route::{AsyncRules, Route};
+use crate::state::{Running, Shared};
+use crate::store::memory::JobPlace;
+use crate::store::{Admission, AdmitRequest, Lease, Standing, Store};
+use crate::telemetry::access;
+
+/// A job accepted: charged, queued, its task started.
+pub struct Submission {
+    pub job: Arc<Job>,
+    pub standing: Standing,
+    /// 1 + the waiters ahead of it in arrival order; 0 when a slot was free.
+    pub position: usize,
+}
+
+/// What the end-of-job access-log line says about the request (never the key).
+#[derive(Debug, Clone)]
+pub struct Origin {
+    pub method: String,
+    pub key: String,
+    pub request_id: Option<String>,
+    pub client: Option<IpAddr>,
+}
+
+struct Task {
+    shared: Arc<Shared>,
+    running: Arc<Running>,
+    route: Arc<Route>,
+    rules: AsyncRules,
+    job: Arc<Job>,
+    admit: AdmitRequest,
+    lease: Lease,
+    place: Option<JobPlace>,
+    cancelled: oneshot::Receiver<()>,
+    request: JobRequest,
+    origin: Origin,
+    submitted: Instant,
+}
+
+/// Charges the job and queues it; `Err` is the store's refusal (nothing charged, no job).
+// The refusal is returned by value once per refused submission, like the store's answers.
+#[allow(clippy::result_large_err)]
+pub fn submit(
+    shared: &Arc<Shared>,
+    running: Arc<Running>,
+    route: Arc<Route>,
+    who: &Identity,
+    admit: AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+) -> Result<Submission, Admission> {
+    let (Store::Memory(m), Some(rules), Some(cap)) =
+        (&shared.store, route.jobs, route.max_in_flight)
+    else {
+        // `check` refuses async on other stores and on uncapped routes.
+        return Err(Admission::Unavailable);
+    };
+    let (standing, lease, place) = m.admit_job(&admit, cap)?;
+    let waiting = match &place {
+        JobPlace::Slot(_) => None,
+        JobPlace::Waiting(w) => Some(w.place()),
+    };
+    let position = waiting.as_ref().and_then(|p| p.position()).unwrap_or(0);
+    let (tx, rx) = oneshot::channel();
+    let job = Arc::new(Job {
+        id: new_id(),
+        key: who.hash,
+        route: route.label.clone(),
+        status: Mutex::new(Status::Queued(waiting)),
+        cancel: Mutex::new(Some(tx)),
+    });
+    shared.jobs.insert(job.clone());
+    tokio::spawn(run(Task {
+        shared: shared.clone(),
+        running,
+        route,
+        rules,
+        job: job.clone(),
+        admit,
+        lease,
+        place: Some(place),
+        cancelled: rx,
+        request,
+        origin,
+        submitted: Instant::now(),
+    }));
+    Ok(Submission {
+        job,
+        standing,
+        position,
+    })
+}
+
+/// The gateway's own answer as a job's result.
+pub(super) fn problem_result(p: Problem, detail: &str) -> Stored {
+    Stored {
+        status: p.status(),
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/problem+json"),
+        )],
+        body: problem::body(p, detail, None, None, None).into(),
+    }
+}
+
+/// How a job ended, for its metrics and its last access-log line.
+struct Ended {
+    result: &'static str,
+    status: u16,
+    upstream_status: Option<u16>,
+    cost: u64,
+    queued: Duration,
+    upstream: Option<Duration>,
+}
+
+async fn run(mut t: Task) {
+    let waited = Instant::now();
+    let queued_gauge = InState::new(&t.route.label, "queued");
+    let slot = match t.place.take() {
+        Some(JobPlace::Slot(s)) => Some(s),
+        Some(JobPlace::Waiting(w)) => tokio::select! {
+            s = w.granted() => Some(s),
+            _ = &mut t.cancelled => None,
+            _ = tokio::time::sleep(t.rules.result_ttl) => None,
+        },
+        None => None,
+    };
+    drop(queued_gauge);
+    let queued = waited.elapsed();
+    let slot = match slot {
+        Some(slot) if t.job.start() => slot,
+        slot => {
+            // Cancelled, or no slot within result_ttl: it never ran, so its charge goes back.
+            drop(slot);
+            t.shared.store.refund(&t.admit, t.lease.charge()).await;
+            let lease = std::mem::take(&mut t.lease);
+            lease.release().await;
+            let result = if t.job.expire(t.rules.result_ttl) {
+                "expired"
+            } else {
+                t.shared.jobs.remove(&t.job.id);
+                "cancelled"
+            };
+            let status = if result == "expired" { 503 } else { 0 };
+            return t.ended(Ended {
+                result,
+                status,
+                upstream_status: None,
+                cost: 0,
+                queued,
+                upstream: None,
+            });
+        }
+    };
+    t.lease.attach_route(slot);
+    let ended = execute(&mut t, queued).await;
+    t.ended(ended);
+}
+
+/// Runs a job that holds its slot, and keeps its result.
+async fn execute(t: &mut Task, queued: Duration) -> Ended {
+    // SIGTERM lets a running job finish within grace_period, like a request.
+    let _drain = t.shared.drain.enter();
+    let _running = InState::new(&t.route.label, "running");
+    let rm = t.running.metrics.get(&t.route);
+    let _in_flight = InFlight::new(&rm.in_flight);
+    let sent = send::send(
+        &t.shared,
+        &t.running,
+        &t.route,
+        &t.request,
+        t.rules.max_response_body,
+    )
+    .await;
+    let ttl = t.rules.result_ttl;
+    let cost = t.admit.cost;
+    let mut ended = Ended {
+        result: "failed",
+        status: 502,
+        upstream_status: None,
+        cost,
+        queued,
+        upstream: None,
+    };
+    let lease = std::mem::take(&mut t.lease);
+    match sent {
+        Sent::Answer {
+            stored,
+            upstream,
+            report,
+        } => {
+            let total = match report {
+                Some(Report::Applied(units)) => units,
+                _ => t.route.fidelity.final_cost(cost, Some(upstream)),
+            };
+            let charge = lease.charge();
+            lease.release().await;
+            t.shared.store.settle(&t.admit, charge, total).await;
+            if let Some(r) = report {
+                rm.cost_report(r);
+            }
+            ended.result = "done";
+            ended.status = stored.status;
+            ended.upstream_status = Some(stored.status);
+            ended.cost = total;
+            ended.upstream = Some(upstream);
+            t.job.finish(stored, ttl);
+        }
+        Sent::Unreachable(detail) => {
+            t.shared.store.refund(&t.admit, lease.charge()).await;
+            lease.release().await;
+            ended.cost = 0;
+            tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream unreachable; refunded");
+            t.job.finish(
+                problem_result(
+                    Problem::BadGateway,
+                    "the upstream could not be reached; the job's charge was refunded",
+                ),
+                ttl,
+            );
+        }
+        Sent::TimedOut(follow) => {
+            ended.status = 504;
+            t.job.finish(
+                problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands"),
+                ttl,
+            );
+            // The slot follows the upstream's late answer, as for a synchronous request.
+            follow.until_done().await;
+            lease.release().await;
+        }
+        Sent::TooLarge { upstream } => {
+            lease.release().await;
+            ended.upstream = Some(upstream);
+            t.job.finish(
+                problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands"),
+                ttl,
+            );
+        }
+        Sent::Broken { upstream, detail } => {
+            lease.release().await;
+            ended.upstream = Some(upstream);
+            tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
+            t.job.finish(
+                problem_result(
+                    Problem::BadGateway,
+                    "the upstream's answer broke off; it had the request, so the charge stands",
+                ),
+                ttl,
+            );
+        }
+    }
+    if let Some(u) = ended.upstream {
+        rm.upstream_duration.observe(u.as_secs_f64());
+    }
+    ended
+}
+
+impl Task {
+    /// The job's last metrics and access-log line.
+    fn ended(&self, e: Ended) {
+        metrics::ended(&self.route.label, e.result);
+        let rm = self.running.metrics.get(&self.route);
+        if e.cost > 0 {
+            rm.cost_units.inc_by(e.cost);
+        }
+        if !access::enabled() {
+            return;
+        }
+        let decision = match e.result {
+            "done" => "job_done",
+            "expired" => "job_expired",
+            "cancelled" => "job_cancelled",
+            _ => "job_failed",
+        };
+        access::write(&access::AccessRecord {
+            method: &self.origin.method,
+            route: &self.route.label,
+            key: &self.origin.key,
+            cost: e.cost,
+            decision,
+            status: e.status,
+            latency_ms: self.submitted.elapsed().as_secs_f64() * 1e3,
+            upstream_ms: e.upstream.map(|u| u.as_secs_f64() * 1e3),
+            store_ms: 0.0,
+            queue_ms: e.queued.as_secs_f64() * 1e3,
+            hold_ms: 0.0,
+            upstream_status: e.upstream_status,
+            request_id: self.origin.request_id.as_deref(),
+            fallback: false,
+            shadow: None,
+            client: self.origin.client,
+            error: None,
+            job: Some(&self.job.id),
+        });
+    }
+}

@@ -1,0 +1,243 @@
+//! A job's request to the upstream, and the answer read back whole (up to
+//! `max_response_body`): the peer the synchronous path would pick, with the same timeouts
+//! (`forward::peer`), through Pingora's own client.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use pingora::connectors::http::Connector;
+use pingora::http::RequestHeader;
+use pingora::protocols::http::client::HttpSession;
+use pingora::ErrorType;
+
+use super::Stored;
+use crate::proxy::forward;
+use crate::route::stated::Report;
+use crate::route::Route;
+use crate::state::{Running, Shared};
+
+/// What the upstream receives: the head as `forward::request` made it at submission, and the
+/// whole body.
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub header: RequestHeader,
+    pub body: Bytes,
+}
+
+/// How sending went.
+pub(super) enum Sent {
+    /// The upstream answered in full.
+    Answer {
+        stored: Stored,
+        upstream: Duration,
+        report: Option<Report>,
+    },
+    /// It never had the request (no connection, or the request could not be written): 502,
+    /// refunded, as for a synchronous request.
+    Unreachable(String),
+    /// No answer within `read_timeout`: 504, charged. The slot follows the late answer.
+    TimedOut(Box<Follow>),
+    /// An answer over `max_response_body`: 502, charged.
+    TooLarge { upstream: Duration },
+    /// The answer broke off after its head: 502, charged (the upstream did the work).
+    Broken { upstream: Duration, detail: String },
+}
+
+/// The upstream connection of a job that timed out: read to the end of its late answer (and
+/// discarded) so that the route's slot follows the upstream's work, until `deadline`
+/// (`abandon_timeout` after the request was sent).
+pub(super) struct Follow {
+    session: HttpSession,
+    deadline: Instant,
+}
+
+impl Follow {
+    pub(super) async fn until_done(mut self) {
+        let s = &mut self.session;
+        let read = async {
+            s.read_response_header().await?;
+            while s.read_response_body().await?.is_some() {}
+            Ok::<(), Box<pingora::Error>>(())
+        };
+        let _ = tokio::time::timeout_at(self.deadline.into(), read).await;
+    }
+}
+
+/// One connector for every job: its sessions are never put back in its pool (a pooled
+/// connection would belong to the runtime of the job that opened it).
+fn connector() -> &'static Connector {
+    static C: OnceLock<Connector> = OnceLock::new();
+    C.get_or_init(|| Connector::new(None))
+}
+
+/// The headers of a stored answer: hop-by-hop ones and the length (set again when it is
+/// served) are left out.
+fn kept(name: &http::HeaderName) -> bool {
+    !matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-connection"
+            | "content-length"
+    )
+}
+
+/// The peer for `route`, as `upstream_peer` picks it, with the `Host` of a named upstream's
+/// address, its read timeout and abandon timeout.
+type PeerChoice = (
+    pingora::upstreams::peer::HttpPeer,
+    Option<http::HeaderValue>,
+    Duration,
+    Duration,
+);
+
+fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice, String> {
+    if let Some(name) = &route.provider.upstream {
+        let pools = shared.pools.load();
+        let (addr, t) = pools
+            .get(name)
+            .and_then(|p| p.pick())
+            .ok_or("no healthy address in the named upstream")?;
+        let host = Some(t.host_header.clone());
+        return Ok((
+            forward::peer(addr, t),
+            host,
+            t.read_timeout,
+            t.abandon_timeout,
+        ));
+    }
+    let addr = shared
+        .upstream_addr
+        .load_full()
+        .ok_or("upstream host did not resolve")?;
+    let up = &running.config.upstream;
+    Ok((
+        forward::peer(*addr, up),
+        None,
+        up.read_timeout,
+        up.abandon_timeout,
+    ))
+}
+
+/// Sends the job's request and reads the answer, at most `max_body` bytes of it.
+pub(super) async fn send(
+    shared: &Shared,
+    running: &Running,
+    route: &Route,
+    req: &JobRequest,
+    max_body: u64,
+) -> Sent {
+    let (peer, host, read_timeout, abandon) = match peer(shared, running, route) {
+        Ok(p) => p,
+        Err(m) => return Sent::Unreachable(m),
+    };
+    let mut header = req.header.clone();
+    if let Some(h) = host {
+        if let Err(e) = header.insert_header(http::header::HOST, h) {
+            return Sent::Unreachable(e.to_string());
+        }
+    }
+    let mut s = match connector().get_http_session(&peer).await {
+        Ok((s, _)) => s,
+        Err(e) => return Sent::Unreachable(e.to_string()),
+    };
+    s.set_read_timeout(None);
+    s.set_write_timeout(Some(read_timeout));
+    let sent_at = Instant::now();
+    let wrote = async {
+        s.write_request_header(Box::new(header)).await?;
+        if !req.body.is_empty() {
+            s.write_request_body(req.body.clone(), false).await?;
+        }
+        s.finish_request_body().await
+    };
+    if let Err(e) = wrote.await {
+        return Sent::Unreachable(e.to_string());
+    }
+    let head = async {
+        // An informational answer (103 Early Hints) comes before the real one.
+        loop {
+            s.read_response_header().await?;
+            let informational = s
+                .response_header()
+                .is_some_and(|h| h.status.is_informational() && h.status != 101);
+            if !informational {
+                return Ok::<(), Box<pingora::Error>>(());
+            }
+        }
+    };
+    match tokio::time::timeout(read_timeout, head).await {
+        Err(_) => {
+            return Sent::TimedOut(Box::new(Follow {
+                session: s,
+                deadline: sent_at + abandon.max(read_timeout),
+            }))
+        }
+        Ok(Err(e)) if e.etype() == &ErrorType::ReadTimedout => {
+            return Sent::TimedOut(Box::new(Follow {
+                session: s,
+                deadline: sent_at,
+            }))
+        }
+        Ok(Err(e)) => return Sent::Unreachable(e.to_string()),
+        Ok(Ok(())) => {}
+    }
+    let upstream = sent_at.elapsed();
+    let Some(head) = s.response_header().cloned() else {
+        return Sent::Unreachable("no response head".into());
+    };
+    let declared = head
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max_body) {
+        return Sent::TooLarge { upstream };
+    }
+    let mut body = BytesMut::new();
+    loop {
+        match tokio::time::timeout(read_timeout, s.read_response_body()).await {
+            Ok(Ok(Some(chunk))) => {
+                if (body.len() + chunk.len()) as u64 > max_body {
+                    return Sent::TooLarge { upstream };
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => {
+                return Sent::Broken {
+                    upstream,
+                    detail: e.to_string(),
+                }
+            }
+            Err(_) => {
+                return Sent::Broken {
+                    upstream,
+                    detail: "the answer stalled past read_timeout".into(),
+                }
+            }
+        }
+    }
+    let stated = route.fidelity.cost_from_response.as_ref();
+    let report = stated.map(|name| Report::read(&head.headers, name, route.cost));
+    let headers = head
+        .headers
+        .iter()
+        .filter(|(n, _)| kept(n) && stated != Some(*n))
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    Sent::Answer {
+        stored: Stored {
+            status: head.status.as_u16(),
+            headers,
+            body: body.freeze(),
+        },
+        upstream,
+        report,
+    }
+}
