@@ -41,17 +41,24 @@ fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
     (mean * waves).ceil().clamp(1.0, 3600.0) as u64
 }
 
-/// Writes the gateway's answer with the rate-limit headers of the request's decision.
+/// Headers the gateway writes, by the names it spells them with.
+type Own = Vec<(&'static str, HeaderValue)>;
+
+/// Writes the gateway's answer (its own headers, or a stored upstream answer's) with the
+/// rate-limit headers of the request's decision.
 async fn answer(
     session: &mut Session,
     ctx: &Ctx,
     status: u16,
-    headers: Vec<(HeaderName, HeaderValue)>,
+    (own, stored): (Own, Vec<(HeaderName, HeaderValue)>),
     body: Bytes,
     retry_after: Option<u64>,
 ) -> Result<bool> {
-    let mut h = ResponseHeader::build(status, Some(headers.len() + 10))?;
-    for (name, value) in headers {
+    let mut h = ResponseHeader::build(status, Some(own.len() + stored.len() + 10))?;
+    for (name, value) in own {
+        h.append_header(name, value)?;
+    }
+    for (name, value) in stored {
         h.append_header(name, value)?;
     }
     h.insert_header("Content-Length", body.len().to_string())?;
@@ -69,16 +76,10 @@ async fn answer(
     Ok(true)
 }
 
-fn json_headers() -> Vec<(HeaderName, HeaderValue)> {
+fn json_headers() -> Own {
     vec![
-        (
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        ),
-        (
-            http::header::CACHE_CONTROL,
-            HeaderValue::from_static("no-store"),
-        ),
+        ("Content-Type", HeaderValue::from_static("application/json")),
+        ("Cache-Control", HeaderValue::from_static("no-store")),
     ]
 }
 
@@ -87,18 +88,16 @@ async fn problem_answer(
     ctx: &Ctx,
     p: Problem,
     detail: &str,
-    mut extra: Vec<(HeaderName, HeaderValue)>,
 ) -> Result<bool> {
-    extra.push((
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    ));
-    extra.push((
-        http::header::CACHE_CONTROL,
-        HeaderValue::from_static("no-store"),
-    ));
+    let own = vec![
+        (
+            "Content-Type",
+            HeaderValue::from_static("application/problem+json"),
+        ),
+        ("Cache-Control", HeaderValue::from_static("no-store")),
+    ];
     let body = problem::body(p, detail, None, None, None);
-    answer(session, ctx, p.status(), extra, body.into(), None).await
+    answer(session, ctx, p.status(), (own, vec![]), body.into(), None).await
 }
 
 /// `GET` (or `HEAD`) reads a job, `DELETE` cancels it; another key's, an unknown or an
@@ -135,13 +134,13 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     };
     let Some((job, view)) = found else {
         let detail = "no job with this id for this key (or its result has expired)";
-        return problem_answer(session, ctx, Problem::JobNotFound, detail, vec![]).await;
+        return problem_answer(session, ctx, Problem::JobNotFound, detail).await;
     };
     let route = ctx.route.clone();
     match (method.as_str(), view) {
         ("GET" | "HEAD", View::Done(stored)) => {
             let s = (*stored).clone();
-            answer(session, ctx, s.status, s.headers, s.body, None).await
+            answer(session, ctx, s.status, (vec![], s.headers), s.body, None).await
         }
         ("GET" | "HEAD", view) => {
             let (state, position) = match view {
@@ -151,27 +150,23 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
             let ra = route.map_or(1, |r| retry_after(&running, &r, position));
             let body = serde_json::json!({"id": &*job.id, "status": state, "position": position});
             let body = Bytes::from(body.to_string());
-            answer(session, ctx, 202, json_headers(), body, Some(ra)).await
+            answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await
         }
         ("DELETE", _) => match job.cancel() {
             Cancel::Cancelled => {
                 let body = serde_json::json!({"id": &*job.id, "status": "cancelled"});
                 let body = Bytes::from(body.to_string());
-                answer(session, ctx, 200, json_headers(), body, None).await
+                answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
             }
             Cancel::Started => {
                 let detail = "the job has started; it can no longer be cancelled";
-                problem_answer(session, ctx, Problem::JobStarted, detail, vec![]).await
+                problem_answer(session, ctx, Problem::JobStarted, detail).await
             }
         },
         _ => {
-            let allow = (
-                http::header::ALLOW,
-                HeaderValue::from_static("GET, HEAD, DELETE"),
-            );
-            let mut h = json_headers();
-            h.push(allow);
-            answer(session, ctx, 405, h, Bytes::new(), None).await
+            let mut own = json_headers();
+            own.push(("Allow", HeaderValue::from_static("GET, HEAD, DELETE")));
+            answer(session, ctx, 405, (own, vec![]), Bytes::new(), None).await
         }
     }
 }
@@ -310,28 +305,18 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         id: Some(id.clone()),
         outcome: Some(sub.standing),
     };
-    let mut headers = json_headers();
-    let location = format!("{PATH_PREFIX}{id}");
-    headers.push((
-        http::header::LOCATION,
-        HeaderValue::from_str(&location)
-            .map_err(|e| Error::because(ErrorType::InternalError, "location", e))?,
-    ));
-    headers.push((
-        HeaderName::from_static("preference-applied"),
+    let mut own = json_headers();
+    let location = HeaderValue::from_str(&format!("{PATH_PREFIX}{id}"))
+        .map_err(|e| Error::because(ErrorType::InternalError, "location", e))?;
+    own.push(("Location", location));
+    own.push((
+        "Preference-Applied",
         HeaderValue::from_static("respond-async"),
     ));
     let ra = retry_after(&running, &route, sub.position);
     let body = serde_json::json!({"id": &*id, "status": "queued", "position": sub.position});
-    answer(
-        session,
-        ctx,
-        202,
-        headers,
-        Bytes::from(body.to_string()),
-        Some(ra),
-    )
-    .await
+    let body = Bytes::from(body.to_string());
+    answer(session, ctx, 202, (own, vec![]), body, Some(ra)).await
 }
 
 #[cfg(test)]
