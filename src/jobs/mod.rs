@@ -17,6 +17,7 @@ mod run;
 mod send;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,6 +67,8 @@ pub struct Job {
     status: Mutex<Status>,
     /// Wakes the job's task when `DELETE` cancels it while queued.
     cancel: Mutex<Option<oneshot::Sender<()>>>,
+    /// What it holds in memory (its request body, then its result's), counted in the board.
+    bytes: AtomicU64,
 }
 
 /// A job as a poll sees it.
@@ -128,11 +131,19 @@ impl Job {
         true
     }
 
-    fn finish(&self, result: Stored, ttl: Duration) {
+    /// Keeps `result` for `ttl`; the bytes it holds.
+    fn finish(&self, result: Stored, ttl: Duration) -> u64 {
+        let size = result.body.len()
+            + result
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum::<usize>();
         *lock(&self.status) = Status::Done {
             result: Arc::new(result),
             until: Instant::now() + ttl,
         };
+        size as u64
     }
 
     /// A job that left the queue without running: `false` if `DELETE` cancelled it, else it
@@ -151,11 +162,17 @@ impl Job {
     }
 }
 
+/// Most bytes of request bodies and kept results this process holds for jobs: beyond it a
+/// submission is refused (503 `route-busy`, nothing charged) until results expire.
+pub const MAX_HELD_BYTES: u64 = 1 << 30;
+
 /// Every job of this process, by id.
 #[derive(Debug, Default)]
 pub struct Board {
     jobs: Mutex<HashMap<Arc<str>, Arc<Job>>>,
     last_sweep: Mutex<Option<Instant>>,
+    /// The bytes the jobs hold (see [`MAX_HELD_BYTES`]).
+    held: AtomicU64,
 }
 
 impl Board {
@@ -191,7 +208,36 @@ impl Board {
     }
 
     fn remove(&self, id: &str) {
-        lock(&self.jobs).remove(id);
+        if let Some(j) = lock(&self.jobs).remove(id) {
+            self.held
+                .fetch_sub(j.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    /// Takes room for `n` more bytes, if the board has it.
+    fn reserve(&self, n: u64) -> bool {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                h.checked_add(n).filter(|t| *t <= MAX_HELD_BYTES)
+            })
+            .is_ok()
+    }
+
+    /// Gives back room taken for a job that was not made.
+    fn unreserve(&self, n: u64) {
+        self.held.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// The job now holds `n` bytes (its result instead of its request), whatever the bound.
+    fn resize(&self, job: &Job, n: u64) {
+        let was = job.bytes.swap(n, Ordering::Relaxed);
+        self.held.fetch_add(n, Ordering::Relaxed);
+        self.held.fetch_sub(was, Ordering::Relaxed);
+    }
+
+    /// Bytes held by this process's jobs.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
     }
 
     /// Forgets the results past their `result_ttl`, at most once a second.
@@ -204,10 +250,15 @@ impl Board {
             }
             *last = Some(now);
         }
+        let mut freed = 0;
         lock(&self.jobs).retain(|_, j| match &*lock(&j.status) {
-            Status::Done { until, .. } => now < *until,
+            Status::Done { until, .. } if now >= *until => {
+                freed += j.bytes.load(Ordering::Relaxed);
+                false
+            }
             _ => true,
         });
+        self.held.fetch_sub(freed, Ordering::Relaxed);
     }
 }
 
@@ -245,6 +296,49 @@ mod tests {
         let mut h = http::HeaderMap::new();
         h.append("prefer", "respond-asynchronously".parse().unwrap());
         assert!(!prefers_async(&h));
+    }
+
+    fn job(bytes: u64) -> Arc<Job> {
+        Arc::new(Job {
+            id: new_id(),
+            key: [7; 32],
+            route: Arc::from("/r"),
+            status: Mutex::new(Status::Running),
+            cancel: Mutex::new(None),
+            bytes: AtomicU64::new(bytes),
+        })
+    }
+
+    #[test]
+    fn the_board_bounds_the_bytes_its_jobs_hold_and_forgets_expired_results() {
+        let board = Board::default();
+        assert!(board.reserve(MAX_HELD_BYTES - 10));
+        assert!(!board.reserve(11));
+        board.unreserve(MAX_HELD_BYTES - 10);
+        assert!(board.reserve(100));
+        let j = job(100);
+        board.insert(j.clone());
+        // Another key's job is not found; its own is, while it runs.
+        assert!(board.get(&j.id, &[8; 32]).is_none());
+        assert!(matches!(
+            board.get(&j.id, &[7; 32]),
+            Some((_, View::Running))
+        ));
+        let kept = j.finish(
+            Stored {
+                status: 200,
+                headers: vec![],
+                body: Bytes::from_static(b"0123456789"),
+            },
+            Duration::ZERO,
+        );
+        board.resize(&j, kept);
+        assert_eq!(board.held_bytes(), 10);
+        // Its result has expired (a ttl of 0): gone, and its bytes with it.
+        *lock(&board.last_sweep) = None;
+        assert!(board.get(&j.id, &[7; 32]).is_none());
+        assert_eq!(board.held_bytes(), 0);
+        assert_eq!(board.counts("/r"), (0, 0));
     }
 
     #[test]

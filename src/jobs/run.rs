@@ -3,6 +3,7 @@
 //! settles the charge the way a synchronous request's is settled (DESIGN §3, §6, §8).
 
 use std::net::IpAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -71,7 +72,21 @@ pub fn submit(
         // `check` refuses async on other stores and on uncapped routes.
         return Err(Admission::Unavailable);
     };
-    let (standing, lease, place) = m.admit_job(&admit, cap)?;
+    let bytes = request.body.len() as u64;
+    if !shared.jobs.reserve(bytes) {
+        // This process holds as much for jobs as it may: refused, nothing charged.
+        return Err(Admission::RouteBusy {
+            standing: (&m.standing(&admit)).into(),
+            queued: Duration::ZERO,
+        });
+    }
+    let (standing, lease, place) = match m.admit_job(&admit, cap) {
+        Ok(admitted) => admitted,
+        Err(refused) => {
+            shared.jobs.unreserve(bytes);
+            return Err(refused);
+        }
+    };
     let waiting = match &place {
         JobPlace::Slot(_) => None,
         JobPlace::Waiting(w) => Some(w.place()),
@@ -84,6 +99,7 @@ pub fn submit(
         route: route.label.clone(),
         status: Mutex::new(Status::Queued(waiting)),
         cancel: Mutex::new(Some(tx)),
+        bytes: AtomicU64::new(bytes),
     });
     shared.jobs.insert(job.clone());
     tokio::spawn(run(Task {
@@ -127,6 +143,8 @@ struct Ended {
     cost: u64,
     queued: Duration,
     upstream: Option<Duration>,
+    /// Bytes of the result kept.
+    kept: u64,
 }
 
 async fn run(mut t: Task) {
@@ -143,8 +161,14 @@ async fn run(mut t: Task) {
     };
     drop(queued_gauge);
     let queued = waited.elapsed();
+    // A draining instance starts no job: on the memory store its queue ends with it.
+    let draining = t.shared.drain.is_draining();
     let slot = match slot {
-        Some(slot) if t.job.start() => slot,
+        Some(slot) if !draining && t.job.start() => slot,
+        _ if draining => {
+            tracing::warn!(job = %t.job.id, route = %t.route.label, "queued job not run: the instance is shutting down");
+            return;
+        }
         slot => {
             // Cancelled, or no slot within result_ttl: it never ran, so its charge goes back.
             drop(slot);
@@ -152,6 +176,7 @@ async fn run(mut t: Task) {
             let lease = std::mem::take(&mut t.lease);
             lease.release().await;
             let result = if t.job.expire(t.rules.result_ttl) {
+                t.shared.jobs.resize(&t.job, 0);
                 "expired"
             } else {
                 t.shared.jobs.remove(&t.job.id);
@@ -165,11 +190,14 @@ async fn run(mut t: Task) {
                 cost: 0,
                 queued,
                 upstream: None,
+                kept: 0,
             });
         }
     };
     t.lease.attach_route(slot);
     let ended = execute(&mut t, queued).await;
+    // From now on the job holds its result, not its request.
+    t.shared.jobs.resize(&t.job, ended.kept);
     t.ended(ended);
 }
 
@@ -197,6 +225,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         cost,
         queued,
         upstream: None,
+        kept: 0,
     };
     let lease = std::mem::take(&mut t.lease);
     match sent {
@@ -220,14 +249,14 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             ended.upstream_status = Some(stored.status);
             ended.cost = total;
             ended.upstream = Some(upstream);
-            t.job.finish(stored, ttl);
+            ended.kept = t.job.finish(stored, ttl);
         }
         Sent::Unreachable(detail) => {
             t.shared.store.refund(&t.admit, lease.charge()).await;
             lease.release().await;
             ended.cost = 0;
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream unreachable; refunded");
-            t.job.finish(
+            ended.kept = t.job.finish(
                 problem_result(
                     Problem::BadGateway,
                     "the upstream could not be reached; the job's charge was refunded",
@@ -237,7 +266,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         }
         Sent::TimedOut(follow) => {
             ended.status = 504;
-            t.job.finish(
+            ended.kept = t.job.finish(
                 problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands"),
                 ttl,
             );
@@ -248,7 +277,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         Sent::TooLarge { upstream } => {
             lease.release().await;
             ended.upstream = Some(upstream);
-            t.job.finish(
+            ended.kept = t.job.finish(
                 problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands"),
                 ttl,
             );
@@ -257,7 +286,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             lease.release().await;
             ended.upstream = Some(upstream);
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
-            t.job.finish(
+            ended.kept = t.job.finish(
                 problem_result(
                     Problem::BadGateway,
                     "the upstream's answer broke off; it had the request, so the charge stands",
