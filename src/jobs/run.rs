@@ -48,6 +48,8 @@ struct Task {
     admit: AdmitRequest,
     lease: Lease,
     place: Option<JobPlace>,
+    /// `max_delay`: its units were reserved ahead; it runs no sooner than this after submission.
+    delay: Duration,
     cancelled: oneshot::Receiver<()>,
     request: JobRequest,
     origin: Origin,
@@ -80,7 +82,7 @@ pub fn submit(
             queued: Duration::ZERO,
         });
     }
-    let (standing, lease, place) = match m.admit_job(&admit, cap) {
+    let (standing, delay, lease, place) = match m.admit_job(&admit, cap) {
         Ok(admitted) => admitted,
         Err(refused) => {
             shared.jobs.unreserve(bytes);
@@ -111,6 +113,7 @@ pub fn submit(
         admit,
         lease,
         place: Some(place),
+        delay,
         cancelled: rx,
         request,
         origin,
@@ -195,6 +198,10 @@ async fn run(mut t: Task) {
         }
     };
     t.lease.attach_route(slot);
+    let due = t.submitted + t.delay;
+    if Instant::now() < due {
+        tokio::time::sleep_until(due.into()).await;
+    }
     let ended = execute(&mut t, queued).await;
     // From now on the job holds its result, not its request.
     t.shared.jobs.resize(&t.job, ended.kept);

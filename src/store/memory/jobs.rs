@@ -21,17 +21,21 @@ impl MemoryStore {
     /// A job's admission (DESIGN §8): charged now, like a request joining the queue, then a
     /// place in the route's queue that the job's own task awaits (no `queue_timeout`: the job
     /// decides how long it waits). A full queue (`max_queue`) gives the charge back at once.
+    /// With `max_delay`, the units are reserved ahead: the job runs no sooner than the delay.
     // The refusal is returned by value once per refused submission, like `admit`'s answers.
     #[allow(clippy::result_large_err)]
     pub fn admit_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
         cap: u32,
-    ) -> Result<(Standing, Lease, JobPlace), Admission> {
-        let (standing, lease) = match self.charge(req) {
+    ) -> Result<(Standing, Duration, Lease, JobPlace), Admission> {
+        let (standing, delay, lease) = match self.charge(req) {
             Admission::Admitted {
-                standing, lease, ..
-            } => (standing, lease),
+                standing,
+                delay_us,
+                lease,
+                ..
+            } => (standing, Duration::from_micros(delay_us), lease),
             refused => return Err(refused),
         };
         match self
@@ -46,8 +50,8 @@ impl MemoryStore {
                     queued: Duration::ZERO,
                 })
             }
-            Joined::Slot(slot) => Ok((standing, lease, JobPlace::Slot(slot))),
-            Joined::Waiting(w) => Ok((standing, lease, JobPlace::Waiting(w))),
+            Joined::Slot(slot) => Ok((standing, delay, lease, JobPlace::Slot(slot))),
+            Joined::Waiting(w) => Ok((standing, delay, lease, JobPlace::Waiting(w))),
         }
     }
 }
