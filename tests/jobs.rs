@@ -531,3 +531,55 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     assert_eq!(remaining(&gw, "b").await, 100);
     assert_eq!(up.count(ROUTE), 1);
 }
+
+/// A job's charge settles when it ends, as a request's does: here on the cost the upstream
+/// states (`cost_from_response`), whose header the stored answer no longer carries.
+#[tokio::test]
+async fn a_job_settles_on_the_cost_its_upstream_states() {
+    let up = Upstream::start(Duration::from_millis(50));
+    let endpoints = reports(1, "").replace(
+        "      async:\n",
+        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    );
+    let gw = Gateway::start(&up, &config(&endpoints));
+    let c = client();
+    let job = submit(&c, &gw, "/reports/generate?actual_cost=35", "key-a", "").await;
+    let r = result(&c, &gw, &job, "key-a").await;
+    assert_eq!(r.status(), 200);
+    assert!(header(&r, "x-actual-cost").is_none());
+    assert_eq!(remaining(&gw, "a").await, 65);
+    assert_metric(
+        &gw,
+        &format!("tollgate_cost_units_total{{route=\"{ROUTE}\"}}"),
+        35.0,
+    )
+    .await;
+    let done: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["decision"] == "job_done")
+        .collect();
+    assert_eq!(done[0]["cost"], 35, "{done:?}");
+}
+
+/// `check` and `explain` describe an async route.
+#[test]
+fn check_and_explain_describe_async_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    let yaml = format!(
+        "upstream: {{url: \"http://127.0.0.1:1\"}}\n{}",
+        config(&reports(2, "        max_request_body: 512KiB\n"))
+    );
+    std::fs::write(&path, yaml).unwrap();
+    let check = cli_ok(&path, &["check"]);
+    assert!(
+        check.contains("ASYNC ROUTE        WHEN    RESULT_TTL  MAX_REQUEST_BODY  MAX_RESPONSE_BODY\n/reports/generate  prefer  2s          512KiB            16MiB"),
+        "{check}"
+    );
+    let explain = cli_ok(&path, &["explain", "POST", ROUTE]);
+    assert!(
+        explain.contains("async:        a request with Prefer: respond-async becomes a job"),
+        "{explain}"
+    );
+}
