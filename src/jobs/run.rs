@@ -223,89 +223,87 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         t.rules.max_response_body,
     )
     .await;
-    let ttl = t.rules.result_ttl;
-    let cost = t.admit.cost;
     let mut ended = Ended {
         result: "failed",
         status: 502,
         upstream_status: None,
-        cost,
+        cost: t.admit.cost,
         queued,
         upstream: None,
         kept: 0,
     };
     let lease = std::mem::take(&mut t.lease);
-    match sent {
+    let result = match sent {
         Sent::Answer {
             stored,
             upstream,
             report,
         } => {
-            let total = match report {
-                Some(Report::Applied(units)) => units,
-                _ => t.route.fidelity.final_cost(cost, Some(upstream)),
-            };
-            let charge = lease.charge();
-            lease.release().await;
-            t.shared.store.settle(&t.admit, charge, total).await;
-            if let Some(r) = report {
-                rm.cost_report(r);
-            }
+            ended.cost = settle(t, lease, upstream, report).await;
             ended.result = "done";
             ended.status = stored.status;
             ended.upstream_status = Some(stored.status);
-            ended.cost = total;
             ended.upstream = Some(upstream);
-            ended.kept = t.job.finish(stored, ttl);
+            stored
         }
         Sent::Unreachable(detail) => {
             t.shared.store.refund(&t.admit, lease.charge()).await;
             lease.release().await;
             ended.cost = 0;
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream unreachable; refunded");
-            ended.kept = t.job.finish(
-                problem_result(
-                    Problem::BadGateway,
-                    "the upstream could not be reached; the job's charge was refunded",
-                ),
-                ttl,
-            );
+            problem_result(
+                Problem::BadGateway,
+                "the upstream could not be reached; the job's charge was refunded",
+            )
         }
         Sent::TimedOut(follow) => {
             ended.status = 504;
+            let detail = "the upstream did not answer within read_timeout; it had the request, so the charge stands";
             ended.kept = t.job.finish(
-                problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands"),
-                ttl,
+                problem_result(Problem::GatewayTimeout, detail),
+                t.rules.result_ttl,
             );
             // The slot follows the upstream's late answer, as for a synchronous request.
             follow.until_done().await;
             lease.release().await;
+            return ended;
         }
         Sent::TooLarge { upstream } => {
             lease.release().await;
             ended.upstream = Some(upstream);
-            ended.kept = t.job.finish(
-                problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands"),
-                ttl,
-            );
+            problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands")
         }
         Sent::Broken { upstream, detail } => {
             lease.release().await;
             ended.upstream = Some(upstream);
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
-            ended.kept = t.job.finish(
-                problem_result(
-                    Problem::BadGateway,
-                    "the upstream's answer broke off; it had the request, so the charge stands",
-                ),
-                ttl,
-            );
+            problem_result(
+                Problem::BadGateway,
+                "the upstream's answer broke off; it had the request, so the charge stands",
+            )
         }
-    }
+    };
+    ended.kept = t.job.finish(result, t.rules.result_ttl);
     if let Some(u) = ended.upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
     ended
+}
+
+/// Frees the slot and makes the job's charge final, as `cost_from_response` and
+/// `cost_per_second` say; the final charge.
+async fn settle(t: &Task, lease: Lease, upstream: Duration, report: Option<Report>) -> u64 {
+    let total = match report {
+        Some(Report::Applied(units)) => units,
+        _ => t.route.fidelity.final_cost(t.admit.cost, Some(upstream)),
+    };
+    let charge = lease.charge();
+    lease.release().await;
+    t.shared.store.settle(&t.admit, charge, total).await;
+    if let Some(r) = report {
+        t.running.metrics.get(&t.route).cost_report(r);
+    }
+    total
 }
 
 impl Task {

@@ -9,7 +9,6 @@ use bytes::{Bytes, BytesMut};
 use pingora::connectors::http::Connector;
 use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
-use pingora::ErrorType;
 
 use super::Stored;
 use crate::proxy::forward;
@@ -124,6 +123,106 @@ fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice,
     ))
 }
 
+/// A connection to the route's upstream with the job's request written on it.
+struct Opened {
+    session: HttpSession,
+    sent_at: Instant,
+    read_timeout: Duration,
+    abandon: Duration,
+}
+
+/// Connects and writes the request; `Err` when the upstream never had it.
+async fn open(
+    shared: &Shared,
+    running: &Running,
+    route: &Route,
+    req: &JobRequest,
+) -> Result<Opened, String> {
+    let (peer, host, read_timeout, abandon) = peer(shared, running, route)?;
+    let mut header = req.header.clone();
+    if let Some(h) = host {
+        header
+            .insert_header(http::header::HOST, h)
+            .map_err(|e| e.to_string())?;
+    }
+    let (mut s, _) = connector()
+        .get_http_session(&peer)
+        .await
+        .map_err(|e| e.to_string())?;
+    // Reads are timed here (a timed-out read is then followed, see `Follow`).
+    s.set_read_timeout(None);
+    s.set_write_timeout(Some(read_timeout));
+    let sent_at = Instant::now();
+    s.write_request_header(Box::new(header))
+        .await
+        .map_err(|e| e.to_string())?;
+    if !req.body.is_empty() {
+        s.write_request_body(req.body.clone(), false)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    s.finish_request_body().await.map_err(|e| e.to_string())?;
+    Ok(Opened {
+        session: s,
+        sent_at,
+        read_timeout,
+        abandon,
+    })
+}
+
+/// Reads the answer's head, past informational ones (103 Early Hints).
+async fn read_head(s: &mut HttpSession) -> pingora::Result<()> {
+    loop {
+        s.read_response_header().await?;
+        let informational = s
+            .response_header()
+            .is_some_and(|h| h.status.is_informational() && h.status != 101);
+        if !informational {
+            return Ok(());
+        }
+    }
+}
+
+/// Why an answer's body was not kept.
+enum BodyError {
+    TooLarge,
+    Broken(String),
+}
+
+/// The whole body, at most `max` bytes, each read within `read_timeout`.
+async fn read_body(
+    s: &mut HttpSession,
+    max: u64,
+    read_timeout: Duration,
+) -> Result<Bytes, BodyError> {
+    let declared = s
+        .response_header()
+        .and_then(|h| h.headers.get(http::header::CONTENT_LENGTH))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut body = BytesMut::new();
+    loop {
+        match tokio::time::timeout(read_timeout, s.read_response_body()).await {
+            Ok(Ok(Some(chunk))) => {
+                if (body.len() + chunk.len()) as u64 > max {
+                    return Err(BodyError::TooLarge);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(Ok(None)) => return Ok(body.freeze()),
+            Ok(Err(e)) => return Err(BodyError::Broken(e.to_string())),
+            Err(_) => {
+                return Err(BodyError::Broken(
+                    "the answer stalled past read_timeout".into(),
+                ))
+            }
+        }
+    }
+}
+
 /// Sends the job's request and reads the answer, at most `max_body` bytes of it.
 pub(super) async fn send(
     shared: &Shared,
@@ -132,56 +231,20 @@ pub(super) async fn send(
     req: &JobRequest,
     max_body: u64,
 ) -> Sent {
-    let (peer, host, read_timeout, abandon) = match peer(shared, running, route) {
-        Ok(p) => p,
+    let Opened {
+        session: mut s,
+        sent_at,
+        read_timeout,
+        abandon,
+    } = match open(shared, running, route, req).await {
+        Ok(o) => o,
         Err(m) => return Sent::Unreachable(m),
     };
-    let mut header = req.header.clone();
-    if let Some(h) = host {
-        if let Err(e) = header.insert_header(http::header::HOST, h) {
-            return Sent::Unreachable(e.to_string());
-        }
-    }
-    let mut s = match connector().get_http_session(&peer).await {
-        Ok((s, _)) => s,
-        Err(e) => return Sent::Unreachable(e.to_string()),
-    };
-    s.set_read_timeout(None);
-    s.set_write_timeout(Some(read_timeout));
-    let sent_at = Instant::now();
-    let wrote = async {
-        s.write_request_header(Box::new(header)).await?;
-        if !req.body.is_empty() {
-            s.write_request_body(req.body.clone(), false).await?;
-        }
-        s.finish_request_body().await
-    };
-    if let Err(e) = wrote.await {
-        return Sent::Unreachable(e.to_string());
-    }
-    let head = async {
-        // An informational answer (103 Early Hints) comes before the real one.
-        loop {
-            s.read_response_header().await?;
-            let informational = s
-                .response_header()
-                .is_some_and(|h| h.status.is_informational() && h.status != 101);
-            if !informational {
-                return Ok::<(), Box<pingora::Error>>(());
-            }
-        }
-    };
-    match tokio::time::timeout(read_timeout, head).await {
+    match tokio::time::timeout(read_timeout, read_head(&mut s)).await {
         Err(_) => {
             return Sent::TimedOut(Box::new(Follow {
                 session: s,
                 deadline: sent_at + abandon.max(read_timeout),
-            }))
-        }
-        Ok(Err(e)) if e.etype() == &ErrorType::ReadTimedout => {
-            return Sent::TimedOut(Box::new(Follow {
-                session: s,
-                deadline: sent_at,
             }))
         }
         Ok(Err(e)) => return Sent::Unreachable(e.to_string()),
@@ -191,38 +254,11 @@ pub(super) async fn send(
     let Some(head) = s.response_header().cloned() else {
         return Sent::Unreachable("no response head".into());
     };
-    let declared = head
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max_body) {
-        return Sent::TooLarge { upstream };
-    }
-    let mut body = BytesMut::new();
-    loop {
-        match tokio::time::timeout(read_timeout, s.read_response_body()).await {
-            Ok(Ok(Some(chunk))) => {
-                if (body.len() + chunk.len()) as u64 > max_body {
-                    return Sent::TooLarge { upstream };
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok(Ok(None)) => break,
-            Ok(Err(e)) => {
-                return Sent::Broken {
-                    upstream,
-                    detail: e.to_string(),
-                }
-            }
-            Err(_) => {
-                return Sent::Broken {
-                    upstream,
-                    detail: "the answer stalled past read_timeout".into(),
-                }
-            }
-        }
-    }
+    let body = match read_body(&mut s, max_body, read_timeout).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge) => return Sent::TooLarge { upstream },
+        Err(BodyError::Broken(detail)) => return Sent::Broken { upstream, detail },
+    };
     let stated = route.fidelity.cost_from_response.as_ref();
     let report = stated.map(|name| Report::read(&head.headers, name, route.cost));
     let headers = head
@@ -235,7 +271,7 @@ pub(super) async fn send(
         stored: Stored {
             status: head.status.as_u16(),
             headers,
-            body: body.freeze(),
+            body,
         },
         upstream,
         report,
