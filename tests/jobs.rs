@@ -583,3 +583,27 @@ fn check_and_explain_describe_async_routes() {
         "{explain}"
     );
 }
+
+/// `cost_per_second` bills a job's measured upstream time when it ends, as for a request: a
+/// report that ran at least 1.5 s at 20 units a second costs at least 30, whatever it was
+/// admitted at (10).
+#[tokio::test]
+async fn a_job_is_billed_its_upstream_time() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let endpoints = reports(1, "").replace(
+        "      async:\n",
+        "      cost_per_second: 20\n      async:\n",
+    );
+    let gw = Gateway::start(&up, &config(&endpoints));
+    let c = client();
+    let job = submit(&c, &gw, ROUTE, "key-a", "").await;
+    assert_eq!(result(&c, &gw, &job, "key-a").await.status(), 200);
+    let left = remaining(&gw, "a").await;
+    assert!(left <= 70, "charged only {} for 1.5 s", 100 - left);
+    let done: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["decision"] == "job_done")
+        .collect();
+    assert_eq!(done[0]["cost"].as_u64(), Some(100 - left), "{done:?}");
+}

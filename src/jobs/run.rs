@@ -215,6 +215,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     let _running = InState::new(&t.route.label, "running");
     let rm = t.running.metrics.get(&t.route);
     let _in_flight = InFlight::new(&rm.in_flight);
+    let started = Instant::now();
     let sent = send::send(
         &t.shared,
         &t.running,
@@ -263,18 +264,19 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
                 problem_result(Problem::GatewayTimeout, detail),
                 t.rules.result_ttl,
             );
-            // The slot follows the upstream's late answer, as for a synchronous request.
+            // The slot follows the upstream's late answer, as for a synchronous request; a
+            // `cost_per_second` route bills the time the upstream worked.
             follow.until_done().await;
-            lease.release().await;
+            ended.cost = settle(t, lease, started.elapsed(), None).await;
             return ended;
         }
         Sent::TooLarge { upstream } => {
-            lease.release().await;
+            ended.cost = settle(t, lease, upstream, None).await;
             ended.upstream = Some(upstream);
             problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands")
         }
         Sent::Broken { upstream, detail } => {
-            lease.release().await;
+            ended.cost = settle(t, lease, upstream, None).await;
             ended.upstream = Some(upstream);
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
             problem_result(
