@@ -53,6 +53,7 @@ fn router(n: usize) -> Router {
             queue: Default::default(),
             fidelity: Default::default(),
             provider: Default::default(),
+            jobs: None,
         })
         .collect();
     match Router::new(specs, 1) {

@@ -114,6 +114,10 @@ pub fn route_table(cfg: &Config) -> String {
         }
         out.push('\n');
         out.push_str(&table(&rows));
+        if let Some(rows) = crate::jobs::describe::check_rows(&cfg.router) {
+            out.push('\n');
+            out.push_str(&table(&rows));
+        }
         let mut weights: Vec<_> = cfg.plans.values().filter(|p| p.weight != 1).collect();
         weights.sort_by(|a, b| a.name.cmp(&b.name));
         if !weights.is_empty() {
@@ -247,6 +251,9 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
                 "a key runs at most {n} at once here (it waits beyond)"
             ))
         );
+    }
+    if let Some(j) = &route.jobs {
+        let _ = writeln!(out, "{}", crate::jobs::describe::explain_line(j));
     }
     let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
     match who {
@@ -434,6 +441,7 @@ rate_limits:
       cost: 20
       max_in_flight: 5
       queue_timeout: 1s              # shorter than a report (2 s), so a full route answers 503
+      async: {}                      # Prefer: respond-async makes a report a job (202, then poll)
     "GET /items/{id}":
       cost: 1
     /analytics/query:
@@ -502,6 +510,10 @@ and at most 5 reports run at once (a 6th waits up to 1 s for a slot, then gets 5
 
   # the 429 itself: Retry-After, rate-limit headers and problem JSON
   curl -i -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate
+
+  # a report as a job: 202 with its Location at once; poll it (free) until the report is there
+  curl -si -X POST -H 'X-API-Key: job-key' -H 'Prefer: respond-async' http://{listen}/reports/generate | grep -i -E '^(HTTP|location|retry-after)'
+  curl -si -H 'X-API-Key: job-key' http://{listen}/_tollgate/jobs/<id from Location>
 
   # another key is unaffected: a CRUD call costs 1 of its own 120
   curl -i -H 'X-API-Key: other-key' http://{listen}/items/42

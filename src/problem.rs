@@ -24,6 +24,16 @@ pub enum Problem {
     RequestTimeout,
     BadGateway,
     GatewayTimeout,
+    /// An async request's body over `async.max_request_body` (not charged).
+    PayloadTooLarge,
+    /// A job whose running instance died: the upstream had it (charged, never re-run).
+    JobLost,
+    /// A job whose upstream answer was over `async.max_response_body` (charged).
+    JobResponseTooLarge,
+    /// No such job for this key (or its result expired).
+    JobNotFound,
+    /// A job that already runs (or ran) cannot be cancelled.
+    JobStarted,
 }
 
 impl Problem {
@@ -36,6 +46,10 @@ impl Problem {
             Problem::RequestTimeout => 408,
             Problem::BadGateway => 502,
             Problem::GatewayTimeout => 504,
+            Problem::PayloadTooLarge => 413,
+            Problem::JobLost | Problem::JobResponseTooLarge => 502,
+            Problem::JobNotFound => 404,
+            Problem::JobStarted => 409,
         }
     }
 
@@ -51,6 +65,11 @@ impl Problem {
             Problem::RequestTimeout => "request-timeout",
             Problem::BadGateway => "upstream-unavailable",
             Problem::GatewayTimeout => "upstream-timeout",
+            Problem::PayloadTooLarge => "payload-too-large",
+            Problem::JobLost => "job-lost",
+            Problem::JobResponseTooLarge => "response-too-large",
+            Problem::JobNotFound => "job-not-found",
+            Problem::JobStarted => "job-started",
         }
     }
 
@@ -66,6 +85,11 @@ impl Problem {
             Problem::RequestTimeout => "Request body timed out",
             Problem::BadGateway => "Upstream unavailable",
             Problem::GatewayTimeout => "Upstream timed out",
+            Problem::PayloadTooLarge => "Request body too large for a job",
+            Problem::JobLost => "The instance running the job was lost",
+            Problem::JobResponseTooLarge => "Upstream answer too large to keep",
+            Problem::JobNotFound => "No such job",
+            Problem::JobStarted => "The job has already started",
         }
     }
 
@@ -80,7 +104,14 @@ impl Problem {
             Problem::Unauthenticated => Some("unauthenticated"),
             Problem::BadPath => Some("bad_path"),
             Problem::BadRequest => Some("bad_request"),
-            Problem::RequestTimeout | Problem::BadGateway | Problem::GatewayTimeout => None,
+            Problem::PayloadTooLarge => Some("payload_too_large"),
+            Problem::RequestTimeout
+            | Problem::BadGateway
+            | Problem::GatewayTimeout
+            | Problem::JobLost
+            | Problem::JobResponseTooLarge
+            | Problem::JobNotFound
+            | Problem::JobStarted => None,
         }
     }
 }

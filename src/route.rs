@@ -25,6 +25,22 @@ pub struct RouteSpec {
     pub queue: QueueRules,
     pub fidelity: Fidelity,
     pub provider: Provider,
+    /// `async:`: requests may become jobs (DESIGN §8); only on a capped route.
+    pub jobs: Option<AsyncRules>,
+}
+
+/// `async:` on a capped endpoint, as validated: when a request becomes a job, and its bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsyncRules {
+    /// `when: always`: every request is a job; else only one that asks
+    /// (`Prefer: respond-async`).
+    pub always: bool,
+    /// How long a finished job's response is kept.
+    pub result_ttl: Duration,
+    /// A larger request body is refused (413, not charged).
+    pub max_request_body: u64,
+    /// A larger upstream answer ends the job failed (502, charged).
+    pub max_response_body: u64,
 }
 
 /// How a capped route's fair queue is bounded (DESIGN §8).
@@ -91,6 +107,7 @@ pub struct Route {
     pub queue: QueueRules,
     pub fidelity: Fidelity,
     pub provider: Provider,
+    pub jobs: Option<AsyncRules>,
 }
 
 impl Route {
@@ -104,6 +121,7 @@ impl Route {
             queue: spec.queue,
             fidelity: spec.fidelity.clone(),
             provider: spec.provider.clone(),
+            jobs: spec.jobs,
         })
     }
 
@@ -255,6 +273,7 @@ impl Router {
                 queue: QueueRules::default(),
                 fidelity: default_fidelity,
                 provider: Provider::default(),
+                jobs: None,
             },
             "default",
             routes.len(),
@@ -353,6 +372,14 @@ impl Router {
     }
 
     /// Every configured route, in file order, then `default`.
+    /// The endpoint whose label is `label` (an async job's route, found again after a reload).
+    pub fn by_label(&self, label: &str) -> Option<&Arc<Route>> {
+        self.routes
+            .iter()
+            .map(|(r, _)| r)
+            .find(|r| &*r.label == label)
+    }
+
     pub fn routes(&self) -> impl Iterator<Item = &Route> {
         self.routes
             .iter()

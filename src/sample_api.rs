@@ -242,6 +242,7 @@ impl SampleApi {
         {
             return stream_bytes(n);
         }
+        let echo_body = param("echo_body") == Some(1);
         let headers: BTreeMap<String, String> = req
             .headers()
             .iter()
@@ -250,12 +251,21 @@ impl SampleApi {
             })
             .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
             .collect();
-        let body = serde_json::json!({
-            "method": req.method().as_str(),
+        let method = req.method().as_str().to_string();
+        let mut body = serde_json::json!({
+            "method": method,
             "path": path,
             "query": query,
             "headers": headers,
         });
+        if echo_body {
+            // `?echo_body=1`: the request body as received (tests of what a job forwarded).
+            let received = match req.into_body().collect().await {
+                Ok(b) => String::from_utf8_lossy(&b.to_bytes()).into_owned(),
+                Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
+            };
+            body["body"] = received.into();
+        }
         let status = param("status")
             .and_then(|n| u16::try_from(n).ok())
             .and_then(|n| StatusCode::from_u16(n).ok())

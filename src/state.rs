@@ -30,6 +30,8 @@ pub struct Shared {
     pub holds: Arc<tokio::sync::Semaphore>,
     /// The named upstreams of the config in force (rebuilt on reload).
     pub pools: ArcSwap<crate::upstreams::Pools>,
+    /// This process's async jobs (DESIGN §8).
+    pub jobs: crate::jobs::Board,
 }
 
 impl Shared {
@@ -37,6 +39,7 @@ impl Shared {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
+        crate::jobs::announce(&config.router);
         let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(
             &config,
             &crate::upstreams::Pools::default(),
@@ -48,6 +51,7 @@ impl Shared {
             store,
             drain: Drain::new(),
             holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
+            jobs: crate::jobs::Board::default(),
         })
     }
 
@@ -79,6 +83,7 @@ impl Shared {
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);
+        crate::jobs::announce(&new.router);
         self.running.store(Arc::new(Running {
             config: new,
             metrics,

@@ -81,6 +81,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_config_last_reload_timestamp_seconds",
     "tollgate_fallback_decisions_total",
     "tollgate_cost_reports_total",
+    // Registered by `jobs::metrics` (series only for routes with `async:`).
+    "tollgate_jobs_total",
+    "tollgate_jobs",
 ];
 
 pub struct Metrics {

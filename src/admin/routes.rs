@@ -3,7 +3,8 @@
 //! (fleet-wide on Redis, this process's on the memory store) with the keys holding and
 //! awaiting them by registry id (`key:<8 hex>` outside the registry).
 //!
-//! `jobs` is the place for async jobs (DESIGN §8); none exist yet, so it is empty.
+//! An async route (DESIGN §8) also gives its jobs in this process (`jobs: {queued, running}`),
+//! and `jobs` at the top lists those routes.
 
 use hyper::StatusCode;
 
@@ -22,6 +23,7 @@ pub async fn routes(shared: &Shared) -> Resp {
             .map_or_else(|| k.log_name(), |(_, e)| e.id.to_string())
     };
     let mut out = vec![];
+    let mut jobs = vec![];
     for r in cfg.router.routes() {
         let last = running.metrics.get(r).recent();
         let mut v = serde_json::json!({
@@ -53,6 +55,11 @@ pub async fn routes(shared: &Shared) -> Resp {
             v["queue_timeout_seconds"] = r.queue_timeout.as_secs_f64().into();
             v["keys"] = keys.into();
         }
+        if r.jobs.is_some() {
+            let (queued, running) = shared.jobs.counts(&r.label);
+            v["jobs"] = serde_json::json!({"queued": queued, "running": running});
+            jobs.push(serde_json::json!({"route": &*r.label, "queued": queued, "running": running}));
+        }
         out.push(v);
     }
     json(
@@ -60,7 +67,7 @@ pub async fn routes(shared: &Shared) -> Resp {
         serde_json::json!({
             "routes": out,
             "last_minute_seconds": recent::SECONDS,
-            "jobs": [],
+            "jobs": jobs,
         }),
     )
 }

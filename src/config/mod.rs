@@ -26,6 +26,7 @@ pub mod duration;
 pub mod error;
 mod pattern;
 pub mod raw;
+pub mod size;
 mod unknown;
 mod url;
 mod validate;

@@ -378,6 +378,35 @@ pub struct RawEndpoint {
     /// Remove this leading path prefix before forwarding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strip_prefix: Option<String>,
+    /// RFC 7240 `Prefer: respond-async`: the request becomes a job (DESIGN §8).
+    #[serde(default, rename = "async", skip_serializing_if = "Option::is_none")]
+    pub jobs: Option<RawAsync>,
+}
+
+/// `async:` on an endpoint: when a request becomes a job, and the job's bounds.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAsync {
+    #[serde(default)]
+    pub when: AsyncWhen,
+    /// How long a finished job's response is kept (default 1h).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_ttl: Option<ConfDuration>,
+    /// A larger request body: 413 (default 1MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_request_body: Option<super::size::ConfSize>,
+    /// A larger upstream answer ends the job failed (default 16MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_response_body: Option<super::size::ConfSize>,
+}
+
+/// `async.when`: the client asks (`Prefer: respond-async`), or every request is a job.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AsyncWhen {
+    #[default]
+    Prefer,
+    Always,
 }
 
 /// Whether a route's refusals are enforced, or only counted (`shadow`).

@@ -18,6 +18,7 @@ use super::{
 
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
 mod budgets;
+mod jobs;
 
 use budgets::{default_policy, endpoints, keys, plans};
 
@@ -50,6 +51,12 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
             Ok(super::RedisTarget::Cluster { .. })
         );
     for (pattern, e) in &raw.rate_limits.endpoints {
+        if raw.store.backend == Backend::Redis && e.jobs.is_some() {
+            errs.push(
+                format!("{}.async", key_path("rate_limits.endpoints", pattern)),
+                jobs::REDIS_UNSUPPORTED,
+            );
+        }
         if on_cluster && e.shared.is_some() {
             // The shared budget's key lives in the route's hash slot, the caller's budgets in
             // the key's: one script cannot charge both on Redis Cluster.

@@ -89,6 +89,13 @@ pub enum Phase {
         reason: &'static str,
         outcome: Option<Standing>,
     },
+    /// Answered by the gateway about an async job: its submission (`outcome`: charged, the
+    /// job holds the charge from now on) or a poll or cancel of one (free).
+    Job {
+        decision: &'static str,
+        id: Option<Arc<str>>,
+        outcome: Option<Standing>,
+    },
 }
 
 /// Where the time went, for the access log and the histograms.
@@ -158,6 +165,8 @@ pub struct Ctx {
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
+    /// Classified and identified, and to become an async job (DESIGN §8): what to charge.
+    pub job: Option<AdmitRequest>,
 }
 
 impl Ctx {
@@ -184,6 +193,7 @@ impl Ctx {
             report: None,
             share: 1,
             upstream_host: None,
+            job: None,
         }
     }
 
@@ -289,6 +299,7 @@ impl Ctx {
             Phase::Refused { outcome, .. } | Phase::Shadowed { outcome, .. } => outcome.as_ref(),
             Phase::Admitted(c) => Some(&c.outcome),
             Phase::Refunded { outcome, .. } => Some(outcome),
+            Phase::Job { outcome, .. } => outcome.as_ref(),
             Phase::Undecided | Phase::Abandoned => None,
         }
     }
@@ -297,6 +308,12 @@ impl Ctx {
     pub fn charged(&self) -> u64 {
         match (&self.phase, &self.route) {
             (Phase::Admitted(_), Some(r)) => r.cost,
+            (
+                Phase::Job {
+                    outcome: Some(_), ..
+                },
+                Some(r),
+            ) => r.cost,
             _ => 0,
         }
     }
@@ -352,6 +369,15 @@ impl Ctx {
             Phase::Refunded { .. } => "refunded",
             Phase::Abandoned => "client_gone",
             Phase::Shadowed { .. } => "shadow",
+            Phase::Job { decision, .. } => decision,
+        }
+    }
+
+    /// The async job this request submitted or asked about.
+    pub fn job_id(&self) -> Option<&str> {
+        match &self.phase {
+            Phase::Job { id, .. } => id.as_deref(),
+            _ => None,
         }
     }
 }

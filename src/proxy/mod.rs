@@ -9,6 +9,7 @@
 
 pub mod ctx;
 pub mod forward;
+mod jobs;
 mod record;
 pub mod respond;
 mod scrub;
@@ -153,6 +154,14 @@ impl Gateway {
         // 2. Identify. The raw key never leaves `decision::identify`.
         let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
         let admit = decision::admit_request(&route, &who);
+        // An async route's request that asks (or must) become a job: charged and queued by
+        // `jobs::submit` instead (a shadow route only observes: its requests stay synchronous).
+        let job = route.jobs.filter(|_| !route.fidelity.shadow);
+        if job.is_some_and(|j| j.always || crate::jobs::prefers_async(&req.headers)) {
+            ctx.identity = Some(who);
+            ctx.job = Some(admit);
+            return Ok(true);
+        }
         ctx.identity = Some(who);
 
         // 3. Admit: budget, per-key cap and route cap in one store decision. A client that
@@ -282,7 +291,11 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        if jobs::is_status_path(session) {
+            return jobs::status(self, session, ctx).await;
+        }
         match self.decide(session, ctx).await {
+            Ok(true) if ctx.job.is_some() => jobs::submit(self, session, ctx).await,
             Ok(true) => Ok(false),
             Ok(false) => Error::e_explain(
                 ErrorType::ConnectionClosed,
@@ -558,6 +571,7 @@ impl ProxyHttp for Gateway {
                 shadow: ctx.shadow_reason(),
                 client: ctx.origin.map(|o| o.client),
                 error: e.map(|e| e.etype().as_str()),
+                job: ctx.job_id(),
             });
         }
     }

@@ -18,7 +18,8 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
     if let Some(u) = ctx.timing.upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
-    if charged > 0 {
+    // A job's units are counted when it ends (the charge may be refunded or settled).
+    if charged > 0 && !matches!(ctx.phase, Phase::Job { .. }) {
         rm.cost_units.inc_by(charged);
     }
     // Counted once settled: what the report made of the charge is in the store by now.

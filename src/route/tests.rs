@@ -76,6 +76,7 @@ fn spec(p: &str, cost: u64) -> RouteSpec {
         queue: Default::default(),
         fidelity: Fidelity::default(),
         provider: Provider::default(),
+        jobs: None,
     }
 }
 

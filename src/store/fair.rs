@@ -110,6 +110,37 @@ impl Waiting {
     }
 }
 
+impl Waiting {
+    /// A handle on where this waiter stands, for a job's status (DESIGN §8's `position`).
+    pub fn place(&self) -> Place {
+        Place {
+            queue: Arc::downgrade(&self.queue),
+            seq: self.seq,
+        }
+    }
+}
+
+/// Where a waiter stands in its route's queue, while it waits.
+#[derive(Debug)]
+pub struct Place {
+    queue: std::sync::Weak<Mutex<FairQueue>>,
+    seq: u64,
+}
+
+impl Place {
+    /// 1 + the route's waiters that arrived before this one (the fair order may serve it
+    /// sooner); `None` once it no longer waits.
+    pub fn position(&self) -> Option<usize> {
+        let queue = self.queue.upgrade()?;
+        let q = lock(&queue);
+        let waiting = || q.keys.values().flat_map(|k| k.waiting.iter());
+        if !waiting().any(|w| w.seq == self.seq) {
+            return None;
+        }
+        Some(1 + waiting().filter(|w| w.seq < self.seq).count())
+    }
+}
+
 impl Drop for Waiting {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else {

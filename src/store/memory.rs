@@ -460,5 +460,7 @@ fn uncharged(
     }
 }
 
+mod jobs;
+pub use jobs::JobPlace;
 #[cfg(test)]
 mod tests;

@@ -44,6 +44,8 @@ pub struct AccessRecord<'a> {
     pub shadow: Option<&'a str>,
     pub client: Option<IpAddr>,
     pub error: Option<&'a str>,
+    /// The async job the request submitted or asked about, or that ended (DESIGN §8).
+    pub job: Option<&'a str>,
 }
 
 /// The two line formats of `--log-format`.
@@ -251,6 +253,9 @@ impl AccessRecord<'_> {
         }
         if let Some(v) = self.error {
             f.str("error", v);
+        }
+        if let Some(v) = self.job {
+            f.str("job", v);
         }
         match style {
             Style::Json => out.extend_from_slice(b",\"target\":\"tollgate::access\"}\n"),

@@ -130,7 +130,15 @@ function renderRoutes(v) {
   document.getElementById("total-admitted").textContent = admitted;
   document.getElementById("total-refused").textContent = refused;
   const jobs = document.getElementById("jobs");
-  if (!v.jobs || !v.jobs.length) jobs.replaceChildren(el("p", { class: "empty", text: "No async jobs." }));
+  if (!v.jobs || !v.jobs.length) {
+    jobs.replaceChildren(el("p", { class: "empty", text: "No async jobs." }));
+  } else {
+    const head = el("tr", {}, el("th", { text: "Route" }), el("th", { class: "n", text: "Queued" }),
+      el("th", { class: "n", text: "Running" }));
+    const body = v.jobs.map(j => el("tr", {}, el("td", { class: "route", text: j.route }),
+      el("td", { class: "n", text: String(j.queued) }), el("td", { class: "n", text: String(j.running) })));
+    jobs.replaceChildren(el("table", {}, el("thead", {}, head), el("tbody", {}, ...body)));
+  }
 }
 
 async function fetchJson(path) {

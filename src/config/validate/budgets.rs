@@ -168,6 +168,7 @@ pub(super) fn endpoints(
             }
         }
         let queue = queue_rules(&base, e, max_in_flight, errs);
+        let jobs = super::jobs::async_rules(&base, e, max_in_flight, errs);
         if let Some(prefix) = &e.strip_prefix {
             let path = crate::route::split_pattern(pattern).1;
             if !prefix.starts_with('/')
@@ -205,6 +206,7 @@ pub(super) fn endpoints(
                 upstream: e.upstream.as_deref().map(Arc::from),
                 strip_prefix: e.strip_prefix.as_deref().map(Arc::from),
             },
+            jobs,
         });
     }
     let default_fidelity = Fidelity {

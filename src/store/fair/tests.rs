@@ -138,3 +138,27 @@ async fn granted_resolves_when_the_slot_is_handed_over() {
     drop(s2);
     assert_eq!(q.counts("r"), (0, 0));
 }
+
+#[test]
+fn a_place_counts_the_waiters_that_arrived_before_it_until_it_leaves_the_queue() {
+    let q = RouteQueues::default();
+    let s = slot(&q, 1, 1, fair(1));
+    let a = wait(&q, 1, 1, fair(1));
+    let b = wait(&q, 1, 2, fair(1));
+    let c = wait(&q, 1, 1, fair(1));
+    let (pa, pb, pc) = (a.place(), b.place(), c.place());
+    assert_eq!(
+        (pa.position(), pb.position(), pc.position()),
+        (Some(1), Some(2), Some(3))
+    );
+    drop(b);
+    assert_eq!(
+        (pa.position(), pb.position(), pc.position()),
+        (Some(1), None, Some(2))
+    );
+    // The slot goes to `a`: it no longer waits.
+    drop(s);
+    assert_eq!((pa.position(), pc.position()), (None, Some(1)));
+    drop((a, c));
+    assert_eq!(pc.position(), None);
+}

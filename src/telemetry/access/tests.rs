@@ -110,6 +110,7 @@ fn plain() -> AccessRecord<'static> {
         shadow: None,
         client: Some("127.0.0.1".parse().unwrap()),
         error: None,
+        job: None,
     }
 }
 
@@ -133,6 +134,7 @@ fn sparse() -> AccessRecord<'static> {
         shadow: None,
         client: None,
         error: None,
+        job: None,
     }
 }
 
@@ -156,6 +158,7 @@ fn awkward() -> AccessRecord<'static> {
         shadow: Some("budget"),
         client: Some("2001:db8::1".parse().unwrap()),
         error: Some("ConnectRefused"),
+        job: None,
     }
 }
 

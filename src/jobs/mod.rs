@@ -1,0 +1,351 @@
+//! Asynchronous requests (DESIGN §8, RFC 7240 `Prefer: respond-async`): a request on an
+//! `async:` route is charged, answered at once with 202 and a job location, and waits in the
+//! route's fair queue as a waiter that no client connection holds. Whichever task gets the
+//! slot sends the request the synchronous path would have sent and keeps the upstream's answer
+//! for `result_ttl`, for the same key to read at `/_tollgate/jobs/<id>`.
+//!
+//! - this file: a job, its states, and the [`Board`] of this process's jobs;
+//! - `run`: a job's life from its place in the queue to its result;
+//! - `send`: the job's request to the upstream, and the answer read back;
+//! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`.
+//!
+//! Jobs live in the process (the memory store); they end with it.
+
+pub mod describe;
+mod metrics;
+mod run;
+mod send;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+use crate::identity::KeyHash;
+use crate::problem::Problem;
+use crate::store::fair::Place;
+use crate::store::lock;
+
+pub use metrics::announce;
+pub use run::{submit, Origin, Submission};
+pub use send::JobRequest;
+
+/// Where a job's status is read: `/_tollgate/jobs/<id>` on the proxy listener.
+pub const PATH_PREFIX: &str = "/_tollgate/jobs/";
+
+/// A response as the upstream gave it (hop-by-hop headers left out), or the gateway's problem
+/// JSON when the job failed.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub status: u16,
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    pub body: Bytes,
+}
+
+#[derive(Debug)]
+enum Status {
+    /// Waiting for a slot; the place answers "how many are ahead" (`None`: a slot at once).
+    Queued(Option<Place>),
+    Running,
+    Done {
+        result: Arc<Stored>,
+        until: Instant,
+    },
+    /// `DELETE` took it out of the queue; its task refunds and forgets it.
+    Cancelled,
+}
+
+/// One job: whose it is, where it stands.
+#[derive(Debug)]
+pub struct Job {
+    pub id: Arc<str>,
+    key: KeyHash,
+    pub route: Arc<str>,
+    status: Mutex<Status>,
+    /// Wakes the job's task when `DELETE` cancels it while queued.
+    cancel: Mutex<Option<oneshot::Sender<()>>>,
+    /// What it holds in memory (its request body, then its result's), counted in the board.
+    bytes: AtomicU64,
+}
+
+/// A job as a poll sees it.
+#[derive(Debug, Clone)]
+pub enum View {
+    /// Waiting; `position` is 1 for the next in arrival order (0: holding a slot, about to run).
+    Queued {
+        position: usize,
+    },
+    Running,
+    Done(Arc<Stored>),
+}
+
+/// What `DELETE` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancel {
+    /// Taken out of the queue; its charge is given back.
+    Cancelled,
+    /// Already running or finished: 409.
+    Started,
+}
+
+impl Job {
+    pub fn view(&self) -> Option<View> {
+        match &*lock(&self.status) {
+            Status::Queued(place) => Some(View::Queued {
+                position: place.as_ref().and_then(Place::position).unwrap_or(0),
+            }),
+            Status::Running => Some(View::Running),
+            Status::Done { result, until } if Instant::now() < *until => {
+                Some(View::Done(result.clone()))
+            }
+            Status::Done { .. } | Status::Cancelled => None,
+        }
+    }
+
+    /// Cancels the job if it is still queued. The status lock decides between a cancel and a
+    /// slot granted at the same moment: whichever takes it first wins.
+    pub fn cancel(&self) -> Cancel {
+        let mut status = lock(&self.status);
+        match &*status {
+            Status::Queued(_) => {
+                *status = Status::Cancelled;
+                if let Some(tx) = lock(&self.cancel).take() {
+                    let _ = tx.send(());
+                }
+                Cancel::Cancelled
+            }
+            _ => Cancel::Started,
+        }
+    }
+
+    /// The job got its slot: running from now on, unless it was cancelled first.
+    fn start(&self) -> bool {
+        let mut status = lock(&self.status);
+        if matches!(*status, Status::Cancelled) {
+            return false;
+        }
+        *status = Status::Running;
+        true
+    }
+
+    /// Keeps `result` for `ttl`; the bytes it holds.
+    fn finish(&self, result: Stored, ttl: Duration) -> u64 {
+        let size = result.body.len()
+            + result
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum::<usize>();
+        *lock(&self.status) = Status::Done {
+            result: Arc::new(result),
+            until: Instant::now() + ttl,
+        };
+        size as u64
+    }
+
+    /// A job that left the queue without running: `false` if `DELETE` cancelled it, else it
+    /// expired (no slot within `result_ttl`), which is its result for as long again.
+    fn expire(&self, ttl: Duration) -> bool {
+        let mut status = lock(&self.status);
+        if matches!(*status, Status::Cancelled) {
+            return false;
+        }
+        let detail = "the job found no free slot within async.result_ttl; its charge was refunded";
+        *status = Status::Done {
+            result: Arc::new(run::problem_result(Problem::RouteBusy, detail)),
+            until: Instant::now() + ttl,
+        };
+        true
+    }
+}
+
+/// Most bytes of request bodies and kept results this process holds for jobs: beyond it a
+/// submission is refused (503 `route-busy`, nothing charged) until results expire.
+pub const MAX_HELD_BYTES: u64 = 1 << 30;
+
+/// Every job of this process, by id.
+#[derive(Debug, Default)]
+pub struct Board {
+    jobs: Mutex<HashMap<Arc<str>, Arc<Job>>>,
+    last_sweep: Mutex<Option<Instant>>,
+    /// The bytes the jobs hold (see [`MAX_HELD_BYTES`]).
+    held: AtomicU64,
+}
+
+impl Board {
+    /// The job `id` of the key `key`; `None` for another key's, an unknown or an expired one
+    /// (all alike: 404, so ids of other keys cannot be probed).
+    pub fn get(&self, id: &str, key: &KeyHash) -> Option<(Arc<Job>, View)> {
+        self.sweep();
+        let job = lock(&self.jobs).get(id).cloned()?;
+        if job.key != *key {
+            return None;
+        }
+        let view = job.view()?;
+        Some((job, view))
+    }
+
+    /// Jobs of `route` queued and running in this process.
+    pub fn counts(&self, route: &str) -> (usize, usize) {
+        let jobs = lock(&self.jobs);
+        let mut counts = (0, 0);
+        for j in jobs.values().filter(|j| &*j.route == route) {
+            match &*lock(&j.status) {
+                Status::Queued(_) => counts.0 += 1,
+                Status::Running => counts.1 += 1,
+                _ => {}
+            }
+        }
+        counts
+    }
+
+    fn insert(&self, job: Arc<Job>) {
+        self.sweep();
+        lock(&self.jobs).insert(job.id.clone(), job);
+    }
+
+    fn remove(&self, id: &str) {
+        if let Some(j) = lock(&self.jobs).remove(id) {
+            self.held
+                .fetch_sub(j.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    /// Takes room for `n` more bytes, if the board has it.
+    fn reserve(&self, n: u64) -> bool {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                h.checked_add(n).filter(|t| *t <= MAX_HELD_BYTES)
+            })
+            .is_ok()
+    }
+
+    /// Gives back room taken for a job that was not made.
+    fn unreserve(&self, n: u64) {
+        self.held.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// The job now holds `n` bytes (its result instead of its request), whatever the bound.
+    fn resize(&self, job: &Job, n: u64) {
+        let was = job.bytes.swap(n, Ordering::Relaxed);
+        self.held.fetch_add(n, Ordering::Relaxed);
+        self.held.fetch_sub(was, Ordering::Relaxed);
+    }
+
+    /// Bytes held by this process's jobs.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Forgets the results past their `result_ttl`, at most once a second.
+    fn sweep(&self) {
+        let now = Instant::now();
+        {
+            let mut last = lock(&self.last_sweep);
+            if last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(now);
+        }
+        let mut freed = 0;
+        lock(&self.jobs).retain(|_, j| match &*lock(&j.status) {
+            Status::Done { until, .. } if now >= *until => {
+                freed += j.bytes.load(Ordering::Relaxed);
+                false
+            }
+            _ => true,
+        });
+        self.held.fetch_sub(freed, Ordering::Relaxed);
+    }
+}
+
+/// A new job id: 128 random bits from the thread's CSPRNG, as 32 hex digits.
+fn new_id() -> Arc<str> {
+    Arc::from(hex::encode(rand::random::<u128>().to_be_bytes()))
+}
+
+/// Whether a request asks to be a job: `Prefer: respond-async` (RFC 7240 §4.1; the
+/// preference may share the header with others, and the header may be repeated).
+pub fn prefers_async(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(http::HeaderName::from_static("prefer"))
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| {
+            let token = p.split(';').next().unwrap_or("").trim();
+            token.eq_ignore_ascii_case("respond-async")
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn respond_async_is_found_among_other_preferences() {
+        let mut h = http::HeaderMap::new();
+        assert!(!prefers_async(&h));
+        h.append("prefer", "return=minimal".parse().unwrap());
+        assert!(!prefers_async(&h));
+        h.append("prefer", "wait=10, Respond-Async".parse().unwrap());
+        assert!(prefers_async(&h));
+        let mut h = http::HeaderMap::new();
+        h.append("prefer", "respond-asynchronously".parse().unwrap());
+        assert!(!prefers_async(&h));
+    }
+
+    fn job(bytes: u64) -> Arc<Job> {
+        Arc::new(Job {
+            id: new_id(),
+            key: [7; 32],
+            route: Arc::from("/r"),
+            status: Mutex::new(Status::Running),
+            cancel: Mutex::new(None),
+            bytes: AtomicU64::new(bytes),
+        })
+    }
+
+    #[test]
+    fn the_board_bounds_the_bytes_its_jobs_hold_and_forgets_expired_results() {
+        let board = Board::default();
+        assert!(board.reserve(MAX_HELD_BYTES - 10));
+        assert!(!board.reserve(11));
+        board.unreserve(MAX_HELD_BYTES - 10);
+        assert!(board.reserve(100));
+        let j = job(100);
+        board.insert(j.clone());
+        // Another key's job is not found; its own is, while it runs.
+        assert!(board.get(&j.id, &[8; 32]).is_none());
+        assert!(matches!(
+            board.get(&j.id, &[7; 32]),
+            Some((_, View::Running))
+        ));
+        let kept = j.finish(
+            Stored {
+                status: 200,
+                headers: vec![],
+                body: Bytes::from_static(b"0123456789"),
+            },
+            Duration::ZERO,
+        );
+        board.resize(&j, kept);
+        assert_eq!(board.held_bytes(), 10);
+        // Its result has expired (a ttl of 0): gone, and its bytes with it.
+        *lock(&board.last_sweep) = None;
+        assert!(board.get(&j.id, &[7; 32]).is_none());
+        assert_eq!(board.held_bytes(), 0);
+        assert_eq!(board.counts("/r"), (0, 0));
+    }
+
+    #[test]
+    fn ids_are_128_bits_of_hex_and_differ() {
+        let (a, b) = (new_id(), new_id());
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,349 @@
+//! A job's life: charged and queued at submission ([`submit`]), then its own task waits for
+//! the route's slot (or a `DELETE`, or `result_ttl`), sends the request, keeps the answer, and
+//! settles the charge the way a synchronous request's is settled (DESIGN §3, §6, §8).
+
+use std::net::IpAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::metrics::{self, InState};
+use super::send::{self, JobRequest, Sent};
+use super::{new_id, Job, Status, Stored};
+use crate::identity::Identity;
+use crate::problem::{self, Problem};
+use crate::proxy::ctx::InFlight;
+use crate::route::stated::Report;
+use crate::route::{AsyncRules, Route};
+use crate::state::{Running, Shared};
+use crate::store::memory::JobPlace;
+use crate::store::{Admission, AdmitRequest, Lease, Standing, Store};
+use crate::telemetry::access;
+
+/// A job accepted: charged, queued, its task started.
+pub struct Submission {
+    pub job: Arc<Job>,
+    pub standing: Standing,
+    /// 1 + the waiters ahead of it in arrival order; 0 when a slot was free.
+    pub position: usize,
+}
+
+/// What the end-of-job access-log line says about the request (never the key).
+#[derive(Debug, Clone)]
+pub struct Origin {
+    pub method: String,
+    pub key: String,
+    pub request_id: Option<String>,
+    pub client: Option<IpAddr>,
+}
+
+struct Task {
+    shared: Arc<Shared>,
+    running: Arc<Running>,
+    route: Arc<Route>,
+    rules: AsyncRules,
+    job: Arc<Job>,
+    admit: AdmitRequest,
+    lease: Lease,
+    place: Option<JobPlace>,
+    /// `max_delay`: its units were reserved ahead; it runs no sooner than this after submission.
+    delay: Duration,
+    cancelled: oneshot::Receiver<()>,
+    request: JobRequest,
+    origin: Origin,
+    submitted: Instant,
+}
+
+/// Charges the job and queues it; `Err` is the store's refusal (nothing charged, no job).
+// The refusal is returned by value once per refused submission, like the store's answers.
+#[allow(clippy::result_large_err)]
+pub fn submit(
+    shared: &Arc<Shared>,
+    running: Arc<Running>,
+    route: Arc<Route>,
+    who: &Identity,
+    admit: AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+) -> Result<Submission, Admission> {
+    let (Store::Memory(m), Some(rules), Some(cap)) =
+        (&shared.store, route.jobs, route.max_in_flight)
+    else {
+        // `check` refuses async on other stores and on uncapped routes.
+        return Err(Admission::Unavailable);
+    };
+    let bytes = request.body.len() as u64;
+    if !shared.jobs.reserve(bytes) {
+        // This process holds as much for jobs as it may: refused, nothing charged.
+        return Err(Admission::RouteBusy {
+            standing: (&m.standing(&admit)).into(),
+            queued: Duration::ZERO,
+        });
+    }
+    let (standing, delay, lease, place) = match m.admit_job(&admit, cap) {
+        Ok(admitted) => admitted,
+        Err(refused) => {
+            shared.jobs.unreserve(bytes);
+            return Err(refused);
+        }
+    };
+    let waiting = match &place {
+        JobPlace::Slot(_) => None,
+        JobPlace::Waiting(w) => Some(w.place()),
+    };
+    let position = waiting.as_ref().and_then(|p| p.position()).unwrap_or(0);
+    let (tx, rx) = oneshot::channel();
+    let job = Arc::new(Job {
+        id: new_id(),
+        key: who.hash,
+        route: route.label.clone(),
+        status: Mutex::new(Status::Queued(waiting)),
+        cancel: Mutex::new(Some(tx)),
+        bytes: AtomicU64::new(bytes),
+    });
+    shared.jobs.insert(job.clone());
+    tokio::spawn(run(Task {
+        shared: shared.clone(),
+        running,
+        route,
+        rules,
+        job: job.clone(),
+        admit,
+        lease,
+        place: Some(place),
+        delay,
+        cancelled: rx,
+        request,
+        origin,
+        submitted: Instant::now(),
+    }));
+    Ok(Submission {
+        job,
+        standing,
+        position,
+    })
+}
+
+/// The gateway's own answer as a job's result.
+pub(super) fn problem_result(p: Problem, detail: &str) -> Stored {
+    Stored {
+        status: p.status(),
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/problem+json"),
+        )],
+        body: problem::body(p, detail, None, None, None).into(),
+    }
+}
+
+/// How a job ended, for its metrics and its last access-log line.
+struct Ended {
+    result: &'static str,
+    status: u16,
+    upstream_status: Option<u16>,
+    cost: u64,
+    queued: Duration,
+    upstream: Option<Duration>,
+    /// Bytes of the result kept.
+    kept: u64,
+}
+
+async fn run(mut t: Task) {
+    let waited = Instant::now();
+    let queued_gauge = InState::new(&t.route.label, "queued");
+    let slot = match t.place.take() {
+        Some(JobPlace::Slot(s)) => Some(s),
+        Some(JobPlace::Waiting(w)) => tokio::select! {
+            s = w.granted() => Some(s),
+            _ = &mut t.cancelled => None,
+            _ = tokio::time::sleep(t.rules.result_ttl) => None,
+        },
+        None => None,
+    };
+    drop(queued_gauge);
+    let queued = waited.elapsed();
+    // A draining instance starts no job: on the memory store its queue ends with it.
+    let draining = t.shared.drain.is_draining();
+    let slot = match slot {
+        Some(slot) if !draining && t.job.start() => slot,
+        _ if draining => {
+            tracing::warn!(job = %t.job.id, route = %t.route.label, "queued job not run: the instance is shutting down");
+            return;
+        }
+        slot => {
+            // Cancelled, or no slot within result_ttl: it never ran, so its charge goes back.
+            drop(slot);
+            t.shared.store.refund(&t.admit, t.lease.charge()).await;
+            let lease = std::mem::take(&mut t.lease);
+            lease.release().await;
+            let result = if t.job.expire(t.rules.result_ttl) {
+                t.shared.jobs.resize(&t.job, 0);
+                "expired"
+            } else {
+                t.shared.jobs.remove(&t.job.id);
+                "cancelled"
+            };
+            let status = if result == "expired" { 503 } else { 0 };
+            return t.ended(Ended {
+                result,
+                status,
+                upstream_status: None,
+                cost: 0,
+                queued,
+                upstream: None,
+                kept: 0,
+            });
+        }
+    };
+    t.lease.attach_route(slot);
+    let due = t.submitted + t.delay;
+    if Instant::now() < due {
+        tokio::time::sleep_until(due.into()).await;
+    }
+    let ended = execute(&mut t, queued).await;
+    // From now on the job holds its result, not its request.
+    t.shared.jobs.resize(&t.job, ended.kept);
+    t.ended(ended);
+}
+
+/// Runs a job that holds its slot, and keeps its result.
+async fn execute(t: &mut Task, queued: Duration) -> Ended {
+    // SIGTERM lets a running job finish within grace_period, like a request.
+    let _drain = t.shared.drain.enter();
+    let _running = InState::new(&t.route.label, "running");
+    let rm = t.running.metrics.get(&t.route);
+    let _in_flight = InFlight::new(&rm.in_flight);
+    let started = Instant::now();
+    let sent = send::send(
+        &t.shared,
+        &t.running,
+        &t.route,
+        &t.request,
+        t.rules.max_response_body,
+    )
+    .await;
+    let mut ended = Ended {
+        result: "failed",
+        status: 502,
+        upstream_status: None,
+        cost: t.admit.cost,
+        queued,
+        upstream: None,
+        kept: 0,
+    };
+    let lease = std::mem::take(&mut t.lease);
+    let result = match sent {
+        Sent::Answer {
+            stored,
+            upstream,
+            report,
+        } => {
+            ended.cost = settle(t, lease, upstream, report).await;
+            ended.result = "done";
+            ended.status = stored.status;
+            ended.upstream_status = Some(stored.status);
+            ended.upstream = Some(upstream);
+            stored
+        }
+        Sent::Unreachable(detail) => {
+            t.shared.store.refund(&t.admit, lease.charge()).await;
+            lease.release().await;
+            ended.cost = 0;
+            tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream unreachable; refunded");
+            problem_result(
+                Problem::BadGateway,
+                "the upstream could not be reached; the job's charge was refunded",
+            )
+        }
+        Sent::TimedOut(follow) => {
+            ended.status = 504;
+            let detail = "the upstream did not answer within read_timeout; it had the request, so the charge stands";
+            ended.kept = t.job.finish(
+                problem_result(Problem::GatewayTimeout, detail),
+                t.rules.result_ttl,
+            );
+            // The slot follows the upstream's late answer, as for a synchronous request; a
+            // `cost_per_second` route bills the time the upstream worked.
+            follow.until_done().await;
+            ended.cost = settle(t, lease, started.elapsed(), None).await;
+            return ended;
+        }
+        Sent::TooLarge { upstream } => {
+            ended.cost = settle(t, lease, upstream, None).await;
+            ended.upstream = Some(upstream);
+            problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands")
+        }
+        Sent::Broken { upstream, detail } => {
+            ended.cost = settle(t, lease, upstream, None).await;
+            ended.upstream = Some(upstream);
+            tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
+            problem_result(
+                Problem::BadGateway,
+                "the upstream's answer broke off; it had the request, so the charge stands",
+            )
+        }
+    };
+    ended.kept = t.job.finish(result, t.rules.result_ttl);
+    if let Some(u) = ended.upstream {
+        rm.upstream_duration.observe(u.as_secs_f64());
+    }
+    ended
+}
+
+/// Frees the slot and makes the job's charge final, as `cost_from_response` and
+/// `cost_per_second` say; the final charge.
+async fn settle(t: &Task, lease: Lease, upstream: Duration, report: Option<Report>) -> u64 {
+    let total = match report {
+        Some(Report::Applied(units)) => units,
+        _ => t.route.fidelity.final_cost(t.admit.cost, Some(upstream)),
+    };
+    let charge = lease.charge();
+    lease.release().await;
+    t.shared.store.settle(&t.admit, charge, total).await;
+    if let Some(r) = report {
+        t.running.metrics.get(&t.route).cost_report(r);
+    }
+    total
+}
+
+impl Task {
+    /// The job's last metrics and access-log line.
+    fn ended(&self, e: Ended) {
+        metrics::ended(&self.route.label, e.result);
+        let rm = self.running.metrics.get(&self.route);
+        if e.cost > 0 {
+            rm.cost_units.inc_by(e.cost);
+        }
+        if !access::enabled() {
+            return;
+        }
+        let decision = match e.result {
+            "done" => "job_done",
+            "expired" => "job_expired",
+            "cancelled" => "job_cancelled",
+            _ => "job_failed",
+        };
+        access::write(&access::AccessRecord {
+            method: &self.origin.method,
+            route: &self.route.label,
+            key: &self.origin.key,
+            cost: e.cost,
+            decision,
+            status: e.status,
+            latency_ms: self.submitted.elapsed().as_secs_f64() * 1e3,
+            upstream_ms: e.upstream.map(|u| u.as_secs_f64() * 1e3),
+            store_ms: 0.0,
+            queue_ms: e.queued.as_secs_f64() * 1e3,
+            hold_ms: 0.0,
+            upstream_status: e.upstream_status,
+            request_id: self.origin.request_id.as_deref(),
+            fallback: false,
+            shadow: None,
+            client: self.origin.client,
+            error: None,
+            job: Some(&self.job.id),
+        });
+    }
+}

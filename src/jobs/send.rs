@@ -1,0 +1,279 @@
+//! A job's request to the upstream, and the answer read back whole (up to
+//! `max_response_body`): the peer the synchronous path would pick, with the same timeouts
+//! (`forward::peer`), through Pingora's own client.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use pingora::connectors::http::Connector;
+use pingora::http::RequestHeader;
+use pingora::protocols::http::client::HttpSession;
+
+use super::Stored;
+use crate::proxy::forward;
+use crate::route::stated::Report;
+use crate::route::Route;
+use crate::state::{Running, Shared};
+
+/// What the upstream receives: the head as `forward::request` made it at submission, and the
+/// whole body.
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub header: RequestHeader,
+    pub body: Bytes,
+}
+
+/// How sending went.
+pub(super) enum Sent {
+    /// The upstream answered in full.
+    Answer {
+        stored: Stored,
+        upstream: Duration,
+        report: Option<Report>,
+    },
+    /// It never had the request (no connection, or the request could not be written): 502,
+    /// refunded, as for a synchronous request.
+    Unreachable(String),
+    /// No answer within `read_timeout`: 504, charged. The slot follows the late answer.
+    TimedOut(Box<Follow>),
+    /// An answer over `max_response_body`: 502, charged.
+    TooLarge { upstream: Duration },
+    /// The answer broke off after its head: 502, charged (the upstream did the work).
+    Broken { upstream: Duration, detail: String },
+}
+
+/// The upstream connection of a job that timed out: read to the end of its late answer (and
+/// discarded) so that the route's slot follows the upstream's work, until `deadline`
+/// (`abandon_timeout` after the request was sent).
+pub(super) struct Follow {
+    session: HttpSession,
+    deadline: Instant,
+}
+
+impl Follow {
+    pub(super) async fn until_done(mut self) {
+        let s = &mut self.session;
+        let read = async {
+            s.read_response_header().await?;
+            while s.read_response_body().await?.is_some() {}
+            Ok::<(), Box<pingora::Error>>(())
+        };
+        let _ = tokio::time::timeout_at(self.deadline.into(), read).await;
+    }
+}
+
+/// One connector for every job: its sessions are never put back in its pool (a pooled
+/// connection would belong to the runtime of the job that opened it).
+fn connector() -> &'static Connector {
+    static C: OnceLock<Connector> = OnceLock::new();
+    C.get_or_init(|| Connector::new(None))
+}
+
+/// The headers of a stored answer: hop-by-hop ones and the length (set again when it is
+/// served) are left out.
+fn kept(name: &http::HeaderName) -> bool {
+    !matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-connection"
+            | "content-length"
+    )
+}
+
+/// The peer for `route`, as `upstream_peer` picks it, with the `Host` of a named upstream's
+/// address, its read timeout and abandon timeout.
+type PeerChoice = (
+    pingora::upstreams::peer::HttpPeer,
+    Option<http::HeaderValue>,
+    Duration,
+    Duration,
+);
+
+fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice, String> {
+    if let Some(name) = &route.provider.upstream {
+        let pools = shared.pools.load();
+        let (addr, t) = pools
+            .get(name)
+            .and_then(|p| p.pick())
+            .ok_or("no healthy address in the named upstream")?;
+        let host = Some(t.host_header.clone());
+        return Ok((
+            forward::peer(addr, t),
+            host,
+            t.read_timeout,
+            t.abandon_timeout,
+        ));
+    }
+    let addr = shared
+        .upstream_addr
+        .load_full()
+        .ok_or("upstream host did not resolve")?;
+    let up = &running.config.upstream;
+    Ok((
+        forward::peer(*addr, up),
+        None,
+        up.read_timeout,
+        up.abandon_timeout,
+    ))
+}
+
+/// A connection to the route's upstream with the job's request written on it.
+struct Opened {
+    session: HttpSession,
+    sent_at: Instant,
+    read_timeout: Duration,
+    abandon: Duration,
+}
+
+/// Connects and writes the request; `Err` when the upstream never had it.
+async fn open(
+    shared: &Shared,
+    running: &Running,
+    route: &Route,
+    req: &JobRequest,
+) -> Result<Opened, String> {
+    let (peer, host, read_timeout, abandon) = peer(shared, running, route)?;
+    let mut header = req.header.clone();
+    if let Some(h) = host {
+        header
+            .insert_header(http::header::HOST, h)
+            .map_err(|e| e.to_string())?;
+    }
+    let (mut s, _) = connector()
+        .get_http_session(&peer)
+        .await
+        .map_err(|e| e.to_string())?;
+    // Reads are timed here (a timed-out read is then followed, see `Follow`).
+    s.set_read_timeout(None);
+    s.set_write_timeout(Some(read_timeout));
+    let sent_at = Instant::now();
+    s.write_request_header(Box::new(header))
+        .await
+        .map_err(|e| e.to_string())?;
+    if !req.body.is_empty() {
+        s.write_request_body(req.body.clone(), false)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    s.finish_request_body().await.map_err(|e| e.to_string())?;
+    Ok(Opened {
+        session: s,
+        sent_at,
+        read_timeout,
+        abandon,
+    })
+}
+
+/// Reads the answer's head, past informational ones (103 Early Hints).
+async fn read_head(s: &mut HttpSession) -> pingora::Result<()> {
+    loop {
+        s.read_response_header().await?;
+        let informational = s
+            .response_header()
+            .is_some_and(|h| h.status.is_informational() && h.status != 101);
+        if !informational {
+            return Ok(());
+        }
+    }
+}
+
+/// Why an answer's body was not kept.
+enum BodyError {
+    TooLarge,
+    Broken(String),
+}
+
+/// The whole body, at most `max` bytes, each read within `read_timeout`.
+async fn read_body(
+    s: &mut HttpSession,
+    max: u64,
+    read_timeout: Duration,
+) -> Result<Bytes, BodyError> {
+    let declared = s
+        .response_header()
+        .and_then(|h| h.headers.get(http::header::CONTENT_LENGTH))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut body = BytesMut::new();
+    loop {
+        match tokio::time::timeout(read_timeout, s.read_response_body()).await {
+            Ok(Ok(Some(chunk))) => {
+                if (body.len() + chunk.len()) as u64 > max {
+                    return Err(BodyError::TooLarge);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(Ok(None)) => return Ok(body.freeze()),
+            Ok(Err(e)) => return Err(BodyError::Broken(e.to_string())),
+            Err(_) => {
+                return Err(BodyError::Broken(
+                    "the answer stalled past read_timeout".into(),
+                ))
+            }
+        }
+    }
+}
+
+/// Sends the job's request and reads the answer, at most `max_body` bytes of it.
+pub(super) async fn send(
+    shared: &Shared,
+    running: &Running,
+    route: &Route,
+    req: &JobRequest,
+    max_body: u64,
+) -> Sent {
+    let Opened {
+        session: mut s,
+        sent_at,
+        read_timeout,
+        abandon,
+    } = match open(shared, running, route, req).await {
+        Ok(o) => o,
+        Err(m) => return Sent::Unreachable(m),
+    };
+    match tokio::time::timeout(read_timeout, read_head(&mut s)).await {
+        Err(_) => {
+            return Sent::TimedOut(Box::new(Follow {
+                session: s,
+                deadline: sent_at + abandon.max(read_timeout),
+            }))
+        }
+        Ok(Err(e)) => return Sent::Unreachable(e.to_string()),
+        Ok(Ok(())) => {}
+    }
+    let upstream = sent_at.elapsed();
+    let Some(head) = s.response_header().cloned() else {
+        return Sent::Unreachable("no response head".into());
+    };
+    let body = match read_body(&mut s, max_body, read_timeout).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge) => return Sent::TooLarge { upstream },
+        Err(BodyError::Broken(detail)) => return Sent::Broken { upstream, detail },
+    };
+    let stated = route.fidelity.cost_from_response.as_ref();
+    let report = stated.map(|name| Report::read(&head.headers, name, route.cost));
+    let headers = head
+        .headers
+        .iter()
+        .filter(|(n, _)| kept(n) && stated != Some(*n))
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    Sent::Answer {
+        stored: Stored {
+            status: head.status.as_u16(),
+            headers,
+            body,
+        },
+        upstream,
+        report,
+    }
+}

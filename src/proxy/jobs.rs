@@ -1,0 +1,353 @@
+//! Async jobs at the Pingora edge (DESIGN §8): a submission (the body read whole and bounded,
+//! the upstream head made as the synchronous path would, then charged and queued by
+//! [`crate::jobs`]) answered 202, and `GET`/`DELETE /_tollgate/jobs/<id>`, answered from the
+//! job board: identified, never charged, counted like any request.
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, Method};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::*;
+use pingora::proxy::Session;
+use pingora::{Error, ErrorType};
+
+use super::ctx::{Ctx, Phase};
+use super::{forward, respond, Gateway};
+use crate::decision::{self, Refusal};
+use crate::jobs::{self, Cancel, JobRequest, Origin, View, PATH_PREFIX};
+use crate::problem::{self, Problem};
+use crate::route::Route;
+use crate::state::Running;
+
+/// Whether the request is about a job (`/_tollgate/jobs/…`, a path the gateway keeps).
+pub(super) fn is_status_path(session: &Session) -> bool {
+    session
+        .req_header()
+        .raw_path()
+        .starts_with(PATH_PREFIX.as_bytes())
+}
+
+/// Seconds until a job is likely done: its waves ahead (`position` over the cap, plus its
+/// own run) times the route's mean measured upstream time (1 s before any was measured).
+fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
+    let h = &running.metrics.get(route).upstream_duration;
+    let n = h.get_sample_count();
+    let mean = if n == 0 {
+        1.0
+    } else {
+        h.get_sample_sum() / n as f64
+    };
+    let cap = f64::from(route.max_in_flight.unwrap_or(1).max(1));
+    let waves = (position as f64 / cap).ceil() + 1.0;
+    (mean * waves).ceil().clamp(1.0, 3600.0) as u64
+}
+
+/// Headers the gateway writes, by the names it spells them with.
+type Own = Vec<(&'static str, HeaderValue)>;
+
+/// Writes the gateway's answer (its own headers, or a stored upstream answer's) with the
+/// rate-limit headers of the request's decision.
+async fn answer(
+    session: &mut Session,
+    ctx: &Ctx,
+    status: u16,
+    (own, stored): (Own, Vec<(HeaderName, HeaderValue)>),
+    body: Bytes,
+    retry_after: Option<u64>,
+) -> Result<bool> {
+    let mut h = ResponseHeader::build(status, Some(own.len() + stored.len() + 10))?;
+    for (name, value) in own {
+        h.append_header(name, value)?;
+    }
+    for (name, value) in stored {
+        h.append_header(name, value)?;
+    }
+    h.insert_header("Content-Length", body.len().to_string())?;
+    if let Some(ra) = retry_after {
+        h.insert_header("Retry-After", ra.to_string())?;
+    }
+    respond::rate_limit_headers(&mut h, ctx)?;
+    // A body we never read would be taken for the next request.
+    let s = &mut session.downstream_session;
+    if !(s.is_body_empty() || s.is_body_done()) {
+        session.set_keepalive(None);
+    }
+    session.write_response_header(Box::new(h), false).await?;
+    session.write_response_body(Some(body), true).await?;
+    Ok(true)
+}
+
+fn json_headers() -> Own {
+    vec![
+        ("Content-Type", HeaderValue::from_static("application/json")),
+        ("Cache-Control", HeaderValue::from_static("no-store")),
+    ]
+}
+
+async fn problem_answer(
+    session: &mut Session,
+    ctx: &Ctx,
+    p: Problem,
+    detail: &str,
+) -> Result<bool> {
+    let own = vec![
+        (
+            "Content-Type",
+            HeaderValue::from_static("application/problem+json"),
+        ),
+        ("Cache-Control", HeaderValue::from_static("no-store")),
+    ];
+    let body = problem::body(p, detail, None, None, None);
+    answer(session, ctx, p.status(), (own, vec![]), body.into(), None).await
+}
+
+/// `GET` (or `HEAD`) reads a job, `DELETE` cancels it; another key's, an unknown or an
+/// expired job is 404 alike.
+pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+    let running = ctx.running.clone().unwrap_or_else(|| gw.shared.running());
+    ctx.running = Some(running.clone());
+    let cfg = &running.config;
+    let method = session.req_header().method.as_str().to_ascii_uppercase();
+    let path = String::from_utf8_lossy(session.req_header().raw_path()).into_owned();
+    let client = ctx.origin.map(|o| o.client);
+    let identified = decision::identify(cfg, &session.req_header().headers, client);
+    let who = match identified {
+        Ok(w) => w,
+        Err(r) => return gw.refuse(session, ctx, r).await,
+    };
+    let id = path[PATH_PREFIX.len()..]
+        .split(['?', '#'])
+        .next()
+        .unwrap_or("");
+    let found = gw.shared.jobs.get(id, &who.hash);
+    ctx.identity = Some(who);
+    if let Some((job, _)) = &found {
+        ctx.route = cfg.router.by_label(&job.route).cloned();
+    }
+    ctx.phase = Phase::Job {
+        decision: if method == "DELETE" {
+            "job_cancel"
+        } else {
+            "job_poll"
+        },
+        id: found.as_ref().map(|(j, _)| j.id.clone()),
+        outcome: None,
+    };
+    let Some((job, view)) = found else {
+        let detail = "no job with this id for this key (or its result has expired)";
+        return problem_answer(session, ctx, Problem::JobNotFound, detail).await;
+    };
+    let route = ctx.route.clone();
+    match (method.as_str(), view) {
+        ("GET" | "HEAD", View::Done(stored)) => {
+            let s = (*stored).clone();
+            answer(session, ctx, s.status, (vec![], s.headers), s.body, None).await
+        }
+        ("GET" | "HEAD", view) => {
+            let (state, position) = match view {
+                View::Queued { position } => ("queued", position),
+                _ => ("running", 0),
+            };
+            let ra = route.map_or(1, |r| retry_after(&running, &r, position));
+            let body = serde_json::json!({"id": &*job.id, "status": state, "position": position});
+            let body = Bytes::from(body.to_string());
+            answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await
+        }
+        ("DELETE", _) => match job.cancel() {
+            Cancel::Cancelled => {
+                let body = serde_json::json!({"id": &*job.id, "status": "cancelled"});
+                let body = Bytes::from(body.to_string());
+                answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
+            }
+            Cancel::Started => {
+                let detail = "the job has started; it can no longer be cancelled";
+                problem_answer(session, ctx, Problem::JobStarted, detail).await
+            }
+        },
+        _ => {
+            let mut own = json_headers();
+            own.push(("Allow", HeaderValue::from_static("GET, HEAD, DELETE")));
+            answer(session, ctx, 405, (own, vec![]), Bytes::new(), None).await
+        }
+    }
+}
+
+/// The whole request body, or `None` when it is over `max` (declared or as it arrives).
+async fn read_body(session: &mut Session, max: u64) -> Result<Option<Bytes>> {
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max) {
+        return Ok(None);
+    }
+    let mut buf = BytesMut::new();
+    while let Some(chunk) = session.downstream_session.read_request_body().await? {
+        if (buf.len() + chunk.len()) as u64 > max {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Some(buf.freeze()))
+}
+
+/// The head a job sends: as forwarded, over HTTP/1.1 with the whole body's length, without
+/// hop-by-hop headers and without the `respond-async` preference (the gateway applied it).
+fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
+    for name in [
+        "transfer-encoding",
+        "content-length",
+        "expect",
+        "connection",
+        "keep-alive",
+        "te",
+        "upgrade",
+        "proxy-connection",
+        "trailer",
+    ] {
+        up.remove_header(name);
+    }
+    up.set_version(http::Version::HTTP_11);
+    let with_body = matches!(up.method, Method::POST | Method::PUT | Method::PATCH);
+    if body_len > 0 || with_body {
+        up.insert_header(http::header::CONTENT_LENGTH, body_len.to_string())?;
+    }
+    let others: Vec<String> = up
+        .headers
+        .get_all("prefer")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|p| {
+            let token = p.split(';').next().unwrap_or("").trim();
+            !p.is_empty() && !token.eq_ignore_ascii_case("respond-async")
+        })
+        .map(str::to_string)
+        .collect();
+    up.remove_header("prefer");
+    if !others.is_empty() {
+        up.insert_header("Prefer", others.join(", "))?;
+    }
+    Ok(())
+}
+
+fn too_large(max: u64) -> Refusal {
+    let detail = format!(
+        "the request body is over async.max_request_body ({}); nothing was charged",
+        crate::config::size::format_size(max)
+    );
+    Refusal {
+        problem: Problem::PayloadTooLarge,
+        detail,
+        retry_after: None,
+        outcome: None,
+        queued: std::time::Duration::ZERO,
+        reason: Problem::PayloadTooLarge.reason(),
+    }
+}
+
+/// A classified, identified request that becomes a job: 413 over the body bound (nothing
+/// charged), the store's refusal (nothing charged, no job), or 202 with the job's location.
+pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+    let (Some(admit), Some(route), Some(running), Some(who)) = (
+        ctx.job.take(),
+        ctx.route.clone(),
+        ctx.running.clone(),
+        ctx.identity.clone(),
+    ) else {
+        return Error::e_explain(ErrorType::InternalError, "job without its decision");
+    };
+    let Some(rules) = route.jobs else {
+        return Error::e_explain(ErrorType::InternalError, "job on a route without async");
+    };
+    let Some(body) = read_body(session, rules.max_request_body).await? else {
+        return gw
+            .refuse(session, ctx, too_large(rules.max_request_body))
+            .await;
+    };
+    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+    let mut up = session.req_header().clone();
+    forward::request(&mut up, ctx, &session.req_header().headers, tls)?;
+    job_head(&mut up, body.len())?;
+    let origin = Origin {
+        method: up.method.as_str().to_string(),
+        key: who.log_name().to_string(),
+        request_id: ctx.request_id.clone(),
+        client: ctx.origin.map(|o| o.client),
+    };
+    let request = JobRequest { header: up, body };
+    let submitted = jobs::submit(
+        &gw.shared,
+        running.clone(),
+        route.clone(),
+        &who,
+        admit,
+        request,
+        origin,
+    );
+    let sub = match submitted {
+        Ok(sub) => sub,
+        Err(admission) => {
+            return match decision::judge(&route, admission) {
+                Err(r) => gw.refuse(session, ctx, r).await,
+                Ok(a) => {
+                    a.lease.release().await;
+                    Error::e_explain(ErrorType::InternalError, "a job refusal that admitted")
+                }
+            };
+        }
+    };
+    let id = sub.job.id.clone();
+    ctx.phase = Phase::Job {
+        decision: "job_submitted",
+        id: Some(id.clone()),
+        outcome: Some(sub.standing),
+    };
+    let mut own = json_headers();
+    let location = HeaderValue::from_str(&format!("{PATH_PREFIX}{id}"))
+        .map_err(|e| Error::because(ErrorType::InternalError, "location", e))?;
+    own.push(("Location", location));
+    own.push((
+        "Preference-Applied",
+        HeaderValue::from_static("respond-async"),
+    ));
+    let ra = retry_after(&running, &route, sub.position);
+    let body = serde_json::json!({"id": &*id, "status": "queued", "position": sub.position});
+    let body = Bytes::from(body.to_string());
+    answer(session, ctx, 202, (own, vec![]), body, Some(ra)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_head_has_its_length_and_no_hop_by_hop_headers_or_respond_async() {
+        let mut up = RequestHeader::build("POST", b"/reports/generate", None).unwrap();
+        up.set_version(http::Version::HTTP_2);
+        up.insert_header("Transfer-Encoding", "chunked").unwrap();
+        up.insert_header("Expect", "100-continue").unwrap();
+        up.insert_header("Connection", "keep-alive").unwrap();
+        up.append_header("Prefer", "respond-async, wait=5").unwrap();
+        up.append_header("Prefer", "return=minimal").unwrap();
+        up.insert_header("X-Custom", "kept").unwrap();
+        job_head(&mut up, 11).unwrap();
+        let h = &up.headers;
+        assert_eq!(up.version, http::Version::HTTP_11);
+        assert_eq!(h.get("content-length").unwrap(), "11");
+        for gone in ["transfer-encoding", "expect", "connection"] {
+            assert!(h.get(gone).is_none(), "{gone}");
+        }
+        let prefer: Vec<_> = h.get_all("prefer").iter().collect();
+        assert_eq!(prefer, ["wait=5, return=minimal"]);
+        assert_eq!(h.get("x-custom").unwrap(), "kept");
+
+        let mut only = RequestHeader::build("GET", b"/r", None).unwrap();
+        only.insert_header("Prefer", "respond-async").unwrap();
+        job_head(&mut only, 0).unwrap();
+        assert!(only.headers.get("prefer").is_none());
+        assert!(only.headers.get("content-length").is_none());
+    }
+}

@@ -1,0 +1,609 @@
+//! Async jobs (DESIGN §8, issue 26) on the memory store: `Prefer: respond-async` gets 202 and
+//! a job location; the job waits in the route's fair queue, runs once through the synchronous
+//! path's upstream request, and its answer is kept for the same key for `result_ttl`. Charges
+//! follow DESIGN §3 (refunded when the upstream never had it, charged when it did).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ROUTE: &str = "/reports/generate";
+
+/// Registry keys `a` and `b` (raw keys `key-a`, `key-b`), a 24 h budget of 100 (no refill
+/// within a test) and `endpoints` (YAML lines under `endpoints:`).
+fn config(endpoints: &str) -> String {
+    let keys: String = ["a", "b"]
+        .iter()
+        .map(|id| {
+            format!(
+                "  - {{id: {id}, sha256: \"{}\"}}\n",
+                sha256_hex(&format!("key-{id}"))
+            )
+        })
+        .collect();
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n{endpoints}keys:\n{keys}"
+    )
+}
+
+/// `/reports/generate` costing 10, capped at `cap`, async with `extra` (lines under `async:`).
+fn reports(cap: u32, extra: &str) -> String {
+    format!(
+        "    /reports/generate:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: 2s\n{extra}"
+    )
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Submits a job: the 202 and its location.
+async fn submit(c: &reqwest::Client, gw: &Gateway, target: &str, key: &str, body: &str) -> String {
+    let r = c
+        .post(gw.url(target))
+        .header("X-API-Key", key)
+        .header("Prefer", "respond-async")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    let location = header(&r, "location").unwrap();
+    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
+    location
+}
+
+/// Polls `location` until the job is no longer queued or running: the final answer.
+async fn result(c: &reqwest::Client, gw: &Gateway, location: &str, key: &str) -> reqwest::Response {
+    let start = Instant::now();
+    loop {
+        let r = get(c, gw.url(location), key).await;
+        if r.status() != 202 {
+            return r;
+        }
+        assert!(header(&r, "retry-after").is_some());
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "job {location} never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn series(result: &str) -> String {
+    format!("tollgate_jobs_total{{result=\"{result}\",route=\"{ROUTE}\"}}")
+}
+
+#[tokio::test]
+async fn check_refuses_async_where_it_cannot_work() {
+    let uncapped = check_fails(&format!(
+        "upstream: {{url: \"http://127.0.0.1:1\"}}\n{}",
+        config("    /reports/generate:\n      cost: 10\n      async: {when: always}\n")
+    ));
+    assert!(
+        uncapped.contains("rate_limits.endpoints.\"/reports/generate\".async: only a capped endpoint (with max_in_flight) may be async"),
+        "{uncapped}"
+    );
+    let bad = check_fails(&format!(
+        "upstream: {{url: \"http://127.0.0.1:1\"}}\n{}",
+        config(&reports(
+            1,
+            "        max_request_body: 1MB\n        when: sometimes\n"
+        ))
+    ));
+    assert!(bad.contains("unknown size unit \"MB\""), "{bad}");
+    let redis = check_fails(&format!(
+        "upstream: {{url: \"http://127.0.0.1:1\"}}\nstore: {{backend: redis}}\n{}",
+        config(&reports(1, ""))
+    ));
+    assert!(
+        redis.contains("rate_limits.endpoints.\"/reports/generate\".async: async jobs need store.backend: memory"),
+        "{redis}"
+    );
+}
+
+/// The issue's lifecycle on one gateway: 202 with the job's location, 202 while it runs, then
+/// the upstream's answer as it came; the upstream saw the request once, with its method,
+/// target and body; charged once, polls free, another key 404, gone after result_ttl.
+#[tokio::test]
+async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(&up, &config(&reports(1, "")));
+    let c = client();
+    let target = "/reports/generate?echo_body=1";
+    let r = c
+        .post(gw.url(target))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async, return=minimal")
+        .header("X-Request-Id", "job-test-1")
+        .body("the report's parameters")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    assert_eq!(
+        header(&r, "preference-applied").as_deref(),
+        Some("respond-async")
+    );
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("10"));
+    assert!(header(&r, "retry-after").unwrap().parse::<u64>().unwrap() >= 1);
+    let location = header(&r, "location").unwrap();
+    let id = location
+        .strip_prefix("/_tollgate/jobs/")
+        .unwrap()
+        .to_string();
+    assert_eq!(id.len(), 32, "{id}");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        (body["id"].as_str(), body["status"].as_str()),
+        (Some(&*id), Some("queued"))
+    );
+
+    // While it runs: 202, free, for its own key only.
+    up.wait_current(ROUTE, 1).await;
+    let running = get(&c, gw.url(&location), "key-a").await;
+    assert_eq!(running.status(), 202);
+    assert_eq!(header(&running, "x-ratelimit-cost").as_deref(), Some("0"));
+    let v: serde_json::Value = running.json().await.unwrap();
+    assert_eq!(v["status"], "running");
+    assert_eq!(get(&c, gw.url(&location), "key-b").await.status(), 404);
+    assert_eq!(c.get(gw.url(&location)).send().await.unwrap().status(), 401);
+    let unknown = format!("/_tollgate/jobs/{}", "0".repeat(32));
+    assert_eq!(get(&c, gw.url(&unknown), "key-a").await.status(), 404);
+
+    let done = result(&c, &gw, &location, "key-a").await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(
+        header(&done, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let echo: serde_json::Value = done.json().await.unwrap();
+    assert_eq!(echo["method"], "POST");
+    assert_eq!(echo["path"], ROUTE);
+    assert_eq!(echo["query"], "echo_body=1");
+    assert_eq!(echo["body"], "the report's parameters");
+    assert_eq!(echo["headers"]["x-request-id"], "job-test-1");
+    assert_eq!(echo["headers"]["prefer"], "return=minimal");
+    // The same answer again for as long as it is kept; the upstream ran it once.
+    let again = get(&c, gw.url(&location), "key-a").await;
+    assert_eq!(again.status(), 200);
+    assert_eq!(up.count(ROUTE), 1);
+    let seen: Vec<_> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .collect();
+    assert_eq!(
+        (seen.len(), seen[0].method.as_str(), seen[0].target.as_str()),
+        (1, "POST", target)
+    );
+    // Charged once (10 of 100), polls free.
+    assert_eq!(remaining(&gw, "a").await, 90);
+    assert_metric(&gw, &series("done"), 1.0).await;
+    assert_metric(
+        &gw,
+        &format!("tollgate_cost_units_total{{route=\"{ROUTE}\"}}"),
+        10.0,
+    )
+    .await;
+
+    // Gone after result_ttl (2 s).
+    let start = Instant::now();
+    while get(&c, gw.url(&location), "key-a").await.status() == 200 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the result was never forgotten"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(get(&c, gw.url(&location), "key-a").await.status(), 404);
+
+    // One access-log line at submission and one at the end, both with the job's id.
+    let lines: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["job"] == *id && l["decision"] != "job_poll")
+        .collect();
+    let decisions: Vec<_> = lines
+        .iter()
+        .map(|l| l["decision"].as_str().unwrap())
+        .collect();
+    assert_eq!(decisions, ["job_submitted", "job_done"], "{lines:?}");
+    assert_eq!(
+        (lines[0]["status"].as_u64(), lines[0]["cost"].as_u64()),
+        (Some(202), Some(10))
+    );
+    assert_eq!(
+        (lines[1]["status"].as_u64(), lines[1]["cost"].as_u64()),
+        (Some(200), Some(10))
+    );
+    assert_eq!(lines[1]["request_id"], "job-test-1");
+    assert!(!gw.log().contains("key-a"), "the raw key was logged");
+}
+
+/// Ten jobs of one key, then one of another, on cap 2: never more than 2 at the upstream, all
+/// done, and the other key's job runs in the first wave after it was submitted.
+#[tokio::test]
+async fn jobs_share_a_full_route_fairly() {
+    let up = Upstream::start(Duration::from_millis(1000));
+    // A minute to wait: 11 reports of 1 s on 2 slots take 6 s (a job waits up to result_ttl).
+    let gw = Gateway::start(
+        &up,
+        &config(&reports(2, "").replace("result_ttl: 2s", "result_ttl: 1m")),
+    );
+    let c = client();
+    let mut locations = vec![];
+    for _ in 0..10 {
+        locations.push((submit(&c, &gw, ROUTE, "key-a", "").await, "key-a"));
+    }
+    up.wait_current(ROUTE, 2).await;
+    locations.push((submit(&c, &gw, ROUTE, "key-b", "").await, "key-b"));
+    // Started by now, key b's perhaps included: b is among the next 2 after its queueing.
+    let before_b = up.count(ROUTE);
+    let routes = admin_json(&gw, "/admin/routes").await;
+    let r = routes["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == ROUTE)
+        .unwrap()
+        .clone();
+    assert_eq!(r["jobs"]["running"], 2, "{r}");
+    assert!(r["jobs"]["queued"].as_u64().unwrap() >= 5, "{r}");
+    for (location, key) in &locations {
+        assert_eq!(result(&c, &gw, location, key).await.status(), 200);
+    }
+    assert_eq!(up.count(ROUTE), 11);
+    assert_eq!(up.max_concurrent(ROUTE), 2);
+    // Key b's report reached the upstream within the 2 releases after it was queued (in
+    // arrival order it would have waited behind 8).
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target == ROUTE)
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
+    assert!(
+        b_at < before_b + 2,
+        "key b ran {b_at}th of {order:?} (queued after {before_b})"
+    );
+    assert_metric(&gw, &series("done"), 11.0).await;
+    assert_eq!(remaining(&gw, "a").await, 0);
+    assert_eq!(remaining(&gw, "b").await, 90);
+}
+
+/// DELETE takes a queued job out (refunded), and is 409 once the job runs.
+#[tokio::test]
+async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {
+    let up = Upstream::start(Duration::from_millis(3000));
+    let gw = Gateway::start(&up, &config(&reports(1, "")));
+    let c = client();
+    let first = submit(&c, &gw, ROUTE, "key-a", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let second = submit(&c, &gw, ROUTE, "key-a", "").await;
+    let queued: serde_json::Value = get(&c, gw.url(&second), "key-a")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (queued["status"].as_str(), queued["position"].as_u64()),
+        (Some("queued"), Some(1))
+    );
+    assert_eq!(remaining(&gw, "a").await, 80);
+    // Another key cannot cancel it.
+    let other = c
+        .delete(gw.url(&second))
+        .header("X-API-Key", "key-b")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 404);
+    let cancelled = c
+        .delete(gw.url(&second))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let v: serde_json::Value = cancelled.json().await.unwrap();
+    assert_eq!(v["status"], "cancelled");
+    assert_metric(&gw, &series("cancelled"), 1.0).await;
+    assert_eq!(remaining(&gw, "a").await, 90);
+    assert_eq!(get(&c, gw.url(&second), "key-a").await.status(), 404);
+    let running = c
+        .delete(gw.url(&first))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(running.status(), 409);
+    assert_eq!(result(&c, &gw, &first, "key-a").await.status(), 200);
+    assert_eq!(up.count(ROUTE), 1);
+}
+
+/// A body over max_request_body is 413 and charges nothing; without the preference the
+/// request is synchronous; with `when: always` every request is a job; a refused budget
+/// makes no job.
+#[tokio::test]
+async fn submission_refusals_charge_nothing_and_make_no_job() {
+    let up = Upstream::start(Duration::from_millis(50));
+    let endpoints = format!(
+        "{}    /exports/bulk:\n      cost: 60\n      max_in_flight: 1\n      async: {{when: always}}\n",
+        reports(1, "        max_request_body: 16B\n")
+    );
+    let gw = Gateway::start(&up, &config(&endpoints));
+    let c = client();
+    let r = c
+        .post(gw.url(ROUTE))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .body("x".repeat(17))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("payload-too-large"),
+        "{p}"
+    );
+    // Chunked, without a declared length: the same.
+    let chunks = futures_util::stream::iter(vec![
+        Ok::<_, std::io::Error>("x".repeat(10)),
+        Ok("y".repeat(10)),
+    ]);
+    let r = c
+        .post(gw.url(ROUTE))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(remaining(&gw, "a").await, 100);
+    // 16 bytes fit.
+    let location = submit(&c, &gw, ROUTE, "key-a", &"x".repeat(16)).await;
+    assert_eq!(result(&c, &gw, &location, "key-a").await.status(), 200);
+    // No preference: an ordinary request.
+    let sync = post(&c, gw.url(ROUTE), "key-a").await;
+    assert_eq!(sync.status(), 200);
+    assert_eq!(remaining(&gw, "a").await, 80);
+    // when: always: a job without asking; then the budget refuses (20 left, cost 60): no job.
+    let always = post(&c, gw.url("/exports/bulk"), "key-a").await;
+    assert_eq!(always.status(), 202);
+    let refused = post(&c, gw.url("/exports/bulk"), "key-a").await;
+    assert_eq!(refused.status(), 429);
+    // One job on the route, ever: the 429 made none.
+    let bulk = |s: &str| format!("tollgate_jobs{{route=\"/exports/bulk\",state=\"{s}\"}}");
+    assert_metric(
+        &gw,
+        "tollgate_jobs_total{result=\"done\",route=\"/exports/bulk\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        metric(&gw, &bulk("queued")).await + metric(&gw, &bulk("running")).await,
+        0.0
+    );
+}
+
+/// An answer over max_response_body fails the job, charged; an upstream that is down fails
+/// it refunded (502); one too slow fails it charged (504).
+#[tokio::test]
+async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
+    let up = Upstream::start(Duration::from_millis(50));
+    let endpoints = format!(
+        "    \"/bytes/{{n}}\":\n      cost: 10\n      max_in_flight: 1\n      async: {{max_response_body: 1KiB}}\n{}",
+        reports(1, "")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&endpoints),
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let big = submit(&c, &gw, "/bytes/5000", "key-a", "").await;
+    let r = result(&c, &gw, &big, "key-a").await;
+    assert_eq!(r.status(), 502);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("response-too-large"),
+        "{p}"
+    );
+    let small = submit(&c, &gw, "/bytes/1000", "key-a", "").await;
+    let r = result(&c, &gw, &small, "key-a").await;
+    assert_eq!(
+        (r.status().as_u16(), r.bytes().await.unwrap().len()),
+        (200, 1000)
+    );
+    assert_eq!(remaining(&gw, "a").await, 80);
+
+    let slow = submit(&c, &gw, "/reports/generate?delay_ms=1500", "key-a", "").await;
+    let r = result(&c, &gw, &slow, "key-a").await;
+    assert_eq!(r.status(), 504);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("upstream-timeout"),
+        "{p}"
+    );
+    assert_eq!(remaining(&gw, "a").await, 70);
+    assert_metric(&gw, &series("failed"), 1.0).await;
+    assert_metric(
+        &gw,
+        "tollgate_jobs_total{result=\"failed\",route=\"/bytes/{n}\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        "tollgate_jobs_total{result=\"done\",route=\"/bytes/{n}\"}",
+        1.0,
+    )
+    .await;
+
+    let down_port = free_port();
+    let down = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{down_port}"),
+        body: &config(&reports(1, "")),
+        ..GatewayOpts::default()
+    });
+    let job = submit(&c, &down, ROUTE, "key-a", "").await;
+    let r = result(&c, &down, &job, "key-a").await;
+    assert_eq!(r.status(), 502);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("upstream-unavailable"),
+        "{p}"
+    );
+    assert_eq!(remaining(&down, "a").await, 100);
+}
+
+/// SIGTERM: a running job finishes within grace_period like a request (its end is logged
+/// before the process exits 0); a queued one is not started by the draining instance.
+#[tokio::test]
+async fn sigterm_lets_a_running_job_finish_and_starts_no_queued_one() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&reports(1, "")),
+        grace: "10s",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let running = submit(&c, &gw, ROUTE, "key-a", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let queued = submit(&c, &gw, ROUTE, "key-b", "").await;
+    let id = |loc: &str| loc.rsplit('/').next().unwrap().to_string();
+    gw.signal("TERM");
+    assert_eq!(
+        gw.wait_exit(Duration::from_secs(15)),
+        Some(0),
+        "{}",
+        gw.log()
+    );
+    let ended: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["decision"] == "job_done")
+        .map(|l| l["job"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ended, [id(&running)], "{}", gw.log());
+    assert_eq!(up.count(ROUTE), 1);
+    assert!(
+        gw.log().contains(&id(&queued)),
+        "the queued job was not named"
+    );
+}
+
+/// A job that finds no slot within result_ttl expires: its result is a 503 route-busy, and its
+/// charge comes back; it never reaches the upstream.
+#[tokio::test]
+async fn a_job_that_waits_past_result_ttl_expires_refunded() {
+    let up = Upstream::start(Duration::from_millis(4000));
+    let gw = Gateway::start(
+        &up,
+        &config(&reports(1, "").replace("result_ttl: 2s", "result_ttl: 1s")),
+    );
+    let c = client();
+    let _first = submit(&c, &gw, ROUTE, "key-a", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let second = submit(&c, &gw, ROUTE, "key-b", "").await;
+    assert_eq!(remaining(&gw, "b").await, 90);
+    let r = result(&c, &gw, &second, "key-b").await;
+    assert_eq!(r.status(), 503);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_metric(&gw, &series("expired"), 1.0).await;
+    assert_eq!(remaining(&gw, "b").await, 100);
+    assert_eq!(up.count(ROUTE), 1);
+}
+
+/// A job's charge settles when it ends, as a request's does: here on the cost the upstream
+/// states (`cost_from_response`), whose header the stored answer no longer carries.
+#[tokio::test]
+async fn a_job_settles_on_the_cost_its_upstream_states() {
+    let up = Upstream::start(Duration::from_millis(50));
+    let endpoints = reports(1, "").replace(
+        "      async:\n",
+        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    );
+    let gw = Gateway::start(&up, &config(&endpoints));
+    let c = client();
+    let job = submit(&c, &gw, "/reports/generate?actual_cost=35", "key-a", "").await;
+    let r = result(&c, &gw, &job, "key-a").await;
+    assert_eq!(r.status(), 200);
+    assert!(header(&r, "x-actual-cost").is_none());
+    assert_eq!(remaining(&gw, "a").await, 65);
+    assert_metric(
+        &gw,
+        &format!("tollgate_cost_units_total{{route=\"{ROUTE}\"}}"),
+        35.0,
+    )
+    .await;
+    let done: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["decision"] == "job_done")
+        .collect();
+    assert_eq!(done[0]["cost"], 35, "{done:?}");
+}
+
+/// `check` and `explain` describe an async route.
+#[test]
+fn check_and_explain_describe_async_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    let yaml = format!(
+        "upstream: {{url: \"http://127.0.0.1:1\"}}\n{}",
+        config(&reports(2, "        max_request_body: 512KiB\n"))
+    );
+    std::fs::write(&path, yaml).unwrap();
+    let check = cli_ok(&path, &["check"]);
+    assert!(
+        check.contains("ASYNC ROUTE        WHEN    RESULT_TTL  MAX_REQUEST_BODY  MAX_RESPONSE_BODY\n/reports/generate  prefer  2s          512KiB            16MiB"),
+        "{check}"
+    );
+    let explain = cli_ok(&path, &["explain", "POST", ROUTE]);
+    assert!(
+        explain.contains("async:        a request with Prefer: respond-async becomes a job"),
+        "{explain}"
+    );
+}
+
+/// `cost_per_second` bills a job's measured upstream time when it ends, as for a request: a
+/// report that ran at least 1.5 s at 20 units a second costs at least 30, whatever it was
+/// admitted at (10).
+#[tokio::test]
+async fn a_job_is_billed_its_upstream_time() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let endpoints = reports(1, "").replace(
+        "      async:\n",
+        "      cost_per_second: 20\n      async:\n",
+    );
+    let gw = Gateway::start(&up, &config(&endpoints));
+    let c = client();
+    let job = submit(&c, &gw, ROUTE, "key-a", "").await;
+    assert_eq!(result(&c, &gw, &job, "key-a").await.status(), 200);
+    let left = remaining(&gw, "a").await;
+    assert!(left <= 70, "charged only {} for 1.5 s", 100 - left);
+    let done: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["decision"] == "job_done")
+        .collect();
+    assert_eq!(done[0]["cost"].as_u64(), Some(100 - left), "{done:?}");
+}
