@@ -58,7 +58,9 @@ pub async fn routes(shared: &Shared) -> Resp {
         if r.jobs.is_some() {
             let (queued, running) = shared.jobs.counts(&r.label);
             v["jobs"] = serde_json::json!({"queued": queued, "running": running});
-            jobs.push(serde_json::json!({"route": &*r.label, "queued": queued, "running": running}));
+            jobs.push(
+                serde_json::json!({"route": &*r.label, "queued": queued, "running": running}),
+            );
         }
         out.push(v);
     }
