@@ -330,7 +330,8 @@ async fn starts_while_redis_is_down() {
     assert_eq!(r.status(), 200);
     let _redis = Redis::start_on(port);
     let start = Instant::now();
-    while _redis.cli(&["DBSIZE"]) != "1" {
+    // The key's budget (beside it, the records of its admissions' ids).
+    while _redis.cli(&["KEYS", "t{*}b"]).lines().count() != 1 {
         assert!(start.elapsed() < Duration::from_secs(5));
         get(&c, gw.url("/items"), "k").await;
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -730,8 +731,11 @@ async fn password_url_from_env_and_rediss() {
     let r = get(&c, gw.url("/items"), "k").await;
     assert_eq!(r.status(), 200);
     assert_eq!(
-        redis.cli(&["-a", "s3cret", "--no-auth-warning", "DBSIZE"]),
-        "1"
+        redis
+            .cli(&["-a", "s3cret", "--no-auth-warning", "KEYS", "t{*}b"])
+            .lines()
+            .count(),
+        1
     );
     let cfg = reqwest::get(gw.admin("/admin/config"))
         .await
@@ -888,7 +892,15 @@ async fn redis_keys_expire_when_the_bucket_is_full_again() {
     );
     redis.cli(&["FLUSHALL"]);
     get(&c, gw.url("/items"), "fast-key").await;
-    assert_eq!(redis.cli(&["DBSIZE"]), "1");
+    // The budget, and the record of the admission's id, which lives no longer than it.
+    let keys = redis.cli(&["KEYS", "*"]);
+    let mut keys: Vec<&str> = keys.lines().collect();
+    keys.sort();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(
+        keys[0].contains("}a") && keys[1].ends_with("}b"),
+        "{keys:?}"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         redis.cli(&["DBSIZE"]),
