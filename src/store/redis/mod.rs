@@ -21,14 +21,17 @@ mod admit;
 mod breaker;
 mod conn;
 mod deny_cache;
+mod eviction;
 mod keys;
 mod lease;
+mod lost;
 mod queue;
 mod script;
+mod sentinel;
 mod sliced;
 mod slices;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -59,12 +62,9 @@ pub type RedisStore = FallbackStore<RedisBackend>;
 impl RedisStore {
     /// Never fails, and connects in the background: the gateway starts while Redis is down.
     pub fn new(s: &StoreSettings, clock: Clock) -> Arc<Self> {
-        let store = FallbackStore::over(
-            RedisBackend::new(s),
-            MemoryStore::new(clock),
-            s.on_error,
-            s.fleet_size,
-        );
+        let backend = RedisBackend::new(s);
+        backend.spawn_eviction_check();
+        let store = FallbackStore::over(backend, MemoryStore::new(clock), s.on_error, s.fleet_size);
         store.spawn_startup_probe();
         store
     }
@@ -99,6 +99,8 @@ pub struct RedisBackend {
     queue_script: queue::QueueScript,
     /// This instance's requests waiting in a route's queue.
     waiters: Mutex<queue::Waiters>,
+    /// The `run_id` check runs (while leases are held: `lost`).
+    watching_run_id: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -206,6 +208,7 @@ impl RedisBackend {
             last_decided_us: AtomicU64::new(0),
             queue_script: queue::QueueScript::new(),
             waiters: Mutex::default(),
+            watching_run_id: AtomicBool::new(false),
         })
     }
 
@@ -225,6 +228,10 @@ impl RedisBackend {
             }
             Err(StoreError::BreakerOpen) => {
                 m.store_calls.with_label_values(&["breaker_open"]).inc();
+            }
+            // Not sent: the store is not failing, it is changing primaries.
+            Err(e @ StoreError::FailingOver) => {
+                m.store_calls.with_label_values(&[e.metric_label()]).inc();
             }
             Err(e) => {
                 m.store_calls.with_label_values(&[e.metric_label()]).inc();
@@ -296,11 +303,9 @@ impl RedisBackend {
             } else {
                 0
             },
-            lease_id: if key_slots || route_slots || capped {
-                self.next_lease_id()
-            } else {
-                String::new()
-            },
+            record: String::new(),
+            // Every call's admission id; the id of its leases too, if it takes any.
+            lease_id: self.next_lease_id(),
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             also: also_keys(req).collect(),
             holds,
@@ -310,6 +315,10 @@ impl RedisBackend {
             settle: ask.settle,
             unspent: ask.unspent,
             if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
+        };
+        let call = AdmitCall {
+            record: keys::admission_key(&req.key, &call.lease_id),
+            ..call
         };
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
@@ -333,6 +342,8 @@ impl RedisBackend {
                 retry_after_us: reply.a,
             })),
             AdmitCode::KeyBusy => Decided::KeyBusy(standing),
+            // Only a call given up on (and undone) meets its tombstone; never its request.
+            AdmitCode::Undone => return Err(StoreError::Reply("admission undone".into())),
             AdmitCode::RouteBusy => Decided::RouteBusy(standing),
             AdmitCode::Admitted if capped => {
                 self.deny.forget(&req.key);
@@ -378,6 +389,7 @@ impl SharedStore for RedisBackend {
     /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
     /// `queue_timeout`.
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
+        self.after_data_loss(req).await;
         if let Some(o) = self.deny.check(req) {
             return Ok(SharedAnswer {
                 admission: Admission::over_budget(&o),
@@ -477,14 +489,10 @@ impl SharedStore for RedisBackend {
             queue_timeout: Duration::ZERO,
             fair: Default::default(),
         });
+        // The id's marker is left to lapse, never deleted on the answer: another send of the
+        // same id may still be on its way (a partition delivers late, in any order).
         self.call::<i64>(self.script.debit(&budgets, units, id))
             .await?;
-        if id != 0 {
-            // Best effort: a marker not deleted lapses.
-            let _ = self
-                .call::<i64>(self.script.debited(&budgets[0].0, id))
-                .await;
-        }
         Ok(())
     }
 

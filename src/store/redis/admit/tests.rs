@@ -13,6 +13,7 @@ fn call(cost: u64) -> AdmitCall {
         key_cap: 0,
         route_cap: 5,
         lease_id: "i:1".into(),
+        record: "t{a}ai:1".into(),
         lease_ttl_us: 15_000_000,
         also: Vec::new(),
         holds: "t{a}h".into(),
@@ -80,5 +81,6 @@ fn refunds_are_sent_again_unless_they_timed_out() {
         redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
         "x",
     ));
-    assert!(!refund_again(&StoreError::from(script_error)));
+    // An error reply: the refund did not run, so it is sent again.
+    assert!(refund_again(&StoreError::from(script_error)));
 }
