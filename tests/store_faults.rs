@@ -342,3 +342,55 @@ async fn connections_killed_under_load_charge_once() {
     let admitted = |up: &Upstream| 3 * up.count("/q") + up.count("/items");
     charged_settles(&c, &gws[0], "m", || admitted(&up)).await;
 }
+
+/// Gateway A, running 3 long reports on a cap of 3 (`lease_ttl` 3 s), is paused for 7 s
+/// (SIGSTOP): its leases lapse while its upstream work goes on, and B's 2 waiting reports
+/// get their slots (5 at the upstream: the bound while an instance is paused past
+/// `lease_ttl`). On SIGCONT, A's renewals re-create its 3 leases, so the route counts 5 of 3
+/// again and a further report waits until A's end instead of running beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_instance_gets_its_leases_back_on_resume() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(8));
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 3s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 3, queue_timeout: 30s}}\n",
+        redis.url()
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    let report = |gw: &Gateway, key: String| {
+        let (c, url) = (c.clone(), gw.url("/reports/generate"));
+        tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
+    };
+    let mut all: Vec<_> = (0..3).map(|i| report(&a, format!("a{i}"))).collect();
+    up.wait_current("/reports/generate", 3).await;
+    a.signal("STOP");
+    let stopped = Instant::now();
+    all.extend((0..2).map(|i| report(&b, format!("b{i}"))));
+    // A's leases lapse (3 s) and B's two are granted: 5 at the upstream.
+    up.wait_current("/reports/generate", 5).await;
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(stopped.elapsed())).await;
+    a.signal("CONT");
+    // A's renewals are overdue: they run at once and re-create its leases.
+    let route = redis_route_slots_key("/reports/generate");
+    let start = Instant::now();
+    while redis.cli(&["ZCARD", &route]) != "5" {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "A's leases not re-created: {}",
+            redis.cli(&["ZRANGE", &route, "0", "-1"])
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    all.push(report(&b, "late".into()));
+    for t in all {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(
+        up.max_concurrent("/reports/generate"),
+        5,
+        "the late report waited for A's to end"
+    );
+}
