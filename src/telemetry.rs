@@ -66,6 +66,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_store_calls_total",
     "tollgate_store_duration_seconds",
     "tollgate_store_degraded",
+    "tollgate_store_eviction_unsafe",
     "tollgate_config_reloads_total",
     "tollgate_rejections_by_key_total",
     "tollgate_rejections_by_plan_total",
@@ -99,6 +100,7 @@ pub struct Metrics {
     pub store_calls: IntCounterVec,
     pub store_duration: Histogram,
     pub store_degraded: IntGauge,
+    pub store_eviction_unsafe: IntGauge,
     pub config_reloads: IntCounterVec,
     pub rejections_by_key: IntCounterVec,
     pub rejections_by_plan: IntCounterVec,
@@ -192,6 +194,11 @@ fn build() -> Metrics {
         store_degraded: register_int_gauge!(
             "tollgate_store_degraded",
             "1 while decisions follow store.on_error instead of the shared store"
+        )
+        .expect("register"),
+        store_eviction_unsafe: register_int_gauge!(
+            "tollgate_store_eviction_unsafe",
+            "1 while Redis's maxmemory-policy can evict tollgate's keys"
         )
         .expect("register"),
         config_reloads: register_int_counter_vec!(

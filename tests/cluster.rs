@@ -87,13 +87,15 @@ async fn a_fleet_shares_budgets_and_caps_through_a_cluster() {
     assert_eq!(primaries.len(), 3);
     let mut total = 0;
     for p in &primaries {
-        let n: u64 = cluster.node(*p).cli(&["DBSIZE"]).parse().unwrap();
-        let keys = cluster.node(*p).cli(&["--scan", "--pattern", "t{*}b"]);
-        assert_eq!(
-            keys.lines().count() as u64,
-            n,
-            "only budgets on {p}: {keys}"
-        );
+        let all = cluster.node(*p).cli(&["--scan", "--pattern", "*"]);
+        let budgets = cluster.node(*p).cli(&["--scan", "--pattern", "t{*}b"]);
+        let n = budgets.lines().count() as u64;
+        // Beside the budgets, only the records of admission ids (`t{…}a…`).
+        let others: Vec<&str> = all
+            .lines()
+            .filter(|k| !k.ends_with("}b") && !k.contains("}a"))
+            .collect();
+        assert!(others.is_empty(), "only budgets on {p}: {others:?}");
         assert!(n > 0, "primary {p} holds no budget");
         total += n;
     }
@@ -171,38 +173,32 @@ async fn budget_slices_are_held_and_settled_on_a_cluster() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_killed_cluster_primary_fails_over_under_load() {
-    let mut cluster = RedisCluster::start(3);
-    let up = Upstream::start(Duration::ZERO);
-    const MAX: u64 = 1000;
-    let limits = format!("rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 4, queue_timeout: 5s}}\n");
-    let body = store_body(&cluster.url(), "local", 2, &limits);
-    let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &body)).collect());
-    let c = client();
-    let keys: Vec<String> = (0..24).map(|i| format!("load-{i}")).collect();
-    let victim = cluster.owner(&redis_budget_key(&keys[0]));
+/// What a fleet admitted, counted by the test's clients, and what went wrong.
+#[derive(Default)]
+struct Tally {
+    admitted: HashMap<String, u64>,
+    failures: Vec<String>,
+}
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let admitted: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
-    let failures: Arc<Mutex<Vec<String>>> = Arc::default();
-    let load: Vec<_> = keys
-        .iter()
+/// Sends requests for each of `keys` (one task per key, round robin over `gws`, every 4th
+/// to the capped `/reports/generate`) until `stop`; counts what was admitted.
+fn load(
+    c: &reqwest::Client,
+    gws: &Arc<Vec<Gateway>>,
+    keys: &[String],
+    stop: &Arc<AtomicBool>,
+    tally: &Arc<Mutex<Tally>>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    keys.iter()
         .enumerate()
         .map(|(i, key)| {
-            let (c, gws, stop, admitted, failures) = (
-                c.clone(),
-                gws.clone(),
-                stop.clone(),
-                admitted.clone(),
-                failures.clone(),
-            );
+            let (c, gws, stop, tally) = (c.clone(), gws.clone(), stop.clone(), tally.clone());
             let key = key.clone();
             tokio::spawn(async move {
                 let mut n = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     n += 1;
-                    let gw = &gws[(i + n) % 2];
+                    let gw = &gws[(i + n) % gws.len()];
                     let capped = n.is_multiple_of(4);
                     let path = if capped {
                         "/reports/generate?delay_ms=20"
@@ -216,56 +212,84 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
                         get(&c, gw.url(path), &key).await
                     };
                     let s = r.status().as_u16();
-                    if s == 200 {
-                        *admitted.lock().unwrap().entry(key.clone()).or_default() += 1;
-                    } else {
-                        failures.lock().unwrap().push(format!("{path}: {s}"));
+                    {
+                        let mut tally = tally.lock().unwrap();
+                        if s == 200 {
+                            *tally.admitted.entry(key.clone()).or_default() += 1;
+                        } else {
+                            tally.failures.push(format!("{path}: {s}"));
+                        }
+                        if t.elapsed() > Duration::from_secs(3) {
+                            tally
+                                .failures
+                                .push(format!("{path}: slow {:?}", t.elapsed()));
+                        }
                     }
-                    if t.elapsed() > Duration::from_secs(3) {
-                        failures
-                            .lock()
-                            .unwrap()
-                            .push(format!("{path}: slow {:?}", t.elapsed()));
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             })
         })
-        .collect();
+        .collect()
+}
 
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    cluster.kill(victim);
-    let killed = Instant::now();
-    // The victim's replica takes over (node timeout 1 s) while the load goes on.
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.wait_failover(victim, Duration::from_secs(20));
-        cluster
-    })
-    .await
-    .unwrap();
-    let promoted = killed.elapsed();
-    assert!(!cluster.primaries().contains(&victim));
-    tokio::time::sleep(Duration::from_secs(2)).await;
+/// Kills a primary under load, lets its replica take over, starts it again (it rejoins as a
+/// replica), and again: 20 failovers, each primary in turn. A charge that a killed primary ran
+/// and replicated, whose reply died with it, looks to the gateway like one that never ran:
+/// the request goes to the fallback, which charges it too — unless the admission's id undoes
+/// the first when the store is back (it finds the replicated record). So no key is ever
+/// charged more than it was admitted. (A few charges the victim acknowledged but had not
+/// replicated yet may be lost: under-charged, never over.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_primaries_fail_over_twenty_times_without_a_double_charge() {
+    const FAILOVERS: usize = 20;
+    let mut cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::ZERO);
+    // A year's window: what refills during the test is far below one unit.
+    const MAX: u64 = 50_000;
+    let limits = format!("rate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 4, queue_timeout: 5s}}\n");
+    let body = store_body(&cluster.url(), "local", 2, &limits);
+    let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &body)).collect());
+    let c = client();
+    let keys: Vec<String> = (0..24).map(|i| format!("load-{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally: Arc<Mutex<Tally>> = Arc::default();
+    let tasks = load(&c, &gws, &keys, &stop, &tally);
+
+    let start = Instant::now();
+    for round in 0..FAILOVERS {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Each round kills the primary of another key's budget (all three in turn).
+        let victim = cluster.owner(&redis_budget_key(&keys[round % keys.len()]));
+        cluster.kill(victim);
+        cluster = tokio::task::spawn_blocking(move || {
+            cluster.wait_failover(victim, Duration::from_secs(20));
+            cluster.restart(victim);
+            cluster.wait_healthy(3, Duration::from_secs(20));
+            cluster
+        })
+        .await
+        .unwrap();
+        assert!(!cluster.primaries().contains(&victim), "round {round}");
+    }
+    let took = start.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::Relaxed);
-    for l in load {
-        l.await.unwrap();
+    for t in tasks {
+        t.await.unwrap();
     }
     // Budget slices a gateway reserved and did not spend are charged in Redis until given
     // back (a slice lives 500 ms, the sweeper runs every 100 ms): let them go back first.
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    // Bounded errors by on_error=local: every request was answered by the shared store or
-    // the local share, none failed.
-    let failures = failures.lock().unwrap().clone();
-    let route = redis_route_slots_key("/reports/generate");
-    let state = format!("{}s", &route[..route.len() - 1]);
+    let Tally {
+        mut admitted,
+        failures,
+    } = std::mem::take(&mut *tally.lock().unwrap());
+    // Every request was answered by the shared store or the local share, none failed.
     assert!(
         failures.is_empty(),
-        "{} failures: {:?}\nleases {} at {}\nstate {}\n{}",
+        "{} failures: {:?}\n{}",
         failures.len(),
         &failures[..failures.len().min(6)],
-        cluster.cli(&["ZRANGE", &route, "0", "-1", "WITHSCORES"]),
-        cluster.cli(&["TIME"]),
-        cluster.cli(&["HGETALL", &state]),
         gws.iter()
             .map(|g| g
                 .log()
@@ -277,43 +301,41 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
             .collect::<Vec<_>>()
             .join("\n---\n")
     );
-
-    // Recovery: the shared budget is back on every gateway, on the promoted replica too.
     for gw in gws.iter() {
         shared_budget_back(&c, gw, MAX).await;
     }
-    // keys[0] lived on the killed primary: its budget is on the promoted replica now.
-    assert_eq!(cluster.cli(&["EXISTS", &redis_budget_key(&keys[0])]), "1");
 
-    // No double charge: what each key was charged in Redis (after the fallback's charges were
-    // written back) does not exceed what it was admitted. One case no client can tell apart:
-    // a charge the killed primary ran and replicated, whose reply died with it (the request
-    // then went to the fallback, which charges it too). It needs the kill to fall between the
-    // replication write and the reply write of one call: at most one such request per
-    // connection to the victim, seen in about 1 run of 20. Conversely a few charges the
-    // victim acknowledged but had not replicated may be lost.
-    let mut admitted = admitted.lock().unwrap().clone();
-    let start = Instant::now();
+    // No key charged more than it was admitted, once the fallback's charges are written back
+    // (and the undos of admissions given up on have landed): zero over-charged requests.
+    let total: u64 = admitted.values().sum();
+    let settled = Instant::now();
     loop {
-        let (mut charged_total, mut over) = (0, 0);
+        let (mut charged_total, mut over) = (0, vec![]);
         for key in &keys {
             let got = charged(&c, &gws[0], key, MAX).await + 1;
             // The probe is admitted and charged too.
             let want = admitted.entry(key.clone()).or_default();
             *want += 1;
-            assert!(got <= *want + 1, "{key} charged {got} for {want} admitted");
-            over += got.saturating_sub(*want);
+            if got > *want {
+                over.push(format!("{key}: charged {got} for {want} admitted"));
+            }
             charged_total += got;
         }
-        assert!(over <= 2, "{over} requests charged twice");
-        let total: u64 = admitted.values().sum();
-        if charged_total + 20 >= total {
+        let total = total + keys.len() as u64;
+        // Written back by now, or still on its way: only over-charges are final.
+        if over.is_empty()
+            && (charged_total + 40 >= total || settled.elapsed() > Duration::from_secs(5))
+        {
+            eprintln!(
+                "{FAILOVERS} failovers in {took:?}: {total} admitted, {charged_total} charged"
+            );
             break;
         }
         assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "charged {charged_total} of {total} admitted"
+            settled.elapsed() < Duration::from_secs(10),
+            "over-charged: {over:?} (charged {charged_total} of {total} admitted)"
         );
+        // An undo may still be on its way: the next probe comes after it.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // No leaked slot: every lease of the capped route was released.
@@ -328,7 +350,6 @@ async fn a_killed_cluster_primary_fails_over_under_load() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(promoted < Duration::from_secs(20));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -398,6 +419,122 @@ async fn a_sentinel_failover_is_followed() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Sends `key`'s requests to `path`, round robin over `gws`, from `tasks` tasks, until
+/// `stop`.
+fn steady(
+    c: &reqwest::Client,
+    gws: &Arc<Vec<Gateway>>,
+    key: &str,
+    path: &'static str,
+    tasks: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..tasks)
+        .map(|i| {
+            let (c, gws, stop, key) = (c.clone(), gws.clone(), stop.clone(), key.to_string());
+            tokio::spawn(async move {
+                let mut n = i;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let r = get(&c, gws[n % gws.len()].url(path), &key).await;
+                    assert!(
+                        matches!(r.status().as_u16(), 200 | 429),
+                        "{path}: {}",
+                        r.status()
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// `SENTINEL FAILOVER` with the old primary alive: it keeps accepting writes until the
+/// Sentinel reconfigures it (about 10 s later), and loses them when it resyncs. The gateways
+/// follow the failover as it happens: from `+try-failover` they send nothing (the `local`
+/// fallback decides, and writes back), from `+switch-master` they use the new primary. So a
+/// metered key is charged exactly what the upstream ran for it, and a hot key at 10× its
+/// budget gets at most its budget plus one burst (the two instances' local shares).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_manual_sentinel_failover_charges_what_was_admitted() {
+    let set = SentinelSet::start();
+    let up = Upstream::start(Duration::ZERO);
+    const MAX: u64 = 50_000;
+    const HOT: u64 = 30;
+    let limits = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\nplans:\n  big: {{max_cost: {MAX}, window: 8760h}}\n  small: {{max_cost: {HOT}, window: 8760h}}\nkeys:\n  - {{id: m, sha256: \"{}\", plan: big}}\n  - {{id: h, sha256: \"{}\", plan: small}}\n",
+        sha256_hex("m"),
+        sha256_hex("h")
+    );
+    let body = store_body(&set.url(), "local", 2, &limits);
+    let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &body)).collect());
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = steady(&c, &gws, "m", "/metered", 3, &stop);
+    tasks.extend(steady(&c, &gws, "h", "/hot", 2, &stop));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(up.count("/metered") > 0 && up.count("/hot") > 0);
+
+    assert_eq!(
+        set.sentinel.cli(&["SENTINEL", "FAILOVER", "tollgate"]),
+        "OK"
+    );
+    let asked = Instant::now();
+    while set.current_primary() != set.replica.port {
+        assert!(asked.elapsed() < Duration::from_secs(20), "no failover");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Until the old primary is a replica of the new one, and a little after: whatever it
+    // accepted meanwhile is gone.
+    let demoted =
+        |info: String| info.contains("role:slave") && info.contains("master_link_status:up");
+    while !demoted(set.primary.cli(&["INFO", "replication"])) {
+        assert!(
+            asked.elapsed() < Duration::from_secs(40),
+            "old primary never demoted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    let hot = up.count("/hot");
+    assert!(
+        hot <= 2 * HOT,
+        "hot key: {hot} at the upstream, bound {}",
+        2 * HOT
+    );
+    // The metered key: charged in Redis (read by a probe, which charges one more) exactly
+    // what the upstream ran for it, once the fallback's admissions are written back.
+    let mut probes = 0;
+    let settled = Instant::now();
+    loop {
+        let got = charged(&c, &gws[0], "m", MAX).await;
+        let want = up.count("/metered") + probes;
+        probes += 1;
+        assert!(got <= want, "charged {got} for {want} admitted");
+        if got == want {
+            break;
+        }
+        assert!(
+            settled.elapsed() < Duration::from_secs(10),
+            "charged {got} of {want} admitted\n{}",
+            gws[0].log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        set.replica
+            .cli(&["INFO", "replication"])
+            .lines()
+            .find(|l| l.starts_with("role:")),
+        Some("role:master")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

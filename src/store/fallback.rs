@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use super::memory::MemoryStore;
 use super::running::{slots_of, Running};
-use super::write_back::Ledger;
+use super::write_back::{Ledger, Owed};
 use super::{Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Peek, StoreError};
 use crate::budget::Limit;
 use crate::config::OnError;
@@ -299,17 +299,32 @@ impl<S: SharedStore> FallbackStore<S> {
     /// budget like the admission was; a shared debit that surely did not run is owed too.
     pub async fn charge_extra(self: &Arc<Self>, req: &AdmitRequest, charge: Charge, units: u64) {
         match charge {
-            Charge::Shared | Charge::Slice(_) => match self
-                .shared
-                .write_back(&req.key, &req.limit, &req.also, units, 0)
-                .await
-            {
-                Ok(()) => {}
-                Err(e) if e.may_have_run() => {
-                    tracing::debug!(error = %e, units, "a time charge may not have reached the store");
+            Charge::Shared | Charge::Slice(_) => {
+                // Under an id of its own: one that may have run is sent again as it is, and
+                // the store charges it once.
+                let id = rand::random::<u64>() | 1;
+                match self
+                    .shared
+                    .write_back(&req.key, &req.limit, &req.also, units, id)
+                    .await
+                {
+                    Ok(()) => {}
+                    Err(e) if e.may_have_run() => {
+                        tracing::debug!(error = %e, units, "a charge after the fact may not have reached the store: sent again");
+                        let again = Owed {
+                            key: req.key,
+                            limit: req.limit,
+                            also: req.also.clone(),
+                            units,
+                            id,
+                        };
+                        if self.owed.add_doubtful(again) {
+                            tokio::spawn(self.clone().write_back_loop());
+                        }
+                    }
+                    Err(_) => self.owe(req, units),
                 }
-                Err(_) => self.owe(req, units),
-            },
+            }
             Charge::Local(limit) => {
                 // Under the local shares it was admitted under, every budget's.
                 self.local.debit(&req.charged_under(limit), units);

@@ -65,6 +65,9 @@ pub enum StoreError {
     Connect(#[source] ::redis::RedisError),
     #[error("circuit breaker open")]
     BreakerOpen,
+    /// The Sentinels are replacing the primary: nothing is sent until they name the new one.
+    #[error("the primary is being failed over")]
+    FailingOver,
     #[error("store.url is not usable: {0}")]
     Config(String),
     #[error("unexpected script reply {0}")]
@@ -92,7 +95,10 @@ impl From<::redis::RedisError> for StoreError {
 impl StoreError {
     pub fn transient(&self) -> bool {
         match self {
-            StoreError::Timeout | StoreError::ConnectTimeout | StoreError::BreakerOpen => true,
+            StoreError::Timeout
+            | StoreError::ConnectTimeout
+            | StoreError::BreakerOpen
+            | StoreError::FailingOver => true,
             StoreError::Config(_) | StoreError::Reply(_) => false,
             StoreError::Connect(e) => {
                 e.is_timeout() || e.is_connection_refusal() || e.is_connection_dropped()
@@ -101,15 +107,20 @@ impl StoreError {
         }
     }
 
-    /// False when the call surely never reached the store (so sending it again cannot apply
-    /// it twice): the breaker was open, there was no connection to send it on, or Redis
-    /// refused it before running it (CLUSTERDOWN, MOVED, … during a failover).
+    /// False when the call surely wrote nothing (so sending it again cannot apply it twice):
+    /// the breaker was open, there was no connection to send it on, or Redis answered it
+    /// with an error. An error reply is not a timeout: Redis refused the script before
+    /// running it (CLUSTERDOWN, MOVED, READONLY, OOM under `noeviction`: `lua/store.lua` is
+    /// a flagged script, which Redis checks first), or it stopped at a check, which every
+    /// operation makes before its first write. Only a call whose answer never came (a
+    /// timeout, a connection that broke) may have run.
     pub fn may_have_run(&self) -> bool {
         match self {
             StoreError::BreakerOpen
             | StoreError::ConnectTimeout
             | StoreError::Connect(_)
-            | StoreError::Config(_) => false,
+            | StoreError::Config(_)
+            | StoreError::FailingOver => false,
             StoreError::Redis { source, .. } => {
                 !source.is_connection_refusal() && !redis::refused_before_running(source)
             }

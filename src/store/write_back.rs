@@ -115,6 +115,17 @@ impl Ledger {
         !std::mem::replace(&mut inner.flushing, true)
     }
 
+    /// A debit under id `o.id` that may have run: sent again as it is (Redis charges an id
+    /// once). True when no task is sending the ledger yet: the caller should start one.
+    pub fn add_doubtful(&self, o: Owed) -> bool {
+        let mut inner = lock(&self.inner);
+        if inner.len() < MAX_KEYS {
+            inner.doubtful.push(o);
+        }
+        self.len.store(inner.len(), Ordering::Relaxed);
+        !std::mem::replace(&mut inner.flushing, true)
+    }
+
     /// True while `req.key` owes units, or the sending task is sending them.
     pub fn owes(&self, req: &AdmitRequest) -> bool {
         if self.len.load(Ordering::Relaxed) == 0 {

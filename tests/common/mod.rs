@@ -904,26 +904,7 @@ impl RedisCluster {
     pub fn start(primaries: usize) -> RedisCluster {
         let dir = tempfile::tempdir().unwrap();
         let nodes: Vec<Redis> = (0..primaries * 2)
-            .map(|_| {
-                let port = free_cluster_port();
-                let conf = dir.path().join(format!("nodes-{port}.conf"));
-                Redis::start_with(
-                    port,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        conf.to_str().unwrap(),
-                        "--cluster-node-timeout",
-                        "1000",
-                        // A replica may take over however long its link was down.
-                        "--cluster-replica-validity-factor",
-                        "0",
-                        "--dir",
-                        dir.path().to_str().unwrap(),
-                    ],
-                )
-            })
+            .map(|_| Self::start_node(&dir, free_cluster_port()))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()
@@ -943,6 +924,33 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes, dir };
         cluster.wait_healthy(primaries, Duration::from_secs(20));
         cluster
+    }
+
+    fn start_node(dir: &tempfile::TempDir, port: u16) -> Redis {
+        let conf = dir.path().join(format!("nodes-{port}.conf"));
+        Redis::start_with(
+            port,
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                conf.to_str().unwrap(),
+                "--cluster-node-timeout",
+                "1000",
+                // A replica may take over however long its link was down.
+                "--cluster-replica-validity-factor",
+                "0",
+                "--dir",
+                dir.path().to_str().unwrap(),
+            ],
+        )
+    }
+
+    /// Starts a killed node again, empty, with its cluster config: it rejoins as a replica
+    /// of the primary that took over from it, and syncs from it.
+    pub fn restart(&mut self, port: u16) {
+        let node = Self::start_node(&self.dir, port);
+        *self.nodes.iter_mut().find(|n| n.port == port).unwrap() = node;
     }
 
     /// `redis+cluster://` with every node as a seed.
@@ -1178,4 +1186,76 @@ pub async fn anonymous_gets(c: &reqwest::Client, url: &str, n: usize) -> Vec<(u1
         ));
     }
     seen
+}
+
+/// A TCP proxy in front of a Redis (or anything): it can blackhole its connections — holding
+/// what is sent both ways, which the kernel buffers — and heal them, delivering it all late.
+/// One gateway's path to Redis, cut and restored while the others' stays up.
+pub struct Proxy {
+    pub port: u16,
+    open: tokio::sync::watch::Sender<bool>,
+    _rt: BackgroundRuntime,
+}
+
+impl Proxy {
+    pub fn start(target: u16) -> Proxy {
+        let rt = BackgroundRuntime::new(1);
+        let (open, watch) = tokio::sync::watch::channel(true);
+        let port = rt.serve(move |listener| async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                    else {
+                        return;
+                    };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    tokio::join!(pump(cr, sw, watch.clone()), pump(sr, cw, watch));
+                });
+            }
+        });
+        Proxy {
+            port,
+            open,
+            _rt: rt,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Nothing passes any more (new connections are accepted, then hang the same way).
+    pub fn blackhole(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// Everything held is delivered, and traffic flows again.
+    pub fn heal(&self) {
+        self.open.send_replace(true);
+    }
+}
+
+/// Copies `from` to `to`, holding each chunk while the proxy is blackholed.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut open: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if open.wait_for(|o| *o).await.is_err() {
+            break;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
 }

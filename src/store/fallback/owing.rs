@@ -36,7 +36,8 @@ impl<S: SharedStore> FallbackStore<S> {
     /// may have run (a timeout, a connection that broke: after a restart, every thread's old
     /// connection does) is sent again as it was, and the store charges its id once.
     async fn send_owed(&self, mut o: Owed) -> Result<(), StoreError> {
-        if o.id == 0 {
+        let fresh = o.id == 0;
+        if fresh {
             o.id = rand::random::<u64>() | 1;
         }
         let sent = self
@@ -45,8 +46,10 @@ impl<S: SharedStore> FallbackStore<S> {
             .await;
         if let Err(e) = &sent {
             tracing::debug!(error = %e, units = o.units, "a write-back did not reach the store: sent again");
-            if !e.may_have_run() {
-                // Surely not run: owed like any other units (merged, forgivable).
+            if fresh && !e.may_have_run() {
+                // Surely not run, and never sent before: owed like any other units
+                // (merged, forgivable). Once sent under an id that may have run, the units
+                // keep that id however the later sends fail: an earlier one may still land.
                 o.id = 0;
             }
             self.owed.put_back([o]);
@@ -55,7 +58,7 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     /// Sends what is owed until nothing is; the store's breaker paces the attempts.
-    async fn write_back_loop(self: Arc<Self>) {
+    pub(super) async fn write_back_loop(self: Arc<Self>) {
         loop {
             tokio::time::sleep(WRITE_BACK_EVERY).await;
             let mut all = self.owed.take_all().into_iter();

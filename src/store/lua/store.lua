@@ -1,3 +1,4 @@
+#!lua
 -- tollgate's shared store: every operation on budgets and leases, atomically, on Redis TIME.
 --
 -- The budget arithmetic is a transcription of crate::budget (decide, refund, level_at); tests
@@ -21,16 +22,31 @@
 -- Redis's data (a restart without persistence, an empty replica promoted), so `settle`
 -- charges what its instance spent of it then, once (a tombstone answers a resend).
 --
+-- The `#!lua` line makes this a flagged script (Redis 7): Redis refuses it before running it
+-- when it is out of memory (`maxmemory` + `noeviction`), a replica (READONLY) or otherwise
+-- unable to write, so such an error reply means nothing was written. Every operation makes
+-- its checks and reads before its first write as well, so a script error means the same.
+--
+-- Admission ids: every `admit` names its call (`lease_id`, unique across the fleet) and a
+-- record key in the key's slot, `t{tag}a<id>`. An admission that charges records '1' there
+-- (for `record_ms`, or less: until its budgets are full again); `undo` of an id refunds and releases what its admission took, once, and
+-- leaves 'u'. An `admit` that finds its record already there (a resend, or a call delivered
+-- late after the gateway gave it up and undid it) writes nothing and answers from it:
+-- admitted (the charge stands, not charged again) or UNDONE.
+--
 -- ARGV[1] is the operation:
---   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...
+--   admit  KEYS budget, key leases, route leases, the key's holds, further budgets...,
+--               the admission's record
 --          ARGV per_unit rate capacity max_delay floor, cost key_cap route_cap lease_id
 --               lease_ttl_us slice unspent settle_id grant_id hold_ttl_us, then per_unit
 --               rate capacity max_delay floor of each further budget, then the settled
---               hold's units and grant time (as `settle`'s, for a hold Redis lost)
+--               hold's units and grant time (as `settle`'s, for a hold Redis lost), then
+--               record_ms
 --          -> {code, a, remaining, reset_us, granted, now_us, level of each budget...,
 --             held ticks of each budget...}:
 --             code 0 over budget (a = retry_after_us), 1 key cap full, 2 route cap full,
---             3 admitted (a = delay_us). Charges only when admitted, and then every budget
+--             3 admitted (a = delay_us), 4 undone (the id was given up: nothing written).
+--             Charges only when admitted, and then every budget
 --             (all fit, or none is charged) -- except the settling of hold `settle_id` ('' for
 --             none) with `unspent` units not spent, which is done first, whatever the answer.
 --             `slice` asks for that many extra units as hold `grant_id`, live for
@@ -52,16 +68,21 @@
 --   debit  KEYS budget...        ARGV (per_unit rate cost)... id  -> 1 (charges even past
 --          capacity: units already admitted elsewhere; the key then waits out the debt;
 --          once per id unless it is '0')
---   debited KEYS budget  ARGV id  -> 1 (the debit's answer arrived: its id is forgotten)
 --   peek   KEYS the key's holds, its budgets...  ARGV '' 0 (per_unit rate)...
 --          -> each budget's level now, holds included (ticks), one atomic view
---   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1
+--   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1 (a renewal
+--          re-creates a lease that is missing)
 --   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
 --          taken) or 2 (ROUTE_BUSY: nothing written). On Redis Cluster a route's lease set is
 --          in another slot than the key's budget: `admit` (without the route) then `take`.
+--   undo   KEYS record, key leases (the record again: none), budget...
+--          ARGV lease_id tombstone_ms (per_unit rate cost)...
+--          -> 1 (the admission had charged: refunded, its key lease released) or 0 (it had
+--          not, or was undone already). Leaves 'u' for tombstone_ms, so that the admission,
+--          should it arrive later, writes nothing; safe to send again.
 
 -- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
-local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED = 0, 1, 2, 3
+local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED, UNDONE = 0, 1, 2, 3, 4
 
 local function int(x) return string.format('%.0f', x) end
 
@@ -187,9 +208,11 @@ if op == 'admit' then
   local settle = ARGV[14]
   local grant_id = ARGV[15]
   local hold_ttl = tonumber(ARGV[16])
-  -- The settled hold's size and grant time (last two ARGV), in case Redis lost it.
-  local settle_units = tonumber(ARGV[#ARGV - 1]) or 0
-  local settle_us = tonumber(ARGV[#ARGV]) or 0
+  -- The settled hold's size and grant time, in case Redis lost it, then the record's life.
+  local settle_units = tonumber(ARGV[#ARGV - 2]) or 0
+  local settle_us = tonumber(ARGV[#ARGV - 1]) or 0
+  local record_ms = tonumber(ARGV[#ARGV])
+  local record = KEYS[#KEYS]
   local holds = KEYS[4]
   -- Every budget the request must fit: KEYS[1] (ARGV 2-6), then KEYS[5], KEYS[6], ... with
   -- five ARGV each from ARGV[17] on (crate::budget::decide_all, all or nothing).
@@ -199,50 +222,11 @@ if op == 'admit' then
             floor = tonumber(ARGV[j + 4]), own = keys_own(key)}
   end
   local b = {budget(KEYS[1], 2)}
-  for i = 1, math.floor((#ARGV - 18) / 5) do
+  for i = 1, math.floor((#ARGV - 19) / 5) do
     b[#b + 1] = budget(KEYS[4 + i], 17 + 5 * (i - 1))
   end
   local now = now_us()
-  local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
-  local live, charge, last = take_holds(holds, settle, unspent, now, true)
-  if lost then
-    charge = charge + settle_units - unspent
-    bury(holds, settle, now)
-  end
-  local refused, retry = nil, 0
-  for i, x in ipairs(b) do
-    x.level = level_at(x.key, x.q, now)
-    x.held = 0
-    if x.own then
-      x.held = live * x.p
-      if charge > 0 then
-        -- A settled or expired hold's spent units: charged before anything is decided.
-        x.level = x.level + charge * x.p
-        store_level(x.key, x.level, x.q, now)
-      end
-    end
-    x.next = x.level + cost * x.p
-    if x.next + x.held > x.cap + x.delay then
-      local r = ceil_div(x.next + x.held - x.cap - x.delay, x.q)
-      -- Held units count as charged until settled, and drain only from then: at the latest
-      -- when their holds expire. A level that runs dry before that makes the wait longer.
-      local after_held = x.held + cost * x.p - x.cap - x.delay
-      if x.held > 0 and after_held > 0 then
-        r = math.max(r, last - now + ceil_div(after_held, x.q))
-      end
-      if refused == nil or r > retry then refused, retry = i, r end
-    end
-  end
   local granted = 0
-  if refused == nil and slice > 0 and grant_id ~= '' and key_cap == 0 and route_cap == 0 then
-    granted = slice
-    for _, x in ipairs(b) do
-      if x.delay > 0 or not x.own
-          or x.level + x.held + (cost + slice + x.floor) * x.p > x.cap then
-        granted = 0
-      end
-    end
-  end
   -- The reply: {code, a, remaining, reset_us, granted, now, levels..., helds...} of the
   -- decisive budget and, when there are several, its index (from 0) and every budget's
   -- remaining and reset_us. `after` = the levels after the charge; `decisive` = nil picks the
@@ -276,6 +260,58 @@ if op == 'admit' then
     end
     return out
   end
+  local seen = redis.call('GET', record)
+  if seen then
+    -- This call ran before (a resend), or was given up and undone (a late delivery): it
+    -- writes nothing, and says what its record says, with the budgets as they are now.
+    local live = take_holds(holds, '', 0, now, false)
+    for _, x in ipairs(b) do
+      x.level = level_at(x.key, x.q, now)
+      x.held = x.own and live * x.p or 0
+      x.next = x.level
+    end
+    if seen == '1' then return reply(ADMITTED, 0, false, nil) end
+    return reply(UNDONE, 0, false, nil)
+  end
+  local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
+  local live, charge, last = take_holds(holds, settle, unspent, now, true)
+  if lost then
+    charge = charge + settle_units - unspent
+    bury(holds, settle, now)
+  end
+  local refused, retry = nil, 0
+  for i, x in ipairs(b) do
+    x.level = level_at(x.key, x.q, now)
+    x.held = 0
+    if x.own then
+      x.held = live * x.p
+      if charge > 0 then
+        -- A settled or expired hold's spent units: charged before anything is decided.
+        x.level = x.level + charge * x.p
+        store_level(x.key, x.level, x.q, now)
+      end
+    end
+    x.next = x.level + cost * x.p
+    if x.next + x.held > x.cap + x.delay then
+      local r = ceil_div(x.next + x.held - x.cap - x.delay, x.q)
+      -- Held units count as charged until settled, and drain only from then: at the latest
+      -- when their holds expire. A level that runs dry before that makes the wait longer.
+      local after_held = x.held + cost * x.p - x.cap - x.delay
+      if x.held > 0 and after_held > 0 then
+        r = math.max(r, last - now + ceil_div(after_held, x.q))
+      end
+      if refused == nil or r > retry then refused, retry = i, r end
+    end
+  end
+  if refused == nil and slice > 0 and grant_id ~= '' and key_cap == 0 and route_cap == 0 then
+    granted = slice
+    for _, x in ipairs(b) do
+      if x.delay > 0 or not x.own
+          or x.level + x.held + (cost + slice + x.floor) * x.p > x.cap then
+        granted = 0
+      end
+    end
+  end
   if refused then
     return reply(OVER_BUDGET, retry, false, refused)
   end
@@ -286,6 +322,13 @@ if op == 'admit' then
     return reply(ROUTE_BUSY, 0, false, nil)
   end
   local delay = 0
+  -- The record lives no longer than the budgets take to be full again (then undoing the
+  -- admission would give nothing back: its charge has drained), nor than record_ms.
+  local keep = 1
+  for _, x in ipairs(b) do keep = math.max(keep, ceil_div(ceil_div(x.next, x.q), 1000)) end
+  -- ...and no shorter than its leases: an undo must find them.
+  if key_cap > 0 or route_cap > 0 then keep = math.max(keep, ceil_div(ttl, 1000)) end
+  redis.call('SET', record, '1', 'PX', int(math.min(keep, record_ms)))
   for _, x in ipairs(b) do
     store_level(x.key, x.next, x.q, now)
     if x.next + x.held > x.cap then
@@ -335,8 +378,9 @@ if op == 'refund' then
 end
 
 -- A debit with an id (the trailing ARGV, '0': none) charges once: a write-back that may have
--- run is sent again with its id, and this key (in the first budget's slot) remembers it.
-local WRITE_BACK_SEEN_MS = 120000
+-- run is sent again with its id, and this key (in the first budget's slot) remembers it, as
+-- long as a send delivered late may still arrive (write-backs are rare: outages only).
+local WRITE_BACK_SEEN_MS = 1200000
 
 if op == 'debit' then
   local id = ARGV[2 + 3 * #KEYS]
@@ -349,12 +393,6 @@ if op == 'debit' then
   end
   adjust(1)
   redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
-  return 1
-end
-
--- The instance got the answer to debit ARGV[2] (KEYS[1] its first budget): no resend comes.
-if op == 'debited' then
-  redis.call('DEL', KEYS[1] .. ':w:' .. ARGV[2])
   return 1
 end
 
@@ -426,13 +464,12 @@ if op == 'lease' then
   end
   local now = now_us()
   for i = 1, #KEYS do
-    -- Renew only a live lease: one that lapsed (say, Redis was unreachable for longer than
-    -- lease_ttl) may already have been counted out, and its slot given to someone else.
-    local expiry = redis.call('ZSCORE', KEYS[i], ARGV[2])
-    if expiry and tonumber(expiry) >= now then
-      redis.call('ZADD', KEYS[i], 'XX', int(now + ttl), ARGV[2])
-      expire_with_last_lease(KEYS[i])
-    end
+    -- A renewal re-creates a lease that is missing: Redis lost it with its data (a restart
+    -- without persistence, an empty replica promoted), or it lapsed while its instance was
+    -- paused. Its request is still running, so its slot is taken, whoever else took it
+    -- meanwhile (DESIGN §4 bounds that).
+    redis.call('ZADD', KEYS[i], int(now + ttl), ARGV[2])
+    expire_with_last_lease(KEYS[i])
   end
   return 1
 end
@@ -447,6 +484,24 @@ if op == 'take' then
   redis.call('ZADD', KEYS[1], int(now + tonumber(ARGV[4])), ARGV[3])
   expire_with_last_lease(KEYS[1])
   return ADMITTED
+end
+
+if op == 'undo' then
+  local record, lease_set, tomb_ms = KEYS[1], KEYS[2], tonumber(ARGV[3])
+  local seen = redis.call('GET', record)
+  if seen and seen ~= '1' then return 0 end
+  if seen == '1' then
+    local now = now_us()
+    for i = 3, #KEYS do
+      local j = 4 + 3 * (i - 3)
+      local p, q = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+      store_level(KEYS[i], level_at(KEYS[i], q, now) - tonumber(ARGV[j + 2]) * p, q, now)
+    end
+    if lease_set ~= record then redis.call('ZREM', lease_set, ARGV[2]) end
+  end
+  redis.call('SET', record, 'u', 'PX', int(tomb_ms))
+  if seen == '1' then return 1 end
+  return 0
 end
 
 return redis.error_reply('tollgate: unknown operation ' .. tostring(op))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::conn::Conn;
-use super::script::{self, AdmitCall, AdmitCode, StoreScript};
+use super::script::{self, AdmitCall, AdmitCode, StoreScript, UNDO_FOR};
 use super::slices::{Place, Settle};
 use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
 use crate::budget::Limit;
@@ -45,6 +45,13 @@ impl RedisBackend {
         let store = self.clone();
         tokio::spawn(async move {
             let reply = store.run_admit(&c, &mut conn).await;
+            if let Err(e) = &reply {
+                // Nobody will hold what it may have taken (the request falls back on
+                // `store.on_error`): undone by its id, whether it ran or runs later.
+                if StoreError::from(e.clone()).may_have_run() {
+                    store.undo_later(&c);
+                }
+            }
             if let Err((Ok(v), c)) = tx.send((reply, c)) {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
@@ -92,12 +99,67 @@ impl RedisBackend {
             };
             self.settle_later(Settle::unspent(place, c.grant, granted));
         }
-        self.undo_charge(StoreScript::budgets_of(c), c.cost).await;
+        // The charge and the key's lease, by the admission's id: once, however often sent.
+        if !self.undo_now(c).await {
+            self.undo_later(c);
+        }
+        // Known to have been admitted: its leases go whatever the record says (the undo
+        // released the key's, once; releasing is idempotent, and one that fails is
+        // remembered and sent again).
         let slots = c.slot_keys();
         if !slots.is_empty() {
-            // Releasing is idempotent: one that fails is remembered and sent again.
             self.release_keys(slots, c.lease_id.clone()).await;
         }
+    }
+
+    /// One `undo` of admission `c` (its charge and key lease back, its id tombstoned),
+    /// bypassing the breaker: true if Redis answered it.
+    async fn undo_now(&self, c: &AdmitCall) -> bool {
+        let undone = async {
+            let mut conn = self.conns.get().await?;
+            let undo = self.script.undo(c);
+            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&undo, &mut conn))
+                .await
+            {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r?),
+            }
+        }
+        .await;
+        match undone {
+            Ok(n) => {
+                if n == 1 {
+                    tracing::info!("an admission given up on had reached Redis: undone by its id");
+                }
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "undo of an admission not answered; sent again");
+                // The next attempt connects anew (to the node that took over, say).
+                self.conns.forget();
+                false
+            }
+        }
+    }
+
+    /// Sends `undo` of admission `c` until Redis answers it (it is idempotent, so any failure,
+    /// a timeout included, is simply sent again), for [`UNDO_FOR`]: the admission's record
+    /// outlives that, its tombstone much longer.
+    pub(super) fn undo_later(self: &Arc<Self>, c: &AdmitCall) {
+        let (store, c) = (self.clone(), c.clone());
+        let give_up = Instant::now() + UNDO_FOR;
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            while Instant::now() < give_up {
+                if store.undo_now(&c).await {
+                    return;
+                }
+                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+            }
+            tracing::warn!("an admission given up on could not be undone in time; the key may be charged for it twice");
+        });
     }
 
     /// Gives back a charge that its request will not use, surely: a refund that did not run

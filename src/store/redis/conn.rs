@@ -8,9 +8,10 @@
 //! what lets the gateway start while Redis is down.
 //!
 //! Making a connection again is also how a topology change is followed:
-//! - Sentinel: the Sentinels are asked for the primary's address on every connect, so after
-//!   a failover the next connection goes to the promoted replica (the old primary's socket
-//!   fails, or answers READONLY once demoted: both are errors, and errors drop the connection).
+//! - Sentinel: the Sentinels are asked for the primary's address on every connect, and a
+//!   watcher (`sentinel`) follows their failovers as they happen: calls pause while one is
+//!   under way, and connections made before `+switch-master` are made again. A new
+//!   connection asks the node its `ROLE` first.
 //! - Cluster: the client reads the slot map from the seed nodes when it connects and again on
 //!   MOVED; a dead primary's slots are re-read on reconnect once its replica took over.
 //!
@@ -29,12 +30,23 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, RedisFuture, Value};
 
+use super::lost::RunId;
+use super::sentinel::{self, Watch};
 use crate::config::{parse_redis_target, RedisTarget};
 use crate::store::StoreError;
 
+/// "host:port" of a node, as the Sentinels name it.
+fn address(info: &ConnectionInfo) -> String {
+    match info.addr() {
+        redis::ConnectionAddr::Tcp(host, port)
+        | redis::ConnectionAddr::TcpTls { host, port, .. } => format!("{host}:{port}"),
+        other => other.to_string(),
+    }
+}
+
 thread_local! {
-    /// This thread's connection: (connections id, connection).
-    static CONN: RefCell<Option<(u64, Conn)>> = const { RefCell::new(None) };
+    /// This thread's connection: (connections id, primary generation, connection).
+    static CONN: RefCell<Option<(u64, u64, Conn)>> = const { RefCell::new(None) };
     /// Held while this thread connects, so concurrent requests wait for one connection
     /// instead of each opening their own.
     static CONNECTING: Arc<tokio::sync::Mutex<()>> = Arc::new(tokio::sync::Mutex::new(()));
@@ -171,6 +183,10 @@ async fn primary_client(target: &Target) -> redis::RedisResult<redis::Client> {
 pub(super) struct Connections {
     id: u64,
     target: Result<Target, String>,
+    /// Sentinel: what the watcher knows of the primary (a failover under way, a new one).
+    watch: Option<Arc<Watch>>,
+    /// The Redis process's `run_id`, read on every new connection (not on Cluster).
+    pub(super) run_id: RunId,
     config: AsyncConnectionConfig,
     /// Bound on making a connection: `max(store.timeout, 100ms)`, since a TCP (and TLS)
     /// handshake needs more than a call.
@@ -186,9 +202,21 @@ impl Connections {
         if let Err(e) = &target {
             tracing::error!(error = %e, "store.url is not usable; running on store.on_error");
         }
+        let watch = match &target {
+            Ok(Target::Sentinel {
+                sentinels, master, ..
+            }) => {
+                let watch = Arc::new(Watch::new());
+                sentinel::spawn_watcher(sentinels.clone(), master.clone(), Arc::downgrade(&watch));
+                Some(watch)
+            }
+            _ => None,
+        };
         Connections {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             target,
+            watch,
+            run_id: RunId::default(),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(Some(response_timeout)),
@@ -201,17 +229,27 @@ impl Connections {
         matches!(self.target, Ok(Target::Cluster(..)))
     }
 
+    /// The generation of the primary connections are made to now (0 but for Sentinel).
+    fn generation(&self) -> u64 {
+        self.watch.as_ref().map_or(0, |w| w.generation())
+    }
+
     fn cached(&self) -> Option<Conn> {
+        let generation = self.generation();
         CONN.with(|c| {
             c.borrow()
                 .as_ref()
-                .filter(|(id, _)| *id == self.id)
-                .map(|(_, conn)| conn.clone())
+                .filter(|(id, g, _)| *id == self.id && *g == generation)
+                .map(|(_, _, conn)| conn.clone())
         })
     }
 
-    /// This thread's connection, made on first use (on this thread's runtime).
+    /// This thread's connection, made on first use (on this thread's runtime). While the
+    /// Sentinels fail the primary over, none: [`StoreError::FailingOver`].
     pub(super) async fn get(&self) -> Result<Conn, StoreError> {
+        if self.watch.as_ref().is_some_and(|w| w.paused()) {
+            return Err(StoreError::FailingOver);
+        }
         if let Some(c) = self.cached() {
             return Ok(c);
         }
@@ -225,8 +263,9 @@ impl Connections {
             if let Some(c) = self.cached() {
                 return Ok(c);
             }
+            let generation = self.generation();
             let conn = self.connect(target).await.map_err(StoreError::Connect)?;
-            CONN.with(|c| *c.borrow_mut() = Some((self.id, conn.clone())));
+            CONN.with(|c| *c.borrow_mut() = Some((self.id, generation, conn.clone())));
             Ok(conn)
         })
         .await
@@ -235,18 +274,26 @@ impl Connections {
 
     async fn connect(&self, target: &Target) -> redis::RedisResult<Conn> {
         Ok(match target {
-            Target::Node(client) => Conn::Node(
-                client
+            Target::Node(client) => {
+                let mut conn = client
                     .get_multiplexed_async_connection_with_config(&self.config)
-                    .await?,
-            ),
+                    .await?;
+                self.run_id.read(&mut conn).await;
+                Conn::Node(conn)
+            }
             Target::Cluster(client, _) => Conn::Cluster(client.get_async_connection().await?),
-            Target::Sentinel { .. } => Conn::Node(
-                primary_client(target)
-                    .await?
+            Target::Sentinel { .. } => {
+                let client = primary_client(target).await?;
+                if let Some(w) = &self.watch {
+                    w.primary_is(address(client.get_connection_info()));
+                }
+                let mut conn = client
                     .get_multiplexed_async_connection_with_config(&self.config)
-                    .await?,
-            ),
+                    .await?;
+                sentinel::check_role(&mut conn).await?;
+                self.run_id.read(&mut conn).await;
+                Conn::Node(conn)
+            }
         })
     }
 
@@ -284,7 +331,7 @@ impl Connections {
     pub(super) fn forget(&self) {
         CONN.with(|c| {
             let mut c = c.borrow_mut();
-            if c.as_ref().is_some_and(|(id, _)| *id == self.id) {
+            if c.as_ref().is_some_and(|(id, _, _)| *id == self.id) {
                 *c = None;
             }
         });

@@ -8,6 +8,7 @@
 //! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t{<key tag>}h` | the API key's budget slices held by instances (hash: hold id → `units:expiry_us`) |
+//! | `t{<key tag>}a<id>` | admission `id` of the key: `1` charged, `u` undone (expires) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
 //!
@@ -64,6 +65,11 @@ pub(super) fn holds_key(key: &KeyHash) -> String {
 pub(super) fn budget_and_holds_keys(key: &KeyHash) -> (String, String) {
     let tag = tag(key);
     (format!("t{{{tag}}}b"), format!("t{{{tag}}}h"))
+}
+
+/// The record of admission `id` of the key (`lua/store.lua`'s admission ids), in its slot.
+pub(super) fn admission_key(key: &KeyHash, id: &str) -> String {
+    format!("t{{{}}}a{id}", tag(key))
 }
 
 pub(super) fn key_slots_key(key: &KeyHash) -> String {

@@ -32,7 +32,7 @@ pub(super) struct Unreleased {
 /// Leases this instance holds (id → lease sets) and releases still to be sent.
 #[derive(Debug, Default)]
 pub(super) struct Held {
-    live: HashMap<String, Vec<String>>,
+    pub(super) live: HashMap<String, Vec<String>>,
     unreleased: Vec<Unreleased>,
     retrying: bool,
 }
@@ -52,6 +52,7 @@ impl RedisLease {
     pub(super) fn hold(store: &Arc<RedisBackend>, keys: Vec<String>, id: String) -> Self {
         let renew = store.spawn_renewal(keys.clone(), id.clone());
         lock(&store.held).live.insert(id.clone(), keys.clone());
+        store.watch_for_data_loss();
         RedisLease {
             store: store.clone(),
             keys,
@@ -214,7 +215,7 @@ impl RedisBackend {
 
     /// A lease's sets as script calls: one call on one node; on Redis Cluster one call per
     /// set, since a key's lease set and a route's are in different hash slots.
-    fn lease_groups<'a>(&self, keys: &'a [String]) -> Vec<&'a [String]> {
+    pub(super) fn lease_groups<'a>(&self, keys: &'a [String]) -> Vec<&'a [String]> {
         if self.conns.is_cluster() {
             keys.chunks(1).collect()
         } else {

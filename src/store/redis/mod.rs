@@ -21,14 +21,18 @@ mod admit;
 mod breaker;
 mod conn;
 mod deny_cache;
+mod eviction;
 mod keys;
 mod lease;
+mod lost;
 mod queue;
 mod script;
+mod sentinel;
+mod shared;
 mod sliced;
 mod slices;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -40,9 +44,9 @@ pub(crate) fn key_tag(key: &KeyHash) -> String {
 }
 pub(super) use script::refused_before_running;
 
-use super::fallback::{FallbackStore, SharedAnswer, SharedStore};
+use super::fallback::{FallbackStore, SharedAnswer};
 use super::memory::{Clock, MemoryStore};
-use super::{Admission, AdmitRequest, Bucket, BudgetView, Extra, Lease, Standing, StoreError};
+use super::{Admission, AdmitRequest, Bucket, Lease, Standing, StoreError};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
@@ -59,12 +63,9 @@ pub type RedisStore = FallbackStore<RedisBackend>;
 impl RedisStore {
     /// Never fails, and connects in the background: the gateway starts while Redis is down.
     pub fn new(s: &StoreSettings, clock: Clock) -> Arc<Self> {
-        let store = FallbackStore::over(
-            RedisBackend::new(s),
-            MemoryStore::new(clock),
-            s.on_error,
-            s.fleet_size,
-        );
+        let backend = RedisBackend::new(s);
+        backend.spawn_eviction_check();
+        let store = FallbackStore::over(backend, MemoryStore::new(clock), s.on_error, s.fleet_size);
         store.spawn_startup_probe();
         store
     }
@@ -99,6 +100,8 @@ pub struct RedisBackend {
     queue_script: queue::QueueScript,
     /// This instance's requests waiting in a route's queue.
     waiters: Mutex<queue::Waiters>,
+    /// The `run_id` check runs (while leases are held: `lost`).
+    watching_run_id: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -167,6 +170,7 @@ impl RedisBackend {
             last_decided_us: AtomicU64::new(0),
             queue_script: queue::QueueScript::new(),
             waiters: Mutex::default(),
+            watching_run_id: AtomicBool::new(false),
         })
     }
 
@@ -181,8 +185,8 @@ impl RedisBackend {
     }
 
     /// Metrics, breaker and connection health after one call. A call the open breaker
-    /// refused never went to Redis: it is counted (`breaker_open`, an error for the alerts)
-    /// but has no duration, so the latency histogram describes Redis only.
+    /// refused (or held back during a failover) never went to Redis: it is counted but has
+    /// no duration, so the latency histogram describes Redis only.
     fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
         let m = metrics();
         match res {
@@ -193,6 +197,10 @@ impl RedisBackend {
             }
             Err(StoreError::BreakerOpen) => {
                 m.store_calls.with_label_values(&["breaker_open"]).inc();
+            }
+            // Not sent: the store is not failing, it is changing primaries.
+            Err(e @ StoreError::FailingOver) => {
+                m.store_calls.with_label_values(&[e.metric_label()]).inc();
             }
             Err(e) => {
                 m.store_duration.observe(start.elapsed().as_secs_f64());
@@ -247,8 +255,8 @@ impl RedisBackend {
         ask: Ask,
     ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
-        // A capped route's slot is taken in its fair queue, after this call (`queue`), in the
-        // route's own slot (also on Redis Cluster).
+        // A capped route's slot is taken in its fair queue, after this call (`queue`); on
+        // Redis Cluster by `take`, in the route's slot, right after the key's side.
         let capped = req.route_cap.is_some();
         let (budget, holds) = keys::budget_and_holds_keys(&req.key);
         let call = AdmitCall {
@@ -257,11 +265,9 @@ impl RedisBackend {
             limit: req.limit,
             cost: req.cost,
             key_cap: req.key_cap.unwrap_or(0),
-            lease_id: if key_slots || capped {
-                self.next_lease_id()
-            } else {
-                String::new()
-            },
+            record: String::new(),
+            // Every call's admission id; the id of its leases too, if it takes any.
+            lease_id: self.next_lease_id(),
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             also: also_keys(req).collect(),
             holds,
@@ -271,6 +277,10 @@ impl RedisBackend {
             settle: ask.settle,
             unspent: ask.unspent,
             if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
+        };
+        let call = AdmitCall {
+            record: keys::admission_key(&req.key, &call.lease_id),
+            ..call
         };
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
@@ -294,6 +304,8 @@ impl RedisBackend {
                 retry_after_us: reply.a,
             })),
             AdmitCode::KeyBusy => Decided::KeyBusy(standing),
+            // Only a call given up on (and undone) meets its tombstone; never its request.
+            AdmitCode::Undone => return Err(StoreError::Reply("admission undone".into())),
             AdmitCode::RouteBusy => Decided::RouteBusy(standing),
             AdmitCode::Admitted if capped => {
                 self.deny.forget(&req.key);
@@ -333,145 +345,4 @@ fn also_keys(req: &AdmitRequest) -> impl Iterator<Item = (String, Limit)> + '_ {
         };
         (key, e.limit)
     })
-}
-
-impl SharedStore for RedisBackend {
-    /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
-    /// `queue_timeout`.
-    async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
-        if let Some(o) = self.deny.check(req) {
-            return Ok(SharedAnswer {
-                admission: Admission::over_budget(&o),
-                reached: false,
-            });
-        }
-        if self.slices_on {
-            self.settle_pending(req).await?;
-        }
-        if let Some(answer) = self.admit_sliced(req).await {
-            return answer;
-        }
-        match req.route_cap {
-            // Boxed: the queued path's state would make every request's future larger.
-            Some(cap) => Box::pin(self.admit_capped(req, cap)).await,
-            None => {
-                let start = Instant::now();
-                let decided = self.try_admit(req, Ask::default()).await?.0;
-                Ok(self.answer(req, decided, start))
-            }
-        }
-    }
-
-    /// A failed refund is not retried: it might have run. One spent from this instance's
-    /// slice goes back into it while that is still the key's live hold here (no round trip:
-    /// `Ok(false)`); else to the hold in Redis if that is not settled yet, or to the budget.
-    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
-        self.deny.forget(&req.key);
-        if hold != 0 && self.slices.unspend(req, hold, Instant::now()) {
-            return Ok(false);
-        }
-        let budgets = budget_keys(req);
-        let call = if hold == 0 {
-            self.call::<i64>(self.script.refund(&budgets, req.cost))
-                .await
-        } else {
-            let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
-            self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
-                .await
-        };
-        call.map(|_| true)
-    }
-
-    async fn peek(
-        &self,
-        key: &KeyHash,
-        limit: &Limit,
-        also: &[Extra],
-    ) -> Result<Vec<BudgetView>, StoreError> {
-        let (k, holds) = keys::budget_and_holds_keys(key);
-        let named = also.iter().filter_map(|e| match &e.bucket {
-            Bucket::Key(name) => Some((keys::named_budget_key(key, name), e.limit)),
-            Bucket::Route(_) => None,
-        });
-        let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
-        let levels: Vec<i64> = self.call(self.script.peek(&holds, &budgets)).await?;
-        if levels.len() != budgets.len() {
-            return Err(StoreError::Reply(format!(
-                "peek: {} levels for {} budgets",
-                levels.len(),
-                budgets.len()
-            )));
-        }
-        // What this instance holds of the key's slice is not spent yet: shown as Redis will
-        // have it back. A hold counts in every budget of the key, a route's shared one aside.
-        // Read after the call: a slice granted or settled in between shows as up to one slice
-        // more or less (the view is for people, not decisions).
-        let held = self.slices.unspent(key, limit);
-        Ok(budgets
-            .iter()
-            .zip(levels)
-            .map(|((_, l), level)| {
-                let level = (level.max(0) as u64).saturating_sub(held.saturating_mul(l.per_unit));
-                BudgetView::at(l, level)
-            })
-            .collect())
-    }
-
-    async fn write_back(
-        &self,
-        key: &KeyHash,
-        limit: &Limit,
-        also: &[Extra],
-        units: u64,
-        id: u64,
-    ) -> Result<(), StoreError> {
-        self.deny.forget(key);
-        let budgets = budget_keys(&AdmitRequest {
-            key: *key,
-            limit: *limit,
-            also: also.to_vec(),
-            cost: units,
-            key_cap: None,
-            route: Arc::from(""),
-            route_cap: None,
-            queue_timeout: Duration::ZERO,
-            fair: Default::default(),
-        });
-        self.call::<i64>(self.script.debit(&budgets, units, id))
-            .await?;
-        if id != 0 {
-            // Best effort: a marker not deleted lapses.
-            let _ = self
-                .call::<i64>(self.script.debited(&budgets[0].0, id))
-                .await;
-        }
-        Ok(())
-    }
-
-    async fn probe(&self) -> Result<(), StoreError> {
-        if !self.breaker.allow() {
-            return Err(StoreError::BreakerOpen);
-        }
-        let start = Instant::now();
-        let res = async {
-            let mut conn = self.conns.get().await?;
-            let cmd = redis::cmd("PING");
-            let ping = cmd.query_async::<String>(&mut conn);
-            match tokio::time::timeout(self.timeout, ping).await {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r.map(drop)?),
-            }
-        }
-        .await;
-        self.record(start, &res);
-        res
-    }
-
-    async fn release_all(self: &Arc<Self>) {
-        self.release_everything().await;
-    }
-
-    fn reloaded(self: &Arc<Self>) {
-        self.retire_slices();
-    }
 }

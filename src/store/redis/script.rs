@@ -35,23 +35,17 @@ pub(super) async fn invoke<T: FromRedisValue>(
     }
 }
 
-/// Redis answered without running the script: the slot is elsewhere or moving (MOVED, ASK,
-/// TRYAGAIN), the cluster or the primary is down (CLUSTERDOWN, MASTERDOWN), the node is
-/// loading, or it is a replica now (READONLY: every op writes only after its reads, so the
-/// first write refused means nothing was written).
+/// Redis answered with an error, so the script wrote nothing: it refused to run it (the
+/// slot is elsewhere or moving: MOVED, ASK, TRYAGAIN; the cluster or the primary is down:
+/// CLUSTERDOWN, MASTERDOWN; loading; a replica now: READONLY; out of memory under
+/// `noeviction`: OOM — `lua/store.lua` is a flagged script, so Redis checks its role and
+/// memory before running it), or the script stopped with an error at one of its checks,
+/// which every operation makes before its first write. Anything but a reply (a broken
+/// connection, a timeout) is not this.
 pub(crate) fn refused_before_running(e: &RedisError) -> bool {
-    use redis::ServerErrorKind as K;
     matches!(
         e.kind(),
-        redis::ErrorKind::Server(
-            K::Moved
-                | K::Ask
-                | K::TryAgain
-                | K::ClusterDown
-                | K::MasterDown
-                | K::BusyLoading
-                | K::ReadOnly
-        )
+        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
     )
 }
 
@@ -74,14 +68,17 @@ pub(super) enum AdmitCode {
     RouteBusy = 2,
     /// Charged and leased; the second figure is the delay in µs before forwarding.
     Admitted = 3,
+    /// The call's admission id was given up and undone before it arrived: nothing written.
+    Undone = 4,
 }
 
 impl AdmitCode {
-    const ALL: [AdmitCode; 4] = [
+    const ALL: [AdmitCode; 5] = [
         AdmitCode::OverBudget,
         AdmitCode::KeyBusy,
         AdmitCode::RouteBusy,
         AdmitCode::Admitted,
+        AdmitCode::Undone,
     ];
 
     pub(super) fn from_reply(code: i64) -> Option<AdmitCode> {
@@ -90,14 +87,17 @@ impl AdmitCode {
 }
 
 /// The arguments of one `admit` call, owned so that the call can outlive its request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct AdmitCall {
     pub budget: String,
     pub key_slots: Option<String>,
     pub limit: Limit,
     pub cost: u64,
     pub key_cap: u32,
+    /// The call's admission id (unique across the fleet), also the id of the leases it takes.
     pub lease_id: String,
+    /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
+    pub record: String,
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,
@@ -186,6 +186,15 @@ fn figures(more: &[i64]) -> Option<Figures> {
     Some(each)
 }
 
+/// How long Redis keeps an admission's record: beyond the longest time the gateway keeps
+/// sending the `undo` of a call it gave up on ([`UNDO_FOR`]).
+pub(super) const ADMISSION_RECORD: Duration = Duration::from_secs(120);
+/// How long an undone id's tombstone keeps a late delivery of its call from charging: past
+/// the time a kernel keeps retransmitting a closed connection's unsent data (~15 min).
+pub(super) const TOMBSTONE: Duration = Duration::from_secs(20 * 60);
+/// How long the gateway keeps sending the `undo` of a call it gave up on.
+pub(super) const UNDO_FOR: Duration = Duration::from_secs(100);
+
 pub(super) struct StoreScript(Script);
 
 impl StoreScript {
@@ -210,6 +219,12 @@ impl StoreScript {
     /// only when admitted (to every budget), and the settling always. Charges: never retry
     /// it after a timeout.
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        self.admit_with(c)
+    }
+
+    /// `admit` with the route's lease set and cap given (the key's side alone: the budget key
+    /// again, and cap 0).
+    fn admit_with<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
         // A capped route's slot is not taken here but in its fair queue: no route lease set
         // (the budget key again, never touched) and no route cap.
         let (route_set, route_cap) = (&c.budget, 0);
@@ -244,7 +259,32 @@ impl StoreScript {
                 .arg(l.max_delay)
                 .arg(floor(l));
         }
-        inv.arg(c.if_lost.units).arg(c.if_lost.granted_us);
+        inv.arg(c.if_lost.units)
+            .arg(c.if_lost.granted_us)
+            .arg(ADMISSION_RECORD.as_millis() as u64);
+        inv.key(&c.record);
+        inv
+    }
+
+    /// `undo`: gives back what admission `c` took — its charge to every budget and its key's
+    /// lease — if Redis admitted it, once; and makes sure it never will (a call delivered
+    /// late finds the tombstone and writes nothing). Idempotent: safe to send again.
+    ///
+    /// KEYS[1] the record, KEYS[2] the key's lease set (the record again: none), KEYS[3..]
+    /// budgets; ARGV[2] lease id, ARGV[3] tombstone life (ms), then per_unit, rate, cost of
+    /// each budget. Reply 1 (it had charged: undone) or 0 (it had not, or undone already).
+    pub fn undo<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(&c.record)
+            .key(c.key_slots.as_ref().unwrap_or(&c.record))
+            .arg("undo")
+            .arg(&c.lease_id)
+            .arg(TOMBSTONE.as_millis() as u64);
+        for (key, l) in
+            std::iter::once((&c.budget, &c.limit)).chain(c.also.iter().map(|(k, l)| (k, l)))
+        {
+            inv.key(key).arg(l.per_unit).arg(l.rate).arg(c.cost);
+        }
         inv
     }
 
@@ -275,14 +315,6 @@ impl StoreScript {
     ) -> ScriptInvocation<'a> {
         let mut inv = self.adjust("debit", budgets, cost);
         inv.arg(id);
-        inv
-    }
-
-    /// `debited`: the answer to debit `id` on `budget` (its first) arrived, so no resend
-    /// will come: Redis forgets the id (else it lapses).
-    pub fn debited<'a>(&'a self, budget: &str, id: u64) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(budget).arg("debited").arg(id);
         inv
     }
 
@@ -366,7 +398,7 @@ impl StoreScript {
         self.on_hold("peek", holds, budgets, "", 0)
     }
 
-    /// `lease`: renews lease `id` in every set for `ttl_us` (only if still live), or releases it
+    /// `lease`: renews lease `id` in every set for `ttl_us` (re-creating it where it is missing), or releases it
     /// when `ttl_us` is 0. Idempotent, so safe to send again.
     ///
     /// KEYS[1..n] lease sets; ARGV[2] lease id, ARGV[3] ttl_us. Reply 1.
@@ -386,72 +418,4 @@ impl StoreScript {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Only answers that prove the script did not run are resent, or count as "not run".
-    #[test]
-    fn what_is_resent_and_what_counts_as_not_run() {
-        use redis::{ErrorKind, ServerErrorKind as K};
-        let server = |k| RedisError::from((ErrorKind::Server(k), "x"));
-        assert!(stale_topology(&server(K::Moved)));
-        assert!(stale_topology(&server(K::ReadOnly)));
-        for k in [K::Ask, K::TryAgain, K::ClusterDown, K::NoScript] {
-            assert!(!stale_topology(&server(k)), "{k:?}");
-        }
-        for k in [
-            K::Moved,
-            K::Ask,
-            K::TryAgain,
-            K::ClusterDown,
-            K::MasterDown,
-            K::ReadOnly,
-        ] {
-            assert!(refused_before_running(&server(k)), "{k:?}");
-        }
-        let dropped = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
-        for e in [server(K::ResponseError), dropped, timeout] {
-            assert!(!stale_topology(&e) && !refused_before_running(&e), "{e}");
-        }
-    }
-
-    /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
-    #[test]
-    fn admit_codes_match_the_script() {
-        let lua = include_str!("../lua/store.lua");
-        let line = lua
-            .lines()
-            .find(|l| l.starts_with("local OVER_BUDGET"))
-            .expect("the script names its reply codes");
-        let (names, values) = line["local ".len()..].split_once('=').unwrap();
-        let lua_codes: Vec<(String, i64)> = names
-            .split(',')
-            .map(|n| n.trim().to_string())
-            .zip(values.split(',').map(|v| v.trim().parse().unwrap()))
-            .collect();
-        let rust_codes: Vec<(String, i64)> = AdmitCode::ALL
-            .iter()
-            .map(|c| {
-                let camel = format!("{c:?}");
-                let mut snake = String::new();
-                for (i, ch) in camel.chars().enumerate() {
-                    if ch.is_uppercase() && i > 0 {
-                        snake.push('_');
-                    }
-                    snake.push(ch.to_ascii_uppercase());
-                }
-                (snake, *c as i64)
-            })
-            .collect();
-        assert_eq!(lua_codes, rust_codes);
-        for (name, _) in &lua_codes {
-            assert!(
-                lua.contains(&format!("return reply({name},")),
-                "{name} is returned"
-            );
-        }
-        assert_eq!(AdmitCode::from_reply(3), Some(AdmitCode::Admitted));
-        assert_eq!(AdmitCode::from_reply(4), None);
-    }
-}
+mod tests;

@@ -1,0 +1,158 @@
+//! Redis lost its data (a restart without persistence, a failover to an empty replica, a
+//! FLUSHALL): the leases every instance holds are gone with it, and their slots look free.
+//! A new Redis process has a new `run_id`. Each instance reads it on every new connection
+//! (not on Cluster, where each node has its own), and, while it holds leases, every
+//! [`CHECK_EVERY`]. On a new one:
+//!
+//! - an instance registers every lease it holds again before its next admission (a renewal
+//!   re-creates a missing lease, `lua/store.lua`), at once and bypassing the breaker;
+//! - and holds back its own requests that would take a slot for [`SETTLE_FOR`]: long enough
+//!   for every other instance holding leases to have seen the new `run_id` and registered
+//!   them again, so that nobody fills the cap beside them.
+//!
+//! An instance that never saw another `run_id` (its first connection) holds nothing back.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::{script, RedisBackend};
+use crate::store::{lock, AdmitRequest, StoreError};
+
+/// How often `run_id` is read while leases are held.
+const CHECK_EVERY: Duration = Duration::from_millis(500);
+/// How long requests that take a slot wait after a new `run_id` was seen.
+const SETTLE_FOR: Duration = Duration::from_secs(2);
+
+/// What this instance knows of the Redis process it talks to.
+#[derive(Debug, Default)]
+pub(super) struct RunId {
+    known: Mutex<Option<String>>,
+    /// When a new `run_id` was last seen.
+    changed_at: Mutex<Option<Instant>>,
+    /// Set on a new `run_id`, until every lease held is registered again.
+    leases_lost: AtomicBool,
+}
+
+impl RunId {
+    /// Reads `run_id` on `conn` and notes it: `Some(true)` if it is new (another one was
+    /// known), `None` if it could not be read.
+    pub(super) async fn read<C: redis::aio::ConnectionLike>(&self, conn: &mut C) -> Option<bool> {
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("server");
+        let info = cmd.query_async::<String>(conn);
+        let Ok(Ok(info)) = tokio::time::timeout(Duration::from_millis(100), info).await else {
+            return None;
+        };
+        let id = info.lines().find_map(|l| l.strip_prefix("run_id:"))?;
+        let id = id.trim();
+        let mut known = lock(&self.known);
+        let new = known.as_deref().is_some_and(|k| k != id);
+        if known.as_deref() != Some(id) {
+            *known = Some(id.to_string());
+        }
+        drop(known);
+        if new {
+            *lock(&self.changed_at) = Some(Instant::now());
+            self.leases_lost.store(true, Ordering::Release);
+            tracing::warn!("Redis is a new process (a new run_id): its data may be gone; leases are registered again");
+        }
+        Some(new)
+    }
+
+    /// How long a request that takes a slot still waits for other instances to register
+    /// their leases again.
+    fn settling(&self) -> Option<Duration> {
+        let at = (*lock(&self.changed_at))?;
+        SETTLE_FOR
+            .checked_sub(at.elapsed())
+            .filter(|d| !d.is_zero())
+    }
+}
+
+impl RedisBackend {
+    /// Starts the `run_id` check unless it runs (called when a lease is taken).
+    pub(super) fn watch_for_data_loss(self: &Arc<Self>) {
+        if self.conns.is_cluster() || self.watching_run_id.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.watching_run_id.store(false, Ordering::Release);
+            return;
+        };
+        rt.spawn(check_while_leased(Arc::downgrade(self)));
+    }
+
+    /// Registers every lease this instance holds again, bypassing the breaker (a renewal
+    /// re-creates a missing one). True when all of them went.
+    async fn reregister_leases(&self) -> Result<(), StoreError> {
+        let live: Vec<(String, Vec<String>)> = lock(&self.held)
+            .live
+            .iter()
+            .map(|(id, keys)| (id.clone(), keys.clone()))
+            .collect();
+        let ttl_us = self.lease_ttl.as_micros() as u64;
+        let mut conn = self.conns.get().await?;
+        for (id, keys) in &live {
+            for group in self.lease_groups(keys) {
+                let renew = self.script.lease(group, id, ttl_us);
+                tokio::time::timeout(
+                    self.timeout.max(Duration::from_millis(200)),
+                    script::invoke::<i64>(&renew, &mut conn),
+                )
+                .await
+                .map_err(|_| StoreError::Timeout)??;
+            }
+        }
+        if !live.is_empty() {
+            tracing::warn!(
+                leases = live.len(),
+                "registered this instance's leases again after Redis lost its data"
+            );
+        }
+        Ok(())
+    }
+
+    /// Before an admission: leases lost with Redis's data are registered again first, and a
+    /// request that takes a slot waits while other instances do the same.
+    pub(super) async fn after_data_loss(&self, req: &AdmitRequest) {
+        let ids = &self.conns.run_id;
+        if ids.leases_lost.load(Ordering::Acquire) && self.reregister_leases().await.is_ok() {
+            ids.leases_lost.store(false, Ordering::Release);
+        }
+        if req.route_cap.is_some() || req.key_cap.is_some() {
+            if let Some(wait) = ids.settling() {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
+async fn check_while_leased(store: Weak<RedisBackend>) {
+    loop {
+        tokio::time::sleep(CHECK_EVERY).await;
+        let Some(s) = store.upgrade() else { return };
+        if lock(&s.held).live.is_empty() {
+            s.watching_run_id.store(false, Ordering::Release);
+            // A lease taken just now started no check (this one still ran): go on for it.
+            if lock(&s.held).live.is_empty() || s.watching_run_id.swap(true, Ordering::AcqRel) {
+                return;
+            }
+        }
+        let read = match s.conns.get().await {
+            Ok(mut conn) => s.conns.run_id.read(&mut conn).await,
+            Err(_) => None,
+        };
+        if read.is_none() {
+            // A connection that broke (Redis restarted) is made again on the next look.
+            s.conns.forget();
+        }
+        let ids = &s.conns.run_id;
+        if ids.leases_lost.load(Ordering::Acquire) {
+            match s.reregister_leases().await {
+                Ok(()) => ids.leases_lost.store(false, Ordering::Release),
+                Err(e) => tracing::debug!(error = %e, "leases not registered again yet"),
+            }
+        }
+    }
+}

@@ -1,0 +1,72 @@
+use super::*;
+
+/// Only answers that prove the script did not run are resent, or count as "not run".
+#[test]
+fn what_is_resent_and_what_counts_as_not_run() {
+    use redis::{ErrorKind, ServerErrorKind as K};
+    let server = |k| RedisError::from((ErrorKind::Server(k), "x"));
+    assert!(stale_topology(&server(K::Moved)));
+    assert!(stale_topology(&server(K::ReadOnly)));
+    for k in [K::Ask, K::TryAgain, K::ClusterDown, K::NoScript] {
+        assert!(!stale_topology(&server(k)), "{k:?}");
+    }
+    for k in [
+        K::Moved,
+        K::Ask,
+        K::TryAgain,
+        K::ClusterDown,
+        K::MasterDown,
+        K::ReadOnly,
+        K::ResponseError,
+    ] {
+        assert!(refused_before_running(&server(k)), "{k:?}");
+    }
+    // An error code redis-rs does not know (OOM): an error reply all the same.
+    let oom = RedisError::from((ErrorKind::Extension, "OOM", "command not allowed".into()));
+    assert!(refused_before_running(&oom) && !stale_topology(&oom));
+    let dropped = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+    let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+    for e in [dropped, timeout] {
+        assert!(!stale_topology(&e) && !refused_before_running(&e), "{e}");
+    }
+}
+
+/// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
+#[test]
+fn admit_codes_match_the_script() {
+    let lua = include_str!("../../lua/store.lua");
+    let line = lua
+        .lines()
+        .find(|l| l.starts_with("local OVER_BUDGET"))
+        .expect("the script names its reply codes");
+    let (names, values) = line["local ".len()..].split_once('=').unwrap();
+    let lua_codes: Vec<(String, i64)> = names
+        .split(',')
+        .map(|n| n.trim().to_string())
+        .zip(values.split(',').map(|v| v.trim().parse().unwrap()))
+        .collect();
+    let rust_codes: Vec<(String, i64)> = AdmitCode::ALL
+        .iter()
+        .map(|c| {
+            let camel = format!("{c:?}");
+            let mut snake = String::new();
+            for (i, ch) in camel.chars().enumerate() {
+                if ch.is_uppercase() && i > 0 {
+                    snake.push('_');
+                }
+                snake.push(ch.to_ascii_uppercase());
+            }
+            (snake, *c as i64)
+        })
+        .collect();
+    assert_eq!(lua_codes, rust_codes);
+    for (name, _) in &lua_codes {
+        assert!(
+            lua.contains(&format!("return reply({name},")),
+            "{name} is returned"
+        );
+    }
+    assert_eq!(AdmitCode::from_reply(3), Some(AdmitCode::Admitted));
+    assert_eq!(AdmitCode::from_reply(4), Some(AdmitCode::Undone));
+    assert_eq!(AdmitCode::from_reply(5), None);
+}

@@ -1,0 +1,224 @@
+//! Following a Sentinel failover as it happens, not when a connection breaks.
+//!
+//! A demoted primary keeps accepting writes until the Sentinels reconfigure it (about 10 s
+//! after `+switch-master`), and what it accepted then is lost when it resyncs from the new
+//! primary: budgets charged there are charged nowhere. So a watcher listens to every Sentinel
+//! of `store.url`:
+//!
+//! - from a failover's start (`+try-failover`, `+selected-slave`) until the Sentinels name
+//!   the new primary (`+switch-master`) or give up (`-failover-abort-*`, `+failover-end*`),
+//!   nothing is sent (the calls fail at once as [`StoreError::FailingOver`], surely not run,
+//!   and `store.on_error` decides; what the `local` fallback admits is written back to the new
+//!   primary). A pause lasts at most [`PAUSE_AT_MOST`];
+//! - `+switch-master` makes every connection made before it stale: the next call connects
+//!   again, to the primary the Sentinels name now;
+//! - the primary's address is also asked every [`POLL_EVERY`], in case a message was missed
+//!   (a Sentinel restarted, its connection broke).
+//!
+//! Every new connection to a primary asks it `ROLE` first, and one that is not a master is
+//! not used.
+//!
+//! [`StoreError::FailingOver`]: crate::store::StoreError::FailingOver
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::ConnectionInfo;
+
+/// How often the Sentinels are asked for the primary's address besides listening.
+const POLL_EVERY: Duration = Duration::from_millis(500);
+/// Longest pause of the calls for one failover (one whose end was missed ends so).
+const PAUSE_AT_MOST: Duration = Duration::from_secs(10);
+/// Channels that start a pause.
+const STARTS: [&str; 2] = ["+try-failover", "+selected-slave"];
+/// Channels that end a pause without a new primary.
+const ENDS: [&str; 5] = [
+    "-failover-abort-not-elected",
+    "-failover-abort-no-good-slave",
+    "-failover-abort-slave-timeout",
+    "+failover-end",
+    "+failover-end-for-timeout",
+];
+const SWITCH: &str = "+switch-master";
+
+/// What the watcher knows, shared with every connection of the store.
+#[derive(Debug)]
+pub(super) struct Watch {
+    /// Bumped whenever the primary changes: a connection made under an older one is stale.
+    generation: AtomicU64,
+    /// Ms since `epoch` when the pause began (0: none).
+    paused_at_ms: AtomicU64,
+    epoch: Instant,
+    /// The primary's address as the Sentinels last named it ("host:port").
+    primary: Mutex<String>,
+}
+
+impl Watch {
+    pub(super) fn new() -> Self {
+        Watch {
+            generation: AtomicU64::new(0),
+            paused_at_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            primary: Mutex::new(String::new()),
+        }
+    }
+
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// True while a failover is under way: send nothing.
+    pub(super) fn paused(&self) -> bool {
+        let at = self.paused_at_ms.load(Ordering::Acquire);
+        at != 0 && self.now_ms().saturating_sub(at) < PAUSE_AT_MOST.as_millis() as u64
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    fn pause(&self) {
+        if self.paused_at_ms.swap(self.now_ms(), Ordering::AcqRel) == 0 {
+            tracing::warn!("the Sentinels are failing the primary over: calls wait for the new one (store.on_error decides meanwhile)");
+        }
+    }
+
+    fn resume(&self) {
+        self.paused_at_ms.store(0, Ordering::Release);
+    }
+
+    /// The primary is (now) at `addr`; a change makes every older connection stale.
+    pub(super) fn primary_is(&self, addr: String) {
+        let mut p = crate::store::lock(&self.primary);
+        if *p != addr {
+            if !p.is_empty() {
+                tracing::warn!(primary = %addr, "the Sentinels named a new primary: reconnecting");
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
+            *p = addr;
+        }
+    }
+
+    /// A message on one of the Sentinels' channels, about master `master`.
+    fn event(&self, channel: &str, payload: &str, master: &str) {
+        let words: Vec<&str> = payload.split_whitespace().collect();
+        if channel == SWITCH {
+            // `<name> <old ip> <old port> <new ip> <new port>`
+            if let [name, _, _, ip, port, ..] = words[..] {
+                if name == master {
+                    self.primary_is(format!("{ip}:{port}"));
+                    self.generation.fetch_add(1, Ordering::AcqRel);
+                    self.resume();
+                }
+            }
+            return;
+        }
+        // `<type> <name> <ip> <port> @ <master> <ip> <port>`, or `master <name> <ip> <port>`.
+        let about = match words.iter().position(|w| *w == "@") {
+            Some(at) => words.get(at + 1).copied(),
+            None if words.first() == Some(&"master") => words.get(1).copied(),
+            None => None,
+        };
+        if about != Some(master) {
+            return;
+        }
+        if STARTS.contains(&channel) {
+            self.pause();
+        } else if ENDS.contains(&channel) {
+            self.resume();
+        }
+    }
+}
+
+/// Asks a freshly made connection whether it is a primary: a replica (a demoted primary
+/// the Sentinels named a moment ago) is not written to.
+pub(super) async fn check_role(conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(conn).await?;
+    let is_master = matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master")
+        || matches!(role.first(), Some(redis::Value::SimpleString(s)) if s == "master");
+    if is_master {
+        Ok(())
+    } else {
+        Err(redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+            "the node the Sentinels named is not a primary (yet)",
+        )))
+    }
+}
+
+/// Watches `sentinels` for failovers of `master` on a thread of its own, until `watch` is
+/// dropped.
+pub(super) fn spawn_watcher(sentinels: Vec<ConnectionInfo>, master: String, watch: Weak<Watch>) {
+    let spawned = crate::background::spawn("tollgate-sentinel".into(), move || async move {
+        let mut tasks = tokio::task::JoinSet::new();
+        for s in sentinels.clone() {
+            tasks.spawn(listen(s, master.clone(), watch.clone()));
+        }
+        tasks.spawn(poll(sentinels, master, watch));
+        while tasks.join_next().await.is_some() {}
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot watch the Sentinels; a failover is followed when connections break");
+    }
+}
+
+/// Listens to one Sentinel's failover channels, reconnecting while the store lives.
+async fn listen(sentinel: ConnectionInfo, master: String, watch: Weak<Watch>) {
+    use futures_util::StreamExt;
+    let channels: Vec<&str> = STARTS
+        .iter()
+        .chain(&ENDS)
+        .chain([&SWITCH])
+        .copied()
+        .collect();
+    loop {
+        if watch.strong_count() == 0 {
+            return;
+        }
+        let subscribed = async {
+            let client = redis::Client::open(sentinel.clone())?;
+            let mut ps = client.get_async_pubsub().await?;
+            ps.subscribe(&channels).await?;
+            Ok::<_, redis::RedisError>(ps)
+        };
+        match tokio::time::timeout(POLL_EVERY, subscribed).await {
+            Ok(Ok(mut ps)) => {
+                let mut messages = ps.on_message();
+                while let Some(msg) = messages.next().await {
+                    let Some(w) = watch.upgrade() else { return };
+                    if let Ok(payload) = msg.get_payload::<String>() {
+                        w.event(msg.get_channel_name(), &payload, &master);
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "cannot listen to a Sentinel"),
+            Err(_) => tracing::debug!("a Sentinel did not answer the subscription"),
+        }
+        tokio::time::sleep(POLL_EVERY).await;
+    }
+}
+
+/// Asks the Sentinels for the primary's address every [`POLL_EVERY`].
+async fn poll(sentinels: Vec<ConnectionInfo>, master: String, watch: Weak<Watch>) {
+    loop {
+        tokio::time::sleep(POLL_EVERY).await;
+        let Some(w) = watch.upgrade() else { return };
+        for s in &sentinels {
+            let asked = async {
+                let client = redis::Client::open(s.clone())?;
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&master)
+                    .query_async::<Option<(String, String)>>(&mut conn)
+                    .await
+            };
+            if let Ok(Ok(Some((ip, port)))) = tokio::time::timeout(POLL_EVERY, asked).await {
+                w.primary_is(format!("{ip}:{port}"));
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! [`RedisBackend`] as the fallback's [`SharedStore`]: the questions `store::fallback` asks
+//! of the shared store (admit, refund, peek, write-back, probe, release all).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::slices::{self, Ask};
+use super::{budget_keys, keys, RedisBackend};
+use crate::budget::Limit;
+use crate::identity::KeyHash;
+use crate::store::fallback::{SharedAnswer, SharedStore};
+use crate::store::{Admission, AdmitRequest, Bucket, BudgetView, Extra, StoreError};
+
+impl SharedStore for RedisBackend {
+    /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
+    /// `queue_timeout`.
+    async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
+        self.after_data_loss(req).await;
+        if let Some(o) = self.deny.check(req) {
+            return Ok(SharedAnswer {
+                admission: Admission::over_budget(&o),
+                reached: false,
+            });
+        }
+        if self.slices_on {
+            self.settle_pending(req).await?;
+        }
+        if let Some(answer) = self.admit_sliced(req).await {
+            return answer;
+        }
+        match req.route_cap {
+            // Boxed: the queued path's state would make every request's future larger.
+            Some(cap) => Box::pin(self.admit_capped(req, cap)).await,
+            None => {
+                let start = Instant::now();
+                let decided = self.try_admit(req, Ask::default()).await?.0;
+                Ok(self.answer(req, decided, start))
+            }
+        }
+    }
+
+    /// A failed refund is not retried: it might have run. One spent from this instance's
+    /// slice goes back into it while that is still the key's live hold here (no round trip:
+    /// `Ok(false)`); else to the hold in Redis if that is not settled yet, or to the budget.
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
+        self.deny.forget(&req.key);
+        if hold != 0 && self.slices.unspend(req, hold, Instant::now()) {
+            return Ok(false);
+        }
+        let budgets = budget_keys(req);
+        let call = if hold == 0 {
+            self.call::<i64>(self.script.refund(&budgets, req.cost))
+                .await
+        } else {
+            let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
+            self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
+                .await
+        };
+        call.map(|_| true)
+    }
+
+    async fn peek(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        also: &[Extra],
+    ) -> Result<Vec<BudgetView>, StoreError> {
+        let (k, holds) = keys::budget_and_holds_keys(key);
+        let named = also.iter().filter_map(|e| match &e.bucket {
+            Bucket::Key(name) => Some((keys::named_budget_key(key, name), e.limit)),
+            Bucket::Route(_) => None,
+        });
+        let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
+        let levels: Vec<i64> = self.call(self.script.peek(&holds, &budgets)).await?;
+        if levels.len() != budgets.len() {
+            return Err(StoreError::Reply(format!(
+                "peek: {} levels for {} budgets",
+                levels.len(),
+                budgets.len()
+            )));
+        }
+        // What this instance holds of the key's slice is not spent yet: shown as Redis will
+        // have it back. A hold counts in every budget of the key, a route's shared one aside.
+        // Read after the call: a slice granted or settled in between shows as up to one slice
+        // more or less (the view is for people, not decisions).
+        let held = self.slices.unspent(key, limit);
+        Ok(budgets
+            .iter()
+            .zip(levels)
+            .map(|((_, l), level)| {
+                let level = (level.max(0) as u64).saturating_sub(held.saturating_mul(l.per_unit));
+                BudgetView::at(l, level)
+            })
+            .collect())
+    }
+
+    async fn write_back(
+        &self,
+        key: &KeyHash,
+        limit: &Limit,
+        also: &[Extra],
+        units: u64,
+        id: u64,
+    ) -> Result<(), StoreError> {
+        self.deny.forget(key);
+        let budgets = budget_keys(&AdmitRequest {
+            key: *key,
+            limit: *limit,
+            also: also.to_vec(),
+            cost: units,
+            key_cap: None,
+            route: Arc::from(""),
+            route_cap: None,
+            queue_timeout: Duration::ZERO,
+            fair: Default::default(),
+        });
+        // The id's marker is left to lapse, never deleted on the answer: another send of the
+        // same id may still be on its way (a partition delivers late, in any order).
+        self.call::<i64>(self.script.debit(&budgets, units, id))
+            .await?;
+        Ok(())
+    }
+
+    async fn probe(&self) -> Result<(), StoreError> {
+        if !self.breaker.allow() {
+            return Err(StoreError::BreakerOpen);
+        }
+        let start = Instant::now();
+        let res = async {
+            let mut conn = self.conns.get().await?;
+            let cmd = redis::cmd("PING");
+            let ping = cmd.query_async::<String>(&mut conn);
+            match tokio::time::timeout(self.timeout, ping).await {
+                Err(_) => Err(StoreError::Timeout),
+                Ok(r) => Ok(r.map(drop)?),
+            }
+        }
+        .await;
+        self.record(start, &res);
+        res
+    }
+
+    async fn release_all(self: &Arc<Self>) {
+        self.release_everything().await;
+    }
+
+    fn reloaded(self: &Arc<Self>) {
+        self.retire_slices();
+    }
+}

@@ -1,0 +1,396 @@
+//! Redis faults that answer instead of going silent (DESIGN §4): an error reply means the
+//! script wrote nothing, so what it carried is sent again; and a `maxmemory-policy` that can
+//! evict tollgate's keys is said loudly. Real Redis processes, two gateways, ground truth
+//! counted at the upstream.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A year's window: what refills during a test is far below one unit.
+const MAX: u64 = 50_000;
+
+fn body(redis: &Redis, extra_limits: &str) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n{extra_limits}",
+        redis.url()
+    )
+}
+
+/// Units charged to `key` in Redis, read from a probe request (which charges one more, and
+/// is counted at the upstream). A probe the local share answered (a connection that broke
+/// a moment ago: its limit is the share's) says nothing of Redis: the next one is read.
+async fn charged(c: &reqwest::Client, gw: &Gateway, key: &str) -> u64 {
+    loop {
+        let r = get(c, gw.url("/items"), key).await;
+        assert_eq!(r.status(), 200, "probe for {key}");
+        if header(&r, "X-RateLimit-Limit") != Some(MAX.to_string()) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let left: u64 = header(&r, "X-RateLimit-Remaining")
+            .unwrap()
+            .parse()
+            .unwrap();
+        return MAX - 1 - left;
+    }
+}
+
+/// Waits (10 s at most) until `key`'s charge in Redis is exactly `admitted()` (read after each
+/// probe, which it counts): fallback charges are written back, and calls given up on are
+/// undone by their admission ids, within a few hundred ms of Redis answering again, so a
+/// reading may be short or, while an undo is on its way, over; the end must be exact.
+async fn charged_settles(c: &reqwest::Client, gw: &Gateway, key: &str, admitted: impl Fn() -> u64) {
+    let start = Instant::now();
+    loop {
+        let got = charged(c, gw, key).await;
+        // The probe is counted at the upstream (and charged after `got`).
+        let want = admitted() - 1;
+        if got == want {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "charged {got} for {want} admitted\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `maxmemory` at 1 byte with `noeviction`: Redis refuses every script with `-OOM` (they are
+/// flagged, so it refuses them before running them), then the limit is lifted. What was
+/// decided meanwhile — fallback admissions to write back, charges after the fact
+/// (`cost_from_response`) — is sent again, never dropped: the metered key is charged exactly
+/// what the upstream ran for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_out_of_memory_redis_loses_no_charge() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = body(
+        &redis,
+        "  endpoints:\n    /q: {cost: 1, cost_from_response: X-Actual-Cost}\n",
+    );
+    let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &cfg)).collect());
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Each `/q` costs 3 in the end (1 at admission, 2 stated by the upstream), each
+    // `/items` 1.
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = i;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    // A /q runs 300 ms: admitted before the OOM, its stated cost is charged
+                    // after the fact while Redis refuses.
+                    let path = if n % 2 == 0 {
+                        "/q?actual_cost=3&delay_ms=300"
+                    } else {
+                        "/items"
+                    };
+                    let r = get(&c, gws[n % 2].url(path), "m").await;
+                    assert_eq!(r.status(), 200, "{path}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+        "OK"
+    );
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    let refused = redis.cli(&["SET", "probe", "x"]);
+    assert!(refused.starts_with("OOM"), "{refused}");
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let admitted = |up: &Upstream| 3 * up.count("/q") + up.count("/items");
+    let fallback: f64 = metric(
+        &gws[0],
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+    )
+    .await
+        + metric(
+            &gws[1],
+            "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        )
+        .await;
+    assert!(
+        fallback > 0.0,
+        "the OOM was met: requests were decided by the fallback"
+    );
+    charged_settles(&c, &gws[0], "m", || admitted(&up)).await;
+}
+
+/// An evicting `maxmemory-policy` (any but `noeviction`: every tollgate key has a TTL) is an
+/// ERROR in the log and `tollgate_store_eviction_unsafe 1`; `noeviction` is neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_reported() {
+    let evicting = Redis::start_with(free_port(), &["--maxmemory-policy", "allkeys-lru"]);
+    let safe = Redis::start_with(free_port(), &["--maxmemory-policy", "noeviction"]);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &body(&evicting, ""));
+    let b = Gateway::start(&up, &body(&safe, ""));
+    wait_metric(
+        &a,
+        "tollgate_store_eviction_unsafe",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    let errors = error_lines(&a);
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("maxmemory-policy") && l.contains("allkeys-lru")),
+        "{errors:?}"
+    );
+    // B read its policy too (its first store call is answered), and found nothing to say.
+    assert_eq!(get(&client(), b.url("/items"), "k").await.status(), 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_metric(&b, "tollgate_store_eviction_unsafe", 0.0).await;
+    assert!(error_lines(&b).is_empty(), "{:?}", error_lines(&b));
+    // Still so while it runs: the gauge follows the policy (read again every minute).
+    assert_metric(&a, "tollgate_store_eviction_unsafe", 1.0).await;
+}
+
+/// 6 long reports hold a cap of 6 on gateway A; Redis is SIGKILLed and started again, empty,
+/// on the same port. A sees the new `run_id` and registers its 6 leases again; B, which also
+/// sees it, holds back its requests that take a slot meanwhile. So B's 6 wait for A's to end
+/// instead of running beside them: never more than 6 at the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restarted_empty_keeps_the_cap() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::from_secs(5));
+    // on_error deny: nothing is admitted while Redis is away, only the lost leases matter.
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 6, queue_timeout: 15s}}\n",
+        redis.url()
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    // Both know the Redis process before it goes.
+    assert_eq!(get(&c, b.url("/items"), "warm").await.status(), 200);
+    let first: Vec<_> = (0..6)
+        .map(|i| {
+            let (c, url) = (c.clone(), a.url("/reports/generate"));
+            tokio::spawn(async move { post(&c, url, &format!("a{i}")).await.status().as_u16() })
+        })
+        .collect();
+    up.wait_current("/reports/generate", 6).await;
+    redis.kill();
+    redis = Redis::start_on(port);
+    assert_eq!(redis.cli(&["DBSIZE"]), "0", "restarted empty");
+    // B's requests once Redis answers it again (503 store-unavailable until then).
+    let start = Instant::now();
+    loop {
+        let r = get(&c, b.url("/items"), "probe").await;
+        if r.status() == 200 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "Redis not back: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second: Vec<_> = (0..6)
+        .map(|i| {
+            let (c, url) = (c.clone(), b.url("/reports/generate"));
+            tokio::spawn(async move {
+                loop {
+                    // A worker thread whose connection broke with the old Redis finds out on
+                    // its next call: 503 store-unavailable (deny), never admitted. Again.
+                    let r = post(&c, url.clone(), &format!("b{i}")).await;
+                    let s = r.status().as_u16();
+                    if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    return s;
+                }
+            })
+        })
+        .collect();
+    for t in first.into_iter().chain(second) {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/reports/generate"), 12);
+    assert_eq!(
+        up.max_concurrent("/reports/generate"),
+        6,
+        "A's leases were registered again before B filled the cap\n{}",
+        a.log()
+    );
+}
+
+/// Gateway A's path to Redis is blackholed for 5 s while B's stays up, then healed: what A
+/// sent meanwhile reaches Redis late, after A gave up on it and decided on its local share.
+/// Each late admission is undone by its admission id (or finds the tombstone its undo left
+/// first), and A's local admissions are written back: the metered key is charged exactly what
+/// the upstream ran for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_that_delivers_late_charges_once() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let via = |url: &str| {
+        format!(
+            "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n"
+        )
+    };
+    let a = Gateway::start(&up, &via(&proxy.url()));
+    let b = Gateway::start(&up, &via(&redis.url()));
+    let gws = Arc::new([a, b]);
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = i;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let r = get(&c, gws[n % 2].url("/items"), "m").await;
+                    assert_eq!(r.status(), 200);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    proxy.blackhole();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    proxy.heal();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let fallback = metric(
+        &gws[0],
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+    )
+    .await;
+    assert!(fallback > 0.0, "A decided on its local share meanwhile");
+    charged_settles(&c, &gws[1], "m", || up.count("/items")).await;
+}
+
+/// Redis closes every gateway connection every 200 ms (`CLIENT KILL TYPE normal`) under
+/// load: calls it ran but whose replies it dropped look, to the gateway, like calls that
+/// never ran. Each is decided on the local share (and written back) and undone by its
+/// admission id; a write-back or charge after the fact that may have run is sent again under
+/// its id, charged once. The metered key is charged exactly what the upstream ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_killed_under_load_charge_once() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = body(
+        &redis,
+        "  endpoints:\n    /q: {cost: 1, cost_from_response: X-Actual-Cost}\n",
+    );
+    let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &cfg)).collect());
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..6)
+        .map(|i| {
+            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = i;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let path = if n % 2 == 0 {
+                        "/q?actual_cost=3&delay_ms=20"
+                    } else {
+                        "/items"
+                    };
+                    let r = get(&c, gws[n % 2].url(path), "m").await;
+                    assert_eq!(r.status(), 200, "{path}");
+                }
+            })
+        })
+        .collect();
+    let mut killed = 0u64;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        killed += redis
+            .cli(&["CLIENT", "KILL", "TYPE", "normal"])
+            .parse::<u64>()
+            .unwrap_or(0);
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(killed >= 20, "connections killed: {killed}");
+    let admitted = |up: &Upstream| 3 * up.count("/q") + up.count("/items");
+    charged_settles(&c, &gws[0], "m", || admitted(&up)).await;
+}
+
+/// Gateway A, running 3 long reports on a cap of 3 (`lease_ttl` 3 s), is paused for 7 s
+/// (SIGSTOP): its leases lapse while its upstream work goes on, and B's 2 waiting reports
+/// get their slots (5 at the upstream: the bound while an instance is paused past
+/// `lease_ttl`). On SIGCONT, A's renewals re-create its 3 leases, so the route counts 5 of 3
+/// again and a further report waits until A's end instead of running beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_instance_gets_its_leases_back_on_resume() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(8));
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 3s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 3, queue_timeout: 30s}}\n",
+        redis.url()
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    let report = |gw: &Gateway, key: String| {
+        let (c, url) = (c.clone(), gw.url("/reports/generate"));
+        tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
+    };
+    let mut all: Vec<_> = (0..3).map(|i| report(&a, format!("a{i}"))).collect();
+    up.wait_current("/reports/generate", 3).await;
+    a.signal("STOP");
+    let stopped = Instant::now();
+    all.extend((0..2).map(|i| report(&b, format!("b{i}"))));
+    // A's leases lapse (3 s) and B's two are granted: 5 at the upstream.
+    up.wait_current("/reports/generate", 5).await;
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(stopped.elapsed())).await;
+    a.signal("CONT");
+    // A's renewals are overdue: they run at once and re-create its leases.
+    let route = redis_route_slots_key("/reports/generate");
+    let start = Instant::now();
+    while redis.cli(&["ZCARD", &route]) != "5" {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "A's leases not re-created: {}",
+            redis.cli(&["ZRANGE", &route, "0", "-1"])
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    all.push(report(&b, "late".into()));
+    for t in all {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(
+        up.max_concurrent("/reports/generate"),
+        5,
+        "the late report waited for A's to end"
+    );
+}
