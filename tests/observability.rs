@@ -310,10 +310,13 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
         ..GatewayOpts::default()
     });
     // C's upstream is a closed port (502s); it also has a tiny connection limit and a short
-    // header timeout, for the connection panels.
+    // header timeout, for the connection panels. Its Redis of its own may evict keys
+    // (`allkeys-lru`), for TollgateStoreEvictionUnsafe.
+    let evicting = Redis::start_with(free_port(), &["--maxmemory-policy", "allkeys-lru"]);
+    let c_body = fleet_body(&evicting);
     let mut gc = Gateway::start_opts(GatewayOpts {
         upstream_url: format!("http://127.0.0.1:{}", free_port()),
-        body: &body,
+        body: &c_body,
         server_extra: "  max_connections: 4\n  header_timeout: 1s\n",
         ..GatewayOpts::default()
     });
@@ -456,6 +459,7 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
     // A Redis outage (SIGSTOP: calls time out, the breaker opens): every instance decides on
     // its fallback policy and shows degraded until Prometheus has scraped that.
     redis.pause();
+    evicting.pause();
     let outage = Instant::now();
     loop {
         get(&c, a.url("/items"), TIGHT_KEY).await;
@@ -479,6 +483,7 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     redis.resume();
+    evicting.resume();
     wait_metric_at_least(&gc, "tollgate_client_timeouts_total{kind=\"header\"}", 1.0).await;
     drop(slowloris);
     wait_metric_at_least(
