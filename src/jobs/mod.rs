@@ -12,6 +12,7 @@
 //! Jobs live in the process (the memory store); they end with it.
 
 pub mod describe;
+pub mod fleet;
 mod metrics;
 mod run;
 mod send;
@@ -30,7 +31,7 @@ use crate::store::fair::Place;
 use crate::store::lock;
 
 pub use metrics::announce;
-pub use run::{submit, Origin, Submission};
+pub use run::{Origin, Submission};
 pub use send::JobRequest;
 
 /// Where a job's status is read: `/_tollgate/jobs/<id>` on the proxy listener.
@@ -265,6 +266,27 @@ impl Board {
 /// A new job id: 128 random bits from the thread's CSPRNG, as 32 hex digits.
 fn new_id() -> Arc<str> {
     Arc::from(hex::encode(rand::random::<u128>().to_be_bytes()))
+}
+
+/// Charges and queues a job on the store in use (in this process, or the fleet's in Redis);
+/// `Err` is the store's refusal (nothing charged, no job).
+pub async fn submit(
+    shared: &Arc<crate::state::Shared>,
+    running: Arc<crate::state::Running>,
+    route: Arc<crate::route::Route>,
+    who: &crate::identity::Identity,
+    admit: crate::store::AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+) -> Result<Submission, crate::store::Admission> {
+    match &shared.store {
+        crate::store::Store::Memory(_) => {
+            run::submit(shared, running, route, who, admit, request, origin)
+        }
+        crate::store::Store::Redis(_) => {
+            fleet::submit(shared, running, route, who, admit, request, origin).await
+        }
+    }
 }
 
 /// Whether a request asks to be a job: `Prefer: respond-async` (RFC 7240 §4.1; the

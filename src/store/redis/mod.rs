@@ -21,6 +21,7 @@ mod admit;
 mod breaker;
 mod conn;
 mod deny_cache;
+mod jobs;
 mod keys;
 mod lease;
 mod queue;
@@ -32,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub(crate) use jobs::JobEntered;
 pub use lease::RedisLease;
 
 /// The key's tag, as Redis's keys and a route's queue name it.
@@ -99,6 +101,8 @@ pub struct RedisBackend {
     queue_script: queue::QueueScript,
     /// This instance's requests waiting in a route's queue.
     waiters: Mutex<queue::Waiters>,
+    /// Async jobs' records (`lua/jobs.lua`).
+    job_script: jobs::JobScript,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -205,6 +209,7 @@ impl RedisBackend {
             slices_on: s.slices,
             last_decided_us: AtomicU64::new(0),
             queue_script: queue::QueueScript::new(),
+            job_script: jobs::JobScript::new(),
             waiters: Mutex::default(),
         })
     }

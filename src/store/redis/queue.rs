@@ -32,7 +32,7 @@ const ALIVE_FOR: Duration = Duration::from_secs(2);
 /// Beats on a route after this instance's last waiter there left.
 const IDLE_BEATS: u32 = 10;
 /// How long a granted slot waits for its instance to confirm it.
-const GRANT_TTL: Duration = Duration::from_secs(2);
+pub(super) const GRANT_TTL: Duration = Duration::from_secs(2);
 
 const TAKEN: i64 = 1;
 const FULL: i64 = 2;
@@ -61,7 +61,7 @@ impl QueueScript {
         QueueScript(Script::new(include_str!("../lua/queue.lua")))
     }
 
-    fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
+    pub(super) fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         for k in keys {
             inv.key(k);
