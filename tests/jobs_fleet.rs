@@ -1,0 +1,227 @@
+//! Async jobs on a Redis fleet (DESIGN §8, issue 26): a job's record and its waiter live in
+//! Redis, not in the instance that accepted it, so any gateway of the fleet answers its polls,
+//! whichever gets the route's slot runs it, a queued job outlives its accepting instance, and a
+//! job whose running instance dies ends `failed` (`job-lost`, charged) and is never run again.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ROUTE: &str = "/reports/generate";
+/// The fleet's `store.lease_ttl`: a dead runner's job is `failed` within it.
+const LEASE_TTL: Duration = Duration::from_secs(2);
+
+/// Keys `a` and `b` (raw `key-a`, `key-b`) with a 24 h budget of 100 on `redis`, and
+/// `/reports/generate` costing 10, capped at 1, async (results kept 30 s).
+fn config(redis: &Redis) -> String {
+    let keys: String = ["a", "b"]
+        .iter()
+        .map(|id| {
+            format!(
+                "  - {{id: {id}, sha256: \"{}\"}}\n",
+                sha256_hex(&format!("key-{id}"))
+            )
+        })
+        .collect();
+    format!(
+        "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
+         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: 1\n      async:\n        result_ttl: 30s\nkeys:\n{keys}",
+        url = redis.url(),
+        lease = LEASE_TTL.as_secs(),
+    )
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Submits a job on `gw`: its location and the 202's JSON.
+async fn submit(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    target: &str,
+    body: &str,
+) -> (String, serde_json::Value) {
+    let r = c
+        .post(gw.url(target))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .header("X-Request-Id", "fleet-job")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("10"));
+    let location = header(&r, "location").unwrap();
+    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
+    (location, r.json().await.unwrap())
+}
+
+/// Polls `location` on `gw` until the job is no longer queued or running.
+async fn result(c: &reqwest::Client, gw: &Gateway, location: &str) -> reqwest::Response {
+    let start = Instant::now();
+    loop {
+        let r = get(c, gw.url(location), "key-a").await;
+        if r.status() != 202 {
+            return r;
+        }
+        assert!(header(&r, "retry-after").is_some());
+        assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "job {location} never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Submitted on gateway A, polled on gateway B: 202 while it runs, then the upstream's answer
+/// as it came, on both; the upstream saw the request once; charged once fleet-wide; polls
+/// free; another key 404 on either gateway.
+#[tokio::test]
+async fn a_job_submitted_on_one_gateway_is_read_on_another() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1000));
+    let a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    let target = "/reports/generate?echo_body=1";
+    let (location, accepted) = submit(&c, &a, target, "the report's parameters").await;
+    assert_eq!(accepted["status"], "queued");
+    let id = location.strip_prefix("/_tollgate/jobs/").unwrap();
+    assert_eq!(accepted["id"], id);
+    assert_eq!(id.len(), 32, "{id}");
+
+    up.wait_current(ROUTE, 1).await;
+    let running = get(&c, b.url(&location), "key-a").await;
+    assert_eq!(running.status(), 202);
+    let v: serde_json::Value = running.json().await.unwrap();
+    assert_eq!(v["status"], "running");
+    assert_eq!(get(&c, b.url(&location), "key-b").await.status(), 404);
+    assert_eq!(c.get(b.url(&location)).send().await.unwrap().status(), 401);
+
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(
+        header(&done, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let echo: serde_json::Value = done.json().await.unwrap();
+    assert_eq!(
+        (
+            &echo["method"],
+            &echo["path"],
+            &echo["query"],
+            &echo["body"]
+        ),
+        (
+            &serde_json::json!("POST"),
+            &serde_json::json!(ROUTE),
+            &serde_json::json!("echo_body=1"),
+            &serde_json::json!("the report's parameters")
+        )
+    );
+    assert_eq!(echo["headers"]["x-request-id"], "fleet-job");
+    // The same answer on the accepting gateway; another key sees nothing there either.
+    let on_a = get(&c, a.url(&location), "key-a").await;
+    assert_eq!(on_a.status(), 200);
+    assert_eq!(on_a.json::<serde_json::Value>().await.unwrap(), echo);
+    assert_eq!(get(&c, a.url(&location), "key-b").await.status(), 404);
+
+    let seen: Vec<_> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .collect();
+    assert_eq!(
+        (seen.len(), seen[0].method.as_str(), seen[0].target.as_str()),
+        (1, "POST", target)
+    );
+    assert_eq!(remaining(&a, "a").await, 90);
+    assert_eq!(remaining(&b, "a").await, 90);
+    // The job's record never names the raw key.
+    let record = redis.cli(&["HGETALL", &format!("t:j:{id}")]);
+    assert!(!record.contains("key-a"), "{record}");
+    assert!(!a.log().contains("key-a") && !b.log().contains("key-a"));
+}
+
+/// A job queued behind a synchronous request on B, accepted by A, and A SIGKILLed while the
+/// job waits: it still runs, once, via B, and is charged once.
+#[tokio::test]
+async fn a_queued_job_outlives_the_instance_that_accepted_it() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let mut a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    // B's synchronous request holds the route's only slot.
+    let sync = tokio::spawn({
+        let (c, url) = (c.clone(), b.url(ROUTE));
+        async move { post(&c, url, "key-a").await.status() }
+    });
+    up.wait_current(ROUTE, 1).await;
+    let (location, accepted) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(
+        (accepted["status"].as_str(), accepted["position"].as_u64()),
+        (Some("queued"), Some(1))
+    );
+    a.kill9();
+    assert_eq!(sync.await.unwrap(), 200);
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    // Charged once each: the synchronous request and the job.
+    assert_eq!(remaining(&b, "a").await, 80);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"done\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+}
+
+/// The instance running a job SIGKILLed: the job ends `failed` (502 `job-lost`) within about
+/// lease_ttl, stays charged (DESIGN §8: the upstream had it) and is never run again; its slot
+/// comes back, so the next job runs.
+#[tokio::test]
+async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(3000));
+    let mut a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    // A slot is free: A runs the job it accepts.
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    a.kill9();
+    let killed = Instant::now();
+    let lost = result(&c, &b, &location).await;
+    let within = killed.elapsed();
+    assert_eq!(lost.status(), 502);
+    let p: serde_json::Value = lost.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("job-lost"), "{p}");
+    // lease_ttl, with slack for a loaded machine.
+    assert!(within < LEASE_TTL + Duration::from_secs(4), "{within:?}");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"failed\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+
+    // Its slot came back with its lapsed lease: the next job runs (via B), and the lost one
+    // was not run again meanwhile.
+    let (next, _) = submit(&c, &b, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &next).await.status(), 200);
+    assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 502);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(remaining(&b, "a").await, 80);
+}
