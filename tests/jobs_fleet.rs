@@ -16,6 +16,10 @@ const LEASE_TTL: Duration = Duration::from_secs(2);
 /// Keys `a` and `b` (raw `key-a`, `key-b`) with a 24 h budget of 100 on `redis`, and
 /// `/reports/generate` costing 10, capped at 1, async (results kept 30 s).
 fn config(redis: &Redis) -> String {
+    config_kept(redis, "30s")
+}
+
+fn config_kept(redis: &Redis, result_ttl: &str) -> String {
     let keys: String = ["a", "b"]
         .iter()
         .map(|id| {
@@ -27,7 +31,7 @@ fn config(redis: &Redis) -> String {
         .collect();
     format!(
         "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
-         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: 1\n      async:\n        result_ttl: 30s\nkeys:\n{keys}",
+         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: 1\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
         url = redis.url(),
         lease = LEASE_TTL.as_secs(),
     )
@@ -224,4 +228,48 @@ async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
     assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 502);
     assert_eq!(up.count(ROUTE), 2);
     assert_eq!(remaining(&b, "a").await, 80);
+}
+
+/// A job that finds no slot within result_ttl never runs: its poll (on another gateway) is
+/// 503 `route-busy`, it is refunded and counted `expired`, and the slot freed later goes to
+/// nobody on its behalf.
+#[tokio::test]
+async fn a_job_that_waits_past_result_ttl_expires_refunded() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(4000));
+    let a = Gateway::start(&up, &config_kept(&redis, "1s"));
+    let b = Gateway::start(&up, &config_kept(&redis, "1s"));
+    let c = client();
+    let sync = tokio::spawn({
+        let (c, url) = (c.clone(), b.url(ROUTE));
+        async move { post(&c, url, "key-a").await.status() }
+    });
+    up.wait_current(ROUTE, 1).await;
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&b, "a").await, 80);
+    let queued: serde_json::Value = get(&c, b.url(&location), "key-a")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (queued["status"].as_str(), queued["position"].as_u64()),
+        (Some("queued"), Some(1))
+    );
+    let expired = result(&c, &b, &location).await;
+    assert_eq!(expired.status(), 503);
+    let p: serde_json::Value = expired.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"expired\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(sync.await.unwrap(), 200);
+    // The slot is free again and nothing of the job's is left to run: a new job runs alone.
+    let (next, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &next).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
 }
