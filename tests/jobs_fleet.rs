@@ -20,6 +20,10 @@ fn config(redis: &Redis) -> String {
 }
 
 fn config_kept(redis: &Redis, result_ttl: &str) -> String {
+    config_with(redis, result_ttl, 1)
+}
+
+fn config_with(redis: &Redis, result_ttl: &str, cap: u32) -> String {
     let keys: String = ["a", "b"]
         .iter()
         .map(|id| {
@@ -31,7 +35,7 @@ fn config_kept(redis: &Redis, result_ttl: &str) -> String {
         .collect();
     format!(
         "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
-         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: 1\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
+         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
         url = redis.url(),
         lease = LEASE_TTL.as_secs(),
     )
@@ -50,9 +54,19 @@ async fn submit(
     target: &str,
     body: &str,
 ) -> (String, serde_json::Value) {
+    submit_as(c, gw, target, body, "key-a").await
+}
+
+async fn submit_as(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    target: &str,
+    body: &str,
+    key: &str,
+) -> (String, serde_json::Value) {
     let r = c
         .post(gw.url(target))
-        .header("X-API-Key", "key-a")
+        .header("X-API-Key", key)
         .header("Prefer", "respond-async")
         .header("X-Request-Id", "fleet-job")
         .body(body.to_string())
@@ -68,9 +82,18 @@ async fn submit(
 
 /// Polls `location` on `gw` until the job is no longer queued or running.
 async fn result(c: &reqwest::Client, gw: &Gateway, location: &str) -> reqwest::Response {
+    result_as(c, gw, location, "key-a").await
+}
+
+async fn result_as(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    location: &str,
+    key: &str,
+) -> reqwest::Response {
     let start = Instant::now();
     loop {
-        let r = get(c, gw.url(location), "key-a").await;
+        let r = get(c, gw.url(location), key).await;
         if r.status() != 202 {
             return r;
         }
@@ -272,4 +295,109 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     let (next, _) = submit(&c, &a, ROUTE, "").await;
     assert_eq!(result(&c, &b, &next).await.status(), 200);
     assert_eq!(up.count(ROUTE), 2);
+}
+
+/// DELETE on gateway B of a job queued by gateway A: 200 `cancelled`, refunded, never sent;
+/// another key 404; the running job 409 (and it still finishes, once).
+#[tokio::test]
+async fn a_queued_job_is_cancelled_from_another_gateway() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(2000));
+    let a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&b, "a").await, 80);
+    let delete = |gw: &Gateway, location: &str, key: &str| {
+        c.delete(gw.url(location)).header("X-API-Key", key).send()
+    };
+    assert_eq!(delete(&b, &second, "key-b").await.unwrap().status(), 404);
+    let cancelled = delete(&b, &second, "key-a").await.unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let v: serde_json::Value = cancelled.json().await.unwrap();
+    assert_eq!(v["status"], "cancelled");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_eq!(get(&c, a.url(&second), "key-a").await.status(), 404);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"cancelled\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(delete(&b, &first, "key-a").await.unwrap().status(), 409);
+    assert_eq!(result(&c, &b, &first).await.status(), 200);
+    // The cancelled job's turn came and went: only the first was sent.
+    let (third, _) = submit(&c, &b, ROUTE, "").await;
+    assert_eq!(result(&c, &a, &third).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+}
+
+/// Twenty jobs of key a and then one of key b, on cap 2, submitted through two gateways: all
+/// done, never more than 2 at the upstream, each sent once, and b's job among the first two
+/// started after it was submitted (in arrival order it would wait behind 18).
+#[tokio::test]
+async fn jobs_of_two_gateways_share_a_full_route_fairly() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(500));
+    // A budget of 1000: room for 20 jobs of 10.
+    let body = config_with(&redis, "1m", 2).replace("max_cost: 100}", "max_cost: 1000}");
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    let c = client();
+    let mut jobs = vec![];
+    for i in 0..20 {
+        let gw = &gws[i % 2];
+        jobs.push((submit_as(&c, gw, ROUTE, "", "key-a").await.0, "key-a"));
+    }
+    up.wait_current(ROUTE, 2).await;
+    let (b_job, _) = submit_as(&c, &gws[1], ROUTE, "", "key-b").await;
+    let before_b = up.count(ROUTE);
+    jobs.push((b_job, "key-b"));
+    for (i, (location, key)) in jobs.iter().enumerate() {
+        assert_eq!(
+            result_as(&c, &gws[i % 2], location, key).await.status(),
+            200
+        );
+    }
+    assert_eq!(up.count(ROUTE), 21);
+    assert_eq!(up.max_concurrent(ROUTE), 2);
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target == ROUTE)
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
+    assert!(
+        b_at < before_b + 2,
+        "key b ran {b_at}th of {order:?} (submitted after {before_b} had started)"
+    );
+    // Charged once each, fleet-wide.
+    assert_eq!(remaining(&gws[0], "a").await, 800);
+    assert_eq!(remaining(&gws[1], "b").await, 990);
+    // Each job's end counted once, by the gateway that ran it (just after its result is
+    // written: polled for a while).
+    let done = "tollgate_jobs_total{result=\"done\",route=\"/reports/generate\"} ";
+    let start = Instant::now();
+    loop {
+        let mut total = 0.0;
+        for gw in &gws {
+            let text = reqwest::get(gw.admin("/metrics")).await.unwrap();
+            let text = text.text().await.unwrap();
+            total += text
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix(done)
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                })
+                .unwrap_or(0.0);
+        }
+        if total == 21.0 || start.elapsed() > Duration::from_secs(5) {
+            assert_eq!(total, 21.0);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
