@@ -401,3 +401,28 @@ async fn jobs_of_two_gateways_share_a_full_route_fairly() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// With `max_delay` a job's units may be reserved ahead: it runs no sooner than they are due,
+/// whichever instance runs it (as on the memory store).
+#[tokio::test]
+async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(100));
+    // 10 units per 4 s: a second job of 10 right after the first is due 4 s later.
+    let body = config_with(&redis, "1m", 2).replace(
+        "default: {cost: 1, window: 24h, max_cost: 100}",
+        "default: {cost: 1, window: 4s, max_cost: 10, max_delay: 5s}",
+    );
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &first).await.status(), 200);
+    let submitted = Instant::now();
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &second).await.status(), 200);
+    let waited = submitted.elapsed();
+    assert_eq!(up.count(ROUTE), 2);
+    // Due about 4 s after the first (which took at least 100 ms): a lower bound only.
+    assert!(waited >= Duration::from_millis(3000), "{waited:?}");
+}

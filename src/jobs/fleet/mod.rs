@@ -95,10 +95,9 @@ pub async fn submit(
 }
 
 /// What a claim of a job whose slot this instance holds found.
-#[derive(PartialEq)]
 enum Claimed {
-    /// `queued → running`, this runner's: run it.
-    Run,
+    /// `queued → running`, this runner's: run it once this is over (`max_delay`).
+    Run(Duration),
     /// Cancelled, gone or unreachable: release the slot.
     Not,
     /// It had waited result_ttl: now `expired`, to refund.
@@ -108,11 +107,11 @@ enum Claimed {
 async fn claim(b: &RedisBackend, id: &str) -> Claimed {
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
     let claimed = b
-        .job_record::<i64>(id, "claim", &[b.instance().as_bytes(), alive.as_bytes()])
+        .job_record::<Vec<u64>>(id, "claim", &[b.instance().as_bytes(), alive.as_bytes()])
         .await;
-    match claimed {
-        Ok(1) => Claimed::Run,
-        Ok(2) => Claimed::Expired,
+    match claimed.as_deref() {
+        Ok([1, wait_ms]) => Claimed::Run(Duration::from_millis(*wait_ms)),
+        Ok([2]) => Claimed::Expired,
         _ => Claimed::Not,
     }
 }
@@ -120,8 +119,8 @@ async fn claim(b: &RedisBackend, id: &str) -> Claimed {
 /// Runs, refunds or passes on a job whose slot this instance now holds.
 async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<str>) {
     match claim(b, &id).await {
-        Claimed::Run => {
-            tokio::spawn(run_claimed(shared.clone(), id, label));
+        Claimed::Run(wait) => {
+            tokio::spawn(run_claimed(shared.clone(), id, label, wait));
         }
         Claimed::Expired => expired(shared, b, &id, &label).await,
         Claimed::Not => {

@@ -20,7 +20,12 @@ use crate::store::{AdmitRequest, Charge};
 use crate::telemetry::access;
 
 /// Runs a claimed job whose slot this instance holds, renewing both while it runs.
-pub(super) async fn run_claimed(shared: Arc<Shared>, id: Arc<str>, label: Arc<str>) {
+pub(super) async fn run_claimed(
+    shared: Arc<Shared>,
+    id: Arc<str>,
+    label: Arc<str>,
+    wait: Duration,
+) {
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
@@ -43,6 +48,8 @@ pub(super) async fn run_claimed(shared: Arc<Shared>, id: Arc<str>, label: Arc<st
     let _drain = shared.drain.enter();
     let _state = InState::new(&label, "running");
     let renew = keep_alive(b.clone(), id.clone(), label.clone());
+    // With `max_delay` it holds its slot until its reserved units are due, as on memory.
+    tokio::time::sleep(wait).await;
     let max = route.jobs.map_or(16 << 20, |j| j.max_response_body);
     let started = Instant::now();
     let sent = send::send(&shared, &running, &route, &request, max).await;

@@ -9,8 +9,10 @@
 --   get    -> the record's fields and values (empty: none); a running job whose runner
 --             stopped vouching for it becomes failed (lost) first, never to run again, and
 --             that one reply ends with the pair `ended_now 1`
---   claim  runner alive_ms -> 1 (queued -> running, this runner's) | 0 (cancelled, or gone) |
---          2 (it waited result_ttl: queued -> expired; the caller refunds it)
+--   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
+--          | {0} (cancelled, or gone) | {2} (it waited result_ttl: queued -> expired; the
+--          caller refunds it)
+--   delay  ms -> 1 (max_delay: the queued job is sent no sooner than ms after `sub`) | 0
 --   renew  alive_ms -> 1 | 0 (no longer this job's run)
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now) | 0
 --   cancel -> 1 (queued -> cancelled) | 0
@@ -54,13 +56,14 @@ elseif op == 'get' then
   end
   return redis.call('HGETALL', job)
 elseif op == 'claim' then
-  if state() ~= 'queued' then return 0 end
+  if state() ~= 'queued' then return {0} end
   if overdue() then
     expire()
-    return 2
+    return {2}
   end
   redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]))
-  return 1
+  local due = tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
+  return {1, math.max(0, due - now)}
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
@@ -82,6 +85,10 @@ elseif op == 'cancel' then
 elseif op == 'expire' then
   if state() ~= 'queued' or not overdue() then return 0 end
   expire()
+  return 1
+elseif op == 'delay' then
+  if state() ~= 'queued' then return 0 end
+  redis.call('HSET', job, 'delay', ARGV[2])
   return 1
 elseif op == 'pos' then
   if state() ~= 'queued' then return 0 end

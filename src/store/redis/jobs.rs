@@ -63,6 +63,14 @@ impl RedisBackend {
                 ))
             }
         };
+        if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
+            if delay_us > 0 {
+                // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
+                let ms = delay_us.div_ceil(1000).to_string();
+                self.job_record::<i64>(id, "delay", &[ms.as_bytes()])
+                    .await?;
+            }
+        }
         let rk = Self::route_keys(&req.route)?;
         let mut inv = self.queue_script.call(&rk, "enter");
         inv.arg(id)
