@@ -220,7 +220,8 @@ async fn routes(shared: &Shared) -> Resp {
             v["max_queue"] = r.queue.max_queue.into();
             v["max_in_flight_per_key"] = r.queue.per_key.into();
             v["keys"] = keys.into();
-            if r.jobs.is_some() {
+            // This process's board; a fleet's jobs (Redis) are among the queue's figures above.
+            if r.jobs.is_some() && matches!(shared.store, crate::store::Store::Memory(_)) {
                 let (queued, running) = shared.jobs.counts(&r.label);
                 v["jobs"] = serde_json::json!({"queued": queued, "running": running});
             }

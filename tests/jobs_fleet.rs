@@ -426,3 +426,30 @@ async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
     // Due about 4 s after the first (which took at least 100 ms): a lower bound only.
     assert!(waited >= Duration::from_millis(3000), "{waited:?}");
 }
+
+/// Redis unreachable at submission: no job can be stored, so the answer is 503
+/// `store-unavailable` whatever `on_error` says (here `allow`), and nothing reaches the upstream.
+#[tokio::test]
+async fn a_submission_without_redis_is_refused() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(100));
+    let body = config(&redis).replace("on_error: deny", "on_error: allow");
+    let a = Gateway::start(&up, &body);
+    redis.kill();
+    let c = client();
+    let r = c
+        .post(a.url(ROUTE))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(header(&r, "location").is_none());
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("store-unavailable"),
+        "{p}"
+    );
+    assert_eq!(up.count(ROUTE), 0);
+}

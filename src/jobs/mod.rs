@@ -7,9 +7,10 @@
 //! - this file: a job, its states, and the [`Board`] of this process's jobs;
 //! - `run`: a job's life from its place in the queue to its result;
 //! - `send`: the job's request to the upstream, and the answer read back;
-//! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`.
+//! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`;
+//! - `fleet`: jobs on Redis (one node or Sentinel), which outlive the instance that took them.
 //!
-//! Jobs live in the process (the memory store); they end with it.
+//! On the memory store jobs live in the process and end with it.
 
 pub mod describe;
 pub mod fleet;
