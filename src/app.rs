@@ -276,6 +276,10 @@ pub fn run_with(
     let tls = cfg.tls.clone();
     let resolver = tls.as_ref().map(|t| CertResolver::new(t.certified.clone()));
     let shared = Shared::new(cfg, store);
+    // On Redis, this instance takes its share of the fleet's async jobs (DESIGN §8).
+    if matches!(shared.store, crate::store::Store::Redis(_)) {
+        crate::jobs::fleet::start_collector(shared.clone());
+    }
     let app = Arc::new(App {
         shared: shared.clone(),
         config_path,

@@ -55,7 +55,8 @@ pub async fn routes(shared: &Shared) -> Resp {
             v["queue_timeout_seconds"] = r.queue_timeout.as_secs_f64().into();
             v["keys"] = keys.into();
         }
-        if r.jobs.is_some() {
+        // This process's board; a fleet's jobs (Redis) are among the queue's figures above.
+        if r.jobs.is_some() && matches!(shared.store, crate::store::Store::Memory(_)) {
             let (queued, running) = shared.jobs.counts(&r.label);
             v["jobs"] = serde_json::json!({"queued": queued, "running": running});
             jobs.push(

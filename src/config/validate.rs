@@ -51,7 +51,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
             Ok(super::RedisTarget::Cluster { .. })
         );
     for (pattern, e) in &raw.rate_limits.endpoints {
-        if raw.store.backend == Backend::Redis && e.jobs.is_some() {
+        if on_cluster && e.jobs.is_some() {
             errs.push(
                 format!("{}.async", key_path("rate_limits.endpoints", pattern)),
                 jobs::REDIS_UNSUPPORTED,

@@ -7,11 +7,13 @@
 //! - this file: a job, its states, and the [`Board`] of this process's jobs;
 //! - `run`: a job's life from its place in the queue to its result;
 //! - `send`: the job's request to the upstream, and the answer read back;
-//! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`.
+//! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`;
+//! - `fleet`: jobs on Redis (one node or Sentinel), which outlive the instance that took them.
 //!
-//! Jobs live in the process (the memory store); they end with it.
+//! On the memory store jobs live in the process and end with it.
 
 pub mod describe;
+pub mod fleet;
 mod metrics;
 mod run;
 mod send;
@@ -30,7 +32,7 @@ use crate::store::fair::Place;
 use crate::store::lock;
 
 pub use metrics::announce;
-pub use run::{submit, Origin, Submission};
+pub use run::{Origin, Submission};
 pub use send::JobRequest;
 
 /// Where a job's status is read: `/_tollgate/jobs/<id>` on the proxy listener.
@@ -265,6 +267,27 @@ impl Board {
 /// A new job id: 128 random bits from the thread's CSPRNG, as 32 hex digits.
 fn new_id() -> Arc<str> {
     Arc::from(hex::encode(rand::random::<u128>().to_be_bytes()))
+}
+
+/// Charges and queues a job on the store in use (in this process, or the fleet's in Redis);
+/// `Err` is the store's refusal (nothing charged, no job).
+pub async fn submit(
+    shared: &Arc<crate::state::Shared>,
+    running: Arc<crate::state::Running>,
+    route: Arc<crate::route::Route>,
+    who: &crate::identity::Identity,
+    admit: crate::store::AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+) -> Result<Submission, crate::store::Admission> {
+    match &shared.store {
+        crate::store::Store::Memory(_) => {
+            run::submit(shared, running, route, who, admit, request, origin)
+        }
+        crate::store::Store::Redis(_) => {
+            fleet::submit(shared, running, route, who, admit, request, origin).await
+        }
+    }
 }
 
 /// Whether a request asks to be a job: `Prefer: respond-async` (RFC 7240 §4.1; the

@@ -24,7 +24,7 @@ use crate::telemetry::access;
 
 /// A job accepted: charged, queued, its task started.
 pub struct Submission {
-    pub job: Arc<Job>,
+    pub id: Arc<str>,
     pub standing: Standing,
     /// 1 + the waiters ahead of it in arrival order; 0 when a slot was free.
     pub position: usize,
@@ -120,7 +120,7 @@ pub fn submit(
         submitted: Instant::now(),
     }));
     Ok(Submission {
-        job,
+        id: job.id.clone(),
         standing,
         position,
     })

@@ -17,6 +17,8 @@ use crate::jobs::{self, Cancel, JobRequest, Origin, View, PATH_PREFIX};
 use crate::problem::{self, Problem};
 use crate::route::Route;
 use crate::state::Running;
+use crate::store::Store;
+use std::sync::Arc;
 
 /// Whether the request is about a job (`/_tollgate/jobs/…`, a path the gateway keeps).
 pub(super) fn is_status_path(session: &Session) -> bool {
@@ -118,10 +120,21 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         .split(['?', '#'])
         .next()
         .unwrap_or("");
-    let found = gw.shared.jobs.get(id, &who.hash);
-    ctx.identity = Some(who);
-    if let Some((job, _)) = &found {
-        ctx.route = cfg.router.by_label(&job.route).cloned();
+    // In this process (memory store), or the fleet's record in Redis.
+    let found = match &gw.shared.store {
+        Store::Memory(_) => gw
+            .shared
+            .jobs
+            .get(id, &who.hash)
+            .map(|(j, v)| (j.route.clone(), v, Some(j))),
+        Store::Redis(_) => jobs::fleet::view(&gw.shared, id, &who.hash)
+            .await
+            .map(|(r, v)| (r, v, None)),
+    };
+    ctx.identity = Some(who.clone());
+    let job_id: Arc<str> = Arc::from(id);
+    if let Some((route, _, _)) = &found {
+        ctx.route = cfg.router.by_label(route).cloned();
     }
     ctx.phase = Phase::Job {
         decision: if method == "DELETE" {
@@ -129,10 +142,10 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         } else {
             "job_poll"
         },
-        id: found.as_ref().map(|(j, _)| j.id.clone()),
+        id: found.as_ref().map(|_| job_id.clone()),
         outcome: None,
     };
-    let Some((job, view)) = found else {
+    let Some((_, view, local)) = found else {
         let detail = "no job with this id for this key (or its result has expired)";
         return problem_answer(session, ctx, Problem::JobNotFound, detail).await;
     };
@@ -148,13 +161,13 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
                 _ => ("running", 0),
             };
             let ra = route.map_or(1, |r| retry_after(&running, &r, position));
-            let body = serde_json::json!({"id": &*job.id, "status": state, "position": position});
+            let body = serde_json::json!({"id": &*job_id, "status": state, "position": position});
             let body = Bytes::from(body.to_string());
             answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await
         }
-        ("DELETE", _) => match job.cancel() {
+        ("DELETE", _) => match cancel(gw, &running, local, &job_id, &who).await {
             Cancel::Cancelled => {
-                let body = serde_json::json!({"id": &*job.id, "status": "cancelled"});
+                let body = serde_json::json!({"id": &*job_id, "status": "cancelled"});
                 let body = Bytes::from(body.to_string());
                 answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
             }
@@ -168,6 +181,21 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
             own.push(("Allow", HeaderValue::from_static("GET, HEAD, DELETE")));
             answer(session, ctx, 405, (own, vec![]), Bytes::new(), None).await
         }
+    }
+}
+
+/// `DELETE` on a job of this process, or of the fleet.
+async fn cancel(
+    gw: &Gateway,
+    running: &Running,
+    local: Option<Arc<jobs::Job>>,
+    id: &str,
+    who: &crate::identity::Identity,
+) -> Cancel {
+    match local {
+        Some(job) => job.cancel(),
+        None if jobs::fleet::cancel(&gw.shared, running, id, who).await => Cancel::Cancelled,
+        None => Cancel::Started,
     }
 }
 
@@ -286,7 +314,8 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         admit,
         request,
         origin,
-    );
+    )
+    .await;
     let sub = match submitted {
         Ok(sub) => sub,
         Err(admission) => {
@@ -299,7 +328,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
             };
         }
     };
-    let id = sub.job.id.clone();
+    let id = sub.id.clone();
     ctx.phase = Phase::Job {
         decision: "job_submitted",
         id: Some(id.clone()),

@@ -81,7 +81,7 @@ pub(super) fn async_rules(
     })
 }
 
-/// Jobs live in this process for now: on a fleet they would not survive the instance that
-/// accepted them, which DESIGN §8 requires, so `check` refuses them there.
+/// A job's record and its route's queue live in different hash slots on Redis Cluster, which
+/// one script cannot reach together; `check` refuses async there.
 pub(super) const REDIS_UNSUPPORTED: &str =
-    "async jobs need store.backend: memory in this version (jobs shared by a Redis fleet are not built yet)";
+    "async jobs need the memory store, a single Redis node or Sentinel (not yet on Redis Cluster)";

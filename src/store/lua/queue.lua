@@ -146,7 +146,9 @@ local function purge()
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)
     local instance = redis.call('HGET', state, 'gi:' .. id)
-    if instance then redis.call('HDEL', state, 'i:' .. instance) end
+    -- Not the fleet's own pseudo-instance of async jobs (`jobs`): its waiters belong to no
+    -- process, and any instance's collector picks its grants up.
+    if instance and instance ~= 'jobs' then redis.call('HDEL', state, 'i:' .. instance) end
     lease_gone(id)
   end
 end

@@ -22,6 +22,7 @@ mod breaker;
 mod conn;
 mod deny_cache;
 mod eviction;
+mod jobs;
 mod keys;
 mod lease;
 mod lost;
@@ -36,6 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub(crate) use jobs::JobEntered;
 pub use lease::RedisLease;
 
 /// The key's tag, as Redis's keys and a route's queue name it.
@@ -102,6 +104,8 @@ pub struct RedisBackend {
     waiters: Mutex<queue::Waiters>,
     /// The `run_id` check runs (while leases are held: `lost`).
     watching_run_id: AtomicBool,
+    /// Async jobs' records (`lua/jobs.lua`).
+    job_script: jobs::JobScript,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -169,6 +173,7 @@ impl RedisBackend {
             slices_on: s.slices,
             last_decided_us: AtomicU64::new(0),
             queue_script: queue::QueueScript::new(),
+            job_script: jobs::JobScript::new(),
             waiters: Mutex::default(),
             watching_run_id: AtomicBool::new(false),
         })

@@ -35,7 +35,7 @@ const IDLE_BEATS: u32 = 10;
 /// next beat 500 ms later, a live instance confirms within milliseconds). One that lets a
 /// grant lapse counts as dead until it beats again, so that a dead instance's grants pass on
 /// within this plus one beat of the release (DESIGN §8: within 2 s).
-const GRANT_TTL: Duration = Duration::from_secs(1);
+pub(super) const GRANT_TTL: Duration = Duration::from_secs(1);
 
 const TAKEN: i64 = 1;
 const FULL: i64 = 2;
@@ -64,7 +64,7 @@ impl QueueScript {
         QueueScript(Script::new(include_str!("../lua/queue.lua")))
     }
 
-    fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
+    pub(super) fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         for k in keys {
             inv.key(k);

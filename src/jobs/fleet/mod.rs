@@ -1,0 +1,286 @@
+//! Jobs on a Redis fleet (one node or Sentinel; DESIGN §8): the record in Redis
+//! (`store/lua/jobs.lua`), the waiter the fleet's (`store/redis/jobs.rs`), so that a queued
+//! job outlives the instance that accepted it and any instance with the route runs it. A job
+//! runs at most once: a grant goes to one beat, and a record is claimed `queued → running`
+//! once; a runner that stops vouching for its job (it died) leaves it `failed` (`job-lost`,
+//! charged) at the next read, and its slot comes back with its lapsed lease.
+
+mod record;
+mod runner;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::metrics;
+use super::run::{problem_result, Origin, Submission};
+use super::send::JobRequest;
+use super::{new_id, Stored, View};
+use crate::decision;
+use crate::identity::{Identity, KeyHash};
+use crate::problem::Problem;
+use crate::route::Route;
+use crate::state::{Running, Shared};
+use crate::store::redis::{JobEntered, RedisBackend};
+use crate::store::{Admission, AdmitRequest, Charge, Store};
+use bytes::Bytes;
+use record::{field, headers_from, payer, read, text};
+use runner::run_claimed;
+
+/// How often an instance takes the slots granted to the fleet's jobs on each async route.
+const COLLECT_EVERY: Duration = Duration::from_millis(200);
+
+fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
+    match &shared.store {
+        Store::Redis(r) => Some(r.shared()),
+        Store::Memory(_) => None,
+    }
+}
+
+/// Charges the job, writes its record and enters it in the route's queue.
+pub async fn submit(
+    shared: &Arc<Shared>,
+    running: Arc<Running>,
+    route: Arc<Route>,
+    who: &Identity,
+    admit: AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+) -> Result<Submission, Admission> {
+    let (Some(b), Some(rules), Some(cap)) = (backend(shared), route.jobs, route.max_in_flight)
+    else {
+        return Err(Admission::Unavailable);
+    };
+    let id = new_id();
+    let rid = origin.request_id.clone().unwrap_or_default();
+    if !record::put(b, &id, &route.label, who, rules.result_ttl, &request, &rid).await {
+        return Err(Admission::Unavailable);
+    }
+    let admit = AdmitRequest {
+        key_cap: None,
+        ..admit
+    };
+    let entered = b.enter_job(&admit, cap, &id).await;
+    let (standing, position) = match entered {
+        Ok(JobEntered::Taken(s)) => {
+            start(shared, b, id.clone(), route.label.clone()).await;
+            (s, 0)
+        }
+        Ok(JobEntered::Queued(s, p)) => {
+            // Polls show the position it joined at.
+            let at = p.to_string();
+            let _ = b.job_record::<i64>(&id, "pos", &[at.as_bytes()]).await;
+            (s, p as usize)
+        }
+        Ok(JobEntered::Refused(a)) => {
+            let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
+            return Err(a);
+        }
+        Err(e) => {
+            // Maybe charged, maybe queued: the record is cancelled (a grant then finds it so
+            // and passes the slot on) and whatever was charged given back.
+            tracing::warn!(error = %e, "a job could not enter its route's queue");
+            let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
+            if e.may_have_run() {
+                shared.store.refund(&admit, Charge::Shared).await;
+            }
+            return Err(Admission::Unavailable);
+        }
+    };
+    drop(running);
+    Ok(Submission {
+        id,
+        standing,
+        position,
+    })
+}
+
+/// What a claim of a job whose slot this instance holds found.
+enum Claimed {
+    /// `queued → running`, this runner's: run it once this is over (`max_delay`).
+    Run(Duration),
+    /// Cancelled, gone or unreachable: release the slot.
+    Not,
+    /// It had waited result_ttl: now `expired`, to refund.
+    Expired,
+}
+
+async fn claim(b: &RedisBackend, id: &str) -> Claimed {
+    let alive = (b.lease_ttl().as_millis() as u64).to_string();
+    let claimed = b
+        .job_record::<Vec<u64>>(id, "claim", &[b.instance().as_bytes(), alive.as_bytes()])
+        .await;
+    match claimed.as_deref() {
+        Ok([1, wait_ms]) => Claimed::Run(Duration::from_millis(*wait_ms)),
+        Ok([2]) => Claimed::Expired,
+        _ => Claimed::Not,
+    }
+}
+
+/// Runs, refunds or passes on a job whose slot this instance now holds.
+async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<str>) {
+    match claim(b, &id).await {
+        Claimed::Run(wait) => {
+            tokio::spawn(run_claimed(shared.clone(), id, label, wait));
+        }
+        Claimed::Expired => expired(shared, b, &id, &label).await,
+        Claimed::Not => {
+            let _ = b.job_release(&label, &id).await;
+        }
+    }
+}
+
+fn expired_result() -> Stored {
+    problem_result(
+        Problem::RouteBusy,
+        "the job found no free slot within async.result_ttl; its charge was refunded",
+    )
+}
+
+/// A job as a poll sees it, with its route; `None`: not this key's, unknown or gone.
+pub async fn view(shared: &Shared, id: &str, key: &KeyHash) -> Option<(Arc<str>, View)> {
+    let b = backend(shared)?;
+    let r = read(b, id).await?;
+    if field(&r, "key") != hex::encode(key).as_bytes() {
+        return None;
+    }
+    let route: Arc<str> = Arc::from(text(&r, "route"));
+    if field(&r, "ended_now") == b"1" {
+        metrics::ended(&route, "failed");
+    }
+    if field(&r, "state") == b"queued" {
+        let running = shared.running();
+        if let Some(who) = payer(&running, field(&r, "key")) {
+            if take_out(shared, &running, b, id, &who, "expire").await {
+                return Some((route, View::Done(Arc::new(expired_result()))));
+            }
+        }
+    }
+    let view = match field(&r, "state") {
+        b"queued" => View::Queued {
+            position: text(&r, "pos").parse().unwrap_or(0),
+        },
+        b"running" => View::Running,
+        b"expired" => View::Done(Arc::new(expired_result())),
+        b"done" | b"failed" if field(&r, "lost") == b"1" => View::Done(Arc::new(problem_result(
+            Problem::JobLost,
+            "the instance running the job stopped; the upstream had it, so the charge stands and it is not run again",
+        ))),
+        b"done" | b"failed" => View::Done(Arc::new(Stored {
+            status: text(&r, "status").parse().unwrap_or(502),
+            headers: headers_from(field(&r, "rheaders")),
+            body: Bytes::copy_from_slice(field(&r, "rbody")),
+        })),
+        _ => return None,
+    };
+    Some((route, view))
+}
+
+/// `DELETE`: takes a queued job out of its queue (refunded); `false` once it runs.
+pub async fn cancel(shared: &Shared, running: &Running, id: &str, who: &Identity) -> bool {
+    let Some(b) = backend(shared) else {
+        return false;
+    };
+    take_out(shared, running, b, id, who, "cancel").await
+}
+
+/// Takes a queued job out of its route's queue as record operation `op` (`cancel`, or
+/// `expire` once it has waited result_ttl) and refunds it; `false`: it was not queued (or
+/// not due), nothing changed.
+async fn take_out(
+    shared: &Shared,
+    running: &Running,
+    b: &RedisBackend,
+    id: &str,
+    who: &Identity,
+    op: &str,
+) -> bool {
+    let Some(r) = read(b, id).await else {
+        return false;
+    };
+    let label = text(&r, "route");
+    if field(&r, "state") != b"queued" {
+        return false;
+    }
+    // The record decides first: a collector that claimed it keeps it (and its slot); once it
+    // is out, a grant that finds it so passes the slot on.
+    if !matches!(b.job_record::<i64>(id, op, &[]).await, Ok(1)) {
+        return false;
+    }
+    if matches!(b.job_leave(&label, id).await, Ok(1)) {
+        // Granted meanwhile: the slot goes on to the next waiter.
+        let _ = b.job_release(&label, id).await;
+    }
+    refund(shared, running, &label, who).await;
+    metrics::ended(
+        &label,
+        if op == "cancel" {
+            "cancelled"
+        } else {
+            "expired"
+        },
+    );
+    true
+}
+
+/// Gives back the charge of a job of `who` on route `label` that never ran.
+async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity) {
+    if let Some(route) = running.config.router.by_label(label) {
+        let admit = AdmitRequest {
+            key_cap: None,
+            ..decision::admit_request(route, who)
+        };
+        shared.store.refund(&admit, Charge::Shared).await;
+    }
+}
+
+/// A job whose claim found it waited result_ttl (now `expired`): refunded, its slot passed on.
+async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
+    let _ = b.job_release(label, id).await;
+    let running = shared.running();
+    if let Some(who) = read(b, id)
+        .await
+        .and_then(|r| payer(&running, field(&r, "key")))
+    {
+        refund(shared, &running, label, &who).await;
+    }
+    metrics::ended(label, "expired");
+}
+
+/// Takes the slots granted to the fleet's jobs, on every async route, for as long as the
+/// process runs: each grant goes to one instance's call, which confirms it, claims the job
+/// and runs it.
+pub fn start_collector(shared: Arc<Shared>) {
+    let started = crate::background::spawn("tollgate-jobs".into(), move || async move {
+        loop {
+            tokio::time::sleep(COLLECT_EVERY).await;
+            let Some(b) = backend(&shared) else { return };
+            if shared.drain.is_draining() {
+                // A draining instance starts no job: the others take the fleet's queue.
+                return;
+            }
+            let running = shared.running();
+            let routes: Vec<Arc<str>> = running
+                .config
+                .router
+                .routes()
+                .filter(|r| r.jobs.is_some())
+                .map(|r| r.label.clone())
+                .collect();
+            for label in routes {
+                let Ok(ids) = b.job_grants(&label).await else {
+                    continue;
+                };
+                for id in ids {
+                    if matches!(b.job_renew(&label, &id).await, Ok(true)) {
+                        start(&shared, b, Arc::from(id), label.clone()).await;
+                    } else {
+                        let _ = b.job_release(&label, &id).await;
+                    }
+                }
+            }
+        }
+    });
+    if let Err(e) = started {
+        tracing::error!(error = %e, "cannot start the async jobs' collector");
+    }
+}

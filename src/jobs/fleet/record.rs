@@ -1,0 +1,127 @@
+//! A job's record as the fleet keeps it (`t:j:<id>`, `store/lua/jobs.lua`): its fields, the
+//! request and response headers in it (JSON of name and base64 value), and who pays for it.
+
+use std::collections::HashMap;
+
+use base64::Engine;
+use bytes::Bytes;
+use pingora::http::RequestHeader;
+
+use super::super::send::JobRequest;
+use crate::identity::Identity;
+use crate::state::Running;
+use crate::store::redis::RedisBackend;
+
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+pub(super) fn headers_json(h: &http::HeaderMap) -> Vec<u8> {
+    let list: Vec<[String; 2]> = h
+        .iter()
+        .map(|(n, v)| [n.as_str().to_string(), B64.encode(v.as_bytes())])
+        .collect();
+    serde_json::to_vec(&list).unwrap_or_default()
+}
+
+pub(super) fn headers_from(json: &[u8]) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    let list: Vec<[String; 2]> = serde_json::from_slice(json).unwrap_or_default();
+    list.into_iter()
+        .filter_map(|[n, v]| {
+            let name = http::HeaderName::from_bytes(n.as_bytes()).ok()?;
+            let value = http::HeaderValue::from_bytes(&B64.decode(v).ok()?).ok()?;
+            Some((name, value))
+        })
+        .collect()
+}
+
+pub(super) type Record = HashMap<String, Vec<u8>>;
+
+pub(super) fn field<'a>(r: &'a Record, name: &str) -> &'a [u8] {
+    r.get(name).map_or(&[], |v| v.as_slice())
+}
+
+pub(super) fn text(r: &Record, name: &str) -> String {
+    String::from_utf8_lossy(field(r, name)).into_owned()
+}
+
+pub(super) async fn read(b: &RedisBackend, id: &str) -> Option<Record> {
+    let flat: Vec<Vec<u8>> = b.job_record(id, "get", &[]).await.ok()?;
+    let mut r = Record::new();
+    for pair in flat.chunks(2) {
+        if let [k, v] = pair {
+            r.insert(String::from_utf8_lossy(k).into_owned(), v.clone());
+        }
+    }
+    (!r.is_empty()).then_some(r)
+}
+
+/// The identity a record's key hash pays as: its registry entry, else the default policy.
+pub(super) fn payer(running: &Running, key_hex: &[u8]) -> Option<Identity> {
+    let mut hash = [0u8; 32];
+    hex::decode_to_slice(key_hex, &mut hash).ok()?;
+    let cfg = &running.config;
+    Some(match cfg.keys.get(&hash) {
+        Some(e) => Identity {
+            hash,
+            id: Some(e.id.clone()),
+            policy: e.policy.clone(),
+        },
+        None => Identity {
+            hash,
+            id: None,
+            policy: cfg.default_policy.clone(),
+        },
+    })
+}
+
+pub(super) fn request_of(r: &Record) -> Option<JobRequest> {
+    let mut header =
+        RequestHeader::build(text(r, "method").as_str(), field(r, "target"), None).ok()?;
+    for (n, v) in headers_from(field(r, "headers")) {
+        header.append_header(n, v).ok()?;
+    }
+    Some(JobRequest {
+        header,
+        body: Bytes::copy_from_slice(field(r, "body")),
+    })
+}
+
+/// Writes a new job's record (`queued`); `false` when Redis did not take it.
+pub(super) async fn put(
+    b: &RedisBackend,
+    id: &str,
+    route: &str,
+    who: &Identity,
+    result_ttl: std::time::Duration,
+    request: &JobRequest,
+    rid: &str,
+) -> bool {
+    let ttl_ms = (result_ttl.as_millis() as u64).to_string();
+    // The record lives while the job may wait (result_ttl) and then be kept (result_ttl).
+    let life = ((result_ttl.as_millis() as u64) * 2 + 60_000).to_string();
+    let key = hex::encode(who.hash);
+    let headers = headers_json(&request.header.headers);
+    let args: [&[u8]; 21] = [
+        life.as_bytes(),
+        b"key",
+        key.as_bytes(),
+        b"route",
+        route.as_bytes(),
+        b"state",
+        b"queued",
+        b"ttl",
+        ttl_ms.as_bytes(),
+        b"method",
+        request.header.method.as_str().as_bytes(),
+        b"target",
+        request.header.raw_path(),
+        b"headers",
+        &headers,
+        b"body",
+        &request.body,
+        b"rid",
+        rid.as_bytes(),
+        b"pos",
+        b"0",
+    ];
+    b.job_record::<i64>(id, "put", &args).await.is_ok()
+}

@@ -1,0 +1,193 @@
+//! Running a job this instance claimed: the request sent as the synchronous path sends it,
+//! its slot and record renewed meanwhile, the result written back, the charge settled.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::super::metrics::{self, InState};
+use super::super::run::problem_result;
+use super::super::send::{self, Sent};
+use super::super::Stored;
+use super::backend;
+use super::record::{field, headers_json, payer, read, request_of, text};
+use crate::decision;
+use crate::problem::Problem;
+use crate::route::stated::Report;
+use crate::route::Route;
+use crate::state::Shared;
+use crate::store::redis::RedisBackend;
+use crate::store::{AdmitRequest, Charge};
+use crate::telemetry::access;
+
+/// Runs a claimed job whose slot this instance holds, renewing both while it runs.
+pub(super) async fn run_claimed(
+    shared: Arc<Shared>,
+    id: Arc<str>,
+    label: Arc<str>,
+    wait: Duration,
+) {
+    let Some(b) = backend(&shared).cloned() else {
+        return;
+    };
+    let running = shared.running();
+    let parts = async {
+        let r = read(&b, &id).await?;
+        let route = running.config.router.by_label(&label)?.clone();
+        let who = payer(&running, field(&r, "key"))?;
+        let request = request_of(&r)?;
+        Some((r, route, who, request))
+    };
+    let Some((r, route, who, request)) = parts.await else {
+        let _ = b.job_release(&label, &id).await;
+        return;
+    };
+    let admit = AdmitRequest {
+        key_cap: None,
+        ..decision::admit_request(&route, &who)
+    };
+    let _drain = shared.drain.enter();
+    let _state = InState::new(&label, "running");
+    let renew = keep_alive(b.clone(), id.clone(), label.clone());
+    // With `max_delay` it holds its slot until its reserved units are due, as on memory.
+    tokio::time::sleep(wait).await;
+    let max = route.jobs.map_or(16 << 20, |j| j.max_response_body);
+    let started = Instant::now();
+    let sent = send::send(&shared, &running, &route, &request, max).await;
+    let (state, stored, mut cost, upstream_status, follow) =
+        settle(&shared, &route, &admit, sent, started).await;
+    write_result(&b, &id, state, &stored).await;
+    if let Some(follow) = follow {
+        // The slot follows the late answer (the result is readable meanwhile).
+        follow.until_done().await;
+        cost = route
+            .fidelity
+            .final_cost(admit.cost, Some(started.elapsed()));
+        shared.store.settle(&admit, Charge::Shared, cost).await;
+    }
+    renew.abort();
+    let _ = b.job_release(&label, &id).await;
+    let done = state == "done";
+    metrics::ended(&label, if done { "done" } else { "failed" });
+    if cost > 0 {
+        running.metrics.get(&route).cost_units.inc_by(cost);
+    }
+    if access::enabled() {
+        let key = who.log_name();
+        let rid = text(&r, "rid");
+        access::write(&access::AccessRecord {
+            method: request.header.method.as_str(),
+            route: &label,
+            key: &key,
+            cost,
+            decision: if done { "job_done" } else { "job_failed" },
+            status: stored.status,
+            latency_ms: started.elapsed().as_secs_f64() * 1e3,
+            upstream_ms: None,
+            store_ms: 0.0,
+            queue_ms: 0.0,
+            hold_ms: 0.0,
+            upstream_status,
+            request_id: (!rid.is_empty()).then_some(rid.as_str()),
+            fallback: false,
+            shadow: None,
+            client: None,
+            error: None,
+            job: Some(&id),
+        });
+    }
+}
+
+/// Renews the job's slot and its runner's word for it every third of lease_ttl, until aborted.
+fn keep_alive(b: Arc<RedisBackend>, id: Arc<str>, label: Arc<str>) -> tokio::task::JoinHandle<()> {
+    let every = b.lease_ttl() / 3;
+    let alive = (b.lease_ttl().as_millis() as u64).to_string();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let _ = b.job_renew(&label, &id).await;
+            let _ = b.job_record::<i64>(&id, "renew", &[alive.as_bytes()]).await;
+        }
+    })
+}
+
+/// Writes the job's end into its record (kept result_ttl from now); a record no longer this
+/// run's (declared lost meanwhile) keeps what it says.
+async fn write_result(b: &RedisBackend, id: &str, state: &str, stored: &Stored) {
+    let rheaders = headers_json(&stored.headers.iter().cloned().collect());
+    let status = stored.status.to_string();
+    let fields: [&[u8]; 7] = [
+        state.as_bytes(),
+        b"status",
+        status.as_bytes(),
+        b"rheaders",
+        &rheaders,
+        b"rbody",
+        &stored.body,
+    ];
+    let _ = b.job_record::<i64>(id, "finish", &fields).await;
+}
+
+/// A job's end: its state, result, charge and upstream status, and a late answer to follow.
+type Settled = (
+    &'static str,
+    Stored,
+    u64,
+    Option<u16>,
+    Option<Box<send::Follow>>,
+);
+
+/// The job's result, state and final charge, the charge settled as DESIGN §3 says.
+async fn settle(
+    shared: &Shared,
+    route: &Route,
+    admit: &AdmitRequest,
+    sent: Sent,
+    started: Instant,
+) -> Settled {
+    let store = &shared.store;
+    let billed = |upstream: Duration| route.fidelity.final_cost(admit.cost, Some(upstream));
+    match sent {
+        Sent::Answer {
+            stored,
+            upstream,
+            report,
+        } => {
+            let total = match report {
+                Some(Report::Applied(units)) => units,
+                _ => billed(upstream),
+            };
+            store.settle(admit, Charge::Shared, total).await;
+            let status = stored.status;
+            ("done", stored, total, Some(status), None)
+        }
+        Sent::Unreachable(_) => {
+            store.refund(admit, Charge::Shared).await;
+            let p = problem_result(
+                Problem::BadGateway,
+                "the upstream could not be reached; the job's charge was refunded",
+            );
+            ("failed", p, 0, None, None)
+        }
+        Sent::TimedOut(follow) => {
+            // Charged; settled (for measured time) once the late answer has been followed.
+            let _ = started;
+            let p = problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands");
+            ("failed", p, admit.cost, None, Some(follow))
+        }
+        Sent::TooLarge { upstream } => {
+            let total = billed(upstream);
+            store.settle(admit, Charge::Shared, total).await;
+            let p = problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands");
+            ("failed", p, total, None, None)
+        }
+        Sent::Broken { upstream, .. } => {
+            let total = billed(upstream);
+            store.settle(admit, Charge::Shared, total).await;
+            let p = problem_result(
+                Problem::BadGateway,
+                "the upstream's answer broke off; it had the request, so the charge stands",
+            );
+            ("failed", p, total, None, None)
+        }
+    }
+}

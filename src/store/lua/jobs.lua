@@ -1,0 +1,98 @@
+-- An async job's record (DESIGN §8), a hash at KEYS[1] (`t:j:<id>`), on Redis TIME (ms):
+--   key (hex of the key's hash), route, state (queued | running | done | failed | cancelled |
+--   expired), runner (instance), alive (ms until which the runner vouches for it), ttl (ms a
+--   result is kept), method, target, headers, body (the request), pos (at submission),
+--   status, rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms).
+--
+-- ARGV[1] is the operation:
+--   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
+--   get    -> the record's fields and values (empty: none); a running job whose runner
+--             stopped vouching for it becomes failed (lost) first, never to run again, and
+--             that one reply ends with the pair `ended_now 1`
+--   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
+--          | {0} (cancelled, or gone) | {2} (it waited result_ttl: queued -> expired; the
+--          caller refunds it)
+--   delay  ms -> 1 (max_delay: the queued job is sent no sooner than ms after `sub`) | 0
+--   renew  alive_ms -> 1 | 0 (no longer this job's run)
+--   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now) | 0
+--   cancel -> 1 (queued -> cancelled) | 0
+--   expire -> 1 (queued for result_ttl since `sub` -> expired, kept `ttl`) | 0
+--   pos    n -> 1 (a queued job's position at submission, for polls) | 0
+-- Every check comes before the first write.
+
+local job = KEYS[1]
+local op = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function state() return redis.call('HGET', job, 'state') end
+local function ttl() return tonumber(redis.call('HGET', job, 'ttl') or '60000') end
+local function keep() redis.call('PEXPIRE', job, ttl()) end
+-- A queued job that has waited result_ttl since its submission no longer runs.
+local function overdue() return now > tonumber(redis.call('HGET', job, 'sub') or '0') + ttl() end
+local function expire()
+  redis.call('HSET', job, 'state', 'expired')
+  redis.call('HDEL', job, 'body', 'headers')
+  keep()
+end
+
+if op == 'put' then
+  local ttl = tonumber(ARGV[2])
+  local fields = {}
+  for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', job, unpack(fields))
+  redis.call('HSET', job, 'sub', now)
+  redis.call('PEXPIRE', job, ttl)
+  return 1
+elseif op == 'get' then
+  if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now then
+    redis.call('HSET', job, 'state', 'failed', 'lost', '1')
+    keep()
+    -- This read made it failed: its reader counts the job's end (the pair is not stored).
+    local all = redis.call('HGETALL', job)
+    all[#all + 1] = 'ended_now'
+    all[#all + 1] = '1'
+    return all
+  end
+  return redis.call('HGETALL', job)
+elseif op == 'claim' then
+  if state() ~= 'queued' then return {0} end
+  if overdue() then
+    expire()
+    return {2}
+  end
+  redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]))
+  local due = tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
+  return {1, math.max(0, due - now)}
+elseif op == 'renew' then
+  if state() ~= 'running' then return 0 end
+  redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
+  return 1
+elseif op == 'finish' then
+  if state() ~= 'running' then return 0 end
+  local fields = {'state', ARGV[2]}
+  for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', job, unpack(fields))
+  redis.call('HDEL', job, 'body', 'headers')
+  keep()
+  return 1
+elseif op == 'cancel' then
+  if state() ~= 'queued' then return 0 end
+  redis.call('HSET', job, 'state', 'cancelled')
+  redis.call('HDEL', job, 'body', 'headers')
+  redis.call('PEXPIRE', job, 60000)
+  return 1
+elseif op == 'expire' then
+  if state() ~= 'queued' or not overdue() then return 0 end
+  expire()
+  return 1
+elseif op == 'delay' then
+  if state() ~= 'queued' then return 0 end
+  redis.call('HSET', job, 'delay', ARGV[2])
+  return 1
+elseif op == 'pos' then
+  if state() ~= 'queued' then return 0 end
+  redis.call('HSET', job, 'pos', ARGV[2])
+  return 1
+end
+return redis.error_reply('unknown job operation ' .. tostring(op))

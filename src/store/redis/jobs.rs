@@ -1,0 +1,177 @@
+//! Async jobs in Redis (DESIGN §8): a job's waiter in its route's fair queue belongs to the
+//! fleet (the pseudo-instance [`FLEET`]), not to the instance that accepted it, so it outlives
+//! that instance; every instance with the route beats there as the fleet and takes the slots
+//! granted to it (each grant goes to exactly one beat). The job's record (its request, state,
+//! runner, result) is a hash, `t:j:<id>`, handled by `lua/jobs.lua`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::Script;
+
+use super::queue::{queue_keys, GRANT_TTL};
+use super::{keys, Decided, RedisBackend};
+use crate::store::{Admission, AdmitRequest, Standing, StoreError};
+
+/// The instance a job's waiter belongs to: the fleet.
+pub(crate) const FLEET: &str = "jobs";
+
+/// How a job's submission went on Redis.
+#[derive(Debug)]
+pub(crate) enum JobEntered {
+    /// Charged; a slot was free and is held under the job's id: run it now.
+    Taken(Standing),
+    /// Charged; waiting in the queue at this position.
+    Queued(Standing, u64),
+    /// Not charged (or charged and given back): the answer to send.
+    Refused(Admission),
+}
+
+/// `lua/jobs.lua`.
+pub(crate) struct JobScript(Script);
+
+impl JobScript {
+    pub fn new() -> Self {
+        JobScript(Script::new(include_str!("../lua/jobs.lua")))
+    }
+}
+
+fn job_key(id: &str) -> String {
+    format!("t:j:{id}")
+}
+
+impl RedisBackend {
+    fn route_keys(route: &str) -> Result<[String; 4], StoreError> {
+        queue_keys(&keys::route_slots_key(route))
+            .ok_or_else(|| StoreError::Reply("route lease key".into()))
+    }
+
+    /// Charges a job (its key's budgets, as a queued request is charged) and enters it in its
+    /// route's queue as the fleet's waiter `id`. A full queue gives the charge back.
+    pub(crate) async fn enter_job(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        cap: u32,
+        id: &str,
+    ) -> Result<JobEntered, StoreError> {
+        let start = std::time::Instant::now();
+        let outcome = match self.try_admit(req, Default::default()).await?.0 {
+            Decided::KeyAdmitted(o, _, _) => o,
+            other => {
+                return Ok(JobEntered::Refused(
+                    self.answer(req, other, start).admission,
+                ))
+            }
+        };
+        if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
+            if delay_us > 0 {
+                // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
+                let ms = delay_us.div_ceil(1000).to_string();
+                self.job_record::<i64>(id, "delay", &[ms.as_bytes()])
+                    .await?;
+            }
+        }
+        let rk = Self::route_keys(&req.route)?;
+        let mut inv = self.queue_script.call(&rk, "enter");
+        inv.arg(id)
+            .arg(keys::key_tag(&req.key))
+            .arg(req.fair.weight.max(1))
+            .arg(cap)
+            .arg(req.fair.per_key.unwrap_or(0))
+            .arg(req.fair.max_queue.unwrap_or(0))
+            .arg(self.lease_ttl.as_micros() as u64)
+            .arg(FLEET)
+            .arg(FLEET_ALIVE.as_micros() as u64)
+            .arg(GRANT_TTL.as_micros() as u64);
+        let entered: Vec<i64> = self.call(inv).await?;
+        let standing: Standing = (&outcome).into();
+        Ok(match entered.first().copied() {
+            Some(1) => JobEntered::Taken(standing),
+            Some(0) => JobEntered::Queued(standing, entered.get(1).copied().unwrap_or(0) as u64),
+            _ => {
+                let mut standing = standing;
+                standing.remaining = standing.remaining.saturating_add(req.cost);
+                JobEntered::Refused(Admission::RouteBusy {
+                    standing,
+                    queued: Duration::ZERO,
+                })
+            }
+        })
+    }
+
+    /// Beats on `route` as the fleet: the job ids granted a slot there since the last beat
+    /// (this caller now owns them: confirm each, or release it).
+    pub(crate) async fn job_grants(&self, route: &str) -> Result<Vec<String>, StoreError> {
+        let rk = Self::route_keys(route)?;
+        let mut inv = self.queue_script.call(&rk, "beat");
+        inv.arg(FLEET)
+            .arg(FLEET_ALIVE.as_micros() as u64)
+            .arg(GRANT_TTL.as_micros() as u64)
+            .arg(0);
+        let reply: Vec<redis::Value> = self.call(inv).await?;
+        let n = reply
+            .get(1)
+            .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
+            .unwrap_or(0);
+        Ok(reply
+            .iter()
+            .skip(2)
+            .take(n)
+            .filter_map(|v| redis::from_redis_value::<String>(v.clone()).ok())
+            .collect())
+    }
+
+    /// Renews the job's slot for a whole lease (a grant is confirmed the same way); `false`
+    /// when it lapsed.
+    pub(crate) async fn job_renew(&self, route: &str, id: &str) -> Result<bool, StoreError> {
+        let rk = Self::route_keys(route)?;
+        let mut inv = self.queue_script.call(&rk, "confirm");
+        inv.arg(id).arg(self.lease_ttl.as_micros() as u64);
+        let v: Vec<i64> = self.call(inv).await?;
+        Ok(v.first() == Some(&1))
+    }
+
+    /// Frees the job's slot (handing it on).
+    pub(crate) async fn job_release(&self, route: &str, id: &str) -> Result<(), StoreError> {
+        let rk = Self::route_keys(route)?;
+        let _: Vec<i64> = self.call(self.queue_script.release(&rk, id)).await?;
+        Ok(())
+    }
+
+    /// Takes a queued job out of its route's queue: 0 left, 1 granted (the caller releases
+    /// the slot), 2 no longer there.
+    pub(crate) async fn job_leave(&self, route: &str, id: &str) -> Result<i64, StoreError> {
+        let rk = Self::route_keys(route)?;
+        let mut inv = self.queue_script.call(&rk, "leave");
+        inv.arg(id);
+        let v: Vec<i64> = self.call(inv).await?;
+        Ok(v.first().copied().unwrap_or(2))
+    }
+
+    /// One `lua/jobs.lua` operation on the record of job `id`.
+    pub(crate) async fn job_record<T: redis::FromRedisValue>(
+        &self,
+        id: &str,
+        op: &str,
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let mut inv = self.job_script.0.prepare_invoke();
+        inv.key(job_key(id)).arg(op);
+        for a in args {
+            inv.arg(*a);
+        }
+        self.call(inv).await
+    }
+
+    pub(crate) fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    pub(crate) fn instance(&self) -> &str {
+        &self.instance
+    }
+}
+
+/// How long the fleet counts as alive after a beat: jobs outlive a gap in the fleet's beats
+/// (every instance with an async route beats for it twice a second).
+const FLEET_ALIVE: Duration = Duration::from_secs(30);

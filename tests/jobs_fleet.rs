@@ -1,0 +1,458 @@
+//! Async jobs on a Redis fleet (DESIGN §8, issue 26): a job's record and its waiter live in
+//! Redis, not in the instance that accepted it, so any gateway of the fleet answers its polls,
+//! whichever gets the route's slot runs it, a queued job outlives its accepting instance, and a
+//! job whose running instance dies ends `failed` (`job-lost`, charged) and is never run again.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ROUTE: &str = "/reports/generate";
+/// The fleet's `store.lease_ttl`: a dead runner's job is `failed` within it.
+const LEASE_TTL: Duration = Duration::from_secs(2);
+
+/// Keys `a` and `b` (raw `key-a`, `key-b`) with a 24 h budget of 100 on `redis`, and
+/// `/reports/generate` costing 10, capped at 1, async (results kept 30 s).
+fn config(redis: &Redis) -> String {
+    config_kept(redis, "30s")
+}
+
+fn config_kept(redis: &Redis, result_ttl: &str) -> String {
+    config_with(redis, result_ttl, 1)
+}
+
+fn config_with(redis: &Redis, result_ttl: &str, cap: u32) -> String {
+    let keys: String = ["a", "b"]
+        .iter()
+        .map(|id| {
+            format!(
+                "  - {{id: {id}, sha256: \"{}\"}}\n",
+                sha256_hex(&format!("key-{id}"))
+            )
+        })
+        .collect();
+    format!(
+        "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
+         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
+        url = redis.url(),
+        lease = LEASE_TTL.as_secs(),
+    )
+}
+
+async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Submits a job on `gw`: its location and the 202's JSON.
+async fn submit(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    target: &str,
+    body: &str,
+) -> (String, serde_json::Value) {
+    submit_as(c, gw, target, body, "key-a").await
+}
+
+async fn submit_as(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    target: &str,
+    body: &str,
+    key: &str,
+) -> (String, serde_json::Value) {
+    let r = c
+        .post(gw.url(target))
+        .header("X-API-Key", key)
+        .header("Prefer", "respond-async")
+        .header("X-Request-Id", "fleet-job")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("10"));
+    let location = header(&r, "location").unwrap();
+    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
+    (location, r.json().await.unwrap())
+}
+
+/// Polls `location` on `gw` until the job is no longer queued or running.
+async fn result(c: &reqwest::Client, gw: &Gateway, location: &str) -> reqwest::Response {
+    result_as(c, gw, location, "key-a").await
+}
+
+async fn result_as(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    location: &str,
+    key: &str,
+) -> reqwest::Response {
+    let start = Instant::now();
+    loop {
+        let r = get(c, gw.url(location), key).await;
+        if r.status() != 202 {
+            return r;
+        }
+        assert!(header(&r, "retry-after").is_some());
+        assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "job {location} never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Submitted on gateway A, polled on gateway B: 202 while it runs, then the upstream's answer
+/// as it came, on both; the upstream saw the request once; charged once fleet-wide; polls
+/// free; another key 404 on either gateway.
+#[tokio::test]
+async fn a_job_submitted_on_one_gateway_is_read_on_another() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1000));
+    let a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    let target = "/reports/generate?echo_body=1";
+    let (location, accepted) = submit(&c, &a, target, "the report's parameters").await;
+    assert_eq!(accepted["status"], "queued");
+    let id = location.strip_prefix("/_tollgate/jobs/").unwrap();
+    assert_eq!(accepted["id"], id);
+    assert_eq!(id.len(), 32, "{id}");
+
+    up.wait_current(ROUTE, 1).await;
+    let running = get(&c, b.url(&location), "key-a").await;
+    assert_eq!(running.status(), 202);
+    let v: serde_json::Value = running.json().await.unwrap();
+    assert_eq!(v["status"], "running");
+    assert_eq!(get(&c, b.url(&location), "key-b").await.status(), 404);
+    assert_eq!(c.get(b.url(&location)).send().await.unwrap().status(), 401);
+
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(
+        header(&done, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let echo: serde_json::Value = done.json().await.unwrap();
+    assert_eq!(
+        (
+            &echo["method"],
+            &echo["path"],
+            &echo["query"],
+            &echo["body"]
+        ),
+        (
+            &serde_json::json!("POST"),
+            &serde_json::json!(ROUTE),
+            &serde_json::json!("echo_body=1"),
+            &serde_json::json!("the report's parameters")
+        )
+    );
+    assert_eq!(echo["headers"]["x-request-id"], "fleet-job");
+    // The same answer on the accepting gateway; another key sees nothing there either.
+    let on_a = get(&c, a.url(&location), "key-a").await;
+    assert_eq!(on_a.status(), 200);
+    assert_eq!(on_a.json::<serde_json::Value>().await.unwrap(), echo);
+    assert_eq!(get(&c, a.url(&location), "key-b").await.status(), 404);
+
+    let seen: Vec<_> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .collect();
+    assert_eq!(
+        (seen.len(), seen[0].method.as_str(), seen[0].target.as_str()),
+        (1, "POST", target)
+    );
+    assert_eq!(remaining(&a, "a").await, 90);
+    assert_eq!(remaining(&b, "a").await, 90);
+    // The record names the key by its hash; the request's headers (the forwarded credential
+    // among them, as forward_credentials says) are dropped once the job has ended.
+    let record = format!("t:j:{id}");
+    assert_eq!(redis.cli(&["HGET", &record, "key"]), sha256_hex("key-a"));
+    assert_eq!(redis.cli(&["HEXISTS", &record, "headers"]), "0");
+    assert_eq!(redis.cli(&["HEXISTS", &record, "body"]), "0");
+    assert!(!a.log().contains("key-a") && !b.log().contains("key-a"));
+}
+
+/// A job queued behind a synchronous request on B, accepted by A, and A SIGKILLed while the
+/// job waits: it still runs, once, via B, and is charged once.
+#[tokio::test]
+async fn a_queued_job_outlives_the_instance_that_accepted_it() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let mut a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    // B's synchronous request holds the route's only slot.
+    let sync = tokio::spawn({
+        let (c, url) = (c.clone(), b.url(ROUTE));
+        async move { post(&c, url, "key-a").await.status() }
+    });
+    up.wait_current(ROUTE, 1).await;
+    let (location, accepted) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(
+        (accepted["status"].as_str(), accepted["position"].as_u64()),
+        (Some("queued"), Some(1))
+    );
+    a.kill9();
+    assert_eq!(sync.await.unwrap(), 200);
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    // Charged once each: the synchronous request and the job.
+    assert_eq!(remaining(&b, "a").await, 80);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"done\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+}
+
+/// The instance running a job SIGKILLed: the job ends `failed` (502 `job-lost`) within about
+/// lease_ttl, stays charged (DESIGN §8: the upstream had it) and is never run again; its slot
+/// comes back, so the next job runs.
+#[tokio::test]
+async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(3000));
+    let mut a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    // A slot is free: A runs the job it accepts.
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    a.kill9();
+    let killed = Instant::now();
+    let lost = result(&c, &b, &location).await;
+    let within = killed.elapsed();
+    assert_eq!(lost.status(), 502);
+    let p: serde_json::Value = lost.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("job-lost"), "{p}");
+    // lease_ttl, with slack for a loaded machine.
+    assert!(within < LEASE_TTL + Duration::from_secs(4), "{within:?}");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"failed\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+
+    // Its slot came back with its lapsed lease: the next job runs (via B), and the lost one
+    // was not run again meanwhile.
+    let (next, _) = submit(&c, &b, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &next).await.status(), 200);
+    assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 502);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(remaining(&b, "a").await, 80);
+}
+
+/// A job that finds no slot within result_ttl never runs: its poll (on another gateway) is
+/// 503 `route-busy`, it is refunded and counted `expired`, and the slot freed later goes to
+/// nobody on its behalf.
+#[tokio::test]
+async fn a_job_that_waits_past_result_ttl_expires_refunded() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(4000));
+    let a = Gateway::start(&up, &config_kept(&redis, "1s"));
+    let b = Gateway::start(&up, &config_kept(&redis, "1s"));
+    let c = client();
+    let sync = tokio::spawn({
+        let (c, url) = (c.clone(), b.url(ROUTE));
+        async move { post(&c, url, "key-a").await.status() }
+    });
+    up.wait_current(ROUTE, 1).await;
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&b, "a").await, 80);
+    let queued: serde_json::Value = get(&c, b.url(&location), "key-a")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (queued["status"].as_str(), queued["position"].as_u64()),
+        (Some("queued"), Some(1))
+    );
+    let expired = result(&c, &b, &location).await;
+    assert_eq!(expired.status(), 503);
+    let p: serde_json::Value = expired.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"expired\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(sync.await.unwrap(), 200);
+    // The slot is free again and nothing of the job's is left to run: a new job runs alone.
+    let (next, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &next).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+}
+
+/// DELETE on gateway B of a job queued by gateway A: 200 `cancelled`, refunded, never sent;
+/// another key 404; the running job 409 (and it still finishes, once).
+#[tokio::test]
+async fn a_queued_job_is_cancelled_from_another_gateway() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(2000));
+    let a = Gateway::start(&up, &config(&redis));
+    let b = Gateway::start(&up, &config(&redis));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&b, "a").await, 80);
+    let delete = |gw: &Gateway, location: &str, key: &str| {
+        c.delete(gw.url(location)).header("X-API-Key", key).send()
+    };
+    assert_eq!(delete(&b, &second, "key-b").await.unwrap().status(), 404);
+    let cancelled = delete(&b, &second, "key-a").await.unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let v: serde_json::Value = cancelled.json().await.unwrap();
+    assert_eq!(v["status"], "cancelled");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_eq!(get(&c, a.url(&second), "key-a").await.status(), 404);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"cancelled\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(delete(&b, &first, "key-a").await.unwrap().status(), 409);
+    assert_eq!(result(&c, &b, &first).await.status(), 200);
+    // The cancelled job's turn came and went: only the first was sent.
+    let (third, _) = submit(&c, &b, ROUTE, "").await;
+    assert_eq!(result(&c, &a, &third).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+}
+
+/// Twenty jobs of key a and then one of key b, on cap 2, submitted through two gateways: all
+/// done, never more than 2 at the upstream, each sent once, and b's job among the first two
+/// started after it was submitted (in arrival order it would wait behind 18).
+#[tokio::test]
+async fn jobs_of_two_gateways_share_a_full_route_fairly() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(500));
+    // A budget of 1000: room for 20 jobs of 10.
+    let body = config_with(&redis, "1m", 2).replace("max_cost: 100}", "max_cost: 1000}");
+    let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
+    let c = client();
+    let mut jobs = vec![];
+    for i in 0..20 {
+        let gw = &gws[i % 2];
+        jobs.push((submit_as(&c, gw, ROUTE, "", "key-a").await.0, "key-a"));
+    }
+    up.wait_current(ROUTE, 2).await;
+    let (b_job, _) = submit_as(&c, &gws[1], ROUTE, "", "key-b").await;
+    let before_b = up.count(ROUTE);
+    jobs.push((b_job, "key-b"));
+    for (i, (location, key)) in jobs.iter().enumerate() {
+        assert_eq!(
+            result_as(&c, &gws[i % 2], location, key).await.status(),
+            200
+        );
+    }
+    assert_eq!(up.count(ROUTE), 21);
+    assert_eq!(up.max_concurrent(ROUTE), 2);
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target == ROUTE)
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
+    assert!(
+        b_at < before_b + 2,
+        "key b ran {b_at}th of {order:?} (submitted after {before_b} had started)"
+    );
+    // Charged once each, fleet-wide.
+    assert_eq!(remaining(&gws[0], "a").await, 800);
+    assert_eq!(remaining(&gws[1], "b").await, 990);
+    // Each job's end counted once, by the gateway that ran it (just after its result is
+    // written: polled for a while).
+    let done = "tollgate_jobs_total{result=\"done\",route=\"/reports/generate\"} ";
+    let start = Instant::now();
+    loop {
+        let mut total = 0.0;
+        for gw in &gws {
+            let text = reqwest::get(gw.admin("/metrics")).await.unwrap();
+            let text = text.text().await.unwrap();
+            total += text
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix(done)
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                })
+                .unwrap_or(0.0);
+        }
+        if total == 21.0 || start.elapsed() > Duration::from_secs(5) {
+            assert_eq!(total, 21.0);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// With `max_delay` a job's units may be reserved ahead: it runs no sooner than they are due,
+/// whichever instance runs it (as on the memory store).
+#[tokio::test]
+async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(100));
+    // 10 units per 4 s: a second job of 10 right after the first is due 4 s later.
+    let body = config_with(&redis, "1m", 2).replace(
+        "default: {cost: 1, window: 24h, max_cost: 100}",
+        "default: {cost: 1, window: 4s, max_cost: 10, max_delay: 5s}",
+    );
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &first).await.status(), 200);
+    let submitted = Instant::now();
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &second).await.status(), 200);
+    let waited = submitted.elapsed();
+    assert_eq!(up.count(ROUTE), 2);
+    // Due about 4 s after the first (which took at least 100 ms): a lower bound only.
+    assert!(waited >= Duration::from_millis(3000), "{waited:?}");
+}
+
+/// Redis unreachable at submission: no job can be stored, so the answer is 503
+/// `store-unavailable` whatever `on_error` says (here `allow`), and nothing reaches the upstream.
+#[tokio::test]
+async fn a_submission_without_redis_is_refused() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(100));
+    let body = config(&redis).replace("on_error: deny", "on_error: allow");
+    let a = Gateway::start(&up, &body);
+    redis.kill();
+    let c = client();
+    let r = c
+        .post(a.url(ROUTE))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(header(&r, "location").is_none());
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("store-unavailable"),
+        "{p}"
+    );
+    assert_eq!(up.count(ROUTE), 0);
+}
