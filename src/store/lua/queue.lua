@@ -14,7 +14,8 @@
 --            KEYS[3]; `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
 --            KEYS[2]>|<instance>"; `i:<instance>` until when that instance is alive (µs);
 --            `g:<instance>` the waiters granted to it, space-separated, until it collects them;
---            `gi:<lease>` the instance a granted lease waits on, until it confirms it.
+--            `gi:<lease>` the instance a granted lease waits on, until it confirms it;
+--            `n:<instance>` its waiters, and `insts` the instances with any.
 --
 -- A slot freed (released, or a lease lapsed) goes to the next waiter in the same call: its
 -- waiter id becomes the lease id, held for `grant_ttl_us` until its instance confirms it
@@ -95,10 +96,32 @@ local function lease_gone(id)
   end
 end
 
+-- Waiters per instance (`n:<instance>`), and the instances that have any (`insts`, space-
+-- separated): so that a beat looks for dead instances' waiters only when one of these died,
+-- instead of walking the whole queue.
+local function count_instance(instance, n)
+  if instance == '' then return end
+  local c = redis.call('HINCRBY', state, 'n:' .. instance, n)
+  local list = redis.call('HGET', state, 'insts') or ''
+  local listed = string.find(' ' .. list .. ' ', ' ' .. instance .. ' ', 1, true) ~= nil
+  if c <= 0 then
+    redis.call('HDEL', state, 'n:' .. instance)
+    if listed then
+      local kept = {}
+      for i in string.gmatch(list, '%S+') do
+        if i ~= instance then kept[#kept + 1] = i end
+      end
+      redis.call('HSET', state, 'insts', table.concat(kept, ' '))
+    end
+  elseif not listed then
+    redis.call('HSET', state, 'insts', list == '' and instance or (list .. ' ' .. instance))
+  end
+end
+
 local function drop_waiter(id, info)
-  local key, member = string.match(info, '^([^|]*)|([^|]*)|')
+  local key, member, instance = string.match(info, '^([^|]*)|([^|]*)|(.*)$')
   redis.call('ZREM', waiters, member)
-  redis.call('HDEL', state, 'w:' .. id)
+  if redis.call('HDEL', state, 'w:' .. id) == 1 then count_instance(instance or '', -1) end
   return key
 end
 
@@ -193,6 +216,7 @@ if op == 'enter' then
   local member = key .. ':' .. string.format('%016d', seq) .. ':' .. id
   redis.call('ZADD', waiters, 0, member)
   redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. instance, 'wt:' .. key, weight)
+  count_instance(instance, 1)
   refresh(key)
   keep(lease_ttl)
   return {QUEUED, queued + 1}
@@ -224,9 +248,15 @@ elseif op == 'beat' then
   local instance, alive_us, grant_ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   purge()
-  -- Waiters of instances that stopped beating leave the queue.
+  -- Waiters of instances that stopped beating leave the queue (the queue is walked only
+  -- when an instance with waiters stopped; waiters from before this count are found by
+  -- `grant` as it reaches them).
+  local any_dead = false
+  for inst in string.gmatch(redis.call('HGET', state, 'insts') or '', '%S+') do
+    if not alive(inst) then any_dead = true; break end
+  end
   local seen = {}
-  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+  for _, m in ipairs(any_dead and redis.call('ZRANGE', waiters, 0, -1) or {}) do
     local id = string.match(m, '^[^:]*:%d+:(.*)$')
     local info = redis.call('HGET', state, 'w:' .. id) or ''
     local inst = string.match(info, '|([^|]*)$') or ''
@@ -246,7 +276,10 @@ elseif op == 'beat' then
     end
   end
   out[2] = #out - 2
-  for i = 1, tonumber(ARGV[5]) or 0 do
+  -- The common case, nothing lost: every waiter the instance names is still counted here.
+  local named = tonumber(ARGV[5]) or 0
+  if num('n:' .. instance) == named then named = 0 end
+  for i = 1, named do
     local id = ARGV[5 + i]
     if not redis.call('HGET', state, 'w:' .. id) and not redis.call('ZSCORE', leases, id) then
       out[#out + 1] = id
