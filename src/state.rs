@@ -30,10 +30,16 @@ pub struct Shared {
     pub holds: Arc<tokio::sync::Semaphore>,
     /// The named upstreams of the config in force (rebuilt on reload).
     pub pools: ArcSwap<crate::upstreams::Pools>,
+    /// The tracer, when `tracing:` was on at start (it takes effect on restart only).
+    pub tracing: Option<crate::trace::Tracing>,
 }
 
 impl Shared {
-    pub fn new(config: Config, store: Store) -> Arc<Shared> {
+    pub fn new(
+        config: Config,
+        store: Store,
+        tracing: Option<crate::trace::Tracing>,
+    ) -> Arc<Shared> {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
@@ -48,6 +54,7 @@ impl Shared {
             store,
             drain: Drain::new(),
             holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
+            tracing,
         })
     }
 
@@ -63,6 +70,11 @@ impl Shared {
         let was = &old.config;
         if was.upstream.ca_file != new.upstream.ca_file {
             tracing::warn!("upstream.ca_file takes effect on restart only");
+        }
+        if was.tracing != new.tracing {
+            tracing::warn!(
+                "tracing.* settings take effect on restart only; keeping the running tracer"
+            );
         }
         if was.store != new.store {
             tracing::warn!(

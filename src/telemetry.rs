@@ -78,6 +78,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "tollgate_config_last_reload_timestamp_seconds",
     "tollgate_fallback_decisions_total",
     "tollgate_cost_reports_total",
+    // Registered only when `tracing:` is on (crate::trace).
+    "tollgate_trace_spans_dropped_total",
 ];
 
 pub struct Metrics {

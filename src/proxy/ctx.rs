@@ -94,6 +94,8 @@ pub enum Phase {
 /// Where the time went, for the access log and the histograms.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Timing {
+    /// When the store was asked for its decision (the trace's child spans start there).
+    pub asked: Option<Instant>,
     /// The store's decision, without waiting for a slot.
     pub store: Duration,
     /// Waiting for a route slot.
@@ -158,6 +160,8 @@ pub struct Ctx {
     /// The `Host` of the named upstream address picked for this request (`None`: the default
     /// upstream's).
     pub upstream_host: Option<http::HeaderValue>,
+    /// The request's spans, when `tracing:` is on (`None` otherwise: nothing is built).
+    pub trace: Option<Box<crate::trace::RequestTrace>>,
 }
 
 impl Ctx {
@@ -184,6 +188,7 @@ impl Ctx {
             report: None,
             share: 1,
             upstream_host: None,
+            trace: None,
         }
     }
 

@@ -107,6 +107,39 @@ impl Gateway {
         }
     }
 
+    /// Ends the request's spans (when tracing is on); the trace id for the access log.
+    fn end_trace(
+        &self,
+        session: &Session,
+        ctx: &mut Ctx,
+        route: &crate::route::Route,
+        status: u16,
+        charged: u64,
+        e: Option<&Error>,
+    ) -> Option<String> {
+        let (Some(tracing), Some(trace)) = (&self.shared.tracing, ctx.trace.take()) else {
+            return None;
+        };
+        let key = ctx.identity.as_ref().map(|i| i.log_name());
+        Some(trace.finish(
+            tracing,
+            &crate::trace::Finished {
+                method: session.req_header().method.as_str(),
+                route: &route.label,
+                status,
+                cost: charged,
+                decision: ctx.decision(),
+                key_id: key.as_deref(),
+                plan: ctx.identity.as_ref().map(|i| i.policy.name.as_str()),
+                request_id: ctx.request_id.as_deref(),
+                capped: route.max_in_flight.is_some(),
+                timing: &ctx.timing,
+                upstream_status: ctx.upstream_status,
+                error: e.map(|e| e.etype().as_str()),
+            },
+        ))
+    }
+
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         ctx.refuse(&r);
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
@@ -159,6 +192,7 @@ impl Gateway {
         // An HTTP/2 client leaves by resetting its stream.
         let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
         let t = Instant::now();
+        ctx.timing.asked = Some(t);
         let answer = if may_queue {
             tokio::select! {
                 a = self.shared.store.decide(&admit) => a,
@@ -273,6 +307,9 @@ impl ProxyHttp for Gateway {
                 .and_then(scrub::client_request_id)
                 .unwrap_or_else(new_request_id),
         );
+        if let Some(t) = &self.shared.tracing {
+            ctx.trace = Some(t.begin(&session.req_header().headers));
+        }
         Ok(())
     }
 
@@ -356,6 +393,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
         forward::request(upstream, ctx, &session.req_header().headers, tls)?;
+        if let (Some(t), Some(trace)) = (&self.shared.tracing, &mut ctx.trace) {
+            trace.upstream_request(t, upstream)?;
+        }
         if drains_on_reset(session, ctx) {
             // The end of the upstream's answer is then the end of its connection, which is
             // what `front::drain_upstream` waits for.
@@ -532,6 +572,7 @@ impl ProxyHttp for Gateway {
         let elapsed = ctx.start.elapsed();
         let charged = ctx.final_charge();
         record::finished(rm, ctx, status, elapsed, charged);
+        let trace_id = self.end_trace(session, ctx, &route, status, charged, e);
         // Field expressions are only evaluated when the access log is enabled.
         if access::enabled() {
             let key = ctx.identity.as_ref().map(|i| i.log_name());
@@ -549,6 +590,7 @@ impl ProxyHttp for Gateway {
                 hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
                 upstream_status: ctx.upstream_status,
                 request_id: ctx.request_id.as_deref(),
+                trace_id: trace_id.as_deref(),
                 fallback: ctx.fallback,
                 shadow: ctx.shadow_reason(),
                 client: ctx.origin.map(|o| o.client),
