@@ -1,0 +1,325 @@
+//! OpenTelemetry traces (DESIGN §9), against a real OTLP/HTTP receiver (`common::otlp`) that
+//! decodes what the gateway exports, a real upstream that records what it was sent, and the
+//! real gateway binary.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::otlp::{BlackHole, Collector, Received};
+use common::*;
+
+const KEY: &str = "trace-test-key-0123456789";
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_PARENT: &str = "00f067aa0ba902b7";
+
+fn body(endpoint: &str, ratio: &str) -> String {
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /reports/generate: {{cost: 20, max_in_flight: 2, queue_timeout: 2s}}\nplans:\n  pro: {{max_cost: 500, window: 60s}}\nkeys:\n  - {{id: acme-prod, sha256: \"{}\", plan: pro}}\ntracing:\n  otlp_endpoint: \"{endpoint}\"\n  service_name: tollgate-under-test\n  sample_ratio: {ratio}\n",
+        sha256_hex(KEY)
+    )
+}
+
+/// The upstream's record of the request that carried `X-Request-Id: id`.
+fn seen_by_upstream(up: &Upstream, id: &str) -> tollgate::sample_api::Seen {
+    up.api
+        .seen()
+        .into_iter()
+        .find(|s| s.header("x-request-id") == [id])
+        .unwrap_or_else(|| panic!("the upstream never saw request {id}"))
+}
+
+/// `00-<trace>-<parent>-<flags>` → its three fields.
+fn traceparent(v: &str) -> (String, String, String) {
+    let f: Vec<&str> = v.split('-').collect();
+    assert_eq!((f.len(), f[0]), (4, "00"), "traceparent {v}");
+    (f[1].into(), f[2].into(), f[3].into())
+}
+
+fn one<'a>(spans: &'a [Received], name: &str) -> &'a Received {
+    let found: Vec<&Received> = spans.iter().filter(|s| s.name() == name).collect();
+    assert_eq!(found.len(), 1, "spans named {name}: {spans:#?}");
+    found[0]
+}
+
+/// A request with the client's sampled `traceparent` on a capped route: the gateway's server
+/// span continues the client's trace under the client's span; the store decision, the queue
+/// wait and the upstream call are its children; the upstream got a `traceparent` naming the
+/// upstream-call span (same trace) and the client's `tracestate` as it came; the attributes
+/// carry the route, the key's id and plan, never the key; the access log has the trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_trace_is_continued_and_the_upstream_is_its_child() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(20));
+    let gw = Gateway::start(&up, &body(&collector.url(), "1.0"));
+    let r = client()
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "traced-1")
+        .header(
+            "traceparent",
+            format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"),
+        )
+        .header("tracestate", "vendor=opaque,other=1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let spans = collector
+        .wait_trace(
+            CLIENT_TRACE,
+            &[
+                "POST /reports/generate",
+                "store decision",
+                "queue wait",
+                "upstream",
+            ],
+        )
+        .await;
+    assert_eq!(spans.len(), 4, "{spans:#?}");
+    let server = one(&spans, "POST /reports/generate");
+    assert_eq!(server.parent_id(), CLIENT_PARENT);
+    assert_eq!(server.span.kind, 2, "SPAN_KIND_SERVER");
+    assert_eq!(server.service, "tollgate-under-test");
+    for child in ["store decision", "queue wait", "upstream"] {
+        assert_eq!(one(&spans, child).parent_id(), server.span_id(), "{child}");
+    }
+    let upstream_span = one(&spans, "upstream");
+    assert_eq!(upstream_span.span.kind, 3, "SPAN_KIND_CLIENT");
+    assert_eq!(
+        upstream_span.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+
+    let seen = seen_by_upstream(&up, "traced-1");
+    let sent = seen.header("traceparent");
+    assert_eq!(sent.len(), 1, "{:?}", seen.headers);
+    let (trace, parent, flags) = traceparent(sent[0]);
+    assert_eq!(trace, CLIENT_TRACE);
+    assert_eq!(parent, upstream_span.span_id());
+    assert_eq!(flags, "01");
+    assert_eq!(seen.header("tracestate"), ["vendor=opaque,other=1"]);
+
+    for (attr, want) in [
+        ("http.route", "/reports/generate"),
+        ("http.request.method", "POST"),
+        ("http.response.status_code", "200"),
+        ("tollgate.cost", "20"),
+        ("tollgate.decision", "admitted"),
+        ("tollgate.key_id", "acme-prod"),
+        ("tollgate.plan", "pro"),
+        ("tollgate.request_id", "traced-1"),
+    ] {
+        assert_eq!(server.attr(attr).as_deref(), Some(want), "{attr}");
+    }
+    for s in &spans {
+        assert!(!s.all_values().contains(KEY), "the raw key in {s:#?}");
+    }
+    gw.wait_log("traced-1").await;
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "traced-1")
+        .unwrap();
+    assert_eq!(line["trace_id"], CLIENT_TRACE);
+}
+
+/// `sample_ratio: 0`: a request without a parent starts a trace that is not recorded (the
+/// upstream still learns it, unsampled) and exports nothing; a sampled parent is followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0"));
+    let c = client();
+    let r = c
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "unsampled-1")
+        .header("tracestate", "vendor=orphan")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "unsampled-1");
+    let (fresh, _, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!(flags, "00");
+    assert_ne!(fresh, "0".repeat(32));
+    // A tracestate without a (valid) traceparent belongs to no parent: not passed on.
+    assert!(seen.header("tracestate").is_empty(), "{:?}", seen.headers);
+    // Its spans have ended (the access-log line is written after them).
+    gw.wait_log("unsampled-1").await;
+
+    let r = c
+        .get(gw.url("/items/2"))
+        .header("X-API-Key", KEY)
+        .header(
+            "traceparent",
+            format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    collector
+        .wait_trace(CLIENT_TRACE, &["GET default", "store decision", "upstream"])
+        .await;
+    // Spans are exported in the order they ended: the first request's would be here by now.
+    let others: Vec<Received> = collector
+        .spans()
+        .into_iter()
+        .filter(|s| s.trace_id() != CLIENT_TRACE)
+        .collect();
+    assert!(others.is_empty(), "{others:#?}");
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "unsampled-1")
+        .unwrap();
+    assert_eq!(line["trace_id"], fresh.as_str());
+}
+
+/// `n` requests, 4 at a time: (every status, the slowest, the whole time).
+async fn load(gw: &Gateway, n: usize) -> (Vec<u16>, Duration, Duration) {
+    let c = client();
+    let start = Instant::now();
+    let mut statuses = vec![];
+    let mut slowest = Duration::ZERO;
+    for _ in 0..n / 4 {
+        let t = Instant::now();
+        let rs = all_at_once(4, |i| {
+            c.get(gw.url(&format!("/items/{i}")))
+                .header("X-API-Key", KEY)
+        })
+        .await;
+        slowest = slowest.max(t.elapsed());
+        statuses.extend(rs.iter().map(|r| r.status().as_u16()));
+    }
+    (statuses, slowest, start.elapsed())
+}
+
+/// A collector on a closed port, and one that accepts and never answers: every request is
+/// answered, no slower than without tracing (a generous bound: the export timeout is 5 s,
+/// and a request that waited for an export would take that long), and every span of every
+/// request (3: server, store decision, upstream) is counted as dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_costs_spans_never_requests() {
+    const N: usize = 40;
+    let up = Upstream::start(Duration::from_millis(1));
+    let plain = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n",
+    );
+    // The same key through the untraced gateway (its default budget; it has no registry).
+    let (statuses, _, _) = load(&plain, 4).await;
+    assert_eq!(statuses, vec![200; 4]);
+    let (statuses, base_slowest, base_total) = load(&plain, N).await;
+    assert_eq!(statuses, vec![200; N]);
+
+    let hole = BlackHole::start();
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    for endpoint in [closed, hole.url()] {
+        let gw = Gateway::start(&up, &body(&endpoint, "1.0"));
+        let (statuses, slowest, total) = load(&gw, N).await;
+        assert_eq!(statuses, vec![200; N], "{endpoint}");
+        assert!(
+            slowest < base_slowest * 4 + Duration::from_secs(1),
+            "{endpoint}: slowest batch {slowest:?}, without tracing {base_slowest:?}"
+        );
+        assert!(
+            total < base_total * 4 + Duration::from_secs(2),
+            "{endpoint}: {total:?} for {N}, without tracing {base_total:?}"
+        );
+        wait_metric(
+            &gw,
+            "tollgate_trace_spans_dropped_total",
+            (3 * N) as f64,
+            Duration::from_secs(40),
+        )
+        .await;
+        assert_eq!(
+            gw.access_log()
+                .iter()
+                .filter(|l| l["status"] == 200)
+                .count(),
+            N
+        );
+    }
+}
+
+/// Without `tracing:`, a client's trace context goes upstream untouched and the access log
+/// has no trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_tracing_the_trace_context_passes_through() {
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n",
+    );
+    let sent = format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01");
+    let r = client()
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "untraced-1")
+        .header("traceparent", &sent)
+        .header("tracestate", "vendor=opaque")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "untraced-1");
+    assert_eq!(seen.header("traceparent"), [sent.as_str()]);
+    assert_eq!(seen.header("tracestate"), ["vendor=opaque"]);
+    gw.wait_log("untraced-1").await;
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "untraced-1")
+        .unwrap();
+    assert!(line.get("trace_id").is_none(), "{line}");
+}
+
+/// `tollgate check` names each bad `tracing:` field; a good block is shown by `check` and
+/// in `/admin/config`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tracing_block_is_checked_and_shown() {
+    let out = check_fails(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 10}\ntracing:\n  otlp_endpoint: \"udp://collector:4318\"\n  sample_ratio: 1.5\n  colour: blue\n",
+    );
+    for want in [
+        "tracing.colour: unknown field `colour`",
+        "tracing.sample_ratio: must be between 0 and 1, got 1.5",
+        "tracing.otlp_endpoint: must start with http://",
+    ] {
+        assert!(out.contains(want), "{want} not in:\n{out}");
+    }
+    let out = check_fails(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 10}\ntracing:\n  otlp_endpoint: \"http://user:hunter2@collector:4318\"\n",
+    );
+    assert!(out.contains("tracing.otlp_endpoint: credentials"), "{out}");
+    assert!(!out.contains("hunter2"), "{out}");
+
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0.25"));
+    let out = cli_ok(&gw.config_path, &["check"]);
+    let url = format!("{}/v1/traces", collector.url());
+    assert!(
+        out.contains(&format!(
+            "tracing: OTLP/HTTP to {url}  service: tollgate-under-test  sample_ratio: 0.25"
+        )),
+        "{out}"
+    );
+    let config = reqwest::get(gw.admin("/admin/config"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        config.contains(&format!("otlp_endpoint: {}", collector.url()))
+            && config.contains("sample_ratio: 0.25"),
+        "{config}"
+    );
+}
