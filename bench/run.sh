@@ -52,6 +52,9 @@ usage: bench/run.sh [options]
       --only "c g"    measure only these configurations (letters above; g, i and h are only
                       built and started when selected)
       --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
+      --tollgate-yaml FILE  append FILE to every tollgate config (e.g. a `tracing:` block);
+                      @UP_PORT@ in it becomes the upstream nginx's port (it answers 200 to
+                      any request, an OTLP export included)
   -h, --help
 EOF
 }
@@ -66,6 +69,7 @@ BUILD=1
 WITH_INFO=1
 PRELOAD=""
 ONLY=""
+TOLLGATE_YAML=""
 OUT=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -81,6 +85,7 @@ while [[ $# -gt 0 ]]; do
     --preload) PRELOAD=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
+    --tollgate-yaml) TOLLGATE_YAML=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -389,6 +394,7 @@ rate_limits:
     "GET /reports/{id}": {cost: 1}
     "GET /api/items/{id}": {cost: 1}
 EOF
+  if [[ -n $TOLLGATE_YAML ]]; then sed "s/@UP_PORT@/$UP_PORT/g" "$TOLLGATE_YAML" >>"$1"; fi
 }
 BENCH_BUDGET='{cost: 1, window: 1s, max_cost: 100000000}'
 MEM_STORE='  backend: memory'

@@ -281,7 +281,7 @@ async fn without_tracing_the_trace_context_passes_through() {
 }
 
 /// `tollgate check` names each bad `tracing:` field; a good block is shown by `check` and
-/// in `/admin/config`.
+/// in `/admin/config`; a reload that changes it says it takes effect on restart only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tracing_block_is_checked_and_shown() {
     let out = check_fails(
@@ -322,4 +322,13 @@ async fn the_tracing_block_is_checked_and_shown() {
             && config.contains("sample_ratio: 0.25"),
         "{config}"
     );
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        text.replace("sample_ratio: 0.25", "sample_ratio: 0.5"),
+    )
+    .unwrap();
+    gw.signal("HUP");
+    gw.wait_log("tracing.* settings take effect on restart only")
+        .await;
 }
