@@ -12,6 +12,8 @@ use common::*;
 const KEY: &str = "trace-test-key-0123456789";
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_PARENT: &str = "00f067aa0ba902b7";
+/// A key in no registry (401 where there is one).
+const KEY_OF_NONE: &str = "nobody-0123456789";
 
 fn body(endpoint: &str, ratio: &str) -> String {
     format!(
@@ -178,6 +180,130 @@ async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
         .find(|l| l["request_id"] == "unsampled-1")
         .unwrap();
     assert_eq!(line["trace_id"], fresh.as_str());
+}
+
+/// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its
+/// decision and the store's, no upstream span), a request held by `max_delay` (its hold is a
+/// child span), and an unreachable upstream (502 refunded: an error status, the error type).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_holds_and_failures_are_traced() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let dead = free_port();
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "upstreams:\n  dead: {{url: \"http://127.0.0.1:{dead}\"}}\nrate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /held: {{cost: 5}}\n    /down: {{upstream: dead}}\nplans:\n  tiny: {{max_cost: 5, window: 60s}}\n  tight: {{max_cost: 10, window: 4s, max_delay: 3s}}\nkeys:\n  - {{id: tiny-key, sha256: \"{}\", plan: tiny}}\n  - {{id: tight-key, sha256: \"{}\", plan: tight}}\ntracing:\n  otlp_endpoint: \"{}\"\n",
+            sha256_hex("tiny-0123456789"),
+            sha256_hex("tight-0123456789"),
+            collector.url()
+        ),
+    );
+    let c = client();
+    let send = |path: &str, key: &str, trace: &str| {
+        c.get(gw.url(path))
+            .header("X-API-Key", key)
+            .header("traceparent", format!("00-{trace}-{CLIENT_PARENT}-01"))
+            .send()
+    };
+    let refused = "11111111111111111111111111111111";
+    assert_eq!(
+        send("/held", "tiny-0123456789", &"a".repeat(32))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        send("/held", "tiny-0123456789", refused)
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    let spans = collector
+        .wait_trace(refused, &["GET /held", "store decision"])
+        .await;
+    assert_eq!(spans.len(), 2, "no upstream span: {spans:#?}");
+    let server = one(&spans, "GET /held");
+    assert_eq!(server.attr("tollgate.decision").as_deref(), Some("budget"));
+    assert_eq!(
+        server.attr("http.response.status_code").as_deref(),
+        Some("429")
+    );
+    assert_eq!(server.attr("tollgate.cost").as_deref(), Some("0"));
+
+    // 10 units per 4 s: the third request of cost 5 waits for 5 units (2 s), within max_delay.
+    let held = "22222222222222222222222222222222";
+    for trace in ["2a", "2b"] {
+        let t = format!("{trace:0<32}");
+        assert_eq!(
+            send("/held", "tight-0123456789", &t)
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+    }
+    assert_eq!(
+        send("/held", "tight-0123456789", held)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let spans = collector
+        .wait_trace(
+            held,
+            &["GET /held", "store decision", "max_delay hold", "upstream"],
+        )
+        .await;
+    let server = one(&spans, "GET /held");
+    let hold = one(&spans, "max_delay hold");
+    assert_eq!(hold.parent_id(), server.span_id());
+    let hold_ns = hold.span.end_time_unix_nano - hold.span.start_time_unix_nano;
+    assert!(hold_ns > 0, "{hold:#?}");
+    // The upstream was called after the hold.
+    assert!(one(&spans, "upstream").span.start_time_unix_nano >= hold.span.end_time_unix_nano);
+
+    let failed = "33333333333333333333333333333333";
+    assert_eq!(
+        send("/down", KEY_OF_NONE, failed).await.unwrap().status(),
+        401
+    );
+    assert_eq!(
+        send("/down", "tight-0123456789", failed)
+            .await
+            .unwrap()
+            .status(),
+        502
+    );
+    let spans = collector.wait_trace(failed, &["GET /down"]).await;
+    let down: Vec<&Received> = spans.iter().filter(|s| s.name() == "GET /down").collect();
+    assert_eq!(down.len(), 2, "{spans:#?}");
+    let (unauth, refunded) = if down[0].attr("tollgate.decision").as_deref() == Some("refunded") {
+        (down[1], down[0])
+    } else {
+        (down[0], down[1])
+    };
+    assert_eq!(
+        unauth.attr("tollgate.decision").as_deref(),
+        Some("unauthenticated")
+    );
+    assert_eq!(unauth.attr("tollgate.key_id"), None);
+    assert_eq!(
+        refunded.attr("tollgate.decision").as_deref(),
+        Some("refunded")
+    );
+    assert_eq!(
+        refunded.attr("http.response.status_code").as_deref(),
+        Some("502")
+    );
+    assert_eq!(
+        refunded.span.status.as_ref().map(|s| s.code),
+        Some(2),
+        "STATUS_CODE_ERROR"
+    );
 }
 
 /// `n` requests, 4 at a time: (every status, the slowest, the whole time).
