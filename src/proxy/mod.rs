@@ -107,39 +107,6 @@ impl Gateway {
         }
     }
 
-    /// Ends the request's spans (when tracing is on); the trace id for the access log.
-    fn end_trace(
-        &self,
-        session: &Session,
-        ctx: &mut Ctx,
-        route: &crate::route::Route,
-        status: u16,
-        charged: u64,
-        e: Option<&Error>,
-    ) -> Option<String> {
-        let (Some(tracing), Some(trace)) = (&self.shared.tracing, ctx.trace.take()) else {
-            return None;
-        };
-        let key = ctx.identity.as_ref().map(|i| i.log_name());
-        Some(trace.finish(
-            tracing,
-            &crate::trace::Finished {
-                method: session.req_header().method.as_str(),
-                route: &route.label,
-                status,
-                cost: charged,
-                decision: ctx.decision(),
-                key_id: key.as_deref(),
-                plan: ctx.identity.as_ref().map(|i| i.policy.name.as_str()),
-                request_id: ctx.request_id.as_deref(),
-                capped: route.max_in_flight.is_some(),
-                timing: &ctx.timing,
-                upstream_status: ctx.upstream_status,
-                error: e.map(|e| e.etype().as_str()),
-            },
-        ))
-    }
-
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         ctx.refuse(&r);
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
@@ -572,7 +539,8 @@ impl ProxyHttp for Gateway {
         let elapsed = ctx.start.elapsed();
         let charged = ctx.final_charge();
         record::finished(rm, ctx, status, elapsed, charged);
-        let trace_id = self.end_trace(session, ctx, &route, status, charged, e);
+        let method = session.req_header().method.as_str();
+        let trace_id = record::trace(self.shared.tracing.as_ref(), ctx, method, &route, status, e);
         // Field expressions are only evaluated when the access log is enabled.
         if access::enabled() {
             let key = ctx.identity.as_ref().map(|i| i.log_name());
