@@ -558,7 +558,7 @@ impl ProxyHttp for Gateway {
                 hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
                 upstream_status: ctx.upstream_status,
                 request_id: ctx.request_id.as_deref(),
-                trace_id: trace_id.as_deref(),
+                trace_id: trace_id.as_ref().map(|t| t.as_str()),
                 fallback: ctx.fallback,
                 shadow: ctx.shadow_reason(),
                 client: ctx.origin.map(|o| o.client),

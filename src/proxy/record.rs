@@ -8,7 +8,7 @@ use pingora::Error;
 use super::ctx::{Ctx, Phase};
 use crate::route::Route;
 use crate::telemetry::{metrics, RouteMetrics};
-use crate::trace::{Finished, Tracing};
+use crate::trace::{Finished, TraceHex, Tracing};
 
 /// The request's metrics, once it is finished (and settled).
 pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Duration, charged: u64) {
@@ -55,7 +55,7 @@ pub(super) fn trace(
     route: &Route,
     status: u16,
     e: Option<&Error>,
-) -> Option<String> {
+) -> Option<TraceHex> {
     let (tracing, trace) = (tracing?, ctx.trace.take()?);
     let key = ctx.identity.as_ref().map(|i| i.log_name());
     Some(trace.finish(

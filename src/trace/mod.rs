@@ -21,7 +21,7 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanExport
 use opentelemetry_sdk::Resource;
 
 use crate::config::TraceSettings;
-pub use request::{Finished, RequestTrace};
+pub use request::{Finished, RequestTrace, TraceHex};
 
 /// How long one export request may take before its spans count as dropped.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -95,9 +95,8 @@ impl RequestTrace {
         self.began.0 + t.saturating_duration_since(self.began.1)
     }
 
-    /// The trace id, 32 hex digits (the access log's `trace_id`).
-    pub fn trace_id(&self) -> String {
-        self.cx.span().span_context().trace_id().to_string()
+    fn trace_id(&self) -> TraceHex {
+        TraceHex::new(self.cx.span().span_context().trace_id())
     }
 
     /// Starts the upstream-call span and names it in the request's `traceparent`; the
@@ -112,16 +111,18 @@ impl RequestTrace {
             // Pingora tries again (a connection that failed): that attempt ends here.
             earlier.end_with_timestamp(self.at(now));
         }
-        let span = tracing
+        let mut span = tracing
             .tracer
             .span_builder("upstream")
             .with_kind(SpanKind::Client)
             .with_start_time(self.at(now))
-            .with_attributes([KeyValue::new(
+            .start_with_context(&tracing.tracer, &self.cx);
+        if span.is_recording() {
+            span.set_attribute(KeyValue::new(
                 "http.request.method",
                 upstream.method.as_str().to_string(),
-            )])
-            .start_with_context(&tracing.tracer, &self.cx);
+            ));
+        }
         let sc = span.span_context();
         let traceparent = format!(
             "00-{}-{}-{:02x}",
@@ -139,7 +140,7 @@ impl RequestTrace {
 
     /// Ends the request's spans with what it came to. Returns the trace id. An unsampled
     /// request's spans record nothing: they are only dropped.
-    pub fn finish(mut self, tracing: &Tracing, f: &Finished<'_>) -> String {
+    pub fn finish(mut self, tracing: &Tracing, f: &Finished<'_>) -> TraceHex {
         let id = self.trace_id();
         if !self.cx.span().is_recording() {
             return id;
@@ -217,4 +218,21 @@ fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
         }
     }
     attrs
+}
+
+/// A trace id as 32 lower-case hex digits, made on the stack (the access log's `trace_id`).
+#[derive(Clone, Copy)]
+pub struct TraceHex([u8; 32]);
+
+impl TraceHex {
+    fn new(id: opentelemetry::trace::TraceId) -> TraceHex {
+        let mut digits = [b'0'; 32];
+        // 16 bytes are exactly 32 digits: cannot fail.
+        let _ = hex::encode_to_slice(id.to_bytes(), &mut digits);
+        TraceHex(digits)
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or("")
+    }
 }
