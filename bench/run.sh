@@ -545,6 +545,13 @@ for r in $(seq "$ROUNDS"); do
     [[ $n == e ]] && : >"$TMP/tollgate-info.log"
   done
 done
+if [[ -n $TOLLGATE_YAML ]]; then
+  # With a tracing: block, what the exporter could not send (0: every span reached the receiver).
+  for a in "$TM_ADMIN" "$TR_ADMIN"; do
+    d=$(curl -s --max-time 2 "http://127.0.0.1:$a/metrics" | awk '/^tollgate_trace_spans_dropped_total /{print $2}')
+    if [[ -n $d ]]; then log "tollgate (admin :$a): tollgate_trace_spans_dropped_total $d"; fi
+  done
+fi
 
 # ---------------------------------------------------------------------------------------------
 # Redis memory per budget key. (1) keys written during a short load with the bench budget
