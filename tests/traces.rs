@@ -278,7 +278,9 @@ async fn refusals_holds_and_failures_are_traced() {
             .status(),
         502
     );
-    let spans = collector.wait_trace(failed, &["GET /down"]).await;
+    let spans = collector
+        .wait_trace(failed, &["GET /down", "GET /down", "store decision"])
+        .await;
     let down: Vec<&Received> = spans.iter().filter(|s| s.name() == "GET /down").collect();
     assert_eq!(down.len(), 2, "{spans:#?}");
     let (unauth, refunded) = if down[0].attr("tollgate.decision").as_deref() == Some("refunded") {
@@ -304,6 +306,12 @@ async fn refusals_holds_and_failures_are_traced() {
         Some(2),
         "STATUS_CODE_ERROR"
     );
+    assert_eq!(
+        refunded.attr("error.type").as_deref(),
+        Some("ConnectRefused")
+    );
+    // No connection, no upstream call.
+    assert!(spans.iter().all(|s| s.name() != "upstream"), "{spans:#?}");
 }
 
 /// `n` requests, 4 at a time: (every status, the slowest, the whole time).
