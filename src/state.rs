@@ -30,7 +30,7 @@ pub struct Shared {
     pub holds: Arc<tokio::sync::Semaphore>,
     /// The named upstreams of the config in force (rebuilt on reload).
     pub pools: ArcSwap<crate::upstreams::Pools>,
-    /// The tracer, when `tracing:` was on at start (it takes effect on restart only).
+    /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
     pub tracing: Option<crate::trace::Tracing>,
 }
 
@@ -72,9 +72,7 @@ impl Shared {
             tracing::warn!("upstream.ca_file takes effect on restart only");
         }
         if was.tracing != new.tracing {
-            tracing::warn!(
-                "tracing.* settings take effect on restart only; keeping the running tracer"
-            );
+            crate::trace::Tracing::reload(self.tracing.as_ref(), new.tracing.as_ref());
         }
         if was.store != new.store {
             tracing::warn!(

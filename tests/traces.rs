@@ -314,6 +314,60 @@ async fn refusals_holds_and_failures_are_traced() {
     assert!(spans.iter().all(|s| s.name() != "upstream"), "{spans:#?}");
 }
 
+/// `sample_ratio` is reloaded: from 0 (a request without a parent is not recorded) to 1 (the
+/// next one is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_the_sample_ratio() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0"));
+    let c = client();
+    let trace_of = |id: &'static str| {
+        let c = c.clone();
+        let url = gw.url("/items/1");
+        async move {
+            let r = c
+                .get(url)
+                .header("X-API-Key", KEY)
+                .header("X-Request-Id", id)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    trace_of("before-reload").await;
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        text.replace("sample_ratio: 0\n", "sample_ratio: 1\n"),
+    )
+    .unwrap();
+    gw.signal("HUP");
+    gw.wait_log("tracing.sample_ratio changed").await;
+    trace_of("after-reload").await;
+    gw.wait_log("after-reload").await;
+    let ids: Vec<String> = ["before-reload", "after-reload"]
+        .iter()
+        .map(|id| {
+            gw.access_log()
+                .into_iter()
+                .find(|l| l["request_id"] == *id)
+                .unwrap()["trace_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    collector.wait_trace(&ids[1], &["GET default"]).await;
+    // Exported in the order they ended: the first one's spans would be here by now.
+    assert!(
+        collector.spans().iter().all(|s| s.trace_id() != ids[0]),
+        "{:#?}",
+        collector.spans()
+    );
+}
+
 /// `n` requests, 4 at a time: (every status, the slowest, the whole time).
 async fn load(gw: &Gateway, n: usize) -> (Vec<u16>, Duration, Duration) {
     let c = client();
@@ -415,7 +469,8 @@ async fn without_tracing_the_trace_context_passes_through() {
 }
 
 /// `tollgate check` names each bad `tracing:` field; a good block is shown by `check` and
-/// in `/admin/config`; a reload that changes it says it takes effect on restart only.
+/// in `/admin/config`; a reload that changes its service name says it takes effect on
+/// restart only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tracing_block_is_checked_and_shown() {
     let out = check_fails(
@@ -459,10 +514,10 @@ async fn the_tracing_block_is_checked_and_shown() {
     let text = std::fs::read_to_string(&gw.config_path).unwrap();
     std::fs::write(
         &gw.config_path,
-        text.replace("sample_ratio: 0.25", "sample_ratio: 0.5"),
+        text.replace("tollgate-under-test", "renamed"),
     )
     .unwrap();
     gw.signal("HUP");
-    gw.wait_log("tracing.* settings take effect on restart only")
+    gw.wait_log("take effect on restart only; keeping the running tracer")
         .await;
 }

@@ -134,6 +134,7 @@ pub struct Config {
     pub key_ids: HashMap<String, [u8; 32]>,
     pub router: Router,
     /// `tracing:` with an endpoint: spans are built and exported (`None`: no spans at all).
+    /// Its `sample_ratio` is reloaded; the rest takes effect on restart.
     pub tracing: Option<TraceSettings>,
     /// The file as parsed, for `/admin/config`.
     pub raw: RawConfig,

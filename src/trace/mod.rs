@@ -11,13 +11,14 @@
 
 mod export;
 mod request;
+mod sample;
 
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanExporter as _};
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter as _};
 use opentelemetry_sdk::Resource;
 
 use crate::config::TraceSettings;
@@ -36,11 +37,15 @@ pub enum TraceError {
     Metric(#[from] prometheus::Error),
 }
 
-/// The process's tracer: built once at start (`tracing:` takes effect on restart).
+/// The process's tracer: built once at start. A reload may change its `sample_ratio`; the
+/// endpoint and the service name take effect on restart.
 pub struct Tracing {
     tracer: SdkTracer,
     provider: SdkTracerProvider,
     propagator: TraceContextPropagator,
+    sampler: sample::Sampling,
+    /// What it was started with.
+    started: TraceSettings,
 }
 
 impl std::fmt::Debug for Tracing {
@@ -68,18 +73,42 @@ impl Tracing {
             "Finished spans that did not reach the collector (export queue full, or the export failed)"
         )?;
         let processor = export::Exporting::start(exporter, dropped)?;
+        let sampler = sample::Sampling::new(s.sample_ratio);
         let provider = SdkTracerProvider::builder()
             .with_span_processor(processor)
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                s.sample_ratio,
-            ))))
+            .with_sampler(sampler.clone())
             .with_resource(resource)
             .build();
         Ok(Tracing {
             tracer: provider.tracer("tollgate"),
             provider,
             propagator: TraceContextPropagator::new(),
+            sampler,
+            started: s.clone(),
         })
+    }
+
+    /// A reloaded config's `tracing:`: a new `sample_ratio` applies to the next requests;
+    /// anything else is said to need a restart.
+    pub fn reload(running: Option<&Tracing>, new: Option<&TraceSettings>) {
+        let restart = match (running, new) {
+            (None, None) => false,
+            (Some(t), Some(n)) => {
+                if t.sampler.set_ratio(n.sample_ratio) {
+                    tracing::info!(
+                        sample_ratio = n.sample_ratio,
+                        "tracing.sample_ratio changed"
+                    );
+                }
+                n.traces_url != t.started.traces_url || n.service_name != t.started.service_name
+            }
+            _ => true,
+        };
+        if restart {
+            tracing::warn!(
+                "tracing.otlp_endpoint and tracing.service_name (and adding or removing tracing:) take effect on restart only; keeping the running tracer"
+            );
+        }
     }
 
     /// Sends what is queued, waiting at most `timeout` (a dead collector must not hold up
