@@ -180,6 +180,30 @@ async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
         .find(|l| l["request_id"] == "unsampled-1")
         .unwrap();
     assert_eq!(line["trace_id"], fresh.as_str());
+
+    // A method outside HTTP's standard ones does not name spans (OpenTelemetry's `_OTHER`).
+    let other = "55555555555555555555555555555555";
+    let r = c
+        .request(
+            reqwest::Method::from_bytes(b"FROB").unwrap(),
+            gw.url("/items/3"),
+        )
+        .header("X-API-Key", KEY)
+        .header("traceparent", format!("00-{other}-{CLIENT_PARENT}-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let spans = collector.wait_trace(other, &["HTTP default"]).await;
+    let server = one(&spans, "HTTP default");
+    assert_eq!(
+        server.attr("http.request.method").as_deref(),
+        Some("_OTHER")
+    );
+    assert_eq!(
+        server.attr("http.request.method_original").as_deref(),
+        Some("FROB")
+    );
 }
 
 /// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its

@@ -118,10 +118,8 @@ impl RequestTrace {
             .with_start_time(self.at(now))
             .start_with_context(&tracing.tracer, &self.cx);
         if span.is_recording() {
-            span.set_attribute(KeyValue::new(
-                "http.request.method",
-                upstream.method.as_str().to_string(),
-            ));
+            let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
+            span.set_attribute(KeyValue::new("http.request.method", method));
         }
         let sc = span.span_context();
         let traceparent = format!(
@@ -161,7 +159,11 @@ impl RequestTrace {
             span.end_with_timestamp(until);
         }
         let span = self.cx.span();
-        span.update_name(format!("{} {}", f.method, f.route));
+        let name = match known_method(f.method) {
+            Some(m) => format!("{m} {}", f.route),
+            None => format!("HTTP {}", f.route),
+        };
+        span.update_name(name);
         span.set_attributes(attributes(f));
         if f.status >= 500 || f.status == 0 {
             span.set_status(Status::error(f.decision.to_string()));
@@ -199,8 +201,9 @@ impl RequestTrace {
 
 /// The server span's attributes (OpenTelemetry's HTTP names, and tollgate's own).
 fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
+    let method = known_method(f.method).unwrap_or("_OTHER");
     let mut attrs = vec![
-        KeyValue::new("http.request.method", f.method.to_string()),
+        KeyValue::new("http.request.method", method),
         KeyValue::new("http.route", f.route.to_string()),
         KeyValue::new("http.response.status_code", i64::from(f.status)),
         KeyValue::new("tollgate.cost", i64::try_from(f.cost).unwrap_or(i64::MAX)),
@@ -211,6 +214,10 @@ fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
         ("tollgate.plan", f.plan),
         ("tollgate.request_id", f.request_id),
         ("error.type", f.error),
+        (
+            "http.request.method_original",
+            (method == "_OTHER").then_some(f.method),
+        ),
     ];
     for (name, value) in optional {
         if let Some(v) = value {
@@ -235,4 +242,14 @@ impl TraceHex {
     pub fn as_str(&self) -> &str {
         std::str::from_utf8(&self.0).unwrap_or("")
     }
+}
+
+/// The method as OpenTelemetry's HTTP conventions name it: one of the standard ones, exactly
+/// (methods are case-sensitive), else `None` (`_OTHER`, the original in
+/// `http.request.method_original`), so that a client cannot make span names without bound.
+fn known_method(m: &str) -> Option<&'static str> {
+    const KNOWN: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    KNOWN.into_iter().find(|k| *k == m)
 }
