@@ -55,6 +55,9 @@ usage: bench/run.sh [options]
       --tollgate-yaml FILE  append FILE to every tollgate config (e.g. a `tracing:` block);
                       @UP_PORT@ in it becomes the upstream nginx's port (it answers 200 to
                       any request, an OTLP export included)
+      --syscalls      after the rounds, one more wrk run per selected letter (b c d g i h) under
+                      `perf stat`: system calls (tracepoints) and allocations (uprobes on the
+                      malloc family of libc and of jemalloc) per request, side by side
   -h, --help
 EOF
 }
@@ -71,6 +74,7 @@ PRELOAD=""
 ONLY=""
 TOLLGATE_YAML=""
 OUT=""
+SYSCALLS=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-build) BUILD=0 ;;
@@ -86,6 +90,7 @@ while [[ $# -gt 0 ]]; do
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
     --tollgate-yaml) TOLLGATE_YAML=$2; shift ;;
+    --syscalls) SYSCALLS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -489,9 +494,9 @@ parse_wrk() {
   ' "$1"
 }
 
-redis_cmdstats() { # "command calls" lines (INFO itself excluded)
+redis_cmdstats() { # "command calls usec" lines (INFO itself excluded)
   redis-cli -p "$RD_PORT" INFO commandstats | tr -d '\r' | awk -F'[:,=]' '
-    /^cmdstat_/ { cmd = $1; sub("cmdstat_", "", cmd); if (cmd != "info") print cmd, $3 }'
+    /^cmdstat_/ { cmd = $1; sub("cmdstat_", "", cmd); if (cmd != "info") print cmd, $3, $5 }'
 }
 requests_total() { # sum of tollgate_requests_total over all series
   curl -s -m 2 "http://127.0.0.1:$1/metrics" | awk '/^tollgate_requests_total\{/ { s += $NF } END { printf "%d\n", s }'
@@ -513,6 +518,7 @@ fi
 
 declare -A RES CPU
 declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
+declare -A RUSEC=([d]=0 [h]=0)  # letter → Redis's usec (INFO commandstats, top-level calls)
 declare -A RT_REQS=([d]=0 [h]=0)
 for r in $(seq "$ROUNDS"); do
   for n in "${NAMES[@]}"; do
@@ -534,9 +540,13 @@ for r in $(seq "$ROUNDS"); do
         # when wrk stops were charged but are not counted, ≤ CONNS per run)
         RT_REQS[h]=$((RT_REQS[h] + reqs))
       fi
-      while read -r cmd delta; do
+      while read -r cmd delta usec; do
         RCMD[$n,$cmd]=$(( ${RCMD[$n,$cmd]:-0} + delta ))
-      done < <(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - b[$1]; if (d > 0) print $1, d }' \
+        # A script's usec includes the commands it runs: count top-level calls only.
+        case $cmd in evalsha|eval|evalsha_ro|eval_ro|fcall|script|ping|hello|client|select|auth)
+          RUSEC[$n]=$(( RUSEC[$n] + usec )) ;;
+        esac
+      done < <(awk 'NR == FNR { b[$1] = $2; u[$1] = $3; next } { d = $2 - b[$1]; if (d > 0) print $1, d, $3 - u[$1] }' \
                  "$TMP/redis-before.txt" "$TMP/redis-after.txt")
     fi
     # CPU µs of the server under test per request served
@@ -551,6 +561,77 @@ if [[ -n $TOLLGATE_YAML ]]; then
     d=$(curl -s --max-time 2 "http://127.0.0.1:$a/metrics" | awk '/^tollgate_trace_spans_dropped_total /{print $2}')
     if [[ -n $d ]]; then log "tollgate (admin :$a): tollgate_trace_spans_dropped_total $d"; fi
   done
+fi
+
+# ---------------------------------------------------------------------------------------------
+# --syscalls: what each server asks of the kernel and of its allocator per request.
+SYSCALL_TABLE=""
+if [[ $SYSCALLS == 1 ]]; then
+  command -v perf >/dev/null || { echo "--syscalls needs perf (apt-get install linux-perf)" >&2; exit 1; }
+  SC_LIST=(read write readv writev recvfrom sendto recvmsg sendmsg epoll_wait epoll_pwait epoll_ctl
+           futex accept4 close sched_yield mmap munmap madvise mprotect brk getrandom ioctl
+           clock_gettime setsockopt getsockopt)
+  SC_EVENTS="raw_syscalls:sys_enter"
+  for c in "${SC_LIST[@]}"; do
+    [[ -d /sys/kernel/tracing/events/syscalls/sys_enter_$c ]] && SC_EVENTS+=",syscalls:sys_enter_$c"
+  done
+  # (grep reads all of perf's output: with `grep -q`, pipefail would see perf's SIGPIPE.)
+  probe_exists() { perf probe -l 2>/dev/null | grep -F "$1" >/dev/null; }
+  # Allocation probes: libc's malloc family for every server, jemalloc's (tollgate, bare Pingora).
+  LIBC=$(ldd "$BIN" | awk '/libc\.so/ { print $3 }')
+  ALLOC_EVENTS=""
+  for f in malloc calloc realloc; do
+    perf probe -q -x "$LIBC" --add "libc_$f=$f" 2>/dev/null || true
+    probe_exists "probe_libc:libc_$f" && ALLOC_EVENTS+=",probe_libc:libc_$f"
+  done
+  for b in "$BIN" "$BARE_BIN"; do
+    grp=$(basename "$b")
+    for f in malloc mallocx calloc rallocx realloc; do
+      perf probe -q -x "$b" --add "${grp}_$f=_rjem_$f" 2>/dev/null || true
+    done
+  done
+  sc_pids() { local p=$1; echo -n "$p"; for c in $(pgrep -P "$p" || true); do echo -n ",$c"; done; }
+  SYSCALL_TABLE="| configuration | syscalls/req | allocations/req | the largest per request |"$'\n'"|---|---:|---:|---|"
+  for n in "${NAMES[@]}"; do
+    [[ $n == b || $n == c || $n == d || $n == g || $n == i || $n == h ]] || continue
+    ev="$SC_EVENTS$ALLOC_EVENTS"
+    case $n in
+      c|d) grp=$(basename "$BIN") ;;
+      g|i) grp=$(basename "$BARE_BIN") ;;
+      *) grp="" ;;
+    esac
+    if [[ -n $grp ]]; then
+      for f in malloc mallocx calloc rallocx realloc; do
+        probe_exists "probe_$grp:${grp}_$f " && ev+=",probe_$grp:${grp}_$f"
+      done
+    fi
+    log "syscalls: ${LABEL[$n]} (${DURATION}s under perf stat)"
+    perf stat -x, -e "$ev" -p "$(sc_pids "${PIDOF[$n]}")" -o "$TMP/perf-$n.txt" -- sleep $((DURATION + 1)) &
+    PERF_PID=$!
+    sleep 0.5
+    run_wrk "$n" "$DURATION" "$TMP/wrk-sc-$n.txt"
+    wait "$PERF_PID" || true
+    read -r _ _ _ reqs _ _ <<<"$(parse_wrk "$TMP/wrk-sc-$n.txt")"
+    row=$(awk -F, -v q="$reqs" '
+      $3 == "raw_syscalls:sys_enter" { total = $1 }
+      $3 ~ /^syscalls:sys_enter_/ { n = $3; sub("syscalls:sys_enter_", "", n); per[n] = $1 }
+      $3 ~ /^probe_/ { allocs += $1 }
+      END {
+        out = ""
+        for (k = 0; k < 6; k++) {
+          best = ""; bv = 0
+          for (c in per) if (per[c] > bv) { bv = per[c]; best = c }
+          if (best == "" || bv / q < 0.05) break
+          out = out sprintf("%s%s %.2f", (out == "" ? "" : ", "), best, bv / q)
+          delete per[best]
+        }
+        printf "%.2f | %.2f | %s", total / q, allocs / q, out
+      }' "$TMP/perf-$n.txt")
+    SYSCALL_TABLE+=$'\n'"| ${LABEL[$n]} | $row |"
+  done
+  perf probe -q --del 'probe_libc:*' 2>/dev/null || true
+  perf probe -q --del "probe_$(basename "$BIN"):*" 2>/dev/null || true
+  perf probe -q --del "probe_$(basename "$BARE_BIN"):*" 2>/dev/null || true
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -709,7 +790,8 @@ redis_round_trips() { # letter what-counted-the-requests
   done
   echo "Redis round trips during the ($n) runs: ${detail%, } for ${RT_REQS[$n]} requests ($2) →" \
     "**$(awk -v a="$rt" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.3f", (q > 0 ? a / q : 0) }') round trips per request**." \
-    "Commands run inside the scripts: ${inner%, }."
+    "Commands run inside the scripts: ${inner%, }." \
+    "Redis CPU (INFO commandstats usec) per request: **$(awk -v a="${RUSEC[$n]}" -v q="${RT_REQS[$n]}" 'BEGIN { printf "%.1f", (q > 0 ? a / q : 0) }') µs**."
   echo
 }
 has d && redis_round_trips d "served, tollgate_requests_total"
@@ -718,3 +800,10 @@ echo "Redis MEMORY USAGE of a budget key: during load (bench budget, key value):
   "realistic budget (120 per 1h): ${REAL_KEY_SAMPLE:-n/a}."
 echo
 echo "tollgate RSS after the runs: memory store $TM_RSS, redis store $TR_RSS."
+
+if [[ -n $SYSCALL_TABLE ]]; then
+  echo
+  echo "System calls (perf stat tracepoints) and allocations (uprobes on libc's and jemalloc's malloc, calloc, realloc, mallocx, rallocx) per request, one more ${DURATION}s wrk run each, server processes only (nginx: master and worker):"
+  echo
+  echo "$SYSCALL_TABLE"
+fi

@@ -20,7 +20,8 @@
 #      gateway.yaml embedded in the Kubernetes ConfigMap included
 #   3. the dashboard uses the provisioned datasource uid and has unique panel ids
 #   4. every alert has a unit test where it fires and one where it does not, and its
-#      runbook_url anchor exists in docs/operations.md
+#      runbook_url is a link into docs/operations.md whose anchor exists; the panels of a row
+#      titled "... admitted ..." plot admitted requests only
 #   5. the metrics match what the binary exports, both ways: a real `tollgate run` (memory
 #      store, in front of `tollgate demo-upstream`, free loopback ports) gets a few requests
 #      (200, 401, 429, a shadow-mode 200), its /metrics is scraped, and then every metric a panel or rule uses must
@@ -28,6 +29,11 @@
 #      must be used by some panel or rule. The binary is $TOLLGATE_BIN, else `tollgate` on PATH.
 #   6. `tollgate check` on every shipped gateway config, and if installed: `kubectl kustomize
 #      deploy/k8s` and `nginx -t` on deploy/nginx/nginx.conf
+#   7. each alert in the situation it exists for: deploy/alert_scenarios.py runs a real
+#      gateway through a Redis outage, a capped route at its cap, the only instance stopping
+#      and its target vanishing, a 429 storm, an unreachable upstream and a failed reload,
+#      records its /metrics as Prometheus would, and promtool checks which alerts fire at each
+#      point (and that process_cpu_seconds_total agrees with /proc); needs redis-server
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -66,13 +72,24 @@ RULES = "deploy/prometheus/rules/tollgate.rules.yml"
 RULE_TESTS = "deploy/prometheus/tests/tollgate.rules.test.yml"
 DASHBOARD = "deploy/grafana/tollgate-dashboard.json"
 RUNBOOK = "docs/operations.md"
+# Where runbook_url links point (absolute: Alertmanager and Grafana show it as a link). Every
+# alert uses this same base, so that one sed moves them all (see the rules file's header).
+RUNBOOK_BASE = "https://github.com/example/tollgate/blob/main/"
 CONFIGMAP = "deploy/k8s/configmap.yaml"
+# A dashboard row whose title says "admitted" plots requests the gateway let through only:
+# these metrics (tollgate_request_duration_seconds counts its refusals too).
+ADMITTED_ONLY = {
+    "tollgate_admitted_duration_seconds", "tollgate_upstream_duration_seconds",
+    "tollgate_overhead_seconds",
+    "tollgate_in_flight_limit",  # not a count: the capped routes, which the SLO leaves out
+}
 
 # The allow-list: DESIGN.md §5 metrics that are being added to the binary this round, so a
 # panel or rule may use them before `tollgate run` exports them. Each entry goes as soon as its
 # metric is exported: check 5 then prints "exported now: drop it from PENDING". Nothing else
 # belongs here - a used metric that the binary does not export is a panel that never shows data.
 PENDING = [
+    "tollgate_jobs_total",  # async jobs (DESIGN §8): the "Queues and async jobs" row's jobs panel
 ]
 # Series Prometheus creates itself; allowed in queries, never exported by the gateway.
 PROMETHEUS_SERIES = {
@@ -139,6 +156,19 @@ def all_panels(panels):
     for p in panels:
         yield p
         yield from all_panels(p.get("panels", []))
+
+
+def panels_by_row(panels):
+    """(title of the row a panel is under, panel) for every non-row panel: a row holds the
+    panels after it up to the next row, or its own `panels` when collapsed."""
+    row = None
+    for p in panels:
+        if p.get("type") == "row":
+            row = p.get("title")
+            for q in p.get("panels", []):
+                yield row, q
+        else:
+            yield row, p
 
 
 def rules():
@@ -209,6 +239,15 @@ def check():
         for ds in [p.get("datasource")] + [t.get("datasource") for t in p.get("targets", [])]:
             if ds and ds.get("uid") != "prometheus":
                 problem(f"{DASHBOARD}: panel {p.get('title')!r}: datasource uid {ds.get('uid')!r}, expected 'prometheus'")
+    # A panel plots what its row says: under "... (admitted requests)", admitted requests only.
+    for row, p in panels_by_row(dash.get("panels", [])):
+        if "admitted" not in (row or "").lower():
+            continue
+        for t in p.get("targets", []):
+            for n in metric_names(t.get("expr", "")):
+                base = re.sub(r"_(bucket|sum|count)$", "", n)
+                if base.startswith("tollgate_") and base not in ADMITTED_ONLY:
+                    problem(f"{DASHBOARD}: panel {p.get('title')!r} in row {row!r} plots {n}, which counts more than admitted requests")
 
     # 4. Alerts: tested both ways, runbook anchor exists.
     alerts = {}
@@ -231,8 +270,8 @@ def check():
             problem(f"{RULE_TESTS}: no test case where {name} does not fire")
         for r in rs:
             url = (r.get("annotations") or {}).get("runbook_url", "")
-            if not url.startswith(f"{RUNBOOK}#"):
-                problem(f"{RULES}: {name}: runbook_url {url!r} does not point into {RUNBOOK}")
+            if not url.startswith(f"{RUNBOOK_BASE}{RUNBOOK}#"):
+                problem(f"{RULES}: {name}: runbook_url {url!r} is not a link into {RUNBOOK_BASE}{RUNBOOK}")
             elif url.split("#", 1)[1] not in anchors:
                 problem(f"{RULES}: {name}: {RUNBOOK} has no heading for #{url.split('#', 1)[1]}")
             for key in ("summary", "description"):
@@ -505,6 +544,10 @@ deploy_py gateway-configs "$tmp" | while read -r config; do
     echo "$config"
     "$tollgate_bin" check -c "$config"
 done
+
+step "each alert in the situation it exists for (recorded from a real gateway)"
+python3 deploy/alert_scenarios.py "$tollgate_bin" "$RULES" "$tmp/scenarios.test.yml"
+promtool test rules "$tmp/scenarios.test.yml"
 
 step "metrics used by the dashboard and the alert rules"
 deploy_py list

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit + integration tests (real gateway processes,
-# real redis-server, real HTTP), and the deploy/ artefacts checked with promtool.
+# real redis-server, real HTTP, the status page in a real headless Chromium), and the deploy/
+# artefacts checked with promtool (each alert against a real gateway's recorded scenario).
 #
 # On a fresh Debian machine with a Rust toolchain it installs what is missing (as root, with
 # apt-get); otherwise it says exactly what to install.
@@ -13,6 +14,8 @@ command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v promtool >/dev/null || need+=(prometheus)
 python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
+# Headless, for the status page's browser test (tests/status_page.rs).
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "==> installing: ${need[*]}"

@@ -1,11 +1,13 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/admin/config`, `/admin/keys/{id}`,
-//! `/admin/audit` (this instance's measured route costs, [`crate::audit`]).
+//! `/admin/audit` (this instance's measured route costs, [`crate::audit`]), `/admin/routes`
+//! ([`routes`]), `/admin/status` ([`status`]) and the status page `/admin/` ([`page`]).
 //!
 //! It runs on its own thread and tokio runtime, away from the proxy's workers, so a scrape
 //! never competes with traffic and a stuck proxy still answers `/healthz`. It has limits of
 //! its own (DESIGN §5): a request head within [`HEAD_TIMEOUT`], at most [`MAX_CONNECTIONS`]
 //! open, and accept backs off when descriptors run out ([`crate::accept`]). `/admin/*` needs
-//! `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` when that variable is set.
+//! `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN` when that variable is set, or the session
+//! cookie a browser gets for showing it ([`token::AdminAuth`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,7 +24,12 @@ use crate::policy::Policy;
 use crate::state::Shared;
 use crate::store::{BudgetView, Peek};
 
+pub mod page;
+pub mod routes;
+pub mod status;
 pub mod token;
+
+use token::AdminAuth;
 
 type Resp = Response<Full<Bytes>>;
 
@@ -49,7 +56,8 @@ fn json(status: StatusCode, v: serde_json::Value) -> Resp {
 /// Starts serving on `listener` in a thread of its own.
 pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
-    let token = token::from_env()?;
+    let token = token::from_env()?.map(AdminAuth::new);
+    status::started();
     if token.is_none() && listener.local_addr().is_ok_and(|a| !a.ip().is_loopback()) {
         tracing::warn!(
             admin = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
@@ -79,7 +87,7 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
                 let svc = hyper::service::service_fn(move |req| {
                     let shared = shared.clone();
                     let token = token.clone();
-                    async move { Ok::<_, Infallible>(handle(req, &shared, token.as_deref()).await) }
+                    async move { Ok::<_, Infallible>(handle(req, &shared, token.as_ref()).await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
@@ -93,7 +101,7 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
 }
 
 /// GET, and HEAD (load balancers probe with it): the same answer without its body.
-async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
+async fn handle(req: Request<Incoming>, shared: &Shared, token: Option<&AdminAuth>) -> Resp {
     match *req.method() {
         hyper::Method::GET => answer(req, shared, token).await,
         hyper::Method::HEAD => without_body(answer(req, shared, token).await),
@@ -120,22 +128,11 @@ fn without_body(r: Resp) -> Resp {
     Response::from_parts(parts, Full::new(Bytes::new()))
 }
 
-async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) -> Resp {
+async fn answer(req: Request<Incoming>, shared: &Shared, auth: Option<&AdminAuth>) -> Resp {
     let path = req.uri().path();
-    if path.starts_with("/admin/") {
-        if let Some(t) = token {
-            let ok = req
-                .headers()
-                .get(hyper::header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(bearer_token)
-                .is_some_and(|given| constant_time_eq(given.as_bytes(), t.as_bytes()));
-            if !ok {
-                return json(
-                    StatusCode::UNAUTHORIZED,
-                    serde_json::json!({"error": "admin token required"}),
-                );
-            }
+    if let (Some(auth), true) = (auth, path.starts_with("/admin/")) {
+        if let Some(r) = page::gate(path, req.headers(), auth) {
+            return r;
         }
     }
     match path {
@@ -148,23 +145,7 @@ async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
             )
         }
         "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
-        "/readyz" => {
-            let draining = shared.drain.is_draining();
-            let store_ok = shared.store.ready();
-            let up = shared.upstream_addr.load().is_some();
-            let body = serde_json::json!({
-                "config": "loaded",
-                "store": if shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },
-                "upstream_resolved": up,
-                "draining": draining,
-            });
-            let status = if draining || !store_ok {
-                StatusCode::SERVICE_UNAVAILABLE
-            } else {
-                StatusCode::OK
-            };
-            json(status, body)
-        }
+        "/readyz" => readyz(shared),
         "/admin/audit" => match serde_json::to_value(crate::audit::snapshot(&shared.running())) {
             Ok(v) => json(StatusCode::OK, v),
             Err(e) => json(
@@ -177,53 +158,32 @@ async fn answer(req: Request<Incoming>, shared: &Shared, token: Option<&str>) ->
             "application/yaml",
             shared.running().config.redacted_yaml(),
         ),
-        "/admin/routes" => routes(shared).await,
+        "/admin/routes" => routes::routes(shared).await,
+        "/admin/status" => json(StatusCode::OK, status::status(shared)),
+        "/admin" | "/admin/" | "/admin/session" | "/admin/status.js" | "/admin/status.css" => {
+            page::serve(path)
+        }
         p if p.starts_with("/admin/keys/") => key(&p["/admin/keys/".len()..], shared).await,
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
 }
 
-/// `/admin/routes`: every route's cost, and each capped route's cap, slots running and
-/// waiters queued (fleet-wide on Redis), with the keys holding and awaiting them by registry
-/// id (`key:<8 hex>` outside the registry). 503 when the store cannot say.
-async fn routes(shared: &Shared) -> Resp {
-    let running = shared.running();
-    let cfg = &running.config;
-    let name = |k: &crate::store::fair::KeyRef| {
-        cfg.keys
-            .iter()
-            .find(|(hash, _)| k.is(hash))
-            .map_or_else(|| k.log_name(), |(_, e)| e.id.to_string())
+fn readyz(shared: &Shared) -> Resp {
+    let draining = shared.drain.is_draining();
+    let store_ok = shared.store.ready();
+    let up = shared.upstream_addr.load().is_some();
+    let body = serde_json::json!({
+        "config": "loaded",
+        "store": if shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },
+        "upstream_resolved": up,
+        "draining": draining,
+    });
+    let status = if draining || !store_ok {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
     };
-    let mut out = vec![];
-    for r in cfg.router.routes() {
-        let mut v = serde_json::json!({"route": &*r.label, "cost": r.cost});
-        if let Some(cap) = r.max_in_flight {
-            let q = match shared.store.route_queue(&r.label).await {
-                Ok(q) => q,
-                Err(e) => {
-                    return json(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        serde_json::json!({"error": format!("store unavailable: {e}")}),
-                    )
-                }
-            };
-            let mut keys: Vec<serde_json::Value> = q
-                .keys
-                .iter()
-                .map(|k| serde_json::json!({"key": name(&k.key), "running": k.running, "waiting": k.waiting}))
-                .collect();
-            keys.sort_by(|a, b| a["key"].as_str().cmp(&b["key"].as_str()));
-            v["cap"] = cap.into();
-            v["running"] = q.running.into();
-            v["queued"] = q.queued.into();
-            v["max_queue"] = r.queue.max_queue.into();
-            v["max_in_flight_per_key"] = r.queue.per_key.into();
-            v["keys"] = keys.into();
-        }
-        out.push(v);
-    }
-    json(StatusCode::OK, serde_json::json!({"routes": out}))
+    json(status, body)
 }
 
 /// `/admin/keys/{id}`: the key's budgets, from the store or (while it cannot say) from the
@@ -304,17 +264,6 @@ fn key_json(id: &str, policy: &Policy, views: &[BudgetView], source: &str) -> se
     top
 }
 
-/// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
-/// (RFC 9110 §11.1).
-fn bearer_token(v: &str) -> Option<&str> {
-    let (scheme, token) = v.trim().split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -341,14 +290,5 @@ mod tests {
             let limit = if top == "pro-minute" { 50 } else { 30 };
             assert_eq!(v["limit"], limit, "{v}");
         }
-    }
-
-    #[test]
-    fn bearer_scheme_is_case_insensitive() {
-        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
-        assert_eq!(bearer_token("bearer abc "), Some("abc"));
-        assert_eq!(bearer_token("BEARER  abc"), Some("abc"));
-        assert_eq!(bearer_token("Basic abc"), None);
-        assert_eq!(bearer_token("Bearer"), None);
     }
 }

@@ -164,6 +164,7 @@ impl ShutdownSignalWatch for Signals {
                     self.app.shared.store.release_all().await;
                     flush_spans(&self.app);
                     crate::telemetry::flush_logs();
+                    crate::pid_file::remove();
                     std::process::exit(0);
                 }
                 _ = quit.recv() => return ShutdownSignal::GracefulUpgrade,
@@ -195,6 +196,7 @@ fn spawn_drain_watch(app: Arc<App>) {
         release_leases(&app);
         flush_spans(&app);
         crate::telemetry::flush_logs();
+        crate::pid_file::remove();
         std::process::exit(0);
     });
 }

@@ -496,6 +496,7 @@ pub fn demo(listen: &str, admin: &str, upstream: &str) -> anyhow::Result<()> {
         r#"
 tollgate demo: gateway on http://{listen} → sample API on http://{upstream} (reports take 2 s)
 config: {path}    metrics: http://{admin}/metrics
+status page: http://{admin}/admin/ (in a browser: routes, slots and who holds them)
 
 Budget: 120 units / 60 s per API key. A CRUD call costs 1, POST /reports/generate costs 20,
 and at most 5 reports run at once (a 6th waits up to 1 s for a slot, then gets 503).

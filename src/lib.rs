@@ -26,6 +26,7 @@ pub mod config;
 pub mod decision;
 pub mod front;
 pub mod identity;
+pub mod pid_file;
 pub mod policy;
 pub mod problem;
 pub mod proxy;

@@ -37,6 +37,10 @@ enum Cmd {
         /// Also reload when the file changes (checked every second), as on SIGHUP.
         #[arg(long)]
         watch: bool,
+        /// Write the process id to this file at start (and remove it at exit), for
+        /// `kill -HUP "$(cat FILE)"`.
+        #[arg(long)]
+        pid_file: Option<PathBuf>,
     },
     /// Validate the config and print the route/cost table; exit 1 on error.
     Check {
@@ -132,19 +136,31 @@ fn main() -> ExitCode {
 fn run() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { config, watch } => {
+        Cmd::Run {
+            config,
+            watch,
+            pid_file,
+        } => {
             init_logging(cli.log_format);
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            match tollgate::app::run(cfg, &config, watch) {
+            if let Some(path) = &pid_file {
+                if let Err(e) = tollgate::pid_file::write(path) {
+                    to_stderr(&format!("tollgate: --pid-file {}: {e}\n", path.display()));
+                    return ExitCode::from(1);
+                }
+            }
+            let code = match tollgate::app::run(cfg, &config, watch) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     to_stderr(&format!("tollgate: {e:#}\n"));
                     ExitCode::from(1)
                 }
-            }
+            };
+            tollgate::pid_file::remove();
+            code
         }
         Cmd::Check { config } => match load(&config) {
             Ok(cfg) => {

@@ -6,6 +6,9 @@
 
 pub mod access;
 mod logging;
+#[cfg(target_os = "linux")]
+mod process;
+pub mod recent;
 mod routes;
 
 use std::sync::OnceLock;
@@ -311,9 +314,7 @@ pub fn metrics() -> &'static Metrics {
             .set(1);
         // CPU, memory and file descriptors of this process (`process_*`).
         #[cfg(target_os = "linux")]
-        let _ = prometheus::register(Box::new(
-            prometheus::process_collector::ProcessCollector::for_self(),
-        ));
+        process::register();
         m
     })
 }

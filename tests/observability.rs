@@ -9,7 +9,8 @@
 //! - a dashboard target or a recording rule: at least one finite, non-zero sample. Many series
 //!   exist at zero before anything happens (every route's histograms, the store and reload
 //!   counters), so "any sample" would pass for a signal that never happened. One explicit
-//!   exception, `ZERO_ALLOWED` (process CPU), must still return samples;
+//!   exception, `ZERO_ALLOWED` (accept back-offs), must still return samples; panels of
+//!   metrics not exported yet (`NOT_EXPORTED_YET`, deploy/check.sh's PENDING) are skipped;
 //! - an alert: at least one sample, thresholds included. The test produces every alert's
 //!   condition (a 429 storm, upstream 5xx, slow requests, a Redis outage, a bad reload, a capped
 //!   route at its cap, gateways killed, the scrape target removed), so nothing is stripped. A
@@ -612,6 +613,9 @@ async fn check_everything(prom: &Prometheus, start: f64, end: f64) -> Vec<String
             );
             let expr = substitute(expr, &vars);
             let title = p["title"].as_str().unwrap_or_default();
+            if NOT_EXPORTED_YET.iter().any(|(t, _)| *t == title) {
+                continue;
+            }
             let want = if ZERO_ALLOWED.iter().any(|(t, _)| *t == title) {
                 Want::Any
             } else {
@@ -669,19 +673,19 @@ async fn check_everything(prom: &Prometheus, start: f64, end: f64) -> Vec<String
 }
 
 /// Panels that may show only zeros in this test, and why. Each still has to return samples.
-const ZERO_ALLOWED: [(&str, &str); 2] = [
-    (
-        "Process CPU",
-        "the process collector of the prometheus crate (0.14) counts whole CPU seconds; a gateway \
-         of this test uses less than one, so its rate is 0",
-    ),
-    (
-        "Accept back-offs (out of file descriptors)",
-        "needs a gateway out of file descriptors, which would also stop Prometheus scraping it; \
-         tests/edge.rs (when_file_descriptors_run_out_accept_backs_off_and_admin_recovers) \
-         produces it under prlimit and reads the counter; here its series exist at 0",
-    ),
-];
+const ZERO_ALLOWED: [(&str, &str); 1] = [(
+    "Accept back-offs (out of file descriptors)",
+    "needs a gateway out of file descriptors, which would also stop Prometheus scraping it; \
+     tests/edge.rs (when_file_descriptors_run_out_accept_backs_off_and_admin_recovers) \
+     produces it under prlimit and reads the counter; here its series exist at 0",
+)];
+
+/// Panels of metrics that DESIGN §5 names and the binary does not export yet (deploy/check.sh
+/// lists them in PENDING): not evaluated. Each goes when its metric is exported.
+const NOT_EXPORTED_YET: [(&str, &str); 1] = [(
+    "Async jobs ended by result",
+    "tollgate_jobs_total comes with async jobs (DESIGN §8)",
+)];
 
 #[derive(Clone, Copy)]
 enum Want {

@@ -607,6 +607,54 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
     assert!(gw.log().contains("drained; exiting"));
 }
 
+/// Issue 22's "SIGINT worker spin": SIGINT with requests running, queued for a capped route's
+/// slot and held by `max_delay` exits 0 at once (it does not drain), after giving back what
+/// it holds, and no thread spins on the way out. (Pingora's own fast shutdown joins each
+/// worker thread without a bound, and a worker reads the shutdown only when its runtime comes
+/// back to it; tollgate's SIGINT path never goes there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_with_work_in_every_state_exits_zero_at_once() {
+    let up = Upstream::start(Duration::from_secs(30));
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 60s}\n    /held: {shared: {max_cost: 1, window: 20s, max_delay: 60s}}\n",
+        grace: "30s",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let mut pending = vec![];
+    for _ in 0..6 {
+        let (c, url) = (c.clone(), gw.url("/reports/generate"));
+        pending.push(tokio::spawn(async move {
+            c.post(url).header("X-API-Key", "k").send().await.is_ok()
+        }));
+    }
+    for _ in 0..3 {
+        let (c, url) = (c.clone(), gw.url("/held?delay_ms=30000"));
+        pending.push(tokio::spawn(async move {
+            c.get(url).header("X-API-Key", "h").send().await.is_ok()
+        }));
+    }
+    up.wait_current("/reports/generate", 2).await;
+    wait_metric(
+        &gw,
+        "tollgate_queued{route=\"/reports/generate\"}",
+        4.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    let t = Instant::now();
+    gw.signal("INT");
+    let code = gw.wait_exit(Duration::from_secs(5));
+    let took = t.elapsed();
+    assert_eq!(code, Some(0), "exit code");
+    assert!(took < Duration::from_secs(2), "SIGINT took {took:?}");
+    for p in pending {
+        // Cut off, not answered: SIGINT does not drain.
+        assert!(!p.await.unwrap());
+    }
+}
+
 fn tollgate(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(args)
@@ -1026,4 +1074,37 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     let r = get(&c, gw.url("/e0/items"), "k").await;
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
     println!("scrape {} bytes, reload {took:?}", scrape.len());
+}
+
+/// `tollgate run --pid-file`: the file names this gateway's process (a reload signals it and
+/// no other tollgate on the host: docs/operations.md), and is gone after a clean exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pid_file_names_the_gateway_to_reload() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("tollgate.pid");
+    let path = pid_file.display().to_string();
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+        args: vec!["--pid-file", &path],
+        ..GatewayOpts::default()
+    });
+    let written = std::fs::read_to_string(&pid_file).unwrap();
+    assert_eq!(written, format!("{}\n", gw.pid()));
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", written.trim()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_metric(
+        &gw,
+        "tollgate_config_reloads_total{result=\"ok\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    gw.signal("TERM");
+    assert_eq!(gw.wait_exit(Duration::from_secs(12)), Some(0));
+    assert!(!pid_file.exists(), "the pid file is removed at exit");
 }

@@ -130,7 +130,7 @@ fn on_redis(url: &str, body: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_queue_is_fair_across_two_and_three_gateways_on_redis() {
-    for (n, runs) in [(2, 3), (3, 2)] {
+    for (n, runs) in [(2, 5), (3, 5)] {
         for run in 0..runs {
             // A Redis of its own for each run: the last run's gateways are killed right after
             // their last answer, and their slots would come back only after lease_ttl.
@@ -141,6 +141,20 @@ async fn the_queue_is_fair_across_two_and_three_gateways_on_redis() {
             small_customers_first(&up, &gws, &format!("{n} gateways, run {run}")).await;
         }
     }
+}
+
+/// DESIGN §8: on the `local` fallback the same order holds among this instance's waiters. Redis
+/// is unreachable from the start (nothing listens on port 1), `fleet_size: 1`: the local share
+/// is the whole cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_fallback_keeps_the_fair_order_among_its_waiters() {
+    let up = Upstream::start(Duration::from_secs(1));
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1/0\"\n  timeout: 100ms\n  on_error: local\n  fleet_size: 1\n{}",
+        config(FIVE_SLOTS, "")
+    );
+    let gw = Gateway::start(&up, &body);
+    small_customers_first(&up, &[gw], "local fallback").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -426,4 +440,139 @@ async fn admin_routes_names_the_keys_holding_and_awaiting_the_slots() {
             assert_eq!(t.await.unwrap(), 200);
         }
     }
+}
+
+/// DESIGN §8 liveness, issue 25: an instance SIGKILLed while it has 10 waiters that are next
+/// in line when a slot frees: the slot granted to its dead waiter (and its other waiters)
+/// passes to the other instance's waiters within 2 s of the release, not after `lease_ttl`.
+///
+/// Key a holds both slots through gateway y (1 s each); key b queues 10 through x, key c 2
+/// through y (3 s reports). x is killed at once, with its beats still fresh when a's requests
+/// end: the first slot goes to b's oldest waiter (dead), the second to c's first. c's second
+/// can only get the dead waiter's slot, after its grant lapsed unconfirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(
+        &redis.url(),
+        &config(
+            "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
+            "",
+        ),
+    );
+    let mut x = Gateway::start(&up, &body);
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    let send = |gw: &Gateway, key: &'static str, ms: u64| {
+        let req = c
+            .post(gw.url(&format!("/reports/generate?delay_ms={ms}")))
+            .header("X-API-Key", key);
+        tokio::spawn(async move {
+            let status = req.send().await.map(|r| r.status().as_u16()).unwrap_or(0);
+            (status, Instant::now())
+        })
+    };
+    let holders: Vec<_> = (0..2).map(|_| send(&y, "key-a", 1000)).collect();
+    up.wait_current("/reports/generate", 2).await;
+    let _dead: Vec<_> = (0..10).map(|_| send(&x, "key-b", 100)).collect();
+    wait_queued(&x, "/reports/generate", 10.0).await;
+    let next: Vec<_> = (0..2).map(|_| send(&y, "key-c", 3000)).collect();
+    wait_queued(&y, "/reports/generate", 2.0).await;
+    x.kill9();
+    let mut released = None;
+    for h in holders {
+        let (status, at) = h.await.unwrap();
+        assert_eq!(status, 200);
+        released = released.max(Some(at));
+    }
+    let released = released.unwrap();
+    up.wait_current("/reports/generate", 2).await;
+    let idle = released.elapsed();
+    assert!(
+        idle < Duration::from_millis(2000),
+        "c's second request reached the upstream {idle:?} after the release"
+    );
+    for n in next {
+        assert_eq!(n.await.unwrap().0, 200);
+    }
+    // The dead instance's waiters never reached the upstream; the cap held.
+    assert_eq!(up.count("/reports/generate"), 4);
+    assert_eq!(up.max_concurrent("/reports/generate"), 2);
+}
+
+/// Issue 25: the fairness scenario through 3 gateways on a 3-primary Redis Cluster (the
+/// route's queue, leases and wake-ups live in the route's hash slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_queue_is_fair_through_three_gateways_on_a_redis_cluster() {
+    let cluster = RedisCluster::start(3);
+    let body = on_redis(&cluster.url(), &config(FIVE_SLOTS, ""));
+    let up = Upstream::start(Duration::from_secs(1));
+    let gws: Vec<Gateway> = (0..3).map(|_| Gateway::start(&up, &body)).collect();
+    small_customers_first(&up, &gws, "3 gateways on a Cluster").await;
+}
+
+/// Issue 25: a Sentinel failover while requests wait in a route's queue: every waiter is
+/// answered (served, or 503 while the store is away under `on_error: deny`) — none hangs —
+/// and the cap holds throughout (`deny` admits nothing locally).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_are_answered_through_a_sentinel_failover() {
+    let set = SentinelSet::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = on_redis(
+        &set.url(),
+        &config(
+            "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
+            "",
+        ),
+    );
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    let sent: Vec<_> = (0..8)
+        .map(|i| {
+            let req = c
+                .post(gws[i % 2].url("/reports/generate"))
+                .header("X-API-Key", "key-a");
+            tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()).ok() })
+        })
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    let start = Instant::now();
+    loop {
+        let mut queued = 0.0;
+        for gw in &gws {
+            queued += metric(gw, "tollgate_queued{route=\"/reports/generate\"}").await;
+        }
+        if queued >= 6.0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{queued} queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old = set.current_primary();
+    assert_eq!(
+        set.sentinel.cli(&["SENTINEL", "FAILOVER", "tollgate"]),
+        "OK"
+    );
+    let failover = Instant::now();
+    let mut statuses = vec![];
+    for s in sent {
+        let status = tokio::time::timeout(Duration::from_secs(40), s)
+            .await
+            .expect("a waiter hung through the failover")
+            .unwrap();
+        statuses.push(status.unwrap_or(0));
+    }
+    assert_ne!(set.current_primary(), old, "no failover happened");
+    statuses.sort();
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 503),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().filter(|s| **s == 200).count() >= 2,
+        "{statuses:?}"
+    );
+    assert!(failover.elapsed() < Duration::from_secs(40));
+    assert_eq!(up.max_concurrent("/reports/generate"), 2, "{statuses:?}");
 }

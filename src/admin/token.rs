@@ -1,7 +1,8 @@
 //! `TOLLGATE_ADMIN_TOKEN` as the admin listener accepts it (DESIGN §5): unset (or empty) means
 //! no token; a value shorter than 16 characters or a placeholder left from an example
 //! (`CHANGE-ME`, the value in `deploy/k8s/secret.yaml`) is refused at start rather than
-//! guarding `/admin/*` with something anyone can guess.
+//! guarding `/admin/*` with something anyone can guess. [`AdminAuth`] is how a request shows
+//! it: the token as a Bearer credential, or a browser's session cookie.
 
 use std::sync::Arc;
 
@@ -62,6 +63,84 @@ pub fn from_env() -> Result<Option<Arc<str>>, BadToken> {
     }
 }
 
+/// The cookie that carries a browser's admin session (the status page's fetches).
+pub const COOKIE: &str = "tollgate_admin";
+
+/// What `/admin/*` accepts once a token is set: `Authorization: Bearer <token>`, or the
+/// session cookie that `/admin/session` hands to a browser that showed the token. The cookie's
+/// value is derived from the token (SHA-256 of a fixed prefix and the token), so the token
+/// itself is never stored in a browser's cookie jar; a new token ends every session.
+#[derive(Clone)]
+pub struct AdminAuth {
+    token: Arc<str>,
+    session: Arc<str>,
+}
+
+impl std::fmt::Debug for AdminAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminAuth(..)")
+    }
+}
+
+impl AdminAuth {
+    pub fn new(token: Arc<str>) -> AdminAuth {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(b"tollgate-admin-session\0");
+        h.update(token.as_bytes());
+        let session = Arc::from(hex::encode(h.finalize()));
+        AdminAuth { token, session }
+    }
+
+    /// True when the request carries the token as a Bearer credential.
+    pub fn bearer_ok(&self, headers: &http::HeaderMap) -> bool {
+        headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer_token)
+            .is_some_and(|given| constant_time_eq(given.as_bytes(), self.token.as_bytes()))
+    }
+
+    /// True when the request carries the token, or a browser's session cookie.
+    pub fn allows(&self, headers: &http::HeaderMap) -> bool {
+        self.bearer_ok(headers)
+            || cookie(headers, COOKIE)
+                .is_some_and(|v| constant_time_eq(v.as_bytes(), self.session.as_bytes()))
+    }
+
+    /// The `Set-Cookie` value that starts a browser session: only for `/admin/`, only sent
+    /// to this origin (`SameSite=Strict`), out of scripts' reach, gone with the browser.
+    pub fn set_cookie(&self) -> String {
+        format!(
+            "{COOKIE}={}; Path=/admin/; HttpOnly; SameSite=Strict",
+            self.session
+        )
+    }
+}
+
+/// The value of cookie `name` in the request's `Cookie` headers.
+fn cookie<'h>(headers: &'h http::HeaderMap, name: &str) -> Option<&'h str> {
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.trim())
+}
+
+/// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
+/// (RFC 9110 §11.1).
+fn bearer_token(v: &str) -> Option<&str> {
+    let (scheme, token) = v.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +167,44 @@ mod tests {
         assert_eq!(check(""), Ok(None));
         let e = check("s3cret-admin").unwrap_err().to_string();
         assert!(!e.contains("s3cret-admin"), "{e}");
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer abc "), Some("abc"));
+        assert_eq!(bearer_token("BEARER  abc"), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearer"), None);
+    }
+
+    /// The token or the session cookie let a request in; the cookie is not the token, and a
+    /// cookie of another name or value does not.
+    #[test]
+    fn bearer_or_session_cookie() {
+        let token = "0123456789abcdef-admin";
+        let auth = AdminAuth::new(Arc::from(token));
+        let with = |name: http::header::HeaderName, v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(name, v.parse().unwrap());
+            h
+        };
+        assert!(auth.allows(&with(
+            http::header::AUTHORIZATION,
+            &format!("Bearer {token}")
+        )));
+        let set = auth.set_cookie();
+        assert!(!set.contains(token), "{set}");
+        let pair = set.split(';').next().unwrap();
+        assert!(auth.allows(&with(http::header::COOKIE, &format!("a=b; {pair}"))));
+        assert!(!auth.bearer_ok(&with(http::header::COOKIE, pair)));
+        for bad in [
+            format!("{COOKIE}={token}"),
+            format!("other={}", &pair[COOKIE.len() + 1..]),
+            format!("{COOKIE}="),
+        ] {
+            assert!(!auth.allows(&with(http::header::COOKIE, &bad)), "{bad}");
+        }
+        assert!(!auth.allows(&http::HeaderMap::new()));
     }
 }

@@ -78,6 +78,7 @@ fn shadow_or_refuse(
     match decision::shadowed(route, &r) {
         Some(reason) => {
             m.shadow_rejection(reason);
+            m.count_recent(true, ctx.start + r.queued);
             ctx.shadow(&r, reason);
             Ok(true)
         }
@@ -209,6 +210,10 @@ impl Gateway {
         };
         ctx.timing.hold = hold;
         ctx.admit(admit, admitted, &m.in_flight);
+        // Counted when admitted, not when it ends: a report running for minutes is in the
+        // last minute's figures while it runs. The moment is its start plus its wait for a
+        // slot (the store's answer is not worth a clock read).
+        m.count_recent(true, ctx.start + ctx.timing.queued);
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
             // that leaves meanwhile gets its reservation back and is never forwarded.

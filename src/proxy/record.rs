@@ -35,6 +35,7 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
     } = ctx.phase
     {
         rm.rejection(reason);
+        rm.count_recent(false, ctx.start + elapsed);
         if let Some(who) = &ctx.identity {
             if let Some(id) = who.id.as_deref() {
                 metrics().rejections_by_key.with_label_values(&[id]).inc();

@@ -152,6 +152,12 @@ impl<S: SharedStore> FallbackStore<S> {
         self.degraded.load(Ordering::Relaxed)
     }
 
+    /// The `store.on_error` policy and `fleet_size` this store runs with (set at start; a
+    /// reload does not change them).
+    pub fn policy(&self) -> (OnError, u32) {
+        (self.on_error, self.fleet_size)
+    }
+
     /// Ready unless the shared store is unreachable and the policy is to refuse everything.
     pub fn ready(&self) -> bool {
         !(self.degraded() && self.on_error == OnError::Deny)

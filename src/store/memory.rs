@@ -283,28 +283,6 @@ impl MemoryStore {
         Admission::admitted(&joint.outcome, lease, Duration::ZERO)
     }
 
-    /// What the decision would be, without writing anything.
-    pub(crate) fn preview(&self, req: &AdmitRequest) -> Option<Admission> {
-        let now = self.clock.now_us();
-        let locked = self.lock_budgets(req);
-        let budgets = locked.budgets(req);
-        let joint = budget::decide_all(&budgets, now, req.cost);
-        if !joint.outcome.admitted() {
-            return Some(Admission::over_budget(&joint.outcome));
-        }
-        let in_flight = locked
-            .shard
-            .entries
-            .get(&locked.key)
-            .map_or(0, |e| e.in_flight);
-        if req.key_cap.is_some_and(|cap| in_flight >= cap) {
-            return Some(Admission::KeyBusy(
-                (&uncharged(&budgets, now, joint.outcome)).into(),
-            ));
-        }
-        None
-    }
-
     /// The figures of every budget as they stand, for a refusal that charged nothing.
     pub fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
         let now = self.clock.now_us();

@@ -15,6 +15,7 @@
 
 pub mod fair;
 pub mod fallback;
+pub mod health;
 pub mod memory;
 pub mod redis;
 mod running;

@@ -1,12 +1,19 @@
 //! Requests this instance is running, per capped route and key, however they were admitted:
 //! what the fallback's local share counts against (DESIGN §4: one instance never runs more
 //! than its share, requests Redis admitted that are still running included).
+//!
+//! Requests that wait for a route's local share take their turn in the fair order of DESIGN §8
+//! among this instance's waiters: the waiter whose key runs the fewest requests on the route
+//! (per its plan's weight) goes first, among equals the one that waited longest, a key's own
+//! requests in arrival order. Every release wakes the waiters; only the one whose turn it is
+//! takes the slot, the others wait on.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
+use super::fair::Fair;
 use super::{lock, short_key, AdmitRequest};
 
 /// What a request counts against while it runs.
@@ -14,13 +21,79 @@ use super::{lock, short_key, AdmitRequest};
 pub(crate) enum Slot {
     Route(Arc<str>),
     Key(u128),
+    /// A key's requests on one capped route (the fair order's "running").
+    RouteKey(Arc<str>, u128),
 }
 
-/// Requests this instance runs, per capped route and per capped key, however admitted.
+/// Requests this instance runs, per capped route and per capped key, however admitted, and
+/// the requests waiting for a route's local share.
 #[derive(Debug, Default)]
 pub(crate) struct Running {
-    counts: Mutex<HashMap<Slot, u32>>,
+    inner: Mutex<Inner>,
     pub(crate) freed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    counts: HashMap<Slot, u32>,
+    /// Per route, its waiters in arrival order.
+    waiting: HashMap<Arc<str>, Vec<Turn>>,
+    seq: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Turn {
+    seq: u64,
+    key: u128,
+    weight: u32,
+    /// The key's local share of the route (`max_in_flight_per_key` / fleet), if any.
+    share: Option<u32>,
+}
+
+impl Inner {
+    fn count(&self, s: &Slot) -> u32 {
+        self.counts.get(s).copied().unwrap_or(0)
+    }
+
+    /// Whether `key` is at its share of `route` (it waits, even while slots are free).
+    fn at_share(&self, route: &Arc<str>, t: &Turn) -> bool {
+        t.share
+            .is_some_and(|share| self.count(&Slot::RouteKey(route.clone(), t.key)) >= share)
+    }
+
+    /// The waiter on `route` whose turn it is: fewest running per weight (cross-multiplied,
+    /// exact), then the oldest; a key's own waiters in arrival order.
+    fn next(&self, route: &Arc<str>) -> Option<u64> {
+        let turns = self.waiting.get(route)?;
+        let mut best: Option<(u64, u64, u64)> = None; // (running, weight, seq)
+        let mut seen: Vec<u128> = Vec::new();
+        for t in turns {
+            // Only a key's oldest waiter competes.
+            if seen.contains(&t.key) {
+                continue;
+            }
+            seen.push(t.key);
+            if self.at_share(route, t) {
+                continue;
+            }
+            let running = u64::from(self.count(&Slot::RouteKey(route.clone(), t.key)));
+            let weight = u64::from(t.weight.max(1));
+            let better = best.is_none_or(|(r, w, seq)| {
+                let (a, b) = (running * w, r * weight);
+                a < b || (a == b && t.seq < seq)
+            });
+            if better {
+                best = Some((running, weight, t.seq));
+            }
+        }
+        best.map(|(_, _, seq)| seq)
+    }
+
+    fn take(&mut self, slots: &[Slot]) {
+        for s in slots {
+            *self.counts.entry(s.clone()).or_default() += 1;
+        }
+    }
 }
 
 /// Counts one request in [`Running`] until dropped (it lives in the request's [`Lease`]).
@@ -39,48 +112,116 @@ impl std::fmt::Debug for RunningGuard {
 
 impl Drop for RunningGuard {
     fn drop(&mut self) {
-        let mut counts = lock(&self.running.counts);
+        let mut inner = lock(&self.running.inner);
         for s in &self.slots {
-            if let Some(n) = counts.get_mut(s) {
+            if let Some(n) = inner.counts.get_mut(s) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
-                    counts.remove(s);
+                    inner.counts.remove(s);
                 }
             }
         }
-        drop(counts);
+        drop(inner);
         self.running.freed.notify_waiters();
     }
+}
+
+/// A request's place among the waiters of a route's local share; dropping it leaves.
+pub(crate) struct Place {
+    running: Arc<Running>,
+    route: Arc<str>,
+    seq: u64,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut inner = lock(&self.running.inner);
+        if let Some(turns) = inner.waiting.get_mut(&self.route) {
+            turns.retain(|t| t.seq != self.seq);
+            if turns.is_empty() {
+                inner.waiting.remove(&self.route);
+            }
+        }
+        drop(inner);
+        // The next waiter's turn may have come (this one was ahead of it).
+        self.running.freed.notify_waiters();
+    }
+}
+
+/// Why [`Running::try_take`] could not count a request.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Full {
+    /// The route's share is full, or another waiter's turn comes first: wait.
+    Route,
+    /// The key's own cap (its plan's `max_in_flight_per_key`) is full: refuse.
+    Key,
 }
 
 impl Running {
     /// Counts a request the shared store admitted.
     pub(crate) fn track(self: &Arc<Self>, slots: Vec<Slot>) -> RunningGuard {
-        let mut counts = lock(&self.counts);
-        for s in &slots {
-            *counts.entry(s.clone()).or_default() += 1;
-        }
+        lock(&self.inner).take(&slots);
         RunningGuard {
             running: self.clone(),
             slots,
         }
     }
 
-    /// Counts a request only if every slot is below its share; else the first full slot.
-    pub(crate) fn try_take(self: &Arc<Self>, wanted: &[(Slot, u32)]) -> Result<RunningGuard, Slot> {
-        let mut counts = lock(&self.counts);
-        if let Some((full, _)) = wanted
-            .iter()
-            .find(|(s, share)| counts.get(s).copied().unwrap_or(0) >= *share)
-        {
-            return Err(full.clone());
+    /// Joins the waiters of `route` for its local share (`fair.per_key` already divided).
+    pub(crate) fn queue(self: &Arc<Self>, route: &Arc<str>, key: u128, fair: Fair) -> Place {
+        let mut inner = lock(&self.inner);
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.waiting.entry(route.clone()).or_default().push(Turn {
+            seq,
+            key,
+            weight: fair.weight,
+            share: fair.per_key,
+        });
+        Place {
+            running: self.clone(),
+            route: route.clone(),
+            seq,
         }
-        for (s, _) in wanted {
-            *counts.entry(s.clone()).or_default() += 1;
+    }
+
+    /// Waiters on `route` in this instance.
+    pub(crate) fn waiting(&self, route: &str) -> usize {
+        lock(&self.inner).waiting.get(route).map_or(0, Vec::len)
+    }
+
+    /// Counts a request if the route has room within `route_share` and it is `place`'s turn,
+    /// and its key is below `key_share` (its plan's cap); else says which is full.
+    pub(crate) fn try_take(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        place: Option<&Place>,
+        route_share: u32,
+        key_share: Option<u32>,
+    ) -> Result<RunningGuard, Full> {
+        let mut inner = lock(&self.inner);
+        let key = short_key(&req.key);
+        let mut slots = vec![];
+        if let Some(place) = place {
+            let route = &place.route;
+            if inner.count(&Slot::Route(route.clone())) >= route_share
+                || inner.next(route) != Some(place.seq)
+            {
+                return Err(Full::Route);
+            }
+            slots.push(Slot::Route(route.clone()));
+            slots.push(Slot::RouteKey(route.clone(), key));
         }
+        if let Some(share) = key_share {
+            if inner.count(&Slot::Key(key)) >= share {
+                return Err(Full::Key);
+            }
+            slots.push(Slot::Key(key));
+        }
+        inner.take(&slots);
         Ok(RunningGuard {
             running: self.clone(),
-            slots: wanted.iter().map(|(s, _)| s.clone()).collect(),
+            slots,
         })
     }
 }
@@ -89,9 +230,108 @@ pub(crate) fn slots_of(req: &AdmitRequest) -> Vec<Slot> {
     let mut slots = vec![];
     if req.route_cap.is_some() {
         slots.push(Slot::Route(req.route.clone()));
+        slots.push(Slot::RouteKey(req.route.clone(), short_key(&req.key)));
     }
     if req.key_cap.is_some() {
         slots.push(Slot::Key(short_key(&req.key)));
     }
     slots
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::budget::Limit;
+
+    fn req(route: &Arc<str>, key: u8) -> AdmitRequest {
+        AdmitRequest {
+            key: [key; 32],
+            limit: Limit::new(120, Duration::from_secs(3600), Duration::ZERO).unwrap(),
+            also: vec![],
+            cost: 1,
+            key_cap: None,
+            route: route.clone(),
+            route_cap: Some(1),
+            queue_timeout: Duration::ZERO,
+            fair: Default::default(),
+        }
+    }
+
+    fn fair(weight: u32, per_key: Option<u32>) -> Fair {
+        Fair {
+            weight,
+            per_key,
+            max_queue: None,
+        }
+    }
+
+    #[test]
+    fn the_key_running_fewest_goes_first_then_the_oldest() {
+        let running = Arc::new(Running::default());
+        let route: Arc<str> = "/r".into();
+        let (a, b) = (req(&route, 1), req(&route, 2));
+        let ka = short_key(&a.key);
+        let kb = short_key(&b.key);
+        // a runs one already; two of a's wait, then one of b's.
+        let held = running.track(slots_of(&a));
+        let a1 = running.queue(&route, ka, fair(1, None));
+        let a2 = running.queue(&route, ka, fair(1, None));
+        let b1 = running.queue(&route, kb, fair(1, None));
+        assert_eq!(running.waiting("/r"), 3);
+        // Room for one more (share 2): b's turn, though it came last.
+        assert_eq!(
+            running.try_take(&a, Some(&a1), 2, None).err(),
+            Some(Full::Route)
+        );
+        let gb = running.try_take(&b, Some(&b1), 2, None).unwrap();
+        drop(b1);
+        // Full at 2.
+        assert_eq!(
+            running.try_take(&a, Some(&a1), 2, None).err(),
+            Some(Full::Route)
+        );
+        drop(held);
+        // a's own requests in arrival order.
+        assert_eq!(
+            running.try_take(&a, Some(&a2), 2, None).err(),
+            Some(Full::Route)
+        );
+        let ga = running.try_take(&a, Some(&a1), 2, None).unwrap();
+        drop((a1, ga, gb));
+        assert!(running.try_take(&a, Some(&a2), 2, None).is_ok());
+    }
+
+    #[test]
+    fn weights_and_shares_decide_whose_turn_it_is() {
+        let running = Arc::new(Running::default());
+        let route: Arc<str> = "/r".into();
+        let (a, b) = (req(&route, 1), req(&route, 2));
+        let (ka, kb) = (short_key(&a.key), short_key(&b.key));
+        // a (weight 2) runs 1, b (weight 1) runs 1: a's 1/2 beats b's 1/1.
+        let _ra = running.track(slots_of(&a));
+        let _rb = running.track(slots_of(&b));
+        let b1 = running.queue(&route, kb, fair(1, None));
+        let a1 = running.queue(&route, ka, fair(2, None));
+        assert_eq!(
+            running.try_take(&b, Some(&b1), 3, None).err(),
+            Some(Full::Route)
+        );
+        let _ga = running.try_take(&a, Some(&a1), 3, None).unwrap();
+        drop(a1);
+        // A key at its share of the route waits and lets the others by.
+        let a2 = running.queue(&route, ka, fair(2, Some(2)));
+        assert_eq!(
+            running.try_take(&a, Some(&a2), 9, None).err(),
+            Some(Full::Route)
+        );
+        assert!(running.try_take(&b, Some(&b1), 9, None).is_ok());
+        // The key's own cap refuses.
+        let _one = running.try_take(&b, None, 9, Some(1)).unwrap();
+        assert_eq!(
+            running.try_take(&b, None, 9, Some(1)).err(),
+            Some(Full::Key)
+        );
+    }
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
 use super::metrics;
+use super::recent::{self, Counts, LastMinute};
 use crate::route::stated::{self, Report};
 use crate::route::{Route, Router};
 
@@ -34,6 +35,9 @@ pub struct RouteMetrics {
     /// `tollgate_requests_total{route, status}` for the common statuses, made on first use so
     /// that no zero series appear for statuses a route never answers.
     statuses: [OnceLock<IntCounter>; COMMON_STATUSES.len()],
+    /// Admitted and refused requests of the last minute (`/admin/routes`); made with the
+    /// route's first counted request, so routes without traffic cost one pointer.
+    recent: OnceLock<Box<LastMinute>>,
 }
 
 /// How many routes (in file order) have their series from the start; the others get theirs
@@ -87,6 +91,7 @@ impl RouteMetrics {
             admitted_duration: Lazy::new(label, |m, l| m.admitted_duration.with_label_values(l)),
             stated: StatedCosts::default(),
             statuses: Default::default(),
+            recent: OnceLock::new(),
         }
     }
 
@@ -162,6 +167,23 @@ impl RouteMetrics {
             Some(i) => self.statuses[i].get_or_init(series).inc(),
             None => series().inc(),
         }
+    }
+
+    /// Counts a request in the last minute's figures: admitted (when the decision is made,
+    /// shadow mode's included) or refused (when its refusal is answered).
+    /// `at`: when, from an instant the request has read anyway (no clock read here).
+    pub fn count_recent(&self, admitted: bool, at: std::time::Instant) {
+        self.recent
+            .get_or_init(Box::default)
+            .count(recent::second_of(at), admitted);
+    }
+
+    /// The last minute's admitted and refused requests (zeros for a route without any).
+    pub fn recent(&self) -> Counts {
+        self.recent
+            .get()
+            .map(|r| r.sum(recent::now_second()))
+            .unwrap_or_default()
     }
 
     /// Counts a refusal that `mode: shadow` did not make.

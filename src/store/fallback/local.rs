@@ -3,12 +3,14 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::running::Slot;
+use super::super::memory::MemoryStore;
+use super::super::running::Full;
 use super::super::{short_key, Admission, AdmitRequest, BudgetView, Extra, Lease, Peek, Standing};
 use super::{FallbackStore, SharedStore};
 use crate::budget::Limit;
 use crate::config::OnError;
 use crate::identity::KeyHash;
+use crate::telemetry::Queued;
 
 impl<S: SharedStore> FallbackStore<S> {
     /// Decides by `store.on_error` while the shared store cannot.
@@ -55,59 +57,93 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// `on_error: local`: this instance's `1/fleet_size` of the budget (in its memory) and of
-    /// the caps (counting everything it runs).
+    /// `on_error: local`: this instance's `1/fleet_size` share of the budget (in its memory) and
+    /// of the caps (counting everything it runs). A capped request is charged when it joins the
+    /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
+    /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
     async fn local_share(&self, req: &AdmitRequest) -> Admission {
         let n = self.fleet_size;
         let share = |cap: u32| (cap / n).max(1);
         let mut r = req.share(n);
         r.key_cap = None;
         r.route_cap = None;
-        // Refuse what the budget would refuse anyway before queueing for a slot.
-        if let Some(refusal) = self.local.preview(&r) {
-            return refusal;
-        }
-        let mut wanted = vec![];
-        if let Some(cap) = req.route_cap {
-            wanted.push((Slot::Route(req.route.clone()), share(cap)));
-        }
-        if let Some(cap) = req.key_cap {
-            wanted.push((Slot::Key(short_key(&req.key)), share(cap)));
-        }
-        let start = Instant::now();
-        let running = loop {
-            let freed = self.running.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            match self.running.try_take(&wanted) {
-                Ok(g) => break g,
-                Err(Slot::Key(_)) => return Admission::KeyBusy(self.local_standing(&r)),
-                Err(Slot::Route(_)) => {
-                    let waited = start.elapsed();
-                    if waited >= req.queue_timeout {
-                        return Admission::RouteBusy {
-                            standing: self.local_standing(&r),
-                            queued: waited,
-                        };
-                    }
-                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
-                }
-            }
-        };
-        // The budget may have moved while we queued: decide again, now for real.
-        match self.local.admit(&r).await {
+        let (standing, delay_us, lease) = match self.local.admit(&r).await {
             Admission::Admitted {
                 standing,
                 delay_us,
                 lease,
                 ..
-            } => Admission::Admitted {
-                standing,
-                delay_us,
-                lease: lease.counted(Some(running), true),
-                queued: start.elapsed(),
-            },
-            refused => refused,
+            } => (standing, delay_us, lease),
+            refused => return refused,
+        };
+        let charged = LocalCharge {
+            local: &self.local,
+            req: Some(&r),
+        };
+        let key_share = req.key_cap.map(share);
+        let start = Instant::now();
+        let Some(cap) = req.route_cap else {
+            return match self.running.try_take(req, None, 0, key_share) {
+                Ok(running) => {
+                    charged.served();
+                    Admission::Admitted {
+                        standing,
+                        delay_us,
+                        lease: lease.counted(Some(running), true),
+                        queued: Duration::ZERO,
+                    }
+                }
+                Err(_) => {
+                    drop(charged);
+                    Admission::KeyBusy(self.local_standing(&r))
+                }
+            };
+        };
+        let busy = |queued| Admission::RouteBusy {
+            standing: self.local_standing(&r),
+            queued,
+        };
+        if let Some(bound) = req.fair.max_queue {
+            if self.running.waiting(&req.route) >= share(bound) as usize {
+                drop(charged);
+                return busy(Duration::ZERO);
+            }
+        }
+        let mut fair = req.fair;
+        fair.per_key = fair.per_key.map(share);
+        let place = self.running.queue(&req.route, short_key(&req.key), fair);
+        let mut queued = None;
+        let running = loop {
+            let freed = self.running.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match self
+                .running
+                .try_take(req, Some(&place), share(cap), key_share)
+            {
+                Ok(g) => break g,
+                Err(Full::Key) => {
+                    drop(charged);
+                    return Admission::KeyBusy(self.local_standing(&r));
+                }
+                Err(Full::Route) => {
+                    let waited = start.elapsed();
+                    if waited >= req.queue_timeout {
+                        drop(charged);
+                        return busy(waited);
+                    }
+                    queued.get_or_insert_with(|| Queued::new(&req.route));
+                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
+                }
+            }
+        };
+        drop(place);
+        charged.served();
+        Admission::Admitted {
+            standing,
+            delay_us,
+            lease: lease.counted(Some(running), true),
+            queued: start.elapsed(),
         }
     }
 
@@ -129,5 +165,26 @@ impl<S: SharedStore> FallbackStore<S> {
             views,
             local_share: Some(n),
         })
+    }
+}
+
+/// A local charge made on joining a route's local waiters: given back unless it was served
+/// (also when the request's future is dropped: the client left while it waited).
+struct LocalCharge<'a> {
+    local: &'a MemoryStore,
+    req: Option<&'a AdmitRequest>,
+}
+
+impl LocalCharge<'_> {
+    fn served(mut self) {
+        self.req = None;
+    }
+}
+
+impl Drop for LocalCharge<'_> {
+    fn drop(&mut self) {
+        if let Some(req) = self.req.take() {
+            self.local.refund(req);
+        }
     }
 }

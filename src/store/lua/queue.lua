@@ -13,7 +13,8 @@
 --            `r:<key>` requests the key runs; `wt:<key>` its weight; `h:<key>` its member in
 --            KEYS[3]; `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
 --            KEYS[2]>|<instance>"; `i:<instance>` until when that instance is alive (µs);
---            `g:<instance>` the waiters granted to it, space-separated, until it collects them.
+--            `g:<instance>` the waiters granted to it, space-separated, until it collects them;
+--            `gi:<lease>` the instance a granted lease waits on, until it confirms it.
 --
 -- A slot freed (released, or a lease lapsed) goes to the next waiter in the same call: its
 -- waiter id becomes the lease id, held for `grant_ttl_us` until its instance confirms it
@@ -85,6 +86,7 @@ end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
 local function lease_gone(id)
+  redis.call('HDEL', state, 'gi:' .. id)
   local key = redis.call('HGET', state, 'l:' .. id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
@@ -122,7 +124,7 @@ local function grant(grant_ttl)
       drop_waiter(id, info ~= '' and info or (key .. '|' .. m .. '|'))
       if alive(instance) then
         redis.call('ZADD', leases, now + grant_ttl, id)
-        redis.call('HSET', state, 'l:' .. id, key)
+        redis.call('HSET', state, 'l:' .. id, key, 'gi:' .. id, instance)
         add_running(key, 1)
         local g = redis.call('HGET', state, 'g:' .. instance)
         redis.call('HSET', state, 'g:' .. instance, g and (g .. ' ' .. id) or id)
@@ -135,11 +137,16 @@ local function grant(grant_ttl)
   return granted
 end
 
--- Leases past their expiry (their instance died or stalled) go, with their key's count.
+-- Leases past their expiry (their instance died or stalled) go, with their key's count. An
+-- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
+-- waiters are skipped at once instead of being granted, and lapsing, one after another (a
+-- live one learns from its next beat that they are gone, and queues them again).
 local function purge()
   local lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)
+    local instance = redis.call('HGET', state, 'gi:' .. id)
+    if instance then redis.call('HDEL', state, 'i:' .. instance) end
     lease_gone(id)
   end
 end
@@ -201,6 +208,7 @@ elseif op == 'confirm' then
   local id, lease_ttl = ARGV[2], tonumber(ARGV[3])
   if not redis.call('ZSCORE', leases, id) then return {0} end
   redis.call('ZADD', leases, 'XX', now + lease_ttl, id)
+  redis.call('HDEL', state, 'gi:' .. id)
   keep(lease_ttl)
   return {1}
 elseif op == 'release' then

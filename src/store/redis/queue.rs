@@ -31,8 +31,11 @@ const BEAT_EVERY: Duration = Duration::from_millis(500);
 const ALIVE_FOR: Duration = Duration::from_secs(2);
 /// Beats on a route after this instance's last waiter there left.
 const IDLE_BEATS: u32 = 10;
-/// How long a granted slot waits for its instance to confirm it.
-const GRANT_TTL: Duration = Duration::from_secs(2);
+/// How long a granted slot waits for its instance to confirm it (told by Pub/Sub, or by its
+/// next beat 500 ms later, a live instance confirms within milliseconds). One that lets a
+/// grant lapse counts as dead until it beats again, so that a dead instance's grants pass on
+/// within this plus one beat of the release (DESIGN §8: within 2 s).
+const GRANT_TTL: Duration = Duration::from_secs(1);
 
 const TAKEN: i64 = 1;
 const FULL: i64 = 2;
