@@ -52,6 +52,9 @@ usage: bench/run.sh [options]
       --only "c g"    measure only these configurations (letters above; g, i and h are only
                       built and started when selected)
       --out DIR       keep configs, wrk outputs and logs in DIR (default: a temp dir, removed)
+      --tollgate-yaml FILE  append FILE to every tollgate config (e.g. a `tracing:` block);
+                      @UP_PORT@ in it becomes the upstream nginx's port (it answers 200 to
+                      any request, an OTLP export included)
       --syscalls      after the rounds, one more wrk run per selected letter (b c d g i h) under
                       `perf stat`: system calls (tracepoints) and allocations (uprobes on the
                       malloc family of libc and of jemalloc) per request, side by side
@@ -69,6 +72,7 @@ BUILD=1
 WITH_INFO=1
 PRELOAD=""
 ONLY=""
+TOLLGATE_YAML=""
 OUT=""
 SYSCALLS=0
 while [[ $# -gt 0 ]]; do
@@ -85,6 +89,7 @@ while [[ $# -gt 0 ]]; do
     --preload) PRELOAD=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
+    --tollgate-yaml) TOLLGATE_YAML=$2; shift ;;
     --syscalls) SYSCALLS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
@@ -394,6 +399,7 @@ rate_limits:
     "GET /reports/{id}": {cost: 1}
     "GET /api/items/{id}": {cost: 1}
 EOF
+  if [[ -n $TOLLGATE_YAML ]]; then sed "s/@UP_PORT@/$UP_PORT/g" "$TOLLGATE_YAML" >>"$1"; fi
 }
 BENCH_BUDGET='{cost: 1, window: 1s, max_cost: 100000000}'
 MEM_STORE='  backend: memory'
@@ -549,6 +555,13 @@ for r in $(seq "$ROUNDS"); do
     [[ $n == e ]] && : >"$TMP/tollgate-info.log"
   done
 done
+if [[ -n $TOLLGATE_YAML ]]; then
+  # With a tracing: block, what the exporter could not send (0: every span reached the receiver).
+  for a in "$TM_ADMIN" "$TR_ADMIN"; do
+    d=$(curl -s --max-time 2 "http://127.0.0.1:$a/metrics" | awk '/^tollgate_trace_spans_dropped_total /{print $2}')
+    if [[ -n $d ]]; then log "tollgate (admin :$a): tollgate_trace_spans_dropped_total $d"; fi
+  done
+fi
 
 # ---------------------------------------------------------------------------------------------
 # --syscalls: what each server asks of the kernel and of its allocator per request.

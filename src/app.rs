@@ -162,6 +162,7 @@ impl ShutdownSignalWatch for Signals {
                     // worker thread without a bound: in CI an instance once never exited
                     // after SIGINT that way (a worker that did not come back to its runtime).
                     self.app.shared.store.release_all().await;
+                    flush_spans(&self.app);
                     crate::telemetry::flush_logs();
                     crate::pid_file::remove();
                     std::process::exit(0);
@@ -193,6 +194,7 @@ fn spawn_drain_watch(app: Arc<App>) {
             }
         }
         release_leases(&app);
+        flush_spans(&app);
         crate::telemetry::flush_logs();
         crate::pid_file::remove();
         std::process::exit(0);
@@ -208,6 +210,14 @@ fn release_leases(app: &App) {
     {
         Ok(rt) => rt.block_on(app.shared.store.release_all()),
         Err(e) => tracing::warn!(error = %e, "cannot release leases before exit"),
+    }
+}
+
+/// The spans still queued go to the collector before exit, for at most 2 s (a dead one
+/// must not hold the exit up).
+fn flush_spans(app: &App) {
+    if let Some(t) = &app.shared.tracing {
+        t.shutdown(Duration::from_secs(2));
     }
 }
 
@@ -275,7 +285,14 @@ pub fn run_with(
     let ca_file = cfg.upstream.ca_file.clone();
     let tls = cfg.tls.clone();
     let resolver = tls.as_ref().map(|t| CertResolver::new(t.certified.clone()));
-    let shared = Shared::new(cfg, store);
+    // Before any runtime exists: the exporter's HTTP client is a blocking one.
+    let tracing = match &cfg.tracing {
+        Some(t) => {
+            Some(crate::trace::Tracing::start(t).map_err(|e| anyhow::anyhow!("tracing: {e}"))?)
+        }
+        None => None,
+    };
+    let shared = Shared::new(cfg, store, tracing);
     // On Redis, this instance takes its share of the fleet's async jobs (DESIGN §8).
     if matches!(shared.store, crate::store::Store::Redis(_)) {
         crate::jobs::fleet::start_collector(shared.clone());

@@ -138,6 +138,13 @@ pub fn route_table(cfg: &Config) -> String {
         cfg.keys.len(),
         cfg.raw.identity.sources.join(", ")
     );
+    if let Some(t) = &cfg.tracing {
+        let _ = writeln!(
+            out,
+            "tracing: OTLP/HTTP to {}  service: {}  sample_ratio: {}",
+            t.traces_url, t.service_name, t.sample_ratio
+        );
+    }
     out
 }
 

@@ -13,7 +13,7 @@
 //! - [`admin`], [`telemetry`]: what an SRE sees; [`audit`]: are the costs true (DESIGN §6);
 //!   [`state`]: what a running gateway shares; [`shutdown`]: the drain; [`app`]: process
 //!   assembly and signals; [`front`]: client connections; [`tls`]: TLS termination's
-//!   certificate; [`upstreams`]: named upstreams and pools.
+//!   certificate; [`upstreams`]: named upstreams and pools; [`trace`]: OpenTelemetry spans.
 
 pub mod accept;
 pub mod admin;
@@ -38,4 +38,5 @@ pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod trace;
 pub mod upstreams;

@@ -32,10 +32,16 @@ pub struct Shared {
     pub pools: ArcSwap<crate::upstreams::Pools>,
     /// This process's async jobs (DESIGN §8).
     pub jobs: crate::jobs::Board,
+    /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
+    pub tracing: Option<crate::trace::Tracing>,
 }
 
 impl Shared {
-    pub fn new(config: Config, store: Store) -> Arc<Shared> {
+    pub fn new(
+        config: Config,
+        store: Store,
+        tracing: Option<crate::trace::Tracing>,
+    ) -> Arc<Shared> {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
@@ -52,6 +58,7 @@ impl Shared {
             drain: Drain::new(),
             holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
             jobs: crate::jobs::Board::default(),
+            tracing,
         })
     }
 
@@ -67,6 +74,9 @@ impl Shared {
         let was = &old.config;
         if was.upstream.ca_file != new.upstream.ca_file {
             tracing::warn!("upstream.ca_file takes effect on restart only");
+        }
+        if was.tracing != new.tracing {
+            crate::trace::Tracing::reload(self.tracing.as_ref(), new.tracing.as_ref());
         }
         if was.store != new.store {
             tracing::warn!(

@@ -85,6 +85,8 @@ pub const METRIC_NAMES: &[&str] = &[
     // Registered by `jobs::metrics` (series only for routes with `async:`).
     "tollgate_jobs_total",
     "tollgate_jobs",
+    // Registered only when `tracing:` is on (crate::trace).
+    "tollgate_trace_spans_dropped_total",
 ];
 
 pub struct Metrics {

@@ -10,6 +10,7 @@
 //! - [`error`]: errors that name their path;
 //! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
 //! - `bounds`: limits on file size, nesting and name lengths;
+//! - `traces`: the `tracing:` block (OpenTelemetry export);
 //! - `unknown`: every unknown key of a file, not only the first serde stops at;
 //! - `validate`: one function per section, from [`RawConfig`] to [`Config`] (the budget
 //!   sections, checked against each other, in `validate/budgets`);
@@ -27,6 +28,7 @@ pub mod error;
 mod pattern;
 pub mod raw;
 pub mod size;
+mod traces;
 mod unknown;
 mod url;
 mod validate;
@@ -38,6 +40,7 @@ pub use raw::{
     Anonymous, Backend, Listen, Mode, OnError, RawBudget, RawConfig, RawDefault, RawEndpoint,
     RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
+pub use traces::{RawTracing, TraceSettings};
 pub use url::{parse_redis_target, redact_url, RedisTarget};
 
 /// One entry of the key registry.
@@ -131,6 +134,9 @@ pub struct Config {
     /// Registry ids, for `/admin/keys/{id}`.
     pub key_ids: HashMap<String, [u8; 32]>,
     pub router: Router,
+    /// `tracing:` with an endpoint: spans are built and exported (`None`: no spans at all).
+    /// Its `sample_ratio` is reloaded; the rest takes effect on restart.
+    pub tracing: Option<TraceSettings>,
     /// The file as parsed, for `/admin/config`.
     pub raw: RawConfig,
     /// The first 16 hex digits of the file's SHA-256 (`tollgate_config_info{hash}`), so an

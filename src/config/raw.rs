@@ -35,6 +35,9 @@ pub struct RawConfig {
     pub plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
     pub keys: Vec<RawKey>,
+    /// OpenTelemetry traces (DESIGN §9); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracing: Option<super::traces::RawTracing>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -67,6 +67,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         }
     }
     let (mut keys, key_ids) = keys(&raw.keys, default_policy.as_ref(), &plans, &mut errs);
+    let tracing = super::traces::validate(raw.tracing.as_ref(), &mut errs);
 
     if !errs.0.is_empty() {
         return Err(errs);
@@ -116,6 +117,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         keys,
         key_ids,
         router,
+        tracing,
         raw,
         hash: String::new(),
     })

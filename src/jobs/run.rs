@@ -339,6 +339,8 @@ impl Task {
             hold_ms: 0.0,
             upstream_status: e.upstream_status,
             request_id: self.origin.request_id.as_deref(),
+            // Jobs are not traced (yet): no span to join.
+            trace_id: None,
             fallback: false,
             shadow: None,
             client: self.origin.client,

@@ -101,6 +101,8 @@ pub enum Phase {
 /// Where the time went, for the access log and the histograms.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Timing {
+    /// When the store was asked for its decision (the trace's child spans start there).
+    pub asked: Option<Instant>,
     /// The store's decision, without waiting for a slot.
     pub store: Duration,
     /// Waiting for a route slot.
@@ -167,6 +169,8 @@ pub struct Ctx {
     pub upstream_host: Option<http::HeaderValue>,
     /// Classified and identified, and to become an async job (DESIGN §8): what to charge.
     pub job: Option<AdmitRequest>,
+    /// The request's spans, when `tracing:` is on (`None` otherwise: nothing is built).
+    pub trace: Option<Box<crate::trace::RequestTrace>>,
 }
 
 impl Ctx {
@@ -194,6 +198,7 @@ impl Ctx {
             share: 1,
             upstream_host: None,
             job: None,
+            trace: None,
         }
     }
 

@@ -169,6 +169,7 @@ impl Gateway {
         // An HTTP/2 client leaves by resetting its stream.
         let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
         let t = Instant::now();
+        ctx.timing.asked = Some(t);
         let answer = if may_queue {
             tokio::select! {
                 a = self.shared.store.decide(&admit) => a,
@@ -287,6 +288,9 @@ impl ProxyHttp for Gateway {
                 .and_then(scrub::client_request_id)
                 .unwrap_or_else(new_request_id),
         );
+        if let Some(t) = &self.shared.tracing {
+            ctx.trace = Some(t.begin(&session.req_header().headers));
+        }
         Ok(())
     }
 
@@ -374,6 +378,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
         forward::request(upstream, ctx, &session.req_header().headers, tls)?;
+        if let (Some(t), Some(trace)) = (&self.shared.tracing, &mut ctx.trace) {
+            trace.upstream_request(t, upstream)?;
+        }
         if drains_on_reset(session, ctx) {
             // The end of the upstream's answer is then the end of its connection, which is
             // what `front::drain_upstream` waits for.
@@ -550,6 +557,8 @@ impl ProxyHttp for Gateway {
         let elapsed = ctx.start.elapsed();
         let charged = ctx.final_charge();
         record::finished(rm, ctx, status, elapsed, charged);
+        let method = session.req_header().method.as_str();
+        let trace_id = record::trace(self.shared.tracing.as_ref(), ctx, method, &route, status, e);
         // Field expressions are only evaluated when the access log is enabled.
         if access::enabled() {
             let key = ctx.identity.as_ref().map(|i| i.log_name());
@@ -567,6 +576,7 @@ impl ProxyHttp for Gateway {
                 hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
                 upstream_status: ctx.upstream_status,
                 request_id: ctx.request_id.as_deref(),
+                trace_id: trace_id.as_ref().map(|t| t.as_str()),
                 fallback: ctx.fallback,
                 shadow: ctx.shadow_reason(),
                 client: ctx.origin.map(|o| o.client),

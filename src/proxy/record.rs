@@ -1,10 +1,14 @@
-//! What a finished request leaves in the metrics: one call from `logging`, after the slots
-//! were released and the charge settled.
+//! What a finished request leaves in the metrics and its trace: calls from `logging`, after
+//! the slots were released and the charge settled.
 
 use std::time::Duration;
 
+use pingora::Error;
+
 use super::ctx::{Ctx, Phase};
+use crate::route::Route;
 use crate::telemetry::{metrics, RouteMetrics};
+use crate::trace::{Finished, TraceHex, Tracing};
 
 /// The request's metrics, once it is finished (and settled).
 pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Duration, charged: u64) {
@@ -43,4 +47,34 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
                 .inc();
         }
     }
+}
+
+/// Ends the request's spans (when tracing is on): the trace id, for the access log.
+pub(super) fn trace(
+    tracing: Option<&Tracing>,
+    ctx: &mut Ctx,
+    method: &str,
+    route: &Route,
+    status: u16,
+    e: Option<&Error>,
+) -> Option<TraceHex> {
+    let (tracing, trace) = (tracing?, ctx.trace.take()?);
+    let key = ctx.identity.as_ref().map(|i| i.log_name());
+    Some(trace.finish(
+        tracing,
+        &Finished {
+            method,
+            route: &route.label,
+            status,
+            cost: ctx.final_charge(),
+            decision: ctx.decision(),
+            key_id: key.as_deref(),
+            plan: ctx.identity.as_ref().map(|i| i.policy.name.as_str()),
+            request_id: ctx.request_id.as_deref(),
+            capped: route.max_in_flight.is_some(),
+            timing: &ctx.timing,
+            upstream_status: ctx.upstream_status,
+            error: e.map(|e| e.etype().as_str()),
+        },
+    ))
 }

@@ -40,6 +40,8 @@ pub struct AccessRecord<'a> {
     pub hold_ms: f64,
     pub upstream_status: Option<u16>,
     pub request_id: Option<&'a str>,
+    /// The request's trace id, when tracing is on.
+    pub trace_id: Option<&'a str>,
     pub fallback: bool,
     pub shadow: Option<&'a str>,
     pub client: Option<IpAddr>,
@@ -243,6 +245,9 @@ impl AccessRecord<'_> {
         }
         if let Some(v) = self.request_id {
             f.str("request_id", v);
+        }
+        if let Some(v) = self.trace_id {
+            f.str("trace_id", v);
         }
         f.bool("fallback", self.fallback);
         if let Some(v) = self.shadow {

@@ -2,6 +2,8 @@
 //! real `redis-server` processes, each on free loopback ports and stopped on drop.
 #![allow(dead_code)]
 
+pub mod otlp;
+
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::net::TcpListener;

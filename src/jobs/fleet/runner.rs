@@ -88,6 +88,8 @@ pub(super) async fn run_claimed(
             hold_ms: 0.0,
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
+            // Jobs are not traced (yet): no span to join.
+            trace_id: None,
             fallback: false,
             shadow: None,
             client: None,

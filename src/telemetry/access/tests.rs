@@ -55,6 +55,7 @@ fn emit(r: &AccessRecord<'_>) {
         hold_ms = r.hold_ms,
         upstream_status = r.upstream_status,
         request_id = r.request_id,
+        trace_id = r.trace_id,
         fallback = r.fallback,
         shadow = r.shadow,
         client = r.client.map(|c| c.to_string()).as_deref(),
@@ -106,6 +107,7 @@ fn plain() -> AccessRecord<'static> {
         hold_ms: 0.0,
         upstream_status: Some(200),
         request_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+        trace_id: Some("0af7651916cd43dd8448eb211c80319c"),
         fallback: false,
         shadow: None,
         client: Some("127.0.0.1".parse().unwrap()),
@@ -130,6 +132,7 @@ fn sparse() -> AccessRecord<'static> {
         hold_ms: 12345.0,
         upstream_status: None,
         request_id: None,
+        trace_id: None,
         fallback: true,
         shadow: None,
         client: None,
@@ -154,6 +157,7 @@ fn awkward() -> AccessRecord<'static> {
         hold_ms: 250.0,
         upstream_status: None,
         request_id: Some("tab\there\nnl\r\u{0}\u{1b}[31m\u{7f} é 日本 \u{2028} 🦀 \u{301}'"),
+        trace_id: None,
         fallback: false,
         shadow: Some("budget"),
         client: Some("2001:db8::1".parse().unwrap()),
@@ -191,6 +195,7 @@ fn json_lines_are_the_ones_tracing_wrote() {
         "hold_ms",
         "upstream_status",
         "request_id",
+        "trace_id",
         "fallback",
         "client",
         "target",
@@ -217,7 +222,8 @@ fn compact_lines_are_the_ones_tracing_wrote() {
             "{AT}  INFO tollgate::access: method=\"GET\" route=\"/v1/search\" key=\"acme-prod\" \
              cost=5 decision=\"admitted\" status=200 latency_ms=1.234567 upstream_ms=0.987 \
              store_ms=0.012 queue_ms=0.0 hold_ms=0.0 upstream_status=200 \
-             request_id=\"4bf92f3577b34da6a3ce929d0e0e4736\" fallback=false client=\"127.0.0.1\"\n"
+             request_id=\"4bf92f3577b34da6a3ce929d0e0e4736\" \
+             trace_id=\"0af7651916cd43dd8448eb211c80319c\" fallback=false client=\"127.0.0.1\"\n"
         )
     );
 }

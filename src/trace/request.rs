@@ -1,0 +1,255 @@
+//! One request's spans: the server span (in a [`Context`], so that children name it as
+//! their parent), the upstream call, and the children made from the request's timings when
+//! it ends.
+
+use std::time::{Instant, SystemTime};
+
+use http::header::HeaderMap;
+use http::HeaderName;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::trace::Span;
+use pingora::http::RequestHeader;
+
+use super::Tracing;
+use crate::proxy::ctx::Timing;
+
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+
+/// The request's trace, from its first phase to `logging`.
+pub struct RequestTrace {
+    /// Holds the server span.
+    cx: Context,
+    /// The upstream call in progress or done (the last attempt's).
+    upstream: Option<(Span, Instant)>,
+    /// When the trace began, on both clocks: span times are `began` plus an `Instant`'s
+    /// distance from it, so that the request's own timings place the children.
+    began: (SystemTime, Instant),
+    /// The client's `traceparent` was valid and continued (else its `tracestate`, which
+    /// belongs to that parent, is not passed on).
+    continued: bool,
+}
+
+/// What `logging` knows of the request when it ends.
+pub struct Finished<'a> {
+    pub method: &'a str,
+    pub route: &'a str,
+    pub status: u16,
+    pub cost: u64,
+    pub decision: &'a str,
+    /// The registry id or `key:<8 hex>` (`Identity::log_name`): never the key.
+    pub key_id: Option<&'a str>,
+    pub plan: Option<&'a str>,
+    pub request_id: Option<&'a str>,
+    /// A capped route (`max_in_flight`): the queue wait is a span even when it was nothing.
+    pub capped: bool,
+    pub timing: &'a Timing,
+    pub upstream_status: Option<u16>,
+    pub error: Option<&'a str>,
+}
+
+/// A request's headers as the propagator reads them. A repeated `traceparent` is invalid
+/// (W3C trace context §3.2): none is read then; repeated `tracestate`s are one list.
+struct Headers<'a>(&'a HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        let mut all = self.0.get_all(key).iter();
+        match (all.next(), all.next()) {
+            (Some(v), None) => v.to_str().ok(),
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+impl Tracing {
+    /// The request's server span: a child of the client's `traceparent` when it carries a
+    /// valid one, else the root of a new trace.
+    pub fn begin(&self, headers: &HeaderMap) -> Box<RequestTrace> {
+        let began = (SystemTime::now(), Instant::now());
+        let parent = self.propagator.extract(&Headers(headers));
+        let continued = parent.span().span_context().is_valid();
+        let span = self
+            .tracer
+            .span_builder("request")
+            .with_kind(SpanKind::Server)
+            .with_start_time(began.0)
+            .start_with_context(&self.tracer, &parent);
+        Box::new(RequestTrace {
+            cx: parent.with_span(span),
+            upstream: None,
+            began,
+            continued,
+        })
+    }
+}
+
+impl RequestTrace {
+    fn at(&self, t: Instant) -> SystemTime {
+        self.began.0 + t.saturating_duration_since(self.began.1)
+    }
+
+    fn trace_id(&self) -> TraceHex {
+        TraceHex::new(self.cx.span().span_context().trace_id())
+    }
+
+    /// Starts the upstream-call span and names it in the request's `traceparent`; the
+    /// client's `tracestate` stays as it came (removed when its parent was not continued).
+    pub fn upstream_request(
+        &mut self,
+        tracing: &Tracing,
+        upstream: &mut RequestHeader,
+    ) -> pingora::Result<()> {
+        let now = Instant::now();
+        if let Some((mut earlier, _)) = self.upstream.take() {
+            // Pingora tries again (a connection that failed): that attempt ends here.
+            earlier.end_with_timestamp(self.at(now));
+        }
+        let mut span = tracing
+            .tracer
+            .span_builder("upstream")
+            .with_kind(SpanKind::Client)
+            .with_start_time(self.at(now))
+            .start_with_context(&tracing.tracer, &self.cx);
+        if span.is_recording() {
+            let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
+            span.set_attribute(KeyValue::new("http.request.method", method));
+        }
+        let sc = span.span_context();
+        let traceparent = format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8() & 1
+        );
+        upstream.insert_header(TRACEPARENT, traceparent)?;
+        if !self.continued && upstream.headers.contains_key(&TRACESTATE) {
+            upstream.remove_header(&TRACESTATE);
+        }
+        self.upstream = Some((span, now));
+        Ok(())
+    }
+
+    /// Ends the request's spans with what it came to. Returns the trace id. An unsampled
+    /// request's spans record nothing: they are only dropped.
+    pub fn finish(mut self, tracing: &Tracing, f: &Finished<'_>) -> TraceHex {
+        let id = self.trace_id();
+        if !self.cx.span().is_recording() {
+            return id;
+        }
+        let end = SystemTime::now();
+        self.children(tracing, f);
+        if let Some((mut span, started)) = self.upstream.take() {
+            match f.upstream_status {
+                Some(status) => span.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(status),
+                )),
+                None => {
+                    span.set_status(Status::error(f.error.unwrap_or("no response").to_string()))
+                }
+            }
+            let until = f.timing.upstream.map_or(end, |d| self.at(started + d));
+            span.end_with_timestamp(until);
+        }
+        let span = self.cx.span();
+        let name = match known_method(f.method) {
+            Some(m) => format!("{m} {}", f.route),
+            None => format!("HTTP {}", f.route),
+        };
+        span.update_name(name);
+        span.set_attributes(attributes(f));
+        if f.status >= 500 || f.status == 0 {
+            span.set_status(Status::error(f.decision.to_string()));
+        }
+        span.end_with_timestamp(end);
+        id
+    }
+
+    /// The store's decision, the wait for a slot and the `max_delay` hold, one after the
+    /// other from when the store was asked .
+    fn children(&self, tracing: &Tracing, f: &Finished<'_>) {
+        let Some(asked) = f.timing.asked else {
+            return;
+        };
+        let t = f.timing;
+        let mut parts = vec![("store decision", t.store)];
+        if f.capped {
+            parts.push(("queue wait", t.queued));
+        }
+        if !t.hold.is_zero() {
+            parts.push(("max_delay hold", t.hold));
+        }
+        let mut from = asked;
+        for (name, length) in parts {
+            let mut span = tracing
+                .tracer
+                .span_builder(name)
+                .with_start_time(self.at(from))
+                .start_with_context(&tracing.tracer, &self.cx);
+            from += length;
+            span.end_with_timestamp(self.at(from));
+        }
+    }
+}
+
+/// The server span's attributes (OpenTelemetry's HTTP names, and tollgate's own).
+fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
+    let method = known_method(f.method).unwrap_or("_OTHER");
+    let mut attrs = vec![
+        KeyValue::new("http.request.method", method),
+        KeyValue::new("http.route", f.route.to_string()),
+        KeyValue::new("http.response.status_code", i64::from(f.status)),
+        KeyValue::new("tollgate.cost", i64::try_from(f.cost).unwrap_or(i64::MAX)),
+        KeyValue::new("tollgate.decision", f.decision.to_string()),
+    ];
+    let optional = [
+        ("tollgate.key_id", f.key_id),
+        ("tollgate.plan", f.plan),
+        ("tollgate.request_id", f.request_id),
+        ("error.type", f.error),
+        (
+            "http.request.method_original",
+            (method == "_OTHER").then_some(f.method),
+        ),
+    ];
+    for (name, value) in optional {
+        if let Some(v) = value {
+            attrs.push(KeyValue::new(name, v.to_string()));
+        }
+    }
+    attrs
+}
+
+/// A trace id as 32 lower-case hex digits, made on the stack (the access log's `trace_id`).
+#[derive(Clone, Copy)]
+pub struct TraceHex([u8; 32]);
+
+impl TraceHex {
+    fn new(id: opentelemetry::trace::TraceId) -> TraceHex {
+        let mut digits = [b'0'; 32];
+        // 16 bytes are exactly 32 digits: cannot fail.
+        let _ = hex::encode_to_slice(id.to_bytes(), &mut digits);
+        TraceHex(digits)
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or("")
+    }
+}
+
+/// The method as OpenTelemetry's HTTP conventions name it: one of the standard ones, exactly
+/// (methods are case-sensitive), else `None` (`_OTHER`, the original in
+/// `http.request.method_original`), so that a client cannot make span names without bound.
+fn known_method(m: &str) -> Option<&'static str> {
+    const KNOWN: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    KNOWN.into_iter().find(|k| *k == m)
+}

@@ -1,0 +1,547 @@
+//! OpenTelemetry traces (DESIGN §9), against a real OTLP/HTTP receiver (`common::otlp`) that
+//! decodes what the gateway exports, a real upstream that records what it was sent, and the
+//! real gateway binary.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::otlp::{BlackHole, Collector, Received};
+use common::*;
+
+const KEY: &str = "trace-test-key-0123456789";
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_PARENT: &str = "00f067aa0ba902b7";
+/// A key in no registry (401 where there is one).
+const KEY_OF_NONE: &str = "nobody-0123456789";
+
+fn body(endpoint: &str, ratio: &str) -> String {
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /reports/generate: {{cost: 20, max_in_flight: 2, queue_timeout: 2s}}\nplans:\n  pro: {{max_cost: 500, window: 60s}}\nkeys:\n  - {{id: acme-prod, sha256: \"{}\", plan: pro}}\ntracing:\n  otlp_endpoint: \"{endpoint}\"\n  service_name: tollgate-under-test\n  sample_ratio: {ratio}\n",
+        sha256_hex(KEY)
+    )
+}
+
+/// The upstream's record of the request that carried `X-Request-Id: id`.
+fn seen_by_upstream(up: &Upstream, id: &str) -> tollgate::sample_api::Seen {
+    up.api
+        .seen()
+        .into_iter()
+        .find(|s| s.header("x-request-id") == [id])
+        .unwrap_or_else(|| panic!("the upstream never saw request {id}"))
+}
+
+/// `00-<trace>-<parent>-<flags>` → its three fields.
+fn traceparent(v: &str) -> (String, String, String) {
+    let f: Vec<&str> = v.split('-').collect();
+    assert_eq!((f.len(), f[0]), (4, "00"), "traceparent {v}");
+    (f[1].into(), f[2].into(), f[3].into())
+}
+
+fn one<'a>(spans: &'a [Received], name: &str) -> &'a Received {
+    let found: Vec<&Received> = spans.iter().filter(|s| s.name() == name).collect();
+    assert_eq!(found.len(), 1, "spans named {name}: {spans:#?}");
+    found[0]
+}
+
+/// A request with the client's sampled `traceparent` on a capped route: the gateway's server
+/// span continues the client's trace under the client's span; the store decision, the queue
+/// wait and the upstream call are its children; the upstream got a `traceparent` naming the
+/// upstream-call span (same trace) and the client's `tracestate` as it came; the attributes
+/// carry the route, the key's id and plan, never the key; the access log has the trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_trace_is_continued_and_the_upstream_is_its_child() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(20));
+    let gw = Gateway::start(&up, &body(&collector.url(), "1.0"));
+    let r = client()
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "traced-1")
+        .header(
+            "traceparent",
+            format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"),
+        )
+        .header("tracestate", "vendor=opaque,other=1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let spans = collector
+        .wait_trace(
+            CLIENT_TRACE,
+            &[
+                "POST /reports/generate",
+                "store decision",
+                "queue wait",
+                "upstream",
+            ],
+        )
+        .await;
+    assert_eq!(spans.len(), 4, "{spans:#?}");
+    let server = one(&spans, "POST /reports/generate");
+    assert_eq!(server.parent_id(), CLIENT_PARENT);
+    assert_eq!(server.span.kind, 2, "SPAN_KIND_SERVER");
+    assert_eq!(server.service, "tollgate-under-test");
+    for child in ["store decision", "queue wait", "upstream"] {
+        assert_eq!(one(&spans, child).parent_id(), server.span_id(), "{child}");
+    }
+    let upstream_span = one(&spans, "upstream");
+    assert_eq!(upstream_span.span.kind, 3, "SPAN_KIND_CLIENT");
+    assert_eq!(
+        upstream_span.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+
+    let seen = seen_by_upstream(&up, "traced-1");
+    let sent = seen.header("traceparent");
+    assert_eq!(sent.len(), 1, "{:?}", seen.headers);
+    let (trace, parent, flags) = traceparent(sent[0]);
+    assert_eq!(trace, CLIENT_TRACE);
+    assert_eq!(parent, upstream_span.span_id());
+    assert_eq!(flags, "01");
+    assert_eq!(seen.header("tracestate"), ["vendor=opaque,other=1"]);
+
+    for (attr, want) in [
+        ("http.route", "/reports/generate"),
+        ("http.request.method", "POST"),
+        ("http.response.status_code", "200"),
+        ("tollgate.cost", "20"),
+        ("tollgate.decision", "admitted"),
+        ("tollgate.key_id", "acme-prod"),
+        ("tollgate.plan", "pro"),
+        ("tollgate.request_id", "traced-1"),
+    ] {
+        assert_eq!(server.attr(attr).as_deref(), Some(want), "{attr}");
+    }
+    for s in &spans {
+        assert!(!s.all_values().contains(KEY), "the raw key in {s:#?}");
+    }
+    gw.wait_log("traced-1").await;
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "traced-1")
+        .unwrap();
+    assert_eq!(line["trace_id"], CLIENT_TRACE);
+}
+
+/// `sample_ratio: 0`: a request without a parent starts a trace that is not recorded (the
+/// upstream still learns it, unsampled) and exports nothing; a sampled parent is followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0"));
+    let c = client();
+    let r = c
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "unsampled-1")
+        .header("tracestate", "vendor=orphan")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "unsampled-1");
+    let (fresh, _, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!(flags, "00");
+    assert_ne!(fresh, "0".repeat(32));
+    // A tracestate without a (valid) traceparent belongs to no parent: not passed on.
+    assert!(seen.header("tracestate").is_empty(), "{:?}", seen.headers);
+    // Its spans have ended (the access-log line is written after them).
+    gw.wait_log("unsampled-1").await;
+
+    let r = c
+        .get(gw.url("/items/2"))
+        .header("X-API-Key", KEY)
+        .header(
+            "traceparent",
+            format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    collector
+        .wait_trace(CLIENT_TRACE, &["GET default", "store decision", "upstream"])
+        .await;
+    // Spans are exported in the order they ended: the first request's would be here by now.
+    let others: Vec<Received> = collector
+        .spans()
+        .into_iter()
+        .filter(|s| s.trace_id() != CLIENT_TRACE)
+        .collect();
+    assert!(others.is_empty(), "{others:#?}");
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "unsampled-1")
+        .unwrap();
+    assert_eq!(line["trace_id"], fresh.as_str());
+
+    // A method outside HTTP's standard ones does not name spans (OpenTelemetry's `_OTHER`).
+    let other = "55555555555555555555555555555555";
+    let r = c
+        .request(
+            reqwest::Method::from_bytes(b"FROB").unwrap(),
+            gw.url("/items/3"),
+        )
+        .header("X-API-Key", KEY)
+        .header("traceparent", format!("00-{other}-{CLIENT_PARENT}-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let spans = collector.wait_trace(other, &["HTTP default"]).await;
+    let server = one(&spans, "HTTP default");
+    assert_eq!(
+        server.attr("http.request.method").as_deref(),
+        Some("_OTHER")
+    );
+    assert_eq!(
+        server.attr("http.request.method_original").as_deref(),
+        Some("FROB")
+    );
+}
+
+/// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its
+/// decision and the store's, no upstream span), a request held by `max_delay` (its hold is a
+/// child span), and an unreachable upstream (502 refunded: an error status, the error type).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_holds_and_failures_are_traced() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let dead = free_port();
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "upstreams:\n  dead: {{url: \"http://127.0.0.1:{dead}\"}}\nrate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /held: {{cost: 5}}\n    /down: {{upstream: dead}}\nplans:\n  tiny: {{max_cost: 5, window: 60s}}\n  tight: {{max_cost: 10, window: 4s, max_delay: 3s}}\nkeys:\n  - {{id: tiny-key, sha256: \"{}\", plan: tiny}}\n  - {{id: tight-key, sha256: \"{}\", plan: tight}}\ntracing:\n  otlp_endpoint: \"{}\"\n",
+            sha256_hex("tiny-0123456789"),
+            sha256_hex("tight-0123456789"),
+            collector.url()
+        ),
+    );
+    let c = client();
+    let send = |path: &str, key: &str, trace: &str| {
+        c.get(gw.url(path))
+            .header("X-API-Key", key)
+            .header("traceparent", format!("00-{trace}-{CLIENT_PARENT}-01"))
+            .send()
+    };
+    let refused = "11111111111111111111111111111111";
+    assert_eq!(
+        send("/held", "tiny-0123456789", &"a".repeat(32))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        send("/held", "tiny-0123456789", refused)
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    let spans = collector
+        .wait_trace(refused, &["GET /held", "store decision"])
+        .await;
+    assert_eq!(spans.len(), 2, "no upstream span: {spans:#?}");
+    let server = one(&spans, "GET /held");
+    assert_eq!(server.attr("tollgate.decision").as_deref(), Some("budget"));
+    assert_eq!(
+        server.attr("http.response.status_code").as_deref(),
+        Some("429")
+    );
+    assert_eq!(server.attr("tollgate.cost").as_deref(), Some("0"));
+
+    // 10 units per 4 s: the third request of cost 5 waits for 5 units (2 s), within max_delay.
+    let held = "22222222222222222222222222222222";
+    for trace in ["2a", "2b"] {
+        let t = format!("{trace:0<32}");
+        assert_eq!(
+            send("/held", "tight-0123456789", &t)
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+    }
+    assert_eq!(
+        send("/held", "tight-0123456789", held)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let spans = collector
+        .wait_trace(
+            held,
+            &["GET /held", "store decision", "max_delay hold", "upstream"],
+        )
+        .await;
+    let server = one(&spans, "GET /held");
+    let hold = one(&spans, "max_delay hold");
+    assert_eq!(hold.parent_id(), server.span_id());
+    let hold_ns = hold.span.end_time_unix_nano - hold.span.start_time_unix_nano;
+    assert!(hold_ns > 0, "{hold:#?}");
+    // The upstream was called after the hold.
+    assert!(one(&spans, "upstream").span.start_time_unix_nano >= hold.span.end_time_unix_nano);
+
+    let failed = "33333333333333333333333333333333";
+    assert_eq!(
+        send("/down", KEY_OF_NONE, failed).await.unwrap().status(),
+        401
+    );
+    assert_eq!(
+        send("/down", "tight-0123456789", failed)
+            .await
+            .unwrap()
+            .status(),
+        502
+    );
+    let spans = collector
+        .wait_trace(failed, &["GET /down", "GET /down", "store decision"])
+        .await;
+    let down: Vec<&Received> = spans.iter().filter(|s| s.name() == "GET /down").collect();
+    assert_eq!(down.len(), 2, "{spans:#?}");
+    let (unauth, refunded) = if down[0].attr("tollgate.decision").as_deref() == Some("refunded") {
+        (down[1], down[0])
+    } else {
+        (down[0], down[1])
+    };
+    assert_eq!(
+        unauth.attr("tollgate.decision").as_deref(),
+        Some("unauthenticated")
+    );
+    assert_eq!(unauth.attr("tollgate.key_id"), None);
+    assert_eq!(
+        refunded.attr("tollgate.decision").as_deref(),
+        Some("refunded")
+    );
+    assert_eq!(
+        refunded.attr("http.response.status_code").as_deref(),
+        Some("502")
+    );
+    assert_eq!(
+        refunded.span.status.as_ref().map(|s| s.code),
+        Some(2),
+        "STATUS_CODE_ERROR"
+    );
+    assert_eq!(
+        refunded.attr("error.type").as_deref(),
+        Some("ConnectRefused")
+    );
+    // No connection, no upstream call.
+    assert!(spans.iter().all(|s| s.name() != "upstream"), "{spans:#?}");
+}
+
+/// `sample_ratio` is reloaded: from 0 (a request without a parent is not recorded) to 1 (the
+/// next one is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_the_sample_ratio() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0"));
+    let c = client();
+    let trace_of = |id: &'static str| {
+        let c = c.clone();
+        let url = gw.url("/items/1");
+        async move {
+            let r = c
+                .get(url)
+                .header("X-API-Key", KEY)
+                .header("X-Request-Id", id)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    trace_of("before-reload").await;
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        text.replace("sample_ratio: 0\n", "sample_ratio: 1\n"),
+    )
+    .unwrap();
+    gw.signal("HUP");
+    gw.wait_log("tracing.sample_ratio changed").await;
+    trace_of("after-reload").await;
+    gw.wait_log("after-reload").await;
+    let ids: Vec<String> = ["before-reload", "after-reload"]
+        .iter()
+        .map(|id| {
+            gw.access_log()
+                .into_iter()
+                .find(|l| l["request_id"] == *id)
+                .unwrap()["trace_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    collector.wait_trace(&ids[1], &["GET default"]).await;
+    // Exported in the order they ended: the first one's spans would be here by now.
+    assert!(
+        collector.spans().iter().all(|s| s.trace_id() != ids[0]),
+        "{:#?}",
+        collector.spans()
+    );
+}
+
+/// `n` requests, 4 at a time: (every status, the slowest, the whole time).
+async fn load(gw: &Gateway, n: usize) -> (Vec<u16>, Duration, Duration) {
+    let c = client();
+    let start = Instant::now();
+    let mut statuses = vec![];
+    let mut slowest = Duration::ZERO;
+    for _ in 0..n / 4 {
+        let t = Instant::now();
+        let rs = all_at_once(4, |i| {
+            c.get(gw.url(&format!("/items/{i}")))
+                .header("X-API-Key", KEY)
+        })
+        .await;
+        slowest = slowest.max(t.elapsed());
+        statuses.extend(rs.iter().map(|r| r.status().as_u16()));
+    }
+    (statuses, slowest, start.elapsed())
+}
+
+/// A collector on a closed port, and one that accepts and never answers: every request is
+/// answered, no slower than without tracing (a generous bound: the export timeout is 5 s,
+/// and a request that waited for an export would take that long), and every span of every
+/// request (3: server, store decision, upstream) is counted as dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_costs_spans_never_requests() {
+    const N: usize = 40;
+    let up = Upstream::start(Duration::from_millis(1));
+    let plain = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n",
+    );
+    // The same key through the untraced gateway (its default budget; it has no registry).
+    let (statuses, _, _) = load(&plain, 4).await;
+    assert_eq!(statuses, vec![200; 4]);
+    let (statuses, base_slowest, base_total) = load(&plain, N).await;
+    assert_eq!(statuses, vec![200; N]);
+
+    let hole = BlackHole::start();
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    for endpoint in [closed, hole.url()] {
+        let gw = Gateway::start(&up, &body(&endpoint, "1.0"));
+        let (statuses, slowest, total) = load(&gw, N).await;
+        assert_eq!(statuses, vec![200; N], "{endpoint}");
+        assert!(
+            slowest < base_slowest * 4 + Duration::from_secs(1),
+            "{endpoint}: slowest batch {slowest:?}, without tracing {base_slowest:?}"
+        );
+        assert!(
+            total < base_total * 4 + Duration::from_secs(2),
+            "{endpoint}: {total:?} for {N}, without tracing {base_total:?}"
+        );
+        wait_metric(
+            &gw,
+            "tollgate_trace_spans_dropped_total",
+            (3 * N) as f64,
+            Duration::from_secs(40),
+        )
+        .await;
+        assert_eq!(
+            gw.access_log()
+                .iter()
+                .filter(|l| l["status"] == 200)
+                .count(),
+            N
+        );
+    }
+}
+
+/// Without `tracing:`, a client's trace context goes upstream untouched and the access log
+/// has no trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_tracing_the_trace_context_passes_through() {
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n",
+    );
+    let sent = format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01");
+    let r = client()
+        .get(gw.url("/items/1"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "untraced-1")
+        .header("traceparent", &sent)
+        .header("tracestate", "vendor=opaque")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "untraced-1");
+    assert_eq!(seen.header("traceparent"), [sent.as_str()]);
+    assert_eq!(seen.header("tracestate"), ["vendor=opaque"]);
+    gw.wait_log("untraced-1").await;
+    let line = gw
+        .access_log()
+        .into_iter()
+        .find(|l| l["request_id"] == "untraced-1")
+        .unwrap();
+    assert!(line.get("trace_id").is_none(), "{line}");
+}
+
+/// `tollgate check` names each bad `tracing:` field; a good block is shown by `check` and
+/// in `/admin/config`; a reload that changes its service name says it takes effect on
+/// restart only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tracing_block_is_checked_and_shown() {
+    let out = check_fails(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 10}\ntracing:\n  otlp_endpoint: \"udp://collector:4318\"\n  sample_ratio: 1.5\n  colour: blue\n",
+    );
+    for want in [
+        "tracing.colour: unknown field `colour`",
+        "tracing.sample_ratio: must be between 0 and 1, got 1.5",
+        "tracing.otlp_endpoint: must start with http://",
+    ] {
+        assert!(out.contains(want), "{want} not in:\n{out}");
+    }
+    let out = check_fails(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 10}\ntracing:\n  otlp_endpoint: \"http://user:hunter2@collector:4318\"\n",
+    );
+    assert!(out.contains("tracing.otlp_endpoint: credentials"), "{out}");
+    assert!(!out.contains("hunter2"), "{out}");
+
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let gw = Gateway::start(&up, &body(&collector.url(), "0.25"));
+    let out = cli_ok(&gw.config_path, &["check"]);
+    let url = format!("{}/v1/traces", collector.url());
+    assert!(
+        out.contains(&format!(
+            "tracing: OTLP/HTTP to {url}  service: tollgate-under-test  sample_ratio: 0.25"
+        )),
+        "{out}"
+    );
+    let config = reqwest::get(gw.admin("/admin/config"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        config.contains(&format!("otlp_endpoint: {}", collector.url()))
+            && config.contains("sample_ratio: 0.25"),
+        "{config}"
+    );
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        text.replace("tollgate-under-test", "renamed"),
+    )
+    .unwrap();
+    gw.signal("HUP");
+    gw.wait_log("take effect on restart only; keeping the running tracer")
+        .await;
+}
