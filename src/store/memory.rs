@@ -405,14 +405,16 @@ impl MemoryStore {
     }
 }
 
-/// The charge of a request queued for a route slot: given back unless it was served.
-struct Unserved<'a> {
-    store: &'a MemoryStore,
-    req: Option<&'a AdmitRequest>,
+/// The charge of a request queued for a route slot: given back unless it was served (also
+/// when the request's future is dropped: the client left while it waited). The `local`
+/// fallback's waiters use it too.
+pub(crate) struct Unserved<'a> {
+    pub(crate) store: &'a MemoryStore,
+    pub(crate) req: Option<&'a AdmitRequest>,
 }
 
 impl Unserved<'_> {
-    fn served(mut self) {
+    pub(crate) fn served(mut self) {
         self.req = None;
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::memory::MemoryStore;
+use super::super::memory::Unserved;
 use super::super::running::Full;
 use super::super::{short_key, Admission, AdmitRequest, BudgetView, Extra, Lease, Peek, Standing};
 use super::{FallbackStore, SharedStore};
@@ -76,8 +76,8 @@ impl<S: SharedStore> FallbackStore<S> {
             } => (standing, delay_us, lease),
             refused => return refused,
         };
-        let charged = LocalCharge {
-            local: &self.local,
+        let charged = Unserved {
+            store: &self.local,
             req: Some(&r),
         };
         let key_share = req.key_cap.map(share);
@@ -165,26 +165,5 @@ impl<S: SharedStore> FallbackStore<S> {
             views,
             local_share: Some(n),
         })
-    }
-}
-
-/// A local charge made on joining a route's local waiters: given back unless it was served
-/// (also when the request's future is dropped: the client left while it waited).
-struct LocalCharge<'a> {
-    local: &'a MemoryStore,
-    req: Option<&'a AdmitRequest>,
-}
-
-impl LocalCharge<'_> {
-    fn served(mut self) {
-        self.req = None;
-    }
-}
-
-impl Drop for LocalCharge<'_> {
-    fn drop(&mut self) {
-        if let Some(req) = self.req.take() {
-            self.local.refund(req);
-        }
     }
 }
