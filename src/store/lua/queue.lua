@@ -276,10 +276,9 @@ elseif op == 'beat' then
     end
   end
   out[2] = #out - 2
-  -- The common case, nothing lost: every waiter the instance names is still counted here.
-  local named = tonumber(ARGV[5]) or 0
-  if num('n:' .. instance) == named then named = 0 end
-  for i = 1, named do
+  -- (Every named waiter is checked: a count that matches can hide one lost beside one that
+  -- should have left, as a failover leaves them.)
+  for i = 1, tonumber(ARGV[5]) or 0 do
     local id = ARGV[5 + i]
     if not redis.call('HGET', state, 'w:' .. id) and not redis.call('ZSCORE', leases, id) then
       out[#out + 1] = id
