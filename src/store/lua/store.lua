@@ -72,6 +72,9 @@
 --          -> each budget's level now, holds included (ticks), one atomic view
 --   lease  KEYS lease sets...    ARGV lease_id ttl_us (0 = release) -> 1 (a renewal
 --          re-creates a lease that is missing)
+--   take   KEYS route leases     ARGV route_cap lease_id lease_ttl_us -> 3 (ADMITTED: slot
+--          taken) or 2 (ROUTE_BUSY: nothing written). On Redis Cluster a route's lease set is
+--          in another slot than the key's budget: `admit` (without the route) then `take`.
 --   undo   KEYS record, key leases (the record again: none), budget...
 --          ARGV lease_id tombstone_ms (per_unit rate cost)...
 --          -> 1 (the admission had charged: refunded, its key lease released) or 0 (it had
@@ -469,6 +472,18 @@ if op == 'lease' then
     expire_with_last_lease(KEYS[i])
   end
   return 1
+end
+
+if op == 'take' then
+  local route_cap = tonumber(ARGV[2])
+  local now = now_us()
+  if redis.call('ZCOUNT', KEYS[1], int(now), '+inf') >= route_cap then
+    return ROUTE_BUSY
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. int(now))
+  redis.call('ZADD', KEYS[1], int(now + tonumber(ARGV[4])), ARGV[3])
+  expire_with_last_lease(KEYS[1])
+  return ADMITTED
 end
 
 if op == 'undo' then

@@ -91,9 +91,11 @@ impl AdmitCode {
 pub(super) struct AdmitCall {
     pub budget: String,
     pub key_slots: Option<String>,
+    pub route_slots: Option<String>,
     pub limit: Limit,
     pub cost: u64,
     pub key_cap: u32,
+    pub route_cap: u32,
     /// The call's admission id (unique across the fleet), also the id of the leases it takes.
     pub lease_id: String,
     /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
@@ -118,7 +120,11 @@ pub(super) struct AdmitCall {
 impl AdmitCall {
     /// The lease sets this call takes a slot in.
     pub fn slot_keys(&self) -> Vec<String> {
-        self.key_slots.iter().cloned().collect()
+        self.key_slots
+            .iter()
+            .chain(&self.route_slots)
+            .cloned()
+            .collect()
     }
 }
 
@@ -219,15 +225,17 @@ impl StoreScript {
     /// only when admitted (to every budget), and the settling always. Charges: never retry
     /// it after a timeout.
     pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        self.admit_with(c)
+        self.admit_with(c, c.route_slots.as_ref().unwrap_or(&c.budget), c.route_cap)
     }
 
     /// `admit` with the route's lease set and cap given (the key's side alone: the budget key
     /// again, and cap 0).
-    fn admit_with<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        // A capped route's slot is not taken here but in its fair queue: no route lease set
-        // (the budget key again, never touched) and no route cap.
-        let (route_set, route_cap) = (&c.budget, 0);
+    fn admit_with<'a>(
+        &'a self,
+        c: &'a AdmitCall,
+        route_set: &'a str,
+        route_cap: u32,
+    ) -> ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         let floor = |l: &Limit| if c.slice > 0 { slices::floor(l) } else { 0 };
         let l = &c.limit;
@@ -293,6 +301,26 @@ impl StoreScript {
         std::iter::once((c.budget.clone(), c.limit))
             .chain(c.also.iter().cloned())
             .collect()
+    }
+
+    /// `admit` for the key's side only (its budget and lease set, one hash slot), as Redis
+    /// Cluster needs on a capped route; the route's slot is then taken by [`Self::take`].
+    pub fn admit_key<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        self.admit_with(c, &c.budget, 0)
+    }
+
+    /// `take`: a slot in a route's lease set for lease `id`, if one is free.
+    ///
+    /// KEYS[1] route lease set; ARGV[2] route_cap, ARGV[3] lease id, ARGV[4] lease_ttl (µs).
+    /// Reply [`AdmitCode::Admitted`] (taken) or [`AdmitCode::RouteBusy`] (nothing written).
+    pub fn take<'a>(&'a self, set: &'a str, c: &'a AdmitCall) -> ScriptInvocation<'a> {
+        let mut inv = self.0.prepare_invoke();
+        inv.key(set)
+            .arg("take")
+            .arg(c.route_cap)
+            .arg(&c.lease_id)
+            .arg(c.lease_ttl_us);
+        inv
     }
 
     /// `refund`: gives `cost` units back to each budget (never below empty).
