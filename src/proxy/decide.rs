@@ -1,0 +1,136 @@
+//! The admission of one request (`request_filter`'s work): identify, classify, decide in the
+//! store, queue or hold, and arm what follows the upstream.
+
+use super::*;
+
+impl Gateway {
+    /// Classifies, identifies and admits; `Err` is the refusal to send, `Ok(false)` a client
+    /// that left before its request could be forwarded.
+    pub(super) async fn decide(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> Result<bool, Refusal> {
+        let running = match &ctx.running {
+            Some(r) => r.clone(),
+            None => {
+                let r = self.shared.running();
+                ctx.running = Some(r.clone());
+                r
+            }
+        };
+        let cfg = &running.config;
+        let req = session.req_header();
+
+        // 1. Classify: the route is chosen from, and the upstream receives, the canonical target.
+        let target = String::from_utf8_lossy(req.raw_path());
+        let classified = decision::classify(cfg, req.method.as_str(), &target);
+        let classified = match classified {
+            Ok(c) => c,
+            Err(r) => {
+                ctx.route = Some(cfg.router.default_route().clone());
+                return Err(r);
+            }
+        };
+        let route = classified.route.clone();
+        ctx.route = Some(route.clone());
+        ctx.forward = Some(classified);
+        decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
+
+        // 2. Identify. The raw key never leaves `decision::identify`.
+        let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
+        let admit = decision::admit_request(&route, &who);
+        // An async route's request that asks (or must) become a job: charged and queued by
+        // `jobs::submit` instead (a shadow route only observes: its requests stay synchronous).
+        let job = route.jobs.filter(|_| !route.fidelity.shadow);
+        if job.is_some_and(|j| j.always || crate::jobs::prefers_async(&req.headers)) {
+            ctx.identity = Some(who);
+            ctx.job = Some(admit);
+            return Ok(true);
+        }
+        ctx.identity = Some(who);
+
+        // 3. Admit: budget, per-key cap and route cap in one store decision. A client that
+        // leaves while queued for a slot is never admitted (the store's admit is cancel-safe).
+        // An HTTP/2 client leaves by resetting its stream.
+        let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
+        let t = Instant::now();
+        ctx.timing.asked = Some(t);
+        let answer = if may_queue {
+            tokio::select! {
+                a = self.shared.store.decide(&admit) => a,
+                _ = front::client_left(&mut session.downstream_session) => {
+                    ctx.phase = Phase::Abandoned;
+                    return Ok(false);
+                }
+            }
+        } else {
+            self.shared.store.decide(&admit).await
+        };
+        let elapsed = t.elapsed();
+        ctx.fallback = answer.fallback;
+        ctx.share = answer.share;
+        let answer = answer.admission;
+        let admitted = match decision::judge(&route, answer) {
+            Ok(a) => a,
+            Err(r) => {
+                ctx.timing.store = elapsed.saturating_sub(r.queued);
+                return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
+            }
+        };
+        ctx.timing.store = elapsed.saturating_sub(admitted.queued);
+        let m = running.metrics.get(&route);
+        if route.max_in_flight.is_some() {
+            m.queue_wait.observe(admitted.queued.as_secs_f64());
+        }
+        let hold = admitted.hold;
+        // Held requests are bounded per instance: past the bound, give the reservation back
+        // and refuse (429 with Retry-After) rather than queue without limit.
+        let _held = if hold.is_zero() {
+            None
+        } else {
+            match self.shared.holds.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    let outcome = admitted.outcome;
+                    self.shared
+                        .store
+                        .refund(&admit, admitted.lease.charge())
+                        .await;
+                    admitted.lease.release().await;
+                    let r = decision::too_many_held(&route, hold, outcome);
+                    return shadow_or_refuse(ctx, &route, m, r);
+                }
+            }
+        };
+        ctx.timing.hold = hold;
+        ctx.admit(admit, admitted, &m.in_flight);
+        // Counted when admitted, not when it ends: a report running for minutes is in the
+        // last minute's figures while it runs. The moment is its start plus its wait for a
+        // slot (the store's answer is not worth a clock read).
+        m.count_recent(true, ctx.start + ctx.timing.queued);
+        if !hold.is_zero() {
+            // max_delay: the units are reserved; hold the request until they are due. A client
+            // that leaves meanwhile gets its reservation back and is never forwarded.
+            tokio::select! {
+                _ = tokio::time::sleep(hold) => {}
+                _ = front::client_left(&mut session.downstream_session) => {
+                    ctx.abandon(&self.shared.store).await;
+                    return Ok(false);
+                }
+            }
+        }
+        if route.max_in_flight.is_some() {
+            // The slot follows the upstream's work: once the request is with the upstream, a
+            // client that leaves no longer cancels it (see `front::ConnState::set_shield`).
+            if session.is_body_empty() || session.is_body_done() {
+                if let Some(c) = &ctx.conn {
+                    c.set_shield(true);
+                }
+            } else {
+                ctx.shield_after_body = true;
+            }
+        }
+        Ok(true)
+    }
+}
