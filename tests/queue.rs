@@ -572,3 +572,70 @@ async fn waiters_are_answered_through_a_sentinel_failover() {
     assert!(failover.elapsed() < Duration::from_secs(40));
     assert_eq!(up.max_concurrent("/reports/generate"), 2, "{statuses:?}");
 }
+
+/// What a Redis failover can leave in a route's queue: a release the old primary acknowledged
+/// and died before its replica had it. The lease stays, held by nobody and renewed by nobody
+/// (until `lease_ttl`, 30 s here), and its key counts one request running, so that the fair
+/// order serves that key last. Here that lease — the instance's own id of a request it has
+/// released — holds the only slot. The instance's next beat names every id it has on the
+/// route and drops its others: the next request is served within a beat, not after 30 s
+/// (before: 503 after `queue_timeout`), and its key runs nothing once it is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_lost_in_a_failover_gives_its_slot_back_within_a_beat() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: 30s\n{}",
+        redis.url(),
+        config(
+            "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 5s\n",
+            ""
+        )
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // The instance's first request: its id is `<instance>:0`, released when it ends.
+    assert_eq!(
+        post(&c, gw.url("/reports/generate"), "key-a")
+            .await
+            .status(),
+        200
+    );
+    let leases = redis_route_slots_key("/reports/generate");
+    let state = format!("{}s", leases.strip_suffix('f').unwrap());
+    assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
+    let instance = redis
+        .cli(&["HKEYS", &state])
+        .lines()
+        .find_map(|f| f.strip_prefix("i:").map(str::to_string))
+        .expect("the instance's beat record");
+    let ghost = format!("{instance}:0");
+    let tag_b = redis_budget_key("key-b");
+    let tag_b = tag_b
+        .strip_prefix("t{")
+        .and_then(|t| t.strip_suffix("}b"))
+        .unwrap();
+    // The release never happened, as far as Redis knows.
+    let time = redis.cli(&["TIME"]);
+    let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let now_us = t.next().unwrap() * 1_000_000 + t.next().unwrap();
+    let expiry = (now_us + 30_000_000).to_string();
+    redis.cli(&["ZADD", &leases, &expiry, &ghost]);
+    redis.cli(&[
+        "HSET",
+        &state,
+        &format!("l:{ghost}"),
+        tag_b,
+        &format!("r:{tag_b}"),
+        "1",
+    ]);
+
+    let start = Instant::now();
+    let r = post(&c, gw.url("/reports/generate"), "key-b").await;
+    assert_eq!(r.status(), 200);
+    let waited = start.elapsed();
+    assert!(waited < Duration::from_secs(2), "served after {waited:?}");
+    assert_eq!(redis.cli(&["ZSCORE", &leases, &ghost]), "");
+    assert_eq!(redis.cli(&["HGET", &state, &format!("r:{tag_b}")]), "");
+    assert_eq!(up.count("/reports/generate"), 2);
+}

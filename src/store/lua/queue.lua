@@ -1,3 +1,4 @@
+#!lua
 -- A capped route's slots and its fair queue, fleet-wide (DESIGN §8), on Redis TIME.
 --
 -- Every key is in the route's slot (`t:r{<route tag>}…`):
@@ -16,6 +17,14 @@
 --            `g:<instance>` the waiters granted to it, space-separated, until it collects them;
 --            `gi:<lease>` the instance a granted lease waits on, until it confirms it;
 --            `n:<instance>` its waiters, and `insts` the instances with any.
+--   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
+--            refused. A `leave` or `release` that finds its id neither waiting nor holding a
+--            lease leaves one: the `enter` it gave up on may still be on its way (a timed-out
+--            call, a partition that delivers late), and must not take a slot nobody holds.
+--
+-- The `#!lua` line makes this a flagged script (Redis 7): Redis refuses it before running it
+-- when it is out of memory (`maxmemory` + `noeviction`), a replica or otherwise unable to
+-- write, so such an error reply means nothing was written.
 --
 -- A slot freed (released, or a lease lapsed) goes to the next waiter in the same call: its
 -- waiter id becomes the lease id, held for `grant_ttl_us` until its instance confirms it
@@ -25,21 +34,25 @@
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
---             {0 QUEUED, position}
---   leave  ARGV id ... -> {0 LEFT} | {1 GRANTED (the caller holds the lease: release it)} |
---          {2 GONE}
+--             {0 QUEUED, position} | {3 GIVEN_UP} (a `leave` or `release` of this id came
+--             first: nothing written)
+--   leave  ARGV id given_up_us -> {0 LEFT} | {1 GRANTED (the caller holds the lease: release
+--          it)} | {2 GONE} (and the id is refused for given_up_us)
 --   confirm ARGV id lease_ttl_us -> {1} (the granted lease, renewed for lease_ttl) | {0} (it
 --          lapsed unconfirmed and went to another waiter: nothing written)
---   release ARGV id grant_ttl_us -> {0}
---   beat   ARGV instance alive_us grant_ttl_us n, then n waiter ids of this instance ->
---          {0, g, the g waiters granted to it whose grant still holds..., then those of the n
---          that are neither waiting nor granted (the queue lost them: a failover, a flush)}
+--   release ARGV id grant_ttl_us given_up_us -> {0} (the lease or the waiter of that id goes;
+--          an id that was neither is refused for given_up_us)
+--   beat   ARGV instance alive_us grant_ttl_us below n, then the n ids the instance has on
+--          the route (waiting, entering, holding) -> {0, g, the g waiters granted to it whose
+--          grant still holds..., then those of the n that are neither waiting nor granted
+--          (the queue lost them: a failover, a flush)}. With `below` > 0, the instance's own
+--          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   peek   -> {running, queued, then per key: key, running, waiting}
 -- Reads and checks come before the first write of each operation's own work; the upkeep
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
 
-local QUEUED, TAKEN, FULL = 0, 1, 2
-local leases, waiters, heads, state = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local QUEUED, TAKEN, FULL, GIVEN_UP = 0, 1, 2, 3
+local leases, waiters, heads, state, given_up = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 
 local t = redis.call('TIME')
@@ -125,6 +138,13 @@ local function drop_waiter(id, info)
   return key
 end
 
+-- Refuses a late `enter` of `id` for `for_us`.
+local function give_up(id, for_us)
+  redis.call('ZREMRANGEBYSCORE', given_up, '-inf', int(now))
+  redis.call('ZADD', given_up, int(now + for_us), id)
+  redis.call('PEXPIRE', given_up, int(math.ceil(for_us / 1000) + 1000))
+end
+
 local function alive(instance)
   return num('i:' .. instance) >= now
 end
@@ -194,6 +214,8 @@ if op == 'enter' then
   local id, key, weight = ARGV[2], ARGV[3], tonumber(ARGV[4])
   local route_cap, route_share, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local lease_ttl, instance, alive_us, grant_ttl = tonumber(ARGV[8]), ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
+  local until_us = redis.call('ZSCORE', given_up, id)
+  if until_us and tonumber(until_us) > now then return {GIVEN_UP} end
   redis.call('HSET', state, 'cap', route_cap, 'share', route_share, 'i:' .. instance, int(now + alive_us))
   purge()
   grant(grant_ttl)
@@ -229,6 +251,7 @@ elseif op == 'leave' then
     return {0}
   end
   if redis.call('ZSCORE', leases, id) then return {1} end
+  give_up(id, tonumber(ARGV[3]))
   return {2}
 elseif op == 'confirm' then
   local id, lease_ttl = ARGV[2], tonumber(ARGV[3])
@@ -239,6 +262,13 @@ elseif op == 'confirm' then
   return {1}
 elseif op == 'release' then
   local id, grant_ttl = ARGV[2], tonumber(ARGV[3])
+  local info = redis.call('HGET', state, 'w:' .. id)
+  if info then
+    -- Still waiting (its `leave` failed): it goes, like a lease.
+    refresh(drop_waiter(id, info))
+  elseif not redis.call('ZSCORE', leases, id) then
+    give_up(id, tonumber(ARGV[4]))
+  end
   redis.call('ZREM', leases, id)
   lease_gone(id)
   purge()
@@ -246,6 +276,7 @@ elseif op == 'release' then
   return {0}
 elseif op == 'beat' then
   local instance, alive_us, grant_ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local below, n = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 0
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   purge()
   -- Waiters of instances that stopped beating leave the queue (the queue is walked only
@@ -266,6 +297,47 @@ elseif op == 'beat' then
       refresh(key)
     end
   end
+  -- The ids the instance names are all it has here (waiting, entering, confirming, holding).
+  -- Each that the queue has neither waiting nor holding is reported: the queue lost it. (Every
+  -- named id is checked: a count that matches can hide one lost beside one that should have
+  -- left, as a failover leaves them.)
+  local named, named_waiting, lost = {}, 0, {}
+  for i = 1, n do
+    local id = ARGV[6 + i]
+    named[id] = true
+    if redis.call('HGET', state, 'w:' .. id) then
+      named_waiting = named_waiting + 1
+    elseif not redis.call('ZSCORE', leases, id) then
+      lost[#lost + 1] = id
+    end
+  end
+  -- And the queue's waiters and leases of this instance that it does not name, from before
+  -- the list was made (ids `<instance>:<seq>`, seq below `below`), go: a release or a leave
+  -- that a failover lost (the primary acknowledged it, then died before its replica had it)
+  -- would otherwise hold a slot until its lease lapses, and count as running for its key.
+  if below > 0 then
+    local prefix = instance .. ':'
+    local function stale(id)
+      if not id or named[id] or string.sub(id, 1, #prefix) ~= prefix then return false end
+      local seq = tonumber(string.sub(id, #prefix + 1))
+      return seq ~= nil and seq < below
+    end
+    for _, id in ipairs(redis.call('ZRANGE', leases, 0, -1)) do
+      if stale(id) then
+        redis.call('ZREM', leases, id)
+        lease_gone(id)
+      end
+    end
+    if num('n:' .. instance) > named_waiting then
+      for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+        local id = string.match(m, '^[^:]*:%d+:(.*)$')
+        if stale(id) then
+          local info = redis.call('HGET', state, 'w:' .. id) or ''
+          refresh(drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|')))
+        end
+      end
+    end
+  end
   grant(grant_ttl)
   local mine = redis.call('HGET', state, 'g:' .. instance)
   redis.call('HDEL', state, 'g:' .. instance)
@@ -276,14 +348,7 @@ elseif op == 'beat' then
     end
   end
   out[2] = #out - 2
-  -- (Every named waiter is checked: a count that matches can hide one lost beside one that
-  -- should have left, as a failover leaves them.)
-  for i = 1, tonumber(ARGV[5]) or 0 do
-    local id = ARGV[5 + i]
-    if not redis.call('HGET', state, 'w:' .. id) and not redis.call('ZSCORE', leases, id) then
-      out[#out + 1] = id
-    end
-  end
+  for _, id in ipairs(lost) do out[#out + 1] = id end
   keep(alive_us)
   return out
 elseif op == 'peek' then

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::queue::{queue_keys, GRANT_TTL};
+use super::queue::{leave, queue_keys, QueueKeys, GRANT_TTL};
 use super::{keys, Decided, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Standing, StoreError};
 
@@ -41,7 +41,7 @@ fn job_key(id: &str) -> String {
 }
 
 impl RedisBackend {
-    fn route_keys(route: &str) -> Result<[String; 4], StoreError> {
+    fn route_keys(route: &str) -> Result<QueueKeys, StoreError> {
         queue_keys(&keys::route_slots_key(route))
             .ok_or_else(|| StoreError::Reply("route lease key".into()))
     }
@@ -104,9 +104,11 @@ impl RedisBackend {
     pub(crate) async fn job_grants(&self, route: &str) -> Result<Vec<String>, StoreError> {
         let rk = Self::route_keys(route)?;
         let mut inv = self.queue_script.call(&rk, "beat");
+        // (`below` 0: job ids are not this instance's to reconcile.)
         inv.arg(FLEET)
             .arg(FLEET_ALIVE.as_micros() as u64)
             .arg(GRANT_TTL.as_micros() as u64)
+            .arg(0)
             .arg(0);
         let reply: Vec<redis::Value> = self.call(inv).await?;
         let n = reply
@@ -142,9 +144,7 @@ impl RedisBackend {
     /// the slot), 2 no longer there.
     pub(crate) async fn job_leave(&self, route: &str, id: &str) -> Result<i64, StoreError> {
         let rk = Self::route_keys(route)?;
-        let mut inv = self.queue_script.call(&rk, "leave");
-        inv.arg(id);
-        let v: Vec<i64> = self.call(inv).await?;
+        let v: Vec<i64> = self.call(leave(&self.queue_script, &rk, id)).await?;
         Ok(v.first().copied().unwrap_or(2))
     }
 

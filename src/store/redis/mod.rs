@@ -298,6 +298,16 @@ impl RedisBackend {
         req: &AdmitRequest,
         ask: Ask,
     ) -> Result<(Decided, Seen), StoreError> {
+        self.try_admit_as(req, ask, self.next_lease_id()).await
+    }
+
+    /// One `admit` call for `req` under admission id `lease_id`.
+    async fn try_admit_as(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        ask: Ask,
+        lease_id: String,
+    ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
         // A capped route's slot is taken in its fair queue, after this call (`queue`); on
         // Redis Cluster by `take`, in the route's slot, right after the key's side.
@@ -319,7 +329,7 @@ impl RedisBackend {
             },
             record: String::new(),
             // Every call's admission id; the id of its leases too, if it takes any.
-            lease_id: self.next_lease_id(),
+            lease_id,
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             also: also_keys(req).collect(),
             holds,

@@ -43,8 +43,15 @@ const QUEUED: i64 = 0;
 const LEFT: i64 = 0;
 const GRANTED: i64 = 1;
 
-/// The four keys of a route's queue, from its lease set (`t:r{tag}f`).
-pub(super) fn queue_keys(lease_set: &str) -> Option<[String; 4]> {
+/// The keys of a route's queue (`lua/queue.lua`'s KEYS).
+pub(super) type QueueKeys = [String; 5];
+
+/// How long a waiter id given up on is refused by a late `enter`: the resend horizon of an
+/// admission's record.
+const GIVEN_UP_FOR: Duration = super::script::ADMISSION_RECORD;
+
+/// The keys of a route's queue, from its lease set (`t:r{tag}f`).
+pub(super) fn queue_keys(lease_set: &str) -> Option<QueueKeys> {
     let base = lease_set
         .strip_suffix('f')
         .filter(|b| b.starts_with("t:r{"))?;
@@ -53,6 +60,7 @@ pub(super) fn queue_keys(lease_set: &str) -> Option<[String; 4]> {
         format!("{base}q"),
         format!("{base}k"),
         format!("{base}s"),
+        format!("{base}x"),
     ])
 }
 
@@ -64,7 +72,7 @@ impl QueueScript {
         QueueScript(Script::new(include_str!("../lua/queue.lua")))
     }
 
-    pub(super) fn call<'a>(&'a self, keys: &[String; 4], op: &str) -> redis::ScriptInvocation<'a> {
+    pub(super) fn call<'a>(&'a self, keys: &QueueKeys, op: &str) -> redis::ScriptInvocation<'a> {
         let mut inv = self.0.prepare_invoke();
         for k in keys {
             inv.key(k);
@@ -75,7 +83,7 @@ impl QueueScript {
 
     fn confirm<'a>(
         &'a self,
-        keys: &[String; 4],
+        keys: &QueueKeys,
         id: &str,
         lease_ttl: Duration,
     ) -> redis::ScriptInvocation<'a> {
@@ -84,9 +92,11 @@ impl QueueScript {
         inv
     }
 
-    pub fn release<'a>(&'a self, keys: &[String; 4], id: &str) -> redis::ScriptInvocation<'a> {
+    pub fn release<'a>(&'a self, keys: &QueueKeys, id: &str) -> redis::ScriptInvocation<'a> {
         let mut inv = self.call(keys, "release");
-        inv.arg(id).arg(GRANT_TTL.as_micros() as u64);
+        inv.arg(id)
+            .arg(GRANT_TTL.as_micros() as u64)
+            .arg(GIVEN_UP_FOR.as_micros() as u64);
         inv
     }
 }
@@ -103,7 +113,7 @@ enum Wake {
 /// A route this instance beats on.
 #[derive(Debug)]
 struct Beating {
-    keys: [String; 4],
+    keys: QueueKeys,
     /// This instance's waiters there.
     waiting: usize,
     /// Beats that failed in a row.
@@ -116,6 +126,10 @@ struct Beating {
 #[derive(Debug, Default)]
 pub(super) struct Waiters {
     waiting: HashMap<String, (String, oneshot::Sender<Wake>)>,
+    /// Every id this instance may have in a route's queue and has not given up (entering,
+    /// waiting, confirming; then it is a lease held, in `Held::live`) → its route lease set.
+    /// A beat names them, and the queue drops this instance's others (`lua/queue.lua`).
+    pending: HashMap<String, String>,
     /// Route lease set → what this instance beats there.
     routes: HashMap<String, Beating>,
     running: bool,
@@ -128,11 +142,11 @@ impl Waiters {
         }
     }
 
-    /// This instance's waiters on the route of lease set `route`.
+    /// The ids this instance has on the route of lease set `route`, short of its leases.
     fn on_route(&self, route: &str) -> Vec<String> {
-        self.waiting
+        self.pending
             .iter()
-            .filter(|(_, (r, _))| r == route)
+            .filter(|(_, r)| *r == route)
             .map(|(id, _)| id.clone())
             .collect()
     }
@@ -143,22 +157,53 @@ impl Waiters {
 struct Unserved {
     store: Arc<RedisBackend>,
     req: Option<AdmitRequest>,
-    keys: [String; 4],
+    keys: QueueKeys,
     key_slots: Vec<String>,
     id: String,
     waiting: bool,
     /// The route may hold a waiter or a lease of this id (an `enter` was sent).
     in_route: bool,
+    /// Dropped after the rest: unregistered only once the lease is held or given up.
+    _pending: PendingId,
+}
+
+/// An admission id this instance may have in a route's queue: registered (`Waiters::pending`)
+/// from before its first call until it is given up, or held as a lease (`Held::live`).
+struct PendingId {
+    store: Arc<RedisBackend>,
+    id: String,
+}
+
+impl PendingId {
+    /// A new id, registered under the same lock a beat reads the ids and the id counter under.
+    fn new(store: &Arc<RedisBackend>, route_set: &str) -> Self {
+        let mut w = lock(&store.waiters);
+        let id = store.next_lease_id();
+        w.pending.insert(id.clone(), route_set.to_string());
+        PendingId {
+            store: store.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for PendingId {
+    fn drop(&mut self) {
+        lock(&self.store.waiters).pending.remove(&self.id);
+    }
 }
 
 impl Unserved {
-    fn served(mut self) -> (Vec<String>, String) {
+    /// The request holds its slot: its leases are held as one (and registered as held before
+    /// the id stops being pending, so that no beat in between finds it unnamed).
+    fn served(mut self) -> Lease {
         self.req = None;
         self.forget_waiter();
-        (
-            std::mem::take(&mut self.key_slots),
-            std::mem::take(&mut self.id),
-        )
+        let mut held = std::mem::take(&mut self.key_slots);
+        held.push(self.keys[0].clone());
+        let lease = RedisLease::hold(&self.store, held, self.id.clone());
+        self.store.beat_on(&self.keys);
+        Lease::shared(Some(lease))
     }
 
     fn forget_waiter(&mut self) {
@@ -202,9 +247,13 @@ impl Drop for Unserved {
     }
 }
 
-fn leave<'a>(script: &'a QueueScript, keys: &[String; 4], id: &str) -> redis::ScriptInvocation<'a> {
+pub(super) fn leave<'a>(
+    script: &'a QueueScript,
+    keys: &QueueKeys,
+    id: &str,
+) -> redis::ScriptInvocation<'a> {
     let mut inv = script.call(keys, "leave");
-    inv.arg(id);
+    inv.arg(id).arg(GIVEN_UP_FOR.as_micros() as u64);
     inv
 }
 
@@ -216,12 +265,14 @@ impl RedisBackend {
         cap: u32,
     ) -> Result<SharedAnswer, StoreError> {
         let start = Instant::now();
-        let (outcome, key_slots, id) = match self.try_admit(req, Default::default()).await?.0 {
+        let keys = queue_keys(&keys::route_slots_key(&req.route))
+            .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
+        let pending = PendingId::new(self, &keys[0]);
+        let decided = self.try_admit_as(req, Default::default(), pending.id.clone());
+        let (outcome, key_slots, id) = match decided.await?.0 {
             Decided::KeyAdmitted(o, key_slots, id) => (o, key_slots, id),
             other => return Ok(self.answer(req, other, start)),
         };
-        let keys = queue_keys(&keys::route_slots_key(&req.route))
-            .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
         let mut unserved = Unserved {
             store: self.clone(),
             req: Some(req.clone()),
@@ -230,6 +281,7 @@ impl RedisBackend {
             id,
             waiting: false,
             in_route: true,
+            _pending: pending,
         };
         loop {
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
@@ -252,10 +304,7 @@ impl RedisBackend {
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
             }
         }
-        let route_set = unserved.keys[0].clone();
-        let (mut held, id) = unserved.served();
-        held.push(route_set);
-        let lease = Lease::shared(Some(RedisLease::hold(self, held, id)));
+        let lease = unserved.served();
         Ok(SharedAnswer {
             admission: Admission::admitted(&outcome, lease, start.elapsed()),
             reached: true,
@@ -337,23 +386,33 @@ impl RedisBackend {
     /// its grants.
     fn wait_for(self: &Arc<Self>, u: &mut Unserved) -> oneshot::Receiver<Wake> {
         let (tx, rx) = oneshot::channel();
-        let start = {
+        self.beat_on(&u.keys);
+        {
             let mut w = lock(&self.waiters);
             w.waiting.insert(u.id.clone(), (u.keys[0].clone(), tx));
-            let b = w
-                .routes
-                .entry(u.keys[0].clone())
-                .or_insert_with(|| Beating {
-                    keys: u.keys.clone(),
-                    waiting: 0,
-                    failed: 0,
-                    idle: 0,
-                });
-            b.waiting += 1;
+            if let Some(b) = w.routes.get_mut(&u.keys[0]) {
+                b.waiting += 1;
+            }
+        }
+        u.waiting = true;
+        rx
+    }
+
+    /// Makes sure this instance beats on the route of `keys` (for a while after its last
+    /// waiter there leaves, or its last slot there is taken: a beat also clears what a
+    /// failover made the queue remember wrongly) and listens for its grants.
+    fn beat_on(self: &Arc<Self>, keys: &QueueKeys) {
+        let start = {
+            let mut w = lock(&self.waiters);
+            let b = w.routes.entry(keys[0].clone()).or_insert_with(|| Beating {
+                keys: keys.clone(),
+                waiting: 0,
+                failed: 0,
+                idle: 0,
+            });
             b.idle = 0;
             !std::mem::replace(&mut w.running, true)
         };
-        u.waiting = true;
         if start {
             let weak = Arc::downgrade(self);
             let channel = format!("tollgate:q:{}", self.instance);
@@ -364,11 +423,32 @@ impl RedisBackend {
                 tracing::error!(error = %e, "cannot start the queue's listener; waiters rely on their beats");
             }
         }
-        rx
     }
 }
 
 impl RedisBackend {
+    /// Every id this instance has on the route of lease set `route` (pending, then held as a
+    /// lease: an id moves from one to the other registered in both for a moment, so it is
+    /// never missed), and the id counter from before: the queue may drop this instance's
+    /// other ids below it.
+    fn ids_on_route(&self, route: &str) -> (u64, Vec<String>) {
+        let (below, mut ids) = {
+            let w = lock(&self.waiters);
+            (
+                self.lease_seq.load(std::sync::atomic::Ordering::Relaxed),
+                w.on_route(route),
+            )
+        };
+        let held = lock(&self.held);
+        ids.extend(
+            held.live
+                .iter()
+                .filter(|(_, keys)| keys.iter().any(|k| k == route))
+                .map(|(id, _)| id.clone()),
+        );
+        (below, ids)
+    }
+
     /// A capped route's slots and waiters, fleet-wide, as its queue holds them.
     pub async fn route_queue(
         &self,
@@ -432,7 +512,7 @@ async fn beat(store: Weak<RedisBackend>) {
     loop {
         tokio::time::sleep(BEAT_EVERY).await;
         let Some(s) = store.upgrade() else { return };
-        let routes: Vec<([String; 4], Vec<String>)> = {
+        let routes: Vec<QueueKeys> = {
             let mut w = lock(&s.waiters);
             // A route is beaten on for a while after its last waiter here (the count goes
             // negative, one a beat): slots granted to waiters that never confirmed them lapse
@@ -443,16 +523,15 @@ async fn beat(store: Weak<RedisBackend>) {
                 }
                 b.waiting > 0 || b.idle < IDLE_BEATS
             });
-            w.routes
-                .iter()
-                .map(|(route, b)| (b.keys.clone(), w.on_route(route)))
-                .collect()
+            w.routes.values().map(|b| b.keys.clone()).collect()
         };
-        for (keys, ids) in routes {
+        for keys in routes {
+            let (below, ids) = s.ids_on_route(&keys[0]);
             let mut inv = s.queue_script.call(&keys, "beat");
             inv.arg(&s.instance)
                 .arg(ALIVE_FOR.as_micros() as u64)
                 .arg(GRANT_TTL.as_micros() as u64)
+                .arg(below)
                 .arg(ids.len());
             for id in &ids {
                 inv.arg(id);
