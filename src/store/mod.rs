@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use crate::budget::{Figures, Limit, Outcome, Verdict};
 use crate::identity::KeyHash;
+use crate::telemetry::StoreCall;
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
 pub use memory::MemoryStore;
@@ -129,12 +130,12 @@ impl StoreError {
     }
 
     /// The `result` label of `tollgate_store_calls_total`.
-    pub(crate) fn metric_label(&self) -> &'static str {
+    pub(crate) fn metric_label(&self) -> StoreCall {
         match self {
-            StoreError::Timeout | StoreError::ConnectTimeout => "timeout",
-            StoreError::Connect(e) if e.is_timeout() => "timeout",
-            StoreError::BreakerOpen => "breaker_open",
-            _ => "error",
+            StoreError::Timeout | StoreError::ConnectTimeout => StoreCall::Timeout,
+            StoreError::Connect(e) if e.is_timeout() => StoreCall::Timeout,
+            StoreError::BreakerOpen => StoreCall::BreakerOpen,
+            _ => StoreCall::Error,
         }
     }
 }
