@@ -70,7 +70,7 @@ pub enum StoreError {
     #[error("the primary is being failed over")]
     FailingOver,
     #[error("store.url is not usable: {0}")]
-    Config(String),
+    Config(redis::UnusableUrl),
     #[error("unexpected script reply {0}")]
     Reply(String),
     #[error("{source}")]

@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub use conn::UnusableUrl;
 pub(crate) use jobs::JobEntered;
 pub use lease::RedisLease;
 
