@@ -26,8 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::{Figures, Limit, Outcome, Verdict};
-use crate::identity::KeyHash;
-use crate::telemetry::StoreCall;
+use crate::{identity::KeyHash, telemetry::StoreCall};
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
 pub use memory::MemoryStore;
