@@ -59,8 +59,10 @@ impl Reason {
         }
     }
 
-    /// The rate limiter's own decisions, which `mode: shadow` forwards instead of refusing.
-    /// Who the caller is and whether the path is safe to classify are enforced in every mode.
+    /// The rate limiter's own decisions (the budgets', the in-flight caps' and `on_error:
+    /// deny`'s), which `mode: shadow` forwards instead of refusing. Who the caller is and
+    /// whether the path is safe to classify are enforced in every mode: they come before a
+    /// route's mode is even known to apply (nobody to charge, or no route to charge as).
     pub const fn shadowable(self) -> bool {
         matches!(
             self,
