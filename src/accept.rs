@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, Listener};
 
 /// The first pause after an exhausted accept; it doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_millis(10);
@@ -28,13 +28,13 @@ fn exhausted(e: &io::Error) -> bool {
 /// One listener's back-off state.
 #[derive(Debug)]
 pub struct Backoff {
-    listener: &'static str,
+    listener: Listener,
     next: Duration,
 }
 
 impl Backoff {
-    /// `listener` labels the metric: `proxy` or `admin`.
-    pub fn new(listener: &'static str) -> Backoff {
+    /// `listener` labels the metric.
+    pub fn new(listener: Listener) -> Backoff {
         Backoff {
             listener,
             next: BACKOFF_MIN,
@@ -49,12 +49,12 @@ impl Backoff {
         }
         let pause = self.next;
         if pause == BACKOFF_MIN {
-            tracing::warn!(listener = self.listener, error = %e, "cannot accept connections; backing off until descriptors free up");
+            tracing::warn!(listener = self.listener.as_str(), error = %e, "cannot accept connections; backing off until descriptors free up");
         }
         self.next = (self.next * 2).min(BACKOFF_MAX);
         metrics()
             .accept_backoff
-            .with_label_values(&[self.listener])
+            .with_label_values(&[self.listener.as_str()])
             .inc();
         Some(pause)
     }
@@ -75,7 +75,9 @@ pub async fn next(listener: &TcpListener, backoff: &mut Backoff) -> (TcpStream, 
             }
             Err(e) => match backoff.pause_after(&e) {
                 Some(pause) => tokio::time::sleep(pause).await,
-                None => tracing::debug!(listener = backoff.listener, error = %e, "accept failed"),
+                None => {
+                    tracing::debug!(listener = backoff.listener.as_str(), error = %e, "accept failed")
+                }
             },
         }
     }
@@ -112,7 +114,7 @@ mod tests {
 
     #[test]
     fn backs_off_on_exhaustion_only_doubling_to_a_second() {
-        let mut b = Backoff::new("proxy");
+        let mut b = Backoff::new(Listener::Proxy);
         let emfile = io::Error::from_raw_os_error(libc::EMFILE);
         let pauses: Vec<_> = (0..9).map(|_| b.pause_after(&emfile).unwrap()).collect();
         assert_eq!(pauses[0], BACKOFF_MIN);

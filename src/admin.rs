@@ -73,7 +73,7 @@ pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Re
             }
         };
         let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        let mut backoff = crate::accept::Backoff::new("admin");
+        let mut backoff = crate::accept::Backoff::new(crate::telemetry::Listener::Admin);
         loop {
             let (stream, _) = crate::accept::next(&listener, &mut backoff).await;
             // Past the limit the connection is closed at once: it costs no more than the accept.

@@ -17,7 +17,7 @@ use crate::shutdown::Drained;
 use crate::state::Shared;
 use crate::store::memory::Clock;
 use crate::store::{MemoryStore, RedisStore, Store};
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, Reload};
 use crate::tls::CertResolver;
 use pingora::tls::sign::CertifiedKey;
 
@@ -43,12 +43,12 @@ impl App {
                     // Validation has read the files: this is the pair now on disk.
                     resolver.replace(cert);
                 }
-                m.config_reloads.with_label_values(&["ok"]).inc();
+                m.config_reload(Reload::Ok);
                 tracing::info!(path = %self.config_path.display(), "configuration reloaded");
                 Ok(())
             }
             Err(errs) => {
-                m.config_reloads.with_label_values(&["error"]).inc();
+                m.config_reload(Reload::Error);
                 for e in &errs.0 {
                     tracing::error!(path = %self.config_path.display(), error = %e, "configuration reload rejected; keeping the running config");
                 }

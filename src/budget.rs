@@ -37,22 +37,31 @@ fn gcd(mut a: u128, mut b: u128) -> u128 {
     a
 }
 
+/// A budget that GCRA cannot keep exactly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    #[error("max_cost and window must be positive")]
+    NotPositive,
+    #[error("{max_cost} per {window_us}µs cannot be represented exactly (window / max_cost must reduce to a simpler fraction; try a rounder max_cost or window)")]
+    NotRepresentable { max_cost: u128, window_us: u128 },
+}
+
 impl Limit {
-    pub fn new(max_cost: u64, window: Duration, max_delay: Duration) -> Result<Limit, String> {
+    pub fn new(max_cost: u64, window: Duration, max_delay: Duration) -> Result<Limit, LimitError> {
         let window_us = window.as_micros();
         let max_cost = max_cost as u128;
         if max_cost == 0 || window_us == 0 {
-            return Err("max_cost and window must be positive".into());
+            return Err(LimitError::NotPositive);
         }
         let g = gcd(window_us, max_cost);
         let (p, q) = (window_us / g, max_cost / g);
         let capacity = window_us * q;
         let delay = max_delay.as_micros() * q;
         if capacity + delay > MAX_TICKS {
-            return Err(format!(
-                "{max_cost} per {}µs cannot be represented exactly (window / max_cost must reduce to a simpler fraction; try a rounder max_cost or window)",
-                window_us
-            ));
+            return Err(LimitError::NotRepresentable {
+                max_cost,
+                window_us,
+            });
         }
         Ok(Limit {
             per_unit: p as u64,

@@ -9,6 +9,8 @@
 // A refusal is returned by value once per request; boxing it would allocate on every 429.
 #![allow(clippy::result_large_err)]
 
+mod reason;
+
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -23,6 +25,8 @@ use crate::problem::Problem;
 use crate::route::{normalize_path, BadPath, Route};
 use crate::store::fair::Fair;
 use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease, Standing};
+
+pub use reason::{Reason, Verdict};
 
 /// What a request is charged as, and what the upstream receives for it.
 #[derive(Debug, Clone)]
@@ -48,7 +52,7 @@ pub struct Refusal {
     /// Time spent waiting for a route slot before the refusal.
     pub queued: Duration,
     /// `tollgate_rejections_total{reason}`; `None` for answers that are not a gateway refusal.
-    pub reason: Option<&'static str>,
+    pub reason: Option<Reason>,
 }
 
 impl Refusal {
@@ -215,9 +219,9 @@ pub fn too_many_held(route: &Route, hold: Duration, outcome: Standing) -> Refusa
         retry_after: Some(retry),
         outcome: Some(outcome),
         reason: Some(if route.shared().is_some() {
-            "shared_budget"
+            Reason::SharedBudget
         } else {
-            "budget"
+            Reason::Budget
         }),
         ..Refusal::new(
             Problem::QuotaExceeded,
@@ -274,7 +278,7 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 return Err(Refusal {
                     retry_after: Some(retry),
                     outcome: Some(outcome),
-                    reason: Some("shared_budget"),
+                    reason: Some(Reason::SharedBudget),
                     ..Refusal::new(
                         Problem::QuotaExceeded,
                         format!(
@@ -314,9 +318,9 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
             // full route that stayed full for its queue_timeout.
             reason: Some(if route.queue_timeout.is_zero() {
-                "in_flight"
+                Reason::InFlight
             } else {
-                "route_busy"
+                Reason::RouteBusy
             }),
             ..Refusal::new(
                 Problem::RouteBusy,
@@ -338,23 +342,13 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
     }
 }
 
-/// The refusals `mode: shadow` forwards instead, by their reason: the budget's, the in-flight
-/// caps' and `on_error: deny`'s — the rate limiter's own decisions. Who the caller is and
-/// whether the path is safe to classify are enforced in every mode (they come before a
-/// route's mode is even known to apply: nobody to charge, or no route to charge as).
-pub fn shadowed(route: &Route, r: &Refusal) -> Option<&'static str> {
-    const SHADOWABLE: [&str; 6] = [
-        "budget",
-        "shared_budget",
-        "key_in_flight",
-        "in_flight",
-        "route_busy",
-        "store_unavailable",
-    ];
+/// The refusals `mode: shadow` forwards instead, by their reason: the rate limiter's own
+/// decisions ([`Reason::shadowable`]).
+pub fn shadowed(route: &Route, r: &Refusal) -> Option<Reason> {
     if !route.fidelity.shadow {
         return None;
     }
-    r.reason.filter(|reason| SHADOWABLE.contains(reason))
+    r.reason.filter(|reason| reason.shadowable())
 }
 
 /// The answer to a request the upstream never answered (connect failure or timeout); the

@@ -23,7 +23,7 @@ use pingora::server::ShutdownWatch;
 use tokio::sync::Notify;
 
 use crate::state::Shared;
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, ClientTimeout};
 use pingora::proxy::ProxyHttp;
 
 mod body_watch;
@@ -200,7 +200,7 @@ where
             tokio::select! {
                 _ = &mut serve => {}
                 _ = conn.silent_for(limits.header_timeout) => {
-                    metrics().client_timeouts.with_label_values(&["header"]).inc();
+                    metrics().client_timeout(ClientTimeout::Header);
                 }
             }
             return;
@@ -228,7 +228,7 @@ where
                         request.await
                     } else {
                         // Dropping the request closes the connection; nothing was decided yet.
-                        metrics().client_timeouts.with_label_values(&["header"]).inc();
+                        metrics().client_timeout(ClientTimeout::Header);
                         return;
                     }
                 }

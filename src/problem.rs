@@ -2,6 +2,7 @@
 //! DESIGN §3 (IETF draft-ietf-httpapi-ratelimit-headers plus the de-facto `X-RateLimit-*`).
 
 use crate::budget;
+use crate::decision::Reason;
 use crate::store::Standing;
 use http::HeaderValue;
 
@@ -93,18 +94,18 @@ impl Problem {
         }
     }
 
-    /// The rejection reason label of `tollgate_rejections_total`, for gateway refusals.
-    pub fn reason(self) -> Option<&'static str> {
+    /// The rejection reason of `tollgate_rejections_total`, for gateway refusals.
+    pub fn reason(self) -> Option<Reason> {
         match self {
-            Problem::QuotaExceeded => Some("budget"),
-            Problem::ConcurrencyLimit => Some("key_in_flight"),
+            Problem::QuotaExceeded => Some(Reason::Budget),
+            Problem::ConcurrencyLimit => Some(Reason::KeyInFlight),
             // `in_flight` instead when the route has no queue (decided where that is known).
-            Problem::RouteBusy => Some("route_busy"),
-            Problem::StoreUnavailable => Some("store_unavailable"),
-            Problem::Unauthenticated => Some("unauthenticated"),
-            Problem::BadPath => Some("bad_path"),
-            Problem::BadRequest => Some("bad_request"),
-            Problem::PayloadTooLarge => Some("payload_too_large"),
+            Problem::RouteBusy => Some(Reason::RouteBusy),
+            Problem::StoreUnavailable => Some(Reason::StoreUnavailable),
+            Problem::Unauthenticated => Some(Reason::Unauthenticated),
+            Problem::BadPath => Some(Reason::BadPath),
+            Problem::BadRequest => Some(Reason::BadRequest),
+            Problem::PayloadTooLarge => Some(Reason::PayloadTooLarge),
             Problem::RequestTimeout
             | Problem::BadGateway
             | Problem::GatewayTimeout

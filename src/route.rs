@@ -231,7 +231,7 @@ impl Router {
                 }
             }
             if let Err(m) = check_pattern(path) {
-                errs.push((spec.pattern.clone(), m));
+                errs.push((spec.pattern.clone(), m.to_string()));
                 continue;
             }
             let key = path.to_ascii_lowercase();
@@ -388,23 +388,35 @@ impl Router {
     }
 }
 
-fn check_pattern(path: &str) -> Result<(), String> {
+/// Why an endpoint's path can be no route; each quotes the path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum PatternError {
+    #[error("the path must start with '/', got \"{0}\"")]
+    NotAbsolute(String),
+    #[error("the path must be normalized (no empty, '.' or '..' segments, no trailing '/'), got \"{0}\"")]
+    NotNormalized(String),
+    #[error("{why}: \"{path}\"")]
+    Unsafe { why: BadPath, path: String },
+}
+
+fn check_pattern(path: &str) -> Result<(), PatternError> {
     if !path.starts_with('/') {
-        return Err(format!("the path must start with '/', got \"{path}\""));
+        return Err(PatternError::NotAbsolute(path.into()));
     }
     let inner = &path[1..];
     if !inner.is_empty() {
         for seg in inner.split('/') {
             if seg.is_empty() || seg == "." || seg == ".." {
-                return Err(format!(
-                    "the path must be normalized (no empty, '.' or '..' segments, no trailing '/'), got \"{path}\""
-                ));
+                return Err(PatternError::NotNormalized(path.into()));
             }
         }
     }
     match normalize_path(&path.replace(['{', '}', '*'], "x")).map(|_| ()) {
         Ok(_) => Ok(()),
-        Err(e) => Err(format!("{e}: \"{path}\"")),
+        Err(why) => Err(PatternError::Unsafe {
+            why,
+            path: path.into(),
+        }),
     }
 }
 

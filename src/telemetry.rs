@@ -5,6 +5,7 @@
 //! pattern or `default`, and per-key series only ever carry registry ids.
 
 pub mod access;
+mod labels;
 mod logging;
 #[cfg(target_os = "linux")]
 mod process;
@@ -288,8 +289,8 @@ fn build() -> Metrics {
             )
             .expect("register");
             // Both series from the start: an alert on their rate needs them before the outage.
-            for d in ["admitted", "rejected"] {
-                c.with_label_values(&[d]);
+            for d in FallbackDecision::ALL {
+                c.with_label_values(&[d.as_str()]);
             }
             c
         },
@@ -302,22 +303,42 @@ fn build() -> Metrics {
     }
 }
 
+impl Metrics {
+    /// Counts a call to the shared store by its result.
+    pub fn store_call(&self, result: StoreCall) {
+        self.store_calls.with_label_values(&[result.as_str()]).inc();
+    }
+
+    pub fn config_reload(&self, result: Reload) {
+        self.config_reloads
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
+    /// Counts a client connection closed for being too slow.
+    pub fn client_timeout(&self, kind: ClientTimeout) {
+        self.client_timeouts
+            .with_label_values(&[kind.as_str()])
+            .inc();
+    }
+}
+
 pub fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
         let m = build();
         // Series that exist before the first event, so dashboards and alerts see zeros.
-        for r in ["ok", "error"] {
-            m.config_reloads.with_label_values(&[r]);
+        for r in Reload::ALL {
+            m.config_reloads.with_label_values(&[r.as_str()]);
         }
-        for r in ["ok", "error", "timeout", "breaker_open"] {
-            m.store_calls.with_label_values(&[r]);
+        for r in StoreCall::ALL {
+            m.store_calls.with_label_values(&[r.as_str()]);
         }
-        for k in ["header", "body", "send"] {
-            m.client_timeouts.with_label_values(&[k]);
+        for k in ClientTimeout::ALL {
+            m.client_timeouts.with_label_values(&[k.as_str()]);
         }
-        for l in ["proxy", "admin"] {
-            m.accept_backoff.with_label_values(&[l]);
+        for l in Listener::ALL {
+            m.accept_backoff.with_label_values(&[l.as_str()]);
         }
         m.build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
@@ -351,5 +372,6 @@ pub fn render() -> String {
     String::from_utf8(buf).unwrap_or_default()
 }
 
+pub use labels::{ClientTimeout, FallbackDecision, Listener, Reload, StoreCall};
 pub use logging::{flush_logs, init_logging, LogFormat};
 pub use routes::{RouteMetrics, RouteMetricsTable};

@@ -8,30 +8,44 @@ use serde::{Deserialize, Deserializer, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ConfDuration(pub Duration);
 
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// Why a duration string was refused; each quotes what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("expected a duration with a unit (ms, s, m, h), got \"{0}\"")]
+    NoUnit(String),
+    #[error("expected a duration like 250ms, 10s, 1m or 1h, got \"{0}\"")]
+    NotANumber(String),
+    #[error("unknown duration unit \"{unit}\" in \"{written}\" (use ms, s, m or h)")]
+    UnknownUnit { unit: String, written: String },
+    #[error("duration \"{0}\" is too long")]
+    TooLong(String),
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let t = s.trim();
     let split = t
         .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("expected a duration with a unit (ms, s, m, h), got \"{s}\""))?;
+        .ok_or_else(|| DurationError::NoUnit(s.into()))?;
     let (num, unit) = t.split_at(split);
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("expected a duration like 250ms, 10s, 1m or 1h, got \"{s}\""))?;
+        .map_err(|_| DurationError::NotANumber(s.into()))?;
     let ms = match unit {
         "ms" => Some(n),
         "s" => n.checked_mul(1_000),
         "m" => n.checked_mul(60_000),
         "h" => n.checked_mul(3_600_000),
         _ => {
-            return Err(format!(
-                "unknown duration unit \"{unit}\" in \"{s}\" (use ms, s, m or h)"
-            ))
+            return Err(DurationError::UnknownUnit {
+                unit: unit.into(),
+                written: s.into(),
+            })
         }
     };
     // Ten years is far beyond any sensible window and keeps microsecond math far from overflow.
     match ms {
         Some(ms) if ms <= 10 * 365 * 24 * 3_600_000 => Ok(Duration::from_millis(ms)),
-        _ => Err(format!("duration \"{s}\" is too long")),
+        _ => Err(DurationError::TooLong(s.into())),
     }
 }
 

@@ -41,7 +41,7 @@ pub use raw::{
     RawIdentity, RawKey, RawPlan, RawRateLimits, RawServer, RawStore, RawTls, RawUpstream,
 };
 pub use traces::{RawTracing, TraceSettings};
-pub use url::{parse_redis_target, redact_url, RedisTarget};
+pub use url::{parse_redis_target, redact_url, RedisTarget, StoreUrlError};
 
 /// One entry of the key registry.
 #[derive(Debug, Clone)]

@@ -4,21 +4,44 @@
 //! is only useful written in that form, and only if it holds nothing a request path can never
 //! hold. The router itself checks the template syntax (matchit) and conflicts.
 
-use crate::route::{normalize_path, split_pattern};
+use crate::route::{normalize_path, split_pattern, BadPath};
 
 /// Placeholders for `{name}` / `{*name}` while the literal parts are normalized: private-use
 /// characters, which normalization keeps as they are.
 const OPEN: char = '\u{E000}';
 const CLOSE: char = '\u{E001}';
 
+/// Why the router could never select an endpoint (or, for one, the form to write instead).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum EndpointError {
+    #[error("can never match: a CONNECT request names host:port, not a path, and is refused as bad-path")]
+    Connect,
+    #[error("can never match: {0}, and such requests are refused (400 bad-path) before routing")]
+    BadPath(BadPath),
+    #[error("can never match: a request path cannot contain '{0}' ({why})", why = unsendable(*.0))]
+    Unsendable(char),
+    #[error("can never match: requests are matched without matrix parameters (';' and what follows it in a segment)")]
+    Matrix,
+    #[error(
+        "is not in normalized form, which is what requests are matched in: write \"{written}\""
+    )]
+    NotNormalized { written: String },
+}
+
+/// Why a request path never holds `c` as it is.
+fn unsendable(c: char) -> String {
+    match c {
+        '?' => "it starts the query string, which is not part of the path".to_string(),
+        '#' => "it starts a fragment, which clients never send".to_string(),
+        c => format!("clients send it percent-encoded; write %{:02X}", c as u32),
+    }
+}
+
 /// `Ok` for a pattern the router can select; otherwise why not, with the form to write.
-pub(super) fn check_endpoint(pattern: &str) -> Result<(), String> {
+pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
     let (method, path) = split_pattern(pattern);
     if method == Some("CONNECT") {
-        return Err(
-            "can never match: a CONNECT request names host:port, not a path, and is refused as bad-path"
-                .into(),
-        );
+        return Err(EndpointError::Connect);
     }
     if !path.starts_with('/') {
         // The router says so, with the same words as for any other path.
@@ -28,36 +51,22 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), String> {
         // Unbalanced braces: the router reports the template error.
         return Ok(());
     };
-    let normalized = normalize_path(&masked).map_err(|e| {
-        format!("can never match: {e}, and such requests are refused (400 bad-path) before routing")
-    })?;
+    let normalized = normalize_path(&masked).map_err(EndpointError::BadPath)?;
     if let Some(c) = normalized
         .chars()
         .find(|c| matches!(c, ' ' | '#' | '<' | '>' | '?' | '`'))
     {
-        let why = match c {
-            '?' => "it starts the query string, which is not part of the path".to_string(),
-            '#' => "it starts a fragment, which clients never send".to_string(),
-            c => format!("clients send it percent-encoded; write %{:02X}", c as u32),
-        };
-        return Err(format!(
-            "can never match: a request path cannot contain '{c}' ({why})"
-        ));
+        return Err(EndpointError::Unsendable(c));
     }
     if normalized.contains(';') {
-        return Err(
-            "can never match: requests are matched without matrix parameters (';' and what follows it in a segment)"
-                .into(),
-        );
+        return Err(EndpointError::Matrix);
     }
     if normalized != masked {
         let mut written = unmask_params(&normalized, &params);
         if let Some(m) = method {
             written = format!("{m} {written}");
         }
-        return Err(format!(
-            "is not in normalized form, which is what requests are matched in: write \"{written}\""
-        ));
+        return Err(EndpointError::NotNormalized { written });
     }
     Ok(())
 }

@@ -7,26 +7,36 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConfSize(pub u64);
 
-pub fn parse_size(s: &str) -> Result<u64, String> {
+/// Why a size string was refused; each quotes what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("expected a size like 512KiB, 1MiB or 16MiB, got \"{0}\"")]
+    NotANumber(String),
+    #[error("unknown size unit \"{unit}\" in \"{written}\" (use B, KiB, MiB or GiB)")]
+    UnknownUnit { unit: String, written: String },
+    #[error("size \"{0}\" is too large")]
+    TooLarge(String),
+}
+
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("expected a size like 512KiB, 1MiB or 16MiB, got \"{s}\""))?;
+    let n: u64 = num.parse().map_err(|_| SizeError::NotANumber(s.into()))?;
     let shift = match unit.trim() {
         "" | "B" => 0,
         "KiB" => 10,
         "MiB" => 20,
         "GiB" => 30,
         other => {
-            return Err(format!(
-                "unknown size unit \"{other}\" in \"{s}\" (use B, KiB, MiB or GiB)"
-            ))
+            return Err(SizeError::UnknownUnit {
+                unit: other.into(),
+                written: s.into(),
+            })
         }
     };
     n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size \"{s}\" is too large"))
+        .ok_or_else(|| SizeError::TooLarge(s.into()))
 }
 
 pub fn format_size(n: u64) -> String {
@@ -72,11 +82,15 @@ mod tests {
         assert_eq!(parse_size("512KiB"), Ok(512 << 10));
         assert_eq!(parse_size("100"), Ok(100));
         assert_eq!(parse_size("2 GiB"), Ok(2 << 30));
-        assert!(parse_size("1MB").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("1MB")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown size unit"));
         assert!(parse_size("MiB").is_err());
         assert!(parse_size("99999999999999999999GiB").is_err());
         assert!(parse_size("18446744073709551615GiB")
             .unwrap_err()
+            .to_string()
             .contains("too large"));
         assert_eq!(format_size(16 << 20), "16MiB");
         assert_eq!(format_size(1500), "1500B");

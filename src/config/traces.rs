@@ -70,7 +70,7 @@ pub(super) fn validate(t: Option<&RawTracing>, errs: &mut ConfigErrors) -> Optio
         None
     } else {
         traces_url(&t.otlp_endpoint)
-            .map_err(|m| errs.push("tracing.otlp_endpoint", m))
+            .map_err(|m| errs.push("tracing.otlp_endpoint", m.to_string()))
             .ok()
     };
     if errs.0.len() > before {
@@ -83,34 +83,50 @@ pub(super) fn validate(t: Option<&RawTracing>, errs: &mut ConfigErrors) -> Optio
     })
 }
 
+/// Why `tracing.otlp_endpoint` was refused; each quotes the URL redacted (`quoted`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum EndpointError {
+    #[error("not a URL ({why}), got \"{quoted}\"")]
+    NotAUrl {
+        why: ::url::ParseError,
+        quoted: String,
+    },
+    #[error("https:// is not supported yet: send to a collector (or an agent) over http://, got \"{0}\"")]
+    Https(String),
+    #[error("must start with http:// (OTLP/HTTP), got \"{0}\"")]
+    Scheme(String),
+    #[error("has no host, got \"{0}\"")]
+    NoHost(String),
+    #[error("credentials in the collector URL are not supported, got \"{0}\"")]
+    Credentials(String),
+    #[error("must not have a query or fragment, got \"{0}\"")]
+    QueryOrFragment(String),
+}
+
 /// `http://host:4318` → `http://host:4318/v1/traces`; a URL that already ends in
 /// `/v1/traces` is kept.
-fn traces_url(raw: &str) -> Result<String, String> {
+fn traces_url(raw: &str) -> Result<String, EndpointError> {
+    use EndpointError as E;
     // Errors quote the URL, redacted: a user:password@ part is a secret.
     let quoted = shown(&redact_url(raw));
-    let url = ::url::Url::parse(raw).map_err(|e| format!("not a URL ({e}), got \"{quoted}\""))?;
+    let url = ::url::Url::parse(raw).map_err(|why| E::NotAUrl {
+        why,
+        quoted: quoted.clone(),
+    })?;
     if url.scheme() == "https" {
-        return Err(format!(
-            "https:// is not supported yet: send to a collector (or an agent) over http://, got \"{quoted}\""
-        ));
+        return Err(E::Https(quoted));
     }
     if url.scheme() != "http" {
-        return Err(format!(
-            "must start with http:// (OTLP/HTTP), got \"{quoted}\""
-        ));
+        return Err(E::Scheme(quoted));
     }
     if url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("has no host, got \"{quoted}\""));
+        return Err(E::NoHost(quoted));
     }
     if !url.username().is_empty() || url.password().is_some() {
-        return Err(format!(
-            "credentials in the collector URL are not supported, got \"{quoted}\""
-        ));
+        return Err(E::Credentials(quoted));
     }
     if url.query().is_some() || url.fragment().is_some() {
-        return Err(format!(
-            "must not have a query or fragment, got \"{quoted}\""
-        ));
+        return Err(E::QueryOrFragment(quoted));
     }
     let mut url = url;
     let path = url.path().trim_end_matches('/').to_string();

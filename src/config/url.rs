@@ -25,15 +25,29 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Why an upstream URL was refused; each quotes the URL (redacted when it has credentials).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UpstreamUrlError {
+    #[error("credentials in the upstream URL are not supported (send them from the upstream's side), got \"{0}\"")]
+    Credentials(String),
+    #[error("must start with http:// or https://, got \"{0}\"")]
+    Scheme(String),
+    #[error("expected scheme://host[:port] without a path, got \"{0}\"")]
+    HasPath(String),
+    #[error("bad IPv6 address in \"{0}\"")]
+    BadIpv6(String),
+    #[error("bad port in \"{0}\"")]
+    BadPort(String),
+    #[error("missing host in \"{0}\"")]
+    MissingHost(String),
+}
+
 /// `http://host[:port][/]` or `https://…` → (tls, host, port).
-pub(super) fn parse_upstream_url(raw: &str) -> Result<(bool, String, u16), String> {
+pub(super) fn parse_upstream_url(raw: &str) -> Result<(bool, String, u16), UpstreamUrlError> {
+    use UpstreamUrlError as E;
     // Errors quote the URL, and a URL with user:pass@ carries a secret: quote it redacted.
-    let shown = redact_url(raw);
-    let url = shown.as_str();
     if raw.contains('@') {
-        return Err(format!(
-            "credentials in the upstream URL are not supported (send them from the upstream's side), got \"{url}\""
-        ));
+        return Err(E::Credentials(redact_url(raw)));
     }
     let url = raw;
     let (tls, rest) = if let Some(r) = url.strip_prefix("http://") {
@@ -41,41 +55,35 @@ pub(super) fn parse_upstream_url(raw: &str) -> Result<(bool, String, u16), Strin
     } else if let Some(r) = url.strip_prefix("https://") {
         (true, r)
     } else {
-        return Err(format!(
-            "must start with http:// or https://, got \"{url}\""
-        ));
+        return Err(E::Scheme(url.into()));
     };
     let authority = rest.trim_end_matches('/');
     if authority.is_empty() || authority.contains('/') || authority.contains('@') {
-        return Err(format!(
-            "expected scheme://host[:port] without a path, got \"{url}\""
-        ));
+        return Err(E::HasPath(url.into()));
     }
     let default_port = if tls { 443 } else { 80 };
     let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-        let end = v6
-            .find(']')
-            .ok_or_else(|| format!("bad IPv6 address in \"{url}\""))?;
+        let end = v6.find(']').ok_or_else(|| E::BadIpv6(url.into()))?;
         let host = &v6[..end];
         let port = match &v6[end + 1..] {
             "" => default_port,
             p => p
                 .strip_prefix(':')
                 .and_then(|p| p.parse().ok())
-                .ok_or_else(|| format!("bad port in \"{url}\""))?,
+                .ok_or_else(|| E::BadPort(url.into()))?,
         };
         (host.to_string(), port)
     } else {
         match authority.rsplit_once(':') {
             Some((h, p)) => (
                 h.to_string(),
-                p.parse().map_err(|_| format!("bad port in \"{url}\""))?,
+                p.parse().map_err(|_| E::BadPort(url.into()))?,
             ),
             None => (authority.to_string(), default_port),
         }
     };
     if host.is_empty() {
-        return Err(format!("missing host in \"{url}\""));
+        return Err(E::MissingHost(url.into()));
     }
     Ok((tls, host, port))
 }
@@ -104,9 +112,35 @@ pub enum RedisTarget {
 const CLUSTER_PORT: u16 = 6379;
 const SENTINEL_PORT: u16 = 26379;
 
+/// Why `store.url` was refused; each quotes the URL redacted (`shown`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreUrlError {
+    #[error("must start with redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel:// (got \"{0}\")")]
+    Scheme(String),
+    #[error("{scheme}:// takes no query or fragment (got \"{shown}\")")]
+    QueryOrFragment { scheme: String, shown: String },
+    #[error("every address in the list needs a host, as in h1:6379,h2:6379 (got \"{0}\")")]
+    EmptyAddress(String),
+    #[error("a Redis Cluster has only database 0: give no path (got \"{0}\")")]
+    ClusterDatabase(String),
+    #[error("name the master after the hosts, as in {scheme}://h1:26379,h2:26379/mymaster (letters, digits, - _ .) (got \"{shown}\")")]
+    MasterName { scheme: String, shown: String },
+    #[error("cannot be parsed: {why} (got \"{shown}\")")]
+    Unparsable { why: String, shown: String },
+    #[error("the host is missing (got \"{0}\")")]
+    NoHost(String),
+    #[error("the port must be between 1 and 65535 (got \"{0}\")")]
+    PortZero(String),
+    #[error("cannot be used: {why} (got \"{shown}\")")]
+    Unusable { why: String, shown: String },
+    #[error("the database number must be 0 or more (got \"{0}\")")]
+    NegativeDatabase(String),
+}
+
 /// Reads `store.url` the way the Redis client will when the gateway runs, so that `check`
 /// refuses a URL that `run` could never connect with. The error shows the URL only redacted.
-pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
+pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
+    use StoreUrlError as E;
     let shown = redact_url(url);
     let (scheme, rest) = url.split_once("://").unwrap_or(("", ""));
     let (tls, kind) = match scheme {
@@ -118,16 +152,13 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
         "rediss+cluster" => (true, "cluster"),
         "redis+sentinel" => (false, "sentinel"),
         "rediss+sentinel" => (true, "sentinel"),
-        _ => {
-            return Err(format!(
-                "must start with redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel:// (got \"{shown}\")"
-            ))
-        }
+        _ => return Err(E::Scheme(shown)),
     };
     if rest.contains(['?', '#']) {
-        return Err(format!(
-            "{scheme}:// takes no query or fragment (got \"{shown}\")"
-        ));
+        return Err(E::QueryOrFragment {
+            scheme: scheme.into(),
+            shown,
+        });
     }
     let node_scheme = if tls { "rediss" } else { "redis" };
     let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
@@ -144,9 +175,7 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
     for host in hosts.split(',') {
         let host = host.trim();
         if host.is_empty() {
-            return Err(format!(
-                "every address in the list needs a host, as in h1:6379,h2:6379 (got \"{shown}\")"
-            ));
+            return Err(E::EmptyAddress(shown));
         }
         let has_port = match host.rfind(']') {
             Some(end) => host[end..].contains(':'),
@@ -162,9 +191,7 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
     match kind {
         "cluster" => {
             if !matches!(path, "" | "0") {
-                return Err(format!(
-                    "a Redis Cluster has only database 0: give no path (got \"{shown}\")"
-                ));
+                return Err(E::ClusterDatabase(shown));
             }
             let seeds: Vec<String> = nodes
                 .iter()
@@ -183,9 +210,10 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
             {
-                return Err(format!(
-                    "name the master after the hosts, as in {scheme}://h1:26379,h2:26379/mymaster (letters, digits, - _ .) (got \"{shown}\")"
-                ));
+                return Err(E::MasterName {
+                    scheme: scheme.into(),
+                    shown,
+                });
             }
             let sentinels: Vec<String> = nodes
                 .iter()
@@ -206,33 +234,36 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, String> {
 }
 
 /// One node's `redis[s]://` URL, as the client will read it; errors quote `shown`.
-fn check_node_url(url: &str, shown: &str) -> Result<(), String> {
+fn check_node_url(url: &str, shown: &str) -> Result<(), StoreUrlError> {
+    use StoreUrlError as E;
     let parsed = redis::parse_redis_url(url).ok_or_else(|| {
         // The same parser, asked again for its reason (parse_redis_url keeps it to itself).
         let why = ::url::Url::parse(url)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_else(|| "not a URL".into());
-        format!("cannot be parsed: {why} (got \"{shown}\")")
+        E::Unparsable {
+            why,
+            shown: shown.into(),
+        }
     })?;
     if parsed.host_str().is_none_or(str::is_empty) {
-        return Err(format!("the host is missing (got \"{shown}\")"));
+        return Err(E::NoHost(shown.into()));
     }
     if parsed.port() == Some(0) {
-        return Err(format!(
-            "the port must be between 1 and 65535 (got \"{shown}\")"
-        ));
+        return Err(E::PortZero(shown.into()));
     }
     let info = redis::IntoConnectionInfo::into_connection_info(parsed).map_err(|e| {
         // "Invalid database number - InvalidClientConfig": the part a user can act on.
         let e = e.to_string();
         let why = e.split(" - ").next().unwrap_or(&e).to_string();
-        format!("cannot be used: {why} (got \"{shown}\")")
+        E::Unusable {
+            why,
+            shown: shown.into(),
+        }
     })?;
     if info.redis_settings().db() < 0 {
-        return Err(format!(
-            "the database number must be 0 or more (got \"{shown}\")"
-        ));
+        return Err(E::NegativeDatabase(shown.into()));
     }
     Ok(())
 }

@@ -19,8 +19,10 @@ use super::{
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
 mod budgets;
 mod jobs;
+mod key_id;
 
 use budgets::{default_policy, endpoints, keys, plans};
+use key_id::key_id_header;
 
 pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
     let mut errs = ConfigErrors::default();
@@ -342,7 +344,7 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
             })
         }
         Err(m) => {
-            errs.push(url_path, m);
+            errs.push(url_path, m.to_string());
             None
         }
     };
@@ -383,7 +385,7 @@ fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
             if url_from_env {
                 errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
             } else {
-                errs.push("store.url", m);
+                errs.push("store.url", m.to_string());
             }
         }
     }
@@ -437,48 +439,11 @@ fn identity(
     let key_id_header = match key_id_header(&id.key_id_header, &sources) {
         Ok(h) => h,
         Err(m) => {
-            errs.push("identity.key_id_header", m);
+            errs.push("identity.key_id_header", m.to_string());
             None
         }
     };
     (sources, key_id_header)
-}
-
-/// "" is none. Otherwise a header the gateway may set on the upstream request: not one that
-/// carries a key (it would be overwritten by, or leak into, credentials) nor one that frames
-/// the request.
-fn key_id_header(
-    name: &str,
-    sources: &[IdentitySource],
-) -> Result<Option<http::HeaderName>, String> {
-    if name.is_empty() {
-        return Ok(None);
-    }
-    let header = http::HeaderName::from_bytes(name.as_bytes())
-        .map_err(|_| format!("not a valid header name: \"{}\"", shown(name)))?;
-    let is_source = sources
-        .iter()
-        .any(|s| matches!(s, IdentitySource::Header(h) if *h == header));
-    if is_source {
-        return Err(format!(
-            "\"{name}\" is an identity source (identity.sources): the key id cannot replace the key"
-        ));
-    }
-    if header == http::header::AUTHORIZATION {
-        return Err("authorization carries credentials; choose another header".into());
-    }
-    let framing = [
-        http::header::HOST,
-        http::header::CONTENT_LENGTH,
-        http::header::TRANSFER_ENCODING,
-        http::header::CONNECTION,
-    ];
-    if framing.contains(&header) {
-        return Err(format!(
-            "\"{name}\" is a framing header of the request; choose another header"
-        ));
-    }
-    Ok(Some(header))
 }
 
 /// `identity.trusted_proxies`: CIDRs (`10.0.0.0/8`) or single addresses, in normalized form.

@@ -39,7 +39,7 @@ fn target_forms() {
     ] {
         let r = classify(&c, "POST", t).unwrap_err();
         assert_eq!(r.problem, Problem::BadPath, "{t}");
-        assert_eq!(r.reason, Some("bad_path"));
+        assert_eq!(r.reason, Some(Reason::BadPath));
     }
 }
 
@@ -93,7 +93,7 @@ fn conflicting_credentials_are_refused() {
     h.append("x-api-key", "k2".parse().unwrap());
     let r = identify(&c, &h, None).unwrap_err();
     assert_eq!(r.problem, Problem::Unauthenticated);
-    assert_eq!(r.reason, Some("unauthenticated"));
+    assert_eq!(r.reason, Some(Reason::Unauthenticated));
 }
 
 #[test]
@@ -132,7 +132,7 @@ fn store_answers_become_refusals() {
     .unwrap_err();
     assert_eq!(
         (over.problem, over.retry_after, over.reason),
-        (Problem::QuotaExceeded, Some(10), Some("budget"))
+        (Problem::QuotaExceeded, Some(10), Some(Reason::Budget))
     );
     assert_eq!(
         over.detail,
@@ -149,13 +149,13 @@ fn store_answers_become_refusals() {
         )
         .unwrap_err()
     };
-    assert_eq!(busy(&reports).reason, Some("in_flight"));
+    assert_eq!(busy(&reports).reason, Some(Reason::InFlight));
     let b = busy(&exports);
     assert_eq!(
         (b.problem, b.reason, b.retry_after, b.queued),
         (
             Problem::RouteBusy,
-            Some("route_busy"),
+            Some(Reason::RouteBusy),
             Some(1),
             Duration::from_millis(5)
         )
@@ -164,13 +164,21 @@ fn store_answers_become_refusals() {
     let key = judge(&reports, Admission::KeyBusy(standing(1))).unwrap_err();
     assert_eq!(
         (key.problem, key.reason, key.retry_after),
-        (Problem::ConcurrencyLimit, Some("key_in_flight"), Some(1))
+        (
+            Problem::ConcurrencyLimit,
+            Some(Reason::KeyInFlight),
+            Some(1)
+        )
     );
 
     let down = judge(&reports, Admission::Unavailable).unwrap_err();
     assert_eq!(
         (down.problem, down.reason, down.outcome),
-        (Problem::StoreUnavailable, Some("store_unavailable"), None)
+        (
+            Problem::StoreUnavailable,
+            Some(Reason::StoreUnavailable),
+            None
+        )
     );
 
     let ok = judge(
@@ -200,20 +208,20 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
         },
     )
     .unwrap_err();
-    assert_eq!(shadowed(&shadow, &over), Some("budget"));
+    assert_eq!(shadowed(&shadow, &over), Some(Reason::Budget));
     assert_eq!(shadowed(&enforced, &over), None);
     let unauth = Refusal::new(Problem::Unauthenticated, "x");
     assert_eq!(shadowed(&shadow, &unauth), None);
     let down = judge(&shadow, Admission::Unavailable).unwrap_err();
-    assert_eq!(shadowed(&shadow, &down), Some("store_unavailable"));
+    assert_eq!(shadowed(&shadow, &down), Some(Reason::StoreUnavailable));
     // A shared budget's refusals and the bound on held requests are the limiter's too.
     let shared = Refusal {
-        reason: Some("shared_budget"),
+        reason: Some(Reason::SharedBudget),
         ..over.clone()
     };
-    assert_eq!(shadowed(&shadow, &shared), Some("shared_budget"));
+    assert_eq!(shadowed(&shadow, &shared), Some(Reason::SharedBudget));
     let held = too_many_held(&shadow, Duration::from_secs(2), standing(0));
-    assert_eq!(shadowed(&shadow, &held), Some("budget"));
+    assert_eq!(shadowed(&shadow, &held), Some(Reason::Budget));
     // A shadow route never queues for a slot; an enforced one does.
     let who = identify(
         &c,
@@ -277,7 +285,7 @@ fn shared_budget_refusals_and_the_hold_bound() {
     let r = judge(&route, Admission::over_budget(&joint.outcome)).unwrap_err();
     assert_eq!(
         (r.problem, r.reason),
-        (Problem::QuotaExceeded, Some("shared_budget"))
+        (Problem::QuotaExceeded, Some(Reason::SharedBudget))
     );
     // Past the bound on held requests: 429, Retry-After from the hold.
     let r = too_many_held(
@@ -286,5 +294,8 @@ fn shared_budget_refusals_and_the_hold_bound() {
         (&joint.outcome).into(),
     );
     assert_eq!(r.problem.status(), 429);
-    assert_eq!((r.retry_after, r.reason), (Some(2), Some("shared_budget")));
+    assert_eq!(
+        (r.retry_after, r.reason),
+        (Some(2), Some(Reason::SharedBudget))
+    );
 }

@@ -28,7 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::FrontDoor;
 use crate::accept::{self, Backoff};
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, ClientTimeout, Listener};
 
 /// Counts open client connections; a slot is held for a connection's lifetime.
 #[derive(Debug, Default)]
@@ -146,7 +146,7 @@ async fn accept_loop<SV>(
     SV: ProxyHttp + Send + Sync + 'static,
     SV::CTX: Send + Sync,
 {
-    let mut backoff = Backoff::new("proxy");
+    let mut backoff = Backoff::new(Listener::Proxy);
     loop {
         let (tcp, peer) = tokio::select! {
             c = accept::next(&listener, &mut backoff) => c,
@@ -202,10 +202,7 @@ async fn handshake(
             None
         }
         Err(_) => {
-            metrics()
-                .client_timeouts
-                .with_label_values(&["header"])
-                .inc();
+            metrics().client_timeout(ClientTimeout::Header);
             None
         }
     }

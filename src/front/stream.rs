@@ -18,7 +18,7 @@ use pingora::protocols::{
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter, ReadBuf};
 
 use super::ConnState;
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, ClientTimeout};
 
 fn peer_gone(e: &io::Error) -> bool {
     matches!(
@@ -76,7 +76,7 @@ impl Tracked {
             Poll::Ready(()) => {
                 self.stall = None;
                 if !self.conn.send_timed_out.swap(true, Ordering::SeqCst) {
-                    metrics().client_timeouts.with_label_values(&["send"]).inc();
+                    metrics().client_timeout(ClientTimeout::Send);
                 }
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,

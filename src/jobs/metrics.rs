@@ -5,7 +5,64 @@ use std::sync::OnceLock;
 
 use prometheus::{register_int_counter_vec, register_int_gauge_vec, IntGauge, IntGaugeVec};
 
+use crate::decision::Verdict;
 use crate::route::Router;
+
+/// How a job ended: the `result` label of `tollgate_jobs_total` (and, for a fleet job, the
+/// state its record ends in: `done` or `failed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobResult {
+    Done,
+    Failed,
+    Expired,
+    Cancelled,
+}
+
+impl JobResult {
+    pub const ALL: [JobResult; 4] = [
+        JobResult::Done,
+        JobResult::Failed,
+        JobResult::Expired,
+        JobResult::Cancelled,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobResult::Done => "done",
+            JobResult::Failed => "failed",
+            JobResult::Expired => "expired",
+            JobResult::Cancelled => "cancelled",
+        }
+    }
+
+    /// The `decision` of the job's last access-log line.
+    pub const fn verdict(self) -> Verdict {
+        match self {
+            JobResult::Done => Verdict::JobDone,
+            JobResult::Failed => Verdict::JobFailed,
+            JobResult::Expired => Verdict::JobExpired,
+            JobResult::Cancelled => Verdict::JobCancelled,
+        }
+    }
+}
+
+/// Where a job of this instance is: the `state` label of `tollgate_jobs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobState {
+    Queued,
+    Running,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 2] = [JobState::Queued, JobState::Running];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+        }
+    }
+}
 
 struct JobMetrics {
     total: prometheus::IntCounterVec,
@@ -36,25 +93,28 @@ fn get() -> &'static JobMetrics {
 pub fn announce(router: &Router) {
     let m = get();
     for r in router.routes().filter(|r| r.jobs.is_some()) {
-        for result in ["done", "failed", "expired", "cancelled"] {
-            m.total.with_label_values(&[&*r.label, result]);
+        for result in JobResult::ALL {
+            m.total.with_label_values(&[&*r.label, result.as_str()]);
         }
-        for state in ["queued", "running"] {
-            m.jobs.with_label_values(&[&*r.label, state]);
+        for state in JobState::ALL {
+            m.jobs.with_label_values(&[&*r.label, state.as_str()]);
         }
     }
 }
 
-pub(super) fn ended(route: &str, result: &str) {
-    get().total.with_label_values(&[route, result]).inc();
+pub(super) fn ended(route: &str, result: JobResult) {
+    get()
+        .total
+        .with_label_values(&[route, result.as_str()])
+        .inc();
 }
 
 /// Counts a job in `tollgate_jobs{route,state}` while it is in that state.
 pub(super) struct InState(IntGauge);
 
 impl InState {
-    pub(super) fn new(route: &str, state: &str) -> InState {
-        let g = get().jobs.with_label_values(&[route, state]);
+    pub(super) fn new(route: &str, state: JobState) -> InState {
+        let g = get().jobs.with_label_values(&[route, state.as_str()]);
         g.inc();
         InState(g)
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::metrics::{self, InState};
+use super::metrics::{self, InState, JobResult, JobState};
 use super::send::{self, JobRequest, Sent};
 use super::{new_id, Job, Status, Stored};
 use crate::identity::Identity;
@@ -140,7 +140,7 @@ pub(super) fn problem_result(p: Problem, detail: &str) -> Stored {
 
 /// How a job ended, for its metrics and its last access-log line.
 struct Ended {
-    result: &'static str,
+    result: JobResult,
     status: u16,
     upstream_status: Option<u16>,
     cost: u64,
@@ -152,7 +152,7 @@ struct Ended {
 
 async fn run(mut t: Task) {
     let waited = Instant::now();
-    let queued_gauge = InState::new(&t.route.label, "queued");
+    let queued_gauge = InState::new(&t.route.label, JobState::Queued);
     let slot = match t.place.take() {
         Some(JobPlace::Slot(s)) => Some(s),
         Some(JobPlace::Waiting(w)) => tokio::select! {
@@ -180,12 +180,12 @@ async fn run(mut t: Task) {
             lease.release().await;
             let result = if t.job.expire(t.rules.result_ttl) {
                 t.shared.jobs.resize(&t.job, 0);
-                "expired"
+                JobResult::Expired
             } else {
                 t.shared.jobs.remove(&t.job.id);
-                "cancelled"
+                JobResult::Cancelled
             };
-            let status = if result == "expired" { 503 } else { 0 };
+            let status = if result == JobResult::Expired { 503 } else { 0 };
             return t.ended(Ended {
                 result,
                 status,
@@ -212,7 +212,7 @@ async fn run(mut t: Task) {
 async fn execute(t: &mut Task, queued: Duration) -> Ended {
     // SIGTERM lets a running job finish within grace_period, like a request.
     let _drain = t.shared.drain.enter();
-    let _running = InState::new(&t.route.label, "running");
+    let _running = InState::new(&t.route.label, JobState::Running);
     let rm = t.running.metrics.get(&t.route);
     let _in_flight = InFlight::new(&rm.in_flight);
     let started = Instant::now();
@@ -225,7 +225,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     )
     .await;
     let mut ended = Ended {
-        result: "failed",
+        result: JobResult::Failed,
         status: 502,
         upstream_status: None,
         cost: t.admit.cost,
@@ -241,7 +241,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             report,
         } => {
             ended.cost = settle(t, lease, upstream, report).await;
-            ended.result = "done";
+            ended.result = JobResult::Done;
             ended.status = stored.status;
             ended.upstream_status = Some(stored.status);
             ended.upstream = Some(upstream);
@@ -319,18 +319,12 @@ impl Task {
         if !access::enabled() {
             return;
         }
-        let decision = match e.result {
-            "done" => "job_done",
-            "expired" => "job_expired",
-            "cancelled" => "job_cancelled",
-            _ => "job_failed",
-        };
         access::write(&access::AccessRecord {
             method: &self.origin.method,
             route: &self.route.label,
             key: &self.origin.key,
             cost: e.cost,
-            decision,
+            decision: e.result.verdict(),
             status: e.status,
             latency_ms: self.submitted.elapsed().as_secs_f64() * 1e3,
             upstream_ms: e.upstream.map(|u| u.as_secs_f64() * 1e3),

@@ -34,13 +34,27 @@ pub(super) enum Sent {
     },
     /// It never had the request (no connection, or the request could not be written): 502,
     /// refunded, as for a synchronous request.
-    Unreachable(String),
+    Unreachable(Unreachable),
     /// No answer within `read_timeout`: 504, charged. The slot follows the late answer.
     TimedOut(Box<Follow>),
     /// An answer over `max_response_body`: 502, charged.
     TooLarge { upstream: Duration },
     /// The answer broke off after its head: 502, charged (the upstream did the work).
     Broken { upstream: Duration, detail: String },
+}
+
+/// Why the upstream never had a job's request (logged with the job's 502).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unreachable {
+    #[error("no healthy address in the named upstream")]
+    NoHealthyAddress,
+    #[error("upstream host did not resolve")]
+    Unresolved,
+    /// Connecting, writing the request or reading the answer's head failed.
+    #[error(transparent)]
+    Io(#[from] Box<pingora::Error>),
+    #[error("no response head")]
+    NoHead,
 }
 
 /// The upstream connection of a job that timed out: read to the end of its late answer (and
@@ -95,13 +109,13 @@ type PeerChoice = (
     Duration,
 );
 
-fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice, String> {
+fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
     if let Some(name) = &route.provider.upstream {
         let pools = shared.pools.load();
         let (addr, t) = pools
             .get(name)
             .and_then(|p| p.pick())
-            .ok_or("no healthy address in the named upstream")?;
+            .ok_or(Unreachable::NoHealthyAddress)?;
         let host = Some(t.host_header.clone());
         return Ok((
             forward::peer(addr, t),
@@ -113,7 +127,7 @@ fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice,
     let addr = shared
         .upstream_addr
         .load_full()
-        .ok_or("upstream host did not resolve")?;
+        .ok_or(Unreachable::Unresolved)?;
     let up = &running.config.upstream;
     Ok((
         forward::peer(*addr, up),
@@ -137,31 +151,22 @@ async fn open(
     running: &Running,
     route: &Route,
     req: &JobRequest,
-) -> Result<Opened, String> {
+) -> Result<Opened, Unreachable> {
     let (peer, host, read_timeout, abandon) = peer(shared, running, route)?;
     let mut header = req.header.clone();
     if let Some(h) = host {
-        header
-            .insert_header(http::header::HOST, h)
-            .map_err(|e| e.to_string())?;
+        header.insert_header(http::header::HOST, h)?;
     }
-    let (mut s, _) = connector()
-        .get_http_session(&peer)
-        .await
-        .map_err(|e| e.to_string())?;
+    let (mut s, _) = connector().get_http_session(&peer).await?;
     // Reads are timed here (a timed-out read is then followed, see `Follow`).
     s.set_read_timeout(None);
     s.set_write_timeout(Some(read_timeout));
     let sent_at = Instant::now();
-    s.write_request_header(Box::new(header))
-        .await
-        .map_err(|e| e.to_string())?;
+    s.write_request_header(Box::new(header)).await?;
     if !req.body.is_empty() {
-        s.write_request_body(req.body.clone(), false)
-            .await
-            .map_err(|e| e.to_string())?;
+        s.write_request_body(req.body.clone(), false).await?;
     }
-    s.finish_request_body().await.map_err(|e| e.to_string())?;
+    s.finish_request_body().await?;
     Ok(Opened {
         session: s,
         sent_at,
@@ -247,12 +252,12 @@ pub(super) async fn send(
                 deadline: sent_at + abandon.max(read_timeout),
             }))
         }
-        Ok(Err(e)) => return Sent::Unreachable(e.to_string()),
+        Ok(Err(e)) => return Sent::Unreachable(e.into()),
         Ok(Ok(())) => {}
     }
     let upstream = sent_at.elapsed();
     let Some(head) = s.response_header().cloned() else {
-        return Sent::Unreachable("no response head".into());
+        return Sent::Unreachable(Unreachable::NoHead);
     };
     let body = match read_body(&mut s, max_body, read_timeout).await {
         Ok(b) => b,

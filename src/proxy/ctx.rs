@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntGauge;
 
-use crate::decision::{Admitted, Classified, Refusal};
+use crate::decision::{Admitted, Classified, Reason, Refusal, Verdict};
 use crate::front::ConnState;
 use crate::identity::{Identity, Origin};
 use crate::problem::Problem;
@@ -71,7 +71,7 @@ pub enum Phase {
     /// Answered by the gateway; nothing was charged.
     Refused {
         problem: Problem,
-        reason: Option<&'static str>,
+        reason: Option<Reason>,
         outcome: Option<Standing>,
     },
     Admitted(Charged),
@@ -86,13 +86,13 @@ pub enum Phase {
     /// `mode: shadow`: the store refused (`reason`), and the request is forwarded anyway,
     /// uncharged and holding no slot; the headers describe the refusal as if enforced.
     Shadowed {
-        reason: &'static str,
+        reason: Reason,
         outcome: Option<Standing>,
     },
     /// Answered by the gateway about an async job: its submission (`outcome`: charged, the
     /// job holds the charge from now on) or a poll or cancel of one (free).
     Job {
-        decision: &'static str,
+        decision: Verdict,
         id: Option<Arc<str>>,
         outcome: Option<Standing>,
     },
@@ -269,7 +269,7 @@ impl Ctx {
     }
 
     /// Records a refusal that shadow mode forwards instead (nothing charged, no slot).
-    pub fn shadow(&mut self, r: &Refusal, reason: &'static str) {
+    pub fn shadow(&mut self, r: &Refusal, reason: Reason) {
         self.timing.queued = r.queued;
         self.phase = Phase::Shadowed {
             reason,
@@ -355,7 +355,7 @@ impl Ctx {
     }
 
     /// What shadow mode let through: the reason enforcement would have refused.
-    pub fn shadow_reason(&self) -> Option<&'static str> {
+    pub fn shadow_reason(&self) -> Option<Reason> {
         match self.phase {
             Phase::Shadowed { reason, .. } => Some(reason),
             _ => None,
@@ -363,17 +363,17 @@ impl Ctx {
     }
 
     /// The access log's `decision`.
-    pub fn decision(&self) -> &'static str {
-        match &self.phase {
+    pub fn decision(&self) -> Verdict {
+        match self.phase {
             Phase::Refused {
                 reason: Some(reason),
                 ..
-            } => reason,
-            Phase::Refused { reason: None, .. } | Phase::Undecided => "error",
-            Phase::Admitted(_) => "admitted",
-            Phase::Refunded { .. } => "refunded",
-            Phase::Abandoned => "client_gone",
-            Phase::Shadowed { .. } => "shadow",
+            } => Verdict::Refused(reason),
+            Phase::Refused { reason: None, .. } | Phase::Undecided => Verdict::Error,
+            Phase::Admitted(_) => Verdict::Admitted,
+            Phase::Refunded { .. } => Verdict::Refunded,
+            Phase::Abandoned => Verdict::ClientGone,
+            Phase::Shadowed { .. } => Verdict::Shadow,
             Phase::Job { decision, .. } => decision,
         }
     }
@@ -422,7 +422,7 @@ mod tests {
         let gauge = IntGauge::new("t_in_flight", "test").unwrap();
         let store = Store::Memory(MemoryStore::new(crate::store::memory::Clock::new(0)));
         let mut ctx = Ctx::new(drain.enter());
-        assert_eq!((drain.active(), ctx.decision()), (1, "error"));
+        assert_eq!((drain.active(), ctx.decision().as_str()), (1, "error"));
         ctx.admit(
             req(),
             Admitted {
@@ -433,11 +433,11 @@ mod tests {
             },
             &gauge,
         );
-        assert_eq!((gauge.get(), ctx.decision()), (1, "admitted"));
+        assert_eq!((gauge.get(), ctx.decision().as_str()), (1, "admitted"));
         assert!(ctx.is_admitted());
         ctx.refund(&store, Problem::BadGateway).await;
         assert_eq!(
-            (gauge.get(), ctx.decision(), ctx.charged()),
+            (gauge.get(), ctx.decision().as_str(), ctx.charged()),
             (0, "refunded", 0)
         );
         assert_eq!(ctx.outcome().map(|o| o.remaining), Some(7));
@@ -451,11 +451,11 @@ mod tests {
         let mut ctx = Ctx::new(drain.enter());
         let r = crate::decision::upstream_failed(true);
         ctx.refuse(&r);
-        assert_eq!(ctx.decision(), "error");
+        assert_eq!(ctx.decision().as_str(), "error");
         ctx.refuse(&Refusal {
-            reason: Some("budget"),
+            reason: Some(Reason::Budget),
             ..r
         });
-        assert_eq!((ctx.decision(), ctx.charged()), ("budget", 0));
+        assert_eq!((ctx.decision().as_str(), ctx.charged()), ("budget", 0));
     }
 }

@@ -12,7 +12,7 @@ use pingora::{Error, ErrorType};
 
 use super::ctx::{Ctx, Phase};
 use super::{forward, respond, Gateway};
-use crate::decision::{self, Refusal};
+use crate::decision::{self, Refusal, Verdict};
 use crate::jobs::{self, Cancel, JobRequest, Origin, View, PATH_PREFIX};
 use crate::problem::{self, Problem};
 use crate::route::Route;
@@ -138,9 +138,9 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     }
     ctx.phase = Phase::Job {
         decision: if method == "DELETE" {
-            "job_cancel"
+            Verdict::JobCancel
         } else {
-            "job_poll"
+            Verdict::JobPoll
         },
         id: found.as_ref().map(|_| job_id.clone()),
         outcome: None,
@@ -330,7 +330,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     };
     let id = sub.id.clone();
     ctx.phase = Phase::Job {
-        decision: "job_submitted",
+        decision: Verdict::JobSubmitted,
         id: Some(id.clone()),
         outcome: Some(sub.standing),
     };

@@ -29,7 +29,7 @@ use crate::decision::{self, Refusal};
 use crate::front;
 use crate::problem::Problem;
 use crate::state::Shared;
-use crate::telemetry::{access, metrics};
+use crate::telemetry::{access, metrics, ClientTimeout};
 use ctx::{Ctx, Phase};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
@@ -332,7 +332,7 @@ impl ProxyHttp for Gateway {
                 if e.etype() == &WriteTimedout
                     && !ctx.conn.as_ref().is_some_and(|c| c.send_timed_out())
                 {
-                    metrics().client_timeouts.with_label_values(&["send"]).inc();
+                    metrics().client_timeout(ClientTimeout::Send);
                 }
                 // The client went away, stalled or sent garbage; nobody to answer.
                 let code = match e.etype() {

@@ -12,7 +12,7 @@ use pingora::proxy::FailToProxy;
 use super::ctx::Ctx;
 use crate::problem::{self, Problem};
 use crate::route::stated::Report;
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, ClientTimeout};
 
 /// Writes the gateway's own answer: problem JSON, `Retry-After` where given, and the
 /// rate-limit headers when the caller is identified. Returns `Ok(true)` ("response sent") for
@@ -106,7 +106,7 @@ pub fn take_stated_cost(h: &mut ResponseHeader, ctx: &mut Ctx) {
 /// charge stands (DESIGN §3), else a stalled body would hold a slot for free; the slot is freed
 /// in `logging`.
 pub async fn body_stalled(session: &mut Session, ctx: &mut Ctx, headers_sent: bool) -> FailToProxy {
-    metrics().client_timeouts.with_label_values(&["body"]).inc();
+    metrics().client_timeout(ClientTimeout::Body);
     if !headers_sent {
         session.set_keepalive(None);
         let _ = problem(

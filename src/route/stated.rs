@@ -23,7 +23,11 @@ pub enum Report {
 }
 
 /// Every `result` label, for the series a route announces at zero.
-pub const RESULTS: [&str; 3] = ["applied", "missing", "invalid"];
+pub const RESULTS: [&str; 3] = [
+    Report::Applied(0).label(),
+    Report::Missing.label(),
+    Report::Invalid.label(),
+];
 
 impl Report {
     /// Reads the header `name` of a response to a request of a route of `cost`.
@@ -43,7 +47,8 @@ impl Report {
         }
     }
 
-    pub fn label(self) -> &'static str {
+    /// The `result` label of `tollgate_cost_reports_total`.
+    pub const fn label(self) -> &'static str {
         match self {
             Report::Applied(_) => "applied",
             Report::Missing => "missing",

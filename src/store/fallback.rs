@@ -26,7 +26,7 @@ use super::{Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Peek, 
 use crate::budget::Limit;
 use crate::config::OnError;
 use crate::identity::KeyHash;
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, FallbackDecision};
 
 /// Bound on [`FallbackStore::release_all`]: an exit waits no longer for the store.
 pub const RELEASE_ALL_WITHIN: Duration = Duration::from_secs(1);
@@ -245,13 +245,13 @@ impl<S: SharedStore> FallbackStore<S> {
                 let admission = self.fallback(req).await;
                 let decision = if let Admission::Admitted { .. } = admission {
                     self.owe(req, req.cost);
-                    "admitted"
+                    FallbackDecision::Admitted
                 } else {
-                    "rejected"
+                    FallbackDecision::Rejected
                 };
                 metrics()
                     .fallback_decisions
-                    .with_label_values(&[decision])
+                    .with_label_values(&[decision.as_str()])
                     .inc();
                 Decision {
                     admission,

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::{Figures, Limit, Outcome, Verdict};
-use crate::identity::KeyHash;
+use crate::{identity::KeyHash, telemetry::StoreCall};
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
 pub use memory::MemoryStore;
@@ -69,7 +69,7 @@ pub enum StoreError {
     #[error("the primary is being failed over")]
     FailingOver,
     #[error("store.url is not usable: {0}")]
-    Config(String),
+    Config(redis::UnusableUrl),
     #[error("unexpected script reply {0}")]
     Reply(String),
     #[error("{source}")]
@@ -129,12 +129,12 @@ impl StoreError {
     }
 
     /// The `result` label of `tollgate_store_calls_total`.
-    pub(crate) fn metric_label(&self) -> &'static str {
+    pub(crate) fn metric_label(&self) -> StoreCall {
         match self {
-            StoreError::Timeout | StoreError::ConnectTimeout => "timeout",
-            StoreError::Connect(e) if e.is_timeout() => "timeout",
-            StoreError::BreakerOpen => "breaker_open",
-            _ => "error",
+            StoreError::Timeout | StoreError::ConnectTimeout => StoreCall::Timeout,
+            StoreError::Connect(e) if e.is_timeout() => StoreCall::Timeout,
+            StoreError::BreakerOpen => StoreCall::BreakerOpen,
+            _ => StoreCall::Error,
         }
     }
 }

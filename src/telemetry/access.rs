@@ -22,6 +22,8 @@ use std::time::{Duration, SystemTime};
 
 use sink::{Limits, Sink};
 
+use crate::decision::{Reason, Verdict};
+
 /// One request's access-log line: the fields of DESIGN §5, in the order they are written.
 /// `None` fields are left out of the line.
 #[derive(Debug, Clone)]
@@ -31,7 +33,7 @@ pub struct AccessRecord<'a> {
     /// The registry id or hash prefix (`Identity::log_name`), or `-`: never the key.
     pub key: &'a str,
     pub cost: u64,
-    pub decision: &'a str,
+    pub decision: Verdict,
     pub status: u16,
     pub latency_ms: f64,
     pub upstream_ms: Option<f64>,
@@ -43,7 +45,7 @@ pub struct AccessRecord<'a> {
     /// The request's trace id, when tracing is on.
     pub trace_id: Option<&'a str>,
     pub fallback: bool,
-    pub shadow: Option<&'a str>,
+    pub shadow: Option<Reason>,
     pub client: Option<IpAddr>,
     pub error: Option<&'a str>,
     /// The async job the request submitted or asked about, or that ended (DESIGN §8).
@@ -231,7 +233,7 @@ impl AccessRecord<'_> {
         f.str("route", self.route);
         f.str("key", self.key);
         f.u64("cost", self.cost);
-        f.str("decision", self.decision);
+        f.str("decision", self.decision.as_str());
         f.u64("status", self.status.into());
         f.f64("latency_ms", self.latency_ms);
         if let Some(v) = self.upstream_ms {
@@ -251,7 +253,7 @@ impl AccessRecord<'_> {
         }
         f.bool("fallback", self.fallback);
         if let Some(v) = self.shadow {
-            f.str("shadow", v);
+            f.str("shadow", v.as_str());
         }
         if let Some(v) = self.client {
             f.ip("client", v);

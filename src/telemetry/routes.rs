@@ -7,6 +7,7 @@ use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
 use super::metrics;
 use super::recent::{self, Counts, LastMinute};
+use crate::decision::Reason;
 use crate::route::stated::{self, Report};
 use crate::route::{Route, Router};
 
@@ -123,12 +124,12 @@ impl RouteMetrics {
             // At zero from the start: a queue's first waiters must show.
             let _ = m.queued.with_label_values(&[&*self.label]);
         }
-        let mut reasons = vec!["budget", "key_in_flight"];
+        let mut reasons = vec![Reason::Budget, Reason::KeyInFlight];
         if route.max_in_flight.is_some() {
-            reasons.extend(["in_flight", "route_busy"]);
+            reasons.extend([Reason::InFlight, Reason::RouteBusy]);
         }
         if route.shared().is_some() {
-            reasons.push("shared_budget");
+            reasons.push(Reason::SharedBudget);
         }
         let refusals = if route.fidelity.shadow {
             &m.shadow_rejections
@@ -136,7 +137,7 @@ impl RouteMetrics {
             &m.rejections
         };
         for reason in reasons {
-            refusals.with_label_values(&[&*self.label, reason]);
+            refusals.with_label_values(&[&*self.label, reason.as_str()]);
         }
         if route.fidelity.cost_from_response.is_some() {
             for result in stated::RESULTS {
@@ -187,18 +188,18 @@ impl RouteMetrics {
     }
 
     /// Counts a refusal that `mode: shadow` did not make.
-    pub fn shadow_rejection(&self, reason: &str) {
+    pub fn shadow_rejection(&self, reason: Reason) {
         metrics()
             .shadow_rejections
-            .with_label_values(&[&*self.label, reason])
+            .with_label_values(&[&*self.label, reason.as_str()])
             .inc();
     }
 
     /// Counts a refusal by the gateway.
-    pub fn rejection(&self, reason: &str) {
+    pub fn rejection(&self, reason: Reason) {
         metrics()
             .rejections
-            .with_label_values(&[&*self.label, reason])
+            .with_label_values(&[&*self.label, reason.as_str()])
             .inc();
     }
 }

@@ -38,7 +38,7 @@ pub struct Finished<'a> {
     pub route: &'a str,
     pub status: u16,
     pub cost: u64,
-    pub decision: &'a str,
+    pub decision: crate::decision::Verdict,
     /// The registry id or `key:<8 hex>` (`Identity::log_name`): never the key.
     pub key_id: Option<&'a str>,
     pub plan: Option<&'a str>,
@@ -166,7 +166,7 @@ impl RequestTrace {
         span.update_name(name);
         span.set_attributes(attributes(f));
         if f.status >= 500 || f.status == 0 {
-            span.set_status(Status::error(f.decision.to_string()));
+            span.set_status(Status::error(f.decision.as_str().to_string()));
         }
         span.end_with_timestamp(end);
         id
@@ -207,7 +207,7 @@ fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
         KeyValue::new("http.route", f.route.to_string()),
         KeyValue::new("http.response.status_code", i64::from(f.status)),
         KeyValue::new("tollgate.cost", i64::try_from(f.cost).unwrap_or(i64::MAX)),
-        KeyValue::new("tollgate.decision", f.decision.to_string()),
+        KeyValue::new("tollgate.decision", f.decision.as_str()),
     ];
     let optional = [
         ("tollgate.key_id", f.key_id),

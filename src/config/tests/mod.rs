@@ -346,6 +346,7 @@ fn hostile_yaml_is_bounded_before_parsing() {
     assert!(parse(&s).is_ok());
 }
 
+mod messages;
 mod sections;
 mod store_url;
 

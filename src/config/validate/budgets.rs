@@ -186,7 +186,7 @@ pub(super) fn endpoints(
             .as_ref()
             .and_then(|s| shared_budget(&format!("{base}.shared"), s, cost, errs));
         if let Err(m) = check_endpoint(pattern) {
-            errs.push(base, m);
+            errs.push(base, m.to_string());
             continue;
         }
         let fidelity = Fidelity {
@@ -468,7 +468,7 @@ fn shared_budget(path: &str, s: &RawShared, cost: i64, errs: &mut ConfigErrors) 
             limit,
         )),
         Err(m) => {
-            errs.push(format!("{path}.max_cost"), m);
+            errs.push(format!("{path}.max_cost"), m.to_string());
             None
         }
     }
@@ -575,7 +575,7 @@ fn build_policy(
         match Limit::new(max_cost as u64, window, max_delay) {
             Ok(limit) => built.push((inner, max_cost as u64, window, limit)),
             Err(m) => {
-                errs.push(format!("{path}.max_cost"), m);
+                errs.push(format!("{path}.max_cost"), m.to_string());
                 ok = false;
             }
         }

@@ -11,7 +11,7 @@ mod runner;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::metrics;
+use super::metrics::{self, JobResult};
 use super::run::{problem_result, Origin, Submission};
 use super::send::JobRequest;
 use super::{new_id, Stored, View};
@@ -145,7 +145,7 @@ pub async fn view(shared: &Shared, id: &str, key: &KeyHash) -> Option<(Arc<str>,
     }
     let route: Arc<str> = Arc::from(text(&r, "route"));
     if field(&r, "ended_now") == b"1" {
-        metrics::ended(&route, "failed");
+        metrics::ended(&route, JobResult::Failed);
     }
     if field(&r, "state") == b"queued" {
         let running = shared.running();
@@ -214,9 +214,9 @@ async fn take_out(
     metrics::ended(
         &label,
         if op == "cancel" {
-            "cancelled"
+            JobResult::Cancelled
         } else {
-            "expired"
+            JobResult::Expired
         },
     );
     true
@@ -243,7 +243,7 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     {
         refund(shared, &running, label, &who).await;
     }
-    metrics::ended(label, "expired");
+    metrics::ended(label, JobResult::Expired);
 }
 
 /// Takes the slots granted to the fleet's jobs, on every async route, for as long as the

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::super::metrics::{self, InState};
+use super::super::metrics::{self, InState, JobResult, JobState};
 use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
@@ -46,7 +46,7 @@ pub(super) async fn run_claimed(
         ..decision::admit_request(&route, &who)
     };
     let _drain = shared.drain.enter();
-    let _state = InState::new(&label, "running");
+    let _state = InState::new(&label, JobState::Running);
     let renew = keep_alive(b.clone(), id.clone(), label.clone());
     // With `max_delay` it holds its slot until its reserved units are due, as on memory.
     tokio::time::sleep(wait).await;
@@ -66,8 +66,7 @@ pub(super) async fn run_claimed(
     }
     renew.abort();
     let _ = b.job_release(&label, &id).await;
-    let done = state == "done";
-    metrics::ended(&label, if done { "done" } else { "failed" });
+    metrics::ended(&label, state);
     if cost > 0 {
         running.metrics.get(&route).cost_units.inc_by(cost);
     }
@@ -79,7 +78,7 @@ pub(super) async fn run_claimed(
             route: &label,
             key: &key,
             cost,
-            decision: if done { "job_done" } else { "job_failed" },
+            decision: state.verdict(),
             status: stored.status,
             latency_ms: started.elapsed().as_secs_f64() * 1e3,
             upstream_ms: None,
@@ -114,11 +113,11 @@ fn keep_alive(b: Arc<RedisBackend>, id: Arc<str>, label: Arc<str>) -> tokio::tas
 
 /// Writes the job's end into its record (kept result_ttl from now); a record no longer this
 /// run's (declared lost meanwhile) keeps what it says.
-async fn write_result(b: &RedisBackend, id: &str, state: &str, stored: &Stored) {
+async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Stored) {
     let rheaders = headers_json(&stored.headers.iter().cloned().collect());
     let status = stored.status.to_string();
     let fields: [&[u8]; 7] = [
-        state.as_bytes(),
+        state.as_str().as_bytes(),
         b"status",
         status.as_bytes(),
         b"rheaders",
@@ -131,7 +130,7 @@ async fn write_result(b: &RedisBackend, id: &str, state: &str, stored: &Stored) 
 
 /// A job's end: its state, result, charge and upstream status, and a late answer to follow.
 type Settled = (
-    &'static str,
+    JobResult,
     Stored,
     u64,
     Option<u16>,
@@ -160,7 +159,7 @@ async fn settle(
             };
             store.settle(admit, Charge::Shared, total).await;
             let status = stored.status;
-            ("done", stored, total, Some(status), None)
+            (JobResult::Done, stored, total, Some(status), None)
         }
         Sent::Unreachable(_) => {
             store.refund(admit, Charge::Shared).await;
@@ -168,19 +167,19 @@ async fn settle(
                 Problem::BadGateway,
                 "the upstream could not be reached; the job's charge was refunded",
             );
-            ("failed", p, 0, None, None)
+            (JobResult::Failed, p, 0, None, None)
         }
         Sent::TimedOut(follow) => {
             // Charged; settled (for measured time) once the late answer has been followed.
             let _ = started;
             let p = problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands");
-            ("failed", p, admit.cost, None, Some(follow))
+            (JobResult::Failed, p, admit.cost, None, Some(follow))
         }
         Sent::TooLarge { upstream } => {
             let total = billed(upstream);
             store.settle(admit, Charge::Shared, total).await;
             let p = problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands");
-            ("failed", p, total, None, None)
+            (JobResult::Failed, p, total, None, None)
         }
         Sent::Broken { upstream, .. } => {
             let total = billed(upstream);
@@ -189,7 +188,7 @@ async fn settle(
                 Problem::BadGateway,
                 "the upstream's answer broke off; it had the request, so the charge stands",
             );
-            ("failed", p, total, None, None)
+            (JobResult::Failed, p, total, None, None)
         }
     }
 }

@@ -32,7 +32,7 @@ use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, Redi
 
 use super::lost::RunId;
 use super::sentinel::{self, Watch};
-use crate::config::{parse_redis_target, RedisTarget};
+use crate::config::{parse_redis_target, RedisTarget, StoreUrlError};
 use crate::store::StoreError;
 
 /// "host:port" of a node, as the Sentinels name it.
@@ -103,30 +103,36 @@ enum Target {
     },
 }
 
+/// Why `store.url` cannot make a client ([`StoreError::Config`]): `check` refuses such a URL,
+/// but `TOLLGATE_REDIS_URL` may bring one at start.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UnusableUrl {
+    #[error(transparent)]
+    Url(#[from] StoreUrlError),
+    #[error(transparent)]
+    Client(#[from] redis::RedisError),
+}
+
 impl Target {
     fn open(
         url: &str,
         connect_timeout: Duration,
         response_timeout: Duration,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, UnusableUrl> {
         Ok(match parse_redis_target(url)? {
-            RedisTarget::Node(url) => {
-                Target::Node(redis::Client::open(url).map_err(|e| e.to_string())?)
-            }
+            RedisTarget::Node(url) => Target::Node(redis::Client::open(url)?),
             RedisTarget::Cluster { seeds } => {
                 let nodes = seeds
                     .iter()
                     .map(|s| redis::Client::open(s.as_str()))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| e.to_string())?;
+                    .collect::<Result<Vec<_>, _>>()?;
                 Target::Cluster(
                     Box::new(
                         ClusterClient::builder(seeds)
                             .retries(0)
                             .connection_timeout(connect_timeout)
                             .response_timeout(response_timeout)
-                            .build()
-                            .map_err(|e| e.to_string())?,
+                            .build()?,
                     ),
                     nodes,
                 )
@@ -136,7 +142,7 @@ impl Target {
                 master,
                 primary,
             } => {
-                let primary = primary.into_connection_info().map_err(|e| e.to_string())?;
+                let primary = primary.into_connection_info()?;
                 let mut node = SentinelNodeConnectionInfo::default()
                     .set_redis_connection_info(primary.redis_settings().clone());
                 if let redis::ConnectionAddr::TcpTls { insecure, .. } = primary.addr() {
@@ -150,8 +156,7 @@ impl Target {
                     sentinels: sentinels
                         .into_iter()
                         .map(|s| s.into_connection_info())
-                        .collect::<Result<_, _>>()
-                        .map_err(|e| e.to_string())?,
+                        .collect::<Result<_, _>>()?,
                     master,
                     primary: node,
                 }
@@ -182,7 +187,7 @@ async fn primary_client(target: &Target) -> redis::RedisResult<redis::Client> {
 /// How to reach one store; tells its thread-local connections apart from another store's.
 pub(super) struct Connections {
     id: u64,
-    target: Result<Target, String>,
+    target: Result<Target, UnusableUrl>,
     /// Sentinel: what the watcher knows of the primary (a failover under way, a new one).
     watch: Option<Arc<Watch>>,
     /// The Redis process's `run_id`, read on every new connection (not on Cluster).
@@ -304,7 +309,7 @@ impl Connections {
             redis::RedisError::from((
                 redis::ErrorKind::InvalidClientConfig,
                 "store.url",
-                e.clone(),
+                e.to_string(),
             ))
         })?;
         match target {

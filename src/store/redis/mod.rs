@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub use conn::UnusableUrl;
 pub(crate) use jobs::JobEntered;
 pub use lease::RedisLease;
 
@@ -52,7 +53,7 @@ use super::{Admission, AdmitRequest, Bucket, Lease, Standing, StoreError};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
-use crate::telemetry::metrics;
+use crate::telemetry::{metrics, StoreCall};
 use breaker::Breaker;
 use conn::Connections;
 use deny_cache::DenyCache;
@@ -236,19 +237,19 @@ impl RedisBackend {
         match res {
             Ok(_) => {
                 m.store_duration.observe(start.elapsed().as_secs_f64());
-                m.store_calls.with_label_values(&["ok"]).inc();
+                m.store_call(StoreCall::Ok);
                 self.breaker.success();
             }
             Err(StoreError::BreakerOpen) => {
-                m.store_calls.with_label_values(&["breaker_open"]).inc();
+                m.store_call(StoreCall::BreakerOpen);
             }
             // Not sent: the store is not failing, it is changing primaries.
             Err(e @ StoreError::FailingOver) => {
-                m.store_calls.with_label_values(&[e.metric_label()]).inc();
+                m.store_call(e.metric_label());
             }
             Err(e) => {
                 m.store_duration.observe(start.elapsed().as_secs_f64());
-                m.store_calls.with_label_values(&[e.metric_label()]).inc();
+                m.store_call(e.metric_label());
                 tracing::debug!(error = %e, "store call failed");
                 self.conns.forget();
                 if self.breaker.failure() {

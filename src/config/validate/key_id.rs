@@ -1,0 +1,51 @@
+//! `identity.key_id_header`: the header that carries the key's id to the upstream.
+
+use crate::config::bounds::shown;
+use crate::config::IdentitySource;
+
+/// Why a header cannot carry the key id; each names the header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum KeyIdHeaderError {
+    /// The name as written, shortened for display.
+    #[error("not a valid header name: \"{0}\"")]
+    Invalid(String),
+    #[error("\"{0}\" is an identity source (identity.sources): the key id cannot replace the key")]
+    IdentitySource(String),
+    #[error("authorization carries credentials; choose another header")]
+    Authorization,
+    #[error("\"{0}\" is a framing header of the request; choose another header")]
+    Framing(String),
+}
+
+/// "" is none. Otherwise a header the gateway may set on the upstream request: not one that
+/// carries a key (it would be overwritten by, or leak into, credentials) nor one that frames
+/// the request.
+pub(super) fn key_id_header(
+    name: &str,
+    sources: &[IdentitySource],
+) -> Result<Option<http::HeaderName>, KeyIdHeaderError> {
+    if name.is_empty() {
+        return Ok(None);
+    }
+    let header = http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| KeyIdHeaderError::Invalid(shown(name)))?;
+    let is_source = sources
+        .iter()
+        .any(|s| matches!(s, IdentitySource::Header(h) if *h == header));
+    if is_source {
+        return Err(KeyIdHeaderError::IdentitySource(name.into()));
+    }
+    if header == http::header::AUTHORIZATION {
+        return Err(KeyIdHeaderError::Authorization);
+    }
+    let framing = [
+        http::header::HOST,
+        http::header::CONTENT_LENGTH,
+        http::header::TRANSFER_ENCODING,
+        http::header::CONNECTION,
+    ];
+    if framing.contains(&header) {
+        return Err(KeyIdHeaderError::Framing(name.into()));
+    }
+    Ok(Some(header))
+}
