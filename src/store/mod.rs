@@ -110,8 +110,8 @@ impl StoreError {
     /// False when the call surely wrote nothing (so sending it again cannot apply it twice):
     /// the breaker was open, there was no connection to send it on, or Redis answered it
     /// with an error. An error reply is not a timeout: Redis refused the script before
-    /// running it (CLUSTERDOWN, MOVED, READONLY, OOM under `noeviction`: `lua/store.lua` is
-    /// a flagged script, which Redis checks first), or it stopped at a check, which every
+    /// running it (CLUSTERDOWN, MOVED, READONLY, OOM under `noeviction`: every script is a
+    /// flagged one, which Redis checks first), or it stopped at a check, which every
     /// operation makes before its first write. Only a call whose answer never came (a
     /// timeout, a connection that broke) may have run.
     pub fn may_have_run(&self) -> bool {

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::conn::Conn;
-use super::script::{self, AdmitCall, AdmitCode, StoreScript, UNDO_FOR};
+use super::guard::Guard;
+use super::script::{self, AdmitCall, AdmitCode, KeySide, Op, Refund, Take, Undo, UNDO_FOR};
 use super::slices::{Place, Settle};
 use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
 use crate::budget::Limit;
@@ -23,25 +24,23 @@ impl RedisBackend {
         self: &Arc<Self>,
         c: AdmitCall,
     ) -> Result<(Vec<i64>, AdmitCall), StoreError> {
-        if !self.breaker.allow() {
-            let res = Err(StoreError::BreakerOpen);
-            self.record(Instant::now(), &res);
-            return res;
-        }
-        let start = Instant::now();
-        let mut conn = match self.conns.get().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                let res = Err(e);
-                self.record(start, &res);
-                return res;
+        let store = self.clone();
+        self.guarded(Guard::Charge, |conn| async move {
+            // Given up at the timeout (this future dropped), the reply is the task's or the
+            // guard's to undo.
+            let mut pending = store.spawn_admit(c, conn);
+            match (&mut pending.rx).await {
+                Ok((Ok(v), c)) => Ok((v, c)),
+                Ok((Err(e), _)) => Err(e.into()),
+                Err(_) => Err(StoreError::Timeout),
             }
-        };
+        })
+        .await
+    }
+
+    /// Runs admission `c` in a task of its own, which undoes it if nobody takes its reply.
+    fn spawn_admit(self: &Arc<Self>, c: AdmitCall, mut conn: Conn) -> PendingReply {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let mut rx = PendingReply {
-            rx,
-            store: self.clone(),
-        };
         let store = self.clone();
         tokio::spawn(async move {
             let reply = store.run_admit(&c, &mut conn).await;
@@ -60,22 +59,10 @@ impl RedisBackend {
                 }
             }
         });
-        let remaining = self.timeout.saturating_sub(start.elapsed());
-        let reply = match tokio::time::timeout(remaining, &mut rx.rx).await {
-            Ok(r) => r.ok(),
-            Err(_) => {
-                // A reply that arrived just now is still ours; after close(), the task keeps it.
-                rx.rx.close();
-                rx.rx.try_recv().ok()
-            }
-        };
-        let res = match reply {
-            None => Err(StoreError::Timeout),
-            Some((Err(e), _)) => Err(e.into()),
-            Some((Ok(v), c)) => Ok((v, c)),
-        };
-        self.record(start, &res);
-        res
+        PendingReply {
+            rx,
+            store: self.clone(),
+        }
     }
 
     /// One admission in Redis: one round trip, except on Redis Cluster for a capped route.
@@ -90,13 +77,17 @@ impl RedisBackend {
         conn: &mut Conn,
     ) -> Result<Vec<i64>, redis::RedisError> {
         let Some(route_set) = c.route_slots.as_ref().filter(|_| self.conns.is_cluster()) else {
-            return script::invoke(&self.script.admit(c), conn).await;
+            return script::invoke(&c.invocation(), conn).await;
         };
-        let key_side: Vec<i64> = script::invoke(&self.script.admit_key(c), conn).await?;
+        let key_side: Vec<i64> = script::invoke(&KeySide(c).invocation(), conn).await?;
         if key_side.first().copied().and_then(AdmitCode::from_reply) != Some(AdmitCode::Admitted) {
             return Ok(key_side);
         }
-        let route_side = script::invoke::<i64>(&self.script.take(route_set, c), conn).await;
+        let take = Take {
+            set: route_set,
+            call: c,
+        };
+        let route_side = script::invoke::<i64>(&take.invocation(), conn).await;
         let code = route_side
             .as_ref()
             .ok()
@@ -128,7 +119,7 @@ impl RedisBackend {
         if granted > 0 {
             let place = Place {
                 holds: c.holds.clone(),
-                budgets: StoreScript::budgets_of(c),
+                budgets: c.budgets(),
             };
             self.settle_later(Settle::unspent(place, c.grant, granted));
         }
@@ -151,17 +142,7 @@ impl RedisBackend {
     /// One `undo` of admission `c` (its charge and key lease back, its id tombstoned),
     /// bypassing the breaker: true if Redis answered it.
     async fn undo_now(&self, c: &AdmitCall) -> bool {
-        let undone = async {
-            let mut conn = self.conns.get().await?;
-            let undo = self.script.undo(c);
-            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&undo, &mut conn))
-                .await
-            {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r?),
-            }
-        }
-        .await;
+        let undone = self.op_bypassing(&Undo(c), LATE_REPLY_WAIT).await;
         match undone {
             Ok(n) => {
                 if n == 1 {
@@ -201,17 +182,11 @@ impl RedisBackend {
     /// Gives back a charge that its request will not use, surely: a refund that did not run
     /// (or whose node is dying) is sent again until it does.
     pub(super) async fn undo_charge(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
-        let refunded = async {
-            let mut conn = self.conns.get().await?;
-            let refund = self.script.refund(&budgets, cost);
-            match tokio::time::timeout(LATE_REPLY_WAIT, script::invoke::<i64>(&refund, &mut conn))
-                .await
-            {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r?),
-            }
-        }
-        .await;
+        let refund = Refund {
+            budgets: &budgets,
+            cost,
+        };
+        let refunded = self.op_bypassing(&refund, LATE_REPLY_WAIT).await;
         match refunded {
             Ok(_) => {}
             Err(e) if refund_again(&e) => self.retry_refund(budgets, cost),
@@ -229,7 +204,11 @@ impl RedisBackend {
         tokio::spawn(async move {
             while Instant::now() < give_up {
                 tokio::time::sleep(REFUND_RETRY_EVERY).await;
-                match store.call::<i64>(store.script.refund(&budgets, cost)).await {
+                let refund = Refund {
+                    budgets: &budgets,
+                    cost,
+                };
+                match store.op(&refund).await {
                     Ok(_) => return,
                     Err(e) if refund_again(&e) => continue,
                     Err(e) => {

@@ -6,6 +6,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use super::guard::Guard;
 use super::RedisBackend;
 use crate::store::StoreError;
 use crate::telemetry::metrics;
@@ -35,15 +36,14 @@ impl RedisBackend {
 
     /// Redis's `maxmemory-policy`.
     async fn eviction_policy(&self) -> Result<String, StoreError> {
-        let mut conn = self.conns.get().await?;
-        let mut cmd = redis::cmd("CONFIG");
-        cmd.arg("GET").arg("maxmemory-policy");
-        let got = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(500)),
-            cmd.query_async::<Vec<String>>(&mut conn),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout)??;
+        let within = self.timeout.max(Duration::from_millis(500));
+        let got = self
+            .guarded(Guard::Bypass(within), |mut conn| async move {
+                let mut cmd = redis::cmd("CONFIG");
+                cmd.arg("GET").arg("maxmemory-policy");
+                Ok(cmd.query_async::<Vec<String>>(&mut conn).await?)
+            })
+            .await?;
         got.get(1)
             .cloned()
             .ok_or_else(|| StoreError::Reply(format!("CONFIG GET maxmemory-policy: {got:?}")))

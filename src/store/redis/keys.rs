@@ -67,7 +67,7 @@ pub(super) fn budget_and_holds_keys(key: &KeyHash) -> (String, String) {
     (format!("t{{{tag}}}b"), format!("t{{{tag}}}h"))
 }
 
-/// The record of admission `id` of the key (`lua/store.lua`'s admission ids), in its slot.
+/// The record of admission `id` of the key (the admission ids of `lua/store/common.lua`), in its slot.
 pub(super) fn admission_key(key: &KeyHash, id: &str) -> String {
     format!("t{{{}}}a{id}", tag(key))
 }

@@ -11,7 +11,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{script, RedisBackend};
+use super::script::{self, Lease, Op};
+use super::{slices, RedisBackend};
 use crate::store::lock;
 use crate::store::StoreError;
 
@@ -173,7 +174,8 @@ impl RedisBackend {
     }
 
     /// Releases every lease this instance holds or still owes Redis, bypassing the breaker
-    /// (this is the last chance). The caller bounds the time it may take.
+    /// (this is the last chance). The caller bounds the time it may take: the one call
+    /// outside `guard`, all on one connection, sent at once.
     pub(super) async fn release_everything(self: &Arc<Self>) {
         let slices = self.slices.hand_back_all();
         let all: Vec<(Vec<String>, String)> = {
@@ -195,17 +197,23 @@ impl RedisBackend {
         // Budget slices are settled: what was not spent goes back to the fleet, like the
         // slots, and what was starts draining.
         for s in slices {
-            let (store, mut conn) = (self.clone(), conn.clone());
+            let mut conn = conn.clone();
             sends.spawn(async move {
-                let _ = script::invoke::<i64>(&store.settle_call(&s), &mut conn).await;
+                let id = slices::hold_field(s.id);
+                let settle = s.op(&id, Instant::now()).invocation();
+                let _ = script::invoke::<i64>(&settle, &mut conn).await;
             });
         }
         for (keys, id) in all {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                for group in store.lease_groups(&keys) {
-                    let release = store.script.lease(group, &id, 0);
-                    let _ = script::invoke::<i64>(&release, &mut conn).await;
+                for sets in store.lease_groups(&keys) {
+                    let release = Lease {
+                        sets,
+                        id: &id,
+                        ttl_us: 0,
+                    };
+                    let _ = script::invoke::<i64>(&release.invocation(), &mut conn).await;
                 }
             });
         }
@@ -242,9 +250,8 @@ impl RedisBackend {
                     .await?;
             }
         }
-        for group in self.lease_groups(&others) {
-            self.call::<i64>(self.script.lease(group, id, ttl_us))
-                .await?;
+        for sets in self.lease_groups(&others) {
+            self.op(&Lease { sets, id, ttl_us }).await?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! [`CHECK_EVERY`]. On a new one:
 //!
 //! - an instance registers every lease it holds again before its next admission (a renewal
-//!   re-creates a missing lease, `lua/store.lua`), at once and bypassing the breaker;
+//!   re-creates a missing lease, `lua/store/lease.lua`), at once and bypassing the breaker;
 //! - and holds back its own requests that would take a slot for [`SETTLE_FOR`]: long enough
 //!   for every other instance holding leases to have seen the new `run_id` and registered
 //!   them again, so that nobody fills the cap beside them.
@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::{script, RedisBackend};
+use super::script::Lease;
+use super::RedisBackend;
 use crate::store::{lock, AdmitRequest, StoreError};
 
 /// How often `run_id` is read while leases are held.
@@ -92,16 +93,11 @@ impl RedisBackend {
             .map(|(id, keys)| (id.clone(), keys.clone()))
             .collect();
         let ttl_us = self.lease_ttl.as_micros() as u64;
-        let mut conn = self.conns.get().await?;
+        let within = self.timeout.max(Duration::from_millis(200));
         for (id, keys) in &live {
-            for group in self.lease_groups(keys) {
-                let renew = self.script.lease(group, id, ttl_us);
-                tokio::time::timeout(
-                    self.timeout.max(Duration::from_millis(200)),
-                    script::invoke::<i64>(&renew, &mut conn),
-                )
-                .await
-                .map_err(|_| StoreError::Timeout)??;
+            for sets in self.lease_groups(keys) {
+                let renew = Lease { sets, id, ttl_us };
+                self.op_bypassing(&renew, within).await?;
             }
         }
         if !live.is_empty() {

@@ -1,13 +1,13 @@
 //! The shared store: every instance of a fleet decides against the same Redis.
 //!
-//! - One Lua script call per request (`script`, operation `admit`) checks and charges the
+//! - One Lua script call per request (`script`, `lua/store/admit.lua`) checks and charges the
 //!   budget and takes the in-flight slots atomically, with Redis `TIME` as the clock: one round
 //!   trip, and a refused request writes nothing. On Redis Cluster a capped route's lease set
 //!   lives in a slot of its own, so such a request takes two (`run_admit`).
 //! - Slots are leases (`lease`); connections are per worker thread (`conn`); keys are laid
 //!   out in `keys`.
 //! - Every call is bounded by `store.timeout`; a circuit breaker (`breaker`) stops calling a
-//!   dead Redis. Nothing that charges is ever retried. What to do while Redis cannot decide is
+//!   dead Redis (both in `guard`, the one way a call reaches Redis). Nothing that charges is ever retried. What to do while Redis cannot decide is
 //!   not this module's business: it answers with a [`StoreError`] and `store::fallback`
 //!   applies `store.on_error`.
 //! - A key refused for being over budget is refused locally, without a round trip, until the
@@ -22,6 +22,7 @@ mod breaker;
 mod conn;
 mod deny_cache;
 mod eviction;
+mod guard;
 mod jobs;
 mod keys;
 mod lease;
@@ -53,11 +54,10 @@ use super::{Admission, AdmitRequest, Bucket, Lease, Standing, StoreError};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::config::StoreSettings;
 use crate::identity::KeyHash;
-use crate::telemetry::{metrics, StoreCall};
 use breaker::Breaker;
 use conn::Connections;
 use deny_cache::DenyCache;
-use script::{AdmitCall, AdmitCode, StoreScript};
+use script::{AdmitCall, AdmitCode};
 use slices::{Ask, Seen, Slices};
 
 /// The gateway's store for a fleet: Redis, with `store.on_error` deciding while it cannot.
@@ -91,7 +91,6 @@ pub struct RedisBackend {
     lease_seq: AtomicU64,
     breaker: Breaker,
     deny: DenyCache,
-    script: StoreScript,
     /// Leases held, and releases still owed to Redis.
     held: Mutex<lease::Held>,
     /// Budget slices this instance holds (`store.slices`; never any when off).
@@ -207,7 +206,6 @@ impl RedisBackend {
             lease_seq: AtomicU64::new(0),
             breaker: Breaker::new(),
             deny: DenyCache::new(),
-            script: StoreScript::new(),
             held: Mutex::default(),
             slices: Slices::new(s.fleet_size, instance),
             slices_on: s.slices,
@@ -227,62 +225,6 @@ impl RedisBackend {
     /// Redis's clock (µs) when it last decided an `admit` for this instance; 0 before any.
     pub fn last_decided_us(&self) -> u64 {
         self.last_decided_us.load(Ordering::Relaxed)
-    }
-
-    /// Metrics, breaker and connection health after one call. A call the open breaker
-    /// refused (or held back during a failover) never went to Redis: it is counted but has
-    /// no duration, so the latency histogram describes Redis only.
-    fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
-        let m = metrics();
-        match res {
-            Ok(_) => {
-                m.store_duration.observe(start.elapsed().as_secs_f64());
-                m.store_call(StoreCall::Ok);
-                self.breaker.success();
-            }
-            Err(StoreError::BreakerOpen) => {
-                m.store_call(StoreCall::BreakerOpen);
-            }
-            // Not sent: the store is not failing, it is changing primaries.
-            Err(e @ StoreError::FailingOver) => {
-                m.store_call(e.metric_label());
-            }
-            Err(e) => {
-                m.store_duration.observe(start.elapsed().as_secs_f64());
-                m.store_call(e.metric_label());
-                tracing::debug!(error = %e, "store call failed");
-                self.conns.forget();
-                if self.breaker.failure() {
-                    // Once per opening, with the cause: a wrong password or an out-of-memory
-                    // Redis needs an operator, a timeout may pass by itself.
-                    tracing::warn!(error = %e, transient = e.transient(), "store unreachable: circuit breaker open");
-                }
-            }
-        }
-    }
-
-    /// Runs one script call under the timeout and the breaker, recording the outcome.
-    /// For calls that charge nothing (leases, peeks, refunds); `admit` has its own.
-    async fn call<T: redis::FromRedisValue>(
-        &self,
-        inv: redis::ScriptInvocation<'_>,
-    ) -> Result<T, StoreError> {
-        if !self.breaker.allow() {
-            let res = Err(StoreError::BreakerOpen);
-            self.record(Instant::now(), &res);
-            return res;
-        }
-        let start = Instant::now();
-        let res = async {
-            let mut conn = self.conns.get().await?;
-            match tokio::time::timeout(self.timeout, script::invoke::<T>(&inv, &mut conn)).await {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r?),
-            }
-        }
-        .await;
-        self.record(start, &res);
-        res
     }
 
     fn next_lease_id(&self) -> String {

@@ -1,15 +1,80 @@
-//! Every call of `lua/store.lua`, with its contract: the script is one file, the operation
-//! its first argument, so that one `EVALSHA` (reloaded on NOSCRIPT by redis-rs) serves all.
-//! Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost, drained at
-//! `rate` per µs), as in `crate::budget`.
+//! The store's scripts and how they are called. Each operation on budgets and leases is a
+//! script of its own, `lua/store/<op>.lua` after the helpers of `lua/store/common.lua` (one
+//! `EVALSHA` per call, reloaded on NOSCRIPT by redis-rs); its KEYS/ARGV/reply contract is
+//! written above it there, and each call is built by one typed value per operation
+//! (`ops`: its fields are the operation's arguments). Times are Redis `TIME` in µs; levels
+//! are ticks (`per_unit` per unit of cost, drained at `rate` per µs), as in `crate::budget`.
 
 use std::time::Duration;
+
+use std::sync::LazyLock;
 
 use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
 
 use super::conn::Conn;
-use super::slices::{self, HoldId, IfLost, Seen};
+use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
+
+pub(super) use ops::{Debit, KeySide, Lease, Peek, Refund, Settle, Take, Undo, Unspend};
+
+/// An operation's script: the shared helpers (they start with the `#!lua` flag line), then
+/// the operation's own file.
+macro_rules! store_lua {
+    ($op:literal) => {
+        concat!(
+            include_str!("../lua/store/common.lua"),
+            include_str!(concat!("../lua/store/", $op, ".lua"))
+        )
+    };
+}
+
+/// The store's scripts, one per operation (the index of each in [`SOURCES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lua {
+    Admit,
+    Undo,
+    Take,
+    Refund,
+    Debit,
+    Settle,
+    Unspend,
+    Peek,
+    Lease,
+}
+
+/// Each operation's script by name, in the order of [`Lua`].
+pub(super) const SOURCES: [(&str, &str); 9] = [
+    ("admit", store_lua!("admit")),
+    ("undo", store_lua!("undo")),
+    ("take", store_lua!("take")),
+    ("refund", store_lua!("refund")),
+    ("debit", store_lua!("debit")),
+    ("settle", store_lua!("settle")),
+    ("unspend", store_lua!("unspend")),
+    ("peek", store_lua!("peek")),
+    ("lease", store_lua!("lease")),
+];
+
+/// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
+static SCRIPTS: LazyLock<[Script; 9]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+
+/// One operation of the store: a value whose fields are its arguments, and the script that
+/// runs it.
+pub(super) trait Op {
+    /// What the script answers.
+    type Reply: FromRedisValue;
+    /// Its script.
+    const SCRIPT: Lua;
+    /// Its KEYS and ARGV, in the order of the contract above its script.
+    fn args(&self, inv: &mut ScriptInvocation<'static>);
+
+    /// The call, ready to send ([`invoke`]).
+    fn invocation(&self) -> ScriptInvocation<'static> {
+        let mut inv = SCRIPTS[Self::SCRIPT as usize].prepare_invoke();
+        self.args(&mut inv);
+        inv
+    }
+}
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
 /// SCRIPT LOAD and EVALSHA again, by redis-rs), resending it only when the answer proves it
@@ -38,7 +103,7 @@ pub(super) async fn invoke<T: FromRedisValue>(
 /// Redis answered with an error, so the script wrote nothing: it refused to run it (the
 /// slot is elsewhere or moving: MOVED, ASK, TRYAGAIN; the cluster or the primary is down:
 /// CLUSTERDOWN, MASTERDOWN; loading; a replica now: READONLY; out of memory under
-/// `noeviction`: OOM — `lua/store.lua` is a flagged script, so Redis checks its role and
+/// `noeviction`: OOM — the store's scripts are flagged, so Redis checks its role and
 /// memory before running it), or the script stopped with an error at one of its checks,
 /// which every operation makes before its first write. Anything but a reply (a broken
 /// connection, a timeout) is not this.
@@ -86,7 +151,10 @@ impl AdmitCode {
     }
 }
 
-/// The arguments of one `admit` call, owned so that the call can outlive its request.
+/// `admit` (`lua/store/admit.lua`): decides one request and, when it passes, charges it and
+/// takes its slots; its arguments, owned so that the call can outlive its request. Writes
+/// only when admitted (to every budget), and the settling always. Charges: never retry it
+/// after a timeout. Reply: see [`parse_admit`].
 #[derive(Debug, Clone)]
 pub(super) struct AdmitCall {
     pub budget: String,
@@ -118,6 +186,13 @@ pub(super) struct AdmitCall {
 }
 
 impl AdmitCall {
+    /// Every budget of the call, the first one first (for a refund of all of them).
+    pub fn budgets(&self) -> Vec<(String, Limit)> {
+        std::iter::once((self.budget.clone(), self.limit))
+            .chain(self.also.iter().cloned())
+            .collect()
+    }
+
     /// The lease sets this call takes a slot in.
     pub fn slot_keys(&self) -> Vec<String> {
         self.key_slots
@@ -201,249 +276,7 @@ pub(super) const TOMBSTONE: Duration = Duration::from_secs(20 * 60);
 /// How long the gateway keeps sending the `undo` of a call it gave up on.
 pub(super) const UNDO_FOR: Duration = Duration::from_secs(100);
 
-pub(super) struct StoreScript(Script);
-
-impl StoreScript {
-    pub fn new() -> Self {
-        StoreScript(Script::new(include_str!("../lua/store.lua")))
-    }
-
-    /// `admit`: decides one request and, when it passes, charges it and takes its slots.
-    ///
-    /// KEYS[1] budget, KEYS[2] key lease set, KEYS[3] route lease set (an unused set is passed
-    /// as the budget key: the script never touches it), KEYS[4] the key's holds, KEYS[5..]
-    /// further budgets.
-    /// ARGV[2] per_unit, ARGV[3] rate, ARGV[4] capacity, ARGV[5] max_delay (ticks), ARGV[6]
-    /// floor (units a slice must leave), ARGV[7] cost, ARGV[8] key_cap, ARGV[9] route_cap
-    /// (0 = none), ARGV[10] lease id, ARGV[11] lease_ttl (µs), ARGV[12] slice (extra units
-    /// wanted), ARGV[13] unspent (of the hold settled), ARGV[14] the hold settled first (''
-    /// none), ARGV[15] the new hold's id, ARGV[16] its life (µs); from ARGV[17], per_unit,
-    /// rate, capacity, max_delay, floor of each further budget.
-    /// Reply `{code, a, remaining, reset_us, granted, now_us, level of each budget..., held
-    /// ticks of each budget...}` with code an [`AdmitCode`], then, with further budgets, the
-    /// decisive budget's index and `remaining, reset_us` of each (see [`parse_admit`]). Writes
-    /// only when admitted (to every budget), and the settling always. Charges: never retry
-    /// it after a timeout.
-    pub fn admit<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        self.admit_with(c, c.route_slots.as_ref().unwrap_or(&c.budget), c.route_cap)
-    }
-
-    /// `admit` with the route's lease set and cap given (the key's side alone: the budget key
-    /// again, and cap 0).
-    fn admit_with<'a>(
-        &'a self,
-        c: &'a AdmitCall,
-        route_set: &'a str,
-        route_cap: u32,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        let floor = |l: &Limit| if c.slice > 0 { slices::floor(l) } else { 0 };
-        let l = &c.limit;
-        inv.key(&c.budget)
-            .key(c.key_slots.as_ref().unwrap_or(&c.budget))
-            .key(route_set)
-            .arg("admit")
-            .arg(l.per_unit)
-            .arg(l.rate)
-            .arg(l.capacity)
-            .arg(l.max_delay)
-            .arg(floor(l))
-            .arg(c.cost)
-            .arg(c.key_cap)
-            .arg(route_cap)
-            .arg(&c.lease_id)
-            .arg(c.lease_ttl_us)
-            .arg(c.slice)
-            .arg(c.unspent)
-            .arg(slices::hold_field(c.settle))
-            .arg(slices::hold_field(c.grant))
-            .arg(c.hold_ttl_us);
-        inv.key(&c.holds);
-        for (key, l) in &c.also {
-            inv.key(key)
-                .arg(l.per_unit)
-                .arg(l.rate)
-                .arg(l.capacity)
-                .arg(l.max_delay)
-                .arg(floor(l));
-        }
-        inv.arg(c.if_lost.units)
-            .arg(c.if_lost.granted_us)
-            .arg(ADMISSION_RECORD.as_millis() as u64);
-        inv.key(&c.record);
-        inv
-    }
-
-    /// `undo`: gives back what admission `c` took — its charge to every budget and its key's
-    /// lease — if Redis admitted it, once; and makes sure it never will (a call delivered
-    /// late finds the tombstone and writes nothing). Idempotent: safe to send again.
-    ///
-    /// KEYS[1] the record, KEYS[2] the key's lease set (the record again: none), KEYS[3..]
-    /// budgets; ARGV[2] lease id, ARGV[3] tombstone life (ms), then per_unit, rate, cost of
-    /// each budget. Reply 1 (it had charged: undone) or 0 (it had not, or undone already).
-    pub fn undo<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(&c.record)
-            .key(c.key_slots.as_ref().unwrap_or(&c.record))
-            .arg("undo")
-            .arg(&c.lease_id)
-            .arg(TOMBSTONE.as_millis() as u64);
-        for (key, l) in
-            std::iter::once((&c.budget, &c.limit)).chain(c.also.iter().map(|(k, l)| (k, l)))
-        {
-            inv.key(key).arg(l.per_unit).arg(l.rate).arg(c.cost);
-        }
-        inv
-    }
-
-    /// Every budget of the call, the first one first (for a refund of all of them).
-    pub fn budgets_of(c: &AdmitCall) -> Vec<(String, Limit)> {
-        std::iter::once((c.budget.clone(), c.limit))
-            .chain(c.also.iter().cloned())
-            .collect()
-    }
-
-    /// `admit` for the key's side only (its budget and lease set, one hash slot), as Redis
-    /// Cluster needs on a capped route; the route's slot is then taken by [`Self::take`].
-    pub fn admit_key<'a>(&'a self, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        self.admit_with(c, &c.budget, 0)
-    }
-
-    /// `take`: a slot in a route's lease set for lease `id`, if one is free.
-    ///
-    /// KEYS[1] route lease set; ARGV[2] route_cap, ARGV[3] lease id, ARGV[4] lease_ttl (µs).
-    /// Reply [`AdmitCode::Admitted`] (taken) or [`AdmitCode::RouteBusy`] (nothing written).
-    pub fn take<'a>(&'a self, set: &'a str, c: &'a AdmitCall) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(set)
-            .arg("take")
-            .arg(c.route_cap)
-            .arg(&c.lease_id)
-            .arg(c.lease_ttl_us);
-        inv
-    }
-
-    /// `refund`: gives `cost` units back to each budget (never below empty).
-    ///
-    /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
-    pub fn refund<'a>(&'a self, budgets: &'a [(String, Limit)], cost: u64) -> ScriptInvocation<'a> {
-        self.adjust("refund", budgets, cost)
-    }
-
-    /// `debit`: charges `cost` units that were admitted elsewhere (by the fallback while Redis
-    /// was unreachable) to each budget, past capacity if need be: the key is then in debt and
-    /// waits it out.
-    ///
-    /// KEYS[i] budget; ARGV per_unit, rate, cost of each from ARGV[2]. Reply 1.
-    pub fn debit<'a>(
-        &'a self,
-        budgets: &'a [(String, Limit)],
-        cost: u64,
-        id: u64,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.adjust("debit", budgets, cost);
-        inv.arg(id);
-        inv
-    }
-
-    fn adjust<'a>(
-        &'a self,
-        op: &str,
-        budgets: &'a [(String, Limit)],
-        cost: u64,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.arg(op);
-        for (key, l) in budgets {
-            inv.key(key).arg(l.per_unit).arg(l.rate).arg(cost);
-        }
-        inv
-    }
-
-    /// `settle`: hands hold `id` of the key's slices back with `unspent` units not spent,
-    /// charging the rest (and any expired hold) to each of its budgets. Idempotent: a hold
-    /// that is gone is not settled again, so it is safe to send again.
-    ///
-    /// A hold Redis lost with its data (restarted empty) since `lost.granted_us` (its TIME
-    /// at the grant) is charged what was spent of its `lost.units`, once.
-    ///
-    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] unspent, then
-    /// per_unit, rate of each budget, then units, granted_us. Reply 1.
-    pub fn settle<'a>(
-        &'a self,
-        holds: &str,
-        budgets: &[(String, Limit)],
-        id: &str,
-        unspent: u64,
-        lost: IfLost,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.on_hold("settle", holds, budgets, id, unspent);
-        inv.arg(lost.units).arg(lost.granted_us);
-        inv
-    }
-
-    /// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if
-    /// it is not settled yet (its settling then charges them no more), else to each budget.
-    ///
-    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] id, ARGV[3] cost, then
-    /// per_unit, rate of each budget. Reply 1.
-    pub fn unspend<'a>(
-        &'a self,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-        id: &'a str,
-        cost: u64,
-    ) -> ScriptInvocation<'a> {
-        self.on_hold("unspend", holds, budgets, id, cost)
-    }
-
-    fn on_hold<'a>(
-        &'a self,
-        op: &str,
-        holds: &str,
-        budgets: &[(String, Limit)],
-        id: &str,
-        units: u64,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        inv.key(holds).arg(op).arg(id).arg(units);
-        for (key, l) in budgets {
-            inv.key(key).arg(l.per_unit).arg(l.rate);
-        }
-        inv
-    }
-
-    /// `peek`: the levels of a key's budgets now, the slices held of them included, in one
-    /// atomic view, writing nothing.
-    ///
-    /// KEYS[1] the key's holds, KEYS[2..] its budgets; ARGV[2] '', ARGV[3] 0, then per_unit,
-    /// rate of each budget. Reply: each budget's level in ticks.
-    pub fn peek<'a>(
-        &'a self,
-        holds: &'a str,
-        budgets: &'a [(String, Limit)],
-    ) -> ScriptInvocation<'a> {
-        self.on_hold("peek", holds, budgets, "", 0)
-    }
-
-    /// `lease`: renews lease `id` in every set for `ttl_us` (re-creating it where it is missing), or releases it
-    /// when `ttl_us` is 0. Idempotent, so safe to send again.
-    ///
-    /// KEYS[1..n] lease sets; ARGV[2] lease id, ARGV[3] ttl_us. Reply 1.
-    pub fn lease<'a>(
-        &'a self,
-        keys: impl IntoIterator<Item = &'a String>,
-        id: &'a str,
-        ttl_us: u64,
-    ) -> ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
-        for k in keys {
-            inv.key(k);
-        }
-        inv.arg("lease").arg(id).arg(ttl_us);
-        inv
-    }
-}
+mod ops;
 
 #[cfg(test)]
 mod tests;

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::guard::Guard;
+use super::script::{Debit, Peek, Refund, Unspend};
 use super::slices::{self, Ask};
 use super::{budget_keys, keys, RedisBackend};
 use crate::budget::Limit;
@@ -50,12 +52,20 @@ impl SharedStore for RedisBackend {
         }
         let budgets = budget_keys(req);
         let call = if hold == 0 {
-            self.call::<i64>(self.script.refund(&budgets, req.cost))
-                .await
+            let refund = Refund {
+                budgets: &budgets,
+                cost: req.cost,
+            };
+            self.op(&refund).await
         } else {
             let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
-            self.call::<i64>(self.script.unspend(&holds, &budgets, &id, req.cost))
-                .await
+            let unspend = Unspend {
+                holds: &holds,
+                budgets: &budgets,
+                id: &id,
+                cost: req.cost,
+            };
+            self.op(&unspend).await
         };
         call.map(|_| true)
     }
@@ -72,7 +82,11 @@ impl SharedStore for RedisBackend {
             Bucket::Route(_) => None,
         });
         let budgets: Vec<(String, Limit)> = std::iter::once((k, *limit)).chain(named).collect();
-        let levels: Vec<i64> = self.call(self.script.peek(&holds, &budgets)).await?;
+        let peek = Peek {
+            holds: &holds,
+            budgets: &budgets,
+        };
+        let levels = self.op(&peek).await?;
         if levels.len() != budgets.len() {
             return Err(StoreError::Reply(format!(
                 "peek: {} levels for {} budgets",
@@ -117,28 +131,21 @@ impl SharedStore for RedisBackend {
         });
         // The id's marker is left to lapse, never deleted on the answer: another send of the
         // same id may still be on its way (a partition delivers late, in any order).
-        self.call::<i64>(self.script.debit(&budgets, units, id))
-            .await?;
+        let debit = Debit {
+            budgets: &budgets,
+            cost: units,
+            id,
+        };
+        self.op(&debit).await?;
         Ok(())
     }
 
     async fn probe(&self) -> Result<(), StoreError> {
-        if !self.breaker.allow() {
-            return Err(StoreError::BreakerOpen);
-        }
-        let start = Instant::now();
-        let res = async {
-            let mut conn = self.conns.get().await?;
+        self.guarded(Guard::Probe, |mut conn| async move {
             let cmd = redis::cmd("PING");
-            let ping = cmd.query_async::<String>(&mut conn);
-            match tokio::time::timeout(self.timeout, ping).await {
-                Err(_) => Err(StoreError::Timeout),
-                Ok(r) => Ok(r.map(drop)?),
-            }
-        }
-        .await;
-        self.record(start, &res);
-        res
+            Ok(cmd.query_async::<String>(&mut conn).await.map(drop)?)
+        })
+        .await
     }
 
     async fn release_all(self: &Arc<Self>) {

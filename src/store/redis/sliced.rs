@@ -101,7 +101,7 @@ impl RedisBackend {
             tokio::time::sleep(slices::SWEEP_EVERY).await;
             let mut again = vec![];
             for (s, deadline) in self.slices.sweep(Instant::now()) {
-                match self.call::<i64>(self.settle_call(&s)).await {
+                match self.settle(&s).await {
                     Ok(_) => self.slices.settled(&s),
                     Err(_) => again.push((s, deadline)),
                 }
@@ -113,16 +113,10 @@ impl RedisBackend {
         }
     }
 
-    /// The `settle` call that hands `s` back.
-    pub(super) fn settle_call<'a>(&'a self, s: &'a Settle) -> redis::ScriptInvocation<'a> {
+    /// Hands `s` back to Redis (`settle`), under the breaker.
+    pub(super) async fn settle(&self, s: &Settle) -> Result<i64, StoreError> {
         let id = slices::hold_field(s.id);
-        self.script.settle(
-            &s.place.holds,
-            &s.place.budgets,
-            &id,
-            s.unspent,
-            s.if_lost(Instant::now()),
-        )
+        self.op(&s.op(&id, Instant::now())).await
     }
 
     /// Sends the settlings queued for `req`'s key (a failed call's, an idle slice's) before
@@ -132,7 +126,7 @@ impl RedisBackend {
     /// decided in Redis now (the fallback decides).
     pub(super) async fn settle_pending(&self, req: &AdmitRequest) -> Result<(), StoreError> {
         for s in self.slices.pending(|| keys::holds_key(&req.key)) {
-            self.call::<i64>(self.settle_call(&s)).await?;
+            self.settle(&s).await?;
             self.slices.settled(&s);
         }
         Ok(())

@@ -4,7 +4,7 @@
 //! A key whose requests come fast reserves a *slice* of its budget in Redis, in the same
 //! atomic `admit` call that admits a request (`slice` extra units, granted only while every
 //! budget keeps a `floor` of a quarter of itself), and spends it here. Redis keeps the slice
-//! as a *hold* of this instance (the key's `t{…}h` hash, see `lua/store.lua`): it counts as
+//! as a *hold* of this instance (the key's `t{…}h` hash, see `lua/store/common.lua`): it counts as
 //! charged in every budget of the key and does not drain. What this instance spent of it is
 //! charged to the budget's level (and starts draining) only when the hold is settled: by the
 //! key's next call to Redis, by the sweeper once the key went idle, on reload and on exit. So

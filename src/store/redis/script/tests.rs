@@ -34,7 +34,7 @@ fn what_is_resent_and_what_counts_as_not_run() {
 /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
 #[test]
 fn admit_codes_match_the_script() {
-    let lua = include_str!("../../lua/store.lua");
+    let lua = SOURCES[Lua::Admit as usize].1;
     let line = lua
         .lines()
         .find(|l| l.starts_with("local OVER_BUDGET"))
@@ -69,4 +69,30 @@ fn admit_codes_match_the_script() {
     assert_eq!(AdmitCode::from_reply(3), Some(AdmitCode::Admitted));
     assert_eq!(AdmitCode::from_reply(4), Some(AdmitCode::Undone));
     assert_eq!(AdmitCode::from_reply(5), None);
+}
+
+/// Each operation's script is flagged (`#!lua` first: Redis refuses it unrun when it could not
+/// write) and is the one its name says, in the order of [`Lua`].
+#[test]
+fn every_operation_has_a_flagged_script_of_its_own() {
+    let all = [
+        Lua::Admit,
+        Lua::Undo,
+        Lua::Take,
+        Lua::Refund,
+        Lua::Debit,
+        Lua::Settle,
+        Lua::Unspend,
+        Lua::Peek,
+        Lua::Lease,
+    ];
+    assert_eq!(all.len(), SOURCES.len());
+    for l in all {
+        let (name, lua) = SOURCES[l as usize];
+        assert_eq!(name, format!("{l:?}").to_lowercase());
+        assert!(lua.starts_with("#!lua\n"), "{name}");
+        let flags = lua.lines().filter(|l| l.starts_with("#!")).count();
+        assert_eq!(flags, 1, "{name}");
+        assert!(lua.contains(&format!("\n-- {name}: ")), "{name}'s contract");
+    }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::{HoldId, Place, HOLD_TTL};
 use crate::budget::Limit;
 use crate::store::lock;
+use crate::store::redis::script;
 
 /// A hold handed back: `unspent` of its units were not spent here, the rest are charged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +45,21 @@ impl Settle {
             id,
             unspent: units,
             granted: Grant::default(),
+        }
+    }
+
+    /// Its `settle` call at `now` (`id`: its hold's field, `slices::hold_field`).
+    pub(in crate::store::redis) fn op<'a>(
+        &'a self,
+        id: &'a str,
+        now: Instant,
+    ) -> script::Settle<'a> {
+        script::Settle {
+            holds: &self.place.holds,
+            budgets: &self.place.budgets,
+            id,
+            unspent: self.unspent,
+            if_lost: self.if_lost(now),
         }
     }
 

@@ -1,4 +1,4 @@
-//! Redis's side of the budget slices, transcribed from `lua/store.lua` for the unit tests:
+//! Redis's side of the budget slices, transcribed from `lua/store/` (`admit`, `settle`) for the unit tests:
 //! what `admit`, `settle` and `unspend` do to a key's budgets and holds.
 
 use super::super::*;

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# bench/script_cpu.sh — Redis CPU per admission: `usec_per_call` (INFO commandstats, server
+# side) of tollgate's `admit` script (one budget, no caps, no slice: the exact path's hot call)
+# beside the plain GCRA script of bench/nginx_gcra.lua (issue 27: admit ≤ 1.5× GCRA).
+#
+# Starts its own redis-server on a free loopback port (stopped at exit), then ROUNDS
+# interleaved rounds of redis-benchmark (N calls, 20 clients, 100,000 random keys) per script,
+# as docs/operations.md ("Sizing") measures; prints each round and the medians.
+#
+# usage: bench/script_cpu.sh [ROUNDS (5)] [N (100000)]
+set -euo pipefail
+ROUNDS=${1:-5}
+N=${2:-100000}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+L=$ROOT/src/store/lua/store
+PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
+  >/dev/null 2>&1 &
+RD=$!
+trap 'kill "$RD" 2>/dev/null || true' EXIT
+cli() { redis-cli -p "$PORT" "$@"; }
+until cli PING >/dev/null 2>&1; do sleep 0.1; done
+
+GCRA=$(awk '/^local SCRIPT = \[\[/ { f = 1; next } /^\]\]/ { f = 0 } f' "$ROOT/bench/nginx_gcra.lua")
+ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit.lua")")
+PLAIN=$(cli SCRIPT LOAD "$GCRA")
+
+usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call
+  cli FLUSHALL >/dev/null
+  cli CONFIG RESETSTAT >/dev/null
+  redis-benchmark -p "$PORT" -n "$N" -c 20 -r 100000 -q EVALSHA "$@" >/dev/null
+  cli INFO commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p'
+}
+median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+: >"/tmp/script_cpu.$$"
+for r in $(seq "$ROUNDS"); do
+  # admit: KEYS budget, key leases, route leases (the budget again: none), holds, record;
+  # ARGV per_unit rate capacity max_delay floor cost key_cap route_cap lease_id lease_ttl_us
+  # slice unspent settle_id grant_id hold_ttl_us, settled units, grant time, record_ms.
+  a=$(usec_per_call "$ADMIT" 5 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' \
+    't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
+    500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
+  g=$(usec_per_call "$PLAIN" 1 'ng{__rand_int__}b' 500000 1 60000000 1)
+  echo "round $r: admit $a µs, gcra $g µs"
+  echo "$a $g" >>"/tmp/script_cpu.$$"
+done
+a=$(awk '{ print $1 }' "/tmp/script_cpu.$$" | median)
+g=$(awk '{ print $2 }' "/tmp/script_cpu.$$" | median)
+rm -f "/tmp/script_cpu.$$"
+awk -v a="$a" -v g="$g" 'BEGIN { printf "median: admit %.2f µs, gcra %.2f µs per call: %.2f×\n", a, g, a / g }'

@@ -1,0 +1,182 @@
+#!lua
+-- tollgate's shared store, the part every operation's script starts with: each operation on
+-- budgets and leases is a script of its own (the other files here; `script.rs` prepends this
+-- one to each), atomic, on Redis TIME.
+--
+-- The `#!lua` line makes each a flagged script (Redis 7): Redis refuses it before running it
+-- when it is out of memory (`maxmemory` + `noeviction`), a replica (READONLY) or otherwise
+-- unable to write, so such an error reply means nothing was written. Every operation makes
+-- its checks and reads before its first write as well, so a script error means the same.
+-- Every key of one call is in one hash slot (`{tag}`; Redis Cluster refuses others).
+--
+-- The budget arithmetic is a transcription of crate::budget (decide, refund, level_at); tests
+-- drive the memory and Redis stores with one sequence and compare. Every number stays an
+-- integer below 2^53 (the config refuses limits that could not), so doubles are exact here.
+-- Numbers go back to Redis as integer strings: tostring() would use an exponent above 1e14.
+--
+-- A budget is the string "level:at_us:rate" (ticks, µs, ticks drained per µs); a lease set is
+-- a sorted set of lease ids scored by expiry (µs).
+--
+-- A key's budget slices (crate::store::redis::slices) are *holds*: the hash `t{tag}h` maps a
+-- hold id (`<instance>:s<n>`) to "units:expiry_us". A live hold counts as charged in every one
+-- of the key's budgets (`t{` keys; never a route's `t:r{`) and never drains: what an instance
+-- spends of it is charged to the level only when it settles the hold (`settle`, or the
+-- settle part of its next `admit`), so no unit drains before it was admitted and a burst never
+-- exceeds max_cost. A hold past its expiry (its instance died) is charged in full by the next
+-- call that sees it. Settling is idempotent: a hold that is gone (settled, or charged as
+-- expired) is not settled again. The hash's field `~` dates it ('@' and the Redis TIME when
+-- it was made):
+-- a hold missing from a hash made after it was granted (or from no hash) was lost with
+-- Redis's data (a restart without persistence, an empty replica promoted), so `settle`
+-- charges what its instance spent of it then, once (a tombstone answers a resend).
+--
+-- Admission ids: every `admit` names its call (`lease_id`, unique across the fleet) and a
+-- record key in the key's slot, `t{tag}a<id>`. An admission that charges records '1' there
+-- (for `record_ms`, or less: until its budgets are full again); `undo` of an id refunds and
+-- releases what its admission took, once, and leaves 'u'. An `admit` that finds its record
+-- already there (a resend, or a call delivered late after the gateway gave it up and undid
+-- it) writes nothing and answers from it: admitted (the charge stands, not charged again) or
+-- UNDONE.
+
+-- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
+local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED, UNDONE = 0, 1, 2, 3, 4
+
+local function int(x) return string.format('%.0f', x) end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function ceil_div(a, b)
+  return math.floor((a + b - 1) / b)
+end
+
+-- The budget's level at `now` in ticks of drain rate `q` (0 when absent or drained).
+local function level_at(key, q, now)
+  local v = redis.call('GET', key)
+  if not v then return 0 end
+  local l, at, r = string.match(v, '^(%d+):(%d+):(%d+)$')
+  if not l then return 0 end
+  l = tonumber(l)
+  at = tonumber(at)
+  r = tonumber(r)
+  if r ~= q and r > 0 then
+    -- a reload changed the rate: keep the time until empty
+    l = math.ceil(l * q / r)
+  end
+  local elapsed = now - at
+  if elapsed < 0 then elapsed = 0 end
+  if elapsed * q >= l then return 0 end
+  return l - elapsed * q
+end
+
+local function store_level(key, level, q, now)
+  if level <= 0 then
+    redis.call('DEL', key)
+    return
+  end
+  -- expire exactly when the bucket is empty again
+  local px = math.max(1, ceil_div(ceil_div(level, q), 1000))
+  redis.call('SET', key, int(level) .. ':' .. int(now) .. ':' .. int(q), 'PX', int(px))
+end
+
+-- A lease set lives as long as its longest lease (whatever lease_ttl each instance uses).
+local function expire_with_last_lease(set)
+  local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', set, int(ceil_div(tonumber(last[2]), 1000) + 1000))
+  end
+end
+
+-- A key's holds at `now`: the units of live ones, the units to charge now -- what hold
+-- `settle` spent (all but `unspent`) and all of every expired one -- and when the last live
+-- one expires (0: none). With `write`, the charged holds are removed (the caller charges
+-- them); without, nothing is written (a peek).
+local BORN = '~'
+
+local function take_holds(holds, settle, unspent, now, write)
+  local live, charge, last = 0, 0, 0
+  local all = redis.call('HGETALL', holds)
+  for i = 1, #all, 2 do
+    local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
+    units, exp = tonumber(units) or 0, tonumber(exp) or 0
+    if all[i] == BORN then
+      -- the hash's date, not a hold
+    elseif all[i] == settle then
+      charge = charge + units - math.min(units, unspent)
+    elseif exp <= now then
+      charge = charge + units
+    else
+      live = live + units
+      if units > 0 and exp > last then last = exp end
+    end
+    if write and all[i] ~= BORN and (all[i] == settle or exp <= now) then
+      redis.call('HDEL', holds, all[i])
+    end
+  end
+  return live, charge, last
+end
+
+-- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
+local TOMBSTONE_US = 60000000
+
+-- Reads only: was hold `id` (of `units`, `unspent` of them not spent, granted at Redis TIME
+-- `granted_us`) lost with Redis's data? It is missing from a hash made after the grant, or
+-- from no hash. Only a hold something was spent of matters.
+local function lost_hold(holds, id, units, unspent, granted_us)
+  if id == '' or units <= unspent or redis.call('HEXISTS', holds, id) == 1 then
+    return false
+  end
+  local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
+  return born == nil or born > granted_us
+end
+
+-- A lost hold whose spent units are being charged: a 0-unit tombstone answers a resend.
+local function bury(holds, id, now)
+  redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
+  redis.call('HSETNX', holds, BORN, '@' .. int(now))
+  local pttl = redis.call('PTTL', holds)
+  if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
+    redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
+  end
+end
+
+-- Holds count in the key's own budgets only, never in a route's shared one.
+local function keys_own(key)
+  return string.sub(key, 1, 2) == 't{'
+end
+
+-- settle, unspend and peek: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV
+-- per_unit, rate from ARGV[first]. The per_unit and rate of budget KEYS[i]:
+local function hold_budget(i, first)
+  local j = first + 2 * (i - 2)
+  return tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+end
+
+-- Adds `units` (negative: takes) to the level of each budget KEYS[2..] (ARGV from `first`).
+local function charge_budgets(units, now, first)
+  for i = 2, #KEYS do
+    local p, q = hold_budget(i, first)
+    store_level(KEYS[i], level_at(KEYS[i], q, now) + units * p, q, now)
+  end
+end
+
+-- refund and debit take one budget per key: KEYS[i] with ARGV per_unit, rate, cost from
+-- ARGV[1 + 3 (i - 1)] (several budgets of one request in one call).
+local function adjust(sign)
+  local now = now_us()
+  for i = 1, #KEYS do
+    local j = 1 + 3 * (i - 1)
+    local p = tonumber(ARGV[j])
+    local q = tonumber(ARGV[j + 1])
+    store_level(KEYS[i], level_at(KEYS[i], q, now) + sign * tonumber(ARGV[j + 2]) * p, q, now)
+  end
+  return 1
+end
+
+-- The figures `admit` answers with: how many units fit below `cap` at `level`.
+local function remaining(cap, level, p)
+  if cap > level then return math.floor((cap - level) / p) end
+  return 0
+end

@@ -1,0 +1,8 @@
+
+-- refund: gives `cost` units back to each budget (never below empty).
+--
+-- KEYS  budget...
+-- ARGV  (per_unit rate cost) of each budget, from [1]
+-- reply 1
+
+return adjust(-1)

@@ -1,0 +1,127 @@
+//! The one way a call reaches Redis: [`RedisBackend::guarded`] takes the connection, bounds
+//! the call in time and, on the request path, asks the circuit breaker first and counts the
+//! outcome (metrics, breaker, the connection of a failed call forgotten). What charges is
+//! never retried here: a call that timed out may have run.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use super::conn::Conn;
+use super::script::{self, Op};
+use super::RedisBackend;
+use crate::store::StoreError;
+use crate::telemetry::{metrics, StoreCall};
+
+/// How one call is guarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Guard {
+    /// Refused while the breaker is open; bounded by `store.timeout` once connected; counted.
+    Breaker,
+    /// The charging call (`admit`): as [`Guard::Breaker`], but its `store.timeout` counts
+    /// from before connecting: the request waits no longer than that for its decision.
+    Charge,
+    /// The store probe: as [`Guard::Breaker`], but a refusal by the open breaker is not
+    /// counted (the probe asks again every second while the store is down).
+    Probe,
+    /// Past the breaker and uncounted, bounded by the time given: what must reach Redis even
+    /// while the breaker is open (an admission's undo, a refund owed, leases registered
+    /// again after Redis lost its data).
+    Bypass(Duration),
+}
+
+impl RedisBackend {
+    /// Runs `work` on this thread's connection, guarded as `guard` says.
+    pub(super) async fn guarded<T, F, Fut>(&self, guard: Guard, work: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let counted = !matches!(guard, Guard::Bypass(_));
+        if counted && !self.breaker.allow() {
+            let res = Err(StoreError::BreakerOpen);
+            if guard != Guard::Probe {
+                self.record(Instant::now(), &res);
+            }
+            return res;
+        }
+        let start = Instant::now();
+        let res = async {
+            let conn = self.conns.get().await?;
+            let within = match guard {
+                Guard::Bypass(d) => d,
+                Guard::Charge => self.timeout.saturating_sub(start.elapsed()),
+                Guard::Breaker | Guard::Probe => self.timeout,
+            };
+            tokio::time::timeout(within, work(conn))
+                .await
+                .unwrap_or(Err(StoreError::Timeout))
+        }
+        .await;
+        if counted {
+            self.record(start, &res);
+        }
+        res
+    }
+
+    /// One script call under the breaker and `store.timeout`, counted. For calls that charge
+    /// nothing (leases, peeks, refunds, settlings, queues); `admit` is `call_admit`.
+    pub(super) async fn call<T: redis::FromRedisValue>(
+        &self,
+        inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        self.guarded(Guard::Breaker, |mut conn| async move {
+            Ok(script::invoke::<T>(&inv, &mut conn).await?)
+        })
+        .await
+    }
+
+    /// One operation of the store's scripts, as [`Self::call`].
+    pub(super) async fn op<O: Op>(&self, op: &O) -> Result<O::Reply, StoreError> {
+        self.call(op.invocation()).await
+    }
+
+    /// One operation past the breaker, uncounted, bounded by `within` ([`Guard::Bypass`]).
+    pub(super) async fn op_bypassing<O: Op>(
+        &self,
+        op: &O,
+        within: Duration,
+    ) -> Result<O::Reply, StoreError> {
+        let inv = op.invocation();
+        self.guarded(Guard::Bypass(within), |mut conn| async move {
+            Ok(script::invoke::<O::Reply>(&inv, &mut conn).await?)
+        })
+        .await
+    }
+
+    /// Metrics, breaker and connection health after one call. A call the open breaker
+    /// refused (or held back during a failover) never went to Redis: it is counted but has
+    /// no duration, so the latency histogram describes Redis only.
+    fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
+        let m = metrics();
+        match res {
+            Ok(_) => {
+                m.store_duration.observe(start.elapsed().as_secs_f64());
+                m.store_call(StoreCall::Ok);
+                self.breaker.success();
+            }
+            Err(StoreError::BreakerOpen) => {
+                m.store_call(StoreCall::BreakerOpen);
+            }
+            // Not sent: the store is not failing, it is changing primaries.
+            Err(e @ StoreError::FailingOver) => {
+                m.store_call(e.metric_label());
+            }
+            Err(e) => {
+                m.store_duration.observe(start.elapsed().as_secs_f64());
+                m.store_call(e.metric_label());
+                tracing::debug!(error = %e, "store call failed");
+                self.conns.forget();
+                if self.breaker.failure() {
+                    // Once per opening, with the cause: a wrong password or an out-of-memory
+                    // Redis needs an operator, a timeout may pass by itself.
+                    tracing::warn!(error = %e, transient = e.transient(), "store unreachable: circuit breaker open");
+                }
+            }
+        }
+    }
+}

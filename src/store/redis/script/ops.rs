@@ -1,0 +1,249 @@
+//! One value per operation of the store's scripts: its fields are the operation's arguments,
+//! and [`Op::args`] lays them out as the script's KEYS and ARGV (the contract above each
+//! script in `lua/store/`). Every number goes as an integer.
+
+use redis::ScriptInvocation;
+
+use super::{AdmitCall, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
+use crate::budget::Limit;
+use crate::store::redis::slices::{self, IfLost};
+
+/// The five ARGV of a budget that `admit` decides on: per_unit, rate, capacity, max_delay,
+/// and the floor a slice must leave (0 without a slice).
+fn decided_budget(inv: &mut ScriptInvocation<'static>, l: &Limit, slice: u64) {
+    let floor = if slice > 0 { slices::floor(l) } else { 0 };
+    inv.arg(l.per_unit)
+        .arg(l.rate)
+        .arg(l.capacity)
+        .arg(l.max_delay)
+        .arg(floor);
+}
+
+impl AdmitCall {
+    /// `admit`'s KEYS and ARGV, with the route's lease set and cap given (the key's side
+    /// alone: the budget key again, and cap 0).
+    fn admit_args(&self, inv: &mut ScriptInvocation<'static>, route_set: &str, route_cap: u32) {
+        inv.key(&self.budget)
+            .key(self.key_slots.as_ref().unwrap_or(&self.budget))
+            .key(route_set)
+            .key(&self.holds);
+        decided_budget(inv, &self.limit, self.slice);
+        inv.arg(self.cost)
+            .arg(self.key_cap)
+            .arg(route_cap)
+            .arg(&self.lease_id)
+            .arg(self.lease_ttl_us)
+            .arg(self.slice)
+            .arg(self.unspent)
+            .arg(slices::hold_field(self.settle))
+            .arg(slices::hold_field(self.grant))
+            .arg(self.hold_ttl_us);
+        for (key, l) in &self.also {
+            inv.key(key);
+            decided_budget(inv, l, self.slice);
+        }
+        inv.arg(self.if_lost.units)
+            .arg(self.if_lost.granted_us)
+            .arg(ADMISSION_RECORD.as_millis() as u64)
+            .key(&self.record);
+    }
+}
+
+/// `admit` of the whole request: its budgets, and its key's and route's slots.
+impl Op for AdmitCall {
+    type Reply = Vec<i64>;
+    const SCRIPT: Lua = Lua::Admit;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        let route_set = self.route_slots.as_ref().unwrap_or(&self.budget);
+        self.admit_args(inv, route_set, self.route_cap);
+    }
+}
+
+/// `admit` for the key's side only (its budgets and lease set, one hash slot), as Redis
+/// Cluster needs on a capped route; the route's slot is then taken by [`Take`].
+pub(in crate::store::redis) struct KeySide<'a>(pub &'a AdmitCall);
+
+impl Op for KeySide<'_> {
+    type Reply = Vec<i64>;
+    const SCRIPT: Lua = Lua::Admit;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        self.0.admit_args(inv, &self.0.budget, 0);
+    }
+}
+
+/// `undo`: gives back what an admission took — its charge to every budget and its key's
+/// lease — if Redis admitted it, once; and makes sure it never will (a call delivered late
+/// finds the tombstone and writes nothing). Idempotent: safe to send again. Reply 1 (it had
+/// charged: undone) or 0 (it had not, or was undone already).
+pub(in crate::store::redis) struct Undo<'a>(pub &'a AdmitCall);
+
+impl Op for Undo<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Undo;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        let c = self.0;
+        inv.key(&c.record)
+            .key(c.key_slots.as_ref().unwrap_or(&c.record))
+            .arg(&c.lease_id)
+            .arg(TOMBSTONE.as_millis() as u64);
+        let budgets =
+            std::iter::once((&c.budget, &c.limit)).chain(c.also.iter().map(|(k, l)| (k, l)));
+        for (key, l) in budgets {
+            inv.key(key).arg(l.per_unit).arg(l.rate).arg(c.cost);
+        }
+    }
+}
+
+/// `take`: a slot in a route's lease set (`set`) for the admission's lease, if one is free.
+/// Reply [`super::AdmitCode::Admitted`] (taken) or `RouteBusy` (nothing written).
+pub(in crate::store::redis) struct Take<'a> {
+    pub set: &'a str,
+    pub call: &'a AdmitCall,
+}
+
+impl Op for Take<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Take;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        inv.key(self.set)
+            .arg(self.call.route_cap)
+            .arg(&self.call.lease_id)
+            .arg(self.call.lease_ttl_us);
+    }
+}
+
+/// Each budget with per_unit, rate and `cost` (`refund`, `debit`).
+fn budgets_with_cost(inv: &mut ScriptInvocation<'static>, budgets: &[(String, Limit)], cost: u64) {
+    for (key, l) in budgets {
+        inv.key(key).arg(l.per_unit).arg(l.rate).arg(cost);
+    }
+}
+
+/// `refund`: gives `cost` units back to each budget (never below empty). Reply 1.
+pub(in crate::store::redis) struct Refund<'a> {
+    pub budgets: &'a [(String, Limit)],
+    pub cost: u64,
+}
+
+impl Op for Refund<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Refund;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        budgets_with_cost(inv, self.budgets, self.cost);
+    }
+}
+
+/// `debit`: charges `cost` units that were admitted elsewhere (by the fallback while Redis
+/// was unreachable) to each budget, past capacity if need be: the key is then in debt and
+/// waits it out. Once per `id` (0: no id). Reply 1.
+pub(in crate::store::redis) struct Debit<'a> {
+    pub budgets: &'a [(String, Limit)],
+    pub cost: u64,
+    pub id: u64,
+}
+
+impl Op for Debit<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Debit;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        budgets_with_cost(inv, self.budgets, self.cost);
+        inv.arg(self.id);
+    }
+}
+
+/// The key's holds, then each budget with per_unit and rate (`settle`, `unspend`, `peek`).
+fn holds_and_budgets(
+    inv: &mut ScriptInvocation<'static>,
+    holds: &str,
+    budgets: &[(String, Limit)],
+) {
+    inv.key(holds);
+    for (key, l) in budgets {
+        inv.key(key).arg(l.per_unit).arg(l.rate);
+    }
+}
+
+/// `settle`: hands hold `id` (its field, `slices::hold_field`) of the key's slices back with
+/// `unspent` units not spent, charging the rest (and any expired hold) to each of its
+/// budgets. Idempotent: a hold that is gone is not settled again, so it is safe to send
+/// again. A hold Redis lost with its data since `if_lost.granted_us` (its TIME at the grant)
+/// is charged what was spent of its `if_lost.units`, once. Reply 1.
+pub(in crate::store::redis) struct Settle<'a> {
+    pub holds: &'a str,
+    pub budgets: &'a [(String, Limit)],
+    pub id: &'a str,
+    pub unspent: u64,
+    pub if_lost: IfLost,
+}
+
+impl Op for Settle<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Settle;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        inv.arg(self.id).arg(self.unspent);
+        holds_and_budgets(inv, self.holds, self.budgets);
+        inv.arg(self.if_lost.units).arg(self.if_lost.granted_us);
+    }
+}
+
+/// `unspend`: refunds `cost` units of a request spent from hold `id`: out of the hold if it
+/// is not settled yet (its settling then charges them no more), else to each budget. Reply 1.
+pub(in crate::store::redis) struct Unspend<'a> {
+    pub holds: &'a str,
+    pub budgets: &'a [(String, Limit)],
+    pub id: &'a str,
+    pub cost: u64,
+}
+
+impl Op for Unspend<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Unspend;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        inv.arg(self.id).arg(self.cost);
+        holds_and_budgets(inv, self.holds, self.budgets);
+    }
+}
+
+/// `peek`: the levels of a key's budgets now, the slices held of them included, in one
+/// atomic view, writing nothing. Reply: each budget's level in ticks.
+pub(in crate::store::redis) struct Peek<'a> {
+    pub holds: &'a str,
+    pub budgets: &'a [(String, Limit)],
+}
+
+impl Op for Peek<'_> {
+    type Reply = Vec<i64>;
+    const SCRIPT: Lua = Lua::Peek;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        holds_and_budgets(inv, self.holds, self.budgets);
+    }
+}
+
+/// `lease`: renews lease `id` in every set for `ttl_us` (re-creating it where it is
+/// missing), or releases it when `ttl_us` is 0. Idempotent, so safe to send again. Reply 1.
+pub(in crate::store::redis) struct Lease<'a> {
+    pub sets: &'a [String],
+    pub id: &'a str,
+    pub ttl_us: u64,
+}
+
+impl Op for Lease<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Lease;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        for set in self.sets {
+            inv.key(set);
+        }
+        inv.arg(self.id).arg(self.ttl_us);
+    }
+}
