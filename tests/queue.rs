@@ -508,6 +508,17 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
 }
 
+/// Issue 25: the fairness scenario through 3 gateways on a 3-primary Redis Cluster (the
+/// route's queue, leases and wake-ups live in the route's hash slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_queue_is_fair_through_three_gateways_on_a_redis_cluster() {
+    let cluster = RedisCluster::start(3);
+    let body = on_redis(&cluster.url(), &config(FIVE_SLOTS, ""));
+    let up = Upstream::start(Duration::from_secs(1));
+    let gws: Vec<Gateway> = (0..3).map(|_| Gateway::start(&up, &body)).collect();
+    small_customers_first(&up, &gws, "3 gateways on a Cluster").await;
+}
+
 /// Issue 25: a Sentinel failover while requests wait in a route's queue: every waiter is
 /// answered (served, or 503 while the store is away under `on_error: deny`) — none hangs —
 /// and the cap holds throughout (`deny` admits nothing locally).

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::conn::Conn;
 use super::guard::Guard;
-use super::script::{self, AdmitCall, AdmitCode, KeySide, Op, Refund, Take, Undo, UNDO_FOR};
+use super::script::{self, AdmitCall, AdmitCode, Op, Refund, Undo, UNDO_FOR};
 use super::slices::{Place, Settle};
 use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
 use crate::budget::Limit;
@@ -55,7 +55,7 @@ impl RedisBackend {
                 // The request stopped waiting: undo what Redis did for it.
                 if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
                     tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                    store.undo_admission(&c, granted(&v), true).await;
+                    store.undo_admission(&c, granted(&v)).await;
                 }
             }
         });
@@ -65,57 +65,20 @@ impl RedisBackend {
         }
     }
 
-    /// One admission in Redis: one round trip, except on Redis Cluster for a capped route.
-    /// There the key's side goes first (its budget and lease set share a slot), then the
-    /// route's slot (`take`, in the route's own slot): a fixed order, and a second call only
-    /// for requests that passed the first. When the route's side refuses or fails, the key's
-    /// side is undone (refund + release, and the route's lease released in case a failed
-    /// `take` ran), so a request is never charged without its slot and never leaks one.
+    /// One admission in Redis: one round trip (the key's budgets and lease set share a slot;
+    /// a capped route's slot is taken in its queue afterwards).
     async fn run_admit(
         self: &Arc<Self>,
         c: &AdmitCall,
         conn: &mut Conn,
     ) -> Result<Vec<i64>, redis::RedisError> {
-        let Some(route_set) = c.route_slots.as_ref().filter(|_| self.conns.is_cluster()) else {
-            return script::invoke(&c.invocation(), conn).await;
-        };
-        let key_side: Vec<i64> = script::invoke(&KeySide(c).invocation(), conn).await?;
-        if key_side.first().copied().and_then(AdmitCode::from_reply) != Some(AdmitCode::Admitted) {
-            return Ok(key_side);
-        }
-        let take = Take {
-            set: route_set,
-            call: c,
-        };
-        let route_side = script::invoke::<i64>(&take.invocation(), conn).await;
-        let code = route_side
-            .as_ref()
-            .ok()
-            .copied()
-            .and_then(AdmitCode::from_reply);
-        if code == Some(AdmitCode::Admitted) {
-            return Ok(key_side);
-        }
-        // A route found full wrote nothing there; a failed `take` may have run.
-        let route_maybe_taken = code != Some(AdmitCode::RouteBusy);
-        self.undo_admission(c, granted(&key_side), route_maybe_taken)
-            .await;
-        match (route_side, code) {
-            (Ok(_), Some(AdmitCode::RouteBusy)) => Ok(route_busy_reply(&key_side, c)),
-            (Ok(v), _) => Err(redis::RedisError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "unexpected reply to take",
-                v.to_string(),
-            ))),
-            (Err(e), _) => Err(e),
-        }
+        script::invoke(&c.invocation(), conn).await
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had
-    /// already given up on it, or (Cluster) the route's side refused it. The route's lease
-    /// is released too unless `route` is false (it was surely not taken). A budget slice that
-    /// came with it (`granted` units) is settled unspent, by the sweeper: nobody will spend it.
-    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64, route: bool) {
+    /// already given up on it. A budget slice that came with it (`granted` units) is settled
+    /// unspent, by the sweeper: nobody will spend it.
+    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64) {
         if granted > 0 {
             let place = Place {
                 holds: c.holds.clone(),
@@ -130,10 +93,7 @@ impl RedisBackend {
         // Known to have been admitted: its leases go whatever the record says (the undo
         // released the key's, once; releasing is idempotent, and one that fails is
         // remembered and sent again).
-        let mut slots = c.slot_keys();
-        if !route {
-            slots.retain(|k| Some(k) != c.route_slots.as_ref());
-        }
+        let slots = c.slot_keys();
         if !slots.is_empty() {
             self.release_keys(slots, c.lease_id.clone()).await;
         }
@@ -239,38 +199,6 @@ fn granted(reply: &[i64]) -> u64 {
     reply.get(4).map_or(0, |g| (*g).max(0) as u64)
 }
 
-/// What `admit` on one node would have answered for a request whose key's side passed and
-/// whose route was full (Cluster): the key's figures and levels as they were before the
-/// undone charge (a capped request never asks for a slice).
-fn route_busy_reply(key_side: &[i64], c: &AdmitCall) -> Vec<i64> {
-    let budgets = 1 + c.also.len();
-    let [_, delay_us, remaining, reset_us, _, now_us, ref rest @ ..] = key_side[..] else {
-        return vec![AdmitCode::RouteBusy as i64, 0, 0, 0, 0, 0, 0, 0];
-    };
-    let (levels, held) = rest.split_at(budgets.min(rest.len()));
-    // A delayed admission had no units left before it either.
-    let remaining = if delay_us > 0 {
-        remaining
-    } else {
-        remaining.saturating_add(c.cost as i64)
-    };
-    let charge_us = (c.cost * c.limit.per_unit).div_ceil(c.limit.rate.max(1)) as i64;
-    let mut out = vec![
-        AdmitCode::RouteBusy as i64,
-        0,
-        remaining,
-        (reset_us - charge_us).max(0),
-        0,
-        now_us,
-    ];
-    let limits = std::iter::once(&c.limit).chain(c.also.iter().map(|(_, l)| l));
-    for (level, l) in levels.iter().zip(limits) {
-        out.push((level - (c.cost * l.per_unit) as i64).max(0));
-    }
-    out.extend(held.iter().take(budgets));
-    out
-}
-
 type AdmitReply = (Result<Vec<i64>, redis::RedisError>, AdmitCall);
 
 /// The request's end of the admitting call's reply. A request that goes away while waiting
@@ -291,7 +219,7 @@ impl Drop for PendingReply {
                 // then lapses after lease_ttl.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     let store = self.store.clone();
-                    rt.spawn(async move { store.undo_admission(&c, granted(&v), true).await });
+                    rt.spawn(async move { store.undo_admission(&c, granted(&v)).await });
                 }
             }
         }

@@ -125,46 +125,7 @@ enum Decided {
     RouteBusy(Standing),
 }
 
-/// Back-off between retries for a route slot on Redis Cluster (jittered, doubling up to the
-/// max).
-const QUEUE_POLL_MIN: Duration = Duration::from_millis(10);
-const QUEUE_POLL_MAX: Duration = Duration::from_millis(200);
-
 impl RedisBackend {
-    /// A capped request on Redis Cluster: the route's slot is taken by polling (`take` in the
-    /// route's slot) with a jittered back-off, up to `queue_timeout` — no fair order yet
-    /// there (README, "When a route is full").
-    async fn admit_polling(
-        self: &Arc<Self>,
-        req: &AdmitRequest,
-    ) -> Result<SharedAnswer, StoreError> {
-        let start = Instant::now();
-        let mut backoff = QUEUE_POLL_MIN;
-        // Counted in `tollgate_queued` from its first refusal by the full route until it leaves.
-        let mut queued: Option<crate::telemetry::Queued> = None;
-        loop {
-            let waited_before = start.elapsed();
-            match self.try_admit(req, Ask::default()).await?.0 {
-                Decided::RouteBusy(_) if start.elapsed() < req.queue_timeout => {
-                    queued.get_or_insert_with(|| crate::telemetry::Queued::new(&req.route));
-                    let waited = start.elapsed();
-                    let jitter = rand::random_range(0.5..1.0);
-                    let pause = backoff.mul_f64(jitter).min(req.queue_timeout - waited);
-                    backoff = (backoff * 2).min(QUEUE_POLL_MAX);
-                    tokio::time::sleep(pause).await;
-                }
-                Decided::Admitted(outcome, lease) => {
-                    self.deny.forget(&req.key);
-                    return Ok(SharedAnswer {
-                        admission: Admission::admitted(&outcome, lease, waited_before),
-                        reached: true,
-                    });
-                }
-                other => return Ok(self.answer(req, other, start)),
-            }
-        }
-    }
-
     /// The answer to a request as Redis decided it (not queued for a slot).
     fn answer(&self, req: &AdmitRequest, decided: Decided, start: Instant) -> SharedAnswer {
         let admission = match decided {
@@ -252,24 +213,16 @@ impl RedisBackend {
         lease_id: String,
     ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
-        // A capped route's slot is taken in its fair queue, after this call (`queue`); on
-        // Redis Cluster by `take`, in the route's slot, right after the key's side.
-        let cluster = self.conns.is_cluster();
-        let capped = req.route_cap.is_some() && !cluster;
-        let route_slots = req.route_cap.is_some() && cluster;
+        // A capped route's slot is taken in its fair queue, after this call (`queue`, in the
+        // route's own slot, on one node as on Cluster).
+        let capped = req.route_cap.is_some();
         let (budget, holds) = keys::budget_and_holds_keys(&req.key);
         let call = AdmitCall {
             budget,
             key_slots: key_slots.then(|| keys::key_slots_key(&req.key)),
-            route_slots: route_slots.then(|| keys::route_slots_key(&req.route)),
             limit: req.limit,
             cost: req.cost,
             key_cap: req.key_cap.unwrap_or(0),
-            route_cap: if route_slots {
-                req.route_cap.unwrap_or(0)
-            } else {
-                0
-            },
             record: String::new(),
             // Every call's admission id; the id of its leases too, if it takes any.
             lease_id,

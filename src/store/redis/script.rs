@@ -15,7 +15,7 @@ use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
-pub(super) use ops::{Debit, KeySide, Lease, Peek, Refund, Settle, Take, Undo, Unspend};
+pub(super) use ops::{Debit, Lease, Peek, Refund, Settle, Undo, Unspend};
 
 /// An operation's script: the shared helpers (they start with the `#!lua` flag line), then
 /// the operation's own file.
@@ -33,7 +33,6 @@ macro_rules! store_lua {
 pub(super) enum Lua {
     Admit,
     Undo,
-    Take,
     Refund,
     Debit,
     Settle,
@@ -43,10 +42,9 @@ pub(super) enum Lua {
 }
 
 /// Each operation's script by name, in the order of [`Lua`].
-pub(super) const SOURCES: [(&str, &str); 9] = [
+pub(super) const SOURCES: [(&str, &str); 8] = [
     ("admit", store_lua!("admit")),
     ("undo", store_lua!("undo")),
-    ("take", store_lua!("take")),
     ("refund", store_lua!("refund")),
     ("debit", store_lua!("debit")),
     ("settle", store_lua!("settle")),
@@ -56,7 +54,7 @@ pub(super) const SOURCES: [(&str, &str); 9] = [
 ];
 
 /// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
-static SCRIPTS: LazyLock<[Script; 9]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+static SCRIPTS: LazyLock<[Script; 8]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
 
 /// One operation of the store: a value whose fields are its arguments, and the script that
 /// runs it.
@@ -159,11 +157,9 @@ impl AdmitCode {
 pub(super) struct AdmitCall {
     pub budget: String,
     pub key_slots: Option<String>,
-    pub route_slots: Option<String>,
     pub limit: Limit,
     pub cost: u64,
     pub key_cap: u32,
-    pub route_cap: u32,
     /// The call's admission id (unique across the fleet), also the id of the leases it takes.
     pub lease_id: String,
     /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
@@ -195,11 +191,7 @@ impl AdmitCall {
 
     /// The lease sets this call takes a slot in.
     pub fn slot_keys(&self) -> Vec<String> {
-        self.key_slots
-            .iter()
-            .chain(&self.route_slots)
-            .cloned()
-            .collect()
+        self.key_slots.iter().cloned().collect()
     }
 }
 

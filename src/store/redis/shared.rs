@@ -32,8 +32,7 @@ impl SharedStore for RedisBackend {
         }
         match req.route_cap {
             // Boxed: the queued path's state would make every request's future larger.
-            Some(cap) if !self.conns.is_cluster() => Box::pin(self.admit_capped(req, cap)).await,
-            Some(_) => Box::pin(self.admit_polling(req)).await,
+            Some(cap) => Box::pin(self.admit_capped(req, cap)).await,
             None => {
                 let start = Instant::now();
                 let decided = self.try_admit(req, Ask::default()).await?.0;

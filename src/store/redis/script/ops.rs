@@ -20,9 +20,10 @@ fn decided_budget(inv: &mut ScriptInvocation<'static>, l: &Limit, slice: u64) {
 }
 
 impl AdmitCall {
-    /// `admit`'s KEYS and ARGV, with the route's lease set and cap given (the key's side
-    /// alone: the budget key again, and cap 0).
-    fn admit_args(&self, inv: &mut ScriptInvocation<'static>, route_set: &str, route_cap: u32) {
+    /// `admit`'s KEYS and ARGV. A capped route's slot is not taken here but in its fair
+    /// queue: no route lease set (the budget key again, never touched) and no route cap.
+    fn admit_args(&self, inv: &mut ScriptInvocation<'static>) {
+        let (route_set, route_cap) = (&self.budget, 0);
         inv.key(&self.budget)
             .key(self.key_slots.as_ref().unwrap_or(&self.budget))
             .key(route_set)
@@ -49,27 +50,13 @@ impl AdmitCall {
     }
 }
 
-/// `admit` of the whole request: its budgets, and its key's and route's slots.
+/// `admit` of the whole request: its budgets and its key's slot.
 impl Op for AdmitCall {
     type Reply = Vec<i64>;
     const SCRIPT: Lua = Lua::Admit;
 
     fn args(&self, inv: &mut ScriptInvocation<'static>) {
-        let route_set = self.route_slots.as_ref().unwrap_or(&self.budget);
-        self.admit_args(inv, route_set, self.route_cap);
-    }
-}
-
-/// `admit` for the key's side only (its budgets and lease set, one hash slot), as Redis
-/// Cluster needs on a capped route; the route's slot is then taken by [`Take`].
-pub(in crate::store::redis) struct KeySide<'a>(pub &'a AdmitCall);
-
-impl Op for KeySide<'_> {
-    type Reply = Vec<i64>;
-    const SCRIPT: Lua = Lua::Admit;
-
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
-        self.0.admit_args(inv, &self.0.budget, 0);
+        self.admit_args(inv);
     }
 }
 
@@ -94,25 +81,6 @@ impl Op for Undo<'_> {
         for (key, l) in budgets {
             inv.key(key).arg(l.per_unit).arg(l.rate).arg(c.cost);
         }
-    }
-}
-
-/// `take`: a slot in a route's lease set (`set`) for the admission's lease, if one is free.
-/// Reply [`super::AdmitCode::Admitted`] (taken) or `RouteBusy` (nothing written).
-pub(in crate::store::redis) struct Take<'a> {
-    pub set: &'a str,
-    pub call: &'a AdmitCall,
-}
-
-impl Op for Take<'_> {
-    type Reply = i64;
-    const SCRIPT: Lua = Lua::Take;
-
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
-        inv.key(self.set)
-            .arg(self.call.route_cap)
-            .arg(&self.call.lease_id)
-            .arg(self.call.lease_ttl_us);
     }
 }
 

@@ -78,7 +78,6 @@ fn every_operation_has_a_flagged_script_of_its_own() {
     let all = [
         Lua::Admit,
         Lua::Undo,
-        Lua::Take,
         Lua::Refund,
         Lua::Debit,
         Lua::Settle,
