@@ -174,7 +174,7 @@ async fn a_job_submitted_on_one_gateway_is_read_on_another() {
     assert_eq!(remaining(&b, "a").await, 90);
     // The record names the key by its hash; the request's headers (the forwarded credential
     // among them, as forward_credentials says) are dropped once the job has ended.
-    let record = format!("t:j:{id}");
+    let record = redis_job_key(id);
     assert_eq!(redis.cli(&["HGET", &record, "key"]), sha256_hex("key-a"));
     assert_eq!(redis.cli(&["HEXISTS", &record, "headers"]), "0");
     assert_eq!(redis.cli(&["HEXISTS", &record, "body"]), "0");

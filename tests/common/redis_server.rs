@@ -1,7 +1,11 @@
-//! A single `redis-server`, and the names of tollgate's keys in it.
+//! A single `redis-server`, and the names of tollgate's keys in it (the gateway's own
+//! layout, `tollgate::store::redis::keys`, by API key rather than by its hash).
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+
+use tollgate::identity::hash_key;
+use tollgate::store::redis::keys;
 
 use super::process::{free_port, signal_pid, wait_for_port};
 
@@ -89,30 +93,24 @@ impl Drop for Redis {
     }
 }
 
-/// The Redis key of an API key's budget (the layout of src/store/redis/keys.rs).
+/// The Redis key of an API key's budget.
 pub fn redis_budget_key(api_key: &str) -> String {
-    use base64::Engine;
-    let h = tollgate::identity::hash_key(api_key.as_bytes());
-    let mut tag = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h[..8]);
-    tag.truncate(10);
-    format!("t{{{tag}}}b")
+    keys::budget_key(&hash_key(api_key.as_bytes()))
 }
 
-/// The Redis key of the budget slices instances hold of an API key (src/store/redis/keys.rs).
+/// The Redis key of the budget slices instances hold of an API key.
 pub fn redis_holds_key(api_key: &str) -> String {
-    let mut k = redis_budget_key(api_key);
-    k.pop();
-    k.push('h');
-    k
+    keys::holds_key(&hash_key(api_key.as_bytes()))
 }
 
-/// The Redis key of a route's in-flight lease set (src/store/redis/keys.rs).
+/// The Redis key of a route's in-flight lease set.
 pub fn redis_route_slots_key(route: &str) -> String {
-    use base64::Engine;
-    let h = tollgate::identity::hash_key(route.as_bytes());
-    let mut tag = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h[..8]);
-    tag.truncate(10);
-    format!("t:r{{{tag}}}f")
+    keys::route_slots_key(route)
+}
+
+/// The Redis key of an async job's record.
+pub fn redis_job_key(id: &str) -> String {
+    keys::job_key(id)
 }
 
 pub(super) fn cli_on(port: u16, args: &[&str]) -> String {

@@ -23,7 +23,7 @@ mod conn;
 mod deny_cache;
 mod eviction;
 mod jobs;
-mod keys;
+pub mod keys;
 mod lease;
 mod lost;
 mod queue;
