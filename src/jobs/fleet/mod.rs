@@ -12,13 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::metrics;
-use super::run::{problem_result, Origin, Submission};
-use super::send::JobRequest;
-use super::{new_id, Stored, View};
+use super::run::{problem_result, Submission};
+use super::{new_id, NewJob, Stored, View};
 use crate::decision;
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
-use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::redis::{JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
@@ -37,19 +35,21 @@ fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
 }
 
 /// Charges the job, writes its record and enters it in the route's queue.
-pub async fn submit(
+pub(super) async fn submit(
     shared: &Arc<Shared>,
-    running: Arc<Running>,
-    route: Arc<Route>,
-    who: &Identity,
-    admit: AdmitRequest,
-    request: JobRequest,
-    origin: Origin,
+    b: &Arc<RedisBackend>,
+    job: NewJob<'_>,
 ) -> Result<Submission, Admission> {
-    let (Some(b), Some(rules), Some(cap)) = (backend(shared), route.jobs, route.max_in_flight)
-    else {
-        return Err(Admission::Unavailable);
-    };
+    let NewJob {
+        running,
+        route,
+        rules,
+        cap,
+        who,
+        admit,
+        request,
+        origin,
+    } = job;
     let id = new_id();
     let rid = origin.request_id.clone().unwrap_or_default();
     if !record::put(b, &id, &route.label, who, rules.result_ttl, &request, &rid).await {
