@@ -585,10 +585,7 @@ async fn slot_released_when_client_disconnects() {
     let up = Upstream::start(Duration::from_millis(1500));
     let body = incident_with_report_caps("      max_in_flight: 1\n");
     let gw = Gateway::start(&up, &body);
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(200));
     let r = impatient
         .post(gw.url("/reports/generate"))
         .header("X-API-Key", "k")

@@ -14,15 +14,7 @@ const ROUTE: &str = "/reports/generate";
 /// Registry keys `a` and `b` (raw keys `key-a`, `key-b`), a 24 h budget of 100 (no refill
 /// within a test) and `endpoints` (YAML lines under `endpoints:`).
 fn config(endpoints: &str) -> String {
-    let keys: String = ["a", "b"]
-        .iter()
-        .map(|id| {
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
-        })
-        .collect();
+    let keys: String = ["a", "b"].iter().map(|id| registry_key(id, "")).collect();
     format!(
         "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n{endpoints}keys:\n{keys}"
     )
@@ -35,43 +27,16 @@ fn reports(cap: u32, extra: &str) -> String {
     )
 }
 
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
-}
-
 /// Submits a job: the 202 and its location.
 async fn submit(c: &reqwest::Client, gw: &Gateway, target: &str, key: &str, body: &str) -> String {
-    let r = c
-        .post(gw.url(target))
-        .header("X-API-Key", key)
-        .header("Prefer", "respond-async")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = post_async(c, gw.url(target), key, body, &[]).await;
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
-    let location = header(&r, "location").unwrap();
-    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
-    location
+    job_location(&r)
 }
 
 /// Polls `location` until the job is no longer queued or running: the final answer.
 async fn result(c: &reqwest::Client, gw: &Gateway, location: &str, key: &str) -> reqwest::Response {
-    let start = Instant::now();
-    loop {
-        let r = get(c, gw.url(location), key).await;
-        if r.status() != 202 {
-            return r;
-        }
-        assert!(header(&r, "retry-after").is_some());
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "job {location} never finished"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    job_result(c, gw, location, key, Duration::from_secs(20), |_| {}).await
 }
 
 fn series(result: &str) -> String {

@@ -24,27 +24,13 @@ fn config_kept(redis: &Redis, result_ttl: &str) -> String {
 }
 
 fn config_with(redis: &Redis, result_ttl: &str, cap: u32) -> String {
-    let keys: String = ["a", "b"]
-        .iter()
-        .map(|id| {
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
-        })
-        .collect();
+    let keys: String = ["a", "b"].iter().map(|id| registry_key(id, "")).collect();
     format!(
         "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
          rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
         url = redis.url(),
         lease = LEASE_TTL.as_secs(),
     )
-}
-
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
 }
 
 /// Submits a job on `gw`: its location and the 202's JSON.
@@ -64,19 +50,17 @@ async fn submit_as(
     body: &str,
     key: &str,
 ) -> (String, serde_json::Value) {
-    let r = c
-        .post(gw.url(target))
-        .header("X-API-Key", key)
-        .header("Prefer", "respond-async")
-        .header("X-Request-Id", "fleet-job")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = post_async(
+        c,
+        gw.url(target),
+        key,
+        body,
+        &[("X-Request-Id", "fleet-job")],
+    )
+    .await;
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
     assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("10"));
-    let location = header(&r, "location").unwrap();
-    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
+    let location = job_location(&r);
     (location, r.json().await.unwrap())
 }
 
@@ -91,20 +75,11 @@ async fn result_as(
     location: &str,
     key: &str,
 ) -> reqwest::Response {
-    let start = Instant::now();
-    loop {
-        let r = get(c, gw.url(location), key).await;
-        if r.status() != 202 {
-            return r;
-        }
-        assert!(header(&r, "retry-after").is_some());
-        assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "job {location} never finished"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Polls are free.
+    job_result(c, gw, location, key, Duration::from_secs(30), |r| {
+        assert_eq!(header(r, "x-ratelimit-cost").as_deref(), Some("0"));
+    })
+    .await
 }
 
 /// Submitted on gateway A, polled on gateway B: 202 while it runs, then the upstream's answer

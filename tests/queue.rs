@@ -19,21 +19,12 @@ fn config(endpoint: &str, plans: &str) -> String {
                 "d" if !plans.is_empty() => ", plan: basic",
                 _ => "",
             };
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"{plan}}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
+            registry_key(id, plan)
         })
         .collect();
     format!(
         "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
     )
-}
-
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
 }
 
 /// Waits until the gateway reports `n` requests waiting on `route`.

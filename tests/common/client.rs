@@ -10,6 +10,14 @@ pub fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// A client that gives up on a request after `patience` (and closes its connection).
+pub fn impatient(patience: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(patience)
+        .build()
+        .unwrap()
+}
+
 /// `GET url` with an API key.
 pub async fn get(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) -> reqwest::Response {
     c.get(url).header("X-API-Key", key).send().await.unwrap()

@@ -1,5 +1,14 @@
 //! Configuration the tests share: the incident's rate limits, and keys as `keys:` names them.
 
+/// A `keys:` entry for registry key `id`, whose raw key is `key-<id>`, with `extra` fields
+/// (e.g. `", plan: gold"`).
+pub fn registry_key(id: &str, extra: &str) -> String {
+    format!(
+        "  - {{id: {id}, sha256: \"{}\"{extra}}}\n",
+        sha256_hex(&format!("key-{id}"))
+    )
+}
+
 pub fn sha256_hex(key: &str) -> String {
     hex::encode(tollgate::identity::hash_key(key.as_bytes()))
 }

@@ -226,6 +226,14 @@ pub async fn admin_json(gw: &Gateway, path: &str) -> serde_json::Value {
         .unwrap()
 }
 
+/// The budget a registry key has left, from the admin API (`/admin/keys/<id>`).
+pub async fn remaining(gw: &Gateway, id: &str) -> u64 {
+    let v = admin_json(gw, &format!("/admin/keys/{id}")).await;
+    v["remaining"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no remaining for {id}: {v}"))
+}
+
 /// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed. Panics when
 /// the series is missing, so that a renamed or absent metric can't pass for a zero.
 pub async fn metric(gw: &Gateway, series: &str) -> f64 {

@@ -10,6 +10,8 @@ pub mod otlp;
 mod client;
 mod fixtures;
 mod gateway;
+mod jobs;
+mod load;
 mod pki;
 mod process;
 mod raw_http;
@@ -21,6 +23,6 @@ mod upstream;
 
 #[allow(unused_imports)]
 pub use self::{
-    client::*, fixtures::*, gateway::*, pki::*, process::*, raw_http::*, redis_cluster::*,
-    redis_sentinel::*, redis_server::*, tcp_proxy::*, upstream::*,
+    client::*, fixtures::*, gateway::*, jobs::*, load::*, pki::*, process::*, raw_http::*,
+    redis_cluster::*, redis_sentinel::*, redis_server::*, tcp_proxy::*, upstream::*,
 };

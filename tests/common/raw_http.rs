@@ -41,6 +41,17 @@ impl RawResponse {
     }
 }
 
+/// A request head with `Host`, the given extra header lines and `Connection: close`.
+pub fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
+    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
+    for h in headers {
+        s.push_str(h);
+        s.push_str("\r\n");
+    }
+    s.push_str("Connection: close\r\n\r\n");
+    s.into_bytes()
+}
+
 /// Connects to the gateway's proxy port, with a read timeout so that a test never hangs.
 pub fn raw_connect(port: u16) -> std::net::TcpStream {
     let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
