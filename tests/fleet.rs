@@ -744,12 +744,7 @@ async fn password_url_from_env_and_rediss() {
             .count(),
         1
     );
-    let cfg = reqwest::get(gw.admin("/admin/config"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let cfg = admin_text(&gw, "/admin/config").await;
     assert!(!cfg.contains("s3cret"), "{cfg}");
     assert!(!gw.log().contains("s3cret"));
 

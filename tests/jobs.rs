@@ -227,13 +227,7 @@ async fn jobs_share_a_full_route_fairly() {
     assert_eq!(up.max_concurrent(ROUTE), 2);
     // Key b's report reached the upstream within the 2 releases after it was queued (in
     // arrival order it would have waited behind 8).
-    let order: Vec<String> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target == ROUTE)
-        .map(|s| s.header("x-api-key")[0].to_string())
-        .collect();
+    let order = up.keys_in_order(ROUTE);
     let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
     assert!(
         b_at < before_b + 2,

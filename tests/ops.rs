@@ -9,15 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-async fn metrics_text(gw: &Gateway) -> String {
-    reqwest::get(gw.admin("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_endpoints_and_token() {
     let up = Upstream::start(Duration::ZERO);
@@ -177,7 +168,7 @@ async fn metrics_names_and_labels_exactly_as_designed() {
     // Metrics are recorded just after each response is sent: give the last one a moment.
     let start = Instant::now();
     let text = loop {
-        let text = metrics_text(&gw).await;
+        let text = admin_text(&gw, "/metrics").await;
         let missing: Vec<&&str> = expected
             .iter()
             .filter(|e| !text.lines().any(|l| l.starts_with(**e)))
@@ -1047,12 +1038,7 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     assert_eq!(get(&c, gw.url("/e19999/items"), "k").await.status(), 200);
-    let scrape = reqwest::get(gw.admin("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let scrape = admin_text(&gw, "/metrics").await;
     assert!(scrape.len() < 2_000_000, "{} bytes", scrape.len());
     // A route past the first 200 has its series once it has traffic.
     assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));

@@ -216,6 +216,16 @@ pub fn error_lines(gw: &Gateway) -> Vec<String> {
         .collect()
 }
 
+/// GETs `path` on the gateway's admin listener: the answer's text.
+pub async fn admin_text(gw: &Gateway, path: &str) -> String {
+    reqwest::get(gw.admin(path))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// GETs `path` on the gateway's admin listener and parses the JSON answer.
 pub async fn admin_json(gw: &Gateway, path: &str) -> serde_json::Value {
     reqwest::get(gw.admin(path))
@@ -237,12 +247,7 @@ pub async fn remaining(gw: &Gateway, id: &str) -> u64 {
 /// Reads a metric sample from Prometheus text: `name{labels}` exactly as exposed. Panics when
 /// the series is missing, so that a renamed or absent metric can't pass for a zero.
 pub async fn metric(gw: &Gateway, series: &str) -> f64 {
-    let text = reqwest::get(gw.admin("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = admin_text(gw, "/metrics").await;
     text.lines()
         .find_map(|l| {
             l.strip_prefix(series)

@@ -51,6 +51,16 @@ impl Upstream {
         }
     }
 
+    /// The `X-API-Key` of each request for `target`, in the order they arrived.
+    pub fn keys_in_order(&self, target: &str) -> Vec<String> {
+        self.api
+            .seen()
+            .into_iter()
+            .filter(|s| s.target == target)
+            .map(|s| s.header("x-api-key")[0].to_string())
+            .collect()
+    }
+
     pub fn max_concurrent(&self, path: &str) -> u64 {
         self.stats()
             .get(path)
