@@ -401,10 +401,7 @@ async fn a_client_that_leaves_the_queue_is_never_forwarded_nor_charged() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let first = {
-        let (c, url) = (c.clone(), gw.url("/reports/generate?delay_ms=1000"));
-        tokio::spawn(async move { post(&c, url, "a-secret").await.status().as_u16() })
-    };
+    let first = spawn_post(&c, gw.url("/reports/generate?delay_ms=1000"), "a-secret");
     up.wait_current("/reports/generate", 1).await;
 
     // B queues for the slot and leaves after 0.3 s.

@@ -995,11 +995,7 @@ async fn in_flight_slots_survive_a_reload() {
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /items: {cost: 1}\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
     );
     let c = client();
-    let slow = {
-        let c = c.clone();
-        let url = gw.url("/reports/generate");
-        tokio::spawn(async move { post(&c, url, "a").await.status().as_u16() })
-    };
+    let slow = spawn_post(&c, gw.url("/reports/generate"), "a");
     up.wait_current("/reports/generate", 1).await;
     // Reload with another route's cost changed; the report route's one slot is still taken.
     let text = std::fs::read_to_string(&gw.config_path).unwrap();

@@ -46,12 +46,7 @@ async fn small_customers_first(up: &Upstream, gws: &[Gateway], store: &str) {
     let c = client();
     let start = Instant::now();
     let big: Vec<_> = (0..20)
-        .map(|i| {
-            let req = c
-                .post(gws[i % gws.len()].url("/reports/generate"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|i| spawn_post(&c, gws[i % gws.len()].url("/reports/generate"), "key-a"))
         .collect();
     up.wait_current("/reports/generate", 5).await;
     // Until every report of key a is queued or at the upstream.
@@ -159,12 +154,7 @@ async fn a_key_of_weight_two_gets_twice_the_slots() {
     let c = client();
     // Key a holds every slot for 1.5 s; meanwhile c (weight 2) and d (weight 1) queue 9 each.
     let blockers: Vec<_> = (0..3)
-        .map(|_| {
-            let req = c
-                .post(gw.url("/reports/x?delay_ms=1500"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|_| spawn_post(&c, gw.url("/reports/x?delay_ms=1500"), "key-a"))
         .collect();
     up.wait_current("/reports/x", 3).await;
     let mut queued = vec![];
@@ -215,12 +205,7 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     let gw = Gateway::start(&up, &body);
     let c = client();
     // Key a holds the slot for 3 s.
-    let holder = {
-        let req = c
-            .post(gw.url("/reports/generate?delay_ms=3000"))
-            .header("X-API-Key", "key-a");
-        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-    };
+    let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=3000"), "key-a");
     up.wait_current("/reports/generate", 1).await;
     // Two wait (charged while they wait), a third finds the queue full: 503 at once.
     let waiters: Vec<_> = ["key-b", "key-b"]
@@ -267,12 +252,7 @@ async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let holder = {
-        let req = c
-            .post(gw.url("/reports/generate?delay_ms=2000"))
-            .header("X-API-Key", "key-a");
-        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-    };
+    let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=2000"), "key-a");
     up.wait_current("/reports/generate", 1).await;
     // Key a has 400 units left: its next report (600) is refused now, not after waiting.
     let t = Instant::now();
@@ -296,12 +276,7 @@ async fn a_keys_share_of_a_route_makes_its_further_requests_wait() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     let mine: Vec<_> = (0..3)
-        .map(|_| {
-            let req = c
-                .post(gw.url("/reports/a?delay_ms=400"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|_| spawn_post(&c, gw.url("/reports/a?delay_ms=400"), "key-a"))
         .collect();
     up.wait_current("/reports/a", 1).await;
     wait_queued(&gw, "/reports/{kind}", 2.0).await;

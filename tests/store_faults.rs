@@ -163,10 +163,7 @@ async fn redis_restarted_empty_keeps_the_cap() {
     // Both know the Redis process before it goes.
     assert_eq!(get(&c, b.url("/items"), "warm").await.status(), 200);
     let first: Vec<_> = (0..6)
-        .map(|i| {
-            let (c, url) = (c.clone(), a.url("/reports/generate"));
-            tokio::spawn(async move { post(&c, url, &format!("a{i}")).await.status().as_u16() })
-        })
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
         .collect();
     up.wait_current("/reports/generate", 6).await;
     redis.kill();
@@ -304,10 +301,7 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
     let a = Gateway::start(&up, &cfg);
     let b = Gateway::start(&up, &cfg);
     let c = client();
-    let report = |gw: &Gateway, key: String| {
-        let (c, url) = (c.clone(), gw.url("/reports/generate"));
-        tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
-    };
+    let report = |gw: &Gateway, key: String| spawn_post(&c, gw.url("/reports/generate"), &key);
     let mut all: Vec<_> = (0..3).map(|i| report(&a, format!("a{i}"))).collect();
     up.wait_current("/reports/generate", 3).await;
     a.signal("STOP");

@@ -28,6 +28,18 @@ pub async fn post(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) ->
     c.post(url).header("X-API-Key", key).send().await.unwrap()
 }
 
+/// `POST url` with an API key, in the background: its status, once it is answered.
+pub fn spawn_post(c: &reqwest::Client, url: String, key: &str) -> tokio::task::JoinHandle<u16> {
+    let (c, key) = (c.clone(), key.to_string());
+    tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
+}
+
+/// `GET url` with an API key, in the background: its status, once it is answered.
+pub fn spawn_get(c: &reqwest::Client, url: String, key: &str) -> tokio::task::JoinHandle<u16> {
+    let (c, key) = (c.clone(), key.to_string());
+    tokio::spawn(async move { get(&c, url, &key).await.status().as_u16() })
+}
+
 /// Sends `n` requests at once (`make(i)` builds the i-th) and returns the responses in order.
 pub async fn all_at_once(
     n: usize,
