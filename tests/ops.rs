@@ -578,18 +578,22 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
         ..GatewayOpts::default()
     });
     let c = client();
-    let slow = {
-        let c = c.clone();
-        let url = gw.url("/reports/generate");
-        tokio::spawn(async move { post(&c, url, "k").await.status().as_u16() })
-    };
+    let slow = spawn_post(&c, gw.url("/reports/generate"), "k");
     up.wait_current("/reports/generate", 1).await;
     let t = Instant::now();
     gw.signal("TERM");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let ready = reqwest::get(gw.admin("/readyz"))
-        .await
-        .map(|r| r.status().as_u16());
+    // Polled until SIGTERM is handled (ready until then), not slept on: an answer other
+    // than 200 comes while the request is still in flight (1.5 s), or the process is gone.
+    let ready = loop {
+        let ready = reqwest::get(gw.admin("/readyz"))
+            .await
+            .map(|r| r.status().as_u16());
+        if ready.as_ref().ok() != Some(&200) {
+            break ready;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "still ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(ready.ok(), Some(503), "not ready while draining");
     assert_eq!(slow.await.unwrap(), 200, "the in-flight request finished");
     let code = gw.wait_exit(Duration::from_secs(12));
