@@ -62,27 +62,17 @@ struct Task {
 pub(super) fn submit(
     shared: &Arc<Shared>,
     m: &Arc<MemoryStore>,
-    job: NewJob<'_>,
+    new: NewJob<'_>,
 ) -> Result<Submission, Admission> {
-    let NewJob {
-        running,
-        route,
-        rules,
-        cap,
-        who,
-        admit,
-        request,
-        origin,
-    } = job;
-    let bytes = request.body.len() as u64;
+    let bytes = new.request.body.len() as u64;
     if !shared.jobs.reserve(bytes) {
         // This process holds as much for jobs as it may: refused, nothing charged.
         return Err(Admission::RouteBusy {
-            standing: (&m.standing(&admit)).into(),
+            standing: (&m.standing(&new.admit)).into(),
             queued: Duration::ZERO,
         });
     }
-    let (standing, delay, lease, place) = match m.admit_job(&admit, cap) {
+    let (standing, delay, lease, place) = match m.admit_job(&new.admit, new.cap) {
         Ok(admitted) => admitted,
         Err(refused) => {
             shared.jobs.unreserve(bytes);
@@ -97,8 +87,8 @@ pub(super) fn submit(
     let (tx, rx) = oneshot::channel();
     let job = Arc::new(Job {
         id: new_id(),
-        key: who.hash,
-        route: route.label.clone(),
+        key: new.who.hash,
+        route: new.route.label.clone(),
         status: Mutex::new(Status::Queued(waiting)),
         cancel: Mutex::new(Some(tx)),
         bytes: AtomicU64::new(bytes),
@@ -106,17 +96,17 @@ pub(super) fn submit(
     shared.jobs.insert(job.clone());
     tokio::spawn(run(Task {
         shared: shared.clone(),
-        running,
-        route,
-        rules,
+        running: new.running,
+        route: new.route,
+        rules: new.rules,
         job: job.clone(),
-        admit,
+        admit: new.admit,
         lease,
         place: Some(place),
         delay,
         cancelled: rx,
-        request,
-        origin,
+        request: new.request,
+        origin: new.origin,
         submitted: Instant::now(),
     }));
     Ok(Submission {

@@ -40,29 +40,20 @@ pub(super) async fn submit(
     b: &Arc<RedisBackend>,
     job: NewJob<'_>,
 ) -> Result<Submission, Admission> {
-    let NewJob {
-        running,
-        route,
-        rules,
-        cap,
-        who,
-        admit,
-        request,
-        origin,
-    } = job;
     let id = new_id();
-    let rid = origin.request_id.clone().unwrap_or_default();
-    if !record::put(b, &id, &route.label, who, rules.result_ttl, &request, &rid).await {
+    let rid = job.origin.request_id.clone().unwrap_or_default();
+    let ttl = job.rules.result_ttl;
+    if !record::put(b, &id, &job.route.label, job.who, ttl, &job.request, &rid).await {
         return Err(Admission::Unavailable);
     }
     let admit = AdmitRequest {
         key_cap: None,
-        ..admit
+        ..job.admit
     };
-    let entered = b.enter_job(&admit, cap, &id).await;
+    let entered = b.enter_job(&admit, job.cap, &id).await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
-            start(shared, b, id.clone(), route.label.clone()).await;
+            start(shared, b, id.clone(), job.route.label.clone()).await;
             (s, 0)
         }
         Ok(JobEntered::Queued(s, p)) => {
@@ -86,7 +77,7 @@ pub(super) async fn submit(
             return Err(Admission::Unavailable);
         }
     };
-    drop(running);
+    drop(job.running);
     Ok(Submission {
         id,
         standing,
