@@ -398,10 +398,7 @@ async fn held_callers_that_leave(redis: Option<&Redis>) {
     let c = client();
     assert_eq!(get(&c, gw.url("/p/a"), "k").await.status(), 200);
     // Its turn is ~2 s away: the client gives up after 300 ms.
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(300));
     let r = impatient
         .get(gw.url("/p/b"))
         .header("X-API-Key", "k")

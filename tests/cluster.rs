@@ -637,12 +637,7 @@ async fn a_sentinel_url_with_a_password() {
         set.primary.cli(&[&auth[..], &["EXISTS", &budget]].concat()),
         "1"
     );
-    let cfg = reqwest::get(gw.admin("/admin/config"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let cfg = admin_text(&gw, "/admin/config").await;
     assert!(
         !cfg.contains("s3cret") && !gw.log().contains("s3cret"),
         "{cfg}"

@@ -11,17 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// A request head with `Host`, the given extra header lines and `Connection: close`.
-fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
-    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
-    for h in headers {
-        s.push_str(h);
-        s.push_str("\r\n");
-    }
-    s.push_str("Connection: close\r\n\r\n");
-    s.into_bytes()
-}
-
 /// Sends raw requests all at once, one connection each; `None` where the connection closed
 /// without an answer.
 fn raw_all_at_once(port: u16, requests: Vec<Vec<u8>>) -> Vec<Option<RawResponse>> {
@@ -48,19 +37,6 @@ fn redis_store(redis: &Redis) -> String {
         "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
         redis.url()
     )
-}
-
-/// Budget left for a registry key, from the admin API.
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    let v: serde_json::Value = reqwest::get(gw.admin(&format!("/admin/keys/{id}")))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["remaining"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no remaining for {id}: {v}"))
 }
 
 // ---- 1. Request-target forms ----
@@ -360,10 +336,7 @@ async fn clients_that_leave_do_not_free_slots_while_the_upstream_works() {
     );
     let gw = Gateway::start(&up, &body);
     // Every client gives up after 0.3 s; each report keeps the upstream busy for 1.5 s.
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(300));
     let url = gw.url("/reports/generate?work_ms=1500");
     // 4 keys × 5 reports; a 503 (cap full) is retried until the report got in, then left.
     let clients = (0..20).map(|i| {
@@ -428,18 +401,12 @@ async fn a_client_that_leaves_the_queue_is_never_forwarded_nor_charged() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let first = {
-        let (c, url) = (c.clone(), gw.url("/reports/generate?delay_ms=1000"));
-        tokio::spawn(async move { post(&c, url, "a-secret").await.status().as_u16() })
-    };
+    let first = spawn_post(&c, gw.url("/reports/generate?delay_ms=1000"), "a-secret");
     up.wait_current("/reports/generate", 1).await;
 
     // B queues for the slot and leaves after 0.3 s.
     let queued_at = Instant::now();
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(300));
     let r = impatient
         .post(gw.url("/reports/generate"))
         .header("X-API-Key", "b-secret")
@@ -476,10 +443,7 @@ async fn a_client_that_leaves_while_held_is_never_forwarded_nor_charged() {
     let r = post(&client(), gw.url("/held"), "d-secret").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(300));
     let r = impatient
         .post(gw.url("/held"))
         .header("X-API-Key", "d-secret")
@@ -736,10 +700,7 @@ async fn the_upstream_learns_the_key_id_and_not_the_secret() {
 async fn a_client_disconnect_is_not_logged_at_error() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start(&up, INCIDENT);
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(200));
     let r = impatient
         .get(gw.url("/items?delay_ms=800"))
         .header("X-API-Key", "leaver")

@@ -12,17 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// A request head with `Host`, the given extra header lines and `Connection: close`.
-fn raw(request_line: &str, headers: &[&str]) -> Vec<u8> {
-    let mut s = format!("{request_line} HTTP/1.1\r\nHost: localhost\r\n");
-    for h in headers {
-        s.push_str(h);
-        s.push_str("\r\n");
-    }
-    s.push_str("Connection: close\r\n\r\n");
-    s.into_bytes()
-}
-
 // ---- Matrix parameters, `..;`, format suffixes ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -279,16 +279,6 @@ async fn shadow_mode_forwards_would_be_refusals_uncharged() {
     assert_eq!(shadowed[0]["shadow"], "budget");
 }
 
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    let v: serde_json::Value = reqwest::get(gw.admin(&format!("/admin/keys/{id}")))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["remaining"].as_u64().unwrap()
-}
-
 /// A ~1.3 s query at 4 units/s: admitted (and shown) at its cost of 1, charged 6 in total
 /// once it has run: ceil(1.3 × 4). (Exactly 1.5 s would measure a few ms more and bill 7.)
 async fn bills_measured_time(store: &str) {

@@ -188,11 +188,7 @@ async fn long_requests_renew_their_leases() {
         "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
     );
     let c = client();
-    let long = {
-        let c = c.clone();
-        let url = gw.url("/reports/generate");
-        tokio::spawn(async move { post(&c, url, "a").await.status().as_u16() })
-    };
+    let long = spawn_post(&c, gw.url("/reports/generate"), "a");
     // Well past lease_ttl (2 s), the long request still holds its slot.
     tokio::time::sleep(Duration::from_millis(3000)).await;
     let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
@@ -678,11 +674,7 @@ async fn per_key_cap_is_fleet_wide() {
     );
     let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
     let c = client();
-    let slow = {
-        let c = c.clone();
-        let url = a.url("/items?delay_ms=1000");
-        tokio::spawn(async move { get(&c, url, "gold").await.status().as_u16() })
-    };
+    let slow = spawn_get(&c, a.url("/items?delay_ms=1000"), "gold");
     up.wait_current("/items", 1).await;
     let r = get(&c, b.url("/items"), "gold").await;
     assert_eq!(
@@ -744,12 +736,7 @@ async fn password_url_from_env_and_rediss() {
             .count(),
         1
     );
-    let cfg = reqwest::get(gw.admin("/admin/config"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let cfg = admin_text(&gw, "/admin/config").await;
     assert!(!cfg.contains("s3cret"), "{cfg}");
     assert!(!gw.log().contains("s3cret"));
 
@@ -869,11 +856,7 @@ async fn redis_keys_expire_when_the_bucket_is_full_again() {
     let pttl: i64 = redis.cli(&["PTTL", keys.trim()]).parse().unwrap();
     assert!((355_000..=360_000).contains(&pttl), "PTTL {pttl}");
     // A capped route's lease set lives as long as its last lease (lease_ttl 2 s, + 1 s).
-    let held = {
-        let c = c.clone();
-        let url = gw.url("/reports/generate?delay_ms=800");
-        tokio::spawn(async move { post(&c, url, "slow-key").await.status().as_u16() })
-    };
+    let held = spawn_post(&c, gw.url("/reports/generate?delay_ms=800"), "slow-key");
     up.wait_current("/reports/generate", 1).await;
     let sets = redis.cli(&["KEYS", "t:r{*}f"]);
     assert_eq!(sets.lines().count(), 1, "{sets}");

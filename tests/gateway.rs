@@ -562,11 +562,7 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let slow = {
-        let c = c.clone();
-        let url = gw.url("/items?delay_ms=800");
-        tokio::spawn(async move { get(&c, url, "gold-key").await.status().as_u16() })
-    };
+    let slow = spawn_get(&c, gw.url("/items?delay_ms=800"), "gold-key");
     up.wait_current("/items", 1).await;
     let r = get(&c, gw.url("/items"), "gold-key").await;
     assert_eq!(r.status(), 429);
@@ -585,10 +581,7 @@ async fn slot_released_when_client_disconnects() {
     let up = Upstream::start(Duration::from_millis(1500));
     let body = incident_with_report_caps("      max_in_flight: 1\n");
     let gw = Gateway::start(&up, &body);
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let impatient = impatient(Duration::from_millis(200));
     let r = impatient
         .post(gw.url("/reports/generate"))
         .header("X-API-Key", "k")

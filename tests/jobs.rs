@@ -14,15 +14,7 @@ const ROUTE: &str = "/reports/generate";
 /// Registry keys `a` and `b` (raw keys `key-a`, `key-b`), a 24 h budget of 100 (no refill
 /// within a test) and `endpoints` (YAML lines under `endpoints:`).
 fn config(endpoints: &str) -> String {
-    let keys: String = ["a", "b"]
-        .iter()
-        .map(|id| {
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
-        })
-        .collect();
+    let keys: String = ["a", "b"].iter().map(|id| registry_key(id, "")).collect();
     format!(
         "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n{endpoints}keys:\n{keys}"
     )
@@ -35,43 +27,16 @@ fn reports(cap: u32, extra: &str) -> String {
     )
 }
 
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
-}
-
 /// Submits a job: the 202 and its location.
 async fn submit(c: &reqwest::Client, gw: &Gateway, target: &str, key: &str, body: &str) -> String {
-    let r = c
-        .post(gw.url(target))
-        .header("X-API-Key", key)
-        .header("Prefer", "respond-async")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = post_async(c, gw.url(target), key, body, &[]).await;
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
-    let location = header(&r, "location").unwrap();
-    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
-    location
+    job_location(&r)
 }
 
 /// Polls `location` until the job is no longer queued or running: the final answer.
 async fn result(c: &reqwest::Client, gw: &Gateway, location: &str, key: &str) -> reqwest::Response {
-    let start = Instant::now();
-    loop {
-        let r = get(c, gw.url(location), key).await;
-        if r.status() != 202 {
-            return r;
-        }
-        assert!(header(&r, "retry-after").is_some());
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "job {location} never finished"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    job_result(c, gw, location, key, Duration::from_secs(20), |_| {}).await
 }
 
 fn series(result: &str) -> String {
@@ -262,13 +227,7 @@ async fn jobs_share_a_full_route_fairly() {
     assert_eq!(up.max_concurrent(ROUTE), 2);
     // Key b's report reached the upstream within the 2 releases after it was queued (in
     // arrival order it would have waited behind 8).
-    let order: Vec<String> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target == ROUTE)
-        .map(|s| s.header("x-api-key")[0].to_string())
-        .collect();
+    let order = up.keys_in_order(ROUTE);
     let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
     assert!(
         b_at < before_b + 2,

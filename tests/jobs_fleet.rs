@@ -24,27 +24,13 @@ fn config_kept(redis: &Redis, result_ttl: &str) -> String {
 }
 
 fn config_with(redis: &Redis, result_ttl: &str, cap: u32) -> String {
-    let keys: String = ["a", "b"]
-        .iter()
-        .map(|id| {
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
-        })
-        .collect();
+    let keys: String = ["a", "b"].iter().map(|id| registry_key(id, "")).collect();
     format!(
         "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
          rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
         url = redis.url(),
         lease = LEASE_TTL.as_secs(),
     )
-}
-
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
 }
 
 /// Submits a job on `gw`: its location and the 202's JSON.
@@ -64,19 +50,17 @@ async fn submit_as(
     body: &str,
     key: &str,
 ) -> (String, serde_json::Value) {
-    let r = c
-        .post(gw.url(target))
-        .header("X-API-Key", key)
-        .header("Prefer", "respond-async")
-        .header("X-Request-Id", "fleet-job")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = post_async(
+        c,
+        gw.url(target),
+        key,
+        body,
+        &[("X-Request-Id", "fleet-job")],
+    )
+    .await;
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
     assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("10"));
-    let location = header(&r, "location").unwrap();
-    assert!(location.starts_with("/_tollgate/jobs/"), "{location}");
+    let location = job_location(&r);
     (location, r.json().await.unwrap())
 }
 
@@ -91,20 +75,11 @@ async fn result_as(
     location: &str,
     key: &str,
 ) -> reqwest::Response {
-    let start = Instant::now();
-    loop {
-        let r = get(c, gw.url(location), key).await;
-        if r.status() != 202 {
-            return r;
-        }
-        assert!(header(&r, "retry-after").is_some());
-        assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "job {location} never finished"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Polls are free.
+    job_result(c, gw, location, key, Duration::from_secs(30), |r| {
+        assert_eq!(header(r, "x-ratelimit-cost").as_deref(), Some("0"));
+    })
+    .await
 }
 
 /// Submitted on gateway A, polled on gateway B: 202 while it runs, then the upstream's answer
@@ -174,7 +149,7 @@ async fn a_job_submitted_on_one_gateway_is_read_on_another() {
     assert_eq!(remaining(&b, "a").await, 90);
     // The record names the key by its hash; the request's headers (the forwarded credential
     // among them, as forward_credentials says) are dropped once the job has ended.
-    let record = format!("t:j:{id}");
+    let record = redis_job_key(id);
     assert_eq!(redis.cli(&["HGET", &record, "key"]), sha256_hex("key-a"));
     assert_eq!(redis.cli(&["HEXISTS", &record, "headers"]), "0");
     assert_eq!(redis.cli(&["HEXISTS", &record, "body"]), "0");
@@ -365,13 +340,7 @@ async fn jobs_of_two_gateways_share_a_full_route_fairly() {
     }
     assert_eq!(up.count(ROUTE), 21);
     assert_eq!(up.max_concurrent(ROUTE), 2);
-    let order: Vec<String> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target == ROUTE)
-        .map(|s| s.header("x-api-key")[0].to_string())
-        .collect();
+    let order = up.keys_in_order(ROUTE);
     let b_at = order.iter().position(|k| k == "key-b").unwrap() as u64;
     assert!(
         b_at < before_b + 2,

@@ -410,10 +410,7 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
 
     // Capped routes at their cap: a slot held on each, then a 503 `in_flight` (no queue) and a
     // 503 `route_busy` (after queue_timeout, on another instance: the cap is fleet-wide).
-    let hold = |url: String| {
-        let c = c.clone();
-        tokio::spawn(async move { post(&c, url, "k4").await.status().as_u16() })
-    };
+    let hold = |url: String| spawn_post(&c, url, "k4");
     let held = [
         hold(a.url("/reports/generate?delay_ms=3000")),
         hold(a.url("/exports/bulk?delay_ms=3000")),

@@ -19,21 +19,12 @@ fn config(endpoint: &str, plans: &str) -> String {
                 "d" if !plans.is_empty() => ", plan: basic",
                 _ => "",
             };
-            format!(
-                "  - {{id: {id}, sha256: \"{}\"{plan}}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
+            registry_key(id, plan)
         })
         .collect();
     format!(
         "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
     )
-}
-
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
 }
 
 /// Waits until the gateway reports `n` requests waiting on `route`.
@@ -55,12 +46,7 @@ async fn small_customers_first(up: &Upstream, gws: &[Gateway], store: &str) {
     let c = client();
     let start = Instant::now();
     let big: Vec<_> = (0..20)
-        .map(|i| {
-            let req = c
-                .post(gws[i % gws.len()].url("/reports/generate"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|i| spawn_post(&c, gws[i % gws.len()].url("/reports/generate"), "key-a"))
         .collect();
     up.wait_current("/reports/generate", 5).await;
     // Until every report of key a is queued or at the upstream.
@@ -168,12 +154,7 @@ async fn a_key_of_weight_two_gets_twice_the_slots() {
     let c = client();
     // Key a holds every slot for 1.5 s; meanwhile c (weight 2) and d (weight 1) queue 9 each.
     let blockers: Vec<_> = (0..3)
-        .map(|_| {
-            let req = c
-                .post(gw.url("/reports/x?delay_ms=1500"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|_| spawn_post(&c, gw.url("/reports/x?delay_ms=1500"), "key-a"))
         .collect();
     up.wait_current("/reports/x", 3).await;
     let mut queued = vec![];
@@ -224,12 +205,7 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     let gw = Gateway::start(&up, &body);
     let c = client();
     // Key a holds the slot for 3 s.
-    let holder = {
-        let req = c
-            .post(gw.url("/reports/generate?delay_ms=3000"))
-            .header("X-API-Key", "key-a");
-        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-    };
+    let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=3000"), "key-a");
     up.wait_current("/reports/generate", 1).await;
     // Two wait (charged while they wait), a third finds the queue full: 503 at once.
     let waiters: Vec<_> = ["key-b", "key-b"]
@@ -276,12 +252,7 @@ async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let holder = {
-        let req = c
-            .post(gw.url("/reports/generate?delay_ms=2000"))
-            .header("X-API-Key", "key-a");
-        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-    };
+    let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=2000"), "key-a");
     up.wait_current("/reports/generate", 1).await;
     // Key a has 400 units left: its next report (600) is refused now, not after waiting.
     let t = Instant::now();
@@ -305,12 +276,7 @@ async fn a_keys_share_of_a_route_makes_its_further_requests_wait() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     let mine: Vec<_> = (0..3)
-        .map(|_| {
-            let req = c
-                .post(gw.url("/reports/a?delay_ms=400"))
-                .header("X-API-Key", "key-a");
-            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
-        })
+        .map(|_| spawn_post(&c, gw.url("/reports/a?delay_ms=400"), "key-a"))
         .collect();
     up.wait_current("/reports/a", 1).await;
     wait_queued(&gw, "/reports/{kind}", 2.0).await;
@@ -495,7 +461,16 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
     }
     let released = released.unwrap();
     up.wait_current("/reports/generate", 2).await;
-    let idle = released.elapsed();
+    // When it reached the upstream, as the upstream saw it (not when this test looked).
+    let c_at = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.header("x-api-key") == ["key-c"])
+        .map(|s| s.at)
+        .max()
+        .unwrap();
+    let idle = c_at.saturating_duration_since(released);
     assert!(
         idle < Duration::from_millis(2000),
         "c's second request reached the upstream {idle:?} after the release"

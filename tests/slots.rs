@@ -19,12 +19,6 @@ fn capped(extra_route: &str) -> String {
     )
 }
 
-async fn remaining(gw: &Gateway, id: &str) -> u64 {
-    admin_json(gw, &format!("/admin/keys/{id}")).await["remaining"]
-        .as_u64()
-        .unwrap()
-}
-
 /// Sends quick reports of key `b` until one is admitted (200), for at most `within`; returns
 /// when.
 async fn first_admitted(gw: &Gateway, within: Duration) -> Option<Instant> {

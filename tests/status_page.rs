@@ -19,12 +19,7 @@ const TOKEN: &str = "status-page-test-token-0123456789";
 fn config() -> String {
     let keys: String = [("a", "gold"), ("b", "gold"), ("c", "tiny")]
         .iter()
-        .map(|(id, plan)| {
-            format!(
-                "  - {{id: {id}, sha256: \"{}\", plan: {plan}}}\n",
-                sha256_hex(&format!("key-{id}"))
-            )
-        })
+        .map(|(id, plan)| registry_key(id, &format!(", plan: {plan}")))
         .collect();
     format!(
         "rate_limits:

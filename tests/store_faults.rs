@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,30 +76,16 @@ async fn an_out_of_memory_redis_loses_no_charge() {
     );
     let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &cfg)).collect());
     let c = client();
-    let stop = Arc::new(AtomicBool::new(false));
     // Each `/q` costs 3 in the end (1 at admission, 2 stated by the upstream), each
-    // `/items` 1.
-    let tasks: Vec<_> = (0..4)
-        .map(|i| {
-            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = i;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    // A /q runs 300 ms: admitted before the OOM, its stated cost is charged
-                    // after the fact while Redis refuses.
-                    let path = if n % 2 == 0 {
-                        "/q?actual_cost=3&delay_ms=300"
-                    } else {
-                        "/items"
-                    };
-                    let r = get(&c, gws[n % 2].url(path), "m").await;
-                    assert_eq!(r.status(), 200, "{path}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-        })
-        .collect();
+    // `/items` 1. A /q runs 300 ms: admitted before the OOM, its stated cost is charged
+    // after the fact while Redis refuses.
+    let load = Load::start(&c, &gws, "m", 4, Duration::from_millis(10), |n| {
+        if n % 2 == 0 {
+            "/q?actual_cost=3&delay_ms=300"
+        } else {
+            "/items"
+        }
+    });
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
         redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
@@ -112,21 +97,13 @@ async fn an_out_of_memory_redis_loses_no_charge() {
     tokio::time::sleep(Duration::from_millis(2000)).await;
     assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
+    load.stop().await;
     let admitted = |up: &Upstream| 3 * up.count("/q") + up.count("/items");
-    let fallback: f64 = metric(
-        &gws[0],
+    let fallback = fleet_metric(
+        &gws,
         "tollgate_fallback_decisions_total{decision=\"admitted\"}",
     )
-    .await
-        + metric(
-            &gws[1],
-            "tollgate_fallback_decisions_total{decision=\"admitted\"}",
-        )
-        .await;
+    .await;
     assert!(
         fallback > 0.0,
         "the OOM was met: requests were decided by the fallback"
@@ -186,10 +163,7 @@ async fn redis_restarted_empty_keeps_the_cap() {
     // Both know the Redis process before it goes.
     assert_eq!(get(&c, b.url("/items"), "warm").await.status(), 200);
     let first: Vec<_> = (0..6)
-        .map(|i| {
-            let (c, url) = (c.clone(), a.url("/reports/generate"));
-            tokio::spawn(async move { post(&c, url, &format!("a{i}")).await.status().as_u16() })
-        })
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
         .collect();
     up.wait_current("/reports/generate", 6).await;
     redis.kill();
@@ -256,32 +230,15 @@ async fn a_partition_that_delivers_late_charges_once() {
     };
     let a = Gateway::start(&up, &via(&proxy.url()));
     let b = Gateway::start(&up, &via(&redis.url()));
-    let gws = Arc::new([a, b]);
+    let gws = Arc::new(vec![a, b]);
     let c = client();
-    let stop = Arc::new(AtomicBool::new(false));
-    let tasks: Vec<_> = (0..4)
-        .map(|i| {
-            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = i;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let r = get(&c, gws[n % 2].url("/items"), "m").await;
-                    assert_eq!(r.status(), 200);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-        })
-        .collect();
+    let load = Load::start(&c, &gws, "m", 4, Duration::from_millis(10), |_| "/items");
     tokio::time::sleep(Duration::from_millis(800)).await;
     proxy.blackhole();
     tokio::time::sleep(Duration::from_secs(5)).await;
     proxy.heal();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
+    load.stop().await;
     let fallback = metric(
         &gws[0],
         "tollgate_fallback_decisions_total{decision=\"admitted\"}",
@@ -306,25 +263,13 @@ async fn connections_killed_under_load_charge_once() {
     );
     let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &cfg)).collect());
     let c = client();
-    let stop = Arc::new(AtomicBool::new(false));
-    let tasks: Vec<_> = (0..6)
-        .map(|i| {
-            let (c, gws, stop) = (c.clone(), gws.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = i;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let path = if n % 2 == 0 {
-                        "/q?actual_cost=3&delay_ms=20"
-                    } else {
-                        "/items"
-                    };
-                    let r = get(&c, gws[n % 2].url(path), "m").await;
-                    assert_eq!(r.status(), 200, "{path}");
-                }
-            })
-        })
-        .collect();
+    let load = Load::start(&c, &gws, "m", 6, Duration::ZERO, |n| {
+        if n % 2 == 0 {
+            "/q?actual_cost=3&delay_ms=20"
+        } else {
+            "/items"
+        }
+    });
     let mut killed = 0u64;
     for _ in 0..20 {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -334,10 +279,7 @@ async fn connections_killed_under_load_charge_once() {
             .unwrap_or(0);
     }
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
+    load.stop().await;
     assert!(killed >= 20, "connections killed: {killed}");
     let admitted = |up: &Upstream| 3 * up.count("/q") + up.count("/items");
     charged_settles(&c, &gws[0], "m", || admitted(&up)).await;
@@ -359,10 +301,7 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
     let a = Gateway::start(&up, &cfg);
     let b = Gateway::start(&up, &cfg);
     let c = client();
-    let report = |gw: &Gateway, key: String| {
-        let (c, url) = (c.clone(), gw.url("/reports/generate"));
-        tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
-    };
+    let report = |gw: &Gateway, key: String| spawn_post(&c, gw.url("/reports/generate"), &key);
     let mut all: Vec<_> = (0..3).map(|i| report(&a, format!("a{i}"))).collect();
     up.wait_current("/reports/generate", 3).await;
     a.signal("STOP");

@@ -524,12 +524,7 @@ async fn the_tracing_block_is_checked_and_shown() {
         )),
         "{out}"
     );
-    let config = reqwest::get(gw.admin("/admin/config"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let config = admin_text(&gw, "/admin/config").await;
     assert!(
         config.contains(&format!("otlp_endpoint: {}", collector.url()))
             && config.contains("sample_ratio: 0.25"),

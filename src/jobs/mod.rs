@@ -269,6 +269,19 @@ fn new_id() -> Arc<str> {
     Arc::from(hex::encode(rand::random::<u128>().to_be_bytes()))
 }
 
+/// A job on its way in, its route known to take jobs: what either store's `submit` is given.
+struct NewJob<'a> {
+    running: Arc<crate::state::Running>,
+    route: Arc<crate::route::Route>,
+    rules: crate::route::AsyncRules,
+    /// The route's `max_in_flight`: a job runs in one of its slots.
+    cap: u32,
+    who: &'a crate::identity::Identity,
+    admit: crate::store::AdmitRequest,
+    request: JobRequest,
+    origin: Origin,
+}
+
 /// Charges and queues a job on the store in use (in this process, or the fleet's in Redis);
 /// `Err` is the store's refusal (nothing charged, no job).
 pub async fn submit(
@@ -280,13 +293,23 @@ pub async fn submit(
     request: JobRequest,
     origin: Origin,
 ) -> Result<Submission, crate::store::Admission> {
+    let (Some(rules), Some(cap)) = (route.jobs, route.max_in_flight) else {
+        // `check` refuses async on uncapped routes.
+        return Err(crate::store::Admission::Unavailable);
+    };
+    let job = NewJob {
+        running,
+        route,
+        rules,
+        cap,
+        who,
+        admit,
+        request,
+        origin,
+    };
     match &shared.store {
-        crate::store::Store::Memory(_) => {
-            run::submit(shared, running, route, who, admit, request, origin)
-        }
-        crate::store::Store::Redis(_) => {
-            fleet::submit(shared, running, route, who, admit, request, origin).await
-        }
+        crate::store::Store::Memory(m) => run::submit(shared, m, job),
+        crate::store::Store::Redis(r) => fleet::submit(shared, r.shared(), job).await,
     }
 }
 

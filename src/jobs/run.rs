@@ -11,15 +11,14 @@ use tokio::sync::oneshot;
 
 use super::metrics::{self, InState, JobResult, JobState};
 use super::send::{self, JobRequest, Sent};
-use super::{new_id, Job, Status, Stored};
-use crate::identity::Identity;
+use super::{new_id, Job, NewJob, Status, Stored};
 use crate::problem::{self, Problem};
 use crate::proxy::ctx::InFlight;
 use crate::route::stated::Report;
 use crate::route::{AsyncRules, Route};
 use crate::state::{Running, Shared};
-use crate::store::memory::JobPlace;
-use crate::store::{Admission, AdmitRequest, Lease, Standing, Store};
+use crate::store::memory::{JobPlace, MemoryStore};
+use crate::store::{Admission, AdmitRequest, Lease, Standing};
 use crate::telemetry::access;
 
 /// A job accepted: charged, queued, its task started.
@@ -56,33 +55,24 @@ struct Task {
     submitted: Instant,
 }
 
-/// Charges the job and queues it; `Err` is the store's refusal (nothing charged, no job).
+/// Charges the job in this process's store and queues it; `Err` is the store's refusal
+/// (nothing charged, no job).
 // The refusal is returned by value once per refused submission, like the store's answers.
 #[allow(clippy::result_large_err)]
-pub fn submit(
+pub(super) fn submit(
     shared: &Arc<Shared>,
-    running: Arc<Running>,
-    route: Arc<Route>,
-    who: &Identity,
-    admit: AdmitRequest,
-    request: JobRequest,
-    origin: Origin,
+    m: &Arc<MemoryStore>,
+    new: NewJob<'_>,
 ) -> Result<Submission, Admission> {
-    let (Store::Memory(m), Some(rules), Some(cap)) =
-        (&shared.store, route.jobs, route.max_in_flight)
-    else {
-        // `check` refuses async on other stores and on uncapped routes.
-        return Err(Admission::Unavailable);
-    };
-    let bytes = request.body.len() as u64;
+    let bytes = new.request.body.len() as u64;
     if !shared.jobs.reserve(bytes) {
         // This process holds as much for jobs as it may: refused, nothing charged.
         return Err(Admission::RouteBusy {
-            standing: (&m.standing(&admit)).into(),
+            standing: (&m.standing(&new.admit)).into(),
             queued: Duration::ZERO,
         });
     }
-    let (standing, delay, lease, place) = match m.admit_job(&admit, cap) {
+    let (standing, delay, lease, place) = match m.admit_job(&new.admit, new.cap) {
         Ok(admitted) => admitted,
         Err(refused) => {
             shared.jobs.unreserve(bytes);
@@ -97,8 +87,8 @@ pub fn submit(
     let (tx, rx) = oneshot::channel();
     let job = Arc::new(Job {
         id: new_id(),
-        key: who.hash,
-        route: route.label.clone(),
+        key: new.who.hash,
+        route: new.route.label.clone(),
         status: Mutex::new(Status::Queued(waiting)),
         cancel: Mutex::new(Some(tx)),
         bytes: AtomicU64::new(bytes),
@@ -106,17 +96,17 @@ pub fn submit(
     shared.jobs.insert(job.clone());
     tokio::spawn(run(Task {
         shared: shared.clone(),
-        running,
-        route,
-        rules,
+        running: new.running,
+        route: new.route,
+        rules: new.rules,
         job: job.clone(),
-        admit,
+        admit: new.admit,
         lease,
         place: Some(place),
         delay,
         cancelled: rx,
-        request,
-        origin,
+        request: new.request,
+        origin: new.origin,
         submitted: Instant::now(),
     }));
     Ok(Submission {

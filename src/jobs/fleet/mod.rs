@@ -12,13 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::metrics::{self, JobResult};
-use super::run::{problem_result, Origin, Submission};
-use super::send::JobRequest;
-use super::{new_id, Stored, View};
+use super::run::{problem_result, Submission};
+use super::{new_id, NewJob, Stored, View};
 use crate::decision;
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
-use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::redis::{JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
@@ -37,32 +35,25 @@ fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
 }
 
 /// Charges the job, writes its record and enters it in the route's queue.
-pub async fn submit(
+pub(super) async fn submit(
     shared: &Arc<Shared>,
-    running: Arc<Running>,
-    route: Arc<Route>,
-    who: &Identity,
-    admit: AdmitRequest,
-    request: JobRequest,
-    origin: Origin,
+    b: &Arc<RedisBackend>,
+    job: NewJob<'_>,
 ) -> Result<Submission, Admission> {
-    let (Some(b), Some(rules), Some(cap)) = (backend(shared), route.jobs, route.max_in_flight)
-    else {
-        return Err(Admission::Unavailable);
-    };
     let id = new_id();
-    let rid = origin.request_id.clone().unwrap_or_default();
-    if !record::put(b, &id, &route.label, who, rules.result_ttl, &request, &rid).await {
+    let rid = job.origin.request_id.clone().unwrap_or_default();
+    let ttl = job.rules.result_ttl;
+    if !record::put(b, &id, &job.route.label, job.who, ttl, &job.request, &rid).await {
         return Err(Admission::Unavailable);
     }
     let admit = AdmitRequest {
         key_cap: None,
-        ..admit
+        ..job.admit
     };
-    let entered = b.enter_job(&admit, cap, &id).await;
+    let entered = b.enter_job(&admit, job.cap, &id).await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
-            start(shared, b, id.clone(), route.label.clone()).await;
+            start(shared, b, id.clone(), job.route.label.clone()).await;
             (s, 0)
         }
         Ok(JobEntered::Queued(s, p)) => {
@@ -86,7 +77,7 @@ pub async fn submit(
             return Err(Admission::Unavailable);
         }
     };
-    drop(running);
+    drop(job.running);
     Ok(Submission {
         id,
         standing,

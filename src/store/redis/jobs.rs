@@ -36,10 +36,6 @@ impl JobScript {
     }
 }
 
-fn job_key(id: &str) -> String {
-    format!("t:j:{id}")
-}
-
 impl RedisBackend {
     fn route_keys(route: &str) -> Result<QueueKeys, StoreError> {
         queue_keys(&keys::route_slots_key(route))
@@ -156,7 +152,7 @@ impl RedisBackend {
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         let mut inv = self.job_script.0.prepare_invoke();
-        inv.key(job_key(id)).arg(op);
+        inv.key(keys::job_key(id)).arg(op);
         for a in args {
             inv.arg(*a);
         }

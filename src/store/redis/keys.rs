@@ -11,6 +11,7 @@
 //! | `t{<key tag>}a<id>` | admission `id` of the key: `1` charged, `u` undone (expires) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
+//! | `t:j:<id>`      | an async job's record (hash; `store/lua/jobs.lua`)   |
 //!
 //! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
 //! for a route) in 10 URL-safe base64 characters. Redis Cluster hashes only what is inside the
@@ -22,6 +23,10 @@
 //! budgets (`t{`, where slices are held) from a route's (`t:r{`) by that prefix. A budget key
 //! is 14 characters: that is what keeps a budget under 100 bytes of Redis memory (`MEMORY
 //! USAGE` 88).
+//!
+//! The few functions that are `pub` are for reading Redis from outside the gateway — the
+//! integration tests look at budgets, holds, lease sets and job records by these names —
+//! so that the layout is written down once, here.
 
 use crate::identity::KeyHash;
 
@@ -38,7 +43,8 @@ pub(super) fn key_tag(key: &KeyHash) -> String {
     tag(key)
 }
 
-pub(super) fn budget_key(key: &KeyHash) -> String {
+/// An API key's budget (its plan's first, or only, one).
+pub fn budget_key(key: &KeyHash) -> String {
     format!("t{{{}}}b", tag(key))
 }
 
@@ -57,7 +63,7 @@ pub(super) fn shared_budget_key(route: &str) -> String {
 }
 
 /// The budget slices instances hold of the key (`super::slices`), in its budgets' slot.
-pub(super) fn holds_key(key: &KeyHash) -> String {
+pub fn holds_key(key: &KeyHash) -> String {
     format!("t{{{}}}h", tag(key))
 }
 
@@ -76,11 +82,18 @@ pub(super) fn key_slots_key(key: &KeyHash) -> String {
     format!("t{{{}}}f", tag(key))
 }
 
-pub(super) fn route_slots_key(route: &str) -> String {
+/// A route's in-flight leases (`route` is the route's label), in a slot of its own.
+pub fn route_slots_key(route: &str) -> String {
     format!(
         "t:r{{{}}}f",
         tag(&crate::identity::hash_key(route.as_bytes()))
     )
+}
+
+/// An async job's record (`super::jobs`), by the job's id. No hash tag: `lua/jobs.lua` names
+/// no other key.
+pub fn job_key(id: &str) -> String {
+    format!("t:j:{id}")
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ mod deny_cache;
 mod eviction;
 mod guard;
 mod jobs;
-mod keys;
+pub mod keys;
 mod lease;
 mod lost;
 mod queue;

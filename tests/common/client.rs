@@ -1,0 +1,80 @@
+//! The HTTP client side: requests with an API key, many at once, and what the answers say.
+
+use std::time::Duration;
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+/// A client that gives up on a request after `patience` (and closes its connection).
+pub fn impatient(patience: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(patience)
+        .build()
+        .unwrap()
+}
+
+/// `GET url` with an API key.
+pub async fn get(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) -> reqwest::Response {
+    c.get(url).header("X-API-Key", key).send().await.unwrap()
+}
+
+/// `POST url` with an API key.
+pub async fn post(c: &reqwest::Client, url: impl reqwest::IntoUrl, key: &str) -> reqwest::Response {
+    c.post(url).header("X-API-Key", key).send().await.unwrap()
+}
+
+/// `POST url` with an API key, in the background: its status, once it is answered.
+pub fn spawn_post(c: &reqwest::Client, url: String, key: &str) -> tokio::task::JoinHandle<u16> {
+    let (c, key) = (c.clone(), key.to_string());
+    tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
+}
+
+/// `GET url` with an API key, in the background: its status, once it is answered.
+pub fn spawn_get(c: &reqwest::Client, url: String, key: &str) -> tokio::task::JoinHandle<u16> {
+    let (c, key) = (c.clone(), key.to_string());
+    tokio::spawn(async move { get(&c, url, &key).await.status().as_u16() })
+}
+
+/// Sends `n` requests at once (`make(i)` builds the i-th) and returns the responses in order.
+pub async fn all_at_once(
+    n: usize,
+    make: impl Fn(usize) -> reqwest::RequestBuilder,
+) -> Vec<reqwest::Response> {
+    let sends = (0..n).map(|i| {
+        let rb = make(i);
+        async move { rb.send().await.unwrap() }
+    });
+    futures_util::future::join_all(sends).await
+}
+
+/// The status codes of `responses`, sorted.
+pub fn sorted_statuses(responses: &[reqwest::Response]) -> Vec<u16> {
+    let mut s: Vec<u16> = responses.iter().map(|r| r.status().as_u16()).collect();
+    s.sort();
+    s
+}
+
+pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+/// `n` GETs of `url` without a key, one after another: each one's status and
+/// `X-RateLimit-Remaining` ("" when absent).
+pub async fn anonymous_gets(c: &reqwest::Client, url: &str, n: usize) -> Vec<(u16, String)> {
+    let mut seen = vec![];
+    for _ in 0..n {
+        let r = c.get(url).send().await.unwrap();
+        seen.push((
+            r.status().as_u16(),
+            header(&r, "X-RateLimit-Remaining").unwrap_or_default(),
+        ));
+    }
+    seen
+}

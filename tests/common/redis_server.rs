@@ -1,0 +1,123 @@
+//! A single `redis-server`, and the names of tollgate's keys in it (the gateway's own
+//! layout, `tollgate::store::redis::keys`, by API key rather than by its hash).
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tollgate::identity::hash_key;
+use tollgate::store::redis::keys;
+
+use super::process::{free_port, signal_pid, wait_for_port};
+
+/// A `redis-server` on a free port, without persistence.
+pub struct Redis {
+    pub port: u16,
+    pub(super) child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Self::start_on(free_port())
+    }
+
+    pub fn start_on(port: u16) -> Redis {
+        Self::start_with(port, &[])
+    }
+
+    /// With extra arguments, e.g. `--requirepass` or TLS settings (then `port` is the TLS port).
+    pub fn start_with(port: u16, extra: &[&str]) -> Redis {
+        let plain_port = if extra.contains(&"--tls-port") {
+            "0".to_string()
+        } else {
+            port.to_string()
+        };
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &plain_port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (apt-get install redis-server)");
+        assert!(
+            wait_for_port(port, Duration::from_secs(10)),
+            "redis did not start"
+        );
+        Redis {
+            port,
+            child: Some(child),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli_on(self.port, args)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGSTOP: the process stays, its sockets accept and buffer, nothing answers.
+    pub fn pause(&self) {
+        signal_pid(self.pid(), "STOP");
+    }
+
+    /// SIGCONT: answers again, starting with what was buffered meanwhile.
+    pub fn resume(&self) {
+        signal_pid(self.pid(), "CONT");
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The Redis key of an API key's budget.
+pub fn redis_budget_key(api_key: &str) -> String {
+    keys::budget_key(&hash_key(api_key.as_bytes()))
+}
+
+/// The Redis key of the budget slices instances hold of an API key.
+pub fn redis_holds_key(api_key: &str) -> String {
+    keys::holds_key(&hash_key(api_key.as_bytes()))
+}
+
+/// The Redis key of a route's in-flight lease set.
+pub fn redis_route_slots_key(route: &str) -> String {
+    keys::route_slots_key(route)
+}
+
+/// The Redis key of an async job's record.
+pub fn redis_job_key(id: &str) -> String {
+    keys::job_key(id)
+}
+
+pub(super) fn cli_on(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}

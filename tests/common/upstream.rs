@@ -1,0 +1,129 @@
+//! The upstream: the sample API in-process, over plain HTTP or behind TLS.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tollgate::sample_api::{PathStats, SampleApi};
+
+use super::pki::Pki;
+use super::process::BackgroundRuntime;
+
+/// The sample API on its own runtime thread.
+pub struct Upstream {
+    pub api: Arc<SampleApi>,
+    pub port: u16,
+    _rt: BackgroundRuntime,
+}
+
+impl Upstream {
+    pub fn start(report_time: Duration) -> Upstream {
+        let rt = BackgroundRuntime::new(2);
+        let api = SampleApi::new(report_time);
+        let a = api.clone();
+        let port = rt.serve(move |l| tollgate::sample_api::serve(l, a));
+        Upstream { api, port, _rt: rt }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stats(&self) -> BTreeMap<String, PathStats> {
+        self.api.stats()
+    }
+
+    pub fn count(&self, path: &str) -> u64 {
+        self.stats().get(path).map(|s| s.count).unwrap_or(0)
+    }
+
+    /// Waits until the upstream is handling `n` requests to `path` at once (so a test knows
+    /// its requests were admitted, instead of guessing with a sleep).
+    pub async fn wait_current(&self, path: &str, n: u64) {
+        let start = Instant::now();
+        while self.stats().get(path).map(|s| s.current).unwrap_or(0) < n {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "upstream never saw {n} on {path}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The `X-API-Key` of each request for `target`, in the order they arrived.
+    pub fn keys_in_order(&self, target: &str) -> Vec<String> {
+        self.api
+            .seen()
+            .into_iter()
+            .filter(|s| s.target == target)
+            .map(|s| s.header("x-api-key")[0].to_string())
+            .collect()
+    }
+
+    pub fn max_concurrent(&self, path: &str) -> u64 {
+        self.stats()
+            .get(path)
+            .map(|s| s.max_concurrent)
+            .unwrap_or(0)
+    }
+}
+
+/// The sample API behind TLS, with a certificate for `localhost` from a CA of its own.
+pub struct TlsUpstream {
+    pub api: Arc<SampleApi>,
+    pub port: u16,
+    pub ca_file: PathBuf,
+    /// SNI names the server was sent, one per connection.
+    pub sni: Arc<std::sync::Mutex<Vec<Option<String>>>>,
+    _dir: tempfile::TempDir,
+    _rt: BackgroundRuntime,
+}
+
+impl TlsUpstream {
+    pub fn start() -> TlsUpstream {
+        use tokio_rustls::rustls;
+        let dir = tempfile::tempdir().unwrap();
+        let pki = Pki::new(dir.path());
+        let ca_file = pki.ca_file.clone();
+        let key = rustls::pki_types::PrivateKeyDer::try_from(pki.key_der).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![pki.cert_der.into()], key)
+        .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+
+        let rt = BackgroundRuntime::new(1);
+        let api = SampleApi::new(Duration::ZERO);
+        let sni = Arc::new(std::sync::Mutex::new(vec![]));
+        let (a, s) = (api.clone(), sni.clone());
+        let port = rt.serve(move |l| async move {
+            loop {
+                let Ok((tcp, _)) = l.accept().await else {
+                    continue;
+                };
+                let (acceptor, a, s) = (acceptor.clone(), a.clone(), s.clone());
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(tcp).await {
+                        s.lock()
+                            .unwrap()
+                            .push(tls.get_ref().1.server_name().map(str::to_string));
+                        tollgate::sample_api::serve_connection(tls, a).await;
+                    }
+                });
+            }
+        });
+        TlsUpstream {
+            api,
+            port,
+            ca_file,
+            sni,
+            _dir: dir,
+            _rt: rt,
+        }
+    }
+}
