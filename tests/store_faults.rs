@@ -333,3 +333,62 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
         "the late report waited for A's to end"
     );
 }
+
+/// A capped request's `enter` (its place in the route's queue) reaches Redis only after the
+/// gateway gave up on it: it timed out, the request was decided on the local share, and the
+/// gateway's `leave` of that id reached Redis first, on a new connection. The late `enter`
+/// must take no slot: the leave left the id refused. (Before, it took a slot that nobody held
+/// until `lease_ttl`, 15 s here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_enter_delivered_late_takes_no_slot() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 1\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 2, queue_timeout: 5s}}\n",
+        proxy.url()
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(
+        post(&c, gw.url("/reports/generate"), "k").await.status(),
+        200
+    );
+    let leases = redis_route_slots_key("/reports/generate");
+    let refused = format!("{}x", leases.strip_suffix('f').unwrap());
+    assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
+
+    proxy.hold_matching("\r\nenter\r\n");
+    let r = post(&c, gw.url("/reports/generate"), "k").await;
+    assert_eq!(r.status(), 200, "decided on the local share");
+    assert_eq!(up.count("/reports/generate"), 2);
+    // The leave of the id given up on reaches Redis (on another connection) first.
+    let start = Instant::now();
+    while redis.cli(&["ZCARD", &refused]) != "1" {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "no leave reached Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(proxy.delivered_late(), 0);
+    proxy.heal();
+    // The held enter arrives now; a slot it took would stay for 15 s.
+    let start = Instant::now();
+    while proxy.delivered_late() == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the enter was not delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(1) {
+        assert_eq!(
+            redis.cli(&["ZCARD", &leases]),
+            "0",
+            "a late enter took a slot"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,5 +1,8 @@
 //! A TCP proxy that can blackhole a connection and heal it: a network partition on demand.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use super::process::BackgroundRuntime;
 
 /// A TCP proxy in front of a Redis (or anything): it can blackhole its connections — holding
@@ -7,17 +10,41 @@ use super::process::BackgroundRuntime;
 /// One gateway's path to Redis, cut and restored while the others' stays up.
 pub struct Proxy {
     pub port: u16,
-    open: tokio::sync::watch::Sender<bool>,
+    open: tokio::sync::watch::Sender<Pass>,
+    /// Chunks that were held, then delivered.
+    late: Arc<AtomicUsize>,
     _rt: BackgroundRuntime,
+}
+
+/// What the proxy lets through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Pass {
+    All,
+    Nothing,
+    /// Everything but a chunk that contains these bytes (and what follows it on its
+    /// connection, which must come after it).
+    AllBut(Vec<u8>),
+}
+
+impl Pass {
+    fn lets(&self, chunk: &[u8]) -> bool {
+        match self {
+            Pass::All => true,
+            Pass::Nothing => false,
+            Pass::AllBut(needle) => !chunk.windows(needle.len()).any(|w| w == needle),
+        }
+    }
 }
 
 impl Proxy {
     pub fn start(target: u16) -> Proxy {
         let rt = BackgroundRuntime::new(1);
-        let (open, watch) = tokio::sync::watch::channel(true);
+        let (open, watch) = tokio::sync::watch::channel(Pass::All);
+        let late = Arc::new(AtomicUsize::new(0));
+        let counted = late.clone();
         let port = rt.serve(move |listener| async move {
             while let Ok((client, _)) = listener.accept().await {
-                let watch = watch.clone();
+                let (watch, late) = (watch.clone(), counted.clone());
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
                     else {
@@ -25,13 +52,17 @@ impl Proxy {
                     };
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
-                    tokio::join!(pump(cr, sw, watch.clone()), pump(sr, cw, watch));
+                    tokio::join!(
+                        pump(cr, sw, watch.clone(), late.clone()),
+                        pump(sr, cw, watch, late)
+                    );
                 });
             }
         });
         Proxy {
             port,
             open,
+            late,
             _rt: rt,
         }
     }
@@ -42,20 +73,33 @@ impl Proxy {
 
     /// Nothing passes any more (new connections are accepted, then hang the same way).
     pub fn blackhole(&self) {
-        self.open.send_replace(false);
+        self.open.send_replace(Pass::Nothing);
+    }
+
+    /// What is sent with `needle` in it is held (on its connection, with all that follows it
+    /// there); everything else passes: one kind of call delivered late.
+    pub fn hold_matching(&self, needle: &str) {
+        self.open
+            .send_replace(Pass::AllBut(needle.as_bytes().to_vec()));
+    }
+
+    /// How many chunks were held, then delivered.
+    pub fn delivered_late(&self) -> usize {
+        self.late.load(Ordering::SeqCst)
     }
 
     /// Everything held is delivered, and traffic flows again.
     pub fn heal(&self) {
-        self.open.send_replace(true);
+        self.open.send_replace(Pass::All);
     }
 }
 
-/// Copies `from` to `to`, holding each chunk while the proxy is blackholed.
+/// Copies `from` to `to`, holding each chunk the proxy does not let through until it does.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut open: tokio::sync::watch::Receiver<bool>,
+    mut open: tokio::sync::watch::Receiver<Pass>,
+    late: Arc<AtomicUsize>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16 * 1024];
@@ -64,11 +108,15 @@ async fn pump(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if open.wait_for(|o| *o).await.is_err() {
+        let held = !open.borrow().lets(&buf[..n]);
+        if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
             break;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
+        }
+        if held {
+            late.fetch_add(1, Ordering::SeqCst);
         }
     }
     let _ = to.shutdown().await;
