@@ -392,3 +392,58 @@ async fn an_enter_delivered_late_takes_no_slot() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// DESIGN §4: while one instance decides on its local share, the instances on Redis cannot see
+/// what it runs (the cap may then run up to cap + its share); once its store answers again, it
+/// registers the requests it admitted locally and still runs as leases, before it admits
+/// anything new and without waiting for traffic, so that the cap is exact again within 2 s.
+/// A's path to Redis is blackholed while it admits 2 long reports on its local share (cap 4,
+/// fleet_size 2), then healed; B, on Redis all along, is then sent 4 reports: only 2 run beside
+/// A's. (Before, nothing registered them: Redis showed the route empty, its whole cap free for B.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_admissions_are_registered_when_the_store_returns() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = |url: &str| {
+        format!(
+            "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 4, queue_timeout: 10s}}\n"
+        )
+    };
+    let a = Gateway::start(&up, &body(&proxy.url()));
+    let b = Gateway::start(&up, &body(&redis.url()));
+    let c = client();
+    proxy.blackhole();
+    let local: Vec<_> = (0..2)
+        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=5000"), "k"))
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    assert_eq!(
+        metric(
+            &a,
+            "tollgate_fallback_decisions_total{decision=\"admitted\"}"
+        )
+        .await,
+        2.0
+    );
+    let leases = redis_route_slots_key("/reports/generate");
+    assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
+    proxy.heal();
+    let healed = Instant::now();
+    while redis.cli(&["ZCARD", &leases]) != "2" {
+        assert!(
+            healed.elapsed() < Duration::from_secs(2),
+            "A's local admissions not registered: {}",
+            redis.cli(&["ZRANGE", &leases, "0", "-1"])
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let from_b: Vec<_> = (0..4)
+        .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
+        .collect();
+    for s in from_b.into_iter().chain(local) {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert_eq!(up.max_concurrent("/reports/generate"), 4);
+    assert_eq!(up.count("/reports/generate"), 6);
+}

@@ -83,6 +83,19 @@ pub trait SharedStore: Send + Sync + 'static {
 
     /// A new config was put in force: nothing decided under the old one may be spent on.
     fn reloaded(self: &Arc<Self>) {}
+
+    /// Registers a request admitted on the local share that is still running as a lease in
+    /// the store: in `route`'s lease set and/or the key's (`adopt`).
+    fn adopt(
+        self: &Arc<Self>,
+        route: Option<&str>,
+        key: Option<&KeyHash>,
+    ) -> impl Future<Output = Result<Option<crate::store::redis::RedisLease>, StoreError>> + Send
+    {
+        // A store without leases has nothing to register.
+        let _ = (route, key);
+        async { Ok(None) }
+    }
 }
 
 /// A shared store's decision.
@@ -112,6 +125,7 @@ pub struct FallbackStore<S> {
     degraded: AtomicBool,
     running: Arc<Running>,
     owed: Ledger,
+    adoptions: Arc<adopt::Adoptions>,
 }
 
 impl<S> std::fmt::Debug for FallbackStore<S> {
@@ -139,6 +153,7 @@ impl<S: SharedStore> FallbackStore<S> {
             degraded: AtomicBool::new(false),
             running: Arc::default(),
             owed: Ledger::default(),
+            adoptions: Arc::default(),
         })
     }
 
@@ -207,8 +222,12 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
+        // What this instance admitted locally and still runs is registered first (DESIGN §4).
         let shared = match self.charge_owed_first(req).await {
-            Ok(()) => self.shared.admit(req).await,
+            Ok(()) => match self.adopt_local().await {
+                Ok(()) => self.shared.admit(req).await,
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         };
         match shared {
@@ -242,7 +261,12 @@ impl<S: SharedStore> FallbackStore<S> {
             }
             Err(e) => {
                 self.set_degraded(true, Some(&e));
-                let admission = self.fallback(req).await;
+                let mut admission = self.fallback(req).await;
+                if let Admission::Admitted { lease, .. } = &mut admission {
+                    if self.on_error == OnError::Local {
+                        lease.adopt_with(self.adoptable(req));
+                    }
+                }
                 let decision = if let Admission::Admitted { .. } = admission {
                     self.owe(req, req.cost);
                     FallbackDecision::Admitted
@@ -388,6 +412,7 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 }
 
+pub(crate) mod adopt;
 mod local;
 mod owing;
 #[cfg(test)]

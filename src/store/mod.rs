@@ -280,6 +280,8 @@ pub struct Lease {
     /// fallback's local share) until the lease goes.
     running: Option<running::RunningGuard>,
     fallback: bool,
+    /// A local admission's registration in the shared store once it answers again.
+    adopted: Option<fallback::adopt::Adoptable>,
 }
 
 /// Where an admitted request's units were taken from.
@@ -339,6 +341,10 @@ impl Lease {
             charge: Charge::Slice(hold),
             ..Lease::default()
         }
+    }
+
+    fn adopt_with(&mut self, adoptable: Option<fallback::adopt::Adoptable>) {
+        self.adopted = adoptable;
     }
 
     fn counted(mut self, running: Option<running::RunningGuard>, fallback: bool) -> Lease {

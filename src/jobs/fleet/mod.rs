@@ -64,7 +64,7 @@ pub(super) async fn submit(
         }
         Ok(JobEntered::Refused(a)) => {
             let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
-            return Err(a);
+            return Err(*a);
         }
         Err(e) => {
             // Maybe charged, maybe queued: the record is cancelled (a grant then finds it so

@@ -24,7 +24,7 @@ pub(crate) enum JobEntered {
     /// Charged; waiting in the queue at this position.
     Queued(Standing, u64),
     /// Not charged (or charged and given back): the answer to send.
-    Refused(Admission),
+    Refused(Box<Admission>),
 }
 
 /// `lua/jobs.lua`.
@@ -54,9 +54,9 @@ impl RedisBackend {
         let outcome = match self.try_admit(req, Default::default()).await?.0 {
             Decided::KeyAdmitted(o, _, _) => o,
             other => {
-                return Ok(JobEntered::Refused(
+                return Ok(JobEntered::Refused(Box::new(
                     self.answer(req, other, start).admission,
-                ))
+                )))
             }
         };
         if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
@@ -87,10 +87,10 @@ impl RedisBackend {
             _ => {
                 let mut standing = standing;
                 standing.remaining = standing.remaining.saturating_add(req.cost);
-                JobEntered::Refused(Admission::RouteBusy {
+                JobEntered::Refused(Box::new(Admission::RouteBusy {
                     standing,
                     queued: Duration::ZERO,
-                })
+                }))
             }
         })
     }

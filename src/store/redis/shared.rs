@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::guard::Guard;
 use super::script::{Debit, Peek, Refund, Unspend};
 use super::slices::{self, Ask};
-use super::{budget_keys, keys, RedisBackend};
+use super::{budget_keys, keys, RedisBackend, RedisLease};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 use crate::store::fallback::{SharedAnswer, SharedStore};
@@ -149,6 +149,29 @@ impl SharedStore for RedisBackend {
 
     async fn release_all(self: &Arc<Self>) {
         self.release_everything().await;
+    }
+
+    /// A lease of a new id in the key's and the route's lease sets, held (and named by this
+    /// instance's beats) from before it is written, and renewed like any other.
+    async fn adopt(
+        self: &Arc<Self>,
+        route: Option<&str>,
+        key: Option<&KeyHash>,
+    ) -> Result<Option<RedisLease>, StoreError> {
+        let sets: Vec<String> = key
+            .map(keys::key_slots_key)
+            .into_iter()
+            .chain(route.map(keys::route_slots_key))
+            .collect();
+        let id = self.next_lease_id();
+        let lease = RedisLease::hold(self, sets.clone(), id.clone());
+        // On failure the lease drops, and its release (of nothing, or of what did run) goes.
+        self.lease_op(&sets, &id, self.lease_ttl.as_micros() as u64)
+            .await?;
+        if let Some(q) = route.and_then(|r| super::queue::queue_keys(&keys::route_slots_key(r))) {
+            self.beat_on(&q);
+        }
+        Ok(Some(lease))
     }
 
     fn reloaded(self: &Arc<Self>) {

@@ -89,7 +89,7 @@ impl RedisBackend {
     /// Makes sure this instance beats on the route of `keys` (for a while after its last
     /// waiter there leaves, or its last slot there is taken: a beat also clears what a
     /// failover made the queue remember wrongly) and listens for its grants.
-    pub(super) fn beat_on(self: &Arc<Self>, keys: &QueueKeys) {
+    pub(in crate::store::redis) fn beat_on(self: &Arc<Self>, keys: &QueueKeys) {
         let start = {
             let mut w = lock(&self.waiters);
             let b = w.routes.entry(keys[0].clone()).or_insert_with(|| Beating {
