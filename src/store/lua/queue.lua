@@ -277,6 +277,11 @@ elseif op == 'release' then
 elseif op == 'beat' then
   local instance, alive_us, grant_ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local below, n = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 0
+  -- Nothing on the route and nothing named: nothing to keep alive or to clear (and an idle
+  -- route leaves no keys behind).
+  if n == 0 and redis.call('EXISTS', leases) == 0 and redis.call('EXISTS', waiters) == 0 then
+    return {0, 0}
+  end
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   purge()
   -- Waiters of instances that stopped beating leave the queue (the queue is walked only
