@@ -18,10 +18,12 @@ use super::{
 
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
 mod budgets;
+mod endpoints;
 mod jobs;
 mod key_id;
 
-use budgets::{default_policy, endpoints, keys, plans};
+use budgets::{default_policy, keys, plans};
+use endpoints::endpoints;
 use key_id::key_id_header;
 
 pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
