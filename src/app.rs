@@ -268,6 +268,33 @@ fn raise_fd_limit() {
     }
 }
 
+/// Pingora's settings for this process.
+fn server_conf(threads: usize, grace: Duration, ca_file: Option<String>) -> ServerConf {
+    // Per-process paths: Pingora's defaults are fixed /tmp names that two instances would share.
+    let tag = std::process::id();
+    ServerConf {
+        threads,
+        // One single-threaded runtime per worker: no cross-thread wake-ups on the hot path, and
+        // each worker's Redis connection lives on the runtime that uses it.
+        work_stealing: false,
+        grace_period_seconds: Some(grace.as_secs() + 1),
+        graceful_shutdown_timeout_seconds: Some(1),
+        // Trusted CAs for https upstreams (Pingora's connector reads this once, at start).
+        ca_file,
+        pid_file: std::env::temp_dir()
+            .join(format!("tollgate-{tag}.pid"))
+            .display()
+            .to_string(),
+        upgrade_sock: std::env::temp_dir()
+            .join(format!("tollgate-{tag}.sock"))
+            .display()
+            .to_string(),
+        ..ServerConf::default()
+    }
+}
+
+/// [`run`] with the store, the environment and the config's path given (`tollgate demo`
+/// passes its own).
 pub fn run_with(
     cfg: Config,
     config_path: PathBuf,
@@ -286,12 +313,11 @@ pub fn run_with(
     let tls = cfg.tls.clone();
     let resolver = tls.as_ref().map(|t| CertResolver::new(t.certified.clone()));
     // Before any runtime exists: the exporter's HTTP client is a blocking one.
-    let tracing = match &cfg.tracing {
-        Some(t) => {
-            Some(crate::trace::Tracing::start(t).map_err(|e| anyhow::anyhow!("tracing: {e}"))?)
-        }
-        None => None,
-    };
+    let tracing = cfg
+        .tracing
+        .as_ref()
+        .map(|t| crate::trace::Tracing::start(t).map_err(|e| anyhow::anyhow!("tracing: {e}")))
+        .transpose()?;
     let shared = Shared::new(cfg, store, tracing);
     // On Redis, this instance takes its share of the fleet's async jobs (DESIGN §8).
     if matches!(shared.store, crate::store::Store::Redis(_)) {
@@ -311,27 +337,7 @@ pub fn run_with(
     if watch {
         spawn_file_watch(app.clone());
     }
-    // Per-process paths: Pingora's defaults are fixed /tmp names that two instances would share.
-    let tag = std::process::id();
-    let conf = ServerConf {
-        threads,
-        // One single-threaded runtime per worker: no cross-thread wake-ups on the hot path, and
-        // each worker's Redis connection lives on the runtime that uses it.
-        work_stealing: false,
-        grace_period_seconds: Some(grace.as_secs() + 1),
-        graceful_shutdown_timeout_seconds: Some(1),
-        // Trusted CAs for https upstreams (Pingora's connector reads this once, at start).
-        ca_file,
-        pid_file: std::env::temp_dir()
-            .join(format!("tollgate-{tag}.pid"))
-            .display()
-            .to_string(),
-        upgrade_sock: std::env::temp_dir()
-            .join(format!("tollgate-{tag}.sock"))
-            .display()
-            .to_string(),
-        ..ServerConf::default()
-    };
+    let conf = server_conf(threads, grace, ca_file);
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let proxy = pingora::proxy::http_proxy(

@@ -270,36 +270,9 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             hold: Duration::from_micros(delay_us),
         }),
         Admission::OverBudget {
-            standing: outcome,
+            standing,
             retry_after_us,
-        } => {
-            let retry = budget::retry_after_secs(retry_after_us);
-            if refused_by_shared(route, &outcome) {
-                return Err(Refusal {
-                    retry_after: Some(retry),
-                    outcome: Some(outcome),
-                    reason: Some(Reason::SharedBudget),
-                    ..Refusal::new(
-                        Problem::QuotaExceeded,
-                        format!(
-                            "{} is shared by all callers and its turn is more than max_delay away; retry in {retry} s",
-                            route.label
-                        ),
-                    )
-                });
-            }
-            Err(Refusal {
-                retry_after: Some(retry),
-                outcome: Some(outcome),
-                ..Refusal::new(
-                    Problem::QuotaExceeded,
-                    format!(
-                        "this request costs {} units and {} are left; retry in {retry} s",
-                        route.cost, outcome.remaining
-                    ),
-                )
-            })
-        }
+        } => Err(over_budget(route, standing, retry_after_us)),
         Admission::KeyBusy(outcome) => Err(Refusal {
             retry_after: Some(1),
             outcome: Some(outcome),
@@ -308,30 +281,7 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "this key has as many requests in flight as its plan allows",
             )
         }),
-        Admission::RouteBusy {
-            standing: outcome,
-            queued,
-        } => Err(Refusal {
-            retry_after: Some(1),
-            outcome: Some(outcome),
-            queued,
-            // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
-            // full route that stayed full for its queue_timeout.
-            reason: Some(if route.queue_timeout.is_zero() {
-                Reason::InFlight
-            } else {
-                Reason::RouteBusy
-            }),
-            ..Refusal::new(
-                Problem::RouteBusy,
-                format!(
-                    "{} has {} requests in flight; no slot freed within {} ms",
-                    route.label,
-                    route.max_in_flight.unwrap_or(0),
-                    route.queue_timeout.as_millis()
-                ),
-            )
-        }),
+        Admission::RouteBusy { standing, queued } => Err(route_busy(route, standing, queued)),
         Admission::Unavailable => Err(Refusal {
             retry_after: Some(1),
             ..Refusal::new(
@@ -339,6 +289,62 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "the rate-limit store is unavailable",
             )
         }),
+    }
+}
+
+/// A budget that cannot fit the request within `max_delay`: the route's shared one, or the
+/// key's.
+fn over_budget(route: &Route, outcome: Standing, retry_after_us: u64) -> Refusal {
+    let retry = budget::retry_after_secs(retry_after_us);
+    if refused_by_shared(route, &outcome) {
+        return Refusal {
+            retry_after: Some(retry),
+            outcome: Some(outcome),
+            reason: Some(Reason::SharedBudget),
+            ..Refusal::new(
+                Problem::QuotaExceeded,
+                format!(
+                    "{} is shared by all callers and its turn is more than max_delay away; retry in {retry} s",
+                    route.label
+                ),
+            )
+        };
+    }
+    Refusal {
+        retry_after: Some(retry),
+        outcome: Some(outcome),
+        ..Refusal::new(
+            Problem::QuotaExceeded,
+            format!(
+                "this request costs {} units and {} are left; retry in {retry} s",
+                route.cost, outcome.remaining
+            ),
+        )
+    }
+}
+
+/// A capped route that had no slot for the request.
+fn route_busy(route: &Route, outcome: Standing, queued: Duration) -> Refusal {
+    Refusal {
+        retry_after: Some(1),
+        outcome: Some(outcome),
+        queued,
+        // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
+        // full route that stayed full for its queue_timeout.
+        reason: Some(if route.queue_timeout.is_zero() {
+            Reason::InFlight
+        } else {
+            Reason::RouteBusy
+        }),
+        ..Refusal::new(
+            Problem::RouteBusy,
+            format!(
+                "{} has {} requests in flight; no slot freed within {} ms",
+                route.label,
+                route.max_in_flight.unwrap_or(0),
+                route.queue_timeout.as_millis()
+            ),
+        )
     }
 }
 

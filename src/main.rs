@@ -142,25 +142,7 @@ fn run() -> ExitCode {
             pid_file,
         } => {
             init_logging(cli.log_format);
-            let cfg = match load(&config) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            if let Some(path) = &pid_file {
-                if let Err(e) = tollgate::pid_file::write(path) {
-                    to_stderr(&format!("tollgate: --pid-file {}: {e}\n", path.display()));
-                    return ExitCode::from(1);
-                }
-            }
-            let code = match tollgate::app::run(cfg, &config, watch) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    to_stderr(&format!("tollgate: {e:#}\n"));
-                    ExitCode::from(1)
-                }
-            };
-            tollgate::pid_file::remove();
-            code
+            serve(&config, watch, pid_file.as_deref())
         }
         Cmd::Check { config } => match load(&config) {
             Ok(cfg) => {
@@ -178,20 +160,7 @@ fn run() -> ExitCode {
             method,
             path,
             key,
-        } => match load(&config) {
-            Ok(cfg) => {
-                let (text, ok) = tollgate::cli::explain(&cfg, &method, &path, key.as_deref());
-                to_stdout(
-                    &text,
-                    if ok {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    },
-                )
-            }
-            Err(code) => code,
-        },
+        } => explain(&config, &method, &path, key.as_deref()),
         Cmd::Audit {
             config,
             admin,
@@ -211,26 +180,66 @@ fn run() -> ExitCode {
             upstream_listen,
         } => {
             init_logging(cli.log_format);
-            match tollgate::cli::demo(&listen, &admin_listen, &upstream_listen) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    to_stderr(&format!("tollgate demo: {e:#}\n"));
-                    ExitCode::from(1)
-                }
-            }
+            exit_code(
+                "tollgate demo",
+                tollgate::cli::demo(&listen, &admin_listen, &upstream_listen),
+            )
         }
         Cmd::DemoUpstream {
             listen,
             report_time,
         } => {
             init_logging(cli.log_format);
-            match tollgate::cli::demo_upstream(&listen, report_time) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    to_stderr(&format!("tollgate demo-upstream: {e:#}\n"));
+            exit_code(
+                "tollgate demo-upstream",
+                tollgate::cli::demo_upstream(&listen, report_time),
+            )
+        }
+    }
+}
+
+/// `tollgate run`: the gateway, until it is stopped; the pid file lives as long as it does.
+fn serve(config: &std::path::Path, watch: bool, pid_file: Option<&std::path::Path>) -> ExitCode {
+    let cfg = match load(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Some(path) = pid_file {
+        if let Err(e) = tollgate::pid_file::write(path) {
+            to_stderr(&format!("tollgate: --pid-file {}: {e}\n", path.display()));
+            return ExitCode::from(1);
+        }
+    }
+    let code = exit_code("tollgate", tollgate::app::run(cfg, config, watch));
+    tollgate::pid_file::remove();
+    code
+}
+
+/// `tollgate explain`: exits 1 when the request would not be classified.
+fn explain(config: &std::path::Path, method: &str, path: &str, key: Option<&str>) -> ExitCode {
+    match load(config) {
+        Ok(cfg) => {
+            let (text, ok) = tollgate::cli::explain(&cfg, method, path, key);
+            to_stdout(
+                &text,
+                if ok {
+                    ExitCode::SUCCESS
+                } else {
                     ExitCode::from(1)
-                }
-            }
+                },
+            )
+        }
+        Err(code) => code,
+    }
+}
+
+/// 0, or 1 with the error (and its causes) after `command: `.
+fn exit_code(command: &str, result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            to_stderr(&format!("{command}: {e:#}\n"));
+            ExitCode::from(1)
         }
     }
 }

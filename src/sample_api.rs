@@ -179,39 +179,17 @@ impl SampleApi {
                 return full(StatusCode::OK, "application/json", body);
             }
             "/__reset" => {
-                if let Ok(mut s) = self.stats.lock() {
-                    s.clear();
-                }
-                if let Ok(mut s) = self.seen.lock() {
-                    s.clear();
-                }
+                self.reset();
                 return full(StatusCode::OK, "application/json", "{}");
             }
             _ => {}
         }
         self.record(&req);
-        let param = |name: &str| -> Option<u64> {
-            query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
-                .and_then(|v| v.parse().ok())
-        };
-        if let Some(ms) = param("work_ms") {
-            // The work runs in a task of its own: when the connection goes away, hyper drops
-            // this handler, but not the work, as a database would go on generating a report.
-            let api = self.clone();
-            let p = path.clone();
-            let work = tokio::spawn(async move {
-                let _guard = api.enter(&p);
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-            });
-            let _ = work.await;
-            let body = serde_json::json!({ "path": path, "worked_ms": ms });
-            return full(StatusCode::OK, "application/json", body.to_string());
+        if let Some(ms) = param(&query, "work_ms") {
+            return self.work(path, ms).await;
         }
         let _guard = self.enter(&path);
-        let delay_ms = param("delay_ms");
-        let delay = match delay_ms {
+        let delay = match param(&query, "delay_ms") {
             Some(ms) => Duration::from_millis(ms),
             None if path == "/reports/generate" => self.report_time,
             None => Duration::ZERO,
@@ -220,21 +198,7 @@ impl SampleApi {
             tokio::time::sleep(delay).await;
         }
         if path == "/upload" {
-            let mut n: u64 = 0;
-            let mut body = req.into_body();
-            while let Some(frame) = body.frame().await {
-                match frame {
-                    Ok(f) => n += f.data_ref().map(|d| d.len() as u64).unwrap_or(0),
-                    Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
-                }
-            }
-            self.uploads_completed
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            return full(
-                StatusCode::OK,
-                "application/json",
-                serde_json::json!({ "bytes": n }).to_string(),
-            );
+            return self.upload(req).await;
         }
         if let Some(n) = path
             .strip_prefix("/bytes/")
@@ -242,44 +206,103 @@ impl SampleApi {
         {
             return stream_bytes(n);
         }
-        let echo_body = param("echo_body") == Some(1);
-        let headers: BTreeMap<String, String> = req
-            .headers()
-            .iter()
-            .filter(|(k, _)| {
-                !k.as_str().eq_ignore_ascii_case("x-api-key") && k.as_str() != "authorization"
-            })
-            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
-            .collect();
-        let method = req.method().as_str().to_string();
-        let mut body = serde_json::json!({
-            "method": method,
-            "path": path,
-            "query": query,
-            "headers": headers,
-        });
-        if echo_body {
-            // `?echo_body=1`: the request body as received (tests of what a job forwarded).
-            let received = match req.into_body().collect().await {
-                Ok(b) => String::from_utf8_lossy(&b.to_bytes()).into_owned(),
-                Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
-            };
-            body["body"] = received.into();
-        }
-        let status = param("status")
-            .and_then(|n| u16::try_from(n).ok())
-            .and_then(|n| StatusCode::from_u16(n).ok())
-            .unwrap_or(StatusCode::OK);
-        let mut r = full(status, "application/json", body.to_string());
-        let h = r.headers_mut();
-        if let Some(v) = stated_cost(&path, &query, param("rows")) {
-            h.insert("x-actual-cost", v);
-        }
-        if let Some(which) = param("ratelimit") {
-            provider_rate_limit_headers(h, which);
-        }
-        r
+        echo(req, &path, &query).await
     }
+
+    /// `/__reset`: forgets what was seen.
+    fn reset(&self) {
+        if let Ok(mut s) = self.stats.lock() {
+            s.clear();
+        }
+        if let Ok(mut s) = self.seen.lock() {
+            s.clear();
+        }
+    }
+
+    /// `?work_ms=N`: works N ms, whether or not the client stays.
+    async fn work(self: Arc<Self>, path: String, ms: u64) -> Response<Body> {
+        // The work runs in a task of its own: when the connection goes away, hyper drops
+        // this handler, but not the work, as a database would go on generating a report.
+        let api = self.clone();
+        let p = path.clone();
+        let work = tokio::spawn(async move {
+            let _guard = api.enter(&p);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        });
+        let _ = work.await;
+        let body = serde_json::json!({ "path": path, "worked_ms": ms });
+        full(StatusCode::OK, "application/json", body.to_string())
+    }
+
+    /// `/upload`: reads the whole body and answers its length.
+    async fn upload(&self, req: Request<Incoming>) -> Response<Body> {
+        let mut n: u64 = 0;
+        let mut body = req.into_body();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => n += f.data_ref().map(|d| d.len() as u64).unwrap_or(0),
+                Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
+            }
+        }
+        self.uploads_completed
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        full(
+            StatusCode::OK,
+            "application/json",
+            serde_json::json!({ "bytes": n }).to_string(),
+        )
+    }
+}
+
+/// A number in the query: `name=N`.
+fn param(query: &str, name: &str) -> Option<u64> {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+}
+
+/// Anything else: the request echoed as JSON (its credentials left out), with the status,
+/// stated cost and provider headers the query asks for.
+async fn echo(req: Request<Incoming>, path: &str, query: &str) -> Response<Body> {
+    let param = |name: &str| param(query, name);
+    let echo_body = param("echo_body") == Some(1);
+    let headers: BTreeMap<String, String> = req
+        .headers()
+        .iter()
+        .filter(|(k, _)| {
+            !k.as_str().eq_ignore_ascii_case("x-api-key") && k.as_str() != "authorization"
+        })
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let method = req.method().as_str().to_string();
+    let mut body = serde_json::json!({
+        "method": method,
+        "path": path,
+        "query": query,
+        "headers": headers,
+    });
+    if echo_body {
+        // `?echo_body=1`: the request body as received (tests of what a job forwarded).
+        let received = match req.into_body().collect().await {
+            Ok(b) => String::from_utf8_lossy(&b.to_bytes()).into_owned(),
+            Err(_) => return full(StatusCode::BAD_REQUEST, "text/plain", "body error"),
+        };
+        body["body"] = received.into();
+    }
+    let status = param("status")
+        .and_then(|n| u16::try_from(n).ok())
+        .and_then(|n| StatusCode::from_u16(n).ok())
+        .unwrap_or(StatusCode::OK);
+    let mut r = full(status, "application/json", body.to_string());
+    let h = r.headers_mut();
+    if let Some(v) = stated_cost(path, query, param("rows")) {
+        h.insert("x-actual-cost", v);
+    }
+    if let Some(which) = param("ratelimit") {
+        provider_rate_limit_headers(h, which);
+    }
+    r
 }
 
 /// `?ratelimit=1`: the rate-limit headers a provider behind the gateway may send (`2`: only

@@ -5,6 +5,7 @@
 //! pattern or `default`, and per-key series only ever carry registry ids.
 
 pub mod access;
+mod defs;
 mod labels;
 mod logging;
 #[cfg(target_os = "linux")]
@@ -14,11 +15,7 @@ mod routes;
 
 use std::sync::OnceLock;
 
-use prometheus::{
-    register_histogram, register_histogram_vec, register_int_counter, register_int_counter_vec,
-    register_int_gauge, register_int_gauge_vec, Histogram, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec,
-};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 /// Buckets for request, upstream and queue times: 1 ms to 60 s, close enough above 1 s that
 /// a 10–45 s report's percentiles are not interpolated across a factor of two.
@@ -121,185 +118,43 @@ pub struct Metrics {
     pub cost_reports: IntCounterVec,
 }
 
-/// Registration only fails on a name clash, which is a bug caught by any test.
-#[allow(clippy::expect_used)]
 fn build() -> Metrics {
     Metrics {
-        requests: register_int_counter_vec!(
-            "tollgate_requests_total",
-            "Requests answered, by route and HTTP status",
-            &["route", "status"]
-        )
-        .expect("register"),
-        request_duration: register_histogram_vec!(
-            "tollgate_request_duration_seconds",
-            "Whole request time in the gateway",
-            &["route"],
-            LATENCY_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        upstream_duration: register_histogram_vec!(
-            "tollgate_upstream_duration_seconds",
-            "Time from sending to the upstream until its response ended",
-            &["route"],
-            LATENCY_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        rejections: register_int_counter_vec!(
-            "tollgate_rejections_total",
-            "Requests refused by the gateway, by route and reason",
-            &["route", "reason"]
-        )
-        .expect("register"),
-        cost_units: register_int_counter_vec!(
-            "tollgate_cost_units_total",
-            "Cost units charged to admitted requests",
-            &["route"]
-        )
-        .expect("register"),
-        in_flight: register_int_gauge_vec!(
-            "tollgate_in_flight",
-            "Requests admitted and not finished, this instance",
-            &["route"]
-        )
-        .expect("register"),
-        in_flight_limit: register_int_gauge_vec!(
-            "tollgate_in_flight_limit",
-            "Configured fleet-wide max_in_flight of capped routes",
-            &["route"]
-        )
-        .expect("register"),
-        queue_wait: register_histogram_vec!(
-            "tollgate_queue_wait_seconds",
-            "Time spent waiting for a route's in-flight slot",
-            &["route"],
-            LATENCY_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        queued: register_int_gauge_vec!(
-            "tollgate_queued",
-            "Requests of this instance waiting for a slot of a capped route",
-            &["route"]
-        )
-        .expect("register"),
-        store_calls: register_int_counter_vec!(
-            "tollgate_store_calls_total",
-            "Calls to the shared store by result",
-            &["result"]
-        )
-        .expect("register"),
-        store_duration: register_histogram!(
-            "tollgate_store_duration_seconds",
-            "Duration of calls to the shared store",
-            STORE_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        store_degraded: register_int_gauge!(
-            "tollgate_store_degraded",
-            "1 while decisions follow store.on_error instead of the shared store"
-        )
-        .expect("register"),
-        store_eviction_unsafe: register_int_gauge!(
-            "tollgate_store_eviction_unsafe",
-            "1 while Redis's maxmemory-policy can evict tollgate's keys"
-        )
-        .expect("register"),
-        config_reloads: register_int_counter_vec!(
-            "tollgate_config_reloads_total",
-            "Configuration reloads by result",
-            &["result"]
-        )
-        .expect("register"),
-        rejections_by_plan: register_int_counter_vec!(
-            "tollgate_rejections_by_plan_total",
-            "Rejections of identified callers, by plan (bounded by the plans in gateway.yaml)",
-            &["plan"]
-        )
-        .expect("register"),
-        rejections_by_key: register_int_counter_vec!(
-            "tollgate_rejections_by_key_total",
-            "Rejections of registry keys, by registry id",
-            &["key"]
-        )
-        .expect("register"),
-        shadow_rejections: register_int_counter_vec!(
-            "tollgate_shadow_rejections_total",
-            "Rejections that shadow mode would have made",
-            &["route", "reason"]
-        )
-        .expect("register"),
-        connections: register_int_gauge!(
-            "tollgate_connections",
-            "Open client connections, this instance"
-        )
-        .expect("register"),
-        connections_refused: register_int_counter!(
-            "tollgate_connections_refused_total",
-            "Client connections refused because server.max_connections were open"
-        )
-        .expect("register"),
-        accept_backoff: register_int_counter_vec!(
-            "tollgate_accept_backoff_total",
-            "Times a listener (proxy or admin) paused accepting because the process or system ran out of file descriptors (or memory)",
-            &["listener"]
-        )
-        .expect("register"),
-        client_timeouts: register_int_counter_vec!(
-            "tollgate_client_timeouts_total",
-            "Client connections closed for being too slow: header, body or send",
-            &["kind"]
-        )
-        .expect("register"),
-        overhead: register_histogram_vec!(
-            "tollgate_overhead_seconds",
-            "Admitted requests: time in the gateway minus upstream time and queue/hold time",
-            &["route"],
-            OVERHEAD_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        admitted_duration: register_histogram_vec!(
-            "tollgate_admitted_duration_seconds",
-            "Whole request time in the gateway, admitted (forwarded) requests only: the latency SLO",
-            &["route"],
-            LATENCY_BUCKETS.to_vec()
-        )
-        .expect("register"),
-        build_info: register_int_gauge_vec!(
-            "tollgate_build_info",
-            "1, labelled with the running tollgate version",
-            &["version"]
-        )
-        .expect("register"),
-        config_info: register_int_gauge_vec!(
-            "tollgate_config_info",
-            "1, labelled with the hash of the running gateway.yaml",
-            &["hash"]
-        )
-        .expect("register"),
-        config_last_reload: prometheus::register_gauge!(
-            "tollgate_config_last_reload_timestamp_seconds",
-            "Unix time when the running config was loaded (start or reload)"
-        )
-        .expect("register"),
+        requests: defs::REQUESTS.counter_vec(),
+        request_duration: defs::REQUEST_DURATION.histogram_vec(),
+        upstream_duration: defs::UPSTREAM_DURATION.histogram_vec(),
+        rejections: defs::REJECTIONS.counter_vec(),
+        cost_units: defs::COST_UNITS.counter_vec(),
+        in_flight: defs::IN_FLIGHT.gauge_vec(),
+        in_flight_limit: defs::IN_FLIGHT_LIMIT.gauge_vec(),
+        queue_wait: defs::QUEUE_WAIT.histogram_vec(),
+        queued: defs::QUEUED.gauge_vec(),
+        store_calls: defs::STORE_CALLS.counter_vec(),
+        store_duration: defs::STORE_DURATION.histogram(),
+        store_degraded: defs::STORE_DEGRADED.gauge(),
+        store_eviction_unsafe: defs::STORE_EVICTION_UNSAFE.gauge(),
+        config_reloads: defs::CONFIG_RELOADS.counter_vec(),
+        rejections_by_plan: defs::REJECTIONS_BY_PLAN.counter_vec(),
+        rejections_by_key: defs::REJECTIONS_BY_KEY.counter_vec(),
+        shadow_rejections: defs::SHADOW_REJECTIONS.counter_vec(),
+        connections: defs::CONNECTIONS.gauge(),
+        connections_refused: defs::CONNECTIONS_REFUSED.counter(),
+        accept_backoff: defs::ACCEPT_BACKOFF.counter_vec(),
+        client_timeouts: defs::CLIENT_TIMEOUTS.counter_vec(),
+        overhead: defs::OVERHEAD.histogram_vec(),
+        admitted_duration: defs::ADMITTED_DURATION.histogram_vec(),
+        build_info: defs::BUILD_INFO.gauge_vec(),
+        config_info: defs::CONFIG_INFO.gauge_vec(),
+        config_last_reload: defs::CONFIG_LAST_RELOAD.float_gauge(),
         fallback_decisions: {
-            let c = register_int_counter_vec!(
-                "tollgate_fallback_decisions_total",
-                "Decisions made by store.on_error while the shared store was unreachable",
-                &["decision"]
-            )
-            .expect("register");
+            let c = defs::FALLBACK_DECISIONS.counter_vec();
             // Both series from the start: an alert on their rate needs them before the outage.
             for d in FallbackDecision::ALL {
                 c.with_label_values(&[d.as_str()]);
             }
             c
         },
-        cost_reports: register_int_counter_vec!(
-            "tollgate_cost_reports_total",
-            "Responses of cost_from_response routes, by what their stated cost was: applied|missing|invalid",
-            &["route", "result"]
-        )
-        .expect("register"),
+        cost_reports: defs::COST_REPORTS.counter_vec(),
     }
 }
 

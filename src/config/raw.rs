@@ -3,15 +3,21 @@
 //! Nothing here is checked beyond its type; `validate` turns a [`RawConfig`] into a `Config`.
 //! It is kept (serialized back) for `/admin/config`.
 
+mod limits;
+mod unique;
+
 use std::collections::BTreeMap;
-use std::fmt;
-use std::marker::PhantomData;
 use std::time::Duration;
 
-use serde::de::{DeserializeSeed, MapAccess, Visitor};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use super::duration::ConfDuration;
+use unique::unique_keys;
+
+pub use limits::{
+    AsyncWhen, Mode, RawAsync, RawBudget, RawDefault, RawEndpoint, RawKey, RawPlan, RawRateLimits,
+    RawShared,
+};
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -299,248 +305,5 @@ impl Default for RawIdentity {
             key_id_header: String::new(),
             trusted_proxies: Vec::new(),
         }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawRateLimits {
-    /// `enforce` (default) or `shadow`: decide and count, never refuse (DESIGN §6).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<Mode>,
-    pub default: RawDefault,
-    #[serde(default, deserialize_with = "unique_keys")]
-    pub endpoints: BTreeMap<String, RawEndpoint>,
-    /// Rails-style formats (`[".json", ".xml"]`): a path ending in one also matches the route
-    /// without it.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub match_suffixes: Vec<String>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawDefault {
-    #[serde(default = "one")]
-    pub cost: i64,
-    /// With `max_cost`: the one budget; or `budgets` instead.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub window: Option<ConfDuration>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_cost: Option<i64>,
-    #[serde(default)]
-    pub max_delay: ConfDuration,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budgets: Option<Vec<RawBudget>>,
-}
-
-/// One of several budgets (`budgets:` instead of `max_cost`/`window`): all must fit.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawBudget {
-    pub name: String,
-    pub max_cost: i64,
-    pub window: ConfDuration,
-}
-
-fn one() -> i64 {
-    1
-}
-
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawEndpoint {
-    /// Defaults to `rate_limits.default.cost`.
-    #[serde(default)]
-    pub cost: Option<i64>,
-    #[serde(default)]
-    pub max_in_flight: Option<i64>,
-    #[serde(default)]
-    pub queue_timeout: Option<ConfDuration>,
-    /// Fleet-wide waiters for a slot; beyond it 503 `route-busy` at once.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_queue: Option<i64>,
-    /// One key's share of the route's slots: its further requests wait (not refused).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_in_flight_per_key: Option<i64>,
-    /// Bill measured upstream time: the final charge is `max(cost, ceil(s × this))`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cost_per_second: Option<f64>,
-    /// The upstream states the request's real cost in this response header; the charge
-    /// settles on it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cost_from_response: Option<String>,
-    /// Overrides `rate_limits.mode` for this endpoint.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<Mode>,
-    /// One budget for every caller of this route, fleet-wide (a provider's own cap).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shared: Option<RawShared>,
-    /// Forward to this named upstream (of `upstreams:`) instead of `upstream`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub upstream: Option<String>,
-    /// Remove this leading path prefix before forwarding.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub strip_prefix: Option<String>,
-    /// RFC 7240 `Prefer: respond-async`: the request becomes a job (DESIGN §8).
-    #[serde(default, rename = "async", skip_serializing_if = "Option::is_none")]
-    pub jobs: Option<RawAsync>,
-}
-
-/// `async:` on an endpoint: when a request becomes a job, and the job's bounds.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawAsync {
-    #[serde(default)]
-    pub when: AsyncWhen,
-    /// How long a finished job's response is kept (default 1h).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result_ttl: Option<ConfDuration>,
-    /// A larger request body: 413 (default 1MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_request_body: Option<super::size::ConfSize>,
-    /// A larger upstream answer ends the job failed (default 16MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_response_body: Option<super::size::ConfSize>,
-}
-
-/// `async.when`: the client asks (`Prefer: respond-async`), or every request is a job.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AsyncWhen {
-    #[default]
-    Prefer,
-    Always,
-}
-
-/// Whether a route's refusals are enforced, or only counted (`shadow`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    #[default]
-    Enforce,
-    Shadow,
-}
-
-/// `shared:` on an endpoint: a budget all callers of the route draw from.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawShared {
-    pub max_cost: i64,
-    pub window: ConfDuration,
-    /// Hold callers in line this long at most (else 429).
-    #[serde(default)]
-    pub max_delay: ConfDuration,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawPlan {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_cost: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub window: Option<ConfDuration>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budgets: Option<Vec<RawBudget>>,
-    #[serde(default)]
-    pub max_delay: Option<ConfDuration>,
-    #[serde(default)]
-    pub max_in_flight_per_key: Option<i64>,
-    /// The plan's share of a full capped route's slots (default 1), DESIGN §8.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weight: Option<i64>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawKey {
-    pub id: String,
-    pub sha256: String,
-    #[serde(default)]
-    pub plan: Option<String>,
-}
-
-/// A map in which a key may appear only once. serde's maps keep the last of two equal keys,
-/// which would silently drop the first endpoint or plan of that name (DESIGN §1: an error).
-fn unique_keys<'de, D, V>(d: D) -> Result<BTreeMap<String, V>, D::Error>
-where
-    D: Deserializer<'de>,
-    V: Deserialize<'de>,
-{
-    struct Unique<V>(PhantomData<V>);
-
-    impl<'de, V: Deserialize<'de>> Visitor<'de> for Unique<V> {
-        type Value = BTreeMap<String, V>;
-
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a map")
-        }
-
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut out = BTreeMap::new();
-            while let Some(key) = map.next_key::<String>()? {
-                let value = map.next_value_seed(Value {
-                    repeated: out.contains_key(&key),
-                    value: PhantomData,
-                })?;
-                out.insert(key, value);
-            }
-            Ok(out)
-        }
-    }
-
-    d.deserialize_map(Unique(PhantomData))
-}
-
-/// A map value, refused when its key was seen before. The refusal comes from inside the
-/// value so that `serde_path_to_error` reports the path of the repeated key, and from a
-/// visitor so that serde_yaml reports the line of the repeated entry (not of the map).
-struct Value<V> {
-    repeated: bool,
-    value: PhantomData<V>,
-}
-
-impl<'de, V: Deserialize<'de>> DeserializeSeed<'de> for Value<V> {
-    type Value = V;
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V, D::Error> {
-        if self.repeated {
-            return d.deserialize_any(Repeated(PhantomData));
-        }
-        V::deserialize(d)
-    }
-}
-
-const REPEATED: &str = "appears twice in this map; each key may appear only once";
-
-/// Refuses whatever value it is given.
-struct Repeated<V>(PhantomData<V>);
-
-macro_rules! refuse {
-    ($($name:ident: $t:ty),*) => {
-        $(fn $name<E: serde::de::Error>(self, _: $t) -> Result<V, E> {
-            Err(E::custom(REPEATED))
-        })*
-    };
-}
-
-impl<'de, V> Visitor<'de> for Repeated<V> {
-    type Value = V;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(REPEATED)
-    }
-
-    refuse!(visit_bool: bool, visit_i64: i64, visit_u64: u64, visit_f64: f64, visit_str: &str);
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<V, E> {
-        Err(E::custom(REPEATED))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<V, A::Error> {
-        Err(serde::de::Error::custom(REPEATED))
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, _: A) -> Result<V, A::Error> {
-        Err(serde::de::Error::custom(REPEATED))
     }
 }

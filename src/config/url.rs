@@ -171,11 +171,28 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
     } else {
         SENTINEL_PORT
     };
+    let nodes = host_list(hosts, default_port, &shown)?;
+    let multi = MultiHost {
+        node_scheme,
+        userinfo,
+        nodes,
+        shown,
+    };
+    if kind == "cluster" {
+        multi.cluster(path)
+    } else {
+        multi.sentinel(scheme, path)
+    }
+}
+
+/// The comma-separated hosts of a multi-host URL, each with a port (`default_port` when it
+/// names none).
+fn host_list(hosts: &str, default_port: u16, shown: &str) -> Result<Vec<String>, StoreUrlError> {
     let mut nodes = vec![];
     for host in hosts.split(',') {
         let host = host.trim();
         if host.is_empty() {
-            return Err(E::EmptyAddress(shown));
+            return Err(StoreUrlError::EmptyAddress(shown.into()));
         }
         let has_port = match host.rfind(']') {
             Some(end) => host[end..].contains(':'),
@@ -188,48 +205,77 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
         };
         nodes.push(host);
     }
-    match kind {
-        "cluster" => {
-            if !matches!(path, "" | "0") {
-                return Err(E::ClusterDatabase(shown));
-            }
-            let seeds: Vec<String> = nodes
-                .iter()
-                .map(|h| format!("{node_scheme}://{userinfo}{h}"))
-                .collect();
-            for seed in &seeds {
-                check_node_url(seed, &shown)?;
-            }
-            Ok(RedisTarget::Cluster { seeds })
+    Ok(nodes)
+}
+
+/// A `redis[s]+cluster://` or `redis[s]+sentinel://` URL taken apart: what its node URLs are
+/// made of.
+struct MultiHost<'a> {
+    /// `redis` or `rediss`.
+    node_scheme: &'static str,
+    /// `user:pass@`, or empty.
+    userinfo: &'a str,
+    nodes: Vec<String>,
+    shown: String,
+}
+
+impl MultiHost<'_> {
+    /// `redis[s]+cluster://h1,h2[/0]`: one seed URL per host, credentials on each.
+    fn cluster(self, path: &str) -> Result<RedisTarget, StoreUrlError> {
+        let MultiHost {
+            node_scheme,
+            userinfo,
+            nodes,
+            shown,
+        } = self;
+        if !matches!(path, "" | "0") {
+            return Err(StoreUrlError::ClusterDatabase(shown));
         }
-        _ => {
-            let (master, db) = path.split_once('/').unwrap_or((path, "0"));
-            let db = if db.is_empty() { "0" } else { db };
-            if master.is_empty()
-                || !master
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-            {
-                return Err(E::MasterName {
-                    scheme: scheme.into(),
-                    shown,
-                });
-            }
-            let sentinels: Vec<String> = nodes
-                .iter()
-                .map(|h| format!("{node_scheme}://{h}"))
-                .collect();
-            for s in &sentinels {
-                check_node_url(s, &shown)?;
-            }
-            let primary = format!("{node_scheme}://{userinfo}sentinel-named/{db}");
-            check_node_url(&primary, &shown)?;
-            Ok(RedisTarget::Sentinel {
-                sentinels,
-                master: master.to_string(),
-                primary,
-            })
+        let seeds: Vec<String> = nodes
+            .iter()
+            .map(|h| format!("{node_scheme}://{userinfo}{h}"))
+            .collect();
+        for seed in &seeds {
+            check_node_url(seed, &shown)?;
         }
+        Ok(RedisTarget::Cluster { seeds })
+    }
+
+    /// `redis[s]+sentinel://h1,h2/<master>[/<db>]`: the Sentinels without credentials, which
+    /// go to the primary.
+    fn sentinel(self, scheme: &str, path: &str) -> Result<RedisTarget, StoreUrlError> {
+        let MultiHost {
+            node_scheme,
+            userinfo,
+            nodes,
+            shown,
+        } = self;
+        let (master, db) = path.split_once('/').unwrap_or((path, "0"));
+        let db = if db.is_empty() { "0" } else { db };
+        if master.is_empty()
+            || !master
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(StoreUrlError::MasterName {
+                scheme: scheme.into(),
+                shown,
+            });
+        }
+        let sentinels: Vec<String> = nodes
+            .iter()
+            .map(|h| format!("{node_scheme}://{h}"))
+            .collect();
+        for s in &sentinels {
+            check_node_url(s, &shown)?;
+        }
+        let primary = format!("{node_scheme}://{userinfo}sentinel-named/{db}");
+        check_node_url(&primary, &shown)?;
+        Ok(RedisTarget::Sentinel {
+            sentinels,
+            master: master.to_string(),
+            primary,
+        })
     }
 }
 

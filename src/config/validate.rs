@@ -18,10 +18,12 @@ use super::{
 
 /// `rate_limits`, `plans` and `keys`, which are checked against each other.
 mod budgets;
+mod endpoints;
 mod jobs;
 mod key_id;
 
-use budgets::{default_policy, endpoints, keys, plans};
+use budgets::{default_policy, keys, plans};
+use endpoints::endpoints;
 use key_id::key_id_header;
 
 pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
@@ -37,37 +39,8 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
     let plans = plans(&raw.plans, &raw.rate_limits.default, &mut errs);
     let router = endpoints(&raw.rate_limits, &raw.plans, &mut errs);
-    for (pattern, e) in &raw.rate_limits.endpoints {
-        if let Some(name) = &e.upstream {
-            if !upstreams.contains_key(name) {
-                errs.push(
-                    format!("{}.upstream", key_path("rate_limits.endpoints", pattern)),
-                    format!("unknown upstream \"{}\" (not in upstreams)", shown(name)),
-                );
-            }
-        }
-    }
-    let on_cluster = raw.store.backend == Backend::Redis
-        && matches!(
-            parse_redis_target(&raw.store.url),
-            Ok(super::RedisTarget::Cluster { .. })
-        );
-    for (pattern, e) in &raw.rate_limits.endpoints {
-        if on_cluster && e.jobs.is_some() {
-            errs.push(
-                format!("{}.async", key_path("rate_limits.endpoints", pattern)),
-                jobs::REDIS_UNSUPPORTED,
-            );
-        }
-        if on_cluster && e.shared.is_some() {
-            // The shared budget's key lives in the route's hash slot, the caller's budgets in
-            // the key's: one script cannot charge both on Redis Cluster.
-            errs.push(
-                format!("{}.shared", key_path("rate_limits.endpoints", pattern)),
-                "a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)",
-            );
-        }
-    }
+    endpoint_upstreams(&raw, &upstreams, &mut errs);
+    cluster_support(&raw, &mut errs);
     let (mut keys, key_ids) = keys(&raw.keys, default_policy.as_ref(), &plans, &mut errs);
     let tracing = super::traces::validate(raw.tracing.as_ref(), &mut errs);
 
@@ -123,6 +96,49 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         raw,
         hash: String::new(),
     })
+}
+
+/// An endpoint's `upstream` must be one of `upstreams`.
+fn endpoint_upstreams(
+    raw: &RawConfig,
+    upstreams: &HashMap<String, Arc<NamedUpstream>>,
+    errs: &mut ConfigErrors,
+) {
+    for (pattern, e) in &raw.rate_limits.endpoints {
+        if let Some(name) = &e.upstream {
+            if !upstreams.contains_key(name) {
+                errs.push(
+                    format!("{}.upstream", key_path("rate_limits.endpoints", pattern)),
+                    format!("unknown upstream \"{}\" (not in upstreams)", shown(name)),
+                );
+            }
+        }
+    }
+}
+
+/// What Redis Cluster cannot do yet: jobs, and shared budgets.
+fn cluster_support(raw: &RawConfig, errs: &mut ConfigErrors) {
+    let on_cluster = raw.store.backend == Backend::Redis
+        && matches!(
+            parse_redis_target(&raw.store.url),
+            Ok(super::RedisTarget::Cluster { .. })
+        );
+    for (pattern, e) in &raw.rate_limits.endpoints {
+        if on_cluster && e.jobs.is_some() {
+            errs.push(
+                format!("{}.async", key_path("rate_limits.endpoints", pattern)),
+                jobs::REDIS_UNSUPPORTED,
+            );
+        }
+        if on_cluster && e.shared.is_some() {
+            // The shared budget's key lives in the route's hash slot, the caller's budgets in
+            // the key's: one script cannot charge both on Redis Cluster.
+            errs.push(
+                format!("{}.shared", key_path("rate_limits.endpoints", pattern)),
+                "a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)",
+            );
+        }
+    }
 }
 
 /// `TOLLGATE_REDIS_URL` and `TOLLGATE_FLEET_SIZE` replace what the file says.

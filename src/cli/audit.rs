@@ -1,0 +1,132 @@
+//! `tollgate audit`'s text: every instance's `/admin/audit`, merged, against the costs.
+
+use std::fmt::Write;
+
+use crate::audit::{InstanceAudit, MergeError, Report};
+use crate::config::Config;
+
+/// An instance that did not answer, and why.
+type Failed = (String, String);
+
+/// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
+/// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
+/// text and the exit code: 0, 2 when some instance did not answer (it is named), 1 when none
+/// did or their reports cannot be merged.
+pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8) {
+    let answers = match fetch_all(admins) {
+        Ok(a) => a,
+        Err(e) => return (format!("tollgate audit: {e}\n"), 1),
+    };
+    let mut reports = vec![];
+    let mut failed = vec![];
+    for (admin, answer) in admins.iter().zip(answers) {
+        match answer {
+            Ok(r) => reports.push(r),
+            Err(e) => failed.push((admin.clone(), e)),
+        }
+    }
+    let merged = crate::audit::merge(&reports);
+    let code = match (&merged, reports.is_empty(), failed.is_empty()) {
+        (Err(_), _, _) | (_, true, _) => 1,
+        (Ok(_), false, false) => 2,
+        (Ok(_), false, true) => 0,
+    };
+    let report = merged
+        .as_ref()
+        .ok()
+        .filter(|_| !reports.is_empty())
+        .map(|m| crate::audit::report(m, cfg));
+    let merged = merged.as_ref().err();
+    let out = if json {
+        as_json(admins, &failed, report.as_ref(), merged)
+    } else {
+        as_text(
+            admins.len(),
+            reports.len(),
+            &failed,
+            report.as_ref(),
+            merged,
+        )
+    };
+    (out, code)
+}
+
+/// Every instance's answer, in `admins`' order; `Err` only when no runtime can be built.
+fn fetch_all(admins: &[String]) -> std::io::Result<Vec<Result<InstanceAudit, String>>> {
+    let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Concurrently, so that one slow instance costs one timeout, not one per instance.
+    Ok(rt.block_on(async {
+        let tasks: Vec<_> = admins
+            .iter()
+            .map(|a| {
+                let (a, token) = (a.clone(), token.clone());
+                tokio::spawn(async move { crate::audit::fetch::fetch(&a, token.as_deref()).await })
+            })
+            .collect();
+        let mut answers = vec![];
+        for t in tasks {
+            answers.push(
+                t.await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string())),
+            );
+        }
+        answers
+    }))
+}
+
+/// `--format json`: one object with every instance's state, the figures and any merge error.
+fn as_json(
+    admins: &[String],
+    failed: &[Failed],
+    report: Option<&Report>,
+    merged: Option<&MergeError>,
+) -> String {
+    let instances: Vec<serde_json::Value> = admins
+        .iter()
+        .map(|a| match failed.iter().find(|(f, _)| f == a) {
+            Some((_, e)) => serde_json::json!({"admin": a, "ok": false, "error": e}),
+            None => serde_json::json!({"admin": a, "ok": true}),
+        })
+        .collect();
+    let mut v = serde_json::json!({ "instances": instances });
+    if let Some(r) = report {
+        v["baseline_seconds"] = serde_json::json!(r.baseline_seconds);
+        v["routes"] = serde_json::to_value(&r.routes).unwrap_or_default();
+    }
+    if let Some(e) = merged {
+        v["error"] = e.to_string().into();
+    }
+    format!("{v:#}\n")
+}
+
+/// The text: who answered, who did not, and the table.
+fn as_text(
+    asked: usize,
+    answered: usize,
+    failed: &[Failed],
+    report: Option<&Report>,
+    merged: Option<&MergeError>,
+) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "instances: {answered} of {asked} answered");
+    for (admin, e) in failed {
+        let _ = writeln!(
+            out,
+            "  UNREACHABLE {admin}: {e} (its traffic is not in the figures below)"
+        );
+    }
+    if let Some(e) = merged {
+        let _ = writeln!(out, "cannot merge: {e}");
+    }
+    if let Some(r) = report {
+        out.push('\n');
+        out.push_str(&crate::audit::render_table(r));
+    }
+    out
+}

@@ -1,0 +1,186 @@
+//! `tollgate explain`'s text: which route a request is charged as, what it costs, and which
+//! limits apply to it and to the key that pays.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use crate::config::{format_duration, Config};
+use crate::decision;
+use crate::identity::{self, Identity, Unauthenticated};
+use crate::route::Route;
+
+/// `tollgate explain`: which route, what cost, which limits. Returns the text and whether the
+/// request would be classified at all.
+pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (String, bool) {
+    let mut out = String::new();
+    // The proxy's own classification, so that explain and the gateway never disagree.
+    let classified = match decision::classify(cfg, method, path) {
+        Ok(c) => c,
+        Err(r) => {
+            let _ = writeln!(
+                out,
+                "{method} {path}: {} {} ({})",
+                r.problem.status(),
+                r.problem.slug(),
+                r.detail
+            );
+            return (out, false);
+        }
+    };
+    let route = &classified.route;
+    let method = classified.forward_method.unwrap_or(method);
+    let _ = writeln!(out, "request:      {method} {path}");
+    if let Some(t) = &classified.forward_target {
+        let _ = writeln!(out, "normalized:   {t}  (what the upstream receives)");
+    }
+    let _ = writeln!(out, "route:        {}", route.label);
+    explain_cost(&mut out, route);
+    explain_route(&mut out, route);
+    let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
+    match who {
+        Ok(id) => explain_key(&mut out, route, &id, key.is_some()),
+        Err(Unauthenticated::Missing) => {
+            let _ = writeln!(
+                out,
+                "key:          none given → 401 unauthenticated (anonymous: reject)"
+            );
+        }
+        Err(Unauthenticated::Unknown) => {
+            let _ = writeln!(
+                out,
+                "key:          not in the registry → 401 unauthenticated"
+            );
+        }
+        Err(Unauthenticated::Conflicting) => {
+            let _ = writeln!(out, "key:          conflicting keys → 401 unauthenticated");
+        }
+    }
+    (out, true)
+}
+
+/// `explain`'s `cost:` lines: the price, and how it is settled after the response.
+fn explain_cost(out: &mut String, route: &Route) {
+    let _ = writeln!(out, "cost:         {}", route.cost);
+    if let Some(rate) = route.fidelity.cost_per_second {
+        let _ = writeln!(
+            out,
+            "              then {rate} per second of upstream time, at least {} in total",
+            route.cost
+        );
+    }
+    if let Some(name) = &route.fidelity.cost_from_response {
+        let bound = route
+            .cost
+            .saturating_mul(crate::route::stated::BOUND_FACTOR);
+        let _ = writeln!(
+            out,
+            "              settled to what the upstream states in {name} (0 to {bound} units), when it does"
+        );
+    }
+}
+
+/// What the route itself does, whoever calls it: shadow mode, its upstream, its in-flight cap
+/// and queue, its jobs.
+fn explain_route(out: &mut String, route: &Route) {
+    if route.fidelity.shadow {
+        let _ = writeln!(
+            out,
+            "mode:         shadow (refusals are counted and forwarded, never enforced)"
+        );
+    }
+    if let Some(name) = &route.provider.upstream {
+        let _ = writeln!(
+            out,
+            "upstream:     {name}{}",
+            route
+                .provider
+                .strip_prefix
+                .as_deref()
+                .map_or(String::new(), |p| format!(" (without the prefix {p})"))
+        );
+    }
+    match route.max_in_flight {
+        Some(n) => {
+            let _ = writeln!(
+                out,
+                "in-flight:    at most {n} at once fleet-wide; wait up to {} for a slot, then 503",
+                format_duration(route.queue_timeout)
+            );
+        }
+        None => {
+            let _ = writeln!(out, "in-flight:    no cap");
+        }
+    }
+    if route.max_in_flight.is_some() {
+        let _ = writeln!(
+            out,
+            "queue:        fair: a freed slot goes to the key running fewest here per its plan's weight; {}; {}",
+            route
+                .queue
+                .max_queue
+                .map_or("no bound on waiters".into(), |n| format!(
+                    "at most {n} waiting fleet-wide (503 at once beyond)"
+                )),
+            route.queue.per_key.map_or("no per-key share".into(), |n| format!(
+                "a key runs at most {n} at once here (it waits beyond)"
+            ))
+        );
+    }
+    if let Some(j) = &route.jobs {
+        let _ = writeln!(out, "{}", crate::jobs::describe::explain_line(j));
+    }
+}
+
+/// Who pays (`given_key`: whether a key was given at all) and every budget the request is
+/// charged against on this route.
+fn explain_key(out: &mut String, route: &Route, id: &Identity, given_key: bool) {
+    let p = &id.policy;
+    let _ = writeln!(
+        out,
+        "key:          {}",
+        match &id.id {
+            Some(i) => format!("registry id {i}"),
+            None if given_key => format!("{} (no registry)", id.log_name()),
+            None => "anonymous (client_ip)".into(),
+        }
+    );
+    // Every budget the request is charged against (all must fit).
+    for (i, b) in p.budgets.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "{}\"{}\" {} units per {} (max_delay {})",
+            if i == 0 {
+                "budget:       "
+            } else {
+                "and budget:   "
+            },
+            b.name,
+            b.max_cost,
+            format_duration(b.window),
+            format_duration(p.max_delay)
+        );
+        let _ = writeln!(
+            out,
+            "              = {} such requests in a burst, then one every {:.1} s",
+            b.max_cost / route.cost,
+            b.window.as_secs_f64() * route.cost as f64 / b.max_cost as f64
+        );
+    }
+    if let Some(b) = route.shared() {
+        let delay = Duration::from_micros(b.limit.max_delay_us());
+        let _ = writeln!(
+            out,
+            "and shared:   \"{}\" {} units per {} for all callers of this route, fleet-wide (held up to {}, then 429)",
+            b.name,
+            b.max_cost,
+            format_duration(b.window),
+            format_duration(delay)
+        );
+    }
+    if let Some(n) = p.max_in_flight_per_key {
+        let _ = writeln!(out, "per key:      at most {n} in flight (429 beyond)");
+    }
+    if route.max_in_flight.is_some() {
+        let _ = writeln!(out, "weight:       {} (plan \"{}\")", p.weight, p.name);
+    }
+}
