@@ -14,9 +14,13 @@ use common::*;
 const MAX: u64 = 50_000;
 
 fn body(redis: &Redis, extra_limits: &str) -> String {
+    store_yaml(&redis.url(), extra_limits)
+}
+
+/// A gateway on the Redis at `url` (`on_error: local`, two instances, a year's budget).
+fn store_yaml(url: &str, extra_limits: &str) -> String {
     format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n{extra_limits}",
-        redis.url()
+        "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n{extra_limits}"
     )
 }
 
@@ -223,11 +227,7 @@ async fn a_partition_that_delivers_late_charges_once() {
     let redis = Redis::start();
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::ZERO);
-    let via = |url: &str| {
-        format!(
-            "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n"
-        )
-    };
+    let via = |url: &str| store_yaml(url, "");
     let a = Gateway::start(&up, &via(&proxy.url()));
     let b = Gateway::start(&up, &via(&redis.url()));
     let gws = Arc::new(vec![a, b]);
@@ -406,8 +406,9 @@ async fn local_admissions_are_registered_when_the_store_returns() {
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::ZERO);
     let body = |url: &str| {
-        format!(
-            "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 4, queue_timeout: 10s}}\n"
+        store_yaml(
+            url,
+            "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 4, queue_timeout: 10s}\n",
         )
     };
     let a = Gateway::start(&up, &body(&proxy.url()));

@@ -68,17 +68,7 @@ impl RedisBackend {
             }
         }
         let rk = Self::route_keys(&req.route)?;
-        let mut inv = self.queue_script.call(&rk, "enter");
-        inv.arg(id)
-            .arg(keys::key_tag(&req.key))
-            .arg(req.fair.weight.max(1))
-            .arg(cap)
-            .arg(req.fair.per_key.unwrap_or(0))
-            .arg(req.fair.max_queue.unwrap_or(0))
-            .arg(self.lease_ttl.as_micros() as u64)
-            .arg(FLEET)
-            .arg(FLEET_ALIVE.as_micros() as u64)
-            .arg(GRANT_TTL.as_micros() as u64);
+        let inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);
         let entered: Vec<i64> = self.call(inv).await?;
         let standing: Standing = (&outcome).into();
         Ok(match entered.first().copied() {

@@ -297,16 +297,30 @@ impl RedisBackend {
     }
 
     fn enter(&self, req: &AdmitRequest, cap: u32, u: &Unserved) -> redis::ScriptInvocation<'_> {
-        let mut inv = self.queue_script.call(&u.keys, "enter");
-        inv.arg(&u.id)
+        self.enter_as(&u.keys, &u.id, req, cap, &self.instance, ALIVE_FOR)
+    }
+
+    /// `enter` of waiter `id` for `req` on `instance` (this one, or the fleet's jobs), alive
+    /// for `alive` after this call.
+    pub(super) fn enter_as(
+        &self,
+        keys: &QueueKeys,
+        id: &str,
+        req: &AdmitRequest,
+        cap: u32,
+        instance: &str,
+        alive: Duration,
+    ) -> redis::ScriptInvocation<'_> {
+        let mut inv = self.queue_script.call(keys, "enter");
+        inv.arg(id)
             .arg(keys::key_tag(&req.key))
             .arg(req.fair.weight.max(1))
             .arg(cap)
             .arg(req.fair.per_key.unwrap_or(0))
             .arg(req.fair.max_queue.unwrap_or(0))
             .arg(self.lease_ttl.as_micros() as u64)
-            .arg(&self.instance)
-            .arg(ALIVE_FOR.as_micros() as u64)
+            .arg(instance)
+            .arg(alive.as_micros() as u64)
             .arg(GRANT_TTL.as_micros() as u64);
         inv
     }
