@@ -54,7 +54,8 @@ fn start_tls_with(
         });
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            if std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_ok() {
+            // Read from /proc: a probe connection would hold one of `max_connections`.
+            if listens_on(gw.pid(), tls_port) {
                 let mut roots = vec![pki.ca_file.clone()];
                 roots.extend(extra_roots.iter().map(|p| p.to_path_buf()));
                 return TlsGateway {
@@ -401,8 +402,8 @@ async fn one_front_door_for_both_listeners() {
         &[],
         "  max_connections: 1\n  header_timeout: 1s\n",
     );
-    // The harness's start-up probe counts until the gateway has seen it close.
-    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+    // The harness opens no connection of its own (it reads /proc to see the listeners).
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
     // A TLS connection that never says a word is closed after header_timeout.
     let mut silent = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
     let mut buf = [0u8; 64];
@@ -432,9 +433,9 @@ async fn one_front_door_for_both_listeners() {
     .unwrap();
     assert_eq!(read_raw_response(&mut plain).unwrap().status, 200);
     assert_metric(&tg.gw, "tollgate_connections", 1.0).await;
-    // Refused at accept, before its handshake (DESIGN §1: handshakes count). Counted from
-    // here: the harness's start-up probes may have met the limit of 1 themselves.
+    // Refused at accept, before its handshake (DESIGN §1: handshakes count).
     let refused_before = metric(&tg.gw, "tollgate_connections_refused_total").await;
+    assert_eq!(refused_before, 0.0);
     let mut tcp = raw_connect(tg.tls_port);
     std::io::Write::write_all(&mut tcp, PARTIAL_CLIENT_HELLO).unwrap_or_default();
     let refused_at = Instant::now();

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::process::{free_port, signal_pid, wait_for_own_ports, wait_for_port};
+use super::process::{free_port, signal_pid, wait_for_own_ports};
 use super::upstream::Upstream;
 
 /// A gateway process built from a YAML body (everything but `server`/`upstream`, which the
@@ -91,8 +91,9 @@ impl Gateway {
                 cmd.env(k, v);
             }
             let mut child = cmd.spawn().unwrap();
-            let up = wait_for_own_ports(&mut child, &[port, admin_port], Duration::from_secs(15))
-                && wait_for_port(port, Duration::from_secs(5));
+            // Read from /proc, not probed with a connect: a probe connection would count against
+            // `max_connections` until the gateway had accepted and closed it (tests/tls).
+            let up = wait_for_own_ports(&mut child, &[port, admin_port], Duration::from_secs(15));
             if up {
                 return Gateway {
                     port,

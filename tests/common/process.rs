@@ -37,7 +37,7 @@ pub(super) fn wait_for_port(port: u16, timeout: Duration) -> bool {
 /// True when process `pid` itself listens on `port` (Linux: its socket inodes against
 /// `/proc/net/tcp`). A connect alone can reach another process: `free_port` hands out a port
 /// that a test running in parallel may be handed too, and whichever binds second exits.
-fn listens_on(pid: u32, port: u16) -> bool {
+pub fn listens_on(pid: u32, port: u16) -> bool {
     // Inodes of the sockets listening (state 0A) on `port`: fields 1 (local address:port, hex),
     // 3 (state) and 9 (inode) of each line.
     let mut inodes = std::collections::HashSet::new();
