@@ -472,6 +472,7 @@ async fn a_manual_sentinel_failover_charges_what_was_admitted() {
     let gws: Arc<Vec<Gateway>> = Arc::new((0..2).map(|_| Gateway::start(&up, &body)).collect());
     let c = client();
     let stop = Arc::new(AtomicBool::new(false));
+    set.wait_watchers(2).await;
     let mut tasks = steady(&c, &gws, "m", "/metered", 3, &stop);
     tasks.extend(steady(&c, &gws, "h", "/hot", 2, &stop));
     tokio::time::sleep(Duration::from_millis(1000)).await;

@@ -509,6 +509,7 @@ async fn waiters_are_answered_through_a_sentinel_failover() {
         ),
     );
     let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    set.wait_watchers(2).await;
     let c = client();
     let sent: Vec<_> = (0..8)
         .map(|i| {

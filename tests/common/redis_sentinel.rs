@@ -109,6 +109,29 @@ impl SentinelSet {
         )
     }
 
+    /// Waits until `n` clients listen to the Sentinel's channels (each gateway's failover
+    /// watcher): a failover started before a watcher listens is one it cannot follow as it
+    /// happens, and a gateway that starts under load may take a while to subscribe.
+    pub async fn wait_watchers(&self, n: usize) {
+        let start = Instant::now();
+        loop {
+            let listening = self
+                .sentinel
+                .cli(&["CLIENT", "LIST"])
+                .lines()
+                .filter(|l| l.contains(" flags=P ") && !l.contains(" sub=0 "))
+                .count();
+            if listening >= n {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{listening} of {n} watchers listen to the Sentinel"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The primary's port as the Sentinel names it.
     pub fn current_primary(&self) -> u16 {
         let out = self
