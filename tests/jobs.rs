@@ -61,14 +61,6 @@ async fn check_refuses_async_where_it_cannot_work() {
         ))
     ));
     assert!(bad.contains("unknown size unit \"MB\""), "{bad}");
-    let redis = check_fails(&format!(
-        "upstream: {{url: \"http://127.0.0.1:1\"}}\nstore: {{backend: redis, url: \"redis+cluster://127.0.0.1:7000\"}}\n{}",
-        config(&reports(1, ""))
-    ));
-    assert!(
-        redis.contains("rate_limits.endpoints.\"/reports/generate\".async: async jobs need the memory store, a single Redis node or Sentinel (not yet on Redis Cluster)"),
-        "{redis}"
-    );
 }
 
 /// The lifecycle on one gateway: 202 with the job's location, 202 while it runs, then

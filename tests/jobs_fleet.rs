@@ -15,20 +15,19 @@ const LEASE_TTL: Duration = Duration::from_secs(2);
 
 /// Keys `a` and `b` (raw `key-a`, `key-b`) with a 24 h budget of 100 on `redis`, and
 /// `/reports/generate` costing 10, capped at 1, async (results kept 30 s).
-fn config(redis: &Redis) -> String {
-    config_kept(redis, "30s")
+fn config(url: &str) -> String {
+    config_kept(url, "30s")
 }
 
-fn config_kept(redis: &Redis, result_ttl: &str) -> String {
-    config_with(redis, result_ttl, 1)
+fn config_kept(url: &str, result_ttl: &str) -> String {
+    config_with(url, result_ttl, 1)
 }
 
-fn config_with(redis: &Redis, result_ttl: &str, cap: u32) -> String {
+fn config_with(url: &str, result_ttl: &str, cap: u32) -> String {
     let keys: String = ["a", "b"].iter().map(|id| registry_key(id, "")).collect();
     format!(
         "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: {lease}s\n\
          rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: {cap}\n      async:\n        result_ttl: {result_ttl}\nkeys:\n{keys}",
-        url = redis.url(),
         lease = LEASE_TTL.as_secs(),
     )
 }
@@ -88,9 +87,23 @@ async fn result_as(
 #[tokio::test]
 async fn a_job_submitted_on_one_gateway_is_read_on_another() {
     let redis = Redis::start();
+    submitted_on_one_read_on_another(&redis.url(), &|args| redis.cli(args)).await;
+}
+
+/// The same on a Redis Cluster: the job's record (`t:j:<id>`, a slot of its own), its
+/// key's budget and its route's queue on whichever nodes own them.
+#[tokio::test]
+async fn on_a_redis_cluster_a_job_submitted_on_one_gateway_is_read_on_another() {
+    let cluster = RedisCluster::start(3);
+    let on_owner = |args: &[&str]| cluster.node(cluster.owner(args[1])).cli(args);
+    submitted_on_one_read_on_another(&cluster.url(), &on_owner).await;
+}
+
+/// `cli` runs a command on the node that holds its first key.
+async fn submitted_on_one_read_on_another(url: &str, cli: &dyn Fn(&[&str]) -> String) {
     let up = Upstream::start(Duration::from_millis(1000));
-    let a = Gateway::start(&up, &config(&redis));
-    let b = Gateway::start(&up, &config(&redis));
+    let a = Gateway::start(&up, &config(url));
+    let b = Gateway::start(&up, &config(url));
     let c = client();
     let target = "/reports/generate?echo_body=1";
     let (location, accepted) = submit(&c, &a, target, "the report's parameters").await;
@@ -150,9 +163,9 @@ async fn a_job_submitted_on_one_gateway_is_read_on_another() {
     // The record names the key by its hash; the request's headers (the forwarded credential
     // among them, as forward_credentials says) are dropped once the job has ended.
     let record = redis_job_key(id);
-    assert_eq!(redis.cli(&["HGET", &record, "key"]), sha256_hex("key-a"));
-    assert_eq!(redis.cli(&["HEXISTS", &record, "headers"]), "0");
-    assert_eq!(redis.cli(&["HEXISTS", &record, "body"]), "0");
+    assert_eq!(cli(&["HGET", &record, "key"]), sha256_hex("key-a"));
+    assert_eq!(cli(&["HEXISTS", &record, "headers"]), "0");
+    assert_eq!(cli(&["HEXISTS", &record, "body"]), "0");
     assert!(!a.log().contains("key-a") && !b.log().contains("key-a"));
 }
 
@@ -162,8 +175,8 @@ async fn a_job_submitted_on_one_gateway_is_read_on_another() {
 async fn a_queued_job_outlives_the_instance_that_accepted_it() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(1500));
-    let mut a = Gateway::start(&up, &config(&redis));
-    let b = Gateway::start(&up, &config(&redis));
+    let mut a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&redis.url()));
     let c = client();
     // B's synchronous request holds the route's only slot.
     let sync = tokio::spawn({
@@ -199,8 +212,8 @@ async fn a_queued_job_outlives_the_instance_that_accepted_it() {
 async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(3000));
-    let mut a = Gateway::start(&up, &config(&redis));
-    let b = Gateway::start(&up, &config(&redis));
+    let mut a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&redis.url()));
     let c = client();
     // A slot is free: A runs the job it accepts.
     let (location, _) = submit(&c, &a, ROUTE, "").await;
@@ -238,8 +251,8 @@ async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
 async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(4000));
-    let a = Gateway::start(&up, &config_kept(&redis, "1s"));
-    let b = Gateway::start(&up, &config_kept(&redis, "1s"));
+    let a = Gateway::start(&up, &config_kept(&redis.url(), "1s"));
+    let b = Gateway::start(&up, &config_kept(&redis.url(), "1s"));
     let c = client();
     let sync = tokio::spawn({
         let (c, url) = (c.clone(), b.url(ROUTE));
@@ -281,8 +294,8 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
 async fn a_queued_job_is_cancelled_from_another_gateway() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(2000));
-    let a = Gateway::start(&up, &config(&redis));
-    let b = Gateway::start(&up, &config(&redis));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&redis.url()));
     let c = client();
     let (first, _) = submit(&c, &a, ROUTE, "").await;
     up.wait_current(ROUTE, 1).await;
@@ -318,9 +331,19 @@ async fn a_queued_job_is_cancelled_from_another_gateway() {
 #[tokio::test]
 async fn jobs_of_two_gateways_share_a_full_route_fairly() {
     let redis = Redis::start();
+    two_gateways_share_a_full_route_fairly(&redis.url()).await;
+}
+
+#[tokio::test]
+async fn on_a_redis_cluster_jobs_of_two_gateways_share_a_full_route_fairly() {
+    let cluster = RedisCluster::start(3);
+    two_gateways_share_a_full_route_fairly(&cluster.url()).await;
+}
+
+async fn two_gateways_share_a_full_route_fairly(url: &str) {
     let up = Upstream::start(Duration::from_millis(500));
     // A budget of 1000: room for 20 jobs of 10.
-    let body = config_with(&redis, "1m", 2).replace("max_cost: 100}", "max_cost: 1000}");
+    let body = config_with(url, "1m", 2).replace("max_cost: 100}", "max_cost: 1000}");
     let gws = [Gateway::start(&up, &body), Gateway::start(&up, &body)];
     let c = client();
     let mut jobs = vec![];
@@ -381,7 +404,7 @@ async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(100));
     // 10 units per 4 s: a second job of 10 right after the first is due 4 s later.
-    let body = config_with(&redis, "1m", 2).replace(
+    let body = config_with(&redis.url(), "1m", 2).replace(
         "default: {cost: 1, window: 24h, max_cost: 100}",
         "default: {cost: 1, window: 4s, max_cost: 10, max_delay: 5s}",
     );
@@ -405,7 +428,7 @@ async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
 async fn a_submission_without_redis_is_refused() {
     let mut redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(100));
-    let body = config(&redis).replace("on_error: deny", "on_error: allow");
+    let body = config(&redis.url()).replace("on_error: deny", "on_error: allow");
     let a = Gateway::start(&up, &body);
     redis.kill();
     let c = client();

@@ -116,7 +116,7 @@ fn endpoint_upstreams(
     }
 }
 
-/// What Redis Cluster cannot do yet: jobs, and shared budgets.
+/// What Redis Cluster cannot do yet: shared budgets.
 fn cluster_support(raw: &RawConfig, errs: &mut ConfigErrors) {
     let on_cluster = raw.store.backend == Backend::Redis
         && matches!(
@@ -124,12 +124,6 @@ fn cluster_support(raw: &RawConfig, errs: &mut ConfigErrors) {
             Ok(super::RedisTarget::Cluster { .. })
         );
     for (pattern, e) in &raw.rate_limits.endpoints {
-        if on_cluster && e.jobs.is_some() {
-            errs.push(
-                format!("{}.async", key_path("rate_limits.endpoints", pattern)),
-                jobs::REDIS_UNSUPPORTED,
-            );
-        }
         if on_cluster && e.shared.is_some() {
             // The shared budget's key lives in the route's hash slot, the caller's budgets in
             // the key's: one script cannot charge both on Redis Cluster.

@@ -80,8 +80,3 @@ pub(super) fn async_rules(
         max_response_body,
     })
 }
-
-/// A job's record and its route's queue live in different hash slots on Redis Cluster, which
-/// one script cannot reach together; `check` refuses async there.
-pub(super) const REDIS_UNSUPPORTED: &str =
-    "async jobs need the memory store, a single Redis node or Sentinel (not yet on Redis Cluster)";
