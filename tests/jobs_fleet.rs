@@ -448,3 +448,93 @@ async fn a_submission_without_redis_is_refused() {
     );
     assert_eq!(up.count(ROUTE), 0);
 }
+
+/// SIGTERM to the instance running a fleet job, with another job of its queued: it finishes
+/// the running one within `grace_period` and exits 0; the queued one is not started there
+/// but runs via the other instance, once, after it.
+#[tokio::test]
+async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = config(&redis.url());
+    let mut a = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        grace: "10s",
+        ..GatewayOpts::default()
+    });
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    // A slot is free: A runs the first job itself.
+    let (running, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (queued, accepted) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(accepted["status"], "queued");
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(Duration::from_secs(15)), Some(0), "{}", a.log());
+    let id = |loc: &str| loc.rsplit('/').next().unwrap().to_string();
+    let ended = |gw: &Gateway| -> Vec<String> {
+        gw.access_log()
+            .into_iter()
+            .filter(|l| l["decision"] == "job_done")
+            .map(|l| l["job"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(ended(&a), [id(&running)], "{}", a.log());
+    assert_eq!(result(&c, &b, &running).await.status(), 200);
+    assert_eq!(result(&c, &b, &queued).await.status(), 200);
+    assert_eq!(ended(&b), [id(&queued)], "{}", b.log());
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    assert_eq!(remaining(&b, "a").await, 80);
+}
+
+/// Redis restarted without persistence while one job runs and one waits: Redis's data is
+/// gone (README, "Long-running requests as jobs"), and with it both records and the queued
+/// job's waiter: their polls are 404 and the queued one never runs. What the contract keeps:
+/// the running job is not sent twice, the cap holds (the runner's slot is registered again
+/// before anyone else's: `max_concurrent` stays 1), and jobs submitted afterwards run, once.
+#[tokio::test]
+async fn a_redis_restart_loses_the_jobs_it_held_and_the_fleet_goes_on() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    // Longer than the 2 s other instances hold back after a new run_id: the running job's
+    // slot must be registered again, not merely outlasted.
+    let up = Upstream::start(Duration::from_millis(4000));
+    let body = config(&redis.url());
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (running, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (queued, _) = submit(&c, &b, ROUTE, "").await;
+    redis.kill();
+    // Redis down: a poll is 503, not 404 (the job may exist; the client asks again).
+    let down = get(&c, b.url(&queued), "key-a").await;
+    assert_eq!(down.status(), 503);
+    assert_eq!(header(&down, "retry-after").as_deref(), Some("1"));
+    let p: serde_json::Value = down.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("store-unavailable"),
+        "{p}"
+    );
+    let _redis = Redis::start_on(port);
+    // The next job is submitted while the first still runs: refused (on_error: deny) until B
+    // has connected again.
+    let since = Instant::now();
+    let after = loop {
+        let r = post_async(&c, b.url(ROUTE), "key-b", "", &[]).await;
+        if r.status() == 202 {
+            break job_location(&r);
+        }
+        assert_eq!(r.status(), 503);
+        assert!(since.elapsed() < Duration::from_secs(5), "Redis not back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(result_as(&c, &b, &after, "key-b").await.status(), 200);
+    for lost in [&running, &queued] {
+        assert_eq!(get(&c, b.url(lost), "key-a").await.status(), 404, "{lost}");
+    }
+    assert_eq!(up.count(ROUTE), 2, "the lost queued job never runs");
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+}

@@ -102,6 +102,30 @@ async fn problem_answer(
     answer(session, ctx, p.status(), (own, vec![]), body.into(), None).await
 }
 
+/// A poll or cancel that Redis did not answer: 503 `store-unavailable`, `Retry-After: 1`.
+/// Not 404: the job may be there, and the client should ask again, not give up on it.
+async fn store_unavailable(session: &mut Session, ctx: &Ctx) -> Result<bool> {
+    let own = vec![
+        (
+            "Content-Type",
+            HeaderValue::from_static("application/problem+json"),
+        ),
+        ("Cache-Control", HeaderValue::from_static("no-store")),
+    ];
+    let p = Problem::StoreUnavailable;
+    let detail = "the job store did not answer; ask again";
+    let body = problem::body(p, detail, None, None, Some(1));
+    answer(
+        session,
+        ctx,
+        p.status(),
+        (own, vec![]),
+        body.into(),
+        Some(1),
+    )
+    .await
+}
+
 /// `GET` (or `HEAD`) reads a job, `DELETE` cancels it; another key's, an unknown or an
 /// expired job is 404 alike.
 pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
@@ -127,9 +151,14 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
             .jobs
             .get(id, &who.hash)
             .map(|(j, v)| (j.route.clone(), v, Some(j))),
-        Store::Redis(_) => jobs::fleet::view(&gw.shared, id, &who.hash)
-            .await
-            .map(|(r, v)| (r, v, None)),
+        Store::Redis(_) => match jobs::fleet::view(&gw.shared, id, &who.hash).await {
+            Ok(found) => found.map(|(r, v)| (r, v, None)),
+            Err(e) => {
+                ctx.identity = Some(who.clone());
+                tracing::debug!(error = %e, "a job poll found Redis unreachable");
+                return store_unavailable(session, ctx).await;
+            }
+        },
     };
     ctx.identity = Some(who.clone());
     let job_id: Arc<str> = Arc::from(id);

@@ -127,12 +127,21 @@ fn expired_result() -> Stored {
     )
 }
 
-/// A job as a poll sees it, with its route; `None`: not this key's, unknown or gone.
-pub async fn view(shared: &Shared, id: &str, key: &KeyHash) -> Option<(Arc<str>, View)> {
-    let b = backend(shared)?;
-    let r = read(b, id).await?;
+/// A job as a poll sees it, with its route; `None`: not this key's, unknown or gone; an
+/// error: Redis did not answer (the job may well exist: not a 404).
+pub async fn view(
+    shared: &Shared,
+    id: &str,
+    key: &KeyHash,
+) -> Result<Option<(Arc<str>, View)>, crate::store::StoreError> {
+    let Some(b) = backend(shared) else {
+        return Ok(None);
+    };
+    let Some(r) = read(b, id).await? else {
+        return Ok(None);
+    };
     if field(&r, "key") != hex::encode(key).as_bytes() {
-        return None;
+        return Ok(None);
     }
     let route: Arc<str> = Arc::from(text(&r, "route"));
     if field(&r, "ended_now") == b"1" {
@@ -142,7 +151,7 @@ pub async fn view(shared: &Shared, id: &str, key: &KeyHash) -> Option<(Arc<str>,
         let running = shared.running();
         if let Some(who) = payer(&running, field(&r, "key")) {
             if take_out(shared, &running, b, id, &who, "expire").await {
-                return Some((route, View::Done(Arc::new(expired_result()))));
+                return Ok(Some((route, View::Done(Arc::new(expired_result())))));
             }
         }
     }
@@ -161,9 +170,9 @@ pub async fn view(shared: &Shared, id: &str, key: &KeyHash) -> Option<(Arc<str>,
             headers: headers_from(field(&r, "rheaders")),
             body: Bytes::copy_from_slice(field(&r, "rbody")),
         })),
-        _ => return None,
+        _ => return Ok(None),
     };
-    Some((route, view))
+    Ok(Some((route, view)))
 }
 
 /// `DELETE`: takes a queued job out of its queue (refunded); `false` once it runs.
@@ -185,7 +194,7 @@ async fn take_out(
     who: &Identity,
     op: &str,
 ) -> bool {
-    let Some(r) = read(b, id).await else {
+    let Ok(Some(r)) = read(b, id).await else {
         return false;
     };
     let label = text(&r, "route");
@@ -230,6 +239,8 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     let running = shared.running();
     if let Some(who) = read(b, id)
         .await
+        .ok()
+        .flatten()
         .and_then(|r| payer(&running, field(&r, "key")))
     {
         refund(shared, &running, label, &who).await;

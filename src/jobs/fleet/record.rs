@@ -43,15 +43,20 @@ pub(super) fn text(r: &Record, name: &str) -> String {
     String::from_utf8_lossy(field(r, name)).into_owned()
 }
 
-pub(super) async fn read(b: &RedisBackend, id: &str) -> Option<Record> {
-    let flat: Vec<Vec<u8>> = b.job_record(id, "get", &[]).await.ok()?;
+/// The record of job `id`: `Ok(None)` when Redis has none (unknown, expired, or lost with
+/// Redis's data), an error when Redis did not answer.
+pub(super) async fn read(
+    b: &RedisBackend,
+    id: &str,
+) -> Result<Option<Record>, crate::store::StoreError> {
+    let flat: Vec<Vec<u8>> = b.job_record(id, "get", &[]).await?;
     let mut r = Record::new();
     for pair in flat.chunks(2) {
         if let [k, v] = pair {
             r.insert(String::from_utf8_lossy(k).into_owned(), v.clone());
         }
     }
-    (!r.is_empty()).then_some(r)
+    Ok((!r.is_empty()).then_some(r))
 }
 
 /// The identity a record's key hash pays as: its registry entry, else the default policy.

@@ -31,7 +31,7 @@ pub(super) async fn run_claimed(
     };
     let running = shared.running();
     let parts = async {
-        let r = read(&b, &id).await?;
+        let r = read(&b, &id).await.ok()??;
         let route = running.config.router.by_label(&label)?.clone();
         let who = payer(&running, field(&r, "key"))?;
         let request = request_of(&r)?;
@@ -47,6 +47,7 @@ pub(super) async fn run_claimed(
     };
     let _drain = shared.drain.enter();
     let _state = InState::new(&label, JobState::Running);
+    b.job_hold(&label, &id);
     let renew = keep_alive(b.clone(), id.clone(), label.clone());
     // With `max_delay` it holds its slot until its reserved units are due, as on memory.
     tokio::time::sleep(wait).await;

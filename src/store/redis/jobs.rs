@@ -50,6 +50,9 @@ impl RedisBackend {
         cap: u32,
         id: &str,
     ) -> Result<JobEntered, StoreError> {
+        // As a request's admission: after Redis lost its data, runners register their slots
+        // again before this job may take one.
+        self.after_data_loss(req).await;
         let start = std::time::Instant::now();
         let outcome = match self.try_admit(req, Default::default()).await?.0 {
             Decided::KeyAdmitted(o, _, _) => o,
@@ -119,8 +122,20 @@ impl RedisBackend {
         Ok(v.first() == Some(&1))
     }
 
+    /// The job this instance now runs holds its route's slot as a request's lease does: it
+    /// is registered, so that when Redis loses its data (`lost.rs`) the slot is registered
+    /// again before other instances take slots (without it, a restart let a second job run
+    /// beside it on a cap of 1: tests/jobs_fleet).
+    pub(crate) fn job_hold(self: &Arc<Self>, route: &str, id: &str) {
+        crate::store::lock(&self.held)
+            .live
+            .insert(id.to_string(), vec![keys::route_slots_key(route)]);
+        self.watch_for_data_loss();
+    }
+
     /// Frees the job's slot (handing it on).
     pub(crate) async fn job_release(&self, route: &str, id: &str) -> Result<(), StoreError> {
+        crate::store::lock(&self.held).live.remove(id);
         let rk = Self::route_keys(route)?;
         let _: Vec<i64> = self.call(self.queue_script.release(&rk, id)).await?;
         Ok(())
