@@ -538,3 +538,50 @@ async fn a_redis_restart_loses_the_jobs_it_held_and_the_fleet_goes_on() {
     assert_eq!(up.count(ROUTE), 2, "the lost queued job never runs");
     assert_eq!(up.max_concurrent(ROUTE), 1);
 }
+
+/// `tollgate_jobs{state="queued"}` on Redis is the route's queued jobs fleet-wide, as each
+/// instance's last beat saw them (the same figure on every instance: aggregate with `max`);
+/// `running` is the jobs this instance runs. `/admin/routes` gives both.
+#[tokio::test]
+async fn every_instance_sees_the_fleets_queued_jobs() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = config(&redis.url());
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let mut queued = vec![];
+    for _ in 0..3 {
+        queued.push(submit(&c, &b, ROUTE, "").await.0);
+    }
+    let series = |state: &str| format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"{state}\"}}");
+    for gw in [&a, &b] {
+        wait_metric(gw, &series("queued"), 3.0, Duration::from_secs(3)).await;
+    }
+    assert_metric(&a, &series("running"), 1.0).await;
+    assert_metric(&b, &series("running"), 0.0).await;
+    let routes: serde_json::Value = reqwest::get(b.admin("/admin/routes"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let route = routes["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == ROUTE)
+        .unwrap();
+    assert_eq!(
+        route["jobs"],
+        serde_json::json!({"queued": 3, "running": 0})
+    );
+    for location in std::iter::once(&first).chain(&queued) {
+        assert_eq!(result(&c, &b, location).await.status(), 200);
+    }
+    for gw in [&a, &b] {
+        wait_metric(gw, &series("queued"), 0.0, Duration::from_secs(3)).await;
+        wait_metric(gw, &series("running"), 0.0, Duration::from_secs(3)).await;
+    }
+}

@@ -55,9 +55,13 @@ pub async fn routes(shared: &Shared) -> Resp {
             v["queue_timeout_seconds"] = r.queue_timeout.as_secs_f64().into();
             v["keys"] = keys.into();
         }
-        // This process's board; a fleet's jobs (Redis) are among the queue's figures above.
-        if r.jobs.is_some() && matches!(shared.store, crate::store::Store::Memory(_)) {
-            let (queued, running) = shared.jobs.counts(&r.label);
+        // This process's board; on Redis the fleet's queued jobs (as this instance last saw
+        // them) and the jobs this instance runs.
+        if r.jobs.is_some() {
+            let (queued, running) = match shared.store {
+                crate::store::Store::Memory(_) => shared.jobs.counts(&r.label),
+                crate::store::Store::Redis(_) => crate::jobs::gauge_counts(&r.label),
+            };
             v["jobs"] = serde_json::json!({"queued": queued, "running": running});
             jobs.push(
                 serde_json::json!({"route": &*r.label, "queued": queued, "running": running}),

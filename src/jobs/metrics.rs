@@ -102,6 +102,22 @@ pub fn announce(router: &Router) {
     }
 }
 
+/// On Redis: the route's queued jobs fleet-wide, as this instance's last beat for the fleet
+/// saw them (a queued job belongs to no instance; every instance shows the same figure).
+pub(super) fn fleet_queued(route: &str, queued: u64) {
+    get()
+        .jobs
+        .with_label_values(&[route, JobState::Queued.as_str()])
+        .set(i64::try_from(queued).unwrap_or(i64::MAX));
+}
+
+/// `tollgate_jobs{route,state}` now: (queued, running).
+pub fn counts(route: &str) -> (usize, usize) {
+    let m = get();
+    let of = |s: JobState| m.jobs.with_label_values(&[route, s.as_str()]).get().max(0) as usize;
+    (of(JobState::Queued), of(JobState::Running))
+}
+
 pub(super) fn ended(route: &str, result: JobResult) {
     get()
         .total

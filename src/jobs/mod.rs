@@ -31,7 +31,7 @@ use crate::problem::Problem;
 use crate::store::fair::Place;
 use crate::store::lock;
 
-pub use metrics::announce;
+pub use metrics::{announce, counts as gauge_counts};
 pub use run::{Origin, Submission};
 pub use send::JobRequest;
 

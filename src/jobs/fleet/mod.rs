@@ -269,9 +269,10 @@ pub fn start_collector(shared: Arc<Shared>) {
                 .map(|r| r.label.clone())
                 .collect();
             for label in routes {
-                let Ok(ids) = b.job_grants(&label).await else {
+                let Ok((ids, waiting)) = b.job_grants(&label).await else {
                     continue;
                 };
+                metrics::fleet_queued(&label, waiting);
                 for id in ids {
                     if matches!(b.job_renew(&label, &id).await, Ok(true)) {
                         start(&shared, b, Arc::from(id), label.clone()).await;

@@ -43,9 +43,10 @@
 --   release ARGV id grant_ttl_us given_up_us -> {0} (the lease or the waiter of that id goes;
 --          an id that was neither is refused for given_up_us)
 --   beat   ARGV instance alive_us grant_ttl_us below n, then the n ids the instance has on
---          the route (waiting, entering, holding) -> {0, g, the g waiters granted to it whose
+--          the route (waiting, entering, holding) -> {w, g, the g waiters granted to it whose
 --          grant still holds..., then those of the n that are neither waiting nor granted
---          (the queue lost them: a failover, a flush)}. With `below` > 0, the instance's own
+--          (the queue lost them: a failover, a flush)}, w its waiters still waiting (for
+--          the fleet's jobs: the route's queued jobs). With `below` > 0, the instance's own
 --          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   peek   -> {running, queued, then per key: key, running, waiting}
 -- Reads and checks come before the first write of each operation's own work; the upkeep
@@ -346,7 +347,7 @@ elseif op == 'beat' then
   grant(grant_ttl)
   local mine = redis.call('HGET', state, 'g:' .. instance)
   redis.call('HDEL', state, 'g:' .. instance)
-  local out = {0, 0}
+  local out = {num('n:' .. instance), 0}
   if mine then
     for id in string.gmatch(mine, '%S+') do
       if redis.call('ZSCORE', leases, id) then out[#out + 1] = id end

@@ -89,8 +89,8 @@ impl RedisBackend {
     }
 
     /// Beats on `route` as the fleet: the job ids granted a slot there since the last beat
-    /// (this caller now owns them: confirm each, or release it).
-    pub(crate) async fn job_grants(&self, route: &str) -> Result<Vec<String>, StoreError> {
+    /// (this caller now owns them: confirm each, or release it), and how many jobs still wait.
+    pub(crate) async fn job_grants(&self, route: &str) -> Result<(Vec<String>, u64), StoreError> {
         let rk = Self::route_keys(route)?;
         let mut inv = self.queue_script.call(&rk, "beat");
         // (`below` 0: job ids are not this instance's to reconcile.)
@@ -100,16 +100,20 @@ impl RedisBackend {
             .arg(0)
             .arg(0);
         let reply: Vec<redis::Value> = self.call(inv).await?;
-        let n = reply
-            .get(1)
-            .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
-            .unwrap_or(0);
-        Ok(reply
+        let int = |i: usize| {
+            reply
+                .get(i)
+                .and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok())
+                .unwrap_or(0)
+        };
+        let (waiting, n) = (int(0), int(1) as usize);
+        let ids = reply
             .iter()
             .skip(2)
             .take(n)
             .filter_map(|v| redis::from_redis_value::<String>(v.clone()).ok())
-            .collect())
+            .collect();
+        Ok((ids, waiting))
     }
 
     /// Renews the job's slot for a whole lease (a grant is confirmed the same way); `false`
