@@ -585,3 +585,77 @@ async fn every_instance_sees_the_fleets_queued_jobs() {
         wait_metric(gw, &series("running"), 0.0, Duration::from_secs(3)).await;
     }
 }
+
+/// A plan's `max_in_flight_per_key` counts a fleet job from submission to its end, as on the
+/// memory store: a key at its cap gets 429 `concurrency-limit` (no job, not charged), on any
+/// instance; a job that ends (done, or cancelled while queued) frees the key's slot.
+#[tokio::test]
+async fn a_plans_max_in_flight_per_key_counts_jobs_from_submission_to_their_end() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = config(&redis.url())
+        .replace(
+            "keys:\n",
+            "plans:\n  two: {max_cost: 100, window: 24h, max_in_flight_per_key: 2}\nkeys:\n",
+        )
+        .replace(&registry_key("a", ""), &registry_key("a", ", plan: two"));
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let (running, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (queued, _) = submit(&c, &b, ROUTE, "").await;
+    for gw in [&a, &b] {
+        let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
+        assert_eq!(r.status(), 429);
+        let p: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            p["type"].as_str().unwrap().ends_with("concurrency-limit"),
+            "{p}"
+        );
+    }
+    assert_eq!(remaining(&a, "a").await, 80, "refusals are not charged");
+    // Cancelling the queued job frees one of the key's slots.
+    let cancelled = c
+        .delete(a.url(&queued))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let (third, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &b, &running).await.status(), 200);
+    assert_eq!(result(&c, &b, &third).await.status(), 200);
+    // Both ended: the key's two slots are free again.
+    let (fourth, _) = submit(&c, &b, ROUTE, "").await;
+    let (fifth, _) = submit(&c, &a, ROUTE, "").await;
+    for location in [&fourth, &fifth] {
+        assert_eq!(result(&c, &a, location).await.status(), 200);
+    }
+    assert_eq!(up.count(ROUTE), 4);
+}
+
+/// A route's `max_queue` refuses a job beyond it with 503 `route-busy`, not charged.
+#[tokio::test]
+async fn a_job_refused_by_a_full_queue_is_not_charged() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let body = config(&redis.url()).replace(
+        "max_in_flight: 1\n",
+        "max_in_flight: 1\n      max_queue: 1\n",
+    );
+    assert!(body.contains("max_queue: 1"));
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let (first, _) = submit(&c, &gw, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &gw, ROUTE, "").await;
+    let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
+    assert_eq!(r.status(), 503);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_eq!(remaining(&gw, "a").await, 80);
+    for location in [&first, &second] {
+        assert_eq!(result(&c, &gw, location).await.status(), 200);
+    }
+    assert_eq!(remaining(&gw, "a").await, 80);
+}

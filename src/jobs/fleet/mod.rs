@@ -46,11 +46,9 @@ pub(super) async fn submit(
     if !record::put(b, &id, &job.route.label, job.who, ttl, &job.request, &rid).await {
         return Err(Admission::Unavailable);
     }
-    let admit = AdmitRequest {
-        key_cap: None,
-        ..job.admit
-    };
-    let entered = b.enter_job(&admit, job.cap, &id).await;
+    // A plan's max_in_flight_per_key counts the job from here to its end (`enter_job`).
+    let admit = job.admit;
+    let entered = b.enter_job(&admit, job.cap, &id, ttl).await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
             start(shared, b, id.clone(), job.route.label.clone()).await;
@@ -115,7 +113,8 @@ async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<
         }
         Claimed::Expired => expired(shared, b, &id, &label).await,
         Claimed::Not => {
-            let _ = b.job_release(&label, &id).await;
+            // Cancelled (its key's slot went then) or gone.
+            let _ = b.job_release(&label, &id, None).await;
         }
     }
 }
@@ -206,9 +205,12 @@ async fn take_out(
     if !matches!(b.job_record::<i64>(id, op, &[]).await, Ok(1)) {
         return false;
     }
+    let key = key_slot(running, &label, who);
     if matches!(b.job_leave(&label, id).await, Ok(1)) {
         // Granted meanwhile: the slot goes on to the next waiter.
-        let _ = b.job_release(&label, id).await;
+        let _ = b.job_release(&label, id, key).await;
+    } else if let Some(key) = key {
+        let _ = b.job_release_key(key, id).await;
     }
     refund(shared, running, &label, who).await;
     metrics::ended(
@@ -223,6 +225,19 @@ async fn take_out(
 }
 
 /// Gives back the charge of a job of `who` on route `label` that never ran.
+/// The key whose slot a job of `who` on `label` holds: its plan's `max_in_flight_per_key`
+/// counts jobs (`RedisBackend::enter_job`).
+pub(super) fn key_slot<'a>(
+    running: &Running,
+    label: &str,
+    who: &'a Identity,
+) -> Option<&'a KeyHash> {
+    let route = running.config.router.by_label(label)?;
+    decision::admit_request(route, who)
+        .key_cap
+        .map(|_| &who.hash)
+}
+
 async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity) {
     if let Some(route) = running.config.router.by_label(label) {
         let admit = AdmitRequest {
@@ -235,14 +250,15 @@ async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity)
 
 /// A job whose claim found it waited result_ttl (now `expired`): refunded, its slot passed on.
 async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
-    let _ = b.job_release(label, id).await;
     let running = shared.running();
-    if let Some(who) = read(b, id)
+    let who = read(b, id)
         .await
         .ok()
         .flatten()
-        .and_then(|r| payer(&running, field(&r, "key")))
-    {
+        .and_then(|r| payer(&running, field(&r, "key")));
+    let key = who.as_ref().and_then(|w| key_slot(&running, label, w));
+    let _ = b.job_release(label, id, key).await;
+    if let Some(who) = who {
         refund(shared, &running, label, &who).await;
     }
     metrics::ended(label, JobResult::Expired);
@@ -274,10 +290,11 @@ pub fn start_collector(shared: Arc<Shared>) {
                 };
                 metrics::fleet_queued(&label, waiting);
                 for id in ids {
-                    if matches!(b.job_renew(&label, &id).await, Ok(true)) {
+                    // Confirming the grant: the key's slot, if any, is renewed by the runner.
+                    if matches!(b.job_renew(&label, &id, None).await, Ok(true)) {
                         start(&shared, b, Arc::from(id), label.clone()).await;
                     } else {
-                        let _ = b.job_release(&label, &id).await;
+                        let _ = b.job_release(&label, &id, None).await;
                     }
                 }
             }

@@ -38,17 +38,18 @@ pub(super) async fn run_claimed(
         Some((r, route, who, request))
     };
     let Some((r, route, who, request)) = parts.await else {
-        let _ = b.job_release(&label, &id).await;
+        let _ = b.job_release(&label, &id, None).await;
         return;
     };
+    let key = super::key_slot(&running, &label, &who).copied();
     let admit = AdmitRequest {
         key_cap: None,
         ..decision::admit_request(&route, &who)
     };
     let _drain = shared.drain.enter();
     let _state = InState::new(&label, JobState::Running);
-    b.job_hold(&label, &id);
-    let renew = keep_alive(b.clone(), id.clone(), label.clone());
+    b.job_hold(&label, &id, key.as_ref());
+    let renew = keep_alive(b.clone(), id.clone(), label.clone(), key);
     // With `max_delay` it holds its slot until its reserved units are due, as on memory.
     tokio::time::sleep(wait).await;
     let max = route.jobs.map_or(16 << 20, |j| j.max_response_body);
@@ -66,7 +67,7 @@ pub(super) async fn run_claimed(
         shared.store.settle(&admit, Charge::Shared, cost).await;
     }
     renew.abort();
-    let _ = b.job_release(&label, &id).await;
+    let _ = b.job_release(&label, &id, key.as_ref()).await;
     metrics::ended(&label, state);
     if cost > 0 {
         running.metrics.get(&route).cost_units.inc_by(cost);
@@ -100,13 +101,18 @@ pub(super) async fn run_claimed(
 }
 
 /// Renews the job's slot and its runner's word for it every third of lease_ttl, until aborted.
-fn keep_alive(b: Arc<RedisBackend>, id: Arc<str>, label: Arc<str>) -> tokio::task::JoinHandle<()> {
+fn keep_alive(
+    b: Arc<RedisBackend>,
+    id: Arc<str>,
+    label: Arc<str>,
+    key: Option<crate::identity::KeyHash>,
+) -> tokio::task::JoinHandle<()> {
     let every = b.lease_ttl() / 3;
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
-            let _ = b.job_renew(&label, &id).await;
+            let _ = b.job_renew(&label, &id, key.as_ref()).await;
             let _ = b.job_record::<i64>(&id, "renew", &[alive.as_bytes()]).await;
         }
     })

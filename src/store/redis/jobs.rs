@@ -11,6 +11,7 @@ use redis::Script;
 
 use super::queue::{leave, queue_keys, QueueKeys, GRANT_TTL};
 use super::{keys, Decided, RedisBackend};
+use crate::identity::KeyHash;
 use crate::store::{Admission, AdmitRequest, Standing, StoreError};
 
 /// The instance a job's waiter belongs to: the fleet.
@@ -44,24 +45,57 @@ impl RedisBackend {
 
     /// Charges a job (its key's budgets, as a queued request is charged) and enters it in its
     /// route's queue as the fleet's waiter `id`. A full queue gives the charge back.
+    ///
+    /// With a plan's `max_in_flight_per_key` (`req.key_cap`) the job holds one of its key's
+    /// slots from now to its end, under its id, as a request does: for as long as it may wait
+    /// (`waits_for`, its `result_ttl`) and then, once it runs, renewed by its runner
+    /// ([`Self::job_renew`]); whoever ends it releases it ([`Self::job_release`]).
     pub(crate) async fn enter_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
         cap: u32,
         id: &str,
+        waits_for: Duration,
     ) -> Result<JobEntered, StoreError> {
         // As a request's admission: after Redis lost its data, runners register their slots
         // again before this job may take one.
         self.after_data_loss(req).await;
         let start = std::time::Instant::now();
-        let outcome = match self.try_admit(req, Default::default()).await?.0 {
-            Decided::KeyAdmitted(o, _, _) => o,
+        let key_lease = waits_for + self.lease_ttl;
+        let decided = self
+            .try_admit_leasing(req, Default::default(), id.to_string(), key_lease)
+            .await?
+            .0;
+        let (outcome, key_slots) = match decided {
+            Decided::KeyAdmitted(o, key_slots, _) => (o, key_slots),
             other => {
                 return Ok(JobEntered::Refused(Box::new(
                     self.answer(req, other, start).admission,
                 )))
             }
         };
+        let entered = self.enter_admitted_job(req, cap, id, &outcome).await;
+        if !matches!(
+            entered,
+            Ok(JobEntered::Taken(_)) | Ok(JobEntered::Queued(..))
+        ) {
+            // Not in the queue (full), or maybe not: its key's slot goes now.
+            self.release_keys(key_slots, id.to_string()).await;
+        }
+        if matches!(entered, Ok(JobEntered::Refused(_))) {
+            // The queue is full: the charge goes back, as a request's does.
+            self.undo_charge(super::budget_keys(req), req.cost).await;
+        }
+        entered
+    }
+
+    async fn enter_admitted_job(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        cap: u32,
+        id: &str,
+        outcome: &crate::budget::Outcome,
+    ) -> Result<JobEntered, StoreError> {
         if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
             if delay_us > 0 {
                 // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
@@ -73,7 +107,7 @@ impl RedisBackend {
         let rk = Self::route_keys(&req.route)?;
         let inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);
         let entered: Vec<i64> = self.call(inv).await?;
-        let standing: Standing = (&outcome).into();
+        let standing: Standing = outcome.into();
         Ok(match entered.first().copied() {
             Some(1) => JobEntered::Taken(standing),
             Some(0) => JobEntered::Queued(standing, entered.get(1).copied().unwrap_or(0) as u64),
@@ -86,6 +120,11 @@ impl RedisBackend {
                 }))
             }
         })
+    }
+
+    /// Frees the key's slot a job held (`key`), the job never having had its route's.
+    pub(crate) async fn job_release_key(&self, key: &KeyHash, id: &str) -> Result<(), StoreError> {
+        self.lease_op(&[keys::key_slots_key(key)], id, 0).await
     }
 
     /// Beats on `route` as the fleet: the job ids granted a slot there since the last beat
@@ -116,13 +155,23 @@ impl RedisBackend {
         Ok((ids, waiting))
     }
 
-    /// Renews the job's slot for a whole lease (a grant is confirmed the same way); `false`
-    /// when it lapsed.
-    pub(crate) async fn job_renew(&self, route: &str, id: &str) -> Result<bool, StoreError> {
+    /// Renews the job's slot for a whole lease (a grant is confirmed the same way), and its
+    /// key's slot if it holds one (`key`); `false` when the route's lapsed.
+    pub(crate) async fn job_renew(
+        &self,
+        route: &str,
+        id: &str,
+        key: Option<&KeyHash>,
+    ) -> Result<bool, StoreError> {
         let rk = Self::route_keys(route)?;
         let mut inv = self.queue_script.call(&rk, "confirm");
         inv.arg(id).arg(self.lease_ttl.as_micros() as u64);
         let v: Vec<i64> = self.call(inv).await?;
+        if let Some(key) = key {
+            let ttl_us = self.lease_ttl.as_micros() as u64;
+            self.lease_op(&[keys::key_slots_key(key)], id, ttl_us)
+                .await?;
+        }
         Ok(v.first() == Some(&1))
     }
 
@@ -130,18 +179,29 @@ impl RedisBackend {
     /// is registered, so that when Redis loses its data (`lost.rs`) the slot is registered
     /// again before other instances take slots (without it, a restart let a second job run
     /// beside it on a cap of 1: tests/jobs_fleet).
-    pub(crate) fn job_hold(self: &Arc<Self>, route: &str, id: &str) {
+    /// (And its key's slot, `key`, if it holds one.)
+    pub(crate) fn job_hold(self: &Arc<Self>, route: &str, id: &str, key: Option<&KeyHash>) {
+        let mut sets = vec![keys::route_slots_key(route)];
+        sets.extend(key.map(keys::key_slots_key));
         crate::store::lock(&self.held)
             .live
-            .insert(id.to_string(), vec![keys::route_slots_key(route)]);
+            .insert(id.to_string(), sets);
         self.watch_for_data_loss();
     }
 
-    /// Frees the job's slot (handing it on).
-    pub(crate) async fn job_release(&self, route: &str, id: &str) -> Result<(), StoreError> {
+    /// Frees the job's slot (handing it on), and its key's (`key`) if it holds one.
+    pub(crate) async fn job_release(
+        &self,
+        route: &str,
+        id: &str,
+        key: Option<&KeyHash>,
+    ) -> Result<(), StoreError> {
         crate::store::lock(&self.held).live.remove(id);
         let rk = Self::route_keys(route)?;
         let _: Vec<i64> = self.call(self.queue_script.release(&rk, id)).await?;
+        if let Some(key) = key {
+            self.lease_op(&[keys::key_slots_key(key)], id, 0).await?;
+        }
         Ok(())
     }
 

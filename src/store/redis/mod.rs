@@ -212,6 +212,19 @@ impl RedisBackend {
         ask: Ask,
         lease_id: String,
     ) -> Result<(Decided, Seen), StoreError> {
+        self.try_admit_leasing(req, ask, lease_id, self.lease_ttl)
+            .await
+    }
+
+    /// One `admit` call whose key lease (a plan's `max_in_flight_per_key`), if it takes
+    /// one, lasts `lease_ttl` (a job's lasts while it may wait: its `result_ttl`).
+    async fn try_admit_leasing(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        ask: Ask,
+        lease_id: String,
+        lease_ttl: Duration,
+    ) -> Result<(Decided, Seen), StoreError> {
         let key_slots = req.key_cap.is_some();
         // A capped route's slot is taken in its fair queue, after this call (`queue`, in the
         // route's own slot, on one node as on Cluster).
@@ -226,7 +239,7 @@ impl RedisBackend {
             record: String::new(),
             // Every call's admission id; the id of its leases too, if it takes any.
             lease_id,
-            lease_ttl_us: self.lease_ttl.as_micros() as u64,
+            lease_ttl_us: lease_ttl.as_micros() as u64,
             also: also_keys(req).collect(),
             holds,
             slice: ask.slice,
