@@ -483,6 +483,11 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
     assert_eq!(ended(&a), [id(&running)], "{}", a.log());
     assert_eq!(result(&c, &b, &running).await.status(), 200);
     assert_eq!(result(&c, &b, &queued).await.status(), 200);
+    // The job's last access-log line comes just after its result is readable.
+    let since = Instant::now();
+    while ended(&b).is_empty() && since.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(ended(&b), [id(&queued)], "{}", b.log());
     assert_eq!(up.count(ROUTE), 2);
     assert_eq!(up.max_concurrent(ROUTE), 1);
@@ -658,4 +663,44 @@ async fn a_job_refused_by_a_full_queue_is_not_charged() {
         assert_eq!(result(&c, &gw, location).await.status(), 200);
     }
     assert_eq!(remaining(&gw, "a").await, 80);
+}
+
+/// A slot a job frees goes to the next queued job at once (DESIGN §8: the waiter is woken
+/// within 50 ms of the release): the fleet takes a grant when Redis publishes it, not at its
+/// next collecting round. Ten jobs through a cap of 1, each 100 ms at the upstream, are all
+/// done within 10 × (100 + 50) ms of the first submission.
+#[tokio::test]
+async fn a_freed_slot_goes_to_the_next_job_at_once() {
+    let redis = Redis::start();
+    const EACH: Duration = Duration::from_millis(100);
+    let up = Upstream::start(EACH);
+    let body = config(&redis.url()).replace("max_cost: 100}", "max_cost: 1000}");
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let start = Instant::now();
+    let mut jobs = vec![];
+    for i in 0..10 {
+        jobs.push(
+            submit(&c, if i % 2 == 0 { &a } else { &b }, ROUTE, "")
+                .await
+                .0,
+        );
+    }
+    let last = jobs.last().unwrap();
+    loop {
+        let r = get(&c, a.url(last), "key-a").await;
+        if r.status() != 202 {
+            assert_eq!(r.status(), 200);
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "never done");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = start.elapsed();
+    assert_eq!(up.count(ROUTE), 10);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    assert!(
+        took < 10 * (EACH + Duration::from_millis(50)),
+        "ten jobs of {EACH:?} through a cap of 1 took {took:?}"
+    );
 }

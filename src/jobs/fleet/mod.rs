@@ -269,9 +269,16 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
 /// and runs it.
 pub fn start_collector(shared: Arc<Shared>) {
     let started = crate::background::spawn("tollgate-jobs".into(), move || async move {
+        let Some(b) = backend(&shared) else { return };
+        // A grant to the fleet is taken when Redis publishes it; the rounds every
+        // COLLECT_EVERY catch one whose message was missed (a reconnect).
+        let granted = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
         loop {
-            tokio::time::sleep(COLLECT_EVERY).await;
-            let Some(b) = backend(&shared) else { return };
+            tokio::select! {
+                _ = tokio::time::sleep(COLLECT_EVERY) => {}
+                _ = granted.notified() => {}
+            }
             if shared.drain.is_draining() {
                 // A draining instance starts no job: the others take the fleet's queue.
                 return;
