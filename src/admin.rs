@@ -171,7 +171,7 @@ async fn answer(req: Request<Incoming>, shared: &Shared, auth: Option<&AdminAuth
 fn readyz(shared: &Shared) -> Resp {
     let draining = shared.drain.is_draining();
     let store_ok = shared.store.ready();
-    let up = shared.upstream_addr.load().is_some();
+    let up = shared.running().upstream_addr.is_some();
     let body = serde_json::json!({
         "config": "loaded",
         "store": if shared.store.degraded() { "degraded (on_error policy in force)" } else { "ok" },

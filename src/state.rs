@@ -5,31 +5,34 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 
-use arc_swap::{ArcSwap, ArcSwapOption};
+use arc_swap::ArcSwap;
 
 use crate::config::Config;
 use crate::shutdown::Drain;
 use crate::store::Store;
 use crate::telemetry::RouteMetricsTable;
 
-/// A config as the gateway runs it: the validated file plus its routes' metric series.
+/// A config as the gateway runs it, and everything built from it — its routes' metric
+/// series, its named upstreams' pools, the upstream's resolved address — swapped as one on
+/// reload: a request that holds a `Running` never pairs the new pools with the old routes.
 #[derive(Debug)]
 pub struct Running {
     pub config: Config,
     pub metrics: RouteMetricsTable,
+    /// The named upstreams of this config (`upstreams:`).
+    pub pools: crate::upstreams::Pools,
+    /// The upstream's resolved address (`None`: its name did not resolve; 502 until a reload
+    /// resolves it).
+    pub upstream_addr: Option<SocketAddr>,
 }
 
 pub struct Shared {
     running: ArcSwap<Running>,
-    /// The upstream's resolved address (`None` until its name resolves).
-    pub upstream_addr: ArcSwapOption<SocketAddr>,
     pub store: Store,
     pub drain: Arc<Drain>,
     /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
     /// [`crate::decision::MAX_HELD`] permits.
     pub holds: Arc<tokio::sync::Semaphore>,
-    /// The named upstreams of the config in force (rebuilt on reload).
-    pub pools: ArcSwap<crate::upstreams::Pools>,
     /// This process's async jobs (DESIGN §8).
     pub jobs: crate::jobs::Board,
     /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
@@ -46,14 +49,14 @@ impl Shared {
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
         crate::jobs::announce(&config.router);
-        let pools = ArcSwap::from_pointee(crate::upstreams::Pools::build(
-            &config,
-            &crate::upstreams::Pools::default(),
-        ));
+        let pools = crate::upstreams::Pools::build(&config, &crate::upstreams::Pools::default());
         Arc::new(Shared {
-            pools,
-            running: ArcSwap::from_pointee(Running { config, metrics }),
-            upstream_addr: ArcSwapOption::new(addr.map(Arc::new)),
+            running: ArcSwap::from_pointee(Running {
+                config,
+                metrics,
+                pools,
+                upstream_addr: addr,
+            }),
             store,
             drain: Drain::new(),
             holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
@@ -83,13 +86,14 @@ impl Shared {
                 "store.* settings take effect on restart only; keeping the running store"
             );
         }
-        if was.upstream.host != new.upstream.host || was.upstream.port != new.upstream.port {
-            self.upstream_addr
-                .store(resolve(&new.upstream.host, new.upstream.port).map(Arc::new));
-        }
+        let upstream_addr =
+            if was.upstream.host != new.upstream.host || was.upstream.port != new.upstream.port {
+                resolve(&new.upstream.host, new.upstream.port)
+            } else {
+                old.upstream_addr
+            };
         // Built while the old pools are in force, so that their checkers carry over.
-        let pools = crate::upstreams::Pools::build(&new, &self.pools.load());
-        self.pools.store(Arc::new(pools));
+        let pools = crate::upstreams::Pools::build(&new, &old.pools);
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);
@@ -97,6 +101,8 @@ impl Shared {
         self.running.store(Arc::new(Running {
             config: new,
             metrics,
+            pools,
+            upstream_addr,
         }));
         // After the swap: a request that still spends a slice now asks again under the new
         // budgets.

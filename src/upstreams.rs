@@ -28,6 +28,12 @@ use crate::config::{Config, HealthCheck, NamedUpstream, UpstreamTarget};
 #[derive(Default)]
 pub struct Pools(HashMap<String, Arc<Pool>>);
 
+impl std::fmt::Debug for Pools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
 /// One named upstream: the balancer over its resolved addresses, and each address's target.
 pub struct Pool {
     lb: LoadBalancer<RoundRobin>,

@@ -1100,3 +1100,54 @@ async fn the_pid_file_names_the_gateway_to_reload() {
     assert_eq!(gw.wait_exit(Duration::from_secs(12)), Some(0));
     assert!(!pid_file.exists(), "the pid file is removed at exit");
 }
+
+/// A request keeps the config it started with, named upstreams included: one queued for a
+/// capped route when a reload points the route's pool elsewhere is sent where its own config
+/// said (the config, its pools and the upstream's address are swapped as one snapshot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
+    let (old, new) = (
+        Upstream::start(Duration::from_millis(1000)),
+        Upstream::start(Duration::from_millis(1000)),
+    );
+    let body = |pool: &Upstream| {
+        format!(
+            "upstreams:\n  pool:\n    urls: [\"{}\"]\nrate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc, max_in_flight: 1, queue_timeout: 10s}}\n",
+            pool.url()
+        )
+    };
+    let gw = Gateway::start(&old, &body(&old));
+    let c = client();
+    let send = || {
+        let (c, url) = (c.clone(), gw.url("/svc/reports/generate"));
+        tokio::spawn(async move { post(&c, url, "k").await.status() })
+    };
+    let first = send();
+    old.wait_current("/reports/generate", 1).await;
+    let queued = send();
+    wait_metric(
+        &gw,
+        "tollgate_queued{route=\"/svc/{*rest}\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    let yaml = std::fs::read_to_string(&gw.config_path)
+        .unwrap()
+        .replace(&old.url(), &new.url());
+    std::fs::write(&gw.config_path, yaml).unwrap();
+    reload(&gw, 0.0).await;
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(queued.await.unwrap(), 200);
+    assert_eq!(
+        (
+            old.count("/reports/generate"),
+            new.count("/reports/generate")
+        ),
+        (2, 0),
+        "the queued request went where its config said"
+    );
+    // A request that starts after the reload goes to the new pool.
+    assert_eq!(send().await.unwrap(), 200);
+    assert_eq!(new.count("/reports/generate"), 1);
+}

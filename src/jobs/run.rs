@@ -206,14 +206,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     let rm = t.running.metrics.get(&t.route);
     let _in_flight = InFlight::new(&rm.in_flight);
     let started = Instant::now();
-    let sent = send::send(
-        &t.shared,
-        &t.running,
-        &t.route,
-        &t.request,
-        t.rules.max_response_body,
-    )
-    .await;
+    let sent = send::send(&t.running, &t.route, &t.request, t.rules.max_response_body).await;
     let mut ended = Ended {
         result: JobResult::Failed,
         status: 502,

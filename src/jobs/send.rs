@@ -14,7 +14,7 @@ use super::Stored;
 use crate::proxy::forward;
 use crate::route::stated::Report;
 use crate::route::Route;
-use crate::state::{Running, Shared};
+use crate::state::Running;
 
 /// What the upstream receives: the head as `forward::request` made it at submission, and the
 /// whole body.
@@ -109,10 +109,10 @@ type PeerChoice = (
     Duration,
 );
 
-fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
+fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
     if let Some(name) = &route.provider.upstream {
-        let pools = shared.pools.load();
-        let (addr, t) = pools
+        let (addr, t) = running
+            .pools
             .get(name)
             .and_then(|p| p.pick())
             .ok_or(Unreachable::NoHealthyAddress)?;
@@ -124,13 +124,10 @@ fn peer(shared: &Shared, running: &Running, route: &Route) -> Result<PeerChoice,
             t.abandon_timeout,
         ));
     }
-    let addr = shared
-        .upstream_addr
-        .load_full()
-        .ok_or(Unreachable::Unresolved)?;
+    let addr = running.upstream_addr.ok_or(Unreachable::Unresolved)?;
     let up = &running.config.upstream;
     Ok((
-        forward::peer(*addr, up),
+        forward::peer(addr, up),
         None,
         up.read_timeout,
         up.abandon_timeout,
@@ -146,13 +143,8 @@ struct Opened {
 }
 
 /// Connects and writes the request; `Err` when the upstream never had it.
-async fn open(
-    shared: &Shared,
-    running: &Running,
-    route: &Route,
-    req: &JobRequest,
-) -> Result<Opened, Unreachable> {
-    let (peer, host, read_timeout, abandon) = peer(shared, running, route)?;
+async fn open(running: &Running, route: &Route, req: &JobRequest) -> Result<Opened, Unreachable> {
+    let (peer, host, read_timeout, abandon) = peer(running, route)?;
     let mut header = req.header.clone();
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
@@ -230,7 +222,6 @@ async fn read_body(
 
 /// Sends the job's request and reads the answer, at most `max_body` bytes of it.
 pub(super) async fn send(
-    shared: &Shared,
     running: &Running,
     route: &Route,
     req: &JobRequest,
@@ -241,7 +232,7 @@ pub(super) async fn send(
         sent_at,
         read_timeout,
         abandon,
-    } = match open(shared, running, route, req).await {
+    } = match open(running, route, req).await {
         Ok(o) => o,
         Err(m) => return Sent::Unreachable(m),
     };

@@ -227,8 +227,7 @@ impl ProxyHttp for Gateway {
         };
         if let Some(name) = ctx.route.as_ref().and_then(|r| r.provider.upstream.clone()) {
             // A named upstream: the pool's next healthy address (none: 502, refunded).
-            let pools = self.shared.pools.load();
-            let Some((addr, target)) = pools.get(&name).and_then(|p| p.pick()) else {
+            let Some((addr, target)) = running.pools.get(&name).and_then(|p| p.pick()) else {
                 return Error::e_explain(
                     ErrorType::ConnectNoRoute,
                     "no healthy address in the named upstream",
@@ -238,11 +237,11 @@ impl ProxyHttp for Gateway {
             ctx.abandon_after = target.abandon_timeout;
             return Ok(Box::new(forward::peer(addr, target)));
         }
-        let Some(addr) = self.shared.upstream_addr.load_full() else {
+        let Some(addr) = running.upstream_addr else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };
         ctx.abandon_after = running.config.upstream.abandon_timeout;
-        Ok(Box::new(forward::peer(*addr, &running.config.upstream)))
+        Ok(Box::new(forward::peer(addr, &running.config.upstream)))
     }
 
     async fn upstream_request_filter(
