@@ -8,6 +8,8 @@
 //! - [`decision`]: **where the cost is decided** — classify, identify, judge the store's answer;
 //! - [`budget`]: the GCRA arithmetic (whether it fits); [`policy`]: a budget as applied;
 //! - [`store`]: where budgets and in-flight slots live (memory or Redis);
+//! - [`admission`]: an admitted request's [`admission::Ticket`] — where a slot is released
+//!   and a charge refunded or settled;
 //! - [`proxy`]: the Pingora phases, translated to and from `decision`; [`problem`]: what a
 //!   refused client reads;
 //! - [`admin`], [`telemetry`]: what an SRE sees; [`audit`]: are the costs true (DESIGN §6);
@@ -17,6 +19,7 @@
 
 pub mod accept;
 pub mod admin;
+pub mod admission;
 pub mod app;
 pub mod audit;
 pub mod background;

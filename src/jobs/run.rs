@@ -12,13 +12,13 @@ use tokio::sync::oneshot;
 use super::metrics::{self, InState, JobResult, JobState};
 use super::send::{self, JobRequest, Sent};
 use super::{new_id, Job, NewJob, Status, Stored};
+use crate::admission::{InFlight, Ticket};
 use crate::problem::{self, Problem};
-use crate::proxy::ctx::InFlight;
 use crate::route::stated::Report;
 use crate::route::{AsyncRules, Route};
 use crate::state::{Running, Shared};
 use crate::store::memory::{JobPlace, MemoryStore};
-use crate::store::{Admission, AdmitRequest, Lease, Standing};
+use crate::store::{Admission, Standing};
 use crate::telemetry::access;
 
 /// A job accepted: charged, queued, its task started.
@@ -44,8 +44,8 @@ struct Task {
     route: Arc<Route>,
     rules: AsyncRules,
     job: Arc<Job>,
-    admit: AdmitRequest,
-    lease: Lease,
+    /// Its charge and, once granted, its slot.
+    ticket: Ticket,
     place: Option<JobPlace>,
     /// `max_delay`: its units were reserved ahead; it runs no sooner than this after submission.
     delay: Duration,
@@ -100,8 +100,7 @@ pub(super) fn submit(
         route: new.route,
         rules: new.rules,
         job: job.clone(),
-        admit: new.admit,
-        lease,
+        ticket: Ticket::new(new.admit, standing, lease),
         place: Some(place),
         delay,
         cancelled: rx,
@@ -165,9 +164,7 @@ async fn run(mut t: Task) {
         slot => {
             // Cancelled, or no slot within result_ttl: it never ran, so its charge goes back.
             drop(slot);
-            t.shared.store.refund(&t.admit, t.lease.charge()).await;
-            let lease = std::mem::take(&mut t.lease);
-            lease.release().await;
+            t.ticket.refund(&t.shared.store).await;
             let result = if t.job.expire(t.rules.result_ttl) {
                 t.shared.jobs.resize(&t.job, 0);
                 JobResult::Expired
@@ -187,7 +184,7 @@ async fn run(mut t: Task) {
             });
         }
     };
-    t.lease.attach_route(slot);
+    t.ticket.attach_route(slot);
     let due = t.submitted + t.delay;
     if Instant::now() < due {
         tokio::time::sleep_until(due.into()).await;
@@ -203,7 +200,8 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     // SIGTERM lets a running job finish within grace_period, like a request.
     let _drain = t.shared.drain.enter();
     let _running = InState::new(&t.route.label, JobState::Running);
-    let rm = t.running.metrics.get(&t.route);
+    let (running, route) = (t.running.clone(), t.route.clone());
+    let rm = running.metrics.get(&route);
     let _in_flight = InFlight::new(&rm.in_flight);
     let started = Instant::now();
     let sent = send::send(&t.running, &t.route, &t.request, t.rules.max_response_body).await;
@@ -211,19 +209,18 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         result: JobResult::Failed,
         status: 502,
         upstream_status: None,
-        cost: t.admit.cost,
+        cost: t.ticket.req.cost,
         queued,
         upstream: None,
         kept: 0,
     };
-    let lease = std::mem::take(&mut t.lease);
     let result = match sent {
         Sent::Answer {
             stored,
             upstream,
             report,
         } => {
-            ended.cost = settle(t, lease, upstream, report).await;
+            ended.cost = settle(t, upstream, report).await;
             ended.result = JobResult::Done;
             ended.status = stored.status;
             ended.upstream_status = Some(stored.status);
@@ -231,8 +228,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             stored
         }
         Sent::Unreachable(detail) => {
-            t.shared.store.refund(&t.admit, lease.charge()).await;
-            lease.release().await;
+            t.ticket.refund(&t.shared.store).await;
             ended.cost = 0;
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream unreachable; refunded");
             problem_result(
@@ -250,16 +246,16 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             // The slot follows the upstream's late answer, as for a synchronous request; a
             // `cost_per_second` route bills the time the upstream worked.
             follow.until_done().await;
-            ended.cost = settle(t, lease, started.elapsed(), None).await;
+            ended.cost = settle(t, started.elapsed(), None).await;
             return ended;
         }
         Sent::TooLarge { upstream } => {
-            ended.cost = settle(t, lease, upstream, None).await;
+            ended.cost = settle(t, upstream, None).await;
             ended.upstream = Some(upstream);
             problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands")
         }
         Sent::Broken { upstream, detail } => {
-            ended.cost = settle(t, lease, upstream, None).await;
+            ended.cost = settle(t, upstream, None).await;
             ended.upstream = Some(upstream);
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
             problem_result(
@@ -277,14 +273,16 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
 
 /// Frees the slot and makes the job's charge final, as `cost_from_response` and
 /// `cost_per_second` say; the final charge.
-async fn settle(t: &Task, lease: Lease, upstream: Duration, report: Option<Report>) -> u64 {
+async fn settle(t: &mut Task, upstream: Duration, report: Option<Report>) -> u64 {
     let total = match report {
         Some(Report::Applied(units)) => units,
-        _ => t.route.fidelity.final_cost(t.admit.cost, Some(upstream)),
+        _ => t
+            .route
+            .fidelity
+            .final_cost(t.ticket.req.cost, Some(upstream)),
     };
-    let charge = lease.charge();
-    lease.release().await;
-    t.shared.store.settle(&t.admit, charge, total).await;
+    t.ticket.release().await;
+    t.ticket.settle(&t.shared.store, total).await;
     if let Some(r) = report {
         t.running.metrics.get(&t.route).cost_report(r);
     }

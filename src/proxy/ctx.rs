@@ -9,9 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus::IntGauge;
-
-use crate::decision::{Admitted, Classified, Reason, Refusal, Verdict};
+use crate::decision::{Classified, Reason, Refusal, Verdict};
 use crate::front::ConnState;
 use crate::identity::{Identity, Origin};
 use crate::problem::Problem;
@@ -19,48 +17,9 @@ use crate::route::stated::Report;
 use crate::route::Route;
 use crate::shutdown::DrainGuard;
 use crate::state::Running;
-use crate::store::{AdmitRequest, Charge, Lease, Standing, Store};
+use crate::store::{AdmitRequest, Standing, Store};
 
-/// Counts a request in `tollgate_in_flight{route}` for as long as it lives.
-pub struct InFlight(IntGauge);
-
-impl InFlight {
-    pub fn new(gauge: &IntGauge) -> InFlight {
-        gauge.inc();
-        InFlight(gauge.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-/// An admitted request: what it was charged under, and the slots it holds.
-pub struct Charged {
-    pub req: AdmitRequest,
-    pub outcome: Standing,
-    pub lease: Lease,
-    /// Where the admission was charged (kept after the lease is released), so that a
-    /// `cost_per_second` charge goes to the same place.
-    pub charge: Charge,
-    /// `None` once the slot has been handed to an [`UpstreamSlot`].
-    in_flight: Option<InFlight>,
-}
-
-/// The slots of an admitted request whose client went away, held on until the upstream is
-/// done (see `front::drain_upstream`).
-pub struct UpstreamSlot {
-    lease: Lease,
-    _in_flight: Option<InFlight>,
-}
-
-impl UpstreamSlot {
-    pub async fn release(self) {
-        self.lease.release().await;
-    }
-}
+pub use crate::admission::{InFlight, Ticket, UpstreamSlot};
 
 // Lives inside the context Pingora allocates once per request, and changes state in place:
 // boxing the large variant would add an allocation per admitted request.
@@ -74,7 +33,7 @@ pub enum Phase {
         reason: Option<Reason>,
         outcome: Option<Standing>,
     },
-    Admitted(Charged),
+    Admitted(Ticket),
     /// Charged, then given back because the upstream never produced a response.
     Refunded {
         problem: Problem,
@@ -212,30 +171,21 @@ impl Ctx {
         };
     }
 
-    /// Records an admission; the request now counts as in flight on its route.
-    pub fn admit(&mut self, req: AdmitRequest, a: Admitted, in_flight: &IntGauge) {
-        self.timing.queued = a.queued;
-        self.phase = Phase::Admitted(Charged {
-            req,
-            outcome: a.outcome,
-            charge: a.lease.charge(),
-            lease: a.lease,
-            in_flight: Some(InFlight::new(in_flight)),
-        });
+    /// Records an admission (its ticket counting in flight on its route), after `queued`
+    /// waiting for a slot.
+    pub fn admit(&mut self, ticket: Ticket, queued: Duration) {
+        self.timing.queued = queued;
+        self.phase = Phase::Admitted(ticket);
     }
 
     /// Gives the charge back and frees the slots at once: the upstream never ran it.
     pub async fn refund(&mut self, store: &Store, problem: Problem) {
         let phase = std::mem::replace(&mut self.phase, Phase::Undecided);
         self.phase = match phase {
-            Phase::Admitted(c) => {
-                store.refund(&c.req, c.lease.charge()).await;
-                c.lease.release().await;
-                Phase::Refunded {
-                    problem,
-                    outcome: c.outcome,
-                }
-            }
+            Phase::Admitted(mut ticket) => Phase::Refunded {
+                problem,
+                outcome: ticket.refund(store).await,
+            },
             other => other,
         };
     }
@@ -243,16 +193,15 @@ impl Ctx {
     /// The client left before the request was forwarded: give back whatever was charged and
     /// free the slots.
     pub async fn abandon(&mut self, store: &Store) {
-        if let Phase::Admitted(c) = std::mem::replace(&mut self.phase, Phase::Abandoned) {
-            store.refund(&c.req, c.lease.charge()).await;
-            c.lease.release().await;
+        if let Phase::Admitted(mut ticket) = std::mem::replace(&mut self.phase, Phase::Abandoned) {
+            ticket.refund(store).await;
         }
     }
 
     /// Frees the slots now (dropping the context would too, without waiting).
     pub async fn release(&mut self) {
-        if let Phase::Admitted(c) = &mut self.phase {
-            std::mem::take(&mut c.lease).release().await;
+        if let Phase::Admitted(ticket) = &mut self.phase {
+            ticket.release().await;
         }
     }
 
@@ -260,10 +209,7 @@ impl Ctx {
     /// release that waits for the upstream.
     pub fn detach_slot(&mut self) -> Option<UpstreamSlot> {
         match &mut self.phase {
-            Phase::Admitted(c) => Some(UpstreamSlot {
-                lease: std::mem::take(&mut c.lease),
-                _in_flight: c.in_flight.take(),
-            }),
+            Phase::Admitted(ticket) => Some(ticket.detach_for_upstream()),
             _ => None,
         }
     }
@@ -294,7 +240,7 @@ impl Ctx {
             Some(Report::Applied(units)) => units,
             _ => route.fidelity.final_cost(c.req.cost, upstream),
         };
-        store.settle(&c.req, c.charge, total).await;
+        c.settle(store, total).await;
         self.settled = Some(total);
     }
 
@@ -389,10 +335,12 @@ impl Ctx {
 
 #[cfg(test)]
 mod tests {
+    use prometheus::IntGauge;
+
     use super::*;
     use crate::budget::Limit;
     use crate::shutdown::Drain;
-    use crate::store::MemoryStore;
+    use crate::store::{Lease, MemoryStore};
 
     fn outcome() -> Standing {
         Standing {
@@ -423,16 +371,8 @@ mod tests {
         let store = Store::Memory(MemoryStore::new(crate::store::memory::Clock::new(0)));
         let mut ctx = Ctx::new(drain.enter());
         assert_eq!((drain.active(), ctx.decision().as_str()), (1, "error"));
-        ctx.admit(
-            req(),
-            Admitted {
-                outcome: outcome(),
-                lease: Lease::default(),
-                queued: Duration::ZERO,
-                hold: Duration::ZERO,
-            },
-            &gauge,
-        );
+        let ticket = Ticket::new(req(), outcome(), Lease::default()).in_flight(&gauge);
+        ctx.admit(ticket, Duration::ZERO);
         assert_eq!((gauge.get(), ctx.decision().as_str()), (1, "admitted"));
         assert!(ctx.is_admitted());
         ctx.refund(&store, Problem::BadGateway).await;

@@ -2,6 +2,7 @@
 //! store, queue or hold, and arm what follows the upstream.
 
 use super::*;
+use crate::admission::Ticket;
 
 impl Gateway {
     /// Classifies, identifies and admits; `Err` is the refusal to send, `Ok(false)` a client
@@ -83,7 +84,8 @@ impl Gateway {
         if route.max_in_flight.is_some() {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
-        let hold = admitted.hold;
+        let (hold, queued) = (admitted.hold, admitted.queued);
+        let mut ticket = Ticket::new(admit, admitted.outcome, admitted.lease);
         // Held requests are bounded per instance: past the bound, give the reservation back
         // and refuse (429 with Retry-After) rather than queue without limit.
         let _held = if hold.is_zero() {
@@ -92,19 +94,14 @@ impl Gateway {
             match self.shared.holds.clone().try_acquire_owned() {
                 Ok(permit) => Some(permit),
                 Err(_) => {
-                    let outcome = admitted.outcome;
-                    self.shared
-                        .store
-                        .refund(&admit, admitted.lease.charge())
-                        .await;
-                    admitted.lease.release().await;
+                    let outcome = ticket.refund(&self.shared.store).await;
                     let r = decision::too_many_held(&route, hold, outcome);
                     return shadow_or_refuse(ctx, &route, m, r);
                 }
             }
         };
         ctx.timing.hold = hold;
-        ctx.admit(admit, admitted, &m.in_flight);
+        ctx.admit(ticket.in_flight(&m.in_flight), queued);
         // Counted when admitted, not when it ends: a report running for minutes is in the
         // last minute's figures while it runs. The moment is its start plus its wait for a
         // slot (the store's answer is not worth a clock read).
