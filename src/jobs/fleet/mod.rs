@@ -272,8 +272,10 @@ pub fn start_collector(shared: Arc<Shared>) {
         let Some(b) = backend(&shared) else { return };
         // A grant to the fleet is taken when Redis publishes it; the rounds every
         // COLLECT_EVERY catch one whose message was missed (a reconnect).
+        // (Its connection is opened with the first async route: a gateway without one keeps
+        // to its one connection per worker thread.)
         let granted = Arc::new(tokio::sync::Notify::new());
-        tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
+        let mut watching = false;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(COLLECT_EVERY) => {}
@@ -291,6 +293,9 @@ pub fn start_collector(shared: Arc<Shared>) {
                 .filter(|r| r.jobs.is_some())
                 .map(|r| r.label.clone())
                 .collect();
+            if !routes.is_empty() && !std::mem::replace(&mut watching, true) {
+                tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
+            }
             for label in routes {
                 let Ok((ids, waiting)) = b.job_grants(&label).await else {
                     continue;
