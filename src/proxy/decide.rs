@@ -1,8 +1,14 @@
 //! The admission of one request (`request_filter`'s work): identify, classify, decide in the
 //! store, queue or hold, and arm what follows the upstream.
 
+use std::time::Duration;
+
 use super::*;
+
 use crate::admission::Ticket;
+use crate::route::Route;
+use crate::state::Running;
+use crate::store::AdmitRequest;
 
 impl Gateway {
     /// Classifies, identifies and admits; `Err` is the refusal to send, `Ok(false)` a client
@@ -20,38 +26,12 @@ impl Gateway {
                 r
             }
         };
-        let cfg = &running.config;
-        let req = session.req_header();
-
-        // 1. Classify: the route is chosen from, and the upstream receives, the canonical target.
-        let target = String::from_utf8_lossy(req.raw_path());
-        let classified = decision::classify(cfg, req.method.as_str(), &target);
-        let classified = match classified {
-            Ok(c) => c,
-            Err(r) => {
-                ctx.route = Some(cfg.router.default_route().clone());
-                return Err(r);
-            }
-        };
-        let route = classified.route.clone();
-        ctx.route = Some(route.clone());
-        ctx.forward = Some(classified);
-        decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
-
-        // 2. Identify. The raw key never leaves `decision::identify`.
-        let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
-        let admit = decision::admit_request(&route, &who);
-        // An async route's request that asks (or must) become a job: charged and queued by
-        // `jobs::submit` instead (a shadow route only observes: its requests stay synchronous).
-        let job = route.jobs.filter(|_| !route.fidelity.shadow);
-        if job.is_some_and(|j| j.always || crate::jobs::prefers_async(&req.headers)) {
-            ctx.identity = Some(who);
-            ctx.job = Some(admit);
+        let Some((route, admit)) = self.classify_and_identify(session, ctx, &running)? else {
+            // An async job: `jobs::submit` takes it from here.
             return Ok(true);
-        }
-        ctx.identity = Some(who);
+        };
 
-        // 3. Admit: budget, per-key cap and route cap in one store decision. A client that
+        // Admit: budget, per-key cap and route cap in one store decision. A client that
         // leaves while queued for a slot is never admitted (the store's admit is cancel-safe).
         // An HTTP/2 client leaves by resetting its stream.
         let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
@@ -106,6 +86,58 @@ impl Gateway {
         // last minute's figures while it runs. The moment is its start plus its wait for a
         // slot (the store's answer is not worth a clock read).
         m.count_recent(true, ctx.start + ctx.timing.queued);
+        Ok(self.hold_then_arm(session, ctx, &route, hold).await)
+    }
+
+    /// Classifies (the route is chosen from, and the upstream receives, the canonical target)
+    /// and identifies (the raw key never leaves `decision::identify`): the route and what to
+    /// ask the store, or `None` for a request that becomes an async job.
+    // The refusal is returned by value once per refused request, as `decision`'s are.
+    #[allow(clippy::result_large_err)]
+    fn classify_and_identify(
+        &self,
+        session: &Session,
+        ctx: &mut Ctx,
+        running: &Running,
+    ) -> Result<Option<(Arc<Route>, AdmitRequest)>, Refusal> {
+        let cfg = &running.config;
+        let req = session.req_header();
+        let target = String::from_utf8_lossy(req.raw_path());
+        let classified = decision::classify(cfg, req.method.as_str(), &target);
+        let classified = match classified {
+            Ok(c) => c,
+            Err(r) => {
+                ctx.route = Some(cfg.router.default_route().clone());
+                return Err(r);
+            }
+        };
+        let route = classified.route.clone();
+        ctx.route = Some(route.clone());
+        ctx.forward = Some(classified);
+        decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
+        let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
+        let admit = decision::admit_request(&route, &who);
+        ctx.identity = Some(who);
+        // An async route's request that asks (or must) become a job: charged and queued by
+        // `jobs::submit` instead (a shadow route only observes: its requests stay synchronous).
+        let job = route.jobs.filter(|_| !route.fidelity.shadow);
+        if job.is_some_and(|j| j.always || crate::jobs::prefers_async(&req.headers)) {
+            ctx.job = Some(admit);
+            return Ok(None);
+        }
+        Ok(Some((route, admit)))
+    }
+
+    /// An admitted request: held for `max_delay` (a client that leaves meanwhile gets its
+    /// reservation back and is never forwarded: `false`), then, on a capped route, its slot
+    /// armed to follow the upstream's work.
+    async fn hold_then_arm(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        route: &Route,
+        hold: Duration,
+    ) -> bool {
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
             // that leaves meanwhile gets its reservation back and is never forwarded.
@@ -113,7 +145,7 @@ impl Gateway {
                 _ = tokio::time::sleep(hold) => {}
                 _ = front::client_left(&mut session.downstream_session) => {
                     ctx.abandon(&self.shared.store).await;
-                    return Ok(false);
+                    return false;
                 }
             }
         }
@@ -128,6 +160,6 @@ impl Gateway {
                 ctx.shield_after_body = true;
             }
         }
-        Ok(true)
+        true
     }
 }

@@ -84,6 +84,36 @@ fn strip_prefix(upstream: &mut RequestHeader, prefix: &str) -> Result<()> {
     Ok(())
 }
 
+/// `X-Forwarded-For` and `X-Forwarded-Proto`: only what a trusted proxy forwarded is passed
+/// on (identity.trusted_proxies).
+fn forwarded_for(
+    upstream: &mut RequestHeader,
+    ctx: &Ctx,
+    received: &http::HeaderMap,
+    tls: bool,
+) -> Result<()> {
+    let ours = HeaderValue::from_static(if tls { "https" } else { "http" });
+    match &ctx.origin {
+        Some(origin) => {
+            upstream.insert_header("X-Forwarded-For", origin.forwarded_for(received))?;
+            let proto = match origin
+                .trusted_peer
+                .then(|| received.get(&X_FORWARDED_PROTO))
+                .flatten()
+            {
+                Some(p) => p.clone(),
+                None => ours,
+            };
+            upstream.insert_header("X-Forwarded-Proto", proto)?;
+        }
+        None => {
+            remove_if_present(upstream, &X_FORWARDED_FOR);
+            upstream.insert_header("X-Forwarded-Proto", ours)?;
+        }
+    }
+    Ok(())
+}
+
 /// Rewrites the upstream request: what was charged is what is sent. `received` are the
 /// client's headers as they arrived; `tls`: the client connection is TLS.
 pub fn request(
@@ -136,26 +166,7 @@ pub fn request(
         let trusted_peer = ctx.origin.is_some_and(|o| o.trusted_peer);
         super::scrub::scrub(upstream, &running.config, trusted_peer);
     }
-    // Only what a trusted proxy forwarded is passed on (identity.trusted_proxies).
-    match &ctx.origin {
-        Some(origin) => {
-            upstream.insert_header("X-Forwarded-For", origin.forwarded_for(received))?;
-            let proto = match origin
-                .trusted_peer
-                .then(|| received.get(&X_FORWARDED_PROTO))
-                .flatten()
-            {
-                Some(p) => p.clone(),
-                None => HeaderValue::from_static(if tls { "https" } else { "http" }),
-            };
-            upstream.insert_header("X-Forwarded-Proto", proto)?;
-        }
-        None => {
-            remove_if_present(upstream, &X_FORWARDED_FOR);
-            let proto = HeaderValue::from_static(if tls { "https" } else { "http" });
-            upstream.insert_header("X-Forwarded-Proto", proto)?;
-        }
-    }
+    forwarded_for(upstream, ctx, received, tls)?;
     if let Some(id) = &ctx.request_id {
         // The client's own id is kept where it stands when it was believed (and is the only
         // one); otherwise the id the gateway logged replaces whatever was sent.

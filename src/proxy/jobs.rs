@@ -126,6 +126,27 @@ async fn store_unavailable(session: &mut Session, ctx: &Ctx) -> Result<bool> {
     .await
 }
 
+/// A job of `who`'s: in this process (memory store), or the fleet's record in Redis (an
+/// error when Redis did not answer); its route, what a poll sees, and the process's own job.
+async fn find(
+    gw: &Gateway,
+    id: &str,
+    who: &crate::identity::Identity,
+) -> std::result::Result<Option<Found>, crate::store::StoreError> {
+    Ok(match &gw.shared.store {
+        Store::Memory(_) => gw
+            .shared
+            .jobs
+            .get(id, &who.hash)
+            .map(|(j, v)| (j.route.clone(), v, Some(j))),
+        Store::Redis(_) => jobs::fleet::view(&gw.shared, id, &who.hash)
+            .await?
+            .map(|(r, v)| (r, v, None)),
+    })
+}
+
+type Found = (Arc<str>, View, Option<Arc<jobs::Job>>);
+
 /// `GET` (or `HEAD`) reads a job, `DELETE` cancels it; another key's, an unknown or an
 /// expired job is 404 alike.
 pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
@@ -144,23 +165,14 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         .split(['?', '#'])
         .next()
         .unwrap_or("");
-    // In this process (memory store), or the fleet's record in Redis.
-    let found = match &gw.shared.store {
-        Store::Memory(_) => gw
-            .shared
-            .jobs
-            .get(id, &who.hash)
-            .map(|(j, v)| (j.route.clone(), v, Some(j))),
-        Store::Redis(_) => match jobs::fleet::view(&gw.shared, id, &who.hash).await {
-            Ok(found) => found.map(|(r, v)| (r, v, None)),
-            Err(e) => {
-                ctx.identity = Some(who.clone());
-                tracing::debug!(error = %e, "a job poll found Redis unreachable");
-                return store_unavailable(session, ctx).await;
-            }
-        },
-    };
     ctx.identity = Some(who.clone());
+    let found = match find(gw, id, &who).await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::debug!(error = %e, "a job poll found Redis unreachable");
+            return store_unavailable(session, ctx).await;
+        }
+    };
     let job_id: Arc<str> = Arc::from(id);
     if let Some((route, _, _)) = &found {
         ctx.route = cfg.router.by_label(route).cloned();

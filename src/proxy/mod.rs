@@ -122,6 +122,36 @@ impl Gateway {
         }
         respond::problem(session, ctx, r.problem, &r.detail, r.retry_after).await
     }
+
+    /// `fail_to_proxy` for the client's side: it went away, stalled or sent garbage.
+    async fn client_failed(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut Ctx,
+        headers_sent: bool,
+    ) -> FailToProxy {
+        use ErrorType::*;
+        if e.etype() == &WriteTimedout && !ctx.conn.as_ref().is_some_and(|c| c.send_timed_out()) {
+            metrics().client_timeout(ClientTimeout::Send);
+        }
+        // Nobody to answer, unless the request itself was wrong.
+        let code = match e.etype() {
+            WriteError | ReadError | ConnectionClosed | WriteTimedout | H2Error => 0,
+            _ => 400,
+        };
+        if code > 0 && !headers_sent {
+            // A request the client framed wrongly (a chunk size that overflows, say): the
+            // upstream got it cut off mid-body, and its connection is dropped, so it never had
+            // a whole request to run. Not charged (issue 23, item 13).
+            ctx.refund(&self.shared.store, Problem::BadRequest).await;
+            let _ = session.respond_error(code).await;
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
 }
 
 #[async_trait]
@@ -328,27 +358,7 @@ impl ProxyHttp for Gateway {
                 return respond::body_stalled(session, ctx, headers_sent).await;
             }
             (ErrorSource::Downstream, _) => {
-                if e.etype() == &WriteTimedout
-                    && !ctx.conn.as_ref().is_some_and(|c| c.send_timed_out())
-                {
-                    metrics().client_timeout(ClientTimeout::Send);
-                }
-                // The client went away, stalled or sent garbage; nobody to answer.
-                let code = match e.etype() {
-                    WriteError | ReadError | ConnectionClosed | WriteTimedout | H2Error => 0,
-                    _ => 400,
-                };
-                if code > 0 && !headers_sent {
-                    // A request the client framed wrongly (a chunk size that overflows, say):
-                    // the upstream got it cut off mid-body, and its connection is dropped, so
-                    // it never had a whole request to run. Not charged (issue 23, item 13).
-                    ctx.refund(&self.shared.store, Problem::BadRequest).await;
-                    let _ = session.respond_error(code).await;
-                }
-                return FailToProxy {
-                    error_code: code,
-                    can_reuse_downstream: false,
-                };
+                return self.client_failed(session, e, ctx, headers_sent).await;
             }
             _ => {
                 if !headers_sent {

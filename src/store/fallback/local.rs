@@ -83,15 +83,11 @@ impl<S: SharedStore> FallbackStore<S> {
         let key_share = req.key_cap.map(share);
         let start = Instant::now();
         let Some(cap) = req.route_cap else {
+            // No route cap: only the key's share, if any, to take.
             return match self.running.try_take(req, None, 0, key_share) {
                 Ok(running) => {
                     charged.served();
-                    Admission::Admitted {
-                        standing,
-                        delay_us,
-                        lease: lease.counted(Some(running), true),
-                        queued: Duration::ZERO,
-                    }
+                    admitted(standing, delay_us, lease, running, Duration::ZERO)
                 }
                 Err(_) => {
                     drop(charged);
@@ -139,12 +135,7 @@ impl<S: SharedStore> FallbackStore<S> {
         };
         drop(place);
         charged.served();
-        Admission::Admitted {
-            standing,
-            delay_us,
-            lease: lease.counted(Some(running), true),
-            queued: start.elapsed(),
-        }
+        admitted(standing, delay_us, lease, running, start.elapsed())
     }
 
     /// The local shares' figures for a refusal that charged nothing: every budget's, the
@@ -165,5 +156,21 @@ impl<S: SharedStore> FallbackStore<S> {
             views,
             local_share: Some(n),
         })
+    }
+}
+
+/// A local admission holding what it runs as (`running`), for the fallback's caps.
+fn admitted(
+    standing: Standing,
+    delay_us: u64,
+    lease: Lease,
+    running: super::super::running::RunningGuard,
+    queued: Duration,
+) -> Admission {
+    Admission::Admitted {
+        standing,
+        delay_us,
+        lease: lease.counted(Some(running), true),
+        queued,
     }
 }

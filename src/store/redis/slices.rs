@@ -186,25 +186,7 @@ impl Slices {
         }
         let Some(e) = shard.get_mut(&k) else {
             // The key's first reservation asks for nothing: light traffic stays exact.
-            shard.insert(
-                k,
-                Entry {
-                    limit: req.limit,
-                    also: req.also.clone(),
-                    place: Place::default(),
-                    hold: 0,
-                    left: 0,
-                    grant: Grant::default(),
-                    levels: [0; MAX_BUDGETS],
-                    held: [0; MAX_BUDGETS],
-                    redis_at_us: 0,
-                    seen: now,
-                    reserved: now,
-                    granted_at: now,
-                    size: 0,
-                    asking: Some(now),
-                },
-            );
+            shard.insert(k, Entry::first(req, now));
             return Ask {
                 asker: true,
                 at: Some(now),
@@ -226,24 +208,7 @@ impl Slices {
                 ..Ask::default()
             };
         }
-        let age = now.saturating_duration_since(e.reserved);
-        let size = if age >= LIFETIME && unspent > 0 {
-            e.size / 2
-        } else if age < LIFETIME / 2 {
-            if e.size == 0 {
-                req.cost
-            } else {
-                e.size.saturating_mul(2)
-            }
-        } else {
-            e.size
-        };
-        let cap = e
-            .limits()
-            .map(|l| l.max_cost() / (8 * self.fleet_size))
-            .min()
-            .unwrap_or(0);
-        e.size = size.min(cap);
+        e.size = e.next_size(req.cost, unspent, now, self.fleet_size);
         e.reserved = now;
         e.asking = Some(now);
         // A slice smaller than this request's cost would not serve the next like it.

@@ -35,6 +35,51 @@ pub(super) struct Entry {
 }
 
 impl Entry {
+    /// A key's entry at its first reservation, which asks for no slice: light traffic stays
+    /// exact.
+    pub(super) fn first(req: &AdmitRequest, now: Instant) -> Entry {
+        Entry {
+            limit: req.limit,
+            also: req.also.clone(),
+            place: Place::default(),
+            hold: 0,
+            left: 0,
+            grant: Grant::default(),
+            levels: [0; MAX_BUDGETS],
+            held: [0; MAX_BUDGETS],
+            redis_at_us: 0,
+            seen: now,
+            reserved: now,
+            granted_at: now,
+            size: 0,
+            asking: Some(now),
+        }
+    }
+
+    /// The next slice's size: halved when the last went partly unspent over its whole
+    /// lifetime, doubled (from one request's `cost`) when the key asks again within half of
+    /// it, and at most an eighth of the smallest budget's share of the fleet.
+    pub(super) fn next_size(&self, cost: u64, unspent: u64, now: Instant, fleet: u64) -> u64 {
+        let age = now.saturating_duration_since(self.reserved);
+        let size = if age >= LIFETIME && unspent > 0 {
+            self.size / 2
+        } else if age < LIFETIME / 2 {
+            if self.size == 0 {
+                cost
+            } else {
+                self.size.saturating_mul(2)
+            }
+        } else {
+            self.size
+        };
+        let cap = self
+            .limits()
+            .map(|l| l.max_cost() / (8 * fleet))
+            .min()
+            .unwrap_or(0);
+        size.min(cap)
+    }
+
     pub(super) fn serves(&self, req: &AdmitRequest) -> bool {
         self.limit == req.limit && self.also == req.also
     }
