@@ -23,6 +23,7 @@ until cli PING >/dev/null 2>&1; do sleep 0.1; done
 
 GCRA=$(awk '/^local SCRIPT = \[\[/ { f = 1; next } /^\]\]/ { f = 0 } f' "$ROOT/bench/nginx_gcra.lua")
 ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit.lua")")
+ONE=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit_one.lua")")
 PLAIN=$(cli SCRIPT LOAD "$GCRA")
 
 usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call
@@ -41,11 +42,15 @@ for r in $(seq "$ROUNDS"); do
   a=$(usec_per_call "$ADMIT" 5 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' \
     't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
     500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
+  o=$(usec_per_call "$ONE" 5 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' \
+    't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
+    500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
   g=$(usec_per_call "$PLAIN" 1 'ng{__rand_int__}b' 500000 1 60000000 1)
-  echo "round $r: admit $a µs, gcra $g µs"
-  echo "$a $g" >>"/tmp/script_cpu.$$"
+  echo "round $r: admit $a µs, admit_one $o µs, gcra $g µs"
+  echo "$a $g $o" >>"/tmp/script_cpu.$$"
 done
 a=$(awk '{ print $1 }' "/tmp/script_cpu.$$" | median)
 g=$(awk '{ print $2 }' "/tmp/script_cpu.$$" | median)
+o=$(awk '{ print $3 }' "/tmp/script_cpu.$$" | median)
 rm -f "/tmp/script_cpu.$$"
-awk -v a="$a" -v g="$g" 'BEGIN { printf "median: admit %.2f µs, gcra %.2f µs per call: %.2f×\n", a, g, a / g }'
+awk -v a="$a" -v g="$g" -v o="$o" 'BEGIN { printf "median: admit %.2f µs, admit_one %.2f µs, gcra %.2f µs per call: %.2f× and %.2f×\n", a, o, g, a / g, o / g }'

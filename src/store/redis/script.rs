@@ -32,6 +32,7 @@ macro_rules! store_lua {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Lua {
     Admit,
+    AdmitOne,
     Undo,
     Refund,
     Debit,
@@ -42,8 +43,9 @@ pub(super) enum Lua {
 }
 
 /// Each operation's script by name, in the order of [`Lua`].
-pub(super) const SOURCES: [(&str, &str); 8] = [
+pub(super) const SOURCES: [(&str, &str); 9] = [
     ("admit", store_lua!("admit")),
+    ("admit_one", store_lua!("admit_one")),
     ("undo", store_lua!("undo")),
     ("refund", store_lua!("refund")),
     ("debit", store_lua!("debit")),
@@ -54,7 +56,7 @@ pub(super) const SOURCES: [(&str, &str); 8] = [
 ];
 
 /// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
-static SCRIPTS: LazyLock<[Script; 8]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+static SCRIPTS: LazyLock<[Script; 9]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
 
 /// One operation of the store: a value whose fields are its arguments, and the script that
 /// runs it.

@@ -58,6 +58,33 @@ impl Op for AdmitCall {
     fn args(&self, inv: &mut ScriptInvocation<'static>) {
         self.admit_args(inv);
     }
+
+    /// The common decision — one budget, no key cap, no slice asked, no hold settled — goes
+    /// to `admit_one`, the same contract without `admit`'s general machinery (less Redis
+    /// CPU per call: `bench/script_cpu.sh`).
+    fn invocation(&self) -> ScriptInvocation<'static> {
+        let script = if self.is_common() {
+            Lua::AdmitOne
+        } else {
+            Lua::Admit
+        };
+        let mut inv = super::SCRIPTS[script as usize].prepare_invoke();
+        self.admit_args(&mut inv);
+        inv
+    }
+}
+
+impl AdmitCall {
+    /// What `admit_one` decides exactly as `admit` does.
+    pub(in crate::store::redis) fn is_common(&self) -> bool {
+        self.also.is_empty()
+            && self.key_slots.is_none()
+            && self.key_cap == 0
+            && self.slice == 0
+            && self.settle == 0
+            && self.unspent == 0
+            && self.if_lost.units == 0
+    }
 }
 
 /// `undo`: gives back what an admission took — its charge to every budget and its key's

@@ -77,6 +77,7 @@ fn admit_codes_match_the_script() {
 fn every_operation_has_a_flagged_script_of_its_own() {
     let all = [
         Lua::Admit,
+        Lua::AdmitOne,
         Lua::Undo,
         Lua::Refund,
         Lua::Debit,
@@ -88,7 +89,16 @@ fn every_operation_has_a_flagged_script_of_its_own() {
     assert_eq!(all.len(), SOURCES.len());
     for l in all {
         let (name, lua) = SOURCES[l as usize];
-        assert_eq!(name, format!("{l:?}").to_lowercase());
+        let snake = format!("{l:?}")
+            .chars()
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let sep = (i > 0 && c.is_uppercase()).then_some('_');
+                sep.into_iter()
+                    .chain(std::iter::once(c.to_ascii_lowercase()))
+            })
+            .collect::<String>();
+        assert_eq!(name, snake);
         assert!(lua.starts_with("#!lua\n"), "{name}");
         let flags = lua.lines().filter(|l| l.starts_with("#!")).count();
         assert_eq!(flags, 1, "{name}");
