@@ -29,7 +29,7 @@ use crate::decision::{self, Refusal};
 use crate::front;
 use crate::problem::Problem;
 use crate::state::Shared;
-use crate::telemetry::{access, metrics, ClientTimeout};
+use crate::telemetry::{metrics, ClientTimeout};
 use ctx::{Ctx, Phase};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
@@ -121,6 +121,73 @@ impl Gateway {
             }
         }
         respond::problem(session, ctx, r.problem, &r.detail, r.retry_after).await
+    }
+
+    /// At `logging`: the client's connection no longer shields the slot (a connection whose
+    /// client left is not kept alive); an HTTP/2 client that reset its stream after sending
+    /// the whole request leaves its slot with the upstream's late answer.
+    fn unshield(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        if let Some(c) = &ctx.conn {
+            c.set_shield(false);
+            if c.client_gone() {
+                session.set_keepalive(None);
+            }
+        }
+        if let Some(dup) = ctx.upstream_dup.take() {
+            // The upstream works on, so the slot stays taken until it is done. (Else the
+            // duplicate just closes.)
+            if session.downstream_session.is_http2()
+                && e.is_some_and(client_went_away)
+                && session.is_body_done()
+            {
+                // Part of the answer may have been read: its request went with
+                // `Connection: close`, so it ends with the connection.
+                ctx.upstream_dup = Some(dup);
+                self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
+            }
+        }
+    }
+
+    /// `fail_to_proxy` for the upstream's side: unreachable (refunded before answering, so
+    /// that the client's next request already sees the units back) or timed out (charged;
+    /// a capped slot follows the late answer); once headers were sent, nothing to answer.
+    async fn upstream_failed(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        timed_out: bool,
+        headers_sent: bool,
+    ) -> FailToProxy {
+        let failure = decision::upstream_failed(timed_out);
+        if headers_sent {
+            // The upstream answered and then failed mid-body: it did the work, keep the charge.
+            return FailToProxy {
+                error_code: failure.problem.status(),
+                can_reuse_downstream: false,
+            };
+        }
+        if timed_out {
+            // The upstream has the request and may still be working on it: the charge stands,
+            // and a capped slot follows the late answer to its end — if the upstream had the
+            // whole request (one still waiting for the rest of a stalled body is not working).
+            if session.is_body_done() {
+                let head = session.req_header().method == http::Method::HEAD;
+                self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
+            }
+        } else {
+            // The upstream never received the request: refund, before answering, so that the
+            // client's next request already sees the units back.
+            ctx.refund(&self.shared.store, failure.problem).await;
+        }
+        ctx.timing.upstream_done();
+        // Pingora will not reuse this connection after an upstream error: say so, so that the
+        // client doesn't send its next request into a closing socket.
+        session.set_keepalive(None);
+        let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
+        FailToProxy {
+            error_code: failure.problem.status(),
+            can_reuse_downstream: false,
+        }
     }
 
     /// `fail_to_proxy` for the client's side: it went away, stalled or sent garbage.
@@ -370,59 +437,12 @@ impl ProxyHttp for Gateway {
                 };
             }
         };
-        let failure = decision::upstream_failed(timed_out);
-        if headers_sent {
-            // The upstream answered and then failed mid-body: it did the work, keep the charge.
-            return FailToProxy {
-                error_code: failure.problem.status(),
-                can_reuse_downstream: false,
-            };
-        }
-        if timed_out {
-            // The upstream has the request and may still be working on it: the charge stands,
-            // and a capped slot follows the late answer to its end — if the upstream had the
-            // whole request (one still waiting for the rest of a stalled body is not working).
-            if session.is_body_done() {
-                let head = session.req_header().method == http::Method::HEAD;
-                self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
-            }
-        } else {
-            // The upstream never received the request: refund, before answering, so that the
-            // client's next request already sees the units back.
-            ctx.refund(&self.shared.store, failure.problem).await;
-        }
-        ctx.timing.upstream_done();
-        // Pingora will not reuse this connection after an upstream error: say so, so that the
-        // client doesn't send its next request into a closing socket.
-        session.set_keepalive(None);
-        let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
-        FailToProxy {
-            error_code: failure.problem.status(),
-            can_reuse_downstream: false,
-        }
+        self.upstream_failed(session, ctx, timed_out, headers_sent)
+            .await
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        if let Some(c) = &ctx.conn {
-            c.set_shield(false);
-            if c.client_gone() {
-                session.set_keepalive(None);
-            }
-        }
-        if let Some(dup) = ctx.upstream_dup.take() {
-            // An HTTP/2 client that reset its stream after sending the whole request: the
-            // upstream works on, so its slot stays taken until the upstream is done. (Else the
-            // duplicate just closes.)
-            if session.downstream_session.is_http2()
-                && e.is_some_and(client_went_away)
-                && session.is_body_done()
-            {
-                // Part of the answer may have been read: its request went with
-                // `Connection: close`, so it ends with the connection.
-                ctx.upstream_dup = Some(dup);
-                self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
-            }
-        }
+        self.unshield(session, e, ctx);
         // Now, with the upstream's answer read to its end (or abandon_timeout passed).
         ctx.release().await;
         // After the slots are free: settling is one more store call, for such routes only.
@@ -443,31 +463,14 @@ impl ProxyHttp for Gateway {
         record::finished(rm, ctx, status, elapsed, charged);
         let method = session.req_header().method.as_str();
         let trace_id = record::trace(self.shared.tracing.as_ref(), ctx, method, &route, status, e);
-        // Field expressions are only evaluated when the access log is enabled.
-        if access::enabled() {
-            let key = ctx.identity.as_ref().map(|i| i.log_name());
-            access::write(&access::AccessRecord {
-                method: session.req_header().method.as_str(),
-                route: &route.label,
-                key: key.as_deref().unwrap_or("-"),
-                cost: charged,
-                decision: ctx.decision(),
-                status,
-                latency_ms: elapsed.as_secs_f64() * 1e3,
-                upstream_ms: ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
-                store_ms: ctx.timing.store.as_secs_f64() * 1e3,
-                queue_ms: ctx.timing.queued.as_secs_f64() * 1e3,
-                hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
-                upstream_status: ctx.upstream_status,
-                request_id: ctx.request_id.as_deref(),
-                trace_id: trace_id.as_ref().map(|t| t.as_str()),
-                fallback: ctx.fallback,
-                shadow: ctx.shadow_reason(),
-                client: ctx.origin.map(|o| o.client),
-                error: e.map(|e| e.etype().as_str()),
-                job: ctx.job_id(),
-            });
-        }
+        let line = record::Line {
+            method,
+            route: &route,
+            status,
+            elapsed,
+            charged,
+        };
+        record::access_line(ctx, &line, trace_id.as_ref(), e);
     }
 }
 

@@ -78,3 +78,42 @@ pub(super) fn trace(
         },
     ))
 }
+
+/// A finished request's figures for its access-log line.
+pub(super) struct Line<'a> {
+    pub method: &'a str,
+    pub route: &'a Route,
+    pub status: u16,
+    pub elapsed: Duration,
+    pub charged: u64,
+}
+
+/// The request's access-log line (its fields are only evaluated when the log is on).
+pub(super) fn access_line(ctx: &Ctx, l: &Line<'_>, trace_id: Option<&TraceHex>, e: Option<&Error>) {
+    use crate::telemetry::access;
+    if !access::enabled() {
+        return;
+    }
+    let key = ctx.identity.as_ref().map(|i| i.log_name());
+    access::write(&access::AccessRecord {
+        method: l.method,
+        route: &l.route.label,
+        key: key.as_deref().unwrap_or("-"),
+        cost: l.charged,
+        decision: ctx.decision(),
+        status: l.status,
+        latency_ms: l.elapsed.as_secs_f64() * 1e3,
+        upstream_ms: ctx.timing.upstream.map(|u| u.as_secs_f64() * 1e3),
+        store_ms: ctx.timing.store.as_secs_f64() * 1e3,
+        queue_ms: ctx.timing.queued.as_secs_f64() * 1e3,
+        hold_ms: ctx.timing.hold.as_secs_f64() * 1e3,
+        upstream_status: ctx.upstream_status,
+        request_id: ctx.request_id.as_deref(),
+        trace_id: trace_id.map(|t| t.as_str()),
+        fallback: ctx.fallback,
+        shadow: ctx.shadow_reason(),
+        client: ctx.origin.map(|o| o.client),
+        error: e.map(|e| e.etype().as_str()),
+        job: ctx.job_id(),
+    });
+}
