@@ -43,72 +43,16 @@ done
 if [[ $BUILD == 1 ]]; then cargo build --release --bin tollgate; fi
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
-log() { echo "[queue-bench] $*" >&2; }
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/tollgate-queue-bench.XXXXXX")
-PIDS=()
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  local pid
-  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-  done
-  rm -rf "$TMP"
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-wait_up() {  # url
-  for _ in $(seq 100); do
-    curl -s -o /dev/null "$1" && return 0
-    sleep 0.1
-  done
-  echo "$1 never answered" >&2
-  return 1
-}
-
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
-  --dir "$TMP" >"$TMP/redis.log" 2>&1 &
-PIDS+=($!)
-UP_PORT=$(free_port)
-DEMO_PORT=$(free_port)
-DEMO_ADMIN=$(free_port)
-"$TARGET" demo --listen "127.0.0.1:$DEMO_PORT" --admin-listen "127.0.0.1:$DEMO_ADMIN" \
-  --upstream-listen "127.0.0.1:$UP_PORT" >"$TMP/demo.log" 2>&1 &
-PIDS+=($!)
-GW_PORT=$(free_port)
-ADMIN_PORT=$(free_port)
-cat >"$TMP/gateway.yaml" <<EOF
-server:
-  listen: "127.0.0.1:$GW_PORT"
-  admin_listen: "127.0.0.1:$ADMIN_PORT"
-  threads: 1
-upstream:
-  url: "http://127.0.0.1:$UP_PORT"
-store:
-  backend: redis
-  url: "redis://127.0.0.1:$REDIS_PORT/0"
-  on_error: deny
-rate_limits:
-  default: {cost: 1, window: 60s, max_cost: 100000000}
-  endpoints:
+NAME=queue
+# shellcheck source=bench/fleet_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/fleet_lib.sh"
+start_fleet "$(cat <<'YAML'
     /reports/generate:
       cost: 1
       max_in_flight: 5
       queue_timeout: 60s
-EOF
-RUST_LOG=warn "$TARGET" run -c "$TMP/gateway.yaml" >"$TMP/gateway.log" 2>&1 &
-PIDS+=($!)
-wait_up "http://127.0.0.1:$UP_PORT/items/1"
-wait_up "http://127.0.0.1:$ADMIN_PORT/readyz"
+YAML
+)"
 
 # Redis calls (all commands, EVALSHA included) and their usec so far.
 redis_calls() {

@@ -126,30 +126,10 @@ impl RedisBackend {
     /// grant on `tollgate:q:jobs`, as it does for an instance's waiters), for as long as the
     /// store lives: the collector then takes it at once instead of at its next round.
     pub(crate) async fn watch_fleet_grants(self: Arc<Self>, notify: Arc<tokio::sync::Notify>) {
-        use futures_util::StreamExt;
+        let channel = format!("tollgate:q:{FLEET}");
         let store = Arc::downgrade(&self);
         drop(self);
-        let channel = format!("tollgate:q:{FLEET}");
-        loop {
-            let Some(s) = store.upgrade() else { return };
-            let pubsub = s.conns.pubsub().await;
-            drop(s);
-            match pubsub {
-                Ok(mut ps) => {
-                    if ps.subscribe(&channel).await.is_ok() {
-                        let mut messages = ps.on_message();
-                        while messages.next().await.is_some() {
-                            if store.strong_count() == 0 {
-                                return;
-                            }
-                            notify.notify_one();
-                        }
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "the jobs' grant listener cannot connect"),
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        super::queue::on_grants(store, channel, move |_, _| notify.notify_one()).await;
     }
 
     /// Frees the key's slot a job held (`key`), the job never having had its route's.

@@ -138,6 +138,19 @@ impl RedisBackend {
 
 /// Delivers this instance's grants as Redis publishes them.
 async fn listen(store: Weak<RedisBackend>, channel: String) {
+    on_grants(store, channel, |s, id| {
+        lock(&s.waiters).deliver(id, Wake::Granted)
+    })
+    .await;
+}
+
+/// Calls `granted` with each grant Redis publishes on `channel` (`tollgate:q:<instance>`),
+/// subscribed anew after a broken connection, for as long as the store lives.
+pub(in crate::store::redis) async fn on_grants(
+    store: Weak<RedisBackend>,
+    channel: String,
+    granted: impl Fn(&RedisBackend, &str),
+) {
     use futures_util::StreamExt;
     loop {
         let Some(s) = store.upgrade() else { return };
@@ -150,12 +163,12 @@ async fn listen(store: Weak<RedisBackend>, channel: String) {
                     while let Some(msg) = messages.next().await {
                         let Some(s) = store.upgrade() else { return };
                         if let Ok(id) = msg.get_payload::<String>() {
-                            lock(&s.waiters).deliver(id.as_str(), Wake::Granted);
+                            granted(&s, id.as_str());
                         }
                     }
                 }
             }
-            Err(e) => tracing::debug!(error = %e, "queue listener cannot connect"),
+            Err(e) => tracing::debug!(error = %e, channel, "grant listener cannot connect"),
         }
         tokio::time::sleep(BEAT_EVERY).await;
     }
