@@ -91,20 +91,17 @@ async fn problem_answer(
     p: Problem,
     detail: &str,
 ) -> Result<bool> {
-    let own = vec![
-        (
-            "Content-Type",
-            HeaderValue::from_static("application/problem+json"),
-        ),
-        ("Cache-Control", HeaderValue::from_static("no-store")),
-    ];
-    let body = problem::body(p, detail, None, None, None);
-    answer(session, ctx, p.status(), (own, vec![]), body.into(), None).await
+    problem_retry(session, ctx, p, detail, None).await
 }
 
-/// A poll or cancel that Redis did not answer: 503 `store-unavailable`, `Retry-After: 1`.
-/// Not 404: the job may be there, and the client should ask again, not give up on it.
-async fn store_unavailable(session: &mut Session, ctx: &Ctx) -> Result<bool> {
+/// The gateway's problem JSON, with `Retry-After` (and its `retry_after` member) if given.
+async fn problem_retry(
+    session: &mut Session,
+    ctx: &Ctx,
+    p: Problem,
+    detail: &str,
+    retry_after: Option<u64>,
+) -> Result<bool> {
     let own = vec![
         (
             "Content-Type",
@@ -112,16 +109,14 @@ async fn store_unavailable(session: &mut Session, ctx: &Ctx) -> Result<bool> {
         ),
         ("Cache-Control", HeaderValue::from_static("no-store")),
     ];
-    let p = Problem::StoreUnavailable;
-    let detail = "the job store did not answer; ask again";
-    let body = problem::body(p, detail, None, None, Some(1));
+    let body = problem::body(p, detail, None, None, retry_after);
     answer(
         session,
         ctx,
         p.status(),
         (own, vec![]),
         body.into(),
-        Some(1),
+        retry_after,
     )
     .await
 }
@@ -170,7 +165,9 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         Ok(found) => found,
         Err(e) => {
             tracing::debug!(error = %e, "a job poll found Redis unreachable");
-            return store_unavailable(session, ctx).await;
+            // Not 404: the job may be there, and the client should ask again.
+            let detail = "the job store did not answer; ask again";
+            return problem_retry(session, ctx, Problem::StoreUnavailable, detail, Some(1)).await;
         }
     };
     let job_id: Arc<str> = Arc::from(id);

@@ -205,7 +205,7 @@ async fn take_out(
     if !matches!(b.job_record::<i64>(id, op, &[]).await, Ok(1)) {
         return false;
     }
-    let key = key_slot(running, &label, who);
+    let key = key_slot(who);
     if matches!(b.job_leave(&label, id).await, Ok(1)) {
         // Granted meanwhile: the slot goes on to the next waiter.
         let _ = b.job_release(&label, id, key).await;
@@ -225,17 +225,10 @@ async fn take_out(
 }
 
 /// Gives back the charge of a job of `who` on route `label` that never ran.
-/// The key whose slot a job of `who` on `label` holds: its plan's `max_in_flight_per_key`
-/// counts jobs (`RedisBackend::enter_job`).
-pub(super) fn key_slot<'a>(
-    running: &Running,
-    label: &str,
-    who: &'a Identity,
-) -> Option<&'a KeyHash> {
-    let route = running.config.router.by_label(label)?;
-    decision::admit_request(route, who)
-        .key_cap
-        .map(|_| &who.hash)
+/// The key whose slot a job of `who` holds: its plan's `max_in_flight_per_key` counts jobs
+/// (`RedisBackend::enter_job`), as `decision::admit_request` sets `key_cap`.
+pub(super) fn key_slot(who: &Identity) -> Option<&KeyHash> {
+    who.policy.max_in_flight_per_key.map(|_| &who.hash)
 }
 
 async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity) {
@@ -256,7 +249,7 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
         .ok()
         .flatten()
         .and_then(|r| payer(&running, field(&r, "key")));
-    let key = who.as_ref().and_then(|w| key_slot(&running, label, w));
+    let key = who.as_ref().and_then(key_slot);
     let _ = b.job_release(label, id, key).await;
     if let Some(who) = who {
         refund(shared, &running, label, &who).await;

@@ -41,7 +41,7 @@ pub(super) async fn run_claimed(
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
-    let key = super::key_slot(&running, &label, &who).copied();
+    let key = super::key_slot(&who).copied();
     let admit = AdmitRequest {
         key_cap: None,
         ..decision::admit_request(&route, &who)
