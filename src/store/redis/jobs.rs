@@ -75,16 +75,13 @@ impl RedisBackend {
             }
         };
         let entered = self.enter_admitted_job(req, cap, id, &outcome).await;
-        if !matches!(
-            entered,
-            Ok(JobEntered::Taken(_)) | Ok(JobEntered::Queued(..))
-        ) {
-            // Not in the queue (full), or maybe not: its key's slot goes now.
-            self.release_keys(key_slots, id.to_string()).await;
-        }
-        if matches!(entered, Ok(JobEntered::Refused(_))) {
-            // The queue is full: the charge goes back, as a request's does.
-            self.undo_charge(super::budget_keys(req), req.cost).await;
+        match &entered {
+            Ok(JobEntered::Taken(_) | JobEntered::Queued(..)) => {}
+            // The queue is full: as a request that leaves it unserved.
+            Ok(JobEntered::Refused(_)) => self.give_back(req, key_slots, id.to_string()).await,
+            // Maybe queued: its record is cancelled and its charge given back by the caller
+            // (`jobs::fleet::submit`, as `may_have_run` says); its key's slot goes now.
+            Err(_) => self.release_keys(key_slots, id.to_string()).await,
         }
         entered
     }

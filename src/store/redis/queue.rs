@@ -188,8 +188,7 @@ impl Drop for Unserved {
                     store.release_keys(vec![keys[0].clone()], id.clone()).await;
                 }
             }
-            store.undo_charge(super::budget_keys(&req), req.cost).await;
-            store.release_keys(key_slots, id).await;
+            store.give_back(&req, key_slots, id).await;
         });
     }
 }
@@ -205,6 +204,18 @@ pub(super) fn leave<'a>(
 }
 
 impl RedisBackend {
+    /// A charged admission that leaves its route's queue unserved (a request, or a job the
+    /// queue refused): its charge back, then its key's slot.
+    pub(super) async fn give_back(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        key_slots: Vec<String>,
+        id: String,
+    ) {
+        self.undo_charge(super::budget_keys(req), req.cost).await;
+        self.release_keys(key_slots, id).await;
+    }
+
     /// A capped request: charged for its key, then into the route's fair queue.
     pub(super) async fn admit_capped(
         self: &Arc<Self>,
