@@ -97,16 +97,29 @@ impl Watch {
     /// The primary is (now) at `addr`; a change makes every older connection stale and ends
     /// a failover's pause (in that order: nothing resumes on an old connection).
     pub(super) fn primary_is(&self, addr: String) {
-        let mut p = crate::store::lock(&self.primary);
-        if *p != addr {
-            let changed = !p.is_empty();
-            *p = addr;
-            if changed {
-                tracing::warn!(primary = %*p, "the Sentinels named a new primary: reconnecting");
-                self.generation.fetch_add(1, Ordering::AcqRel);
-                self.resume();
-            }
+        if self.note_primary(addr) {
+            self.switched();
         }
+    }
+
+    /// Notes the primary's address; true when it changed from a known one.
+    fn note_primary(&self, addr: String) -> bool {
+        let mut p = crate::store::lock(&self.primary);
+        if *p == addr {
+            return false;
+        }
+        let changed = !p.is_empty();
+        *p = addr;
+        if changed {
+            tracing::warn!(primary = %*p, "the Sentinels named a new primary: reconnecting");
+        }
+        changed
+    }
+
+    /// Connections made before now are stale, then calls resume.
+    fn switched(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.resume();
     }
 
     /// A message on one of the Sentinels' channels, about master `master`.
@@ -116,12 +129,10 @@ impl Watch {
             // `<name> <old ip> <old port> <new ip> <new port>`
             if let [name, _, _, ip, port, ..] = words[..] {
                 if name == master {
-                    self.primary_is(format!("{ip}:{port}"));
-                    // Also when the address was known already (a poll saw it first, or the
-                    // old primary came back at its address): connections made before are
-                    // stale.
-                    self.generation.fetch_add(1, Ordering::AcqRel);
-                    self.resume();
+                    // Switched also when the address was known already (a poll saw it
+                    // first, or the old primary came back at its address).
+                    self.note_primary(format!("{ip}:{port}"));
+                    self.switched();
                 }
             }
             return;
