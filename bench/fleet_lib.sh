@@ -3,9 +3,26 @@
 # (release build, threads 1, RUST_LOG=warn) on Redis, on free loopback ports in a temp dir,
 # all stopped at exit.
 #
-# The caller sets NAME (its log prefix), TARGET (the tollgate binary) and, before calling
-# `start_fleet ENDPOINT_YAML`, nothing else; it then has REDIS_PORT, UP_PORT, GW_PORT,
-# ADMIN_PORT, TMP, and `log`, `free_port`, `wait_up`.
+# The caller sets NAME (its log prefix), USAGE (its usage line), TOOLS (the commands it
+# needs) and TARGET (the tollgate binary), sources this, calls `fleet_prepare "$@"` (its
+# options: --no-build, -h), then `start_fleet ENDPOINT_YAML`; it then has REDIS_PORT,
+# UP_PORT, GW_PORT, ADMIN_PORT, TMP, and `log`, `free_port`, `wait_up`.
+
+fleet_prepare() {
+  local build=1 a tool
+  for a in "$@"; do
+    case $a in
+      --no-build) build=0 ;;
+      -h|--help) echo "$USAGE"; exit 0 ;;
+      *) echo "$USAGE" >&2; exit 2 ;;
+    esac
+  done
+  for tool in "${TOOLS[@]}"; do
+    command -v "$tool" >/dev/null || { echo "bench/$NAME.sh needs $tool" >&2; exit 1; }
+  done
+  if [[ $build == 1 ]]; then cargo build --release --bin tollgate; fi
+  ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+}
 
 log() { echo "[$NAME-bench] $*" >&2; }
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/tollgate-$NAME-bench.XXXXXX")

@@ -29,26 +29,12 @@ SAMPLES=${SAMPLES:-200}
 POLL_MS=${POLL_MS:-1}
 TARGET=${CARGO_TARGET_DIR:-target}/release/tollgate
 
-usage() {
-  echo "usage: bench/jobs.sh [--no-build]   (env: CONNS=$CONNS DURATION=$DURATION HOLD_S=$HOLD_S BODY=$BODY UP_MS=$UP_MS SAMPLES=$SAMPLES POLL_MS=$POLL_MS)"
-}
-BUILD=1
-for a in "$@"; do
-  case $a in
-    --no-build) BUILD=0 ;;
-    -h|--help) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
-  esac
-done
-for tool in wrk redis-server redis-cli curl python3; do
-  command -v "$tool" >/dev/null || { echo "bench/jobs.sh needs $tool" >&2; exit 1; }
-done
-if [[ $BUILD == 1 ]]; then cargo build --release --bin tollgate; fi
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-
 NAME=jobs
+USAGE="usage: bench/jobs.sh [--no-build]   (env: CONNS=$CONNS DURATION=$DURATION HOLD_S=$HOLD_S BODY=$BODY UP_MS=$UP_MS SAMPLES=$SAMPLES POLL_MS=$POLL_MS)"
+TOOLS=(wrk redis-server redis-cli curl python3)
 # shellcheck source=bench/fleet_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/fleet_lib.sh"
+fleet_prepare "$@"
 start_fleet "$(cat <<'YAML'
     /reports/generate:
       cost: 1

@@ -26,26 +26,12 @@ HOLD_S=${HOLD_S:-12}
 IDLE_S=${IDLE_S:-5}
 TARGET=${CARGO_TARGET_DIR:-target}/release/tollgate
 
-usage() {
-  echo "usage: bench/queue.sh [--no-build]   (env: WAITERS=$WAITERS DURATION=$DURATION UP_MS=$UP_MS HOLD_S=$HOLD_S IDLE_S=$IDLE_S)"
-}
-BUILD=1
-for a in "$@"; do
-  case $a in
-    --no-build) BUILD=0 ;;
-    -h|--help) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
-  esac
-done
-for tool in wrk redis-server redis-cli curl; do
-  command -v "$tool" >/dev/null || { echo "bench/queue.sh needs $tool" >&2; exit 1; }
-done
-if [[ $BUILD == 1 ]]; then cargo build --release --bin tollgate; fi
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-
 NAME=queue
+USAGE="usage: bench/queue.sh [--no-build]   (env: WAITERS=$WAITERS DURATION=$DURATION UP_MS=$UP_MS HOLD_S=$HOLD_S IDLE_S=$IDLE_S)"
+TOOLS=(wrk redis-server redis-cli curl)
 # shellcheck source=bench/fleet_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/fleet_lib.sh"
+fleet_prepare "$@"
 start_fleet "$(cat <<'YAML'
     /reports/generate:
       cost: 1
