@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const ROUTE: &str = "/reports/generate";
+/// A job that keeps its slot for 5 s: longer than any step a test takes while it runs (the
+/// others answer in the upstream's 200 ms), so that no assertion races its end.
+const HELD: &str = "/reports/generate?delay_ms=5000";
 /// The fleet's `store.lease_ttl`: a dead runner's job is `failed` within it.
 const LEASE_TTL: Duration = Duration::from_secs(2);
 
@@ -455,7 +458,7 @@ async fn a_submission_without_redis_is_refused() {
 #[tokio::test]
 async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url());
     let mut a = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
@@ -466,7 +469,7 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
     let b = Gateway::start(&up, &body);
     let c = client();
     // A slot is free: A runs the first job itself.
-    let (running, _) = submit(&c, &a, ROUTE, "").await;
+    let (running, _) = submit(&c, &a, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let (queued, accepted) = submit(&c, &a, ROUTE, "").await;
     assert_eq!(accepted["status"], "queued");
@@ -550,11 +553,11 @@ async fn a_redis_restart_loses_the_jobs_it_held_and_the_fleet_goes_on() {
 #[tokio::test]
 async fn every_instance_sees_the_fleets_queued_jobs() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url());
     let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
     let c = client();
-    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    let (first, _) = submit(&c, &a, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let mut queued = vec![];
     for _ in 0..3 {
@@ -597,7 +600,7 @@ async fn every_instance_sees_the_fleets_queued_jobs() {
 #[tokio::test]
 async fn a_plans_max_in_flight_per_key_counts_jobs_from_submission_to_their_end() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url())
         .replace(
             "keys:\n",
@@ -606,7 +609,7 @@ async fn a_plans_max_in_flight_per_key_counts_jobs_from_submission_to_their_end(
         .replace(&registry_key("a", ""), &registry_key("a", ", plan: two"));
     let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
     let c = client();
-    let (running, _) = submit(&c, &a, ROUTE, "").await;
+    let (running, _) = submit(&c, &a, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let (queued, _) = submit(&c, &b, ROUTE, "").await;
     for gw in [&a, &b] {
@@ -643,7 +646,7 @@ async fn a_plans_max_in_flight_per_key_counts_jobs_from_submission_to_their_end(
 #[tokio::test]
 async fn a_job_refused_by_a_full_queue_is_not_charged() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url()).replace(
         "max_in_flight: 1\n",
         "max_in_flight: 1\n      max_queue: 1\n",
@@ -651,7 +654,7 @@ async fn a_job_refused_by_a_full_queue_is_not_charged() {
     assert!(body.contains("max_queue: 1"));
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let (first, _) = submit(&c, &gw, ROUTE, "").await;
+    let (first, _) = submit(&c, &gw, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let (second, _) = submit(&c, &gw, ROUTE, "").await;
     let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;

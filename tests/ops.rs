@@ -1107,8 +1107,8 @@ async fn the_pid_file_names_the_gateway_to_reload() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
     let (old, new) = (
-        Upstream::start(Duration::from_millis(1000)),
-        Upstream::start(Duration::from_millis(1000)),
+        Upstream::start(Duration::from_millis(200)),
+        Upstream::start(Duration::from_millis(200)),
     );
     let body = |pool: &Upstream| {
         format!(
@@ -1118,11 +1118,13 @@ async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
     };
     let gw = Gateway::start(&old, &body(&old));
     let c = client();
-    let send = || {
-        let (c, url) = (c.clone(), gw.url("/svc/reports/generate"));
+    let send_to = |target: &str| {
+        let (c, url) = (c.clone(), gw.url(target));
         tokio::spawn(async move { post(&c, url, "k").await.status() })
     };
-    let first = send();
+    let send = || send_to("/svc/reports/generate");
+    // The first keeps the slot for 5 s: the reload comes while the second still waits.
+    let first = send_to("/svc/reports/generate?delay_ms=5000");
     old.wait_current("/reports/generate", 1).await;
     let queued = send();
     wait_metric(
