@@ -927,3 +927,56 @@ async fn access_log_separates_the_store_round_trip_from_queueing() {
         assert!(store > 0.01 && queue < store / 10.0, "{e}");
     }
 }
+
+/// Group commit across a fleet (`store::redis::batch`): while Redis is paused, each worker
+/// thread of three gateways has one `admit` in flight and gathers the rest of 60 requests
+/// (cost 2, one key, 25 units left) behind it; they then go as batches, which straddle the
+/// budget's last units. Exactly what sequential calls would admit is admitted: 12 (24 units),
+/// the 13th refused although 1 unit is left, which a cost-1 request then takes. And Redis ran
+/// far fewer calls than requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_straddling_a_budgets_last_units_admit_exactly_what_fits() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 1500ms\n  on_error: deny\n  fleet_size: 3\n  lease_ttl: 2s\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 26}}\n  endpoints:\n    /heavy: {{cost: 2}}\n",
+        redis.url()
+    );
+    let gws = fleet(&up, 3, &body);
+    let c = client();
+    // Every gateway connected (and the scripts loaded), one unit spent.
+    for gw in &gws {
+        assert_eq!(get(&c, gw.url("/items"), "warm").await.status(), 200);
+    }
+    let r = get(&c, gws[0].url("/items"), "k").await;
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("25"));
+    let evalsha = |r: &Redis| -> u64 {
+        let info = r.cli(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let before = evalsha(&redis);
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1000", "ALL"]), "OK");
+    let sent: Vec<_> = (0..60)
+        .map(|i| spawn_get(&c, gws[i % 3].url("/heavy"), "k"))
+        .collect();
+    let mut statuses = std::collections::BTreeMap::<u16, u32>::new();
+    for s in sent {
+        *statuses.entry(s.await.unwrap()).or_default() += 1;
+    }
+    assert_eq!(
+        statuses,
+        [(200, 12), (429, 48)].into_iter().collect(),
+        "exactly the 12 that fit"
+    );
+    assert_eq!(up.count("/heavy"), 12);
+    let calls = evalsha(&redis) - before;
+    assert!(calls < 30, "{calls} EVALSHA for 60 admissions: no batches");
+    // The unit the 13th did not fit in is left, and only it.
+    let r = get(&c, gws[1].url("/items"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+    assert_eq!(get(&c, gws[2].url("/items"), "k").await.status(), 429);
+}

@@ -448,3 +448,46 @@ async fn local_admissions_are_registered_when_the_store_returns() {
     assert_eq!(up.max_concurrent("/reports/generate"), 4);
     assert_eq!(up.count("/reports/generate"), 6);
 }
+
+/// Group commit, a timeout in the middle of a batch (`store::redis::batch`): while Redis is
+/// paused, each worker thread's first `admit` is in flight and the others gather behind it;
+/// once it is answered they go as one `admit_batch`, which the proxy holds until every request
+/// in it gave up (`store.timeout`) and was admitted on the local share. The batch then reaches
+/// Redis and charges; each of its admissions is undone by its id, and each local admission is
+/// written back once, so every request is charged exactly once: in the end the key has paid
+/// for exactly the requests the upstream ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_that_times_out_charges_each_request_at_most_once() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &store_yaml(&proxy.url(), "").replace("200ms", "400ms"));
+    let c = client();
+    // Both worker threads connected (and admit_one loaded): requests at once, a few times.
+    for _ in 0..4 {
+        let warm: Vec<_> = (0..4)
+            .map(|_| spawn_get(&c, gw.url("/items"), "warm"))
+            .collect();
+        for w in warm {
+            assert_eq!(w.await.unwrap(), 200);
+        }
+    }
+    let sha = tollgate::store::redis::script_sha("admit_batch").unwrap();
+    proxy.hold_matching(&sha);
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "100", "ALL"]), "OK");
+    let sent: Vec<_> = (0..20)
+        .map(|_| spawn_get(&c, gw.url("/items"), "k"))
+        .collect();
+    for s in sent {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/items"), 36);
+    assert_eq!(proxy.delivered_late(), 0);
+    proxy.heal();
+    // The held batch reaches Redis, charges, and is undone request by request.
+    gw.wait_log("a timed-out admission reached Redis after all")
+        .await;
+    assert!(proxy.delivered_late() > 0);
+    // Only what the upstream ran (the probes included) stays charged.
+    charged_settles(&c, &gw, "k", || up.count("/items") - 16).await;
+}

@@ -56,7 +56,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Why the shared store could not decide. `transient` errors (a timeout, a dropped
 /// connection) are expected to pass by themselves; the others (a wrong password, an
 /// out-of-memory Redis, an unusable URL) need an operator, so their cause is logged.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("store call timed out")]
     Timeout,

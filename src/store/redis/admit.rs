@@ -31,48 +31,67 @@ impl RedisBackend {
             let mut pending = store.spawn_admit(c, conn);
             match (&mut pending.rx).await {
                 Ok((Ok(v), c)) => Ok((v, c)),
-                Ok((Err(e), _)) => Err(e.into()),
+                Ok((Err(e), _)) => Err(e),
                 Err(_) => Err(StoreError::Timeout),
             }
         })
         .await
     }
 
-    /// Runs admission `c` in a task of its own, which undoes it if nobody takes its reply.
+    /// Sends admission `c` in a task of its own, which undoes it if nobody takes its reply:
+    /// at once when this thread has no `admit` in flight, else with the others that gather
+    /// behind that one, in one batch (group commit, `batch`; one node only).
     fn spawn_admit(self: &Arc<Self>, c: AdmitCall, mut conn: Conn) -> PendingReply {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let store = self.clone();
-        tokio::spawn(async move {
-            let reply = store.run_admit(&c, &mut conn).await;
-            if let Err(e) = &reply {
-                // Nobody will hold what it may have taken (the request falls back on
-                // `store.on_error`): undone by its id, whether it ran or runs later.
-                if StoreError::from(e.clone()).may_have_run() {
-                    store.undo_later(&c);
-                }
+        if matches!(conn, Conn::Node(_)) {
+            let lane = self.lanes.get_or_default().clone();
+            if let Some(first) = lane.enter(c, tx) {
+                tokio::spawn(store.run_lane(lane, first, conn));
             }
-            if let Err((Ok(v), c)) = tx.send((reply, c)) {
-                // The request stopped waiting: undo what Redis did for it.
-                if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
-                    tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                    store.undo_admission(&c, granted(&v)).await;
-                }
-            }
-        });
+        } else {
+            tokio::spawn(async move {
+                let reply = store.run_admit(&c, &mut conn).await;
+                store.deliver(c, tx, reply);
+            });
+        }
         PendingReply {
             rx,
             store: self.clone(),
         }
     }
 
+    /// Hands admission `c`'s reply to its request. What nobody will hold is undone: a call
+    /// that failed but may have run (the request falls back on `store.on_error`) by its id,
+    /// whether it ran or runs later; an admission whose request stopped waiting, at once.
+    pub(super) fn deliver(
+        self: &Arc<Self>,
+        c: AdmitCall,
+        tx: Sent,
+        reply: Result<Vec<i64>, StoreError>,
+    ) {
+        if let Err(e) = &reply {
+            if e.may_have_run() {
+                self.undo_later(&c);
+            }
+        }
+        if let Err((Ok(v), c)) = tx.send((reply, c)) {
+            if admitted(&v) {
+                tracing::warn!("a timed-out admission reached Redis after all; refunding it");
+                let store = self.clone();
+                tokio::spawn(async move { store.undo_admission(&c, granted(&v)).await });
+            }
+        }
+    }
+
     /// One admission in Redis: one round trip (the key's budgets and lease set share a slot;
     /// a capped route's slot is taken in its queue afterwards).
-    async fn run_admit(
+    pub(super) async fn run_admit(
         self: &Arc<Self>,
         c: &AdmitCall,
         conn: &mut Conn,
-    ) -> Result<Vec<i64>, redis::RedisError> {
-        script::invoke(&c.invocation(), conn).await
+    ) -> Result<Vec<i64>, StoreError> {
+        Ok(script::invoke(&c.invocation(), conn).await?)
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had
@@ -199,7 +218,15 @@ fn granted(reply: &[i64]) -> u64 {
     reply.get(4).map_or(0, |g| (*g).max(0) as u64)
 }
 
-type AdmitReply = (Result<Vec<i64>, redis::RedisError>, AdmitCall);
+type AdmitReply = (Result<Vec<i64>, StoreError>, AdmitCall);
+
+/// Where an admission's reply goes: its request's [`PendingReply`].
+pub(super) type Sent = tokio::sync::oneshot::Sender<AdmitReply>;
+
+/// Whether an `admit` reply admitted (and so charged).
+fn admitted(reply: &[i64]) -> bool {
+    reply.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted)
+}
 
 /// The request's end of the admitting call's reply. A request that goes away while waiting
 /// for it (a client that left a queue: its future is dropped) leaves an admission that Redis
@@ -214,7 +241,7 @@ impl Drop for PendingReply {
     fn drop(&mut self) {
         self.rx.close();
         if let Ok((Ok(v), c)) = self.rx.try_recv() {
-            if v.first().copied().and_then(AdmitCode::from_reply) == Some(AdmitCode::Admitted) {
+            if admitted(&v) {
                 // Dropped outside a runtime only when the process is going away: the lease
                 // then lapses after lease_ttl.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -18,6 +18,7 @@
 //!   budgets or `max_delay`, and never near the end of a budget.
 
 mod admit;
+mod batch;
 mod breaker;
 mod conn;
 mod deny_cache;
@@ -41,6 +42,7 @@ use std::time::{Duration, Instant};
 pub use conn::UnusableUrl;
 pub(crate) use jobs::JobEntered;
 pub use lease::RedisLease;
+pub use script::script_sha;
 
 /// The key's tag, as Redis's keys and a route's queue name it.
 pub(crate) fn key_tag(key: &KeyHash) -> String {
@@ -106,6 +108,8 @@ pub struct RedisBackend {
     watching_run_id: AtomicBool,
     /// Async jobs' records (`lua/jobs.lua`).
     job_script: jobs::JobScript,
+    /// Each worker thread's admissions in flight and waiting (group commit: `batch`).
+    lanes: thread_local::ThreadLocal<Arc<batch::Lane>>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -175,6 +179,7 @@ impl RedisBackend {
             job_script: jobs::JobScript::new(),
             waiters: Mutex::default(),
             watching_run_id: AtomicBool::new(false),
+            lanes: thread_local::ThreadLocal::new(),
         })
     }
 
@@ -225,34 +230,10 @@ impl RedisBackend {
         lease_id: String,
         lease_ttl: Duration,
     ) -> Result<(Decided, Seen), StoreError> {
-        let key_slots = req.key_cap.is_some();
         // A capped route's slot is taken in its fair queue, after this call (`queue`, in the
         // route's own slot, on one node as on Cluster).
         let capped = req.route_cap.is_some();
-        let (budget, holds) = keys::budget_and_holds_keys(&req.key);
-        let call = AdmitCall {
-            budget,
-            key_slots: key_slots.then(|| keys::key_slots_key(&req.key)),
-            limit: req.limit,
-            cost: req.cost,
-            key_cap: req.key_cap.unwrap_or(0),
-            record: String::new(),
-            // Every call's admission id; the id of its leases too, if it takes any.
-            lease_id,
-            lease_ttl_us: lease_ttl.as_micros() as u64,
-            also: also_keys(req).collect(),
-            holds,
-            slice: ask.slice,
-            grant: ask.grant,
-            hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
-            settle: ask.settle,
-            unspent: ask.unspent,
-            if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
-        };
-        let call = AdmitCall {
-            record: keys::admission_key(&req.key, &call.lease_id),
-            ..call
-        };
+        let call = admit_call(req, ask, lease_id, lease_ttl);
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
             .ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
@@ -297,6 +278,36 @@ impl RedisBackend {
             }
         };
         Ok((decided, reply.seen))
+    }
+}
+
+/// The `admit` call for `req` under admission id `lease_id`, asking `ask` of its slices; its
+/// key lease, if it takes one, lasts `lease_ttl`.
+fn admit_call(req: &AdmitRequest, ask: Ask, lease_id: String, lease_ttl: Duration) -> AdmitCall {
+    let key_slots = req.key_cap.is_some();
+    let (budget, holds) = keys::budget_and_holds_keys(&req.key);
+    let call = AdmitCall {
+        budget,
+        key_slots: key_slots.then(|| keys::key_slots_key(&req.key)),
+        limit: req.limit,
+        cost: req.cost,
+        key_cap: req.key_cap.unwrap_or(0),
+        record: String::new(),
+        // Every call's admission id; the id of its leases too, if it takes any.
+        lease_id,
+        lease_ttl_us: lease_ttl.as_micros() as u64,
+        also: also_keys(req).collect(),
+        holds,
+        slice: ask.slice,
+        grant: ask.grant,
+        hold_ttl_us: slices::HOLD_TTL.as_micros() as u64,
+        settle: ask.settle,
+        unspent: ask.unspent,
+        if_lost: slices::if_lost(&ask.settled, req.limits(), Instant::now()),
+    };
+    AdmitCall {
+        record: keys::admission_key(&req.key, &call.lease_id),
+        ..call
     }
 }
 

@@ -15,7 +15,7 @@ use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
-pub(super) use ops::{Debit, Lease, Peek, Refund, Settle, Undo, Unspend};
+pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Refund, Settle, Undo, Unspend};
 
 /// An operation's script: the shared helpers (they start with the `#!lua` flag line), then
 /// the operation's own file.
@@ -40,10 +40,11 @@ pub(super) enum Lua {
     Unspend,
     Peek,
     Lease,
+    AdmitBatch,
 }
 
 /// Each operation's script by name, in the order of [`Lua`].
-pub(super) const SOURCES: [(&str, &str); 9] = [
+pub(super) const SOURCES: [(&str, &str); 10] = [
     ("admit", store_lua!("admit")),
     ("admit_one", store_lua!("admit_one")),
     ("undo", store_lua!("undo")),
@@ -53,10 +54,31 @@ pub(super) const SOURCES: [(&str, &str); 9] = [
     ("unspend", store_lua!("unspend")),
     ("peek", store_lua!("peek")),
     ("lease", store_lua!("lease")),
+    // Group commit: `admit_one` and `admit` as functions of their KEYS and ARGV (which
+    // shadow the call's own), then the batch that calls them in turn.
+    (
+        "admit_batch",
+        concat!(
+            include_str!("../lua/store/common.lua"),
+            "local function admit_one(KEYS, ARGV)\n",
+            include_str!("../lua/store/admit_one.lua"),
+            "end\nlocal function admit(KEYS, ARGV)\n",
+            include_str!("../lua/store/admit.lua"),
+            "end\n",
+            include_str!("../lua/store/admit_batch.lua"),
+        ),
+    ),
 ];
 
 /// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
-static SCRIPTS: LazyLock<[Script; 9]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+static SCRIPTS: LazyLock<[Script; 10]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+
+/// The SHA1 an operation's script is sent by (`EVALSHA`), by its name in [`SOURCES`]: what
+/// a test that holds one kind of call on the wire looks for.
+pub fn script_sha(name: &str) -> Option<String> {
+    let i = SOURCES.iter().position(|(n, _)| *n == name)?;
+    Some(SCRIPTS[i].get_hash().to_string())
+}
 
 /// One operation of the store: a value whose fields are its arguments, and the script that
 /// runs it.

@@ -2,15 +2,49 @@
 //! and [`Op::args`] lays them out as the script's KEYS and ARGV (the contract above each
 //! script in `lua/store/`). Every number goes as an integer.
 
-use redis::ScriptInvocation;
+use redis::{ScriptInvocation, ToRedisArgs};
 
 use super::{AdmitCall, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
 use crate::budget::Limit;
 use crate::store::redis::slices::{self, IfLost};
 
+/// Where `admit`'s KEYS and ARGV are laid: its own invocation, or the lists of one call of
+/// a batch (which says how many of each it has).
+pub(super) trait Lay {
+    fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self;
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self;
+}
+
+impl Lay for ScriptInvocation<'static> {
+    fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        ScriptInvocation::key(self, key)
+    }
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        ScriptInvocation::arg(self, arg)
+    }
+}
+
+/// One call's KEYS and ARGV, encoded, for a batch.
+#[derive(Default)]
+struct Laid {
+    keys: Vec<Vec<u8>>,
+    argv: Vec<Vec<u8>>,
+}
+
+impl Lay for Laid {
+    fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        self.keys.extend(key.to_redis_args());
+        self
+    }
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.argv.extend(arg.to_redis_args());
+        self
+    }
+}
+
 /// The five ARGV of a budget that `admit` decides on: per_unit, rate, capacity, max_delay,
 /// and the floor a slice must leave (0 without a slice).
-fn decided_budget(inv: &mut ScriptInvocation<'static>, l: &Limit, slice: u64) {
+fn decided_budget(inv: &mut impl Lay, l: &Limit, slice: u64) {
     let floor = if slice > 0 { slices::floor(l) } else { 0 };
     inv.arg(l.per_unit)
         .arg(l.rate)
@@ -22,7 +56,7 @@ fn decided_budget(inv: &mut ScriptInvocation<'static>, l: &Limit, slice: u64) {
 impl AdmitCall {
     /// `admit`'s KEYS and ARGV. A capped route's slot is not taken here but in its fair
     /// queue: no route lease set (the budget key again, never touched) and no route cap.
-    fn admit_args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn admit_args(&self, inv: &mut impl Lay) {
         let (route_set, route_cap) = (&self.budget, 0);
         inv.key(&self.budget)
             .key(self.key_slots.as_ref().unwrap_or(&self.budget))
@@ -84,6 +118,32 @@ impl AdmitCall {
             && self.settle == 0
             && self.unspent == 0
             && self.if_lost.units == 0
+    }
+}
+
+/// `admit_batch`: the calls, decided in one script call in this order, each exactly as if it
+/// had been sent alone (group commit, `super::super::batch`). Reply: each call's reply, or
+/// `[-1]` for one that failed (it wrote nothing).
+pub(in crate::store::redis) struct AdmitBatch<'a>(pub &'a [AdmitCall]);
+
+impl Op for AdmitBatch<'_> {
+    type Reply = Vec<Vec<i64>>;
+    const SCRIPT: Lua = Lua::AdmitBatch;
+
+    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+        inv.arg(self.0.len());
+        for c in self.0 {
+            let mut laid = Laid::default();
+            c.admit_args(&mut laid);
+            let script = if c.is_common() { 1 } else { 2 };
+            inv.arg(script).arg(laid.keys.len()).arg(laid.argv.len());
+            for k in laid.keys {
+                inv.key(k);
+            }
+            for a in laid.argv {
+                inv.arg(a);
+            }
+        }
     }
 }
 

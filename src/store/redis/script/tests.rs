@@ -85,6 +85,7 @@ fn every_operation_has_a_flagged_script_of_its_own() {
         Lua::Unspend,
         Lua::Peek,
         Lua::Lease,
+        Lua::AdmitBatch,
     ];
     assert_eq!(all.len(), SOURCES.len());
     for l in all {

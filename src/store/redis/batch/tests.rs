@@ -1,0 +1,280 @@
+//! `admit_batch` against the model: batches of interleaved keys and plans, decided by a real
+//! `redis-server`, each reply compared with the memory store's GCRA (`crate::budget`) deciding
+//! the same request at the very instant (Redis `TIME`) that call was decided at.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::super::conn::Conn;
+use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Op};
+use super::super::{admit_call, slices::Ask};
+use crate::budget::Limit;
+use crate::store::memory::{Clock, MemoryStore};
+use crate::store::{Admission, AdmitRequest, Bucket, Extra};
+
+/// A `redis-server` on a Unix socket of its own (no port to race for), stopped on drop.
+struct Redis {
+    child: Child,
+    dir: std::path::PathBuf,
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let dir = std::env::temp_dir().join(format!(
+            "tollgate-batch-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("redis.sock");
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no"])
+            .arg("--unixsocket")
+            .arg(&sock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (apt-get install redis-server)");
+        for _ in 0..500 {
+            if sock.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(sock.exists(), "redis-server did not start");
+        Redis { child, dir }
+    }
+
+    async fn conn(&self) -> Conn {
+        let url = format!("redis+unix://{}", self.dir.join("redis.sock").display());
+        let client = redis::Client::open(url).unwrap();
+        Conn::Node(client.get_multiplexed_async_connection().await.unwrap())
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn request(key: u8, limit: Limit, also: Vec<Extra>, cost: u64) -> AdmitRequest {
+    AdmitRequest {
+        key: [key; 32],
+        limit,
+        also,
+        cost,
+        key_cap: None,
+        route: Arc::from("r"),
+        route_cap: None,
+        queue_timeout: Duration::ZERO,
+        fair: Default::default(),
+    }
+}
+
+/// A reply as the figures both stores give: verdict, delay or retry (µs), remaining, reset.
+fn redis_line(r: &[i64]) -> String {
+    let code = AdmitCode::from_reply(r[0]).expect("a known code");
+    format!("{code:?} a={} r={} reset={}", r[1], r[2], r[3])
+}
+
+fn model_line(a: &Admission) -> String {
+    match a {
+        Admission::Admitted {
+            standing, delay_us, ..
+        } => format!(
+            "Admitted a={delay_us} r={} reset={}",
+            standing.remaining, standing.reset_us
+        ),
+        Admission::OverBudget {
+            standing,
+            retry_after_us,
+        } => format!(
+            "OverBudget a={retry_after_us} r={} reset={}",
+            standing.remaining, standing.reset_us
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
+/// 400 requests over four keys and three plans (one budget: `admit_one`; two budgets, the
+/// second tighter or looser: `admit`), sent as batches of 1 to 9, straddling the ends of
+/// small budgets again and again: every reply is what the model decides at its instant.
+#[tokio::test]
+async fn a_batch_decides_each_admission_as_the_model_does_alone() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+    let model = MemoryStore::new(Clock::manual(now));
+    let hour = Duration::from_secs(3600);
+    let minute = |max_cost, delay_s| Extra {
+        bucket: Bucket::Key("minute".into()),
+        limit: Limit::new(
+            max_cost,
+            Duration::from_secs(60),
+            Duration::from_secs(delay_s),
+        )
+        .unwrap(),
+    };
+    let plans = [
+        (Limit::new(12, hour, Duration::ZERO).unwrap(), vec![]),
+        (
+            Limit::new(30, hour, Duration::from_secs(600)).unwrap(),
+            vec![minute(6, 20)],
+        ),
+        (
+            Limit::new(9, hour, Duration::ZERO).unwrap(),
+            vec![minute(40, 0)],
+        ),
+    ];
+    let mut x: u64 = 0x2545f4914f6cdd1d;
+    let mut rand = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let (mut sent, mut admitted, mut refused, mut batches) = (0, 0, 0, 0);
+    while sent < 400 {
+        let size = 1 + (rand() % 9) as usize;
+        let reqs: Vec<AdmitRequest> = (0..size)
+            .map(|_| {
+                let r = rand();
+                let key = (r % 4) as u8;
+                let (limit, also) = plans[((r >> 8) % 3) as usize].clone();
+                request(
+                    key * 3 + ((r >> 8) % 3) as u8,
+                    limit,
+                    also,
+                    1 + (r >> 16) % 4,
+                )
+            })
+            .collect();
+        let calls: Vec<AdmitCall> = reqs
+            .iter()
+            .map(|req| admit_call(req, Ask::default(), format!("t:{sent}:{}", rand()), hour))
+            .collect();
+        let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+            .await
+            .unwrap();
+        assert_eq!(replies.len(), size);
+        for (i, (req, reply)) in reqs.iter().zip(&replies).enumerate() {
+            now.store(reply[5] as u64, Ordering::Relaxed);
+            let m = model.admit(req).await;
+            assert_eq!(
+                redis_line(reply),
+                model_line(&m),
+                "call {i} of a batch of {size} (request {})",
+                sent + i
+            );
+            match m {
+                Admission::Admitted { .. } => admitted += 1,
+                _ => refused += 1,
+            }
+        }
+        sent += size;
+        batches += 1;
+    }
+    // The sequence reaches the budgets' ends on every plan, inside batches.
+    assert!(
+        admitted > 50 && refused > 100,
+        "{admitted} admitted, {refused} refused"
+    );
+    assert!(batches < 120, "{batches} batches");
+}
+
+/// One admission sent twice in one batch (a resend) is charged once: the second finds its
+/// record and answers from it.
+#[tokio::test]
+async fn an_admission_twice_in_a_batch_is_charged_once() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let req = request(7, limit, vec![], 4);
+    let call = admit_call(
+        &req,
+        Ask::default(),
+        "t:twice".into(),
+        Duration::from_secs(60),
+    );
+    let other = admit_call(
+        &req,
+        Ask::default(),
+        "t:other".into(),
+        Duration::from_secs(60),
+    );
+    let calls = [call.clone(), call, other];
+    let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+        .await
+        .unwrap();
+    let codes: Vec<_> = replies
+        .iter()
+        .map(|r| AdmitCode::from_reply(r[0]).unwrap())
+        .collect();
+    assert_eq!(codes, [AdmitCode::Admitted; 3]);
+    // Two charges of 4 of 10: 2 left (the resend's figures are the budget's as it stands).
+    assert_eq!((replies[0][2], replies[1][2], replies[2][2]), (6, 6, 2));
+}
+
+/// A call that fails in its script answers `[-1]`, writing nothing, and the batch's other
+/// calls are decided and charged as if it were not there.
+#[tokio::test]
+async fn a_failing_call_in_a_batch_leaves_the_others_standing() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let req = request(9, limit, vec![], 3);
+    let good = admit_call(
+        &req,
+        Ask::default(),
+        "t:good".into(),
+        Duration::from_secs(60),
+    );
+    let mut bad = admit_call(
+        &req,
+        Ask::default(),
+        "t:bad".into(),
+        Duration::from_secs(60),
+    );
+    // The budget's key holds a hash: GET on it fails (WRONGTYPE) before anything is written.
+    bad.budget = "t{broken}b".into();
+    bad.record = "t{broken}a".into();
+    let _: () = redis::cmd("HSET")
+        .arg("t{broken}b")
+        .arg("f")
+        .arg("v")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let good2 = admit_call(
+        &req,
+        Ask::default(),
+        "t:good2".into(),
+        Duration::from_secs(60),
+    );
+    let calls = [good, bad, good2];
+    let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+        .await
+        .unwrap();
+    assert_eq!(replies[1], vec![-1]);
+    let failed = super::one_of_batch(replies[1].clone()).unwrap_err();
+    assert!(!failed.may_have_run(), "{failed}");
+    assert_eq!(
+        (replies[0][0], replies[0][2]),
+        (AdmitCode::Admitted as i64, 7)
+    );
+    assert_eq!(
+        (replies[2][0], replies[2][2]),
+        (AdmitCode::Admitted as i64, 4)
+    );
+    let record: Option<String> = redis::cmd("GET")
+        .arg("t{broken}a")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(record, None);
+}
