@@ -9,8 +9,6 @@
 // A refusal is returned by value once per request; boxing it would allocate on every 429.
 #![allow(clippy::result_large_err)]
 
-mod reason;
-
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -26,7 +24,7 @@ use crate::route::{normalize_path, BadPath, Route};
 use crate::store::fair::Fair;
 use crate::store::{Admission, AdmitRequest, Bucket, Extra, Lease, Standing};
 
-pub use reason::{Reason, Verdict};
+pub use crate::reason::{Reason, Verdict};
 
 /// What a request is charged as, and what the upstream receives for it.
 #[derive(Debug, Clone)]

@@ -28,13 +28,12 @@ use pingora::proxy::ProxyHttp;
 
 mod body_watch;
 mod late;
-pub mod limits;
 mod listen;
 mod stream;
 
+pub use crate::config::ClientLimits;
 pub use body_watch::BodyWatch;
 pub use late::{drain_upstream, LateAnswer};
-pub use limits::ClientLimits;
 pub use listen::Listeners;
 pub use stream::Tracked;
 

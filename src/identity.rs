@@ -10,10 +10,8 @@ use std::sync::Arc;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
+pub use crate::config::origin::{Origin, TrustedProxies};
 use crate::config::{Anonymous, Config, IdentitySource};
-pub use origin::{Origin, TrustedProxies};
-
-pub mod origin;
 
 use crate::policy::Policy;
 
@@ -273,7 +271,7 @@ mod tests {
             "::1",
             "fd00::1",
         ] {
-            assert_eq!(super::origin::ip_text(ip(s)), ip(s).to_string());
+            assert_eq!(crate::config::origin::ip_text(ip(s)), ip(s).to_string());
         }
     }
 

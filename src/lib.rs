@@ -34,6 +34,7 @@ pub mod pid_file;
 pub mod policy;
 pub mod problem;
 pub mod proxy;
+pub mod reason;
 pub mod route;
 pub mod sample_api;
 pub mod shutdown;

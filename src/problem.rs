@@ -2,7 +2,7 @@
 //! DESIGN §3 (IETF draft-ietf-httpapi-ratelimit-headers plus the de-facto `X-RateLimit-*`).
 
 use crate::budget;
-use crate::decision::Reason;
+use crate::reason::Reason;
 use crate::store::Standing;
 use http::HeaderValue;
 

@@ -12,6 +12,7 @@ mod logging;
 mod process;
 pub mod recent;
 mod routes;
+mod timing;
 
 use std::sync::OnceLock;
 
@@ -230,3 +231,4 @@ pub fn render() -> String {
 pub use labels::{ClientTimeout, FallbackDecision, Listener, Reload, StoreCall};
 pub use logging::{flush_logs, init_logging, LogFormat};
 pub use routes::{RouteMetrics, RouteMetricsTable};
+pub use timing::Timing;

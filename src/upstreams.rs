@@ -229,3 +229,14 @@ fn health_check(spec: &CheckSpec) -> Option<Box<HttpHealthCheck>> {
     check.peer_template.options.connection_timeout = Some(spec.connect_timeout);
     Some(Box::new(check))
 }
+
+/// The peer for the configured upstream at its resolved address.
+pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> pingora::upstreams::peer::HttpPeer {
+    let mut peer = pingora::upstreams::peer::HttpPeer::new(addr, up.tls, up.host.clone());
+    peer.options.connection_timeout = Some(up.connect_timeout);
+    peer.options.total_connection_timeout = Some(up.connect_timeout * 2);
+    peer.options.read_timeout = Some(up.read_timeout);
+    peer.options.write_timeout = Some(up.read_timeout);
+    peer.options.idle_timeout = Some(Duration::from_secs(60));
+    peer
+}

@@ -23,8 +23,10 @@ use std::time::Duration;
 use crate::route::Router;
 
 mod bounds;
+mod client_limits;
 pub mod duration;
 pub mod error;
+pub mod origin;
 mod pattern;
 pub mod raw;
 pub mod size;
@@ -34,6 +36,7 @@ mod url;
 mod validate;
 
 pub use crate::policy::Policy;
+pub use client_limits::ClientLimits;
 pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
@@ -110,7 +113,7 @@ pub struct Config {
     pub grace_period: Duration,
     /// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`: what the
     /// front door enforces on client connections.
-    pub client_limits: crate::front::limits::ClientLimits,
+    pub client_limits: ClientLimits,
     /// `server.tls`, with the certificate and key already read (they are re-read on reload).
     pub tls: Option<crate::tls::TlsListener>,
     pub upstream: UpstreamTarget,
@@ -120,7 +123,7 @@ pub struct Config {
     pub sources: Vec<IdentitySource>,
     pub anonymous: Anonymous,
     /// `identity.trusted_proxies`: peers whose `X-Forwarded-For` is believed.
-    pub trusted_proxies: crate::identity::origin::TrustedProxies,
+    pub trusted_proxies: origin::TrustedProxies,
     /// `identity.forward_credentials`: false = the key's header / `Authorization` is removed
     /// before the request goes upstream.
     pub forward_credentials: bool,

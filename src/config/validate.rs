@@ -64,7 +64,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
         admin_listen: raw.server.admin_listen.clone(),
         threads,
         grace_period: raw.server.grace_period.0,
-        client_limits: crate::front::limits::ClientLimits {
+        client_limits: super::ClientLimits {
             header_timeout: raw.server.header_timeout.0,
             body_timeout: raw.server.body_timeout.0,
             send_timeout: raw.server.send_timeout.0,
@@ -457,10 +457,7 @@ fn identity(
 }
 
 /// `identity.trusted_proxies`: CIDRs (`10.0.0.0/8`) or single addresses, in normalized form.
-fn trusted_proxies(
-    list: &[String],
-    errs: &mut ConfigErrors,
-) -> crate::identity::origin::TrustedProxies {
+fn trusted_proxies(list: &[String], errs: &mut ConfigErrors) -> super::origin::TrustedProxies {
     let mut nets = Vec::new();
     for (i, s) in list.iter().enumerate() {
         let path = format!("identity.trusted_proxies[{i}]");
@@ -485,5 +482,5 @@ fn trusted_proxies(
             ),
         }
     }
-    crate::identity::origin::TrustedProxies::new(nets)
+    super::origin::TrustedProxies::new(nets)
 }

@@ -1,6 +1,6 @@
 //! A job's request to the upstream, and the answer read back whole (up to
 //! `max_response_body`): the peer the synchronous path would pick, with the same timeouts
-//! (`forward::peer`), through Pingora's own client.
+//! (`upstreams::peer`), through Pingora's own client.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -11,10 +11,10 @@ use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
 
 use super::Stored;
-use crate::proxy::forward;
 use crate::route::stated::Report;
 use crate::route::Route;
 use crate::state::Running;
+use crate::upstreams;
 
 /// What the upstream receives: the head as `forward::request` made it at submission, and the
 /// whole body.
@@ -118,7 +118,7 @@ fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
             .ok_or(Unreachable::NoHealthyAddress)?;
         let host = Some(t.host_header.clone());
         return Ok((
-            forward::peer(addr, t),
+            upstreams::peer(addr, t),
             host,
             t.read_timeout,
             t.abandon_timeout,
@@ -127,7 +127,7 @@ fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
     let addr = running.upstream_addr.ok_or(Unreachable::Unresolved)?;
     let up = &running.config.upstream;
     Ok((
-        forward::peer(addr, up),
+        upstreams::peer(addr, up),
         None,
         up.read_timeout,
         up.abandon_timeout,

@@ -1,18 +1,14 @@
 //! What the upstream receives: the peer to connect to, and the request as the gateway charged
 //! it (normalized origin-form target, canonical method) with the forwarding headers.
 
-use std::net::SocketAddr;
-use std::time::Duration;
-
 use http::header::{AUTHORIZATION, HOST};
 use http::{HeaderName, HeaderValue};
 use pingora::http::RequestHeader;
 use pingora::prelude::*;
-use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorType};
 
 use super::ctx::Ctx;
-use crate::config::{Config, IdentitySource, UpstreamTarget};
+use crate::config::{Config, IdentitySource};
 
 // Looked up by these (parsed once), not by `&str` names, which `http` parses on every lookup.
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -48,17 +44,6 @@ fn identity_headers(upstream: &mut RequestHeader, ctx: &Ctx, cfg: &Config) -> Re
         }
     }
     Ok(())
-}
-
-/// The peer for the configured upstream at its resolved address.
-pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> HttpPeer {
-    let mut peer = HttpPeer::new(addr, up.tls, up.host.clone());
-    peer.options.connection_timeout = Some(up.connect_timeout);
-    peer.options.total_connection_timeout = Some(up.connect_timeout * 2);
-    peer.options.read_timeout = Some(up.read_timeout);
-    peer.options.write_timeout = Some(up.read_timeout);
-    peer.options.idle_timeout = Some(Duration::from_secs(60));
-    peer
 }
 
 /// `strip_prefix`: `/greenhouse/v1/boards?x` → `/v1/boards?x`, `/greenhouse` → `/`. Only a

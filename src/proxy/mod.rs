@@ -332,13 +332,16 @@ impl ProxyHttp for Gateway {
             };
             ctx.upstream_host = Some(target.host_header.clone());
             ctx.abandon_after = target.abandon_timeout;
-            return Ok(Box::new(forward::peer(addr, target)));
+            return Ok(Box::new(crate::upstreams::peer(addr, target)));
         }
         let Some(addr) = running.upstream_addr else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };
         ctx.abandon_after = running.config.upstream.abandon_timeout;
-        Ok(Box::new(forward::peer(addr, &running.config.upstream)))
+        Ok(Box::new(crate::upstreams::peer(
+            addr,
+            &running.config.upstream,
+        )))
     }
 
     async fn upstream_request_filter(

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime};
 
 use sink::{Limits, Sink};
 
-use crate::decision::{Reason, Verdict};
+use crate::reason::{Reason, Verdict};
 
 /// One request's access-log line: the fields of DESIGN §5, in the order they are written.
 /// `None` fields are left out of the line.

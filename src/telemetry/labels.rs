@@ -1,6 +1,6 @@
 //! The closed label sets of the process-wide metrics (DESIGN §5), each value spelled once: a
 //! label typed out at the call site compiles with a typo, and the typo is a new series.
-//! Rejection reasons and decisions are `crate::decision`'s; job results and states are
+//! Rejection reasons and decisions are `crate::reason`'s; job results and states are
 //! `crate::jobs`'.
 
 /// Declares a label enum with its `ALL` (for the series made at zero) and `as_str`.

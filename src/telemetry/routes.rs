@@ -7,7 +7,7 @@ use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
 use super::metrics;
 use super::recent::{self, Counts, LastMinute};
-use crate::decision::Reason;
+use crate::reason::Reason;
 use crate::route::stated::{self, Report};
 use crate::route::{Route, Router};
 

@@ -13,7 +13,7 @@ use opentelemetry_sdk::trace::Span;
 use pingora::http::RequestHeader;
 
 use super::Tracing;
-use crate::proxy::ctx::Timing;
+use crate::telemetry::Timing;
 
 const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
@@ -38,7 +38,7 @@ pub struct Finished<'a> {
     pub route: &'a str,
     pub status: u16,
     pub cost: u64,
-    pub decision: crate::decision::Verdict,
+    pub decision: crate::reason::Verdict,
     /// The registry id or `key:<8 hex>` (`Identity::log_name`): never the key.
     pub key_id: Option<&'a str>,
     pub plan: Option<&'a str>,
