@@ -461,7 +461,12 @@ async fn a_batch_that_times_out_charges_each_request_at_most_once() {
     let redis = Redis::start();
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start(&up, &store_yaml(&proxy.url(), "").replace("200ms", "400ms"));
+    // The first calls wait out the pause well within the timeout; the 20 requests arrive
+    // during it with half a second to spare, so their batch forms however slow the machine.
+    let gw = Gateway::start(
+        &up,
+        &store_yaml(&proxy.url(), "").replace("200ms", "1200ms"),
+    );
     let c = client();
     // Both worker threads connected (and admit_one loaded): requests at once, a few times.
     for _ in 0..4 {
@@ -474,7 +479,7 @@ async fn a_batch_that_times_out_charges_each_request_at_most_once() {
     }
     let sha = tollgate::store::redis::script_sha("admit_batch").unwrap();
     proxy.hold_matching(&sha);
-    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "100", "ALL"]), "OK");
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "500", "ALL"]), "OK");
     let sent: Vec<_> = (0..20)
         .map(|_| spawn_get(&c, gw.url("/items"), "k"))
         .collect();
