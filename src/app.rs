@@ -38,6 +38,7 @@ impl App {
         match Config::load(&self.config_path, &self.env) {
             Ok(new) => {
                 let cert = self.tls_on_reload(&new);
+                crate::jobs::announce(&new.router);
                 self.shared.install(new);
                 if let (Some(resolver), Some(cert)) = (&self.tls, cert) {
                     // Validation has read the files: this is the pair now on disk.
@@ -318,6 +319,7 @@ pub fn run_with(
         .as_ref()
         .map(|t| crate::trace::Tracing::start(t).map_err(|e| anyhow::anyhow!("tracing: {e}")))
         .transpose()?;
+    crate::jobs::announce(&cfg.router);
     let shared = Shared::new(cfg, store, tracing);
     // On Redis, this instance takes its share of the fleet's async jobs (DESIGN §8).
     if matches!(shared.store, crate::store::Store::Redis(_)) {

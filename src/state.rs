@@ -33,8 +33,6 @@ pub struct Shared {
     /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
     /// [`crate::decision::MAX_HELD`] permits.
     pub holds: Arc<tokio::sync::Semaphore>,
-    /// This process's async jobs (DESIGN §8).
-    pub jobs: crate::jobs::Board,
     /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
     pub tracing: Option<crate::trace::Tracing>,
 }
@@ -48,7 +46,6 @@ impl Shared {
         let addr = resolve(&config.upstream.host, config.upstream.port);
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
-        crate::jobs::announce(&config.router);
         let pools = crate::upstreams::Pools::build(&config, &crate::upstreams::Pools::default());
         Arc::new(Shared {
             running: ArcSwap::from_pointee(Running {
@@ -60,7 +57,6 @@ impl Shared {
             store,
             drain: Drain::new(),
             holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
-            jobs: crate::jobs::Board::default(),
             tracing,
         })
     }
@@ -97,7 +93,6 @@ impl Shared {
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);
-        crate::jobs::announce(&new.router);
         self.running.store(Arc::new(Running {
             config: new,
             metrics,

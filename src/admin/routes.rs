@@ -59,7 +59,7 @@ pub async fn routes(shared: &Shared) -> Resp {
         // them) and the jobs this instance runs.
         if r.jobs.is_some() {
             let (queued, running) = match shared.store {
-                crate::store::Store::Memory(_) => shared.jobs.counts(&r.label),
+                crate::store::Store::Memory(_) => crate::jobs::board().counts(&r.label),
                 crate::store::Store::Redis(_) => crate::jobs::gauge_counts(&r.label),
             };
             v["jobs"] = serde_json::json!({"queued": queued, "running": running});

@@ -168,7 +168,13 @@ impl Job {
 /// submission is refused (503 `route-busy`, nothing charged) until results expire.
 pub const MAX_HELD_BYTES: u64 = 1 << 30;
 
-/// Every job of this process, by id.
+/// Every job of this process, by id: one board per process, like its metrics registry.
+pub fn board() -> &'static Board {
+    static BOARD: std::sync::OnceLock<Board> = std::sync::OnceLock::new();
+    BOARD.get_or_init(Board::default)
+}
+
+/// Every job of this process, by id (see [`board`]).
 #[derive(Debug, Default)]
 pub struct Board {
     jobs: Mutex<HashMap<Arc<str>, Arc<Job>>>,

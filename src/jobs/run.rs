@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 
 use super::metrics::{self, InState, JobResult, JobState};
 use super::send::{self, JobRequest, Sent};
-use super::{new_id, Job, NewJob, Status, Stored};
+use super::{board, new_id, Job, NewJob, Status, Stored};
 use crate::admission::{InFlight, Ticket};
 use crate::problem::{self, Problem};
 use crate::route::stated::Report;
@@ -65,7 +65,7 @@ pub(super) fn submit(
     new: NewJob<'_>,
 ) -> Result<Submission, Admission> {
     let bytes = new.request.body.len() as u64;
-    if !shared.jobs.reserve(bytes) {
+    if !board().reserve(bytes) {
         // This process holds as much for jobs as it may: refused, nothing charged.
         return Err(Admission::RouteBusy {
             standing: (&m.standing(&new.admit)).into(),
@@ -75,7 +75,7 @@ pub(super) fn submit(
     let (standing, delay, lease, place) = match m.admit_job(&new.admit, new.cap) {
         Ok(admitted) => admitted,
         Err(refused) => {
-            shared.jobs.unreserve(bytes);
+            board().unreserve(bytes);
             return Err(refused);
         }
     };
@@ -93,7 +93,7 @@ pub(super) fn submit(
         cancel: Mutex::new(Some(tx)),
         bytes: AtomicU64::new(bytes),
     });
-    shared.jobs.insert(job.clone());
+    board().insert(job.clone());
     tokio::spawn(run(Task {
         shared: shared.clone(),
         running: new.running,
@@ -166,10 +166,10 @@ async fn run(mut t: Task) {
             drop(slot);
             t.ticket.refund(&t.shared.store).await;
             let result = if t.job.expire(t.rules.result_ttl) {
-                t.shared.jobs.resize(&t.job, 0);
+                board().resize(&t.job, 0);
                 JobResult::Expired
             } else {
-                t.shared.jobs.remove(&t.job.id);
+                board().remove(&t.job.id);
                 JobResult::Cancelled
             };
             let status = if result == JobResult::Expired { 503 } else { 0 };
@@ -191,7 +191,7 @@ async fn run(mut t: Task) {
     }
     let ended = execute(&mut t, queued).await;
     // From now on the job holds its result, not its request.
-    t.shared.jobs.resize(&t.job, ended.kept);
+    board().resize(&t.job, ended.kept);
     t.ended(ended);
 }
 

@@ -129,9 +129,7 @@ async fn find(
     who: &crate::identity::Identity,
 ) -> std::result::Result<Option<Found>, crate::store::StoreError> {
     Ok(match &gw.shared.store {
-        Store::Memory(_) => gw
-            .shared
-            .jobs
+        Store::Memory(_) => jobs::board()
             .get(id, &who.hash)
             .map(|(j, v)| (j.route.clone(), v, Some(j))),
         Store::Redis(_) => jobs::fleet::view(&gw.shared, id, &who.hash)

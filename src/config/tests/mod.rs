@@ -349,6 +349,7 @@ fn hostile_yaml_is_bounded_before_parsing() {
 mod messages;
 mod sections;
 mod store_url;
+mod tls;
 
 #[test]
 fn store_slices_are_off_unless_asked_for() {

@@ -2,6 +2,7 @@
 //! request and response headers in it (JSON of name and base64 value), and who pays for it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use base64::Engine;
 use bytes::Bytes;
@@ -9,6 +10,7 @@ use pingora::http::RequestHeader;
 
 use super::super::send::JobRequest;
 use crate::identity::Identity;
+use crate::route::Route;
 use crate::state::Running;
 use crate::store::redis::RedisBackend;
 
@@ -57,6 +59,21 @@ pub(super) async fn read(
         }
     }
     Ok((!r.is_empty()).then_some(r))
+}
+
+/// A claimed job's record, route, payer and request; `None` when one is gone (the record
+/// expired or was lost, a reload removed the route, the key is no longer known).
+pub(super) async fn claimed(
+    b: &RedisBackend,
+    running: &Running,
+    id: &str,
+    label: &str,
+) -> Option<(Record, Arc<Route>, Identity, JobRequest)> {
+    let r = read(b, id).await.ok()??;
+    let route = running.config.router.by_label(label)?.clone();
+    let who = payer(running, field(&r, "key"))?;
+    let request = request_of(&r)?;
+    Some((r, route, who, request))
 }
 
 /// The identity a record's key hash pays as: its registry entry, else the default policy.

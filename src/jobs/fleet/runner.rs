@@ -9,7 +9,7 @@ use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
-use super::record::{field, headers_json, payer, read, request_of, text};
+use super::record::{claimed, headers_json, text};
 use crate::decision;
 use crate::problem::Problem;
 use crate::route::stated::Report;
@@ -30,14 +30,7 @@ pub(super) async fn run_claimed(
         return;
     };
     let running = shared.running();
-    let parts = async {
-        let r = read(&b, &id).await.ok()??;
-        let route = running.config.router.by_label(&label)?.clone();
-        let who = payer(&running, field(&r, "key"))?;
-        let request = request_of(&r)?;
-        Some((r, route, who, request))
-    };
-    let Some((r, route, who, request)) = parts.await else {
+    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
