@@ -203,6 +203,21 @@ pub fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
     }
 }
 
+/// The table of `method`'s patterns, added to `by_method` on first use.
+fn method_table<'a>(
+    by_method: &'a mut Vec<(String, matchit::Router<usize>)>,
+    method: &str,
+) -> &'a mut matchit::Router<usize> {
+    let pos = match by_method.iter().position(|(name, _)| name == method) {
+        Some(p) => p,
+        None => {
+            by_method.push((method.to_string(), matchit::Router::new()));
+            by_method.len() - 1
+        }
+    };
+    &mut by_method[pos].1
+}
+
 impl Router {
     /// Builds the table; errors are `(pattern, message)`.
     pub fn new(specs: Vec<RouteSpec>, default_cost: u64) -> Result<Router, Vec<(String, String)>> {
@@ -238,16 +253,7 @@ impl Router {
             let idx = routes.len();
             let table = match method {
                 None => &mut any,
-                Some(m) => {
-                    let pos = match by_method.iter().position(|(name, _)| name == m) {
-                        Some(p) => p,
-                        None => {
-                            by_method.push((m.to_string(), matchit::Router::new()));
-                            by_method.len() - 1
-                        }
-                    };
-                    &mut by_method[pos].1
-                }
+                Some(m) => method_table(&mut by_method, m),
             };
             if let Err(e) = table.insert(key, idx) {
                 errs.push((

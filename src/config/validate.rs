@@ -9,7 +9,8 @@ use std::time::Duration;
 use super::bounds::{shown, MAX_NAME_CHARS};
 use super::error::{key_path, ConfigErrors};
 use super::raw::{
-    Backend, Listen, RawConfig, RawIdentity, RawServer, RawStore, RawTls, RawUpstream,
+    Backend, Listen, RawConfig, RawHealthCheck, RawIdentity, RawServer, RawStore, RawTls,
+    RawUpstream,
 };
 use super::url::{parse_redis_target, parse_upstream_url};
 use super::{
@@ -290,23 +291,10 @@ fn named_upstreams(
                 targets.push(t);
             }
         }
-        let health_check = u.health_check.as_ref().and_then(|h| {
-            if !h.path.starts_with('/') {
-                errs.push(format!("{base}.health_check.path"), "must start with /");
-                return None;
-            }
-            if h.interval.0.is_zero() {
-                errs.push(
-                    format!("{base}.health_check.interval"),
-                    "must be greater than 0",
-                );
-                return None;
-            }
-            Some(HealthCheck {
-                path: h.path.clone(),
-                interval: h.interval.0,
-            })
-        });
+        let health_check = u
+            .health_check
+            .as_ref()
+            .and_then(|h| health_check(&base, h, errs));
         out.insert(
             name.clone(),
             Arc::new(NamedUpstream {
@@ -317,6 +305,25 @@ fn named_upstreams(
         );
     }
     out
+}
+
+/// `upstreams.<name>.health_check`: a path to GET and how often.
+fn health_check(base: &str, h: &RawHealthCheck, errs: &mut ConfigErrors) -> Option<HealthCheck> {
+    if !h.path.starts_with('/') {
+        errs.push(format!("{base}.health_check.path"), "must start with /");
+        return None;
+    }
+    if h.interval.0.is_zero() {
+        errs.push(
+            format!("{base}.health_check.interval"),
+            "must be greater than 0",
+        );
+        return None;
+    }
+    Some(HealthCheck {
+        path: h.path.clone(),
+        interval: h.interval.0,
+    })
 }
 
 /// An upstream's address and timeouts; errors are reported under `base` (`upstream.url` for

@@ -59,6 +59,29 @@ pub enum Phase {
 
 pub use crate::telemetry::Timing;
 
+/// A request's upstream leg, filled in as it is forwarded: the peer's `Host` and follow
+/// horizon, the socket duplicate and body watch of an HTTP/2 request, the answer's status.
+#[derive(Default)]
+pub struct Leg {
+    /// The `Host` of the named upstream address picked for this request (`None`: the default
+    /// upstream's).
+    pub host: Option<http::HeaderValue>,
+    /// How long after the request was sent a late answer is still followed (the upstream's
+    /// `abandon_timeout`).
+    pub abandon_after: Duration,
+    /// A duplicate of the upstream socket, for an HTTP/2 request on a capped route: if the
+    /// client resets the stream, the upstream's answer is drained from it so that the slot
+    /// follows the upstream's work.
+    pub dup: Option<std::os::fd::OwnedFd>,
+    /// `server.body_timeout` for an HTTP/2 request body being forwarded (Pingora times only
+    /// HTTP/1 bodies).
+    pub body_watch: Option<crate::front::BodyWatch>,
+    /// The status the upstream answered with (before the gateway's own headers).
+    pub status: Option<u16>,
+}
+
+/// One request, from the first phase Pingora runs to `logging`: its phase, the facts every
+/// phase reads, and the upstream leg.
 pub struct Ctx {
     pub start: Instant,
     _drain: DrainGuard,
@@ -75,22 +98,12 @@ pub struct Ctx {
     pub identity: Option<Identity>,
     /// The peer and the client address (`identity.trusted_proxies`).
     pub origin: Option<Origin>,
-    /// A duplicate of the upstream socket, for an HTTP/2 request on a capped route: if the
-    /// client resets the stream, the upstream's answer is drained from it so that the slot
-    /// follows the upstream's work.
-    pub upstream_dup: Option<std::os::fd::OwnedFd>,
-    /// `server.body_timeout` for an HTTP/2 request body being forwarded (Pingora times only
-    /// HTTP/1 bodies).
-    pub body_watch: Option<crate::front::BodyWatch>,
-    /// How long after the request was sent a late answer is still followed (the upstream's
-    /// `abandon_timeout`).
-    pub abandon_after: Duration,
     pub phase: Phase,
+    /// The upstream leg: where the request went and what came back.
+    pub upstream: Leg,
     pub timing: Timing,
     /// The client's `X-Request-Id`, or one made up for it; sent upstream and logged.
     pub request_id: Option<String>,
-    /// The status the upstream answered with (before the gateway's own headers).
-    pub upstream_status: Option<u16>,
     /// The decision was made by `store.on_error`, not by the shared store.
     pub fallback: bool,
     /// The request's final charge once settled after the response (`cost_per_second`,
@@ -101,9 +114,6 @@ pub struct Ctx {
     pub report: Option<Report>,
     /// The decision's figures are of `1/share` of each budget (`store::Decision::share`).
     pub share: u32,
-    /// The `Host` of the named upstream address picked for this request (`None`: the default
-    /// upstream's).
-    pub upstream_host: Option<http::HeaderValue>,
     /// Classified and identified, and to become an async job (DESIGN §8): what to charge.
     pub job: Option<AdmitRequest>,
     /// The request's spans, when `tracing:` is on (`None` otherwise: nothing is built).
@@ -122,18 +132,14 @@ impl Ctx {
             forward: None,
             identity: None,
             origin: None,
-            upstream_dup: None,
-            body_watch: None,
-            abandon_after: Duration::ZERO,
             phase: Phase::Undecided,
+            upstream: Leg::default(),
             timing: Timing::default(),
             request_id: None,
-            upstream_status: None,
             fallback: false,
             settled: None,
             report: None,
             share: 1,
-            upstream_host: None,
             job: None,
             trace: None,
         }

@@ -137,7 +137,8 @@ pub fn request(
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
         remove_if_present(upstream, &X_FORWARDED_HOST);
         let host = ctx
-            .upstream_host
+            .upstream
+            .host
             .clone()
             .unwrap_or_else(|| running.config.upstream.host_header.clone());
         // Replaced where it stands (an insert over an existing name neither removes nor

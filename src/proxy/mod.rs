@@ -95,11 +95,11 @@ impl Gateway {
     /// `abandon_timeout` after the request was sent. Without a duplicate (an uncapped route)
     /// the slot, if any, is freed in `logging` as usual.
     fn follow_late_answer(&self, ctx: &mut Ctx, answer: front::LateAnswer) {
-        let Some(dup) = ctx.upstream_dup.take() else {
+        let Some(dup) = ctx.upstream.dup.take() else {
             return;
         };
         let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
-        let deadline = sent + ctx.abandon_after;
+        let deadline = sent + ctx.upstream.abandon_after;
         if let Some(slot) = ctx.detach_slot() {
             tokio::spawn(front::drain_upstream(
                 dup,
@@ -133,7 +133,7 @@ impl Gateway {
                 session.set_keepalive(None);
             }
         }
-        if let Some(dup) = ctx.upstream_dup.take() {
+        if let Some(dup) = ctx.upstream.dup.take() {
             // The upstream works on, so the slot stays taken until it is done. (Else the
             // duplicate just closes.)
             if session.downstream_session.is_http2()
@@ -142,7 +142,7 @@ impl Gateway {
             {
                 // Part of the answer may have been read: its request went with
                 // `Connection: close`, so it ends with the connection.
-                ctx.upstream_dup = Some(dup);
+                ctx.upstream.dup = Some(dup);
                 self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
             }
         }
@@ -290,8 +290,8 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         if end_of_stream {
-            ctx.body_watch = None;
-        } else if let Some(w) = &ctx.body_watch {
+            ctx.upstream.body_watch = None;
+        } else if let Some(w) = &ctx.upstream.body_watch {
             w.touch();
         }
         if end_of_stream && ctx.shield_after_body {
@@ -330,14 +330,14 @@ impl ProxyHttp for Gateway {
                     "no healthy address in the named upstream",
                 );
             };
-            ctx.upstream_host = Some(target.host_header.clone());
-            ctx.abandon_after = target.abandon_timeout;
+            ctx.upstream.host = Some(target.host_header.clone());
+            ctx.upstream.abandon_after = target.abandon_timeout;
             return Ok(Box::new(crate::upstreams::peer(addr, target)));
         }
         let Some(addr) = running.upstream_addr else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };
-        ctx.abandon_after = running.config.upstream.abandon_timeout;
+        ctx.upstream.abandon_after = running.config.upstream.abandon_timeout;
         Ok(Box::new(crate::upstreams::peer(
             addr,
             &running.config.upstream,
@@ -377,7 +377,7 @@ impl ProxyHttp for Gateway {
             // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
             // a duplicate is kept.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-            ctx.upstream_dup = fd.try_clone_to_owned().ok();
+            ctx.upstream.dup = fd.try_clone_to_owned().ok();
         }
         let h2_body = session.downstream_session.is_http2()
             && !(session.is_body_empty() || session.is_body_done());
@@ -385,7 +385,7 @@ impl ProxyHttp for Gateway {
             let timeout = running.config.client_limits.body_timeout;
             // SAFETY: as above; the watch keeps a duplicate.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-            ctx.body_watch = front::BodyWatch::start(fd, timeout).ok();
+            ctx.upstream.body_watch = front::BodyWatch::start(fd, timeout).ok();
         }
         Ok(())
     }
@@ -398,8 +398,8 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.timing.upstream_done();
         // The upstream answered: it no longer waits on the client's body.
-        ctx.body_watch = None;
-        ctx.upstream_status = Some(resp.status.as_u16());
+        ctx.upstream.body_watch = None;
+        ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         respond::rate_limit_headers(resp, ctx)
     }
@@ -407,7 +407,7 @@ impl ProxyHttp for Gateway {
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         use ErrorType::*;
         let headers_sent = session.response_written().is_some();
-        if ctx.body_watch.take().is_some_and(|w| w.stalled()) {
+        if ctx.upstream.body_watch.take().is_some_and(|w| w.stalled()) {
             // An HTTP/2 body stalled: its watch shut the upstream connection down.
             return respond::body_stalled(session, ctx, headers_sent).await;
         }

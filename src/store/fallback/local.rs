@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::super::memory::Unserved;
-use super::super::running::Full;
+use super::super::running::{Full, Place, RunningGuard};
 use super::super::{short_key, Admission, AdmitRequest, BudgetView, Extra, Lease, Peek, Standing};
 use super::{FallbackStore, SharedStore};
 use crate::budget::Limit;
@@ -108,34 +108,56 @@ impl<S: SharedStore> FallbackStore<S> {
         let mut fair = req.fair;
         fair.per_key = fair.per_key.map(share);
         let place = self.running.queue(&req.route, short_key(&req.key), fair);
-        let mut queued = None;
-        let running = loop {
-            let freed = self.running.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            match self
-                .running
-                .try_take(req, Some(&place), share(cap), key_share)
-            {
-                Ok(g) => break g,
-                Err(Full::Key) => {
-                    drop(charged);
-                    return Admission::KeyBusy(self.local_standing(&r));
-                }
-                Err(Full::Route) => {
-                    let waited = start.elapsed();
-                    if waited >= req.queue_timeout {
-                        drop(charged);
-                        return busy(waited);
-                    }
-                    queued.get_or_insert_with(|| Queued::new(&req.route));
-                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
-                }
+        let running = match self
+            .take_in_turn(req, &place, share(cap), key_share, start)
+            .await
+        {
+            Ok(g) => g,
+            Err(Full::Key) => {
+                drop(charged);
+                return Admission::KeyBusy(self.local_standing(&r));
+            }
+            Err(Full::Route) => {
+                drop(charged);
+                return busy(start.elapsed());
             }
         };
         drop(place);
         charged.served();
         admitted(standing, delay_us, lease, running, start.elapsed())
+    }
+
+    /// Waits for `place`'s turn at this instance's `cap_share` of the route (each freed slot
+    /// wakes the waiters), until the queue timeout counted from `start`.
+    async fn take_in_turn(
+        &self,
+        req: &AdmitRequest,
+        place: &Place,
+        cap_share: u32,
+        key_share: Option<u32>,
+        start: Instant,
+    ) -> Result<RunningGuard, Full> {
+        let mut queued = None;
+        loop {
+            let freed = self.running.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match self
+                .running
+                .try_take(req, Some(place), cap_share, key_share)
+            {
+                Ok(g) => return Ok(g),
+                Err(Full::Key) => return Err(Full::Key),
+                Err(Full::Route) => {
+                    let waited = start.elapsed();
+                    if waited >= req.queue_timeout {
+                        return Err(Full::Route);
+                    }
+                    queued.get_or_insert_with(|| Queued::new(&req.route));
+                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
+                }
+            }
+        }
     }
 
     /// The local shares' figures for a refusal that charged nothing: every budget's, the
