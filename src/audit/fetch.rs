@@ -27,6 +27,8 @@ pub enum FetchError {
     Status(u16),
     #[error("not an audit report: {0}")]
     Body(#[from] serde_json::Error),
+    #[error("the fetch ended early: {0}")]
+    Task(#[from] tokio::task::JoinError),
 }
 
 /// `http://host:port[/prefix]` → the `/admin/audit` URL's parts.

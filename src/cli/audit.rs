@@ -2,11 +2,12 @@
 
 use std::fmt::Write;
 
+use crate::audit::fetch::FetchError;
 use crate::audit::{InstanceAudit, MergeError, Report};
 use crate::config::Config;
 
 /// An instance that did not answer, and why.
-type Failed = (String, String);
+type Failed = (String, FetchError);
 
 /// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
 /// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
@@ -52,7 +53,7 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
 }
 
 /// Every instance's answer, in `admins`' order; `Err` only when no runtime can be built.
-fn fetch_all(admins: &[String]) -> std::io::Result<Vec<Result<InstanceAudit, String>>> {
+fn fetch_all(admins: &[String]) -> std::io::Result<Vec<Result<InstanceAudit, FetchError>>> {
     let token = std::env::var("TOLLGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());
@@ -70,11 +71,7 @@ fn fetch_all(admins: &[String]) -> std::io::Result<Vec<Result<InstanceAudit, Str
             .collect();
         let mut answers = vec![];
         for t in tasks {
-            answers.push(
-                t.await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| e.to_string())),
-            );
+            answers.push(t.await.map_err(FetchError::from).and_then(|r| r));
         }
         answers
     }))
@@ -90,7 +87,9 @@ fn as_json(
     let instances: Vec<serde_json::Value> = admins
         .iter()
         .map(|a| match failed.iter().find(|(f, _)| f == a) {
-            Some((_, e)) => serde_json::json!({"admin": a, "ok": false, "error": e}),
+            Some((_, e)) => {
+                serde_json::json!({"admin": a, "ok": false, "error": e.to_string()})
+            }
             None => serde_json::json!({"admin": a, "ok": true}),
         })
         .collect();
