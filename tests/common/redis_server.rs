@@ -108,6 +108,17 @@ pub fn redis_route_slots_key(route: &str) -> String {
     keys::route_slots_key(route)
 }
 
+/// The Redis key of a capped route's fair-queue state (a hash: `r:<key tag>` requests a key
+/// runs, `l:<lease>` a lease's key, `i:<instance>` an instance's beat).
+pub fn redis_route_queue_state_key(route: &str) -> String {
+    keys::route_queue_state_key(route)
+}
+
+/// An API key's tag, as Redis keys and a route's queue state name it.
+pub fn redis_key_tag(api_key: &str) -> String {
+    keys::key_tag(&hash_key(api_key.as_bytes()))
+}
+
 /// The Redis key of an async job's record.
 pub fn redis_job_key(id: &str) -> String {
     keys::job_key(id)

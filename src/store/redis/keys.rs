@@ -11,6 +11,7 @@
 //! | `t{<key tag>}a<id>` | admission `id` of the key: `1` charged, `u` undone (expires) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
+//! | `t:r{<tag>}q`, `…k`, `…s`, `…x` | a capped route's fair queue: waiters, keys to serve, state, ids given up (`lua/queue.lua`) |
 //! | `t:j:<id>`      | an async job's record (hash; `store/lua/jobs.lua`)   |
 //!
 //! The tag is 60 bits of a SHA-256 (of the API key, never the key itself; of the route label
@@ -39,7 +40,7 @@ fn tag(hash: &KeyHash) -> String {
 }
 
 /// The key's tag, as a route's queue names the key (`lua/queue.lua`).
-pub(super) fn key_tag(key: &KeyHash) -> String {
+pub fn key_tag(key: &KeyHash) -> String {
     tag(key)
 }
 
@@ -88,6 +89,29 @@ pub fn route_slots_key(route: &str) -> String {
         "t:r{{{}}}f",
         tag(&crate::identity::hash_key(route.as_bytes()))
     )
+}
+
+/// The keys of a route's fair queue (`lua/queue.lua`'s KEYS), from its lease set
+/// (`t:r{tag}f`): the lease set, the waiters (`q`), the keys to serve (`k`), the state (`s`)
+/// and the ids given up (`x`). `None` for a key's own lease set (`t{tag}f`).
+pub(super) fn queue_keys(lease_set: &str) -> Option<[String; 5]> {
+    let base = lease_set
+        .strip_suffix('f')
+        .filter(|b| b.starts_with("t:r{"))?;
+    Some([
+        lease_set.to_string(),
+        format!("{base}q"),
+        format!("{base}k"),
+        format!("{base}s"),
+        format!("{base}x"),
+    ])
+}
+
+/// A capped route's queue state (`lua/queue.lua`'s KEYS[4]: who runs, who waits, which
+/// instance beats), in the route's slot.
+pub fn route_queue_state_key(route: &str) -> String {
+    let [_, _, _, state, _] = queue_keys(&route_slots_key(route)).expect("a route's lease set");
+    state
 }
 
 /// An async job's record (`super::jobs`), by the job's id. No hash tag: `lua/jobs.lua` names

@@ -48,19 +48,7 @@ pub(super) type QueueKeys = [String; 5];
 /// admission's record.
 const GIVEN_UP_FOR: Duration = super::script::ADMISSION_RECORD;
 
-/// The keys of a route's queue, from its lease set (`t:r{tag}f`).
-pub(super) fn queue_keys(lease_set: &str) -> Option<QueueKeys> {
-    let base = lease_set
-        .strip_suffix('f')
-        .filter(|b| b.starts_with("t:r{"))?;
-    Some([
-        lease_set.to_string(),
-        format!("{base}q"),
-        format!("{base}k"),
-        format!("{base}s"),
-        format!("{base}x"),
-    ])
-}
+pub(super) use super::keys::queue_keys;
 
 /// `lua/queue.lua`.
 pub(super) struct QueueScript(Script);
