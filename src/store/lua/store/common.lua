@@ -43,7 +43,11 @@ local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED, UNDONE = 0, 1, 2, 3, 4
 
 local function int(x) return string.format('%.0f', x) end
 
+-- A batch (`admit_batch`) reads TIME once and decides each of its calls at that instant.
+local batch_now = nil
+
 local function now_us()
+  if batch_now then return batch_now end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
