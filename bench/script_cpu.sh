@@ -7,10 +7,14 @@
 # interleaved rounds of redis-benchmark (N calls, 20 clients, 100,000 random keys) per script,
 # as docs/operations.md ("Sizing") measures; prints each round and the medians.
 #
-# usage: bench/script_cpu.sh [ROUNDS (5)] [N (100000)]
+# It also measures group commit: one `admit_batch` call carrying BATCH `admit_one` calls (each
+# its own random key), reported per admission (usec_per_call / BATCH).
+#
+# usage: bench/script_cpu.sh [ROUNDS (5)] [N (100000)] [BATCH (8)]
 set -euo pipefail
 ROUNDS=${1:-5}
 N=${2:-100000}
+BATCH=${3:-8}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 L=$ROOT/src/store/lua/store
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -25,6 +29,18 @@ GCRA=$(awk '/^local SCRIPT = \[\[/ { f = 1; next } /^\]\]/ { f = 0 } f' "$ROOT/b
 ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit.lua")")
 ONE=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit_one.lua")")
 PLAIN=$(cli SCRIPT LOAD "$GCRA")
+# admit_batch as script.rs builds it: admit_one and admit as functions of their KEYS and ARGV.
+BATCHED=$(cli SCRIPT LOAD "$(cat "$L/common.lua"; printf 'local function admit_one(KEYS, ARGV)\n'
+  cat "$L/admit_one.lua"; printf 'end\nlocal function admit(KEYS, ARGV)\n'; cat "$L/admit.lua"
+  printf 'end\n'; cat "$L/admit_batch.lua")")
+# One admission's KEYS and ARGV (admit_one's, below), BATCH times, as admit_batch takes them.
+ONE_ARGV=(500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
+batch_keys=() batch_argv=("$BATCH")
+for i in $(seq "$BATCH"); do
+  batch_keys+=('t{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}h'
+    't{__rand_int__}ax:__rand_int__')
+  batch_argv+=(1 5 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
+done
 
 usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call
   cli FLUSHALL >/dev/null
@@ -46,11 +62,15 @@ for r in $(seq "$ROUNDS"); do
     't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
     500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
   g=$(usec_per_call "$PLAIN" 1 'ng{__rand_int__}b' 500000 1 60000000 1)
-  echo "round $r: admit $a µs, admit_one $o µs, gcra $g µs"
-  echo "$a $g $o" >>"/tmp/script_cpu.$$"
+  bc=$(usec_per_call "$BATCHED" "${#batch_keys[@]}" "${batch_keys[@]}" "${batch_argv[@]}")
+  b=$(awk -v c="$bc" -v n="$BATCH" 'BEGIN { printf "%.2f", c / n }')
+  echo "round $r: admit $a µs, admit_one $o µs, admit_batch of $BATCH $bc µs ($b per admission), gcra $g µs"
+  echo "$a $g $o $b" >>"/tmp/script_cpu.$$"
 done
 a=$(awk '{ print $1 }' "/tmp/script_cpu.$$" | median)
 g=$(awk '{ print $2 }' "/tmp/script_cpu.$$" | median)
 o=$(awk '{ print $3 }' "/tmp/script_cpu.$$" | median)
+b=$(awk '{ print $4 }' "/tmp/script_cpu.$$" | median)
 rm -f "/tmp/script_cpu.$$"
 awk -v a="$a" -v g="$g" -v o="$o" 'BEGIN { printf "median: admit %.2f µs, admit_one %.2f µs, gcra %.2f µs per call: %.2f× and %.2f×\n", a, o, g, a / g, o / g }'
+awk -v b="$b" -v g="$g" -v n="$BATCH" 'BEGIN { printf "median: admit_batch of %d, %.2f µs per admission: %.2f× gcra\n", n, b, b / g }'
