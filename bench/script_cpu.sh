@@ -34,12 +34,11 @@ BATCHED=$(cli SCRIPT LOAD "$(cat "$L/common.lua"; printf 'local function admit_o
   cat "$L/admit_one.lua"; printf 'end\nlocal function admit(KEYS, ARGV)\n'; cat "$L/admit.lua"
   printf 'end\n'; cat "$L/admit_batch.lua")")
 # One admission's KEYS and ARGV (admit_one's, below), BATCH times, as admit_batch takes them.
-ONE_ARGV=(500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
+ONE_ARGV=(500000 1 60000000 0 1 120000)
 batch_keys=() batch_argv=("$BATCH")
 for i in $(seq "$BATCH"); do
-  batch_keys+=('t{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}h'
-    't{__rand_int__}ax:__rand_int__')
-  batch_argv+=(1 5 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
+  batch_keys+=('t{__rand_int__}b' 't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__')
+  batch_argv+=(1 3 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
 done
 
 usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call
@@ -58,9 +57,9 @@ for r in $(seq "$ROUNDS"); do
   a=$(usec_per_call "$ADMIT" 5 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' \
     't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
     500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
-  o=$(usec_per_call "$ONE" 5 't{__rand_int__}b' 't{__rand_int__}b' 't{__rand_int__}b' \
-    't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
-    500000 1 60000000 0 0 1 0 0 x 0 0 0 '' '' 0 0 0 120000)
+  # admit_one: KEYS budget, holds, record; ARGV per_unit rate capacity max_delay cost record_ms.
+  o=$(usec_per_call "$ONE" 3 't{__rand_int__}b' 't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__' \
+    "${ONE_ARGV[@]}")
   g=$(usec_per_call "$PLAIN" 1 'ng{__rand_int__}b' 500000 1 60000000 1)
   bc=$(usec_per_call "$BATCHED" "${#batch_keys[@]}" "${batch_keys[@]}" "${batch_argv[@]}")
   b=$(awk -v c="$bc" -v n="$BATCH" 'BEGIN { printf "%.2f", c / n }')

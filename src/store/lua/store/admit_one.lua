@@ -1,18 +1,19 @@
 
 -- admit_one: `admit` for the common decision -- one budget, no key or route cap, no slice
--- asked and no hold settled -- with the same KEYS, ARGV and reply as `admit` (which see),
--- and the same effects, without its tables and closures: the exact path's hot call.
--- `script.rs` sends it only for such a call; a test compares the two on one sequence.
+-- asked and no hold settled -- with the same reply as `admit` (which see) and the same
+-- effects, without its tables and closures, from only the arguments it reads: the exact
+-- path's hot call. `script.rs` sends it only for such a call; a test compares the two on one
+-- sequence.
 --
--- KEYS  [1] budget, [2] [3] unused (the budget again), [4] the key's holds, [5] the record
--- ARGV  [1] per_unit [2] rate [3] capacity [4] max_delay [5] floor [6] cost, [7]..[15] as
---       `admit`'s (zero or empty here), then the two settle fields and record_ms
+-- KEYS  [1] budget, [2] the key's holds, [3] the record
+-- ARGV  [1] per_unit [2] rate [3] capacity [4] max_delay [5] cost [6] record_ms: only what
+--       this decision reads (`admit` takes 18 and more; a batch carries each call's)
 -- reply {code, a, remaining, reset_us, 0, now_us, level, held}
 
 local p, q = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cap, delay = tonumber(ARGV[3]), tonumber(ARGV[4])
-local cost = tonumber(ARGV[6])
-local budget, holds, record = KEYS[1], KEYS[4], KEYS[#KEYS]
+local cost = tonumber(ARGV[5])
+local budget, holds, record = KEYS[1], KEYS[2], KEYS[3]
 local own = keys_own(budget)
 local now = now_us()
 local seen = redis.call('GET', record)
@@ -48,7 +49,7 @@ if after + held > cap + delay then
           int(held)}
 end
 local keep = math.max(1, ceil_div(ceil_div(after, q), 1000))
-redis.call('SET', record, '1', 'PX', int(math.min(keep, tonumber(ARGV[#ARGV]))))
+redis.call('SET', record, '1', 'PX', int(math.min(keep, tonumber(ARGV[6]))))
 store_level(budget, after, q, now)
 local wait = 0
 if after + held > cap then wait = ceil_div(after + held - cap, q) end

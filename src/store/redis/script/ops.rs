@@ -103,12 +103,34 @@ impl Op for AdmitCall {
             Lua::Admit
         };
         let mut inv = super::SCRIPTS[script as usize].prepare_invoke();
-        self.admit_args(&mut inv);
+        self.lay(&mut inv);
         inv
     }
 }
 
 impl AdmitCall {
+    /// This call's KEYS and ARGV for the script [`AdmitCall::is_common`] picks.
+    fn lay(&self, inv: &mut impl Lay) {
+        if self.is_common() {
+            self.admit_one_args(inv);
+        } else {
+            self.admit_args(inv);
+        }
+    }
+
+    /// `admit_one`'s KEYS and ARGV: only what its decision reads (9 values, where `admit`
+    /// takes 23) — a batch of them is that much less to send, parse and copy in Redis.
+    fn admit_one_args(&self, inv: &mut impl Lay) {
+        let l = &self.limit;
+        inv.key(&self.budget).key(&self.holds).key(&self.record);
+        inv.arg(l.per_unit)
+            .arg(l.rate)
+            .arg(l.capacity)
+            .arg(l.max_delay)
+            .arg(self.cost)
+            .arg(ADMISSION_RECORD.as_millis() as u64);
+    }
+
     /// What `admit_one` decides exactly as `admit` does.
     pub(in crate::store::redis) fn is_common(&self) -> bool {
         self.also.is_empty()
@@ -134,7 +156,7 @@ impl Op for AdmitBatch<'_> {
         inv.arg(self.0.len());
         for c in self.0 {
             let mut laid = Laid::default();
-            c.admit_args(&mut laid);
+            c.lay(&mut laid);
             let script = if c.is_common() { 1 } else { 2 };
             inv.arg(script).arg(laid.keys.len()).arg(laid.argv.len());
             for k in laid.keys {
