@@ -24,20 +24,20 @@ impl Lay for ScriptInvocation<'static> {
     }
 }
 
-/// One call's KEYS and ARGV, encoded, for a batch.
+/// How many KEYS and ARGV a call lays: what a batch says of each call before laying it.
 #[derive(Default)]
-struct Laid {
-    keys: Vec<Vec<u8>>,
-    argv: Vec<Vec<u8>>,
+struct Count {
+    keys: usize,
+    argv: usize,
 }
 
-impl Lay for Laid {
+impl Lay for Count {
     fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
-        self.keys.extend(key.to_redis_args());
+        self.keys += key.num_of_args();
         self
     }
     fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
-        self.argv.extend(arg.to_redis_args());
+        self.argv += arg.num_of_args();
         self
     }
 }
@@ -155,16 +155,13 @@ impl Op for AdmitBatch<'_> {
     fn args(&self, inv: &mut ScriptInvocation<'static>) {
         inv.arg(self.0.len());
         for c in self.0 {
-            let mut laid = Laid::default();
-            c.lay(&mut laid);
+            // Counted first, then laid straight into the call (its KEYS and its ARGV are two
+            // lists: each call's keys follow the last call's, and so do its arguments).
+            let mut n = Count::default();
+            c.lay(&mut n);
             let script = if c.is_common() { 1 } else { 2 };
-            inv.arg(script).arg(laid.keys.len()).arg(laid.argv.len());
-            for k in laid.keys {
-                inv.key(k);
-            }
-            for a in laid.argv {
-                inv.arg(a);
-            }
+            inv.arg(script).arg(n.keys).arg(n.argv);
+            c.lay(inv);
         }
     }
 }
