@@ -1,8 +1,9 @@
 //! Group commit. A worker thread's admissions that arrive while its previous `admit` call is
 //! still in flight wait in its lane, and then go to Redis together: one `admit_batch` call
 //! (`lua/store/admit_batch.lua`) that decides each in the order they came, exactly as if each
-//! had been sent alone at that moment. Under load a thread so makes one round trip, and Redis
-//! runs one script, for many requests; a lone request goes alone, at once, as before.
+//! had been sent alone at the batch's moment (one Redis `TIME`, read once). Under load a thread
+//! so makes one round trip, and Redis runs one script, for many requests; a lone request goes
+//! alone, at once, as before.
 //!
 //! Each admission keeps everything it had alone: its own id and record (so a batch that timed
 //! out is undone request by request, by id, as one call is: `admit::deliver`), its own reply,
