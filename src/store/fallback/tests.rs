@@ -17,12 +17,16 @@ struct Fake {
     written: AtomicU32,
     /// Further budgets the write-backs named.
     written_also: AtomicU32,
+    /// How long a failing `admit` takes to fail (ms): a call that waited in the shared queue.
+    fail_after_ms: AtomicU32,
 }
 
 impl SharedStore for Fake {
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         if self.down.load(Ordering::Relaxed) {
+            let after = self.fail_after_ms.load(Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(after.into())).await;
             return Err(StoreError::Timeout);
         }
         Ok(SharedAnswer {
@@ -244,6 +248,33 @@ async fn the_local_share_counts_requests_the_shared_store_admitted() {
     assert!(matches!(s.admit(&r).await, Admission::RouteBusy { .. }));
     lease.release().await;
     assert!(admitted(&s.admit(&r).await), "freed by the release");
+}
+
+/// A request that spent part of its `queue_timeout` on the shared store (queued there, then
+/// the store failed) waits on the local share only for the rest: the wait for a slot is
+/// bounded by `queue_timeout` from the request's start, not given again by the fallback.
+#[tokio::test]
+async fn the_fallback_waits_only_what_is_left_of_the_queue_timeout() {
+    let (fake, s) = store(OnError::Local, 1);
+    fake.down.store(false, Ordering::Relaxed);
+    let mut r = req(1, Some(1));
+    r.queue_timeout = Duration::from_millis(1500);
+    // The one slot of this instance's share, taken through the shared store.
+    let held = s.decide(&r).await;
+    assert!(admitted(&held.admission) && !held.fallback);
+    fake.down.store(true, Ordering::Relaxed);
+    fake.fail_after_ms.store(1000, Ordering::Relaxed);
+    let start = Instant::now();
+    let d = s.decide(&r).await;
+    let took = start.elapsed();
+    assert!(d.fallback);
+    assert!(matches!(d.admission, Admission::RouteBusy { .. }));
+    // 1.5 s in all; a fresh queue_timeout on the local share would make it 2.5 s.
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_millis(2200),
+        "{took:?}"
+    );
+    drop(held);
 }
 
 #[tokio::test]
