@@ -180,13 +180,14 @@ struct Tally {
     failures: Vec<String>,
 }
 
-/// The longest a request of [`load`] may take by the contract: its admission's store call
-/// (`store.timeout` 300 ms), the wait for a slot (`queue_timeout` 5 s: later, it is a 503, a
-/// failure of its own), the slot's enter call (300 ms), the upstream's 20 ms, and a second of
-/// slack for a loaded machine. A waiter queued in Redis while its primary fails over may wait
-/// out the failover (node timeout 1 s, then the election) and still be served in time: that is
-/// not a failure. A request that hangs is.
-const SLOW: Duration = Duration::from_millis(300 + 5_000 + 300 + 20 + 1_000);
+/// The longest a request of [`load`] may take by the contract: its wait for a slot ends
+/// `queue_timeout` (5 s) after its admission began, on the shared store or, after a store
+/// error, on the local share (later, it is a 503: a failure of its own); an enter call begun
+/// just before that deadline, the leave and the confirm after it (`store.timeout` 300 ms
+/// each); the upstream's 20 ms; and a second of slack for a loaded machine. A waiter queued in
+/// Redis while its primary fails over may wait out the failover (node timeout 1 s, then the
+/// election) and still be served in time: that is not a failure. A request that hangs is.
+const SLOW: Duration = Duration::from_millis(5_000 + 3 * 300 + 20 + 1_000);
 
 /// Sends requests for each of `keys` (one task per key, round robin over `gws`, every 4th
 /// to the capped `/reports/generate`) until `stop`; counts what was admitted.
