@@ -289,8 +289,13 @@ impl Connections {
             Target::Cluster(client, _) => Conn::Cluster(client.get_async_connection().await?),
             Target::Sentinel { .. } => {
                 let client = primary_client(target).await?;
-                if let Some(w) = &self.watch {
-                    w.primary_is(address(client.get_connection_info()));
+                let addr = address(client.get_connection_info());
+                if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
+                    return Err(redis::RedisError::from((
+                        redis::ErrorKind::Client,
+                        "the Sentinels have not settled on a primary yet (a failover is ending)",
+                        addr,
+                    )));
                 }
                 let mut conn = client
                     .get_multiplexed_async_connection_with_config(&self.config)
