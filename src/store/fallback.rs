@@ -14,7 +14,6 @@
 //!   so a flapping store does not grant the local shares afresh each time; over any period a
 //!   key gets at most its budget plus one burst of the instances' local shares.
 
-use std::borrow::Cow;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -263,9 +262,7 @@ impl<S: SharedStore> FallbackStore<S> {
             }
             Err(e) => {
                 self.set_degraded(true, Some(&e));
-                let left = with_wait_left(req, start);
-                let req = &*left;
-                let mut admission = self.fallback(req).await;
+                let mut admission = self.fallback(req, start).await;
                 if let Admission::Admitted { lease, .. } = &mut admission {
                     if self.on_error == OnError::Local {
                         lease.adopt_with(self.adoptable(req));
@@ -419,19 +416,5 @@ impl<S: SharedStore> FallbackStore<S> {
 pub(crate) mod adopt;
 mod local;
 mod owing;
-/// `req` with what is left of its `queue_timeout` since `start`: the wait for a slot is bounded
-/// from the request's start, so a capped request that waited on the shared store (in its
-/// queue, before the store failed) does not wait its whole `queue_timeout` again on the
-/// local share.
-fn with_wait_left(req: &AdmitRequest, start: Instant) -> Cow<'_, AdmitRequest> {
-    if req.route_cap.is_none() || req.queue_timeout.is_zero() {
-        return Cow::Borrowed(req);
-    }
-    Cow::Owned(AdmitRequest {
-        queue_timeout: req.queue_timeout.saturating_sub(start.elapsed()),
-        ..req.clone()
-    })
-}
-
 #[cfg(test)]
 mod tests;

@@ -13,11 +13,14 @@ use crate::identity::KeyHash;
 use crate::telemetry::Queued;
 
 impl<S: SharedStore> FallbackStore<S> {
-    /// Decides by `store.on_error` while the shared store cannot.
-    pub(super) async fn fallback(&self, req: &AdmitRequest) -> Admission {
+    /// Decides by `store.on_error` while the shared store cannot, for an admission that began
+    /// at `start`: a capped request's wait for a slot is bounded from then, so one that waited
+    /// on the shared store (in its queue, before the store failed) does not wait its whole
+    /// `queue_timeout` again on the local share.
+    pub(super) async fn fallback(&self, req: &AdmitRequest, start: Instant) -> Admission {
         match self.on_error {
             OnError::Deny => Admission::Unavailable,
-            OnError::Local => self.local_share(req).await,
+            OnError::Local => self.local_share(req, start).await,
             OnError::Allow => {
                 // Admit everything; count it locally so the headers still say something true.
                 let mut r = req.clone();
@@ -61,7 +64,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// of the caps (counting everything it runs). A capped request is charged when it joins the
     /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
     /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
-    async fn local_share(&self, req: &AdmitRequest) -> Admission {
+    async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Admission {
         let n = self.fleet_size;
         let share = |cap: u32| (cap / n).max(1);
         let mut r = req.share(n);
@@ -81,7 +84,6 @@ impl<S: SharedStore> FallbackStore<S> {
             req: Some(&r),
         };
         let key_share = req.key_cap.map(share);
-        let start = Instant::now();
         let Some(cap) = req.route_cap else {
             // No route cap: only the key's share, if any, to take.
             return match self.running.try_take(req, None, 0, key_share) {
