@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::queue::{leave, queue_keys, QueueKeys, GRANT_TTL};
+use super::keys::{queue_keys, QueueKeys};
+use super::queue::{leave, GRANT_TTL};
 use super::{keys, Decided, RedisBackend};
 use crate::identity::KeyHash;
 use crate::store::{Admission, AdmitRequest, Standing, StoreError};

@@ -91,10 +91,13 @@ pub fn route_slots_key(route: &str) -> String {
     )
 }
 
+/// The keys of a route's fair queue, in `lua/queue.lua`'s KEYS order.
+pub(super) type QueueKeys = [String; 5];
+
 /// The keys of a route's fair queue (`lua/queue.lua`'s KEYS), from its lease set
 /// (`t:r{tag}f`): the lease set, the waiters (`q`), the keys to serve (`k`), the state (`s`)
 /// and the ids given up (`x`). `None` for a key's own lease set (`t{tag}f`).
-pub(super) fn queue_keys(lease_set: &str) -> Option<[String; 5]> {
+pub(super) fn queue_keys(lease_set: &str) -> Option<QueueKeys> {
     let base = lease_set
         .strip_suffix('f')
         .filter(|b| b.starts_with("t:r{"))?;

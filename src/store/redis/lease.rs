@@ -243,9 +243,9 @@ impl RedisBackend {
         let (routes, others): (Vec<String>, Vec<String>) = keys
             .iter()
             .cloned()
-            .partition(|k| ttl_us == 0 && super::queue::queue_keys(k).is_some());
+            .partition(|k| ttl_us == 0 && super::keys::queue_keys(k).is_some());
         for route in &routes {
-            if let Some(q) = super::queue::queue_keys(route) {
+            if let Some(q) = super::keys::queue_keys(route) {
                 self.call::<Vec<i64>>(self.queue_script.release(&q, id))
                     .await?;
             }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 
-use super::keys;
+use super::keys::{self, queue_keys, QueueKeys};
 use super::{Decided, RedisBackend, RedisLease};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
@@ -41,14 +41,9 @@ const QUEUED: i64 = 0;
 const LEFT: i64 = 0;
 const GRANTED: i64 = 1;
 
-/// The keys of a route's queue (`lua/queue.lua`'s KEYS).
-pub(super) type QueueKeys = [String; 5];
-
 /// How long a waiter id given up on is refused by a late `enter`: the resend horizon of an
 /// admission's record.
 const GIVEN_UP_FOR: Duration = super::script::ADMISSION_RECORD;
-
-pub(super) use super::keys::queue_keys;
 
 /// `lua/queue.lua`.
 pub(super) struct QueueScript(Script);

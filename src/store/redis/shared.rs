@@ -168,7 +168,7 @@ impl SharedStore for RedisBackend {
         // On failure the lease drops, and its release (of nothing, or of what did run) goes.
         self.lease_op(&sets, &id, self.lease_ttl.as_micros() as u64)
             .await?;
-        if let Some(q) = route.and_then(|r| super::queue::queue_keys(&keys::route_slots_key(r))) {
+        if let Some(q) = route.and_then(|r| keys::queue_keys(&keys::route_slots_key(r))) {
             self.beat_on(&q);
         }
         Ok(Some(lease))

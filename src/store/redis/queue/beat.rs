@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::{QueueKeys, ALIVE_FOR, GRANT_TTL};
+use super::super::keys::QueueKeys;
+use super::{ALIVE_FOR, GRANT_TTL};
 use crate::store::redis::RedisBackend;
 use crate::store::{lock, StoreError};
 
