@@ -3,19 +3,22 @@
 # does not depend on what else the machine is running: for comparing two builds of tollgate, or
 # tollgate with the bare Pingora floor, while other work shares the cores.
 #
-#   bash bench/instructions.sh [tollgate|bare] [-d SECONDS] [-c CONNS]     (default: tollgate, 5 s, 8)
+#   bash bench/instructions.sh [tollgate|bare] [-d SECONDS] [-c CONNS] [--exact-redis]
+#                                                                  (default: tollgate, 5 s, 8)
 #
-# Starts an nginx upstream and the proxy under callgrind (memory store, server.threads 1,
+# Starts an nginx upstream and the proxy under callgrind (memory store, or with --exact-redis
+# a redis-server started here and store.slices off: every request decided in Redis; server.threads 1,
 # RUST_LOG=warn; TOLLGATE_BIN / BARE_PINGORA_BIN pick the binaries), warms it up, zeroes the
 # counters, drives it with wrk (1000 keys, as bench/run.sh), dumps the counters and prints
 # instructions (Ir) per request. Kernel time is not counted. Loopback only, bounded in time.
 set -euo pipefail
 WHAT=${1:-tollgate}; [[ $WHAT == tollgate || $WHAT == bare ]] && shift || WHAT=tollgate
-DURATION=5; CONNS=8
+DURATION=5; CONNS=8; REDIS=
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -d) DURATION=$2; shift ;;
     -c) CONNS=$2; shift ;;
+    --exact-redis) REDIS=1 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
   shift
@@ -54,6 +57,19 @@ http {
 NGX
 nginx -p "$TMP/nginx" -e "$TMP/nginx/error.log" -c "$TMP/nginx/nginx.conf" -g 'daemon off;' &
 PIDS+=($!)
+STORE="  backend: memory"
+if [[ -n $REDIS ]]; then
+  command -v redis-server >/dev/null || { echo "missing: redis-server" >&2; exit 1; }
+  RD=$(free_port)
+  redis-server --port "$RD" --bind 127.0.0.1 --save '' --appendonly no --daemonize no >"$TMP/redis.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 100); do [[ $(redis-cli -p "$RD" ping 2>/dev/null || true) == PONG ]] && break; sleep 0.1; done
+  # valgrind runs the gateway ~50x slower: a timeout that a native build never meets.
+  STORE="  backend: redis
+  url: \"redis://127.0.0.1:$RD/0\"
+  timeout: 2s
+  slices: false"
+fi
 cat >"$TMP/tollgate.yaml" <<YAML
 server:
   listen: "127.0.0.1:$PX"
@@ -63,7 +79,7 @@ server:
 upstream:
   url: "http://127.0.0.1:$UP"
 store:
-  backend: memory
+$STORE
 rate_limits:
   default: {cost: 1, window: 1s, max_cost: 100000000}
   endpoints:
@@ -84,5 +100,5 @@ callgrind_control -d "$VG" >/dev/null
 sleep 1
 REQS=$(awk '/ requests in / { print $1 }' "$TMP/wrk.txt")
 IR=$(cat "$TMP"/cg.out* | awk '/^summary:/ { s += $2 } END { printf "%d", s }')
-echo "$WHAT: $REQS requests, $IR instructions → $((IR / (REQS > 0 ? REQS : 1))) instructions per request"
+echo "$WHAT${REDIS:+ (exact redis)}: $REQS requests, $IR instructions → $((IR / (REQS > 0 ? REQS : 1))) instructions per request"
 if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP"; cp "$TMP"/cg.out* "$KEEP"/; fi

@@ -11,6 +11,12 @@
 # its own random key), reported per admission (usec_per_call / BATCH).
 #
 # usage: bench/script_cpu.sh [ROUNDS (5)] [N (100000)] [BATCH (8)]
+#
+# With INSTRUCTIONS=1 it counts instead of timing: redis-server runs under valgrind's
+# callgrind, and each figure is the instructions Redis executed inside EVALSHA (the command
+# itself, inclusive: what usec_per_call times) per call. A count does not move with what else
+# the machine runs, where usec_per_call on a shared VM does by ±30 % from one run to the
+# next. Use a small N (5000): valgrind runs Redis ~50× slower.
 set -euo pipefail
 ROUNDS=${1:-5}
 N=${2:-100000}
@@ -18,12 +24,20 @@ BATCH=${3:-8}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 L=$ROOT/src/store/lua/store
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
-  >/dev/null 2>&1 &
+CG=$(mktemp -d "${TMPDIR:-/tmp}/script_cpu.XXXXXX")
+if [[ -n ${INSTRUCTIONS:-} ]]; then
+  valgrind --tool=callgrind --callgrind-out-file="$CG/cg.out" \
+    redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
+    >"$CG/valgrind.log" 2>&1 &
+else
+  redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
+    >/dev/null 2>&1 &
+fi
 RD=$!
-trap 'kill "$RD" 2>/dev/null || true' EXIT
+trap 'kill "$RD" 2>/dev/null || true; sleep 1; [[ -n ${KEEP_CG:-} ]] || rm -rf "$CG"' EXIT
 cli() { redis-cli -p "$PORT" "$@"; }
 until cli PING >/dev/null 2>&1; do sleep 0.1; done
+U=µs; [[ -n ${INSTRUCTIONS:-} ]] && U=instructions
 
 GCRA=$(awk '/^local SCRIPT = \[\[/ { f = 1; next } /^\]\]/ { f = 0 } f' "$ROOT/bench/nginx_gcra.lua")
 ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit.lua")")
@@ -41,9 +55,21 @@ for i in $(seq "$BATCH"); do
   batch_argv+=(1 3 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
 done
 
-usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call
+usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call (or instructions)
   cli FLUSHALL >/dev/null
   cli CONFIG RESETSTAT >/dev/null
+  if [[ -n ${INSTRUCTIONS:-} ]]; then
+    callgrind_control -z "$RD" >/dev/null 2>&1
+    redis-benchmark -p "$PORT" -n "$N" -c 20 -r 100000 -q EVALSHA "$@" >/dev/null
+    local dumps; dumps=$(ls "$CG" | wc -l)
+    callgrind_control -d "$RD" >/dev/null 2>&1
+    until [[ $(ls "$CG" | wc -l) -gt $dumps ]]; do sleep 0.2; done
+    sleep 1 # written by then
+    local dump; dump=$(ls -t "$CG"/cg.out.* | head -1)
+    callgrind_annotate --inclusive=yes "$dump" 2>/dev/null \
+      | awk -v n="$N" '/:evalShaCommand / && !done { gsub(",", "", $1); printf "%.0f", $1 / n; done = 1 }'
+    return
+  fi
   redis-benchmark -p "$PORT" -n "$N" -c 20 -r 100000 -q EVALSHA "$@" >/dev/null
   cli INFO commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p'
 }
@@ -63,7 +89,7 @@ for r in $(seq "$ROUNDS"); do
   g=$(usec_per_call "$PLAIN" 1 'ng{__rand_int__}b' 500000 1 60000000 1)
   bc=$(usec_per_call "$BATCHED" "${#batch_keys[@]}" "${batch_keys[@]}" "${batch_argv[@]}")
   b=$(awk -v c="$bc" -v n="$BATCH" 'BEGIN { printf "%.2f", c / n }')
-  echo "round $r: admit $a µs, admit_one $o µs, admit_batch of $BATCH $bc µs ($b per admission), gcra $g µs"
+  echo "round $r: admit $a $U, admit_one $o $U, admit_batch of $BATCH $bc $U ($b per admission), gcra $g $U"
   echo "$a $g $o $b" >>"/tmp/script_cpu.$$"
 done
 a=$(awk '{ print $1 }' "/tmp/script_cpu.$$" | median)
@@ -71,5 +97,5 @@ g=$(awk '{ print $2 }' "/tmp/script_cpu.$$" | median)
 o=$(awk '{ print $3 }' "/tmp/script_cpu.$$" | median)
 b=$(awk '{ print $4 }' "/tmp/script_cpu.$$" | median)
 rm -f "/tmp/script_cpu.$$"
-awk -v a="$a" -v g="$g" -v o="$o" 'BEGIN { printf "median: admit %.2f µs, admit_one %.2f µs, gcra %.2f µs per call: %.2f× and %.2f×\n", a, o, g, a / g, o / g }'
-awk -v b="$b" -v g="$g" -v n="$BATCH" 'BEGIN { printf "median: admit_batch of %d, %.2f µs per admission: %.2f× gcra\n", n, b, b / g }'
+awk -v a="$a" -v g="$g" -v o="$o" -v u="$U" 'BEGIN { printf "median: admit %.2f %s, admit_one %.2f %s, gcra %.2f %s per call: %.2f× and %.2f×\n", a, u, o, u, g, u, a / g, o / g }'
+awk -v b="$b" -v g="$g" -v n="$BATCH" -v u="$U" 'BEGIN { printf "median: admit_batch of %d, %.2f %s per admission: %.2f× gcra\n", n, b, u, b / g }'
