@@ -41,7 +41,9 @@
 -- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
 local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED, UNDONE = 0, 1, 2, 3, 4
 
-local function int(x) return string.format('%.0f', x) end
+-- Every number here is an integer (below 2^53), so '%d' (an integer conversion) writes it
+-- exactly, where '%.0f' runs the floating-point formatter: ~10 % of a call's CPU in Redis.
+local function int(x) return string.format('%d', x) end
 
 -- A batch (`admit_batch`) reads TIME once and decides each of its calls at that instant.
 local batch_now = nil
@@ -93,14 +95,20 @@ local function expire_with_last_lease(set)
   end
 end
 
+-- Removes the holds `gone` (their ids) from the key's hash, in one command.
+local function drop_holds(holds, gone)
+  if #gone > 0 then redis.call('HDEL', holds, unpack(gone)) end
+end
+
 -- A key's holds at `now`: the units of live ones, the units to charge now -- what hold
--- `settle` spent (all but `unspent`) and all of every expired one -- and when the last live
--- one expires (0: none). With `write`, the charged holds are removed (the caller charges
--- them); without, nothing is written (a peek).
+-- `settle` spent (all but `unspent`) and all of every expired one -- when the last live one
+-- expires (0: none), and the ids of the holds so charged. With `write`, those are removed
+-- (the caller charges them); without, nothing is written (a peek, or a caller that decides
+-- first and removes them with `drop_holds` if it writes at all).
 local BORN = '~'
 
 local function take_holds(holds, settle, unspent, now, write)
-  local live, charge, last = 0, 0, 0
+  local live, charge, last, gone = 0, 0, 0, {}
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
     local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
@@ -109,17 +117,17 @@ local function take_holds(holds, settle, unspent, now, write)
       -- the hash's date, not a hold
     elseif all[i] == settle then
       charge = charge + units - math.min(units, unspent)
+      gone[#gone + 1] = all[i]
     elseif exp <= now then
       charge = charge + units
+      gone[#gone + 1] = all[i]
     else
       live = live + units
       if units > 0 and exp > last then last = exp end
     end
-    if write and all[i] ~= BORN and (all[i] == settle or exp <= now) then
-      redis.call('HDEL', holds, all[i])
-    end
   end
-  return live, charge, last
+  if write then drop_holds(holds, gone) end
+  return live, charge, last, gone
 end
 
 -- How long a lost hold's tombstone answers a resent settling (past the instance's last one).

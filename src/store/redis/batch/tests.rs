@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::super::conn::Conn;
-use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Op};
+use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Op, Undo};
 use super::super::{admit_call, slices::Ask};
 use crate::budget::Limit;
 use crate::store::memory::{Clock, MemoryStore};
@@ -277,4 +277,102 @@ async fn a_failing_call_in_a_batch_leaves_the_others_standing() {
         .await
         .unwrap();
     assert_eq!(record, None);
+}
+
+/// One `admit` call sent to `admit_one` (as the gateway sends a common one) or, `general`, to
+/// `admit`: its code, remaining and held.
+async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64, i64) {
+    let inv = if general {
+        c.general_invocation()
+    } else {
+        c.invocation()
+    };
+    let r: Vec<i64> = script::invoke(&inv, conn).await.unwrap();
+    (AdmitCode::from_reply(r[0]).unwrap(), r[2], r[7])
+}
+
+/// `admit_one` (the common decision, which looks for its record only once it has decided) and
+/// `admit` on one sequence, each on a key of its own: an admission, its resend, a refusal,
+/// a resend the budget would now refuse, an undone id sent again, and expired holds charged
+/// by an admission and by a refusal. Same answers, same holds and records left behind.
+#[tokio::test]
+async fn admit_one_answers_and_writes_as_admit_does() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let mut seen = Vec::new();
+    for (key, general) in [(30u8, false), (31u8, true)] {
+        let req = |cost| request(key, limit, vec![], cost);
+        let call = |cost, id: &str| {
+            let c = admit_call(
+                &req(cost),
+                Ask::default(),
+                id.into(),
+                Duration::from_secs(60),
+            );
+            assert!(c.is_common());
+            c
+        };
+        let (a, b) = (call(4, "t:a"), call(4, "t:b"));
+        let holds = a.holds.clone();
+        let mut lines = Vec::new();
+        lines.push(send(&a, general, &mut conn).await); // admitted: 6 left
+        lines.push(send(&a, general, &mut conn).await); // its resend: not charged again
+        lines.push(send(&b, general, &mut conn).await); // admitted: 2 left
+        lines.push(send(&call(4, "t:c"), general, &mut conn).await); // refused
+        lines.push(send(&a, general, &mut conn).await); // a resend the budget would refuse
+        let undone: i64 = script::invoke(&Undo(&b).invocation(), &mut conn)
+            .await
+            .unwrap();
+        assert_eq!(undone, 1);
+        lines.push(send(&b, general, &mut conn).await); // undone: nothing written
+                                                        // An instance's hold that expired long ago is charged by the next admission...
+        let _: () = redis::cmd("HSET")
+            .arg(&holds)
+            .arg("x:s1")
+            .arg("3:1")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        lines.push(send(&call(1, "t:d"), general, &mut conn).await); // 4 + 3 + 1 of 10
+                                                                     // ... and by a refusal.
+        let _: () = redis::cmd("HSET")
+            .arg(&holds)
+            .arg("x:s2")
+            .arg("5:1")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        lines.push(send(&call(1, "t:e"), general, &mut conn).await); // 8 + 5 + 1: refused
+        lines.push(send(&call(1, "t:f"), general, &mut conn).await); // still 13 of 10: refused
+        let left: Vec<String> = redis::cmd("HKEYS")
+            .arg(&holds)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let mut records = Vec::new();
+        for c in [&a, &b] {
+            let r: Option<String> = redis::cmd("GET")
+                .arg(&c.record)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            records.push(r);
+        }
+        seen.push((lines, left, records));
+    }
+    use AdmitCode::*;
+    let codes: Vec<AdmitCode> = seen[0].0.iter().map(|l| l.0).collect();
+    assert_eq!(
+        codes,
+        [
+            Admitted, Admitted, Admitted, OverBudget, Admitted, Undone, Admitted, OverBudget,
+            OverBudget
+        ]
+    );
+    let remaining: Vec<i64> = seen[0].0.iter().map(|l| l.1).collect();
+    assert_eq!(remaining, [6, 6, 2, 2, 2, 6, 2, 0, 0]);
+    assert!(seen[0].1.is_empty(), "{:?}", seen[0].1);
+    assert_eq!(seen[0].2, [Some("1".to_string()), Some("u".to_string())]);
+    assert_eq!(seen[0], seen[1], "admit_one (left) and admit (right)");
 }

@@ -131,6 +131,14 @@ impl AdmitCall {
             .arg(ADMISSION_RECORD.as_millis() as u64);
     }
 
+    /// The call sent to `admit` whatever it is: what a test compares `admit_one` with.
+    #[cfg(test)]
+    pub(in crate::store::redis) fn general_invocation(&self) -> ScriptInvocation<'static> {
+        let mut inv = super::SCRIPTS[Lua::Admit as usize].prepare_invoke();
+        self.admit_args(&mut inv);
+        inv
+    }
+
     /// What `admit_one` decides exactly as `admit` does.
     pub(in crate::store::redis) fn is_common(&self) -> bool {
         self.also.is_empty()
