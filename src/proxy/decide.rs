@@ -144,7 +144,8 @@ impl Gateway {
             tokio::select! {
                 _ = tokio::time::sleep(hold) => {}
                 _ = front::client_left(&mut session.downstream_session) => {
-                    ctx.abandon(&self.shared.store).await;
+                    // Boxed: the refund's future would make every request's larger.
+                    Box::pin(ctx.abandon(&self.shared.store)).await;
                     return false;
                 }
             }

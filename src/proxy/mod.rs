@@ -266,19 +266,22 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
+    // Pingora boxes this future for every request, copying all of it: the paths that are not
+    // an admission (a job's, a refusal's) are boxed apart, so that it is the size of `decide`'s
+    // (~2 KB, where it was 8.7 KB).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         if jobs::is_status_path(session) {
-            return jobs::status(self, session, ctx).await;
+            return Box::pin(jobs::status(self, session, ctx)).await;
         }
         match self.decide(session, ctx).await {
-            Ok(true) if ctx.job.is_some() => jobs::submit(self, session, ctx).await,
+            Ok(true) if ctx.job.is_some() => Box::pin(jobs::submit(self, session, ctx)).await,
             Ok(true) => Ok(false),
             Ok(false) => Error::e_explain(
                 ErrorType::ConnectionClosed,
                 "client left before its request was forwarded",
             )
             .map_err(|e| e.into_down()),
-            Err(r) => self.refuse(session, ctx, r).await,
+            Err(r) => Box::pin(self.refuse(session, ctx, r)).await,
         }
     }
 
