@@ -31,12 +31,41 @@
 
 use crate::identity::KeyHash;
 
-/// 60 bits of a SHA-256 in 10 URL-safe base64 characters.
+/// 60 bits of a SHA-256 in 10 URL-safe base64 characters, made on the stack: every `admit`
+/// names three or four keys by it.
+struct Tag([u8; 12]);
+
+impl Tag {
+    fn of(hash: &KeyHash) -> Tag {
+        use base64::Engine;
+        let mut buf = [0u8; 12];
+        // 8 bytes are 11 characters without padding.
+        let n = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .encode_slice(&hash[..8], &mut buf)
+            .unwrap_or(0);
+        debug_assert_eq!(n, 11);
+        Tag(buf)
+    }
+
+    fn as_str(&self) -> &str {
+        // URL-safe base64 is ASCII.
+        std::str::from_utf8(&self.0[..10]).unwrap_or_default()
+    }
+
+    /// `t{<tag>}<kind><id>`: a key of the API key's slot.
+    fn key(&self, kind: &str, id: &str) -> String {
+        let mut s = String::with_capacity(13 + kind.len() + id.len());
+        s.push_str("t{");
+        s.push_str(self.as_str());
+        s.push('}');
+        s.push_str(kind);
+        s.push_str(id);
+        s
+    }
+}
+
 fn tag(hash: &KeyHash) -> String {
-    use base64::Engine;
-    let mut s = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&hash[..8]);
-    s.truncate(10);
-    s
+    Tag::of(hash).as_str().to_owned()
 }
 
 /// The key's tag, as a route's queue names the key (`lua/queue.lua`).
@@ -46,7 +75,7 @@ pub fn key_tag(key: &KeyHash) -> String {
 
 /// An API key's budget (its plan's first, or only, one).
 pub fn budget_key(key: &KeyHash) -> String {
-    format!("t{{{}}}b", tag(key))
+    Tag::of(key).key("b", "")
 }
 
 /// A further budget of the key's plan (`budgets:`), by name: the budget key's hash tag, so
@@ -65,22 +94,22 @@ pub(super) fn shared_budget_key(route: &str) -> String {
 
 /// The budget slices instances hold of the key (`super::slices`), in its budgets' slot.
 pub fn holds_key(key: &KeyHash) -> String {
-    format!("t{{{}}}h", tag(key))
+    Tag::of(key).key("h", "")
 }
 
 /// The key's budget and its holds, from one hash of the key (what every `admit` names).
 pub(super) fn budget_and_holds_keys(key: &KeyHash) -> (String, String) {
-    let tag = tag(key);
-    (format!("t{{{tag}}}b"), format!("t{{{tag}}}h"))
+    let tag = Tag::of(key);
+    (tag.key("b", ""), tag.key("h", ""))
 }
 
 /// The record of admission `id` of the key (the admission ids of `lua/store/common.lua`), in its slot.
 pub(super) fn admission_key(key: &KeyHash, id: &str) -> String {
-    format!("t{{{}}}a{id}", tag(key))
+    Tag::of(key).key("a", id)
 }
 
 pub(super) fn key_slots_key(key: &KeyHash) -> String {
-    format!("t{{{}}}f", tag(key))
+    Tag::of(key).key("f", "")
 }
 
 /// A route's in-flight leases (`route` is the route's label), in a slot of its own.
@@ -138,5 +167,19 @@ mod tests {
         assert_eq!(&holds_key(&h)[..13], &k[..13], "same slot");
         assert_eq!(budget_and_holds_keys(&h), (k.clone(), holds_key(&h)));
         assert_ne!(holds_key(&h), named_budget_key(&h, "h"));
+    }
+
+    /// Keys made on the stack are the very names Redis already holds (a gateway upgraded in
+    /// a running fleet finds every budget where the others write it).
+    #[test]
+    fn the_layout_is_unchanged() {
+        use base64::Engine;
+        let h = crate::identity::hash_key(b"some-key");
+        let t = &base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h[..8])[..10];
+        assert_eq!(key_tag(&h), t);
+        assert_eq!(budget_key(&h), format!("t{{{t}}}b"));
+        assert_eq!(holds_key(&h), format!("t{{{t}}}h"));
+        assert_eq!(key_slots_key(&h), format!("t{{{t}}}f"));
+        assert_eq!(admission_key(&h, "00ab:7"), format!("t{{{t}}}a00ab:7"));
     }
 }

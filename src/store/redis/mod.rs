@@ -194,11 +194,13 @@ impl RedisBackend {
     }
 
     fn next_lease_id(&self) -> String {
-        format!(
-            "{}:{}",
-            self.instance,
-            self.lease_seq.fetch_add(1, Ordering::Relaxed)
-        )
+        let mut n = itoa::Buffer::new();
+        let n = n.format(self.lease_seq.fetch_add(1, Ordering::Relaxed));
+        let mut id = String::with_capacity(self.instance.len() + 1 + n.len());
+        id.push_str(&self.instance);
+        id.push(':');
+        id.push_str(n);
+        id
     }
 
     /// One `admit` call for `req`, asking `ask` of its slices.
