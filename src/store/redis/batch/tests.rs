@@ -291,6 +291,17 @@ async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64,
     (AdmitCode::from_reply(r[0]).unwrap(), r[2], r[7])
 }
 
+/// Hold `id` of `units` in the key's holds `holds`, expired long ago (at 1 µs).
+async fn expired_hold(conn: &mut Conn, holds: &str, id: &str, units: u64) {
+    let _: () = redis::cmd("HSET")
+        .arg(holds)
+        .arg(id)
+        .arg(format!("{units}:1"))
+        .query_async(conn)
+        .await
+        .unwrap();
+}
+
 /// `admit_one` (the common decision, which looks for its record only once it has decided) and
 /// `admit` on one sequence, each on a key of its own: an admission, its resend, a refusal,
 /// a resend the budget would now refuse, an undone id sent again, and expired holds charged
@@ -326,23 +337,12 @@ async fn admit_one_answers_and_writes_as_admit_does() {
             .unwrap();
         assert_eq!(undone, 1);
         lines.push(send(&b, general, &mut conn).await); // undone: nothing written
-                                                        // An instance's hold that expired long ago is charged by the next admission...
-        let _: () = redis::cmd("HSET")
-            .arg(&holds)
-            .arg("x:s1")
-            .arg("3:1")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+                                                        // An instance's hold that expired long ago (3 units, at 1 µs) is charged by the next
+                                                        // admission...
+        expired_hold(&mut conn, &holds, "x:s1", 3).await;
         lines.push(send(&call(1, "t:d"), general, &mut conn).await); // 4 + 3 + 1 of 10
                                                                      // ... and by a refusal.
-        let _: () = redis::cmd("HSET")
-            .arg(&holds)
-            .arg("x:s2")
-            .arg("5:1")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        expired_hold(&mut conn, &holds, "x:s2", 5).await;
         lines.push(send(&call(1, "t:e"), general, &mut conn).await); // 8 + 5 + 1: refused
         lines.push(send(&call(1, "t:f"), general, &mut conn).await); // still 13 of 10: refused
         let left: Vec<String> = redis::cmd("HKEYS")
