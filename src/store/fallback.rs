@@ -17,7 +17,7 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::memory::MemoryStore;
 use super::running::{slots_of, Running};
@@ -222,7 +222,8 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
-        let start = Instant::now();
+        // Tokio's clock: the wait it bounds is timed by tokio (and a test can pause it).
+        let start = tokio::time::Instant::now();
         // What this instance admitted locally and still runs is registered first (DESIGN §4).
         let shared = match self.charge_owed_first(req).await {
             Ok(()) => match self.adopt_local().await {

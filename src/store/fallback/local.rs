@@ -1,7 +1,9 @@
 //! The `on_error` policies' own decisions, while the shared store cannot decide: `local`
 //! (this instance's `1/fleet_size` share of every budget and cap), `allow` and `deny`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::super::memory::Unserved;
 use super::super::running::{Full, Place, RunningGuard};
