@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::super::conn::Conn;
-use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Op, Undo};
+use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Undo};
 use super::super::{admit_call, slices::Ask};
 use crate::budget::Limit;
 use crate::store::memory::{Clock, MemoryStore};
@@ -283,7 +283,7 @@ async fn a_failing_call_in_a_batch_leaves_the_others_standing() {
 /// `admit`: its code, remaining and held.
 async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64, i64) {
     let inv = if general {
-        c.general_invocation()
+        c.invocation_for(Lua::Admit)
     } else {
         c.invocation()
     };

@@ -97,21 +97,31 @@ impl Op for AdmitCall {
     /// to `admit_one`, the same contract without `admit`'s general machinery (less Redis
     /// CPU per call: `bench/script_cpu.sh`).
     fn invocation(&self) -> ScriptInvocation<'static> {
-        let script = if self.is_common() {
-            Lua::AdmitOne
-        } else {
-            Lua::Admit
-        };
-        let mut inv = super::SCRIPTS[script as usize].prepare_invoke();
-        self.lay(&mut inv);
-        inv
+        self.invocation_for(self.script())
     }
 }
 
 impl AdmitCall {
-    /// This call's KEYS and ARGV for the script [`AdmitCall::is_common`] picks.
-    fn lay(&self, inv: &mut impl Lay) {
+    /// The script this call goes to: `admit_one` for what it decides exactly as `admit`
+    /// does ([`AdmitCall::is_common`]), else `admit`.
+    fn script(&self) -> Lua {
         if self.is_common() {
+            Lua::AdmitOne
+        } else {
+            Lua::Admit
+        }
+    }
+
+    /// The call to `script` (`admit_one` or `admit`; a test sends a common call to both).
+    pub(in crate::store::redis) fn invocation_for(&self, script: Lua) -> ScriptInvocation<'static> {
+        let mut inv = super::SCRIPTS[script as usize].prepare_invoke();
+        self.lay_for(script, &mut inv);
+        inv
+    }
+
+    /// This call's KEYS and ARGV for `script`.
+    fn lay_for(&self, script: Lua, inv: &mut impl Lay) {
+        if script == Lua::AdmitOne {
             self.admit_one_args(inv);
         } else {
             self.admit_args(inv);
@@ -129,14 +139,6 @@ impl AdmitCall {
             .arg(l.max_delay)
             .arg(self.cost)
             .arg(ADMISSION_RECORD.as_millis() as u64);
-    }
-
-    /// The call sent to `admit` whatever it is: what a test compares `admit_one` with.
-    #[cfg(test)]
-    pub(in crate::store::redis) fn general_invocation(&self) -> ScriptInvocation<'static> {
-        let mut inv = super::SCRIPTS[Lua::Admit as usize].prepare_invoke();
-        self.admit_args(&mut inv);
-        inv
     }
 
     /// What `admit_one` decides exactly as `admit` does.
@@ -165,11 +167,12 @@ impl Op for AdmitBatch<'_> {
         for c in self.0 {
             // Counted first, then laid straight into the call (its KEYS and its ARGV are two
             // lists: each call's keys follow the last call's, and so do its arguments).
+            let script = c.script();
             let mut n = Count::default();
-            c.lay(&mut n);
-            let script = if c.is_common() { 1 } else { 2 };
-            inv.arg(script).arg(n.keys).arg(n.argv);
-            c.lay(inv);
+            c.lay_for(script, &mut n);
+            let which = if script == Lua::AdmitOne { 1 } else { 2 };
+            inv.arg(which).arg(n.keys).arg(n.argv);
+            c.lay_for(script, inv);
         }
     }
 }
