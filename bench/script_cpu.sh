@@ -16,7 +16,8 @@
 # callgrind, and each figure is the instructions Redis executed inside EVALSHA (the command
 # itself, inclusive: what usec_per_call times) per call. A count does not move with what else
 # the machine runs, where usec_per_call on a shared VM does by ±30 % from one run to the
-# next. Use a small N (5000): valgrind runs Redis ~50× slower.
+# next. Use a small N (5000): valgrind runs Redis ~50× slower. KEEP_CG=1 keeps the dumps
+# (in ${TMPDIR:-/tmp}/script_cpu.*, one per script) for callgrind_annotate.
 set -euo pipefail
 ROUNDS=${1:-5}
 N=${2:-100000}
