@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bench/instructions.sh — user-space instructions per request (valgrind callgrind), a figure that
 # does not depend on what else the machine is running: for comparing two builds of tollgate, or
-# tollgate with the bare Pingora floor, while other work shares the cores.
+# tollgate with the bare Pingora floor, while other work shares the cores. `bare` is bench/run.sh's
+# (g), an empty Pingora proxy; `headers` is its (i), the same proxy writing tollgate's headers.
 #
-#   bash bench/instructions.sh [tollgate|bare] [-d SECONDS] [-c CONNS] [--exact-redis]
+#   bash bench/instructions.sh [tollgate|bare|headers] [-d SECONDS] [-c CONNS] [--exact-redis]
 #                                                                  (default: tollgate, 5 s, 8)
 #
 # Starts an nginx upstream and the proxy under callgrind (memory store, or with --exact-redis
@@ -12,7 +13,7 @@
 # counters, drives it with wrk (1000 keys, as bench/run.sh), dumps the counters and prints
 # instructions (Ir) per request. Kernel time is not counted. Loopback only, bounded in time.
 set -euo pipefail
-WHAT=${1:-tollgate}; [[ $WHAT == tollgate || $WHAT == bare ]] && shift || WHAT=tollgate
+WHAT=${1:-tollgate}; [[ $WHAT == tollgate || $WHAT == bare || $WHAT == headers ]] && shift || WHAT=tollgate
 DURATION=5; CONNS=8; REDIS=
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -85,7 +86,8 @@ rate_limits:
   endpoints:
     "GET /api/items/{id}": {cost: 1}
 YAML
-if [[ $WHAT == bare ]]; then
+if [[ $WHAT == bare || $WHAT == headers ]]; then
+  [[ $WHAT == headers ]] && export BARE_PINGORA_HEADERS=1
   valgrind --tool=callgrind --collect-atstart=yes --callgrind-out-file="$TMP/cg.out" "$BARE_BIN" "127.0.0.1:$PX" "127.0.0.1:$UP" >"$TMP/proxy.log" 2>&1 &
 else
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.out" "$BIN" run -c "$TMP/tollgate.yaml" >"$TMP/proxy.log" 2>&1 &
