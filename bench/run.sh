@@ -473,6 +473,10 @@ cpu_ticks() {
   echo "$total"
 }
 CLK_TCK=$(getconf CLK_TCK)
+# The whole machine's CPU ticks, "busy total" (busy: user nice system irq softirq steal; total
+# adds idle and iowait), from /proc/stat's first line: every process in the run together (the
+# server, its upstream, wrk, redis-server), for what a request costs the machine.
+machine_ticks() { awk '/^cpu / { b = $2 + $3 + $4 + $7 + $8 + $9; print b, b + $5 + $6; exit }' /proc/stat; }
 
 # Parses wrk --latency output: "rps p50_us p99_us requests errors non2xx".
 parse_wrk() {
@@ -516,7 +520,7 @@ if [[ $WARMUP -gt 0 ]]; then
 fi
 [[ -n $TI_PID ]] && : >"$TMP/tollgate-info.log"
 
-declare -A RES CPU
+declare -A RES CPU MCPU BUSY
 declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
 declare -A RUSEC=([d]=0 [h]=0)  # letter → Redis's usec (INFO commandstats, top-level calls)
 declare -A RT_REQS=([d]=0 [h]=0)
@@ -526,7 +530,9 @@ for r in $(seq "$ROUNDS"); do
     if [[ $n == d || $n == h ]]; then redis_cmdstats >"$TMP/redis-before.txt"; fi
     [[ $n == d ]] && q0=$(requests_total "$TR_ADMIN")
     t0=$(cpu_ticks "${PIDOF[$n]}")
+    read -r mb0 mt0 < <(machine_ticks)
     run_wrk "$n" "$DURATION" "$TMP/wrk-$n-$r.txt"
+    read -r mb1 mt1 < <(machine_ticks)
     t1=$(cpu_ticks "${PIDOF[$n]}")
     RES[$n,$r]=$(parse_wrk "$TMP/wrk-$n-$r.txt")
     read -r rps p50 p99 reqs errs non2xx <<<"${RES[$n,$r]}"
@@ -551,7 +557,9 @@ for r in $(seq "$ROUNDS"); do
     fi
     # CPU µs of the server under test per request served
     CPU[$n,$r]=$(awk -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
-    log "  $rps req/s, p50 ${p50}us, p99 ${p99}us, $reqs requests, errors $errs, non-2xx $non2xx, ${CPU[$n,$r]} CPU us/req"
+    MCPU[$n,$r]=$(awk -v t=$((mb1 - mb0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
+    BUSY[$n,$r]=$(awk -v b=$((mb1 - mb0)) -v t=$((mt1 - mt0)) 'BEGIN { printf "%.0f", (t > 0 ? 100 * b / t : 0) }')
+    log "  $rps req/s, p50 ${p50}us, p99 ${p99}us, $reqs requests, errors $errs, non-2xx $non2xx, ${CPU[$n,$r]} CPU us/req, machine ${MCPU[$n,$r]} CPU us/req (${BUSY[$n,$r]} % busy)"
     [[ $n == e ]] && : >"$TMP/tollgate-info.log"
   done
 done
@@ -665,18 +673,25 @@ TR_RSS=$(awk '/VmRSS/ {print $2, $3}' "/proc/$TR_PID/status")
 
 # ---------------------------------------------------------------------------------------------
 # Report.
-field() { # name index(1-based of parse_wrk + cpu) → values of all rounds, one a line
+field() { # name index(1-based of parse_wrk, or cpu, mcpu, busy) → values of all rounds, one a line
   local n=$1 i=$2 r
   for r in $(seq "$ROUNDS"); do
-    if [[ $i == cpu ]]; then echo "${CPU[$n,$r]}"; else echo "${RES[$n,$r]}" | awk -v i="$i" '{print $i}'; fi
+    case $i in
+      cpu) echo "${CPU[$n,$r]}" ;;
+      mcpu) echo "${MCPU[$n,$r]}" ;;
+      busy) echo "${BUSY[$n,$r]}" ;;
+      *) echo "${RES[$n,$r]}" | awk -v i="$i" '{print $i}' ;;
+    esac
   done
 }
-declare -A MED_RPS MED_P50 MED_P99 MED_CPU
+declare -A MED_RPS MED_P50 MED_P99 MED_CPU MED_MCPU MED_BUSY
 for n in "${NAMES[@]}"; do
   MED_RPS[$n]=$(field "$n" 1 | median)
   MED_P50[$n]=$(field "$n" 2 | median)
   MED_P99[$n]=$(field "$n" 3 | median)
   MED_CPU[$n]=$(field "$n" cpu | median)
+  MED_MCPU[$n]=$(field "$n" mcpu | median)
+  MED_BUSY[$n]=$(field "$n" busy | median)
 done
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
@@ -685,15 +700,15 @@ echo "## tollgate vs its anchors — $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) 
 echo
 echo "wrk: $CONNS connections, ${DURATION}s, $WRK_THREADS thread(s), GET $PATH_UNDER_TEST, $([[ $KEYS -gt 1 ]] && echo "$KEYS API keys (bench/keys.lua)" || echo "one API key (-H)"); median of $ROUNDS interleaved runs; access logs off unless stated."
 echo
-echo "| configuration | req/s | p50 ms | p99 ms | req/s of each run | errors / non-2xx | server CPU µs/req |"
-echo "|---|---:|---:|---:|---|---:|---:|"
+echo "| configuration | req/s | p50 ms | p99 ms | req/s of each run | errors / non-2xx | server CPU µs/req | machine CPU µs/req | machine busy % |"
+echo "|---|---:|---:|---:|---|---:|---:|---:|---:|"
 for n in "${NAMES[@]}"; do
   runs=$(field "$n" 1 | awk '{printf "%s%.0f", (NR > 1 ? ", " : ""), $1}')
   bad=0
   for r in $(seq "$ROUNDS"); do bad=$((bad + $(echo "${RES[$n,$r]}" | awk '{print $5 + $6}'))); done
-  printf "| %s | %.0f | %.3f | %.3f | %s | %d | %s |\n" "${LABEL[$n]}" "${MED_RPS[$n]}" \
+  printf "| %s | %.0f | %.3f | %.3f | %s | %d | %s | %s | %s |\n" "${LABEL[$n]}" "${MED_RPS[$n]}" \
     "$(awk -v v="${MED_P50[$n]}" 'BEGIN{print v/1000}')" "$(awk -v v="${MED_P99[$n]}" 'BEGIN{print v/1000}')" \
-    "$runs" "$bad" "${MED_CPU[$n]}"
+    "$runs" "$bad" "${MED_CPU[$n]}" "${MED_MCPU[$n]}" "${MED_BUSY[$n]}"
 done
 
 # Issue 11's targets: "ratio OP bound" per line; a target needs both of its letters measured.
@@ -774,6 +789,7 @@ if [[ -n $OTHER ]]; then
 fi
 echo
 echo "Server CPU µs/req: CPU time (user+sys, all threads) of the process under test — the upstream for (a), the nginx master+worker for (b) and (h), tollgate for (c)-(f), the bare Pingora for (g) and (i), not redis-server or wrk — divided by the requests wrk completed."
+echo "Machine CPU µs/req: the whole machine's busy CPU time (/proc/stat: user, nice, system, irq, softirq, steal) during the run — the server, its upstream, wrk and redis-server together — divided by the requests wrk completed; machine busy %: that time over all of the cores' time. A run near 100 % busy is bound by CPU, and its req/s by the machine CPU per request."
 echo
 # Commands a client sends; the rest (TIME, GET, SET, ZCOUNT...) run inside the scripts, which
 # Redis counts in commandstats too. A round trip is one of the former.
