@@ -5,21 +5,24 @@
 # (g), an empty Pingora proxy; `headers` is its (i), the same proxy writing tollgate's headers.
 #
 #   bash bench/instructions.sh [tollgate|bare|headers] [-d SECONDS] [-c CONNS] [--exact-redis]
+#                              [--access-log]
 #                                                                  (default: tollgate, 5 s, 8)
 #
 # Starts an nginx upstream and the proxy under callgrind (memory store, or with --exact-redis
 # a redis-server started here and store.slices off: every request decided in Redis; server.threads 1,
-# RUST_LOG=warn; TOLLGATE_BIN / BARE_PINGORA_BIN pick the binaries), warms it up, zeroes the
+# RUST_LOG=warn, or with --access-log RUST_LOG=info: the access log on, written to a file, as
+# bench/run.sh's (e); TOLLGATE_BIN / BARE_PINGORA_BIN pick the binaries), warms it up, zeroes the
 # counters, drives it with wrk (1000 keys, as bench/run.sh), dumps the counters and prints
 # instructions (Ir) per request. Kernel time is not counted. Loopback only, bounded in time.
 set -euo pipefail
 WHAT=${1:-tollgate}; [[ $WHAT == tollgate || $WHAT == bare || $WHAT == headers ]] && shift || WHAT=tollgate
-DURATION=5; CONNS=8; REDIS=
+DURATION=5; CONNS=8; REDIS=; LOG=warn
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -d) DURATION=$2; shift ;;
     -c) CONNS=$2; shift ;;
     --exact-redis) REDIS=1 ;;
+    --access-log) LOG=info ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
   shift
@@ -90,7 +93,7 @@ if [[ $WHAT == bare || $WHAT == headers ]]; then
   [[ $WHAT == headers ]] && export BARE_PINGORA_HEADERS=1
   valgrind --tool=callgrind --collect-atstart=yes --callgrind-out-file="$TMP/cg.out" "$BARE_BIN" "127.0.0.1:$PX" "127.0.0.1:$UP" >"$TMP/proxy.log" 2>&1 &
 else
-  RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.out" "$BIN" run -c "$TMP/tollgate.yaml" >"$TMP/proxy.log" 2>&1 &
+  RUST_LOG=$LOG valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.out" "$BIN" run -c "$TMP/tollgate.yaml" >"$TMP/proxy.log" 2>&1 &
 fi
 VG=$!; PIDS+=("$VG")
 URL="http://127.0.0.1:$PX/api/items/42"
@@ -102,5 +105,5 @@ callgrind_control -d "$VG" >/dev/null
 sleep 1
 REQS=$(awk '/ requests in / { print $1 }' "$TMP/wrk.txt")
 IR=$(cat "$TMP"/cg.out* | awk '/^summary:/ { s += $2 } END { printf "%d", s }')
-echo "$WHAT${REDIS:+ (exact redis)}: $REQS requests, $IR instructions → $((IR / (REQS > 0 ? REQS : 1))) instructions per request"
+echo "$WHAT${REDIS:+ (exact redis)}$([[ $LOG == info ]] && echo ' (access log)'): $REQS requests, $IR instructions → $((IR / (REQS > 0 ? REQS : 1))) instructions per request"
 if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP"; cp "$TMP"/cg.out* "$KEEP"/; fi
