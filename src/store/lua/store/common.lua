@@ -47,6 +47,9 @@ local function int(x) return string.format('%d', x) end
 
 -- A batch (`admit_batch`) reads TIME once and decides each of its calls at that instant.
 local batch_now = nil
+-- A batch's tonumber, which converts each string once per batch (`admit_batch`); nil in a
+-- call alone, which converts with `tonumber`.
+local batch_num = nil
 
 local function now_us()
   if batch_now then return batch_now end
@@ -66,7 +69,7 @@ local function level_at(key, q, now)
   if not l then return 0 end
   l = tonumber(l)
   at = tonumber(at)
-  r = tonumber(r)
+  r = (batch_num or tonumber)(r)
   if r ~= q and r > 0 then
     -- a reload changed the rate: keep the time until empty
     l = math.ceil(l * q / r)
@@ -84,7 +87,8 @@ local function store_level(key, level, q, now)
   end
   -- expire exactly when the bucket is empty again
   local px = math.max(1, ceil_div(ceil_div(level, q), 1000))
-  redis.call('SET', key, int(level) .. ':' .. int(now) .. ':' .. int(q), 'PX', int(px))
+  -- one format call, where three and a concatenation cost ~1,000 instructions more
+  redis.call('SET', key, string.format('%d:%d:%d', level, now, q), 'PX', int(px))
 end
 
 -- A lease set lives as long as its longest lease (whatever lease_ttl each instance uses).
