@@ -16,7 +16,9 @@
 # callgrind, and each figure is the instructions Redis executed inside EVALSHA (the command
 # itself, inclusive: what usec_per_call times) per call. A count does not move with what else
 # the machine runs, where usec_per_call on a shared VM does by ±30 % from one run to the
-# next. Use a small N (5000): valgrind runs Redis ~50× slower. KEEP_CG=1 keeps the dumps
+# next. Use a small N (5000): valgrind runs Redis ~50× slower. The calls of a batch share one
+# plan's limits and cost; DISTINCT=1 gives each call limits and a cost of its own (a batch of
+# keys on different plans: each argument string is new). KEEP_CG=1 keeps the dumps
 # (in ${TMPDIR:-/tmp}/script_cpu.*, one per script) for callgrind_annotate.
 set -euo pipefail
 ROUNDS=${1:-5}
@@ -53,7 +55,12 @@ ONE_ARGV=(500000 1 60000000 0 1 120000)
 batch_keys=() batch_argv=("$BATCH")
 for i in $(seq "$BATCH"); do
   batch_keys+=('t{__rand_int__}b' 't{__rand_int__}h' 't{__rand_int__}ax:__rand_int__')
-  batch_argv+=(1 3 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
+  if [[ -n ${DISTINCT:-} ]]; then
+    # each call of the batch under limits of its own: no argument string repeats but the counts
+    batch_argv+=(1 3 6 $((500000 + i)) $((1 + i)) $((60000000 + i)) 0 $((1 + i)) $((120000 + i)))
+  else
+    batch_argv+=(1 3 "${#ONE_ARGV[@]}" "${ONE_ARGV[@]}")
+  fi
 done
 
 usec_per_call() { # sha numkeys keys-and-args... → one round's usec_per_call (or instructions)
