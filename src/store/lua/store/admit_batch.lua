@@ -15,9 +15,9 @@
 
 -- The calls of a batch repeat the same figures (their argument counts, their limits and
 -- costs), and Lua's tonumber of a string runs glibc's strtod (~1,200 instructions in Redis):
--- `batch_num` converts each string once per batch (`admit_one` and `level_at` use it).
+-- `num` (common.lua) converts each string once per batch (`admit_one` and `level_at` use it).
 local numbers = {}
-batch_num = function(s)
+num = function(s)
   local v = numbers[s]
   if v then return v end
   v = tonumber(s)
@@ -30,7 +30,7 @@ batch_now = now_us()
 local out = {}
 local k, a = 1, 2
 for i = 1, calls do
-  local which, nk, na = batch_num(ARGV[a]), batch_num(ARGV[a + 1]), batch_num(ARGV[a + 2])
+  local which, nk, na = num(ARGV[a]), num(ARGV[a + 1]), num(ARGV[a + 2])
   local keys, argv = {unpack(KEYS, k, k + nk - 1)}, {unpack(ARGV, a + 3, a + 2 + na)}
   k, a = k + nk, a + 3 + na
   local run = admit

@@ -17,10 +17,9 @@
 -- undone) writes nothing and answers from it, as in `admit`; and the reads that can fail (a
 -- key of the wrong type) all come before the first write.
 
-local tonum = batch_num or tonumber
-local p, q = tonum(ARGV[1]), tonum(ARGV[2])
-local cap, delay = tonum(ARGV[3]), tonum(ARGV[4])
-local cost = tonum(ARGV[5])
+local p, q = num(ARGV[1]), num(ARGV[2])
+local cap, delay = num(ARGV[3]), num(ARGV[4])
+local cost = num(ARGV[5])
 local budget, holds, record = KEYS[1], KEYS[2], KEYS[3]
 local own = keys_own(budget)
 local now = now_us()
@@ -51,7 +50,7 @@ if after + held > cap + delay then
 else
   local keep = math.max(1, ceil_div(ceil_div(after, q), 1000))
   seen = redis.call('SET', record, '1', 'NX', 'GET', 'PX',
-                    int(math.min(keep, tonum(ARGV[6]))))
+                    int(math.min(keep, num(ARGV[6]))))
   if not seen then
     drop_holds(holds, gone)
     store_level(budget, after, q, now)

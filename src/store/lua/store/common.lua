@@ -47,9 +47,9 @@ local function int(x) return string.format('%d', x) end
 
 -- A batch (`admit_batch`) reads TIME once and decides each of its calls at that instant.
 local batch_now = nil
--- A batch's tonumber, which converts each string once per batch (`admit_batch`); nil in a
--- call alone, which converts with `tonumber`.
-local batch_num = nil
+-- The hot scripts' tonumber of an argument: `tonumber` in a call alone; a batch
+-- (`admit_batch`) puts one in its place that converts each string once per batch.
+local num = tonumber
 
 local function now_us()
   if batch_now then return batch_now end
@@ -69,7 +69,7 @@ local function level_at(key, q, now)
   if not l then return 0 end
   l = tonumber(l)
   at = tonumber(at)
-  r = (batch_num or tonumber)(r)
+  r = num(r)
   if r ~= q and r > 0 then
     -- a reload changed the rate: keep the time until empty
     l = math.ceil(l * q / r)
