@@ -477,6 +477,8 @@ CLK_TCK=$(getconf CLK_TCK)
 # adds idle and iowait), from /proc/stat's first line: every process in the run together (the
 # server, its upstream, wrk, redis-server), for what a request costs the machine.
 machine_ticks() { awk '/^cpu / { b = $2 + $3 + $4 + $7 + $8 + $9; print b, b + $5 + $6; exit }' /proc/stat; }
+# CPU ticks → µs per request (0 when no request completed).
+us_per_request() { awk -v t="$1" -v hz="$CLK_TCK" -v q="$2" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }'; }
 
 # Parses wrk --latency output: "rps p50_us p99_us requests errors non2xx".
 parse_wrk() {
@@ -556,8 +558,8 @@ for r in $(seq "$ROUNDS"); do
                  "$TMP/redis-before.txt" "$TMP/redis-after.txt")
     fi
     # CPU µs of the server under test per request served
-    CPU[$n,$r]=$(awk -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
-    MCPU[$n,$r]=$(awk -v t=$((mb1 - mb0)) -v hz="$CLK_TCK" -v q="$reqs" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
+    CPU[$n,$r]=$(us_per_request $((t1 - t0)) "$reqs")
+    MCPU[$n,$r]=$(us_per_request $((mb1 - mb0)) "$reqs")
     BUSY[$n,$r]=$(awk -v b=$((mb1 - mb0)) -v t=$((mt1 - mt0)) 'BEGIN { printf "%.0f", (t > 0 ? 100 * b / t : 0) }')
     log "  $rps req/s, p50 ${p50}us, p99 ${p99}us, $reqs requests, errors $errs, non-2xx $non2xx, ${CPU[$n,$r]} CPU us/req, machine ${MCPU[$n,$r]} CPU us/req (${BUSY[$n,$r]} % busy)"
     [[ $n == e ]] && : >"$TMP/tollgate-info.log"
