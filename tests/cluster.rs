@@ -526,6 +526,10 @@ async fn a_manual_sentinel_failover_charges_what_was_admitted() {
     for t in tasks {
         t.await.unwrap();
     }
+    // Budget slices (with `store.slices: true`) a gateway reserved and did not spend count as
+    // charged in Redis until given back (a slice lives 500 ms, the sweeper runs every
+    // 100 ms): let them go back first.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
 
     let hot = up.count("/hot");
     assert!(
@@ -534,20 +538,20 @@ async fn a_manual_sentinel_failover_charges_what_was_admitted() {
         2 * HOT
     );
     // The metered key: charged in Redis (read by a probe, which charges one more) exactly
-    // what the upstream ran for it, once the fallback's admissions are written back.
+    // what the upstream ran for it, once the fallback's admissions are written back (and any
+    // slice still held given back): an over-charge is final if it outlasts that.
     let mut probes = 0;
     let settled = Instant::now();
     loop {
         let got = charged(&c, &gws[0], "m", MAX).await;
         let want = up.count("/metered") + probes;
         probes += 1;
-        assert!(got <= want, "charged {got} for {want} admitted");
         if got == want {
             break;
         }
         assert!(
             settled.elapsed() < Duration::from_secs(10),
-            "charged {got} of {want} admitted\n{}",
+            "charged {got} for {want} admitted\n{}",
             gws[0].log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;

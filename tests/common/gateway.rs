@@ -69,6 +69,7 @@ impl Gateway {
                 extra = o.upstream_extra,
                 body = o.body
             );
+            let yaml = with_forced_slices(yaml);
             let config_path = dir.path().join("gateway.yaml");
             std::fs::write(&config_path, yaml).unwrap();
             let log = std::fs::File::create(dir.path().join("gateway.log")).unwrap();
@@ -183,6 +184,20 @@ impl Drop for Gateway {
 }
 
 /// Runs `tollgate <args> -c <config>`, which must succeed; its stdout.
+/// `TOLLGATE_TEST_SLICES=1` runs every Redis-backed gateway of the suite with budget slices
+/// (`store.slices: true` wherever a config does not set `slices` itself): the check that every
+/// fleet guarantee also holds with slices on, before they could be the default.
+fn with_forced_slices(yaml: String) -> String {
+    const REDIS: &str = "\n  backend: redis\n";
+    if std::env::var("TOLLGATE_TEST_SLICES").as_deref() != Ok("1")
+        || !yaml.contains(REDIS)
+        || yaml.contains("\n  slices:")
+    {
+        return yaml;
+    }
+    yaml.replacen(REDIS, "\n  backend: redis\n  slices: true\n", 1)
+}
+
 pub fn cli_ok(config: &std::path::Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(args)
