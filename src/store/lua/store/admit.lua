@@ -103,7 +103,7 @@ local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
 local live, charge, last = take_holds(holds, settle, unspent, now, true)
 if lost then
   charge = charge + settle_units - unspent
-  bury(holds, settle, now)
+  bury(holds, settle, now, 0)
 end
 local refused, retry = nil, 0
 for i, x in ipairs(b) do
@@ -111,9 +111,10 @@ for i, x in ipairs(b) do
   x.held = 0
   if x.own then
     x.held = live * x.p
-    if charge > 0 then
-      -- A settled or expired hold's spent units: charged before anything is decided.
-      x.level = x.level + charge * x.p
+    if charge ~= 0 then
+      -- A settled or expired hold's spent units: charged before anything is decided (a
+      -- hold settled after its expiry charged it in full: given back).
+      x.level = math.max(0, x.level + charge * x.p)
       store_level(x.key, x.level, x.q, now)
     end
   end

@@ -37,7 +37,7 @@ if after + held > cap + delay then
   seen = redis.call('GET', record)
   if not seen then
     -- Refused: the expired holds are charged and removed all the same, as `admit` does.
-    drop_holds(holds, gone)
+    drop_holds(holds, gone, now)
     if charged ~= level then store_level(budget, charged, q, now) end
     local retry = ceil_div(after + held - cap - delay, q)
     local after_held = held + cost * p - cap - delay
@@ -52,7 +52,7 @@ else
   seen = redis.call('SET', record, '1', 'NX', 'GET', 'PX',
                     int(math.min(keep, num(ARGV[6]))))
   if not seen then
-    drop_holds(holds, gone)
+    drop_holds(holds, gone, now)
     store_level(budget, after, q, now)
     local wait = 0
     if after + held > cap then wait = ceil_div(after + held - cap, q) end

@@ -22,10 +22,11 @@
 -- of the key's budgets (`t{` keys; never a route's `t:r{`) and never drains: what an instance
 -- spends of it is charged to the level only when it settles the hold (`settle`, or the
 -- settle part of its next `admit`), so no unit drains before it was admitted and a burst never
--- exceeds max_cost. A hold past its expiry (its instance died) is charged in full by the next
--- call that sees it. Settling is idempotent: a hold that is gone (settled, or charged as
--- expired) is not settled again. The hash's field `~` dates it ('@' and the Redis TIME when
--- it was made):
+-- exceeds max_cost. A hold past its expiry (its instance died, or its settling is late) is
+-- charged in full by the next call that sees it, and a settling that still comes gives back
+-- what was not spent (`take_holds`). Settling is idempotent: a hold that is gone (settled)
+-- is not settled again. The hash's field `~` dates it ('@' and the Redis TIME when it was
+-- made):
 -- a hold missing from a hash made after it was granted (or from no hash) was lost with
 -- Redis's data (a restart without persistence, an empty replica promoted), so `settle`
 -- charges what its instance spent of it then, once (a tombstone answers a resend).
@@ -99,43 +100,75 @@ local function expire_with_last_lease(set)
   end
 end
 
--- Removes the holds `gone` (their ids) from the key's hash, in one command.
-local function drop_holds(holds, gone)
-  if #gone > 0 then redis.call('HDEL', holds, unpack(gone)) end
-end
-
 -- A key's holds at `now`: the units of live ones, the units to charge now -- what hold
 -- `settle` spent (all but `unspent`) and all of every expired one -- when the last live one
--- expires (0: none), and the ids of the holds so charged. With `write`, those are removed
--- (the caller charges them); without, nothing is written (a peek, or a caller that decides
--- first and removes them with `drop_holds` if it writes at all).
+-- expires (0: none), and the holds so charged (`gone`, for `drop_holds`). With `write`,
+-- those are dropped (the caller charges them); without, nothing is written (a peek, or a
+-- caller that decides first and drops them with `drop_holds` if it writes at all).
+--
+-- A hold that expires unsettled becomes a tombstone, "0:<until>:<units charged>": if its
+-- settling comes after all (delayed by an outage or a failover), it gives back the units
+-- not spent, which the expiry charged (so the charge can be negative). The tombstone is
+-- then dropped as any settled hold is.
 local BORN = '~'
+-- How long a tombstone answers a settling sent late or again (past the instance's last one).
+local TOMBSTONE_US = 60000000
+
+-- Makes hold `id` a tombstone until TOMBSTONE_US from now, the hash living as long:
+-- `charged` > 0 for one charged in full at expiry, 0 for a lost one whose spent units were
+-- charged (a settling sent again finds nothing to charge).
+local function bury(holds, id, now, charged)
+  local v = '0:' .. int(now + TOMBSTONE_US)
+  if charged > 0 then v = v .. ':' .. int(charged) end
+  redis.call('HSET', holds, id, v)
+  redis.call('HSETNX', holds, BORN, '@' .. int(now))
+  local pttl = redis.call('PTTL', holds)
+  if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
+    redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
+  end
+end
+
+-- Drops the holds `take_holds` charged: settled ones and spent tombstones removed (one
+-- command), expired ones buried.
+local function drop_holds(holds, gone, now)
+  if #gone > 0 then redis.call('HDEL', holds, unpack(gone)) end
+  local expired = gone.expired
+  if expired then
+    for i = 1, #expired, 2 do bury(holds, expired[i], now, expired[i + 1]) end
+  end
+end
 
 local function take_holds(holds, settle, unspent, now, write)
   local live, charge, last, gone = 0, 0, 0, {}
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
-    local units, exp = string.match(all[i + 1], '^(%d+):(%d+)$')
+    local units, exp, charged = string.match(all[i + 1], '^(%d+):(%d+):?(%d*)$')
     units, exp = tonumber(units) or 0, tonumber(exp) or 0
     if all[i] == BORN then
       -- the hash's date, not a hold
     elseif all[i] == settle then
       charge = charge + units - math.min(units, unspent)
+      charged = tonumber(charged)
+      if charged then charge = charge - math.min(charged, unspent) end
       gone[#gone + 1] = all[i]
     elseif exp <= now then
       charge = charge + units
-      gone[#gone + 1] = all[i]
+      if units > 0 then
+        local e = gone.expired or {}
+        e[#e + 1] = all[i]
+        e[#e + 1] = units
+        gone.expired = e
+      else
+        gone[#gone + 1] = all[i]
+      end
     else
       live = live + units
       if units > 0 and exp > last then last = exp end
     end
   end
-  if write then drop_holds(holds, gone) end
+  if write then drop_holds(holds, gone, now) end
   return live, charge, last, gone
 end
-
--- How long a lost hold's tombstone answers a resent settling (past the instance's last one).
-local TOMBSTONE_US = 60000000
 
 -- Reads only: was hold `id` (of `units`, `unspent` of them not spent, granted at Redis TIME
 -- `granted_us`) lost with Redis's data? It is missing from a hash made after the grant, or
@@ -146,16 +179,6 @@ local function lost_hold(holds, id, units, unspent, granted_us)
   end
   local born = tonumber(string.sub(redis.call('HGET', holds, BORN) or '', 2))
   return born == nil or born > granted_us
-end
-
--- A lost hold whose spent units are being charged: a 0-unit tombstone answers a resend.
-local function bury(holds, id, now)
-  redis.call('HSET', holds, id, '0:' .. int(now + TOMBSTONE_US))
-  redis.call('HSETNX', holds, BORN, '@' .. int(now))
-  local pttl = redis.call('PTTL', holds)
-  if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
-    redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
-  end
 end
 
 -- Holds count in the key's own budgets only, never in a route's shared one.

@@ -18,7 +18,7 @@ local lost = lost_hold(holds, id, units, unspent, granted_us)
 local _, charge = take_holds(holds, id, unspent, now, true)
 if lost then
   charge = charge + units - unspent
-  bury(holds, id, now)
+  bury(holds, id, now, 0)
 end
-if charge > 0 then charge_budgets(charge, now, 3) end
+if charge ~= 0 then charge_budgets(charge, now, 3) end
 return 1

@@ -10,8 +10,10 @@ local v = redis.call('HGET', KEYS[1], ARGV[1])
 local cost = tonumber(ARGV[2])
 if v then
   local units, exp = string.match(v, '^(%d+):(%d+)$')
-  if units then
-    units = math.max(0, tonumber(units) - cost)
+  units = tonumber(units)
+  -- (a tombstone's units are in the levels: they get it back)
+  if units and units > 0 then
+    units = math.max(0, units - cost)
     redis.call('HSET', KEYS[1], ARGV[1], int(units) .. ':' .. exp)
     return 1
   end

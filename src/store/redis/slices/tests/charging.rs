@@ -147,8 +147,9 @@ fn a_slice_held_through_a_quiet_spell_does_not_swell_a_burst() {
     assert!(burst >= 100 - held, "the bucket was near full: {burst}");
 }
 
-/// Settling is idempotent, a dead instance's hold is charged in full once it expires, and
-/// a settled hold charges what was spent of it.
+/// Settling is idempotent, a dead instance's hold is charged in full once it expires (a
+/// settling that still comes gives back what was not spent), and a settled hold charges what
+/// was spent of it.
 #[test]
 fn holds_settle_once_and_expire_as_spent() {
     let l = limit(1000, Duration::from_secs(3600 * 720));
@@ -182,6 +183,18 @@ fn holds_settle_once_and_expire_as_spent() {
     let (_, seen) = redis.admit(after, 1, Ask::default());
     assert_eq!(level(&redis, after), 31 + 1 + 50 + 1);
     assert_eq!(seen.held[0], 0);
+    // Its instance was alive after all, and its settling only late (an outage outlasted the
+    // hold): the 40 of the 50 it did not spend come back, once.
+    let late = Settle {
+        place: place(),
+        id: 8,
+        unspent: 40,
+        granted: Grant::default(),
+    };
+    redis.settle(&late, after + 1);
+    assert_eq!(level(&redis, after + 1), 31 + 1 + 10 + 1);
+    redis.settle(&late, after + 2);
+    assert_eq!(level(&redis, after + 2), 31 + 1 + 10 + 1, "given back once");
 }
 
 /// A request spent from a slice and refunded (its upstream failed) is never charged: its

@@ -4,11 +4,12 @@
 use super::super::*;
 
 /// Redis's side of the slices, transcribed from the Lua: a key's budgets and its holds
-/// (units, expiry µs).
+/// (units, expiry µs, and for a tombstone of one that expired unsettled, the units its
+/// expiry charged).
 #[derive(Debug, Clone)]
 pub(super) struct Model {
     pub(super) budgets: Vec<(Limit, Option<State>)>,
-    holds: std::collections::HashMap<HoldId, (u64, u64)>,
+    holds: std::collections::HashMap<HoldId, (u64, u64, Option<u64>)>,
 }
 
 impl Model {
@@ -19,26 +20,36 @@ impl Model {
         }
     }
 
-    /// `take_holds`: live units, and charges what the settled hold spent and expired ones.
+    /// `take_holds`: live units, and charges what the settled hold spent and expired ones
+    /// (buried: a settling that comes later gives back what was not spent).
     fn take_holds(&mut self, settle: HoldId, unspent: u64, now_us: u64) -> u64 {
         let mut live = 0;
-        let mut charge = 0;
-        self.holds.retain(|id, (units, exp)| {
+        let mut charge: i64 = 0;
+        self.holds.retain(|id, (units, exp, charged)| {
             if *id == settle {
-                charge += *units - unspent.min(*units);
+                charge += (*units - unspent.min(*units)) as i64;
+                charge -= charged.map_or(0, |c| c.min(unspent)) as i64;
                 false
             } else if *exp <= now_us {
-                charge += *units;
-                false
+                charge += *units as i64;
+                if *units > 0 {
+                    *charged = Some(*units);
+                    *units = 0;
+                    *exp = now_us + 60_000_000;
+                    true
+                } else {
+                    false
+                }
             } else {
                 live += *units;
                 true
             }
         });
-        if charge > 0 {
+        if charge != 0 {
             for (l, s) in self.budgets.iter_mut() {
+                let level = budget::level_at(l, *s, now_us) as i64 + charge * l.per_unit as i64;
                 *s = Some(State {
-                    level: budget::level_at(l, *s, now_us) + charge * l.per_unit,
+                    level: level.max(0) as u64,
                     at_us: now_us,
                     rate: l.rate,
                 });
@@ -54,7 +65,7 @@ impl Model {
 
     /// `unspend`: out of the hold while it is there, else out of the budgets.
     pub(super) fn unspend(&mut self, id: HoldId, cost: u64, now_us: u64) {
-        if let Some((units, _)) = self.holds.get_mut(&id) {
+        if let Some((units, _, _)) = self.holds.get_mut(&id).filter(|h| h.0 > 0) {
             *units = units.saturating_sub(cost);
             return;
         }
@@ -70,7 +81,7 @@ impl Model {
     /// Units charged or held: what another instance is told is gone.
     pub(super) fn taken(&self, now_us: u64) -> u64 {
         let (l, s) = self.budgets[0];
-        let held: u64 = self.holds.values().map(|(u, _)| u).sum();
+        let held: u64 = self.holds.values().map(|(u, _, _)| u).sum();
         (budget::level_at(&l, s, now_us) + held * l.per_unit).div_ceil(l.per_unit)
     }
 
@@ -105,8 +116,10 @@ impl Model {
             });
         seen.granted = if grant { ask.slice } else { 0 };
         if grant {
-            self.holds
-                .insert(ask.grant, (ask.slice, now_us + HOLD_TTL.as_micros() as u64));
+            self.holds.insert(
+                ask.grant,
+                (ask.slice, now_us + HOLD_TTL.as_micros() as u64, None),
+            );
         }
         for (i, ((l, s), lv)) in self.budgets.iter_mut().zip(&levels).enumerate() {
             let next = lv + cost * l.per_unit;
