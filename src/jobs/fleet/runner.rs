@@ -75,7 +75,7 @@ pub(super) async fn run_claimed(
             cost,
             decision: state.verdict(),
             status: stored.status,
-            latency_ms: started.elapsed().as_secs_f64() * 1e3,
+            latency_ms: access::millis(started.elapsed()),
             upstream_ms: None,
             store_ms: 0.0,
             queue_ms: 0.0,

@@ -349,3 +349,48 @@ fn timestamps_are_rfc3339_utc_with_microseconds() {
         "9999-12-31T23:59:59.000005Z"
     );
 }
+
+/// The integer path for durations writes what the float writers write — `{:?}` and `ryu`
+/// (compact), `zmij` (JSON) — for every microsecond below 2 s, a spread of larger ones up to
+/// 10^15 µs, and values that are not whole microseconds (which take the float writers).
+#[test]
+fn whole_microseconds_are_written_as_the_float_writers_write_them() {
+    let check = |us: u64| {
+        let v = millis(Duration::from_micros(us));
+        assert_eq!(whole_micros(v), Some(us), "{us} µs");
+        let mut ours = Vec::new();
+        write_micros(&mut ours, us);
+        let ours = String::from_utf8(ours).unwrap();
+        assert_eq!(ours, format!("{v:?}"), "{us} µs");
+        assert_eq!(ours, ryu::Buffer::new().format_finite(v), "{us} µs");
+        assert_eq!(ours, zmij::Buffer::new().format_finite(v), "{us} µs");
+    };
+    for us in 0..2_000_000 {
+        check(us);
+    }
+    let mut us = 2_000_000u64;
+    while us < 1_000_000_000_000_000 {
+        check(us);
+        check(us + 1);
+        check(us + 999);
+        us = us * 3 + 7;
+    }
+    for v in [
+        0.00001234,
+        0.0005,
+        1.0000001,
+        1e12,
+        2e15,
+        -0.0,
+        -1.0,
+        f64::NAN,
+    ] {
+        let us = whole_micros(v);
+        assert!(
+            us.is_none_or(|us| us as f64 / 1000.0 == v && v >= 0.0),
+            "{v}"
+        );
+    }
+    assert_eq!(whole_micros(-0.0), None);
+    assert_eq!(whole_micros(0.0005), None);
+}
