@@ -12,8 +12,8 @@
 //! not over any period and not within a burst (`max_cost`), while each unit spent locally
 //! drains a little later than on the exact path (the key's headers show up to a slice's worth
 //! of drain less). A hold whose instance died is charged in full once it expires; a settling
-//! that still comes (an outage outlasted the hold) gives back what was not spent (Redis keeps
-//! the expired hold as a tombstone). Settling is idempotent (a settled hold is gone), so one
+//! that still comes (an outage outlasted the hold) gives back what was not spent, as far as it
+//! has not drained since (Redis keeps the expired hold as a tombstone). Settling is idempotent (a settled hold is gone), so one
 //! that may or may not have run is sent again.
 //! So that light traffic stays exact and one instance cannot sit on units another needs:
 //!

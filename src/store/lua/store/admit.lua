@@ -100,7 +100,7 @@ if seen then
   return reply(UNDONE, 0, false, nil)
 end
 local lost = lost_hold(holds, settle, settle_units, unspent, settle_us)
-local live, charge, last = take_holds(holds, settle, unspent, now, true)
+local live, charge, last, _, late = take_holds(holds, settle, unspent, now, true)
 if lost then
   charge = charge + settle_units - unspent
   bury(holds, settle, now, 0)
@@ -111,10 +111,11 @@ for i, x in ipairs(b) do
   x.held = 0
   if x.own then
     x.held = live * x.p
-    if charge ~= 0 then
-      -- A settled or expired hold's spent units: charged before anything is decided (a
-      -- hold settled after its expiry charged it in full: given back).
-      x.level = math.max(0, x.level + charge * x.p)
+    if charge > 0 or late then
+      -- A settled or expired hold's spent units: charged before anything is decided (and a
+      -- late settling's unspent units given back).
+      x.level = x.level + charge * x.p
+      if late then x.level = math.max(0, x.level - given_back(late, x.p, x.q, now)) end
       store_level(x.key, x.level, x.q, now)
     end
   end

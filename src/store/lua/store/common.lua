@@ -107,9 +107,9 @@ end
 -- caller that decides first and drops them with `drop_holds` if it writes at all).
 --
 -- A hold that expires unsettled becomes a tombstone, "0:<until>:<units charged>": if its
--- settling comes after all (delayed by an outage or a failover), it gives back the units
--- not spent, which the expiry charged (so the charge can be negative). The tombstone is
--- then dropped as any settled hold is.
+-- settling comes after all (delayed by an outage or a failover), `take_holds` says what it
+-- gives back (`late`: the units not spent, which the expiry charged; `given_back` on each
+-- budget). The tombstone is then dropped as any settled hold is.
 local BORN = '~'
 -- How long a tombstone answers a settling sent late or again (past the instance's last one).
 local TOMBSTONE_US = 60000000
@@ -119,9 +119,13 @@ local TOMBSTONE_US = 60000000
 -- charged (a settling sent again finds nothing to charge).
 local function bury(holds, id, now, charged)
   local v = '0:' .. int(now + TOMBSTONE_US)
-  if charged > 0 then v = v .. ':' .. int(charged) end
+  if charged > 0 then
+    v = v .. ':' .. int(charged)
+  else
+    -- (a lost hold's: the hash may be new; an expired one's hash keeps its date)
+    redis.call('HSETNX', holds, BORN, '@' .. int(now))
+  end
   redis.call('HSET', holds, id, v)
-  redis.call('HSETNX', holds, BORN, '@' .. int(now))
   local pttl = redis.call('PTTL', holds)
   if pttl < 0 or pttl < TOMBSTONE_US / 1000 then
     redis.call('PEXPIRE', holds, int(TOMBSTONE_US / 1000))
@@ -139,18 +143,22 @@ local function drop_holds(holds, gone, now)
 end
 
 local function take_holds(holds, settle, unspent, now, write)
-  local live, charge, last, gone = 0, 0, 0, {}
+  local live, charge, last, gone, late = 0, 0, 0, {}, nil
   local all = redis.call('HGETALL', holds)
   for i = 1, #all, 2 do
     local units, exp, charged = string.match(all[i + 1], '^(%d+):(%d+):?(%d*)$')
-    units, exp = tonumber(units) or 0, tonumber(exp) or 0
+    units, exp, charged = tonumber(units) or 0, tonumber(exp) or 0, tonumber(charged)
     if all[i] == BORN then
       -- the hash's date, not a hold
     elseif all[i] == settle then
       charge = charge + units - math.min(units, unspent)
-      charged = tonumber(charged)
-      if charged then charge = charge - math.min(charged, unspent) end
-      gone[#gone + 1] = all[i]
+      if charged then
+        late = {units = math.min(charged, unspent), charged = charged, at = exp - TOMBSTONE_US}
+      end
+      -- A lost hold's tombstone ("0:<until>") stays until its end, answering every resend:
+      -- gone, the hash's date (set when it was buried, after the grant) would call the hold
+      -- lost again and charge it twice.
+      if units > 0 or charged then gone[#gone + 1] = all[i] end
     elseif exp <= now then
       charge = charge + units
       if units > 0 then
@@ -167,7 +175,15 @@ local function take_holds(holds, settle, unspent, now, write)
     end
   end
   if write then drop_holds(holds, gone, now) end
-  return live, charge, last, gone
+  return live, charge, last, gone, late
+end
+
+-- Ticks a late settling (`late`, from `take_holds`) gives back to a budget of per_unit `p`
+-- draining `q`: its unspent units, as far as the expiry's full charge has not drained since.
+-- What drained stands for other requests' charges now: giving it back would let a burst
+-- pass the bucket.
+local function given_back(late, p, q, now)
+  return math.min(late.units * p, math.max(0, late.charged * p - q * (now - late.at)))
 end
 
 -- Reads only: was hold `id` (of `units`, `unspent` of them not spent, granted at Redis TIME
@@ -198,6 +214,15 @@ local function charge_budgets(units, now, first)
   for i = 2, #KEYS do
     local p, q = hold_budget(i, first)
     store_level(KEYS[i], level_at(KEYS[i], q, now) + units * p, q, now)
+  end
+end
+
+-- A late settling's give-back (`given_back`) on each budget KEYS[2..] (ARGV from `first`).
+local function give_back(late, now, first)
+  for i = 2, #KEYS do
+    local p, q = hold_budget(i, first)
+    local level = level_at(KEYS[i], q, now) - given_back(late, p, q, now)
+    store_level(KEYS[i], math.max(0, level), q, now)
   end
 end
 

@@ -15,10 +15,11 @@ local holds, id, unspent = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local units = tonumber(ARGV[3 + 2 * (#KEYS - 1)]) or 0
 local granted_us = tonumber(ARGV[4 + 2 * (#KEYS - 1)]) or 0
 local lost = lost_hold(holds, id, units, unspent, granted_us)
-local _, charge = take_holds(holds, id, unspent, now, true)
+local _, charge, _, _, late = take_holds(holds, id, unspent, now, true)
 if lost then
   charge = charge + units - unspent
   bury(holds, id, now, 0)
 end
-if charge ~= 0 then charge_budgets(charge, now, 3) end
+if charge > 0 then charge_budgets(charge, now, 3) end
+if late then give_back(late, now, 3) end
 return 1

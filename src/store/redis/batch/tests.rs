@@ -385,11 +385,10 @@ async fn admit_one_answers_and_writes_as_admit_does() {
     );
     let remaining: Vec<i64> = seen[0].0.iter().map(|l| l.1).collect();
     assert_eq!(remaining, [6, 6, 2, 2, 2, 6, 2, 0, 0]);
-    // The expired holds stay as tombstones (a late settling gives back what was not spent),
-    // in a hash now dated.
+    // The expired holds stay as tombstones (a late settling gives back what was not spent).
     let mut left = seen[0].1.clone();
     left.sort();
-    assert_eq!(left, ["x:s1", "x:s2", "~"]);
+    assert_eq!(left, ["x:s1", "x:s2"]);
     assert_eq!(seen[0].2, [Some("1".to_string()), Some("u".to_string())]);
     assert_eq!(seen[0], seen[1], "admit_one (left) and admit (right)");
 }
@@ -459,4 +458,73 @@ async fn a_settling_after_its_hold_expired_gives_back_what_was_not_spent() {
             "key {key}"
         );
     }
+}
+
+/// A tombstone whose full charge has drained gives nothing back to a late settling (other
+/// requests' charges are what the level holds now); and a settling of a hold Redis lost,
+/// delivered three times, charges what was spent once (its tombstone answers every resend).
+#[tokio::test]
+async fn late_and_resent_settlings_never_give_back_or_charge_twice() {
+    use super::super::script::Settle;
+    use super::super::slices::{hold_field, IfLost};
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    // 1 unit per 36 s drains.
+    let limit = Limit::new(100, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let call = |key: u8, id: &str| {
+        admit_call(
+            &request(key, limit, vec![], 1),
+            Ask::default(),
+            id.into(),
+            Duration::from_secs(60),
+        )
+    };
+    // Drained: 11 admitted, then a tombstone of 10 charged at an expiry 400 s ago (its
+    // charge drained in 360 s) meets its settling with 7 not spent: nothing comes back.
+    let first = call(50, "t:d0");
+    for i in 0..11 {
+        send(&call(50, &format!("t:d{i}")), false, &mut conn).await;
+    }
+    let t: Vec<i64> = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let now_us = t[0] * 1_000_000 + t[1];
+    let id = hold_field(0xdd);
+    let until = now_us - 400_000_000 + 60_000_000;
+    let _: () = redis::cmd("HSET")
+        .arg(&first.holds)
+        .arg(&id)
+        .arg(format!("0:{until}:10"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let op = Settle {
+        holds: &first.holds,
+        budgets: &first.budgets(),
+        id: &id,
+        unspent: 7,
+        if_lost: IfLost::default(),
+    };
+    let r: i64 = script::invoke(&op.invocation(), &mut conn).await.unwrap();
+    assert_eq!(r, 1);
+    assert_eq!(send(&call(50, "t:d-last"), false, &mut conn).await.1, 88);
+
+    // Lost: no hash at all (Redis lost its data); a hold of 10 granted at TIME 5, 3 not
+    // spent. Sent three times (two answers lost): 7 charged, once.
+    let lost = call(51, "t:l0");
+    let id = hold_field(0x1057);
+    let budgets = lost.budgets();
+    for _ in 0..3 {
+        let op = Settle {
+            holds: &lost.holds,
+            budgets: &budgets,
+            id: &id,
+            unspent: 3,
+            if_lost: IfLost {
+                units: 10,
+                granted_us: 5,
+            },
+        };
+        let r: i64 = script::invoke(&op.invocation(), &mut conn).await.unwrap();
+        assert_eq!(r, 1);
+    }
+    assert_eq!(send(&lost, false, &mut conn).await.1, 100 - 7 - 1);
 }

@@ -197,6 +197,41 @@ fn holds_settle_once_and_expire_as_spent() {
     assert_eq!(level(&redis, after + 2), 31 + 1 + 10 + 1, "given back once");
 }
 
+/// A late settling gives back only what is left of the expiry's full charge: units that
+/// drained since stand for other requests' charges now, and giving them back would let a
+/// burst pass the bucket.
+#[test]
+fn a_late_settling_gives_back_only_what_has_not_drained() {
+    // 100 units a second drain.
+    let l = limit(1000, Duration::from_secs(10));
+    let mut redis = Model::new(&[l]);
+    let level = |m: &Model, us| budget::level_at(&l, m.budgets[0].1, us).div_ceil(l.per_unit);
+    let grant = Ask {
+        slice: 50,
+        grant: 8,
+        ..Ask::default()
+    };
+    assert!(redis.admit(1, 1, grant).0);
+    // Expired unsettled: charged in full (the first unit has drained by then).
+    let after = 1 + HOLD_TTL.as_micros() as u64;
+    assert!(redis.admit(after, 1, Ask::default()).0);
+    assert_eq!(level(&redis, after), 51);
+    // 400 ms later (40 units drained) another request is charged 20...
+    assert!(redis.admit(after + 400_000, 20, Ask::default()).0);
+    assert_eq!(level(&redis, after + 400_000), 31);
+    // ... and 500 ms after the expiry (the 50 drained) the settling comes: 40 not spent, but
+    // none of the expiry's charge is left to give back. The 21 are that request's and the
+    // last one's.
+    let late = Settle {
+        place: place(),
+        id: 8,
+        unspent: 40,
+        granted: Grant::default(),
+    };
+    redis.settle(&late, after + 500_000);
+    assert_eq!(level(&redis, after + 500_000), 21);
+}
+
 /// A request spent from a slice and refunded (its upstream failed) is never charged: its
 /// cost goes back into the slice while that is the key's hold here, to the hold in Redis
 /// while it is being settled, and to the budget once it was.

@@ -21,21 +21,28 @@ impl Model {
     }
 
     /// `take_holds`: live units, and charges what the settled hold spent and expired ones
-    /// (buried: a settling that comes later gives back what was not spent).
+    /// (buried: a settling that comes later gives back what was not spent, as far as the
+    /// expiry's charge has not drained since).
     fn take_holds(&mut self, settle: HoldId, unspent: u64, now_us: u64) -> u64 {
+        const TOMBSTONE_US: u64 = 60_000_000;
         let mut live = 0;
-        let mut charge: i64 = 0;
+        let mut charge = 0;
+        // (units given back, units the expiry charged, when)
+        let mut late = None;
         self.holds.retain(|id, (units, exp, charged)| {
             if *id == settle {
-                charge += (*units - unspent.min(*units)) as i64;
-                charge -= charged.map_or(0, |c| c.min(unspent)) as i64;
-                false
+                charge += *units - unspent.min(*units);
+                if let Some(c) = *charged {
+                    late = Some((c.min(unspent), c, *exp - TOMBSTONE_US));
+                }
+                // An empty hold stays until its end (a lost one's tombstone, in the Lua).
+                *units == 0 && charged.is_none()
             } else if *exp <= now_us {
-                charge += *units as i64;
+                charge += *units;
                 if *units > 0 {
                     *charged = Some(*units);
                     *units = 0;
-                    *exp = now_us + 60_000_000;
+                    *exp = now_us + TOMBSTONE_US;
                     true
                 } else {
                     false
@@ -45,11 +52,15 @@ impl Model {
                 true
             }
         });
-        if charge != 0 {
+        if charge > 0 || late.is_some() {
             for (l, s) in self.budgets.iter_mut() {
-                let level = budget::level_at(l, *s, now_us) as i64 + charge * l.per_unit as i64;
+                let mut level = budget::level_at(l, *s, now_us) + charge * l.per_unit;
+                if let Some((back, charged, at)) = late {
+                    let left = (charged * l.per_unit).saturating_sub(l.rate * (now_us - at));
+                    level = level.saturating_sub((back * l.per_unit).min(left));
+                }
                 *s = Some(State {
-                    level: level.max(0) as u64,
+                    level,
                     at_us: now_us,
                     rate: l.rate,
                 });
