@@ -185,12 +185,7 @@ fn holds_settle_once_and_expire_as_spent() {
     assert_eq!(seen.held[0], 0);
     // Its instance was alive after all, and its settling only late (an outage outlasted the
     // hold): the 40 of the 50 it did not spend come back, once.
-    let late = Settle {
-        place: place(),
-        id: 8,
-        unspent: 40,
-        granted: Grant::default(),
-    };
+    let late = Settle::unspent(place(), 8, 40);
     redis.settle(&late, after + 1);
     assert_eq!(level(&redis, after + 1), 31 + 1 + 10 + 1);
     redis.settle(&late, after + 2);
@@ -222,12 +217,7 @@ fn a_late_settling_gives_back_only_what_has_not_drained() {
     // ... and 500 ms after the expiry (the 50 drained) the settling comes: 40 not spent, but
     // none of the expiry's charge is left to give back. The 21 are that request's and the
     // last one's.
-    let late = Settle {
-        place: place(),
-        id: 8,
-        unspent: 40,
-        granted: Grant::default(),
-    };
+    let late = Settle::unspent(place(), 8, 40);
     redis.settle(&late, after + 500_000);
     assert_eq!(level(&redis, after + 500_000), 21);
 }
