@@ -1,6 +1,7 @@
 //! The store's scripts and how they are called. Each operation on budgets and leases is a
-//! script of its own, `lua/store/<op>.lua` after the helpers of `lua/store/common.lua` (one
-//! `EVALSHA` per call, reloaded on NOSCRIPT by redis-rs); its KEYS/ARGV/reply contract is
+//! script of its own, `lua/store/<op>.lua` after the helpers of `lua/store/common.lua` (and,
+//! but for `admit_one`, of `extra.lua`; one `EVALSHA` per call, reloaded on NOSCRIPT by
+//! redis-rs); its KEYS/ARGV/reply contract is
 //! written above it there, and each call is built by one typed value per operation
 //! (`ops`: its fields are the operation's arguments). Times are Redis `TIME` in µs; levels
 //! are ticks (`per_unit` per unit of cost, drained at `rate` per µs), as in `crate::budget`.
@@ -17,12 +18,14 @@ use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
 pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Refund, Settle, Undo, Unspend};
 
-/// An operation's script: the shared helpers (they start with the `#!lua` flag line), then
-/// the operation's own file.
+/// An operation's script: the shared helpers (they start with the `#!lua` flag line), those
+/// `admit_one` does not call (`extra.lua`; a script's functions are made anew on every call,
+/// so the hot call makes only its own), then the operation's own file.
 macro_rules! store_lua {
     ($op:literal) => {
         concat!(
             include_str!("../lua/store/common.lua"),
+            include_str!("../lua/store/extra.lua"),
             include_str!(concat!("../lua/store/", $op, ".lua"))
         )
     };
@@ -46,7 +49,13 @@ pub(super) enum Lua {
 /// Each operation's script by name, in the order of [`Lua`].
 pub(super) const SOURCES: [(&str, &str); 10] = [
     ("admit", store_lua!("admit")),
-    ("admit_one", store_lua!("admit_one")),
+    (
+        "admit_one",
+        concat!(
+            include_str!("../lua/store/common.lua"),
+            include_str!("../lua/store/admit_one.lua")
+        ),
+    ),
     ("undo", store_lua!("undo")),
     ("refund", store_lua!("refund")),
     ("debit", store_lua!("debit")),
@@ -60,6 +69,7 @@ pub(super) const SOURCES: [(&str, &str); 10] = [
         "admit_batch",
         concat!(
             include_str!("../lua/store/common.lua"),
+            include_str!("../lua/store/extra.lua"),
             "local function admit_one(KEYS, ARGV)\n",
             include_str!("../lua/store/admit_one.lua"),
             "end\nlocal function admit(KEYS, ARGV)\n",
