@@ -114,8 +114,7 @@ for i, x in ipairs(b) do
     if charge > 0 or late then
       -- A settled or expired hold's spent units: charged before anything is decided (and a
       -- late settling's unspent units given back).
-      x.level = x.level + charge * x.p
-      if late then x.level = math.max(0, x.level - given_back(late, x.p, x.q, now)) end
+      x.level = settled_level(x.level, charge, late, x.p, x.q, now)
       store_level(x.key, x.level, x.q, now)
     end
   end

@@ -100,7 +100,7 @@ end
 --
 -- A hold that expires unsettled becomes a tombstone, "0:<until>:<units charged>": if its
 -- settling comes after all (delayed by an outage or a failover), `take_holds` says what it
--- gives back (`late`: the units not spent, which the expiry charged; `given_back` on each
+-- gives back (`late`: the units not spent, which the expiry charged; `settled_level` on each
 -- budget). The tombstone is then dropped as any settled hold is.
 local BORN = '~'
 -- How long a tombstone answers a settling sent late or again (past the instance's last one).

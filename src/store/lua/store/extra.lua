@@ -21,12 +21,17 @@ local function lost_hold(holds, id, units, unspent, granted_us)
   return born == nil or born > granted_us
 end
 
--- Ticks a late settling (`late`, from `take_holds`) gives back to a budget of per_unit `p`
--- draining `q`: its unspent units, as far as the expiry's full charge has not drained since.
--- What drained stands for other requests' charges now: giving it back would let a burst
--- pass the bucket.
-local function given_back(late, p, q, now)
-  return math.min(late.units * p, math.max(0, late.charged * p - q * (now - late.at)))
+-- A budget's level (per_unit `p`, draining `q`) once a settling is applied: `charge` units
+-- (from `take_holds`) added, and a late settling's unspent units (`late`) given back -- as
+-- far as the expiry's full charge of them has not drained since: what drained stands for
+-- other requests' charges now, and giving it back would let a burst pass the bucket.
+local function settled_level(level, charge, late, p, q, now)
+  level = level + charge * p
+  if late then
+    local left = math.max(0, late.charged * p - q * (now - late.at))
+    level = math.max(0, level - math.min(late.units * p, left))
+  end
+  return level
 end
 
 -- settle, unspend and peek: KEYS[1] the key's holds, KEYS[2..] its budgets with ARGV

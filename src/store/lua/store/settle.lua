@@ -10,15 +10,6 @@
 -- A hold of `units` granted at Redis TIME granted_us that Redis lost (with its data) is
 -- charged units - unspent, once (`lost_hold`, `bury`).
 
--- A late settling's give-back (`given_back`) on each budget KEYS[2..] (ARGV from `first`).
-local function give_back(late, now, first)
-  for i = 2, #KEYS do
-    local p, q = hold_budget(i, first)
-    local level = level_at(KEYS[i], q, now) - given_back(late, p, q, now)
-    store_level(KEYS[i], math.max(0, level), q, now)
-  end
-end
-
 local now = now_us()
 local holds, id, unspent = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local units = tonumber(ARGV[3 + 2 * (#KEYS - 1)]) or 0
@@ -29,6 +20,10 @@ if lost then
   charge = charge + units - unspent
   bury(holds, id, now, 0)
 end
-if charge > 0 then charge_budgets(charge, now, 3) end
-if late then give_back(late, now, 3) end
+if charge > 0 or late then
+  for i = 2, #KEYS do
+    local p, q = hold_budget(i, 3)
+    store_level(KEYS[i], settled_level(level_at(KEYS[i], q, now), charge, late, p, q, now), q, now)
+  end
+end
 return 1
