@@ -528,3 +528,50 @@ async fn late_and_resent_settlings_never_give_back_or_charge_twice() {
     }
     assert_eq!(send(&lost, false, &mut conn).await.1, 100 - 7 - 1);
 }
+
+/// A refund of a request spent from a hold that is a tombstone by now (its units are in the
+/// levels) goes to the budget: the lost hold's `0:<until>` tombstone once swallowed it.
+#[tokio::test]
+async fn a_refund_into_a_tombstoned_hold_goes_to_the_budget() {
+    use super::super::script::{Settle, Unspend};
+    use super::super::slices::{hold_field, IfLost};
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(100, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let call = admit_call(
+        &request(52, limit, vec![], 1),
+        Ask::default(),
+        "t:r0".into(),
+        Duration::from_secs(60),
+    );
+    let budgets = call.budgets();
+    let id = hold_field(0x2ef);
+    // Redis lost the hold (10 granted at TIME 5, 3 not spent): its settling charges 7 and
+    // leaves a tombstone.
+    let settle = Settle {
+        holds: &call.holds,
+        budgets: &budgets,
+        id: &id,
+        unspent: 3,
+        if_lost: IfLost {
+            units: 10,
+            granted_us: 5,
+        },
+    };
+    let r: i64 = script::invoke(&settle.invocation(), &mut conn)
+        .await
+        .unwrap();
+    assert_eq!(r, 1);
+    // One of the 7 spent is refunded (its upstream failed): 6 charged, then this admission.
+    let refund = Unspend {
+        holds: &call.holds,
+        budgets: &budgets,
+        id: &id,
+        cost: 1,
+    };
+    let r: i64 = script::invoke(&refund.invocation(), &mut conn)
+        .await
+        .unwrap();
+    assert_eq!(r, 1);
+    assert_eq!(send(&call, false, &mut conn).await.1, 100 - 6 - 1);
+}
