@@ -439,7 +439,6 @@ fn write_micros(out: &mut Vec<u8>, us: u64) {
         b'0' + (frac % 10) as u8,
     ];
     let len = match frac {
-        0 => 2,
         _ if frac.is_multiple_of(100) => 2,
         _ if frac.is_multiple_of(10) => 3,
         _ => 4,

@@ -13,8 +13,8 @@
 //! drains a little later than on the exact path (the key's headers show up to a slice's worth
 //! of drain less). A hold whose instance died is charged in full once it expires; a settling
 //! that still comes (an outage outlasted the hold) gives back what was not spent, as far as it
-//! has not drained since (Redis keeps the expired hold as a tombstone). Settling is idempotent (a settled hold is gone), so one
-//! that may or may not have run is sent again.
+//! has not drained since (Redis keeps the expired hold as a tombstone). Settling is idempotent
+//! (a settled hold is gone), so one that may or may not have run is sent again.
 //! So that light traffic stays exact and one instance cannot sit on units another needs:
 //!
 //! - only requests without in-flight caps, route-shared budgets or `max_delay` take part
