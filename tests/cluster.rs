@@ -526,10 +526,6 @@ async fn a_manual_sentinel_failover_charges_what_was_admitted() {
     for t in tasks {
         t.await.unwrap();
     }
-    // Budget slices (with `store.slices: true`) a gateway reserved and did not spend count as
-    // charged in Redis until given back (a slice lives 500 ms, the sweeper runs every
-    // 100 ms): let them go back first.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
 
     let hot = up.count("/hot");
     assert!(
@@ -538,8 +534,9 @@ async fn a_manual_sentinel_failover_charges_what_was_admitted() {
         2 * HOT
     );
     // The metered key: charged in Redis (read by a probe, which charges one more) exactly
-    // what the upstream ran for it, once the fallback's admissions are written back (and any
-    // slice still held given back): an over-charge is final if it outlasts that.
+    // what the upstream ran for it, once the fallback's admissions are written back (and, with
+    // `store.slices: true`, the slices still held given back: they count as charged until
+    // then, for a slice's 500 ms life and a sweep): an over-charge is final if it outlasts that.
     let mut probes = 0;
     let settled = Instant::now();
     loop {
