@@ -7,9 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::super::admit_call;
 use super::super::conn::Conn;
-use super::super::script::{self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Undo};
-use super::super::{admit_call, slices::Ask};
+use super::super::script::{
+    self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Settle, Undo, Unspend,
+};
+use super::super::slices::{hold_field, Ask, IfLost};
 use crate::budget::Limit;
 use crate::store::memory::{Clock, MemoryStore};
 use crate::store::{Admission, AdmitRequest, Bucket, Extra};
@@ -304,16 +307,41 @@ async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64,
     (AdmitCode::from_reply(r[0]).unwrap(), r[2], r[7])
 }
 
-/// Hold `id` of `units` in the key's holds `holds`, expired long ago (at 1 µs).
-async fn expired_hold(conn: &mut Conn, holds: &str, id: &str, units: u64) {
+/// Field `field` of hash `key` set to `value`, as another instance or an old build left it.
+async fn hset(conn: &mut Conn, key: &str, field: &str, value: &str) {
     let _: () = redis::cmd("HSET")
-        .arg(holds)
-        .arg(id)
-        .arg(format!("{units}:1"))
+        .arg(key)
+        .arg(field)
+        .arg(value)
         .query_async(conn)
         .await
         .unwrap();
 }
+
+/// Hold `id` of `units` in the key's holds `holds`, expired long ago (at 1 µs).
+async fn expired_hold(conn: &mut Conn, holds: &str, id: &str, units: u64) {
+    hset(conn, holds, id, &format!("{units}:1")).await;
+}
+
+/// The `settle` of hold `id` of `call`'s key, `unspent` of it not spent.
+async fn settle(conn: &mut Conn, call: &AdmitCall, id: &str, unspent: u64, if_lost: IfLost) {
+    let budgets = call.budgets();
+    let op = Settle {
+        holds: &call.holds,
+        budgets: &budgets,
+        id,
+        unspent,
+        if_lost,
+    };
+    let r: i64 = script::invoke(&op.invocation(), conn).await.unwrap();
+    assert_eq!(r, 1);
+}
+
+/// What Redis charges for a hold it lost with its data: 10 granted at `TIME` 5, 3 not spent.
+const LOST: IfLost = IfLost {
+    units: 10,
+    granted_us: 5,
+};
 
 /// `admit_one` (the common decision, which looks for its record only once it has decided) and
 /// `admit` on one sequence, each on a key of its own: an admission, its resend, a refusal,
@@ -399,8 +427,6 @@ async fn admit_one_answers_and_writes_as_admit_does() {
 /// key's next admission (`admit`). Before, the unspent units stayed charged.
 #[tokio::test]
 async fn a_settling_after_its_hold_expired_gives_back_what_was_not_spent() {
-    use super::super::script::Settle;
-    use super::super::slices::{hold_field, IfLost};
     let redis = Redis::start();
     let mut conn = redis.conn().await;
     let limit = Limit::new(100, Duration::from_secs(3600), Duration::ZERO).unwrap();
@@ -415,34 +441,16 @@ async fn a_settling_after_its_hold_expired_gives_back_what_was_not_spent() {
             )
         };
         let first = call(1, "t:first");
-        let holds = first.holds.clone();
-        let budgets = first.budgets();
         let id = hold_field(0xabc);
         // The hash dates from before the grant, and the hold of 10 expired long ago.
-        let _: () = redis::cmd("HSET")
-            .arg(&holds)
-            .arg("~")
-            .arg("@0")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        expired_hold(&mut conn, &holds, &id, 10).await;
+        hset(&mut conn, &first.holds, "~", "@0").await;
+        expired_hold(&mut conn, &first.holds, &id, 10).await;
         // Charged in full by the next admission: 10 + 1 of 100.
         assert_eq!(send(&first, false, &mut conn).await.1, 89);
         // Its instance spent 3 of the 10: 7 come back, once.
         for _ in 0..2 {
             if alone {
-                let settle = Settle {
-                    holds: &holds,
-                    budgets: &budgets,
-                    id: &id,
-                    unspent: 7,
-                    if_lost: IfLost::default(),
-                };
-                let r: i64 = script::invoke(&settle.invocation(), &mut conn)
-                    .await
-                    .unwrap();
-                assert_eq!(r, 1);
+                settle(&mut conn, &first, &id, 7, IfLost::default()).await;
             } else {
                 let mut c = call(1, &format!("t:with-settle-{}", rand::random::<u32>()));
                 c.settle = 0xabc;
@@ -465,8 +473,6 @@ async fn a_settling_after_its_hold_expired_gives_back_what_was_not_spent() {
 /// delivered three times, charges what was spent once (its tombstone answers every resend).
 #[tokio::test]
 async fn late_and_resent_settlings_never_give_back_or_charge_twice() {
-    use super::super::script::Settle;
-    use super::super::slices::{hold_field, IfLost};
     let redis = Redis::start();
     let mut conn = redis.conn().await;
     // 1 unit per 36 s drains.
@@ -489,42 +495,16 @@ async fn late_and_resent_settlings_never_give_back_or_charge_twice() {
     let now_us = t[0] * 1_000_000 + t[1];
     let id = hold_field(0xdd);
     let until = now_us - 400_000_000 + 60_000_000;
-    let _: () = redis::cmd("HSET")
-        .arg(&first.holds)
-        .arg(&id)
-        .arg(format!("0:{until}:10"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let op = Settle {
-        holds: &first.holds,
-        budgets: &first.budgets(),
-        id: &id,
-        unspent: 7,
-        if_lost: IfLost::default(),
-    };
-    let r: i64 = script::invoke(&op.invocation(), &mut conn).await.unwrap();
-    assert_eq!(r, 1);
+    hset(&mut conn, &first.holds, &id, &format!("0:{until}:10")).await;
+    settle(&mut conn, &first, &id, 7, IfLost::default()).await;
     assert_eq!(send(&call(50, "t:d-last"), false, &mut conn).await.1, 88);
 
     // Lost: no hash at all (Redis lost its data); a hold of 10 granted at TIME 5, 3 not
     // spent. Sent three times (two answers lost): 7 charged, once.
     let lost = call(51, "t:l0");
     let id = hold_field(0x1057);
-    let budgets = lost.budgets();
     for _ in 0..3 {
-        let op = Settle {
-            holds: &lost.holds,
-            budgets: &budgets,
-            id: &id,
-            unspent: 3,
-            if_lost: IfLost {
-                units: 10,
-                granted_us: 5,
-            },
-        };
-        let r: i64 = script::invoke(&op.invocation(), &mut conn).await.unwrap();
-        assert_eq!(r, 1);
+        settle(&mut conn, &lost, &id, 3, LOST).await;
     }
     assert_eq!(send(&lost, false, &mut conn).await.1, 100 - 7 - 1);
 }
@@ -533,8 +513,6 @@ async fn late_and_resent_settlings_never_give_back_or_charge_twice() {
 /// levels) goes to the budget: the lost hold's `0:<until>` tombstone once swallowed it.
 #[tokio::test]
 async fn a_refund_into_a_tombstoned_hold_goes_to_the_budget() {
-    use super::super::script::{Settle, Unspend};
-    use super::super::slices::{hold_field, IfLost};
     let redis = Redis::start();
     let mut conn = redis.conn().await;
     let limit = Limit::new(100, Duration::from_secs(3600), Duration::ZERO).unwrap();
@@ -546,22 +524,8 @@ async fn a_refund_into_a_tombstoned_hold_goes_to_the_budget() {
     );
     let budgets = call.budgets();
     let id = hold_field(0x2ef);
-    // Redis lost the hold (10 granted at TIME 5, 3 not spent): its settling charges 7 and
-    // leaves a tombstone.
-    let settle = Settle {
-        holds: &call.holds,
-        budgets: &budgets,
-        id: &id,
-        unspent: 3,
-        if_lost: IfLost {
-            units: 10,
-            granted_us: 5,
-        },
-    };
-    let r: i64 = script::invoke(&settle.invocation(), &mut conn)
-        .await
-        .unwrap();
-    assert_eq!(r, 1);
+    // Redis lost the hold: its settling charges 7 and leaves a tombstone.
+    settle(&mut conn, &call, &id, 3, LOST).await;
     // One of the 7 spent is refunded (its upstream failed): 6 charged, then this admission.
     let refund = Unspend {
         holds: &call.holds,
