@@ -127,6 +127,9 @@ async fn a_fleet_shares_budgets_and_caps_through_a_cluster() {
     assert_eq!(refused, 8);
     // Every slot was released (leases last 30 s: an empty set is not an expiry).
     for route in ["/reports/generate", "/exports/bulk"] {
+        for gw in &gws {
+            wait_idle(gw, route).await;
+        }
         assert_eq!(cluster.cli(&["ZCARD", &redis_route_slots_key(route)]), "0");
     }
 }

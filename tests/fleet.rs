@@ -194,6 +194,8 @@ async fn long_requests_renew_their_leases() {
     let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
     assert_eq!(r.status(), 503, "the lease was renewed");
     assert_eq!(long.await.unwrap(), 200);
+    // The slot goes back in the gateway's logging phase, after the answer was sent.
+    wait_idle(&gw, "/reports/generate").await;
     let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
     assert_eq!(r.status(), 200, "released at the end");
     assert_eq!(up.max_concurrent("/reports/generate"), 1);

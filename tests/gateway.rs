@@ -570,7 +570,9 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
     let v: serde_json::Value = r.json().await.unwrap();
     assert!(v["type"].as_str().unwrap().ends_with("concurrency-limit"));
     assert_eq!(slow.await.unwrap(), 200);
-    // The slot was released: the next call passes, and only the slow call was charged.
+    // The slot was released (in the logging phase, after the answer was sent): the next call
+    // passes, and only the slow call was charged.
+    wait_idle(&gw, "default").await;
     let r = get(&c, gw.url("/items"), "gold-key").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("598"));

@@ -633,7 +633,12 @@ async fn a_plans_max_in_flight_per_key_counts_jobs_from_submission_to_their_end(
     let (third, _) = submit(&c, &a, ROUTE, "").await;
     assert_eq!(result(&c, &b, &running).await.status(), 200);
     assert_eq!(result(&c, &b, &third).await.status(), 200);
-    // Both ended: the key's two slots are free again.
+    // Both ended: the key's two slots are free again (a runner frees them after it wrote the
+    // result, and counts the job running until then).
+    for gw in [&a, &b] {
+        let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
+        wait_metric(gw, &running, 0.0, Duration::from_secs(10)).await;
+    }
     let (fourth, _) = submit(&c, &b, ROUTE, "").await;
     let (fifth, _) = submit(&c, &a, ROUTE, "").await;
     for location in [&fourth, &fifth] {

@@ -590,6 +590,7 @@ async fn a_release_lost_in_a_failover_gives_its_slot_back_within_a_beat() {
     );
     let leases = redis_route_slots_key("/reports/generate");
     let state = redis_route_queue_state_key("/reports/generate");
+    wait_idle(&gw, "/reports/generate").await;
     assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
     let instance = redis
         .cli(&["HKEYS", &state])

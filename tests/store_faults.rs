@@ -356,6 +356,7 @@ async fn an_enter_delivered_late_takes_no_slot() {
     );
     let leases = redis_route_slots_key("/reports/generate");
     let refused = format!("{}x", leases.strip_suffix('f').unwrap());
+    wait_idle(&gw, "/reports/generate").await;
     assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
 
     proxy.hold_matching("\r\nenter\r\n");

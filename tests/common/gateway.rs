@@ -279,6 +279,14 @@ pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
     wait_metric(gw, series, want, Duration::from_secs(3)).await
 }
 
+/// Waits until `gw` runs nothing on `route` (`tollgate_in_flight{route}` at 0): its slots are
+/// free. A response reaching the client, or the upstream's count dropping, comes before that:
+/// the gateway frees a request's slots in its logging phase, after a store call.
+pub async fn wait_idle(gw: &Gateway, route: &str) {
+    let series = format!("tollgate_in_flight{{route=\"{route}\"}}");
+    wait_metric(gw, &series, 0.0, Duration::from_secs(10)).await
+}
+
 /// Polls a metric until it equals `want` (within `within`), for counts that take a while.
 pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
     let start = Instant::now();
