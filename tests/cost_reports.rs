@@ -130,9 +130,9 @@ async fn settles_stated_costs(a: &Gateway, b: &Gateway) {
     // The final charges: /q 7 + 0 + 1 × 5; /big 2 + 500.
     assert_metric(a, "tollgate_cost_units_total{route=\"/q\"}", 12.0).await;
     let costs: Vec<_> = a
-        .access_log()
-        .into_iter()
-        .filter(|e| e["route"] == "/q")
+        .wait_access(7, |e| e["route"] == "/q")
+        .await
+        .iter()
         .map(|e| e["cost"].as_u64().unwrap())
         .collect();
     assert_eq!(costs, vec![7, 0, 1, 1, 1, 1, 1]);
@@ -360,8 +360,11 @@ async fn the_audit_compares_stated_and_configured_costs() {
     }
     // One the upstream got wrong: counted, and left out of the mean.
     get(&c, gw.url("/q?actual_cost=oops"), "a-key").await;
-    let reports = "tollgate_cost_reports_total{result=\"applied\",route=\"/analytics/query\"}";
-    assert_metric(&gw, reports, 20.0).await;
+    for route in ["/q", "/big", "/analytics/query"] {
+        let reports =
+            format!("tollgate_cost_reports_total{{result=\"applied\",route=\"{route}\"}}");
+        assert_metric(&gw, &reports, 20.0).await;
+    }
     assert_metric(
         &gw,
         "tollgate_cost_reports_total{result=\"invalid\",route=\"/q\"}",

@@ -260,19 +260,8 @@ async fn shadow_mode_forwards_would_be_refusals_uncharged() {
     )
     .await;
     assert_metric(&gw, "tollgate_cost_units_total{route=\"/capped\"}", 1.0).await;
-    // Access events are written just after each response: wait for the second one.
-    let start = std::time::Instant::now();
-    let log = loop {
-        let log = gw.access_log();
-        if log.iter().filter(|e| e["decision"] == "shadow").count() >= 2
-            || start.elapsed() > Duration::from_secs(3)
-        {
-            break log;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let shadowed: Vec<_> = log.iter().filter(|e| e["decision"] == "shadow").collect();
-    assert_eq!(shadowed.len(), 2, "{log:?}");
+    let shadowed = gw.wait_access(2, |e| e["decision"] == "shadow").await;
+    assert_eq!(shadowed.len(), 2, "{shadowed:?}");
     assert!(shadowed
         .iter()
         .all(|e| e["cost"] == 0 && e["status"] == 200));
@@ -313,11 +302,9 @@ keys:
     )
     .await;
     assert_eq!(remaining(&gw, "q").await, 94, "{store}");
-    let logged: Vec<_> = gw
-        .access_log()
-        .into_iter()
-        .filter(|e| e["route"] == "/analytics/query")
-        .collect();
+    let logged = gw
+        .wait_access(1, |e| e["route"] == "/analytics/query")
+        .await;
     assert_eq!(logged.len(), 1);
     assert_eq!(logged[0]["cost"], 6);
     // A fast one pays its cost, never less.

@@ -161,11 +161,9 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     assert_eq!(get(&c, gw.url(&location), "key-a").await.status(), 404);
 
     // One access-log line at submission and one at the end, both with the job's id.
-    let lines: Vec<_> = gw
-        .access_log()
-        .into_iter()
-        .filter(|l| l["job"] == *id && l["decision"] != "job_poll")
-        .collect();
+    let lines = gw
+        .wait_access(2, |l| l["job"] == *id && l["decision"] != "job_poll")
+        .await;
     let decisions: Vec<_> = lines
         .iter()
         .map(|l| l["decision"].as_str().unwrap())
@@ -505,11 +503,7 @@ async fn a_job_settles_on_the_cost_its_upstream_states() {
         35.0,
     )
     .await;
-    let done: Vec<_> = gw
-        .access_log()
-        .into_iter()
-        .filter(|l| l["decision"] == "job_done")
-        .collect();
+    let done = gw.wait_access(1, |l| l["decision"] == "job_done").await;
     assert_eq!(done[0]["cost"], 35, "{done:?}");
 }
 
@@ -551,10 +545,6 @@ async fn a_job_is_billed_its_upstream_time() {
     assert_eq!(result(&c, &gw, &job, "key-a").await.status(), 200);
     let left = remaining(&gw, "a").await;
     assert!(left <= 70, "charged only {} for 1.5 s", 100 - left);
-    let done: Vec<_> = gw
-        .access_log()
-        .into_iter()
-        .filter(|l| l["decision"] == "job_done")
-        .collect();
+    let done = gw.wait_access(1, |l| l["decision"] == "job_done").await;
     assert_eq!(done[0]["cost"].as_u64(), Some(100 - left), "{done:?}");
 }

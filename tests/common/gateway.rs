@@ -175,6 +175,30 @@ impl Gateway {
             .filter(|v| v["target"] == "tollgate::access")
             .collect()
     }
+
+    /// The access events `keep` selects, once there are at least `n` of them (within 10 s). A
+    /// request's event is written by the log's writer thread just after its response, so a read
+    /// right after the response, or after a metric moved, can come before it.
+    pub async fn wait_access(
+        &self,
+        n: usize,
+        keep: impl Fn(&serde_json::Value) -> bool,
+    ) -> Vec<serde_json::Value> {
+        let start = Instant::now();
+        loop {
+            let events: Vec<_> = self.access_log().into_iter().filter(|e| keep(e)).collect();
+            if events.len() >= n {
+                return events;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{} access events of {n} in:\n{}",
+                events.len(),
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for Gateway {
