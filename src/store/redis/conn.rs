@@ -258,6 +258,13 @@ impl Connections {
         if let Some(c) = self.cached() {
             return Ok(c);
         }
+        // Boxed: connecting is rare, and its future (the client's handshake, Sentinel's
+        // questions) is kilobytes that every call's future would otherwise carry and copy.
+        Box::pin(self.open()).await
+    }
+
+    /// This thread's connection made (one connection attempt at a time per thread).
+    async fn open(&self) -> Result<Conn, StoreError> {
         let target = self
             .target
             .as_ref()
