@@ -675,8 +675,10 @@ async fn a_job_refused_by_a_full_queue_is_not_charged() {
 
 /// A slot a job frees goes to the next queued job at once (DESIGN §8: the waiter is woken
 /// within 50 ms of the release): the fleet takes a grant when Redis publishes it, not at its
-/// next collecting round. Ten jobs through a cap of 1, each 100 ms at the upstream, are all
-/// done within 10 × (100 + 50) ms of the first submission.
+/// next collecting round. Ten jobs through a cap of 1, each 100 ms at the upstream, arrive
+/// there one after the other: the median gap between two arrivals is within 100 + 50 ms (by
+/// collecting rounds alone it would be ~200 ms). The median, measured at the upstream: a
+/// loaded machine may delay a submission or two, not the hand-offs as a rule.
 #[tokio::test]
 async fn a_freed_slot_goes_to_the_next_job_at_once() {
     let redis = Redis::start();
@@ -704,11 +706,20 @@ async fn a_freed_slot_goes_to_the_next_job_at_once() {
         assert!(start.elapsed() < Duration::from_secs(10), "never done");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let took = start.elapsed();
     assert_eq!(up.count(ROUTE), 10);
     assert_eq!(up.max_concurrent(ROUTE), 1);
+    let arrivals: Vec<Instant> = up
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .map(|s| s.at)
+        .collect();
+    let mut gaps: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort();
+    assert_eq!(gaps.len(), 9);
     assert!(
-        took < 10 * (EACH + Duration::from_millis(50)),
-        "ten jobs of {EACH:?} through a cap of 1 took {took:?}"
+        gaps[4] < EACH + Duration::from_millis(50),
+        "jobs of {EACH:?} through a cap of 1 arrived at the upstream {gaps:?} apart"
     );
 }
