@@ -406,6 +406,7 @@ async fn max_delay_holds_the_seventh_report() {
         let r = post(&c, gw.url("/reports/generate"), "patient").await;
         assert_eq!(r.status(), 200);
     }
+    wait_idle(&gw, "/reports/generate").await;
     let t = Instant::now();
     let seventh = {
         let c = c.clone();
@@ -415,7 +416,14 @@ async fn max_delay_holds_the_seventh_report() {
             (r.status().as_u16(), t.elapsed())
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Admitted (counted in flight) before it is held.
+    wait_metric(
+        &gw,
+        "tollgate_in_flight{route=\"/reports/generate\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
     // While the 7th is held, an 8th would have to wait 20 s: refused at once, and told to come
     // back when its wait would fit in max_delay (~10 s).
     let t8 = Instant::now();
@@ -623,8 +631,9 @@ async fn https_upstream_with_sni_and_keepalive() {
         assert_eq!(r.status(), 200);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["headers"]["host"], format!("localhost:{}", up.port));
-        // Pingora returns the upstream connection to its pool just after the response.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Pingora returns the upstream connection to its pool after the response, before
+        // the request's access event: once that is written, the next request can reuse it.
+        gw.wait_access(i + 1, |_| true).await;
     }
     let sni = up.sni.lock().unwrap().clone();
     assert!(!sni.is_empty());

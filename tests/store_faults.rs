@@ -131,6 +131,8 @@ async fn an_evicting_redis_is_reported() {
         Duration::from_secs(5),
     )
     .await;
+    // The gauge is set just before the error is logged (by the log's writer thread).
+    a.wait_log("allkeys-lru").await;
     let errors = error_lines(&a);
     assert!(
         errors

@@ -354,7 +354,13 @@ async fn a_reset_stream_is_a_client_that_went_away() {
             true,
         )
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_metric(
+        &tg.gw,
+        "tollgate_queued{route=\"/reports/generate\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
     b_stream.send_reset(h2::Reason::CANCEL);
     drop(b);
 
@@ -479,12 +485,20 @@ async fn a_stream_reset_while_held_by_max_delay_is_never_forwarded() {
             200
         );
     }
-    // The third fits only in 10 s: held; the client resets it meanwhile.
+    // The third fits only in 10 s: held (counted in flight while held); the client resets it
+    // meanwhile.
+    wait_idle(&tg.gw, "default").await;
     let mut c = client.clone().ready().await.unwrap();
     let (held, mut stream) = c
         .send_request(h2_request("GET", "/held", "k1"), true)
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_metric(
+        &tg.gw,
+        "tollgate_in_flight{route=\"default\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
     stream.send_reset(h2::Reason::CANCEL);
     drop(held);
     tg.gw
