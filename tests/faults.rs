@@ -72,18 +72,11 @@ async fn slots_of_requests_finished_during_a_stall_are_free_soon_after() {
     }
     assert_eq!(running.await.unwrap(), vec![200; 4]);
     redis.resume();
-    let resumed = Instant::now();
     // Released in Redis without any further traffic, soon (a retry every 200 ms behind the
     // breaker's probe).
-    let slots = redis_route_slots_key("/reports/generate");
-    while redis.cli(&["ZCARD", &slots]) != "0" {
-        assert!(
-            resumed.elapsed() < Duration::from_secs(5),
-            "still held: {}",
-            redis.cli(&["ZRANGE", &slots, "0", "-1"])
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    redis
+        .wait_route_slots("/reports/generate", 0, Duration::from_secs(5))
+        .await;
     assert_eq!(reports(&b, 4).await, vec![200; 4], "the whole cap on B");
     assert_eq!(up.max_concurrent("/reports/generate"), 4);
     assert_eq!(up.count("/reports/generate"), 8);

@@ -314,16 +314,9 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
     tokio::time::sleep(Duration::from_secs(7).saturating_sub(stopped.elapsed())).await;
     a.signal("CONT");
     // A's renewals are overdue: they run at once and re-create its leases.
-    let route = redis_route_slots_key("/reports/generate");
-    let start = Instant::now();
-    while redis.cli(&["ZCARD", &route]) != "5" {
-        assert!(
-            start.elapsed() < Duration::from_secs(3),
-            "A's leases not re-created: {}",
-            redis.cli(&["ZRANGE", &route, "0", "-1"])
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    redis
+        .wait_route_slots("/reports/generate", 5, Duration::from_secs(3))
+        .await;
     all.push(report(&b, "late".into()));
     for t in all {
         assert_eq!(t.await.unwrap(), 200);

@@ -65,6 +65,21 @@ impl Redis {
         cli_on(self.port, args)
     }
 
+    /// Waits until `route`'s fleet-wide slots held in Redis number `n` (within `within`):
+    /// releases and renewals reach Redis in the background.
+    pub async fn wait_route_slots(&self, route: &str, n: usize, within: Duration) {
+        let key = redis_route_slots_key(route);
+        let start = std::time::Instant::now();
+        while self.cli(&["ZCARD", &key]) != n.to_string() {
+            assert!(
+                start.elapsed() < within,
+                "{route}: not {n} slots held: {}",
+                self.cli(&["ZRANGE", &key, "0", "-1"])
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
