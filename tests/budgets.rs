@@ -199,14 +199,7 @@ async fn six_workers_share_one_provider_cap() {
         .collect();
     assert_eq!(statuses, vec![200; 30], "every call waited its turn");
 
-    let mut arrivals: Vec<_> = up
-        .api
-        .seen()
-        .iter()
-        .filter(|s| s.target.starts_with("/provider/"))
-        .map(|s| s.at)
-        .collect();
-    arrivals.sort();
+    let arrivals = up.arrivals("/provider/");
     assert_eq!(arrivals.len(), 30);
     // One call per 500 ms across the fleet; a little slack for a loaded machine's wake-ups.
     let gaps: Vec<u128> = arrivals

@@ -417,13 +417,7 @@ async fn max_delay_holds_the_seventh_report() {
         })
     };
     // Admitted (counted in flight) before it is held.
-    wait_metric(
-        &gw,
-        "tollgate_in_flight{route=\"/reports/generate\"}",
-        1.0,
-        Duration::from_secs(10),
-    )
-    .await;
+    wait_in_flight(&gw, "/reports/generate", 1).await;
     // While the 7th is held, an 8th would have to wait 20 s: refused at once, and told to come
     // back when its wait would fit in max_delay (~10 s).
     let t8 = Instant::now();

@@ -708,13 +708,7 @@ async fn a_freed_slot_goes_to_the_next_job_at_once() {
     }
     assert_eq!(up.count(ROUTE), 10);
     assert_eq!(up.max_concurrent(ROUTE), 1);
-    let arrivals: Vec<Instant> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .map(|s| s.at)
-        .collect();
+    let arrivals = up.arrivals(ROUTE);
     let mut gaps: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
     gaps.sort();
     assert_eq!(gaps.len(), 9);

@@ -95,13 +95,7 @@ async fn small_customers_first(up: &Upstream, gws: &[Gateway], store: &str) {
     );
     // No slot idles while anyone waits: five waves of 1 s, the last arriving ~4 s after the
     // first (measured at the upstream: the clients' own start-up is not the queue's).
-    let seen: Vec<Instant> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target == "/reports/generate")
-        .map(|s| s.at)
-        .collect();
+    let seen = up.arrivals("/reports/generate");
     let span = seen[seen.len() - 1] - seen[0];
     assert!(span < Duration::from_millis(5500), "{store}: {span:?}");
 }

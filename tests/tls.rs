@@ -492,13 +492,7 @@ async fn a_stream_reset_while_held_by_max_delay_is_never_forwarded() {
     let (held, mut stream) = c
         .send_request(h2_request("GET", "/held", "k1"), true)
         .unwrap();
-    wait_metric(
-        &tg.gw,
-        "tollgate_in_flight{route=\"default\"}",
-        1.0,
-        Duration::from_secs(10),
-    )
-    .await;
+    wait_in_flight(&tg.gw, "default", 1).await;
     stream.send_reset(h2::Reason::CANCEL);
     drop(held);
     tg.gw

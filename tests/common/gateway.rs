@@ -307,8 +307,14 @@ pub async fn assert_metric(gw: &Gateway, series: &str, want: f64) {
 /// free. A response reaching the client, or the upstream's count dropping, comes before that:
 /// the gateway frees a request's slots in its logging phase, after a store call.
 pub async fn wait_idle(gw: &Gateway, route: &str) {
+    wait_in_flight(gw, route, 0).await
+}
+
+/// Waits until `gw` counts `n` requests in flight on `route` (within 10 s). A request is
+/// counted once admitted, before `max_delay` holds it.
+pub async fn wait_in_flight(gw: &Gateway, route: &str, n: u64) {
     let series = format!("tollgate_in_flight{{route=\"{route}\"}}");
-    wait_metric(gw, &series, 0.0, Duration::from_secs(10)).await
+    wait_metric(gw, &series, n as f64, Duration::from_secs(10)).await
 }
 
 /// Polls a metric until it equals `want` (within `within`), for counts that take a while.

@@ -65,19 +65,26 @@ impl Redis {
         cli_on(self.port, args)
     }
 
+    /// Waits until `redis-cli args` answers `want` (within `within`): for what the gateways
+    /// write, and Redis expires, in the background.
+    pub async fn wait_cli(&self, args: &[&str], want: &str, within: Duration) {
+        let start = std::time::Instant::now();
+        loop {
+            let got = self.cli(args);
+            if got == want {
+                return;
+            }
+            assert!(start.elapsed() < within, "{args:?} is {got}, not {want}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until `route`'s fleet-wide slots held in Redis number `n` (within `within`):
     /// releases and renewals reach Redis in the background.
     pub async fn wait_route_slots(&self, route: &str, n: usize, within: Duration) {
         let key = redis_route_slots_key(route);
-        let start = std::time::Instant::now();
-        while self.cli(&["ZCARD", &key]) != n.to_string() {
-            assert!(
-                start.elapsed() < within,
-                "{route}: not {n} slots held: {}",
-                self.cli(&["ZRANGE", &key, "0", "-1"])
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.wait_cli(&["ZCARD", &key], &n.to_string(), within)
+            .await
     }
 
     pub fn kill(&mut self) {

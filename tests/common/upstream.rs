@@ -61,6 +61,21 @@ impl Upstream {
             .collect()
     }
 
+    /// When each request whose target starts with `prefix` arrived, earliest first (for
+    /// spacing measured where the work is, not by the test's clock). Sorted: two requests
+    /// arriving at once may be recorded in either order.
+    pub fn arrivals(&self, prefix: &str) -> Vec<Instant> {
+        let mut at: Vec<Instant> = self
+            .api
+            .seen()
+            .into_iter()
+            .filter(|s| s.target.starts_with(prefix))
+            .map(|s| s.at)
+            .collect();
+        at.sort();
+        at
+    }
+
     pub fn max_concurrent(&self, path: &str) -> u64 {
         self.stats()
             .get(path)
