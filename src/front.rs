@@ -11,8 +11,11 @@
 //! through the same door; those that chose HTTP/2 by ALPN are handed to Pingora's h2 server,
 //! still counted and stall-timed, with one request session per stream.
 
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use pingora::apps::{HttpServerApp, ServerApp};
@@ -21,6 +24,7 @@ use pingora::protocols::{Stream, UniqueIDType, ALPN};
 use pingora::proxy::HttpProxy;
 use pingora::server::ShutdownWatch;
 use tokio::sync::Notify;
+use tokio::time::Sleep;
 
 use crate::state::Shared;
 use crate::telemetry::{metrics, ClientTimeout};
@@ -147,6 +151,54 @@ impl ConnState {
     }
 }
 
+/// `server.idle_timeout` on an HTTP/1 connection: one timer for the connection's life. It is
+/// registered once and after each re-arming, and otherwise only looked at, so that the wait for
+/// each request costs no timer work; it fires at most once per `idle_timeout` on a busy
+/// connection (its task is woken then, and re-arms it for the current wait).
+struct IdleTimer {
+    sleep: Pin<Box<Sleep>>,
+    registered: bool,
+}
+
+impl IdleTimer {
+    fn new(timeout: Duration) -> IdleTimer {
+        IdleTimer {
+            sleep: Box::pin(tokio::time::sleep(timeout)),
+            registered: false,
+        }
+    }
+
+    /// Ready when the connection has waited `timeout` since `since` without a byte of its
+    /// next request; pending once one has come (the head's own deadline counts from then).
+    fn poll_idle(
+        &mut self,
+        cx: &mut Context<'_>,
+        conn: &ConnState,
+        since: Instant,
+        timeout: Duration,
+    ) -> Poll<()> {
+        loop {
+            if !self.registered {
+                self.registered = true;
+                if self.sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            } else if !self.sleep.is_elapsed() {
+                return Poll::Pending;
+            }
+            if conn.first_byte_us.load(Ordering::SeqCst) > 0 || conn.head_complete() {
+                return Poll::Pending;
+            }
+            let due = since + timeout;
+            if Instant::now() >= due {
+                return Poll::Ready(());
+            }
+            self.sleep.as_mut().reset(due.into());
+            self.registered = false;
+        }
+    }
+}
+
 /// The connection state of a request's stream, if it came through the front door.
 pub fn conn_of(session: &pingora::proxy::Session) -> Option<Arc<ConnState>> {
     let stream = session.downstream_session.stream()?;
@@ -155,10 +207,6 @@ pub fn conn_of(session: &pingora::proxy::Session) -> Option<Arc<ConnState>> {
         .downcast_ref::<Tracked>()
         .map(|t| t.conn().clone())
 }
-
-/// An HTTP/2 connection without an open stream for this long is closed, as Pingora closes an
-/// idle HTTP/1 keep-alive connection.
-pub const H2_IDLE: Duration = Duration::from_secs(60);
 
 /// Pingora's proxy behind the connection-level limits; [`Listeners`] accepts for it.
 pub struct FrontDoor<SV> {
@@ -170,7 +218,9 @@ pub struct FrontDoor<SV> {
 impl<SV> FrontDoor<SV> {
     pub fn new(mut proxy: HttpProxy<SV>, shared: Arc<Shared>) -> FrontDoor<SV> {
         let mut options = proxy.server_options.take().unwrap_or_default();
-        options.h2_idle_timeout = Some(H2_IDLE);
+        // An HTTP/2 connection without an open stream is idle: closed after `idle_timeout`
+        // (the value at start; Pingora's h2 server takes it once).
+        options.h2_idle_timeout = Some(shared.running().config.client_limits.idle_timeout);
         proxy.server_options = Some(options);
         FrontDoor {
             proxy: Arc::new(proxy),
@@ -193,7 +243,7 @@ where
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
             // Pingora's h2 server waits for the client's preface without a deadline: a
             // connection that sends nothing within header_timeout is closed. (Connections
-            // without an open stream are closed after `H2_IDLE`.)
+            // without an open stream are closed after `idle_timeout`.)
             let serve = ServerApp::process_new(&self.proxy, stream, shutdown);
             tokio::pin!(serve);
             tokio::select! {
@@ -213,9 +263,14 @@ where
         // bytes it read ahead (the next requests) are lost. The settings below carry the flag
         // and the read-ahead from each request to the next.
         session.set_pipelining_enabled(true);
+        // Between two requests the connection is idle: closed after `idle_timeout`. (Pingora's
+        // own keep-alive timeout would not do: it takes every HTTP/1.1 request as a wish to
+        // keep the connection open for ever, and it would arm a timer per request.)
+        let mut idle = IdleTimer::new(limits.idle_timeout);
         let mut first = true;
         loop {
             conn.await_head();
+            let since = if first { conn.epoch } else { Instant::now() };
             let request = HttpServerApp::process_new_http(&self.proxy, session, shutdown);
             tokio::pin!(request);
             let done = tokio::select! {
@@ -230,6 +285,11 @@ where
                         metrics().client_timeout(ClientTimeout::Header);
                         return;
                     }
+                }
+                // Before the first request, header_timeout is the bound.
+                _ = poll_fn(|cx| idle.poll_idle(cx, &conn, since, limits.idle_timeout)), if !first => {
+                    // Nothing of a next request has come: a normal end, not a client's fault.
+                    return;
                 }
             };
             let Some(done) = done else { return };

@@ -636,6 +636,61 @@ async fn max_connections_refuses_a_flood_at_once_and_recovers() {
     assert_metric(&gw, "tollgate_connections_refused_total", 150.0).await;
 }
 
+/// A connection between two requests is idle, and closed `idle_timeout` after its last
+/// response: idle clients cannot keep `max_connections` full. (An HTTP/1.1 connection was kept
+/// for ever after its first request: Pingora takes each request as the client's wish to keep
+/// its connection without a timeout.) A connection in use is not closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        server_extra: "  max_connections: 2\n  idle_timeout: 1s\n",
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let request = b"GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: idle\r\n\r\n";
+    let ask = |sock: &mut TcpStream| {
+        sock.write_all(request).unwrap();
+        read_raw_response(sock).map(|r| r.status)
+    };
+    let (mut socks, last_answer) = tokio::task::block_in_place(|| {
+        // In use for 2.4 s, more than twice idle_timeout, with 200 ms between requests.
+        let mut busy = raw_connect(gw.port);
+        for i in 0..12 {
+            assert_eq!(
+                ask(&mut busy),
+                Some(200),
+                "request {i} on the busy connection"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let mut once = raw_connect(gw.port);
+        assert_eq!(ask(&mut once), Some(200));
+        let answered = Instant::now();
+        (vec![busy, once], answered)
+    });
+    // Both places are taken: a third connection is refused at once.
+    let _refused = raw_connect(gw.port);
+    wait_metric(
+        &gw,
+        "tollgate_connections_refused_total",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    tokio::task::block_in_place(|| wait_closed(&mut socks, 2, Duration::from_secs(10)));
+    let after = last_answer.elapsed();
+    assert!(
+        after >= Duration::from_secs(1) && after < Duration::from_secs(5),
+        "idle connections closed {after:?} after the last answer, idle_timeout 1s"
+    );
+    wait_metric(&gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+    let r = get(&client(), gw.url("/items"), "after-idle").await;
+    assert_eq!(r.status(), 200);
+    assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"header\"}", 0.0).await;
+}
+
 // ---- 8. Credentials forwarding ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -394,6 +394,34 @@ async fn a_reset_stream_is_a_client_that_went_away() {
     .await;
 }
 
+/// An HTTP/2 connection without an open stream is idle: closed `idle_timeout` after its last
+/// stream ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_after_idle_timeout() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(&up, &pki, INCIDENT, &[], "  idle_timeout: 1s\n");
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    let (client, conn) = h2::client::handshake(tls).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k1")).await;
+    assert_eq!(r.status, 200);
+    let answered = Instant::now();
+    // The connection's task ends when the gateway closes the connection.
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    let after = answered.elapsed();
+    assert!(
+        ended.is_ok(),
+        "the idle connection is still open after 10 s"
+    );
+    assert!(
+        after >= Duration::from_secs(1) && after < Duration::from_secs(5),
+        "closed {after:?} after the last stream, idle_timeout 1s"
+    );
+    wait_metric(&tg.gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_front_door_for_both_listeners() {
     let up = Upstream::start(Duration::ZERO);

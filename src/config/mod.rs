@@ -111,8 +111,8 @@ pub struct Config {
     pub admin_listen: String,
     pub threads: usize,
     pub grace_period: Duration,
-    /// `server.header_timeout`, `body_timeout`, `send_timeout` and `max_connections`: what the
-    /// front door enforces on client connections.
+    /// `server.header_timeout`, `body_timeout`, `send_timeout`, `idle_timeout` and
+    /// `max_connections`: what the front door enforces on client connections.
     pub client_limits: ClientLimits,
     /// `server.tls`, with the certificate and key already read (they are re-read on reload).
     pub tls: Option<crate::tls::TlsListener>,

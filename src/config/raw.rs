@@ -82,6 +82,9 @@ pub struct RawServer {
     /// Longest gap between two writes to a client that does not read.
     #[serde(default = "default_send_timeout")]
     pub send_timeout: ConfDuration,
+    /// A client connection with no request in progress is closed after this (keep-alive).
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: ConfDuration,
     /// Open client connections per instance; more are refused at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: i64,
@@ -118,6 +121,9 @@ fn default_body_timeout() -> ConfDuration {
 fn default_send_timeout() -> ConfDuration {
     ConfDuration(Duration::from_secs(30))
 }
+fn default_idle_timeout() -> ConfDuration {
+    ConfDuration(Duration::from_secs(60))
+}
 fn default_max_connections() -> i64 {
     10_000
 }
@@ -132,6 +138,7 @@ impl Default for RawServer {
             header_timeout: default_header_timeout(),
             body_timeout: default_body_timeout(),
             send_timeout: default_send_timeout(),
+            idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),
             tls: None,
         }

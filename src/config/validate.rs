@@ -69,6 +69,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
             header_timeout: raw.server.header_timeout.0,
             body_timeout: raw.server.body_timeout.0,
             send_timeout: raw.server.send_timeout.0,
+            idle_timeout: raw.server.idle_timeout.0,
             max_connections,
         },
         tls,
@@ -190,6 +191,7 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize)
         ("header_timeout", s.header_timeout),
         ("body_timeout", s.body_timeout),
         ("send_timeout", s.send_timeout),
+        ("idle_timeout", s.idle_timeout),
     ] {
         if d.0.is_zero() {
             errs.push(format!("server.{name}"), "must be greater than 0");

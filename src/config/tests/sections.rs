@@ -9,6 +9,7 @@ fn edge_settings_have_design_defaults() {
     assert_eq!(c.client_limits.header_timeout, Duration::from_secs(10));
     assert_eq!(c.client_limits.body_timeout, Duration::from_secs(30));
     assert_eq!(c.client_limits.send_timeout, Duration::from_secs(30));
+    assert_eq!(c.client_limits.idle_timeout, Duration::from_secs(60));
     assert_eq!(c.client_limits.max_connections, 10_000);
     assert!(c.forward_credentials);
     assert_eq!(c.key_id_header, None);
@@ -17,6 +18,7 @@ fn edge_settings_have_design_defaults() {
         "header_timeout: 10s",
         "body_timeout: 30s",
         "send_timeout: 30s",
+        "idle_timeout: 1m",
         "max_connections: 10000",
         "forward_credentials: true",
         "key_id_header: ''",
@@ -28,12 +30,13 @@ fn edge_settings_have_design_defaults() {
 #[test]
 fn edge_settings_parse() {
     let s = format!(
-        "server:\n  header_timeout: 2s\n  body_timeout: 500ms\n  send_timeout: 1m\n  max_connections: 1\nidentity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\n{BASE}"
+        "server:\n  header_timeout: 2s\n  body_timeout: 500ms\n  send_timeout: 1m\n  idle_timeout: 5s\n  max_connections: 1\nidentity:\n  forward_credentials: false\n  key_id_header: X-Tollgate-Key-Id\n{BASE}"
     );
     let c = parse(&s).unwrap();
     assert_eq!(c.client_limits.header_timeout, Duration::from_secs(2));
     assert_eq!(c.client_limits.body_timeout, Duration::from_millis(500));
     assert_eq!(c.client_limits.send_timeout, Duration::from_secs(60));
+    assert_eq!(c.client_limits.idle_timeout, Duration::from_secs(5));
     assert_eq!(c.client_limits.max_connections, 1);
     assert!(!c.forward_credentials);
     assert_eq!(
@@ -61,6 +64,10 @@ fn edge_settings_errors_name_the_field() {
         "server.send_timeout: must be greater than 0"
     );
     assert!(server("send_timeout: 30").starts_with("server.send_timeout: "));
+    assert_eq!(
+        server("idle_timeout: 0s"),
+        "server.idle_timeout: must be greater than 0"
+    );
     assert!(
         server("max_connections: 0")
             .starts_with("server.max_connections: must be an integer between 1 and"),
