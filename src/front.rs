@@ -92,7 +92,9 @@ impl ConnState {
     }
 
     /// Resolves when the head has been in transit for `timeout`: counted from now for a new
-    /// connection, from its first byte on a kept-alive one (idle time is Pingora's keep-alive).
+    /// connection, from its first byte on a kept-alive one (idle time is `idle_timeout`'s, see
+    /// [`IdleTimer`]; so is a pipelined head's part read ahead with the previous request when
+    /// no more of it comes).
     /// Once the head is complete the deadline no longer matters and no timer is armed: the
     /// front door polls the request first, so a head that arrives whole (the usual case)
     /// costs no timer at all.
@@ -180,7 +182,10 @@ impl IdleTimer {
         loop {
             if !self.registered {
                 self.registered = true;
-                if self.sleep.as_mut().poll(cx).is_pending() {
+                // Unconstrained: with the task's budget spent, a `Sleep` pends without
+                // registering, and this timer would never fire.
+                let mut sleep = tokio::task::unconstrained(self.sleep.as_mut());
+                if Pin::new(&mut sleep).poll(cx).is_pending() {
                     return Poll::Pending;
                 }
             } else if !self.sleep.is_elapsed() {

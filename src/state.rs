@@ -74,6 +74,12 @@ impl Shared {
         if was.upstream.ca_file != new.upstream.ca_file {
             tracing::warn!("upstream.ca_file takes effect on restart only");
         }
+        if was.tls.is_some() && was.client_limits.idle_timeout != new.client_limits.idle_timeout {
+            tracing::warn!(
+                "server.idle_timeout takes effect on restart only for HTTP/2 connections; \
+                 HTTP/1.1 connections opened from now on take the new value"
+            );
+        }
         if was.tracing != new.tracing {
             crate::trace::Tracing::reload(self.tracing.as_ref(), new.tracing.as_ref());
         }

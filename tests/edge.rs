@@ -645,7 +645,7 @@ async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
-        server_extra: "  max_connections: 2\n  idle_timeout: 1s\n",
+        server_extra: "  max_connections: 2\n  idle_timeout: 2s\n",
         body: INCIDENT,
         ..GatewayOpts::default()
     });
@@ -654,21 +654,24 @@ async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
         sock.write_all(request).unwrap();
         read_raw_response(sock).map(|r| r.status)
     };
-    let (mut socks, last_answer) = tokio::task::block_in_place(|| {
-        // In use for 2.4 s, more than twice idle_timeout, with 200 ms between requests.
+    let (mut socks, asked, answered) = tokio::task::block_in_place(|| {
+        // In use for 2.4 s, more than idle_timeout, with 200 ms between requests.
         let mut busy = raw_connect(gw.port);
         for i in 0..12 {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
             assert_eq!(
                 ask(&mut busy),
                 Some(200),
                 "request {i} on the busy connection"
             );
-            std::thread::sleep(Duration::from_millis(200));
         }
         let mut once = raw_connect(gw.port);
+        // The gateway's idle clock starts after its answer, so after this.
+        let asked = Instant::now();
         assert_eq!(ask(&mut once), Some(200));
-        let answered = Instant::now();
-        (vec![busy, once], answered)
+        (vec![busy, once], asked, Instant::now())
     });
     // Both places are taken: a third connection is refused at once.
     let _refused = raw_connect(gw.port);
@@ -680,10 +683,10 @@ async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
     )
     .await;
     tokio::task::block_in_place(|| wait_closed(&mut socks, 2, Duration::from_secs(10)));
-    let after = last_answer.elapsed();
+    let (since_asked, since_answered) = (asked.elapsed(), answered.elapsed());
     assert!(
-        after >= Duration::from_secs(1) && after < Duration::from_secs(5),
-        "idle connections closed {after:?} after the last answer, idle_timeout 1s"
+        since_asked >= Duration::from_secs(2) && since_answered < Duration::from_secs(6),
+        "idle connections closed {since_answered:?} after the last answer, idle_timeout 2s"
     );
     wait_metric(&gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
     let r = get(&client(), gw.url("/items"), "after-idle").await;
