@@ -276,22 +276,6 @@ async fn burst(c: &reqwest::Client, n: usize, url: &str, key: Option<&str>) -> V
     sorted_statuses(&rs)
 }
 
-/// Waits until a gateway's own /metrics shows `series` at `want` or more.
-async fn wait_metric_at_least(gw: &Gateway, series: &str, want: f64) {
-    let start = Instant::now();
-    loop {
-        let got = metric(gw, series).await;
-        if got >= want {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{series} is {got}, expected at least {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
     let redis = Redis::start();

@@ -359,14 +359,7 @@ async fn sighup_reload_valid_and_invalid() {
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
     std::fs::write(&gw.config_path, good.replace("cost: 7}", "cost: 0}")).unwrap();
     gw.signal("HUP");
-    let start = Instant::now();
-    while metric(&gw, "tollgate_config_reloads_total{result=\"error\"}").await < 1.0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "reload error not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_metric_at_least(&gw, "tollgate_config_reloads_total{result=\"error\"}", 1.0).await;
     assert_eq!(call().await.0, "7");
     gw.wait_log("rate_limits.endpoints.\\\"/items\\\".cost: must be a positive integer, got 0")
         .await;
@@ -434,20 +427,6 @@ fn checked_pool(silent: &Silent, up: &Upstream, interval: &str) -> String {
     )
 }
 
-/// Sends SIGHUP and waits until the reload it caused is counted (signals sent faster would
-/// be merged into fewer reloads).
-async fn reload(gw: &Gateway, done_before: f64) {
-    gw.signal("HUP");
-    let start = Instant::now();
-    while metric(gw, "tollgate_config_reloads_total{result=\"ok\"}").await < done_before + 1.0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "reload not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// An address the health check found down stays skipped across a reload that leaves it as
 /// it was: the new config's pool does not start it out as healthy again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -465,7 +444,7 @@ async fn a_reload_keeps_the_health_of_unchanged_addresses() {
     for _ in 0..4 {
         assert_eq!(get(&c, gw.url("/svc/items"), "k").await.status(), 200);
     }
-    reload(&gw, 0.0).await;
+    gw.reload(0.0).await;
     for i in 0..6 {
         let r = get(&c, gw.url("/svc/items"), "k").await;
         assert_eq!(r.status(), 200, "request {i} after the reload");
@@ -512,7 +491,7 @@ async fn reloads_with_a_health_checked_pool_leave_no_threads_behind() {
             text.replace("interval: 30s", &format!("interval: {interval}")),
         )
         .unwrap();
-        reload(&gw, i as f64).await;
+        gw.reload(i as f64).await;
     }
     // A replaced checker that lived on would last its 30 s interval; a stopped one is gone
     // within its check's timeout (1 s).
@@ -1121,7 +1100,7 @@ async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
         .unwrap()
         .replace(&old.url(), &new.url());
     std::fs::write(&gw.config_path, yaml).unwrap();
-    reload(&gw, 0.0).await;
+    gw.reload(0.0).await;
     assert_eq!(first.await.unwrap(), 200);
     assert_eq!(queued.await.unwrap(), 200);
     assert_eq!(

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::process::{free_port, signal_pid, wait_for_own_ports};
 use super::upstream::Upstream;
+use super::wait::eventually;
 
 /// A gateway process built from a YAML body (everything but `server`/`upstream`, which the
 /// harness fills in with free ports unless the body brings its own `upstream`).
@@ -156,15 +157,14 @@ impl Gateway {
 
     /// Waits until the log contains `needle` (lines are written by a background thread).
     pub async fn wait_log(&self, needle: &str) {
-        let start = Instant::now();
-        while !self.log().contains(needle) {
-            assert!(
-                start.elapsed() < Duration::from_secs(3),
-                "`{needle}` never appeared in the log:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(Duration::from_secs(3), async || {
+            let log = self.log();
+            match log.contains(needle) {
+                true => Ok(()),
+                false => Err(format!("`{needle}` never appeared in the log:\n{log}")),
+            }
+        })
+        .await
     }
 
     /// Access-log events (JSON lines with target tollgate::access).
@@ -184,20 +184,26 @@ impl Gateway {
         n: usize,
         keep: impl Fn(&serde_json::Value) -> bool,
     ) -> Vec<serde_json::Value> {
-        let start = Instant::now();
-        loop {
+        eventually(Duration::from_secs(10), async || {
             let events: Vec<_> = self.access_log().into_iter().filter(|e| keep(e)).collect();
-            if events.len() >= n {
-                return events;
+            match events.len() >= n {
+                true => Ok(events),
+                false => Err(format!(
+                    "{} access events of {n} in:\n{}",
+                    events.len(),
+                    self.log()
+                )),
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "{} access events of {n} in:\n{}",
-                events.len(),
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await
+    }
+
+    /// Sends SIGHUP and waits until the reload it caused is counted (`done_before` reloads
+    /// were counted before it; signals sent faster would be merged into fewer reloads).
+    pub async fn reload(&self, done_before: f64) {
+        self.signal("HUP");
+        let series = "tollgate_config_reloads_total{result=\"ok\"}";
+        wait_metric_at_least(self, series, done_before + 1.0).await
     }
 }
 
@@ -319,16 +325,21 @@ pub async fn wait_in_flight(gw: &Gateway, route: &str, n: u64) {
 
 /// Polls a metric until it equals `want` (within `within`), for counts that take a while.
 pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
-    let start = Instant::now();
-    loop {
-        let got = metric(gw, series).await;
-        if got == want {
-            return;
+    eventually(within, async || match metric(gw, series).await {
+        got if got == want => Ok(()),
+        got => Err(format!("{series} is {got}, expected {want}")),
+    })
+    .await
+}
+
+/// Polls a metric until it is at least `want` (within 10 s), for counts that others may raise
+/// further meanwhile.
+pub async fn wait_metric_at_least(gw: &Gateway, series: &str, want: f64) {
+    eventually(Duration::from_secs(10), async || {
+        match metric(gw, series).await {
+            got if got >= want => Ok(()),
+            got => Err(format!("{series} is {got}, expected at least {want}")),
         }
-        assert!(
-            start.elapsed() < within,
-            "{series} is {got}, expected {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }

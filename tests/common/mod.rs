@@ -20,9 +20,10 @@ mod redis_sentinel;
 mod redis_server;
 mod tcp_proxy;
 mod upstream;
+mod wait;
 
 #[allow(unused_imports)]
 pub use self::{
     client::*, fixtures::*, gateway::*, jobs::*, load::*, pki::*, process::*, raw_http::*,
-    redis_cluster::*, redis_sentinel::*, redis_server::*, tcp_proxy::*, upstream::*,
+    redis_cluster::*, redis_sentinel::*, redis_server::*, tcp_proxy::*, upstream::*, wait::*,
 };

@@ -4,7 +4,7 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
@@ -16,6 +16,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 
+use super::wait::eventually;
 use super::BackgroundRuntime;
 
 /// A received span and the `service.name` of its resource.
@@ -103,8 +104,7 @@ impl Collector {
     /// Waits until spans of trace `trace_id` named `names` arrived (a name given twice: at
     /// least two such spans).
     pub async fn wait_trace(&self, trace_id: &str, names: &[&str]) -> Vec<Received> {
-        let start = Instant::now();
-        loop {
+        eventually(Duration::from_secs(15), async || {
             let of_trace: Vec<Received> = self
                 .spans()
                 .into_iter()
@@ -114,15 +114,14 @@ impl Collector {
                 let wanted = names.iter().filter(|m| *m == n).count();
                 of_trace.iter().filter(|s| s.name() == *n).count() >= wanted
             });
-            if arrived {
-                return of_trace;
+            match arrived {
+                true => Ok(of_trace),
+                false => Err(format!(
+                    "trace {trace_id}: wanted spans {names:?}, got {of_trace:#?}"
+                )),
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(15),
-                "trace {trace_id}: wanted spans {names:?}, got {of_trace:#?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 }
 

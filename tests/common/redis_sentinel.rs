@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::process::{free_port, wait_for_port};
 use super::redis_server::Redis;
+use super::wait::eventually;
 
 /// A Sentinel-managed pair: a primary, its replica, one Sentinel (quorum 1,
 /// `down-after-milliseconds 500`, `failover-timeout 2000`) watching master `tollgate`.
@@ -113,23 +114,21 @@ impl SentinelSet {
     /// watcher): a failover started before a watcher listens is one it cannot follow as it
     /// happens, and a gateway that starts under load may take a while to subscribe.
     pub async fn wait_watchers(&self, n: usize) {
-        let start = Instant::now();
-        loop {
+        eventually(Duration::from_secs(10), async || {
             let listening = self
                 .sentinel
                 .cli(&["CLIENT", "LIST"])
                 .lines()
                 .filter(|l| l.contains(" flags=P ") && !l.contains(" sub=0 "))
                 .count();
-            if listening >= n {
-                return;
+            match listening >= n {
+                true => Ok(()),
+                false => Err(format!(
+                    "{listening} of {n} watchers listen to the Sentinel"
+                )),
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "{listening} of {n} watchers listen to the Sentinel"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await
     }
 
     /// The primary's port as the Sentinel names it.

@@ -8,6 +8,7 @@ use tollgate::identity::hash_key;
 use tollgate::store::redis::keys;
 
 use super::process::{free_port, signal_pid, wait_for_port};
+use super::wait::eventually;
 
 /// A `redis-server` on a free port, without persistence.
 pub struct Redis {
@@ -68,15 +69,11 @@ impl Redis {
     /// Waits until `redis-cli args` answers `want` (within `within`): for what the gateways
     /// write, and Redis expires, in the background.
     pub async fn wait_cli(&self, args: &[&str], want: &str, within: Duration) {
-        let start = std::time::Instant::now();
-        loop {
-            let got = self.cli(args);
-            if got == want {
-                return;
-            }
-            assert!(start.elapsed() < within, "{args:?} is {got}, not {want}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(within, async || match self.cli(args) {
+            got if got == want => Ok(()),
+            got => Err(format!("{args:?} is {got}, not {want}")),
+        })
+        .await
     }
 
     /// Waits until `route`'s fleet-wide slots held in Redis number `n` (within `within`):

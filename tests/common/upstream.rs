@@ -9,6 +9,7 @@ use tollgate::sample_api::{PathStats, SampleApi};
 
 use super::pki::Pki;
 use super::process::BackgroundRuntime;
+use super::wait::eventually;
 
 /// The sample API on its own runtime thread.
 pub struct Upstream {
@@ -41,14 +42,13 @@ impl Upstream {
     /// Waits until the upstream is handling `n` requests to `path` at once (so a test knows
     /// its requests were admitted, instead of guessing with a sleep).
     pub async fn wait_current(&self, path: &str, n: u64) {
-        let start = Instant::now();
-        while self.stats().get(path).map(|s| s.current).unwrap_or(0) < n {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "upstream never saw {n} on {path}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually(Duration::from_secs(10), async || {
+            match self.stats().get(path).map(|s| s.current).unwrap_or(0) {
+                current if current >= n => Ok(()),
+                current => Err(format!("upstream has {current} of {n} on {path}")),
+            }
+        })
+        .await
     }
 
     /// The `X-API-Key` of each request for `target`, in the order they arrived.
