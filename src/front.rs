@@ -124,9 +124,14 @@ impl ConnState {
     /// Resolves after `timeout` if not a byte has arrived by then; pends otherwise.
     async fn silent_for(&self, timeout: Duration) {
         tokio::time::sleep(timeout).await;
-        if self.first_byte_us.load(Ordering::SeqCst) > 0 {
+        if self.head_begun() {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// A byte of the current request head has arrived.
+    fn head_begun(&self) -> bool {
+        self.first_byte_us.load(Ordering::SeqCst) > 0
     }
 
     /// Hides a client that goes away from here on (see [`ConnState::shield`]).
@@ -191,7 +196,7 @@ impl IdleTimer {
             } else if !self.sleep.is_elapsed() {
                 return Poll::Pending;
             }
-            if conn.first_byte_us.load(Ordering::SeqCst) > 0 || conn.head_complete() {
+            if conn.head_begun() || conn.head_complete() {
                 return Poll::Pending;
             }
             let due = since + timeout;
@@ -278,6 +283,7 @@ where
             let since = if first { conn.epoch } else { Instant::now() };
             let request = HttpServerApp::process_new_http(&self.proxy, session, shutdown);
             tokio::pin!(request);
+            let idle_wait = poll_fn(|cx| idle.poll_idle(cx, &conn, since, limits.idle_timeout));
             let done = tokio::select! {
                 // The request first: see `ConnState::head_deadline`.
                 biased;
@@ -292,7 +298,7 @@ where
                     }
                 }
                 // Before the first request, header_timeout is the bound.
-                _ = poll_fn(|cx| idle.poll_idle(cx, &conn, since, limits.idle_timeout)), if !first => {
+                _ = idle_wait, if !first => {
                     // Nothing of a next request has come: a normal end, not a client's fault.
                     return;
                 }

@@ -1,6 +1,6 @@
 //! The front door's settings (`server.header_timeout`, `body_timeout`, `send_timeout`,
-//! `idle_timeout`, `max_connections`): plain data the config builds, so the config needs nothing else of the
-//! front door.
+//! `idle_timeout`, `max_connections`): plain data the config builds, so the config needs
+//! nothing else of the front door.
 
 use std::time::Duration;
 
