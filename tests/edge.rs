@@ -636,6 +636,35 @@ async fn max_connections_refuses_a_flood_at_once_and_recovers() {
     assert_metric(&gw, "tollgate_connections_refused_total", 150.0).await;
 }
 
+const IDLE_REQUEST: &[u8] = b"GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: idle\r\n\r\n";
+
+/// One request on a kept-alive connection: `(the connection, a moment before the request was
+/// sent, when its answer was read)`. The gateway's idle clock starts after its answer, so
+/// between the two.
+fn one_request(port: u16) -> (TcpStream, Instant, Instant) {
+    let mut sock = raw_connect(port);
+    let asked = Instant::now();
+    sock.write_all(IDLE_REQUEST).unwrap();
+    assert_eq!(read_raw_response(&mut sock).map(|r| r.status), Some(200));
+    (sock, asked, Instant::now())
+}
+
+/// Waits until the gateway has closed `socks`, then asserts that it did so `idle` after the
+/// last request: no sooner than `idle` after it was sent, within 4 s more of its answer.
+fn assert_closed_when_idle(
+    socks: &mut [TcpStream],
+    asked: Instant,
+    answered: Instant,
+    idle: Duration,
+) {
+    wait_closed(socks, socks.len(), Duration::from_secs(10));
+    let (since_asked, since_answered) = (asked.elapsed(), answered.elapsed());
+    assert!(
+        since_asked >= idle && since_answered < idle + Duration::from_secs(4),
+        "idle connections closed {since_answered:?} after the last answer, idle_timeout {idle:?}"
+    );
+}
+
 /// A connection between two requests is idle, and closed `idle_timeout` after its last
 /// response: idle clients cannot keep `max_connections` full. (An HTTP/1.1 connection was kept
 /// for ever after its first request: Pingora takes each request as the client's wish to keep
@@ -649,29 +678,17 @@ async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
         body: INCIDENT,
         ..GatewayOpts::default()
     });
-    let request = b"GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: idle\r\n\r\n";
-    let ask = |sock: &mut TcpStream| {
-        sock.write_all(request).unwrap();
-        read_raw_response(sock).map(|r| r.status)
-    };
-    let (mut socks, asked, answered) = tokio::task::block_in_place(|| {
+    let (busy, once, asked, answered) = tokio::task::block_in_place(|| {
         // In use for 2.4 s, more than idle_timeout, with 200 ms between requests.
-        let mut busy = raw_connect(gw.port);
-        for i in 0..12 {
-            if i > 0 {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            assert_eq!(
-                ask(&mut busy),
-                Some(200),
-                "request {i} on the busy connection"
-            );
+        let (mut busy, ..) = one_request(gw.port);
+        for i in 1..12 {
+            std::thread::sleep(Duration::from_millis(200));
+            busy.write_all(IDLE_REQUEST).unwrap();
+            let status = read_raw_response(&mut busy).map(|r| r.status);
+            assert_eq!(status, Some(200), "request {i} on the busy connection");
         }
-        let mut once = raw_connect(gw.port);
-        // The gateway's idle clock starts after its answer, so after this.
-        let asked = Instant::now();
-        assert_eq!(ask(&mut once), Some(200));
-        (vec![busy, once], asked, Instant::now())
+        let (once, asked, answered) = one_request(gw.port);
+        (busy, once, asked, answered)
     });
     // Both places are taken: a third connection is refused at once.
     let _refused = raw_connect(gw.port);
@@ -682,16 +699,37 @@ async fn idle_keep_alive_connections_are_closed_and_free_their_place() {
         Duration::from_secs(10),
     )
     .await;
-    tokio::task::block_in_place(|| wait_closed(&mut socks, 2, Duration::from_secs(10)));
-    let (since_asked, since_answered) = (asked.elapsed(), answered.elapsed());
-    assert!(
-        since_asked >= Duration::from_secs(2) && since_answered < Duration::from_secs(6),
-        "idle connections closed {since_answered:?} after the last answer, idle_timeout 2s"
-    );
+    let idle = Duration::from_secs(2);
+    tokio::task::block_in_place(|| {
+        assert_closed_when_idle(&mut [busy, once], asked, answered, idle)
+    });
     wait_metric(&gw, "tollgate_connections", 0.0, Duration::from_secs(10)).await;
     let r = get(&client(), gw.url("/items"), "after-idle").await;
     assert_eq!(r.status(), 200);
     assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"header\"}", 0.0).await;
+}
+
+/// A reload's `idle_timeout` applies to the HTTP/1.1 connections opened after it (README).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_idle_timeout_applies_to_new_connections() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        server_extra: "  idle_timeout: 1m\n",
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        yaml.replace("idle_timeout: 1m", "idle_timeout: 1s"),
+    )
+    .unwrap();
+    gw.reload(0.0).await;
+    tokio::task::block_in_place(|| {
+        let (sock, asked, answered) = one_request(gw.port);
+        assert_closed_when_idle(&mut [sock], asked, answered, Duration::from_secs(1))
+    });
 }
 
 // ---- 8. Credentials forwarding ----
