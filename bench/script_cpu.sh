@@ -43,11 +43,13 @@ until cli PING >/dev/null 2>&1; do sleep 0.1; done
 U=µs; [[ -n ${INSTRUCTIONS:-} ]] && U=instructions
 
 GCRA=$(awk '/^local SCRIPT = \[\[/ { f = 1; next } /^\]\]/ { f = 0 } f' "$ROOT/bench/nginx_gcra.lua")
-ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/extra.lua" "$L/admit.lua")")
-ONE=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/admit_one.lua")")
+# The scripts as script.rs builds them (the admitting ones answer packed: pack.lua).
+ADMIT=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/extra.lua" "$L/pack.lua" "$L/admit.lua")")
+ONE=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/pack.lua" "$L/admit_one.lua")")
 PLAIN=$(cli SCRIPT LOAD "$GCRA")
-# admit_batch as script.rs builds it: admit_one and admit as functions of their KEYS and ARGV.
-BATCHED=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/extra.lua"; printf 'local function admit_one(KEYS, ARGV)\n'
+# admit_batch: admit_one and admit as functions of their KEYS and ARGV.
+BATCHED=$(cli SCRIPT LOAD "$(cat "$L/common.lua" "$L/extra.lua" "$L/pack.lua"
+  printf 'local function admit_one(KEYS, ARGV)\n'
   cat "$L/admit_one.lua"; printf 'end\nlocal function admit(KEYS, ARGV)\n'; cat "$L/admit.lua"
   printf 'end\n'; cat "$L/admit_batch.lua")")
 # One admission's KEYS and ARGV (admit_one's, below), BATCH times, as admit_batch takes them.

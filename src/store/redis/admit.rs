@@ -91,7 +91,9 @@ impl RedisBackend {
         c: &AdmitCall,
         conn: &mut Conn,
     ) -> Result<Vec<i64>, StoreError> {
-        Ok(script::invoke(&c.invocation(), conn).await?)
+        Ok(script::invoke::<script::Packed>(&c.invocation(), conn)
+            .await?
+            .one()?)
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use super::admit::Sent;
 use super::conn::Conn;
-use super::script::{self, AdmitBatch, AdmitCall, Op};
+use super::script::{self, AdmitBatch, AdmitCall, Op, Packed};
 use super::RedisBackend;
 use crate::store::{lock, StoreError};
 
@@ -101,11 +101,13 @@ impl RedisBackend {
     /// One `admit_batch` call, each admission's reply delivered to its request.
     async fn run_batch(self: &Arc<Self>, batch: Vec<(AdmitCall, Sent)>, conn: &mut Conn) {
         let (calls, txs): (Vec<AdmitCall>, Vec<Sent>) = batch.into_iter().unzip();
-        let replies = script::invoke::<Vec<Vec<i64>>>(&AdmitBatch(&calls).invocation(), conn).await;
+        let replies = script::invoke::<Packed>(&AdmitBatch(&calls).invocation(), conn).await;
         let replies: Vec<Result<Vec<i64>, StoreError>> = match replies {
-            Ok(each) if each.len() == calls.len() => each.into_iter().map(one_of_batch).collect(),
+            Ok(Packed(each)) if each.len() == calls.len() => {
+                each.into_iter().map(one_of_batch).collect()
+            }
             // Not this batch's answer: each may have run.
-            Ok(each) => (0..calls.len())
+            Ok(Packed(each)) => (0..calls.len())
                 .map(|_| {
                     Err(StoreError::Reply(format!(
                         "a batch of {} answered {each:?}",

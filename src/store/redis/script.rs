@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use std::sync::LazyLock;
 
-use redis::{FromRedisValue, RedisError, RetryMethod, Script, ScriptInvocation};
+use redis::{
+    FromRedisValue, ParsingError, RedisError, RetryMethod, Script, ScriptInvocation, Value,
+};
 
 use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
@@ -46,14 +48,24 @@ pub(super) enum Lua {
     AdmitBatch,
 }
 
-/// Each operation's script by name, in the order of [`Lua`].
+/// Each operation's script by name, in the order of [`Lua`]. The admitting scripts answer
+/// packed (`pack.lua`, [`Packed`]).
 pub(super) const SOURCES: [(&str, &str); 10] = [
-    ("admit", store_lua!("admit")),
+    (
+        "admit",
+        concat!(
+            include_str!("../lua/store/common.lua"),
+            include_str!("../lua/store/extra.lua"),
+            include_str!("../lua/store/pack.lua"),
+            include_str!("../lua/store/admit.lua"),
+        ),
+    ),
     (
         "admit_one",
         concat!(
             include_str!("../lua/store/common.lua"),
-            include_str!("../lua/store/admit_one.lua")
+            include_str!("../lua/store/pack.lua"),
+            include_str!("../lua/store/admit_one.lua"),
         ),
     ),
     ("undo", store_lua!("undo")),
@@ -70,6 +82,7 @@ pub(super) const SOURCES: [(&str, &str); 10] = [
         concat!(
             include_str!("../lua/store/common.lua"),
             include_str!("../lua/store/extra.lua"),
+            include_str!("../lua/store/pack.lua"),
             "local function admit_one(KEYS, ARGV)\n",
             include_str!("../lua/store/admit_one.lua"),
             "end\nlocal function admit(KEYS, ARGV)\n",
@@ -226,6 +239,66 @@ impl AdmitCall {
     /// The lease sets this call takes a slot in.
     pub fn slot_keys(&self) -> Vec<String> {
         self.key_slots.iter().cloned().collect()
+    }
+}
+
+/// The admitting scripts' reply (`admit`, `admit_one`, `admit_batch`): each call's figures, in
+/// order, unpacked from the one string they come in (`lua/store/pack.lua`: a count, then that
+/// many signed 64-bit little-endian integers, per call). One string is one value for the
+/// Redis client to parse, where an array of integers was one per figure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Packed(pub Vec<Vec<i64>>);
+
+impl Packed {
+    /// The reply of a call sent alone: exactly one call's figures.
+    pub fn one(self) -> Result<Vec<i64>, RedisError> {
+        let n = self.0.len();
+        match <[Vec<i64>; 1]>::try_from(self.0) {
+            Ok([r]) => Ok(r),
+            Err(_) => Err(ParsingError::from(format!("one admission answered {n}")).into()),
+        }
+    }
+}
+
+/// `bytes` as [`Packed`] replies, `None` if they are not exactly that (a count past the end,
+/// a word cut short, bytes left over).
+pub(super) fn unpack(mut bytes: &[u8]) -> Option<Vec<Vec<i64>>> {
+    fn word(bytes: &mut &[u8]) -> Option<i64> {
+        let (w, rest) = bytes.split_first_chunk::<8>()?;
+        *bytes = rest;
+        Some(i64::from_le_bytes(*w))
+    }
+    let mut calls = Vec::new();
+    while !bytes.is_empty() {
+        let n = usize::try_from(word(&mut bytes)?).ok()?;
+        if n > bytes.len() / 8 {
+            return None;
+        }
+        calls.push(
+            (0..n)
+                .map(|_| word(&mut bytes))
+                .collect::<Option<Vec<i64>>>()?,
+        );
+    }
+    Some(calls)
+}
+
+impl FromRedisValue for Packed {
+    fn from_redis_value_ref(v: &Value) -> Result<Self, ParsingError> {
+        match v {
+            Value::BulkString(bytes) => unpack(bytes).map(Packed).ok_or_else(|| {
+                format!(
+                    "a packed reply of {} bytes that does not unpack",
+                    bytes.len()
+                )
+                .into()
+            }),
+            other => Err(format!("{other:?} where a packed reply was expected").into()),
+        }
+    }
+
+    fn from_redis_value(v: Value) -> Result<Self, ParsingError> {
+        Self::from_redis_value_ref(&v)
     }
 }
 

@@ -10,7 +10,7 @@
 --       further budget (five from [16]), then the settled hold's units and grant time (as
 --       `settle`'s, for a hold Redis lost), then record_ms
 -- reply {code, a, remaining, reset_us, granted, now_us, level of each budget..., held ticks
---       of each budget...}: code OVER_BUDGET (a = retry_after_us), KEY_BUSY, ROUTE_BUSY,
+--       of each budget...}, packed (`pack.lua`): code OVER_BUDGET (a = retry_after_us), KEY_BUSY, ROUTE_BUSY,
 --       ADMITTED (a = delay_us), UNDONE (the id was given up: nothing written). With
 --       further budgets the reply goes on: decisive budget's index, then remaining,
 --       reset_us of each.
@@ -70,12 +70,12 @@ local function reply(code, a, after, decisive)
       if figs[i][1] < figs[decisive][1] then decisive = i end
     end
   end
-  local out = {code, a, figs[decisive][1], figs[decisive][2], granted, int(now)}
+  local out = {code, a, figs[decisive][1], figs[decisive][2], granted, now}
   for _, x in ipairs(b) do
-    if after then out[#out + 1] = int(x.next) else out[#out + 1] = int(x.level) end
+    if after then out[#out + 1] = x.next else out[#out + 1] = x.level end
   end
   for _, x in ipairs(b) do
-    out[#out + 1] = int(x.held + granted * x.p)
+    out[#out + 1] = x.held + granted * x.p
   end
   if #b > 1 then
     out[#out + 1] = decisive - 1
@@ -84,7 +84,7 @@ local function reply(code, a, after, decisive)
       out[#out + 1] = figs[i][2]
     end
   end
-  return out
+  return packed(out)
 end
 local seen = redis.call('GET', record)
 if seen then

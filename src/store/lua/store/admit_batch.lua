@@ -9,8 +9,8 @@
 -- KEYS  every call's KEYS, one call's after the other's
 -- ARGV  [1] the number of calls, then for each call: its script (1 admit_one, 2 admit), its
 --       number of KEYS, its number of ARGV, then its ARGV
--- reply {each call's reply, in order}. A call that stopped with an error answers {-1}, and
---       the others stand: `admit` makes its checks and reads before it writes, so such a
+-- reply each call's reply, in order, packed into one string (`pack.lua`). A call that stopped
+--       with an error answers {-1}, and the others stand: `admit` makes its checks and reads before it writes, so such a
 --       call wrote nothing of its decision (as one sent alone that failed).
 
 -- The calls of a batch repeat the same figures (their argument counts, their limits and
@@ -25,6 +25,7 @@ num = function(s)
   return v
 end
 
+local FAILED = struct.pack('<i8i8', 1, -1)
 local calls = tonumber(ARGV[1])
 batch_now = now_us()
 local out = {}
@@ -36,6 +37,7 @@ for i = 1, calls do
   local run = admit
   if which == 1 then run = admit_one end
   local ok, reply = pcall(run, keys, argv)
-  if ok then out[i] = reply else out[i] = {-1} end
+  if not ok then reply = FAILED end
+  out[i] = reply
 end
-return out
+return table.concat(out)

@@ -8,8 +8,7 @@
 -- KEYS  [1] budget, [2] the key's holds, [3] the record
 -- ARGV  [1] per_unit [2] rate [3] capacity [4] max_delay [5] cost [6] record_ms: only what
 --       this decision reads (`admit` takes 18 and more; a batch carries each call's)
--- reply {code, a, remaining, reset_us, 0, now_us, level, held}: integers, as Lua numbers
---       (Redis replies with each as an integer; no string to format)
+-- reply {code, a, remaining, reset_us, 0, now_us, level, held}, packed (`pack.lua`)
 --
 -- It decides before it looks for the call's record, and an admission writes its record with
 -- the command that looks for it (SET NX GET): four commands where `admit` runs five. Until
@@ -45,7 +44,8 @@ if after + held > cap + delay then
       retry = math.max(retry, last - now + ceil_div(after_held, q))
     end
     local l = charged + held
-    return {OVER_BUDGET, retry, remaining(cap, l, p), ceil_div(l, q), 0, now, charged, held}
+    return packed8(OVER_BUDGET, retry, remaining(cap, l, p), ceil_div(l, q), 0, now, charged,
+                   held)
   end
 else
   local keep = math.max(1, ceil_div(ceil_div(after, q), 1000))
@@ -57,7 +57,7 @@ else
     local wait = 0
     if after + held > cap then wait = ceil_div(after + held - cap, q) end
     local l = after + held
-    return {ADMITTED, wait, remaining(cap, l, p), ceil_div(l, q), 0, now, after, held}
+    return packed8(ADMITTED, wait, remaining(cap, l, p), ceil_div(l, q), 0, now, after, held)
   end
 end
 -- The record was there: nothing written, it answers (the level as it is, expired holds not
@@ -65,4 +65,4 @@ end
 local code = UNDONE
 if seen == '1' then code = ADMITTED end
 local l = level + held
-return {code, 0, remaining(cap, l, p), ceil_div(l, q), 0, now, level, held}
+return packed8(code, 0, remaining(cap, l, p), ceil_div(l, q), 0, now, level, held)

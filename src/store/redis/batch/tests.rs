@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::super::admit_call;
 use super::super::conn::Conn;
 use super::super::script::{
-    self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Settle, Undo, Unspend,
+    self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Packed, Settle, Undo, Unspend,
 };
 use super::super::slices::{hold_field, Ask, IfLost};
 use crate::budget::Limit;
@@ -174,7 +174,7 @@ async fn a_batch_decides_each_admission_as_the_model_does_alone() {
             .iter()
             .map(|req| admit_call(req, Ask::default(), format!("t:{sent}:{}", rand()), hour))
             .collect();
-        let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+        let Packed(replies) = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
             .await
             .unwrap();
         assert_eq!(replies.len(), size);
@@ -224,7 +224,7 @@ async fn an_admission_twice_in_a_batch_is_charged_once() {
         Duration::from_secs(60),
     );
     let calls = [call.clone(), call, other];
-    let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+    let Packed(replies) = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
         .await
         .unwrap();
     let codes: Vec<_> = replies
@@ -273,7 +273,7 @@ async fn a_failing_call_in_a_batch_leaves_the_others_standing() {
         Duration::from_secs(60),
     );
     let calls = [good, bad, good2];
-    let replies: Vec<Vec<i64>> = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
+    let Packed(replies) = script::invoke(&AdmitBatch(&calls).invocation(), &mut conn)
         .await
         .unwrap();
     assert_eq!(replies[1], vec![-1]);
@@ -303,7 +303,11 @@ async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64,
     } else {
         c.invocation()
     };
-    let r: Vec<i64> = script::invoke(&inv, conn).await.unwrap();
+    let r = script::invoke::<Packed>(&inv, conn)
+        .await
+        .unwrap()
+        .one()
+        .unwrap();
     (AdmitCode::from_reply(r[0]).unwrap(), r[2], r[7])
 }
 

@@ -86,7 +86,7 @@ impl AdmitCall {
 
 /// `admit` of the whole request: its budgets and its key's slot.
 impl Op for AdmitCall {
-    type Reply = Vec<i64>;
+    type Reply = super::Packed;
     const SCRIPT: Lua = Lua::Admit;
 
     fn args(&self, inv: &mut ScriptInvocation<'static>) {
@@ -159,7 +159,7 @@ impl AdmitCall {
 pub(in crate::store::redis) struct AdmitBatch<'a>(pub &'a [AdmitCall]);
 
 impl Op for AdmitBatch<'_> {
-    type Reply = Vec<Vec<i64>>;
+    type Reply = super::Packed;
     const SCRIPT: Lua = Lua::AdmitBatch;
 
     fn args(&self, inv: &mut ScriptInvocation<'static>) {

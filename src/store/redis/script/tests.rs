@@ -106,3 +106,43 @@ fn every_operation_has_a_flagged_script_of_its_own() {
         assert!(lua.contains(&format!("\n-- {name}: ")), "{name}'s contract");
     }
 }
+
+/// Packed replies (`pack.lua`): a count, then that many little-endian i64s, call after call.
+#[test]
+fn packed_replies_unpack_exactly_or_not_at_all() {
+    fn pack(calls: &[&[i64]]) -> Vec<u8> {
+        let mut b = Vec::new();
+        for c in calls {
+            b.extend_from_slice(&(c.len() as i64).to_le_bytes());
+            for v in *c {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        b
+    }
+    let now = 1_764_864_000_123_456_i64; // µs: past 2^32, as Redis TIME is
+    let calls: [&[i64]; 3] = [&[3, 0, 5, 1000, 0, now, 10, 0], &[-1], &[]];
+    let bytes = pack(&calls);
+    let want: Vec<Vec<i64>> = calls.iter().map(|c| c.to_vec()).collect();
+    assert_eq!(unpack(&bytes), Some(want.clone()));
+    let value = Value::BulkString(bytes.clone());
+    assert_eq!(Packed::from_redis_value_ref(&value).unwrap(), Packed(want));
+    // A call sent alone answers exactly one reply.
+    let one = Packed::from_redis_value(Value::BulkString(pack(&calls[..1]))).unwrap();
+    assert_eq!(one.one().unwrap(), calls[0].to_vec());
+    let two = Packed::from_redis_value(Value::BulkString(pack(&calls[..2]))).unwrap();
+    assert!(two.one().is_err());
+    // Cut anywhere inside a word, or with bytes left over, or a count past the end: refused.
+    for cut in (1..bytes.len()).filter(|n| n % 8 != 0) {
+        assert_eq!(unpack(&bytes[..cut]), None, "cut at {cut}");
+    }
+    assert_eq!(unpack(&pack(&[&[7, 8, 9]])[..24]), None);
+    let mut huge = pack(&[&[1]]);
+    huge[..8].copy_from_slice(&i64::MAX.to_le_bytes());
+    assert_eq!(unpack(&huge), None);
+    huge[..8].copy_from_slice(&(-2_i64).to_le_bytes());
+    assert_eq!(unpack(&huge), None);
+    // Not a string: what an old script (an array of integers) would answer.
+    let array = Value::Array(vec![Value::Int(3), Value::Int(0)]);
+    assert!(Packed::from_redis_value_ref(&array).is_err());
+}
