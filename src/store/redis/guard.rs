@@ -67,7 +67,7 @@ impl RedisBackend {
     /// nothing (leases, peeks, refunds, settlings, queues); `admit` is `call_admit`.
     pub(super) async fn call<T: redis::FromRedisValue>(
         &self,
-        inv: redis::ScriptInvocation<'_>,
+        inv: script::Call<'_>,
     ) -> Result<T, StoreError> {
         self.guarded(Guard::Breaker, |mut conn| async move {
             Ok(script::invoke::<T>(&inv, &mut conn).await?)

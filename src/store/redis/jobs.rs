@@ -11,6 +11,7 @@ use redis::Script;
 
 use super::keys::{queue_keys, QueueKeys};
 use super::queue::{leave, GRANT_TTL};
+use super::script::Call;
 use super::{keys, Decided, RedisBackend};
 use crate::identity::KeyHash;
 use crate::store::{Admission, AdmitRequest, Standing, StoreError};
@@ -228,7 +229,7 @@ impl RedisBackend {
         op: &str,
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        let mut inv = self.job_script.0.prepare_invoke();
+        let mut inv = Call::new(&self.job_script.0);
         inv.key(keys::job_key(id)).arg(op);
         for a in args {
             inv.arg(*a);

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use redis::Script;
 
 use super::keys::{self, queue_keys, QueueKeys};
+use super::script::Call;
 use super::{Decided, RedisBackend, RedisLease};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
@@ -53,8 +54,8 @@ impl QueueScript {
         QueueScript(Script::new(include_str!("../lua/queue.lua")))
     }
 
-    pub(super) fn call<'a>(&'a self, keys: &QueueKeys, op: &str) -> redis::ScriptInvocation<'a> {
-        let mut inv = self.0.prepare_invoke();
+    pub(super) fn call<'a>(&'a self, keys: &QueueKeys, op: &str) -> Call<'a> {
+        let mut inv = Call::new(&self.0);
         for k in keys {
             inv.key(k);
         }
@@ -62,18 +63,13 @@ impl QueueScript {
         inv
     }
 
-    fn confirm<'a>(
-        &'a self,
-        keys: &QueueKeys,
-        id: &str,
-        lease_ttl: Duration,
-    ) -> redis::ScriptInvocation<'a> {
+    fn confirm<'a>(&'a self, keys: &QueueKeys, id: &str, lease_ttl: Duration) -> Call<'a> {
         let mut inv = self.call(keys, "confirm");
         inv.arg(id).arg(lease_ttl.as_micros() as u64);
         inv
     }
 
-    pub fn release<'a>(&'a self, keys: &QueueKeys, id: &str) -> redis::ScriptInvocation<'a> {
+    pub fn release<'a>(&'a self, keys: &QueueKeys, id: &str) -> Call<'a> {
         let mut inv = self.call(keys, "release");
         inv.arg(id)
             .arg(GRANT_TTL.as_micros() as u64)
@@ -176,11 +172,7 @@ impl Drop for Unserved {
     }
 }
 
-pub(super) fn leave<'a>(
-    script: &'a QueueScript,
-    keys: &QueueKeys,
-    id: &str,
-) -> redis::ScriptInvocation<'a> {
+pub(super) fn leave<'a>(script: &'a QueueScript, keys: &QueueKeys, id: &str) -> Call<'a> {
     let mut inv = script.call(keys, "leave");
     inv.arg(id).arg(GIVEN_UP_FOR.as_micros() as u64);
     inv
@@ -290,7 +282,7 @@ impl RedisBackend {
         Ok(confirmed.first() == Some(&1))
     }
 
-    fn enter(&self, req: &AdmitRequest, cap: u32, u: &Unserved) -> redis::ScriptInvocation<'_> {
+    fn enter(&self, req: &AdmitRequest, cap: u32, u: &Unserved) -> Call<'_> {
         self.enter_as(&u.keys, &u.id, req, cap, &self.instance, ALIVE_FOR)
     }
 
@@ -304,7 +296,7 @@ impl RedisBackend {
         cap: u32,
         instance: &str,
         alive: Duration,
-    ) -> redis::ScriptInvocation<'_> {
+    ) -> Call<'_> {
         let mut inv = self.queue_script.call(keys, "enter");
         inv.arg(id)
             .arg(keys::key_tag(&req.key))

@@ -11,7 +11,7 @@ use std::time::Duration;
 use std::sync::LazyLock;
 
 use redis::{
-    FromRedisValue, ParsingError, RedisError, RetryMethod, Script, ScriptInvocation, Value,
+    Cmd, FromRedisValue, ParsingError, RedisError, RetryMethod, Script, ToRedisArgs, Value,
 };
 
 use super::conn::Conn;
@@ -111,30 +111,86 @@ pub(super) trait Op {
     /// Its script.
     const SCRIPT: Lua;
     /// Its KEYS and ARGV, in the order of the contract above its script.
-    fn args(&self, inv: &mut ScriptInvocation<'static>);
+    fn args(&self, call: &mut Call<'static>);
 
     /// The call, ready to send ([`invoke`]).
-    fn invocation(&self) -> ScriptInvocation<'static> {
-        let mut inv = SCRIPTS[Self::SCRIPT as usize].prepare_invoke();
-        self.args(&mut inv);
-        inv
+    fn invocation(&self) -> Call<'static> {
+        let mut call = Call::new(&SCRIPTS[Self::SCRIPT as usize]);
+        self.args(&mut call);
+        call
+    }
+}
+
+/// One call of a script: its KEYS and its ARGV, each laid as it comes into one buffer of its
+/// own (a [`Cmd`] keeps all its arguments' bytes in one growing `Vec`), and sent as
+/// `EVALSHA sha numkeys KEYS... ARGV...`. Where redis-rs's `ScriptInvocation` allocates a
+/// `Vec` for each argument and copies each again into the command it sends: a dozen
+/// allocations per `admit`.
+pub(crate) struct Call<'a> {
+    script: &'a Script,
+    keys: Cmd,
+    nkeys: usize,
+    argv: Cmd,
+}
+
+impl<'a> Call<'a> {
+    pub fn new(script: &'a Script) -> Self {
+        Call {
+            script,
+            keys: Cmd::with_capacity(4, 128),
+            nkeys: 0,
+            argv: Cmd::with_capacity(16, 128),
+        }
+    }
+
+    pub fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        self.nkeys += key.num_of_args();
+        self.keys.arg(key);
+        self
+    }
+
+    pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.argv.arg(arg);
+        self
+    }
+
+    /// The command on the wire.
+    fn eval(&self) -> Cmd {
+        let hash = self.script.get_hash();
+        let n = self.keys.args_iter().len() + self.argv.args_iter().len();
+        let mut cmd = Cmd::with_capacity(3 + n, 64 + 16 * n);
+        cmd.arg("EVALSHA").arg(hash).arg(self.nkeys);
+        for a in self.keys.args_iter().chain(self.argv.args_iter()) {
+            if let redis::Arg::Simple(bytes) = a {
+                cmd.arg(bytes);
+            }
+        }
+        cmd
     }
 }
 
 /// Runs one script call (EVALSHA, and on NOSCRIPT — a restarted node, a promoted replica —
-/// SCRIPT LOAD and EVALSHA again, by redis-rs), resending it only when the answer proves it
+/// SCRIPT LOAD and EVALSHA again), resending it only when the answer proves it
 /// did not run: MOVED or READONLY (Redis checks the slot and the role before running a
 /// script; the cluster client re-reads its slot map on either). Never after a timeout or a
 /// dropped connection: the script may have run, and it may charge. An ASK (a slot being
 /// migrated right now) is not followed: it is an error, and `store.on_error` decides.
-pub(super) async fn invoke<T: FromRedisValue>(
-    inv: &ScriptInvocation<'_>,
+pub(crate) async fn invoke<T: FromRedisValue>(
+    call: &Call<'_>,
     conn: &mut Conn,
 ) -> Result<T, RedisError> {
     const RESENDS: usize = 2;
+    let eval = call.eval();
     let mut resent = 0;
     loop {
-        match inv.invoke_async::<T>(conn).await {
+        let sent = match eval.query_async::<T>(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                call.script.load_async(conn).await?;
+                eval.query_async::<T>(conn).await
+            }
+            r => r,
+        };
+        match sent {
             Err(e) if resent < RESENDS && stale_topology(&e) => {
                 resent += 1;
                 // Let the slot map refresh that the error started go first.

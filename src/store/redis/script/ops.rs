@@ -2,9 +2,9 @@
 //! and [`Op::args`] lays them out as the script's KEYS and ARGV (the contract above each
 //! script in `lua/store/`). Every number goes as an integer.
 
-use redis::{ScriptInvocation, ToRedisArgs};
+use redis::ToRedisArgs;
 
-use super::{AdmitCall, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
+use super::{AdmitCall, Call, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
 use crate::budget::Limit;
 use crate::store::redis::slices::{self, IfLost};
 
@@ -15,12 +15,12 @@ pub(super) trait Lay {
     fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self;
 }
 
-impl Lay for ScriptInvocation<'static> {
+impl Lay for Call<'static> {
     fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
-        ScriptInvocation::key(self, key)
+        Call::key(self, key)
     }
     fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
-        ScriptInvocation::arg(self, arg)
+        Call::arg(self, arg)
     }
 }
 
@@ -89,14 +89,14 @@ impl Op for AdmitCall {
     type Reply = super::Packed;
     const SCRIPT: Lua = Lua::Admit;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         self.admit_args(inv);
     }
 
     /// The common decision — one budget, no key cap, no slice asked, no hold settled — goes
     /// to `admit_one`, the same contract without `admit`'s general machinery (less Redis
     /// CPU per call: `bench/script_cpu.sh`).
-    fn invocation(&self) -> ScriptInvocation<'static> {
+    fn invocation(&self) -> Call<'static> {
         self.invocation_for(self.script())
     }
 }
@@ -113,8 +113,8 @@ impl AdmitCall {
     }
 
     /// The call to `script` (`admit_one` or `admit`; a test sends a common call to both).
-    pub(in crate::store::redis) fn invocation_for(&self, script: Lua) -> ScriptInvocation<'static> {
-        let mut inv = super::SCRIPTS[script as usize].prepare_invoke();
+    pub(in crate::store::redis) fn invocation_for(&self, script: Lua) -> Call<'static> {
+        let mut inv = Call::new(&super::SCRIPTS[script as usize]);
         self.lay_for(script, &mut inv);
         inv
     }
@@ -162,7 +162,7 @@ impl Op for AdmitBatch<'_> {
     type Reply = super::Packed;
     const SCRIPT: Lua = Lua::AdmitBatch;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         inv.arg(self.0.len());
         for c in self.0 {
             // Counted first, then laid straight into the call (its KEYS and its ARGV are two
@@ -187,7 +187,7 @@ impl Op for Undo<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Undo;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         let c = self.0;
         inv.key(&c.record)
             .key(c.key_slots.as_ref().unwrap_or(&c.record))
@@ -202,7 +202,7 @@ impl Op for Undo<'_> {
 }
 
 /// Each budget with per_unit, rate and `cost` (`refund`, `debit`).
-fn budgets_with_cost(inv: &mut ScriptInvocation<'static>, budgets: &[(String, Limit)], cost: u64) {
+fn budgets_with_cost(inv: &mut Call<'static>, budgets: &[(String, Limit)], cost: u64) {
     for (key, l) in budgets {
         inv.key(key).arg(l.per_unit).arg(l.rate).arg(cost);
     }
@@ -218,7 +218,7 @@ impl Op for Refund<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Refund;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
     }
 }
@@ -236,18 +236,14 @@ impl Op for Debit<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Debit;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
         inv.arg(self.id);
     }
 }
 
 /// The key's holds, then each budget with per_unit and rate (`settle`, `unspend`, `peek`).
-fn holds_and_budgets(
-    inv: &mut ScriptInvocation<'static>,
-    holds: &str,
-    budgets: &[(String, Limit)],
-) {
+fn holds_and_budgets(inv: &mut Call<'static>, holds: &str, budgets: &[(String, Limit)]) {
     inv.key(holds);
     for (key, l) in budgets {
         inv.key(key).arg(l.per_unit).arg(l.rate);
@@ -271,7 +267,7 @@ impl Op for Settle<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Settle;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         inv.arg(self.id).arg(self.unspent);
         holds_and_budgets(inv, self.holds, self.budgets);
         inv.arg(self.if_lost.units).arg(self.if_lost.granted_us);
@@ -291,7 +287,7 @@ impl Op for Unspend<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Unspend;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         inv.arg(self.id).arg(self.cost);
         holds_and_budgets(inv, self.holds, self.budgets);
     }
@@ -308,7 +304,7 @@ impl Op for Peek<'_> {
     type Reply = Vec<i64>;
     const SCRIPT: Lua = Lua::Peek;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         holds_and_budgets(inv, self.holds, self.budgets);
     }
 }
@@ -325,7 +321,7 @@ impl Op for Lease<'_> {
     type Reply = i64;
     const SCRIPT: Lua = Lua::Lease;
 
-    fn args(&self, inv: &mut ScriptInvocation<'static>) {
+    fn args(&self, inv: &mut Call<'static>) {
         for set in self.sets {
             inv.key(set);
         }

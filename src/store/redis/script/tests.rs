@@ -146,3 +146,25 @@ fn packed_replies_unpack_exactly_or_not_at_all() {
     let array = Value::Array(vec![Value::Int(3), Value::Int(0)]);
     assert!(Packed::from_redis_value_ref(&array).is_err());
 }
+
+/// A call goes on the wire as `EVALSHA sha numkeys KEYS... ARGV...`, whatever order its keys
+/// and arguments were laid in.
+#[test]
+fn a_call_is_sent_as_evalsha_with_its_keys_before_its_arguments() {
+    let script = Script::new("return 1");
+    let mut call = Call::new(&script);
+    call.key("t{a}b")
+        .arg(500_000_u64)
+        .arg("id:1")
+        .key("t{a}h")
+        .arg(&b"\x00\xff"[..]);
+    let mut want = redis::cmd("EVALSHA");
+    want.arg(script.get_hash())
+        .arg(2)
+        .arg("t{a}b")
+        .arg("t{a}h")
+        .arg("500000")
+        .arg("id:1")
+        .arg(&b"\x00\xff"[..]);
+    assert_eq!(call.eval().get_packed_command(), want.get_packed_command());
+}
