@@ -1,10 +1,11 @@
 //! The store's scripts and how they are called. Each operation on budgets and leases is a
 //! script of its own, `lua/store/<op>.lua` after the helpers of `lua/store/common.lua` (and,
-//! but for `admit_one`, of `extra.lua`; one `EVALSHA` per call, reloaded on NOSCRIPT by
-//! redis-rs); its KEYS/ARGV/reply contract is
-//! written above it there, and each call is built by one typed value per operation
-//! (`ops`: its fields are the operation's arguments). Times are Redis `TIME` in µs; levels
-//! are ticks (`per_unit` per unit of cost, drained at `rate` per µs), as in `crate::budget`.
+//! but for `admit_one`, of `extra.lua`; the admitting scripts also take `pack.lua`, and
+//! answer packed: [`Packed`]). Its KEYS/ARGV/reply contract is written above it there. Each
+//! call is built by one typed value per operation (`ops`: its fields are the operation's
+//! arguments) into a [`Call`], sent as one `EVALSHA` (on NOSCRIPT: `SCRIPT LOAD`, then again:
+//! [`invoke`]). Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost,
+//! drained at `rate` per µs), as in `crate::budget`.
 
 use std::time::Duration;
 
@@ -129,7 +130,6 @@ pub(super) trait Op {
 pub(crate) struct Call<'a> {
     script: &'a Script,
     keys: Cmd,
-    nkeys: usize,
     argv: Cmd,
 }
 
@@ -138,13 +138,11 @@ impl<'a> Call<'a> {
         Call {
             script,
             keys: Cmd::with_capacity(4, 128),
-            nkeys: 0,
             argv: Cmd::with_capacity(16, 128),
         }
     }
 
     pub fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
-        self.nkeys += key.num_of_args();
         self.keys.arg(key);
         self
     }
@@ -156,11 +154,14 @@ impl<'a> Call<'a> {
 
     /// The command on the wire.
     fn eval(&self) -> Cmd {
-        let hash = self.script.get_hash();
-        let n = self.keys.args_iter().len() + self.argv.args_iter().len();
-        let mut cmd = Cmd::with_capacity(3 + n, 64 + 16 * n);
-        cmd.arg("EVALSHA").arg(hash).arg(self.nkeys);
-        for a in self.keys.args_iter().chain(self.argv.args_iter()) {
+        let (keys, argv) = (self.keys.args_iter(), self.argv.args_iter());
+        let n = keys.len() + argv.len();
+        let mut cmd = Cmd::with_capacity(3 + n, 64 + 24 * n);
+        cmd.arg("EVALSHA")
+            .arg(self.script.get_hash())
+            .arg(keys.len());
+        for a in keys.chain(argv) {
+            // `Cmd::arg` lays only simple arguments (a cursor is `Cmd::cursor_arg`'s).
             if let redis::Arg::Simple(bytes) = a {
                 cmd.arg(bytes);
             }

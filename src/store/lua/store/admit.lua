@@ -10,8 +10,8 @@
 --       further budget (five from [16]), then the settled hold's units and grant time (as
 --       `settle`'s, for a hold Redis lost), then record_ms
 -- reply {code, a, remaining, reset_us, granted, now_us, level of each budget..., held ticks
---       of each budget...}, packed (`pack.lua`): code OVER_BUDGET (a = retry_after_us), KEY_BUSY, ROUTE_BUSY,
---       ADMITTED (a = delay_us), UNDONE (the id was given up: nothing written). With
+--       of each budget...}, packed (`pack.lua`): code OVER_BUDGET (a = retry_after_us),
+--       KEY_BUSY, ROUTE_BUSY, ADMITTED (a = delay_us), UNDONE (the id was given up: nothing written). With
 --       further budgets the reply goes on: decisive budget's index, then remaining,
 --       reset_us of each.
 --

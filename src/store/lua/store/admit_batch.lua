@@ -10,8 +10,9 @@
 -- ARGV  [1] the number of calls, then for each call: its script (1 admit_one, 2 admit), its
 --       number of KEYS, its number of ARGV, then its ARGV
 -- reply each call's reply, in order, packed into one string (`pack.lua`). A call that stopped
---       with an error answers {-1}, and the others stand: `admit` makes its checks and reads before it writes, so such a
---       call wrote nothing of its decision (as one sent alone that failed).
+--       with an error answers {-1} (packed: count 1, then -1), and the others stand: `admit`
+--       makes its checks and reads before it writes, so such a call wrote nothing of its
+--       decision (as one sent alone that failed).
 
 -- The calls of a batch repeat the same figures (their argument counts, their limits and
 -- costs), and Lua's tonumber of a string runs glibc's strtod (~1,200 instructions in Redis):

@@ -10,6 +10,9 @@
 -- per call, or per batch (`crate::store::redis::script::Packed`). Redis itself makes no table
 -- for `admit_one`'s reply, and converts one string where it converted each figure.
 
+-- Packing comes after a call's writes, so it must never raise (common.lua: an error means
+-- nothing was written): every figure given it is a Lua number, whole, below 2^53.
+
 -- `admit_one`'s reply, and `admit`'s with one budget: eight figures.
 local PACK8 = '<i8i8i8i8i8i8i8i8i8'
 
