@@ -127,7 +127,7 @@ pub(super) trait Op {
 /// `EVALSHA sha numkeys KEYS... ARGV...`. Where redis-rs's `ScriptInvocation` allocates a
 /// `Vec` for each argument and copies each again into the command it sends: a dozen
 /// allocations per `admit`.
-pub(crate) struct Call<'a> {
+pub(super) struct Call<'a> {
     script: &'a Script,
     keys: Cmd,
     argv: Cmd,
@@ -176,7 +176,7 @@ impl<'a> Call<'a> {
 /// script; the cluster client re-reads its slot map on either). Never after a timeout or a
 /// dropped connection: the script may have run, and it may charge. An ASK (a slot being
 /// migrated right now) is not followed: it is an error, and `store.on_error` decides.
-pub(crate) async fn invoke<T: FromRedisValue>(
+pub(super) async fn invoke<T: FromRedisValue>(
     call: &Call<'_>,
     conn: &mut Conn,
 ) -> Result<T, RedisError> {
