@@ -719,12 +719,7 @@ async fn a_reloaded_idle_timeout_applies_to_new_connections() {
         body: INCIDENT,
         ..GatewayOpts::default()
     });
-    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(
-        &gw.config_path,
-        yaml.replace("idle_timeout: 1m", "idle_timeout: 1s"),
-    )
-    .unwrap();
+    gw.edit_config("idle_timeout: 1m", "idle_timeout: 1s");
     gw.reload(0.0).await;
     tokio::task::block_in_place(|| {
         let (sock, asked, answered) = one_request(gw.port);

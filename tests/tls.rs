@@ -428,22 +428,10 @@ async fn an_idle_http2_connection_is_closed_after_idle_timeout() {
     let up = Upstream::start(Duration::ZERO);
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::new(dir.path());
-    let tg = start_tls_with(
-        &up,
-        &pki,
-        INCIDENT,
-        &[],
-        "  idle_timeout: 1s
-",
-    );
+    let tg = start_tls_with(&up, &pki, INCIDENT, &[], "  idle_timeout: 1s\n");
     assert_h2_closed_when_idle(&tg, Duration::from_secs(1)).await;
 
-    let yaml = std::fs::read_to_string(&tg.gw.config_path).unwrap();
-    std::fs::write(
-        &tg.gw.config_path,
-        yaml.replace("idle_timeout: 1s", "idle_timeout: 1m"),
-    )
-    .unwrap();
+    tg.gw.edit_config("idle_timeout: 1s", "idle_timeout: 1m");
     tg.gw.reload(0.0).await;
     tg.gw
         .wait_log("server.idle_timeout takes effect on restart only for HTTP/2 connections")

@@ -198,6 +198,17 @@ impl Gateway {
         .await
     }
 
+    /// Rewrites `from` as `to` in the gateway's config file (for a reload to read); `from`
+    /// must be there, so that a test cannot reload an unchanged file by mistake.
+    pub fn edit_config(&self, from: &str, to: &str) {
+        let yaml = std::fs::read_to_string(&self.config_path).unwrap();
+        assert!(
+            yaml.contains(from),
+            "`{from}` is not in the config:\n{yaml}"
+        );
+        std::fs::write(&self.config_path, yaml.replace(from, to)).unwrap();
+    }
+
     /// Sends SIGHUP and waits until the reload it caused is counted (`done_before` reloads
     /// were counted before it; signals sent faster would be merged into fewer reloads).
     pub async fn reload(&self, done_before: f64) {
