@@ -58,6 +58,10 @@ usage: bench/run.sh [options]
       --syscalls      after the rounds, one more wrk run per selected letter (b c d g i h) under
                       `perf stat`: system calls (tracepoints) and allocations (uprobes on the
                       malloc family of libc and of jemalloc) per request, side by side
+      --sched         per configuration, what the scheduler did with each process during the
+                      rounds (/proc/PID/task/*/schedstat): the share of one CPU it ran, the share
+                      it was runnable but waiting for a CPU, and its context switches per second;
+                      for the server, its upstream nginx and, in (d) and (h), redis-server
   -h, --help
 EOF
 }
@@ -75,6 +79,7 @@ ONLY=""
 TOLLGATE_YAML=""
 OUT=""
 SYSCALLS=0
+SCHED=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-build) BUILD=0 ;;
@@ -91,6 +96,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT=$2; shift ;;
     --tollgate-yaml) TOLLGATE_YAML=$2; shift ;;
     --syscalls) SYSCALLS=1 ;;
+    --sched) SCHED=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -508,6 +514,16 @@ requests_total() { # sum of tollgate_requests_total over all series
   curl -s -m 2 "http://127.0.0.1:$1/metrics" | awk '/^tollgate_requests_total\{/ { s += $NF } END { printf "%d\n", s }'
 }
 
+# "run_ns wait_ns switches" of every thread of PIDs and their children (/proc/PID/task/*/schedstat:
+# time on a CPU, time runnable but waiting for one, times it was switched in).
+sched_of() {
+  local p t
+  for p in "$@" $(for q in "$@"; do pgrep -P "$q" || true; done); do
+    for t in /proc/"$p"/task/*/schedstat; do [[ -r $t ]] && cat "$t"; done
+  done | awk '{ r += $1; w += $2; s += $3 } END { printf "%.0f %.0f %.0f\n", r, w, s }'
+}
+now_ns() { date +%s%N; }
+
 median() { # numbers on stdin → median
   sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "nan"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
@@ -524,18 +540,35 @@ fi
 
 declare -A RES CPU MCPU BUSY
 declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
-declare -A RUSEC=([d]=0 [h]=0)  # letter → Redis's usec (INFO commandstats, top-level calls)
+declare -A RUSEC=([d]=0 [h]=0)
+declare -A SCH     # "letter,who" → "run_ns wait_ns switches" summed over the rounds (--sched)
+declare -A SCH_NS  # letter → wall ns of its rounds (--sched)  # letter → Redis's usec (INFO commandstats, top-level calls)
 declare -A RT_REQS=([d]=0 [h]=0)
 for r in $(seq "$ROUNDS"); do
   for n in "${NAMES[@]}"; do
     log "round $r/$ROUNDS: ${LABEL[$n]} (${DURATION}s, $CONNS connections, $WRK_THREADS wrk thread(s), $KEYS key(s))"
     if [[ $n == d || $n == h ]]; then redis_cmdstats >"$TMP/redis-before.txt"; fi
     [[ $n == d ]] && q0=$(requests_total "$TR_ADMIN")
+    if [[ $SCHED == 1 ]]; then
+      SCH_WHO=(server upstream); SCH_PIDS=("${PIDOF[$n]}" "$UP_PID")
+      if [[ $n == d || $n == h ]]; then SCH_WHO+=(redis); SCH_PIDS+=("$RD_PID"); fi
+      SCH0=(); for p in "${SCH_PIDS[@]}"; do SCH0+=("$(sched_of "$p")"); done
+      ns0=$(now_ns)
+    fi
     t0=$(cpu_ticks "${PIDOF[$n]}")
     read -r mb0 mt0 < <(machine_ticks)
     run_wrk "$n" "$DURATION" "$TMP/wrk-$n-$r.txt"
     read -r mb1 mt1 < <(machine_ticks)
     t1=$(cpu_ticks "${PIDOF[$n]}")
+    if [[ $SCHED == 1 ]]; then
+      ns1=$(now_ns)
+      SCH_NS[$n]=$(( ${SCH_NS[$n]:-0} + ns1 - ns0 ))
+      for i in "${!SCH_WHO[@]}"; do
+        read -r a0 b0 c0 <<<"${SCH0[$i]}"; read -r a1 b1 c1 < <(sched_of "${SCH_PIDS[$i]}")
+        read -r a b c <<<"${SCH[$n,${SCH_WHO[$i]}]:-0 0 0}"
+        SCH[$n,${SCH_WHO[$i]}]="$((a + a1 - a0)) $((b + b1 - b0)) $((c + c1 - c0))"
+      done
+    fi
     RES[$n,$r]=$(parse_wrk "$TMP/wrk-$n-$r.txt")
     read -r rps p50 p99 reqs errs non2xx <<<"${RES[$n,$r]}"
     if [[ $n == d || $n == h ]]; then
@@ -824,4 +857,22 @@ if [[ -n $SYSCALL_TABLE ]]; then
   echo "System calls (perf stat tracepoints) and allocations (uprobes on libc's and jemalloc's malloc, calloc, realloc, mallocx, rallocx) per request, one more ${DURATION}s wrk run each, server processes only (nginx: master and worker):"
   echo
   echo "$SYSCALL_TABLE"
+fi
+
+if [[ $SCHED == 1 ]]; then
+  echo
+  echo "What the scheduler did during the rounds (--sched; /proc/PID/task/*/schedstat, all threads): \"ran\" is the share of one CPU each process ran, \"waited\" the share it was runnable but had no CPU (another process held both), \"switches/s\" how often it was switched in (after sleeping for work, or after being preempted). A server whose ran + waited is near 100 % never ran out of work: its own CPU per request and what preempts it bound its req/s."
+  echo
+  echo "| configuration | server ran % | server waited % | server switches/s | upstream nginx ran % | waited % | redis-server ran % | waited % | switches/s |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+  for n in "${NAMES[@]}"; do
+    row="| ${LABEL[$n]} |"
+    for who in server upstream redis; do
+      if [[ -z ${SCH[$n,$who]:-} ]]; then row+=" | |"; [[ $who == redis ]] && row+=" |"; continue; fi
+      read -r a b c <<<"${SCH[$n,$who]}"
+      row+=$(awk -v a="$a" -v b="$b" -v c="$c" -v t="${SCH_NS[$n]}" -v sw="$([[ $who == upstream ]] && echo 0 || echo 1)" \
+        'BEGIN { printf " %.1f | %.1f |", 100 * a / t, 100 * b / t; if (sw) printf " %.0f |", c / (t / 1e9) }')
+    done
+    echo "$row"
+  done
 fi
