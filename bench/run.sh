@@ -540,9 +540,9 @@ fi
 
 declare -A RES CPU MCPU BUSY
 declare -A RCMD   # "letter,command" → Redis calls during that letter's runs (d and h)
-declare -A RUSEC=([d]=0 [h]=0)
+declare -A RUSEC=([d]=0 [h]=0)  # letter → Redis's usec (INFO commandstats, top-level calls)
 declare -A SCH     # "letter,who" → "run_ns wait_ns switches" summed over the rounds (--sched)
-declare -A SCH_NS  # letter → wall ns of its rounds (--sched)  # letter → Redis's usec (INFO commandstats, top-level calls)
+declare -A SCH_NS  # letter → wall ns of its rounds (--sched)
 declare -A RT_REQS=([d]=0 [h]=0)
 for r in $(seq "$ROUNDS"); do
   for n in "${NAMES[@]}"; do
@@ -861,7 +861,7 @@ fi
 
 if [[ $SCHED == 1 ]]; then
   echo
-  echo "What the scheduler did during the rounds (--sched; /proc/PID/task/*/schedstat, all threads): \"ran\" is the share of one CPU each process ran, \"waited\" the share it was runnable but had no CPU (another process held both), \"switches/s\" how often it was switched in (after sleeping for work, or after being preempted). A server whose ran + waited is near 100 % never ran out of work: its own CPU per request and what preempts it bound its req/s."
+  echo "What the scheduler did during the rounds (--sched; /proc/PID/task/*/schedstat, all threads): \"ran\" is the share of one CPU each process ran, \"waited\" the share it was runnable but queued behind another process for a CPU, \"switches/s\" how often it was switched in (after sleeping for work, or after being preempted). A server whose ran + waited is near 100 % never ran out of work: its own CPU per request and what preempts it bound its req/s."
   echo
   echo "| configuration | server ran % | server waited % | server switches/s | upstream nginx ran % | waited % | redis-server ran % | waited % | switches/s |"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
