@@ -926,11 +926,12 @@ async fn access_log_separates_the_store_round_trip_from_queueing() {
 }
 
 /// Group commit across a fleet (`store::redis::batch`): while Redis is paused, each worker
-/// thread of three gateways has one `admit` in flight and gathers the rest of 60 requests
-/// (cost 2, one key, 25 units left) behind it; they then go as batches, which straddle the
-/// budget's last units. Exactly what sequential calls would admit is admitted: 12 (24 units),
-/// the 13th refused although 1 unit is left, which a cost-1 request then takes. And Redis ran
-/// far fewer calls than requests.
+/// thread of three gateways has two `admit` calls in flight and gathers the rest of 60
+/// requests (cost 2, one key, 25 units left) behind them; they then go as batches, which
+/// straddle the budget's last units. Exactly what sequential calls would admit is admitted: 12
+/// (24 units), the 13th refused although 1 unit is left, which a cost-1 request then takes.
+/// And Redis ran far fewer calls than requests: at most 4 per worker thread (two alone, then
+/// a batch as each lands), 24 for the six threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_straddling_a_budgets_last_units_admit_exactly_what_fits() {
     let redis = Redis::start();
@@ -976,4 +977,47 @@ async fn batches_straddling_a_budgets_last_units_admit_exactly_what_fits() {
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
     assert_eq!(get(&c, gws[2].url("/items"), "k").await.status(), 429);
+}
+
+/// Group commit where Redis is a network away (a proxy delivering everything 250 ms late
+/// each way: a round trip of 500 ms at least). Request A's admission is in flight on the
+/// gateway's only worker thread when request B arrives: B's call goes at once beside it
+/// (`store::redis::batch`: two calls in flight per thread) rather than waiting the rest of
+/// A's round trip and then its own (about 850 ms). Both are admitted and charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_does_not_wait_for_the_call_in_flight_before_it() {
+    const WAY: Duration = Duration::from_millis(250);
+    let redis = Redis::start();
+    let proxy = Proxy::start_delayed(redis.port, WAY);
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n",
+        proxy.url()
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        threads: 1,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    // Connected, and the script loaded, at a round trip each.
+    assert_eq!(get(&c, gw.url("/items"), "warm").await.status(), 200);
+    let a = spawn_get(&c, gw.url("/items"), "a");
+    // A's call has left (it lands 500 ms after it was sent, at the earliest).
+    tokio::time::sleep(WAY / 2).await;
+    let sent = Instant::now();
+    let b = get(&c, gw.url("/items"), "b").await;
+    let took = sent.elapsed();
+    assert_eq!(b.status(), 200);
+    assert_eq!(a.await.unwrap(), 200);
+    assert!(
+        took >= 2 * WAY,
+        "B took {took:?}: its admission went through Redis"
+    );
+    assert!(
+        took < 2 * WAY + Duration::from_millis(200),
+        "B took {took:?}: it waited for A's call to land before its own left"
+    );
+    assert_eq!(header(&b, "X-RateLimit-Remaining").as_deref(), Some("99"));
 }

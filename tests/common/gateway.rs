@@ -25,6 +25,8 @@ pub struct GatewayOpts<'a> {
     pub upstream_extra: &'a str,
     /// More `server:` lines (indented), e.g. `"  header_timeout: 1s\n"`.
     pub server_extra: &'a str,
+    /// `server.threads` (2 unless a test needs every request on one worker thread).
+    pub threads: usize,
     pub env: Vec<(&'a str, String)>,
     pub grace: &'a str,
     pub args: Vec<&'a str>,
@@ -40,6 +42,7 @@ impl Default for GatewayOpts<'_> {
             body: "",
             upstream_extra: "",
             server_extra: "",
+            threads: 2,
             env: vec![],
             grace: "2s",
             args: vec![],
@@ -63,7 +66,8 @@ impl Gateway {
             let port = free_port();
             let admin_port = free_port();
             let yaml = format!(
-                "server:\n  listen: \"127.0.0.1:{port}\"\n  admin_listen: \"127.0.0.1:{admin_port}\"\n  threads: 2\n  grace_period: {grace}\n{server_extra}upstream:\n  url: \"{url}\"\n  connect_timeout: 1s\n{extra}\n{body}\n",
+                "server:\n  listen: \"127.0.0.1:{port}\"\n  admin_listen: \"127.0.0.1:{admin_port}\"\n  threads: {threads}\n  grace_period: {grace}\n{server_extra}upstream:\n  url: \"{url}\"\n  connect_timeout: 1s\n{extra}\n{body}\n",
+                threads = o.threads,
                 grace = o.grace,
                 server_extra = o.server_extra,
                 url = o.upstream_url,

@@ -1,7 +1,9 @@
-//! A TCP proxy that can blackhole a connection and heal it: a network partition on demand.
+//! A TCP proxy that can blackhole a connection and heal it: a network partition on demand;
+//! or one that delivers everything a fixed time late: a Redis that is a network away.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::process::BackgroundRuntime;
 
@@ -38,6 +40,13 @@ impl Pass {
 
 impl Proxy {
     pub fn start(target: u16) -> Proxy {
+        Proxy::start_delayed(target, Duration::ZERO)
+    }
+
+    /// A proxy that delivers each chunk, both ways, `delay` after it was read: in order, and
+    /// pipelined (a chunk read while an earlier one is on its way is not held behind that
+    /// one's delay). A round trip through it takes at least twice `delay`.
+    pub fn start_delayed(target: u16, delay: Duration) -> Proxy {
         let rt = BackgroundRuntime::new(1);
         let (open, watch) = tokio::sync::watch::channel(Pass::All);
         let late = Arc::new(AtomicUsize::new(0));
@@ -53,8 +62,8 @@ impl Proxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::join!(
-                        pump(cr, sw, watch.clone(), late.clone()),
-                        pump(sr, cw, watch, late)
+                        pump(cr, sw, watch.clone(), late.clone(), delay),
+                        pump(sr, cw, watch, late, delay)
                     );
                 });
             }
@@ -94,8 +103,53 @@ impl Proxy {
     }
 }
 
-/// Copies `from` to `to`, holding each chunk the proxy does not let through until it does.
+/// Copies `from` to `to`, holding each chunk the proxy does not let through until it does,
+/// and each chunk `delay` after it was read.
 async fn pump(
+    from: tokio::net::tcp::OwnedReadHalf,
+    to: tokio::net::tcp::OwnedWriteHalf,
+    open: tokio::sync::watch::Receiver<Pass>,
+    late: Arc<AtomicUsize>,
+    delay: Duration,
+) {
+    if delay.is_zero() {
+        return pass(from, to, open, late).await;
+    }
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        let (mut from, mut open) = (from, open);
+        let mut buf = vec![0u8; 16 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            let held = !open.borrow().lets(&buf[..n]);
+            if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
+                break;
+            }
+            if held {
+                late.fetch_add(1, Ordering::SeqCst);
+            }
+            let due = tokio::time::Instant::now() + delay;
+            if tx.send((due, buf[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        let mut to = to;
+        while let Some((due, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(due).await;
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
+
+/// Copies `from` to `to` as it comes, holding each chunk the proxy does not let through
+/// until it does.
+async fn pass(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut open: tokio::sync::watch::Receiver<Pass>,

@@ -39,8 +39,9 @@ impl RedisBackend {
     }
 
     /// Sends admission `c` in a task of its own, which undoes it if nobody takes its reply:
-    /// at once when this thread has no `admit` in flight, else with the others that gather
-    /// behind that one, in one batch (group commit, `batch`; one node only).
+    /// at once when this thread has fewer than `batch::MAX_IN_FLIGHT` calls in flight, else
+    /// with the others that gather behind them, in one batch (group commit, `batch`; one node
+    /// only).
     fn spawn_admit(self: &Arc<Self>, c: AdmitCall, mut conn: Conn) -> PendingReply {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let store = self.clone();

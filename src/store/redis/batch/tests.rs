@@ -543,3 +543,49 @@ async fn a_refund_into_a_tombstoned_hold_goes_to_the_budget() {
     assert_eq!(r, 1);
     assert_eq!(send(&call, false, &mut conn).await.1, 100 - 6 - 1);
 }
+
+/// A thread's lane: the first `MAX_IN_FLIGHT` admissions are sent at once, the rest wait; a
+/// call that lands takes what waited (in the order it came) as its next batch, and the lane
+/// counts a call fewer in flight only when nothing waited for it.
+#[test]
+fn a_lane_sends_two_at_once_and_gathers_the_rest_in_order() {
+    use super::{Lane, MAX_IN_FLIGHT};
+    assert_eq!(MAX_IN_FLIGHT, 2);
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let req = request(1, limit, vec![], 1);
+    let call = |id: &str| admit_call(&req, Ask::default(), id.into(), Duration::from_secs(60));
+    let sent = || tokio::sync::oneshot::channel().0;
+    let lane = Lane::default();
+    let ids = |b: Vec<(AdmitCall, super::Sent)>| -> Vec<String> {
+        b.into_iter().map(|(c, _)| c.lease_id).collect()
+    };
+    assert!(
+        lane.enter(call("a"), sent()).is_some(),
+        "the first goes at once"
+    );
+    assert!(
+        lane.enter(call("b"), sent()).is_some(),
+        "and the second, beside it"
+    );
+    for id in ["c", "d", "e"] {
+        assert!(lane.enter(call(id), sent()).is_none(), "{id} waits");
+    }
+    // The first call lands: what waited goes next, in the order it came.
+    assert_eq!(ids(lane.next().unwrap()), ["c", "d", "e"]);
+    // The second lands with nothing waiting: one call in flight now (the batch).
+    assert!(lane.next().is_none());
+    assert!(
+        lane.enter(call("f"), sent()).is_some(),
+        "a second call may go again"
+    );
+    assert!(
+        lane.enter(call("g"), sent()).is_none(),
+        "two in flight: g waits"
+    );
+    assert_eq!(ids(lane.next().unwrap()), ["g"]);
+    assert!(lane.next().is_none());
+    assert!(lane.next().is_none());
+    // Idle: the next two go at once again.
+    assert!(lane.enter(call("h"), sent()).is_some());
+    assert!(lane.enter(call("i"), sent()).is_some());
+}
