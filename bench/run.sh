@@ -517,9 +517,10 @@ requests_total() { # sum of tollgate_requests_total over all series
 # "run_ns wait_ns switches" of every thread of PIDs and their children (/proc/PID/task/*/schedstat:
 # time on a CPU, time runnable but waiting for one, times it was switched in).
 sched_of() {
-  local p t
+  local p
   for p in "$@" $(for q in "$@"; do pgrep -P "$q" || true; done); do
-    for t in /proc/"$p"/task/*/schedstat; do [[ -r $t ]] && cat "$t"; done
+    # A thread (or a child) that ended meanwhile is skipped.
+    cat /proc/"$p"/task/*/schedstat 2>/dev/null || true
   done | awk '{ r += $1; w += $2; s += $3 } END { printf "%.0f %.0f %.0f\n", r, w, s }'
 }
 now_ns() { date +%s%N; }

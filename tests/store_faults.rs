@@ -446,8 +446,8 @@ async fn local_admissions_are_registered_when_the_store_returns() {
 }
 
 /// Group commit, a timeout in the middle of a batch (`store::redis::batch`): while Redis is
-/// paused, each worker thread's first `admit` is in flight and the others gather behind it;
-/// once it is answered they go as one `admit_batch`, which the proxy holds until every request
+/// paused, each worker thread's first two `admit` calls are in flight and the others gather
+/// behind them; once one is answered they go as one `admit_batch`, which the proxy holds until every request
 /// in it gave up (`store.timeout`) and was admitted on the local share. The batch then reaches
 /// Redis and charges; each of its admissions is undone by its id, and each local admission is
 /// written back once, so every request is charged exactly once: in the end the key has paid

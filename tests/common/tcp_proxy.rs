@@ -15,6 +15,8 @@ pub struct Proxy {
     open: tokio::sync::watch::Sender<Pass>,
     /// Chunks that were held, then delivered.
     late: Arc<AtomicUsize>,
+    /// Chunks read from clients (on their way to the target).
+    sent: Arc<AtomicUsize>,
     _rt: BackgroundRuntime,
 }
 
@@ -45,15 +47,17 @@ impl Proxy {
 
     /// A proxy that delivers each chunk, both ways, `delay` after it was read: in order, and
     /// pipelined (a chunk read while an earlier one is on its way is not held behind that
-    /// one's delay). A round trip through it takes at least twice `delay`.
+    /// one's delay). A round trip through it takes at least twice `delay`. What it blackholes
+    /// or holds is held as it is read: chunks already on their way are still delivered.
     pub fn start_delayed(target: u16, delay: Duration) -> Proxy {
         let rt = BackgroundRuntime::new(1);
         let (open, watch) = tokio::sync::watch::channel(Pass::All);
         let late = Arc::new(AtomicUsize::new(0));
-        let counted = late.clone();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (counted, reads) = (late.clone(), sent.clone());
         let port = rt.serve(move |listener| async move {
             while let Ok((client, _)) = listener.accept().await {
-                let (watch, late) = (watch.clone(), counted.clone());
+                let (watch, late, reads) = (watch.clone(), counted.clone(), reads.clone());
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
                     else {
@@ -62,8 +66,8 @@ impl Proxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::join!(
-                        pump(cr, sw, watch.clone(), late.clone(), delay),
-                        pump(sr, cw, watch, late, delay)
+                        pump(cr, sw, watch.clone(), late.clone(), delay, Some(reads)),
+                        pump(sr, cw, watch, late, delay, None)
                     );
                 });
             }
@@ -72,6 +76,7 @@ impl Proxy {
             port,
             open,
             late,
+            sent,
             _rt: rt,
         }
     }
@@ -92,6 +97,12 @@ impl Proxy {
             .send_replace(Pass::AllBut(needle.as_bytes().to_vec()));
     }
 
+    /// How many chunks it has read from its clients so far (each on its way to the target
+    /// once read: a command has left its client).
+    pub fn read_from_clients(&self) -> usize {
+        self.sent.load(Ordering::SeqCst)
+    }
+
     /// How many chunks were held, then delivered.
     pub fn delivered_late(&self) -> usize {
         self.late.load(Ordering::SeqCst)
@@ -104,16 +115,17 @@ impl Proxy {
 }
 
 /// Copies `from` to `to`, holding each chunk the proxy does not let through until it does,
-/// and each chunk `delay` after it was read.
+/// and each chunk `delay` after it was read; counts the chunks it reads in `reads`.
 async fn pump(
     from: tokio::net::tcp::OwnedReadHalf,
     to: tokio::net::tcp::OwnedWriteHalf,
     open: tokio::sync::watch::Receiver<Pass>,
     late: Arc<AtomicUsize>,
     delay: Duration,
+    reads: Option<Arc<AtomicUsize>>,
 ) {
     if delay.is_zero() {
-        return pass(from, to, open, late).await;
+        return pass(from, to, open, late, reads).await;
     }
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
@@ -121,6 +133,9 @@ async fn pump(
         let (mut from, mut open) = (from, open);
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n @ 1..) = from.read(&mut buf).await {
+            if let Some(r) = &reads {
+                r.fetch_add(1, Ordering::SeqCst);
+            }
             let held = !open.borrow().lets(&buf[..n]);
             if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
                 break;
@@ -154,6 +169,7 @@ async fn pass(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut open: tokio::sync::watch::Receiver<Pass>,
     late: Arc<AtomicUsize>,
+    reads: Option<Arc<AtomicUsize>>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16 * 1024];
@@ -162,6 +178,9 @@ async fn pass(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if let Some(r) = &reads {
+            r.fetch_add(1, Ordering::SeqCst);
+        }
         let held = !open.borrow().lets(&buf[..n]);
         if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
             break;
