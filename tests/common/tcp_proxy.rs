@@ -13,10 +13,10 @@ use super::process::BackgroundRuntime;
 pub struct Proxy {
     pub port: u16,
     open: tokio::sync::watch::Sender<Pass>,
-    /// Chunks that were held, then delivered.
+    /// Chunks that were held, then let through.
     late: Arc<AtomicUsize>,
     /// Chunks read from clients (on their way to the target).
-    sent: Arc<AtomicUsize>,
+    from_clients: Arc<AtomicUsize>,
     _rt: BackgroundRuntime,
 }
 
@@ -53,8 +53,8 @@ impl Proxy {
         let rt = BackgroundRuntime::new(1);
         let (open, watch) = tokio::sync::watch::channel(Pass::All);
         let late = Arc::new(AtomicUsize::new(0));
-        let sent = Arc::new(AtomicUsize::new(0));
-        let (counted, reads) = (late.clone(), sent.clone());
+        let from_clients = Arc::new(AtomicUsize::new(0));
+        let (counted, reads) = (late.clone(), from_clients.clone());
         let port = rt.serve(move |listener| async move {
             while let Ok((client, _)) = listener.accept().await {
                 let (watch, late, reads) = (watch.clone(), counted.clone(), reads.clone());
@@ -76,7 +76,7 @@ impl Proxy {
             port,
             open,
             late,
-            sent,
+            from_clients,
             _rt: rt,
         }
     }
@@ -100,10 +100,10 @@ impl Proxy {
     /// How many chunks it has read from its clients so far (each on its way to the target
     /// once read: a command has left its client).
     pub fn read_from_clients(&self) -> usize {
-        self.sent.load(Ordering::SeqCst)
+        self.from_clients.load(Ordering::SeqCst)
     }
 
-    /// How many chunks were held, then delivered.
+    /// How many chunks were held, then let through (delivered, or on their way).
     pub fn delivered_late(&self) -> usize {
         self.late.load(Ordering::SeqCst)
     }
@@ -115,22 +115,21 @@ impl Proxy {
 }
 
 /// Copies `from` to `to`, holding each chunk the proxy does not let through until it does,
-/// and each chunk `delay` after it was read; counts the chunks it reads in `reads`.
+/// and delivering each `delay` after it was read (at once when `delay` is zero); counts the
+/// chunks it reads in `reads`.
 async fn pump(
-    from: tokio::net::tcp::OwnedReadHalf,
-    to: tokio::net::tcp::OwnedWriteHalf,
-    open: tokio::sync::watch::Receiver<Pass>,
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut open: tokio::sync::watch::Receiver<Pass>,
     late: Arc<AtomicUsize>,
     delay: Duration,
     reads: Option<Arc<AtomicUsize>>,
 ) {
-    if delay.is_zero() {
-        return pass(from, to, open, late, reads).await;
-    }
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Read and let through in order; written by the writer below when due, so a chunk read
+    // while an earlier one waits out its delay is not held behind it.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
     let read = async move {
-        let (mut from, mut open) = (from, open);
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n @ 1..) = from.read(&mut buf).await {
             if let Some(r) = &reads {
@@ -150,9 +149,10 @@ async fn pump(
         }
     };
     let write = async move {
-        let mut to = to;
         while let Some((due, chunk)) = rx.recv().await {
-            tokio::time::sleep_until(due).await;
+            if !delay.is_zero() {
+                tokio::time::sleep_until(due).await;
+            }
             if to.write_all(&chunk).await.is_err() {
                 break;
             }
@@ -160,37 +160,4 @@ async fn pump(
         let _ = to.shutdown().await;
     };
     tokio::join!(read, write);
-}
-
-/// Copies `from` to `to` as it comes, holding each chunk the proxy does not let through
-/// until it does.
-async fn pass(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut open: tokio::sync::watch::Receiver<Pass>,
-    late: Arc<AtomicUsize>,
-    reads: Option<Arc<AtomicUsize>>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if let Some(r) = &reads {
-            r.fetch_add(1, Ordering::SeqCst);
-        }
-        let held = !open.borrow().lets(&buf[..n]);
-        if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
-            break;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-        if held {
-            late.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    let _ = to.shutdown().await;
 }
