@@ -475,12 +475,7 @@ async fn every_dashboard_query_and_alert_returns_data_under_real_traffic() {
     .await;
 
     // Reloads: one good (B), one bad (A keeps its config).
-    let text = std::fs::read_to_string(&b.config_path).unwrap();
-    std::fs::write(
-        &b.config_path,
-        text.replace("/analytics/query: {cost: 5}", "/analytics/query: {cost: 4}"),
-    )
-    .unwrap();
+    b.edit_config("/analytics/query: {cost: 5}", "/analytics/query: {cost: 4}");
     b.signal("HUP");
     wait_metric_at_least(&b, "tollgate_config_reloads_total{result=\"ok\"}", 1.0).await;
     std::fs::write(&a.config_path, "rate_limits: [\n").unwrap();

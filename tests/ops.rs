@@ -333,8 +333,7 @@ async fn sighup_reload_valid_and_invalid() {
     assert_eq!(call().await, ("1".into(), "99".into()));
 
     // A valid change takes effect for new requests; the budget carries over.
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(&gw.config_path, text.replace("cost: 1}", "cost: 7}")).unwrap();
+    gw.edit_config("cost: 1}", "cost: 7}");
     gw.signal("HUP");
     let start = Instant::now();
     // Polls answered before the reload lands are charged the old cost, 1 each.
@@ -356,8 +355,7 @@ async fn sighup_reload_valid_and_invalid() {
     assert_metric(&gw, "tollgate_config_reloads_total{result=\"ok\"}", 1.0).await;
 
     // An invalid file is refused, logged with its field path, and the old config stays.
-    let good = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(&gw.config_path, good.replace("cost: 7}", "cost: 0}")).unwrap();
+    gw.edit_config("cost: 7}", "cost: 0}");
     gw.signal("HUP");
     wait_metric_at_least(&gw, "tollgate_config_reloads_total{result=\"error\"}", 1.0).await;
     assert_eq!(call().await.0, "7");
@@ -517,8 +515,7 @@ async fn watch_reloads_a_changed_file() {
         args: vec!["--watch"],
         ..GatewayOpts::default()
     });
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(&gw.config_path, text.replace("{cost: 1,", "{cost: 3,")).unwrap();
+    gw.edit_config("{cost: 1,", "{cost: 3,");
     let c = client();
     let start = Instant::now();
     loop {
@@ -968,12 +965,7 @@ async fn in_flight_slots_survive_a_reload() {
     let slow = spawn_post(&c, gw.url("/reports/generate"), "a");
     up.wait_current("/reports/generate", 1).await;
     // Reload with another route's cost changed; the report route's one slot is still taken.
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(
-        &gw.config_path,
-        text.replace("/items: {cost: 1}", "/items: {cost: 2}"),
-    )
-    .unwrap();
+    gw.edit_config("/items: {cost: 1}", "/items: {cost: 2}");
     gw.signal("HUP");
     let start = Instant::now();
     while header(&get(&c, gw.url("/items"), "b").await, "X-RateLimit-Cost").as_deref() != Some("2")
@@ -1010,10 +1002,7 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));
     assert!(!scrape.contains("route=\"/e19998/items\""));
     // A reload of the whole table is done within a few seconds.
-    let yaml = std::fs::read_to_string(&gw.config_path)
-        .unwrap()
-        .replace("/e0/items: {cost: 1}", "/e0/items: {cost: 2}");
-    std::fs::write(&gw.config_path, yaml).unwrap();
+    gw.edit_config("/e0/items: {cost: 1}", "/e0/items: {cost: 2}");
     let t = Instant::now();
     gw.signal("HUP");
     wait_metric(
@@ -1096,10 +1085,7 @@ async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
         Duration::from_secs(5),
     )
     .await;
-    let yaml = std::fs::read_to_string(&gw.config_path)
-        .unwrap()
-        .replace(&old.url(), &new.url());
-    std::fs::write(&gw.config_path, yaml).unwrap();
+    gw.edit_config(&old.url(), &new.url());
     gw.reload(0.0).await;
     assert_eq!(first.await.unwrap(), 200);
     assert_eq!(queued.await.unwrap(), 200);

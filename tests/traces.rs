@@ -361,12 +361,7 @@ async fn a_reload_changes_the_sample_ratio() {
         }
     };
     trace_of("before-reload").await;
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(
-        &gw.config_path,
-        text.replace("sample_ratio: 0\n", "sample_ratio: 1\n"),
-    )
-    .unwrap();
+    gw.edit_config("sample_ratio: 0\n", "sample_ratio: 1\n");
     gw.signal("HUP");
     gw.wait_log("tracing.sample_ratio changed").await;
     trace_of("after-reload").await;
@@ -524,12 +519,7 @@ async fn the_tracing_block_is_checked_and_shown() {
             && config.contains("sample_ratio: 0.25"),
         "{config}"
     );
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    std::fs::write(
-        &gw.config_path,
-        text.replace("tollgate-under-test", "renamed"),
-    )
-    .unwrap();
+    gw.edit_config("tollgate-under-test", "renamed");
     gw.signal("HUP");
     gw.wait_log("take effect on restart only; keeping the running tracer")
         .await;
