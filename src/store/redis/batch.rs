@@ -3,11 +3,9 @@
 //! together: one `admit_batch` call (`lua/store/admit_batch.lua`) that decides each in the
 //! order they came, exactly as if each had been sent alone at the batch's moment (one Redis
 //! `TIME`, read once). Under load a thread so makes one round trip, and Redis runs one script,
-//! for many requests; a lone request goes alone, at once, as before. The calls of a thread
-//! normally share its one connection, so Redis runs them in the order they were sent; what
-//! the batch guarantees does not depend on that (a call that failed may leave its connection
-//! forgotten, and the next one connects anew): each admission is decided alone, in a batch in
-//! the order its admissions came.
+//! for many requests; a lone request goes alone, at once, as before. Nothing depends on the
+//! order Redis runs a thread's two calls in (after a failure the next may go on a new
+//! connection): each admission is decided as if alone, a batch's in the order they came.
 //!
 //! Each admission keeps everything it had alone: its own id and record (so a batch that timed
 //! out is undone request by request, by id, as one call is: `admit::deliver`), its own reply,

@@ -556,36 +556,27 @@ fn a_lane_sends_two_at_once_and_gathers_the_rest_in_order() {
     let call = |id: &str| admit_call(&req, Ask::default(), id.into(), Duration::from_secs(60));
     let sent = || tokio::sync::oneshot::channel().0;
     let lane = Lane::default();
-    let ids = |b: Vec<(AdmitCall, super::Sent)>| -> Vec<String> {
-        b.into_iter().map(|(c, _)| c.lease_id).collect()
+    // Whether admission `id` is sent at once (else it waits in the lane).
+    let goes = |id: &str| lane.enter(call(id), sent()).is_some();
+    let next = || -> Option<Vec<String>> {
+        let batch = lane.next()?;
+        Some(batch.into_iter().map(|(c, _)| c.lease_id).collect())
     };
-    assert!(
-        lane.enter(call("a"), sent()).is_some(),
-        "the first goes at once"
-    );
-    assert!(
-        lane.enter(call("b"), sent()).is_some(),
-        "and the second, beside it"
-    );
+    assert!(goes("a"), "the first goes at once");
+    assert!(goes("b"), "and the second, beside it");
     for id in ["c", "d", "e"] {
-        assert!(lane.enter(call(id), sent()).is_none(), "{id} waits");
+        assert!(!goes(id), "{id} waits");
     }
     // The first call lands: what waited goes next, in the order it came.
-    assert_eq!(ids(lane.next().unwrap()), ["c", "d", "e"]);
+    assert_eq!(next().unwrap(), ["c", "d", "e"]);
     // The second lands with nothing waiting: one call in flight now (the batch).
-    assert!(lane.next().is_none());
-    assert!(
-        lane.enter(call("f"), sent()).is_some(),
-        "a second call may go again"
-    );
-    assert!(
-        lane.enter(call("g"), sent()).is_none(),
-        "two in flight: g waits"
-    );
-    assert_eq!(ids(lane.next().unwrap()), ["g"]);
-    assert!(lane.next().is_none());
-    assert!(lane.next().is_none());
+    assert_eq!(next(), None);
+    assert!(goes("f"), "a second call may go again");
+    assert!(!goes("g"), "two in flight: g waits");
+    assert_eq!(next().unwrap(), ["g"]);
+    assert_eq!(next(), None);
+    assert_eq!(next(), None);
     // Idle: the next two go at once again.
-    assert!(lane.enter(call("h"), sent()).is_some());
-    assert!(lane.enter(call("i"), sent()).is_some());
+    assert!(goes("h"));
+    assert!(goes("i"));
 }
