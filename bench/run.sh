@@ -551,7 +551,9 @@ for r in $(seq "$ROUNDS"); do
     if [[ $n == d || $n == h ]]; then redis_cmdstats >"$TMP/redis-before.txt"; fi
     [[ $n == d ]] && q0=$(requests_total "$TR_ADMIN")
     if [[ $SCHED == 1 ]]; then
-      SCH_WHO=(server upstream); SCH_PIDS=("${PIDOF[$n]}" "$UP_PID")
+      # (a) is the upstream itself: counted once, as the server.
+      SCH_WHO=(server); SCH_PIDS=("${PIDOF[$n]}")
+      if [[ $n != a ]]; then SCH_WHO+=(upstream); SCH_PIDS+=("$UP_PID"); fi
       if [[ $n == d || $n == h ]]; then SCH_WHO+=(redis); SCH_PIDS+=("$RD_PID"); fi
       SCH0=(); for p in "${SCH_PIDS[@]}"; do SCH0+=("$(sched_of "$p")"); done
       ns0=$(now_ns)
