@@ -4,9 +4,11 @@
 //! While the route is full, waiters queue per key (each key's in arrival order). A freed slot
 //! goes, in the same step as the release, to the head of the key with the fewest requests
 //! running on the route divided by its plan's `weight`; among equals, to the one that has
-//! waited longest. A key at the endpoint's `max_in_flight_per_key` waits even while slots are
-//! free. One key's 60 queued reports thus delay another key's single report by at most one
-//! release.
+//! waited longest, except that the key whose request freed the slot goes after its equals
+//! (with one slot every key runs nothing at a release: without that, a key's own backlog
+//! would keep the slot). A key at the endpoint's `max_in_flight_per_key` waits even while
+//! slots are free. One key's 60 queued reports thus delay another key's single report by at
+//! most one release.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -175,27 +177,30 @@ impl FairQueue {
         self.per_key.is_none_or(|share| k.running < share)
     }
 
-    /// The key whose head waiter is served next: fewest running per weight, then the oldest
-    /// head. Ratios compare by cross-multiplication (exact).
-    fn next_key(&self) -> Option<u128> {
+    /// The key whose head waiter is served next: fewest running per weight, then not the key
+    /// that freed the slot (`freed_by`), then the oldest head. Ratios compare by
+    /// cross-multiplication (exact).
+    fn next_key(&self, freed_by: Option<u128>) -> Option<u128> {
         self.keys
             .iter()
             .filter(|(_, k)| !k.waiting.is_empty() && self.eligible(k))
-            .min_by(|(_, a), (_, b)| {
+            .min_by(|(ka, a), (kb, b)| {
                 let (ra, rb) = (
                     u64::from(a.running) * u64::from(b.weight),
                     u64::from(b.running) * u64::from(a.weight),
                 );
                 ra.cmp(&rb)
+                    .then_with(|| (Some(**ka) == freed_by).cmp(&(Some(**kb) == freed_by)))
                     .then_with(|| a.waiting[0].seq.cmp(&b.waiting[0].seq))
             })
             .map(|(key, _)| *key)
     }
 
     /// Gives free slots to waiters, best first; a waiter whose receiver is gone is skipped.
-    fn grant(&mut self) {
+    /// `freed_by`: the key whose request's release freed them, if one did.
+    fn grant(&mut self, freed_by: Option<u128>) {
         while self.running < self.cap {
-            let Some(key) = self.next_key() else {
+            let Some(key) = self.next_key(freed_by) else {
                 return;
             };
             let Some(k) = self.keys.get_mut(&key) else {
@@ -260,7 +265,7 @@ impl FairQueue {
         self.queued -= 1;
         self.forget_if_idle(key);
         // A key that left may have been the one holding back others (a per-key share).
-        self.grant();
+        self.grant(None);
         true
     }
 
@@ -270,7 +275,7 @@ impl FairQueue {
         }
         self.running = self.running.saturating_sub(1);
         self.forget_if_idle(key);
-        self.grant();
+        self.grant(Some(key));
     }
 
     fn forget_if_idle(&mut self, key: u128) {

@@ -4,8 +4,8 @@
 //!
 //! Requests that wait for a route's local share take their turn in the fair order of DESIGN §8
 //! among this instance's waiters: the waiter whose key runs the fewest requests on the route
-//! (per its plan's weight) goes first, among equals the one that waited longest, a key's own
-//! requests in arrival order. Every release wakes the waiters; only the one whose turn it is
+//! (per its plan's weight) goes first, among equals the one that waited longest (but the key
+//! whose request freed the slot after the others), a key's own requests in arrival order. Every release wakes the waiters; only the one whose turn it is
 //! takes the slot, the others wait on.
 
 use std::collections::HashMap;
@@ -38,6 +38,8 @@ struct Inner {
     counts: HashMap<Slot, u32>,
     /// Per route, its waiters in arrival order.
     waiting: HashMap<Arc<str>, Vec<Turn>>,
+    /// Per route, the key whose request freed a slot last: it goes after its equals.
+    freed_by: HashMap<Arc<str>, u128>,
     seq: u64,
 }
 
@@ -62,10 +64,13 @@ impl Inner {
     }
 
     /// The waiter on `route` whose turn it is: fewest running per weight (cross-multiplied,
-    /// exact), then the oldest; a key's own waiters in arrival order.
+    /// exact), then not the key that freed the last slot, then the oldest; a key's own
+    /// waiters in arrival order.
     fn next(&self, route: &Arc<str>) -> Option<u64> {
         let turns = self.waiting.get(route)?;
-        let mut best: Option<(u64, u64, u64)> = None; // (running, weight, seq)
+        let freed_by = self.freed_by.get(route).copied();
+        // (running, weight, freed the last slot, seq)
+        let mut best: Option<(u64, u64, bool, u64)> = None;
         let mut seen: Vec<u128> = Vec::new();
         for t in turns {
             // Only a key's oldest waiter competes.
@@ -78,15 +83,16 @@ impl Inner {
             }
             let running = u64::from(self.count(&Slot::RouteKey(route.clone(), t.key)));
             let weight = u64::from(t.weight.max(1));
-            let better = best.is_none_or(|(r, w, seq)| {
+            let freed = freed_by == Some(t.key);
+            let better = best.is_none_or(|(r, w, f, seq)| {
                 let (a, b) = (running * w, r * weight);
-                a < b || (a == b && t.seq < seq)
+                a < b || (a == b && (freed, t.seq) < (f, seq))
             });
             if better {
-                best = Some((running, weight, t.seq));
+                best = Some((running, weight, freed, t.seq));
             }
         }
-        best.map(|(_, _, seq)| seq)
+        best.map(|(_, _, _, seq)| seq)
     }
 
     fn take(&mut self, slots: &[Slot]) {
@@ -114,6 +120,9 @@ impl Drop for RunningGuard {
     fn drop(&mut self) {
         let mut inner = lock(&self.running.inner);
         for s in &self.slots {
+            if let Slot::RouteKey(route, key) = s {
+                inner.freed_by.insert(route.clone(), *key);
+            }
             if let Some(n) = inner.counts.get_mut(s) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
@@ -301,6 +310,27 @@ mod tests {
         let ga = running.try_take(&a, Some(&a1), 2, None).unwrap();
         drop((a1, ga, gb));
         assert!(running.try_take(&a, Some(&a2), 2, None).is_ok());
+    }
+
+    #[test]
+    fn with_one_slot_the_key_that_freed_it_goes_after_its_equals() {
+        let running = Arc::new(Running::default());
+        let route: Arc<str> = "/r".into();
+        let (a, b) = (req(&route, 1), req(&route, 2));
+        let (ka, kb) = (short_key(&a.key), short_key(&b.key));
+        // a holds the only slot; a's next waits, then b's.
+        let held = running.track(slots_of(&a));
+        let a1 = running.queue(&route, ka, fair(1, None));
+        let b1 = running.queue(&route, kb, fair(1, None));
+        drop(held);
+        // Both run none; a's waited longer, but a freed the slot: b's turn.
+        assert_eq!(
+            running.try_take(&a, Some(&a1), 1, None).err(),
+            Some(Full::Route)
+        );
+        let gb = running.try_take(&b, Some(&b1), 1, None).unwrap();
+        drop((b1, gb));
+        assert!(running.try_take(&a, Some(&a1), 1, None).is_ok());
     }
 
     #[test]

@@ -41,19 +41,40 @@ fn a_freed_slot_goes_to_the_key_with_fewest_running_then_the_longest_waiting() {
     drop(s1);
     assert!(granted(&mut b));
     assert!(!granted(&mut c) && !a.iter_mut().any(granted));
-    // Second (key 1's own): keys 1 and 3 both run none now; key 1's head waited longest.
+    // Second (key 1's own): keys 1 and 3 both run none now, and key 1's head waited longest,
+    // but key 1 freed the slot: key 3 goes first (else key 1's backlog would keep it).
     drop(s2);
-    assert!(granted(&mut a[0]));
-    assert!(!granted(&mut c));
-    // Third (key 2's): key 3 runs none, key 1 one: key 3, ahead of key 1's other four.
+    assert!(granted(&mut c));
+    assert!(!a.iter_mut().any(granted));
+    // Third (key 2's): key 1 runs none, key 3 one: key 1's head.
     let b_slot = RouteSlot {
         queue: lock(&q.routes)["r"].clone(),
         key: 2,
     };
     drop(b_slot);
-    assert!(granted(&mut c));
+    assert!(granted(&mut a[0]));
     assert!(!a[1..].iter_mut().any(granted));
     assert_eq!(q.counts("r"), (2, 4));
+}
+
+#[test]
+fn with_one_slot_the_key_that_freed_it_goes_after_its_equals() {
+    let q = RouteQueues::default();
+    // Key 1 holds the only slot with three more queued; key 2 queues one after them.
+    let s = slot(&q, 1, 1, fair(1));
+    let mut a: Vec<Waiting> = (0..3).map(|_| wait(&q, 1, 1, fair(1))).collect();
+    let mut b = wait(&q, 1, 2, fair(1));
+    // Both run nothing once key 1's request ends; key 2 goes, after one release.
+    drop(s);
+    assert!(granted(&mut b));
+    assert!(!a.iter_mut().any(granted));
+    // Key 2's release: key 1 is the only one waiting.
+    drop(RouteSlot {
+        queue: lock(&q.routes)["r"].clone(),
+        key: 2,
+    });
+    assert!(granted(&mut a[0]));
+    assert!(!a[1..].iter_mut().any(granted));
 }
 
 #[test]

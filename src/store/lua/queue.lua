@@ -9,6 +9,8 @@
 --   KEYS[3] `…k` the keys whose oldest waiter may be served: member `<seq>:<key tag>` (that
 --            waiter's seq), score = requests the key runs on the route / its weight. The first
 --            member is the next to serve: fewest running per weight, then the longest waiting
+--            (but a key whose lease this call freed goes after its equals: with one slot,
+--            every key runs nothing at a release, and its own backlog would keep the slot)
 --   KEYS[4] `…s` a hash: `seq` (the arrival counter); `cap`, `share` (the route's
 --            max_in_flight and max_in_flight_per_key, 0 = none, as the last caller saw them);
 --            `r:<key>` requests the key runs; `wt:<key>` its weight; `h:<key>` its member in
@@ -94,6 +96,9 @@ local function refresh(key)
   redis.call('HSET', state, 'h:' .. key, member)
 end
 
+-- The keys whose lease went in this call: among equals they are served last.
+local freed = {}
+
 local function add_running(key, n)
   local r = redis.call('HINCRBY', state, 'r:' .. key, n)
   if r <= 0 then redis.call('HDEL', state, 'r:' .. key) end
@@ -106,6 +111,7 @@ local function lease_gone(id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
     add_running(key, -1)
+    freed[key] = true
     refresh(key)
   end
 end
@@ -150,11 +156,25 @@ local function alive(instance)
   return num('i:' .. instance) >= now
 end
 
+-- The member of KEYS[3] to serve next: the first, unless its key freed a lease in this call
+-- and a key that did not is its equal (the same score).
+local function next_head()
+  local first = redis.call('ZRANGE', heads, 0, 0, 'WITHSCORES')
+  local top = first[1]
+  if not top or not freed[string.match(top, '^%d+:(.*)$')] then return top end
+  local n = 0
+  for _ in pairs(freed) do n = n + 1 end
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', heads, first[2], first[2], 'LIMIT', 0, n + 1)) do
+    if not freed[string.match(m, '^%d+:(.*)$')] then return m end
+  end
+  return top
+end
+
 -- Gives free slots to the next waiters; returns the waiters granted.
 local function grant(grant_ttl)
   local granted = {}
   while redis.call('ZCARD', leases) < cap() do
-    local top = redis.call('ZRANGE', heads, 0, 0)[1]
+    local top = next_head()
     if not top then break end
     local key = string.match(top, '^%d+:(.*)$')
     local m = oldest(key)
