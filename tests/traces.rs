@@ -451,6 +451,161 @@ async fn a_dead_collector_costs_spans_never_requests() {
 
 /// Without `tracing:`, a client's trace context goes upstream untouched and the access log
 /// has no trace id.
+/// `body` with `/reports/generate` async (`Prefer: respond-async`), on `store` (YAML, or "").
+fn job_body(endpoint: &str, store: &str) -> String {
+    let b = body(endpoint, "1.0").replace(
+        "queue_timeout: 2s}",
+        "queue_timeout: 2s, async: {when: prefer}}",
+    );
+    assert!(b.contains("async:"));
+    format!("{store}{b}")
+}
+
+/// Submits a job on `gws[0]` with the client's sampled `traceparent` (trace `trace`) and reads
+/// its result on the last gateway; returns the trace's spans: the submission's server span, the
+/// run's span under it, and the upstream call's under that, which the upstream's
+/// `traceparent` names (not the client's span, which the kept request carried before).
+async fn a_job_is_traced(
+    up: &Upstream,
+    gws: &[Gateway],
+    collector: &Collector,
+    trace: &str,
+    rid: &str,
+) {
+    let c = client();
+    let accepted = post_async(
+        &c,
+        gws[0].url("/reports/generate"),
+        KEY,
+        "",
+        &[
+            ("X-Request-Id", rid),
+            ("traceparent", &format!("00-{trace}-{CLIENT_PARENT}-01")),
+            ("tracestate", "vendor=opaque"),
+        ],
+    )
+    .await;
+    assert_eq!(accepted.status(), 202);
+    let location = job_location(&accepted);
+    let done = job_result(
+        &c,
+        &gws[gws.len() - 1],
+        &location,
+        KEY,
+        Duration::from_secs(10),
+        |_| {},
+    )
+    .await;
+    assert_eq!(done.status(), 200);
+
+    let spans = collector
+        .wait_trace(
+            trace,
+            &[
+                "POST /reports/generate",
+                "job /reports/generate",
+                "upstream",
+            ],
+        )
+        .await;
+    let server = one(&spans, "POST /reports/generate");
+    assert_eq!(server.parent_id(), CLIENT_PARENT);
+    assert_eq!(
+        server.attr("http.response.status_code").as_deref(),
+        Some("202")
+    );
+    let run = one(&spans, "job /reports/generate");
+    assert_eq!(run.parent_id(), server.span_id());
+    assert_eq!(run.span.kind, 5, "SPAN_KIND_CONSUMER");
+    assert_eq!(
+        run.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+    assert_eq!(run.attr("http.route").as_deref(), Some("/reports/generate"));
+    let id = location.trim_start_matches("/_tollgate/jobs/");
+    assert_eq!(run.attr("tollgate.job_id").as_deref(), Some(id));
+    let call = one(&spans, "upstream");
+    assert_eq!(call.parent_id(), run.span_id());
+    assert_eq!(call.span.kind, 3, "SPAN_KIND_CLIENT");
+    assert_eq!(
+        call.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+
+    let seen = seen_by_upstream(up, rid);
+    let sent = seen.header("traceparent");
+    assert_eq!(sent.len(), 1, "{:?}", seen.headers);
+    assert_eq!(
+        traceparent(sent[0]),
+        (trace.to_string(), call.span_id(), "01".to_string())
+    );
+    assert_eq!(seen.header("tracestate"), ["vendor=opaque"]);
+    for s in &spans {
+        assert!(!s.all_values().contains(KEY), "the raw key in {s:#?}");
+    }
+}
+
+/// DESIGN §8–9 on the memory store: the job's run and its upstream call are spans of the
+/// submission's trace. Without a client `traceparent` the submission starts the trace, and the
+/// upstream's `traceparent` is in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_run_is_traced_under_its_submission() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(20));
+    let gw = Gateway::start(&up, &job_body(&collector.url(), ""));
+    let gws = [gw];
+    a_job_is_traced(&up, &gws, &collector, CLIENT_TRACE, "job-traced-1").await;
+
+    let c = client();
+    let accepted = post_async(
+        &c,
+        gws[0].url("/reports/generate"),
+        KEY,
+        "",
+        &[("X-Request-Id", "job-traced-2")],
+    )
+    .await;
+    assert_eq!(accepted.status(), 202);
+    let location = job_location(&accepted);
+    let done = job_result(&c, &gws[0], &location, KEY, Duration::from_secs(10), |_| {}).await;
+    assert_eq!(done.status(), 200);
+    let seen = seen_by_upstream(&up, "job-traced-2");
+    let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!(flags, "01");
+    let spans = collector
+        .wait_trace(
+            &trace,
+            &[
+                "POST /reports/generate",
+                "job /reports/generate",
+                "upstream",
+            ],
+        )
+        .await;
+    assert_eq!(one(&spans, "upstream").span_id(), parent);
+    assert_eq!(one(&spans, "POST /reports/generate").parent_id(), "");
+}
+
+/// The same through two gateways on Redis: the job is submitted on one and its result read
+/// on the other; whichever runs it traces the run under the submission's span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_jobs_run_is_traced_under_its_submission() {
+    let redis = Redis::start();
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(20));
+    let store = format!("store:\n  backend: redis\n  url: \"{}\"\n", redis.url());
+    let body = job_body(&collector.url(), &store);
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    a_job_is_traced(
+        &up,
+        &gws,
+        &collector,
+        "5bf92f3577b34da6a3ce929d0e0e4737",
+        "job-traced-3",
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_tracing_the_trace_context_passes_through() {
     let up = Upstream::start(Duration::from_millis(1));

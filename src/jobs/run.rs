@@ -204,7 +204,15 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     let rm = running.metrics.get(&route);
     let _in_flight = InFlight::new(&rm.in_flight);
     let started = Instant::now();
-    let sent = send::send(&t.running, &t.route, &t.request, t.rules.max_response_body).await;
+    let sent = send::send(
+        &t.running,
+        t.shared.tracing.as_ref(),
+        &t.route,
+        &t.job.id,
+        &t.request,
+        t.rules.max_response_body,
+    )
+    .await;
     let mut ended = Ended {
         result: JobResult::Failed,
         status: 502,

@@ -14,6 +14,7 @@ use super::Stored;
 use crate::route::stated::Report;
 use crate::route::Route;
 use crate::state::Running;
+use crate::trace::Tracing;
 use crate::upstreams;
 
 /// What the upstream receives: the head as `forward::request` made it at submission, and the
@@ -142,10 +143,15 @@ struct Opened {
     abandon: Duration,
 }
 
-/// Connects and writes the request; `Err` when the upstream never had it.
-async fn open(running: &Running, route: &Route, req: &JobRequest) -> Result<Opened, Unreachable> {
+/// Connects and writes the request (`header`, and `req`'s body); `Err` when the upstream
+/// never had it.
+async fn open(
+    running: &Running,
+    route: &Route,
+    mut header: RequestHeader,
+    req: &JobRequest,
+) -> Result<Opened, Unreachable> {
     let (peer, host, read_timeout, abandon) = peer(running, route)?;
-    let mut header = req.header.clone();
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
     }
@@ -220,10 +226,47 @@ async fn read_body(
     }
 }
 
-/// Sends the job's request and reads the answer, at most `max_body` bytes of it.
+/// Sends job `id`'s request and reads the answer, at most `max_body` bytes of it; with
+/// `tracing`, the run and its upstream call are spans under the submission's.
 pub(super) async fn send(
     running: &Running,
+    tracing: Option<&Tracing>,
     route: &Route,
+    id: &str,
+    req: &JobRequest,
+    max_body: u64,
+) -> Sent {
+    let mut header = req.header.clone();
+    let trace = match tracing.map(|t| t.job_run(&route.label, id, &mut header)) {
+        Some(Ok(trace)) => Some(trace),
+        Some(Err(e)) => return Sent::Unreachable(e.into()),
+        None => None,
+    };
+    let sent = exchange(running, route, header, req, max_body).await;
+    if let Some(trace) = trace {
+        let (status, upstream_status, error) = sent.outcome();
+        trace.finish(status, upstream_status, error);
+    }
+    sent
+}
+
+impl Sent {
+    /// The job's result status, the upstream's status, and why it failed (for its span).
+    fn outcome(&self) -> (u16, Option<u16>, Option<&'static str>) {
+        match self {
+            Sent::Answer { stored, .. } => (stored.status, Some(stored.status), None),
+            Sent::Unreachable(_) => (502, None, Some("unreachable")),
+            Sent::TimedOut(_) => (504, None, Some("timeout")),
+            Sent::TooLarge { .. } => (502, None, Some("response_too_large")),
+            Sent::Broken { .. } => (502, None, Some("broken_response")),
+        }
+    }
+}
+
+async fn exchange(
+    running: &Running,
+    route: &Route,
+    header: RequestHeader,
     req: &JobRequest,
     max_body: u64,
 ) -> Sent {
@@ -232,7 +275,7 @@ pub(super) async fn send(
         sent_at,
         read_timeout,
         abandon,
-    } = match open(running, route, req).await {
+    } = match open(running, route, header, req).await {
         Ok(o) => o,
         Err(m) => return Sent::Unreachable(m),
     };

@@ -334,6 +334,9 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
     let mut up = session.req_header().clone();
     forward::request(&mut up, ctx, &session.req_header().headers, tls)?;
+    if let Some(trace) = &ctx.trace {
+        trace.job_request(&mut up)?;
+    }
     job_head(&mut up, body.len())?;
     let origin = Origin {
         method: up.method.as_str().to_string(),

@@ -6,8 +6,10 @@
 //! at `sample_ratio` — a parent-based sampler), [`RequestTrace::upstream_request`] gives the
 //! upstream a `traceparent` whose parent is the gateway's upstream-call span, and
 //! [`RequestTrace::finish`] writes the request's figures on its span, adds the store
-//! decision, queue wait and `max_delay` hold as children, and ends it. Export runs on a
-//! thread of its own ([`export`]).
+//! decision, queue wait and `max_delay` hold as children, and ends it. A job's kept request
+//! names its submission's span ([`RequestTrace::job_request`]); its run is a span under that
+//! one, with the upstream call under it ([`Tracing::job_run`]). Export runs on a thread of its
+//! own ([`export`]).
 
 mod export;
 mod request;
@@ -22,7 +24,7 @@ use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter as _};
 use opentelemetry_sdk::Resource;
 
 use crate::config::TraceSettings;
-pub use request::{Finished, RequestTrace, TraceHex};
+pub use request::{Finished, JobTrace, RequestTrace, TraceHex};
 
 /// How long one export request may take before its spans count as dropped.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);

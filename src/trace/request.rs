@@ -7,7 +7,9 @@ use std::time::{Instant, SystemTime};
 use http::header::HeaderMap;
 use http::HeaderName;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
-use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanKind, Status, TraceContextExt, Tracer as _,
+};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::Span;
 use pingora::http::RequestHeader;
@@ -121,19 +123,16 @@ impl RequestTrace {
             let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
             span.set_attribute(KeyValue::new("http.request.method", method));
         }
-        let sc = span.span_context();
-        let traceparent = format!(
-            "00-{}-{}-{:02x}",
-            sc.trace_id(),
-            sc.span_id(),
-            sc.trace_flags().to_u8() & 1
-        );
-        upstream.insert_header(TRACEPARENT, traceparent)?;
-        if !self.continued && upstream.headers.contains_key(&TRACESTATE) {
-            upstream.remove_header(&TRACESTATE);
-        }
+        name_parent(upstream, span.span_context(), self.continued)?;
         self.upstream = Some((span, now));
         Ok(())
+    }
+
+    /// A job's request, as it is kept until the job runs: its `traceparent` names this
+    /// request's (the submission's) span, under which the run's spans go, on whichever
+    /// instance runs it ([`Tracing::job_run`]).
+    pub fn job_request(&self, job: &mut RequestHeader) -> pingora::Result<()> {
+        name_parent(job, self.cx.span().span_context(), self.continued)
     }
 
     /// Ends the request's spans with what it came to. Returns the trace id. An unsampled
@@ -196,6 +195,102 @@ impl RequestTrace {
             from += length;
             span.end_with_timestamp(self.at(from));
         }
+    }
+}
+
+/// Names `parent` in the request's `traceparent`; the client's `tracestate` stays as it came,
+/// removed when its parent was not continued (it belongs to that parent).
+fn name_parent(
+    req: &mut RequestHeader,
+    parent: &SpanContext,
+    continued: bool,
+) -> pingora::Result<()> {
+    let traceparent = format!(
+        "00-{}-{}-{:02x}",
+        parent.trace_id(),
+        parent.span_id(),
+        parent.trace_flags().to_u8() & 1
+    );
+    req.insert_header(TRACEPARENT, traceparent)?;
+    if !continued && req.headers.contains_key(&TRACESTATE) {
+        req.remove_header(&TRACESTATE);
+    }
+    Ok(())
+}
+
+/// A job's run (DESIGN §8), on the instance that got its slot: a span under the submission's,
+/// and the upstream call under it.
+pub struct JobTrace {
+    /// Holds the run's span.
+    cx: Context,
+    upstream: Span,
+}
+
+impl Tracing {
+    /// Starts a job's run: its span is a child of the span its request's `traceparent` names
+    /// (the submission's, see [`RequestTrace::job_request`], or the client's when the
+    /// submitting instance did not trace); the upstream-call span under it is named in the
+    /// `traceparent` the upstream receives.
+    pub fn job_run(
+        &self,
+        route: &str,
+        job_id: &str,
+        upstream: &mut RequestHeader,
+    ) -> pingora::Result<JobTrace> {
+        let parent = self.propagator.extract(&Headers(&upstream.headers));
+        let continued = parent.span().span_context().is_valid();
+        let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
+        let mut span = self
+            .tracer
+            .span_builder(format!("job {route}"))
+            .with_kind(SpanKind::Consumer)
+            .start_with_context(&self.tracer, &parent);
+        if span.is_recording() {
+            span.set_attributes([
+                KeyValue::new("http.request.method", method),
+                KeyValue::new("http.route", route.to_string()),
+                KeyValue::new("tollgate.job_id", job_id.to_string()),
+            ]);
+        }
+        let cx = parent.with_span(span);
+        let mut call = self
+            .tracer
+            .span_builder("upstream")
+            .with_kind(SpanKind::Client)
+            .start_with_context(&self.tracer, &cx);
+        if call.is_recording() {
+            call.set_attribute(KeyValue::new("http.request.method", method));
+        }
+        name_parent(upstream, call.span_context(), continued)?;
+        Ok(JobTrace { cx, upstream: call })
+    }
+}
+
+impl JobTrace {
+    /// Ends the run's spans: `status` is the job's result (the upstream's answer, or the
+    /// gateway's 502/504), `upstream_status` the upstream's own, `error` why it failed.
+    pub fn finish(mut self, status: u16, upstream_status: Option<u16>, error: Option<&str>) {
+        match upstream_status {
+            Some(s) => self
+                .upstream
+                .set_attribute(KeyValue::new("http.response.status_code", i64::from(s))),
+            None => self
+                .upstream
+                .set_status(Status::error(error.unwrap_or("no response").to_string())),
+        }
+        self.upstream.end();
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+        if let Some(e) = error {
+            span.set_attribute(KeyValue::new("error.type", e.to_string()));
+        }
+        if status >= 500 {
+            span.set_status(Status::error(error.unwrap_or("failed").to_string()));
+        }
+        span.end();
     }
 }
 

@@ -47,7 +47,15 @@ pub(super) async fn run_claimed(
     tokio::time::sleep(wait).await;
     let max = route.jobs.map_or(16 << 20, |j| j.max_response_body);
     let started = Instant::now();
-    let sent = send::send(&running, &route, &request, max).await;
+    let sent = send::send(
+        &running,
+        shared.tracing.as_ref(),
+        &route,
+        &id,
+        &request,
+        max,
+    )
+    .await;
     let (state, stored, mut cost, upstream_status, follow) =
         settle(&shared, &route, &admit, sent, started).await;
     write_result(&b, &id, state, &stored).await;
