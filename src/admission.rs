@@ -70,13 +70,32 @@ impl Ticket {
     }
 
     /// The upstream never had it (or it never left the gateway): the charge goes back (once),
-    /// then its slots. The standing it was admitted with, for the answer's headers.
+    /// then its slots. The standing with the charge given back, for the answer's headers.
     pub async fn refund(&mut self, store: &Store) -> Standing {
         if !std::mem::replace(&mut self.refunded, true) {
             store.refund(&self.req, self.charge).await;
         }
         self.release().await;
-        self.outcome
+        self.refunded_standing()
+    }
+
+    /// The standing it was admitted with, its charge given back where it was made.
+    fn refunded_standing(&self) -> Standing {
+        let cost = self.req.cost;
+        match self.charge {
+            // Nothing was charged: nothing comes back.
+            Charge::None => self.outcome,
+            Charge::Shared | Charge::Slice(_) => self.outcome.given_back(self.req.limits(), cost),
+            // The memory store's budgets, or one instance's share of the first budget under
+            // `on_error: local` (the further budgets' shares are not kept here).
+            Charge::Local(l) if l == self.req.limit => {
+                self.outcome.given_back(self.req.limits(), cost)
+            }
+            Charge::Local(l) if self.req.also.is_empty() => {
+                self.outcome.given_back(std::iter::once(&l), cost)
+            }
+            Charge::Local(_) => self.outcome,
+        }
     }
 
     /// Frees its slots now; it stays charged (dropping the ticket would too, without

@@ -99,6 +99,30 @@ impl Limit {
     pub fn reset_us(&self, level: u64) -> u64 {
         div_ceil(level, self.rate)
     }
+
+    /// A decision's figures once `cost` units went back into this bucket (a refund), as of
+    /// that decision. Units left: `cost` more, up to `max_cost`, exact for a bucket that was not
+    /// past its capacity; past it (a `max_delay` reservation, a debt) they come from the level
+    /// `f.reset_us` implies. Full again sooner by `cost`'s share of the window: within 1 µs
+    /// (the figures round the level to whole µs), and 0 when the refund empties the bucket.
+    pub fn given_back(&self, f: Figure, cost: u64) -> Figure {
+        // The lowest level that has this reset (the level is within one µs of draining).
+        let level = f
+            .reset_us
+            .saturating_sub(1)
+            .saturating_mul(self.rate)
+            .saturating_add(u64::from(f.reset_us > 0));
+        let after = level.saturating_sub(cost.saturating_mul(self.per_unit));
+        let remaining = if f.remaining > 0 {
+            f.remaining.saturating_add(cost).min(self.max_cost())
+        } else {
+            self.remaining(after)
+        };
+        Figure {
+            remaining,
+            reset_us: self.reset_us(after),
+        }
+    }
 }
 
 /// A bucket's stored state: its level (ticks) at a time (µs), and the drain rate that level

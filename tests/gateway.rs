@@ -436,6 +436,61 @@ async fn max_delay_holds_the_seventh_report() {
     assert_eq!(up.count("/reports/generate"), 7);
 }
 
+/// A 502 (the upstream never had the request) is refunded, and its rate-limit headers and
+/// problem JSON say so: nothing charged, the units as they were before it (not as its charge
+/// left them), on the memory store and on Redis.
+async fn a_refunded_502_describes_the_budget_after_its_refund(store: &str) {
+    let dead_port = free_port();
+    let body = format!(
+        "{store}rate_limits:\n  default: {{cost: 5, window: 1h, max_cost: 100}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+        sha256_hex("key-1")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{dead_port}"),
+        body: &body,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    for _ in 0..3 {
+        let r = get(&c, gw.url("/items"), "key-1").await;
+        assert_eq!(r.status(), 502, "{store}");
+        assert_eq!(
+            header(&r, "Content-Type").as_deref(),
+            Some("application/problem+json")
+        );
+        assert_eq!(
+            header(&r, "X-RateLimit-Cost").as_deref(),
+            Some("0"),
+            "{store}"
+        );
+        assert_eq!(
+            header(&r, "X-RateLimit-Remaining").as_deref(),
+            Some("100"),
+            "{store}"
+        );
+        assert_eq!(
+            header(&r, "X-RateLimit-Reset").as_deref(),
+            Some("0"),
+            "{store}"
+        );
+        assert_eq!(
+            header(&r, "RateLimit").as_deref(),
+            Some("\"default\";r=100;t=0"),
+            "{store}"
+        );
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["remaining"], 100, "{store}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refunded_502_says_nothing_was_charged_on_memory_and_redis() {
+    a_refunded_502_describes_the_budget_after_its_refund("").await;
+    let redis = Redis::start();
+    let store = format!("store:\n  backend: redis\n  url: \"{}\"\n", redis.url());
+    a_refunded_502_describes_the_budget_after_its_refund(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_failures_are_refunded() {
     // Unreachable upstream: 502, nothing charged.

@@ -244,3 +244,75 @@ fn several_budgets_wait_for_the_slowest() {
     assert_eq!(one.outcome, decide(&b, None, 0, 1));
     assert!(one.outcome.each.as_slice().is_empty());
 }
+
+/// The figures of an admission with its charge given back (a refund's answer) are those of
+/// the bucket the refund leaves, as of the admission (its reset within the 1 µs the figures
+/// round to, and 0 when it empties): for assorted levels, costs and limits, against `refund`
+/// and `uncharged` computed on the state itself.
+#[test]
+fn given_back_figures_are_the_refunded_buckets() {
+    for l in [
+        lim(120, 60_000, 0),
+        lim(7, 3_600_000, 0),
+        lim(100, 1_000, 500),
+        lim(1_000, 86_400_000, 0),
+    ] {
+        for (n, cost, at) in [
+            (0, 1, 0),
+            (1, 1, 5),
+            (3, 20, 1_234),
+            (5, 7, 999_999),
+            (2, 100, 50),
+        ] {
+            let now = 1_000_000_000 + at;
+            let (_, before) = burst(&l, n, cost, now);
+            let o = decide(&l, before, now, cost);
+            if !o.admitted() {
+                continue;
+            }
+            let exact = uncharged(&l, refund(&l, o.state, now, cost), now, o.verdict);
+            let got = l.given_back(
+                Figure {
+                    remaining: o.remaining,
+                    reset_us: o.reset_us,
+                },
+                cost,
+            );
+            assert_eq!(got.remaining, exact.remaining, "{l:?}, {n} × {cost} before");
+            assert!(
+                got.reset_us.abs_diff(exact.reset_us) <= 1
+                    && (exact.reset_us > 0 || got.reset_us == 0),
+                "{l:?}, {n} × {cost} before: {} µs, exactly {}",
+                got.reset_us,
+                exact.reset_us
+            );
+        }
+    }
+}
+
+/// With several budgets each is given back, and the decisive one is the tightest again.
+#[test]
+fn given_back_on_several_budgets_names_the_tightest_again() {
+    let minute = lim(120, 60_000, 0);
+    let day = lim(200, 86_400_000, 0);
+    let budgets = [(minute, None), (day, None)];
+    let now = 1_000_000;
+    // 110 of the day's 200 are spent (the minute's bucket is empty): 20 more leave the day
+    // 70, the minute 100.
+    let day_state = decide(&day, None, now, 110).state;
+    let j = decide_all(&[budgets[0], (day, day_state)], now, 20);
+    assert!(j.outcome.admitted());
+    let standing = crate::store::Standing::from(&j.outcome);
+    // The day (70 left) decides over the minute (100 left).
+    assert_eq!((standing.remaining, standing.each.decisive), (70, 1));
+    let back = standing.given_back([minute, day].iter(), 20);
+    // Both 20 richer: the minute full (120), the day 90: still the day's.
+    let each: Vec<u64> = back.each.as_slice().iter().map(|f| f.remaining).collect();
+    assert_eq!(each, [120, 90]);
+    assert_eq!((back.remaining, back.each.decisive), (90, 1));
+    assert_eq!(back.each.as_slice()[0].reset_us, 0);
+    // One budget: as Limit::given_back.
+    let one = crate::store::Standing::from(&decide(&minute, None, now, 20));
+    let back = one.given_back([minute].iter(), 20);
+    assert_eq!((back.remaining, back.reset_us), (120, 0));
+}

@@ -26,7 +26,7 @@ mod write_back;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::budget::{Figures, Limit, Outcome, Verdict};
+use crate::budget::{Figure, Figures, Limit, Outcome, Verdict};
 use crate::{identity::KeyHash, telemetry::StoreCall};
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
@@ -203,6 +203,55 @@ pub struct Standing {
     pub reset_us: u64,
     /// Every budget's figures when the request was decided on several; empty for one.
     pub each: Figures,
+}
+
+impl Standing {
+    /// The standing once `cost` units went back into `limits`, the budgets it was decided on
+    /// in their order (a refund): each budget's figures as [`Limit::given_back`] has them, and
+    /// the decisive one the tightest again (fewest units left, the first of equals), as an
+    /// admission's is.
+    pub fn given_back<'a>(
+        &self,
+        mut limits: impl Iterator<Item = &'a Limit>,
+        cost: u64,
+    ) -> Standing {
+        let figures = self.each.as_slice();
+        if figures.is_empty() {
+            let Some(l) = limits.next() else { return *self };
+            let f = l.given_back(
+                Figure {
+                    remaining: self.remaining,
+                    reset_us: self.reset_us,
+                },
+                cost,
+            );
+            return Standing {
+                remaining: f.remaining,
+                reset_us: f.reset_us,
+                each: self.each,
+            };
+        }
+        let mut each = Figures::default();
+        for (f, l) in figures.iter().zip(limits) {
+            each.push(l.given_back(*f, cost));
+        }
+        let Some((i, f)) = each
+            .as_slice()
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, f)| f.remaining)
+            .filter(|_| each.as_slice().len() == figures.len())
+        else {
+            return *self;
+        };
+        let f = *f;
+        each.decisive = i as u8;
+        Standing {
+            remaining: f.remaining,
+            reset_us: f.reset_us,
+            each,
+        }
+    }
 }
 
 impl From<&Outcome> for Standing {
