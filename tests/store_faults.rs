@@ -492,3 +492,53 @@ async fn a_batch_that_times_out_charges_each_request_at_most_once() {
     // Only what the upstream ran (the probes included) stays charged.
     charged_settles(&c, &gw, "k", || up.count("/items") - 16).await;
 }
+
+/// DESIGN §4: "When the store returns, the shared budget is in force again within seconds."
+/// Redis restarts while the gateway is idle. Each worker thread's connection to the old
+/// process is found dead without a request failing on it: a few seconds later every request
+/// is decided in Redis (the full budget, not the local share of a third), none by the
+/// fallback. And the degraded state an outage left, with no traffic after it, ends by itself
+/// once the store answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_restart_requests_are_decided_in_redis_without_a_failure_first() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n  fleet_size: 3\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 120}}\n",
+        redis.url()
+    );
+    let gw = Gateway::start(&up, &cfg);
+    // Fresh connections, so that both worker threads connect to Redis.
+    let each_thread = async |key: &str| {
+        let mut limits = vec![];
+        for _ in 0..10 {
+            let r = get(&client(), gw.url("/items"), key).await;
+            assert_eq!(r.status(), 200);
+            limits.push(header(&r, "X-RateLimit-Limit").unwrap());
+        }
+        limits
+    };
+    assert_eq!(each_thread("before").await, vec!["120"; 10]);
+    redis.kill();
+    redis = Redis::start_on(port);
+    assert_eq!(redis.cli(&["DBSIZE"]), "0");
+    // Within seconds: 3 s of nothing, then every request decided in Redis.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(each_thread("after").await, vec!["120"; 10]);
+    assert_metric(
+        &gw,
+        "tollgate_fallback_decisions_total{decision=\"admitted\"}",
+        0.0,
+    )
+    .await;
+
+    // An outage with a request in it: degraded, on the local share.
+    redis.kill();
+    let r = get(&client(), gw.url("/items"), "during").await;
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("40"));
+    assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
+    // Back, and no request: the gauge clears by itself within seconds.
+    let _redis = Redis::start_on(port);
+    wait_metric(&gw, "tollgate_store_degraded", 0.0, Duration::from_secs(5)).await;
+}

@@ -123,6 +123,8 @@ pub struct FallbackStore<S> {
     on_error: OnError,
     fleet_size: u32,
     degraded: AtomicBool,
+    /// A probe is asking the store every [`PROBE_EVERY`] (see [`Self::spawn_probe`]).
+    probing: AtomicBool,
     running: Arc<Running>,
     owed: Ledger,
     adoptions: Arc<adopt::Adoptions>,
@@ -151,6 +153,7 @@ impl<S: SharedStore> FallbackStore<S> {
             on_error,
             fleet_size: fleet_size.max(1),
             degraded: AtomicBool::new(false),
+            probing: AtomicBool::new(false),
             running: Arc::default(),
             owed: Ledger::default(),
             adoptions: Arc::default(),
@@ -182,8 +185,10 @@ impl<S: SharedStore> FallbackStore<S> {
         show_degraded(self.degraded());
     }
 
-    fn set_degraded(&self, on: bool, cause: Option<&StoreError>) {
-        if self.degraded.swap(on, Ordering::Relaxed) != on {
+    /// True when it changed.
+    fn set_degraded(&self, on: bool, cause: Option<&StoreError>) -> bool {
+        let changed = self.degraded.swap(on, Ordering::Relaxed) != on;
+        if changed {
             show_degraded(on);
             if on {
                 let cause = cause.map(|e| e.to_string()).unwrap_or_default();
@@ -192,27 +197,52 @@ impl<S: SharedStore> FallbackStore<S> {
                 tracing::info!("store reachable again: shared budgets in force");
             }
         }
+        changed
+    }
+
+    /// The store failed a request's decision: degraded, and a probe asks it again every
+    /// second until it answers, so that the degraded state (`/readyz`, the gauge) ends when
+    /// the store is back, not when the next request happens to come.
+    fn degrade(self: &Arc<Self>, cause: &StoreError) {
+        if self.set_degraded(true, Some(cause)) {
+            self.spawn_probe();
+        }
     }
 
     /// Tries the store once now and, while it is unreachable (and no request found it back),
-    /// every second, on a thread of its own: so that `/readyz` and the degraded gauge reflect
-    /// a store that is down at start-up before any request arrives.
-    pub fn spawn_startup_probe(self: &Arc<Self>) {
+    /// every second, on a thread of its own (one at a time): at start, so that `/readyz` and
+    /// the degraded gauge reflect a store that is down before any request arrives, and from
+    /// the moment a request finds it down.
+    pub fn spawn_probe(self: &Arc<Self>) {
+        if self.probing.swap(true, Ordering::Relaxed) {
+            return;
+        }
         let store = self.clone();
         let spawned = crate::background::spawn("tollgate-store-probe".into(), move || async move {
             loop {
                 match store.shared.probe().await {
-                    Ok(()) => return store.set_degraded(false, None),
+                    Ok(()) => {
+                        store.set_degraded(false, None);
+                        break;
+                    }
                     Err(StoreError::BreakerOpen) => {}
-                    Err(e) => store.set_degraded(true, Some(&e)),
+                    Err(e) => {
+                        store.set_degraded(true, Some(&e));
+                    }
                 }
                 tokio::time::sleep(PROBE_EVERY).await;
                 if !store.degraded() {
-                    return;
+                    break;
                 }
+            }
+            store.probing.store(false, Ordering::Relaxed);
+            // A request may have found it down again between the last probe and now.
+            if store.degraded() {
+                store.spawn_probe();
             }
         });
         if let Err(e) = spawned {
+            self.probing.store(false, Ordering::Relaxed);
             tracing::warn!(error = %e, "cannot start the store probe");
         }
     }
@@ -262,7 +292,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
             }
             Err(e) => {
-                self.set_degraded(true, Some(&e));
+                self.degrade(&e);
                 let mut admission = self.fallback(req, start).await;
                 if let Admission::Admitted { lease, .. } = &mut admission {
                     if self.on_error == OnError::Local {
@@ -313,7 +343,9 @@ impl<S: SharedStore> FallbackStore<S> {
     /// background if it surely did not run.
     async fn refund_shared(&self, req: &AdmitRequest, hold: u128) {
         match self.shared.refund(req, hold).await {
-            Ok(true) => self.set_degraded(false, None),
+            Ok(true) => {
+                self.set_degraded(false, None);
+            }
             Ok(false) => {}
             Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
             Err(_) => {}

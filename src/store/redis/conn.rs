@@ -5,7 +5,10 @@
 //! worker is a current-thread runtime of its own: so each thread connects on first use (on its
 //! own runtime), concurrent requests on it share that one connection, and a connection that
 //! failed or timed out is dropped and made again on the next call. Connecting lazily is also
-//! what lets the gateway start while Redis is down.
+//! what lets the gateway start while Redis is down. A node's connection is looked at every
+//! second (a `PING` beside the calls): one the server closed (a restart, `CLIENT KILL`) is
+//! not used again, so the next call connects anew instead of failing on it, however long
+//! the thread stayed idle.
 //!
 //! Making a connection again is also how a topology change is followed:
 //! - Sentinel: the Sentinels are asked for the primary's address on every connect, and a
@@ -20,8 +23,8 @@
 //! have run). What is surely safe to resend is resent by `script::invoke`.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -44,9 +47,24 @@ fn address(info: &ConnectionInfo) -> String {
     }
 }
 
+/// How often a node connection is checked ([`watch`]).
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// A thread's connection, and whether its watcher still finds it open.
+struct Cached {
+    /// The [`Connections`] it belongs to.
+    id: u64,
+    /// The primary's generation it was made for (Sentinel).
+    generation: u64,
+    conn: Conn,
+    /// Cleared by [`watch`] when the server closed it; dropped with the entry, which tells
+    /// the watcher to stop.
+    open: Arc<AtomicBool>,
+}
+
 thread_local! {
-    /// This thread's connection: (connections id, primary generation, connection).
-    static CONN: RefCell<Option<(u64, u64, Conn)>> = const { RefCell::new(None) };
+    /// This thread's connection.
+    static CONN: RefCell<Option<Cached>> = const { RefCell::new(None) };
     /// Held while this thread connects, so concurrent requests wait for one connection
     /// instead of each opening their own.
     static CONNECTING: Arc<tokio::sync::Mutex<()>> = Arc::new(tokio::sync::Mutex::new(()));
@@ -244,8 +262,10 @@ impl Connections {
         CONN.with(|c| {
             c.borrow()
                 .as_ref()
-                .filter(|(id, g, _)| *id == self.id && *g == generation)
-                .map(|(_, _, conn)| conn.clone())
+                .filter(|c| {
+                    c.id == self.id && c.generation == generation && c.open.load(Ordering::Relaxed)
+                })
+                .map(|c| c.conn.clone())
         })
     }
 
@@ -277,7 +297,18 @@ impl Connections {
             }
             let generation = self.generation();
             let conn = self.connect(target).await.map_err(StoreError::Connect)?;
-            CONN.with(|c| *c.borrow_mut() = Some((self.id, generation, conn.clone())));
+            let open = Arc::new(AtomicBool::new(true));
+            if let Conn::Node(node) = &conn {
+                watch(node.clone(), Arc::downgrade(&open));
+            }
+            CONN.with(|c| {
+                *c.borrow_mut() = Some(Cached {
+                    id: self.id,
+                    generation,
+                    conn: conn.clone(),
+                    open,
+                })
+            });
             Ok(conn)
         })
         .await
@@ -348,9 +379,35 @@ impl Connections {
     pub(super) fn forget(&self) {
         CONN.with(|c| {
             let mut c = c.borrow_mut();
-            if c.as_ref().is_some_and(|(id, _, _)| *id == self.id) {
+            if c.as_ref().is_some_and(|c| c.id == self.id) {
                 *c = None;
             }
         });
     }
+}
+
+/// Checks a node connection every [`WATCH_EVERY`] for as long as its thread keeps it (`open`
+/// upgrades): a `PING` that finds it closed by the server (a dropped connection: redis-rs
+/// fails a call on a connection whose driver ended at once) clears `open`, and the thread's
+/// next call connects anew. A slow answer proves nothing and changes nothing (a call that
+/// times out forgets the connection itself). Runs on the runtime that made the connection.
+fn watch(mut conn: MultiplexedConnection, open: Weak<AtomicBool>) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            let Some(flag) = open.upgrade() else {
+                return;
+            };
+            if let Err(e) = redis::cmd("PING").query_async::<()>(&mut conn).await {
+                if e.is_connection_dropped() {
+                    tracing::debug!(error = %e, "a Redis connection was closed: the next call connects anew");
+                    flag.store(false, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+    });
 }

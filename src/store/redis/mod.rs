@@ -71,7 +71,7 @@ impl RedisStore {
         let backend = RedisBackend::new(s);
         backend.spawn_eviction_check();
         let store = FallbackStore::over(backend, MemoryStore::new(clock), s.on_error, s.fleet_size);
-        store.spawn_startup_probe();
+        store.spawn_probe();
         store
     }
 }
