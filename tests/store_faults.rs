@@ -542,3 +542,32 @@ async fn after_a_restart_requests_are_decided_in_redis_without_a_failure_first()
     let _redis = Redis::start_on(port);
     wait_metric(&gw, "tollgate_store_degraded", 0.0, Duration::from_secs(5)).await;
 }
+
+/// The `maxmemory-policy` check keeps reading after Redis restarts: a Redis that comes back
+/// evicting is reported at the next minute's check (its connection to the old process was
+/// not kept failing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_restarts_evicting_is_reported_at_the_next_check() {
+    let port = free_port();
+    let mut redis = Redis::start_with(port, &["--maxmemory-policy", "noeviction"]);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &body(&redis, ""));
+    assert_eq!(get(&client(), gw.url("/items"), "k").await.status(), 200);
+    wait_metric(
+        &gw,
+        "tollgate_store_eviction_unsafe",
+        0.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    redis.kill();
+    let _redis = Redis::start_with(port, &["--maxmemory-policy", "allkeys-lru"]);
+    // Read at start and every minute after: within 60 s and a margin.
+    wait_metric(
+        &gw,
+        "tollgate_store_eviction_unsafe",
+        1.0,
+        Duration::from_secs(75),
+    )
+    .await;
+}

@@ -59,6 +59,11 @@ impl RedisBackend {
         .await;
         if counted {
             self.record(start, &res);
+        } else if res.is_err() {
+            // Uncounted, but a failed call's connection is no more trusted than a counted
+            // one's: a check that runs for the store's life would otherwise keep failing on
+            // a connection the server closed.
+            self.conns.forget();
         }
         res
     }
