@@ -172,13 +172,17 @@ pub struct InstanceAudit {
     pub plans: Vec<PlanAudit>,
 }
 
-/// The budgets a key of `policy` must fit, for the worst case (the tightest one binds).
+/// The budgets a key of `policy` must fit, every one of them, for the worst case (the
+/// tightest one binds); named as the rate-limit headers name them.
 fn budgets_of(p: &Policy) -> Vec<BudgetAudit> {
-    vec![BudgetAudit {
-        name: p.name.clone(),
-        max_cost: p.max_cost,
-        window_seconds: p.window.as_secs_f64(),
-    }]
+    p.budgets
+        .iter()
+        .map(|b| BudgetAudit {
+            name: b.name.clone(),
+            max_cost: b.max_cost,
+            window_seconds: b.window.as_secs_f64(),
+        })
+        .collect()
 }
 
 /// Every plan of `cfg`, `default` first.

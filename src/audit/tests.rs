@@ -155,3 +155,20 @@ fn tightest_budget_binds_and_time_prices_count() {
     assert_eq!(effective_cost(10, Some(4.0), 1.4), 10.0);
     assert_eq!(median(vec![3.0, 1.0, 2.0, 10.0]), Some(2.5));
 }
+
+/// A plan of several budgets is audited against each (the tightest binds), not only its
+/// first: `pro`'s day budget of 150 allows far less backend time than its minute's 100.
+#[test]
+fn every_budget_of_a_plan_is_audited() {
+    let text = "upstream: {url: \"http://127.0.0.1:1\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\nplans:\n  pro:\n    budgets:\n      - {name: minute, max_cost: 100, window: 60s}\n      - {name: day, max_cost: 150, window: 24h}\n";
+    let cfg = crate::config::Config::parse(text, &crate::config::EnvOverrides::default()).unwrap();
+    let plans = plans_of(&cfg);
+    let pro = plans.iter().find(|p| p.name == "pro").unwrap();
+    let names: Vec<&str> = pro.budgets.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["pro-minute", "pro-day"]);
+    let w = worst_case(pro, 1.0, 0.0695).unwrap();
+    assert_eq!(w.budget, "pro-day");
+    assert!((w.backend_seconds_per_minute - 150.0 * 60.0 / 86_400.0 * 0.0695).abs() < 1e-9);
+    // A plan of one budget keeps its own name.
+    assert_eq!(plans[0].budgets[0].name, "default");
+}
