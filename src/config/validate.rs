@@ -396,16 +396,14 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
     target
 }
 
-/// `store`: returns the fleet size (1 when it is invalid, with an error). The URL is only
-/// read by the Redis backend, so only checked for it.
+/// `store`: returns the fleet size (1 when it is invalid, with an error). The URL is checked
+/// whatever the backend (DESIGN §1): only Redis reads it, but a file that says it is wrong.
 fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
-    if s.backend == Backend::Redis {
-        if let Err(m) = parse_redis_target(&s.url) {
-            if url_from_env {
-                errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
-            } else {
-                errs.push("store.url", m.to_string());
-            }
+    if let Err(m) = parse_redis_target(&s.url) {
+        if url_from_env {
+            errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
+        } else {
+            errs.push("store.url", m.to_string());
         }
     }
     if s.timeout.0.is_zero() {

@@ -31,8 +31,8 @@ fn store_url_must_parse() {
         let c = parse(&with_redis(url)).unwrap_or_else(|e| panic!("{url}: {e}"));
         assert_eq!(c.store.url, url);
     }
-    // The memory backend never connects: its url is not looked at.
-    assert!(parse(&format!("store:\n  url: \"redis://[::1\"\n{BASE}")).is_ok());
+    // The memory backend never connects, but its url is checked all the same (below).
+    assert!(parse(&format!("store:\n  url: \"redis://[::1\"\n{BASE}")).is_err());
 }
 
 #[test]
@@ -127,4 +127,15 @@ fn a_password_with_a_slash_is_redacted_too() {
         "redis://u:***@h:6379/0"
     );
     assert_eq!(super::redact_url("redis://h:6379/0"), "redis://h:6379/0");
+}
+
+/// DESIGN §1: a `store.url` that cannot be parsed is an error whatever the backend (the
+/// memory store does not read it, but a file that says it is wrong).
+#[test]
+fn store_url_must_parse_on_the_memory_store_too() {
+    let s = format!("store:\n  url: \"redis://h:notaport/0\"\n{BASE}");
+    let e = first_error(&s);
+    assert!(e.starts_with("store.url: "), "{e}");
+    let s = format!("store:\n  backend: memory\n  url: \"redis://127.0.0.1:6379/0\"\n{BASE}");
+    assert!(Config::parse(&s, &EnvOverrides::default()).is_ok());
 }
