@@ -996,8 +996,23 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     let gw = Gateway::start(&up, &body);
     let c = client();
     assert_eq!(get(&c, gw.url("/e19999/items"), "k").await.status(), 200);
+    // Counted in `logging`, which may run just after the client has its answer.
+    wait_metric(
+        &gw,
+        "tollgate_requests_total{route=\"/e19999/items\",status=\"200\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
     let scrape = admin_text(&gw, "/metrics").await;
     assert!(scrape.len() < 2_000_000, "{} bytes", scrape.len());
+    // And with traffic on 100 more routes past the first 200 (each then has all its series).
+    for i in 1000..1100 {
+        let r = get(&c, gw.url(&format!("/e{i}/items")), &format!("k{i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    let busy = admin_text(&gw, "/metrics").await;
+    assert!(busy.len() < 2_000_000, "{} bytes after traffic", busy.len());
     // A route past the first 200 has its series once it has traffic.
     assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));
     assert!(!scrape.contains("route=\"/e19998/items\""));
@@ -1016,7 +1031,11 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     assert!(took < Duration::from_secs(5), "reload took {took:?}");
     let r = get(&c, gw.url("/e0/items"), "k").await;
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
-    println!("scrape {} bytes, reload {took:?}", scrape.len());
+    println!(
+        "scrape {} bytes, {} after traffic on 100 routes, reload {took:?}",
+        scrape.len(),
+        busy.len()
+    );
 }
 
 /// `tollgate run --pid-file`: the file names this gateway's process (a reload signals it and
