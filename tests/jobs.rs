@@ -300,6 +300,13 @@ async fn submission_refusals_charge_nothing_and_make_no_job() {
         .unwrap();
     assert_eq!(r.status(), 413);
     assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("0"));
+    // Every header of an identified request (DESIGN §3), the budget as it stands: untouched.
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("100"));
+    assert_eq!(header(&r, "x-ratelimit-reset").as_deref(), Some("0"));
+    assert_eq!(
+        header(&r, "ratelimit").as_deref(),
+        Some("\"default\";r=100;t=0")
+    );
     let p: serde_json::Value = r.json().await.unwrap();
     assert!(
         p["type"].as_str().unwrap().ends_with("payload-too-large"),

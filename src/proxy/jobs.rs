@@ -327,9 +327,14 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         return Error::e_explain(ErrorType::InternalError, "job on a route without async");
     };
     let Some(body) = read_body(session, rules.max_request_body).await? else {
-        return gw
-            .refuse(session, ctx, too_large(rules.max_request_body))
-            .await;
+        // Nothing charged, nothing decided: the headers say what is left as it stands.
+        let mut refusal = too_large(rules.max_request_body);
+        let store = &gw.shared.store;
+        if let Some(peek) = store.peek(&admit.key, &admit.limit, &admit.also).await {
+            refusal.outcome = peek.standing();
+            ctx.share = peek.local_share.unwrap_or(1);
+        }
+        return gw.refuse(session, ctx, refusal).await;
     };
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
     let mut up = session.req_header().clone();

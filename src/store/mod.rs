@@ -347,6 +347,34 @@ pub struct Peek {
     pub local_share: Option<u32>,
 }
 
+impl Peek {
+    /// The figures as the rate-limit headers describe them, for an answer that charged
+    /// nothing without asking the store to decide: each budget's, the decisive one the
+    /// tightest (fewest units left, the first of equals), as an admission's is.
+    pub fn standing(&self) -> Option<Standing> {
+        let (i, tightest) = self
+            .views
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, v)| v.remaining)?;
+        let mut each = Figures::default();
+        if self.views.len() > 1 {
+            for v in &self.views {
+                each.push(Figure {
+                    remaining: v.remaining,
+                    reset_us: v.reset_us,
+                });
+            }
+            each.decisive = i as u8;
+        }
+        Some(Standing {
+            remaining: tightest.remaining,
+            reset_us: tightest.reset_us,
+            each,
+        })
+    }
+}
+
 /// The store the gateway runs on; lives across config reloads so budgets do too.
 #[derive(Clone)]
 pub enum Store {
