@@ -3,12 +3,12 @@
 //!
 //! While the route is full, waiters queue per key (each key's in arrival order). A freed slot
 //! goes, in the same step as the release, to the head of the key with the fewest requests
-//! running on the route divided by its plan's `weight`; among equals, to the one that has
-//! waited longest, except that the key whose request freed the slot goes after its equals
-//! (with one slot every key runs nothing at a release: without that, a key's own backlog
-//! would keep the slot). A key at the endpoint's `max_in_flight_per_key` waits even while
-//! slots are free. One key's 60 queued reports thus delay another key's single report by at
-//! most one release.
+//! running on the route divided by its plan's `weight`; among equals, to the key that has
+//! waited longest: since its oldest waiter came, or since one of its requests last got or
+//! freed a slot, whichever is later (with one slot every key runs nothing at a release, and
+//! by its oldest waiter alone a key's backlog would keep the slot). Equals so take turns. A
+//! key at the endpoint's `max_in_flight_per_key` waits even while slots are free. One key's
+//! 60 queued reports thus delay another key's single report by at most one release.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -49,6 +49,17 @@ struct KeyState {
     running: u32,
     weight: u32,
     waiting: VecDeque<Waiter>,
+    /// When (in the queue's sequence) one of its requests last got or freed a slot.
+    turn: u64,
+}
+
+impl KeyState {
+    /// Since when it has waited, in the queue's sequence (see the module's doc).
+    fn waiting_since(&self) -> u64 {
+        self.waiting
+            .front()
+            .map_or(u64::MAX, |w| w.seq.max(self.turn))
+    }
 }
 
 /// One route's slots and waiters.
@@ -177,30 +188,28 @@ impl FairQueue {
         self.per_key.is_none_or(|share| k.running < share)
     }
 
-    /// The key whose head waiter is served next: fewest running per weight, then not the key
-    /// that freed the slot (`freed_by`), then the oldest head. Ratios compare by
+    /// The key whose head waiter is served next: fewest running per weight, then the one
+    /// that has waited longest ([`KeyState::waiting_since`]). Ratios compare by
     /// cross-multiplication (exact).
-    fn next_key(&self, freed_by: Option<u128>) -> Option<u128> {
+    fn next_key(&self) -> Option<u128> {
         self.keys
             .iter()
             .filter(|(_, k)| !k.waiting.is_empty() && self.eligible(k))
-            .min_by(|(ka, a), (kb, b)| {
+            .min_by(|(_, a), (_, b)| {
                 let (ra, rb) = (
                     u64::from(a.running) * u64::from(b.weight),
                     u64::from(b.running) * u64::from(a.weight),
                 );
                 ra.cmp(&rb)
-                    .then_with(|| (Some(**ka) == freed_by).cmp(&(Some(**kb) == freed_by)))
-                    .then_with(|| a.waiting[0].seq.cmp(&b.waiting[0].seq))
+                    .then_with(|| a.waiting_since().cmp(&b.waiting_since()))
             })
             .map(|(key, _)| *key)
     }
 
     /// Gives free slots to waiters, best first; a waiter whose receiver is gone is skipped.
-    /// `freed_by`: the key whose request's release freed them, if one did.
-    fn grant(&mut self, freed_by: Option<u128>) {
+    fn grant(&mut self) {
         while self.running < self.cap {
-            let Some(key) = self.next_key(freed_by) else {
+            let Some(key) = self.next_key() else {
                 return;
             };
             let Some(k) = self.keys.get_mut(&key) else {
@@ -213,6 +222,8 @@ impl FairQueue {
             if w.tx.send(()).is_ok() {
                 k.running += 1;
                 self.running += 1;
+                self.seq += 1;
+                k.turn = self.seq;
             }
         }
     }
@@ -265,17 +276,19 @@ impl FairQueue {
         self.queued -= 1;
         self.forget_if_idle(key);
         // A key that left may have been the one holding back others (a per-key share).
-        self.grant(None);
+        self.grant();
         true
     }
 
     fn release(&mut self, key: u128) {
         if let Some(k) = self.keys.get_mut(&key) {
             k.running = k.running.saturating_sub(1);
+            self.seq += 1;
+            k.turn = self.seq;
         }
         self.running = self.running.saturating_sub(1);
         self.forget_if_idle(key);
-        self.grant(Some(key));
+        self.grant();
     }
 
     fn forget_if_idle(&mut self, key: u128) {

@@ -4,8 +4,9 @@
 //!
 //! Requests that wait for a route's local share take their turn in the fair order of DESIGN §8
 //! among this instance's waiters: the waiter whose key runs the fewest requests on the route
-//! (per its plan's weight) goes first, among equals the one that waited longest (but the key
-//! whose request freed the slot after the others), a key's own requests in arrival order. Every release wakes the waiters; only the one whose turn it is
+//! (per its plan's weight) goes first, among equals the one that has waited longest (since its
+//! oldest waiter came, or since one of its requests last got or freed a slot, whichever is
+//! later, as in `fair`), a key's own requests in arrival order. Every release wakes the waiters; only the one whose turn it is
 //! takes the slot, the others wait on.
 
 use std::collections::HashMap;
@@ -38,8 +39,9 @@ struct Inner {
     counts: HashMap<Slot, u32>,
     /// Per route, its waiters in arrival order.
     waiting: HashMap<Arc<str>, Vec<Turn>>,
-    /// Per route, the key whose request freed a slot last: it goes after its equals.
-    freed_by: HashMap<Arc<str>, u128>,
+    /// When (in `seq`) a request of a key on a route last got or freed a slot, kept while
+    /// the key has waiters there.
+    turns: HashMap<(Arc<str>, u128), u64>,
     seq: u64,
 }
 
@@ -64,13 +66,11 @@ impl Inner {
     }
 
     /// The waiter on `route` whose turn it is: fewest running per weight (cross-multiplied,
-    /// exact), then not the key that freed the last slot, then the oldest; a key's own
-    /// waiters in arrival order.
+    /// exact), then the key that has waited longest; a key's own waiters in arrival order.
     fn next(&self, route: &Arc<str>) -> Option<u64> {
         let turns = self.waiting.get(route)?;
-        let freed_by = self.freed_by.get(route).copied();
-        // (running, weight, freed the last slot, seq)
-        let mut best: Option<(u64, u64, bool, u64)> = None;
+        // (running, weight, waiting since, the waiter's seq)
+        let mut best: Option<(u64, u64, u64, u64)> = None;
         let mut seen: Vec<u128> = Vec::new();
         for t in turns {
             // Only a key's oldest waiter competes.
@@ -83,16 +83,32 @@ impl Inner {
             }
             let running = u64::from(self.count(&Slot::RouteKey(route.clone(), t.key)));
             let weight = u64::from(t.weight.max(1));
-            let freed = freed_by == Some(t.key);
-            let better = best.is_none_or(|(r, w, f, seq)| {
+            let last = self.turns.get(&(route.clone(), t.key)).copied();
+            let since = t.seq.max(last.unwrap_or(0));
+            let better = best.is_none_or(|(r, w, s, _)| {
                 let (a, b) = (running * w, r * weight);
-                a < b || (a == b && (freed, t.seq) < (f, seq))
+                a < b || (a == b && since < s)
             });
             if better {
-                best = Some((running, weight, freed, t.seq));
+                best = Some((running, weight, since, t.seq));
             }
         }
         best.map(|(_, _, _, seq)| seq)
+    }
+
+    /// A request of `key` on `route` got or freed a slot: noted while the key has waiters
+    /// there (one without waiters is behind every waiter when it queues again).
+    fn turn(&mut self, route: &Arc<str>, key: u128) {
+        let waits = self
+            .waiting
+            .get(route)
+            .is_some_and(|ts| ts.iter().any(|t| t.key == key));
+        if waits {
+            self.seq += 1;
+            self.turns.insert((route.clone(), key), self.seq);
+        } else {
+            self.turns.remove(&(route.clone(), key));
+        }
     }
 
     fn take(&mut self, slots: &[Slot]) {
@@ -121,7 +137,7 @@ impl Drop for RunningGuard {
         let mut inner = lock(&self.running.inner);
         for s in &self.slots {
             if let Slot::RouteKey(route, key) = s {
-                inner.freed_by.insert(route.clone(), *key);
+                inner.turn(route, *key);
             }
             if let Some(n) = inner.counts.get_mut(s) {
                 *n = n.saturating_sub(1);
@@ -145,10 +161,21 @@ pub(crate) struct Place {
 impl Drop for Place {
     fn drop(&mut self) {
         let mut inner = lock(&self.running.inner);
+        let mut key = None;
         if let Some(turns) = inner.waiting.get_mut(&self.route) {
+            key = turns.iter().find(|t| t.seq == self.seq).map(|t| t.key);
             turns.retain(|t| t.seq != self.seq);
             if turns.is_empty() {
                 inner.waiting.remove(&self.route);
+            }
+        }
+        if let Some(key) = key {
+            let waits = inner
+                .waiting
+                .get(&self.route)
+                .is_some_and(|ts| ts.iter().any(|t| t.key == key));
+            if !waits {
+                inner.turns.remove(&(self.route.clone(), key));
             }
         }
         drop(inner);
@@ -228,6 +255,9 @@ impl Running {
             slots.push(Slot::Key(key));
         }
         inner.take(&slots);
+        if let Some(place) = place {
+            inner.turn(&place.route, key);
+        }
         Ok(RunningGuard {
             running: self.clone(),
             slots,
@@ -330,6 +360,33 @@ mod tests {
         );
         let gb = running.try_take(&b, Some(&b1), 1, None).unwrap();
         drop((b1, gb));
+        assert!(running.try_take(&a, Some(&a1), 1, None).is_ok());
+    }
+
+    #[test]
+    fn with_one_slot_equals_take_turns() {
+        let running = Arc::new(Running::default());
+        let route: Arc<str> = "/r".into();
+        let (a, b, c) = (req(&route, 1), req(&route, 2), req(&route, 3));
+        let (ka, kb, kc) = (short_key(&a.key), short_key(&b.key), short_key(&c.key));
+        // a holds the only slot; two of a's wait, then two of b's, then one of c's.
+        let held = running.track(slots_of(&a));
+        let a1 = running.queue(&route, ka, fair(1, None));
+        let _a2 = running.queue(&route, ka, fair(1, None));
+        let b1 = running.queue(&route, kb, fair(1, None));
+        let _b2 = running.queue(&route, kb, fair(1, None));
+        let c1 = running.queue(&route, kc, fair(1, None));
+        drop(held);
+        // a freed it: b's turn (waiting since before c).
+        let full = Some(Full::Route);
+        assert_eq!(running.try_take(&a, Some(&a1), 1, None).err(), full);
+        assert_eq!(running.try_take(&c, Some(&c1), 1, None).err(), full);
+        let gb = running.try_take(&b, Some(&b1), 1, None).unwrap();
+        drop((b1, gb));
+        // b freed it: c's turn (waiting since before a last freed a slot), not a's head.
+        assert_eq!(running.try_take(&a, Some(&a1), 1, None).err(), full);
+        let gc = running.try_take(&c, Some(&c1), 1, None).unwrap();
+        drop((c1, gc));
         assert!(running.try_take(&a, Some(&a1), 1, None).is_ok());
     }
 

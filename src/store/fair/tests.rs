@@ -183,3 +183,34 @@ fn a_place_counts_the_waiters_that_arrived_before_it_until_it_leaves_the_queue()
     drop((a, c));
     assert_eq!(pc.position(), None);
 }
+
+/// Equals take turns: with one slot, keys 1 and 2 each with a backlog and key 3 with one
+/// request queued after them all, key 3 goes after one release of each (not after the
+/// backlogs queued before it).
+#[test]
+fn with_one_slot_equals_take_turns() {
+    let q = RouteQueues::default();
+    let s = slot(&q, 1, 1, fair(1));
+    let mut a: Vec<Waiting> = (0..3).map(|_| wait(&q, 1, 1, fair(1))).collect();
+    let mut b: Vec<Waiting> = (0..3).map(|_| wait(&q, 1, 2, fair(1))).collect();
+    let mut c = wait(&q, 1, 3, fair(1));
+    let release = |key: u128| {
+        drop(RouteSlot {
+            queue: lock(&q.routes)["r"].clone(),
+            key,
+        })
+    };
+    // Key 1's release: key 2 (waiting since before key 3).
+    drop(s);
+    assert!(granted(&mut b[0]));
+    // Key 2's release: key 3 (waiting since before key 1 last freed a slot), not key 1's head.
+    release(2);
+    assert!(granted(&mut c));
+    assert!(!a.iter_mut().any(granted));
+    // Key 3's: key 1, then key 2, in turn.
+    release(3);
+    assert!(granted(&mut a[0]));
+    release(1);
+    assert!(granted(&mut b[1]));
+    assert!(!a[1..].iter_mut().any(granted));
+}

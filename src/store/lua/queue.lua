@@ -6,15 +6,18 @@
 --   KEYS[2] `…q` the waiters: sorted set, every score 0, member
 --            `<key tag>:<seq, 16 digits>:<waiter id>`, so that a key's own waiters sort in
 --            arrival order and ZRANGEBYLEX finds a key's oldest
---   KEYS[3] `…k` the keys whose oldest waiter may be served: member `<seq>:<key tag>` (that
---            waiter's seq), score = requests the key runs on the route / its weight. The first
---            member is the next to serve: fewest running per weight, then the longest waiting
---            (but a key whose lease this call freed goes after its equals: with one slot,
---            every key runs nothing at a release, and its own backlog would keep the slot)
---   KEYS[4] `…s` a hash: `seq` (the arrival counter); `cap`, `share` (the route's
---            max_in_flight and max_in_flight_per_key, 0 = none, as the last caller saw them);
+--   KEYS[3] `…k` the keys whose oldest waiter may be served: member `<seq>:<key tag>`, the
+--            seq since when the key has waited (its oldest waiter's, or the seq of its last
+--            grant or freed lease, whichever is later), score = requests the key runs on the
+--            route / its weight. The first member is the next to serve: fewest running per
+--            weight, then the longest waiting (with one slot every key runs nothing at a
+--            release, and by its oldest waiter alone a key's backlog would keep the slot)
+--   KEYS[4] `…s` a hash: `seq` (the counter of arrivals, grants and freed leases); `cap`,
+--            `share` (the route's max_in_flight and max_in_flight_per_key, 0 = none, as the
+--            last caller saw them);
 --            `r:<key>` requests the key runs; `wt:<key>` its weight; `h:<key>` its member in
---            KEYS[3]; `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
+--            KEYS[3]; `e:<key>` the seq of its last grant or freed lease, while it waits;
+--            `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
 --            KEYS[2]>|<instance>"; `i:<instance>` until when that instance is alive (µs);
 --            `g:<instance>` the waiters granted to it, space-separated, until it collects them;
 --            `gi:<lease>` the instance a granted lease waits on, until it confirms it;
@@ -85,19 +88,29 @@ local function refresh(key)
     redis.call('HDEL', state, 'h:' .. key)
   end
   local m = oldest(key)
-  if not m then return end
+  if not m then
+    redis.call('HDEL', state, 'e:' .. key)
+    return
+  end
   local running = num('r:' .. key)
   local s = share()
   if s > 0 and running >= s then return end
+  -- Both 16 digits: compared as strings, as numbers.
   local seq = string.match(m, '^[^:]*:(%d+):')
+  local turn = redis.call('HGET', state, 'e:' .. key)
+  if turn and turn > seq then seq = turn end
   local member = seq .. ':' .. key
   local weight = math.max(1, num('wt:' .. key))
   redis.call('ZADD', heads, running / weight, member)
   redis.call('HSET', state, 'h:' .. key, member)
 end
 
--- The keys whose lease went in this call: among equals they are served last.
-local freed = {}
+-- One of the key's requests got or freed a slot now: it waits from now among its equals
+-- (`refresh` puts it in place, and drops the mark once the key has no waiter).
+local function turn(key)
+  local seq = redis.call('HINCRBY', state, 'seq', 1)
+  redis.call('HSET', state, 'e:' .. key, string.format('%016d', seq))
+end
 
 local function add_running(key, n)
   local r = redis.call('HINCRBY', state, 'r:' .. key, n)
@@ -111,7 +124,7 @@ local function lease_gone(id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
     add_running(key, -1)
-    freed[key] = true
+    turn(key)
     refresh(key)
   end
 end
@@ -156,25 +169,11 @@ local function alive(instance)
   return num('i:' .. instance) >= now
 end
 
--- The member of KEYS[3] to serve next: the first, unless its key freed a lease in this call
--- and a key that did not is its equal (the same score).
-local function next_head()
-  local first = redis.call('ZRANGE', heads, 0, 0, 'WITHSCORES')
-  local top = first[1]
-  if not top or not freed[string.match(top, '^%d+:(.*)$')] then return top end
-  local n = 0
-  for _ in pairs(freed) do n = n + 1 end
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', heads, first[2], first[2], 'LIMIT', 0, n + 1)) do
-    if not freed[string.match(m, '^%d+:(.*)$')] then return m end
-  end
-  return top
-end
-
 -- Gives free slots to the next waiters; returns the waiters granted.
 local function grant(grant_ttl)
   local granted = {}
   while redis.call('ZCARD', leases) < cap() do
-    local top = next_head()
+    local top = redis.call('ZRANGE', heads, 0, 0)[1]
     if not top then break end
     local key = string.match(top, '^%d+:(.*)$')
     local m = oldest(key)
@@ -190,6 +189,7 @@ local function grant(grant_ttl)
         redis.call('ZADD', leases, now + grant_ttl, id)
         redis.call('HSET', state, 'l:' .. id, key, 'gi:' .. id, instance)
         add_running(key, 1)
+        turn(key)
         local g = redis.call('HGET', state, 'g:' .. instance)
         redis.call('HSET', state, 'g:' .. instance, g and (g .. ' ' .. id) or id)
         redis.call('PUBLISH', 'tollgate:q:' .. instance, id)
