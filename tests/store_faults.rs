@@ -571,3 +571,30 @@ async fn a_redis_that_restarts_evicting_is_reported_at_the_next_check() {
     )
     .await;
 }
+
+/// The degraded state follows what Redis does for tollgate, not whether it answers at all:
+/// out of memory under `noeviction` (a `PING` would pass, every charging script fails) it stays
+/// degraded while no request comes, and ends by itself once Redis takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_memory_redis_keeps_the_gateway_degraded_until_it_takes_writes() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    // `deny`: nothing is admitted meanwhile, so nothing is owed and sent again to Redis.
+    let cfg = body(&redis, "").replace("on_error: local", "on_error: deny");
+    let gw = Gateway::start(&up, &cfg);
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+    assert_eq!(
+        redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+        "OK"
+    );
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    let r = get(&c, gw.url("/items"), "k2").await;
+    assert_eq!(r.status(), 503);
+    assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
+    // Three probes later, no request since: still degraded.
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+    wait_metric(&gw, "tollgate_store_degraded", 0.0, Duration::from_secs(5)).await;
+}

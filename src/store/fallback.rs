@@ -123,8 +123,6 @@ pub struct FallbackStore<S> {
     on_error: OnError,
     fleet_size: u32,
     degraded: AtomicBool,
-    /// A probe is asking the store every [`PROBE_EVERY`] (see [`Self::spawn_probe`]).
-    probing: AtomicBool,
     running: Arc<Running>,
     owed: Ledger,
     adoptions: Arc<adopt::Adoptions>,
@@ -153,7 +151,6 @@ impl<S: SharedStore> FallbackStore<S> {
             on_error,
             fleet_size: fleet_size.max(1),
             degraded: AtomicBool::new(false),
-            probing: AtomicBool::new(false),
             running: Arc::default(),
             owed: Ledger::default(),
             adoptions: Arc::default(),
@@ -200,49 +197,34 @@ impl<S: SharedStore> FallbackStore<S> {
         changed
     }
 
-    /// The store failed a request's decision: degraded, and a probe asks it again every
-    /// second until it answers, so that the degraded state (`/readyz`, the gauge) ends when
-    /// the store is back, not when the next request happens to come.
-    fn degrade(self: &Arc<Self>, cause: &StoreError) {
-        if self.set_degraded(true, Some(cause)) {
-            self.spawn_probe();
-        }
-    }
-
-    /// Tries the store once now and, while it is unreachable (and no request found it back),
-    /// every second, on a thread of its own (one at a time): at start, so that `/readyz` and
-    /// the degraded gauge reflect a store that is down before any request arrives, and from
-    /// the moment a request finds it down.
+    /// Asks the store once now and then, while it is unreachable, every second, on a thread of
+    /// its own for the store's life: at start, so that `/readyz` and the degraded gauge reflect a
+    /// store that is down before any request arrives, and whenever a request found it down,
+    /// so that the degraded state ends when the store is back, not when the next request
+    /// happens to come. One thread, which only reads a flag while the store answers.
     pub fn spawn_probe(self: &Arc<Self>) {
-        if self.probing.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let store = self.clone();
+        let store = Arc::downgrade(self);
         let spawned = crate::background::spawn("tollgate-store-probe".into(), move || async move {
+            let mut first = true;
             loop {
-                match store.shared.probe().await {
-                    Ok(()) => {
-                        store.set_degraded(false, None);
-                        break;
-                    }
-                    Err(StoreError::BreakerOpen) => {}
-                    Err(e) => {
-                        store.set_degraded(true, Some(&e));
+                let Some(s) = store.upgrade() else { return };
+                if first || s.degraded() {
+                    match s.shared.probe().await {
+                        Ok(()) => {
+                            s.set_degraded(false, None);
+                        }
+                        Err(StoreError::BreakerOpen) => {}
+                        Err(e) => {
+                            s.set_degraded(true, Some(&e));
+                        }
                     }
                 }
+                first = false;
+                drop(s);
                 tokio::time::sleep(PROBE_EVERY).await;
-                if !store.degraded() {
-                    break;
-                }
-            }
-            store.probing.store(false, Ordering::Relaxed);
-            // A request may have found it down again between the last probe and now.
-            if store.degraded() {
-                store.spawn_probe();
             }
         });
         if let Err(e) = spawned {
-            self.probing.store(false, Ordering::Relaxed);
             tracing::warn!(error = %e, "cannot start the store probe");
         }
     }
@@ -292,7 +274,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
             }
             Err(e) => {
-                self.degrade(&e);
+                self.set_degraded(true, Some(&e));
                 let mut admission = self.fallback(req, start).await;
                 if let Admission::Admitted { lease, .. } = &mut admission {
                     if self.on_error == OnError::Local {

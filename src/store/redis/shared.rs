@@ -139,10 +139,15 @@ impl SharedStore for RedisBackend {
         Ok(())
     }
 
+    /// Whether Redis would run tollgate's scripts: a flagged script that may write (Redis 7
+    /// refuses it when out of memory under `noeviction`, and on a replica, as it refuses the
+    /// charging scripts). A `PING` would pass there, and end the degraded state while every
+    /// request still fails.
     async fn probe(&self) -> Result<(), StoreError> {
         self.guarded(Guard::Probe, |mut conn| async move {
-            let cmd = redis::cmd("PING");
-            Ok(cmd.query_async::<String>(&mut conn).await.map(drop)?)
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg("#!lua\nreturn 1").arg(0);
+            Ok(cmd.query_async::<i64>(&mut conn).await.map(drop)?)
         })
         .await
     }
