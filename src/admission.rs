@@ -86,15 +86,12 @@ impl Ticket {
             // Nothing was charged: nothing comes back.
             Charge::None => self.outcome,
             Charge::Shared | Charge::Slice(_) => self.outcome.given_back(self.req.limits(), cost),
-            // The memory store's budgets, or one instance's share of the first budget under
-            // `on_error: local` (the further budgets' shares are not kept here).
-            Charge::Local(l) if l == self.req.limit => {
-                self.outcome.given_back(self.req.limits(), cost)
+            // The memory store's budgets, or one instance's share of each under `on_error:
+            // local`.
+            Charge::Local(l) => {
+                let under = self.req.charged_under(l);
+                self.outcome.given_back(under.limits(), cost)
             }
-            Charge::Local(l) if self.req.also.is_empty() => {
-                self.outcome.given_back(std::iter::once(&l), cost)
-            }
-            Charge::Local(_) => self.outcome,
         }
     }
 

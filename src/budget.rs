@@ -102,25 +102,29 @@ impl Limit {
 
     /// A decision's figures once `cost` units went back into this bucket (a refund), as of
     /// that decision. Units left: `cost` more, up to `max_cost`, exact for a bucket that was not
-    /// past its capacity; past it (a `max_delay` reservation, a debt) they come from the level
-    /// `f.reset_us` implies. Full again sooner by `cost`'s share of the window: within 1 µs
-    /// (the figures round the level to whole µs), and 0 when the refund empties the bucket.
+    /// past its capacity; past it (a `max_delay` reservation, a debt) they come from the
+    /// highest level `f.reset_us` allows, so never more than are left (at most one unit fewer
+    /// below 1,000,000 units a second). Full again sooner by `cost`'s share of the window:
+    /// within 1 µs (the figures round the level to whole µs), and 0 when the refund empties
+    /// the bucket.
     pub fn given_back(&self, f: Figure, cost: u64) -> Figure {
-        // The lowest level that has this reset (the level is within one µs of draining).
-        let level = f
+        let back = cost.saturating_mul(self.per_unit);
+        // The level is within one µs of draining of `reset_us`: the highest and the lowest
+        // level with that reset.
+        let highest = f.reset_us.saturating_mul(self.rate);
+        let lowest = f
             .reset_us
             .saturating_sub(1)
             .saturating_mul(self.rate)
             .saturating_add(u64::from(f.reset_us > 0));
-        let after = level.saturating_sub(cost.saturating_mul(self.per_unit));
         let remaining = if f.remaining > 0 {
             f.remaining.saturating_add(cost).min(self.max_cost())
         } else {
-            self.remaining(after)
+            self.remaining(highest.saturating_sub(back))
         };
         Figure {
             remaining,
-            reset_us: self.reset_us(after),
+            reset_us: self.reset_us(lowest.saturating_sub(back)),
         }
     }
 }
