@@ -59,10 +59,10 @@ impl RedisBackend {
         .await;
         if counted {
             self.record(start, &res);
-        } else if res.is_err() {
-            // Uncounted, but a failed call's connection is no more trusted than a counted
-            // one's: a check that runs for the store's life would otherwise keep failing on
-            // a connection the server closed.
+        } else if res.as_ref().is_err_and(distrusts_connection) {
+            // Uncounted, but a broken or timed-out connection is no more trusted than a
+            // counted call's: a check that runs for the store's life would otherwise keep
+            // failing on a connection the server closed.
             self.conns.forget();
         }
         res
@@ -127,6 +127,62 @@ impl RedisBackend {
                     tracing::warn!(error = %e, transient = e.transient(), "store unreachable: circuit breaker open");
                 }
             }
+        }
+    }
+}
+
+/// Whether a failed call's connection is made again for the next call: not after the server's
+/// own refusal (out of memory, NOSCRIPT, a script's error: the connection works, and the
+/// calls that bypass the breaker are sent again and again while it lasts), but after a
+/// timeout, a broken connection, or READONLY / MASTERDOWN (the primary is elsewhere now).
+fn distrusts_connection(e: &StoreError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match e {
+        StoreError::Redis { source, .. } => match source.kind() {
+            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown) => true,
+            ErrorKind::Server(_) | ErrorKind::Extension => false,
+            _ => true,
+        },
+        StoreError::BreakerOpen
+        | StoreError::FailingOver
+        | StoreError::Config(_)
+        | StoreError::Reply(_) => false,
+        StoreError::Timeout | StoreError::ConnectTimeout | StoreError::Connect(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+    use super::*;
+
+    fn redis(kind: ErrorKind) -> StoreError {
+        StoreError::from(RedisError::from((kind, "test")))
+    }
+
+    #[test]
+    fn a_servers_own_refusal_keeps_the_connection_a_broken_one_does_not() {
+        let io = StoreError::from(RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::BrokenPipe,
+        )));
+        for e in [
+            io,
+            StoreError::Timeout,
+            StoreError::ConnectTimeout,
+            redis(ErrorKind::Server(ServerErrorKind::ReadOnly)),
+            redis(ErrorKind::Server(ServerErrorKind::MasterDown)),
+        ] {
+            assert!(distrusts_connection(&e), "{e}");
+        }
+        for e in [
+            redis(ErrorKind::Server(ServerErrorKind::NoScript)),
+            redis(ErrorKind::Server(ServerErrorKind::ResponseError)),
+            redis(ErrorKind::Extension),
+            StoreError::FailingOver,
+            StoreError::Reply("x".into()),
+        ] {
+            assert!(!distrusts_connection(&e), "{e}");
         }
     }
 }
