@@ -449,8 +449,6 @@ async fn a_dead_collector_costs_spans_never_requests() {
     }
 }
 
-/// Without `tracing:`, a client's trace context goes upstream untouched and the access log
-/// has no trace id.
 /// `body` with `/reports/generate` async (`Prefer: respond-async`), on `store` (YAML, or "").
 fn job_body(endpoint: &str, store: &str) -> String {
     let b = body(endpoint, "1.0").replace(
@@ -606,6 +604,8 @@ async fn a_fleet_jobs_run_is_traced_under_its_submission() {
     .await;
 }
 
+/// Without `tracing:`, a client's trace context goes upstream untouched and the access log
+/// has no trace id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_tracing_the_trace_context_passes_through() {
     let up = Upstream::start(Duration::from_millis(1));

@@ -14,7 +14,7 @@ use super::Stored;
 use crate::route::stated::Report;
 use crate::route::Route;
 use crate::state::Running;
-use crate::trace::Tracing;
+use crate::trace::{JobTrace, Tracing};
 use crate::upstreams;
 
 /// What the upstream receives: the head as `forward::request` made it at submission, and the
@@ -143,19 +143,23 @@ struct Opened {
     abandon: Duration,
 }
 
-/// Connects and writes the request (`header`, and `req`'s body); `Err` when the upstream
-/// never had it.
+/// Connects and writes the request (its head, and `req`'s body; with `trace`, named in its
+/// `traceparent` once connected); `Err` when the upstream never had it.
 async fn open(
     running: &Running,
     route: &Route,
-    mut header: RequestHeader,
     req: &JobRequest,
+    trace: Option<(&Tracing, &mut JobTrace)>,
 ) -> Result<Opened, Unreachable> {
     let (peer, host, read_timeout, abandon) = peer(running, route)?;
+    let mut header = req.header.clone();
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
     }
     let (mut s, _) = connector().get_http_session(&peer).await?;
+    if let Some((tracing, trace)) = trace {
+        trace.upstream_request(tracing, &mut header);
+    }
     // Reads are timed here (a timed-out read is then followed, see `Follow`).
     s.set_read_timeout(None);
     s.set_write_timeout(Some(read_timeout));
@@ -236,13 +240,8 @@ pub(super) async fn send(
     req: &JobRequest,
     max_body: u64,
 ) -> Sent {
-    let mut header = req.header.clone();
-    let trace = match tracing.map(|t| t.job_run(&route.label, id, &mut header)) {
-        Some(Ok(trace)) => Some(trace),
-        Some(Err(e)) => return Sent::Unreachable(e.into()),
-        None => None,
-    };
-    let sent = exchange(running, route, header, req, max_body).await;
+    let mut trace = tracing.map(|t| t.job_run(&route.label, id, &req.header));
+    let sent = exchange(running, route, req, max_body, tracing.zip(trace.as_mut())).await;
     if let Some(trace) = trace {
         let (status, upstream_status, error) = sent.outcome();
         trace.finish(status, upstream_status, error);
@@ -266,16 +265,16 @@ impl Sent {
 async fn exchange(
     running: &Running,
     route: &Route,
-    header: RequestHeader,
     req: &JobRequest,
     max_body: u64,
+    trace: Option<(&Tracing, &mut JobTrace)>,
 ) -> Sent {
     let Opened {
         session: mut s,
         sent_at,
         read_timeout,
         abandon,
-    } = match open(running, route, header, req).await {
+    } = match open(running, route, req, trace).await {
         Ok(o) => o,
         Err(m) => return Sent::Unreachable(m),
     };

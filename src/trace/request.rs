@@ -219,66 +219,75 @@ fn name_parent(
 }
 
 /// A job's run (DESIGN §8), on the instance that got its slot: a span under the submission's,
-/// and the upstream call under it.
+/// and the upstream call under it once a connection is made.
 pub struct JobTrace {
     /// Holds the run's span.
     cx: Context,
-    upstream: Span,
+    /// The job's `traceparent` was valid and continued (else its `tracestate` is not passed on).
+    continued: bool,
+    upstream: Option<Span>,
 }
 
 impl Tracing {
     /// Starts a job's run: its span is a child of the span its request's `traceparent` names
     /// (the submission's, see [`RequestTrace::job_request`], or the client's when the
-    /// submitting instance did not trace); the upstream-call span under it is named in the
-    /// `traceparent` the upstream receives.
-    pub fn job_run(
-        &self,
-        route: &str,
-        job_id: &str,
-        upstream: &mut RequestHeader,
-    ) -> pingora::Result<JobTrace> {
-        let parent = self.propagator.extract(&Headers(&upstream.headers));
+    /// submitting instance did not trace).
+    pub fn job_run(&self, route: &str, job_id: &str, request: &RequestHeader) -> JobTrace {
+        let parent = self.propagator.extract(&Headers(&request.headers));
         let continued = parent.span().span_context().is_valid();
-        let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
         let mut span = self
             .tracer
             .span_builder(format!("job {route}"))
             .with_kind(SpanKind::Consumer)
             .start_with_context(&self.tracer, &parent);
         if span.is_recording() {
+            let method = known_method(request.method.as_str()).unwrap_or("_OTHER");
             span.set_attributes([
                 KeyValue::new("http.request.method", method),
                 KeyValue::new("http.route", route.to_string()),
                 KeyValue::new("tollgate.job_id", job_id.to_string()),
             ]);
         }
-        let cx = parent.with_span(span);
-        let mut call = self
-            .tracer
-            .span_builder("upstream")
-            .with_kind(SpanKind::Client)
-            .start_with_context(&self.tracer, &cx);
-        if call.is_recording() {
-            call.set_attribute(KeyValue::new("http.request.method", method));
+        JobTrace {
+            cx: parent.with_span(span),
+            continued,
+            upstream: None,
         }
-        name_parent(upstream, call.span_context(), continued)?;
-        Ok(JobTrace { cx, upstream: call })
     }
 }
 
 impl JobTrace {
+    /// The job's request is about to be written on a connection to the upstream: the
+    /// upstream-call span starts, named in the request's `traceparent`. A header that cannot be
+    /// set leaves the request as it was: tracing never fails a job.
+    pub fn upstream_request(&mut self, tracing: &Tracing, upstream: &mut RequestHeader) {
+        let mut call = tracing
+            .tracer
+            .span_builder("upstream")
+            .with_kind(SpanKind::Client)
+            .start_with_context(&tracing.tracer, &self.cx);
+        if call.is_recording() {
+            let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
+            call.set_attribute(KeyValue::new("http.request.method", method));
+        }
+        if let Err(e) = name_parent(upstream, call.span_context(), self.continued) {
+            tracing::debug!(error = %e, "a job's traceparent could not be set");
+        }
+        self.upstream = Some(call);
+    }
+
     /// Ends the run's spans: `status` is the job's result (the upstream's answer, or the
     /// gateway's 502/504), `upstream_status` the upstream's own, `error` why it failed.
     pub fn finish(mut self, status: u16, upstream_status: Option<u16>, error: Option<&str>) {
-        match upstream_status {
-            Some(s) => self
-                .upstream
-                .set_attribute(KeyValue::new("http.response.status_code", i64::from(s))),
-            None => self
-                .upstream
-                .set_status(Status::error(error.unwrap_or("no response").to_string())),
+        if let Some(mut call) = self.upstream.take() {
+            match upstream_status {
+                Some(s) => {
+                    call.set_attribute(KeyValue::new("http.response.status_code", i64::from(s)))
+                }
+                None => call.set_status(Status::error(error.unwrap_or("no response").to_string())),
+            }
+            call.end();
         }
-        self.upstream.end();
         let span = self.cx.span();
         span.set_attribute(KeyValue::new(
             "http.response.status_code",
