@@ -24,7 +24,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -57,9 +57,11 @@ struct Cached {
     /// The primary's generation it was made for (Sentinel).
     generation: u64,
     conn: Conn,
-    /// Cleared by [`watch`] when the server closed it; dropped with the entry, which tells
-    /// the watcher to stop.
+    /// Cleared by [`watch`] when the server closed it.
     open: Arc<AtomicBool>,
+    /// Dropped with the entry (forgotten, replaced): the watcher stops at once, and lets go
+    /// of its copy of the connection.
+    _watched: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 thread_local! {
@@ -298,15 +300,17 @@ impl Connections {
             let generation = self.generation();
             let conn = self.connect(target).await.map_err(StoreError::Connect)?;
             let open = Arc::new(AtomicBool::new(true));
-            if let Conn::Node(node) = &conn {
-                watch(node.clone(), Arc::downgrade(&open));
-            }
+            let watched = match &conn {
+                Conn::Node(node) => watch(node.clone(), open.clone()),
+                Conn::Cluster(_) => None,
+            };
             CONN.with(|c| {
                 *c.borrow_mut() = Some(Cached {
                     id: self.id,
                     generation,
                     conn: conn.clone(),
                     open,
+                    _watched: watched,
                 })
             });
             Ok(conn)
@@ -386,28 +390,38 @@ impl Connections {
     }
 }
 
-/// Checks a node connection every [`WATCH_EVERY`] for as long as its thread keeps it (`open`
-/// upgrades): a `PING` that finds it closed by the server (a dropped connection: redis-rs
-/// fails a call on a connection whose driver ended at once) clears `open`, and the thread's
-/// next call connects anew. A slow answer proves nothing and changes nothing (a call that
-/// times out forgets the connection itself). Runs on the runtime that made the connection.
-fn watch(mut conn: MultiplexedConnection, open: Weak<AtomicBool>) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
+/// Checks a node connection every [`WATCH_EVERY`] until the thread lets go of it (the
+/// returned sender dropped): a `PING` that finds it closed by the server (a dropped
+/// connection: redis-rs fails a call on a connection whose driver ended at once) clears
+/// `open`, and the thread's next call connects anew. A slow answer proves nothing and changes
+/// nothing (a call that times out forgets the connection itself). Runs on the runtime that
+/// made the connection.
+fn watch(
+    mut conn: MultiplexedConnection,
+    open: Arc<AtomicBool>,
+) -> Option<tokio::sync::oneshot::Sender<()>> {
+    let rt = tokio::runtime::Handle::try_current().ok()?;
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     rt.spawn(async move {
         loop {
-            tokio::time::sleep(WATCH_EVERY).await;
-            let Some(flag) = open.upgrade() else {
-                return;
+            tokio::select! {
+                _ = &mut stopped => return,
+                _ = tokio::time::sleep(WATCH_EVERY) => {}
+            }
+            let cmd = redis::cmd("PING");
+            let ping = cmd.query_async::<()>(&mut conn);
+            let res = tokio::select! {
+                _ = &mut stopped => return,
+                res = ping => res,
             };
-            if let Err(e) = redis::cmd("PING").query_async::<()>(&mut conn).await {
+            if let Err(e) = res {
                 if e.is_connection_dropped() {
                     tracing::debug!(error = %e, "a Redis connection was closed: the next call connects anew");
-                    flag.store(false, Ordering::Relaxed);
+                    open.store(false, Ordering::Relaxed);
                     return;
                 }
             }
         }
     });
+    Some(stop)
 }

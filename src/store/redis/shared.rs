@@ -144,12 +144,17 @@ impl SharedStore for RedisBackend {
     /// charging scripts). A `PING` would pass there, and end the degraded state while every
     /// request still fails.
     async fn probe(&self) -> Result<(), StoreError> {
-        self.guarded(Guard::Probe, |mut conn| async move {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg("#!lua\nreturn 1").arg(0);
-            Ok(cmd.query_async::<i64>(&mut conn).await.map(drop)?)
-        })
-        .await
+        let res = self
+            .guarded(Guard::Probe, |mut conn| async move {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg("#!lua\nreturn 1").arg(0);
+                Ok(cmd.query_async::<i64>(&mut conn).await.map(drop)?)
+            })
+            .await;
+        // The probe's thread asks again only once the store failed a request: it keeps no
+        // connection open meanwhile.
+        self.conns.forget();
+        res
     }
 
     async fn release_all(self: &Arc<Self>) {
