@@ -449,6 +449,13 @@ async fn a_dead_collector_costs_spans_never_requests() {
     }
 }
 
+/// A job's spans: its submission's, its run's and its upstream call's.
+const JOB_SPANS: [&str; 3] = [
+    "POST /reports/generate",
+    "job /reports/generate",
+    "upstream",
+];
+
 /// `body` with `/reports/generate` async (`Prefer: respond-async`), on `store` (YAML, or "").
 fn job_body(endpoint: &str, store: &str) -> String {
     let b = body(endpoint, "1.0").replace(
@@ -496,16 +503,7 @@ async fn a_job_is_traced(
     .await;
     assert_eq!(done.status(), 200);
 
-    let spans = collector
-        .wait_trace(
-            trace,
-            &[
-                "POST /reports/generate",
-                "job /reports/generate",
-                "upstream",
-            ],
-        )
-        .await;
+    let spans = collector.wait_trace(trace, &JOB_SPANS).await;
     let server = one(&spans, "POST /reports/generate");
     assert_eq!(server.parent_id(), CLIENT_PARENT);
     assert_eq!(
@@ -570,16 +568,7 @@ async fn a_jobs_run_is_traced_under_its_submission() {
     let seen = seen_by_upstream(&up, "job-traced-2");
     let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
     assert_eq!(flags, "01");
-    let spans = collector
-        .wait_trace(
-            &trace,
-            &[
-                "POST /reports/generate",
-                "job /reports/generate",
-                "upstream",
-            ],
-        )
-        .await;
+    let spans = collector.wait_trace(&trace, &JOB_SPANS).await;
     assert_eq!(one(&spans, "upstream").span_id(), parent);
     assert_eq!(one(&spans, "POST /reports/generate").parent_id(), "");
 }

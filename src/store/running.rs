@@ -343,27 +343,6 @@ mod tests {
     }
 
     #[test]
-    fn with_one_slot_the_key_that_freed_it_goes_after_its_equals() {
-        let running = Arc::new(Running::default());
-        let route: Arc<str> = "/r".into();
-        let (a, b) = (req(&route, 1), req(&route, 2));
-        let (ka, kb) = (short_key(&a.key), short_key(&b.key));
-        // a holds the only slot; a's next waits, then b's.
-        let held = running.track(slots_of(&a));
-        let a1 = running.queue(&route, ka, fair(1, None));
-        let b1 = running.queue(&route, kb, fair(1, None));
-        drop(held);
-        // Both run none; a's waited longer, but a freed the slot: b's turn.
-        assert_eq!(
-            running.try_take(&a, Some(&a1), 1, None).err(),
-            Some(Full::Route)
-        );
-        let gb = running.try_take(&b, Some(&b1), 1, None).unwrap();
-        drop((b1, gb));
-        assert!(running.try_take(&a, Some(&a1), 1, None).is_ok());
-    }
-
-    #[test]
     fn with_one_slot_equals_take_turns() {
         let running = Arc::new(Running::default());
         let route: Arc<str> = "/r".into();
