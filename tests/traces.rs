@@ -466,6 +466,19 @@ fn job_body(endpoint: &str, store: &str) -> String {
     format!("{store}{b}")
 }
 
+/// Submits a job on `gws[0]` with `headers` and polls it on the last gateway until its 200;
+/// returns its location.
+async fn job_done(gws: &[Gateway], headers: &[(&str, &str)]) -> String {
+    let c = client();
+    let accepted = post_async(&c, gws[0].url("/reports/generate"), KEY, "", headers).await;
+    assert_eq!(accepted.status(), 202);
+    let location = job_location(&accepted);
+    let last = &gws[gws.len() - 1];
+    let done = job_result(&c, last, &location, KEY, Duration::from_secs(10), |_| {}).await;
+    assert_eq!(done.status(), 200);
+    location
+}
+
 /// Submits a job on `gws[0]` with the client's sampled `traceparent` (trace `trace`) and reads
 /// its result on the last gateway; returns the trace's spans: the submission's server span, the
 /// run's span under it, and the upstream call's under that, which the upstream's
@@ -477,12 +490,8 @@ async fn a_job_is_traced(
     trace: &str,
     rid: &str,
 ) {
-    let c = client();
-    let accepted = post_async(
-        &c,
-        gws[0].url("/reports/generate"),
-        KEY,
-        "",
+    let location = job_done(
+        gws,
         &[
             ("X-Request-Id", rid),
             ("traceparent", &format!("00-{trace}-{CLIENT_PARENT}-01")),
@@ -490,18 +499,6 @@ async fn a_job_is_traced(
         ],
     )
     .await;
-    assert_eq!(accepted.status(), 202);
-    let location = job_location(&accepted);
-    let done = job_result(
-        &c,
-        &gws[gws.len() - 1],
-        &location,
-        KEY,
-        Duration::from_secs(10),
-        |_| {},
-    )
-    .await;
-    assert_eq!(done.status(), 200);
 
     let spans = collector.wait_trace(trace, &JOB_SPANS).await;
     let server = one(&spans, "POST /reports/generate");
@@ -552,19 +549,7 @@ async fn a_jobs_run_is_traced_under_its_submission() {
     let gws = [gw];
     a_job_is_traced(&up, &gws, &collector, CLIENT_TRACE, "job-traced-1").await;
 
-    let c = client();
-    let accepted = post_async(
-        &c,
-        gws[0].url("/reports/generate"),
-        KEY,
-        "",
-        &[("X-Request-Id", "job-traced-2")],
-    )
-    .await;
-    assert_eq!(accepted.status(), 202);
-    let location = job_location(&accepted);
-    let done = job_result(&c, &gws[0], &location, KEY, Duration::from_secs(10), |_| {}).await;
-    assert_eq!(done.status(), 200);
+    job_done(&gws, &[("X-Request-Id", "job-traced-2")]).await;
     let seen = seen_by_upstream(&up, "job-traced-2");
     let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
     assert_eq!(flags, "01");
