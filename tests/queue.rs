@@ -144,7 +144,7 @@ async fn the_local_fallback_keeps_the_fair_order_among_its_waiters() {
 }
 
 /// DESIGN §8's promise with a cap of one: "one key's 60 queued reports delay another key's
-/// single report by at most one release". Key a holds the only slot (1.5 s) with two more
+/// single report by at most one release". Key a holds the only slot (3 s) with two more
 /// queued, key b queues two after them, key c one after those. At a release every key runs
 /// nothing: equals, and each goes when it has waited longest since it last got or freed a
 /// slot (or since its oldest waiter came). So they take turns: the upstream sees a, b, c, a,
@@ -154,7 +154,7 @@ async fn one_slot_goes_round_the_keys(up: &Upstream, gws: &[Gateway], store: &st
     let send = |gw: &Gateway, key: &str, ms: u64| {
         spawn_post(&c, gw.url(&format!("/reports/generate?delay_ms={ms}")), key)
     };
-    let mut sent = vec![send(&gws[0], "key-a", 1500)];
+    let mut sent = vec![send(&gws[0], "key-a", 3000)];
     up.wait_current("/reports/generate", 1).await;
     sent.extend((0..2).map(|_| send(&gws[0], "key-a", 50)));
     wait_queued(&gws[0], "/reports/generate", 2.0).await;
@@ -164,7 +164,7 @@ async fn one_slot_goes_round_the_keys(up: &Upstream, gws: &[Gateway], store: &st
     wait_queued(other, "/reports/generate", before + 2.0).await;
     sent.push(send(other, "key-c", 50));
     wait_queued(other, "/reports/generate", before + 3.0).await;
-    // All joined while a's first still ran (it runs 1.5 s): the scenario, not a late start.
+    // All joined while a's first still ran (it runs 3 s): the scenario, not a late start.
     assert_eq!(up.count("/reports/generate"), 1, "{store}");
     for s in sent {
         assert_eq!(s.await.unwrap(), 200, "{store}");
