@@ -182,10 +182,8 @@ impl<S: SharedStore> FallbackStore<S> {
         show_degraded(self.degraded());
     }
 
-    /// True when it changed.
-    fn set_degraded(&self, on: bool, cause: Option<&StoreError>) -> bool {
-        let changed = self.degraded.swap(on, Ordering::Relaxed) != on;
-        if changed {
+    fn set_degraded(&self, on: bool, cause: Option<&StoreError>) {
+        if self.degraded.swap(on, Ordering::Relaxed) != on {
             show_degraded(on);
             if on {
                 let cause = cause.map(|e| e.to_string()).unwrap_or_default();
@@ -194,7 +192,6 @@ impl<S: SharedStore> FallbackStore<S> {
                 tracing::info!("store reachable again: shared budgets in force");
             }
         }
-        changed
     }
 
     /// Asks the store once now and then, while it is unreachable, every second, on a thread of
@@ -210,13 +207,9 @@ impl<S: SharedStore> FallbackStore<S> {
                 let Some(s) = store.upgrade() else { return };
                 if first || s.degraded() {
                     match s.shared.probe().await {
-                        Ok(()) => {
-                            s.set_degraded(false, None);
-                        }
+                        Ok(()) => s.set_degraded(false, None),
                         Err(StoreError::BreakerOpen) => {}
-                        Err(e) => {
-                            s.set_degraded(true, Some(&e));
-                        }
+                        Err(e) => s.set_degraded(true, Some(&e)),
                     }
                 }
                 first = false;
@@ -325,9 +318,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// background if it surely did not run.
     async fn refund_shared(&self, req: &AdmitRequest, hold: u128) {
         match self.shared.refund(req, hold).await {
-            Ok(true) => {
-                self.set_degraded(false, None);
-            }
+            Ok(true) => self.set_degraded(false, None),
             Ok(false) => {}
             Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
             Err(_) => {}

@@ -206,51 +206,47 @@ pub struct Standing {
 }
 
 impl Standing {
-    /// The standing once `cost` units went back into `limits`, the budgets it was decided on
-    /// in their order (a refund): each budget's figures as [`Limit::given_back`] has them, and
-    /// the decisive one the tightest again (fewest units left, the first of equals), as an
-    /// admission's is.
-    pub fn given_back<'a>(
-        &self,
-        mut limits: impl Iterator<Item = &'a Limit>,
-        cost: u64,
-    ) -> Standing {
-        let figures = self.each.as_slice();
-        if figures.is_empty() {
-            let Some(l) = limits.next() else { return *self };
-            let f = l.given_back(
-                Figure {
-                    remaining: self.remaining,
-                    reset_us: self.reset_us,
-                },
-                cost,
-            );
-            return Standing {
-                remaining: f.remaining,
-                reset_us: f.reset_us,
-                each: self.each,
-            };
-        }
-        let mut each = Figures::default();
-        for (f, l) in figures.iter().zip(limits) {
-            each.push(l.given_back(*f, cost));
-        }
-        let Some((i, f)) = each
-            .as_slice()
+    /// The standing of a decision on `figures` (one per budget, in order) that admitted or
+    /// charged nothing: the tightest budget decides (fewest units left, the first of equals),
+    /// as in an admission (`budget::decide_all`); `each` is kept only for several budgets.
+    fn tightest(figures: &[Figure]) -> Option<Standing> {
+        let (i, t) = figures
             .iter()
             .enumerate()
-            .min_by_key(|(_, f)| f.remaining)
-            .filter(|_| each.as_slice().len() == figures.len())
-        else {
-            return *self;
-        };
-        let f = *f;
-        each.decisive = i as u8;
-        Standing {
-            remaining: f.remaining,
-            reset_us: f.reset_us,
-            each,
+            .min_by_key(|(_, f)| f.remaining)?;
+        let mut each = Figures::default();
+        if figures.len() > 1 {
+            figures.iter().for_each(|f| each.push(*f));
+            each.decisive = i as u8;
         }
+        Some(Standing {
+            remaining: t.remaining,
+            reset_us: t.reset_us,
+            each,
+        })
+    }
+
+    /// The standing once `cost` units went back into `limits`, the budgets it was decided on
+    /// in their order (a refund): each budget's figures as [`Limit::given_back`] has them, and
+    /// the decisive one the tightest again.
+    pub fn given_back<'a>(&self, limits: impl Iterator<Item = &'a Limit>, cost: u64) -> Standing {
+        let own = [Figure {
+            remaining: self.remaining,
+            reset_us: self.reset_us,
+        }];
+        let figures = match self.each.as_slice() {
+            [] => &own[..],
+            several => several,
+        };
+        let back: Vec<Figure> = figures
+            .iter()
+            .zip(limits)
+            .map(|(f, l)| l.given_back(*f, cost))
+            .collect();
+        if back.len() != figures.len() {
+            return *self;
+        }
+        Standing::tightest(&back).unwrap_or(*self)
     }
 }
 
@@ -349,29 +345,17 @@ pub struct Peek {
 
 impl Peek {
     /// The figures as the rate-limit headers describe them, for an answer that charged
-    /// nothing without asking the store to decide: each budget's, the decisive one the
-    /// tightest (fewest units left, the first of equals), as an admission's is.
+    /// nothing without asking the store to decide.
     pub fn standing(&self) -> Option<Standing> {
-        let (i, tightest) = self
+        let figures: Vec<Figure> = self
             .views
             .iter()
-            .enumerate()
-            .min_by_key(|(_, v)| v.remaining)?;
-        let mut each = Figures::default();
-        if self.views.len() > 1 {
-            for v in &self.views {
-                each.push(Figure {
-                    remaining: v.remaining,
-                    reset_us: v.reset_us,
-                });
-            }
-            each.decisive = i as u8;
-        }
-        Some(Standing {
-            remaining: tightest.remaining,
-            reset_us: tightest.reset_us,
-            each,
-        })
+            .map(|v| Figure {
+                remaining: v.remaining,
+                reset_us: v.reset_us,
+            })
+            .collect();
+        Standing::tightest(&figures)
     }
 }
 

@@ -96,14 +96,17 @@ impl Inner {
         best.map(|(_, _, _, seq)| seq)
     }
 
+    /// Whether `key` has a waiter on `route`.
+    fn waits(&self, route: &Arc<str>, key: u128) -> bool {
+        self.waiting
+            .get(route)
+            .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+    }
+
     /// A request of `key` on `route` got or freed a slot: noted while the key has waiters
     /// there (one without waiters is behind every waiter when it queues again).
     fn turn(&mut self, route: &Arc<str>, key: u128) {
-        let waits = self
-            .waiting
-            .get(route)
-            .is_some_and(|ts| ts.iter().any(|t| t.key == key));
-        if waits {
+        if self.waits(route, key) {
             self.seq += 1;
             self.turns.insert((route.clone(), key), self.seq);
         } else {
@@ -169,14 +172,8 @@ impl Drop for Place {
                 inner.waiting.remove(&self.route);
             }
         }
-        if let Some(key) = key {
-            let waits = inner
-                .waiting
-                .get(&self.route)
-                .is_some_and(|ts| ts.iter().any(|t| t.key == key));
-            if !waits {
-                inner.turns.remove(&(self.route.clone(), key));
-            }
+        if let Some(key) = key.filter(|k| !inner.waits(&self.route, *k)) {
+            inner.turns.remove(&(self.route.clone(), key));
         }
         drop(inner);
         // The next waiter's turn may have come (this one was ahead of it).
