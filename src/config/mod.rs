@@ -11,7 +11,7 @@
 //! - `url`: the upstream's and the store's URL; `pattern`: what an endpoint key must be;
 //! - `bounds`: limits on file size, nesting and name lengths;
 //! - `traces`: the `tracing:` block (OpenTelemetry export);
-//! - `unknown`: every unknown key of a file, not only the first serde stops at;
+//! - `recover`: every error of a file, not only the first serde stops at;
 //! - `validate`: one function per section, from [`RawConfig`] to [`Config`] (the budget
 //!   sections, checked against each other, in `validate/budgets`);
 
@@ -29,9 +29,9 @@ pub mod error;
 pub mod origin;
 mod pattern;
 pub mod raw;
+mod recover;
 pub mod size;
 mod traces;
-mod unknown;
 mod url;
 mod validate;
 
@@ -183,22 +183,29 @@ impl Config {
         bounds::check_size(text.len() as u64)?;
         bounds::check_depth(text)?;
         let de = serde_yaml::Deserializer::from_str(text);
-        let (raw, unknown) = match serde_path_to_error::deserialize::<_, RawConfig>(de) {
-            Ok(raw) => (raw, ConfigErrors::default()),
-            Err(e) if error::is_unknown_field(&e) => unknown::every_unknown_key(text, e)?,
-            Err(e) => return Err(ConfigErrors(vec![error::from_serde(e)])),
+        let recover::Recovered {
+            raw,
+            errors,
+            masked,
+        } = match serde_path_to_error::deserialize::<_, RawConfig>(de) {
+            Ok(raw) => return Self::validate(raw, env).map(|cfg| cfg.hashed(text)),
+            Err(e) => recover::every_error(text, e)?,
         };
-        // The unknown keys first (in file order), then what validation finds in the rest.
-        let mut cfg = match (Self::validate(raw, env), unknown.0.is_empty()) {
-            (Ok(cfg), true) => cfg,
-            (Ok(_), false) => return Err(unknown),
-            (Err(errs), _) => return Err(ConfigErrors([unknown.0, errs.0].concat())),
-        };
-        cfg.hash = {
+        // The file's own mistakes first (in the order the parse met them), then what
+        // validation finds in the rest.
+        let mut errors = errors.0;
+        if let Err(errs) = Self::validate(raw, env) {
+            errors.extend(errs.0.into_iter().filter(|e| masked.shows(e)));
+        }
+        Err(ConfigErrors(errors))
+    }
+
+    fn hashed(mut self, text: &str) -> Config {
+        self.hash = {
             use sha2::Digest;
             hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8])
         };
-        Ok(cfg)
+        self
     }
 
     /// Checks every rule of DESIGN §1 and reports every problem found, not only the first.

@@ -4,7 +4,7 @@
 //! It is kept (serialized back) for `/admin/config`.
 
 mod limits;
-mod unique;
+pub(super) mod unique;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

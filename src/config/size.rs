@@ -50,18 +50,20 @@ pub fn format_size(n: u64) -> String {
 
 impl<'de> Deserialize<'de> for ConfSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Written {
-            Bytes(u64),
-            Text(String),
+        struct Size;
+        impl serde::de::Visitor<'_> for Size {
+            type Value = ConfSize;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size like 512KiB, 1MiB or 16MiB, or a number of bytes")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ConfSize, E> {
+                Ok(ConfSize(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ConfSize, E> {
+                parse_size(s).map(ConfSize).map_err(E::custom)
+            }
         }
-        match Written::deserialize(d)? {
-            Written::Bytes(n) => Ok(ConfSize(n)),
-            Written::Text(s) => parse_size(&s)
-                .map(ConfSize)
-                .map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Size)
     }
 }
 

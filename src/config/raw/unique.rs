@@ -58,7 +58,8 @@ impl<'de, V: Deserialize<'de>> DeserializeSeed<'de> for Value<V> {
     }
 }
 
-const REPEATED: &str = "appears twice in this map; each key may appear only once";
+pub(in crate::config) const REPEATED: &str =
+    "appears twice in this map; each key may appear only once";
 
 /// Refuses whatever value it is given.
 struct Repeated<V>(PhantomData<V>);

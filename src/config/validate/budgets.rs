@@ -304,16 +304,20 @@ fn limits(
     let mut ok = true;
     let mut built = vec![];
     for (inner, path, max_cost, window) in each {
+        // Both checked, so that a budget wrong in both ways says so at once.
+        let mut fits = true;
         if max_cost <= 0 {
             errs.push(
                 format!("{path}.max_cost"),
                 format!("must be a positive integer, got {max_cost}"),
             );
-            ok = false;
-            continue;
+            fits = false;
         }
         if window.is_zero() {
             errs.push(format!("{path}.window"), "must be greater than 0");
+            fits = false;
+        }
+        if !fits {
             ok = false;
             continue;
         }

@@ -1,0 +1,535 @@
+//! Every error of a file, not only the first serde stops at (DESIGN §1: "`tollgate check`
+//! reports every error with its path in the file").
+//!
+//! The typed parse stops at the first key it does not know, the first value of the wrong type,
+//! the first missing field and the first repeated key. Which keys each section knows and what
+//! type each value has is serde's business (the derived `RawConfig`), so none of it is written
+//! down a second time here. Instead the file is read once into a YAML tree — keeping the first
+//! of two equal keys and recording each repetition — and the typed parse is tried on the tree
+//! again and again, each time after mending the spot it stopped at:
+//! - an unknown key is removed;
+//! - a value of the wrong type is replaced by the first stand-in of a short list that gets
+//!   the parse past that spot (a number, a duration, a word, a map…);
+//! - a missing field gets such a stand-in.
+//!
+//! Each spot is reported once. When the tree parses, the other rules are checked too, except
+//! under an entry that holds a stand-in: what validation would say of a stand-in is not the
+//! user's mistake. The work is bounded: at most [`MAX_PARSES`] typed parses of the tree.
+
+use std::cell::RefCell;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde_path_to_error::Segment;
+use serde_yaml::{Mapping, Number, Value};
+
+use super::bounds::MAX_UNKNOWN_KEYS;
+use super::error::{self, ConfigError, ConfigErrors};
+use super::raw::unique::REPEATED;
+use super::raw::RawConfig;
+
+/// Most typed parses of the tree one file may cost.
+const MAX_PARSES: usize = 150;
+
+type ParseError = serde_path_to_error::Error<serde_yaml::Error>;
+
+/// What a file that did not parse at once still yields: the config with its mistakes mended,
+/// every mistake found, and the entries whose validation errors are not to be shown.
+pub(super) struct Recovered {
+    pub raw: RawConfig,
+    pub errors: ConfigErrors,
+    pub masked: Masked,
+}
+
+/// The entries that hold a stand-in.
+pub(super) struct Masked(Vec<String>);
+
+impl Masked {
+    /// False for a validation error under an entry that holds a stand-in.
+    pub fn shows(&self, e: &ConfigError) -> bool {
+        !self.0.iter().any(|m| under(&e.path, m))
+    }
+}
+
+/// `path` is `entry` or inside it.
+fn under(path: &str, entry: &str) -> bool {
+    path.strip_prefix(entry)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.') || rest.starts_with('['))
+}
+
+/// Goes on from `first`, the text parse's error. `Err` with every error found when the file
+/// cannot be mended into one that parses.
+pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, ConfigErrors> {
+    let mut errors = ConfigErrors::default();
+    // The text parse got this far, so the text is YAML; a tree that cannot be built anyway
+    // (a YAML tag, which no field of the file takes) leaves the first error alone.
+    let Ok((mut tree, repeated)) = lenient_tree(text) else {
+        errors.0.push(error::from_serde(first));
+        return Err(errors);
+    };
+    let first_was_repeat = is_repeat(&first);
+    let first_path = error::format_path(first.path());
+    let mut pending = Some(first);
+    if first_was_repeat {
+        // The tree keeps only the first of the two keys: the typed parse will not meet it again.
+        let e = pending.take().map(error::from_serde);
+        errors.0.extend(e);
+    }
+    errors.0.extend(
+        repeated
+            .into_iter()
+            .filter(|e| !(first_was_repeat && e.path == first_path)),
+    );
+
+    let mut masked = Vec::new();
+    let mut parses = 0;
+    loop {
+        let e = match pending.take() {
+            Some(e) => e,
+            None => {
+                parses += 1;
+                match serde_path_to_error::deserialize::<_, RawConfig>(&tree) {
+                    Ok(raw) => {
+                        let masked = Masked(masked);
+                        return Ok(Recovered {
+                            raw,
+                            errors,
+                            masked,
+                        });
+                    }
+                    Err(e) => e,
+                }
+            }
+        };
+        let path: Vec<Segment> = e.path().iter().cloned().collect();
+        let unknown = error::is_unknown_field(&e);
+        let missing = missing_field(&e);
+        let variant = first_variant(&e);
+        errors.0.push(error::from_serde(e));
+        if errors.0.len() >= MAX_UNKNOWN_KEYS || parses >= MAX_PARSES {
+            return Err(errors);
+        }
+        let mended = if unknown {
+            remove(&mut tree, &path)
+        } else if let Some(field) = missing {
+            let mut at = path.clone();
+            at.push(Segment::Map { key: field });
+            stand_in(&mut tree, &at, None, &mut parses)
+                .inspect(|_| masked.push(text_path(&path)))
+                .is_some()
+        } else {
+            let entry = if path.len() > 1 {
+                &path[..path.len() - 1]
+            } else {
+                &path[..]
+            };
+            stand_in(&mut tree, &path, variant, &mut parses)
+                .inspect(|_| masked.push(text_path(entry)))
+                .is_some()
+        };
+        if !mended {
+            return Err(errors);
+        }
+    }
+}
+
+/// A repeated key: the tree builder reports every one of them.
+fn is_repeat(e: &ParseError) -> bool {
+    let m = e.inner().to_string();
+    m.contains(REPEATED) || m.contains("duplicate field `")
+}
+
+/// The field a "missing field `x`" error names.
+fn missing_field(e: &ParseError) -> Option<String> {
+    let m = e.inner().to_string();
+    let rest = &m[m.find("missing field `")? + "missing field `".len()..];
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// A path in the format of this module's errors (`a.b."/x"[0]`).
+/// For a word that is none of a field's choices, the first choice serde's message lists
+/// ("unknown variant `x`, expected `a` or `b`"): the stand-in that fits.
+fn first_variant(e: &ParseError) -> Option<String> {
+    let m = e.inner().to_string();
+    let expected = &m[m.find("unknown variant `")?..];
+    let rest = &expected[expected.find("expected `")? + "expected `".len()..];
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+fn text_path(segments: &[Segment]) -> String {
+    let mut out = String::new();
+    for seg in segments {
+        match seg {
+            Segment::Seq { index } => out.push_str(&format!("[{index}]")),
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                out = error::key_path(&out, key);
+            }
+            Segment::Unknown => out = error::key_path(&out, "?"),
+        }
+    }
+    out
+}
+
+/// Puts at `at` the first stand-in that gets the typed parse past that spot (or to a missing
+/// field inside it, which is mended next). None, with the tree as it was, when none does.
+fn stand_in(
+    tree: &mut Value,
+    at: &[Segment],
+    variant: Option<String>,
+    parses: &mut usize,
+) -> Option<()> {
+    let before = get(tree, at).cloned();
+    for candidate in variant.map(Value::String).into_iter().chain([
+        Value::Number(Number::from(1_000_000_000u64)),
+        Value::Number(Number::from(1000u64)),
+        Value::Number(Number::from(1u64)),
+        Value::String("1s".into()),
+        Value::Bool(true),
+        Value::String("x".into()),
+        Value::Mapping(Mapping::new()),
+        Value::Sequence(Vec::new()),
+    ]) {
+        if *parses >= MAX_PARSES {
+            break;
+        }
+        set(tree, at, candidate)?;
+        *parses += 1;
+        match serde_path_to_error::deserialize::<_, RawConfig>(&*tree) {
+            Ok(_) => return Some(()),
+            Err(e) => {
+                let there: Vec<Segment> = e.path().iter().cloned().collect();
+                if text_path(&there) != text_path(at) || missing_field(&e).is_some() {
+                    return Some(());
+                }
+            }
+        }
+    }
+    match before {
+        Some(v) => {
+            set(tree, at, v);
+        }
+        None => {
+            remove(tree, at);
+        }
+    }
+    None
+}
+
+fn get<'t>(tree: &'t Value, at: &[Segment]) -> Option<&'t Value> {
+    let mut node = tree;
+    for seg in at {
+        node = match seg {
+            Segment::Map { key } => node.get(key.as_str())?,
+            Segment::Seq { index } => node.get(*index)?,
+            Segment::Enum { .. } | Segment::Unknown => return None,
+        };
+    }
+    Some(node)
+}
+
+/// Sets (or adds, for the last map key) the value at `at`. None when the path leads nowhere.
+fn set(tree: &mut Value, at: &[Segment], value: Value) -> Option<()> {
+    let (last, parents) = at.split_last()?;
+    let node = parents.iter().try_fold(tree, |node, seg| match seg {
+        Segment::Map { key } => node.get_mut(key.as_str()),
+        Segment::Seq { index } => node.get_mut(*index),
+        Segment::Enum { .. } | Segment::Unknown => None,
+    })?;
+    match last {
+        Segment::Map { key } => {
+            node.as_mapping_mut()?
+                .insert(Value::String(key.clone()), value);
+        }
+        Segment::Seq { index } => *node.get_mut(*index)? = value,
+        Segment::Enum { .. } | Segment::Unknown => return None,
+    }
+    Some(())
+}
+
+/// Removes the entry that `path` names (a map key, the last segment) from `tree`; false when
+/// the path leads nowhere in the tree.
+fn remove(tree: &mut Value, path: &[Segment]) -> bool {
+    let Some((Segment::Map { key }, parents)) = path.split_last() else {
+        return false;
+    };
+    let node = parents.iter().try_fold(tree, |node, seg| match seg {
+        Segment::Map { key } => node.get_mut(key.as_str()),
+        Segment::Seq { index } => node.get_mut(*index),
+        Segment::Enum { .. } | Segment::Unknown => None,
+    });
+    node.and_then(|n| n.as_mapping_mut())
+        .and_then(|m| m.shift_remove(key.as_str()))
+        .is_some()
+}
+
+/// The file as a YAML tree in which a key repeated in a map keeps its first value, and every
+/// repetition as an error at its path.
+fn lenient_tree(text: &str) -> Result<(Value, Vec<ConfigError>), serde_yaml::Error> {
+    let repeated = RefCell::new(Vec::new());
+    let tree = Node {
+        path: String::new(),
+        repeated: &repeated,
+    }
+    .deserialize(serde_yaml::Deserializer::from_str(text))?;
+    Ok((tree, repeated.into_inner()))
+}
+
+/// One node of the tree being built, with its path for the errors.
+struct Node<'r> {
+    path: String,
+    repeated: &'r RefCell<Vec<ConfigError>>,
+}
+
+impl<'de> DeserializeSeed<'de> for Node<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Node<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a YAML value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        self.deserialize(d)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Node {
+            path: format!("{}[{}]", self.path, out.len()),
+            repeated: self.repeated,
+        })? {
+            out.push(v);
+        }
+        Ok(Value::Sequence(out))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Mapping::new();
+        while let Some(key) = map.next_key::<Value>()? {
+            let name = match &key {
+                Value::String(s) => s.clone(),
+                other => serde_yaml::to_string(other)
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string(),
+            };
+            let path = error::key_path(&self.path, &name);
+            let value = map.next_value_seed(Node {
+                path: path.clone(),
+                repeated: self.repeated,
+            })?;
+            if out.contains_key(&key) {
+                self.repeated
+                    .borrow_mut()
+                    .push(ConfigError::new(path, REPEATED));
+            } else {
+                out.insert(key, value);
+            }
+        }
+        Ok(Value::Mapping(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Config, EnvOverrides};
+
+    fn errors(text: &str) -> Vec<String> {
+        match Config::parse(text, &EnvOverrides::default()) {
+            Ok(_) => vec![],
+            Err(e) => e.0.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    /// The paths of the errors, in the order reported.
+    fn paths(text: &str) -> Vec<String> {
+        match Config::parse(text, &EnvOverrides::default()) {
+            Ok(_) => vec![],
+            Err(e) => e.0.into_iter().map(|e| e.path).collect(),
+        }
+    }
+
+    const BASE: &str = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n";
+
+    /// Unknown keys in a list entry and in a map of endpoints, with nothing else wrong: each
+    /// one is reported (and the file is refused).
+    #[test]
+    fn unknown_keys_in_lists_and_maps_are_all_reported() {
+        let text = format!(
+            "{BASE}  endpoints:\n    /a: {{cost: 1, colour: red}}\nplans:\n  pro:\n    budgets:\n      - {{name: m, max_cost: 5, window: 1m, size: 3}}\n"
+        );
+        let errs = errors(&text);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(
+            errs[0].starts_with("rate_limits.endpoints.\"/a\".colour: unknown field `colour`"),
+            "{errs:?}"
+        );
+        assert!(
+            errs[1].starts_with("plans.pro.budgets[0].size: unknown field `size`"),
+            "{errs:?}"
+        );
+    }
+
+    /// After the unknown keys, a type error is reported too, and the stand-in put in its place
+    /// (a thousand million threads) draws no error of its own.
+    #[test]
+    fn a_type_error_after_an_unknown_key_is_reported_too() {
+        let text = format!("server: {{listn: x, threads: many}}\n{BASE}");
+        let errs = errors(&text);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(
+            errs[0].starts_with("server.listn: unknown field"),
+            "{errs:?}"
+        );
+        assert!(
+            errs[1].starts_with("server.threads: invalid type"),
+            "{errs:?}"
+        );
+    }
+
+    /// DESIGN §1: every error, with its path. A duration without a unit (a type error that
+    /// stopped the typed parse) no longer hides the rules checked after it.
+    #[test]
+    fn a_type_error_does_not_hide_the_other_errors() {
+        let text = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60, max_cost: 120}\n  endpoints:\n    /reports/generate: {cost: 0}\n    /b//c: {cost: 2}\n    /d: {cost: x}\n";
+        assert_eq!(
+            paths(text),
+            [
+                "rate_limits.default.window",
+                "rate_limits.endpoints.\"/d\".cost",
+                "rate_limits.endpoints.\"/b//c\"",
+                "rate_limits.endpoints.\"/reports/generate\".cost",
+            ]
+        );
+    }
+
+    /// Every repeated key is reported, and the first of each is still checked: here its cost
+    /// is not a number.
+    #[test]
+    fn every_repeated_key_is_reported_and_the_rest_checked() {
+        let text = format!(
+            "{BASE}  endpoints:\n    /a: {{cost: 0}}\n    /b: {{cost: x}}\n    /b: {{cost: 2}}\nplans:\n  p1: {{max_cost: 5, window: 1m}}\n  p1: {{max_cost: 6, window: 1m}}\nupstreams:\n  u: {{url: \"http://127.0.0.1:1\"}}\n  u: {{url: \"http://127.0.0.1:2\"}}\n"
+        );
+        let errs = errors(&text);
+        let paths: Vec<&str> = errs.iter().map(|e| e.split(": ").next().unwrap()).collect();
+        assert_eq!(
+            paths,
+            [
+                "rate_limits.endpoints.\"/b\"",
+                "plans.p1",
+                "upstreams.u",
+                "rate_limits.endpoints.\"/b\".cost",
+                "rate_limits.endpoints.\"/a\".cost",
+            ],
+            "{errs:?}"
+        );
+        assert!(errs[0].contains("appears twice"), "{errs:?}");
+    }
+
+    /// A word that is none of a field's choices gets the first choice as its stand-in, so
+    /// the parse goes on to the next mistake (a size below zero) and to validation (a budget
+    /// wrong in both of its limits).
+    #[test]
+    fn an_unknown_choice_and_a_bad_size_are_both_reported() {
+        let text = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 0s, max_cost: 0}\n  endpoints:\n    /x: {cost: 5, max_in_flight: 2, async: {when: sometimes, max_response_body: -1}}\n";
+        let errs = errors(text);
+        assert_eq!(errs.len(), 4, "{errs:?}");
+        assert!(
+            errs[0].starts_with(
+                "rate_limits.endpoints.\"/x\".async.when: unknown variant `sometimes`"
+            ),
+            "{errs:?}"
+        );
+        assert_eq!(
+            errs[1],
+            "rate_limits.endpoints.\"/x\".async.max_response_body: invalid type: integer `-1`, expected a size like 512KiB, 1MiB or 16MiB, or a number of bytes"
+        );
+        assert_eq!(
+            errs[2],
+            "rate_limits.default.max_cost: must be a positive integer, got 0"
+        );
+        assert_eq!(
+            errs[3],
+            "rate_limits.default.window: must be greater than 0"
+        );
+    }
+
+    /// A missing field is reported once: the stand-in put in its place lets the rest of the
+    /// file be checked, and what validation would say of the stand-in is not shown.
+    #[test]
+    fn a_missing_field_is_reported_once() {
+        let text = "upstream: {connect_timeout: 2s}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n  endpoints:\n    /a: {cost: 0}\n";
+        let errs = errors(text);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(
+            errs[0].starts_with("upstream: missing field `url`"),
+            "{errs:?}"
+        );
+        assert!(
+            errs[1].starts_with("rate_limits.endpoints.\"/a\".cost"),
+            "{errs:?}"
+        );
+    }
+
+    /// A file of many unknown keys is not parsed once per key without end.
+    #[test]
+    fn unknown_keys_are_reported_up_to_a_bound() {
+        let keys: String = (0..500).map(|i| format!("  k{i}: 1\n")).collect();
+        let errs = errors(&format!("server:\n{keys}{BASE}"));
+        assert_eq!(errs.len(), super::MAX_UNKNOWN_KEYS, "{}", errs.len());
+    }
+
+    /// Nor one of many type errors: each mends with at most a few parses, and the whole
+    /// is bounded.
+    #[test]
+    fn type_errors_are_reported_up_to_a_bound() {
+        let eps: String = (0..300)
+            .map(|i| format!("    /e{i}: {{cost: [1]}}\n"))
+            .collect();
+        let errs = errors(&format!("{BASE}  endpoints:\n{eps}"));
+        assert!(
+            errs.len() >= 10 && errs.len() <= super::MAX_UNKNOWN_KEYS,
+            "{}",
+            errs.len()
+        );
+    }
+}
