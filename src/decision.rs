@@ -334,15 +334,25 @@ fn route_busy(route: &Route, outcome: Standing, queued: Duration) -> Refusal {
         } else {
             Reason::RouteBusy
         }),
-        ..Refusal::new(
-            Problem::RouteBusy,
-            format!(
-                "{} has {} requests in flight; no slot freed within {} ms",
-                route.label,
-                route.max_in_flight.unwrap_or(0),
-                route.queue_timeout.as_millis()
-            ),
-        )
+        ..Refusal::new(Problem::RouteBusy, route_busy_detail(route, queued))
+    }
+}
+
+/// Why a capped route refused: its queue was full (refused at once, before `queue_timeout`),
+/// or no slot came free in time.
+fn route_busy_detail(route: &Route, queued: Duration) -> String {
+    match route.queue.max_queue {
+        Some(max) if queued < route.queue_timeout => format!(
+            "{} has {} requests in flight and its queue already holds {max} waiting (max_queue)",
+            route.label,
+            route.max_in_flight.unwrap_or(0),
+        ),
+        _ => format!(
+            "{} has {} requests in flight; no slot freed within {} ms",
+            route.label,
+            route.max_in_flight.unwrap_or(0),
+            route.queue_timeout.as_millis()
+        ),
     }
 }
 

@@ -58,7 +58,8 @@ enum Cmd {
         key: Option<String>,
     },
     /// Are the costs true? Merges the instances' /admin/audit and compares measured upstream
-    /// time with the configured costs. Exit 2 when an instance did not answer.
+    /// time with the configured costs. Exit 2 when some instance did not answer (the others'
+    /// report is printed), 1 when none did.
     Audit {
         /// The config whose costs and plans to audit (default: the instances' own).
         #[arg(short, long)]

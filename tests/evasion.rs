@@ -173,6 +173,8 @@ fn explain_ignores_matrix_parameters_and_refuses_dotdot_semicolon() {
         "/reports/generate;x=1",
         "/reports;v=2/generate",
         "/reports/generate.json",
+        // The gateway never sees a fragment: its HTTP parser drops it.
+        "/reports/generate#frag",
     ] {
         let out = cli_ok(&path, &["explain", "POST", target]);
         assert!(
@@ -188,6 +190,21 @@ fn explain_ignores_matrix_parameters_and_refuses_dotdot_semicolon() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("400 bad-path"), "{out:?}");
+    // A method that is not a token is refused before it is classified, as the proxy does.
+    for method in ["G@T", "", "G ET"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["explain", "-c"])
+            .arg(&path)
+            .args([method, "/reports/generate"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{method:?}: {text}");
+        assert!(
+            text.contains(": 400 (not an HTTP method"),
+            "{method:?}: {text}"
+        );
+    }
 }
 
 // ---- Unicode case folds ----

@@ -299,6 +299,11 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     let problem: serde_json::Value = r.json().await.unwrap();
     assert!(problem["type"].as_str().unwrap().ends_with("route-busy"));
     assert_eq!(
+        problem["detail"],
+        "/reports/generate has 1 requests in flight and its queue already holds 2 waiting (max_queue)",
+        "the detail says why: a full queue, not a wait that timed out"
+    );
+    assert_eq!(
         remaining(&gw, "c").await,
         1000,
         "a full queue charges nothing"
@@ -308,6 +313,11 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
         let r = w.await.unwrap();
         assert_eq!(r.status(), 503);
         assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+        let problem: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(
+            problem["detail"],
+            "/reports/generate has 1 requests in flight; no slot freed within 500 ms"
+        );
     }
     assert_eq!(remaining(&gw, "b").await, 1000);
     assert_eq!(holder.await.unwrap(), 200);

@@ -35,6 +35,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let upstreams = named_upstreams(&raw, &mut errs);
     let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
     let tls = raw.server.tls.as_ref().and_then(|t| tls(t, &mut errs));
+    distinct_listeners(&raw.server, &mut errs);
     let (sources, key_id_header) = identity(&raw.identity, &mut errs);
     let trusted_proxies = trusted_proxies(&raw.identity.trusted_proxies, &mut errs);
     let default_policy = default_policy(&raw.rate_limits.default, &mut errs);
@@ -208,6 +209,51 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize)
         }
     };
     (listen, threads, max_connections)
+}
+
+/// Every listener (`server.listen`, `server.tls.listen`, `server.admin_listen`) needs an address
+/// of its own: two that bind the same port (the same address, or one of them "any address" of
+/// the same family) would pass `check` and then fail `run` with "Address already in use".
+/// Port 0 (the kernel picks a free one) never clashes.
+fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
+    let mut seen: Vec<(String, SocketAddr)> = Vec::new();
+    let listen = s.listen.addrs();
+    let named = listen
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let path = match s.listen {
+                Listen::One(_) => "server.listen".to_string(),
+                Listen::Many(_) => format!("server.listen[{i}]"),
+            };
+            (path, a.as_str())
+        })
+        .chain(
+            s.tls
+                .iter()
+                .map(|t| ("server.tls.listen".to_string(), t.listen.as_str())),
+        )
+        .chain([("server.admin_listen".to_string(), s.admin_listen.as_str())]);
+    for (path, text) in named {
+        let Ok(addr) = text.parse::<SocketAddr>() else {
+            continue; // already reported as not IP:PORT
+        };
+        let clash = seen.iter().find(|(_, other)| {
+            addr.port() != 0
+                && addr.port() == other.port()
+                && addr.is_ipv4() == other.is_ipv4()
+                && (addr.ip() == other.ip()
+                    || addr.ip().is_unspecified()
+                    || other.ip().is_unspecified())
+        });
+        if let Some((other, _)) = clash {
+            errs.push(
+                path.clone(),
+                format!("{text} is taken by {other}: each listener needs an address of its own"),
+            );
+        }
+        seen.push((path, addr));
+    }
 }
 
 /// `server.tls`: the listener's address, and a certificate and key that can be served (read

@@ -46,27 +46,42 @@ fn identity_headers(upstream: &mut RequestHeader, ctx: &Ctx, cfg: &Config) -> Re
     Ok(())
 }
 
-/// `strip_prefix`: `/greenhouse/v1/boards?x` → `/v1/boards?x`, `/greenhouse` → `/`. Only a
-/// whole leading segment is removed (`/greenhousex` is left alone).
+/// `strip_prefix`: `/greenhouse/v1/boards?x` → `/v1/boards?x`, `/greenhouse` → `/`. Only whole
+/// leading segments are removed (`/greenhousex` is left alone), matched as the route was: ASCII
+/// case ignored, and a segment's matrix parameters (`/greenhouse;v=2/…`) going with it.
 fn strip_prefix(upstream: &mut RequestHeader, prefix: &str) -> Result<()> {
-    let target = upstream
-        .uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .to_string();
-    let Some(rest) = target.strip_prefix(prefix) else {
+    let target = upstream.uri.path_and_query().map_or("/", |p| p.as_str());
+    let Some(stripped) = without_prefix(target, prefix) else {
         return Ok(());
-    };
-    let stripped = match rest.chars().next() {
-        None | Some('?') => format!("/{rest}"),
-        Some('/') => rest.to_string(),
-        Some(_) => return Ok(()),
     };
     let uri = stripped
         .parse::<http::Uri>()
         .map_err(|e| Error::because(ErrorType::InternalError, "stripped uri", e))?;
     upstream.set_uri(uri);
     Ok(())
+}
+
+/// `target` (a path and query) without the leading segments of `prefix`; None when they do
+/// not lead it.
+fn without_prefix(target: &str, prefix: &str) -> Option<String> {
+    let (path, query) = match target.find('?') {
+        Some(i) => target.split_at(i),
+        None => (target, ""),
+    };
+    let mut rest = path;
+    for want in prefix.split('/').skip(1) {
+        let after = rest.strip_prefix('/')?;
+        let (segment, tail) = after.split_at(after.find('/').unwrap_or(after.len()));
+        let bare = segment.split(';').next().unwrap_or(segment);
+        if !bare.eq_ignore_ascii_case(want) {
+            return None;
+        }
+        rest = tail;
+    }
+    Some(format!(
+        "{}{query}",
+        if rest.is_empty() { "/" } else { rest }
+    ))
 }
 
 /// `X-Forwarded-For` and `X-Forwarded-Proto`: only what a trusted proxy forwarded is passed
@@ -164,4 +179,28 @@ pub fn request(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_prefix;
+
+    #[test]
+    fn a_prefix_is_stripped_as_the_route_was_matched() {
+        for (target, want) in [
+            ("/gh/repos/x?q=1", Some("/repos/x?q=1")),
+            ("/gh", Some("/")),
+            ("/gh?q=1", Some("/?q=1")),
+            ("/GH/repos/x", Some("/repos/x")),
+            ("/gh;x=1/a", Some("/a")),
+            ("/Gh;v=2", Some("/")),
+            ("/ghx/a", None),
+            ("/g/h", None),
+            ("/", None),
+        ] {
+            assert_eq!(without_prefix(target, "/gh").as_deref(), want, "{target}");
+        }
+        assert_eq!(without_prefix("/a;m=1/B/c", "/a/b").as_deref(), Some("/c"));
+        assert_eq!(without_prefix("/a/bc/d", "/a/b"), None);
+    }
 }

@@ -288,3 +288,32 @@ fn shared_budgets_are_refused_on_redis_cluster() {
         "rate_limits.endpoints.\"/provider\".shared: a shared budget needs a single Redis node or Sentinel (not yet supported on Redis Cluster)"
     );
 }
+
+/// Two listeners on one port pass no `check` (they would fail `run` with "Address already in
+/// use"): the same address twice, the admin port on a proxy port, "any address" beside a
+/// specific one of the same family. Port 0 and different families do not clash.
+#[test]
+fn listeners_need_addresses_of_their_own() {
+    let server = |body: &str| match parse(&format!("server:\n{body}\n{BASE}")) {
+        Ok(_) => vec![],
+        Err(e) => e.0.into_iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+    };
+    assert_eq!(
+        server("  listen: [\"127.0.0.1:31120\", \"127.0.0.1:31120\"]"),
+        ["server.listen[1]: 127.0.0.1:31120 is taken by server.listen[0]: each listener needs an address of its own"]
+    );
+    assert_eq!(
+        server("  listen: \"127.0.0.1:9000\"\n  admin_listen: \"127.0.0.1:9000\""),
+        ["server.admin_listen: 127.0.0.1:9000 is taken by server.listen: each listener needs an address of its own"]
+    );
+    assert_eq!(
+        server("  listen: [\"0.0.0.0:9000\", \"127.0.0.1:9000\"]").len(),
+        1
+    );
+    assert!(server(
+        "  listen: [\"127.0.0.1:0\", \"127.0.0.1:0\"]\n  admin_listen: \"127.0.0.1:0\""
+    )
+    .is_empty());
+    assert!(server("  listen: [\"127.0.0.1:9000\", \"[::1]:9000\"]").is_empty());
+    assert!(server("  listen: [\"127.0.0.1:9000\", \"127.0.0.2:9000\"]").is_empty());
+}
