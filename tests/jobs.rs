@@ -129,6 +129,33 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     let again = get(&c, gw.url(&location), "key-a").await;
     assert_eq!(again.status(), 200);
     assert_eq!(up.count(ROUTE), 1);
+    // Other spellings of the job's path are the same poll (DESIGN §3: the route is chosen from
+    // the normalized path): answered by the gateway, free, never forwarded. (reqwest resolves
+    // `.` and `..` itself; the unit test of `proxy::jobs` has those.)
+    for spelled in [
+        format!("/_tollgate//jobs/{id}"),
+        format!("/_tollgate/%6aobs/{id}"),
+        format!("/_tollgate/jobs;v=1/{id}"),
+        format!("/_TOLLGATE/Jobs/{id}"),
+    ] {
+        let r = get(&c, gw.url(&spelled), "key-a").await;
+        assert_eq!(r.status(), 200, "{spelled}");
+        assert_eq!(
+            header(&r, "x-ratelimit-cost").as_deref(),
+            Some("0"),
+            "{spelled}"
+        );
+    }
+    for none in ["/_tollgate/jobs", "/_tollgate/jobs/"] {
+        assert_eq!(get(&c, gw.url(none), "key-a").await.status(), 404, "{none}");
+    }
+    let forwarded = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.contains("tollgate"))
+        .count();
+    assert_eq!(forwarded, 0, "a job's path reached the upstream");
     let seen: Vec<_> = up
         .api
         .seen()

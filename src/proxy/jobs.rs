@@ -20,12 +20,47 @@ use crate::state::Running;
 use crate::store::Store;
 use std::sync::Arc;
 
-/// Whether the request is about a job (`/_tollgate/jobs/…`, a path the gateway keeps).
-pub(super) fn is_status_path(session: &Session) -> bool {
-    session
-        .req_header()
-        .raw_path()
-        .starts_with(PATH_PREFIX.as_bytes())
+/// The id a request about a job names (`/_tollgate/jobs/<id>`, a path the gateway keeps), None
+/// for any other request. The path is read as routes are (DESIGN §3: normalized, matrix
+/// parameters dropped, ASCII case ignored), so that no other spelling of it (`//`, `./`,
+/// `%6aobs`, `jobs;v=1`, `/_TOLLGATE/…`) reaches the upstream; `/_tollgate/jobs` without an
+/// id names none (empty), which no job has.
+pub(super) fn job_named(session: &Session) -> Option<String> {
+    job_in(session.req_header().raw_path())
+}
+
+fn job_in(raw: &[u8]) -> Option<String> {
+    if let Some(rest) = raw.strip_prefix(PATH_PREFIX.as_bytes()) {
+        // As the gateway writes it in `Location`: the common case, nothing to normalize.
+        let id = rest
+            .split(|&b| b == b'?' || b == b'#')
+            .next()
+            .unwrap_or(rest);
+        if !id.contains(&b'/') && !id.contains(&b'%') && !id.contains(&b';') {
+            return Some(String::from_utf8_lossy(id).into_owned());
+        }
+    }
+    let path = std::str::from_utf8(raw).ok()?.split(['?', '#']).next()?;
+    // Every other request: only one that could spell the prefix is read further.
+    let prefix = PATH_PREFIX.trim_end_matches('/');
+    let may = path.contains('%')
+        || path
+            .as_bytes()
+            .windows(9)
+            .any(|w| w.eq_ignore_ascii_case(b"_tollgate"));
+    if !may {
+        return None;
+    }
+    let normalized = crate::route::normalize_path(path).ok()?;
+    let matched = crate::route::match_path(&normalized).ok()?;
+    let head = matched.get(..prefix.len())?;
+    if !head.eq_ignore_ascii_case(prefix) {
+        return None;
+    }
+    match &matched[prefix.len()..] {
+        "" | "/" => Some(String::new()),
+        rest => rest.strip_prefix('/').map(str::to_string),
+    }
 }
 
 /// Seconds until a job is likely done: its waves ahead (`position` over the cap, plus its
@@ -147,17 +182,14 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     ctx.running = Some(running.clone());
     let cfg = &running.config;
     let method = session.req_header().method.as_str().to_ascii_uppercase();
-    let path = String::from_utf8_lossy(session.req_header().raw_path()).into_owned();
     let client = ctx.origin.map(|o| o.client);
     let identified = decision::identify(cfg, &session.req_header().headers, client);
     let who = match identified {
         Ok(w) => w,
         Err(r) => return gw.refuse(session, ctx, r).await,
     };
-    let id = path[PATH_PREFIX.len()..]
-        .split(['?', '#'])
-        .next()
-        .unwrap_or("");
+    let id = job_named(session).unwrap_or_default();
+    let id = id.as_str();
     ctx.identity = Some(who.clone());
     let found = match find(gw, id, &who).await {
         Ok(found) => found,
@@ -422,5 +454,35 @@ mod tests {
         job_head(&mut only, 0).unwrap();
         assert!(only.headers.get("prefer").is_none());
         assert!(only.headers.get("content-length").is_none());
+    }
+
+    #[test]
+    fn every_spelling_of_a_job_path_names_the_job() {
+        let id = "0123456789abcdef0123456789abcdef";
+        for spelled in [
+            format!("/_tollgate/jobs/{id}"),
+            format!("/_tollgate/jobs/{id}?x=1"),
+            format!("/_tollgate//jobs/{id}"),
+            format!("/_tollgate/./jobs/{id}"),
+            format!("/x/../_tollgate/jobs/{id}"),
+            format!("/_tollgate/%6aobs/{id}"),
+            format!("/%5Ftollgate/jobs/{id}"),
+            format!("/_tollgate/jobs;v=1/{id}"),
+            format!("/_TOLLGATE/Jobs/{id}"),
+        ] {
+            assert_eq!(job_in(spelled.as_bytes()).as_deref(), Some(id), "{spelled}");
+        }
+        for none in ["/_tollgate/jobs", "/_tollgate/jobs/", "/_tollgate/jobs/?x"] {
+            assert_eq!(job_in(none.as_bytes()).as_deref(), Some(""), "{none}");
+        }
+        for other in [
+            "/api/items/1",
+            "/_tollgate/jobsx/1",
+            "/_tollgate",
+            "/a/_tollgate/jobs/1",
+            "/%2e",
+        ] {
+            assert_eq!(job_in(other.as_bytes()), None, "{other}");
+        }
     }
 }
