@@ -83,6 +83,8 @@ pub fn demo(listen: &str, admin: &str, upstream: &str) -> anyhow::Result<()> {
         .replace("{upstream}", upstream);
     let path = std::env::temp_dir().join(format!("tollgate-demo-{}.yaml", std::process::id()));
     std::fs::write(&path, &text)?;
+    // Gone when the demo exits (Ctrl-C, SIGTERM), as a pid file is.
+    crate::pid_file::remove_at_exit(&path);
     let cfg = Config::parse(&text, &EnvOverrides::default()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let store = crate::app::build_store(&cfg, crate::store::memory::Clock::new(0));
     println!(
@@ -94,7 +96,8 @@ status page: http://{admin}/admin/ (in a browser: routes, slots and who holds th
 Budget: 120 units / 60 s per API key. A CRUD call costs 1, POST /reports/generate costs 20,
 and at most 5 reports run at once (a 6th waits up to 1 s for a slot, then gets 503).
 
-  # 8 reports at once: 5 run (200), 3 find no free slot within 1 s (503 route-busy, not charged)
+  # 8 reports at once: each is charged 20 when it joins, so the budget takes 6 and 2 get 429 at
+  # once; 5 run (200), the 6th finds no free slot within 1 s (503 route-busy, its 20 given back)
   for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\n' -X POST -H 'X-API-Key: demo-key' http://{listen}/reports/generate & done; wait
 
   # right away again: 100 units are spent, so 1 more report fits; the rest get 429 quota-exceeded

@@ -181,10 +181,12 @@ fn run() -> ExitCode {
             upstream_listen,
         } => {
             init_logging(cli.log_format);
-            exit_code(
+            let code = exit_code(
                 "tollgate demo",
                 tollgate::cli::demo(&listen, &admin_listen, &upstream_listen),
-            )
+            );
+            tollgate::pid_file::remove();
+            code
         }
         Cmd::DemoUpstream {
             listen,

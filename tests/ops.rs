@@ -865,7 +865,7 @@ async fn demo_shows_a_503_and_a_429() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let _child = Reap(child);
+    let mut child = Reap(child);
     let start = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(start.elapsed() < Duration::from_secs(15));
@@ -885,6 +885,25 @@ async fn demo_shows_a_503_and_a_429() {
     let r = get(&c, format!("http://127.0.0.1:{port}/items/42"), "other-key").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("119"));
+
+    // The config file the demo wrote goes when it exits.
+    let config = std::env::temp_dir().join(format!("tollgate-demo-{}.yaml", child.0.id()));
+    assert!(config.exists(), "{config:?}");
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let start = Instant::now();
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "the demo did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!config.exists(), "{config:?} was left behind");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

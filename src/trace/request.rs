@@ -158,11 +158,7 @@ impl RequestTrace {
             span.end_with_timestamp(until);
         }
         let span = self.cx.span();
-        let name = match known_method(f.method) {
-            Some(m) => format!("{m} {}", f.route),
-            None => format!("HTTP {}", f.route),
-        };
-        span.update_name(name);
+        span.update_name(span_name(f.method, f.route));
         span.set_attributes(attributes(f));
         if f.status >= 500 || f.status == 0 {
             span.set_status(Status::error(f.decision.as_str().to_string()));
@@ -348,6 +344,16 @@ impl TraceHex {
     }
 }
 
+/// `{method} {route}`, OpenTelemetry's HTTP server span name, with the route's path only: a
+/// pattern that starts with its method (`GET /items/{id}`) was named `GET GET /items/{id}`.
+fn span_name(method: &str, route: &str) -> String {
+    let path = crate::route::split_pattern(route).1;
+    match known_method(method) {
+        Some(m) => format!("{m} {path}"),
+        None => format!("HTTP {path}"),
+    }
+}
+
 /// The method as OpenTelemetry's HTTP conventions name it: one of the standard ones, exactly
 /// (methods are case-sensitive), else `None` (`_OTHER`, the original in
 /// `http.request.method_original`), so that a client cannot make span names without bound.
@@ -356,4 +362,24 @@ fn known_method(m: &str) -> Option<&'static str> {
         "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
     ];
     KNOWN.into_iter().find(|k| *k == m)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_span_is_named_by_its_method_and_its_routes_path() {
+        assert_eq!(
+            super::span_name("GET", "GET /items/{id}"),
+            "GET /items/{id}"
+        );
+        assert_eq!(
+            super::span_name("HEAD", "GET /items/{id}"),
+            "HEAD /items/{id}"
+        );
+        assert_eq!(
+            super::span_name("POST", "/reports/generate"),
+            "POST /reports/generate"
+        );
+        assert_eq!(super::span_name("BREW", "default"), "HTTP default");
+    }
 }
