@@ -40,6 +40,10 @@ fn job_in(raw: &[u8]) -> Option<String> {
             return Some(String::from_utf8_lossy(id).into_owned());
         }
     }
+    // Most requests: no `_` and no `%`, so no spelling of the prefix; one pass, nothing else.
+    if !raw.iter().any(|&b| b == b'_' || b == b'%') {
+        return None;
+    }
     let path = std::str::from_utf8(raw).ok()?.split(['?', '#']).next()?;
     // Every other request: only one that could spell the prefix is read further.
     let prefix = PATH_PREFIX.trim_end_matches('/');
