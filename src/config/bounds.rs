@@ -14,8 +14,8 @@ pub(super) const MAX_DEPTH: usize = 64;
 pub(super) const MAX_NAME_CHARS: usize = 128;
 /// Longest endpoint pattern (a route label in every metric series of the route).
 pub(super) const MAX_PATTERN_CHARS: usize = 2048;
-/// Most unknown keys reported of one file (each costs a parse of the file's tree).
-pub(super) const MAX_UNKNOWN_KEYS: usize = 100;
+/// Most errors reported of one file by the typed parse (each costs a parse of the file's tree).
+pub(super) const MAX_REPORTED_ERRORS: usize = 100;
 
 pub(super) fn check_size(bytes: u64) -> Result<(), ConfigErrors> {
     if bytes > MAX_FILE_BYTES {

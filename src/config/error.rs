@@ -73,8 +73,15 @@ fn message(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
 
 /// Formats a serde path the way the errors of this module do: `a.b."/x/y".c[0]`.
 pub(super) fn format_path(path: &serde_path_to_error::Path) -> String {
+    format_segments(path.iter())
+}
+
+/// [`format_path`] of a path's first segments (or of any run of them).
+pub(super) fn format_segments<'a>(
+    segments: impl IntoIterator<Item = &'a serde_path_to_error::Segment>,
+) -> String {
     let mut out = String::new();
-    for seg in path.iter() {
+    for seg in segments {
         match seg {
             serde_path_to_error::Segment::Seq { index } => out.push_str(&format!("[{index}]")),
             serde_path_to_error::Segment::Map { key } => push_key(&mut out, key),

@@ -23,7 +23,7 @@ use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_path_to_error::Segment;
 use serde_yaml::{Mapping, Number, Value};
 
-use super::bounds::MAX_UNKNOWN_KEYS;
+use super::bounds::MAX_REPORTED_ERRORS;
 use super::error::{self, ConfigError, ConfigErrors};
 use super::raw::unique::REPEATED;
 use super::raw::RawConfig;
@@ -67,19 +67,20 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         errors.0.push(error::from_serde(first));
         return Err(errors);
     };
-    let first_was_repeat = is_repeat(&first);
-    let first_path = error::format_path(first.path());
-    let mut pending = Some(first);
-    if first_was_repeat {
-        // The tree keeps only the first of the two keys: the typed parse will not meet it again.
-        let e = pending.take().map(error::from_serde);
-        errors.0.extend(e);
+    let mut pending = None;
+    if is_repeat(&first.inner().to_string()) {
+        // The tree keeps only the first of the two keys: the typed parse will not meet the
+        // repetition again, and the builder reported it too (without the line: this one has it).
+        let shown = error::from_serde(first);
+        let path = shown.path.clone();
+        errors.0.push(shown);
+        errors
+            .0
+            .extend(repeated.into_iter().filter(|e| e.path != path));
+    } else {
+        errors.0.extend(repeated);
+        pending = Some(first);
     }
-    errors.0.extend(
-        repeated
-            .into_iter()
-            .filter(|e| !(first_was_repeat && e.path == first_path)),
-    );
 
     let mut masked = Vec::new();
     let mut parses = 0;
@@ -102,30 +103,27 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
             }
         };
         let path: Vec<Segment> = e.path().iter().cloned().collect();
+        let message = e.inner().to_string();
         let unknown = error::is_unknown_field(&e);
-        let missing = missing_field(&e);
-        let variant = first_variant(&e);
         errors.0.push(error::from_serde(e));
-        if errors.0.len() >= MAX_UNKNOWN_KEYS || parses >= MAX_PARSES {
+        if errors.0.len() >= MAX_REPORTED_ERRORS || parses >= MAX_PARSES {
             return Err(errors);
         }
         let mended = if unknown {
             remove(&mut tree, &path)
-        } else if let Some(field) = missing {
+        } else if let Some(field) = missing_field(&message) {
             let mut at = path.clone();
             at.push(Segment::Map { key: field });
-            stand_in(&mut tree, &at, None, &mut parses)
-                .inspect(|_| masked.push(text_path(&path)))
-                .is_some()
+            stand_in(&mut tree, &at, None, &mut parses) && mask(&mut masked, &path)
         } else {
-            let entry = if path.len() > 1 {
-                &path[..path.len() - 1]
-            } else {
-                &path[..]
+            // The entry the value belongs to (a top-level value is its own): its other rules
+            // may speak of the stand-in.
+            let entry = match path.len() {
+                0 | 1 => &path[..],
+                n => &path[..n - 1],
             };
-            stand_in(&mut tree, &path, variant, &mut parses)
-                .inspect(|_| masked.push(text_path(entry)))
-                .is_some()
+            stand_in(&mut tree, &path, first_variant(&message), &mut parses)
+                && mask(&mut masked, entry)
         };
         if !mended {
             return Err(errors);
@@ -133,52 +131,36 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
     }
 }
 
-/// A repeated key: the tree builder reports every one of them.
-fn is_repeat(e: &ParseError) -> bool {
-    let m = e.inner().to_string();
-    m.contains(REPEATED) || m.contains("duplicate field `")
+/// Records `entry` as holding a stand-in; true, to be chained after [`stand_in`].
+fn mask(masked: &mut Vec<String>, entry: &[Segment]) -> bool {
+    masked.push(error::format_segments(entry));
+    true
 }
 
-/// The field a "missing field `x`" error names.
-fn missing_field(e: &ParseError) -> Option<String> {
-    let m = e.inner().to_string();
-    let rest = &m[m.find("missing field `")? + "missing field `".len()..];
+/// A repeated key (serde's message): the tree builder reports every one of them.
+fn is_repeat(message: &str) -> bool {
+    message.contains(REPEATED) || message.contains("duplicate field `")
+}
+
+/// The field a "missing field `x`" message names.
+fn missing_field(message: &str) -> Option<String> {
+    let rest = &message[message.find("missing field `")? + "missing field `".len()..];
     Some(rest[..rest.find('`')?].to_string())
 }
 
-/// A path in the format of this module's errors (`a.b."/x"[0]`).
 /// For a word that is none of a field's choices, the first choice serde's message lists
 /// ("unknown variant `x`, expected `a` or `b`"): the stand-in that fits.
-fn first_variant(e: &ParseError) -> Option<String> {
-    let m = e.inner().to_string();
-    let expected = &m[m.find("unknown variant `")?..];
+fn first_variant(message: &str) -> Option<String> {
+    let expected = &message[message.find("unknown variant `")?..];
     let rest = &expected[expected.find("expected `")? + "expected `".len()..];
     Some(rest[..rest.find('`')?].to_string())
 }
 
-fn text_path(segments: &[Segment]) -> String {
-    let mut out = String::new();
-    for seg in segments {
-        match seg {
-            Segment::Seq { index } => out.push_str(&format!("[{index}]")),
-            Segment::Map { key } | Segment::Enum { variant: key } => {
-                out = error::key_path(&out, key);
-            }
-            Segment::Unknown => out = error::key_path(&out, "?"),
-        }
-    }
-    out
-}
-
 /// Puts at `at` the first stand-in that gets the typed parse past that spot (or to a missing
-/// field inside it, which is mended next). None, with the tree as it was, when none does.
-fn stand_in(
-    tree: &mut Value,
-    at: &[Segment],
-    variant: Option<String>,
-    parses: &mut usize,
-) -> Option<()> {
-    let before = get(tree, at).cloned();
+/// field inside it, which is mended next). False, with the tree as it was, when none does.
+fn stand_in(tree: &mut Value, at: &[Segment], variant: Option<String>, parses: &mut usize) -> bool {
+    let before = node(tree, at).cloned();
+    let spot = error::format_segments(at);
     for candidate in variant.map(Value::String).into_iter().chain([
         Value::Number(Number::from(1_000_000_000u64)),
         Value::Number(Number::from(1000u64)),
@@ -189,61 +171,55 @@ fn stand_in(
         Value::Mapping(Mapping::new()),
         Value::Sequence(Vec::new()),
     ]) {
-        if *parses >= MAX_PARSES {
+        if *parses >= MAX_PARSES || !set(tree, at, candidate) {
             break;
         }
-        set(tree, at, candidate)?;
         *parses += 1;
         match serde_path_to_error::deserialize::<_, RawConfig>(&*tree) {
-            Ok(_) => return Some(()),
+            Ok(_) => return true,
             Err(e) => {
-                let there: Vec<Segment> = e.path().iter().cloned().collect();
-                if text_path(&there) != text_path(at) || missing_field(&e).is_some() {
-                    return Some(());
+                let missing = missing_field(&e.inner().to_string()).is_some();
+                if missing || error::format_path(e.path()) != spot {
+                    return true;
                 }
             }
         }
     }
     match before {
-        Some(v) => {
-            set(tree, at, v);
-        }
-        None => {
-            remove(tree, at);
-        }
-    }
-    None
+        Some(v) => set(tree, at, v),
+        None => remove(tree, at),
+    };
+    false
 }
 
-fn get<'t>(tree: &'t Value, at: &[Segment]) -> Option<&'t Value> {
-    let mut node = tree;
-    for seg in at {
-        node = match seg {
-            Segment::Map { key } => node.get(key.as_str())?,
-            Segment::Seq { index } => node.get(*index)?,
-            Segment::Enum { .. } | Segment::Unknown => return None,
-        };
-    }
-    Some(node)
-}
-
-/// Sets (or adds, for the last map key) the value at `at`. None when the path leads nowhere.
-fn set(tree: &mut Value, at: &[Segment], value: Value) -> Option<()> {
-    let (last, parents) = at.split_last()?;
-    let node = parents.iter().try_fold(tree, |node, seg| match seg {
+/// The node at `at` in `tree`, if the path leads anywhere.
+fn node<'t>(tree: &'t mut Value, at: &[Segment]) -> Option<&'t mut Value> {
+    at.iter().try_fold(tree, |node, seg| match seg {
         Segment::Map { key } => node.get_mut(key.as_str()),
         Segment::Seq { index } => node.get_mut(*index),
         Segment::Enum { .. } | Segment::Unknown => None,
-    })?;
-    match last {
-        Segment::Map { key } => {
-            node.as_mapping_mut()?
-                .insert(Value::String(key.clone()), value);
+    })
+}
+
+/// Sets (or adds, for the last map key) the value at `at`. False when the path leads nowhere.
+fn set(tree: &mut Value, at: &[Segment], value: Value) -> bool {
+    let Some((last, parents)) = at.split_last() else {
+        return false;
+    };
+    let Some(parent) = node(tree, parents) else {
+        return false;
+    };
+    match (last, parent) {
+        (Segment::Map { key }, Value::Mapping(m)) => {
+            m.insert(Value::String(key.clone()), value);
+            true
         }
-        Segment::Seq { index } => *node.get_mut(*index)? = value,
-        Segment::Enum { .. } | Segment::Unknown => return None,
+        (Segment::Seq { index }, Value::Sequence(s)) if *index < s.len() => {
+            s[*index] = value;
+            true
+        }
+        _ => false,
     }
-    Some(())
 }
 
 /// Removes the entry that `path` names (a map key, the last segment) from `tree`; false when
@@ -252,12 +228,8 @@ fn remove(tree: &mut Value, path: &[Segment]) -> bool {
     let Some((Segment::Map { key }, parents)) = path.split_last() else {
         return false;
     };
-    let node = parents.iter().try_fold(tree, |node, seg| match seg {
-        Segment::Map { key } => node.get_mut(key.as_str()),
-        Segment::Seq { index } => node.get_mut(*index),
-        Segment::Enum { .. } | Segment::Unknown => None,
-    });
-    node.and_then(|n| n.as_mapping_mut())
+    node(tree, parents)
+        .and_then(|n| n.as_mapping_mut())
         .and_then(|m| m.shift_remove(key.as_str()))
         .is_some()
 }
@@ -515,7 +487,7 @@ mod tests {
     fn unknown_keys_are_reported_up_to_a_bound() {
         let keys: String = (0..500).map(|i| format!("  k{i}: 1\n")).collect();
         let errs = errors(&format!("server:\n{keys}{BASE}"));
-        assert_eq!(errs.len(), super::MAX_UNKNOWN_KEYS, "{}", errs.len());
+        assert_eq!(errs.len(), super::MAX_REPORTED_ERRORS, "{}", errs.len());
     }
 
     /// Nor one of many type errors: each mends with at most a few parses, and the whole
@@ -527,7 +499,7 @@ mod tests {
             .collect();
         let errs = errors(&format!("{BASE}  endpoints:\n{eps}"));
         assert!(
-            errs.len() >= 10 && errs.len() <= super::MAX_UNKNOWN_KEYS,
+            errs.len() >= 10 && errs.len() <= super::MAX_REPORTED_ERRORS,
             "{}",
             errs.len()
         );

@@ -162,11 +162,7 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize)
     }
     for (i, a) in listen.iter().enumerate() {
         if a.parse::<SocketAddr>().is_err() {
-            let p = match s.listen {
-                Listen::One(_) => "server.listen".to_string(),
-                Listen::Many(_) => format!("server.listen[{i}]"),
-            };
-            errs.push(p, format!("expected IP:PORT, got \"{a}\""));
+            errs.push(listen_path(s, i), format!("expected IP:PORT, got \"{a}\""));
         }
     }
     if s.admin_listen.parse::<SocketAddr>().is_err() {
@@ -211,6 +207,14 @@ fn server(s: &RawServer, errs: &mut ConfigErrors) -> (Vec<String>, usize, usize)
     (listen, threads, max_connections)
 }
 
+/// The path of `server.listen`'s `i`th address: the field itself when it is one address.
+fn listen_path(s: &RawServer, i: usize) -> String {
+    match s.listen {
+        Listen::One(_) => "server.listen".to_string(),
+        Listen::Many(_) => format!("server.listen[{i}]"),
+    }
+}
+
 /// Every listener (`server.listen`, `server.tls.listen`, `server.admin_listen`) needs an address
 /// of its own: two that bind the same port (the same address, or one of them "any address" of
 /// the same family) would pass `check` and then fail `run` with "Address already in use".
@@ -221,13 +225,7 @@ fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
     let named = listen
         .iter()
         .enumerate()
-        .map(|(i, a)| {
-            let path = match s.listen {
-                Listen::One(_) => "server.listen".to_string(),
-                Listen::Many(_) => format!("server.listen[{i}]"),
-            };
-            (path, a.as_str())
-        })
+        .map(|(i, a)| (listen_path(s, i), a.as_str()))
         .chain(
             s.tls
                 .iter()

@@ -45,16 +45,7 @@ fn job_in(raw: &[u8]) -> Option<String> {
         return None;
     }
     let path = std::str::from_utf8(raw).ok()?.split(['?', '#']).next()?;
-    // Every other request: only one that could spell the prefix is read further.
     let prefix = PATH_PREFIX.trim_end_matches('/');
-    let may = path.contains('%')
-        || path
-            .as_bytes()
-            .windows(9)
-            .any(|w| w.eq_ignore_ascii_case(b"_tollgate"));
-    if !may {
-        return None;
-    }
     let normalized = crate::route::normalize_path(path).ok()?;
     let matched = crate::route::match_path(&normalized).ok()?;
     let head = matched.get(..prefix.len())?;
@@ -181,7 +172,13 @@ type Found = (Arc<str>, View, Option<Arc<jobs::Job>>);
 
 /// `GET` (or `HEAD`) reads a job, `DELETE` cancels it; another key's, an unknown or an
 /// expired job is 404 alike.
-pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+/// A job's poll or cancel: `id` is what [`job_named`] read from the path.
+pub(super) async fn status(
+    gw: &Gateway,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    id: String,
+) -> Result<bool> {
     let running = ctx.running.clone().unwrap_or_else(|| gw.shared.running());
     ctx.running = Some(running.clone());
     let cfg = &running.config;
@@ -192,7 +189,6 @@ pub(super) async fn status(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         Ok(w) => w,
         Err(r) => return gw.refuse(session, ctx, r).await,
     };
-    let id = job_named(session).unwrap_or_default();
     let id = id.as_str();
     ctx.identity = Some(who.clone());
     let found = match find(gw, id, &who).await {

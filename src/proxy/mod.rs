@@ -274,8 +274,8 @@ impl ProxyHttp for Gateway {
     // an admission (a job's, a refusal's) are boxed apart, so that it is the size of `decide`'s
     // (~2 KB, where it was 8.7 KB).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
-        if jobs::job_named(session).is_some() {
-            return Box::pin(jobs::status(self, session, ctx)).await;
+        if let Some(id) = jobs::job_named(session) {
+            return Box::pin(jobs::status(self, session, ctx, id)).await;
         }
         match self.decide(session, ctx).await {
             Ok(true) if ctx.job.is_some() => Box::pin(jobs::submit(self, session, ctx)).await,
