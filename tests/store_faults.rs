@@ -598,3 +598,106 @@ async fn an_out_of_memory_redis_keeps_the_gateway_degraded_until_it_takes_writes
     assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
     wait_metric(&gw, "tollgate_store_degraded", 0.0, Duration::from_secs(5)).await;
 }
+
+/// DESIGN §4, "the cap is exact again within 2 s": a request that queued on A's local share
+/// while A's path to Redis was down leaves the local queue when Redis answers again and waits
+/// in the fleet's queue instead. Cap 1, fleet_size 2 (A's share: 1 slot). A runs one long report
+/// locally and queues a second behind it; the path heals; B, on Redis all along, asks for one
+/// report and queues behind A's registered one. When A's first ends, one of the two waiters
+/// runs, never both. (Before, A's waiter stayed in the local queue and took the local slot as
+/// B's took the freed lease: two reports at once on a cap of 1.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_queued_locally_waits_in_the_fleets_queue_once_the_store_returns() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = |url: &str| {
+        store_yaml(
+            url,
+            "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1, queue_timeout: 30s}\n",
+        )
+    };
+    let a = Gateway::start(&up, &body(&proxy.url()));
+    let b = Gateway::start(&up, &body(&redis.url()));
+    let c = client();
+    proxy.blackhole();
+    let first = spawn_post(&c, a.url("/reports/generate?delay_ms=4000"), "k");
+    up.wait_current("/reports/generate", 1).await;
+    let queued_on_a = spawn_post(&c, a.url("/reports/generate?delay_ms=300"), "k");
+    wait_metric(
+        &a,
+        "tollgate_queued{route=\"/reports/generate\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    proxy.heal();
+    let leases = redis_route_slots_key("/reports/generate");
+    let healed = Instant::now();
+    while redis.cli(&["ZCARD", &leases]) != "1" {
+        assert!(
+            healed.elapsed() < Duration::from_secs(2),
+            "A's running report not registered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let from_b = spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j");
+    wait_metric(
+        &b,
+        "tollgate_queued{route=\"/reports/generate\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    for s in [first, queued_on_a, from_b] {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert_eq!(up.max_concurrent("/reports/generate"), 1);
+    assert_eq!(up.count("/reports/generate"), 3);
+}
+
+/// DESIGN §4 under `on_error: allow`: what A admitted while its store was away (past the cap:
+/// `allow` admits everything) is registered as leases when the store answers again, within 2 s,
+/// so that what the fleet admits next counts it. A admits 3 long reports on a cap of 2 while
+/// its path to Redis is down; once healed, B's 2 reports wait until A's have ended. (Before,
+/// nothing registered them: B's ran at once beside A's 3.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn allowed_admissions_are_registered_when_the_store_returns() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = |url: &str| {
+        store_yaml(
+            url,
+            "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 20s}\n",
+        )
+        .replace("on_error: local", "on_error: allow")
+    };
+    let a = Gateway::start(&up, &body(&proxy.url()));
+    let b = Gateway::start(&up, &body(&redis.url()));
+    let c = client();
+    proxy.blackhole();
+    let from_a: Vec<_> = (0..3)
+        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=3000"), "k"))
+        .collect();
+    up.wait_current("/reports/generate", 3).await;
+    proxy.heal();
+    let leases = redis_route_slots_key("/reports/generate");
+    let healed = Instant::now();
+    while redis.cli(&["ZCARD", &leases]) != "3" {
+        assert!(
+            healed.elapsed() < Duration::from_secs(2),
+            "A's admissions not registered: {}",
+            redis.cli(&["ZCARD", &leases])
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let from_b: Vec<_> = (0..2)
+        .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
+        .collect();
+    for s in from_a.into_iter().chain(from_b) {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert_eq!(up.max_concurrent("/reports/generate"), 3);
+    assert_eq!(up.count("/reports/generate"), 5);
+}

@@ -126,6 +126,9 @@ pub struct FallbackStore<S> {
     running: Arc<Running>,
     owed: Ledger,
     adoptions: Arc<adopt::Adoptions>,
+    /// Woken when the shared store answers again: requests waiting in a local queue leave it
+    /// for the fleet's (DESIGN §4: the cap is exact again within 2 s).
+    back: tokio::sync::Notify,
 }
 
 impl<S> std::fmt::Debug for FallbackStore<S> {
@@ -154,6 +157,7 @@ impl<S: SharedStore> FallbackStore<S> {
             running: Arc::default(),
             owed: Ledger::default(),
             adoptions: Arc::default(),
+            back: tokio::sync::Notify::new(),
         })
     }
 
@@ -190,6 +194,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 tracing::warn!(policy = ?self.on_error, error = %cause, "store unreachable: deciding by store.on_error");
             } else {
                 tracing::info!("store reachable again: shared budgets in force");
+                self.back.notify_waiters();
             }
         }
     }
@@ -229,67 +234,93 @@ impl<S: SharedStore> FallbackStore<S> {
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
         // Tokio's clock: the wait it bounds is timed by tokio (and a test can pause it).
         let start = tokio::time::Instant::now();
-        // What this instance admitted locally and still runs is registered first (DESIGN §4).
-        let shared = match self.charge_owed_first(req).await {
-            Ok(()) => match self.adopt_local().await {
-                Ok(()) => self.shared.admit(req).await,
+        // A request that waited in a local queue until the store answered again is decided
+        // there, with what is left of its queue time.
+        let mut again: Option<AdmitRequest> = None;
+        let mut waited = Duration::ZERO;
+        loop {
+            let asked = again.as_ref().unwrap_or(req);
+            // What this instance admitted locally and still runs is registered first (DESIGN §4).
+            let shared = match self.charge_owed_first(asked).await {
+                Ok(()) => match self.adopt_local().await {
+                    Ok(()) => self.shared.admit(asked).await,
+                    Err(e) => Err(e),
+                },
                 Err(e) => Err(e),
+            };
+            let e = match shared {
+                Ok(answer) => return self.decided_shared(req, answer, waited),
+                Err(e) => e,
+            };
+            self.set_degraded(true, Some(&e));
+            let Some(mut admission) = self.fallback(req, start).await else {
+                waited = start.elapsed();
+                let mut r = req.clone();
+                r.queue_timeout = req.queue_timeout.saturating_sub(waited);
+                again = Some(r);
+                continue;
+            };
+            if let Admission::Admitted { lease, .. } = &mut admission {
+                // `allow` ignores the caps, but what it runs is registered all the same, so
+                // that what the store admits next counts it.
+                if self.on_error != OnError::Deny {
+                    lease.adopt_with(self.adoptable(req));
+                }
+            }
+            let decision = if let Admission::Admitted { .. } = admission {
+                self.owe(req, req.cost);
+                FallbackDecision::Admitted
+            } else {
+                FallbackDecision::Rejected
+            };
+            metrics()
+                .fallback_decisions
+                .with_label_values(&[decision.as_str()])
+                .inc();
+            return Decision {
+                admission,
+                fallback: true,
+                share: self.local_divisor(),
+            };
+        }
+    }
+
+    /// The shared store's decision on `req`, which first `waited` in a local queue.
+    fn decided_shared(
+        &self,
+        req: &AdmitRequest,
+        answer: SharedAnswer,
+        waited: Duration,
+    ) -> Decision {
+        if answer.reached {
+            self.set_degraded(false, None);
+        }
+        let admission = match answer.admission {
+            Admission::Admitted {
+                standing,
+                delay_us,
+                lease,
+                queued,
+            } => {
+                let slots = slots_of(req);
+                let running = (!slots.is_empty()).then(|| self.running.track(slots));
+                Admission::Admitted {
+                    standing,
+                    delay_us,
+                    lease: lease.counted(running, false),
+                    queued: queued + waited,
+                }
+            }
+            Admission::RouteBusy { standing, queued } => Admission::RouteBusy {
+                standing,
+                queued: queued + waited,
             },
-            Err(e) => Err(e),
+            refused => refused,
         };
-        match shared {
-            Ok(answer) => {
-                if answer.reached {
-                    self.set_degraded(false, None);
-                }
-                let admission = match answer.admission {
-                    Admission::Admitted {
-                        standing,
-                        delay_us,
-                        lease,
-                        queued,
-                    } => {
-                        let slots = slots_of(req);
-                        let running = (!slots.is_empty()).then(|| self.running.track(slots));
-                        Admission::Admitted {
-                            standing,
-                            delay_us,
-                            lease: lease.counted(running, false),
-                            queued,
-                        }
-                    }
-                    refused => refused,
-                };
-                Decision {
-                    admission,
-                    fallback: false,
-                    share: 1,
-                }
-            }
-            Err(e) => {
-                self.set_degraded(true, Some(&e));
-                let mut admission = self.fallback(req, start).await;
-                if let Admission::Admitted { lease, .. } = &mut admission {
-                    if self.on_error == OnError::Local {
-                        lease.adopt_with(self.adoptable(req));
-                    }
-                }
-                let decision = if let Admission::Admitted { .. } = admission {
-                    self.owe(req, req.cost);
-                    FallbackDecision::Admitted
-                } else {
-                    FallbackDecision::Rejected
-                };
-                metrics()
-                    .fallback_decisions
-                    .with_label_values(&[decision.as_str()])
-                    .inc();
-                Decision {
-                    admission,
-                    fallback: true,
-                    share: self.local_divisor(),
-                }
-            }
+        Decision {
+            admission,
+            fallback: false,
+            share: 1,
         }
     }
 

@@ -3,7 +3,10 @@
 //! cannot see what it runs, so a capped route may run up to its cap plus the degraded
 //! instances' shares. When the store is back, this instance registers every request it
 //! admitted locally and still runs as a lease there — before it admits anything new, and
-//! within a few hundred ms without traffic — so that the cap is exact again.
+//! within a few hundred ms without traffic — so that the cap is exact again. `on_error: allow`
+//! admits past the caps, but what it runs is registered the same way, so that what the store
+//! admits next counts it. A request still waiting in a local queue when the store answers
+//! leaves it for the store's decision (`local.rs`, `take_in_turn`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};

@@ -18,11 +18,12 @@ impl<S: SharedStore> FallbackStore<S> {
     /// Decides by `store.on_error` while the shared store cannot, for an admission that began
     /// at `start`: a capped request's wait for a slot is bounded from then, so one that waited
     /// on the shared store (in its queue, before the store failed) does not wait its whole
-    /// `queue_timeout` again on the local share.
-    pub(super) async fn fallback(&self, req: &AdmitRequest, start: Instant) -> Admission {
-        match self.on_error {
+    /// `queue_timeout` again on the local share. `None`: it waited in the local queue until the
+    /// shared store answered again, and is to be decided there.
+    pub(super) async fn fallback(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
+        Some(match self.on_error {
             OnError::Deny => Admission::Unavailable,
-            OnError::Local => self.local_share(req, start).await,
+            OnError::Local => return self.local_share(req, start).await,
             OnError::Allow => {
                 // Admit everything; count it locally so the headers still say something true.
                 let mut r = req.clone();
@@ -51,7 +52,7 @@ impl<S: SharedStore> FallbackStore<S> {
                     Admission::Unavailable => Admission::Unavailable,
                 }
             }
-        }
+        })
     }
 
     /// What the fallback's budgets are divided by: `fleet_size` for `on_error: local`.
@@ -66,7 +67,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// of the caps (counting everything it runs). A capped request is charged when it joins the
     /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
     /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
-    async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Admission {
+    async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
         let n = self.fleet_size;
         let share = |cap: u32| (cap / n).max(1);
         let mut r = req.share(n);
@@ -79,7 +80,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 lease,
                 ..
             } => (standing, delay_us, lease),
-            refused => return refused,
+            refused => return Some(refused),
         };
         let charged = Unserved {
             store: &self.local,
@@ -88,7 +89,7 @@ impl<S: SharedStore> FallbackStore<S> {
         let key_share = req.key_cap.map(share);
         let Some(cap) = req.route_cap else {
             // No route cap: only the key's share, if any, to take.
-            return match self.running.try_take(req, None, 0, key_share) {
+            return Some(match self.running.try_take(req, None, 0, key_share) {
                 Ok(running) => {
                     charged.served();
                     admitted(standing, delay_us, lease, running, Duration::ZERO)
@@ -97,7 +98,7 @@ impl<S: SharedStore> FallbackStore<S> {
                     drop(charged);
                     Admission::KeyBusy(self.local_standing(&r))
                 }
-            };
+            });
         };
         let busy = |queued| Admission::RouteBusy {
             standing: self.local_standing(&r),
@@ -106,7 +107,7 @@ impl<S: SharedStore> FallbackStore<S> {
         if let Some(bound) = req.fair.max_queue {
             if self.running.waiting(&req.route) >= share(bound) as usize {
                 drop(charged);
-                return busy(Duration::ZERO);
+                return Some(busy(Duration::ZERO));
             }
         }
         let mut fair = req.fair;
@@ -116,23 +117,33 @@ impl<S: SharedStore> FallbackStore<S> {
             .take_in_turn(req, &place, share(cap), key_share, start)
             .await
         {
-            Ok(g) => g,
-            Err(Full::Key) => {
+            Turn::Run(g) => g,
+            // Unserved: the local charge is given back as `charged` drops.
+            Turn::StoreBack => return None,
+            Turn::Refused(Full::Key) => {
                 drop(charged);
-                return Admission::KeyBusy(self.local_standing(&r));
+                return Some(Admission::KeyBusy(self.local_standing(&r)));
             }
-            Err(Full::Route) => {
+            Turn::Refused(Full::Route) => {
                 drop(charged);
-                return busy(start.elapsed());
+                return Some(busy(start.elapsed()));
             }
         };
         drop(place);
         charged.served();
-        admitted(standing, delay_us, lease, running, start.elapsed())
+        Some(admitted(
+            standing,
+            delay_us,
+            lease,
+            running,
+            start.elapsed(),
+        ))
     }
 
     /// Waits for `place`'s turn at this instance's `cap_share` of the route (each freed slot
-    /// wakes the waiters), until the queue timeout counted from `start`.
+    /// wakes the waiters), until the queue timeout counted from `start`, or until the shared
+    /// store answers again: its queue is the fleet's, and a slot taken here then would be
+    /// one more than the cap (DESIGN §4).
     async fn take_in_turn(
         &self,
         req: &AdmitRequest,
@@ -140,25 +151,34 @@ impl<S: SharedStore> FallbackStore<S> {
         cap_share: u32,
         key_share: Option<u32>,
         start: Instant,
-    ) -> Result<RunningGuard, Full> {
+    ) -> Turn {
         let mut queued = None;
         loop {
             let freed = self.running.freed.notified();
-            tokio::pin!(freed);
+            let back = self.back.notified();
+            tokio::pin!(freed, back);
             freed.as_mut().enable();
+            back.as_mut().enable();
             match self
                 .running
                 .try_take(req, Some(place), cap_share, key_share)
             {
-                Ok(g) => return Ok(g),
-                Err(Full::Key) => return Err(Full::Key),
+                Ok(g) => return Turn::Run(g),
+                Err(Full::Key) => return Turn::Refused(Full::Key),
                 Err(Full::Route) => {
+                    if !self.degraded() {
+                        return Turn::StoreBack;
+                    }
                     let waited = start.elapsed();
                     if waited >= req.queue_timeout {
-                        return Err(Full::Route);
+                        return Turn::Refused(Full::Route);
                     }
                     queued.get_or_insert_with(|| Queued::new(&req.route));
-                    let _ = tokio::time::timeout(req.queue_timeout - waited, freed).await;
+                    tokio::select! {
+                        _ = freed => {}
+                        _ = back => {}
+                        _ = tokio::time::sleep(req.queue_timeout - waited) => {}
+                    }
                 }
             }
         }
@@ -183,6 +203,14 @@ impl<S: SharedStore> FallbackStore<S> {
             local_share: Some(n),
         })
     }
+}
+
+/// How a local waiter's turn ended.
+enum Turn {
+    Run(RunningGuard),
+    Refused(Full),
+    /// The shared store answers again: the request is decided there.
+    StoreBack,
 }
 
 /// A local admission holding what it runs as (`running`), for the fallback's caps.

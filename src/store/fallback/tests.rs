@@ -279,6 +279,52 @@ async fn the_fallback_waits_only_what_is_left_of_the_queue_timeout() {
     drop(held);
 }
 
+/// DESIGN §4: a request waiting in the local queue when the shared store answers again leaves
+/// it for the shared store's decision (whose queue is the fleet's) at once, not when a local
+/// slot frees: a slot taken locally then would be one more than the fleet's cap. Its local
+/// charge is given back and is not owed; the time it queued locally counts in `queued`.
+#[tokio::test(start_paused = true)]
+async fn a_local_waiter_is_decided_by_the_store_once_it_answers() {
+    let (fake, s) = store(OnError::Local, 1);
+    let mut r = req(1, Some(1));
+    r.queue_timeout = Duration::from_secs(10);
+    let held = s.decide(&r).await;
+    assert!(admitted(&held.admission) && held.fallback);
+    let waiter = tokio::spawn({
+        let (s, r) = (s.clone(), r.clone());
+        async move { s.decide(&r).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!waiter.is_finished(), "queued behind the local slot");
+    let calls = fake.calls.load(Ordering::Relaxed);
+    fake.down.store(false, Ordering::Relaxed);
+    // Something sees the store answer (the probe, in the binary).
+    assert!(s
+        .peek(&r.key, &r.limit, &[])
+        .await
+        .unwrap()
+        .local_share
+        .is_none());
+    let d = tokio::time::timeout(Duration::from_millis(1), waiter)
+        .await
+        .expect("woken by the store's return, not by a freed slot")
+        .unwrap();
+    assert!(!d.fallback, "decided by the shared store");
+    let Admission::Admitted { queued, .. } = d.admission else {
+        panic!("{:?}", d.admission)
+    };
+    assert_eq!(queued, Duration::from_secs(1));
+    assert_eq!(fake.calls.load(Ordering::Relaxed), calls + 1);
+    assert_eq!(
+        fake.written.load(Ordering::Relaxed),
+        1,
+        "only the held request's local unit is owed"
+    );
+    let left = s.local.peek(&r.key, &r.limit, &[]);
+    assert_eq!(left[0].remaining, 119, "the waiter's local unit given back");
+    drop(held);
+}
+
 #[tokio::test]
 async fn fallback_charges_are_written_back_before_the_next_shared_decision() {
     let (fake, s) = store(OnError::Local, 2);
