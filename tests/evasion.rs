@@ -462,6 +462,93 @@ async fn an_oversized_or_odd_request_id_is_replaced_by_a_generated_one() {
 
 // ---- Pipelining ----
 
+/// Sends `requests` on one connection at once and reads until the server closes it: each
+/// answer's status, and whether it said `Connection: close`.
+fn pipelined(port: u16, requests: &str) -> Vec<(u16, bool)> {
+    let mut s = raw_connect(port);
+    s.write_all(requests.as_bytes()).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    // Each answer's head starts with its status line (the bodies are JSON).
+    text.split("HTTP/1.1 ")
+        .skip(1)
+        .map(|answer| {
+            let head = &answer[..answer.find("\r\n\r\n").unwrap_or(answer.len())];
+            let close = head.to_ascii_lowercase().contains("\r\nconnection: close");
+            (head[..3].parse().unwrap(), close)
+        })
+        .collect()
+}
+
+/// DESIGN §3: pipelined requests are never dropped, also behind a refused request with a body.
+/// The 7th report (6 × 20 = 120 units) is refused with its 2-byte body unread: the gateway
+/// reads it past and answers the two GETs behind it. (Before, the 429 went with
+/// `Connection: close` and the GETs were lost.)
+#[test]
+fn pipelined_requests_behind_a_refused_body_are_answered() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let report = "POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-body\r\nContent-Length: 2\r\n\r\n{}";
+    let mut all = report.repeat(7);
+    all += "GET /items/0 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-get\r\n\r\n";
+    all +=
+        "GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-get\r\nConnection: close\r\n\r\n";
+    let answers = pipelined(gw.port, &all);
+    let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 200, 429, 200, 200]);
+    assert!(!answers[6].1, "the 429 keeps the connection");
+    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(up.count("/items/0") + up.count("/items/1"), 2);
+}
+
+/// The same behind a chunked body; but a body the client holds back for a `100 Continue`
+/// (`Expect`), or one stated over 1 MiB, is not read past: its refusal says
+/// `Connection: close`, and nothing behind it is taken for a request.
+#[test]
+fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
+    let up = Upstream::start(Duration::ZERO);
+    // `/upload` reads its whole body (an upstream that answers without reading a chunked body
+    // closes the connection, and a POST sent on it as it closes is a 502).
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    /upload:\n      cost: 120\n",
+        ),
+    );
+    let post = |key: &str, head: &str, body: &str| {
+        format!("POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}\r\n{head}\r\n{body}")
+    };
+    let chunked = ("Transfer-Encoding: chunked\r\n", "2\r\n{}\r\n0\r\n\r\n");
+    let cases = [
+        (
+            "k-chunk",
+            chunked,
+            vec![(200, false), (429, false), (200, true)],
+        ),
+        (
+            "k-expect",
+            ("Expect: 100-continue\r\nContent-Length: 2\r\n", ""),
+            vec![(200, false), (429, true)],
+        ),
+        (
+            "k-large",
+            ("Content-Length: 2000000\r\n", "{}"),
+            vec![(200, false), (429, true)],
+        ),
+    ];
+    for (key, (head, body), want) in cases {
+        // The budget's 120 units go to the first upload (a 2-byte chunked body).
+        let mut all = post(key, chunked.0, chunked.1);
+        all += &post(key, head, body);
+        all += &format!("GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}-get\r\nConnection: close\r\n\r\n");
+        assert_eq!(pipelined(gw.port, &all), want, "{key}");
+    }
+    assert_eq!(up.count("/items/1"), 1);
+    assert_eq!(up.count("/upload"), 3);
+}
+
 #[test]
 fn pipelined_requests_are_all_answered_in_order() {
     let up = Upstream::start(Duration::ZERO);

@@ -98,13 +98,12 @@ async fn answer(
         h.insert_header("Retry-After", ra.to_string())?;
     }
     respond::rate_limit_headers(&mut h, ctx)?;
-    // A body we never read would be taken for the next request.
-    let s = &mut session.downstream_session;
-    if !(s.is_body_empty() || s.is_body_done()) {
-        session.set_keepalive(None);
-    }
+    let discard = respond::past_unread_body(session);
     session.write_response_header(Box::new(h), false).await?;
     session.write_response_body(Some(body), true).await?;
+    if discard {
+        respond::discard_unread_body(session).await;
+    }
     Ok(true)
 }
 

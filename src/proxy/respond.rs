@@ -1,6 +1,8 @@
 //! What the gateway writes itself: problem JSON for its own answers, and the rate-limit
 //! headers on every response to an identified caller.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::HeaderValue;
 use pingora::http::ResponseHeader;
@@ -39,21 +41,70 @@ pub async fn problem(
         h.insert_header("Retry-After", ra.to_string())?;
     }
     rate_limit_headers(&mut h, ctx)?;
-    // A request body we never read would be taken for the next request: close unless bodyless.
-    let req = session.req_header();
-    let bodyless = req.headers.get("transfer-encoding").is_none()
-        && req
-            .headers
-            .get("content-length")
-            .is_none_or(|v| v.as_bytes() == b"0");
-    if !bodyless {
-        session.set_keepalive(None);
-    }
+    let discard = past_unread_body(session);
     session.write_response_header(Box::new(h), false).await?;
     session
         .write_response_body(Some(Bytes::from(body)), true)
         .await?;
+    if discard {
+        discard_unread_body(session).await;
+    }
     Ok(true)
+}
+
+/// The most of an unread request body the gateway reads and discards after its own answer,
+/// and how long it spends on it: a body beyond either ends the connection instead.
+const DISCARD_AT_MOST: usize = 1 << 20;
+const DISCARD_WITHIN: Duration = Duration::from_secs(2);
+
+/// Before the gateway's own answer to an HTTP/1 request whose body it has not read (a refusal,
+/// a job's answer): true if the body is to be read past after the answer
+/// ([`discard_unread_body`]), so that the connection and what the client pipelined behind it go
+/// on (DESIGN §3: never dropped). Otherwise the answer says `Connection: close` when there is
+/// a body: one whose stated length is over [`DISCARD_AT_MOST`] (not worth reading for nothing),
+/// or one the client holds back until a `100 Continue` it will not get (`Expect`), whose
+/// absence leaves no way to tell where the next request starts.
+pub(super) fn past_unread_body(session: &mut Session) -> bool {
+    let s = &mut session.downstream_session;
+    if s.is_http2() || s.is_body_empty() || s.is_body_done() {
+        return false;
+    }
+    let req = s.req_header();
+    let held_back = req.headers.contains_key(http::header::EXPECT);
+    let too_long = req
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > DISCARD_AT_MOST as u64);
+    if held_back || too_long {
+        session.set_keepalive(None);
+        return false;
+    }
+    // Pingora would close: the body is read after the answer instead.
+    s.set_close_on_response_before_downstream_finish(false);
+    true
+}
+
+/// Reads and discards what is left of the request body after the gateway's own answer; if it
+/// does not end within [`DISCARD_AT_MOST`] bytes and [`DISCARD_WITHIN`] (or breaks off), the
+/// connection ends after this request. (Closing at once instead would drop what the client
+/// pipelined, and its unread bytes could reset the connection before the client read the answer.)
+pub(super) async fn discard_unread_body(session: &mut Session) {
+    let s = &mut session.downstream_session;
+    let read = tokio::time::timeout(DISCARD_WITHIN, async {
+        let mut n = 0;
+        while let Some(b) = s.read_request_body().await? {
+            n += b.len();
+            if n > DISCARD_AT_MOST {
+                return Ok(false);
+            }
+        }
+        Ok::<_, Box<Error>>(true)
+    })
+    .await;
+    if !matches!(read, Ok(Ok(true))) {
+        session.set_keepalive(None);
+    }
 }
 
 /// Adds `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for the request's decision.
