@@ -105,15 +105,40 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     let running = get(&c, gw.url(&location), "key-a").await;
     assert_eq!(running.status(), 202);
     assert_eq!(header(&running, "x-ratelimit-cost").as_deref(), Some("0"));
+    // DESIGN §3: every response to an identified request has every rate-limit header; a
+    // poll's describe the key's budget as it stands (the submission's 10 spent).
+    let full_headers = |r: &reqwest::Response| {
+        assert_eq!(
+            header(r, "x-ratelimit-remaining").as_deref(),
+            Some("90"),
+            "{r:?}"
+        );
+        assert!(header(r, "ratelimit")
+            .unwrap()
+            .starts_with("\"default\";r=90;t="));
+        assert!(
+            header(r, "x-ratelimit-reset")
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+                > 0
+        );
+        assert_eq!(header(r, "x-ratelimit-limit").as_deref(), Some("100"));
+        assert_eq!(header(r, "x-ratelimit-cost").as_deref(), Some("0"));
+    };
+    full_headers(&running);
     let v: serde_json::Value = running.json().await.unwrap();
     assert_eq!(v["status"], "running");
     assert_eq!(get(&c, gw.url(&location), "key-b").await.status(), 404);
     assert_eq!(c.get(gw.url(&location)).send().await.unwrap().status(), 401);
     let unknown = format!("/_tollgate/jobs/{}", "0".repeat(32));
-    assert_eq!(get(&c, gw.url(&unknown), "key-a").await.status(), 404);
+    let not_found = get(&c, gw.url(&unknown), "key-a").await;
+    assert_eq!(not_found.status(), 404);
+    full_headers(&not_found);
 
     let done = result(&c, &gw, &location, "key-a").await;
     assert_eq!(done.status(), 200);
+    full_headers(&done);
     assert_eq!(
         header(&done, "content-type").as_deref(),
         Some("application/json")
@@ -289,6 +314,12 @@ async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {
         .await
         .unwrap();
     assert_eq!(cancelled.status(), 200);
+    // Its headers show the refund: 90 left, nothing charged.
+    assert_eq!(
+        header(&cancelled, "x-ratelimit-remaining").as_deref(),
+        Some("90")
+    );
+    assert_eq!(header(&cancelled, "x-ratelimit-cost").as_deref(), Some("0"));
     let v: serde_json::Value = cancelled.json().await.unwrap();
     assert_eq!(v["status"], "cancelled");
     assert_metric(&gw, &series("cancelled"), 1.0).await;
@@ -508,6 +539,7 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     assert_eq!(remaining(&gw, "b").await, 90);
     let r = result(&c, &gw, &second, "key-b").await;
     assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
     let p: serde_json::Value = r.json().await.unwrap();
     assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
     assert_metric(&gw, &series("expired"), 1.0).await;

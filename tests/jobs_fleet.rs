@@ -118,6 +118,12 @@ async fn submitted_on_one_read_on_another(url: &str, cli: &dyn Fn(&[&str]) -> St
     up.wait_current(ROUTE, 1).await;
     let running = get(&c, b.url(&location), "key-a").await;
     assert_eq!(running.status(), 202);
+    // Every rate-limit header, read from Redis on the other gateway: the 10 charged on A.
+    assert_eq!(
+        header(&running, "x-ratelimit-remaining").as_deref(),
+        Some("90")
+    );
+    assert!(header(&running, "ratelimit").is_some_and(|v| v.contains(";r=90;")));
     let v: serde_json::Value = running.json().await.unwrap();
     assert_eq!(v["status"], "running");
     assert_eq!(get(&c, b.url(&location), "key-b").await.status(), 404);
@@ -275,6 +281,7 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     );
     let expired = result(&c, &b, &location).await;
     assert_eq!(expired.status(), 503);
+    assert_eq!(header(&expired, "retry-after").as_deref(), Some("1"));
     let p: serde_json::Value = expired.json().await.unwrap();
     assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
     assert_eq!(remaining(&b, "a").await, 90);

@@ -27,7 +27,6 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use crate::identity::KeyHash;
-use crate::problem::Problem;
 use crate::store::fair::Place;
 use crate::store::lock;
 
@@ -69,6 +68,8 @@ pub struct Job {
     status: Mutex<Status>,
     /// Wakes the job's task when `DELETE` cancels it while queued.
     cancel: Mutex<Option<oneshot::Sender<()>>>,
+    /// Told when its task gave a charge back (a job that left the queue without running).
+    refunded: tokio::sync::Notify,
     /// What it holds in memory (its request body, then its result's), counted in the board.
     bytes: AtomicU64,
 }
@@ -83,6 +84,9 @@ pub enum View {
     Running,
     Done(Arc<Stored>),
 }
+
+/// Longest a `DELETE` waits for the cancelled job's refund before it answers.
+const REFUND_WAIT: Duration = Duration::from_secs(1);
 
 /// What `DELETE` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,18 +113,22 @@ impl Job {
 
     /// Cancels the job if it is still queued. The status lock decides between a cancel and a
     /// slot granted at the same moment: whichever takes it first wins.
-    pub fn cancel(&self) -> Cancel {
-        let mut status = lock(&self.status);
-        match &*status {
-            Status::Queued(_) => {
-                *status = Status::Cancelled;
-                if let Some(tx) = lock(&self.cancel).take() {
-                    let _ = tx.send(());
-                }
-                Cancel::Cancelled
+    pub async fn cancel(&self) -> Cancel {
+        let refunded = self.refunded.notified();
+        {
+            let mut status = lock(&self.status);
+            if !matches!(&*status, Status::Queued(_)) {
+                return Cancel::Started;
             }
-            _ => Cancel::Started,
+            *status = Status::Cancelled;
+            if let Some(tx) = lock(&self.cancel).take() {
+                let _ = tx.send(());
+            }
         }
+        // Its task gives the charge back; the answer waits for that (briefly), so that its
+        // rate-limit headers show the units back.
+        let _ = tokio::time::timeout(REFUND_WAIT, refunded).await;
+        Cancel::Cancelled
     }
 
     /// The job got its slot: running from now on, unless it was cancelled first.
@@ -155,9 +163,8 @@ impl Job {
         if matches!(*status, Status::Cancelled) {
             return false;
         }
-        let detail = "the job found no free slot within async.result_ttl; its charge was refunded";
         *status = Status::Done {
-            result: Arc::new(run::problem_result(Problem::RouteBusy, detail)),
+            result: Arc::new(run::expired_result()),
             until: Instant::now() + ttl,
         };
         true
@@ -357,6 +364,7 @@ mod tests {
             route: Arc::from("/r"),
             status: Mutex::new(Status::Running),
             cancel: Mutex::new(None),
+            refunded: tokio::sync::Notify::new(),
             bytes: AtomicU64::new(bytes),
         })
     }

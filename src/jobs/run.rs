@@ -91,6 +91,7 @@ pub(super) fn submit(
         route: new.route.label.clone(),
         status: Mutex::new(Status::Queued(waiting)),
         cancel: Mutex::new(Some(tx)),
+        refunded: tokio::sync::Notify::new(),
         bytes: AtomicU64::new(bytes),
     });
     board().insert(job.clone());
@@ -116,6 +117,18 @@ pub(super) fn submit(
 }
 
 /// The gateway's own answer as a job's result.
+/// The result of a job that found no slot within `result_ttl`: a 503 `route-busy` with
+/// `Retry-After: 1`, as a synchronous request's (DESIGN §3).
+pub(super) fn expired_result() -> Stored {
+    let detail = "the job found no free slot within async.result_ttl; its charge was refunded";
+    let mut r = problem_result(Problem::RouteBusy, detail);
+    r.headers.push((
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    ));
+    r
+}
+
 pub(super) fn problem_result(p: Problem, detail: &str) -> Stored {
     Stored {
         status: p.status(),
@@ -165,6 +178,7 @@ async fn run(mut t: Task) {
             // Cancelled, or no slot within result_ttl: it never ran, so its charge goes back.
             drop(slot);
             t.ticket.refund(&t.shared.store).await;
+            t.job.refunded.notify_waiters();
             let result = if t.job.expire(t.rules.result_ttl) {
                 board().resize(&t.job, 0);
                 JobResult::Expired

@@ -245,7 +245,9 @@ impl Ctx {
             (Phase::Admitted(_), Some(r)) => r.cost,
             (
                 Phase::Job {
-                    outcome: Some(_), ..
+                    decision: Verdict::JobSubmitted,
+                    outcome: Some(_),
+                    ..
                 },
                 Some(r),
             ) => r.cost,

@@ -17,7 +17,7 @@ use crate::jobs::{self, Cancel, JobRequest, Origin, View, PATH_PREFIX};
 use crate::problem::{self, Problem};
 use crate::route::Route;
 use crate::state::Running;
-use crate::store::Store;
+use crate::store::{Standing, Store};
 use std::sync::Arc;
 
 /// The id a request about a job names (`/_tollgate/jobs/<id>`, a path the gateway keeps), None
@@ -203,6 +203,7 @@ pub(super) async fn status(
     if let Some((route, _, _)) = &found {
         ctx.route = cfg.router.by_label(route).cloned();
     }
+    let outcome = standing(gw, ctx, &who).await;
     ctx.phase = Phase::Job {
         decision: if method == "DELETE" {
             Verdict::JobCancel
@@ -210,7 +211,7 @@ pub(super) async fn status(
             Verdict::JobPoll
         },
         id: found.as_ref().map(|_| job_id.clone()),
-        outcome: None,
+        outcome,
     };
     let Some((_, view, local)) = found else {
         let detail = "no job with this id for this key (or its result has expired)";
@@ -234,6 +235,11 @@ pub(super) async fn status(
         }
         ("DELETE", _) => match cancel(gw, &running, local, &job_id, &who).await {
             Cancel::Cancelled => {
+                // Refunded: the figures as they stand now.
+                let now = standing(gw, ctx, &who).await;
+                if let Phase::Job { outcome, .. } = &mut ctx.phase {
+                    *outcome = now;
+                }
                 let body = serde_json::json!({"id": &*job_id, "status": "cancelled"});
                 let body = Bytes::from(body.to_string());
                 answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
@@ -251,6 +257,28 @@ pub(super) async fn status(
     }
 }
 
+/// The key's budgets as they stand, for the rate-limit headers of an answer that charges
+/// nothing (DESIGN §3: every response to an identified request has them all): those of the
+/// job's route (`ctx.route`), or the key's own when no job was found. None when the store
+/// cannot say (the headers then say the policy and that nothing was charged).
+async fn standing(
+    gw: &Gateway,
+    ctx: &mut Ctx,
+    who: &crate::identity::Identity,
+) -> Option<Standing> {
+    let also = match &ctx.route {
+        Some(route) => decision::charged_also(route, who),
+        None => who.policy.also.clone(),
+    };
+    let peek = gw
+        .shared
+        .store
+        .peek(&who.hash, &who.policy.limit, &also)
+        .await?;
+    ctx.share = peek.local_share.unwrap_or(1);
+    peek.standing()
+}
+
 /// `DELETE` on a job of this process, or of the fleet.
 async fn cancel(
     gw: &Gateway,
@@ -260,7 +288,7 @@ async fn cancel(
     who: &crate::identity::Identity,
 ) -> Cancel {
     match local {
-        Some(job) => job.cancel(),
+        Some(job) => job.cancel().await,
         None if jobs::fleet::cancel(&gw.shared, running, id, who).await => Cancel::Cancelled,
         None => Cancel::Started,
     }

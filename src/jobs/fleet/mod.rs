@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::metrics::{self, JobResult};
-use super::run::{problem_result, Submission};
+use super::run::{expired_result, problem_result, Submission};
 use super::{new_id, NewJob, Stored, View};
 use crate::decision;
 use crate::identity::{Identity, KeyHash};
@@ -117,13 +117,6 @@ async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<
             let _ = b.job_release(&label, &id, None).await;
         }
     }
-}
-
-fn expired_result() -> Stored {
-    problem_result(
-        Problem::RouteBusy,
-        "the job found no free slot within async.result_ttl; its charge was refunded",
-    )
 }
 
 /// A job as a poll sees it, with its route; `None`: not this key's, unknown or gone; an
