@@ -352,15 +352,23 @@ impl Router {
             .map(|s| &key[..key.len() - s.len()])
     }
 
-    /// The most specific endpoint that matches a lower-case path.
+    /// The most specific endpoint that matches a lower-case path. A `HEAD` also matches the
+    /// `GET` endpoints (frameworks run the GET handler for it), its own winning a tie.
     fn lookup(&self, method: &str, key: &str) -> Option<usize> {
         let any = self.any.router.at(key).ok().map(|m| *m.value);
-        let by_method = self
-            .by_method
+        let mut by_method = self.method_lookup(method, key);
+        if method == "HEAD" {
+            by_method = self.more_specific(self.method_lookup("GET", key), by_method);
+        }
+        self.more_specific(any, by_method)
+    }
+
+    /// The most specific of `method`'s own endpoints that matches a lower-case path.
+    fn method_lookup(&self, method: &str, key: &str) -> Option<usize> {
+        self.by_method
             .iter()
             .find(|(m, _)| m == method)
-            .and_then(|(_, t)| t.router.at(key).ok().map(|m| *m.value));
-        self.more_specific(any, by_method)
+            .and_then(|(_, t)| t.router.at(key).ok().map(|m| *m.value))
     }
 
     /// The more specific of two matches; `b` on a tie.

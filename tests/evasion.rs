@@ -242,6 +242,31 @@ async fn unicode_spellings_that_fold_onto_another_route_are_bad_path() {
 
 // ---- Headers that change what the upstream runs, or whom it believes ----
 
+/// A `HEAD` on a `GET` endpoint is charged as that GET and counts against its cap: the
+/// upstream's framework runs the GET handler for it. (Before, it was the `default` route's:
+/// cost 1, no cap.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_is_charged_as_the_get_it_stands_for() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    \"GET /exports/{id}\": {cost: 30, max_in_flight: 1}\n",
+        ),
+    );
+    let c = client();
+    let head = |path: &str| c.head(gw.url(path)).header("X-API-Key", "k-head").send();
+    let r = head("/exports/7").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("30"));
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("90"));
+    let seen = up.api.seen().pop().unwrap();
+    assert_eq!(seen.method, "HEAD");
+    let units = "tollgate_cost_units_total{route=\"GET /exports/{id}\"}";
+    assert_metric(&gw, units, 30.0).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn method_and_url_override_headers_do_not_reach_the_upstream() {
     let up = Upstream::start(Duration::ZERO);

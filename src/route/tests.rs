@@ -98,6 +98,36 @@ fn router() -> Router {
     .unwrap()
 }
 
+/// A `HEAD` is charged as the `GET` it stands for (most frameworks run the GET handler for
+/// it), unless a `HEAD` endpoint says otherwise: else `HEAD` would reach an expensive GET's
+/// handler at the default's price and past its cap.
+#[test]
+fn head_is_charged_as_get() {
+    let r = router();
+    let c = |m: &str, p: &str| r.classify(m, p).route.cost;
+    assert_eq!(c("HEAD", "/reports/42"), 2);
+    assert_eq!(c("HEAD", "/files/x/y"), 5);
+    assert_eq!(c("HEAD", "/reports/generate"), 20, "method-less exact");
+    let own = Router::new(
+        vec![
+            spec("GET /r/{id}", 9),
+            spec("HEAD /r/{id}", 1),
+            spec("HEAD /s/{id}", 1),
+            spec("GET /s/x", 9),
+        ],
+        1,
+    )
+    .unwrap();
+    assert_eq!(own.classify("HEAD", "/r/1").route.cost, 1, "HEAD's own");
+    assert_eq!(
+        own.classify("HEAD", "/s/x").route.cost,
+        9,
+        "the more specific GET"
+    );
+    assert_eq!(own.classify("HEAD", "/s/y").route.cost, 1);
+    assert_eq!(own.classify("GET", "/s/y").route.cost, 1, "default");
+}
+
 #[test]
 fn most_specific_wins() {
     let r = router();
