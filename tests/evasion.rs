@@ -240,6 +240,33 @@ async fn unicode_spellings_that_fold_onto_another_route_are_bad_path() {
     }
 }
 
+/// A raw UTF-8 path and its percent-encoding are one route (and are forwarded in the one
+/// spelling): before, `GET /prices/€` missed the `/prices/%E2%82%AC` endpoint and was charged
+/// as `default`.
+#[test]
+fn raw_and_escaped_non_ascii_paths_are_one_route() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    /prices/%E2%82%AC: {cost: 30}\n",
+        ),
+    );
+    for (i, target) in ["/prices/€", "/prices/%e2%82%ac", "/prices/%E2%82%AC"]
+        .into_iter()
+        .enumerate()
+    {
+        let line = format!("GET {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-euro-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some("30"), "`{line}`");
+    }
+    let paths: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
+    assert_eq!(paths, ["/prices/%E2%82%AC"; 3]);
+}
+
 // ---- Headers that change what the upstream runs, or whom it believes ----
 
 /// A `HEAD` on a `GET` endpoint is charged as that GET and counts against its cap: the

@@ -6,10 +6,10 @@
 
 use crate::route::{normalize_path, split_pattern, BadPath};
 
-/// Placeholders for `{name}` / `{*name}` while the literal parts are normalized: private-use
-/// characters, which normalization keeps as they are.
-const OPEN: char = '\u{E000}';
-const CLOSE: char = '\u{E001}';
+/// Placeholders for `{name}` / `{*name}` while the literal parts are normalized: the escapes
+/// of two private-use characters, which normalization keeps as they are.
+const OPEN: &str = "%EE%80%80";
+const CLOSE: &str = "%EE%80%81";
 
 /// Why the router could never select an endpoint (or, for one, the form to write instead).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -85,9 +85,9 @@ fn mask_params(path: &str) -> Option<(String, Vec<&str>)> {
             rest = &tail[2..];
         } else if tail.starts_with('{') {
             let end = tail.find('}')?;
-            masked.push(OPEN);
+            masked.push_str(OPEN);
             masked.push_str(&params.len().to_string());
-            masked.push(CLOSE);
+            masked.push_str(CLOSE);
             params.push(&tail[..=end]);
             rest = &tail[end + 1..];
         } else {

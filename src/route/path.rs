@@ -39,7 +39,8 @@ fn is_unreserved(b: u8) -> bool {
 }
 
 /// Canonical form of a request path (no query):
-/// - percent-encoded unreserved characters are decoded, other escapes are upper-cased;
+/// - percent-encoded unreserved characters are decoded, other escapes are upper-cased, and
+///   raw non-ASCII bytes are escaped (a character has one spelling);
 /// - encoded `/` or `\`, backslashes, NUL and control characters are refused;
 /// - `//` collapses, `.` and `..` segments resolve (never above the root);
 /// - a trailing `/` is dropped (`/reports/generate/` is `/reports/generate`).
@@ -85,6 +86,17 @@ pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             }
             b'\\' => return Err(BadPath::Backslash),
             0..=0x1f | 0x7f => return Err(BadPath::ControlChar),
+            // A raw non-ASCII byte is the same character as its escape (`/€` is
+            // `/%E2%82%AC`): one spelling for both.
+            0x80.. => {
+                const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                decoded.extend_from_slice(&[
+                    b'%',
+                    HEX[usize::from(b >> 4)],
+                    HEX[usize::from(b & 15)],
+                ]);
+                i += 1;
+            }
             _ => {
                 decoded.push(b);
                 i += 1;
@@ -108,7 +120,7 @@ pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     }
     for seg in out {
         s.push('/');
-        // Only ASCII bytes were decoded; the rest came from a valid &str.
+        // Only ASCII is left: escapes, and unreserved bytes decoded.
         s.push_str(std::str::from_utf8(seg).map_err(|_| BadPath::BadEncoding)?);
     }
     Ok(Cow::Owned(s))
@@ -123,7 +135,7 @@ pub(super) fn is_canonical(bytes: &[u8]) -> bool {
     let mut dots = 0;
     for &b in bytes {
         match b {
-            b'%' | b'\\' | 0..=0x1f | 0x7f => return false,
+            b'%' | b'\\' | 0..=0x1f | 0x7f | 0x80.. => return false,
             b'/' => {
                 if prev == b'/' || dots == 1 || dots == 2 {
                     return false;

@@ -19,7 +19,28 @@ fn normalization() {
     assert_eq!(ok("/a/b/.."), "/a");
     assert_eq!(ok("/caf%c3%a9"), "/caf%C3%A9");
     assert_eq!(ok("/a%20b"), "/a%20b");
-    assert_eq!(ok("/ünï"), "/ünï");
+    // One spelling per character: raw UTF-8 is escaped as its percent-encoding is.
+    assert_eq!(ok("/ünï"), "/%C3%BCn%C3%AF");
+    assert_eq!(ok("/caf\u{e9}"), ok("/caf%c3%a9"));
+}
+
+/// A request's raw non-ASCII path and its escaped spelling are one route (`check` has the
+/// pattern written escaped, the normalized form): before, a raw request path missed an escaped
+/// pattern.
+#[test]
+fn non_ascii_paths_match_in_either_spelling() {
+    let r = Router::new(
+        vec![spec("/prices/%E2%82%AC", 7), spec("/caf%C3%A9/{id}", 8)],
+        1,
+    )
+    .unwrap();
+    let c = |p: &str| r.route_of("GET", p).unwrap().cost;
+    let n = |p: &str| normalize_path(p).unwrap().into_owned();
+    assert_eq!(c(&n("/prices/%E2%82%AC")), 7);
+    assert_eq!(c(&n("/prices/%e2%82%ac")), 7);
+    assert_eq!(c(&n("/prices/€")), 7);
+    assert_eq!(c(&n("/café/1")), 8);
+    assert_eq!(c(&n("/caf%c3%a9/1")), 8);
 }
 
 #[test]
@@ -44,6 +65,7 @@ fn canonical_fast_path_agrees() {
         "/..",
         "/a/b/c.d",
         "/...",
+        "/é",
     ] {
         let fast = is_canonical(p.as_bytes());
         let slow = normalize_path(p).map(|c| c.into_owned());

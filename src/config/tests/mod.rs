@@ -229,6 +229,9 @@ fn patterns_must_be_written_normalized() {
         ("/a/", "/a"),
         ("/a/%7e%41", "/a/~A"),
         ("/caf%c3%a9", "/caf%C3%A9"),
+        // Raw non-ASCII: requests are matched with it escaped.
+        ("/prices/€", "/prices/%E2%82%AC"),
+        ("/café/{id}", "/caf%C3%A9/{id}"),
         ("GET /a/%67", "GET /a/g"),
         ("/a/%67/{id}", "/a/g/{id}"),
         ("/x//{*rest}", "/x/{*rest}"),
