@@ -14,7 +14,7 @@
 //!   that scans more rows costs more; `cost_from_response` settles on it);
 //! - `?actual_cost=V` on the echo paths: the answer carries `X-Actual-Cost: V`, verbatim (so
 //!   tests can state any cost, or garbage);
-//! - `/bytes/{n}`: streams n bytes; `POST /upload`: counts the body as it streams in;
+//! - `/bytes/{n}`: streams n bytes (`?pace_ms=N`: a 64 KiB frame every N ms); `POST /upload`: counts the body as it streams in;
 //! - `/__stats` (GET) and `/__reset` (POST): per-path request counts and peak concurrency.
 //!
 //! The last requests received are kept (`SampleApi::seen`), so tests can check what the gateway
@@ -204,7 +204,8 @@ impl SampleApi {
             .strip_prefix("/bytes/")
             .and_then(|n| n.parse::<u64>().ok())
         {
-            return stream_bytes(n);
+            let pace = Duration::from_millis(param(&query, "pace_ms").unwrap_or(0));
+            return stream_bytes(n, pace);
         }
         echo(req, &path, &query).await
     }
@@ -333,33 +334,47 @@ fn stated_cost(path: &str, query: &str, rows: Option<u64>) -> Option<HeaderValue
     }
 }
 
-fn stream_bytes(n: u64) -> Response<Body> {
+fn stream_bytes(n: u64, pace: Duration) -> Response<Body> {
     const CHUNK: u64 = 64 * 1024;
     let chunk = Bytes::from(vec![b'x'; CHUNK as usize]);
-    let stream = futures_stream(n, chunk);
+    let stream = futures_stream(n, chunk, pace);
     let mut r = Response::new(StreamBody::new(stream).boxed());
     r.headers_mut()
         .insert(hyper::header::CONTENT_LENGTH, n.into());
     r
 }
 
-/// Yields `n` bytes in 64 KiB frames, generated as they are sent (never buffered whole).
+/// Yields `n` bytes in 64 KiB frames, generated as they are sent (never buffered whole), each
+/// frame `pace` after the one before.
 fn futures_stream(
     n: u64,
     chunk: Bytes,
+    pace: Duration,
 ) -> impl futures_core::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send {
     struct S {
         left: u64,
         chunk: Bytes,
+        pace: Duration,
+        wait: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     }
     impl futures_core::Stream for S {
         type Item = Result<Frame<Bytes>, std::io::Error>;
         fn poll_next(
             mut self: std::pin::Pin<&mut Self>,
-            _cx: &mut std::task::Context<'_>,
+            cx: &mut std::task::Context<'_>,
         ) -> std::task::Poll<Option<Self::Item>> {
             if self.left == 0 {
                 return std::task::Poll::Ready(None);
+            }
+            if !self.pace.is_zero() {
+                let pace = self.pace;
+                let wait = self
+                    .wait
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(pace)));
+                if std::future::Future::poll(wait.as_mut(), cx).is_pending() {
+                    return std::task::Poll::Pending;
+                }
+                self.wait = None;
             }
             let take = self.left.min(self.chunk.len() as u64);
             self.left -= take;
@@ -367,7 +382,12 @@ fn futures_stream(
             std::task::Poll::Ready(Some(Ok(Frame::data(data))))
         }
     }
-    S { left: n, chunk }
+    S {
+        left: n,
+        chunk,
+        pace,
+        wait: None,
+    }
 }
 
 /// Serves the API on `listener` until the task is dropped.

@@ -125,6 +125,32 @@ async fn head_on_healthz_and_readyz_answers_like_get() {
     );
 }
 
+/// DESIGN §5: `tollgate_overhead_seconds` is the time in the gateway minus the upstream's part:
+/// an upstream that takes 1.2 s to stream its body is not 1.2 s of gateway overhead. (Before,
+/// the upstream's part ended at its response head, so the body's time counted as overhead.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_slow_body_is_not_gateway_overhead() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let c = client();
+    // 4 frames of 64 KiB, one every 300 ms.
+    let r = get(&c, gw.url("/bytes/262144?pace_ms=300"), "k-slow").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.bytes().await.unwrap().len(), 262_144);
+    let series = |name: &str| format!("{name}{{route=\"default\"}}");
+    wait_metric(
+        &gw,
+        &series("tollgate_overhead_seconds_count"),
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    let total = metric(&gw, &series("tollgate_request_duration_seconds_sum")).await;
+    let overhead = metric(&gw, &series("tollgate_overhead_seconds_sum")).await;
+    assert!(total >= 1.2, "the request took {total} s");
+    assert!(overhead < 0.3, "overhead {overhead} s of {total} s");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_names_and_labels_exactly_as_designed() {
     let up = Upstream::start(Duration::ZERO);

@@ -278,10 +278,15 @@ impl Ctx {
     }
 
     /// The time the gateway itself added: all of it but the upstream's part and the waiting.
+    /// The upstream's part runs from sending it the request to the end of its answer, body
+    /// included (passed on as it comes, at the upstream's and the client's pace): so the
+    /// gateway's own time is what came before it.
     pub fn overhead(&self) -> Duration {
-        self.start
-            .elapsed()
-            .saturating_sub(self.timing.upstream.unwrap_or_default())
+        let before = match self.timing.upstream_start {
+            Some(sent) => sent.saturating_duration_since(self.start),
+            None => self.start.elapsed(),
+        };
+        before
             .saturating_sub(self.timing.queued)
             .saturating_sub(self.timing.hold)
     }
