@@ -547,6 +547,20 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// A submission whose body is framed wrongly (a chunk size that is not hex) is the client's
+/// error, as on the synchronous path: 400, nothing charged, no job. (Before: 500.)
+#[test]
+fn a_malformed_async_body_is_400() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(&reports(1, "")));
+    let request = b"POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: key-a\r\nPrefer: respond-async\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n";
+    let r = raw_request(gw.port, request).expect("an answer");
+    assert_eq!(r.status, 400, "{r:?}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(rt.block_on(remaining(&gw, "a")), 100);
+    assert_eq!(up.count(ROUTE), 0);
+}
+
 /// A job's charge settles when it ends, as a request's does: here on the cost the upstream
 /// states (`cost_from_response`), whose header the stored answer no longer carries.
 #[tokio::test]

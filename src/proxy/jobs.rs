@@ -306,7 +306,14 @@ async fn read_body(session: &mut Session, max: u64) -> Result<Option<Bytes>> {
         return Ok(None);
     }
     let mut buf = BytesMut::new();
-    while let Some(chunk) = session.downstream_session.read_request_body().await? {
+    // The client's errors (a malformed chunk, a stalled body) as the synchronous path has
+    // them: 400 or 408, not the gateway's 500.
+    while let Some(chunk) = session
+        .downstream_session
+        .read_request_body()
+        .await
+        .map_err(|e| e.into_down())?
+    {
         if (buf.len() + chunk.len()) as u64 > max {
             return Ok(None);
         }
