@@ -171,9 +171,9 @@ fn explain_key(out: &mut String, route: &Route, id: &Identity, given_key: bool) 
         );
         let _ = writeln!(
             out,
-            "              = {} such requests in a burst, then one every {:.1} s",
+            "              = {} such requests in a burst, then one every {}",
             b.max_cost / route.cost,
-            b.window.as_secs_f64() * route.cost as f64 / b.max_cost as f64
+            interval(b.window.as_secs_f64() * route.cost as f64 / b.max_cost as f64)
         );
     }
     if let Some(b) = route.shared() {
@@ -192,5 +192,17 @@ fn explain_key(out: &mut String, route: &Route, id: &Identity, given_key: bool) 
     }
     if route.max_in_flight.is_some() {
         let _ = writeln!(out, "weight:       {} (plan \"{}\")", p.weight, p.name);
+    }
+}
+
+/// An interval between requests, to a tenth of the unit that suits it (`10.0 s`, `36.0 ms`,
+/// `1.2 µs`): seconds alone would say `0.0 s` of a fast refill.
+fn interval(secs: f64) -> String {
+    if secs >= 1.0 {
+        format!("{secs:.1} s")
+    } else if secs >= 1e-3 {
+        format!("{:.1} ms", secs * 1e3)
+    } else {
+        format!("{:.1} µs", secs * 1e6)
     }
 }

@@ -36,6 +36,9 @@ fn explain_text() {
         t.contains("= 6 such requests in a burst, then one every 10.0 s"),
         "{t}"
     );
+    // A fast refill in the unit that shows it (`0.0 s` before).
+    let (t, _) = explain(&cfg(), "GET", "/items/1", Some("k"));
+    assert!(t.contains("then one every 500.0 ms"), "{t}");
     let (t, ok) = explain(&cfg(), "GET", "/a%2fb", None);
     assert!(!ok && t.contains("400 bad-path"), "{t}");
     let (t, _) = explain(&cfg(), "GET", "/items/1", None);

@@ -19,6 +19,8 @@ pub enum DurationError {
     UnknownUnit { unit: String, written: String },
     #[error("duration \"{0}\" is too long")]
     TooLong(String),
+    #[error("a duration is a whole number of its unit: write \"{whole}\" for \"{written}\"")]
+    Fraction { whole: String, written: String },
 }
 
 pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
@@ -35,6 +37,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
         "s" => n.checked_mul(1_000),
         "m" => n.checked_mul(60_000),
         "h" => n.checked_mul(3_600_000),
+        _ if unit.starts_with('.') => return Err(fraction(num, unit, s)),
         _ => {
             return Err(DurationError::UnknownUnit {
                 unit: unit.into(),
@@ -46,6 +49,33 @@ pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     match ms {
         Some(ms) if ms <= 10 * 365 * 24 * 3_600_000 => Ok(Duration::from_millis(ms)),
         _ => Err(DurationError::TooLong(s.into())),
+    }
+}
+
+/// `1.5s` (`num` "1", `rest` ".5s"): the same in whole milliseconds where it is one, else the
+/// unknown-unit error it would have been.
+fn fraction(num: &str, rest: &str, written: &str) -> DurationError {
+    let digits = rest[1..]
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or(rest.len(), |i| i + 1);
+    let (frac, unit) = rest.split_at(digits);
+    let per_unit: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => 0,
+    };
+    let value: Option<f64> = format!("{num}{frac}").parse().ok();
+    match value.map(|v| v * per_unit as f64) {
+        Some(ms) if per_unit > 0 && ms.fract() == 0.0 && ms < 1e15 => DurationError::Fraction {
+            whole: format_duration(Duration::from_millis(ms as u64)),
+            written: written.into(),
+        },
+        _ => DurationError::UnknownUnit {
+            unit: rest.into(),
+            written: written.into(),
+        },
     }
 }
 
@@ -96,5 +126,27 @@ mod tests {
         assert!(parse_duration("99999999999999h").is_err());
         assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
         assert_eq!(format_duration(Duration::from_secs(120)), "2m");
+    }
+
+    /// A fraction says the whole form to write, where there is one.
+    #[test]
+    fn fractions_name_the_whole_form() {
+        let e = |s: &str| parse_duration(s).unwrap_err().to_string();
+        assert_eq!(
+            e("1.5s"),
+            "a duration is a whole number of its unit: write \"1500ms\" for \"1.5s\""
+        );
+        assert!(e("1.5h").contains("write \"90m\""), "{}", e("1.5h"));
+        assert!(e("0.5m").contains("write \"30s\""), "{}", e("0.5m"));
+        assert!(
+            e("0.0001s").starts_with("unknown duration unit"),
+            "{}",
+            e("0.0001s")
+        );
+        assert!(
+            e("1.5d").starts_with("unknown duration unit"),
+            "{}",
+            e("1.5d")
+        );
     }
 }

@@ -62,12 +62,17 @@ pub(super) fn is_unknown_field(e: &serde_path_to_error::Error<serde_yaml::Error>
 /// the spot.
 fn message(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
     let msg = e.inner().to_string();
-    match msg.strip_prefix(&format!("{}: ", e.path())) {
+    let text = match msg.strip_prefix(&format!("{}: ", e.path())) {
         Some(rest) => rest.to_string(),
         None => match msg.split_once(": ") {
             Some((head, tail)) if !head.contains(' ') => tail.to_string(),
             _ => msg,
         },
+    };
+    // serde's name for YAML's null (`~`, or a key with nothing after it).
+    match text.strip_prefix("invalid type: unit value, ") {
+        Some(rest) => format!("no value given, {rest}"),
+        None => text,
     }
 }
 

@@ -20,7 +20,10 @@ pub use limits::{
 };
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a gateway.yaml: a map with upstream, rate_limits, …"
+)]
 pub struct RawConfig {
     #[serde(default)]
     pub server: RawServer,
@@ -63,7 +66,7 @@ impl Listen {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "the server settings, a map")]
 pub struct RawServer {
     #[serde(default = "default_listen")]
     pub listen: Listen,
@@ -94,7 +97,7 @@ pub struct RawServer {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "the TLS settings, a map")]
 pub struct RawTls {
     pub listen: String,
     /// PEM certificate chain, leaf first; re-read on reload.
@@ -146,7 +149,10 @@ impl Default for RawServer {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "the upstream, a map like {url: \"http://127.0.0.1:3000\"}"
+)]
 pub struct RawUpstream {
     pub url: String,
     #[serde(default = "default_connect_timeout")]
@@ -164,7 +170,10 @@ pub struct RawUpstream {
 
 /// One of `upstreams:`: an address (`url`), or a pool (`urls`) balanced round robin.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an upstream, a map like {url: \"http://10.0.0.5:8080\"}"
+)]
 pub struct RawNamedUpstream {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
@@ -185,7 +194,7 @@ pub struct RawNamedUpstream {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "the health check settings, a map")]
 pub struct RawHealthCheck {
     pub path: String,
     pub interval: ConfDuration,
@@ -214,7 +223,10 @@ pub enum OnError {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "the store settings, a map like {backend: redis, url: \"redis://127.0.0.1:6379\"}"
+)]
 pub struct RawStore {
     #[serde(default = "default_backend")]
     pub backend: Backend,
@@ -276,7 +288,7 @@ pub enum Anonymous {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "the identity settings, a map")]
 pub struct RawIdentity {
     #[serde(default = "default_sources")]
     pub sources: Vec<String>,

@@ -116,14 +116,18 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
             at.push(Segment::Map { key: field });
             stand_in(&mut tree, &at, None, &mut parses) && mask(&mut masked, &path)
         } else {
-            // The entry the value belongs to (a top-level value is its own): its other rules
+            // The entry the value belongs to (a top-level value is its own; a map stood in for
+            // is an entry of its own, so that its siblings are still checked): its other rules
             // may speak of the stand-in.
-            let entry = match path.len() {
-                0 | 1 => &path[..],
-                n => &path[..n - 1],
-            };
-            stand_in(&mut tree, &path, first_variant(&message), &mut parses)
-                && mask(&mut masked, entry)
+            stand_in(&mut tree, &path, first_variant(&message), &mut parses) && {
+                let whole = matches!(node(&mut tree, &path), Some(Value::Mapping(_)));
+                let entry = match path.len() {
+                    0 | 1 => &path[..],
+                    _ if whole => &path[..],
+                    n => &path[..n - 1],
+                };
+                mask(&mut masked, entry)
+            }
         };
         if !mended {
             return Err(errors);
@@ -400,6 +404,20 @@ mod tests {
 
     /// DESIGN §1: every error, with its path. A duration without a unit (a type error that
     /// stopped the typed parse) no longer hides the rules checked after it.
+    /// An endpoint given no settings (`/b: ~`) stands in as a whole: the endpoints beside it
+    /// are still checked (before, every endpoint's errors were masked with it).
+    #[test]
+    fn an_endpoint_without_settings_does_not_hide_its_siblings() {
+        let text = format!("{BASE}  endpoints:\n    /b: ~\n    /c: {{cost: 0}}\n");
+        assert_eq!(
+            paths(&text),
+            [
+                "rate_limits.endpoints.\"/b\"",
+                "rate_limits.endpoints.\"/c\".cost"
+            ]
+        );
+    }
+
     #[test]
     fn a_type_error_does_not_hide_the_other_errors() {
         let text = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60, max_cost: 120}\n  endpoints:\n    /reports/generate: {cost: 0}\n    /b//c: {cost: 2}\n    /d: {cost: x}\n";

@@ -10,7 +10,7 @@ use super::url::redact_url;
 
 /// The block as written.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "the tracing settings, a map")]
 pub struct RawTracing {
     /// OTLP/HTTP (protobuf) collector: a base URL (`/v1/traces` is appended) or the full
     /// traces URL. Empty: no export.

@@ -8,7 +8,10 @@ use super::unique::unique_keys;
 use crate::config::duration::ConfDuration;
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "the rate-limit settings, a map with default, endpoints, plans, …"
+)]
 pub struct RawRateLimits {
     /// `enforce` (default) or `shadow`: decide and count, never refuse (DESIGN §6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -23,7 +26,10 @@ pub struct RawRateLimits {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "the default route's settings, a map like {cost: 1, window: 60s, max_cost: 120}"
+)]
 pub struct RawDefault {
     #[serde(default = "one")]
     pub cost: i64,
@@ -40,7 +46,10 @@ pub struct RawDefault {
 
 /// One of several budgets (`budgets:` instead of `max_cost`/`window`): all must fit.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a budget, a map like {name: day, window: 24h, max_cost: 20000}"
+)]
 pub struct RawBudget {
     pub name: String,
     pub max_cost: i64,
@@ -52,7 +61,10 @@ fn one() -> i64 {
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an endpoint's settings, a map like {cost: 20}"
+)]
 pub struct RawEndpoint {
     /// Defaults to `rate_limits.default.cost`.
     #[serde(default)]
@@ -93,7 +105,10 @@ pub struct RawEndpoint {
 
 /// `async:` on an endpoint: when a request becomes a job, and the job's bounds.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "the async settings, a map like {when: prefer, result_ttl: 10m}"
+)]
 pub struct RawAsync {
     #[serde(default)]
     pub when: AsyncWhen,
@@ -128,7 +143,10 @@ pub enum Mode {
 
 /// `shared:` on an endpoint: a budget all callers of the route draw from.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a shared budget, a map like {window: 60s, max_cost: 100}"
+)]
 pub struct RawShared {
     pub max_cost: i64,
     pub window: ConfDuration,
@@ -138,7 +156,7 @@ pub struct RawShared {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a plan's settings, a map")]
 pub struct RawPlan {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_cost: Option<i64>,
@@ -156,7 +174,10 @@ pub struct RawPlan {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a key, a map like {id: acme, sha256: \"…\"}"
+)]
 pub struct RawKey {
     pub id: String,
     pub sha256: String,

@@ -46,7 +46,7 @@ fn cases() -> Vec<(String, String)> {
     ] {
         files.push((format!("upstream {u}"), upstream(u)));
     }
-    for w in ["10", "x", "1d", "99999999999999h"] {
+    for w in ["10", "x", "1d", "99999999999999h", "1.5s"] {
         files.push((format!("window {w}"), window(w)));
     }
     for s in [
@@ -78,6 +78,10 @@ fn cases() -> Vec<(String, String)> {
     ] {
         files.push((format!("endpoint {p}"), endpoint(p)));
     }
+    files.push((
+        "endpoint without settings".into(),
+        format!("upstream:\n  url: \"http://127.0.0.1:3000\"\nrate_limits:\n{DEFAULT}  endpoints:\n    /b: ~\n"),
+    ));
     for t in [
         "nope",
         "https://h:4318",
