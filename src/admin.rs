@@ -163,7 +163,14 @@ async fn answer(req: Request<Incoming>, shared: &Shared, auth: Option<&AdminAuth
         "/admin" | "/admin/" | "/admin/session" | "/admin/status.js" | "/admin/status.css" => {
             page::serve(path)
         }
-        p if p.starts_with("/admin/keys/") => key(&p["/admin/keys/".len()..], shared).await,
+        p if p.starts_with("/admin/keys/") => {
+            // An id sent percent-encoded (`acme%2Dprod`) is the same id.
+            let raw = &p["/admin/keys/".len()..];
+            match percent_encoding::percent_decode_str(raw).decode_utf8() {
+                Ok(id) => key(&id, shared).await,
+                Err(_) => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
+            }
+        }
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
 }

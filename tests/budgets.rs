@@ -79,6 +79,9 @@ async fn the_day_budget_refuses_and_charges_neither(redis: Option<&Redis>) {
     // minute budget gets a unit back every 1.2 s: 29 left, or 30 on a slow machine.)
     let v = admin_json(&gw, "/admin/keys/acme").await;
     assert_eq!(v["plan"], "pro");
+    // The id percent-encoded is the same id (it was a 404).
+    let encoded = admin_json(&gw, "/admin/keys/%61cme").await;
+    assert_eq!(encoded["plan"], "pro", "{encoded}");
     let b = &v["budgets"];
     assert_eq!(b.as_array().map(Vec::len), Some(2), "{v}");
     assert_eq!(
