@@ -65,6 +65,20 @@ async fn charged_settles(c: &reqwest::Client, gw: &Gateway, key: &str, admitted:
     }
 }
 
+/// Waits until the lease set `leases` holds `n` leases, which DESIGN §4 wants within 2 s of the
+/// store's return (the instance registers what it admitted while the store was away).
+async fn registered_within_2s(redis: &Redis, leases: &str, n: usize) {
+    let healed = Instant::now();
+    while redis.cli(&["ZCARD", leases]) != n.to_string() {
+        assert!(
+            healed.elapsed() < Duration::from_secs(2),
+            "not registered within 2 s: {}",
+            redis.cli(&["ZRANGE", leases, "0", "-1"])
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `maxmemory` at 1 byte with `noeviction`: Redis refuses every script with `-OOM` (they are
 /// flagged, so it refuses them before running them), then the limit is lifted. What was
 /// decided meanwhile — fallback admissions to write back, charges after the fact
@@ -426,15 +440,7 @@ async fn local_admissions_are_registered_when_the_store_returns() {
     let leases = redis_route_slots_key("/reports/generate");
     assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
     proxy.heal();
-    let healed = Instant::now();
-    while redis.cli(&["ZCARD", &leases]) != "2" {
-        assert!(
-            healed.elapsed() < Duration::from_secs(2),
-            "A's local admissions not registered: {}",
-            redis.cli(&["ZRANGE", &leases, "0", "-1"])
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    registered_within_2s(&redis, &leases, 2).await;
     let from_b: Vec<_> = (0..4)
         .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
         .collect();
@@ -633,14 +639,7 @@ async fn a_request_queued_locally_waits_in_the_fleets_queue_once_the_store_retur
     .await;
     proxy.heal();
     let leases = redis_route_slots_key("/reports/generate");
-    let healed = Instant::now();
-    while redis.cli(&["ZCARD", &leases]) != "1" {
-        assert!(
-            healed.elapsed() < Duration::from_secs(2),
-            "A's running report not registered"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    registered_within_2s(&redis, &leases, 1).await;
     let from_b = spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j");
     wait_metric(
         &b,
@@ -683,15 +682,7 @@ async fn allowed_admissions_are_registered_when_the_store_returns() {
     up.wait_current("/reports/generate", 3).await;
     proxy.heal();
     let leases = redis_route_slots_key("/reports/generate");
-    let healed = Instant::now();
-    while redis.cli(&["ZCARD", &leases]) != "3" {
-        assert!(
-            healed.elapsed() < Duration::from_secs(2),
-            "A's admissions not registered: {}",
-            redis.cli(&["ZCARD", &leases])
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    registered_within_2s(&redis, &leases, 3).await;
     let from_b: Vec<_> = (0..2)
         .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
         .collect();
