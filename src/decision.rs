@@ -187,8 +187,6 @@ pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
 
 /// The budgets a request is charged besides its key's first: the plan's others, then the
 /// route's `shared` budget (always last: [`judge`] tells a shared refusal by that).
-/// The budgets a request of `who`'s on `route` is charged to beyond the key's first: the plan's
-/// others, and the route's `shared` one.
 pub fn charged_also(route: &Route, who: &Identity) -> Vec<Extra> {
     let mut also = who.policy.also.clone();
     if let Some(shared) = route.shared() {

@@ -32,13 +32,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let n: u64 = num
         .parse()
         .map_err(|_| DurationError::NotANumber(s.into()))?;
-    let ms = match unit {
-        "ms" => Some(n),
-        "s" => n.checked_mul(1_000),
-        "m" => n.checked_mul(60_000),
-        "h" => n.checked_mul(3_600_000),
-        _ if unit.starts_with('.') => return Err(fraction(num, unit, s)),
-        _ => {
+    let ms = match unit_ms(unit) {
+        Some(per) => n.checked_mul(per),
+        None if unit.starts_with('.') => return Err(fraction(num, unit, s)),
+        None => {
             return Err(DurationError::UnknownUnit {
                 unit: unit.into(),
                 written: s.into(),
@@ -52,6 +49,17 @@ pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     }
 }
 
+/// Milliseconds in one of a duration's units.
+fn unit_ms(unit: &str) -> Option<u64> {
+    match unit {
+        "ms" => Some(1),
+        "s" => Some(1_000),
+        "m" => Some(60_000),
+        "h" => Some(3_600_000),
+        _ => None,
+    }
+}
+
 /// `1.5s` (`num` "1", `rest` ".5s"): the same in whole milliseconds where it is one, else the
 /// unknown-unit error it would have been.
 fn fraction(num: &str, rest: &str, written: &str) -> DurationError {
@@ -59,16 +67,9 @@ fn fraction(num: &str, rest: &str, written: &str) -> DurationError {
         .find(|c: char| !c.is_ascii_digit())
         .map_or(rest.len(), |i| i + 1);
     let (frac, unit) = rest.split_at(digits);
-    let per_unit: u64 = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        _ => 0,
-    };
     let value: Option<f64> = format!("{num}{frac}").parse().ok();
-    match value.map(|v| v * per_unit as f64) {
-        Some(ms) if per_unit > 0 && ms.fract() == 0.0 && ms < 1e15 => DurationError::Fraction {
+    match value.zip(unit_ms(unit)).map(|(v, per)| v * per as f64) {
+        Some(ms) if ms.fract() == 0.0 && ms < 1e15 => DurationError::Fraction {
             whole: format_duration(Duration::from_millis(ms as u64)),
             written: written.into(),
         },

@@ -116,7 +116,6 @@ pub(super) fn submit(
     })
 }
 
-/// The gateway's own answer as a job's result.
 /// The result of a job that found no slot within `result_ttl`: a 503 `route-busy` with
 /// `Retry-After: 1`, as a synchronous request's (DESIGN §3).
 pub(super) fn expired_result() -> Stored {
@@ -129,6 +128,7 @@ pub(super) fn expired_result() -> Stored {
     r
 }
 
+/// The gateway's own answer as a job's result.
 pub(super) fn problem_result(p: Problem, detail: &str) -> Stored {
     Stored {
         status: p.status(),

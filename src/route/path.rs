@@ -89,12 +89,7 @@ pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             // A raw non-ASCII byte is the same character as its escape (`/€` is
             // `/%E2%82%AC`): one spelling for both.
             0x80.. => {
-                const HEX: &[u8; 16] = b"0123456789ABCDEF";
-                decoded.extend_from_slice(&[
-                    b'%',
-                    HEX[usize::from(b >> 4)],
-                    HEX[usize::from(b & 15)],
-                ]);
+                decoded.extend_from_slice(percent_encoding::percent_encode_byte(b).as_bytes());
                 i += 1;
             }
             _ => {
