@@ -203,6 +203,13 @@ pub(super) async fn status(
     if let Some((route, _, _)) = &found {
         ctx.route = cfg.router.by_label(route).cloned();
     }
+    // A cancel goes first, so that the figures, read once, have its refund in them.
+    let cancelled = match &found {
+        Some((_, _, local)) if method == "DELETE" => {
+            Some(cancel(gw, &running, local.clone(), &job_id, &who).await)
+        }
+        _ => None,
+    };
     let outcome = standing(gw, ctx, &who).await;
     ctx.phase = Phase::Job {
         decision: if method == "DELETE" {
@@ -213,7 +220,7 @@ pub(super) async fn status(
         id: found.as_ref().map(|_| job_id.clone()),
         outcome,
     };
-    let Some((_, view, local)) = found else {
+    let Some((_, view, _)) = found else {
         let detail = "no job with this id for this key (or its result has expired)";
         return problem_answer(session, ctx, Problem::JobNotFound, detail).await;
     };
@@ -233,22 +240,15 @@ pub(super) async fn status(
             let body = Bytes::from(body.to_string());
             answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await
         }
-        ("DELETE", _) => match cancel(gw, &running, local, &job_id, &who).await {
-            Cancel::Cancelled => {
-                // Refunded: the figures as they stand now.
-                let now = standing(gw, ctx, &who).await;
-                if let Phase::Job { outcome, .. } = &mut ctx.phase {
-                    *outcome = now;
-                }
-                let body = serde_json::json!({"id": &*job_id, "status": "cancelled"});
-                let body = Bytes::from(body.to_string());
-                answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
-            }
-            Cancel::Started => {
-                let detail = "the job has started; it can no longer be cancelled";
-                problem_answer(session, ctx, Problem::JobStarted, detail).await
-            }
-        },
+        ("DELETE", _) if cancelled == Some(Cancel::Cancelled) => {
+            let body = serde_json::json!({"id": &*job_id, "status": "cancelled"});
+            let body = Bytes::from(body.to_string());
+            answer(session, ctx, 200, (json_headers(), vec![]), body, None).await
+        }
+        ("DELETE", _) => {
+            let detail = "the job has started; it can no longer be cancelled";
+            problem_answer(session, ctx, Problem::JobStarted, detail).await
+        }
         _ => {
             let mut own = json_headers();
             own.push(("Allow", HeaderValue::from_static("GET, HEAD, DELETE")));
@@ -395,11 +395,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     let Some(body) = read_body(session, rules.max_request_body).await? else {
         // Nothing charged, nothing decided: the headers say what is left as it stands.
         let mut refusal = too_large(rules.max_request_body);
-        let store = &gw.shared.store;
-        if let Some(peek) = store.peek(&admit.key, &admit.limit, &admit.also).await {
-            refusal.outcome = peek.standing();
-            ctx.share = peek.local_share.unwrap_or(1);
-        }
+        refusal.outcome = standing(gw, ctx, &who).await;
         return gw.refuse(session, ctx, refusal).await;
     };
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
