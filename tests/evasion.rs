@@ -601,6 +601,36 @@ fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
     assert_eq!(up.count("/upload"), 3);
 }
 
+/// An answer on a connection that ends anyway (here a 502: Pingora does not reuse a
+/// connection after an upstream error) does not wait to read the rest of the body: the
+/// connection closes as the answer is sent. (Before, the gateway waited up to 2 s for the 98
+/// bytes this client never sends, holding the connection and the request.)
+#[test]
+fn an_answer_that_closes_the_connection_does_not_wait_for_the_body() {
+    let dead_port = free_port();
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{dead_port}"),
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let mut s = raw_connect(gw.port);
+    s.write_all(
+        b"POST /items HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-502\r\nContent-Length: 100\r\n\r\n{}",
+    )
+    .unwrap();
+    let r = read_raw_response(&mut s).expect("an answer");
+    assert_eq!(r.status, 502, "{r:?}");
+    assert_eq!(r.header("connection"), Some("close"));
+    // Closed well within the 2 s a discard would have waited.
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut rest = [0u8; 64];
+    match s.read(&mut rest) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection stayed open: {other:?}"),
+    }
+}
+
 #[test]
 fn pipelined_requests_are_all_answered_in_order() {
     let up = Upstream::start(Duration::ZERO);

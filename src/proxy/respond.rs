@@ -63,10 +63,12 @@ const DISCARD_WITHIN: Duration = Duration::from_secs(2);
 /// on (DESIGN §3: never dropped). Otherwise the answer says `Connection: close` when there is
 /// a body: one whose stated length is over [`DISCARD_AT_MOST`] (not worth reading for nothing),
 /// or one the client holds back until a `100 Continue` it will not get (`Expect`), whose
-/// absence leaves no way to tell where the next request starts.
+/// absence leaves no way to tell where the next request starts. A connection that ends anyway
+/// (keep-alive already off, after an upstream error or a stalled body; HTTP/2, whose streams
+/// end on their own) is not worth reading for.
 pub(super) fn past_unread_body(session: &mut Session) -> bool {
     let s = &mut session.downstream_session;
-    if s.is_http2() || s.is_body_empty() || s.is_body_done() {
+    if s.get_keepalive().is_none() || s.is_body_empty() || s.is_body_done() {
         return false;
     }
     let req = s.req_header();
