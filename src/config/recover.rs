@@ -364,6 +364,15 @@ mod tests {
         }
     }
 
+    /// The file's errors are exactly as many as `starts`, each beginning with its own.
+    fn errors_start(text: &str, starts: &[&str]) {
+        let errs = errors(text);
+        assert_eq!(errs.len(), starts.len(), "{errs:?}");
+        for (e, start) in errs.iter().zip(starts) {
+            assert!(e.starts_with(start), "{errs:?}");
+        }
+    }
+
     const BASE: &str = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n";
 
     /// Unknown keys in a list entry and in a map of endpoints, with nothing else wrong: each
@@ -373,15 +382,12 @@ mod tests {
         let text = format!(
             "{BASE}  endpoints:\n    /a: {{cost: 1, colour: red}}\nplans:\n  pro:\n    budgets:\n      - {{name: m, max_cost: 5, window: 1m, size: 3}}\n"
         );
-        let errs = errors(&text);
-        assert_eq!(errs.len(), 2, "{errs:?}");
-        assert!(
-            errs[0].starts_with("rate_limits.endpoints.\"/a\".colour: unknown field `colour`"),
-            "{errs:?}"
-        );
-        assert!(
-            errs[1].starts_with("plans.pro.budgets[0].size: unknown field `size`"),
-            "{errs:?}"
+        errors_start(
+            &text,
+            &[
+                "rate_limits.endpoints.\"/a\".colour: unknown field `colour`",
+                "plans.pro.budgets[0].size: unknown field `size`",
+            ],
         );
     }
 
@@ -390,20 +396,15 @@ mod tests {
     #[test]
     fn a_type_error_after_an_unknown_key_is_reported_too() {
         let text = format!("server: {{listn: x, threads: many}}\n{BASE}");
-        let errs = errors(&text);
-        assert_eq!(errs.len(), 2, "{errs:?}");
-        assert!(
-            errs[0].starts_with("server.listn: unknown field"),
-            "{errs:?}"
-        );
-        assert!(
-            errs[1].starts_with("server.threads: invalid type"),
-            "{errs:?}"
+        errors_start(
+            &text,
+            &[
+                "server.listn: unknown field",
+                "server.threads: invalid type",
+            ],
         );
     }
 
-    /// DESIGN §1: every error, with its path. A duration without a unit (a type error that
-    /// stopped the typed parse) no longer hides the rules checked after it.
     /// An endpoint given no settings (`/b: ~`) stands in as a whole: the endpoints beside it
     /// are still checked (before, every endpoint's errors were masked with it).
     #[test]
@@ -418,6 +419,8 @@ mod tests {
         );
     }
 
+    /// DESIGN §1: every error, with its path. A duration without a unit (a type error that
+    /// stopped the typed parse) no longer hides the rules checked after it.
     #[test]
     fn a_type_error_does_not_hide_the_other_errors() {
         let text = "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits:\n  default: {cost: 1, window: 60, max_cost: 120}\n  endpoints:\n    /reports/generate: {cost: 0}\n    /b//c: {cost: 2}\n    /d: {cost: x}\n";
@@ -488,15 +491,12 @@ mod tests {
     #[test]
     fn a_missing_field_is_reported_once() {
         let text = "upstream: {connect_timeout: 2s}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n  endpoints:\n    /a: {cost: 0}\n";
-        let errs = errors(text);
-        assert_eq!(errs.len(), 2, "{errs:?}");
-        assert!(
-            errs[0].starts_with("upstream: missing field `url`"),
-            "{errs:?}"
-        );
-        assert!(
-            errs[1].starts_with("rate_limits.endpoints.\"/a\".cost"),
-            "{errs:?}"
+        errors_start(
+            text,
+            &[
+                "upstream: missing field `url`",
+                "rate_limits.endpoints.\"/a\".cost",
+            ],
         );
     }
 
