@@ -534,14 +534,22 @@ fn pipelined(port: u16, requests: &str) -> Vec<(u16, bool)> {
 }
 
 /// DESIGN §3: pipelined requests are never dropped, also behind a refused request with a body.
-/// The 7th report (6 × 20 = 120 units) is refused with its 2-byte body unread: the gateway
+/// The 7th upload (6 × 20 = 120 units) is refused with its 2-byte body unread: the gateway
 /// reads it past and answers the two GETs behind it. (Before, the 429 went with
 /// `Connection: close` and the GETs were lost.)
 #[test]
 fn pipelined_requests_behind_a_refused_body_are_answered() {
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start(&up, INCIDENT);
-    let report = "POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-body\r\nContent-Length: 2\r\n\r\n{}";
+    // `/upload` reads its body: an upstream that answers without reading it closes the
+    // connection, and a POST Pingora's pool sends on it as it closes is a 502.
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    /upload:\n      cost: 20\n",
+        ),
+    );
+    let report = "POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-body\r\nContent-Length: 2\r\n\r\n{}";
     let mut all = report.repeat(7);
     all += "GET /items/0 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-get\r\n\r\n";
     all +=
@@ -550,13 +558,15 @@ fn pipelined_requests_behind_a_refused_body_are_answered() {
     let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 200, 429, 200, 200]);
     assert!(!answers[6].1, "the 429 keeps the connection");
-    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(up.count("/upload"), 6);
     assert_eq!(up.count("/items/0") + up.count("/items/1"), 2);
 }
 
 /// The same behind a chunked body; but a body the client holds back for a `100 Continue`
 /// (`Expect`), or one stated over 1 MiB, is not read past: its refusal says
-/// `Connection: close`, and nothing behind it is taken for a request.
+/// `Connection: close` and the connection ends. (Those two send nothing after the refused
+/// head: bytes left unread when the server closes make its kernel reset the connection, which
+/// can drop the 429 before it leaves, and the test would fail once in a while.)
 #[test]
 fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
     let up = Upstream::start(Duration::ZERO);
@@ -586,7 +596,7 @@ fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
         ),
         (
             "k-large",
-            ("Content-Length: 2000000\r\n", "{}"),
+            ("Content-Length: 2000000\r\n", ""),
             vec![(200, false), (429, true)],
         ),
     ];
@@ -594,7 +604,9 @@ fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
         // The budget's 120 units go to the first upload (a 2-byte chunked body).
         let mut all = post(key, chunked.0, chunked.1);
         all += &post(key, head, body);
-        all += &format!("GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}-get\r\nConnection: close\r\n\r\n");
+        if want.len() == 3 {
+            all += &format!("GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}-get\r\nConnection: close\r\n\r\n");
+        }
         assert_eq!(pipelined(gw.port, &all), want, "{key}");
     }
     assert_eq!(up.count("/items/1"), 1);
