@@ -533,6 +533,14 @@ fn pipelined(port: u16, requests: &str) -> Vec<(u16, bool)> {
         .collect()
 }
 
+/// The incident config with `/upload` costing `cost`: the pipelining tests' POSTs go there
+/// because it reads its body (an upstream that answers without reading it closes the
+/// connection, and a POST Pingora's pool sends on it as it closes is a 502).
+fn uploads_cost(up: &Upstream, cost: u64) -> Gateway {
+    let endpoint = format!("  endpoints:\n    /upload:\n      cost: {cost}\n");
+    Gateway::start(up, &INCIDENT.replace("  endpoints:\n", &endpoint))
+}
+
 /// DESIGN §3: pipelined requests are never dropped, also behind a refused request with a body.
 /// The 7th upload (6 × 20 = 120 units) is refused with its 2-byte body unread: the gateway
 /// reads it past and answers the two GETs behind it. (Before, the 429 went with
@@ -540,15 +548,7 @@ fn pipelined(port: u16, requests: &str) -> Vec<(u16, bool)> {
 #[test]
 fn pipelined_requests_behind_a_refused_body_are_answered() {
     let up = Upstream::start(Duration::ZERO);
-    // `/upload` reads its body: an upstream that answers without reading it closes the
-    // connection, and a POST Pingora's pool sends on it as it closes is a 502.
-    let gw = Gateway::start(
-        &up,
-        &INCIDENT.replace(
-            "  endpoints:\n",
-            "  endpoints:\n    /upload:\n      cost: 20\n",
-        ),
-    );
+    let gw = uploads_cost(&up, 20);
     let report = "POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-body\r\nContent-Length: 2\r\n\r\n{}";
     let mut all = report.repeat(7);
     all += "GET /items/0 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-get\r\n\r\n";
@@ -570,15 +570,7 @@ fn pipelined_requests_behind_a_refused_body_are_answered() {
 #[test]
 fn a_refused_body_is_read_past_unless_held_back_or_too_long() {
     let up = Upstream::start(Duration::ZERO);
-    // `/upload` reads its whole body (an upstream that answers without reading a chunked body
-    // closes the connection, and a POST sent on it as it closes is a 502).
-    let gw = Gateway::start(
-        &up,
-        &INCIDENT.replace(
-            "  endpoints:\n",
-            "  endpoints:\n    /upload:\n      cost: 120\n",
-        ),
-    );
+    let gw = uploads_cost(&up, 120);
     let post = |key: &str, head: &str, body: &str| {
         format!("POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}\r\n{head}\r\n{body}")
     };
