@@ -1000,7 +1000,7 @@ async fn a_client_that_half_closes_after_its_request_gets_the_response() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chunk_size_that_overflows_is_400_and_not_charged() {
+async fn a_chunk_size_that_overflows_is_a_400_problem_and_not_charged() {
     let up = Upstream::start(Duration::ZERO);
     let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 20}\n";
     let gw = Gateway::start(&up, body);
@@ -1011,6 +1011,8 @@ async fn a_chunk_size_that_overflows_is_400_and_not_charged() {
     .unwrap();
     let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
     assert_eq!(r.as_ref().map(|r| r.status), Some(400), "{r:?}");
+    // A bad request gets a problem JSON (DESIGN §3), as the gateway's other 400s do.
+    assert!(r.as_ref().unwrap().is_problem("bad-request"), "{r:?}");
     assert_eq!(
         up.api.uploads_completed(),
         0,

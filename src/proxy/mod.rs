@@ -212,7 +212,10 @@ impl Gateway {
             // upstream got it cut off mid-body, and its connection is dropped, so it never had
             // a whole request to run. Not charged (issue 23, item 13).
             ctx.refund(&self.shared.store, Problem::BadRequest).await;
-            let _ = session.respond_error(code).await;
+            // The rest of the connection's bytes cannot be framed: answer, then close.
+            session.set_keepalive(None);
+            let detail = "the request could not be read: its framing is malformed";
+            let _ = respond::problem(session, ctx, Problem::BadRequest, detail, None).await;
         }
         FailToProxy {
             error_code: code,
