@@ -51,6 +51,19 @@ pub(super) fn from_serde(e: serde_path_to_error::Error<serde_yaml::Error>) -> Co
     ConfigError::new(format_path(e.path()), message(&e))
 }
 
+/// [`from_serde`] for a parse of text the file does not hold (its tree written out again):
+/// without the line and column, which are not the file's.
+pub(super) fn from_serde_unplaced(e: serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
+    let mut text = message(&e);
+    if let Some(at) = e.inner().location() {
+        let place = format!(" at line {} column {}", at.line(), at.column());
+        if let Some(i) = text.rfind(&place) {
+            text.replace_range(i..i + place.len(), "");
+        }
+    }
+    ConfigError::new(format_path(e.path()), text)
+}
+
 /// True when serde stopped at a key that `deny_unknown_fields` refuses (its message is
 /// serde's own `unknown field` wording); the error's path then ends with that key.
 pub(super) fn is_unknown_field(e: &serde_path_to_error::Error<serde_yaml::Error>) -> bool {

@@ -85,11 +85,12 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
     let mut masked = Vec::new();
     let mut parses = 0;
     loop {
+        let from_text = pending.is_some();
         let e = match pending.take() {
             Some(e) => e,
             None => {
                 parses += 1;
-                match serde_path_to_error::deserialize::<_, RawConfig>(&tree) {
+                match typed(&tree) {
                     Ok(raw) => {
                         let masked = Masked(masked);
                         return Ok(Recovered {
@@ -105,7 +106,11 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         let path: Vec<Segment> = e.path().iter().cloned().collect();
         let message = e.inner().to_string();
         let unknown = error::is_unknown_field(&e);
-        errors.0.push(error::from_serde(e));
+        // Only the text's own parse knows where in the file it stopped.
+        errors.0.push(match from_text {
+            true => error::from_serde(e),
+            false => error::from_serde_unplaced(e),
+        });
         if errors.0.len() >= MAX_REPORTED_ERRORS || parses >= MAX_PARSES {
             return Err(errors);
         }
@@ -132,6 +137,15 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         if !mended {
             return Err(errors);
         }
+    }
+}
+
+/// The typed parse of the tree, as the file's text would be parsed: serde_yaml's tree reads
+/// a null as an empty map, so that `/b: ~` would pass where the text's parse refuses it.
+fn typed(tree: &Value) -> Result<RawConfig, ParseError> {
+    match serde_yaml::to_string(tree) {
+        Ok(text) => serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(&text)),
+        Err(_) => serde_path_to_error::deserialize(tree),
     }
 }
 
@@ -179,7 +193,7 @@ fn stand_in(tree: &mut Value, at: &[Segment], variant: Option<String>, parses: &
             break;
         }
         *parses += 1;
-        match serde_path_to_error::deserialize::<_, RawConfig>(&*tree) {
+        match typed(tree) {
             Ok(_) => return true,
             Err(e) => {
                 let missing = missing_field(&e.inner().to_string()).is_some();
@@ -416,6 +430,30 @@ mod tests {
                 "rate_limits.endpoints.\"/b\"",
                 "rate_limits.endpoints.\"/c\".cost"
             ]
+        );
+    }
+
+    /// Two endpoints given no settings are both reported: the tree is parsed as the text is
+    /// (serde_yaml's tree reads a null as an empty map, so the second once passed unseen).
+    #[test]
+    fn every_endpoint_without_settings_is_reported() {
+        let text =
+            format!("{BASE}  endpoints:\n    /a: ~\n    /b: ~\n    /c:\n    /d: {{cost: 0}}\n");
+        assert_eq!(
+            paths(&text),
+            [
+                "rate_limits.endpoints.\"/a\"",
+                "rate_limits.endpoints.\"/b\"",
+                "rate_limits.endpoints.\"/c\"",
+                "rate_limits.endpoints.\"/d\".cost"
+            ]
+        );
+        let errs = errors(&text);
+        assert!(
+            errs[1].ends_with(
+                "no value given, expected an endpoint's settings, a map like {cost: 20}"
+            ),
+            "{errs:?}"
         );
     }
 
