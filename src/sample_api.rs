@@ -14,7 +14,8 @@
 //!   that scans more rows costs more; `cost_from_response` settles on it);
 //! - `?actual_cost=V` on the echo paths: the answer carries `X-Actual-Cost: V`, verbatim (so
 //!   tests can state any cost, or garbage);
-//! - `/bytes/{n}`: streams n bytes (`?pace_ms=N`: a 64 KiB frame every N ms); `POST /upload`: counts the body as it streams in;
+//! - `/bytes/{n}`: streams n bytes (`?pace_ms=N`: a 64 KiB frame every N ms); `POST /upload`: counts the body as it streams in
+//!   (sending `100 Continue` first when asked; `?then_ms=N`: answers N ms after the body);
 //! - `/__stats` (GET) and `/__reset` (POST): per-path request counts and peak concurrency.
 //!
 //! The last requests received are kept (`SampleApi::seen`), so tests can check what the gateway
@@ -198,7 +199,8 @@ impl SampleApi {
             tokio::time::sleep(delay).await;
         }
         if path == "/upload" {
-            return self.upload(req).await;
+            let then = Duration::from_millis(param(&query, "then_ms").unwrap_or(0));
+            return self.upload(req, then).await;
         }
         if let Some(n) = path
             .strip_prefix("/bytes/")
@@ -235,8 +237,9 @@ impl SampleApi {
         full(StatusCode::OK, "application/json", body.to_string())
     }
 
-    /// `/upload`: reads the whole body and answers its length.
-    async fn upload(&self, req: Request<Incoming>) -> Response<Body> {
+    /// `/upload`: reads the whole body (hyper answers `Expect: 100-continue` with a
+    /// `100 Continue` as it starts), works `then` and answers the body's length.
+    async fn upload(&self, req: Request<Incoming>, then: Duration) -> Response<Body> {
         let mut n: u64 = 0;
         let mut body = req.into_body();
         while let Some(frame) = body.frame().await {
@@ -247,6 +250,9 @@ impl SampleApi {
         }
         self.uploads_completed
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if !then.is_zero() {
+            tokio::time::sleep(then).await;
+        }
         full(
             StatusCode::OK,
             "application/json",

@@ -1044,3 +1044,45 @@ async fn keep_alive_requests_do_not_wait_for_delayed_acks() {
         "50 requests took {took:?}"
     );
 }
+
+// ---- 11. Interim answers ----
+
+/// Sends a POST with `Expect: 100-continue` and a 5-byte body to `target`, reads the relayed
+/// `100 Continue`; sends the body when `send_body`. The final answer, if any.
+fn expect_continue(port: u16, target: &str, send_body: bool) -> Option<RawResponse> {
+    let mut sock = raw_connect(port);
+    sock.write_all(format!("POST {target} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: interim\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n").as_bytes())
+        .unwrap();
+    assert_eq!(read_interim(&mut sock), Some(100), "{target}");
+    if send_body {
+        sock.write_all(b"hello").unwrap();
+    }
+    read_raw_response(&mut sock)
+}
+
+/// After a relayed `100 Continue`, an upstream that never answers is a 504 problem (before,
+/// the 100 counted as the answer already sent: the client got a bare close, and the request
+/// was logged with status 100); and a client whose body never follows the 100 gets the 408
+/// of a stalled body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interim_answer_is_not_the_final_one() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+        upstream_extra: "  read_timeout: 1500ms\n",
+        server_extra: "  body_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let r = tokio::task::block_in_place(|| expect_continue(gw.port, "/upload?then_ms=3000", true));
+    let r = r.expect("a final answer after the 100");
+    assert_eq!(r.status, 504);
+    assert!(r.is_problem("upstream-timeout"), "{r:?}");
+    let r = tokio::task::block_in_place(|| expect_continue(gw.port, "/upload", false));
+    let r = r.expect("a final answer after the 100");
+    assert_eq!(r.status, 408);
+    assert!(r.is_problem("request-timeout"), "{r:?}");
+    let logged = gw.wait_access(2, |e| e["route"] == "default").await;
+    let statuses: Vec<_> = logged.iter().map(|e| e["status"].clone()).collect();
+    assert_eq!(statuses, [504, 408], "{logged:?}");
+}

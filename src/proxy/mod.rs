@@ -410,6 +410,11 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if respond::is_interim(resp) {
+            // A `100 Continue` or `103 Early Hints` is relayed as it is: the upstream is still
+            // working (its time still runs) and its answer, cost and status are yet to come.
+            return Ok(());
+        }
         ctx.timing.upstream_done();
         // The upstream answered: it no longer waits on the client's body.
         ctx.upstream.body_watch = None;
@@ -425,7 +430,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
         use ErrorType::*;
-        let headers_sent = session.response_written().is_some();
+        // A relayed `100 Continue` is not the answer: after it the client still gets one.
+        let headers_sent = session
+            .response_written()
+            .is_some_and(|h| !respond::is_interim(h));
         if ctx.upstream.body_watch.take().is_some_and(|w| w.stalled()) {
             // An HTTP/2 body stalled: its watch shut the upstream connection down.
             return respond::body_stalled(session, ctx, headers_sent).await;

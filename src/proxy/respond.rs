@@ -16,6 +16,12 @@ use crate::problem::{self, Problem};
 use crate::route::stated::Report;
 use crate::telemetry::{metrics, ClientTimeout};
 
+/// An interim (1xx) answer, after which the final one is still to come. `101 Switching
+/// Protocols` is final: the connection then belongs to the new protocol.
+pub fn is_interim(h: &ResponseHeader) -> bool {
+    h.status.is_informational() && h.status != http::StatusCode::SWITCHING_PROTOCOLS
+}
+
 /// Writes the gateway's own answer: problem JSON, `Retry-After` where given, and the
 /// rate-limit headers when the caller is identified. Returns `Ok(true)` ("response sent") for
 /// `request_filter`.

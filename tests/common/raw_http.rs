@@ -68,6 +68,24 @@ pub fn raw_request(port: u16, request: &[u8]) -> Option<RawResponse> {
     read_raw_response(&mut s)
 }
 
+/// Reads an interim (1xx) response's head, byte by byte so that nothing after it is taken:
+/// its status. `None` when the connection closed first.
+pub fn read_interim(s: &mut std::net::TcpStream) -> Option<u16> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    String::from_utf8_lossy(&head)
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 /// Reads one HTTP/1.1 response (Content-Length, chunked, or until close).
 pub fn read_raw_response(s: &mut std::net::TcpStream) -> Option<RawResponse> {
     let mut buf = Vec::new();
