@@ -10,7 +10,9 @@
 //!   for every other instance holding leases to have seen the new `run_id` and registered
 //!   them again, so that nobody fills the cap beside them.
 //!
-//! An instance that never saw another `run_id` (its first connection) holds nothing back.
+//! An instance that never saw another `run_id` (its first connection) holds nothing back. A
+//! request that takes a slot gets its thread's connection before it asks whether to hold
+//! back: the connection a thread makes after a restart is what reads the new `run_id`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -117,6 +119,12 @@ impl RedisBackend {
             ids.leases_lost.store(false, Ordering::Release);
         }
         if req.route_cap.is_some() || req.key_cap.is_some() {
+            // This thread's connection first: one made now (the first since a restart) is
+            // what reads the new `run_id`, and the hold must know of it. Not while the
+            // breaker is open: the admission is refused without connecting then.
+            if self.breaker.closed() {
+                let _ = self.conns.get().await;
+            }
             if let Some(wait) = ids.settling() {
                 tokio::time::sleep(wait).await;
             }
