@@ -67,12 +67,13 @@ impl Shared {
     }
 
     /// Puts a validated config in force for new requests. Settings that only take effect on
-    /// restart are said so in the log; series of routes that are gone are removed.
-    pub fn install(&self, new: Config) {
+    /// restart keep their running values, said so in the log; series of routes that are gone
+    /// are removed.
+    pub fn install(&self, mut new: Config) {
         let old = self.running.load_full();
         let was = &old.config;
-        if was.upstream.ca_file != new.upstream.ca_file {
-            tracing::warn!("upstream.ca_file takes effect on restart only");
+        for field in new.keep_start_settings(was) {
+            tracing::warn!("{field} takes effect on restart only; keeping the running value");
         }
         if was.tls.is_some() && was.client_limits.idle_timeout != new.client_limits.idle_timeout {
             tracing::warn!(
@@ -82,11 +83,6 @@ impl Shared {
         }
         if was.tracing != new.tracing {
             crate::trace::Tracing::reload(self.tracing.as_ref(), new.tracing.as_ref());
-        }
-        if was.store != new.store {
-            tracing::warn!(
-                "store.* settings take effect on restart only; keeping the running store"
-            );
         }
         let upstream_addr =
             if was.upstream.host != new.upstream.host || was.upstream.port != new.upstream.port {

@@ -385,6 +385,57 @@ async fn sighup_reload_valid_and_invalid() {
         .await;
 }
 
+/// A reload that changes settings read only at start (`server.threads`, `grace_period`,
+/// `store.*`…) keeps their running values, says so for each, and `/admin/config` shows what is
+/// in force; the rest of the file takes effect (before, the reload was silent about the
+/// server's settings and `/admin/config` showed values that were not in force).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_what_only_a_restart_changes_and_says_so() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "store:\n  fleet_size: 2\nrate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+    );
+    let config = || async {
+        reqwest::get(gw.admin("/admin/config"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let before = config().await;
+    assert!(
+        before.contains("threads: 2")
+            && before.contains("grace_period: 2s")
+            && before.contains("fleet_size: 2"),
+        "{before}"
+    );
+    gw.edit_config("threads: 2", "threads: 3");
+    gw.edit_config("grace_period: 2s", "grace_period: 5s");
+    gw.edit_config("fleet_size: 2", "fleet_size: 3");
+    gw.edit_config("cost: 1,", "cost: 4,");
+    gw.reload(0.0).await;
+    let r = get(&client(), gw.url("/items"), "k").await;
+    assert_eq!(
+        header(&r, "X-RateLimit-Cost").as_deref(),
+        Some("4"),
+        "the rest took effect"
+    );
+    let after = config().await;
+    assert!(
+        after.contains("threads: 2")
+            && after.contains("grace_period: 2s")
+            && after.contains("fleet_size: 2"),
+        "{after}"
+    );
+    assert!(after.contains("cost: 4"), "{after}");
+    for field in ["server.threads", "server.grace_period", "store.fleet_size"] {
+        gw.wait_log(&format!("{field} takes effect on restart only"))
+            .await;
+    }
+}
+
 /// An upstream that reads each request's head, records its target and never answers: a
 /// health check of it fails only at the check's read timeout (1 s).
 struct Silent {

@@ -30,6 +30,7 @@ pub mod origin;
 mod pattern;
 pub mod raw;
 mod recover;
+mod restart;
 pub mod size;
 mod traces;
 mod url;
