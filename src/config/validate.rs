@@ -43,7 +43,12 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let router = endpoints(&raw.rate_limits, &raw.plans, &mut errs);
     endpoint_upstreams(&raw, &upstreams, &mut errs);
     cluster_support(&raw, &mut errs);
-    let (mut keys, key_ids) = keys(&raw.keys, default_policy.as_ref(), &plans, &mut errs);
+    let (mut keys, key_ids) = keys(
+        &raw.keys,
+        default_policy.as_ref(),
+        (&plans, &raw.plans),
+        &mut errs,
+    );
     let tracing = super::traces::validate(raw.tracing.as_ref(), &mut errs);
 
     if !errs.0.is_empty() {

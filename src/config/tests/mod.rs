@@ -118,6 +118,18 @@ fn registry_and_plans() {
     assert!(first_error(&bad).starts_with("keys[0].sha256: must be the 64 hex digits"));
     let bad = s.replace("plan: enterprise", "plan: gold");
     assert_eq!(first_error(&bad), "keys[0].plan: unknown plan \"gold\"");
+    // A plan that is there but wrong is reported where it is wrong, not as unknown to its keys.
+    let bad = s.replace("max_cost: 600", "max_cost: 0");
+    let errs: Vec<String> = parse(&bad)
+        .unwrap_err()
+        .0
+        .iter()
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(
+        errs,
+        ["plans.enterprise.max_cost: must be a positive integer, got 0"]
+    );
 }
 
 #[test]

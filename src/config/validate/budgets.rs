@@ -94,11 +94,13 @@ pub(super) fn plans(
 pub(super) type Registry = (HashMap<[u8; 32], KeyEntry>, HashMap<String, [u8; 32]>);
 
 /// `keys`: the registry, by sha256 and by id. Keys without a plan get (a copy of) the default
-/// policy; the caller makes them share one.
+/// policy; the caller makes them share one. `declared`: the file's plans, the valid ones of
+/// which are `plans` (a key on a plan that is there but wrong is not said to name an unknown
+/// one: the plan's own errors are reported).
 pub(super) fn keys(
     raw: &[RawKey],
     default_policy: Option<&Policy>,
-    plans: &HashMap<String, Arc<Policy>>,
+    (plans, declared): (&HashMap<String, Arc<Policy>>, &BTreeMap<String, RawPlan>),
     errs: &mut ConfigErrors,
 ) -> Registry {
     let mut keys = HashMap::new();
@@ -143,6 +145,7 @@ pub(super) fn keys(
             None => default_policy.cloned().map(Arc::new),
             Some(p) => match plans.get(p) {
                 Some(pol) => Some(pol.clone()),
+                None if declared.contains_key(p) => None,
                 None => {
                     errs.push(
                         format!("{base}.plan"),
