@@ -254,6 +254,38 @@ async fn restarted_empty_keeps_the_cap(warm: bool) {
     );
 }
 
+/// A worker's connection that the server closed (Redis restarted) before the once-a-second
+/// watch noticed: the admission that finds it dead is sent again on a new connection (an
+/// admission is decided once by its id, however often sent) instead of failing: the next
+/// request after the restart is decided by the new Redis, not refused by `on_error: deny`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_on_a_connection_the_server_closed_is_sent_again() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &store_yaml(&redis.url(), "").replace("on_error: local", "on_error: deny"),
+        threads: 1,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let r = get(&c, gw.url("/items"), "k").await;
+    assert_eq!(r.status(), 200);
+    for round in 0..3 {
+        redis.kill();
+        redis = Redis::start_on(port);
+        let r = get(&c, gw.url("/items"), "k").await;
+        assert_eq!(r.status(), 200, "round {round}: {}", gw.log());
+        // The new Redis is empty: this is the key's first unit there.
+        assert_eq!(
+            header(&r, "x-ratelimit-remaining"),
+            Some((MAX - 1).to_string()),
+            "round {round}"
+        );
+    }
+}
+
 /// Gateway A's path to Redis is blackholed for 5 s while B's stays up, then healed: what A
 /// sent meanwhile reaches Redis late, after A gave up on it and decided on its local share.
 /// Each late admission is undone by its admission id (or finds the tombstone its undo left

@@ -92,9 +92,32 @@ impl RedisBackend {
         c: &AdmitCall,
         conn: &mut Conn,
     ) -> Result<Vec<i64>, StoreError> {
-        Ok(script::invoke::<script::Packed>(&c.invocation(), conn)
-            .await?
-            .one()?)
+        let call = c.invocation();
+        let mut sent = script::invoke::<script::Packed>(&call, conn).await;
+        if let Err(e) = &sent {
+            if self.replaced(conn, e).await {
+                sent = script::invoke::<script::Packed>(&call, conn).await;
+            }
+        }
+        Ok(sent?.one()?)
+    }
+
+    /// After a call failed on `conn`: true, with `conn` replaced by a new connection, when
+    /// the server had closed it (a restart or `CLIENT KILL` the connection's watch had not
+    /// seen yet), for the call to be sent once more. Only admissions are: each is decided
+    /// once by its id (its record), however often it is sent, so a resend never charges twice.
+    pub(super) async fn replaced(&self, conn: &mut Conn, e: &redis::RedisError) -> bool {
+        if !e.is_connection_dropped() {
+            return false;
+        }
+        self.conns.forget();
+        match self.conns.get().await {
+            Ok(fresh) => {
+                *conn = fresh;
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had
