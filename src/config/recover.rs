@@ -71,7 +71,7 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
     if is_repeat(&first.inner().to_string()) {
         // The tree keeps only the first of the two keys: the typed parse will not meet the
         // repetition again, and the builder reported it too (without the line: this one has it).
-        let shown = error::from_serde(first);
+        let shown = at_the_field(error::from_serde(first));
         let path = shown.path.clone();
         errors.0.push(shown);
         errors
@@ -158,6 +158,23 @@ fn mask(masked: &mut Vec<String>, entry: &[Segment]) -> bool {
 /// A repeated key (serde's message): the tree builder reports every one of them.
 fn is_repeat(message: &str) -> bool {
     message.contains(REPEATED) || message.contains("duplicate field `")
+}
+
+/// serde's "duplicate field `x`" is said at the section that has it twice: said at the
+/// field, as the tree's repetitions are (and so reported once), keeping its line.
+fn at_the_field(mut e: ConfigError) -> ConfigError {
+    const DUPLICATE: &str = "duplicate field `";
+    let Some(rest) = e.message.strip_prefix(DUPLICATE) else {
+        return e;
+    };
+    let Some(end) = rest.find('`') else { return e };
+    let field = &rest[..end];
+    e.path = match e.path.as_str() {
+        "." | "" => field.to_string(),
+        section => format!("{section}.{field}"),
+    };
+    e.message = format!("{REPEATED}{}", &rest[end + 1..]);
+    e
 }
 
 /// The field a "missing field `x`" message names.
@@ -494,6 +511,23 @@ mod tests {
             "{errs:?}"
         );
         assert!(errs[0].contains("appears twice"), "{errs:?}");
+    }
+
+    /// A field repeated in a section (serde names it at the section) is one error, at the
+    /// field's own path, with its line where serde gives one; before, it was reported twice,
+    /// once at the section (`.` for the top level).
+    #[test]
+    fn a_repeated_field_is_one_error_at_its_path() {
+        let text = format!("{BASE}upstream: {{url: \"http://127.0.0.1:3001\"}}\n");
+        assert_eq!(
+            errors(&text),
+            ["upstream: appears twice in this map; each key may appear only once"]
+        );
+        let text = BASE.replace("max_cost: 120}", "max_cost: 120, cost: 2}");
+        assert_eq!(
+            errors(&text),
+            ["rate_limits.default.cost: appears twice in this map; each key may appear only once at line 3 column 12"]
+        );
     }
 
     /// A word that is none of a field's choices gets the first choice as its stand-in, so
