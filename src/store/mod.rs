@@ -123,9 +123,7 @@ impl StoreError {
             | StoreError::Connect(_)
             | StoreError::Config(_)
             | StoreError::FailingOver => false,
-            StoreError::Redis { source, .. } => {
-                !source.is_connection_refusal() && !redis::refused_before_running(source)
-            }
+            StoreError::Redis { source, .. } => redis::may_have_run(source),
             StoreError::Timeout | StoreError::Reply(_) => true,
         }
     }

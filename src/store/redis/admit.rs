@@ -93,30 +93,36 @@ impl RedisBackend {
         conn: &mut Conn,
     ) -> Result<Vec<i64>, StoreError> {
         let call = c.invocation();
-        let mut sent = script::invoke::<script::Packed>(&call, conn).await;
-        if let Err(e) = &sent {
-            if self.replaced(conn, e).await {
-                sent = script::invoke::<script::Packed>(&call, conn).await;
-            }
-        }
+        let sent = script::invoke::<script::Packed>(&call, conn).await;
+        let sent = self.resent_if_dropped(sent, &call, conn).await;
         Ok(sent?.one()?)
     }
 
-    /// After a call failed on `conn`: true, with `conn` replaced by a new connection, when
-    /// the server had closed it (a restart or `CLIENT KILL` the connection's watch had not
-    /// seen yet), for the call to be sent once more. Only admissions are: each is decided
-    /// once by its id (its record), however often it is sent, so a resend never charges twice.
-    pub(super) async fn replaced(&self, conn: &mut Conn, e: &redis::RedisError) -> bool {
-        if !e.is_connection_dropped() {
-            return false;
-        }
+    /// An admitting call's result, sent once more on a new connection when `conn` turned out
+    /// closed by the server (a restart or `CLIENT KILL` its watch had not seen yet). Safe for
+    /// admissions only: Redis decides each once by its id (its record), however often it is
+    /// sent. When the resend fails too, the first failure is kept if that call may have run
+    /// (the second may only have been refused): its admission is then undone by its id.
+    pub(super) async fn resent_if_dropped(
+        &self,
+        sent: redis::RedisResult<script::Packed>,
+        call: &script::Call<'_>,
+        conn: &mut Conn,
+    ) -> redis::RedisResult<script::Packed> {
+        let first = match sent {
+            Err(e) if e.is_connection_dropped() => e,
+            sent => return sent,
+        };
         self.conns.forget();
-        match self.conns.get().await {
-            Ok(fresh) => {
-                *conn = fresh;
-                true
+        let Ok(fresh) = self.conns.get().await else {
+            return Err(first);
+        };
+        *conn = fresh;
+        match script::invoke::<script::Packed>(call, conn).await {
+            Err(again) if script::may_have_run(&first) && !script::may_have_run(&again) => {
+                Err(first)
             }
-            Err(_) => false,
+            again => again,
         }
     }
 

@@ -113,12 +113,8 @@ impl RedisBackend {
     async fn run_batch(self: &Arc<Self>, batch: Vec<(AdmitCall, Sent)>, conn: &mut Conn) {
         let (calls, txs): (Vec<AdmitCall>, Vec<Sent>) = batch.into_iter().unzip();
         let call = AdmitBatch(&calls).invocation();
-        let mut replies = script::invoke::<Packed>(&call, conn).await;
-        if let Err(e) = &replies {
-            if self.replaced(conn, e).await {
-                replies = script::invoke::<Packed>(&call, conn).await;
-            }
-        }
+        let replies = script::invoke::<Packed>(&call, conn).await;
+        let replies = self.resent_if_dropped(replies, &call, conn).await;
         let replies: Vec<Result<Vec<i64>, StoreError>> = match replies {
             Ok(Packed(each)) if each.len() == calls.len() => {
                 each.into_iter().map(one_of_batch).collect()

@@ -48,7 +48,7 @@ pub use script::script_sha;
 pub(crate) fn key_tag(key: &KeyHash) -> String {
     keys::key_tag(key)
 }
-pub(super) use script::refused_before_running;
+pub(super) use script::may_have_run;
 
 use super::fallback::{FallbackStore, SharedAnswer};
 use super::memory::{Clock, MemoryStore};

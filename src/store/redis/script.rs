@@ -216,6 +216,12 @@ pub(crate) fn refused_before_running(e: &RedisError) -> bool {
     )
 }
 
+/// Whether a call that failed with `e` may have run: not when the connection was refused or
+/// Redis answered with an error ([`refused_before_running`]).
+pub(crate) fn may_have_run(e: &RedisError) -> bool {
+    !e.is_connection_refusal() && !refused_before_running(e)
+}
+
 /// MOVED or READONLY: sent to a node that does not own the key (any more), so not run.
 fn stale_topology(e: &RedisError) -> bool {
     matches!(
