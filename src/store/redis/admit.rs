@@ -118,12 +118,7 @@ impl RedisBackend {
             return Err(first);
         };
         *conn = fresh;
-        match script::invoke::<script::Packed>(call, conn).await {
-            Err(again) if script::may_have_run(&first) && !script::may_have_run(&again) => {
-                Err(first)
-            }
-            again => again,
-        }
+        script::after_resend(first, script::invoke::<script::Packed>(call, conn).await)
     }
 
     /// Refunds and releases an admission that its request cannot use: the request had

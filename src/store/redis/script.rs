@@ -222,6 +222,19 @@ pub(crate) fn may_have_run(e: &RedisError) -> bool {
     !e.is_connection_refusal() && !refused_before_running(e)
 }
 
+/// What an admitting call sent again after its first send failed with `first` answers: the
+/// resend's outcome, but the first failure when the resend surely did not run while the first
+/// may have (only that failure has the admission undone by its id).
+pub(super) fn after_resend<T>(
+    first: RedisError,
+    again: redis::RedisResult<T>,
+) -> redis::RedisResult<T> {
+    match again {
+        Err(e) if may_have_run(&first) && !may_have_run(&e) => Err(first),
+        again => again,
+    }
+}
+
 /// MOVED or READONLY: sent to a node that does not own the key (any more), so not run.
 fn stale_topology(e: &RedisError) -> bool {
     matches!(

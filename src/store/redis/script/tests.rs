@@ -31,6 +31,50 @@ fn what_is_resent_and_what_counts_as_not_run() {
     }
 }
 
+/// An admission resent after its connection broke: when the resend is refused (the node is
+/// gone, or moved), the first failure stands if that call may have run, so that its admission
+/// is undone by its id; the Cluster failover test once charged a request twice without this.
+#[test]
+fn a_refused_resend_keeps_the_failure_that_may_have_run() {
+    use std::io::ErrorKind::{ConnectionRefused, ConnectionReset, TimedOut};
+    let io = |k| RedisError::from(std::io::Error::from(k));
+    let moved = || RedisError::from((redis::ErrorKind::Server(redis::ServerErrorKind::Moved), "x"));
+    let which = |r: redis::RedisResult<u8>| {
+        let e = r.unwrap_err();
+        match () {
+            _ if e.is_connection_refusal() => "refused",
+            _ if e.is_timeout() => "timed out",
+            _ if e.is_connection_dropped() => "reset",
+            _ => "other",
+        }
+    };
+    assert_eq!(
+        which(after_resend(
+            io(ConnectionReset),
+            Err(io(ConnectionRefused))
+        )),
+        "reset"
+    );
+    assert_eq!(
+        which(after_resend(io(ConnectionReset), Err(moved()))),
+        "reset"
+    );
+    // A resend that may have run itself, or that was answered, speaks for both sends.
+    assert_eq!(
+        which(after_resend(io(ConnectionReset), Err(io(TimedOut)))),
+        "timed out"
+    );
+    assert_eq!(after_resend(io(ConnectionReset), Ok(5u8)).unwrap(), 5);
+    // Neither ran: the resend's refusal.
+    assert_eq!(
+        which(after_resend(
+            io(ConnectionRefused),
+            Err(io(ConnectionRefused))
+        )),
+        "refused"
+    );
+}
+
 /// The Rust names and the Lua constants agree: `local OVER_BUDGET, ... = 0, ...`.
 #[test]
 fn admit_codes_match_the_script() {
