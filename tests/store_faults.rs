@@ -465,23 +465,7 @@ async fn an_enter_delivered_late_takes_no_slot() {
 /// A's. (Before, nothing registered them: Redis showed the route empty, its whole cap free for B.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn local_admissions_are_registered_when_the_store_returns() {
-    let redis = Redis::start();
-    let proxy = Proxy::start(redis.port);
-    let up = Upstream::start(Duration::ZERO);
-    let body = |url: &str| {
-        store_yaml(
-            url,
-            "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 4, queue_timeout: 10s}\n",
-        )
-    };
-    let a = Gateway::start(&up, &body(&proxy.url()));
-    let b = Gateway::start(&up, &body(&redis.url()));
-    let c = client();
-    proxy.blackhole();
-    let local: Vec<_> = (0..2)
-        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=5000"), "k"))
-        .collect();
-    up.wait_current("/reports/generate", 2).await;
+    let a = registered_when_the_store_returns("local", 4, 2, 4).await;
     assert_eq!(
         metric(
             &a,
@@ -490,18 +474,49 @@ async fn local_admissions_are_registered_when_the_store_returns() {
         .await,
         2.0
     );
+}
+
+/// A's path to Redis is down while it admits `on_a` long reports (cap `cap`) by `on_error`;
+/// once healed, they are registered as leases within 2 s (DESIGN §4), and B's `from_b`
+/// reports, on Redis all along, run only beside them up to the cap (beyond it only what A
+/// had admitted past it, as `allow` does). A, for more checks.
+async fn registered_when_the_store_returns(
+    on_error: &str,
+    cap: usize,
+    on_a: usize,
+    from_b: usize,
+) -> Gateway {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = |url: &str| {
+        store_yaml(
+            url,
+            &format!("  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: {cap}, queue_timeout: 20s}}\n"),
+        )
+        .replace("on_error: local", &format!("on_error: {on_error}"))
+    };
+    let a = Gateway::start(&up, &body(&proxy.url()));
+    let b = Gateway::start(&up, &body(&redis.url()));
+    let c = client();
+    proxy.blackhole();
+    let admitted_on_a: Vec<_> = (0..on_a)
+        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=4000"), "k"))
+        .collect();
+    up.wait_current("/reports/generate", on_a as u64).await;
     let leases = redis_route_slots_key("/reports/generate");
     assert_eq!(redis.cli(&["ZCARD", &leases]), "0");
     proxy.heal();
-    registered_within_2s(&redis, &leases, 2).await;
-    let from_b: Vec<_> = (0..4)
+    registered_within_2s(&redis, &leases, on_a).await;
+    let sent_to_b: Vec<_> = (0..from_b)
         .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
         .collect();
-    for s in from_b.into_iter().chain(local) {
+    for s in admitted_on_a.into_iter().chain(sent_to_b) {
         assert_eq!(s.await.unwrap(), 200);
     }
-    assert_eq!(up.max_concurrent("/reports/generate"), 4);
-    assert_eq!(up.count("/reports/generate"), 6);
+    assert_eq!(up.max_concurrent("/reports/generate"), cap.max(on_a) as u64);
+    assert_eq!(up.count("/reports/generate"), (on_a + from_b) as u64);
+    a
 }
 
 /// Group commit, a timeout in the middle of a batch (`store::redis::batch`): while Redis is
@@ -715,33 +730,5 @@ async fn a_request_queued_locally_waits_in_the_fleets_queue_once_the_store_retur
 /// nothing registered them: B's ran at once beside A's 3.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn allowed_admissions_are_registered_when_the_store_returns() {
-    let redis = Redis::start();
-    let proxy = Proxy::start(redis.port);
-    let up = Upstream::start(Duration::ZERO);
-    let body = |url: &str| {
-        store_yaml(
-            url,
-            "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 20s}\n",
-        )
-        .replace("on_error: local", "on_error: allow")
-    };
-    let a = Gateway::start(&up, &body(&proxy.url()));
-    let b = Gateway::start(&up, &body(&redis.url()));
-    let c = client();
-    proxy.blackhole();
-    let from_a: Vec<_> = (0..3)
-        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=3000"), "k"))
-        .collect();
-    up.wait_current("/reports/generate", 3).await;
-    proxy.heal();
-    let leases = redis_route_slots_key("/reports/generate");
-    registered_within_2s(&redis, &leases, 3).await;
-    let from_b: Vec<_> = (0..2)
-        .map(|_| spawn_post(&c, b.url("/reports/generate?delay_ms=300"), "j"))
-        .collect();
-    for s in from_a.into_iter().chain(from_b) {
-        assert_eq!(s.await.unwrap(), 200);
-    }
-    assert_eq!(up.max_concurrent("/reports/generate"), 3);
-    assert_eq!(up.count("/reports/generate"), 5);
+    registered_when_the_store_returns("allow", 2, 3, 2).await;
 }
