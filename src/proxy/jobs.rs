@@ -93,18 +93,7 @@ async fn answer(
     for (name, value) in stored {
         h.append_header(name, value)?;
     }
-    h.insert_header("Content-Length", body.len().to_string())?;
-    if let Some(ra) = retry_after {
-        h.insert_header("Retry-After", ra.to_string())?;
-    }
-    respond::rate_limit_headers(&mut h, ctx)?;
-    let discard = respond::past_unread_body(session);
-    session.write_response_header(Box::new(h), false).await?;
-    session.write_response_body(Some(body), true).await?;
-    if discard {
-        respond::discard_unread_body(session).await;
-    }
-    Ok(true)
+    respond::send(session, ctx, h, body, retry_after).await
 }
 
 fn json_headers() -> Own {

@@ -41,17 +41,28 @@ pub async fn problem(
     let body = problem::body(p, detail, cost, remaining, retry_after);
     let mut h = ResponseHeader::build(p.status(), Some(10))?;
     h.insert_header("Content-Type", "application/problem+json")?;
-    h.insert_header("Content-Length", body.len().to_string())?;
     h.insert_header("Cache-Control", "no-store")?;
+    send(session, ctx, h, Bytes::from(body), retry_after).await
+}
+
+/// Sends the gateway's own answer `h` with `body`, its `Content-Length`, `Retry-After` where
+/// given and the rate-limit headers; a request body it did not read is read past after it
+/// ([`past_unread_body`]). `Ok(true)` ("response sent") for `request_filter`.
+pub(super) async fn send(
+    session: &mut Session,
+    ctx: &Ctx,
+    mut h: ResponseHeader,
+    body: Bytes,
+    retry_after: Option<u64>,
+) -> Result<bool> {
+    h.insert_header("Content-Length", body.len().to_string())?;
     if let Some(ra) = retry_after {
         h.insert_header("Retry-After", ra.to_string())?;
     }
     rate_limit_headers(&mut h, ctx)?;
     let discard = past_unread_body(session);
     session.write_response_header(Box::new(h), false).await?;
-    session
-        .write_response_body(Some(Bytes::from(body)), true)
-        .await?;
+    session.write_response_body(Some(body), true).await?;
     if discard {
         discard_unread_body(session).await;
     }
@@ -72,7 +83,7 @@ const DISCARD_WITHIN: Duration = Duration::from_secs(2);
 /// absence leaves no way to tell where the next request starts. A connection that ends anyway
 /// (keep-alive already off, after an upstream error or a stalled body; HTTP/2, whose streams
 /// end on their own) is not worth reading for.
-pub(super) fn past_unread_body(session: &mut Session) -> bool {
+fn past_unread_body(session: &mut Session) -> bool {
     let s = &mut session.downstream_session;
     if s.get_keepalive().is_none() || s.is_body_empty() || s.is_body_done() {
         return false;
@@ -97,7 +108,7 @@ pub(super) fn past_unread_body(session: &mut Session) -> bool {
 /// does not end within [`DISCARD_AT_MOST`] bytes and [`DISCARD_WITHIN`] (or breaks off), the
 /// connection ends after this request. (Closing at once instead would drop what the client
 /// pipelined, and its unread bytes could reset the connection before the client read the answer.)
-pub(super) async fn discard_unread_body(session: &mut Session) {
+async fn discard_unread_body(session: &mut Session) {
     let s = &mut session.downstream_session;
     let read = tokio::time::timeout(DISCARD_WITHIN, async {
         let mut n = 0;
