@@ -83,6 +83,11 @@ const KNOWN_METHODS: [&str; 9] = [
     "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
 ];
 
+/// `CONNECT` in any case: a request to open a tunnel.
+pub fn is_connect(method: &str) -> bool {
+    method.eq_ignore_ascii_case("CONNECT")
+}
+
 fn canonical_method(method: &str) -> Option<&'static str> {
     if method.bytes().all(|b| !b.is_ascii_lowercase()) {
         return None;
@@ -131,11 +136,16 @@ fn origin_form(target: &str) -> Result<(&str, Option<&str>, bool), BadPath> {
 
 /// Chooses the route from the method and the normalized origin-form target.
 pub fn classify(cfg: &Config, method: &str, target: &str) -> Result<Classified, Refusal> {
+    let forward_method = canonical_method(method);
+    // A tunnel's target is an authority, whatever the request line says; a case variant would
+    // be forwarded as `CONNECT`.
+    if is_connect(method) {
+        return Err(Refusal::new(Problem::BadPath, BadPath::Connect.to_string()));
+    }
     let (path, query, absolute) =
         origin_form(target).map_err(|e| Refusal::new(Problem::BadPath, e.to_string()))?;
     let normalized =
         normalize_path(path).map_err(|e| Refusal::new(Problem::BadPath, e.to_string()))?;
-    let forward_method = canonical_method(method);
     let route = cfg
         .router
         .route_of(forward_method.unwrap_or(method), &normalized)

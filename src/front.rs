@@ -231,6 +231,10 @@ impl<SV> FrontDoor<SV> {
         // An HTTP/2 connection without an open stream is idle: closed after `idle_timeout`
         // (the value at start; Pingora's h2 server takes it once).
         options.h2_idle_timeout = Some(shared.running().config.client_limits.idle_timeout);
+        // Pingora would answer CONNECT with an empty 405 before any hook: let it through to
+        // `request_filter`, which refuses it as `bad-path` (DESIGN §3: a target that does not
+        // start with '/') and closes the connection. Nothing is ever tunnelled.
+        options.allow_connect_method_proxying = true;
         proxy.server_options = Some(options);
         FrontDoor {
             proxy: Arc::new(proxy),

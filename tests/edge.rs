@@ -60,6 +60,24 @@ async fn targets_not_starting_with_slash_are_bad_path_and_absolute_form_is_origi
             assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
         }
     }
+    // Authority-form (`CONNECT host:port`) names no path either: the same 400, and the
+    // connection closes, since a client that meant a tunnel may already be sending into it.
+    let connect =
+        b"CONNECT localhost:443 HTTP/1.1\r\nHost: localhost:443\r\nX-API-Key: k-odd\r\n\r\n";
+    let mut sock = raw_connect(gw.port);
+    sock.write_all(connect).unwrap();
+    let r = read_raw_response(&mut sock).expect("CONNECT: closed without an answer");
+    assert_eq!(r.status, 400, "CONNECT: {r:?}");
+    assert!(r.is_problem("bad-path"), "CONNECT: {r:?}");
+    assert_eq!(r.header("Connection"), Some("close"), "CONNECT: {r:?}");
+    // A case variant is not forwarded as the `CONNECT` it spells, whatever its target.
+    for line in ["connect /items/1", "Connect /_tollgate/jobs/x"] {
+        let r = raw_request(gw.port, &raw(line, &["X-API-Key: k-odd"]))
+            .unwrap_or_else(|| panic!("`{line}`: connection closed without an answer"));
+        assert_eq!(r.status, 400, "`{line}`: {r:?}");
+        assert!(r.is_problem("bad-path"), "`{line}`: {r:?}");
+    }
+
     let seen: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
     assert!(seen.is_empty(), "the upstream saw {seen:?}");
 

@@ -26,7 +26,11 @@ use std::sync::Arc;
 /// `%6aobs`, `jobs;v=1`, `/_TOLLGATE/…`) reaches the upstream; `/_tollgate/jobs` without an
 /// id names none (empty), which no job has.
 pub(super) fn job_named(session: &Session) -> Option<String> {
-    job_in(session.req_header().raw_path())
+    let req = session.req_header();
+    if decision::is_connect(req.method.as_str()) {
+        return None; // refused as a tunnel by `decide`
+    }
+    job_in(req.raw_path())
 }
 
 fn job_in(raw: &[u8]) -> Option<String> {

@@ -112,6 +112,10 @@ impl Gateway {
 
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         ctx.refuse(&r);
+        // A client refused a tunnel may already be writing into it: none of that is a request.
+        if decision::is_connect(session.req_header().method.as_str()) {
+            session.set_keepalive(None);
+        }
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
             if r.problem == Problem::RouteBusy {
                 run.metrics

@@ -9,6 +9,8 @@ use std::borrow::Cow;
 pub enum BadPath {
     #[error("the path must start with '/'")]
     NotAbsolute,
+    #[error("a CONNECT request names host:port, not a path, and the gateway opens no tunnels")]
+    Connect,
     #[error("the path contains an encoded '/' or '\\'")]
     EncodedSeparator,
     #[error("the path contains a backslash")]
