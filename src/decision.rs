@@ -377,18 +377,32 @@ pub fn shadowed(route: &Route, r: &Refusal) -> Option<Reason> {
 
 /// The answer to a request the upstream never answered (connect failure or timeout); the
 /// request's charge is given back before this is sent.
-pub fn upstream_failed(timed_out: bool) -> Refusal {
-    if timed_out {
-        Refusal::new(
+pub fn upstream_failed(failure: UpstreamFailure) -> Refusal {
+    match failure {
+        UpstreamFailure::TimedOut => Refusal::new(
             Problem::GatewayTimeout,
             "the upstream did not answer in time; it had the request, so the request is charged",
-        )
-    } else {
-        Refusal::new(
+        ),
+        UpstreamFailure::HungUp => Refusal::new(
+            Problem::BadGateway,
+            "the upstream closed the connection without answering; it had the request, so the request is charged",
+        ),
+        UpstreamFailure::Unreachable => Refusal::new(
             Problem::BadGateway,
             "the upstream could not be reached; the request was not charged",
-        )
+        ),
     }
+}
+
+/// How the upstream failed a request it did not answer (DESIGN §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamFailure {
+    /// It never had the request (`upstreams::had_request`): 502, refunded.
+    Unreachable,
+    /// It had the request and closed the connection without an answer: 502, charged.
+    HungUp,
+    /// It had the request and did not answer within `read_timeout`: 504, charged.
+    TimedOut,
 }
 
 #[cfg(test)]

@@ -240,3 +240,57 @@ pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> pingora::upstreams::peer::
     peer.options.idle_timeout = Some(Duration::from_secs(60));
     peer
 }
+
+/// How soon after a request went out on a reused keep-alive connection a close without a byte
+/// of answer is taken for the race with the upstream closing that connection while it was idle
+/// (its keep-alive timeout): the request then crossed the upstream's close and was never read.
+/// That answer comes within a network round trip; an upstream that closes later read the
+/// request and worked on it.
+pub const STALE_WITHIN: Duration = Duration::from_millis(100);
+
+/// Whether an upstream that failed before answering had the request, so may have run it
+/// (DESIGN §3: such a request stays charged and is never sent again), given the error, whether
+/// the connection was a reused one, and how long ago the request's head went out (`None`: it
+/// never did). It never had it when the connection could not be made or the request could not
+/// be written, or when a reused connection was closed under it at once ([`STALE_WITHIN`]).
+pub fn had_request(e: &pingora::Error, reused: bool, since_sent: Option<Duration>) -> bool {
+    use pingora::ErrorType::*;
+    let Some(since) = since_sent else {
+        return false;
+    };
+    match e.etype() {
+        ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
+        | TLSWantX509Lookup | TLSHandshakeFailure | TLSHandshakeTimedout | InvalidCert
+        | HandshakeError | BindError | SocketError => false,
+        WriteError => false,
+        ReadError | ConnectionClosed => !(reused && since < STALE_WITHIN),
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora::{Error, ErrorType};
+
+    #[test]
+    fn the_upstream_had_a_request_once_it_was_written_and_not_closed_under_it_at_once() {
+        let had = |t: ErrorType, reused: bool, ms: Option<u64>| {
+            had_request(&Error::new(t), reused, ms.map(Duration::from_millis))
+        };
+        // Never written, or not written whole.
+        assert!(!had(ErrorType::ConnectRefused, false, Some(500)));
+        assert!(!had(ErrorType::TLSHandshakeFailure, true, Some(500)));
+        assert!(!had(ErrorType::WriteError, false, Some(500)));
+        assert!(!had(ErrorType::ConnectionClosed, false, None));
+        // Written, then the connection closed or reset without an answer.
+        for t in [ErrorType::ConnectionClosed, ErrorType::ReadError] {
+            assert!(had(t.clone(), false, Some(0)));
+            assert!(had(t.clone(), true, Some(300)));
+            // The keep-alive race: a reused connection the upstream closed as it went out.
+            assert!(!had(t, true, Some(2)));
+        }
+        // An answer that was no HTTP: the upstream had the request.
+        assert!(had(ErrorType::InvalidHTTPHeader, false, Some(1)));
+    }
+}

@@ -514,6 +514,63 @@ async fn upstream_failures_are_refunded() {
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
 }
 
+/// An upstream that read the request and then closed its connection without answering had
+/// the request (DESIGN §3: "A request the upstream received is never refunded"): 502, the
+/// charge stands, and the request is sent once — not again on a new connection when the one
+/// it went on was a reused one (the upstream may have run it: it worked 300 ms on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_once() {
+    let up = HangUp::start(Duration::from_millis(300));
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /work: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+        sha256_hex("key-1")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        threads: 1,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let hung_up = |r: &reqwest::Response, remaining: &str| {
+        assert_eq!(r.status(), 502);
+        assert_eq!(header(r, "X-RateLimit-Cost").as_deref(), Some("5"));
+        assert_eq!(
+            header(r, "X-RateLimit-Remaining").as_deref(),
+            Some(remaining)
+        );
+        assert_eq!(
+            header(r, "Content-Type").as_deref(),
+            Some("application/problem+json")
+        );
+    };
+    // On a new connection.
+    let r = get(&c, gw.url("/work?n=1"), "key-1").await;
+    hung_up(&r, "95");
+    assert_eq!(up.seen("/work"), vec![("/work?n=1".to_string(), 1, 1)]);
+
+    // On a kept-alive connection the upstream answered on before.
+    let r = get(&c, gw.url("/ok"), "key-1").await;
+    assert_eq!(r.status(), 200);
+    let r = get(&c, gw.url("/work?n=2"), "key-1").await;
+    hung_up(&r, "89");
+    let work = up.seen("/work");
+    assert_eq!(work.len(), 2, "sent once each: {work:?}");
+    assert_eq!(
+        work[1].2, 2,
+        "the second went on a reused connection: {work:?}"
+    );
+    let v: serde_json::Value = c
+        .get(gw.admin("/admin/keys/k1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["remaining"], 89, "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_cap_without_queue_answers_503_and_upstream_never_exceeds_cap() {
     let up = Upstream::start(Duration::from_millis(800));

@@ -412,7 +412,8 @@ async fn submission_refusals_charge_nothing_and_make_no_job() {
 }
 
 /// An answer over max_response_body fails the job, charged; an upstream that is down fails
-/// it refunded (502); one too slow fails it charged (504).
+/// it refunded (502); one too slow fails it charged (504); one that hangs up after reading
+/// the request fails it charged (502).
 #[tokio::test]
 async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
     let up = Upstream::start(Duration::from_millis(50));
@@ -484,6 +485,27 @@ async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
         "{p}"
     );
     assert_eq!(remaining(&down, "a").await, 100);
+
+    // One that read the request and hung up without answering had it: 502, charged, once.
+    let hangs_up = HangUp::start(Duration::from_millis(200));
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: hangs_up.url(),
+        body: &config(&reports(1, "")),
+        ..GatewayOpts::default()
+    });
+    let job = submit(&c, &gw, ROUTE, "key-a", "").await;
+    let r = result(&c, &gw, &job, "key-a").await;
+    assert_eq!(r.status(), 502);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("upstream-unavailable"),
+        "{p}"
+    );
+    assert_eq!(remaining(&gw, "a").await, 90);
+    assert_eq!(hangs_up.seen(ROUTE).len(), 1);
 }
 
 /// SIGTERM: a running job finishes within grace_period like a request (its end is logged

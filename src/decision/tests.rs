@@ -240,9 +240,12 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
 
 #[test]
 fn upstream_failures_are_not_gateway_refusals() {
-    assert_eq!(upstream_failed(true).problem, Problem::GatewayTimeout);
-    assert_eq!(upstream_failed(false).problem, Problem::BadGateway);
-    assert_eq!(upstream_failed(false).reason, None);
+    use UpstreamFailure::*;
+    assert_eq!(upstream_failed(TimedOut).problem, Problem::GatewayTimeout);
+    for f in [Unreachable, HungUp] {
+        assert_eq!(upstream_failed(f).problem, Problem::BadGateway);
+        assert_eq!(upstream_failed(f).reason, None);
+    }
 }
 
 #[test]

@@ -280,10 +280,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             ended.cost = settle(t, upstream, None).await;
             ended.upstream = Some(upstream);
             tracing::warn!(job = %t.job.id, route = %t.route.label, error = %detail, "job's upstream answer broke off");
-            problem_result(
-                Problem::BadGateway,
-                "the upstream's answer broke off; it had the request, so the charge stands",
-            )
+            problem_result(Problem::BadGateway, super::send::BROKEN)
         }
     };
     ended.kept = t.job.finish(result, t.rules.result_ttl);

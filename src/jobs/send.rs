@@ -40,9 +40,14 @@ pub(super) enum Sent {
     TimedOut(Box<Follow>),
     /// An answer over `max_response_body`: 502, charged.
     TooLarge { upstream: Duration },
-    /// The answer broke off after its head: 502, charged (the upstream did the work).
+    /// The answer broke off, or the upstream closed the connection before its head, having
+    /// read the request (`upstreams::had_request`): 502, charged (the upstream had it).
     Broken { upstream: Duration, detail: String },
 }
+
+/// The job's result's detail for [`Sent::Broken`].
+pub(crate) const BROKEN: &str =
+    "the upstream closed the connection before its answer was whole; it had the request, so the charge stands";
 
 /// Why the upstream never had a job's request (logged with the job's 502).
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +143,8 @@ fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
 /// A connection to the route's upstream with the job's request written on it.
 struct Opened {
     session: HttpSession,
+    /// The connection was a pooled one (never, as `connector` is used).
+    reused: bool,
     sent_at: Instant,
     read_timeout: Duration,
     abandon: Duration,
@@ -156,7 +163,7 @@ async fn open(
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
     }
-    let (mut s, _) = connector().get_http_session(&peer).await?;
+    let (mut s, reused) = connector().get_http_session(&peer).await?;
     if let Some((tracing, trace)) = trace {
         trace.upstream_request(tracing, &mut header);
     }
@@ -171,6 +178,7 @@ async fn open(
     s.finish_request_body().await?;
     Ok(Opened {
         session: s,
+        reused,
         sent_at,
         read_timeout,
         abandon,
@@ -271,6 +279,7 @@ async fn exchange(
 ) -> Sent {
     let Opened {
         session: mut s,
+        reused,
         sent_at,
         read_timeout,
         abandon,
@@ -284,6 +293,12 @@ async fn exchange(
                 session: s,
                 deadline: sent_at + abandon.max(read_timeout),
             }))
+        }
+        Ok(Err(e)) if upstreams::had_request(&e, reused, Some(sent_at.elapsed())) => {
+            return Sent::Broken {
+                upstream: sent_at.elapsed(),
+                detail: e.to_string(),
+            }
         }
         Ok(Err(e)) => return Sent::Unreachable(e.into()),
         Ok(Ok(())) => {}

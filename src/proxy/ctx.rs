@@ -78,6 +78,8 @@ pub struct Leg {
     pub body_watch: Option<crate::front::BodyWatch>,
     /// The status the upstream answered with (before the gateway's own headers).
     pub status: Option<u16>,
+    /// The connection the request went on was a pooled one, used before.
+    pub reused: bool,
 }
 
 /// One request, from the first phase Pingora runs to `logging`: its phase, the facts every
@@ -380,7 +382,7 @@ mod tests {
     fn refusals_say_why() {
         let drain = Drain::new();
         let mut ctx = Ctx::new(drain.enter());
-        let r = crate::decision::upstream_failed(true);
+        let r = crate::decision::upstream_failed(crate::decision::UpstreamFailure::TimedOut);
         ctx.refuse(&r);
         assert_eq!(ctx.decision().as_str(), "error");
         ctx.refuse(&Refusal {

@@ -25,11 +25,12 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
-use crate::decision::{self, Refusal};
+use crate::decision::{self, Refusal, UpstreamFailure};
 use crate::front;
 use crate::problem::Problem;
 use crate::state::Shared;
 use crate::telemetry::{metrics, ClientTimeout};
+use crate::upstreams;
 use ctx::{Ctx, Phase};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
@@ -159,10 +160,10 @@ impl Gateway {
         &self,
         session: &mut Session,
         ctx: &mut Ctx,
-        timed_out: bool,
+        how: UpstreamFailure,
         headers_sent: bool,
     ) -> FailToProxy {
-        let failure = decision::upstream_failed(timed_out);
+        let failure = decision::upstream_failed(how);
         if headers_sent {
             // The upstream answered and then failed mid-body: it did the work, keep the charge.
             return FailToProxy {
@@ -170,7 +171,7 @@ impl Gateway {
                 can_reuse_downstream: false,
             };
         }
-        if timed_out {
+        if how == UpstreamFailure::TimedOut {
             // The upstream has the request and may still be working on it: the charge stands,
             // and a capped slot follows the late answer to its end — if the upstream had the
             // whole request (one still waiting for the rest of a stalled body is not working).
@@ -178,11 +179,13 @@ impl Gateway {
                 let head = session.req_header().method == http::Method::HEAD;
                 self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
             }
-        } else {
+        } else if how == UpstreamFailure::Unreachable {
             // The upstream never received the request: refund, before answering, so that the
             // client's next request already sees the units back.
             ctx.refund(&self.shared.store, failure.problem).await;
         }
+        // HungUp: the upstream had the request and is done with it: charged, its slot freed
+        // in `logging` as after an answer.
         ctx.timing.upstream_done();
         // Pingora will not reuse this connection after an upstream error: say so, so that the
         // client doesn't send its next request into a closing socket.
@@ -385,12 +388,13 @@ impl ProxyHttp for Gateway {
     async fn connected_to_upstream(
         &self,
         session: &mut Session,
-        _reused: bool,
+        reused: bool,
         _peer: &HttpPeer,
         fd: std::os::unix::io::RawFd,
         _digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        ctx.upstream.reused = reused;
         if follows_upstream(ctx) {
             // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
             // a duplicate is kept.
@@ -427,6 +431,31 @@ impl ProxyHttp for Gateway {
         respond::rate_limit_headers(resp, ctx)
     }
 
+    /// Pingora sends an idempotent request again on a new connection when the reused one it
+    /// went on failed, even after the upstream had it and worked on it: it would then run
+    /// twice for one charge. Sent again only when the upstream surely never had it (the
+    /// connection was closed under it at once, `upstreams::had_request`).
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Self::CTX,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
+        if !session.req_header().method.is_idempotent()
+            || session.as_ref().retry_buffer_truncated()
+            || upstreams::had_request(&e, client_reused, sent)
+        {
+            e.set_retry(false);
+        } else {
+            e.retry.decide_reuse(client_reused);
+        }
+        e
+    }
+
     async fn fail_to_proxy(
         &self,
         session: &mut Session,
@@ -442,7 +471,7 @@ impl ProxyHttp for Gateway {
             // An HTTP/2 body stalled: its watch shut the upstream connection down.
             return respond::body_stalled(session, ctx, headers_sent).await;
         }
-        let timed_out = match (e.esource(), e.etype()) {
+        let how = match (e.esource(), e.etype()) {
             (_, HTTPStatus(code)) => {
                 if !headers_sent {
                     let _ = session.respond_error(*code).await;
@@ -452,9 +481,16 @@ impl ProxyHttp for Gateway {
                     can_reuse_downstream: false,
                 };
             }
-            (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => true,
+            (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => UpstreamFailure::TimedOut,
             (ErrorSource::Upstream, _)
-            | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => false,
+            | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => {
+                let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
+                if upstreams::had_request(e, ctx.upstream.reused, sent) {
+                    UpstreamFailure::HungUp
+                } else {
+                    UpstreamFailure::Unreachable
+                }
+            }
             (ErrorSource::Downstream, ReadTimedout) => {
                 return respond::body_stalled(session, ctx, headers_sent).await;
             }
@@ -471,8 +507,7 @@ impl ProxyHttp for Gateway {
                 };
             }
         };
-        self.upstream_failed(session, ctx, timed_out, headers_sent)
-            .await
+        self.upstream_failed(session, ctx, how, headers_sent).await
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {

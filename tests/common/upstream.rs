@@ -142,3 +142,66 @@ impl TlsUpstream {
         }
     }
 }
+
+/// An upstream that reads each request whole and then, after `after`, closes its connection
+/// without a byte of answer — except for targets starting with `/ok`, answered `200 ok` on a
+/// kept-alive connection. It records every request it read: its target, and which connection
+/// (counted from 1) and which request on that connection (counted from 1) it came on.
+pub struct HangUp {
+    pub port: u16,
+    seen: Arc<std::sync::Mutex<Vec<(String, usize, usize)>>>,
+}
+
+impl HangUp {
+    pub fn start(after: Duration) -> HangUp {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        // The thread ends with the test process; it only serves this test's gateway.
+        std::thread::spawn(move || {
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(mut conn) = conn else { continue };
+                let log = log.clone();
+                std::thread::spawn(move || {
+                    for nth in 1.. {
+                        let mut head = Vec::new();
+                        let mut byte = [0u8; 1];
+                        while !head.ends_with(b"\r\n\r\n") {
+                            match conn.read(&mut byte) {
+                                Ok(1) => head.push(byte[0]),
+                                _ => return,
+                            }
+                        }
+                        let head = String::from_utf8_lossy(&head).into_owned();
+                        let target = head.split(' ').nth(1).unwrap_or("").to_string();
+                        log.lock().unwrap().push((target.clone(), n + 1, nth));
+                        if !target.starts_with("/ok") {
+                            std::thread::sleep(after);
+                            return; // dropped: closed, nothing answered
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                        if conn.write_all(ok).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        HangUp { port, seen }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Each request read whose target starts with `prefix`: (target, connection, request on it).
+    pub fn seen(&self, prefix: &str) -> Vec<(String, usize, usize)> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|(t, _, _)| t.starts_with(prefix))
+            .cloned()
+            .collect()
+    }
+}

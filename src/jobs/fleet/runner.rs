@@ -192,10 +192,7 @@ async fn settle(
         Sent::Broken { upstream, .. } => {
             let total = billed(upstream);
             store.settle(admit, Charge::Shared, total).await;
-            let p = problem_result(
-                Problem::BadGateway,
-                "the upstream's answer broke off; it had the request, so the charge stands",
-            );
+            let p = problem_result(Problem::BadGateway, crate::jobs::send::BROKEN);
             (JobResult::Failed, p, total, None, None)
         }
     }
