@@ -105,13 +105,23 @@ fn served_cert(tls: &TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
 
 /// One HTTP/2 connection to the gateway's TLS listener.
 async fn h2_connect(tg: &TlsGateway) -> h2::client::SendRequest<bytes::Bytes> {
+    h2_connect_closable(tg).await.0
+}
+
+/// [`h2_connect`], and its connection's task: aborting it closes the socket at once.
+async fn h2_connect_closable(
+    tg: &TlsGateway,
+) -> (
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::task::JoinHandle<()>,
+) {
     let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
     let (client, conn) = h2::client::handshake(tls).await.unwrap();
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let _ = conn.await;
     });
-    client
+    (client, task)
 }
 
 struct H2Response {
@@ -392,6 +402,50 @@ async fn a_reset_stream_is_a_client_that_went_away() {
         0.0,
     )
     .await;
+}
+
+/// A client that closes its whole HTTP/2 connection (a timeout in curl, a killed process)
+/// while its request is with the upstream went away as one that resets the stream: the slot
+/// (and the charge) stay until the upstream is done.
+#[tokio::test]
+async fn a_closed_http2_connection_is_a_client_that_went_away() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = slow_refill(&incident_with_report_caps(
+        "      max_in_flight: 1\n      queue_timeout: 20s\n",
+    ));
+    let tg = start_tls(&up, &pki, &body, &[]);
+    let path = "/reports/generate";
+    for method in ["GET", "POST"] {
+        let (client, conn) = h2_connect_closable(&tg).await;
+        let mut c = client.clone().ready().await.unwrap();
+        let (a, _a_stream) = c
+            .send_request(
+                h2_request(method, "/reports/generate?work_ms=1500", "k1"),
+                true,
+            )
+            .unwrap();
+        up.wait_current(path, 1).await;
+        let closed_at = Instant::now();
+        conn.abort();
+        drop((a, c, client));
+
+        let other = h2_connect(&tg).await;
+        let r = h2_send(
+            &other,
+            h2_request(method, "/reports/generate?work_ms=10", "k2"),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert!(
+            closed_at.elapsed() >= Duration::from_millis(1000),
+            "{method}: ran {:?} after the connection closed: the slot was freed before the upstream finished",
+            closed_at.elapsed()
+        );
+        assert_eq!(up.max_concurrent(path), 1, "{method}");
+    }
+    assert_eq!(up.count(path), 4);
 }
 
 /// One stream on a new HTTP/2 connection, then the connection is left idle: the gateway

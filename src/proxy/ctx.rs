@@ -80,6 +80,10 @@ pub struct Leg {
     pub status: Option<u16>,
     /// The connection the request went on was a pooled one, used before.
     pub reused: bool,
+    /// The request's body has ended (or it has none): the upstream has the whole request to
+    /// work on. Kept here because an HTTP/2 session whose connection closed no longer says
+    /// its body was done.
+    pub whole_request: bool,
 }
 
 /// One request, from the first phase Pingora runs to `logging`: its phase, the facts every

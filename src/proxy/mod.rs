@@ -143,7 +143,7 @@ impl Gateway {
             // duplicate just closes.)
             if session.downstream_session.is_http2()
                 && e.is_some_and(client_went_away)
-                && session.is_body_done()
+                && ctx.upstream.whole_request
             {
                 // Part of the answer may have been read: its request went with
                 // `Connection: close`, so it ends with the connection.
@@ -308,6 +308,7 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         if end_of_stream {
             ctx.upstream.body_watch = None;
+            ctx.upstream.whole_request = true;
         } else if let Some(w) = &ctx.upstream.body_watch {
             w.touch();
         }
@@ -382,6 +383,7 @@ impl ProxyHttp for Gateway {
             upstream.insert_header(http::header::CONNECTION, "close")?;
         }
         ctx.timing.upstream_start = Some(Instant::now());
+        ctx.upstream.whole_request = session.is_body_empty() || session.is_body_done();
         Ok(())
     }
 
