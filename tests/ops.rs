@@ -1076,8 +1076,16 @@ async fn in_flight_slots_survive_a_reload() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     let up = Upstream::start(Duration::ZERO);
+    // Every other endpoint capped: a capped route without traffic has no more series than
+    // another past the first 200.
     let endpoints: String = (0..20_000)
-        .map(|i| format!("    /e{i}/items: {{cost: {}}}\n", 1 + i % 5))
+        .map(|i| match i % 2 {
+            0 => format!("    /e{i}/items: {{cost: {}}}\n", 1 + i % 5),
+            _ => format!(
+                "    /e{i}/items: {{cost: {}, max_in_flight: 5}}\n",
+                1 + i % 5
+            ),
+        })
         .collect();
     let body =
         format!("rate_limits:\n  default: {{cost: 1, window: 1m, max_cost: 100}}\n  endpoints:\n{endpoints}");
@@ -1103,7 +1111,12 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     assert!(busy.len() < 2_000_000, "{} bytes after traffic", busy.len());
     // A route past the first 200 has its series once it has traffic.
     assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));
+    assert!(scrape.contains("tollgate_in_flight_limit{route=\"/e19999/items\"} 5"));
     assert!(!scrape.contains("route=\"/e19998/items\""));
+    assert!(!scrape.contains("route=\"/e19997/items\""));
+    // The first 200 have theirs from the start, a capped one its limit and queue too.
+    assert!(scrape.contains("tollgate_in_flight_limit{route=\"/e1/items\"} 5"));
+    assert!(scrape.contains("tollgate_queued{route=\"/e1/items\"} 0"));
     // A reload of the whole table is done within a few seconds.
     gw.edit_config("/e0/items: {cost: 1}", "/e0/items: {cost: 2}");
     let t = Instant::now();

@@ -1,6 +1,6 @@
 //! Each route's series, resolved once per config instead of by label lookup per request.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
@@ -39,6 +39,10 @@ pub struct RouteMetrics {
     /// Admitted and refused requests of the last minute (`/admin/routes`); made with the
     /// route's first counted request, so routes without traffic cost one pointer.
     recent: OnceLock<Box<LastMinute>>,
+    /// The route's `max_in_flight` in the config in force (-1: uncapped), for
+    /// `tollgate_in_flight_limit`: set from the start for announced routes, else with the
+    /// route's first counted request.
+    cap: AtomicI64,
 }
 
 /// How many routes (in file order) have their series from the start; the others get theirs
@@ -93,6 +97,21 @@ impl RouteMetrics {
             stated: StatedCosts::default(),
             statuses: Default::default(),
             recent: OnceLock::new(),
+            cap: AtomicI64::new(-1),
+        }
+    }
+
+    /// `tollgate_in_flight_limit` for a capped route; none (removed) for an uncapped one.
+    fn limit_series(&self) {
+        let m = metrics();
+        match self.cap.load(Ordering::Relaxed) {
+            cap if cap >= 0 => m
+                .in_flight_limit
+                .with_label_values(&[&*self.label])
+                .set(cap),
+            _ => {
+                let _ = m.in_flight_limit.remove_label_values(&[&*self.label]);
+            }
         }
     }
 
@@ -174,7 +193,11 @@ impl RouteMetrics {
     /// `at`: when, from an instant the request has read anyway (no clock read here).
     pub fn count_recent(&self, admitted: bool, at: std::time::Instant) {
         self.recent
-            .get_or_init(Box::default)
+            .get_or_init(|| {
+                // The route's first traffic: its limit, if it was not announced.
+                self.limit_series();
+                Box::default()
+            })
             .count(recent::second_of(at), admitted);
     }
 
@@ -235,32 +258,32 @@ pub struct RouteMetricsTable {
 
 impl RouteMetricsTable {
     pub fn new(router: &Router, previous: Option<&RouteMetricsTable>) -> RouteMetricsTable {
-        let m = metrics();
         // By label, so that a reload of 20,000 endpoints is not 20,000² comparisons.
         let previous: std::collections::HashMap<&str, &Arc<RouteMetrics>> = previous
             .map(|p| p.by_index.iter().map(|x| (&*x.label, x)).collect())
             .unwrap_or_default();
+        // Series for routes without traffic exist for the first [`ANNOUNCED_ROUTES`] only
+        // (DESIGN §5), capped or not: 20,000 capped routes' would be ~40 MB of zeros.
         let by_index = router
             .routes()
             .map(|r| {
-                if let Some(cap) = r.max_in_flight {
-                    m.in_flight_limit
-                        .with_label_values(&[&*r.label])
-                        .set(cap as i64);
-                }
-                previous
+                let announced = r.index < ANNOUNCED_ROUTES || &*r.label == "default";
+                let rm = previous
                     .get(&*r.label)
                     .map(|x| Arc::clone(x))
                     .unwrap_or_else(|| {
                         let rm = RouteMetrics::new(&r.label);
-                        if r.index < ANNOUNCED_ROUTES
-                            || r.max_in_flight.is_some()
-                            || &*r.label == "default"
-                        {
+                        if announced {
                             rm.announce(r);
                         }
                         Arc::new(rm)
-                    })
+                    });
+                let cap = r.max_in_flight.map_or(-1, |c| c as i64);
+                rm.cap.store(cap, Ordering::Relaxed);
+                if announced || rm.recent.get().is_some() {
+                    rm.limit_series();
+                }
+                rm
             })
             .collect();
         RouteMetricsTable { by_index }
