@@ -611,8 +611,8 @@ async fn without_tracing_the_trace_context_passes_through() {
 }
 
 /// `tollgate check` names each bad `tracing:` field; a good block is shown by `check` and
-/// in `/admin/config`; a reload that changes its service name says it takes effect on
-/// restart only.
+/// in `/admin/config`; a reload that changes its endpoint or service name says each takes
+/// effect on restart only and keeps the running values (in `/admin/config` too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tracing_block_is_checked_and_shown() {
     let out = check_fails(
@@ -648,8 +648,24 @@ async fn the_tracing_block_is_checked_and_shown() {
             && config.contains("sample_ratio: 0.25"),
         "{config}"
     );
+    // A reload that renames the service and moves the collector keeps both (restart only),
+    // says so for each, and `/admin/config` shows the running values; the ratio is taken.
     gw.edit_config("tollgate-under-test", "renamed");
+    gw.edit_config(&collector.url(), "http://127.0.0.1:9");
+    gw.edit_config("sample_ratio: 0.25", "sample_ratio: 0.5");
     gw.signal("HUP");
-    gw.wait_log("take effect on restart only; keeping the running tracer")
+    for field in ["tracing.otlp_endpoint", "tracing.service_name"] {
+        gw.wait_log(&format!(
+            "{field} takes effect on restart only; keeping the running value"
+        ))
         .await;
+    }
+    let config = admin_text(&gw, "/admin/config").await;
+    assert!(
+        config.contains(&format!("otlp_endpoint: {}", collector.url()))
+            && config.contains("service_name: tollgate-under-test")
+            && config.contains("sample_ratio: 0.5")
+            && !config.contains("renamed"),
+        "{config}"
+    );
 }

@@ -43,6 +43,41 @@ impl Config {
         }
         now.store = was.store.clone();
         self.store = running.store.clone();
+
+        changed.extend(self.keep_tracer(running));
+        changed
+    }
+
+    /// `tracing:`: the collector and the service name are the running tracer's (built once),
+    /// as is whether there is one at all; only `sample_ratio` is taken from the file.
+    fn keep_tracer(&mut self, running: &Config) -> Vec<String> {
+        if running.tracing.is_none() && self.tracing.is_none() {
+            return Vec::new(); // no tracer, nor one asked for: nothing is in force
+        }
+        let (was, now) = (&running.raw.tracing, &mut self.raw.tracing);
+        let mut changed = Vec::new();
+        match (was, now.as_mut(), &running.tracing, self.tracing.as_mut()) {
+            (Some(was), Some(now), Some(run), Some(new)) => {
+                for (field, differs) in [
+                    ("otlp_endpoint", was.otlp_endpoint != now.otlp_endpoint),
+                    ("service_name", was.service_name != now.service_name),
+                ] {
+                    if differs {
+                        changed.push(format!("tracing.{field}"));
+                    }
+                }
+                now.otlp_endpoint = was.otlp_endpoint.clone();
+                now.service_name = was.service_name.clone();
+                new.traces_url = run.traces_url.clone();
+                new.service_name = run.service_name.clone();
+            }
+            _ => {
+                // Added, removed, or switched on or off by the endpoint: the running block.
+                changed.push("tracing".into());
+                self.raw.tracing = was.clone();
+                self.tracing = running.tracing.clone();
+            }
+        }
         changed
     }
 }

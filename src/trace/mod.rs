@@ -46,8 +46,6 @@ pub struct Tracing {
     provider: SdkTracerProvider,
     propagator: TraceContextPropagator,
     sampler: sample::Sampling,
-    /// What it was started with.
-    started: TraceSettings,
 }
 
 impl std::fmt::Debug for Tracing {
@@ -86,30 +84,19 @@ impl Tracing {
             provider,
             propagator: TraceContextPropagator::new(),
             sampler,
-            started: s.clone(),
         })
     }
 
-    /// A reloaded config's `tracing:`: a new `sample_ratio` applies to the next requests;
-    /// anything else is said to need a restart.
+    /// A reloaded config's `tracing:`: a new `sample_ratio` applies to the next requests
+    /// (the rest is the running tracer's: `Config::keep_start_settings`).
     pub fn reload(running: Option<&Tracing>, new: Option<&TraceSettings>) {
-        let restart = match (running, new) {
-            (None, None) => false,
-            (Some(t), Some(n)) => {
-                if t.sampler.set_ratio(n.sample_ratio) {
-                    tracing::info!(
-                        sample_ratio = n.sample_ratio,
-                        "tracing.sample_ratio changed"
-                    );
-                }
-                n.traces_url != t.started.traces_url || n.service_name != t.started.service_name
+        if let (Some(t), Some(n)) = (running, new) {
+            if t.sampler.set_ratio(n.sample_ratio) {
+                tracing::info!(
+                    sample_ratio = n.sample_ratio,
+                    "tracing.sample_ratio changed"
+                );
             }
-            _ => true,
-        };
-        if restart {
-            tracing::warn!(
-                "tracing.otlp_endpoint and tracing.service_name (and adding or removing tracing:) take effect on restart only; keeping the running tracer"
-            );
         }
     }
 
