@@ -248,6 +248,50 @@ async fn the_status_page_shows_the_live_numbers_in_a_browser() {
     }
 }
 
+/// While Redis is away the page still shows the store's health, breaker and fallback (from
+/// `/admin/status`), and says that the fleet's route figures (`/admin/routes`, 503 then) are
+/// unavailable, instead of giving up on the whole refresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_status_page_shows_the_store_while_redis_is_away() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n{}",
+        redis.url(),
+        config()
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        env: vec![("TOLLGATE_ADMIN_TOKEN", TOKEN.to_string())],
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "key-a").await.status(), 200);
+    redis.kill();
+    // A request on the fallback: the store is degraded from then on.
+    assert_eq!(get(&c, gw.url("/items"), "key-a").await.status(), 200);
+    wait_metric(&gw, "tollgate_store_degraded", 1.0, Duration::from_secs(10)).await;
+    let r = client()
+        .get(gw.admin("/admin/routes"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+
+    let url = format!("{}#token={TOKEN}", gw.admin("/admin/"));
+    let dom = tokio::task::spawn_blocking(move || browse(&url, &["--dump-dom"]))
+        .await
+        .unwrap();
+    assert_eq!(text_of_id(&dom, "store-backend"), "redis");
+    assert_eq!(text_of_id(&dom, "store-health"), "degraded");
+    assert_eq!(text_of_id(&dom, "store-fallback"), "in force: local");
+    assert_eq!(text_of_id(&dom, "store-on-error"), "local");
+    let problem = text_of_id(&dom, "problem");
+    assert!(problem.contains("/admin/routes: 503"), "{problem}");
+}
+
 /// `/admin/routes` counts each route's admitted and refused requests of the last minute
 /// exactly (every route, capped or not) and has an empty `jobs`; `/admin/status` names the
 /// refused key, the plans and the store.

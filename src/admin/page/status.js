@@ -155,21 +155,28 @@ async function fetchJson(path) {
 async function refresh() {
   const updated = document.getElementById("updated");
   const problem = document.getElementById("problem");
-  try {
-    const [routes, status] = await Promise.all([fetchJson("/admin/routes"), fetchJson("/admin/status")]);
-    renderStatus(status);
-    renderRoutes(routes);
-    problem.hidden = true;
-    updated.dataset.state = "ok";
-    updated.textContent = "updated " + new Date().toLocaleTimeString([], { hour12: false });
-  } catch (e) {
-    problem.textContent = String(e.message || e);
-    problem.hidden = false;
-    updated.dataset.state = "error";
-    updated.textContent = "refresh failed";
-  } finally {
-    setTimeout(refresh, REFRESH_MS);
+  // Each part is shown when it answers: while Redis is away /admin/routes cannot give the
+  // fleet's slots (503), and that is when the store's health below matters most.
+  const [routes, status] = await Promise.allSettled([fetchJson("/admin/routes"), fetchJson("/admin/status")]);
+  const failed = [];
+  for (const [part, render] of [[status, renderStatus], [routes, renderRoutes]]) {
+    if (part.status === "rejected") {
+      failed.push(String(part.reason && part.reason.message || part.reason));
+      continue;
+    }
+    try {
+      render(part.value);
+    } catch (e) {
+      failed.push(String(e.message || e));
+    }
   }
+  const now = new Date().toLocaleTimeString([], { hour12: false });
+  problem.textContent = failed.join("; ");
+  problem.hidden = failed.length === 0;
+  updated.dataset.state = failed.length === 0 ? "ok" : failed.length === 2 ? "error" : "partial";
+  updated.textContent = failed.length === 0 ? "updated " + now
+    : failed.length === 2 ? "refresh failed" : "partly updated " + now;
+  setTimeout(refresh, REFRESH_MS);
 }
 
 // Trades the token for this browser's session cookie (/admin/session), then opens the page.
