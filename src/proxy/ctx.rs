@@ -284,9 +284,9 @@ impl Ctx {
     }
 
     /// The time the gateway itself added: all of it but the upstream's part and the waiting.
-    /// The upstream's part runs from sending it the request to the end of its answer, body
-    /// included (passed on as it comes, at the upstream's and the client's pace): so the
-    /// gateway's own time is what came before it.
+    /// From sending the request on, the answer is passed on as it comes, at the upstream's and
+    /// the client's pace (the upstream's histogram counts up to its head; the streamed body is
+    /// in the request's duration only): so the gateway's own time is what came before.
     pub fn overhead(&self) -> Duration {
         let before = match self.timing.upstream_start {
             Some(sent) => sent.saturating_duration_since(self.start),

@@ -78,7 +78,7 @@ pub const REQUEST_DURATION: Def = Def {
 
 pub const UPSTREAM_DURATION: Def = Def {
     name: "tollgate_upstream_duration_seconds",
-    help: "Time from sending to the upstream until its response ended",
+    help: "Time from sending the request to the upstream until its response head arrived (a body streamed after it is not counted)",
     labels: &["route"],
     buckets: super::LATENCY_BUCKETS,
 };
