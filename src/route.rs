@@ -165,9 +165,37 @@ fn specificity(path: &str, has_method: bool) -> Specificity {
     }
 }
 
-#[derive(Clone)]
+/// One set of patterns (method-less, or one method's): exact paths and templates in one
+/// matcher, tails (`{*rest}`) in another, since a matcher refuses a template and a tail
+/// under the same prefix (`/files/{id}`, `/files/{*path}`) while DESIGN §1 ranks them:
+/// exact > template > tail, so a tail is only looked up when nothing else matches.
+#[derive(Clone, Default)]
 struct Table {
-    router: matchit::Router<usize>,
+    plain: matchit::Router<usize>,
+    tails: matchit::Router<usize>,
+}
+
+impl Table {
+    fn insert(&mut self, key: String, idx: usize) -> Result<(), String> {
+        let router = match key.contains("{*") {
+            true => &mut self.tails,
+            false => &mut self.plain,
+        };
+        router.insert(key, idx).map_err(|e| match e {
+            matchit::InsertError::Conflict { with } => {
+                format!("conflicts with the endpoint \"{with}\"")
+            }
+            other => format!("is not a pattern the router takes: {other}"),
+        })
+    }
+
+    fn at(&self, key: &str) -> Option<usize> {
+        self.plain
+            .at(key)
+            .or_else(|_| self.tails.at(key))
+            .ok()
+            .map(|m| *m.value)
+    }
 }
 
 /// The endpoint table: one matcher for method-less patterns, one per method.
@@ -204,14 +232,11 @@ pub fn split_pattern(pattern: &str) -> (Option<&str>, &str) {
 }
 
 /// The table of `method`'s patterns, added to `by_method` on first use.
-fn method_table<'a>(
-    by_method: &'a mut Vec<(String, matchit::Router<usize>)>,
-    method: &str,
-) -> &'a mut matchit::Router<usize> {
+fn method_table<'a>(by_method: &'a mut Vec<(String, Table)>, method: &str) -> &'a mut Table {
     let pos = match by_method.iter().position(|(name, _)| name == method) {
         Some(p) => p,
         None => {
-            by_method.push((method.to_string(), matchit::Router::new()));
+            by_method.push((method.to_string(), Table::default()));
             by_method.len() - 1
         }
     };
@@ -232,8 +257,8 @@ impl Router {
     ) -> Result<Router, Vec<(String, String)>> {
         let mut errs = Vec::new();
         let mut routes = Vec::new();
-        let mut any = matchit::Router::new();
-        let mut by_method: Vec<(String, matchit::Router<usize>)> = Vec::new();
+        let mut any = Table::default();
+        let mut by_method: Vec<(String, Table)> = Vec::new();
         for spec in specs {
             let (method, path) = split_pattern(&spec.pattern);
             if let Some(m) = method {
@@ -256,10 +281,7 @@ impl Router {
                 Some(m) => method_table(&mut by_method, m),
             };
             if let Err(e) = table.insert(key, idx) {
-                errs.push((
-                    spec.pattern.clone(),
-                    format!("conflicts with another endpoint: {e}"),
-                ));
+                errs.push((spec.pattern.clone(), e));
                 continue;
             }
             routes.push((
@@ -286,11 +308,8 @@ impl Router {
         );
         Ok(Router {
             routes,
-            any: Table { router: any },
-            by_method: by_method
-                .into_iter()
-                .map(|(m, router)| (m, Table { router }))
-                .collect(),
+            any,
+            by_method,
             default,
             suffixes: Vec::new(),
         })
@@ -355,7 +374,7 @@ impl Router {
     /// The most specific endpoint that matches a lower-case path. A `HEAD` also matches the
     /// `GET` endpoints (frameworks run the GET handler for it), its own winning a tie.
     fn lookup(&self, method: &str, key: &str) -> Option<usize> {
-        let any = self.any.router.at(key).ok().map(|m| *m.value);
+        let any = self.any.at(key);
         let mut by_method = self.method_lookup(method, key);
         if method == "HEAD" {
             by_method = self.more_specific(self.method_lookup("GET", key), by_method);
@@ -368,7 +387,7 @@ impl Router {
         self.by_method
             .iter()
             .find(|(m, _)| m == method)
-            .and_then(|(_, t)| t.router.at(key).ok().map(|m| *m.value))
+            .and_then(|(_, t)| t.at(key))
     }
 
     /// The more specific of two matches; `b` on a tie.

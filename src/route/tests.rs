@@ -185,6 +185,38 @@ fn most_specific_wins() {
     assert_eq!(c("GET", "/reports/42/more"), 1);
 }
 
+/// A template and a tail under the same prefix are both endpoints (DESIGN §1: exact >
+/// template > tail), with a method or without.
+#[test]
+fn a_template_and_a_tail_share_a_prefix() {
+    let r = Router::new(
+        vec![
+            spec("/files/{id}", 2),
+            spec("/files/{*path}", 3),
+            spec("/files/x", 4),
+            spec("/files/{id}/meta", 5),
+            spec("POST /up/{id}", 6),
+            spec("POST /up/{*rest}", 7),
+            spec("/up/{*rest}", 8),
+        ],
+        1,
+    )
+    .unwrap();
+    let c = |m: &str, p: &str| r.classify(m, p).route.cost;
+    assert_eq!(c("GET", "/files/x"), 4);
+    assert_eq!(c("GET", "/files/abc"), 2);
+    assert_eq!(c("GET", "/files/abc/meta"), 5);
+    assert_eq!(c("GET", "/files/a/b"), 3);
+    assert_eq!(c("GET", "/files/abc/meta/more"), 3);
+    assert_eq!(c("POST", "/up/1"), 6);
+    assert_eq!(c("POST", "/up/1/2"), 7);
+    assert_eq!(c("GET", "/up/1"), 8);
+    assert_eq!(c("GET", "/files"), 1);
+    // A real conflict names the endpoint it conflicts with, in the gateway's words.
+    let e = Router::new(vec![spec("/x/{a}", 1), spec("/x/{b}", 1)], 1).unwrap_err();
+    assert_eq!(e[0].1, "conflicts with the endpoint \"/x/{a}\"", "{e:?}");
+}
+
 #[test]
 fn pattern_errors() {
     let e = Router::new(vec![spec("reports", 1)], 1).unwrap_err();
