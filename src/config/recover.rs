@@ -67,6 +67,11 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         errors.0.push(error::from_serde(first));
         return Err(errors);
     };
+    if tree.is_null() {
+        // An empty file (or one of comments only) is an empty map: what is missing from it is
+        // every section that must be there, and each is said.
+        tree = Value::Mapping(Mapping::new());
+    }
     let mut pending = None;
     if is_repeat(&first.inner().to_string()) {
         // The tree keeps only the first of the two keys: the typed parse will not meet the
@@ -184,10 +189,12 @@ fn missing_field(message: &str) -> Option<String> {
 }
 
 /// For a word that is none of a field's choices, the first choice serde's message lists
-/// ("unknown variant `x`, expected `a` or `b`"): the stand-in that fits.
+/// ("unknown variant `x`, expected `a` or `b`", or "expected one of `a`, `b`, `c`"): the
+/// stand-in that fits.
 fn first_variant(message: &str) -> Option<String> {
     let expected = &message[message.find("unknown variant `")?..];
-    let rest = &expected[expected.find("expected `")? + "expected `".len()..];
+    let choices = &expected[expected.find(", expected ")? + ", expected ".len()..];
+    let rest = &choices[choices.find('`')? + 1..];
     Some(rest[..rest.find('`')?].to_string())
 }
 
@@ -420,6 +427,33 @@ mod tests {
                 "plans.pro.budgets[0].size: unknown field `size`",
             ],
         );
+    }
+
+    /// A word that is none of a field's three or more choices (serde: "expected one of `a`,
+    /// `b`, `c`") stands in as the first: the errors after it are reported too.
+    #[test]
+    fn an_unknown_choice_among_many_hides_no_later_error() {
+        let text = format!(
+            "store: {{backend: memory, on_error: maybe}}\n{BASE}  endpoints: {{/b: {{cost: 0}}}}\nbogus_top: 1\n"
+        );
+        let paths = paths(&text);
+        for want in [
+            "store.on_error",
+            "bogus_top",
+            "rate_limits.endpoints.\"/b\".cost",
+        ] {
+            assert!(paths.iter().any(|p| p == want), "{want} not in {paths:?}");
+        }
+    }
+
+    /// An empty file, or one of comments only, is missing what `{}` is missing.
+    #[test]
+    fn an_empty_file_says_everything_that_is_missing() {
+        let want = paths("{}");
+        assert!(want.len() > 1, "{want:?}");
+        for text in ["", "# nothing yet\n", "---\n"] {
+            assert_eq!(paths(text), want, "{text:?}");
+        }
     }
 
     /// After the unknown keys, a type error is reported too, and the stand-in put in its place
