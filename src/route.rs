@@ -99,7 +99,7 @@ pub struct Route {
     /// Stable across reloads: the pattern as written, or `default`. Used as the metrics label
     /// and as the identity of the route's in-flight slots.
     pub label: Arc<str>,
-    /// Position in [`Router::routes`] (file order, `default` last).
+    /// Position in [`Router::routes`] (the order of the patterns as strings, `default` last).
     pub index: usize,
     pub cost: u64,
     pub max_in_flight: Option<u32>,
@@ -176,16 +176,16 @@ struct Table {
 }
 
 impl Table {
-    fn insert(&mut self, key: String, idx: usize) -> Result<(), String> {
+    /// `Err(Ok(key))`: it conflicts with the pattern inserted as `key`; `Err(Err(why))`: the
+    /// matcher takes no such pattern.
+    fn insert(&mut self, key: String, idx: usize) -> Result<(), Result<String, String>> {
         let router = match key.contains("{*") {
             true => &mut self.tails,
             false => &mut self.plain,
         };
         router.insert(key, idx).map_err(|e| match e {
-            matchit::InsertError::Conflict { with } => {
-                format!("conflicts with the endpoint \"{with}\"")
-            }
-            other => format!("is not a pattern the router takes: {other}"),
+            matchit::InsertError::Conflict { with } => Ok(with),
+            other => Err(format!("is not a pattern the router takes: {other}")),
         })
     }
 
@@ -281,7 +281,23 @@ impl Router {
                 Some(m) => method_table(&mut by_method, m),
             };
             if let Err(e) = table.insert(key, idx) {
-                errs.push((spec.pattern.clone(), e));
+                // Named as written: the matcher knows the other only lower-cased, without its
+                // method.
+                let message = match e {
+                    Ok(with) => {
+                        let other = routes
+                            .iter()
+                            .map(|(r, _): &(Arc<Route>, Specificity)| &*r.label)
+                            .find(|label| {
+                                let (m, p) = split_pattern(label);
+                                m == method && p.eq_ignore_ascii_case(&with)
+                            })
+                            .unwrap_or(with.as_str());
+                        format!("conflicts with the endpoint \"{other}\"")
+                    }
+                    Err(why) => why,
+                };
+                errs.push((spec.pattern.clone(), message));
                 continue;
             }
             routes.push((
@@ -404,7 +420,7 @@ impl Router {
         &self.default
     }
 
-    /// Every configured route, in file order, then `default`.
+    /// Every configured route, in the order of their patterns, then `default`.
     /// The endpoint whose label is `label` (an async job's route, found again after a reload).
     pub fn by_label(&self, label: &str) -> Option<&Arc<Route>> {
         self.routes

@@ -241,19 +241,50 @@ pub fn peer(addr: SocketAddr, up: &UpstreamTarget) -> pingora::upstreams::peer::
     peer
 }
 
-/// How soon after a request went out on a reused keep-alive connection a close without a byte
-/// of answer is taken for the race with the upstream closing that connection while it was idle
-/// (its keep-alive timeout): the request then crossed the upstream's close and was never read.
-/// That answer comes within a network round trip; an upstream that closes later read the
-/// request and worked on it.
+/// The least time after which an upstream that closed the connection under a request is taken
+/// to have read it ([`had_request`]); [`stale_within`] widens it for a distant upstream.
 pub const STALE_WITHIN: Duration = Duration::from_millis(100);
 
+/// The round trip last measured to each upstream address (by the kernel, on a new connection),
+/// for [`stale_within`]: one entry per address the gateway connected to.
+static ROUND_TRIPS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, Duration>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Notes the round trip of a new connection to `addr` (once per connection, not per request).
+pub fn note_round_trip(addr: &impl std::fmt::Display, digest: Option<&pingora::protocols::Digest>) {
+    let Some(info) = digest
+        .and_then(|d| d.socket_digest.as_ref())
+        .and_then(|s| s.tcp_info())
+    else {
+        return;
+    };
+    // Microseconds; the deviation counts four times, as in the kernel's retransmission timer.
+    let rtt = Duration::from_micros(u64::from(info.tcpi_rtt) + 4 * u64::from(info.tcpi_rttvar));
+    if let Ok(mut m) = ROUND_TRIPS.lock() {
+        m.insert(addr.to_string(), rtt);
+    }
+}
+
+/// How soon after a request went out a close without a byte of answer means the upstream
+/// never read it: the race with an upstream closing a kept-alive connection while it was idle
+/// (its keep-alive timeout), or a proxy before a dead backend that accepts and closes at once.
+/// That close arrives within a round trip or two; [`STALE_WITHIN`], or twice `addr`'s round
+/// trip where that is longer.
+pub fn stale_within(addr: &impl std::fmt::Display) -> Duration {
+    let rtt = ROUND_TRIPS
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&addr.to_string()).copied());
+    rtt.map_or(STALE_WITHIN, |r| STALE_WITHIN.max(2 * r))
+}
+
 /// Whether an upstream that failed before answering had the request, so may have run it
-/// (DESIGN §3: such a request stays charged and is never sent again), given the error, whether
-/// the connection was a reused one, and how long ago the request's head went out (`None`: it
-/// never did). It never had it when the connection could not be made or the request could not
-/// be written, or when a reused connection was closed under it at once ([`STALE_WITHIN`]).
-pub fn had_request(e: &pingora::Error, reused: bool, since_sent: Option<Duration>) -> bool {
+/// (DESIGN §3: such a request stays charged and is never sent again), given the error, how
+/// long ago the request's head went out (`None`: it never did) and [`stale_within`]. It never
+/// had it when the connection could not be made, or when the connection failed (closed,
+/// reset, a write refused) within `within` of sending: the upstream had closed it or was
+/// closing it. Later, it read the request and worked on it.
+pub fn had_request(e: &pingora::Error, since_sent: Option<Duration>, within: Duration) -> bool {
     use pingora::ErrorType::*;
     let Some(since) = since_sent else {
         return false;
@@ -262,8 +293,7 @@ pub fn had_request(e: &pingora::Error, reused: bool, since_sent: Option<Duration
         ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
         | TLSWantX509Lookup | TLSHandshakeFailure | TLSHandshakeTimedout | InvalidCert
         | HandshakeError | BindError | SocketError => false,
-        WriteError => false,
-        ReadError | ConnectionClosed => !(reused && since < STALE_WITHIN),
+        ReadError | WriteError | ConnectionClosed => since >= within,
         _ => true,
     }
 }
@@ -275,22 +305,37 @@ mod tests {
 
     #[test]
     fn the_upstream_had_a_request_once_it_was_written_and_not_closed_under_it_at_once() {
-        let had = |t: ErrorType, reused: bool, ms: Option<u64>| {
-            had_request(&Error::new(t), reused, ms.map(Duration::from_millis))
+        let within = STALE_WITHIN;
+        let had = |t: ErrorType, ms: Option<u64>| {
+            had_request(&Error::new(t), ms.map(Duration::from_millis), within)
         };
-        // Never written, or not written whole.
-        assert!(!had(ErrorType::ConnectRefused, false, Some(500)));
-        assert!(!had(ErrorType::TLSHandshakeFailure, true, Some(500)));
-        assert!(!had(ErrorType::WriteError, false, Some(500)));
-        assert!(!had(ErrorType::ConnectionClosed, false, None));
-        // Written, then the connection closed or reset without an answer.
-        for t in [ErrorType::ConnectionClosed, ErrorType::ReadError] {
-            assert!(had(t.clone(), false, Some(0)));
-            assert!(had(t.clone(), true, Some(300)));
-            // The keep-alive race: a reused connection the upstream closed as it went out.
-            assert!(!had(t, true, Some(2)));
+        // Never written, or refused at once.
+        assert!(!had(ErrorType::ConnectRefused, Some(500)));
+        assert!(!had(ErrorType::TLSHandshakeFailure, Some(500)));
+        assert!(!had(ErrorType::ConnectionClosed, None));
+        for t in [
+            ErrorType::ConnectionClosed,
+            ErrorType::ReadError,
+            ErrorType::WriteError,
+        ] {
+            // Closed under it as it went out (an idle connection's race, a dead backend).
+            assert!(!had(t.clone(), Some(0)));
+            assert!(!had(t.clone(), Some(99)));
+            // Read, worked on, then the connection closed or reset without an answer.
+            assert!(had(t.clone(), Some(100)));
+            assert!(had(t, Some(300)));
         }
         // An answer that was no HTTP: the upstream had the request.
-        assert!(had(ErrorType::InvalidHTTPHeader, false, Some(1)));
+        assert!(had(ErrorType::InvalidHTTPHeader, Some(1)));
+    }
+
+    #[test]
+    fn a_distant_upstream_has_a_longer_window() {
+        assert_eq!(stale_within(&"192.0.2.1:1"), STALE_WITHIN);
+        ROUND_TRIPS
+            .lock()
+            .unwrap()
+            .insert("192.0.2.2:1".into(), Duration::from_millis(150));
+        assert_eq!(stale_within(&"192.0.2.2:1"), Duration::from_millis(300));
     }
 }

@@ -549,9 +549,12 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
     hung_up(&r, "95");
     assert_eq!(up.seen("/work"), vec![("/work?n=1".to_string(), 1, 1)]);
 
-    // On a kept-alive connection the upstream answered on before.
+    // On a kept-alive connection the upstream answered on before. (The answer read whole,
+    // the client sends its next request on the same connection, which the gateway's one
+    // thread serves after it put the upstream connection back in its pool.)
     let r = get(&c, gw.url("/ok"), "key-1").await;
     assert_eq!(r.status(), 200);
+    r.text().await.unwrap();
     let r = get(&c, gw.url("/work?n=2"), "key-1").await;
     hung_up(&r, "89");
     let work = up.seen("/work");
@@ -569,6 +572,52 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
         .await
         .unwrap();
     assert_eq!(v["remaining"], 89, "{v}");
+}
+
+/// The other side of that rule: a kept-alive connection the upstream closes at once, before
+/// reading the request, never had it (the race with an upstream's keep-alive timeout). A GET
+/// is sent again on a new connection and charged once; a POST is not sent again (it is not
+/// idempotent), and its 502 is refunded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_connection_closed_under_a_request_never_had_it() {
+    let up = HangUp::start(Duration::from_secs(5));
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /stale: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+        sha256_hex("key-1")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        threads: 1,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let ok = get(&c, gw.url("/ok"), "key-1").await;
+    assert_eq!(ok.status(), 200);
+    ok.text().await.unwrap();
+    let r = get(&c, gw.url("/stale"), "key-1").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("5"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("94"));
+    r.text().await.unwrap();
+    let stale = up.seen("/stale");
+    assert_eq!(
+        stale.iter().map(|s| s.2).collect::<Vec<_>>(),
+        vec![2, 1],
+        "closed under it on the kept-alive connection, then answered on a new one: {stale:?}"
+    );
+
+    // The new connection is kept alive in turn: a POST on it is closed under it too.
+    let r = c
+        .post(gw.url("/stale"))
+        .header("X-API-Key", "key-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("94"));
+    assert_eq!(up.seen("/stale").len(), 3, "the POST was sent once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

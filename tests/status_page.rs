@@ -290,6 +290,14 @@ async fn the_status_page_shows_the_store_while_redis_is_away() {
     assert_eq!(text_of_id(&dom, "store-on-error"), "local");
     let problem = text_of_id(&dom, "problem");
     assert!(problem.contains("/admin/routes: 503"), "{problem}");
+    assert!(
+        dom.contains("<table id=\"routes\" class=\"stale\">"),
+        "{dom}"
+    );
+    assert_eq!(
+        text_of_id(&dom, "updated").split(' ').next(),
+        Some("partly")
+    );
 }
 
 /// `/admin/routes` counts each route's admitted and refused requests of the last minute

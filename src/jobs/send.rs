@@ -143,8 +143,9 @@ fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
 /// A connection to the route's upstream with the job's request written on it.
 struct Opened {
     session: HttpSession,
-    /// The connection was a pooled one (never, as `connector` is used).
-    reused: bool,
+    /// How soon a close without an answer means the upstream never read the request
+    /// (`upstreams::stale_within`).
+    within: Duration,
     sent_at: Instant,
     read_timeout: Duration,
     abandon: Duration,
@@ -163,7 +164,10 @@ async fn open(
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
     }
-    let (mut s, reused) = connector().get_http_session(&peer).await?;
+    let (mut s, _) = connector().get_http_session(&peer).await?;
+    // A new connection every time (the connector pools none): its round trip is known.
+    upstreams::note_round_trip(&peer._address, s.digest());
+    let within = upstreams::stale_within(&peer._address);
     if let Some((tracing, trace)) = trace {
         trace.upstream_request(tracing, &mut header);
     }
@@ -178,7 +182,7 @@ async fn open(
     s.finish_request_body().await?;
     Ok(Opened {
         session: s,
-        reused,
+        within,
         sent_at,
         read_timeout,
         abandon,
@@ -279,7 +283,7 @@ async fn exchange(
 ) -> Sent {
     let Opened {
         session: mut s,
-        reused,
+        within,
         sent_at,
         read_timeout,
         abandon,
@@ -294,7 +298,7 @@ async fn exchange(
                 deadline: sent_at + abandon.max(read_timeout),
             }))
         }
-        Ok(Err(e)) if upstreams::had_request(&e, reused, Some(sent_at.elapsed())) => {
+        Ok(Err(e)) if upstreams::had_request(&e, Some(sent_at.elapsed()), within) => {
             return Sent::Broken {
                 upstream: sent_at.elapsed(),
                 detail: e.to_string(),

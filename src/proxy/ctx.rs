@@ -78,8 +78,9 @@ pub struct Leg {
     pub body_watch: Option<crate::front::BodyWatch>,
     /// The status the upstream answered with (before the gateway's own headers).
     pub status: Option<u16>,
-    /// The connection the request went on was a pooled one, used before.
-    pub reused: bool,
+    /// Whether the upstream had the request when the attempt on this connection failed
+    /// (`upstreams::had_request`), decided once, when it failed: it may be sent again then.
+    pub had_request: Option<bool>,
     /// The request's body has ended (or it has none): the upstream has the whole request to
     /// work on. Kept here because an HTTP/2 session whose connection closed no longer says
     /// its body was done.

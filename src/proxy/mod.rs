@@ -175,7 +175,7 @@ impl Gateway {
             // The upstream has the request and may still be working on it: the charge stands,
             // and a capped slot follows the late answer to its end — if the upstream had the
             // whole request (one still waiting for the rest of a stalled body is not working).
-            if session.is_body_done() {
+            if ctx.upstream.whole_request {
                 let head = session.req_header().method == http::Method::HEAD;
                 self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
             }
@@ -383,7 +383,6 @@ impl ProxyHttp for Gateway {
             upstream.insert_header(http::header::CONNECTION, "close")?;
         }
         ctx.timing.upstream_start = Some(Instant::now());
-        ctx.upstream.whole_request = session.is_body_empty() || session.is_body_done();
         Ok(())
     }
 
@@ -391,20 +390,23 @@ impl ProxyHttp for Gateway {
         &self,
         session: &mut Session,
         reused: bool,
-        _peer: &HttpPeer,
+        peer: &HttpPeer,
         fd: std::os::unix::io::RawFd,
-        _digest: Option<&pingora::protocols::Digest>,
+        digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        ctx.upstream.reused = reused;
+        ctx.upstream.had_request = None;
+        ctx.upstream.whole_request = session.is_body_empty() || session.is_body_done();
+        if !reused {
+            upstreams::note_round_trip(&peer._address, digest);
+        }
         if follows_upstream(ctx) {
             // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
             // a duplicate is kept.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
             ctx.upstream.dup = fd.try_clone_to_owned().ok();
         }
-        let h2_body = session.downstream_session.is_http2()
-            && !(session.is_body_empty() || session.is_body_done());
+        let h2_body = session.downstream_session.is_http2() && !ctx.upstream.whole_request;
         if let (true, Some(running)) = (h2_body, &ctx.running) {
             let timeout = running.config.client_limits.body_timeout;
             // SAFETY: as above; the watch keeps a duplicate.
@@ -433,10 +435,23 @@ impl ProxyHttp for Gateway {
         respond::rate_limit_headers(resp, ctx)
     }
 
-    /// Pingora sends an idempotent request again on a new connection when the reused one it
-    /// went on failed, even after the upstream had it and worked on it: it would then run
-    /// twice for one charge. Sent again only when the upstream surely never had it (the
-    /// connection was closed under it at once, `upstreams::had_request`).
+    /// The upstream never had a request whose connection could not be made.
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Self::CTX,
+        e: Box<Error>,
+    ) -> Box<Error> {
+        ctx.upstream.had_request = Some(false);
+        e
+    }
+
+    /// Decides, once, whether the upstream had the request (`upstreams::had_request`), for
+    /// the charge (`fail_to_proxy`) and for sending it again. Pingora sends an idempotent
+    /// request again on a new connection when the reused one it went on failed, even after
+    /// the upstream had it and worked on it: it would then run twice for one charge. It is
+    /// sent again only when the upstream never had it (the connection closed under it at once).
     fn error_while_proxy(
         &self,
         peer: &HttpPeer,
@@ -447,9 +462,11 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
         let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
+        let had = upstreams::had_request(&e, sent, upstreams::stale_within(&peer._address));
+        ctx.upstream.had_request = Some(had);
         if !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
-            || upstreams::had_request(&e, client_reused, sent)
+            || had
         {
             e.set_retry(false);
         } else {
@@ -486,8 +503,11 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => UpstreamFailure::TimedOut,
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => {
-                let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
-                if upstreams::had_request(e, ctx.upstream.reused, sent) {
+                let had = ctx.upstream.had_request.unwrap_or_else(|| {
+                    let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
+                    upstreams::had_request(e, sent, upstreams::STALE_WITHIN)
+                });
+                if had {
                     UpstreamFailure::HungUp
                 } else {
                     UpstreamFailure::Unreachable

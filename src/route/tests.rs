@@ -215,6 +215,11 @@ fn a_template_and_a_tail_share_a_prefix() {
     // A real conflict names the endpoint it conflicts with, in the gateway's words.
     let e = Router::new(vec![spec("/x/{a}", 1), spec("/x/{b}", 1)], 1).unwrap_err();
     assert_eq!(e[0].1, "conflicts with the endpoint \"/x/{a}\"", "{e:?}");
+    let e = Router::new(vec![spec("GET /Y/{a}", 1), spec("GET /y/{b}", 1)], 1).unwrap_err();
+    assert_eq!(
+        e[0].1, "conflicts with the endpoint \"GET /Y/{a}\"",
+        "{e:?}"
+    );
 }
 
 #[test]

@@ -45,7 +45,7 @@ pub struct RouteMetrics {
     cap: AtomicI64,
 }
 
-/// How many routes (in file order) have their series from the start; the others get theirs
+/// How many routes (in the order of their patterns: `endpoints` is a sorted map) have their series from the start; the others get theirs
 /// with their first request, so that `/metrics` stays small with thousands of endpoints.
 pub const ANNOUNCED_ROUTES: usize = 200;
 

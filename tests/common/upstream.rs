@@ -143,10 +143,12 @@ impl TlsUpstream {
     }
 }
 
-/// An upstream that reads each request whole and then, after `after`, closes its connection
+/// An upstream that reads each request's head and then, after `after`, closes its connection
 /// without a byte of answer — except for targets starting with `/ok`, answered `200 ok` on a
-/// kept-alive connection. It records every request it read: its target, and which connection
-/// (counted from 1) and which request on that connection (counted from 1) it came on.
+/// kept-alive connection, and `/stale`, answered so as the first request of a connection and
+/// closed at once, unanswered, as a later one (a kept-alive connection the upstream gave up
+/// on). It records every request it read: its target, and which connection (counted from 1)
+/// and which request on that connection (counted from 1) it came on.
 pub struct HangUp {
     pub port: u16,
     seen: Arc<std::sync::Mutex<Vec<(String, usize, usize)>>>,
@@ -177,7 +179,11 @@ impl HangUp {
                         let head = String::from_utf8_lossy(&head).into_owned();
                         let target = head.split(' ').nth(1).unwrap_or("").to_string();
                         log.lock().unwrap().push((target.clone(), n + 1, nth));
-                        if !target.starts_with("/ok") {
+                        let stale = target.starts_with("/stale");
+                        if stale && nth > 1 {
+                            return; // closed at once, nothing answered
+                        }
+                        if !target.starts_with("/ok") && !stale {
                             std::thread::sleep(after);
                             return; // dropped: closed, nothing answered
                         }

@@ -157,26 +157,32 @@ async function refresh() {
   const problem = document.getElementById("problem");
   // Each part is shown when it answers: while Redis is away /admin/routes cannot give the
   // fleet's slots (503), and that is when the store's health below matters most.
-  const [routes, status] = await Promise.allSettled([fetchJson("/admin/routes"), fetchJson("/admin/status")]);
-  const failed = [];
-  for (const [part, render] of [[status, renderStatus], [routes, renderRoutes]]) {
-    if (part.status === "rejected") {
-      failed.push(String(part.reason && part.reason.message || part.reason));
-      continue;
-    }
-    try {
+  try {
+    const [routes, status] = await Promise.allSettled([fetchJson("/admin/routes"), fetchJson("/admin/status")]);
+    const failed = [];
+    for (const [part, render, section] of [[status, renderStatus, "store-card"], [routes, renderRoutes, "routes"]]) {
+      // A part that could not be refreshed keeps its last figures, greyed out as stale.
+      document.getElementById(section).classList.toggle("stale", part.status === "rejected");
+      if (part.status === "rejected") {
+        failed.push(String(part.reason && part.reason.message || part.reason));
+        continue;
+      }
       render(part.value);
-    } catch (e) {
-      failed.push(String(e.message || e));
     }
+    const now = new Date().toLocaleTimeString([], { hour12: false });
+    problem.textContent = failed.join("; ");
+    problem.hidden = failed.length === 0;
+    updated.dataset.state = failed.length === 0 ? "ok" : failed.length === 2 ? "error" : "partial";
+    updated.textContent = failed.length === 0 ? "updated " + now
+      : failed.length === 2 ? "refresh failed" : "partly updated " + now;
+  } catch (e) {
+    problem.textContent = String(e.message || e);
+    problem.hidden = false;
+    updated.dataset.state = "error";
+    updated.textContent = "refresh failed";
+  } finally {
+    setTimeout(refresh, REFRESH_MS);
   }
-  const now = new Date().toLocaleTimeString([], { hour12: false });
-  problem.textContent = failed.join("; ");
-  problem.hidden = failed.length === 0;
-  updated.dataset.state = failed.length === 0 ? "ok" : failed.length === 2 ? "error" : "partial";
-  updated.textContent = failed.length === 0 ? "updated " + now
-    : failed.length === 2 ? "refresh failed" : "partly updated " + now;
-  setTimeout(refresh, REFRESH_MS);
 }
 
 // Trades the token for this browser's session cookie (/admin/session), then opens the page.
