@@ -514,15 +514,12 @@ async fn upstream_failures_are_refunded() {
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
 }
 
-/// An upstream that read the request and then closed its connection without answering had
-/// the request (DESIGN §3: "A request the upstream received is never refunded"): 502, the
-/// charge stands, and the request is sent once — not again on a new connection when the one
-/// it went on was a reused one (the upstream may have run it: it worked 300 ms on it).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_once() {
-    let up = HangUp::start(Duration::from_millis(300));
+/// A [`HangUp`] upstream (`after`), and a one-thread gateway before it where `route` costs 5
+/// of registry key k1's (`key-1`) 100.
+fn hang_up_gateway(route: &str, after: Duration) -> (HangUp, Gateway) {
+    let up = HangUp::start(after);
     let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /work: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    {route}: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
         sha256_hex("key-1")
     );
     let gw = Gateway::start_opts(GatewayOpts {
@@ -531,6 +528,16 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
         threads: 1,
         ..GatewayOpts::default()
     });
+    (up, gw)
+}
+
+/// An upstream that read the request and then closed its connection without answering had
+/// the request (DESIGN §3: "A request the upstream received is never refunded"): 502, the
+/// charge stands, and the request is sent once — not again on a new connection when the one
+/// it went on was a reused one (the upstream may have run it: it worked 300 ms on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_once() {
+    let (up, gw) = hang_up_gateway("/work", Duration::from_millis(300));
     let c = client();
     let hung_up = |r: &reqwest::Response, remaining: &str| {
         assert_eq!(r.status(), 502);
@@ -580,17 +587,7 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
 /// idempotent), and its 502 is refunded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_alive_connection_closed_under_a_request_never_had_it() {
-    let up = HangUp::start(Duration::from_secs(5));
-    let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /stale: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
-        sha256_hex("key-1")
-    );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        threads: 1,
-        ..GatewayOpts::default()
-    });
+    let (up, gw) = hang_up_gateway("/stale", Duration::from_secs(5));
     let c = client();
     let ok = get(&c, gw.url("/ok"), "key-1").await;
     assert_eq!(ok.status(), 200);
