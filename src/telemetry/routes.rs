@@ -1,7 +1,7 @@
 //! Each route's series, resolved once per config instead of by label lookup per request.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
@@ -39,14 +39,16 @@ pub struct RouteMetrics {
     /// Admitted and refused requests of the last minute (`/admin/routes`); made with the
     /// route's first counted request, so routes without traffic cost one pointer.
     recent: OnceLock<Box<LastMinute>>,
-    /// The route's `max_in_flight` in the config in force (-1: uncapped), for
-    /// `tollgate_in_flight_limit`: set from the start for announced routes, else with the
-    /// route's first counted request.
-    cap: AtomicI64,
+    /// `tollgate_in_flight_limit`: the route's `max_in_flight` in the config in force, and
+    /// whether its series is out (from the start for announced routes, else from the route's
+    /// first counted request). One lock, taken at a route's first request and on reloads, so
+    /// that a reload during the first request cannot leave the old cap out.
+    limit: Mutex<Limit>,
 }
 
-/// How many routes (in the order of their patterns: `endpoints` is a sorted map) have their series from the start; the others get theirs
-/// with their first request, so that `/metrics` stays small with thousands of endpoints.
+/// How many routes (in the order of their patterns: `endpoints` is a sorted map) have their
+/// series from the start; the others get theirs with their first request, so that `/metrics`
+/// stays small with thousands of endpoints.
 pub const ANNOUNCED_ROUTES: usize = 200;
 
 /// A route's series of one metric, registered on first use.
@@ -97,21 +99,25 @@ impl RouteMetrics {
             stated: StatedCosts::default(),
             statuses: Default::default(),
             recent: OnceLock::new(),
-            cap: AtomicI64::new(-1),
+            limit: Mutex::default(),
         }
     }
 
-    /// `tollgate_in_flight_limit` for a capped route; none (removed) for an uncapped one.
-    fn limit_series(&self) {
-        let m = metrics();
-        match self.cap.load(Ordering::Relaxed) {
-            cap if cap >= 0 => m
-                .in_flight_limit
-                .with_label_values(&[&*self.label])
-                .set(cap),
-            _ => {
-                let _ = m.in_flight_limit.remove_label_values(&[&*self.label]);
-            }
+    /// Puts `tollgate_in_flight_limit` out, and keeps it so from now on (`cap` on reloads).
+    fn publish_limit(&self) {
+        let mut l = crate::store::lock(&self.limit);
+        l.published = true;
+        l.show(&self.label);
+    }
+
+    /// A config put in force: the route's cap (`None`: uncapped), shown if its series is out
+    /// or `now`.
+    fn set_limit(&self, cap: Option<u32>, now: bool) {
+        let mut l = crate::store::lock(&self.limit);
+        l.cap = cap;
+        l.published |= now;
+        if l.published {
+            l.show(&self.label);
         }
     }
 
@@ -195,7 +201,7 @@ impl RouteMetrics {
         self.recent
             .get_or_init(|| {
                 // The route's first traffic: its limit, if it was not announced.
-                self.limit_series();
+                self.publish_limit();
                 Box::default()
             })
             .count(recent::second_of(at), admitted);
@@ -223,6 +229,29 @@ impl RouteMetrics {
             .rejections
             .with_label_values(&[&*self.label, reason.as_str()])
             .inc();
+    }
+}
+
+/// A route's `tollgate_in_flight_limit`: its cap, and whether the series is out.
+#[derive(Debug, Default)]
+struct Limit {
+    cap: Option<u32>,
+    published: bool,
+}
+
+impl Limit {
+    /// The series at the cap; removed for an uncapped route.
+    fn show(&self, label: &str) {
+        let m = metrics();
+        match self.cap {
+            Some(cap) => m
+                .in_flight_limit
+                .with_label_values(&[label])
+                .set(i64::from(cap)),
+            None => {
+                let _ = m.in_flight_limit.remove_label_values(&[label]);
+            }
+        }
     }
 }
 
@@ -278,11 +307,7 @@ impl RouteMetricsTable {
                         }
                         Arc::new(rm)
                     });
-                let cap = r.max_in_flight.map_or(-1, |c| c as i64);
-                rm.cap.store(cap, Ordering::Relaxed);
-                if announced || rm.recent.get().is_some() {
-                    rm.limit_series();
-                }
+                rm.set_limit(r.max_in_flight, announced);
                 rm
             })
             .collect();
