@@ -420,7 +420,6 @@ impl Router {
         &self.default
     }
 
-    /// Every configured route, in the order of their patterns, then `default`.
     /// The endpoint whose label is `label` (an async job's route, found again after a reload).
     pub fn by_label(&self, label: &str) -> Option<&Arc<Route>> {
         self.routes
@@ -429,6 +428,7 @@ impl Router {
             .find(|r| &*r.label == label)
     }
 
+    /// Every configured route, in the order of their patterns, then `default`.
     pub fn routes(&self) -> impl Iterator<Item = &Route> {
         self.routes
             .iter()

@@ -58,14 +58,12 @@ impl Config {
         let mut changed = Vec::new();
         match (was, now.as_mut(), &running.tracing, self.tracing.as_mut()) {
             (Some(was), Some(now), Some(run), Some(new)) => {
-                for (field, differs) in [
-                    ("otlp_endpoint", was.otlp_endpoint != now.otlp_endpoint),
-                    ("service_name", was.service_name != now.service_name),
-                ] {
-                    if differs {
-                        changed.push(format!("tracing.{field}"));
-                    }
-                }
+                changed.extend(
+                    changed_keys(was, &*now)
+                        .into_iter()
+                        .filter(|k| k != "sample_ratio")
+                        .map(|k| format!("tracing.{k}")),
+                );
                 now.otlp_endpoint = was.otlp_endpoint.clone();
                 now.service_name = was.service_name.clone();
                 new.traces_url = run.traces_url.clone();

@@ -503,11 +503,9 @@ impl ProxyHttp for Gateway {
             (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => UpstreamFailure::TimedOut,
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => {
-                let had = ctx.upstream.had_request.unwrap_or_else(|| {
-                    let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
-                    upstreams::had_request(e, sent, upstreams::STALE_WITHIN)
-                });
-                if had {
+                // Decided when the attempt failed (`error_while_proxy`, `fail_to_connect`);
+                // undecided, no attempt reached a connection (no upstream address).
+                if ctx.upstream.had_request.unwrap_or(false) {
                     UpstreamFailure::HungUp
                 } else {
                     UpstreamFailure::Unreachable
