@@ -411,6 +411,28 @@ async fn submission_refusals_charge_nothing_and_make_no_job() {
     );
 }
 
+/// A gateway before `upstream_url` where key a's one job fails with a 502
+/// `upstream-unavailable`.
+async fn failed_job(c: &reqwest::Client, upstream_url: String) -> Gateway {
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url,
+        body: &config(&reports(1, "")),
+        ..GatewayOpts::default()
+    });
+    let job = submit(c, &gw, ROUTE, "key-a", "").await;
+    let r = result(c, &gw, &job, "key-a").await;
+    assert_eq!(r.status(), 502);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("upstream-unavailable"),
+        "{p}"
+    );
+    gw
+}
+
 /// An answer over max_response_body fails the job, charged; an upstream that is down fails
 /// it refunded (502); one too slow fails it charged (504); one that hangs up after reading
 /// the request fails it charged (502).
@@ -467,43 +489,12 @@ async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
     )
     .await;
 
-    let down_port = free_port();
-    let down = Gateway::start_opts(GatewayOpts {
-        upstream_url: format!("http://127.0.0.1:{down_port}"),
-        body: &config(&reports(1, "")),
-        ..GatewayOpts::default()
-    });
-    let job = submit(&c, &down, ROUTE, "key-a", "").await;
-    let r = result(&c, &down, &job, "key-a").await;
-    assert_eq!(r.status(), 502);
-    let p: serde_json::Value = r.json().await.unwrap();
-    assert!(
-        p["type"]
-            .as_str()
-            .unwrap()
-            .ends_with("upstream-unavailable"),
-        "{p}"
-    );
+    let down = failed_job(&c, format!("http://127.0.0.1:{}", free_port())).await;
     assert_eq!(remaining(&down, "a").await, 100);
 
     // One that read the request and hung up without answering had it: 502, charged, once.
     let hangs_up = HangUp::start(Duration::from_millis(200));
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: hangs_up.url(),
-        body: &config(&reports(1, "")),
-        ..GatewayOpts::default()
-    });
-    let job = submit(&c, &gw, ROUTE, "key-a", "").await;
-    let r = result(&c, &gw, &job, "key-a").await;
-    assert_eq!(r.status(), 502);
-    let p: serde_json::Value = r.json().await.unwrap();
-    assert!(
-        p["type"]
-            .as_str()
-            .unwrap()
-            .ends_with("upstream-unavailable"),
-        "{p}"
-    );
+    let gw = failed_job(&c, hangs_up.url()).await;
     assert_eq!(remaining(&gw, "a").await, 90);
     assert_eq!(hangs_up.seen(ROUTE).len(), 1);
 }

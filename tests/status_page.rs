@@ -113,6 +113,22 @@ fn artefact(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// A gateway with the admin token before `up`, on `redis` with `on_error: local` and `more`
+/// (lines under `store:`).
+fn on_redis(redis: &Redis, up: &Upstream, more: &str) -> Gateway {
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n{more}{}",
+        redis.url(),
+        config()
+    );
+    Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        env: vec![("TOLLGATE_ADMIN_TOKEN", TOKEN.to_string())],
+        ..GatewayOpts::default()
+    })
+}
+
 /// `/admin/*` with the token, as the tests outside the browser ask it.
 async fn admin_get(gw: &Gateway, path: &str) -> serde_json::Value {
     let r = client()
@@ -157,17 +173,7 @@ async fn exports_of_key_c(gw: &Gateway, refused: usize) {
 async fn the_status_page_shows_the_live_numbers_in_a_browser() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 3s\n{}",
-        redis.url(),
-        config()
-    );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        env: vec![("TOLLGATE_ADMIN_TOKEN", TOKEN.to_string())],
-        ..GatewayOpts::default()
-    });
+    let gw = on_redis(&redis, &up, "  fleet_size: 2\n  lease_ttl: 3s\n");
     exports_of_key_c(&gw, 1).await;
     let c = client();
     let mut tasks = vec![];
@@ -255,17 +261,7 @@ async fn the_status_page_shows_the_live_numbers_in_a_browser() {
 async fn the_status_page_shows_the_store_while_redis_is_away() {
     let mut redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n{}",
-        redis.url(),
-        config()
-    );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        env: vec![("TOLLGATE_ADMIN_TOKEN", TOKEN.to_string())],
-        ..GatewayOpts::default()
-    });
+    let gw = on_redis(&redis, &up, "");
     let c = client();
     assert_eq!(get(&c, gw.url("/items"), "key-a").await.status(), 200);
     redis.kill();

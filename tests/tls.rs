@@ -328,10 +328,9 @@ async fn route_cap_holds_across_streams_of_one_connection() {
     );
 }
 
-/// A stream reset while its request is with the upstream keeps its slot (and its charge)
-/// until the upstream is done; one reset while queued is never forwarded nor charged.
-#[tokio::test]
-async fn a_reset_stream_is_a_client_that_went_away() {
+/// A TLS gateway (its PKI in the directory returned) where `/reports/generate` has one slot
+/// and a 20 s queue.
+fn one_report_slot() -> (Upstream, tempfile::TempDir, TlsGateway) {
     let up = Upstream::start(Duration::ZERO);
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::new(dir.path());
@@ -339,6 +338,14 @@ async fn a_reset_stream_is_a_client_that_went_away() {
         "      max_in_flight: 1\n      queue_timeout: 20s\n",
     ));
     let tg = start_tls(&up, &pki, &body, &[]);
+    (up, dir, tg)
+}
+
+/// A stream reset while its request is with the upstream keeps its slot (and its charge)
+/// until the upstream is done; one reset while queued is never forwarded nor charged.
+#[tokio::test]
+async fn a_reset_stream_is_a_client_that_went_away() {
+    let (up, _dir, tg) = one_report_slot();
     let path = "/reports/generate";
 
     let client = h2_connect(&tg).await;
@@ -409,13 +416,7 @@ async fn a_reset_stream_is_a_client_that_went_away() {
 /// (and the charge) stay until the upstream is done.
 #[tokio::test]
 async fn a_closed_http2_connection_is_a_client_that_went_away() {
-    let up = Upstream::start(Duration::ZERO);
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new(dir.path());
-    let body = slow_refill(&incident_with_report_caps(
-        "      max_in_flight: 1\n      queue_timeout: 20s\n",
-    ));
-    let tg = start_tls(&up, &pki, &body, &[]);
+    let (up, _dir, tg) = one_report_slot();
     let path = "/reports/generate";
     for method in ["GET", "POST"] {
         let (client, conn) = h2_connect_closable(&tg).await;
