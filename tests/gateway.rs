@@ -570,15 +570,7 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
         work[1].2, 2,
         "the second went on a reused connection: {work:?}"
     );
-    let v: serde_json::Value = c
-        .get(gw.admin("/admin/keys/k1"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(v["remaining"], 89, "{v}");
+    assert_eq!(remaining(&gw, "k1").await, 89);
 }
 
 /// The other side of that rule: a kept-alive connection the upstream closes at once, before
