@@ -57,6 +57,11 @@ pub struct ConnState {
     gone: AtomicBool,
     send_timeout_us: AtomicU64,
     send_timed_out: AtomicBool,
+    /// Requests come as HTTP/1 heads, read by the front door's keep-alive loop.
+    http1: AtomicBool,
+    /// Pingora refused a head it could not parse, before any hook: the gateway's own answer
+    /// went out instead of its empty 400 (see [`Tracked`]).
+    refused_head: AtomicBool,
 }
 
 impl ConnState {
@@ -70,6 +75,8 @@ impl ConnState {
             gone: AtomicBool::new(false),
             send_timeout_us: AtomicU64::new(send_timeout.as_micros() as u64),
             send_timed_out: AtomicBool::new(false),
+            http1: AtomicBool::new(false),
+            refused_head: AtomicBool::new(false),
         }
     }
 
@@ -129,6 +136,14 @@ impl ConnState {
         }
     }
 
+    /// How long the current request head has been in transit (zero before its first byte).
+    fn head_elapsed(&self) -> Duration {
+        match self.first_byte_us.load(Ordering::SeqCst) {
+            0 => Duration::ZERO,
+            at => Duration::from_micros(self.now_us().saturating_sub(at)),
+        }
+    }
+
     /// A byte of the current request head has arrived.
     fn head_begun(&self) -> bool {
         self.first_byte_us.load(Ordering::SeqCst) > 0
@@ -151,6 +166,13 @@ impl ConnState {
     /// A write stalled past `send_timeout` (already counted).
     pub fn send_timed_out(&self) -> bool {
         self.send_timed_out.load(Ordering::SeqCst)
+    }
+
+    /// Whatever is written now is Pingora's refusal of an HTTP/1 head it could not parse (a
+    /// duplicate `Content-Length`, a header line without a colon, `Transfer-Encoding` in
+    /// HTTP/1.0, …): it writes nothing else before the first hook has marked the head done.
+    fn refusing_head(&self) -> bool {
+        self.http1.load(Ordering::Relaxed) && !self.head_complete()
     }
 
     fn send_timeout(&self) -> Duration {
@@ -253,6 +275,9 @@ where
     async fn serve(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) {
         let limits = self.shared.running().config.client_limits;
         let conn = Arc::new(ConnState::new(limits.send_timeout));
+        let peer = stream
+            .get_socket_digest()
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
         let stream: Stream = Box::new(Tracked::new(stream, conn.clone()));
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
             // Pingora's h2 server waits for the client's preface without a deadline: a
@@ -270,6 +295,7 @@ where
         }
         // Pingora's own HTTP/1 keep-alive loop, with each request head raced against its
         // deadline.
+        conn.http1.store(true, Ordering::Relaxed);
         let mut session = ServerSession::new_http1(stream);
         session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
         // Requests a client pipelines are answered one after the other, in order (RFC 9112
@@ -307,7 +333,12 @@ where
                     return;
                 }
             };
-            let Some(done) = done else { return };
+            let Some(done) = done else {
+                if conn.refused_head.load(Ordering::SeqCst) {
+                    crate::proxy::malformed_head(&self.shared, peer, conn.head_elapsed());
+                }
+                return;
+            };
             let (stream, settings) = done.consume();
             session = ServerSession::new_http1(stream);
             if let Some(s) = settings {

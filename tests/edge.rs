@@ -249,6 +249,58 @@ async fn http11_without_host_is_400() {
     assert_eq!(r.status, 200);
 }
 
+/// Heads Pingora cannot parse never reach a hook: they still get the gateway's answer (a
+/// problem JSON, the connection closed), are counted and logged, and reach no upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unparsable_heads_get_a_problem_json_and_are_counted() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let bad: [&[u8]; 4] = [
+        b"GET /items HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"GET /items HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nno colon here\r\n\r\n",
+        b"POST /items HTTP/1.0\r\nX-API-Key: k\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET /items HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-API-Key: k\r\n\r\n",
+    ];
+    for (i, request) in bad.iter().enumerate() {
+        let mut s = raw_connect(gw.port);
+        s.write_all(request).unwrap();
+        let r =
+            read_raw_response(&mut s).unwrap_or_else(|| panic!("#{i}: closed without an answer"));
+        assert_eq!(r.status, 400, "#{i}: {r:?}");
+        assert!(r.is_problem("bad-request"), "#{i}: {r:?}");
+        assert_eq!(r.json()["status"], 400, "#{i}: {r:?}");
+        assert_eq!(r.header("connection"), Some("close"), "#{i}: {r:?}");
+        assert_eq!(
+            r.header("content-length"),
+            Some(r.body.len().to_string().as_str()),
+            "#{i}: {r:?}"
+        );
+        assert!(is_closed(&mut s), "#{i}: the connection stays open");
+    }
+    assert!(up.stats().is_empty(), "the upstream ran {:?}", up.stats());
+    assert_metric(
+        &gw,
+        r#"tollgate_requests_total{route="default",status="400"}"#,
+        4.0,
+    )
+    .await;
+    assert_metric(
+        &gw,
+        r#"tollgate_rejections_total{reason="bad_request",route="default"}"#,
+        4.0,
+    )
+    .await;
+    let lines = gw.wait_access(4, |l| l["status"] == 400).await;
+    for l in &lines {
+        assert_eq!(l["route"], "default", "{l}");
+        assert_eq!(l["decision"], "bad_request", "{l}");
+        assert_eq!(l["cost"], 0, "{l}");
+    }
+    // The next connection is served as usual.
+    let r = raw_request(gw.port, &raw("GET /items", &["X-API-Key: k"])).expect("an answer");
+    assert_eq!(r.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credentials_that_disagree_are_401() {
     let up = Upstream::start(Duration::ZERO);

@@ -40,6 +40,9 @@ pub struct Tracked {
     inner: BufWriter<Stream>,
     conn: Arc<ConnState>,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The part of the gateway's answer to an unparsable head not yet written (see
+    /// [`Tracked::refuse_head`]).
+    refusal: Option<bytes::Bytes>,
 }
 
 impl std::fmt::Debug for Tracked {
@@ -56,6 +59,7 @@ impl Tracked {
             inner: BufWriter::with_capacity(WRITE_BUFFER, inner),
             conn,
             stall: None,
+            refusal: None,
         }
     }
 
@@ -106,6 +110,27 @@ impl Tracked {
             }
             Poll::Pending => self.poll_stall(cx),
         }
+    }
+
+    /// Pingora answers a head it cannot parse with an empty 400 of its own, before any hook
+    /// (so the gateway never sees the request). Its bytes are replaced, write for write, by
+    /// the gateway's answer: a problem JSON, the connection closed (`ok`: what the caller
+    /// wrote, reported as written).
+    fn refuse_head(&mut self, cx: &mut Context<'_>, ok: usize) -> Poll<io::Result<usize>> {
+        if !self.conn.refused_head.swap(true, Ordering::SeqCst) {
+            self.refusal = Some(crate::proxy::malformed_head_answer());
+        }
+        while let Some(rest) = self.refusal.as_mut().filter(|r| !r.is_empty()) {
+            match Pin::new(&mut self.inner).poll_write(cx, rest) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(n)) => bytes::Buf::advance(rest, n),
+                r @ (Poll::Ready(Err(_)) | Poll::Pending) => return self.written(cx, r, || ok),
+            }
+        }
+        self.refusal = None;
+        Poll::Ready(Ok(ok))
     }
 
     fn discarding(&self) -> bool {
@@ -164,6 +189,9 @@ impl AsyncWrite for Tracked {
         if this.discarding() {
             return Poll::Ready(Ok(buf.len()));
         }
+        if this.conn.refusing_head() {
+            return this.refuse_head(cx, buf.len());
+        }
         let r = Pin::new(&mut this.inner).poll_write(cx, buf);
         let len = buf.len();
         this.written(cx, r, || len)
@@ -178,6 +206,9 @@ impl AsyncWrite for Tracked {
         let len: usize = bufs.iter().map(|b| b.len()).sum();
         if this.discarding() {
             return Poll::Ready(Ok(len));
+        }
+        if this.conn.refusing_head() {
+            return this.refuse_head(cx, len);
         }
         let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         this.written(cx, r, || len)

@@ -32,6 +32,7 @@ use crate::state::Shared;
 use crate::telemetry::{metrics, ClientTimeout};
 use crate::upstreams;
 use ctx::{Ctx, Phase};
+pub use record::{malformed_head, malformed_head_answer};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 

@@ -117,3 +117,71 @@ pub(super) fn access_line(ctx: &Ctx, l: &Line<'_>, trace_id: Option<&TraceHex>, 
         job: ctx.job_id(),
     });
 }
+
+/// The detail of the answer to a head Pingora could not parse (it does not say why).
+const MALFORMED_HEAD: &str = "the request head is not valid HTTP/1.1: its request line, a header \
+     field or its message framing (Content-Length, Transfer-Encoding, Host) is malformed or \
+     ambiguous";
+
+/// The gateway's whole answer to an HTTP/1 head Pingora refused before any hook: 400
+/// `bad-request`, a problem JSON, and the connection closed (the rest of the stream cannot be
+/// framed).
+pub fn malformed_head_answer() -> bytes::Bytes {
+    use crate::problem::{self, Problem};
+    let body = problem::body(Problem::BadRequest, MALFORMED_HEAD, None, None, None);
+    let date = pingora::protocols::http::date::get_cached_date();
+    let mut out = Vec::with_capacity(body.len() + 200);
+    out.extend_from_slice(b"HTTP/1.1 400 Bad Request\r\nDate: ");
+    out.extend_from_slice(date.as_bytes());
+    out.extend_from_slice(
+        b"\r\nContent-Type: application/problem+json\r\nCache-Control: no-store\r\n\
+          Connection: close\r\nContent-Length: ",
+    );
+    out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+    out.extend_from_slice(b"\r\n\r\n");
+    out.extend_from_slice(&body);
+    out.into()
+}
+
+/// Counts and logs a head Pingora refused (see [`malformed_head_answer`]): under `default`,
+/// as a `bad_request` rejection, like a request without `Host`. Nothing was charged and no
+/// span exists (nothing of the request was understood).
+pub fn malformed_head(
+    shared: &crate::state::Shared,
+    client: Option<std::net::IpAddr>,
+    elapsed: Duration,
+) {
+    use crate::reason::{Reason, Verdict};
+    use crate::telemetry::access;
+    let running = shared.running();
+    let route = running.config.router.default_route();
+    let rm = running.metrics.get(route);
+    rm.request(400);
+    rm.request_duration.observe(elapsed.as_secs_f64());
+    rm.rejection(Reason::BadRequest);
+    rm.count_recent(false, std::time::Instant::now());
+    if !access::enabled() {
+        return;
+    }
+    access::write(&access::AccessRecord {
+        method: "-",
+        route: &route.label,
+        key: "-",
+        cost: 0,
+        decision: Verdict::Refused(Reason::BadRequest),
+        status: 400,
+        latency_ms: access::millis(elapsed),
+        upstream_ms: None,
+        store_ms: 0.0,
+        queue_ms: 0.0,
+        hold_ms: 0.0,
+        upstream_status: None,
+        request_id: None,
+        trace_id: None,
+        fallback: false,
+        shadow: None,
+        client,
+        error: Some(pingora::ErrorType::InvalidHTTPHeader.as_str()),
+        job: None,
+    });
+}
