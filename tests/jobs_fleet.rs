@@ -504,6 +504,76 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
     assert_eq!(remaining(&b, "a").await, 80);
 }
 
+/// The whole fleet restarted (one instance, SIGTERM, started again) while one job runs and
+/// one waits: the running job ends during the drain and its slot is granted to the queued
+/// one, which no instance takes (a draining instance starts no job). The grant lapses and the
+/// job goes back to the queue (DESIGN §8: "a queued job still runs"), so the next instance
+/// runs it, once.
+#[tokio::test]
+async fn a_queued_job_granted_while_the_whole_fleet_drains_runs_after_the_restart() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(200));
+    let body = config(&redis.url());
+    let mut a = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        grace: "10s",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=1000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (queued, accepted) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(accepted["status"], "queued");
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(Duration::from_secs(15)), Some(0), "{}", a.log());
+    assert_eq!(
+        up.count(ROUTE),
+        1,
+        "a draining instance started the queued job"
+    );
+    let b = Gateway::start(&up, &body);
+    assert_eq!(result(&c, &b, &running).await.status(), 200);
+    let done = result(&c, &b, &queued).await;
+    assert_eq!(done.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    assert_eq!(remaining(&b, "a").await, 80);
+}
+
+/// Redis unreachable (paused) for longer than lease_ttl while one job runs and one waits:
+/// when it answers again the running job's lease has lapsed and its slot goes to the queued
+/// job, granted in the reply to a beat the collector sent during the pause and gave up on.
+/// Nobody confirms that grant; it lapses and the job goes back to its place, so it runs,
+/// once, instead of waiting out its result_ttl.
+#[tokio::test]
+async fn a_queued_job_whose_grant_was_lost_while_redis_was_away_still_runs() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(200));
+    let body = config(&redis.url());
+    let a = Gateway::start(&up, &body);
+    let _b = Gateway::start(&up, &body);
+    let c = client();
+    let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=1000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (queued, accepted) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(accepted["status"], "queued");
+    redis.pause();
+    tokio::time::sleep(LEASE_TTL * 5 / 2).await;
+    redis.resume();
+    // Polls are 503 until the gateway's breaker lets it try Redis again.
+    let since = Instant::now();
+    while get(&c, a.url(&queued), "key-a").await.status() == 503 {
+        assert!(since.elapsed() < Duration::from_secs(10), "Redis not back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let done = result(&c, &a, &queued).await;
+    assert_eq!(done.status(), 200, "{}", a.log());
+    // The first job's runner was cut off past its lease: whatever its poll says, it ran once.
+    let _ = result(&c, &a, &running).await;
+    assert_eq!(up.count(ROUTE), 2);
+}
+
 /// Redis restarted without persistence while one job runs and one waits: Redis's data is
 /// gone (README, "Long-running requests as jobs"), and with it both records and the queued
 /// job's waiter: their polls are 404 and the queued one never runs. What the contract keeps:

@@ -21,6 +21,8 @@
 --            KEYS[2]>|<instance>"; `i:<instance>` until when that instance is alive (µs);
 --            `g:<instance>` the waiters granted to it, space-separated, until it collects them;
 --            `gi:<lease>` the instance a granted lease waits on, until it confirms it;
+--            `gw:<lease>` a job's lease (the fleet's, `jobs`): its member of KEYS[2], to queue
+--            it again at its place should the lease lapse;
 --            `n:<instance>` its waiters, and `insts` the instances with any.
 --   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
 --            refused. A `leave` or `release` that finds its id neither waiting nor holding a
@@ -35,6 +37,12 @@
 -- waiter id becomes the lease id, held for `grant_ttl_us` until its instance confirms it
 -- (renewing it for lease_ttl), and the instance is told on channel `tollgate:q:<instance>`
 -- (and by its next `beat`). A waiter whose instance stopped beating is skipped and dropped.
+-- The fleet's jobs (instance `jobs`) belong to no process: their waiters are never dropped,
+-- only passed over while no instance collects them (none beat as `jobs` within its alive
+-- time), and a job's lease that lapses (a grant nobody took: the fleet drained, a beat whose
+-- reply was lost; or a runner cut off) puts the job back at its place in the queue. Its
+-- record decides whether it runs: a job already claimed is not claimed again, and its grant
+-- is released.
 --
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
@@ -58,6 +66,7 @@
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
 
 local QUEUED, TAKEN, FULL, GIVEN_UP = 0, 1, 2, 3
+local FLEET = 'jobs'
 local leases, waiters, heads, state, given_up = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 
@@ -119,7 +128,7 @@ end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
 local function lease_gone(id)
-  redis.call('HDEL', state, 'gi:' .. id)
+  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id)
   local key = redis.call('HGET', state, 'l:' .. id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
@@ -169,25 +178,35 @@ local function alive(instance)
   return num('i:' .. instance) >= now
 end
 
--- Gives free slots to the next waiters; returns the waiters granted.
+-- Whether a waiter of `instance` goes as its instance's: never the fleet's jobs'.
+local function dead(instance)
+  return instance ~= FLEET and not alive(instance)
+end
+
+-- Gives free slots to the next waiters; returns the waiters granted. A key whose oldest
+-- waiter is a job while no instance collects jobs is passed over (`skip`), still queued.
 local function grant(grant_ttl)
   local granted = {}
+  local skip = 0
   while redis.call('ZCARD', leases) < cap() do
-    local top = redis.call('ZRANGE', heads, 0, 0)[1]
+    local top = redis.call('ZRANGE', heads, skip, skip)[1]
     if not top then break end
     local key = string.match(top, '^%d+:(.*)$')
     local m = oldest(key)
+    local id = m and string.match(m, '^[^:]*:%d+:(.*)$')
+    local info = id and redis.call('HGET', state, 'w:' .. id) or ''
+    local instance = string.match(info, '|([^|]*)$') or ''
     if not m then
       redis.call('ZREM', heads, top)
       redis.call('HDEL', state, 'h:' .. key)
+    elseif instance == FLEET and not alive(FLEET) then
+      skip = skip + 1
     else
-      local id = string.match(m, '^[^:]*:%d+:(.*)$')
-      local info = redis.call('HGET', state, 'w:' .. id) or ''
-      local instance = string.match(info, '|([^|]*)$') or ''
       drop_waiter(id, info ~= '' and info or (key .. '|' .. m .. '|'))
       if alive(instance) then
         redis.call('ZADD', leases, now + grant_ttl, id)
         redis.call('HSET', state, 'l:' .. id, key, 'gi:' .. id, instance)
+        if instance == FLEET then redis.call('HSET', state, 'gw:' .. id, m) end
         add_running(key, 1)
         turn(key)
         local g = redis.call('HGET', state, 'g:' .. instance)
@@ -210,10 +229,23 @@ local function purge()
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)
     local instance = redis.call('HGET', state, 'gi:' .. id)
-    -- Not the fleet's own pseudo-instance of async jobs (`jobs`): its waiters belong to no
-    -- process, and any instance's collector picks its grants up.
-    if instance and instance ~= 'jobs' then redis.call('HDEL', state, 'i:' .. instance) end
-    lease_gone(id)
+    -- Not the fleet's own pseudo-instance of async jobs: its waiters belong to no process,
+    -- and any instance's collector picks its grants up.
+    if instance and instance ~= FLEET then redis.call('HDEL', state, 'i:' .. instance) end
+    local member = redis.call('HGET', state, 'gw:' .. id)
+    if member then
+      -- A job's lease: the job goes back to its place (not behind its key's others).
+      local key = redis.call('HGET', state, 'l:' .. id)
+      redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'l:' .. id)
+      if key then add_running(key, -1) end
+      key = key or string.match(member, '^([^:]*)')
+      redis.call('ZADD', waiters, 0, member)
+      redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. FLEET)
+      count_instance(FLEET, 1)
+      refresh(key)
+    else
+      lease_gone(id)
+    end
   end
 end
 
@@ -310,14 +342,14 @@ elseif op == 'beat' then
   -- `grant` as it reaches them).
   local any_dead = false
   for inst in string.gmatch(redis.call('HGET', state, 'insts') or '', '%S+') do
-    if not alive(inst) then any_dead = true; break end
+    if dead(inst) then any_dead = true; break end
   end
   local seen = {}
   for _, m in ipairs(any_dead and redis.call('ZRANGE', waiters, 0, -1) or {}) do
     local id = string.match(m, '^[^:]*:%d+:(.*)$')
     local info = redis.call('HGET', state, 'w:' .. id) or ''
     local inst = string.match(info, '|([^|]*)$') or ''
-    if seen[inst] == nil then seen[inst] = alive(inst) end
+    if seen[inst] == nil then seen[inst] = not dead(inst) end
     if not seen[inst] then
       local key = drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|'))
       refresh(key)
