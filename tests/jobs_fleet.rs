@@ -574,6 +574,49 @@ async fn a_queued_job_whose_grant_was_lost_while_redis_was_away_still_runs() {
     assert_eq!(up.count(ROUTE), 2);
 }
 
+/// A job the fleet runs is observed as the memory store's jobs and synchronous requests are
+/// (DESIGN §5, §6): in `tollgate_in_flight` while it runs, its upstream time in
+/// `tollgate_upstream_duration_seconds` and the access log, its stated cost in
+/// `tollgate_cost_reports_total` (and so in `audit`).
+#[tokio::test]
+async fn a_fleet_job_is_counted_in_the_routes_metrics() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(200));
+    let body = config(&redis.url()).replace(
+        "      async:\n",
+        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let series = |name: &str| format!("{name}{{route=\"{ROUTE}\"}}");
+    let (held, _) = submit(&c, &gw, "/reports/generate?delay_ms=1500", "").await;
+    up.wait_current(ROUTE, 1).await;
+    assert_metric(&gw, &series("tollgate_in_flight"), 1.0).await;
+    assert_eq!(result(&c, &gw, &held).await.status(), 200);
+    let (stated, _) = submit(&c, &gw, "/reports/generate?actual_cost=7", "").await;
+    assert_eq!(result(&c, &gw, &stated).await.status(), 200);
+    let done = gw.wait_access(2, |l| l["decision"] == "job_done").await;
+    for l in &done {
+        assert!(l["upstream_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{l}");
+    }
+    assert_metric(&gw, &series("tollgate_in_flight"), 0.0).await;
+    assert_metric(
+        &gw,
+        &series("tollgate_upstream_duration_seconds_count"),
+        2.0,
+    )
+    .await;
+    for (result, n) in [("applied", 1.0), ("missing", 1.0)] {
+        assert_metric(
+            &gw,
+            &format!("tollgate_cost_reports_total{{result=\"{result}\",route=\"{ROUTE}\"}}"),
+            n,
+        )
+        .await;
+    }
+    assert_eq!(remaining(&gw, "a").await, 100 - 10 - 7);
+}
+
 /// Redis restarted without persistence while one job runs and one waits: Redis's data is
 /// gone (README, "Long-running requests as jobs"), and with it both records and the queued
 /// job's waiter: their polls are 404 and the queued one never runs. What the contract keeps:

@@ -10,6 +10,7 @@ use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
 use super::record::{claimed, headers_json, text};
+use crate::admission::InFlight;
 use crate::decision;
 use crate::problem::Problem;
 use crate::route::stated::Report;
@@ -41,6 +42,8 @@ pub(super) async fn run_claimed(
     };
     let _drain = shared.drain.enter();
     let _state = InState::new(&label, JobState::Running);
+    let rm = running.metrics.get(&route);
+    let in_flight = InFlight::new(&rm.in_flight);
     b.job_hold(&label, &id, key.as_ref());
     let renew = keep_alive(b.clone(), id.clone(), label.clone(), key);
     // With `max_delay` it holds its slot until its reserved units are due, as on memory.
@@ -56,9 +59,22 @@ pub(super) async fn run_claimed(
         max,
     )
     .await;
-    let (state, stored, mut cost, upstream_status, follow) =
-        settle(&shared, &route, &admit, sent, started).await;
+    let Settled {
+        state,
+        stored,
+        mut cost,
+        upstream_status,
+        upstream,
+        report,
+        follow,
+    } = settle(&shared, &route, &admit, sent, started).await;
     write_result(&b, &id, state, &stored).await;
+    if let Some(u) = upstream {
+        rm.upstream_duration.observe(u.as_secs_f64());
+    }
+    if let Some(r) = report {
+        rm.cost_report(r);
+    }
     if let Some(follow) = follow {
         // The slot follows the late answer (the result is readable meanwhile).
         follow.until_done().await;
@@ -69,9 +85,10 @@ pub(super) async fn run_claimed(
     }
     renew.abort();
     let _ = b.job_release(&label, &id, key.as_ref()).await;
+    drop(in_flight);
     metrics::ended(&label, state);
     if cost > 0 {
-        running.metrics.get(&route).cost_units.inc_by(cost);
+        rm.cost_units.inc_by(cost);
     }
     if access::enabled() {
         let key = who.log_name();
@@ -84,7 +101,7 @@ pub(super) async fn run_claimed(
             decision: state.verdict(),
             status: stored.status,
             latency_ms: access::millis(started.elapsed()),
-            upstream_ms: None,
+            upstream_ms: upstream.map(access::millis),
             store_ms: 0.0,
             queue_ms: 0.0,
             hold_ms: 0.0,
@@ -136,14 +153,33 @@ async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Sto
     let _ = b.job_record::<i64>(id, "finish", &fields).await;
 }
 
-/// A job's end: its state, result, charge and upstream status, and a late answer to follow.
-type Settled = (
-    JobResult,
-    Stored,
-    u64,
-    Option<u16>,
-    Option<Box<send::Follow>>,
-);
+/// A job's end: its state, result, charge, what the upstream answered and took, and a late
+/// answer to follow.
+struct Settled {
+    state: JobResult,
+    stored: Stored,
+    cost: u64,
+    upstream_status: Option<u16>,
+    /// Until the answer's head (or its end, for an answer over `max_response_body`).
+    upstream: Option<Duration>,
+    /// What became of the cost the upstream stated (`cost_from_response`).
+    report: Option<Report>,
+    follow: Option<Box<send::Follow>>,
+}
+
+impl Settled {
+    fn failed(stored: Stored, cost: u64, upstream: Option<Duration>) -> Settled {
+        Settled {
+            state: JobResult::Failed,
+            stored,
+            cost,
+            upstream_status: None,
+            upstream,
+            report: None,
+            follow: None,
+        }
+    }
+}
 
 /// The job's result, state and final charge, the charge settled as DESIGN §3 says.
 async fn settle(
@@ -167,7 +203,15 @@ async fn settle(
             };
             store.settle(admit, Charge::Shared, total).await;
             let status = stored.status;
-            (JobResult::Done, stored, total, Some(status), None)
+            Settled {
+                state: JobResult::Done,
+                stored,
+                cost: total,
+                upstream_status: Some(status),
+                upstream: Some(upstream),
+                report,
+                follow: None,
+            }
         }
         Sent::Unreachable(_) => {
             store.refund(admit, Charge::Shared).await;
@@ -175,25 +219,28 @@ async fn settle(
                 Problem::BadGateway,
                 "the upstream could not be reached; the job's charge was refunded",
             );
-            (JobResult::Failed, p, 0, None, None)
+            Settled::failed(p, 0, None)
         }
         Sent::TimedOut(follow) => {
             // Charged; settled (for measured time) once the late answer has been followed.
             let _ = started;
             let p = problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands");
-            (JobResult::Failed, p, admit.cost, None, Some(follow))
+            Settled {
+                follow: Some(follow),
+                ..Settled::failed(p, admit.cost, None)
+            }
         }
         Sent::TooLarge { upstream } => {
             let total = billed(upstream);
             store.settle(admit, Charge::Shared, total).await;
             let p = problem_result(Problem::JobResponseTooLarge, "the upstream's answer is larger than async.max_response_body; it did the work, so the charge stands");
-            (JobResult::Failed, p, total, None, None)
+            Settled::failed(p, total, Some(upstream))
         }
         Sent::Broken { upstream, .. } => {
             let total = billed(upstream);
             store.settle(admit, Charge::Shared, total).await;
             let p = problem_result(Problem::BadGateway, crate::jobs::send::BROKEN);
-            (JobResult::Failed, p, total, None, None)
+            Settled::failed(p, total, Some(upstream))
         }
     }
 }
