@@ -274,6 +274,48 @@ async fn a_flapping_redis_keeps_the_budget_plus_one_burst() {
     );
 }
 
+/// `/readyz` follows the store while no request comes (DESIGN §5: "store reachable or a
+/// fallback policy in force"): under `on_error: deny` an idle instance whose Redis went away
+/// turns not-ready (and `tollgate_store_degraded` 1) by itself, and ready again when Redis is
+/// back, so that a load balancer stops sending it requests it could only refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_instance_sees_its_store_go_and_come_back() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &store_body(
+            &redis,
+            "deny",
+            1,
+            "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+        ),
+    );
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+    let ready = async || reqwest::get(gw.admin("/readyz")).await.unwrap().status();
+    assert_eq!(ready().await, 200);
+    redis.kill();
+    eventually(Duration::from_secs(5), async || {
+        match ready().await.as_u16() {
+            503 => Ok(()),
+            s => Err(format!("readyz {s} with Redis gone")),
+        }
+    })
+    .await;
+    assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
+    let _redis = Redis::start_on(port);
+    eventually(Duration::from_secs(5), async || {
+        match ready().await.as_u16() {
+            200 => Ok(()),
+            s => Err(format!("readyz {s} with Redis back")),
+        }
+    })
+    .await;
+    assert_metric(&gw, "tollgate_store_degraded", 0.0).await;
+}
+
 /// A store error's cause reaches the log (once, not per request), and `/readyz` sees a store
 /// that is unusable from the start, before any request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -78,6 +78,12 @@ pub trait SharedStore: Send + Sync + 'static {
     /// One cheap round trip: is the store reachable?
     fn probe(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// How long since the store last answered a call: an instance that has not asked it for
+    /// a while does not know whether it is still there.
+    fn quiet_for(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// Releases every lease this instance holds (on exit).
     fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
 
@@ -199,18 +205,19 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// Asks the store once now and then, while it is unreachable, every second, on a thread of
-    /// its own for the store's life: at start, so that `/readyz` and the degraded gauge reflect a
-    /// store that is down before any request arrives, and whenever a request found it down,
-    /// so that the degraded state ends when the store is back, not when the next request
-    /// happens to come. One thread, which only reads a flag while the store answers.
+    /// Asks the store once now and then, while it is unreachable or no call has gone to it for
+    /// a second, every second, on a thread of its own for the store's life: so that `/readyz`
+    /// and the degraded gauge reflect a store that is down before any request arrives (at
+    /// start, and on an idle instance: DESIGN §5), and the degraded state ends when the store
+    /// is back, not when the next request happens to come. One thread, which only reads the
+    /// time of the last answer while requests keep the store busy.
     pub fn spawn_probe(self: &Arc<Self>) {
         let store = Arc::downgrade(self);
         let spawned = crate::background::spawn("tollgate-store-probe".into(), move || async move {
             let mut first = true;
             loop {
                 let Some(s) = store.upgrade() else { return };
-                if first || s.degraded() {
+                if first || s.degraded() || s.shared.quiet_for() >= PROBE_EVERY {
                     match s.shared.probe().await {
                         Ok(()) => s.set_degraded(false, None),
                         Err(StoreError::BreakerOpen) => {}

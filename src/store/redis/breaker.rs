@@ -18,6 +18,8 @@ pub(super) struct Breaker {
     failures: AtomicU32,
     /// 0 when closed; otherwise when the next probe may go (µs since `epoch`).
     open_until_us: AtomicU64,
+    /// When a call last succeeded (µs since `epoch`; 0: none yet).
+    last_ok_us: AtomicU64,
     epoch: Instant,
 }
 
@@ -26,6 +28,7 @@ impl Breaker {
         Breaker {
             failures: AtomicU32::new(0),
             open_until_us: AtomicU64::new(0),
+            last_ok_us: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -63,6 +66,13 @@ impl Breaker {
     pub(super) fn success(&self) {
         self.failures.store(0, Ordering::Release);
         self.open_until_us.store(0, Ordering::Release);
+        self.last_ok_us.store(self.now_us(), Ordering::Relaxed);
+    }
+
+    /// How long since a call last succeeded (since the breaker was made, if none has).
+    pub(super) fn quiet_for(&self) -> Duration {
+        let last = self.last_ok_us.load(Ordering::Relaxed);
+        Duration::from_micros(self.now_us().saturating_sub(last))
     }
 
     /// Counts a failure; true when this one opened a closed breaker.

@@ -157,6 +157,10 @@ impl SharedStore for RedisBackend {
         res
     }
 
+    fn quiet_for(&self) -> Duration {
+        self.breaker.quiet_for()
+    }
+
     async fn release_all(self: &Arc<Self>) {
         self.release_everything().await;
     }
