@@ -204,6 +204,57 @@ async fn an_exit_past_the_grace_period_frees_the_slots() {
     assert_eq!(up.count("/reports/generate"), 6);
 }
 
+/// (d') What an exit releases is released as a request's end releases it: the slot, and its
+/// key's count on the route. Left behind, the count kept a key at its `max_in_flight_per_key`
+/// share for as long as anyone used the route: every later request of that key waited out
+/// its queue_timeout (503) while the route stood idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exit_past_the_grace_period_leaves_its_keys_their_share() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(4));
+    let body = store_body(
+        &redis,
+        "deny",
+        2,
+        &capped(3).replace(
+            "      max_in_flight: 3\n",
+            "      max_in_flight: 3\n      max_in_flight_per_key: 1\n      queue_timeout: 5s\n",
+        ),
+    );
+    let mut a = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        grace: "1s",
+        ..GatewayOpts::default()
+    });
+    let b = Gateway::start(&up, &body);
+    start_reports(&a, 1);
+    up.wait_current("/reports/generate", 1).await;
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(Duration::from_secs(5)), Some(0));
+    let routes = admin_json(&b, "/admin/routes").await;
+    let route = routes["routes"]
+        .as_array()
+        .and_then(|rs| rs.iter().find(|r| r["route"] == "/reports/generate"))
+        .unwrap_or_else(|| panic!("{routes}"));
+    assert_eq!(route["running"], 0, "{routes}");
+    assert_eq!(route["keys"], serde_json::json!([]), "{routes}");
+    // The same key gets its one slot at once.
+    let t = Instant::now();
+    let r = client()
+        .post(b.url("/reports/generate"))
+        .header("X-API-Key", "bg0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        t.elapsed() < Duration::from_secs(4) + Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
 /// (e) A Redis that stops and continues every 0.6 s, two gateways sending all the time: the
 /// key gets at most its budget over the run plus the two local shares.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

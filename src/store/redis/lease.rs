@@ -207,13 +207,8 @@ impl RedisBackend {
         for (keys, id) in all {
             let (store, mut conn) = (self.clone(), conn.clone());
             sends.spawn(async move {
-                for sets in store.lease_groups(&keys) {
-                    let release = Lease {
-                        sets,
-                        id: &id,
-                        ttl_us: 0,
-                    };
-                    let _ = script::invoke::<i64>(&release.invocation(), &mut conn).await;
+                for release in store.release_calls(&keys, &id) {
+                    let _ = script::invoke::<redis::Value>(&release, &mut conn).await;
                 }
             });
         }
@@ -240,19 +235,41 @@ impl RedisBackend {
         id: &str,
         ttl_us: u64,
     ) -> Result<(), StoreError> {
-        let (routes, others): (Vec<String>, Vec<String>) = keys
-            .iter()
-            .cloned()
-            .partition(|k| ttl_us == 0 && super::keys::queue_keys(k).is_some());
-        for route in &routes {
-            if let Some(q) = super::keys::queue_keys(route) {
-                self.call::<Vec<i64>>(self.queue_script.release(&q, id))
-                    .await?;
+        if ttl_us == 0 {
+            for release in self.release_calls(keys, id) {
+                self.call::<redis::Value>(release).await?;
             }
+            return Ok(());
         }
-        for sets in self.lease_groups(&others) {
+        for sets in self.lease_groups(keys) {
             self.op(&Lease { sets, id, ttl_us }).await?;
         }
         Ok(())
+    }
+
+    /// The calls that release lease `id` from its sets `keys`: a capped route's set through
+    /// its fair queue (`release`: its key's count on the route goes down and the slot goes to
+    /// the next waiter), the others as plain leases. Every release goes this way, a request's
+    /// and an exiting instance's alike.
+    fn release_calls<'a>(&'a self, keys: &[String], id: &str) -> Vec<script::Call<'a>> {
+        let mut calls = Vec::with_capacity(keys.len());
+        let mut others = Vec::new();
+        for k in keys {
+            match super::keys::queue_keys(k) {
+                Some(q) => calls.push(self.queue_script.release(&q, id)),
+                None => others.push(k.clone()),
+            }
+        }
+        for sets in self.lease_groups(&others) {
+            calls.push(
+                Lease {
+                    sets,
+                    id,
+                    ttl_us: 0,
+                }
+                .invocation(),
+            );
+        }
+        calls
     }
 }
