@@ -255,6 +255,67 @@ async fn an_exit_past_the_grace_period_leaves_its_keys_their_share() {
     );
 }
 
+/// (d'') Requests still queued when an instance exits past its grace period never ran: each
+/// gets its charge back (DESIGN §3: refunded when it leaves the queue without running), as if
+/// its client had left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exit_past_the_grace_period_refunds_the_requests_still_queued() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(4));
+    let body = store_body(
+        &redis,
+        "deny",
+        1,
+        // An hour's window: nothing refills while the test runs.
+        &capped(1)
+            .replace("    window: 60s\n", "    window: 1h\n")
+            .replace(
+                "      max_in_flight: 1\n",
+                "      max_in_flight: 1\n      queue_timeout: 30s\n",
+            ),
+    );
+    let mut a = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        grace: "1s",
+        ..GatewayOpts::default()
+    });
+    start_reports(&a, 1);
+    up.wait_current("/reports/generate", 1).await;
+    // Three requests of one key queue behind it.
+    for _ in 0..3 {
+        let url = a.url("/reports/generate");
+        tokio::spawn(async move {
+            let _ = client()
+                .post(url)
+                .header("X-API-Key", "waiting-key")
+                .send()
+                .await;
+        });
+    }
+    wait_metric(
+        &a,
+        r#"tollgate_queued{route="/reports/generate"}"#,
+        3.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(Duration::from_secs(5)), Some(0), "{}", a.log());
+    assert_eq!(up.count("/reports/generate"), 1);
+    let b = Gateway::start(&up, &body);
+    // The key's 120 units are whole again but for the request that reads them (116: the
+    // three kept).
+    let r = client()
+        .get(b.url("/items"))
+        .header("X-API-Key", "waiting-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("119"));
+}
+
 /// (e) A Redis that stops and continues every 0.6 s, two gateways sending all the time: the
 /// key gets at most its budget over the run plus the two local shares.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

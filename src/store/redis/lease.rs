@@ -177,6 +177,7 @@ impl RedisBackend {
     /// (this is the last chance). The caller bounds the time it may take: the one call
     /// outside `guard`, all on one connection, sent at once.
     pub(super) async fn release_everything(self: &Arc<Self>) {
+        self.give_back_owed().await;
         let slices = self.slices.hand_back_all();
         let all: Vec<(Vec<String>, String)> = {
             let mut held = lock(&self.held);

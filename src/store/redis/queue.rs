@@ -78,6 +78,15 @@ impl QueueScript {
     }
 }
 
+/// The charge of a request waiting in a route's queue, for the instance to give back should
+/// it exit first.
+#[derive(Debug)]
+pub(in crate::store::redis) struct Owed {
+    req: AdmitRequest,
+    keys: QueueKeys,
+    key_slots: Vec<String>,
+}
+
 /// A charged request that has not (yet) got its route slot: dropped before it is served, it
 /// leaves the queue (releasing a slot granted meanwhile) and gives its charge back.
 struct Unserved {
@@ -89,6 +98,8 @@ struct Unserved {
     waiting: bool,
     /// The route may hold a waiter or a lease of this id (an `enter` was sent).
     in_route: bool,
+    /// Its charge is in `Waiters::owed` (it has waited in the queue).
+    owed: bool,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -125,11 +136,27 @@ impl Unserved {
     fn served(mut self) -> Lease {
         self.req = None;
         self.forget_waiter();
+        if std::mem::take(&mut self.owed) {
+            lock(&self.store.waiters).owed.remove(&self.id);
+        }
         let mut held = std::mem::take(&mut self.key_slots);
         held.push(self.keys[0].clone());
         let lease = RedisLease::hold(&self.store, held, self.id.clone());
         self.store.beat_on(&self.keys);
         Lease::shared(Some(lease))
+    }
+
+    /// Its charge is owed back should the instance exit while it waits.
+    fn owe(&mut self) {
+        let Some(req) = &self.req else { return };
+        if !std::mem::replace(&mut self.owed, true) {
+            let owed = Owed {
+                req: req.clone(),
+                keys: self.keys.clone(),
+                key_slots: self.key_slots.clone(),
+            };
+            lock(&self.store.waiters).owed.insert(self.id.clone(), owed);
+        }
     }
 
     fn forget_waiter(&mut self) {
@@ -149,6 +176,10 @@ impl Drop for Unserved {
         let Some(req) = self.req.take() else {
             return;
         };
+        if self.owed && lock(&self.store.waiters).owed.remove(&self.id).is_none() {
+            // The exiting instance took it out of the queue and gave its charge back.
+            return;
+        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -179,6 +210,38 @@ pub(super) fn leave<'a>(script: &'a QueueScript, keys: &QueueKeys, id: &str) -> 
 }
 
 impl RedisBackend {
+    /// At exit: the requests still waiting in a queue leave it, never to run, and get their
+    /// charges back (before this instance's slots are released, so that none is granted one
+    /// of them on its way out). Past the breaker: this is the last chance.
+    pub(super) async fn give_back_owed(self: &Arc<Self>) {
+        let owed = std::mem::take(&mut lock(&self.waiters).owed);
+        let mut sends = tokio::task::JoinSet::new();
+        for (id, o) in owed {
+            let store = self.clone();
+            sends.spawn(async move {
+                let left =
+                    store
+                        .guarded(
+                            super::guard::Guard::Bypass(super::LATE_REPLY_WAIT),
+                            |mut conn| {
+                                let inv = leave(&store.queue_script, &o.keys, &id);
+                                async move {
+                                    Ok(super::script::invoke::<Vec<i64>>(&inv, &mut conn).await?)
+                                }
+                            },
+                        )
+                        .await;
+                if left.ok().and_then(|v| v.first().copied()) != Some(LEFT) {
+                    store
+                        .release_keys(vec![o.keys[0].clone()], id.clone())
+                        .await;
+                }
+                store.give_back(&o.req, o.key_slots, id).await;
+            });
+        }
+        while sends.join_next().await.is_some() {}
+    }
+
     /// A charged admission that leaves its route's queue unserved (a request, or a job the
     /// queue refused): its charge back, then its key's slot.
     pub(super) async fn give_back(
@@ -214,6 +277,7 @@ impl RedisBackend {
             id,
             waiting: false,
             in_route: true,
+            owed: false,
             _pending: pending,
         };
         loop {
@@ -254,6 +318,7 @@ impl RedisBackend {
     ) -> Result<bool, StoreError> {
         let rx = self.wait_for(&u.keys, &u.id);
         u.waiting = true;
+        u.owe();
         let _queued = Queued::new(&req.route);
         let left = req.queue_timeout.saturating_sub(start.elapsed());
         let woken = tokio::time::timeout(left, rx).await;

@@ -49,6 +49,10 @@ pub(in crate::store::redis) struct Waiters {
     pub(super) pending: HashMap<String, String>,
     /// Route lease set → what this instance beats there.
     pub(super) routes: HashMap<String, Beating>,
+    /// The charges of this instance's requests that wait in a queue, by waiter id: whoever
+    /// takes one out gives it back (the request as it leaves unserved, or the instance as it
+    /// exits with the request still waiting).
+    pub(in crate::store::redis) owed: HashMap<String, super::Owed>,
     running: bool,
 }
 
