@@ -169,7 +169,7 @@ async fn an_evicting_redis_is_reported() {
 /// instead of running beside them: never more than 6 at the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_restarted_empty_keeps_the_cap() {
-    restarted_empty_keeps_the_cap(true).await;
+    restarted_empty_keeps_the_cap(true, false).await;
 }
 
 /// As above, but B's requests are the first its worker threads send to Redis: each thread
@@ -178,14 +178,24 @@ async fn redis_restarted_empty_keeps_the_cap() {
 /// A's 6.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_first_request_after_redis_restarted_empty_holds_back_too() {
-    restarted_empty_keeps_the_cap(false).await;
+    restarted_empty_keeps_the_cap(false, false).await;
+}
+
+/// As above, but B's 6 were queued before the restart: the queue they waited in is gone, and
+/// B put them back as soon as it saw that, before A had its 6 leases registered again (11 at
+/// the upstream, every time): they re-enter under the same hold as any request that takes a
+/// slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_queued_when_redis_restarted_empty_hold_back_too() {
+    restarted_empty_keeps_the_cap(true, true).await;
 }
 
 /// A holds a cap of 6 with long reports; Redis restarts empty; B's 6 must wait for A's.
 /// `warm`: B's worker threads spoke to the old Redis, and B waits for the new one to answer
 /// before sending its reports (its process knew the old `run_id` either way: it read Redis's
 /// eviction policy at start).
-async fn restarted_empty_keeps_the_cap(warm: bool) {
+/// `queued`: B's reports are sent before the restart, and wait in the queue behind A's.
+async fn restarted_empty_keeps_the_cap(warm: bool, queued: bool) {
     let port = free_port();
     let mut redis = Redis::start_on(port);
     let up = Upstream::start(Duration::from_secs(5));
@@ -205,6 +215,37 @@ async fn restarted_empty_keeps_the_cap(warm: bool) {
         .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
         .collect();
     up.wait_current("/reports/generate", 6).await;
+    let send_second = || -> Vec<tokio::task::JoinHandle<u16>> {
+        (0..6)
+            .map(|i| {
+                let (c, url) = (c.clone(), b.url("/reports/generate"));
+                tokio::spawn(async move {
+                    loop {
+                        // A worker thread whose connection broke with the old Redis finds out
+                        // on its next call: 503 store-unavailable (deny), never admitted. Again.
+                        let r = post(&c, url.clone(), &format!("b{i}")).await;
+                        let s = r.status().as_u16();
+                        if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                        return s;
+                    }
+                })
+            })
+            .collect()
+    };
+    let mut second = vec![];
+    if queued {
+        second = send_second();
+        wait_metric(
+            &b,
+            r#"tollgate_queued{route="/reports/generate"}"#,
+            6.0,
+            Duration::from_secs(5),
+        )
+        .await;
+    }
     redis.kill();
     redis = Redis::start_on(port);
     // Restarted empty: a new process that keeps nothing on disk. (Its DBSIZE would race A,
@@ -230,24 +271,9 @@ async fn restarted_empty_keeps_the_cap(warm: bool) {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    let second: Vec<_> = (0..6)
-        .map(|i| {
-            let (c, url) = (c.clone(), b.url("/reports/generate"));
-            tokio::spawn(async move {
-                loop {
-                    // A worker thread whose connection broke with the old Redis finds out on
-                    // its next call: 503 store-unavailable (deny), never admitted. Again.
-                    let r = post(&c, url.clone(), &format!("b{i}")).await;
-                    let s = r.status().as_u16();
-                    if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                    return s;
-                }
-            })
-        })
-        .collect();
+    if !queued {
+        second = send_second();
+    }
     for t in first.into_iter().chain(second) {
         assert_eq!(t.await.unwrap(), 200);
     }

@@ -280,7 +280,14 @@ impl RedisBackend {
             owed: false,
             _pending: pending,
         };
+        let mut again = false;
         loop {
+            if std::mem::replace(&mut again, true) {
+                // Back into the queue: if it lost its waiters because Redis lost its data,
+                // the leases held elsewhere are registered again before this one may take a
+                // slot, as for any admission (`after_data_loss`).
+                self.after_data_loss(req).await;
+            }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
             match entered.first().copied() {
                 Some(TAKEN) => break,
