@@ -505,10 +505,11 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
 }
 
 /// The whole fleet restarted (one instance, SIGTERM, started again) while one job runs and
-/// one waits: the running job ends during the drain and its slot is granted to the queued
-/// one, which no instance takes (a draining instance starts no job). The grant lapses and the
-/// job goes back to the queue (DESIGN §8: "a queued job still runs"), so the next instance
-/// runs it, once.
+/// two wait: the running job ends during the drain and its slot is granted to the first
+/// queued one, which no instance takes (a draining instance starts no job). The grant lapses
+/// and the job goes back to the queue (DESIGN §8: "a queued job still runs"), so the next
+/// instance runs both, once each and one at a time (the grant that lapsed is handed out once
+/// more, not twice: a second copy once released the running job's slot to the third).
 #[tokio::test]
 async fn a_queued_job_granted_while_the_whole_fleet_drains_runs_after_the_restart() {
     let redis = Redis::start();
@@ -523,8 +524,9 @@ async fn a_queued_job_granted_while_the_whole_fleet_drains_runs_after_the_restar
     let c = client();
     let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=1000", "").await;
     up.wait_current(ROUTE, 1).await;
-    let (queued, accepted) = submit(&c, &a, ROUTE, "").await;
+    let (queued, accepted) = submit(&c, &a, "/reports/generate?delay_ms=600", "").await;
     assert_eq!(accepted["status"], "queued");
+    let (third, _) = submit(&c, &a, "/reports/generate?delay_ms=600", "").await;
     a.signal("TERM");
     assert_eq!(a.wait_exit(Duration::from_secs(15)), Some(0), "{}", a.log());
     assert_eq!(
@@ -533,12 +535,12 @@ async fn a_queued_job_granted_while_the_whole_fleet_drains_runs_after_the_restar
         "a draining instance started the queued job"
     );
     let b = Gateway::start(&up, &body);
-    assert_eq!(result(&c, &b, &running).await.status(), 200);
-    let done = result(&c, &b, &queued).await;
-    assert_eq!(done.status(), 200);
-    assert_eq!(up.count(ROUTE), 2);
+    for job in [&running, &queued, &third] {
+        assert_eq!(result(&c, &b, job).await.status(), 200, "{job}");
+    }
+    assert_eq!(up.count(ROUTE), 3);
     assert_eq!(up.max_concurrent(ROUTE), 1);
-    assert_eq!(remaining(&b, "a").await, 80);
+    assert_eq!(remaining(&b, "a").await, 70);
 }
 
 /// Redis unreachable (paused) for longer than lease_ttl while one job runs and one waits:

@@ -91,6 +91,9 @@ enum Claimed {
     Not,
     /// It had waited result_ttl: now `expired`, to refund.
     Expired,
+    /// It runs, and its runner vouches for it: the slot is that run's (its lease lapsed and
+    /// came back through the queue), renewed and released by the runner.
+    Running,
 }
 
 async fn claim(b: &RedisBackend, id: &str) -> Claimed {
@@ -101,6 +104,7 @@ async fn claim(b: &RedisBackend, id: &str) -> Claimed {
     match claimed.as_deref() {
         Ok([1, wait_ms]) => Claimed::Run(Duration::from_millis(*wait_ms)),
         Ok([2]) => Claimed::Expired,
+        Ok([3]) => Claimed::Running,
         _ => Claimed::Not,
     }
 }
@@ -112,6 +116,7 @@ async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<
             tokio::spawn(run_claimed(shared.clone(), id, label, wait));
         }
         Claimed::Expired => expired(shared, b, &id, &label).await,
+        Claimed::Running => {}
         Claimed::Not => {
             // Cancelled (its key's slot went then) or gone.
             let _ = b.job_release(&label, &id, None).await;
@@ -289,10 +294,11 @@ pub fn start_collector(shared: Arc<Shared>) {
                 metrics::fleet_queued(&label, waiting);
                 for id in ids {
                     // Confirming the grant: the key's slot, if any, is renewed by the runner.
+                    // A grant that lapsed first went back to the queue (a release now would
+                    // take the job out of it), and one whose confirm went unanswered lapses
+                    // back there: neither is released here.
                     if matches!(b.job_renew(&label, &id, None).await, Ok(true)) {
                         start(&shared, b, Arc::from(id), label.clone()).await;
-                    } else {
-                        let _ = b.job_release(&label, &id, None).await;
                     }
                 }
             }

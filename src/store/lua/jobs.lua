@@ -10,8 +10,10 @@
 --             stopped vouching for it becomes failed (lost) first, never to run again, and
 --             that one reply ends with the pair `ended_now 1`
 --   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
---          | {0} (cancelled, or gone) | {2} (it waited result_ttl: queued -> expired; the
---          caller refunds it)
+--          | {0} (cancelled, finished, gone, or its runner stopped vouching for it) | {2} (it
+--          waited result_ttl: queued -> expired; the caller refunds it) | {3} (running, and
+--          its runner vouches for it: the slot granted is that run's, its lease having lapsed
+--          and come back through the queue; the caller leaves it to the runner)
 --   delay  ms -> 1 (max_delay: the queued job is sent no sooner than ms after `sub`) | 0
 --   renew  alive_ms -> 1 | 0 (no longer this job's run)
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now) | 0
@@ -56,6 +58,9 @@ elseif op == 'get' then
   end
   return redis.call('HGETALL', job)
 elseif op == 'claim' then
+  if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') >= now then
+    return {3}
+  end
   if state() ~= 'queued' then return {0} end
   if overdue() then
     expire()

@@ -220,6 +220,22 @@ local function grant(grant_ttl)
   return granted
 end
 
+-- Takes `id` off the list of waiters granted to `instance` (a grant that lapsed before it
+-- was collected), so that no collector is handed it twice.
+local function ungrant(instance, id)
+  local g = redis.call('HGET', state, 'g:' .. instance)
+  if not g then return end
+  local kept = {}
+  for i in string.gmatch(g, '%S+') do
+    if i ~= id then kept[#kept + 1] = i end
+  end
+  if #kept == 0 then
+    redis.call('HDEL', state, 'g:' .. instance)
+  else
+    redis.call('HSET', state, 'g:' .. instance, table.concat(kept, ' '))
+  end
+end
+
 -- Leases past their expiry (their instance died or stalled) go, with their key's count. An
 -- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
 -- waiters are skipped at once instead of being granted, and lapsing, one after another (a
@@ -237,6 +253,7 @@ local function purge()
       -- A job's lease: the job goes back to its place (not behind its key's others).
       local key = redis.call('HGET', state, 'l:' .. id)
       redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'l:' .. id)
+      ungrant(FLEET, id)
       if key then add_running(key, -1) end
       key = key or string.match(member, '^([^:]*)')
       redis.call('ZADD', waiters, 0, member)
@@ -401,8 +418,12 @@ elseif op == 'beat' then
   redis.call('HDEL', state, 'g:' .. instance)
   local out = {num('n:' .. instance), 0}
   if mine then
+    local given = {}
     for id in string.gmatch(mine, '%S+') do
-      if redis.call('ZSCORE', leases, id) then out[#out + 1] = id end
+      if not given[id] and redis.call('ZSCORE', leases, id) then
+        given[id] = true
+        out[#out + 1] = id
+      end
     end
   end
   out[2] = #out - 2
