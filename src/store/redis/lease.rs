@@ -177,7 +177,8 @@ impl RedisBackend {
     /// (this is the last chance). The caller bounds the time it may take: the one call
     /// outside `guard`, all on one connection, sent at once.
     pub(super) async fn release_everything(self: &Arc<Self>) {
-        self.give_back_owed().await;
+        let mut sends = tokio::task::JoinSet::new();
+        self.give_back_owed(&mut sends);
         let slices = self.slices.hand_back_all();
         let all: Vec<(Vec<String>, String)> = {
             let mut held = lock(&self.held);
@@ -189,12 +190,13 @@ impl RedisBackend {
                 .collect()
         };
         if all.is_empty() && slices.is_empty() {
+            while sends.join_next().await.is_some() {}
             return;
         }
         let Ok(conn) = self.conns.get().await else {
+            while sends.join_next().await.is_some() {}
             return;
         };
-        let mut sends = tokio::task::JoinSet::new();
         // Budget slices are settled: what was not spent goes back to the fleet, like the
         // slots, and what was starts draining.
         for s in slices {

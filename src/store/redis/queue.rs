@@ -136,9 +136,6 @@ impl Unserved {
     fn served(mut self) -> Lease {
         self.req = None;
         self.forget_waiter();
-        if std::mem::take(&mut self.owed) {
-            lock(&self.store.waiters).owed.remove(&self.id);
-        }
         let mut held = std::mem::take(&mut self.key_slots);
         held.push(self.keys[0].clone());
         let lease = RedisLease::hold(&self.store, held, self.id.clone());
@@ -159,6 +156,21 @@ impl Unserved {
         }
     }
 
+    /// Whether its charge is still its own: not given back by the exiting instance (which
+    /// takes every owed charge at once). `take`: keep it from here on (it is served).
+    fn charge_kept(&mut self, take: bool) -> bool {
+        if !self.owed {
+            return true;
+        }
+        let mut w = lock(&self.store.waiters);
+        if !take {
+            return w.owed.contains_key(&self.id);
+        }
+        let kept = w.owed.remove(&self.id).is_some();
+        self.owed = !kept;
+        kept
+    }
+
     fn forget_waiter(&mut self) {
         if std::mem::take(&mut self.waiting) {
             let mut w = lock(&self.store.waiters);
@@ -176,10 +188,9 @@ impl Drop for Unserved {
         let Some(req) = self.req.take() else {
             return;
         };
-        if self.owed && lock(&self.store.waiters).owed.remove(&self.id).is_none() {
-            // The exiting instance took it out of the queue and gave its charge back.
-            return;
-        }
+        // Not if the exiting instance took it out of the queue and gave its charge back first
+        // (its key's slot with it); the route may still hold it, had it entered again since.
+        let refund = self.charge_kept(true);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -198,7 +209,9 @@ impl Drop for Unserved {
                     store.release_keys(vec![keys[0].clone()], id.clone()).await;
                 }
             }
-            store.give_back(&req, key_slots, id).await;
+            if refund {
+                store.give_back(&req, key_slots, id).await;
+            }
         });
     }
 }
@@ -211,11 +224,12 @@ pub(super) fn leave<'a>(script: &'a QueueScript, keys: &QueueKeys, id: &str) -> 
 
 impl RedisBackend {
     /// At exit: the requests still waiting in a queue leave it, never to run, and get their
-    /// charges back (before this instance's slots are released, so that none is granted one
-    /// of them on its way out). Past the breaker: this is the last chance.
-    pub(super) async fn give_back_owed(self: &Arc<Self>) {
+    /// charges back; the calls go into `sends`, beside the releases of the slots held. Every
+    /// owed charge is taken at once, first: a request granted a slot from now on finds its
+    /// charge gone and does not run (`Unserved::charge_kept`). Past the breaker: this is the
+    /// last chance.
+    pub(super) fn give_back_owed(self: &Arc<Self>, sends: &mut tokio::task::JoinSet<()>) {
         let owed = std::mem::take(&mut lock(&self.waiters).owed);
-        let mut sends = tokio::task::JoinSet::new();
         for (id, o) in owed {
             let store = self.clone();
             sends.spawn(async move {
@@ -239,7 +253,6 @@ impl RedisBackend {
                 store.give_back(&o.req, o.key_slots, id).await;
             });
         }
-        while sends.join_next().await.is_some() {}
     }
 
     /// A charged admission that leaves its route's queue unserved (a request, or a job the
@@ -287,6 +300,10 @@ impl RedisBackend {
                 // the leases held elsewhere are registered again before this one may take a
                 // slot, as for any admission (`after_data_loss`).
                 self.after_data_loss(req).await;
+                // Not if the instance is exiting and gave its charge back, nor past its time.
+                if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
+                    return Ok(self.route_busy(req, &outcome, start));
+                }
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
             match entered.first().copied() {
@@ -307,6 +324,11 @@ impl RedisBackend {
                 }
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
             }
+        }
+        if !unserved.charge_kept(true) {
+            // Granted as the instance exits, after it gave the charge back: it does not run
+            // (the slot is released as it drops).
+            return Ok(self.route_busy(req, &outcome, start));
         }
         let lease = unserved.served();
         Ok(SharedAnswer {
