@@ -218,7 +218,14 @@ impl<S: SharedStore> FallbackStore<S> {
             loop {
                 let Some(s) = store.upgrade() else { return };
                 if first || s.degraded() || s.shared.quiet_for() >= PROBE_EVERY {
-                    match s.shared.probe().await {
+                    let mut probed = s.shared.probe().await;
+                    if probed.is_err() && !first && !s.degraded() {
+                        // An idle instance's check: its connection may have been closed by
+                        // the server while unused; one more try on a new one before
+                        // deciding the store is gone.
+                        probed = s.shared.probe().await;
+                    }
+                    match probed {
                         Ok(()) => s.set_degraded(false, None),
                         Err(StoreError::BreakerOpen) => {}
                         Err(e) => s.set_degraded(true, Some(&e)),

@@ -21,7 +21,10 @@ pub(super) enum Guard {
     /// from before connecting: the request waits no longer than that for its decision.
     Charge,
     /// The store probe: as [`Guard::Breaker`], but a refusal by the open breaker is not
-    /// counted (the probe asks again every second while the store is down).
+    /// counted (the probe asks again every second while the store is down), and a failure
+    /// does not count towards opening the breaker: the probe also asks while the instance is
+    /// idle, and an instance that saw the store fail only that way answers its next request
+    /// from the store, not from an open breaker.
     Probe,
     /// Past the breaker and uncounted, bounded by the time given: what must reach Redis even
     /// while the breaker is open (an admission's undo, a refund owed, leases registered
@@ -40,7 +43,7 @@ impl RedisBackend {
         if counted && !self.breaker.allow() {
             let res = Err(StoreError::BreakerOpen);
             if guard != Guard::Probe {
-                self.record(Instant::now(), &res);
+                self.record(Instant::now(), &res, true);
             }
             return res;
         }
@@ -58,7 +61,7 @@ impl RedisBackend {
         }
         .await;
         if counted {
-            self.record(start, &res);
+            self.record(start, &res, guard != Guard::Probe);
         } else if res.as_ref().is_err_and(distrusts_connection) {
             // Uncounted, but a broken or timed-out connection is no more trusted than a
             // counted call's: a check that runs for the store's life would otherwise keep
@@ -101,7 +104,7 @@ impl RedisBackend {
     /// Metrics, breaker and connection health after one call. A call the open breaker
     /// refused (or held back during a failover) never went to Redis: it is counted but has
     /// no duration, so the latency histogram describes Redis only.
-    fn record<T>(&self, start: Instant, res: &Result<T, StoreError>) {
+    fn record<T>(&self, start: Instant, res: &Result<T, StoreError>, opens: bool) {
         let m = metrics();
         match res {
             Ok(_) => {
@@ -121,7 +124,7 @@ impl RedisBackend {
                 m.store_call(e.metric_label());
                 tracing::debug!(error = %e, "store call failed");
                 self.conns.forget();
-                if self.breaker.failure() {
+                if opens && self.breaker.failure() {
                     // Once per opening, with the cause: a wrong password or an out-of-memory
                     // Redis needs an operator, a timeout may pass by itself.
                     tracing::warn!(error = %e, transient = e.transient(), "store unreachable: circuit breaker open");

@@ -151,9 +151,11 @@ impl SharedStore for RedisBackend {
                 Ok(cmd.query_async::<i64>(&mut conn).await.map(drop)?)
             })
             .await;
-        // The probe's thread asks again only once the store failed a request: it keeps no
-        // connection open meanwhile.
-        self.conns.forget();
+        // A connection that failed is made again for the next probe (the probe thread keeps
+        // its own one otherwise: it asks every second while the instance is idle).
+        if res.is_err() {
+            self.conns.forget();
+        }
         res
     }
 
