@@ -187,12 +187,7 @@ async fn an_exit_past_the_grace_period_frees_the_slots() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_secs(4));
     let body = store_body(&redis, "deny", 2, &capped(3));
-    let mut a = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        grace: "1s",
-        ..GatewayOpts::default()
-    });
+    let mut a = Gateway::start_with_grace(&up, &body, "1s");
     let b = Gateway::start(&up, &body);
 
     start_reports(&a, 3);
@@ -221,12 +216,7 @@ async fn an_exit_past_the_grace_period_leaves_its_keys_their_share() {
             "      max_in_flight: 3\n      max_in_flight_per_key: 1\n      queue_timeout: 5s\n",
         ),
     );
-    let mut a = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        grace: "1s",
-        ..GatewayOpts::default()
-    });
+    let mut a = Gateway::start_with_grace(&up, &body, "1s");
     let b = Gateway::start(&up, &body);
     start_reports(&a, 1);
     up.wait_current("/reports/generate", 1).await;
@@ -274,12 +264,7 @@ async fn an_exit_past_the_grace_period_refunds_the_requests_still_queued() {
                 "      max_in_flight: 1\n      queue_timeout: 30s\n",
             ),
     );
-    let mut a = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        grace: "1s",
-        ..GatewayOpts::default()
-    });
+    let mut a = Gateway::start_with_grace(&up, &body, "1s");
     start_reports(&a, 1);
     up.wait_current("/reports/generate", 1).await;
     // Three requests of one key queue behind it.

@@ -504,12 +504,7 @@ async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
 #[tokio::test]
 async fn sigterm_lets_a_running_job_finish_and_starts_no_queued_one() {
     let up = Upstream::start(Duration::from_millis(1500));
-    let mut gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &config(&reports(1, "")),
-        grace: "10s",
-        ..GatewayOpts::default()
-    });
+    let mut gw = Gateway::start_with_grace(&up, &config(&reports(1, "")), "10s");
     let c = client();
     let running = submit(&c, &gw, ROUTE, "key-a", "").await;
     up.wait_current(ROUTE, 1).await;

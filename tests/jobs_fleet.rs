@@ -467,12 +467,7 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url());
-    let mut a = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        grace: "10s",
-        ..GatewayOpts::default()
-    });
+    let mut a = Gateway::start_with_grace(&up, &body, "10s");
     let b = Gateway::start(&up, &body);
     let c = client();
     // A slot is free: A runs the first job itself.
@@ -515,12 +510,7 @@ async fn a_queued_job_granted_while_the_whole_fleet_drains_runs_after_the_restar
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_millis(200));
     let body = config(&redis.url());
-    let mut a = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        grace: "10s",
-        ..GatewayOpts::default()
-    });
+    let mut a = Gateway::start_with_grace(&up, &body, "10s");
     let c = client();
     let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=1000", "").await;
     up.wait_current(ROUTE, 1).await;

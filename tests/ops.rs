@@ -603,12 +603,7 @@ async fn watch_reloads_a_changed_file() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_request_and_exits_zero() {
     let up = Upstream::start(Duration::from_millis(1500));
-    let mut gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n",
-        grace: "10s",
-        ..GatewayOpts::default()
-    });
+    let mut gw = Gateway::start_with_grace(&up, "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1}\n", "10s");
     let c = client();
     let slow = spawn_post(&c, gw.url("/reports/generate"), "k");
     up.wait_current("/reports/generate", 1).await;
@@ -644,12 +639,7 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_with_work_in_every_state_exits_zero_at_once() {
     let up = Upstream::start(Duration::from_secs(30));
-    let mut gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 60s}\n    /held: {shared: {max_cost: 1, window: 20s, max_delay: 60s}}\n",
-        grace: "30s",
-        ..GatewayOpts::default()
-    });
+    let mut gw = Gateway::start_with_grace(&up, "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 60s}\n    /held: {shared: {max_cost: 1, window: 20s, max_delay: 60s}}\n", "30s");
     let c = client();
     let mut pending = vec![];
     for _ in 0..6 {

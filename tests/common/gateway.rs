@@ -60,6 +60,16 @@ impl Gateway {
         })
     }
 
+    /// As [`Gateway::start`], with `server.grace_period: grace` (for SIGTERM tests).
+    pub fn start_with_grace(upstream: &Upstream, body: &str, grace: &str) -> Gateway {
+        Self::start_opts(GatewayOpts {
+            upstream_url: upstream.url(),
+            body,
+            grace,
+            ..GatewayOpts::default()
+        })
+    }
+
     pub fn start_opts(o: GatewayOpts<'_>) -> Gateway {
         let dir = tempfile::tempdir().unwrap();
         for _attempt in 0..5 {
