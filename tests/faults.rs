@@ -15,6 +15,16 @@ fn store_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str)
     )
 }
 
+/// One instance on `redis` under `on_error: deny`; 10 units an hour a key.
+fn ten_an_hour_or_deny(redis: &Redis) -> String {
+    store_body(
+        redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+    )
+}
+
 /// `/reports/generate` costs 1 and runs at most `cap` at once, fleet-wide.
 fn capped(cap: u32) -> String {
     incident_with_report_caps(&format!("      max_in_flight: {cap}\n"))
@@ -380,15 +390,7 @@ async fn an_idle_instance_sees_its_store_go_and_come_back() {
     let mut redis = Redis::start();
     let port = redis.port;
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start(
-        &up,
-        &store_body(
-            &redis,
-            "deny",
-            1,
-            "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
-        ),
-    );
+    let gw = Gateway::start(&up, &ten_an_hour_or_deny(&redis));
     let c = client();
     assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
     let ready = async || reqwest::get(gw.admin("/readyz")).await.unwrap().status();
@@ -419,15 +421,7 @@ async fn an_idle_instance_sees_its_store_go_and_come_back() {
 async fn a_store_unusable_at_start_is_logged_with_its_cause_and_not_ready() {
     let redis = Redis::start_with(free_port(), &["--requirepass", "s3cret-pw"]);
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start(
-        &up,
-        &store_body(
-            &redis,
-            "deny",
-            1,
-            "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
-        ),
-    );
+    let gw = Gateway::start(&up, &ten_an_hour_or_deny(&redis));
     let start = Instant::now();
     loop {
         let r = reqwest::get(gw.admin("/readyz")).await.unwrap();
