@@ -195,6 +195,16 @@ pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// A request head Pingora could not parse (it refuses it before any hook, and does not say
+/// why): refused as malformed, like a request without `Host`.
+pub fn malformed_head() -> Refusal {
+    Refusal::new(
+        Problem::BadRequest,
+        "the request head is not valid HTTP/1.1: its request line, a header field or its \
+         message framing (Content-Length, Transfer-Encoding, Host) is malformed or ambiguous",
+    )
+}
+
 /// The budgets a request is charged besides its key's first: the plan's others, then the
 /// route's `shared` budget (always last: [`judge`] tells a shared refusal by that).
 pub fn charged_also(route: &Route, who: &Identity) -> Vec<Extra> {

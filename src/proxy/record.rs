@@ -1,7 +1,7 @@
 //! What a finished request leaves in the metrics and its trace: calls from `logging`, after
 //! the slots were released and the charge settled.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pingora::Error;
 
@@ -118,17 +118,12 @@ pub(super) fn access_line(ctx: &Ctx, l: &Line<'_>, trace_id: Option<&TraceHex>, 
     });
 }
 
-/// The detail of the answer to a head Pingora could not parse (it does not say why).
-const MALFORMED_HEAD: &str = "the request head is not valid HTTP/1.1: its request line, a header \
-     field or its message framing (Content-Length, Transfer-Encoding, Host) is malformed or \
-     ambiguous";
-
 /// The gateway's whole answer to an HTTP/1 head Pingora refused before any hook: 400
 /// `bad-request`, a problem JSON, and the connection closed (the rest of the stream cannot be
 /// framed).
 pub fn malformed_head_answer() -> bytes::Bytes {
-    use crate::problem::{self, Problem};
-    let body = problem::body(Problem::BadRequest, MALFORMED_HEAD, None, None, None);
+    let r = crate::decision::malformed_head();
+    let body = crate::problem::body(r.problem, &r.detail, None, None, None);
     let date = pingora::protocols::http::date::get_cached_date();
     let mut out = Vec::with_capacity(body.len() + 200);
     out.extend_from_slice(b"HTTP/1.1 400 Bad Request\r\nDate: ");
@@ -143,45 +138,32 @@ pub fn malformed_head_answer() -> bytes::Bytes {
     out.into()
 }
 
-/// Counts and logs a head Pingora refused (see [`malformed_head_answer`]): under `default`,
-/// as a `bad_request` rejection, like a request without `Host`. Nothing was charged and no
-/// span exists (nothing of the request was understood).
+/// Counts and logs a head Pingora refused (see [`malformed_head_answer`]) as any refused
+/// request is, under `default`: a request that never reached a hook, refused as malformed,
+/// from `peer`, whose head took `elapsed`. Nothing was charged and no span exists.
 pub fn malformed_head(
     shared: &crate::state::Shared,
-    client: Option<std::net::IpAddr>,
+    peer: Option<std::net::IpAddr>,
     elapsed: Duration,
 ) {
-    use crate::reason::{Reason, Verdict};
-    use crate::telemetry::access;
     let running = shared.running();
     let route = running.config.router.default_route();
-    let rm = running.metrics.get(route);
-    rm.request(400);
-    rm.request_duration.observe(elapsed.as_secs_f64());
-    rm.rejection(Reason::BadRequest);
-    rm.count_recent(false, std::time::Instant::now());
-    if !access::enabled() {
-        return;
-    }
-    access::write(&access::AccessRecord {
-        method: "-",
-        route: &route.label,
-        key: "-",
-        cost: 0,
-        decision: Verdict::Refused(Reason::BadRequest),
-        status: 400,
-        latency_ms: access::millis(elapsed),
-        upstream_ms: None,
-        store_ms: 0.0,
-        queue_ms: 0.0,
-        hold_ms: 0.0,
-        upstream_status: None,
-        request_id: None,
-        trace_id: None,
-        fallback: false,
-        shadow: None,
-        client,
-        error: Some(pingora::ErrorType::InvalidHTTPHeader.as_str()),
-        job: None,
+    let mut ctx = Ctx::new(shared.drain.enter());
+    ctx.start = Instant::now().checked_sub(elapsed).unwrap_or(ctx.start);
+    ctx.refuse(&crate::decision::malformed_head());
+    ctx.origin = peer.map(|ip| crate::config::origin::Origin {
+        peer: ip,
+        client: ip,
+        trusted_peer: false,
     });
+    finished(running.metrics.get(route), &ctx, 400, elapsed, 0);
+    let line = Line {
+        method: "-",
+        route,
+        status: 400,
+        elapsed,
+        charged: 0,
+    };
+    let e = Error::new(pingora::ErrorType::InvalidHTTPHeader);
+    access_line(&ctx, &line, None, Some(&e));
 }
