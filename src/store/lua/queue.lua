@@ -138,6 +138,21 @@ local function lease_gone(id)
   end
 end
 
+-- Takes every `word` out of the space-separated list in field `field` (gone once empty).
+local function unlist(field, word)
+  local list = redis.call('HGET', state, field)
+  if not list then return end
+  local kept = {}
+  for w in string.gmatch(list, '%S+') do
+    if w ~= word then kept[#kept + 1] = w end
+  end
+  if #kept == 0 then
+    redis.call('HDEL', state, field)
+  else
+    redis.call('HSET', state, field, table.concat(kept, ' '))
+  end
+end
+
 -- Waiters per instance (`n:<instance>`), and the instances that have any (`insts`, space-
 -- separated): so that a beat looks for dead instances' waiters only when one of these died,
 -- instead of walking the whole queue.
@@ -148,13 +163,7 @@ local function count_instance(instance, n)
   local listed = string.find(' ' .. list .. ' ', ' ' .. instance .. ' ', 1, true) ~= nil
   if c <= 0 then
     redis.call('HDEL', state, 'n:' .. instance)
-    if listed then
-      local kept = {}
-      for i in string.gmatch(list, '%S+') do
-        if i ~= instance then kept[#kept + 1] = i end
-      end
-      redis.call('HSET', state, 'insts', table.concat(kept, ' '))
-    end
+    if listed then unlist('insts', instance) end
   elseif not listed then
     redis.call('HSET', state, 'insts', list == '' and instance or (list .. ' ' .. instance))
   end
@@ -220,22 +229,6 @@ local function grant(grant_ttl)
   return granted
 end
 
--- Takes `id` off the list of waiters granted to `instance` (a grant that lapsed before it
--- was collected), so that no collector is handed it twice.
-local function ungrant(instance, id)
-  local g = redis.call('HGET', state, 'g:' .. instance)
-  if not g then return end
-  local kept = {}
-  for i in string.gmatch(g, '%S+') do
-    if i ~= id then kept[#kept + 1] = i end
-  end
-  if #kept == 0 then
-    redis.call('HDEL', state, 'g:' .. instance)
-  else
-    redis.call('HSET', state, 'g:' .. instance, table.concat(kept, ' '))
-  end
-end
-
 -- Leases past their expiry (their instance died or stalled) go, with their key's count. An
 -- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
 -- waiters are skipped at once instead of being granted, and lapsing, one after another (a
@@ -253,7 +246,8 @@ local function purge()
       -- A job's lease: the job goes back to its place (not behind its key's others).
       local key = redis.call('HGET', state, 'l:' .. id)
       redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'l:' .. id)
-      ungrant(FLEET, id)
+      -- Off the list of grants to collect: no collector is handed it twice.
+      unlist('g:' .. FLEET, id)
       if key then add_running(key, -1) end
       key = key or string.match(member, '^([^:]*)')
       redis.call('ZADD', waiters, 0, member)

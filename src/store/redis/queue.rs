@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 
+use super::guard::Guard;
 use super::keys::{self, queue_keys, QueueKeys};
 use super::script::Call;
 use super::{Decided, RedisBackend, RedisLease};
@@ -198,16 +199,7 @@ impl Drop for Unserved {
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
         rt.spawn(async move {
             if in_route {
-                let left = store
-                    .call::<Vec<i64>>(leave(&store.queue_script, &keys, &id))
-                    .await
-                    .ok()
-                    .and_then(|v| v.first().copied());
-                if left != Some(LEFT) {
-                    // Granted as it gave up (or not known): the slot goes on to the next
-                    // waiter (a release of a lease that is not there does nothing).
-                    store.release_keys(vec![keys[0].clone()], id.clone()).await;
-                }
+                store.leave_queue(&keys, &id, Guard::Breaker).await;
             }
             if refund {
                 store.give_back(&req, key_slots, id).await;
@@ -233,25 +225,26 @@ impl RedisBackend {
         for (id, o) in owed {
             let store = self.clone();
             sends.spawn(async move {
-                let left =
-                    store
-                        .guarded(
-                            super::guard::Guard::Bypass(super::LATE_REPLY_WAIT),
-                            |mut conn| {
-                                let inv = leave(&store.queue_script, &o.keys, &id);
-                                async move {
-                                    Ok(super::script::invoke::<Vec<i64>>(&inv, &mut conn).await?)
-                                }
-                            },
-                        )
-                        .await;
-                if left.ok().and_then(|v| v.first().copied()) != Some(LEFT) {
-                    store
-                        .release_keys(vec![o.keys[0].clone()], id.clone())
-                        .await;
-                }
+                let past_breaker = Guard::Bypass(super::LATE_REPLY_WAIT);
+                store.leave_queue(&o.keys, &id, past_breaker).await;
                 store.give_back(&o.req, o.key_slots, id).await;
             });
+        }
+    }
+
+    /// Takes waiter `id` out of its route's queue for good; a slot granted to it as it left
+    /// (or an answer not known) is released, so that it goes on to the next waiter (a release
+    /// of a lease that is not there does nothing).
+    async fn leave_queue(self: &Arc<Self>, keys: &QueueKeys, id: &str, guard: Guard) {
+        let inv = leave(&self.queue_script, keys, id);
+        let left = self
+            .guarded(guard, |mut conn| async move {
+                Ok(super::script::invoke::<Vec<i64>>(&inv, &mut conn).await?)
+            })
+            .await;
+        if left.ok().and_then(|v| v.first().copied()) != Some(LEFT) {
+            self.release_keys(vec![keys[0].clone()], id.to_string())
+                .await;
         }
     }
 
