@@ -63,10 +63,12 @@ impl Breaker {
         self.open_until_us.load(Ordering::Acquire) == 0
     }
 
-    pub(super) fn success(&self) {
+    /// A call answered at `at` (an instant its caller read anyway: no clock read here).
+    pub(super) fn success(&self, at: Instant) {
         self.failures.store(0, Ordering::Release);
         self.open_until_us.store(0, Ordering::Release);
-        self.last_ok_us.store(self.now_us(), Ordering::Relaxed);
+        let us = at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
+        self.last_ok_us.store(us, Ordering::Relaxed);
     }
 
     /// How long since a call last succeeded (since the breaker was made, if none has).
@@ -112,7 +114,28 @@ mod tests {
         assert!(!b.allow(), "probe failed: open again");
         std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
         assert!(b.allow());
-        b.success();
+        b.success(Instant::now());
         assert!(b.allow() && b.allow(), "closed");
+    }
+
+    /// How long the store has been quiet counts from the last success (no answer yet: from
+    /// the breaker's making).
+    #[test]
+    fn quiet_for_counts_from_the_last_answer() {
+        let b = Breaker::new();
+        let made = b.epoch;
+        // (Whole microseconds, the clock's 1 µs offset included.)
+        assert!(b.quiet_for() <= made.elapsed() + Duration::from_micros(1));
+        // An answer stamped an hour from now: no time has passed since it.
+        b.success(made + Duration::from_secs(3600));
+        assert_eq!(b.quiet_for(), Duration::ZERO);
+        // One stamped when the breaker was made: all the time since, and no more.
+        std::thread::sleep(Duration::from_millis(2));
+        b.success(made);
+        let quiet = b.quiet_for();
+        assert!(
+            quiet >= Duration::from_millis(2) && quiet <= made.elapsed(),
+            "{quiet:?}"
+        );
     }
 }

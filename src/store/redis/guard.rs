@@ -108,9 +108,11 @@ impl RedisBackend {
         let m = metrics();
         match res {
             Ok(_) => {
-                m.store_duration.observe(start.elapsed().as_secs_f64());
+                let now = Instant::now();
+                m.store_duration
+                    .observe(now.saturating_duration_since(start).as_secs_f64());
                 m.store_call(StoreCall::Ok);
-                self.breaker.success();
+                self.breaker.success(now);
             }
             Err(StoreError::BreakerOpen) => {
                 m.store_call(StoreCall::BreakerOpen);
