@@ -280,6 +280,18 @@ async fn jobs_share_a_full_route_fairly() {
     assert_eq!(remaining(&gw, "b").await, 90);
 }
 
+/// DESIGN §8's `position` is the job's place in the fair order, kept up to date while it waits
+/// (it was its place in arrival order: key b's one job said 3 behind key a's two).
+#[tokio::test]
+async fn a_jobs_position_is_its_place_in_the_fair_order() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(
+        &up,
+        &config(&reports(1, "").replace("result_ttl: 2s", "result_ttl: 1m")),
+    );
+    job_positions_follow_the_fair_order(&up, &gw, &gw, ROUTE).await;
+}
+
 /// DELETE takes a queued job out (refunded), and is 409 once the job runs.
 #[tokio::test]
 async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {

@@ -214,6 +214,19 @@ async fn a_queued_job_outlives_the_instance_that_accepted_it() {
     .await;
 }
 
+/// DESIGN §8's `position` on a fleet: submitted on one gateway, polled on another, it is the
+/// job's place in the fleet's fair order and moves up as the queue drains (it was the place
+/// in arrival order at submission, frozen: key b's one job said 3, and a's last said 2 until
+/// it ran).
+#[tokio::test]
+async fn a_jobs_position_is_its_place_in_the_fleets_fair_order() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&redis.url()));
+    job_positions_follow_the_fair_order(&up, &a, &b, ROUTE).await;
+}
+
 /// The instance running a job SIGKILLed: the job ends `failed` (502 `job-lost`) within about
 /// lease_ttl, stays charged (DESIGN §8: the upstream had it) and is never run again; its slot
 /// comes back, so the next job runs.

@@ -77,7 +77,8 @@ pub struct Job {
 /// A job as a poll sees it.
 #[derive(Debug, Clone)]
 pub enum View {
-    /// Waiting; `position` is 1 for the next in arrival order (0: holding a slot, about to run).
+    /// Waiting; `position` is its place in the fair order, 1 for the next (0: holding a slot,
+    /// about to run).
     Queued {
         position: usize,
     },

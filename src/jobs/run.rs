@@ -25,7 +25,7 @@ use crate::telemetry::access;
 pub struct Submission {
     pub id: Arc<str>,
     pub standing: Standing,
-    /// 1 + the waiters ahead of it in arrival order; 0 when a slot was free.
+    /// Its place in the route's fair order (1: next); 0 when a slot was free.
     pub position: usize,
 }
 

@@ -141,17 +141,24 @@ pub struct Place {
 }
 
 impl Place {
-    /// 1 + the route's waiters that arrived before this one (the fair order may serve it
-    /// sooner); `None` once it no longer waits.
+    /// 1 + the waiters the fair order serves before this one ([`FairQueue::place`]); `None`
+    /// once it no longer waits.
     pub fn position(&self) -> Option<usize> {
         let queue = self.queue.upgrade()?;
         let q = lock(&queue);
-        let waiting = || q.keys.values().flat_map(|k| k.waiting.iter());
-        if !waiting().any(|w| w.seq == self.seq) {
-            return None;
-        }
-        Some(1 + waiting().filter(|w| w.seq < self.seq).count())
+        q.place(self.seq)
     }
+}
+
+/// Which of two keys' head waiters the fair queue serves first, each given as (requests it
+/// runs on the route, its weight, since when it has waited): fewest running per weight (the
+/// ratios compared by cross-multiplication, exactly), then the longest waiting.
+fn serve_order(a: (u32, u32, u64), b: (u32, u32, u64)) -> std::cmp::Ordering {
+    let (ra, rb) = (
+        u64::from(a.0) * u64::from(b.1),
+        u64::from(b.0) * u64::from(a.1),
+    );
+    ra.cmp(&rb).then_with(|| a.2.cmp(&b.2))
 }
 
 impl Drop for Waiting {
@@ -189,21 +196,77 @@ impl FairQueue {
     }
 
     /// The key whose head waiter is served next: fewest running per weight, then the one
-    /// that has waited longest ([`KeyState::waiting_since`]). Ratios compare by
-    /// cross-multiplication (exact).
+    /// that has waited longest ([`KeyState::waiting_since`]).
     fn next_key(&self) -> Option<u128> {
         self.keys
             .iter()
             .filter(|(_, k)| !k.waiting.is_empty() && self.eligible(k))
             .min_by(|(_, a), (_, b)| {
-                let (ra, rb) = (
-                    u64::from(a.running) * u64::from(b.weight),
-                    u64::from(b.running) * u64::from(a.weight),
-                );
-                ra.cmp(&rb)
-                    .then_with(|| a.waiting_since().cmp(&b.waiting_since()))
+                serve_order(
+                    (a.running, a.weight, a.waiting_since()),
+                    (b.running, b.weight, b.waiting_since()),
+                )
             })
             .map(|(key, _)| *key)
+    }
+
+    /// 1 + how many waiters the queue serves before waiter `seq` if slots free one at a
+    /// time and nothing else changes (nobody comes or leaves, no running request ends): its
+    /// place in the fair order, as a job's `position` shows it (DESIGN §8). A key at its
+    /// per-key share is passed over while any other may be served; once none may, the order
+    /// goes on as if the blocked keys' own requests ended. `None`: not waiting.
+    fn place(&self, seq: u64) -> Option<usize> {
+        struct Sim<'a> {
+            running: u32,
+            weight: u32,
+            turn: u64,
+            waiting: &'a VecDeque<Waiter>,
+            served: usize,
+        }
+        impl Sim<'_> {
+            fn head(&self) -> Option<u64> {
+                self.waiting.get(self.served).map(|w| w.seq)
+            }
+            fn rank(&self) -> (u32, u32, u64) {
+                let since = self.head().map_or(u64::MAX, |s| s.max(self.turn));
+                (self.running, self.weight, since)
+            }
+        }
+        let mut sims: Vec<Sim> = self
+            .keys
+            .values()
+            .filter(|k| !k.waiting.is_empty())
+            .map(|k| Sim {
+                running: k.running,
+                weight: k.weight.max(1),
+                turn: k.turn,
+                waiting: &k.waiting,
+                served: 0,
+            })
+            .collect();
+        if !sims.iter().any(|s| s.waiting.iter().any(|w| w.seq == seq)) {
+            return None;
+        }
+        let share = self.per_key;
+        let mut clock = self.seq;
+        for position in 1.. {
+            let best = |eligible: &dyn Fn(&Sim) -> bool| {
+                (0..sims.len())
+                    .filter(|&i| sims[i].head().is_some() && eligible(&sims[i]))
+                    .min_by(|&a, &b| serve_order(sims[a].rank(), sims[b].rank()))
+            };
+            let next = best(&|s| share.is_none_or(|share| s.running < share))
+                .or_else(|| best(&|_| true))?;
+            let s = &mut sims[next];
+            if s.head() == Some(seq) {
+                return Some(position);
+            }
+            s.served += 1;
+            s.running += 1;
+            clock += 1;
+            s.turn = clock;
+        }
+        None
     }
 
     /// Gives free slots to waiters, best first; a waiter whose receiver is gone is skipped.

@@ -55,3 +55,83 @@ pub async fn job_result(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A job's `status` and `position` as a poll on `gw` shows them.
+pub async fn job_place(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    location: &str,
+    key: &str,
+) -> (String, u64) {
+    let r = get(c, gw.url(location), key).await;
+    assert_eq!(r.status(), 202, "{location}");
+    let v: serde_json::Value = r.json().await.unwrap();
+    (
+        v["status"].as_str().unwrap_or_default().to_string(),
+        v["position"].as_u64().unwrap(),
+    )
+}
+
+/// DESIGN §8's `position` on a route capped at 1 whose upstream takes `report` per request
+/// (`target` a POST of cost `cost`, async, results kept long enough), submitted on `on` and
+/// polled on `poll` (one gateway or two of a fleet): key a runs one job and queues two; key
+/// b's one job, submitted last, is next in the fair order (b runs nothing, a runs one), so it
+/// says 1 and a's last says 3; as the slot passes on, each says how many are still ahead of it.
+pub async fn job_positions_follow_the_fair_order(
+    up: &super::upstream::Upstream,
+    on: &Gateway,
+    poll: &Gateway,
+    target: &str,
+) {
+    let c = super::client::client();
+    let submit = async |key: &str| {
+        let r = post_async(&c, on.url(target), key, "", &[]).await;
+        assert_eq!(r.status(), 202, "{:?}", r.text().await);
+        let location = job_location(&r);
+        let v: serde_json::Value = r.json().await.unwrap();
+        (location, v["position"].as_u64().unwrap())
+    };
+    let (a1, at) = submit("key-a").await;
+    assert_eq!(at, 0, "a slot was free");
+    up.wait_current(target, 1).await;
+    let (a2, at2) = submit("key-a").await;
+    let (a3, at3) = submit("key-a").await;
+    let (b1, bt) = submit("key-b").await;
+    assert_eq!(
+        (at2, at3, bt),
+        (1, 2, 1),
+        "positions at submission: a2, a3, b1"
+    );
+    let place = async |location: &str, key: &str| job_place(&c, poll, location, key).await;
+    assert_eq!(place(&a2, "key-a").await, ("queued".into(), 2));
+    assert_eq!(place(&a3, "key-a").await, ("queued".into(), 3));
+    assert_eq!(place(&b1, "key-b").await, ("queued".into(), 1));
+    // a1 ends: b1 runs, a's two move up.
+    super::wait::eventually(Duration::from_secs(20), async || match up.count(target) {
+        2 => Ok(()),
+        n => Err(format!("{n} started")),
+    })
+    .await;
+    assert_eq!(
+        up.keys_in_order(target).last().map(String::as_str),
+        Some("key-b")
+    );
+    assert_eq!(place(&a2, "key-a").await, ("queued".into(), 1));
+    assert_eq!(place(&a3, "key-a").await, ("queued".into(), 2));
+    super::wait::eventually(Duration::from_secs(20), async || match up.count(target) {
+        3 => Ok(()),
+        n => Err(format!("{n} started")),
+    })
+    .await;
+    assert_eq!(place(&a3, "key-a").await, ("queued".into(), 1));
+    for (location, key) in [
+        (&a1, "key-a"),
+        (&a2, "key-a"),
+        (&a3, "key-a"),
+        (&b1, "key-b"),
+    ] {
+        let done = job_result(&c, poll, location, key, Duration::from_secs(30), |_| {}).await;
+        assert_eq!(done.status(), 200, "{location}");
+    }
+    assert_eq!(up.max_concurrent(target), 1);
+}

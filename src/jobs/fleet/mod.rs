@@ -54,12 +54,7 @@ pub(super) async fn submit(
             start(shared, b, id.clone(), job.route.label.clone()).await;
             (s, 0)
         }
-        Ok(JobEntered::Queued(s, p)) => {
-            // Polls show the position it joined at.
-            let at = p.to_string();
-            let _ = b.job_record::<i64>(&id, "pos", &[at.as_bytes()]).await;
-            (s, p as usize)
-        }
+        Ok(JobEntered::Queued(s, p)) => (s, p as usize),
         Ok(JobEntered::Refused(a)) => {
             let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
             return Err(*a);
@@ -153,8 +148,9 @@ pub async fn view(
         }
     }
     let view = match field(&r, "state") {
+        // Its place in the fleet's fair order now (0: granted, about to run).
         b"queued" => View::Queued {
-            position: text(&r, "pos").parse().unwrap_or(0),
+            position: b.job_place(&route, id).await? as usize,
         },
         b"running" => View::Running,
         b"expired" => View::Done(Arc::new(expired_result())),

@@ -160,8 +160,10 @@ async fn granted_resolves_when_the_slot_is_handed_over() {
     assert_eq!(q.counts("r"), (0, 0));
 }
 
+/// A place is the waiter's rank in the fair order (1: next), kept up to date: key 2's one
+/// waiter, queued after key 1's first, is served first (key 1 runs one, key 2 none).
 #[test]
-fn a_place_counts_the_waiters_that_arrived_before_it_until_it_leaves_the_queue() {
+fn a_place_is_the_rank_in_the_fair_order_until_it_leaves_the_queue() {
     let q = RouteQueues::default();
     let s = slot(&q, 1, 1, fair(1));
     let a = wait(&q, 1, 1, fair(1));
@@ -170,7 +172,7 @@ fn a_place_counts_the_waiters_that_arrived_before_it_until_it_leaves_the_queue()
     let (pa, pb, pc) = (a.place(), b.place(), c.place());
     assert_eq!(
         (pa.position(), pb.position(), pc.position()),
-        (Some(1), Some(2), Some(3))
+        (Some(2), Some(1), Some(3))
     );
     drop(b);
     assert_eq!(
@@ -182,6 +184,61 @@ fn a_place_counts_the_waiters_that_arrived_before_it_until_it_leaves_the_queue()
     assert_eq!((pa.position(), pc.position()), (None, Some(1)));
     drop((a, c));
     assert_eq!(pc.position(), None);
+}
+
+/// Positions say the order the queue serves in: with one slot, each holder ending in turn,
+/// three keys' waiters (backlogs of 3, 2 and 1, interleaved) are granted exactly in the order
+/// of the positions they had before the first release.
+#[test]
+fn positions_are_the_order_the_queue_serves_in() {
+    let q = RouteQueues::default();
+    let s = slot(&q, 1, 1, fair(1));
+    let mut waiters: Vec<(u128, Waiting)> = [1, 1, 2, 1, 3, 2]
+        .into_iter()
+        .map(|key| (key, wait(&q, 1, key, fair(1))))
+        .collect();
+    let places: Vec<usize> = waiters
+        .iter()
+        .map(|(_, w)| w.place().position().unwrap())
+        .collect();
+    assert_eq!(places, [3, 5, 1, 6, 2, 4]);
+    drop(s);
+    let mut served = vec![];
+    while served.len() < waiters.len() {
+        let i = (0..waiters.len())
+            .find(|&i| !served.contains(&places[i]) && granted(&mut waiters[i].1))
+            .expect("a release grants the next waiter");
+        served.push(places[i]);
+        drop(RouteSlot {
+            queue: lock(&q.routes)["r"].clone(),
+            key: waiters[i].0,
+        });
+    }
+    assert_eq!(served, [1, 2, 3, 4, 5, 6]);
+}
+
+/// A key at its per-key share is passed over while others may be served; its waiter comes
+/// after them, as its own running request must end first.
+#[test]
+fn a_place_behind_the_keys_own_share_comes_after_the_others() {
+    let q = RouteQueues::default();
+    let shared = Fair {
+        per_key: Some(1),
+        ..Fair::default()
+    };
+    let _s = slot(&q, 2, 1, shared);
+    let _t = slot(&q, 2, 2, shared);
+    let a = wait(&q, 2, 1, shared);
+    let b = wait(&q, 2, 3, shared);
+    let c = wait(&q, 2, 3, shared);
+    assert_eq!(
+        (
+            a.place().position(),
+            b.place().position(),
+            c.place().position()
+        ),
+        (Some(2), Some(1), Some(3))
+    );
 }
 
 /// Equals take turns: with one slot, keys 1 and 2 each with a backlog and key 3 with one

@@ -1,8 +1,8 @@
 -- An async job's record (DESIGN §8), a hash at KEYS[1] (`t:j:<id>`), on Redis TIME (ms):
 --   key (hex of the key's hash), route, state (queued | running | done | failed | cancelled |
 --   expired), runner (instance), alive (ms until which the runner vouches for it), ttl (ms a
---   result is kept), method, target, headers, body (the request), pos (at submission),
---   status, rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms).
+--   result is kept), method, target, headers, body (the request), status,
+--   rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms).
 --
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
@@ -19,7 +19,6 @@
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now) | 0
 --   cancel -> 1 (queued -> cancelled) | 0
 --   expire -> 1 (queued for result_ttl since `sub` -> expired, kept `ttl`) | 0
---   pos    n -> 1 (a queued job's position at submission, for polls) | 0
 -- Every check comes before the first write.
 
 local job = KEYS[1]
@@ -94,10 +93,6 @@ elseif op == 'expire' then
 elseif op == 'delay' then
   if state() ~= 'queued' then return 0 end
   redis.call('HSET', job, 'delay', ARGV[2])
-  return 1
-elseif op == 'pos' then
-  if state() ~= 'queued' then return 0 end
-  redis.call('HSET', job, 'pos', ARGV[2])
   return 1
 end
 return redis.error_reply('unknown job operation ' .. tostring(op))

@@ -47,7 +47,7 @@
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
---             {0 QUEUED, position} | {3 GIVEN_UP} (a `leave` or `release` of this id came
+--             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
 --   leave  ARGV id given_up_us -> {0 LEFT} | {1 GRANTED (the caller holds the lease: release
 --          it)} | {2 GONE} (and the id is refused for given_up_us)
@@ -61,6 +61,7 @@
 --          (the queue lost them: a failover, a flush)}, w its waiters still waiting (for
 --          the fleet's jobs: the route's queued jobs). With `below` > 0, the instance's own
 --          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
+--   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
 -- Reads and checks come before the first write of each operation's own work; the upkeep
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
@@ -229,6 +230,56 @@ local function grant(grant_ttl)
   return granted
 end
 
+-- 1 + how many waiters the queue serves before waiter `id` if slots free one at a time and
+-- nothing else changes (nobody comes or leaves, no running request ends): its place in the
+-- fair order, as a job's `position` shows it (DESIGN §8; `store/fair.rs` `place` is the
+-- memory store's). A key at its share is passed over while any other may be served; once
+-- none may, the order goes on as if the blocked keys' own requests ended. 0: not waiting.
+local function place(id)
+  if not redis.call('HGET', state, 'w:' .. id) then return 0 end
+  local sims, order = {}, {}
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+    local key, seq, wid = string.match(m, '^([^:]*):(%d+):(.*)$')
+    local k = sims[key]
+    if not k then
+      k = {running = num('r:' .. key), weight = math.max(1, num('wt:' .. key)),
+           turn = num('e:' .. key), seqs = {}, ids = {}, at = 1}
+      sims[key] = k
+      order[#order + 1] = k
+    end
+    k.seqs[#k.seqs + 1] = tonumber(seq)
+    k.ids[#k.ids + 1] = wid
+  end
+  local s = share()
+  local function before(a, b)
+    local ra, rb = a.running * b.weight, b.running * a.weight
+    if ra ~= rb then return ra < rb end
+    return math.max(a.seqs[a.at], a.turn) < math.max(b.seqs[b.at], b.turn)
+  end
+  local function best(any)
+    local found
+    for _, k in ipairs(order) do
+      if k.at <= #k.seqs and (any or s == 0 or k.running < s)
+          and (not found or before(k, found)) then
+        found = k
+      end
+    end
+    return found
+  end
+  local clock = num('seq')
+  local position = 1
+  while true do
+    local k = best(false) or best(true)
+    if not k then return 0 end
+    if k.ids[k.at] == id then return position end
+    position = position + 1
+    k.at = k.at + 1
+    k.running = k.running + 1
+    clock = clock + 1
+    k.turn = clock
+  end
+end
+
 -- Leases past their expiry (their instance died or stalled) go, with their key's count. An
 -- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
 -- waiters are skipped at once instead of being granted, and lapsing, one after another (a
@@ -305,7 +356,8 @@ if op == 'enter' then
   count_instance(instance, 1)
   refresh(key)
   keep(lease_ttl)
-  return {QUEUED, queued + 1}
+  -- A job's 202 shows its place in the fair order; a request's wait has no use for it.
+  return {QUEUED, instance == FLEET and place(id) or queued + 1}
 elseif op == 'leave' then
   local id = ARGV[2]
   local info = redis.call('HGET', state, 'w:' .. id)
@@ -424,6 +476,9 @@ elseif op == 'beat' then
   for _, id in ipairs(lost) do out[#out + 1] = id end
   keep(alive_us)
   return out
+elseif op == 'place' then
+  purge()
+  return {place(ARGV[2])}
 elseif op == 'peek' then
   purge()
   local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}

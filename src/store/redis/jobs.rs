@@ -222,6 +222,15 @@ impl RedisBackend {
         Ok(v.first().copied().unwrap_or(2))
     }
 
+    /// A queued job's place in its route's fair order (1: next; 0: not waiting, granted).
+    pub(crate) async fn job_place(&self, route: &str, id: &str) -> Result<u64, StoreError> {
+        let rk = Self::route_keys(route)?;
+        let mut inv = self.queue_script.call(&rk, "place");
+        inv.arg(id);
+        let v: Vec<u64> = self.call(inv).await?;
+        Ok(v.first().copied().unwrap_or(0))
+    }
+
     /// One `lua/jobs.lua` operation on the record of job `id`.
     pub(crate) async fn job_record<T: redis::FromRedisValue>(
         &self,
