@@ -324,6 +324,41 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     assert_eq!(up.count("/reports/generate"), 1);
 }
 
+/// A request that leaves the queue unserved (503 at `queue_timeout`) is answered with its
+/// budget as refunded: all of it left, and full now (`t=0`), on both stores. On Redis the
+/// answer said 1000 left and, in the same breath, 864 s until full (the charge's refill time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_that_leaves_the_queue_unserved_is_told_its_budget_is_full_again() {
+    let endpoint = "    /reports/generate:\n      cost: 10\n      max_in_flight: 1\n      queue_timeout: 300ms\n";
+    let redis = Redis::start();
+    for body in [
+        config(endpoint, ""),
+        on_redis(&redis.url(), &config(endpoint, "")),
+    ] {
+        let up = Upstream::start(Duration::ZERO);
+        let gw = Gateway::start(&up, &body);
+        let c = client();
+        let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=2000"), "key-a");
+        up.wait_current("/reports/generate", 1).await;
+        let r = post(&c, gw.url("/reports/generate"), "key-b").await;
+        assert_eq!(r.status(), 503);
+        let headers = [
+            "X-RateLimit-Cost",
+            "X-RateLimit-Remaining",
+            "X-RateLimit-Reset",
+            "RateLimit",
+        ]
+        .map(|h| header(&r, h).unwrap_or_default());
+        assert_eq!(
+            headers,
+            ["0", "1000", "0", "\"default\";r=1000;t=0"].map(String::from),
+            "{body}"
+        );
+        assert_eq!(remaining(&gw, "b").await, 1000);
+        assert_eq!(holder.await.unwrap(), 200);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
     let up = Upstream::start(Duration::ZERO);

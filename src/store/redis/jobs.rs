@@ -111,8 +111,7 @@ impl RedisBackend {
             Some(1) => JobEntered::Taken(standing),
             Some(0) => JobEntered::Queued(standing, entered.get(1).copied().unwrap_or(0) as u64),
             _ => {
-                let mut standing = standing;
-                standing.remaining = standing.remaining.saturating_add(req.cost);
+                let standing = standing.given_back(req.limits(), req.cost);
                 JobEntered::Refused(Box::new(Admission::RouteBusy {
                     standing,
                     queued: Duration::ZERO,

@@ -406,8 +406,7 @@ impl RedisBackend {
         o: &crate::budget::Outcome,
         start: Instant,
     ) -> SharedAnswer {
-        let mut standing: Standing = o.into();
-        standing.remaining = standing.remaining.saturating_add(req.cost);
+        let standing = Standing::from(o).given_back(req.limits(), req.cost);
         SharedAnswer {
             admission: Admission::RouteBusy {
                 standing,
