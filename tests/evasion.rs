@@ -292,6 +292,19 @@ async fn head_is_charged_as_the_get_it_stands_for() {
     assert_eq!(seen.method, "HEAD");
     let units = "tollgate_cost_units_total{route=\"GET /exports/{id}\"}";
     assert_metric(&gw, units, 30.0).await;
+    // Spelled `head` (DESIGN §3: charged as the METHOD it equals ignoring case), it is
+    // answered as a HEAD: no body, and the connection goes on. (The client got no answer at
+    // all, charged: Pingora waited for the body of the GET it thought it answered.)
+    let key = "X-API-Key: k-head\r\n";
+    let two = format!(
+        "head /exports/8 HTTP/1.1\r\nHost: x\r\n{key}\r\nGET /exports/9 HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"
+    );
+    let answers = tokio::task::spawn_blocking(move || pipelined(gw.port, &two))
+        .await
+        .unwrap();
+    assert_eq!(answers, [(200, false), (200, true)]);
+    assert_eq!(up.api.seen().len(), 3);
+    assert_metric(&gw, units, 90.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

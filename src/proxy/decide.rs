@@ -96,7 +96,7 @@ impl Gateway {
     #[allow(clippy::result_large_err)]
     fn classify_and_identify(
         &self,
-        session: &Session,
+        session: &mut Session,
         ctx: &mut Ctx,
         running: &Running,
     ) -> Result<Option<(Arc<Route>, AdmitRequest)>, Refusal> {
@@ -111,6 +111,12 @@ impl Gateway {
                 return Err(r);
             }
         };
+        if let Some(m) = classified.forward_method.and_then(|m| m.parse().ok()) {
+            // `head` is answered as the HEAD it is forwarded as: Pingora frames the answer
+            // by the downstream's method (else it waits for the body of a GET's answer).
+            session.req_header_mut().set_method(m);
+        }
+        let req = session.req_header();
         let route = classified.route.clone();
         ctx.route = Some(route.clone());
         ctx.forward = Some(classified);
