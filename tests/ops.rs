@@ -1063,6 +1063,45 @@ async fn in_flight_slots_survive_a_reload() {
     assert_eq!(slow.await.unwrap(), 200);
 }
 
+/// A reload that changes a capped route's `max_in_flight` (memory store) keeps counting the
+/// requests already running: three run on a cap of 3, the cap becomes 2, and a new request
+/// is refused until they end. (The route's count started again from zero: two more ran, five
+/// at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_slots_survive_a_reload_that_changes_the_cap() {
+    let up = Upstream::start(Duration::from_millis(2500));
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /items: {cost: 1}\n    /reports/generate: {cost: 1, max_in_flight: 3}\n",
+    );
+    let c = client();
+    let running: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|k| spawn_post(&c, gw.url("/reports/generate"), k))
+        .collect();
+    up.wait_current("/reports/generate", 3).await;
+    gw.edit_config("max_in_flight: 3", "max_in_flight: 2");
+    gw.edit_config("/items: {cost: 1}", "/items: {cost: 2}");
+    gw.signal("HUP");
+    eventually(Duration::from_secs(5), async || {
+        match header(&get(&c, gw.url("/items"), "d").await, "X-RateLimit-Cost").as_deref() {
+            Some("2") => Ok(()),
+            other => Err(format!("reload not applied: cost {other:?}")),
+        }
+    })
+    .await;
+    for key in ["d", "e"] {
+        let r = post(&c, gw.url("/reports/generate?delay_ms=1"), key).await;
+        assert_eq!(r.status(), 503, "3 still run on a cap of 2");
+    }
+    for r in running {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(up.max_concurrent("/reports/generate"), 3);
+    let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "d").await;
+    assert_eq!(r.status(), 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     let up = Upstream::start(Duration::ZERO);

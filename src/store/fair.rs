@@ -384,24 +384,22 @@ pub struct RouteQueues {
 }
 
 impl RouteQueues {
-    /// Joins `route`'s queue (capped at `cap`; a reload that changes the cap or the per-key
-    /// share starts a new queue, the requests of the old one keep their slots there).
+    /// Joins `route`'s queue, capped at `cap`. A reload that changes the cap or the per-key
+    /// share changes them in place: the requests running and waiting count against the new
+    /// figures (a larger cap hands its new slots to the waiters at once).
     pub fn join(&self, route: &Arc<str>, cap: u32, key: u128, fair: Fair) -> Joined {
-        let queue = {
-            let mut routes = lock(&self.routes);
-            let current = routes.get(route).filter(|q| {
-                let q = lock(q);
-                q.cap == cap && q.per_key == fair.per_key
-            });
-            match current {
-                Some(q) => q.clone(),
-                None => {
-                    let q = Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key)));
-                    routes.insert(route.clone(), q.clone());
-                    q
-                }
+        let queue = lock(&self.routes)
+            .entry(route.clone())
+            .or_insert_with(|| Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key))))
+            .clone();
+        {
+            let mut q = lock(&queue);
+            if (q.cap, q.per_key) != (cap, fair.per_key) {
+                q.cap = cap;
+                q.per_key = fair.per_key;
+                q.grant();
             }
-        };
+        }
         FairQueue::join(&queue, key, fair)
     }
 
