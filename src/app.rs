@@ -50,7 +50,11 @@ impl App {
             }
             Err(errs) => {
                 m.config_reload(Reload::Error);
-                for e in &errs.0 {
+                let (shown, more) = errs.shown();
+                if more > 0 {
+                    tracing::error!(path = %self.config_path.display(), more, "configuration reload rejected with more errors than are logged");
+                }
+                for e in shown {
                     tracing::error!(path = %self.config_path.display(), error = %e, "configuration reload rejected; keeping the running config");
                 }
                 Err(errs)

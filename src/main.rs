@@ -98,8 +98,12 @@ enum AuditFormat {
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     Config::load(path, &EnvOverrides::from_env()).map_err(|errs| {
         let mut text = String::new();
-        for e in &errs.0 {
+        let (shown, more) = errs.shown();
+        for e in shown {
             text.push_str(&format!("{e}\n"));
+        }
+        if more > 0 {
+            text.push_str(&format!("… and {more} more\n"));
         }
         text.push_str(&format!("{}: {} error(s)\n", path.display(), errs.0.len()));
         to_stderr(&text);

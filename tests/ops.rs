@@ -774,6 +774,27 @@ fn check_reports_every_unknown_key_and_every_other_error() {
         "rate_limits.endpoints.\"/reports/generate\".cost: must be a positive integer, got 0"
     );
     assert!(lines[4].ends_with("bad.yaml: 4 error(s)"), "{err}");
+
+    // 150 endpoints that cost more than the budget: the first 100 errors, then how many more
+    // (README: "up to 100"; all 150 were printed).
+    let endpoints: String = (0..150)
+        .map(|i| format!("    /e{i:03}: {{cost: 500}}\n"))
+        .collect();
+    std::fs::write(
+        &bad,
+        format!("upstream:\n  url: \"http://127.0.0.1:3000\"\nrate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 120}}\n  endpoints:\n{endpoints}"),
+    )
+    .unwrap();
+    let (code, out, err) = tollgate(&["check", "-c", bad.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 102, "{err}");
+    assert!(
+        lines[99].starts_with("rate_limits.endpoints.\"/e099\".cost: cost 500"),
+        "{err}"
+    );
+    assert_eq!(lines[100], "… and 50 more");
+    assert!(lines[101].ends_with("bad.yaml: 150 error(s)"), "{err}");
 }
 
 #[test]

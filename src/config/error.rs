@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use super::bounds::MAX_REPORTED_ERRORS;
+
 /// A configuration problem, always with the path of the offending field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{path}: {message}")]
@@ -31,6 +33,12 @@ impl ConfigErrors {
 
     pub(super) fn one(path: impl Into<String>, message: impl Into<String>) -> Self {
         Self(vec![ConfigError::new(path, message)])
+    }
+
+    /// The errors to show (the first [`MAX_REPORTED_ERRORS`]), and how many more there are.
+    pub fn shown(&self) -> (&[ConfigError], usize) {
+        let n = self.0.len().min(MAX_REPORTED_ERRORS);
+        (&self.0[..n], self.0.len() - n)
     }
 }
 
