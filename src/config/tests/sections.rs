@@ -272,6 +272,15 @@ fn named_upstreams_and_their_endpoints() {
     assert!(first_error(&bad).starts_with("upstreams.pool.urls[1]:"));
     let prefix = ok.replace("strip_prefix: /gh", "strip_prefix: /other");
     assert!(first_error(&prefix).contains(".strip_prefix: must be a leading part"));
+    // Part of a segment, or a template, is a prefix no request's path has: it never applied.
+    for never in ["/g", "/gh/{*rest}"] {
+        let partial = ok.replace("strip_prefix: /gh", &format!("strip_prefix: \"{never}\""));
+        assert!(
+            first_error(&partial).contains(".strip_prefix: must be a leading part"),
+            "{never}: {}",
+            first_error(&partial)
+        );
+    }
 }
 
 #[test]

@@ -162,14 +162,18 @@ fn check_queue_timeout(
     }
 }
 
-/// `strip_prefix`: a leading part of the endpoint's path.
+/// `strip_prefix`: whole leading segments of the endpoint's path, without a template (a part
+/// of a segment, or a `{name}`, is a prefix no request's path has: it would never apply).
 fn check_strip_prefix(base: &str, pattern: &str, e: &RawEndpoint, errs: &mut ConfigErrors) {
     if let Some(prefix) = &e.strip_prefix {
         let path = crate::route::split_pattern(pattern).1;
-        if !prefix.starts_with('/') || prefix.ends_with('/') || !path.starts_with(prefix.as_str()) {
+        let leads = path
+            .strip_prefix(prefix.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+        if !prefix.starts_with('/') || prefix.ends_with('/') || prefix.contains('{') || !leads {
             errs.push(
                 format!("{base}.strip_prefix"),
-                format!("must be a leading part of the path, starting with / and not ending with one, got \"{}\"", shown(prefix)),
+                format!("must be a leading part of the path (whole segments, no template), starting with / and not ending with one, got \"{}\"", shown(prefix)),
             );
         }
     }
