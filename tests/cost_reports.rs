@@ -196,6 +196,38 @@ async fn a_key_in_debt_waits_out_the_stated_cost() {
     assert_eq!(up.count("/q"), 1);
 }
 
+/// A stated cost is in the store before the client has its answer: the key's next request,
+/// on a new connection, sent the moment the answer came, finds the debt (DESIGN §6: the final
+/// charge "becomes that number"). On Redis behind 100 ms each way, on a capped route, that
+/// next request was admitted every time: the gateway settled after releasing the slot, a
+/// round trip after the answer, and the next admission overtook it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_request_after_a_stated_cost_sees_it() {
+    let redis = Redis::start();
+    let slow = Proxy::start_delayed(redis.port, Duration::from_millis(100));
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 10 }\n  endpoints:\n    /q: { cost: 1, cost_from_response: X-Actual-Cost, max_in_flight: 5 }\n";
+    let on_redis = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n",
+        slow.url()
+    );
+    for (i, store) in ["", &on_redis].into_iter().enumerate() {
+        let gw = Gateway::start(&up, &format!("{store}{limits}"));
+        for key in ["k1", "k2", "k3"] {
+            let r = get(&client(), gw.url("/q?actual_cost=50"), key).await;
+            assert_eq!(r.status(), 200, "{store}");
+            // A client of its own: a new connection.
+            let r = get(&client(), gw.url("/q"), key).await;
+            assert_eq!(
+                r.status(),
+                429,
+                "{store}{key}: the stated 50 was not settled yet"
+            );
+        }
+        assert_eq!(up.count("/q"), 3 * (i as u64 + 1), "{store}");
+    }
+}
+
 /// On the `local` fallback (Redis stopped) the settling happens in the local share, and what
 /// was charged there in the end is written back once Redis returns: the stated 7, not the
 /// admission's 1; a stated 0 not at all.

@@ -217,9 +217,11 @@ impl Ctx {
     /// Once the upstream has answered: makes the request's final charge what the upstream
     /// stated (`cost_from_response`), else what its route bills for measured time
     /// (`cost_per_second`), charging (even into debt) or refunding the difference where the
-    /// admission was charged.
+    /// admission was charged. Once: a stated cost settles before its answer goes on to the
+    /// client, everything else when the request ends.
     pub async fn settle(&mut self, store: &Store) {
-        let (Phase::Admitted(c), Some(route)) = (&self.phase, &self.route) else {
+        let (Phase::Admitted(c), Some(route), None) = (&self.phase, &self.route, self.settled)
+        else {
             return;
         };
         // Without a response (the client left first) the upstream worked at least until now.

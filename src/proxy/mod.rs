@@ -28,6 +28,7 @@ use pingora::{Error, ErrorSource, ErrorType};
 use crate::decision::{self, Refusal, UpstreamFailure};
 use crate::front;
 use crate::problem::Problem;
+use crate::route::stated::Report;
 use crate::state::Shared;
 use crate::telemetry::{metrics, ClientTimeout};
 use crate::upstreams;
@@ -433,6 +434,11 @@ impl ProxyHttp for Gateway {
         ctx.upstream.body_watch = None;
         ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
+        if matches!(ctx.report, Some(Report::Applied(_))) {
+            // Final whatever the upstream's time: in the store before the client has its
+            // answer, so that the key's next request, from any connection or instance, sees it.
+            ctx.settle(&self.shared.store).await;
+        }
         respond::rate_limit_headers(resp, ctx)
     }
 
