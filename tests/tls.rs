@@ -399,9 +399,12 @@ async fn a_reset_stream_is_a_client_that_went_away() {
     assert_eq!(up.count(path), 2);
     let r = h2_send(&client, h2_request("GET", "/widgets", "k2")).await;
     assert_eq!((r.status, r.remaining()), (200, 119));
-    tg.gw
+    let gone = tg
+        .gw
         .wait_access(1, |l| l["decision"] == "client_gone")
         .await;
+    // Answered to nobody: 499, nginx's "client closed request" (it was 0).
+    assert_eq!(gone[0]["status"], 499);
     assert!(error_lines(&tg.gw).is_empty(), "{:?}", error_lines(&tg.gw));
     assert_metric(
         &tg.gw,
@@ -409,6 +412,17 @@ async fn a_reset_stream_is_a_client_that_went_away() {
         0.0,
     )
     .await;
+    let text = reqwest::get(tg.gw.admin("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("tollgate_requests_total{route=\"/reports/generate\",status=\"499\"}"),
+        "{text}"
+    );
+    assert!(!text.contains("status=\"0\""), "{text}");
 }
 
 /// A client that closes its whole HTTP/2 connection (a timeout in curl, a killed process)

@@ -543,10 +543,10 @@ impl ProxyHttp for Gateway {
         ctx.release().await;
         // After the slots are free: settling is one more store call, for such routes only.
         ctx.settle(&self.shared.store).await;
+        // Nothing written: the client left first (a closed connection, a reset stream).
         let status = session
             .response_written()
-            .map(|r| r.status.as_u16())
-            .unwrap_or(0);
+            .map_or(CLIENT_CLOSED_REQUEST, |r| r.status.as_u16());
         // Requests Pingora refused before `request_filter` count under `default`.
         let running = ctx.running.clone().unwrap_or_else(|| self.shared.running());
         let route = match &ctx.route {
@@ -569,6 +569,10 @@ impl ProxyHttp for Gateway {
         record::access_line(ctx, &line, trace_id.as_ref(), e);
     }
 }
+
+/// The status a request answered to nobody is counted and logged with (nginx's "client closed
+/// request"): never sent.
+const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 /// 32 hex digits of a random 128-bit number, written into a buffer and copied once
 /// (`hex::encode` collects them char by char, through three reallocations: ~1,500 instructions

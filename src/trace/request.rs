@@ -160,7 +160,9 @@ impl RequestTrace {
         let span = self.cx.span();
         span.update_name(span_name(f.method, f.route));
         span.set_attributes(attributes(f));
-        if f.status >= 500 || f.status == 0 {
+        // A server's error (a 499, the client gone, is not one; OpenTelemetry's HTTP
+        // conventions leave 4xx server spans unset).
+        if f.status >= 500 {
             span.set_status(Status::error(f.decision.as_str().to_string()));
         }
         span.end_with_timestamp(end);
