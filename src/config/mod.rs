@@ -214,10 +214,12 @@ impl Config {
         validate::validate(raw, env)
     }
 
-    /// The effective configuration as YAML with secrets (Redis password) redacted.
+    /// The effective configuration as YAML with secrets (Redis password) redacted, and the
+    /// defaults worked out from other fields written out.
     pub fn redacted_yaml(&self) -> String {
         let mut raw = self.raw.clone();
         raw.store.url = redact_url(&self.store.url);
+        raw.upstream.abandon_timeout = Some(duration::ConfDuration(self.upstream.abandon_timeout));
         serde_yaml::to_string(&raw).unwrap_or_default()
     }
 }

@@ -151,6 +151,9 @@ fn env_overrides_and_redaction() {
     assert_eq!(c.store.url, "redis://:hunter2@10.0.0.1:6379/0");
     let y = c.redacted_yaml();
     assert!(!y.contains("hunter2"), "{y}");
+    // The effective default, 10 × read_timeout, written out (it was left out).
+    assert_eq!(c.upstream.read_timeout, std::time::Duration::from_secs(60));
+    assert!(y.contains("\n  abandon_timeout: 10m\n"), "{y}");
     assert!(y.contains("redis://:***@10.0.0.1:6379/0"), "{y}");
     assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
     assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
