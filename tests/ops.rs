@@ -308,6 +308,43 @@ async fn access_log_has_the_fields_and_no_keys() {
     gw.wait_log("\"target\":\"pingora_core::server\"").await;
 }
 
+/// Raw keys stay out of the log at every `RUST_LOG` level: Pingora's debug and trace records
+/// print request heads whole (`"x-api-key": "…"`, `authorization: Bearer …`), so they are
+/// not logged (tollgate's own debug events still are).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_logging_never_writes_a_raw_key() {
+    let up = Upstream::start(Duration::ZERO);
+    let c = client();
+    for rust_log in ["debug", "trace"] {
+        let mut gw = Gateway::start_opts(GatewayOpts {
+            upstream_url: up.url(),
+            body: "identity:\n  sources: [\"header:x-api-key\", bearer]\nrate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+            env: vec![("RUST_LOG", rust_log.to_string())],
+            ..GatewayOpts::default()
+        });
+        assert_eq!(
+            get(&c, gw.url("/items/1"), "raw-key-in-a-header")
+                .await
+                .status(),
+            200
+        );
+        let r = c
+            .get(gw.url("/items/2"))
+            .header("Authorization", "Bearer raw-key-as-a-bearer")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        gw.signal("TERM");
+        assert_eq!(gw.wait_exit(Duration::from_secs(12)), Some(0), "{rust_log}");
+        let log = gw.log();
+        assert_eq!(gw.access_log().len(), 2, "{rust_log}");
+        for raw in ["raw-key-in-a-header", "raw-key-as-a-bearer"] {
+            assert!(!log.contains(raw), "{rust_log}: {raw} logged");
+        }
+    }
+}
+
 /// `RUST_LOG` decides whether there is an access log, as it did when the line was a tracing
 /// event: `info` on, `warn` off, and the `tollgate::access` target on or off by itself. Counted
 /// after a graceful exit, which writes out every queued line.

@@ -25,13 +25,15 @@ pub fn init_logging(format: LogFormat) {
         std::io::stderr(),
     ));
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // Pingora's `log` records below this level are not even built.
+    // Pingora's `log` records below this level are not even built (nor, ever, its debug and
+    // trace records: `PingoraLog`).
     let log_level = {
         use tracing_log::AsLog;
         filter
             .max_level_hint()
             .map(|l| l.as_log())
             .unwrap_or(log::LevelFilter::Trace)
+            .min(log::LevelFilter::Info)
     };
     // tracing-subscriber's own default (https://no-color.org), decided here once so that the
     // access log's pretty lines are coloured exactly when the other lines are.
@@ -57,10 +59,12 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
-/// Bridges Pingora's `log` records into tracing, with one change: the errors Pingora logs
+/// Bridges Pingora's `log` records into tracing, with two changes: the errors Pingora logs
 /// for a client that went away, timed out or failed its handshake — which no hook can
 /// suppress — are debug events (a client that leaves is not a gateway error), and so is the
-/// one for a pooled upstream connection it could not reuse (it connects anew).
+/// one for a pooled upstream connection it could not reuse (it connects anew); and its own
+/// debug and trace records are dropped, whatever `RUST_LOG` says: they print request heads
+/// whole, API keys and bearer tokens with them.
 struct PingoraLog;
 
 /// Parts of the messages of those records (pingora-proxy and pingora-core 0.9).
@@ -84,11 +88,14 @@ fn is_client_gone(message: &str) -> bool {
 }
 
 impl log::Log for PingoraLog {
-    fn enabled(&self, _: &log::Metadata) -> bool {
-        true
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::Level::Info
     }
 
     fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
         if record.level() == log::Level::Error && is_client_gone(&record.args().to_string()) {
             let _ = tracing_log::format_trace(
                 &log::Record::builder()
