@@ -149,6 +149,24 @@ pub struct RouteAudit {
     pub stated: Option<Stated>,
 }
 
+impl RouteAudit {
+    /// A route no instance measured (one an audited file adds): its configured prices only.
+    fn unmeasured(r: &crate::route::Route) -> RouteAudit {
+        RouteAudit {
+            route: r.label.to_string(),
+            requests: 0,
+            cost: r.cost,
+            cost_per_second: r.fidelity.cost_per_second,
+            mode: mode_name(r.fidelity.shadow),
+            upstream: Histogram::default(),
+            p50_seconds: None,
+            p95_seconds: None,
+            mean_seconds: None,
+            stated: None,
+        }
+    }
+}
+
 /// A plan's budgets (the default budget is the plan `default`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanAudit {
@@ -397,9 +415,25 @@ fn worst_case(plan: &PlanAudit, cost: f64, mean: f64) -> Option<WorstCase> {
 }
 
 /// Compares a merged fleet's measurements with the costs and plans in force. With `cfg` (the
-/// file being audited, maybe an edited one) its costs and plans are used; else the instances'.
+/// file being audited, maybe an edited one) its routes, costs and plans are used (a route it
+/// adds has no measurements yet; one it removed is left out); else the instances'.
 pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
     let plans = cfg.map(plans_of).unwrap_or_else(|| fleet.plans.clone());
+    let filed: Vec<RouteAudit>;
+    let measured = match cfg {
+        Some(c) => {
+            filed = c
+                .router
+                .routes()
+                .map(|x| {
+                    let seen = fleet.routes.iter().find(|r| r.route == *x.label);
+                    seen.cloned().unwrap_or_else(|| RouteAudit::unmeasured(x))
+                })
+                .collect();
+            &filed
+        }
+        None => &fleet.routes,
+    };
     let priced = |r: &RouteAudit| -> (u64, Option<f64>, String) {
         let configured = cfg.and_then(|c| c.router.routes().find(|x| *x.label == r.route));
         match configured {
@@ -413,15 +447,13 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
     };
     let enough = |r: &RouteAudit| r.upstream.count >= MIN_SAMPLES;
     let baseline = median(
-        fleet
-            .routes
+        measured
             .iter()
             .filter(|r| enough(r) && priced(r).0 == 1 && priced(r).1.is_none())
             .filter_map(|r| r.upstream.mean())
             .collect(),
     );
-    let mut routes: Vec<Finding> = fleet
-        .routes
+    let mut routes: Vec<Finding> = measured
         .iter()
         .map(|r| {
             let (cost, cost_per_second, mode) = priced(r);

@@ -172,3 +172,32 @@ fn every_budget_of_a_plan_is_audited() {
     // A plan of one budget keeps its own name.
     assert_eq!(plans[0].budgets[0].name, "default");
 }
+
+/// Audited against a file (`tollgate audit -c`), the routes are the file's: one it removed is
+/// not priced by the instances' old config, one it adds shows with too little traffic. (The
+/// route set was the instances'.)
+#[test]
+fn a_file_audits_its_own_routes() {
+    let fleet = instance(vec![
+        route("/kept", 1, &[0.01; 30]),
+        route("/removed", 50, &[0.5; 30]),
+        route("default", 1, &[0.01; 30]),
+    ]);
+    let text = "upstream: {url: \"http://127.0.0.1:1\"}\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 120}\n  endpoints:\n    /kept: {cost: 2}\n    /brandnew: {cost: 7}\n";
+    let cfg = crate::config::Config::parse(text, &crate::config::EnvOverrides::default()).unwrap();
+    let r = report(&fleet, Some(&cfg));
+    let mut seen: Vec<(&str, u64, bool)> = r
+        .routes
+        .iter()
+        .map(|f| (f.route.as_str(), f.cost, f.too_little_traffic))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("/brandnew", 7, true),
+            ("/kept", 2, false),
+            ("default", 1, false)
+        ]
+    );
+}
