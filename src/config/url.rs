@@ -1,8 +1,41 @@
 //! The two URLs of gateway.yaml: the upstream's (`http[s]://host[:port]`) and the store's,
 //! which may carry a password and so is shown only redacted.
 
-/// `redis://user:secret@host` → `redis://user:***@host`.
+/// `redis://user:secret@host` → `redis://user:***@host`; a query's values are hidden too
+/// (`?password=secret` → `?password=***`).
 pub fn redact_url(url: &str) -> String {
+    let (url, query) = match url.find(['?', '#']) {
+        Some(i) => (&url[..i], redact_query(&url[i..])),
+        None => (url, String::new()),
+    };
+    redact_userinfo(url) + &query
+}
+
+/// `?a=1&b=2#f` → `?a=***&b=***#f`.
+fn redact_query(tail: &str) -> String {
+    let (query, fragment) = match tail.find('#') {
+        Some(i) => (&tail[..i], Some(&tail[i + 1..])),
+        None => (tail, None),
+    };
+    let mut out = String::new();
+    if let Some(q) = query.strip_prefix('?') {
+        let pairs: Vec<String> = q
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((name, _)) => format!("{name}=***"),
+                None => p.to_string(),
+            })
+            .collect();
+        out = format!("?{}", pairs.join("&"));
+    }
+    if let Some(f) = fragment {
+        out.push('#');
+        out.push_str(f);
+    }
+    out
+}
+
+fn redact_userinfo(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
     };
@@ -143,6 +176,14 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
     use StoreUrlError as E;
     let shown = redact_url(url);
     let (scheme, rest) = url.split_once("://").unwrap_or(("", ""));
+    // The client reads no password (nor anything else tollgate relies on) from a query: one
+    // there would be ignored, and shown in /admin/config.
+    if rest.contains(['?', '#']) && scheme.starts_with("redis") {
+        return Err(E::QueryOrFragment {
+            scheme: scheme.into(),
+            shown,
+        });
+    }
     let (tls, kind) = match scheme {
         "redis" | "rediss" => {
             check_node_url(url, &shown)?;
@@ -154,12 +195,6 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
         "rediss+sentinel" => (true, "sentinel"),
         _ => return Err(E::Scheme(shown)),
     };
-    if rest.contains(['?', '#']) {
-        return Err(E::QueryOrFragment {
-            scheme: scheme.into(),
-            shown,
-        });
-    }
     let node_scheme = if tls { "rediss" } else { "redis" };
     let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
     let (userinfo, hosts) = match authority.rfind('@') {

@@ -123,6 +123,8 @@ fn cases() -> Vec<(String, String)> {
         "rediss+sentinel://h1/bad*name",
         "redis+cluster://h1:0",
         "redis+sentinel://:pw@h1/m/abc",
+        "redis://127.0.0.1:6379/0?password=QueryPw1&db=2",
+        "rediss://h1/0#x",
     ] {
         files.push((
             format!("store {u}"),
