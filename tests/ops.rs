@@ -1199,6 +1199,8 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     // A route past the first 200 has its series once it has traffic.
     assert!(scrape.contains("tollgate_requests_total{route=\"/e19999/items\",status=\"200\"} 1"));
     assert!(scrape.contains("tollgate_in_flight_limit{route=\"/e19999/items\"} 5"));
+    // Its queue too (it came only with the route's first waiter).
+    assert!(scrape.contains("tollgate_queued{route=\"/e19999/items\"} 0"));
     assert!(!scrape.contains("route=\"/e19998/items\""));
     assert!(!scrape.contains("route=\"/e19997/items\""));
     // The first 200 have theirs from the start, a capped one its limit and queue too.

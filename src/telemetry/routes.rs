@@ -144,10 +144,8 @@ impl RouteMetrics {
                 });
             }
         }
-        if route.max_in_flight.is_some() {
-            // At zero from the start: a queue's first waiters must show.
-            let _ = m.queued.with_label_values(&[&*self.label]);
-        }
+        // A capped route's `tollgate_queued` comes with its limit (`Limit::show`), at zero:
+        // a queue's first waiters must show.
         let mut reasons = vec![Reason::Budget, Reason::KeyInFlight];
         if route.max_in_flight.is_some() {
             reasons.extend([Reason::InFlight, Reason::RouteBusy]);
@@ -240,14 +238,17 @@ struct Limit {
 }
 
 impl Limit {
-    /// The series at the cap; removed for an uncapped route.
+    /// The series at the cap, and the route's queue (at zero while nobody waits); the limit
+    /// removed for an uncapped route.
     fn show(&self, label: &str) {
         let m = metrics();
         match self.cap {
-            Some(cap) => m
-                .in_flight_limit
-                .with_label_values(&[label])
-                .set(i64::from(cap)),
+            Some(cap) => {
+                m.in_flight_limit
+                    .with_label_values(&[label])
+                    .set(i64::from(cap));
+                let _ = m.queued.with_label_values(&[label]);
+            }
             None => {
                 let _ = m.in_flight_limit.remove_label_values(&[label]);
             }
