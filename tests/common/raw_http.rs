@@ -153,6 +153,20 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Whether the server closes `s` (EOF or reset) within `within`: bytes it still sends are
+/// read and skipped. (A close that follows an answer arrives a moment after it: a check
+/// without waiting saw it open on a loaded machine.)
+pub fn closes_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < within {
+        if is_closed(s) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    is_closed(s)
+}
+
 /// Whether the server has closed `s` (EOF or reset) — without waiting: bytes already sent to
 /// us (a 408, say) are read and skipped.
 pub fn is_closed(s: &mut std::net::TcpStream) -> bool {
