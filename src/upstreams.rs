@@ -47,10 +47,14 @@ impl Pools {
     /// pool whose health check is the one its namesake in `previous` had takes over that
     /// checker and the health it found; the others start checks of their own.
     pub fn build(cfg: &Config, previous: &Pools) -> Pools {
+        let ca_file = cfg.upstream.ca_file.as_deref();
         let pools = cfg
             .upstreams
             .values()
-            .filter_map(|u| Some((u.name.clone(), Pool::build(u, previous.0.get(&u.name))?)))
+            .filter_map(|u| {
+                let pool = Pool::build(u, previous.0.get(&u.name), ca_file)?;
+                Some((u.name.clone(), pool))
+            })
             .collect();
         Pools(pools)
     }
@@ -61,7 +65,11 @@ impl Pools {
 }
 
 impl Pool {
-    fn build(u: &NamedUpstream, previous: Option<&Arc<Pool>>) -> Option<Arc<Pool>> {
+    fn build(
+        u: &NamedUpstream,
+        previous: Option<&Arc<Pool>>,
+        ca_file: Option<&str>,
+    ) -> Option<Arc<Pool>> {
         let mut targets = HashMap::new();
         for t in &u.targets {
             match (t.host.as_str(), t.port).to_socket_addrs() {
@@ -75,7 +83,7 @@ impl Pool {
                 }
             }
         }
-        let checker = checker_for(u, previous, &targets);
+        let checker = checker_for(u, previous, &targets, ca_file);
         let backends: BTreeSet<Backend> = targets
             .keys()
             .map(|a| Backend::new(&a.to_string()))
@@ -120,8 +128,9 @@ fn checker_for(
     u: &NamedUpstream,
     previous: Option<&Arc<Pool>>,
     targets: &HashMap<SocketAddr, UpstreamTarget>,
+    ca_file: Option<&str>,
 ) -> Option<(Arc<Checker>, bool)> {
-    let spec = CheckSpec::new(u.health_check.as_ref()?, u.targets.first()?);
+    let spec = CheckSpec::new(u.health_check.as_ref()?, u.targets.first()?, ca_file);
     match previous.and_then(|p| Some((p, p.checker.as_ref()?))) {
         Some((p, c)) if c.spec == spec => Some((c.clone(), !same_addresses(&p.targets, targets))),
         _ => Some((Checker::start(&u.name, spec)?, true)),
@@ -154,16 +163,20 @@ struct CheckSpec {
     tls: bool,
     host: String,
     connect_timeout: Duration,
+    /// `upstream.ca_file`, which the pool's requests trust (Pingora's server-wide CA): the
+    /// check's own connector has only the system's roots.
+    ca_file: Option<String>,
 }
 
 impl CheckSpec {
-    fn new(check: &HealthCheck, t: &UpstreamTarget) -> CheckSpec {
+    fn new(check: &HealthCheck, t: &UpstreamTarget, ca_file: Option<&str>) -> CheckSpec {
         CheckSpec {
             check: check.clone(),
             authority: t.authority.clone(),
             tls: t.tls,
             host: t.host.clone(),
             connect_timeout: t.connect_timeout,
+            ca_file: ca_file.filter(|_| t.tls).map(str::to_string),
         }
     }
 }
@@ -216,12 +229,31 @@ impl Checker {
     }
 }
 
+/// The CA certificates of PEM file `file`, as a peer trusts them instead of the system's.
+fn trusted(file: &str) -> Option<Arc<pingora::protocols::tls::CaType>> {
+    use rustls_pki_types::pem::PemObject;
+    let certs: Vec<pingora::utils::tls::WrappedX509> =
+        rustls_pki_types::CertificateDer::pem_file_iter(file)
+            .ok()?
+            .filter_map(Result::ok)
+            // Parsed as Pingora will (it panics on what x509-parser refuses: skipped here).
+            .filter(|der| x509_parser::parse_x509_certificate(der).is_ok())
+            .map(|der| {
+                pingora::utils::tls::WrappedX509::new(der.to_vec(), pingora::utils::tls::parse_x509)
+            })
+            .collect();
+    (!certs.is_empty()).then(|| Arc::from(certs))
+}
+
 /// `GET <path>` with the upstream's Host, any 200 being healthy; one failure marks an
 /// address down and one success up again.
 fn health_check(spec: &CheckSpec) -> Option<Box<HttpHealthCheck>> {
     let mut check = HttpHealthCheck::new(&spec.authority, spec.tls);
     if spec.tls {
         check.peer_template.sni = spec.host.clone();
+    }
+    if let Some(file) = &spec.ca_file {
+        check.peer_template.options.ca = Some(trusted(file)?);
     }
     let mut req = RequestHeader::build("GET", spec.check.path.as_bytes(), None).ok()?;
     req.append_header("Host", spec.authority.as_str()).ok()?;

@@ -735,6 +735,49 @@ async fn slot_released_when_client_disconnects() {
     }
 }
 
+/// A named https pool's health check trusts `upstream.ca_file`, as the pool's requests do:
+/// its check reaches the upstream and the pool serves. (The check used the system's roots
+/// only: its handshake failed, every address was unhealthy, every request a 502.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_pool_is_health_checked_with_the_configured_ca() {
+    let up = TlsUpstream::start();
+    let extra = format!("  ca_file: \"{}\"\n", up.ca_file.display());
+    let body = format!(
+        "upstreams:\n  secure:\n    urls: [\"https://localhost:{}\"]\n    health_check: {{ path: /healthz, interval: 200ms }}\n{}",
+        up.port,
+        INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    \"/s/{*rest}\": {upstream: secure, strip_prefix: /s}\n"
+        )
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("https://localhost:{}", up.port),
+        body: &body,
+        upstream_extra: &extra,
+        ..GatewayOpts::default()
+    });
+    eventually(Duration::from_secs(10), async || {
+        let checks = up
+            .api
+            .seen()
+            .iter()
+            .filter(|s| s.target == "/healthz")
+            .count();
+        match checks {
+            0 => Err(format!(
+                "no health check reached the upstream:\n{}",
+                gw.log()
+            )),
+            _ => Ok(()),
+        }
+    })
+    .await;
+    let r = get(&client(), gw.url("/s/items/1"), "k").await;
+    assert_eq!(r.status(), 200);
+    let seen = up.api.seen();
+    assert_eq!(seen.last().map(|s| s.target.as_str()), Some("/items/1"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_upstream_with_sni_and_keepalive() {
     let up = TlsUpstream::start();
