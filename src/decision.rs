@@ -299,7 +299,11 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "this key has as many requests in flight as its plan allows",
             )
         }),
-        Admission::RouteBusy { standing, queued } => Err(route_busy(route, standing, queued)),
+        Admission::RouteBusy { standing, queued } => {
+            // Refused before its queue_timeout: the queue was full.
+            let full = route.queue.max_queue.is_some() && queued < route.queue_timeout;
+            Err(route_busy(route, standing, queued, full))
+        }
         Admission::Unavailable => Err(Refusal {
             retry_after: Some(1),
             ..Refusal::new(
@@ -341,28 +345,38 @@ fn over_budget(route: &Route, outcome: Standing, retry_after_us: u64) -> Refusal
     }
 }
 
-/// A capped route that had no slot for the request.
-fn route_busy(route: &Route, outcome: Standing, queued: Duration) -> Refusal {
+/// As [`judge`], for a job's submission: a job waits for its slot up to its `result_ttl`,
+/// whatever the route's `queue_timeout`, so a route with no place for it had its queue full.
+pub fn judge_job(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
+    match admission {
+        Admission::RouteBusy { standing, queued } => Err(route_busy(route, standing, queued, true)),
+        other => judge(route, other),
+    }
+}
+
+/// A capped route that had no slot for the request; `full`: its queue held `max_queue`
+/// waiters.
+fn route_busy(route: &Route, outcome: Standing, queued: Duration, full: bool) -> Refusal {
     Refusal {
         retry_after: Some(1),
         outcome: Some(outcome),
         queued,
         // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
-        // full route that stayed full for its queue_timeout.
-        reason: Some(if route.queue_timeout.is_zero() {
+        // full queue, or a full route that stayed full for its queue_timeout.
+        reason: Some(if route.queue_timeout.is_zero() && !full {
             Reason::InFlight
         } else {
             Reason::RouteBusy
         }),
-        ..Refusal::new(Problem::RouteBusy, route_busy_detail(route, queued))
+        ..Refusal::new(Problem::RouteBusy, route_busy_detail(route, full))
     }
 }
 
-/// Why a capped route refused: its queue was full (refused at once, before `queue_timeout`),
-/// or no slot came free in time.
-fn route_busy_detail(route: &Route, queued: Duration) -> String {
+/// Why a capped route refused: its queue was full (refused at once), or no slot came free
+/// in time.
+fn route_busy_detail(route: &Route, full: bool) -> String {
     match route.queue.max_queue {
-        Some(max) if queued < route.queue_timeout => format!(
+        Some(max) if full => format!(
             "{} has {} requests in flight and its queue already holds {max} waiting (max_queue)",
             route.label,
             route.max_in_flight.unwrap_or(0),

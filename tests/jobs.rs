@@ -292,6 +292,41 @@ async fn a_jobs_position_is_its_place_in_the_fair_order() {
     job_positions_follow_the_fair_order(&up, &gw, &gw, ROUTE).await;
 }
 
+/// A job beyond the route's `max_queue` is refused as the full queue it met: 503 saying so,
+/// counted as `route_busy` (it was "no slot freed within 0 ms", `in_flight`), not charged.
+#[tokio::test]
+async fn a_job_beyond_max_queue_is_told_the_queue_is_full() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let endpoint = reports(1, "")
+        .replace(
+            "max_in_flight: 1\n",
+            "max_in_flight: 1\n      max_queue: 1\n",
+        )
+        .replace("result_ttl: 2s", "result_ttl: 1m");
+    let gw = Gateway::start(&up, &config(&endpoint));
+    let c = client();
+    let first = submit(&c, &gw, ROUTE, "key-a", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let second = submit(&c, &gw, ROUTE, "key-a", "").await;
+    let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
+    assert_eq!(r.status(), 503);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        p["detail"],
+        "/reports/generate has 1 requests in flight and its queue already holds 1 waiting (max_queue)"
+    );
+    assert_metric(
+        &gw,
+        "tollgate_rejections_total{reason=\"route_busy\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(remaining(&gw, "a").await, 80);
+    for location in [&first, &second] {
+        assert_eq!(result(&c, &gw, location, "key-a").await.status(), 200);
+    }
+}
+
 /// DELETE takes a queued job out (refunded), and is 409 once the job runs.
 #[tokio::test]
 async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {

@@ -418,7 +418,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     let sub = match submitted {
         Ok(sub) => sub,
         Err(admission) => {
-            return match decision::judge(&route, admission) {
+            return match decision::judge_job(&route, admission) {
                 Err(r) => gw.refuse(session, ctx, r).await,
                 Ok(a) => {
                     a.lease.release().await;
