@@ -20,6 +20,7 @@ use pingora::lb::discovery::Static;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::RoundRobin;
 use pingora::lb::{Backend, Backends, HealthRegistry, LoadBalancer};
+use pingora::protocols::l4::ext::TCP_INFO;
 use tokio::sync::{oneshot, Notify};
 
 use crate::config::{Config, HealthCheck, NamedUpstream, UpstreamTarget};
@@ -328,6 +329,21 @@ pub fn had_request(e: &pingora::Error, since_sent: Option<Duration>, within: Dur
         ReadError | WriteError | ConnectionClosed => since >= within,
         _ => true,
     }
+}
+
+/// Whether an upstream that closed a new connection without answering (`e`) read the
+/// request first, by the connection's TCP state (`info`, read when the close was seen): it
+/// closed in order (the connection waits for our side to close: CLOSE_WAIT, not reset) and
+/// its kernel had acknowledged every byte sent. One that closes with the request unread in
+/// its socket resets the connection instead, and one that closed before the request arrived
+/// has the request reset or still unacknowledged; a new connection has no race with a
+/// keep-alive timeout. So this needs no time window ([`had_request`]'s), which on loopback
+/// took an upstream that read the request and hung up at once for one that never had it.
+pub fn read_before_closing(e: &pingora::Error, info: Option<TCP_INFO>) -> bool {
+    /// `TCP_CLOSE_WAIT` of the kernel's `enum tcp_state`.
+    const CLOSE_WAIT: u8 = 8;
+    matches!(e.etype(), pingora::ErrorType::ConnectionClosed)
+        && info.is_some_and(|i| i.tcpi_state == CLOSE_WAIT && i.tcpi_unacked == 0)
 }
 
 #[cfg(test)]

@@ -573,6 +573,75 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
     assert_eq!(remaining(&gw, "k1").await, 89);
 }
 
+/// The same when the upstream hangs up at once, the moment it has read the request, on a new
+/// connection: it had the request (it closed in order, having read all of it: an unread
+/// request would have been reset), so the 502 is charged. (Within 100 ms of sending, this was
+/// refunded as if the upstream had never received it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_hangs_up_at_once_after_reading_keeps_the_charge() {
+    let (up, gw) = hang_up_gateway("/work", Duration::ZERO);
+    let c = client();
+    for n in 1..=5u64 {
+        let r = get(&c, gw.url(&format!("/work?n={n}")), "key-1").await;
+        assert_eq!(r.status(), 502);
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("5"), "#{n}");
+        let left = (100 - 5 * n).to_string();
+        assert_eq!(header(&r, "X-RateLimit-Remaining"), Some(left), "#{n}");
+    }
+    let work = up.seen("/work");
+    assert_eq!(
+        work.len(),
+        5,
+        "each sent once, on a connection of its own: {work:?}"
+    );
+    assert!(work.iter().all(|w| w.2 == 1), "{work:?}");
+}
+
+/// And the other side on a new connection: an upstream that accepts and closes without
+/// reading (a proxy before a dead backend) never had the request: 502, refunded, whether it
+/// closes before the request arrives or with it unread in its socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_closes_without_reading_never_had_the_request() {
+    for linger in [Duration::ZERO, Duration::from_millis(50)] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { return };
+                std::thread::sleep(linger);
+                drop(conn);
+            }
+        });
+        let body = format!(
+            "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    /work: {{cost: 5}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
+            sha256_hex("key-1")
+        );
+        let gw = Gateway::start_opts(GatewayOpts {
+            upstream_url: format!("http://127.0.0.1:{port}"),
+            body: &body,
+            threads: 1,
+            ..GatewayOpts::default()
+        });
+        let c = client();
+        for n in 0..3 {
+            let r = c
+                .post(gw.url("/work"))
+                .header("X-API-Key", "key-1")
+                .body("x")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 502, "{linger:?} #{n}");
+            assert_eq!(
+                header(&r, "X-RateLimit-Cost").as_deref(),
+                Some("0"),
+                "{linger:?} #{n}"
+            );
+            assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("100"));
+        }
+    }
+}
+
 /// The other side of that rule: a kept-alive connection the upstream closes at once, before
 /// reading the request, never had it (the race with an upstream's keep-alive timeout). A GET
 /// is sent again on a new connection and charged once; a POST is not sent again (it is not

@@ -189,6 +189,11 @@ async fn open(
     })
 }
 
+/// The TCP state of the session's connection, now (a job's is always a new one).
+fn tcp_info(s: &HttpSession) -> Option<pingora::protocols::l4::ext::TCP_INFO> {
+    s.digest()?.socket_digest.as_ref()?.tcp_info()
+}
+
 /// Reads the answer's head, past informational ones (103 Early Hints).
 async fn read_head(s: &mut HttpSession) -> pingora::Result<()> {
     loop {
@@ -298,7 +303,10 @@ async fn exchange(
                 deadline: sent_at + abandon.max(read_timeout),
             }))
         }
-        Ok(Err(e)) if upstreams::had_request(&e, Some(sent_at.elapsed()), within) => {
+        Ok(Err(e))
+            if upstreams::had_request(&e, Some(sent_at.elapsed()), within)
+                || upstreams::read_before_closing(&e, tcp_info(&s)) =>
+        {
             return Sent::Broken {
                 upstream: sent_at.elapsed(),
                 detail: e.to_string(),

@@ -402,7 +402,10 @@ impl ProxyHttp for Gateway {
         if !reused {
             upstreams::note_round_trip(&peer._address, digest);
         }
-        if follows_upstream(ctx) {
+        // A capped route follows the upstream through it; a new connection's TCP state says,
+        // should the upstream close it unanswered, whether it read the request
+        // (`error_while_proxy`).
+        if follows_upstream(ctx) || !reused {
             // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
             // a duplicate is kept.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
@@ -469,7 +472,14 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
         let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
-        let had = upstreams::had_request(&e, sent, upstreams::stale_within(&peer._address));
+        let within = upstreams::stale_within(&peer._address);
+        let had = upstreams::had_request(&e, sent, within)
+            || (!client_reused && sent.is_some() && {
+                use std::os::fd::AsRawFd;
+                let fd = ctx.upstream.dup.as_ref().map(|d| d.as_raw_fd());
+                let info = fd.and_then(|fd| pingora::protocols::l4::ext::get_tcp_info(fd).ok());
+                upstreams::read_before_closing(&e, info)
+            });
         ctx.upstream.had_request = Some(had);
         if !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
