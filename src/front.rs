@@ -13,7 +13,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -41,6 +41,9 @@ pub use late::{drain_upstream, LateAnswer};
 pub use listen::Listeners;
 pub use stream::Tracked;
 
+/// `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n` (RFC 9113 §3.4).
+const H2_PREFACE_LEN: u32 = 24;
+
 /// What the front door and the request phases know about one connection.
 #[derive(Debug)]
 pub struct ConnState {
@@ -62,6 +65,8 @@ pub struct ConnState {
     /// Pingora refused a head it could not parse, before any hook: the gateway's own answer
     /// went out instead of its empty 400 (see [`Tracked`]).
     refused_head: AtomicBool,
+    /// Bytes of the HTTP/2 connection preface still to come (0: arrived, or HTTP/1).
+    preface_left: AtomicU32,
 }
 
 impl ConnState {
@@ -77,6 +82,7 @@ impl ConnState {
             send_timed_out: AtomicBool::new(false),
             http1: AtomicBool::new(false),
             refused_head: AtomicBool::new(false),
+            preface_left: AtomicU32::new(0),
         }
     }
 
@@ -129,10 +135,23 @@ impl ConnState {
     }
 
     /// Resolves after `timeout` if not a byte has arrived by then; pends otherwise.
-    async fn silent_for(&self, timeout: Duration) {
+    /// Ends after `timeout` if the HTTP/2 connection preface has not arrived whole by then
+    /// (a client that sent part of it and stopped is as silent as one that sent nothing);
+    /// else never.
+    async fn without_preface_for(&self, timeout: Duration) {
         tokio::time::sleep(timeout).await;
-        if self.head_begun() {
+        if self.preface_left.load(Ordering::Relaxed) == 0 {
             std::future::pending::<()>().await;
+        }
+    }
+
+    /// `n` more bytes read: counted off the preface while it is awaited.
+    fn read_bytes(&self, n: usize) {
+        let left = self.preface_left.load(Ordering::Relaxed);
+        if left > 0 {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            self.preface_left
+                .store(left.saturating_sub(n), Ordering::Relaxed);
         }
     }
 
@@ -281,13 +300,14 @@ where
         let stream: Stream = Box::new(Tracked::new(stream, conn.clone()));
         if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
             // Pingora's h2 server waits for the client's preface without a deadline: a
-            // connection that sends nothing within header_timeout is closed. (Connections
-            // without an open stream are closed after `idle_timeout`.)
+            // connection whose preface has not arrived whole within header_timeout is closed.
+            // (Connections without an open stream are closed after `idle_timeout`.)
+            conn.preface_left.store(H2_PREFACE_LEN, Ordering::Relaxed);
             let serve = ServerApp::process_new(&self.proxy, stream, shutdown);
             tokio::pin!(serve);
             tokio::select! {
                 _ = &mut serve => {}
-                _ = conn.silent_for(limits.header_timeout) => {
+                _ = conn.without_preface_for(limits.header_timeout) => {
                     metrics().client_timeout(ClientTimeout::Header);
                 }
             }

@@ -548,6 +548,28 @@ async fn one_front_door_for_both_listeners() {
     )
     .await;
     assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
+    // Nor one that sends part of the connection preface and stops (it was kept open for
+    // good: a few such clients held every connection max_connections allows).
+    let mut partial = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    partial
+        .write_all(&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..10])
+        .await
+        .unwrap();
+    partial.flush().await.unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), partial.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => continue,
+            Ok(_) => break,
+            Err(_) => panic!("an h2 connection with part of its preface was kept open"),
+        }
+    }
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        2.0,
+    )
+    .await;
+    assert_metric(&tg.gw, "tollgate_connections", 0.0).await;
 
     // max_connections counts the plain and the TLS listener together.
     let mut plain = raw_connect(tg.gw.port);

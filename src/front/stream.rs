@@ -159,6 +159,9 @@ impl AsyncRead for Tracked {
                     // fails.
                     return Poll::Pending;
                 }
+                if n > 0 {
+                    this.conn.read_bytes(n);
+                }
                 if n > 0
                     && !this.conn.head_complete()
                     && this.conn.first_byte_us.load(Ordering::Relaxed) == 0
