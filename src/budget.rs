@@ -189,6 +189,15 @@ impl Figures {
         &self.each[..self.len as usize]
     }
 
+    /// Each budget's figures `us` later: `reset_us` that much shorter.
+    pub fn later(&self, us: u64) -> Figures {
+        let mut later = *self;
+        for f in &mut later.each[..self.len as usize] {
+            f.reset_us = f.reset_us.saturating_sub(us);
+        }
+        later
+    }
+
     /// Adds one budget's figures; past [`MAX_BUDGETS`] they are dropped (the config refuses more).
     pub fn push(&mut self, f: Figure) {
         if let Some(slot) = self.each.get_mut(self.len as usize) {

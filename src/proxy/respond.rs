@@ -139,6 +139,13 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         h.insert_header("X-RateLimit-Cost", HeaderValue::from_static("0"))?;
         return Ok(());
     };
+    // An admitted request is answered a hold (`max_delay`) and the upstream's work after its
+    // decision: the budget drained meanwhile, and `t` says so.
+    let later = match ctx.timing.asked {
+        Some(asked) if ctx.is_admitted() => Some(outcome.later(asked.elapsed())),
+        _ => None,
+    };
+    let outcome = later.as_ref().unwrap_or(outcome);
     let shared = ctx.route.as_ref().and_then(|r| r.shared());
     let headers =
         problem::rate_limit_headers(&id.policy, shared, outcome, ctx.charged(), ctx.share);

@@ -224,6 +224,17 @@ impl Standing {
         })
     }
 
+    /// The figures `elapsed` after the decision: every bucket drained that much longer (`t`
+    /// shorter by it). Units left are not raised: what the headers say stays a bound.
+    pub fn later(&self, elapsed: Duration) -> Standing {
+        let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        Standing {
+            remaining: self.remaining,
+            reset_us: self.reset_us.saturating_sub(us),
+            each: self.each.later(us),
+        }
+    }
+
     /// The standing once `cost` units went back into `limits`, the budgets it was decided on
     /// in their order (a refund): each budget's figures as [`Limit::given_back`] has them, and
     /// the decisive one the tightest again.
