@@ -360,15 +360,17 @@ fn named_upstreams(
 
 /// `upstreams.<name>.health_check`: a path to GET and how often.
 fn health_check(base: &str, h: &RawHealthCheck, errs: &mut ConfigErrors) -> Option<HealthCheck> {
-    if !h.path.starts_with('/') {
+    let path_ok = h.path.starts_with('/');
+    if !path_ok {
         errs.push(format!("{base}.health_check.path"), "must start with /");
-        return None;
     }
     if h.interval.0.is_zero() {
         errs.push(
             format!("{base}.health_check.interval"),
             "must be greater than 0",
         );
+    }
+    if !path_ok || h.interval.0.is_zero() {
         return None;
     }
     Some(HealthCheck {

@@ -270,6 +270,25 @@ fn named_upstreams_and_their_endpoints() {
     );
     let bad = ok.replace("http://10.0.0.6:8000", "ftp://x");
     assert!(first_error(&bad).starts_with("upstreams.pool.urls[1]:"));
+    // Both of a health check's errors, not only the first.
+    let check = ok.replace(
+        "path: /healthz, interval: 5s",
+        "path: healthz, interval: 0s",
+    );
+    let both: Vec<String> = parse(&check)
+        .expect_err("refused")
+        .0
+        .iter()
+        .map(|e| e.to_string())
+        .filter(|e| e.starts_with("upstreams.pool.health_check"))
+        .collect();
+    assert_eq!(
+        both,
+        [
+            "upstreams.pool.health_check.path: must start with /",
+            "upstreams.pool.health_check.interval: must be greater than 0"
+        ]
+    );
     let prefix = ok.replace("strip_prefix: /gh", "strip_prefix: /other");
     assert!(first_error(&prefix).contains(".strip_prefix: must be a leading part"));
     // Part of a segment, or a template, is a prefix no request's path has: it never applied.
