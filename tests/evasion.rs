@@ -575,6 +575,30 @@ fn pipelined_requests_behind_a_refused_body_are_answered() {
     assert_eq!(up.count("/items/0") + up.count("/items/1"), 2);
 }
 
+/// `Content-Length: 2, 2` (one length, repeated) reaches the upstream as `Content-Length: 2`
+/// (RFC 9110 §8.6: a recipient replaces such a list with the single value before forwarding
+/// it). It was forwarded as sent, which an upstream may read otherwise than the gateway did:
+/// hyper answered 400, and the key paid 20 for it.
+#[test]
+fn a_repeated_content_length_is_forwarded_as_one() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = uploads_cost(&up, 20);
+    let r = raw_request(
+        gw.port,
+        b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-cl\r\nContent-Length: 2, 2\r\nConnection: close\r\n\r\n{}",
+    )
+    .expect("an answer");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-ratelimit-cost"), Some("20"));
+    let seen = up.api.seen();
+    let upload = seen
+        .iter()
+        .find(|s| s.target == "/upload")
+        .expect("forwarded");
+    assert_eq!(upload.header("content-length"), vec!["2"]);
+    assert_eq!(up.api.uploads_completed(), 1);
+}
+
 /// The same behind a chunked body; but a body the client holds back for a `100 Continue`
 /// (`Expect`), or one stated over 1 MiB, is not read past: its refusal says
 /// `Connection: close` and the connection ends. (Those two send nothing after the refused

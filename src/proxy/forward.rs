@@ -114,6 +114,21 @@ fn forwarded_for(
     Ok(())
 }
 
+/// A `Content-Length` that repeats one length (`2, 2`, which Pingora reads as 2) as the single
+/// value the upstream must get (RFC 9110 §8.6); `None` for any other.
+fn one_length(v: Option<&HeaderValue>) -> Option<HeaderValue> {
+    let v = v?.as_bytes();
+    if !v.contains(&b',') {
+        return None;
+    }
+    let mut parts = v.split(|b| *b == b',').map(<[u8]>::trim_ascii);
+    let first = parts.next()?;
+    if first.is_empty() || !parts.all(|p| p == first) {
+        return None;
+    }
+    HeaderValue::from_bytes(first).ok()
+}
+
 /// Rewrites the upstream request: what was charged is what is sent. `received` are the
 /// client's headers as they arrived; `tls`: the client connection is TLS.
 pub fn request(
@@ -147,6 +162,9 @@ pub fn request(
         .and_then(|r| r.provider.strip_prefix.clone())
     {
         strip_prefix(upstream, &prefix)?;
+    }
+    if let Some(one) = one_length(upstream.headers.get(http::header::CONTENT_LENGTH)) {
+        upstream.insert_header(http::header::CONTENT_LENGTH, one)?;
     }
     if let Some(running) = &ctx.running {
         // The Host the client sent to us, replacing any X-Forwarded-Host it sent itself.
