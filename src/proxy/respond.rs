@@ -140,9 +140,13 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     // An admitted request is answered a hold (`max_delay`) and the upstream's work after its
-    // decision: the budget drained meanwhile, and `t` says so.
-    let later = match ctx.timing.asked {
-        Some(asked) if ctx.is_admitted() => Some(outcome.later(asked.elapsed())),
+    // decision: the budget drained meanwhile, and `t` says so. (The upstream's answer came
+    // just now: no clock read here.)
+    let t = &ctx.timing;
+    let later = match (t.asked, t.upstream_start, t.upstream) {
+        (Some(asked), Some(sent), Some(upstream)) if ctx.is_admitted() => {
+            Some(outcome.later((sent + upstream).saturating_duration_since(asked)))
+        }
         _ => None,
     };
     let outcome = later.as_ref().unwrap_or(outcome);
