@@ -309,18 +309,7 @@ async fn a_job_beyond_max_queue_is_told_the_queue_is_full() {
     up.wait_current(ROUTE, 1).await;
     let second = submit(&c, &gw, ROUTE, "key-a", "").await;
     let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
-    assert_eq!(r.status(), 503);
-    let p: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(
-        p["detail"],
-        "/reports/generate has 1 requests in flight and its queue already holds 1 waiting (max_queue)"
-    );
-    assert_metric(
-        &gw,
-        "tollgate_rejections_total{reason=\"route_busy\",route=\"/reports/generate\"}",
-        1.0,
-    )
-    .await;
+    assert_refused_by_a_full_queue(&gw, r).await;
     assert_eq!(remaining(&gw, "a").await, 80);
     for location in [&first, &second] {
         assert_eq!(result(&c, &gw, location, "key-a").await.status(), 200);

@@ -56,6 +56,24 @@ pub async fn job_result(
     }
 }
 
+/// A job submission `r` on `gw` refused by the route's full queue (`max_queue` 1 on
+/// `/reports/generate`, capped at 1): said so, and counted as `route_busy` once.
+pub async fn assert_refused_by_a_full_queue(gw: &Gateway, r: reqwest::Response) {
+    assert_eq!(r.status(), 503);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_eq!(
+        p["detail"],
+        "/reports/generate has 1 requests in flight and its queue already holds 1 waiting (max_queue)"
+    );
+    super::gateway::assert_metric(
+        gw,
+        "tollgate_rejections_total{reason=\"route_busy\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+}
+
 /// A job's `status` and `position` as a poll on `gw` shows them.
 pub async fn job_place(
     c: &reqwest::Client,
@@ -103,26 +121,25 @@ pub async fn job_positions_follow_the_fair_order(
         "positions at submission: a2, a3, b1"
     );
     let place = async |location: &str, key: &str| job_place(&c, poll, location, key).await;
+    let started = async |n: u64| {
+        super::wait::eventually(Duration::from_secs(20), async || match up.count(target) {
+            m if m == n => Ok(()),
+            m => Err(format!("{m} started, waiting for {n}")),
+        })
+        .await
+    };
     assert_eq!(place(&a2, "key-a").await, ("queued".into(), 2));
     assert_eq!(place(&a3, "key-a").await, ("queued".into(), 3));
     assert_eq!(place(&b1, "key-b").await, ("queued".into(), 1));
     // a1 ends: b1 runs, a's two move up.
-    super::wait::eventually(Duration::from_secs(20), async || match up.count(target) {
-        2 => Ok(()),
-        n => Err(format!("{n} started")),
-    })
-    .await;
+    started(2).await;
     assert_eq!(
         up.keys_in_order(target).last().map(String::as_str),
         Some("key-b")
     );
     assert_eq!(place(&a2, "key-a").await, ("queued".into(), 1));
     assert_eq!(place(&a3, "key-a").await, ("queued".into(), 2));
-    super::wait::eventually(Duration::from_secs(20), async || match up.count(target) {
-        3 => Ok(()),
-        n => Err(format!("{n} started")),
-    })
-    .await;
+    started(3).await;
     assert_eq!(place(&a3, "key-a").await, ("queued".into(), 1));
     for (location, key) in [
         (&a1, "key-a"),
