@@ -517,6 +517,23 @@ async fn upstream_failures_are_refunded() {
     let r = get(&c, gw.url("/items"), "key-1").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
+
+    // On an uncapped route a 504 frees the key's own slot at once (a plan's
+    // max_in_flight_per_key): only a capped route's slot follows the late answer.
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\nplans:\n  one: {{max_cost: 100, window: 1h, max_in_flight_per_key: 1}}\nkeys:\n  - {{id: k1, sha256: \"{}\", plan: one}}\n",
+        sha256_hex("key-1")
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 300ms\n",
+        ..GatewayOpts::default()
+    });
+    let r = get(&c, gw.url("/slow?delay_ms=3000"), "key-1").await;
+    assert_eq!(r.status(), 504);
+    let r = get(&c, gw.url("/items"), "key-1").await;
+    assert_eq!(r.status(), 200, "the key's slot was still held");
 }
 
 /// A [`HangUp`] upstream (`after`), and a one-thread gateway before it where `route` costs 5

@@ -402,14 +402,18 @@ impl ProxyHttp for Gateway {
         if !reused {
             upstreams::note_round_trip(&peer._address, digest);
         }
-        // A capped route follows the upstream through it; a new connection's TCP state says,
-        // should the upstream close it unanswered, whether it read the request
-        // (`error_while_proxy`).
-        if follows_upstream(ctx) || !reused {
-            // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
-            // a duplicate is kept.
-            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-            ctx.upstream.dup = fd.try_clone_to_owned().ok();
+        // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
+        // duplicates are kept.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        // A new connection's TCP state says, should the upstream close it unanswered, whether
+        // it read the request (`error_while_proxy`).
+        ctx.upstream.fresh = if reused {
+            None
+        } else {
+            borrowed.try_clone_to_owned().ok()
+        };
+        if follows_upstream(ctx) {
+            ctx.upstream.dup = borrowed.try_clone_to_owned().ok();
         }
         let h2_body = session.downstream_session.is_http2() && !ctx.upstream.whole_request;
         if let (true, Some(running)) = (h2_body, &ctx.running) {
@@ -433,8 +437,10 @@ impl ProxyHttp for Gateway {
             return Ok(());
         }
         ctx.timing.upstream_done();
-        // The upstream answered: it no longer waits on the client's body.
+        // The upstream answered: it no longer waits on the client's body, nor is there a
+        // close without an answer to judge.
         ctx.upstream.body_watch = None;
+        ctx.upstream.fresh = None;
         ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         if matches!(ctx.report, Some(Report::Applied(_))) {
@@ -476,11 +482,12 @@ impl ProxyHttp for Gateway {
         let had = upstreams::had_request(&e, sent, within)
             || (!client_reused && sent.is_some() && {
                 use std::os::fd::AsRawFd;
-                let fd = ctx.upstream.dup.as_ref().map(|d| d.as_raw_fd());
+                let fd = ctx.upstream.fresh.as_ref().map(|d| d.as_raw_fd());
                 let info = fd.and_then(|fd| pingora::protocols::l4::ext::get_tcp_info(fd).ok());
                 upstreams::read_before_closing(&e, info)
             });
         ctx.upstream.had_request = Some(had);
+        ctx.upstream.fresh = None;
         if !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
             || had
