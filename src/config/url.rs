@@ -4,11 +4,21 @@
 /// `redis://user:secret@host` → `redis://user:***@host`; a query's values are hidden too
 /// (`?password=secret` → `?password=***`).
 pub fn redact_url(url: &str) -> String {
-    let (url, query) = match url.find(['?', '#']) {
-        Some(i) => (&url[..i], redact_query(&url[i..])),
-        None => (url, String::new()),
-    };
-    redact_userinfo(url) + &query
+    // The user information first (a password may hold a '?' or a '#'), then the query of
+    // what follows it.
+    let hidden = redact_userinfo(url);
+    let after = hidden
+        .rfind('@')
+        .or_else(|| hidden.find("://").map(|i| i + 2))
+        .map_or(0, |i| i + 1);
+    match hidden[after..].find(['?', '#']) {
+        Some(i) => format!(
+            "{}{}",
+            &hidden[..after + i],
+            redact_query(&hidden[after + i..])
+        ),
+        None => hidden,
+    }
 }
 
 /// `?a=1&b=2#f` → `?a=***&b=***#f`.

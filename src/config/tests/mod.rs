@@ -156,6 +156,15 @@ fn env_overrides_and_redaction() {
     assert!(y.contains("\n  abandon_timeout: 10m\n"), "{y}");
     assert!(y.contains("redis://:***@10.0.0.1:6379/0"), "{y}");
     assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
+    // A password holding '?' or '#' is user information all the same; a query's values go.
+    assert_eq!(
+        redact_url("redis://:pa?ss@h:6379/0"),
+        "redis://:***@h:6379/0"
+    );
+    assert_eq!(
+        redact_url("redis://u:ab#cd@h/0?x=1"),
+        "redis://u:***@h/0?x=***"
+    );
     assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
     assert_eq!(
         redact_url("rediss+cluster://u:pw@h1:1,h2:2"),
