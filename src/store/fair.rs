@@ -150,6 +150,11 @@ impl Place {
     }
 }
 
+/// Past this many waiters a place is not worked out ([`FairQueue::place`]).
+const PLACE_WAITERS: usize = 10_000;
+/// Nor past this many steps of its simulation, each comparing every key that waits.
+const PLACE_WORK: usize = 200_000;
+
 /// Which of two keys' head waiters the fair queue serves first, each given as (requests it
 /// runs on the route, its weight, since when it has waited): fewest running per weight (the
 /// ratios compared by cross-multiplication, exactly), then the longest waiting.
@@ -214,7 +219,9 @@ impl FairQueue {
     /// time and nothing else changes (nobody comes or leaves, no running request ends): its
     /// place in the fair order, as a job's `position` shows it (DESIGN §8). A key at its
     /// per-key share is passed over while any other may be served; once none may, the order
-    /// goes on as if the blocked keys' own requests ended. `None`: not waiting.
+    /// goes on as if the blocked keys' own requests ended. `None`: not waiting. Past
+    /// [`PLACE_WAITERS`] waiters or [`PLACE_WORK`] steps × keys, the queue's length stands for
+    /// it (an upper bound): a poll never holds the queue's lock for long.
     fn place(&self, seq: u64) -> Option<usize> {
         struct Sim<'a> {
             running: u32,
@@ -247,9 +254,17 @@ impl FairQueue {
         if !sims.iter().any(|s| s.waiting.iter().any(|w| w.seq == seq)) {
             return None;
         }
+        if self.queued > PLACE_WAITERS {
+            return Some(self.queued);
+        }
         let share = self.per_key;
         let mut clock = self.seq;
+        let mut work = 0;
         for position in 1.. {
+            work += sims.len();
+            if work > PLACE_WORK {
+                return Some(self.queued);
+            }
             let best = |eligible: &dyn Fn(&Sim) -> bool| {
                 (0..sims.len())
                     .filter(|&i| sims[i].head().is_some() && eligible(&sims[i]))

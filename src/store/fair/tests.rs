@@ -271,3 +271,25 @@ fn with_one_slot_equals_take_turns() {
     assert!(granted(&mut b[1]));
     assert!(!a[1..].iter_mut().any(granted));
 }
+
+/// A place is worked out only while that is cheap: past 200,000 steps × keys of the
+/// simulation (here a thousand keys with one waiter each) the queue's length stands for it,
+/// an upper bound; near the head it is still exact.
+#[test]
+fn a_place_far_down_a_long_queue_is_bounded_by_its_length() {
+    let q = RouteQueues::default();
+    let _s = slot(&q, 1, 0, fair(1));
+    let waiting: Vec<Waiting> = (1..=1000).map(|key| wait(&q, 1, key, fair(1))).collect();
+    assert_eq!(waiting[0].place().position(), Some(1));
+    assert_eq!(waiting[10].place().position(), Some(11));
+    assert_eq!(waiting[999].place().position(), Some(1000));
+    let t = std::time::Instant::now();
+    for w in &waiting[900..] {
+        assert!(w.place().position().unwrap() <= 1000);
+    }
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        t.elapsed()
+    );
+}

@@ -235,8 +235,13 @@ end
 -- fair order, as a job's `position` shows it (DESIGN §8; `store/fair.rs` `place` is the
 -- memory store's). A key at its share is passed over while any other may be served; once
 -- none may, the order goes on as if the blocked keys' own requests ended. 0: not waiting.
+-- Past PLACE_WAITERS waiters or PLACE_WORK steps of the simulation (steps × keys waiting),
+-- the queue's length stands for it (an upper bound): a poll never holds Redis for long.
+local PLACE_WAITERS, PLACE_WORK = 10000, 200000
 local function place(id)
   if not redis.call('HGET', state, 'w:' .. id) then return 0 end
+  local total = redis.call('ZCARD', waiters)
+  if total > PLACE_WAITERS then return total end
   local sims, order = {}, {}
   for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
     local key, seq, wid = string.match(m, '^([^:]*):(%d+):(.*)$')
@@ -267,8 +272,10 @@ local function place(id)
     return found
   end
   local clock = num('seq')
-  local position = 1
+  local position, work = 1, 0
   while true do
+    work = work + #order
+    if work > PLACE_WORK then return total end
     local k = best(false) or best(true)
     if not k then return 0 end
     if k.ids[k.at] == id then return position end
