@@ -9,6 +9,7 @@
 
 pub mod ctx;
 mod decide;
+mod failure;
 pub mod forward;
 mod jobs;
 mod record;
@@ -25,12 +26,11 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
-use crate::decision::{self, Refusal, UpstreamFailure};
+use crate::decision::{self, Refusal};
 use crate::front;
 use crate::problem::Problem;
 use crate::route::stated::Report;
 use crate::state::Shared;
-use crate::telemetry::{metrics, ClientTimeout};
 use crate::upstreams;
 use ctx::{Ctx, Phase};
 pub use record::{malformed_head, malformed_head_answer};
@@ -152,83 +152,6 @@ impl Gateway {
                 ctx.upstream.dup = Some(dup);
                 self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
             }
-        }
-    }
-
-    /// `fail_to_proxy` for the upstream's side: unreachable (refunded before answering, so
-    /// that the client's next request already sees the units back) or timed out (charged;
-    /// a capped slot follows the late answer); once headers were sent, nothing to answer.
-    async fn upstream_failed(
-        &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        how: UpstreamFailure,
-        headers_sent: bool,
-    ) -> FailToProxy {
-        let failure = decision::upstream_failed(how);
-        if headers_sent {
-            // The upstream answered and then failed mid-body: it did the work, keep the charge.
-            return FailToProxy {
-                error_code: failure.problem.status(),
-                can_reuse_downstream: false,
-            };
-        }
-        if how == UpstreamFailure::TimedOut {
-            // The upstream has the request and may still be working on it: the charge stands,
-            // and a capped slot follows the late answer to its end — if the upstream had the
-            // whole request (one still waiting for the rest of a stalled body is not working).
-            if ctx.upstream.whole_request {
-                let head = session.req_header().method == http::Method::HEAD;
-                self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
-            }
-        } else if how == UpstreamFailure::Unreachable {
-            // The upstream never received the request: refund, before answering, so that the
-            // client's next request already sees the units back.
-            ctx.refund(&self.shared.store, failure.problem).await;
-        }
-        // HungUp: the upstream had the request and is done with it: charged, its slot freed
-        // in `logging` as after an answer.
-        ctx.timing.upstream_done();
-        // Pingora will not reuse this connection after an upstream error: say so, so that the
-        // client doesn't send its next request into a closing socket.
-        session.set_keepalive(None);
-        let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
-        FailToProxy {
-            error_code: failure.problem.status(),
-            can_reuse_downstream: false,
-        }
-    }
-
-    /// `fail_to_proxy` for the client's side: it went away, stalled or sent garbage.
-    async fn client_failed(
-        &self,
-        session: &mut Session,
-        e: &Error,
-        ctx: &mut Ctx,
-        headers_sent: bool,
-    ) -> FailToProxy {
-        use ErrorType::*;
-        if e.etype() == &WriteTimedout && !ctx.conn.as_ref().is_some_and(|c| c.send_timed_out()) {
-            metrics().client_timeout(ClientTimeout::Send);
-        }
-        // Nobody to answer, unless the request itself was wrong.
-        let code = match e.etype() {
-            WriteError | ReadError | ConnectionClosed | WriteTimedout | H2Error => 0,
-            _ => 400,
-        };
-        if code > 0 && !headers_sent {
-            // A request the client framed wrongly (a chunk size that overflows, say): the
-            // upstream got it cut off mid-body, and its connection is dropped, so it never had
-            // a whole request to run. Not charged (issue 23, item 13).
-            ctx.refund(&self.shared.store, Problem::BadRequest).await;
-            // The rest of the connection's bytes cannot be framed: answer, then close.
-            session.set_keepalive(None);
-            let detail = "the request could not be read: its framing is malformed";
-            let _ = respond::problem(session, ctx, Problem::BadRequest, detail, None).await;
-        }
-        FailToProxy {
-            error_code: code,
-            can_reuse_downstream: false,
         }
     }
 }
@@ -477,15 +400,7 @@ impl ProxyHttp for Gateway {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
-        let within = upstreams::stale_within(&peer._address);
-        let had = upstreams::had_request(&e, sent, within)
-            || (!client_reused && sent.is_some() && {
-                use std::os::fd::AsRawFd;
-                let fd = ctx.upstream.fresh.as_ref().map(|d| d.as_raw_fd());
-                let info = fd.and_then(|fd| pingora::protocols::l4::ext::get_tcp_info(fd).ok());
-                upstreams::read_before_closing(&e, info)
-            });
+        let had = failure::had_request(&e, peer, ctx, client_reused);
         ctx.upstream.had_request = Some(had);
         ctx.upstream.fresh = None;
         if !session.req_header().method.is_idempotent()
@@ -505,53 +420,7 @@ impl ProxyHttp for Gateway {
         e: &Error,
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
-        use ErrorType::*;
-        // A relayed `100 Continue` is not the answer: after it the client still gets one.
-        let headers_sent = session
-            .response_written()
-            .is_some_and(|h| !respond::is_interim(h));
-        if ctx.upstream.body_watch.take().is_some_and(|w| w.stalled()) {
-            // An HTTP/2 body stalled: its watch shut the upstream connection down.
-            return respond::body_stalled(session, ctx, headers_sent).await;
-        }
-        let how = match (e.esource(), e.etype()) {
-            (_, HTTPStatus(code)) => {
-                if !headers_sent {
-                    let _ = session.respond_error(*code).await;
-                }
-                return FailToProxy {
-                    error_code: *code,
-                    can_reuse_downstream: false,
-                };
-            }
-            (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => UpstreamFailure::TimedOut,
-            (ErrorSource::Upstream, _)
-            | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => {
-                // Decided when the attempt failed (`error_while_proxy`, `fail_to_connect`);
-                // undecided, no attempt reached a connection (no upstream address).
-                if ctx.upstream.had_request.unwrap_or(false) {
-                    UpstreamFailure::HungUp
-                } else {
-                    UpstreamFailure::Unreachable
-                }
-            }
-            (ErrorSource::Downstream, ReadTimedout) => {
-                return respond::body_stalled(session, ctx, headers_sent).await;
-            }
-            (ErrorSource::Downstream, _) => {
-                return self.client_failed(session, e, ctx, headers_sent).await;
-            }
-            _ => {
-                if !headers_sent {
-                    let _ = session.respond_error(500).await;
-                }
-                return FailToProxy {
-                    error_code: 500,
-                    can_reuse_downstream: false,
-                };
-            }
-        };
-        self.upstream_failed(session, ctx, how, headers_sent).await
+        self.failed(session, e, ctx).await
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
