@@ -303,7 +303,13 @@ async fn head_is_charged_as_the_get_it_stands_for() {
         .await
         .unwrap();
     assert_eq!(answers, [(200, false), (200, true)]);
-    assert_eq!(up.api.seen().len(), 3);
+    let seen = up.api.seen();
+    assert_eq!(seen.len(), 3);
+    // Forwarded as the METHOD it is charged as.
+    assert_eq!(
+        (seen[1].method.as_str(), seen[1].target.as_str()),
+        ("HEAD", "/exports/8")
+    );
     assert_metric(&gw, units, 90.0).await;
 }
 

@@ -1,5 +1,6 @@
 //! What the upstream receives: the peer to connect to, and the request as the gateway charged
-//! it (normalized origin-form target, canonical method) with the forwarding headers.
+//! it (normalized origin-form target; its method made canonical on the client's side already,
+//! `proxy::decide`) with the forwarding headers.
 
 use http::header::{AUTHORIZATION, HOST};
 use http::{HeaderName, HeaderValue};
@@ -148,12 +149,6 @@ pub fn request(
                 .parse::<http::Uri>()
                 .map_err(|e| Error::because(ErrorType::InternalError, "normalized uri", e))?;
             upstream.set_uri(uri);
-        }
-        if let Some(m) = f.forward_method {
-            upstream.set_method(
-                m.parse()
-                    .map_err(|e| Error::because(ErrorType::InternalError, "method", e))?,
-            );
         }
     }
     if let Some(prefix) = ctx
