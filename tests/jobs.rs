@@ -284,7 +284,7 @@ async fn jobs_share_a_full_route_fairly() {
 /// (it was its place in arrival order: key b's one job said 3 behind key a's two).
 #[tokio::test]
 async fn a_jobs_position_is_its_place_in_the_fair_order() {
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(2500));
     let gw = Gateway::start(
         &up,
         &config(&reports(1, "").replace("result_ttl: 2s", "result_ttl: 1m")),
@@ -296,7 +296,7 @@ async fn a_jobs_position_is_its_place_in_the_fair_order() {
 /// counted as `route_busy` (it was "no slot freed within 0 ms", `in_flight`), not charged.
 #[tokio::test]
 async fn a_job_beyond_max_queue_is_told_the_queue_is_full() {
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(3000));
     let endpoint = reports(1, "")
         .replace(
             "max_in_flight: 1\n",

@@ -221,7 +221,7 @@ async fn a_queued_job_outlives_the_instance_that_accepted_it() {
 #[tokio::test]
 async fn a_jobs_position_is_its_place_in_the_fleets_fair_order() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::from_millis(2500));
     let a = Gateway::start(&up, &config(&redis.url()));
     let b = Gateway::start(&up, &config(&redis.url()));
     job_positions_follow_the_fair_order(&up, &a, &b, ROUTE).await;

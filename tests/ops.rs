@@ -1127,7 +1127,7 @@ async fn in_flight_slots_survive_a_reload() {
 /// at once.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_slots_survive_a_reload_that_changes_the_cap() {
-    let up = Upstream::start(Duration::from_millis(2500));
+    let up = Upstream::start(Duration::from_millis(6000));
     let gw = Gateway::start(
         &up,
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n  endpoints:\n    /items: {cost: 1}\n    /reports/generate: {cost: 1, max_in_flight: 3}\n",

@@ -90,8 +90,9 @@ pub async fn job_place(
     )
 }
 
-/// DESIGN §8's `position` on a route capped at 1 whose upstream takes `report` per request
-/// (`target` a POST of cost `cost`, async, results kept long enough), submitted on `on` and
+/// DESIGN §8's `position` on a route capped at 1 whose upstream takes seconds per request
+/// (the polls between two hand-offs must fit; `target` a POST, async, results kept long
+/// enough), submitted on `on` and
 /// polled on `poll` (one gateway or two of a fleet): key a runs one job and queues two; key
 /// b's one job, submitted last, is next in the fair order (b runs nothing, a runs one), so it
 /// says 1 and a's last says 3; as the slot passes on, each says how many are still ahead of it.
