@@ -134,7 +134,6 @@ impl ConnState {
         }
     }
 
-    /// Resolves after `timeout` if not a byte has arrived by then; pends otherwise.
     /// Ends after `timeout` if the HTTP/2 connection preface has not arrived whole by then
     /// (a client that sent part of it and stopped is as silent as one that sent nothing);
     /// else never.
