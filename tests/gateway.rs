@@ -500,18 +500,22 @@ async fn upstream_failures_are_refunded() {
         .unwrap();
     assert_eq!(v["remaining"], 100, "502s are refunded: {v}");
 
-    // Timed-out upstream: 504, charged: the upstream had the request (DESIGN §3).
-    let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\nkeys:\n  - {{id: k1, sha256: \"{}\"}}\n",
-        sha256_hex("key-1")
-    );
+    // Timed-out upstream: 504, charged: the upstream had the request (DESIGN §3). A gateway
+    // with a read_timeout of 300 ms, key k1 on the plan given (`plans` YAML, `plan` its entry's).
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        upstream_extra: "  read_timeout: 300ms\n",
-        ..GatewayOpts::default()
-    });
+    let timing_out = |plans: &str, plan: &str| {
+        let body = format!(
+            "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n{plans}keys:\n  - {{id: k1, sha256: \"{}\"{plan}}}\n",
+            sha256_hex("key-1")
+        );
+        Gateway::start_opts(GatewayOpts {
+            upstream_url: up.url(),
+            body: &body,
+            upstream_extra: "  read_timeout: 300ms\n",
+            ..GatewayOpts::default()
+        })
+    };
+    let gw = timing_out("", "");
     let r = get(&c, gw.url("/slow?delay_ms=2000"), "key-1").await;
     assert_eq!(r.status(), 504);
     let r = get(&c, gw.url("/items"), "key-1").await;
@@ -520,16 +524,10 @@ async fn upstream_failures_are_refunded() {
 
     // On an uncapped route a 504 frees the key's own slot at once (a plan's
     // max_in_flight_per_key): only a capped route's slot follows the late answer.
-    let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\nplans:\n  one: {{max_cost: 100, window: 1h, max_in_flight_per_key: 1}}\nkeys:\n  - {{id: k1, sha256: \"{}\", plan: one}}\n",
-        sha256_hex("key-1")
+    let gw = timing_out(
+        "plans:\n  one: {max_cost: 100, window: 1h, max_in_flight_per_key: 1}\n",
+        ", plan: one",
     );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        upstream_extra: "  read_timeout: 300ms\n",
-        ..GatewayOpts::default()
-    });
     let r = get(&c, gw.url("/slow?delay_ms=3000"), "key-1").await;
     assert_eq!(r.status(), 504);
     let r = get(&c, gw.url("/items"), "key-1").await;
