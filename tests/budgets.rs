@@ -451,3 +451,51 @@ async fn held_callers_that_leave_on_redis() {
     let redis = Redis::start();
     held_callers_that_leave(Some(&redis)).await;
 }
+
+/// A refusal repeated while the budget refills tells how much is left now, on both stores.
+/// On Redis the repeat comes from the instance's memory of the refusal (no round trip), which
+/// said `r=0` until it lapsed — with a `t` that had moved on: 2.5 units drained, none shown.
+async fn a_repeated_refusal_shows_what_has_drained_since(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    // Half a unit a second: 4.1 s after the budget ran out, 2 units are back (never 3 before
+    // 6 s), and a cost of 4 still does not fit.
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "{}rate_limits:\n  default: {{cost: 1, window: 10s, max_cost: 5}}\n  endpoints:\n    /four: {{cost: 4}}\n",
+            store(redis)
+        ),
+    );
+    let c = client();
+    for _ in 0..5 {
+        assert_eq!(get(&c, gw.url("/items"), "drain-key").await.status(), 200);
+    }
+    let r = get(&c, gw.url("/four"), "drain-key").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("0"));
+    let spent = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(4_100)).await;
+    let r = get(&c, gw.url("/four"), "drain-key").await;
+    assert!(
+        spent.elapsed() < Duration::from_secs(6),
+        "the test ran too slowly to judge"
+    );
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("2"));
+    let rl = header(&r, "ratelimit").unwrap();
+    assert!(rl.contains(";r=2;"), "{rl}");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["remaining"], 2, "{body}");
+    assert_eq!(up.count("/four"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_refusal_shows_what_has_drained_on_memory() {
+    a_repeated_refusal_shows_what_has_drained_since(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_refusal_shows_what_has_drained_on_redis() {
+    let redis = Redis::start();
+    a_repeated_refusal_shows_what_has_drained_since(Some(&redis)).await;
+}

@@ -488,3 +488,54 @@ async fn the_audit_compares_stated_and_configured_costs() {
     );
     assert!(!line("/big").contains("stated"), "{table}");
 }
+
+/// A refund on one instance frees the units on every other at once. An instance keeps a
+/// refusal Redis made (and answers its repeats from memory until Redis said the cost could
+/// fit); `b`'s stated 0 gives 4 units back while `a` remembers refusing them, and `a` refused
+/// the request that now fitted for the next 12 minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_elsewhere_ends_a_remembered_refusal() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{ cost: 1, window: 1h, max_cost: 5 }}\n  endpoints:\n    /four: {{ cost: 4, cost_from_response: X-Actual-Cost }}\n",
+        redis_store(&redis, "")
+    );
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    // Taken by a slow request on `b` that will state 0...
+    let slow = tokio::spawn({
+        let (c, url) = (c.clone(), b.url("/four?delay_ms=1500&actual_cost=0"));
+        async move { get(&c, url, "r-key").await }
+    });
+    up.wait_current("/four", 1).await;
+    // ...so that `a` refuses the next 4 (1 left), and remembers it.
+    for _ in 0..2 {
+        let r = get(&c, a.url("/four"), "r-key").await;
+        assert_eq!(r.status(), 429);
+        assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("1"));
+    }
+    let r = slow.await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("1"));
+    // The 4 are back: `a` admits the next request. Refusals are never charged, so the test
+    // may ask again while the news travels (Redis Pub/Sub, well under a second).
+    let start = Instant::now();
+    let admitted = loop {
+        let r = get(&c, a.url("/four"), "r-key").await;
+        if r.status() == 200 {
+            break r;
+        }
+        assert_eq!(r.status(), 429);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "`a` still refuses 2 s after `b` gave the units back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        header(&admitted, "x-ratelimit-remaining").as_deref(),
+        Some("1")
+    );
+    assert_eq!(up.count("/four"), 2);
+}

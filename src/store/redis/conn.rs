@@ -24,7 +24,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -35,6 +35,7 @@ use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, Redi
 
 use super::lost::RunId;
 use super::sentinel::{self, Watch};
+use super::RedisBackend;
 use crate::config::{parse_redis_target, RedisTarget, StoreUrlError};
 use crate::store::StoreError;
 
@@ -387,6 +388,48 @@ impl Connections {
                 *c = None;
             }
         });
+    }
+}
+
+/// How soon a subscription that broke (or never connected) is tried again.
+const SUBSCRIBE_AGAIN_AFTER: Duration = Duration::from_millis(500);
+
+/// Calls `heard` with each message Redis publishes on `channel`, subscribed anew after a
+/// broken connection, for as long as the store lives; `link` is told `true` once the
+/// subscription stands and `false` when it is lost (or cannot be made): messages published in
+/// between were missed.
+pub(super) async fn subscribed(
+    store: Weak<RedisBackend>,
+    channel: String,
+    heard: impl Fn(&RedisBackend, &str),
+    link: impl Fn(&RedisBackend, bool),
+) {
+    use futures_util::StreamExt;
+    loop {
+        let Some(s) = store.upgrade() else { return };
+        let pubsub = s.conns.pubsub().await;
+        drop(s);
+        match pubsub {
+            Ok(mut ps) => {
+                if ps.subscribe(&channel).await.is_ok() {
+                    if let Some(s) = store.upgrade() {
+                        link(&s, true);
+                    }
+                    let mut messages = ps.on_message();
+                    while let Some(msg) = messages.next().await {
+                        let Some(s) = store.upgrade() else { return };
+                        if let Ok(m) = msg.get_payload::<String>() {
+                            heard(&s, m.as_str());
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, channel, "cannot subscribe"),
+        }
+        let Some(s) = store.upgrade() else { return };
+        link(&s, false);
+        drop(s);
+        tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
     }
 }
 

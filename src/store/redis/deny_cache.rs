@@ -1,26 +1,47 @@
 //! Refusals without a round trip: keys Redis just refused as over budget.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::{keys, RedisBackend};
 use crate::budget::{Limit, Outcome, Verdict};
+use crate::identity::KeyHash;
 use crate::store::{lock, short_key, AdmitRequest};
 
 const DENY_SHARDS: usize = 32;
 
+/// Where Redis says that units went back into an API key's budgets (a refund, an undone
+/// admission, a slice's unspent units): the key's tag (`lua/store/extra.lua`'s `gave_back`).
+pub(super) const GIVEN_BACK: &str = "tollgate:given-back";
+
 /// Keys that Redis refused as over budget, with the moment Redis said they could next fit.
 ///
-/// Safe because it can only refuse, never admit: until `until`, the bucket cannot have room for
-/// `cost` units — levels only fall with time, and other instances can only add to them. A
-/// refund elsewhere could make room a little sooner; the cache then refuses a little longer
-/// than needed, never shorter. A config change invalidates an entry (its `Limit` differs).
+/// Until then the bucket cannot have room for `cost` units — levels only fall with time, and
+/// other instances' admissions only add to them — unless units go back into it: a refund,
+/// here or on another instance. Redis publishes every such give-back ([`GIVEN_BACK`]) and the
+/// instance forgets the key's refusal when it hears it; so a refusal is kept only while this
+/// instance is subscribed, and one decided before a give-back it heard (or before it
+/// subscribed) is not kept at all. A config change invalidates an entry (its `Limit` differs).
 #[derive(Debug)]
 pub(super) struct DenyCache {
-    shards: Box<[Mutex<crate::store::KeyMap<DenyEntry>>]>,
+    shards: Box<[Mutex<Shard>]>,
+    /// µs after `epoch` since which the subscription stands; `u64::MAX` while there is none.
+    live_since: AtomicU64,
+    epoch: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    entries: crate::store::KeyMap<DenyEntry>,
+    /// The last give-back heard for a key of this shard: a refusal Redis decided before it
+    /// may be stale by the time its reply arrives.
+    heard: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct DenyEntry {
+    key: u128,
     until: Instant,
     cost: u64,
     limit: Limit,
@@ -32,64 +53,109 @@ impl DenyCache {
     pub(super) fn new() -> Self {
         DenyCache {
             shards: (0..DENY_SHARDS).map(|_| Mutex::default()).collect(),
+            live_since: AtomicU64::new(u64::MAX),
+            epoch: Instant::now(),
         }
+    }
+
+    fn shard(&self, bits: u64) -> std::sync::MutexGuard<'_, Shard> {
+        lock(&self.shards[(bits as usize) % DENY_SHARDS])
     }
 
     pub(super) fn check(&self, req: &AdmitRequest) -> Option<Outcome> {
         // A request on several budgets is refused by Redis only: which one refused, and every
         // one's figures, are not kept here.
-        if !req.also.is_empty() {
+        if !req.also.is_empty() || self.live_since.load(Ordering::Relaxed) == u64::MAX {
             return None;
         }
-        let k = short_key(&req.key);
-        let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
-        let e = *shard.get(&k)?;
+        let bits = keys::tag_bits(&req.key);
+        let mut shard = self.shard(bits);
+        let e = *shard.entries.get(&u128::from(bits))?;
         let now = Instant::now();
-        if now >= e.until || e.limit != req.limit {
-            shard.remove(&k);
+        if now >= e.until || e.limit != req.limit || e.key != short_key(&req.key) {
+            shard.entries.remove(&u128::from(bits));
             return None;
         }
+        drop(shard);
         // A dearer request fits later: by the extra units' drain time.
         let extra_us = (req.cost.saturating_sub(e.cost))
             .saturating_mul(req.limit.per_unit)
             .div_ceil(req.limit.rate);
+        let reset_us = e.reset_at.saturating_duration_since(now).as_micros() as u64;
+        // What drained since: the units left at the highest level `reset_us` allows, never
+        // fewer than Redis counted.
+        let remaining = e
+            .remaining
+            .max(req.limit.remaining(reset_us.saturating_mul(req.limit.rate)));
         (req.cost >= e.cost).then(|| Outcome {
             verdict: Verdict::Reject {
                 retry_after_us: (e.until - now).as_micros() as u64 + extra_us,
             },
             state: None,
-            remaining: e.remaining,
-            reset_us: e.reset_at.saturating_duration_since(now).as_micros() as u64,
+            remaining,
+            reset_us,
             each: Default::default(),
         })
     }
 
-    /// This instance just charged the key (a cheaper request fitted): the cached figures are
-    /// stale, so the next refusal is Redis's to make.
-    pub(super) fn forget(&self, key: &crate::identity::KeyHash) {
-        let k = short_key(key);
-        let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
-        if !shard.is_empty() {
-            shard.remove(&k);
+    /// This instance just charged or refunded the key: the cached figures are stale, so the
+    /// next refusal is Redis's to make.
+    pub(super) fn forget(&self, key: &KeyHash) {
+        let bits = keys::tag_bits(key);
+        let mut shard = self.shard(bits);
+        if !shard.entries.is_empty() {
+            shard.entries.remove(&u128::from(bits));
         }
     }
 
-    pub(super) fn insert(&self, req: &AdmitRequest, o: &Outcome) {
+    /// Redis published that units went back to the key of `tag`.
+    fn heard(&self, tag: &str) {
+        let Some(bits) = keys::tag_bits_of(tag) else {
+            return;
+        };
+        let mut shard = self.shard(bits);
+        shard.heard = Some(Instant::now());
+        shard.entries.remove(&u128::from(bits));
+    }
+
+    /// The subscription stands (from now) or is lost: what was kept may have missed a
+    /// give-back, and nothing is kept until it stands again.
+    fn linked(&self, live: bool) {
+        self.live_since.store(u64::MAX, Ordering::Relaxed);
+        for s in self.shards.iter() {
+            lock(s).entries.clear();
+        }
+        if live {
+            let since = self.epoch.elapsed().as_micros() as u64;
+            self.live_since.store(since, Ordering::Relaxed);
+        }
+    }
+
+    /// Keeps Redis's refusal of `req`, decided by a call sent at `sent`.
+    pub(super) fn insert(&self, req: &AdmitRequest, o: &Outcome, sent: Instant) {
         let Verdict::Reject { retry_after_us } = o.verdict else {
             return;
         };
-        if !req.also.is_empty() {
+        let since = self.live_since.load(Ordering::Relaxed);
+        if !req.also.is_empty()
+            || since == u64::MAX
+            || (sent.saturating_duration_since(self.epoch).as_micros() as u64) <= since
+        {
             return;
         }
         let now = Instant::now();
-        let k = short_key(&req.key);
-        let mut shard = lock(&self.shards[(k as usize) % DENY_SHARDS]);
-        if shard.len() > 10_000 {
-            shard.retain(|_, e| e.until > now);
+        let bits = keys::tag_bits(&req.key);
+        let mut shard = self.shard(bits);
+        if shard.heard.is_some_and(|h| h >= sent) {
+            return;
         }
-        shard.insert(
-            k,
+        if shard.entries.len() > 10_000 {
+            shard.entries.retain(|_, e| e.until > now);
+        }
+        shard.entries.insert(
+            u128::from(bits),
             DenyEntry {
+                key: short_key(&req.key),
                 until: now + Duration::from_micros(retry_after_us),
                 cost: req.cost,
                 limit: req.limit,
@@ -100,15 +166,43 @@ impl DenyCache {
     }
 }
 
+impl RedisBackend {
+    /// Listens for give-backs ([`GIVEN_BACK`]) on a thread of its own, for as long as the
+    /// store lives: the deny cache keeps refusals only while it hears them.
+    pub(super) fn spawn_give_back_listener(self: &Arc<Self>) {
+        let store = Arc::downgrade(self);
+        let spawned = crate::background::spawn("tollgate-given-back".into(), move || async {
+            super::conn::subscribed(
+                store,
+                GIVEN_BACK.into(),
+                |s, tag| s.deny.heard(tag),
+                |s, live| s.deny.linked(live),
+            )
+            .await
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot listen for refunds: every refusal asks Redis");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::Arc;
 
-    #[test]
-    fn deny_cache_only_refuses_until_redis_said() {
-        let c = DenyCache::new();
-        let req = AdmitRequest {
+    fn refusal(retry_after_us: u64) -> Outcome {
+        Outcome {
+            verdict: Verdict::Reject { retry_after_us },
+            state: None,
+            remaining: 5,
+            reset_us: 60_000_000,
+            each: Default::default(),
+        }
+    }
+
+    fn request() -> AdmitRequest {
+        AdmitRequest {
             key: [1; 32],
             limit: Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap(),
             also: vec![],
@@ -118,18 +212,18 @@ mod tests {
             route_cap: None,
             queue_timeout: Duration::ZERO,
             fair: Default::default(),
-        };
+        }
+    }
+
+    #[test]
+    fn deny_cache_only_refuses_until_redis_said() {
+        let c = DenyCache::new();
+        c.linked(true);
+        std::thread::sleep(Duration::from_millis(2));
+        let req = request();
         assert!(c.check(&req).is_none());
-        let o = Outcome {
-            verdict: Verdict::Reject {
-                retry_after_us: 50_000,
-            },
-            state: None,
-            remaining: 5,
-            reset_us: 60_000_000,
-            each: Default::default(),
-        };
-        c.insert(&req, &o);
+        let o = refusal(50_000);
+        c.insert(&req, &o, Instant::now());
         assert!(c.check(&req).is_some());
         // A cheaper request might fit sooner: not cached.
         let cheap = AdmitRequest {
@@ -143,9 +237,65 @@ mod tests {
             ..req.clone()
         };
         assert!(c.check(&other).is_none());
-        c.insert(&req, &o);
+        c.insert(&req, &o, Instant::now());
         assert!(c.check(&req).is_some());
         std::thread::sleep(Duration::from_millis(60));
         assert!(c.check(&req).is_none(), "expired");
+    }
+
+    #[test]
+    fn a_give_back_heard_ends_a_refusal_and_any_decided_before_it() {
+        let c = DenyCache::new();
+        let req = request();
+        let tag = keys::key_tag(&req.key);
+        // Not subscribed: nothing is kept.
+        c.insert(&req, &refusal(10_000_000), Instant::now());
+        assert!(c.check(&req).is_none());
+        let before_link = Instant::now();
+        c.linked(true);
+        c.insert(&req, &refusal(10_000_000), before_link);
+        assert!(
+            c.check(&req).is_none(),
+            "decided before the subscription stood"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        c.insert(&req, &refusal(10_000_000), Instant::now());
+        assert!(c.check(&req).is_some());
+        // Another key's give-back changes nothing; this key's ends the refusal.
+        c.heard(&keys::key_tag(&[2; 32]));
+        assert!(c.check(&req).is_some());
+        let sent = Instant::now();
+        c.heard(&tag);
+        assert!(c.check(&req).is_none());
+        // A refusal sent before the give-back was heard, whose reply comes after it.
+        c.insert(&req, &refusal(10_000_000), sent);
+        assert!(c.check(&req).is_none(), "decided before the give-back");
+        c.insert(&req, &refusal(10_000_000), Instant::now());
+        assert!(c.check(&req).is_some());
+        // The subscription lost: everything kept is dropped.
+        c.linked(false);
+        assert!(c.check(&req).is_none());
+        c.insert(&req, &refusal(10_000_000), Instant::now());
+        assert!(c.check(&req).is_none());
+    }
+
+    #[test]
+    fn a_kept_refusal_counts_the_units_drained_since() {
+        let c = DenyCache::new();
+        c.linked(true);
+        std::thread::sleep(Duration::from_millis(2));
+        // 120 a minute: 2 units a second. Redis: 0 left, full again in 60 s.
+        let req = request();
+        let o = Outcome {
+            remaining: 0,
+            ..refusal(60_000_000)
+        };
+        c.insert(&req, &o, Instant::now());
+        assert_eq!(c.check(&req).unwrap().remaining, 0);
+        std::thread::sleep(Duration::from_millis(1_100));
+        let later = c.check(&req).unwrap();
+        // 1.1 s or more later: at least 2 units back.
+        assert!(later.remaining >= 2, "{}", later.remaining);
+        assert!(later.reset_us <= 58_900_000);
     }
 }

@@ -73,6 +73,39 @@ pub fn key_tag(key: &KeyHash) -> String {
     tag(key)
 }
 
+/// The 56 bits of the key's hash that its tag spells in full (the first 9⅓ of its 10
+/// characters): what names an API key in a message about its `t{<tag>}…` keys.
+pub(super) fn tag_bits(key: &KeyHash) -> u64 {
+    let mut b = [0u8; 8];
+    b[..7].copy_from_slice(&key[..7]);
+    u64::from_le_bytes(b)
+}
+
+/// [`tag_bits`] of the key a `t{<tag>}…` key's tag names (as `lua/store/extra.lua`'s
+/// `gave_back` publishes it); `None` for anything else.
+pub(super) fn tag_bits_of(tag: &str) -> Option<u64> {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    use base64::Engine;
+    // The tag ends inside the hash's eighth byte: its last 4 bits are left over.
+    const TAG: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::URL_SAFE,
+        GeneralPurposeConfig::new()
+            .with_decode_allow_trailing_bits(true)
+            .with_decode_padding_mode(DecodePaddingMode::RequireNone),
+    );
+    if tag.len() != 10 {
+        return None;
+    }
+    let mut b = [0u8; 9];
+    match TAG.decode_slice(tag, &mut b) {
+        Ok(7) => {
+            b[7] = 0;
+            Some(u64::from_le_bytes(b[..8].try_into().ok()?))
+        }
+        _ => None,
+    }
+}
+
 /// An API key's budget (its plan's first, or only, one).
 pub fn budget_key(key: &KeyHash) -> String {
     Tag::of(key).key("b", "")
@@ -167,6 +200,23 @@ mod tests {
         assert_eq!(&holds_key(&h)[..13], &k[..13], "same slot");
         assert_eq!(budget_and_holds_keys(&h), (k.clone(), holds_key(&h)));
         assert_ne!(holds_key(&h), named_budget_key(&h, "h"));
+    }
+
+    /// A give-back names the key by its tag, which spells its first 56 bits in full.
+    #[test]
+    fn a_tag_names_the_key_it_was_made_of() {
+        for i in 0..200u32 {
+            let h = crate::identity::hash_key(format!("key-{i}").as_bytes());
+            assert_eq!(tag_bits_of(&key_tag(&h)), Some(tag_bits(&h)), "{i}");
+        }
+        let (a, b) = (
+            crate::identity::hash_key(b"a"),
+            crate::identity::hash_key(b"b"),
+        );
+        assert_ne!(tag_bits_of(&key_tag(&a)), Some(tag_bits(&b)));
+        for bad in ["", "short", "abcdefghijk", "abc!efghij", "abcdefghi="] {
+            assert_eq!(tag_bits_of(bad), None, "{bad}");
+        }
     }
 
     /// Keys made on the stack are the very names Redis already holds (a gateway upgraded in

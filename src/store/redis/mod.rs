@@ -70,6 +70,7 @@ impl RedisStore {
     pub fn new(s: &StoreSettings, clock: Clock) -> Arc<Self> {
         let backend = RedisBackend::new(s);
         backend.spawn_eviction_check();
+        backend.spawn_give_back_listener();
         let store = FallbackStore::over(backend, MemoryStore::new(clock), s.on_error, s.fleet_size);
         store.spawn_probe();
         store
@@ -142,7 +143,7 @@ impl RedisBackend {
                 Admission::admitted(&outcome, Lease::shared(None), Duration::ZERO)
             }
             Decided::OverBudget(o) => {
-                self.deny.insert(req, &o);
+                self.deny.insert(req, &o, start);
                 Admission::over_budget(&o)
             }
             Decided::KeyBusy(o) => Admission::KeyBusy(o),

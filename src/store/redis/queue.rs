@@ -26,8 +26,8 @@ use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
 use crate::telemetry::Queued;
 
 mod beat;
+pub(in crate::store::redis) use beat::Waiters;
 use beat::Wake;
-pub(in crate::store::redis) use beat::{on_grants, Waiters};
 
 /// How long an instance counts as alive after its last beat.
 pub(super) const ALIVE_FOR: Duration = Duration::from_secs(2);

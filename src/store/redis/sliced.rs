@@ -37,6 +37,7 @@ impl RedisBackend {
             req,
             ask,
         };
+        let start = Instant::now();
         let answer = self.try_admit(req, ask).await;
         std::mem::forget(guard);
         let (decided, seen) = match answer {
@@ -65,7 +66,7 @@ impl RedisBackend {
                 Admission::admitted(&outcome, Lease::shared(None), Duration::ZERO)
             }
             Decided::OverBudget(o) => {
-                self.deny.insert(req, &o);
+                self.deny.insert(req, &o, start);
                 Admission::over_budget(&o)
             }
             // Not for a request without slots; answered as Redis said all the same.

@@ -105,6 +105,7 @@ if lost then
   charge = charge + settle_units - unspent
   bury(holds, settle, now, 0)
 end
+if settle ~= '' and (unspent > 0 or late) then gave_back({holds}) end
 local refused, retry = nil, 0
 for i, x in ipairs(b) do
   x.level = level_at(x.key, x.q, now)

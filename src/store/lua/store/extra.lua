@@ -2,6 +2,18 @@
 -- local functions are closures made anew on each call (about 800 instructions each in
 -- Redis), so the hot call alone makes only those it calls.
 
+-- Units went back into the budgets of the API key whose keys are among `keys` (a refund, an
+-- undone admission, a slice's unspent units): every instance that refuses the key from memory
+-- (its deny cache, `redis/deny_cache.rs`) hears it and asks again. Named by the key's tag.
+local function gave_back(keys)
+  for _, k in ipairs(keys) do
+    if keys_own(k) then
+      redis.call('PUBLISH', 'tollgate:given-back', string.sub(k, 3, 12))
+      return
+    end
+  end
+end
+
 -- A lease set lives as long as its longest lease (whatever lease_ttl each instance uses).
 local function expire_with_last_lease(set)
   local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')

@@ -5,4 +5,6 @@
 -- ARGV  (per_unit rate cost) of each budget, from [1]
 -- reply 1
 
-return adjust(-1)
+adjust(-1)
+gave_back(KEYS)
+return 1

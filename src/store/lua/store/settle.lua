@@ -26,4 +26,5 @@ if charge > 0 or late then
     store_level(KEYS[i], settled_level(level_at(KEYS[i], q, now), charge, late, p, q, now), q, now)
   end
 end
+if unspent > 0 or late then gave_back(KEYS) end
 return 1

@@ -19,6 +19,7 @@ if seen == '1' then
     store_level(KEYS[i], level_at(KEYS[i], q, now) - tonumber(ARGV[j + 2]) * p, q, now)
   end
   if lease_set ~= record then redis.call('ZREM', lease_set, ARGV[1]) end
+  gave_back(KEYS)
 end
 redis.call('SET', record, 'u', 'PX', int(tomb_ms))
 if seen == '1' then return 1 end

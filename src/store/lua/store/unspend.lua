@@ -8,6 +8,7 @@
 
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 local cost = tonumber(ARGV[2])
+gave_back(KEYS)
 if v then
   local units, exp = string.match(v, '^(%d+):(%d+)$')
   units = tonumber(units)

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use super::super::conn::subscribed;
 use super::super::keys::QueueKeys;
 use super::{ALIVE_FOR, GRANT_TTL};
 use crate::store::redis::RedisBackend;
@@ -143,40 +144,13 @@ impl RedisBackend {
 
 /// Delivers this instance's grants as Redis publishes them.
 async fn listen(store: Weak<RedisBackend>, channel: String) {
-    on_grants(store, channel, |s, id| {
-        lock(&s.waiters).deliver(id, Wake::Granted)
-    })
+    subscribed(
+        store,
+        channel,
+        |s, id| lock(&s.waiters).deliver(id, Wake::Granted),
+        |_, _| {},
+    )
     .await;
-}
-
-/// Calls `granted` with each grant Redis publishes on `channel` (`tollgate:q:<instance>`),
-/// subscribed anew after a broken connection, for as long as the store lives.
-pub(in crate::store::redis) async fn on_grants(
-    store: Weak<RedisBackend>,
-    channel: String,
-    granted: impl Fn(&RedisBackend, &str),
-) {
-    use futures_util::StreamExt;
-    loop {
-        let Some(s) = store.upgrade() else { return };
-        let pubsub = s.conns.pubsub().await;
-        drop(s);
-        match pubsub {
-            Ok(mut ps) => {
-                if ps.subscribe(&channel).await.is_ok() {
-                    let mut messages = ps.on_message();
-                    while let Some(msg) = messages.next().await {
-                        let Some(s) = store.upgrade() else { return };
-                        if let Ok(id) = msg.get_payload::<String>() {
-                            granted(&s, id.as_str());
-                        }
-                    }
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, channel, "grant listener cannot connect"),
-        }
-        tokio::time::sleep(BEAT_EVERY).await;
-    }
 }
 
 /// Beats on every route this instance has waiters on; delivers grants the reply names, and
