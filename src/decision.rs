@@ -373,18 +373,29 @@ fn route_busy(route: &Route, outcome: Standing, queued: Duration, full: bool) ->
 }
 
 /// Why a capped route refused: its queue was full (refused at once), or no slot came free
-/// in time.
+/// in time — the route's or, with `max_in_flight_per_key`, the key's share of it. Says what
+/// the route allows: how many run is the store's to know (after a failover it may be more).
 fn route_busy_detail(route: &Route, full: bool) -> String {
+    let cap = route.max_in_flight.unwrap_or(0);
+    let mut allows = format!(
+        "{} allows {cap} request{} in flight",
+        route.label,
+        if cap == 1 { "" } else { "s" }
+    );
+    if let Some(share) = route.queue.per_key {
+        allows.push_str(&format!(", {share} per key"));
+    }
     match route.queue.max_queue {
-        Some(max) if full => format!(
-            "{} has {} requests in flight and its queue already holds {max} waiting (max_queue)",
-            route.label,
-            route.max_in_flight.unwrap_or(0),
-        ),
+        Some(max) if full => {
+            format!("{allows} and its queue already holds {max} waiting (max_queue)")
+        }
         _ => format!(
-            "{} has {} requests in flight; no slot freed within {} ms",
-            route.label,
-            route.max_in_flight.unwrap_or(0),
+            "{allows}; no slot freed {}within {} ms",
+            if route.queue.per_key.is_some() {
+                "for this key "
+            } else {
+                ""
+            },
             route.queue_timeout.as_millis()
         ),
     }

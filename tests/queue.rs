@@ -300,7 +300,7 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     assert!(problem["type"].as_str().unwrap().ends_with("route-busy"));
     assert_eq!(
         problem["detail"],
-        "/reports/generate has 1 requests in flight and its queue already holds 2 waiting (max_queue)",
+        "/reports/generate allows 1 request in flight and its queue already holds 2 waiting (max_queue)",
         "the detail says why: a full queue, not a wait that timed out"
     );
     assert_eq!(
@@ -316,7 +316,7 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
         let problem: serde_json::Value = r.json().await.unwrap();
         assert_eq!(
             problem["detail"],
-            "/reports/generate has 1 requests in flight; no slot freed within 500 ms"
+            "/reports/generate allows 1 request in flight; no slot freed within 500 ms"
         );
     }
     assert_eq!(remaining(&gw, "b").await, 1000);
@@ -378,6 +378,29 @@ async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
         t.elapsed() < Duration::from_millis(500),
         "{:?}",
         t.elapsed()
+    );
+    assert_eq!(holder.await.unwrap(), 200);
+}
+
+/// A key's share that stays full for `queue_timeout` is what the 503 says, not a full route:
+/// it said "/r has 4 requests in flight" with one running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_for_the_keys_share_says_so() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    /r:\n      cost: 1\n      max_in_flight: 4\n      max_in_flight_per_key: 1\n      queue_timeout: 500ms\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, gw.url("/r?delay_ms=3000"), "key-a");
+    up.wait_current("/r", 1).await;
+    let r = post(&c, gw.url("/r"), "key-a").await;
+    assert_eq!(r.status(), 503);
+    let problem: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        problem["detail"],
+        "/r allows 4 requests in flight, 1 per key; no slot freed for this key within 500 ms"
     );
     assert_eq!(holder.await.unwrap(), 200);
 }
