@@ -67,6 +67,17 @@ async fn submit_as(
 }
 
 /// Polls `location` on `gw` until the job is no longer queued or running.
+/// The access-log line `gw` wrote when the job at `location` ended as `decision`: the only one.
+async fn job_end_line(gw: &Gateway, location: &str, decision: &str) -> serde_json::Value {
+    let id = location.rsplit('/').next().unwrap().to_string();
+    let lines = gw
+        .wait_access(1, |l| l["job"] == *id && l["decision"] == decision)
+        .await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["route"], "/reports/generate");
+    lines[0].clone()
+}
+
 async fn result(c: &reqwest::Client, gw: &Gateway, location: &str) -> reqwest::Response {
     result_as(c, gw, location, "key-a").await
 }
@@ -256,6 +267,12 @@ async fn a_job_whose_runner_dies_fails_and_is_not_run_again() {
         1.0,
     )
     .await;
+    // The instance that found it lost writes its last line (README: one when the job ends).
+    let line = job_end_line(&b, &location, "job_failed").await;
+    assert_eq!(
+        (line["status"].as_u64(), line["cost"].as_u64()),
+        (Some(502), Some(10))
+    );
 
     // Its slot came back with its lapsed lease: the next job runs (via B), and the lost one
     // was not run again meanwhile.
@@ -304,6 +321,12 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
         1.0,
     )
     .await;
+    let line = job_end_line(&b, &location, "job_expired").await;
+    assert_eq!(
+        (line["status"].as_u64(), line["cost"].as_u64()),
+        (Some(503), Some(0))
+    );
+    assert!(line["queue_ms"].as_f64().unwrap() >= 1000.0, "{line}");
     assert_eq!(sync.await.unwrap(), 200);
     // The slot is free again and nothing of the job's is left to run: a new job runs alone.
     let (next, _) = submit(&c, &a, ROUTE, "").await;
@@ -340,6 +363,13 @@ async fn a_queued_job_is_cancelled_from_another_gateway() {
         1.0,
     )
     .await;
+    let line = job_end_line(&b, &second, "job_cancelled").await;
+    assert_eq!(
+        (line["status"].as_u64(), line["cost"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(line["key"], "a");
+    assert_eq!(line["method"], "POST");
     assert_eq!(delete(&b, &first, "key-a").await.unwrap().status(), 409);
     assert_eq!(result(&c, &b, &first).await.status(), 200);
     // The cancelled job's turn came and went: only the first was sent.

@@ -21,7 +21,7 @@ use crate::state::{Running, Shared};
 use crate::store::redis::{JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
 use bytes::Bytes;
-use record::{field, headers_from, payer, read, text};
+use record::{ended_unrun, field, headers_from, payer, read, text};
 use runner::run_claimed;
 
 /// How often an instance takes the slots granted to the fleet's jobs on each async route.
@@ -137,7 +137,7 @@ pub async fn view(
     }
     let route: Arc<str> = Arc::from(text(&r, "route"));
     if field(&r, "ended_now") == b"1" {
-        metrics::ended(&route, JobResult::Failed);
+        ended_unrun(&shared.running(), &r, id, JobResult::Failed);
     }
     if field(&r, "state") == b"queued" {
         let running = shared.running();
@@ -207,14 +207,12 @@ async fn take_out(
         let _ = b.job_release_key(key, id).await;
     }
     refund(shared, running, &label, who).await;
-    metrics::ended(
-        &label,
-        if op == "cancel" {
-            JobResult::Cancelled
-        } else {
-            JobResult::Expired
-        },
-    );
+    let result = if op == "cancel" {
+        JobResult::Cancelled
+    } else {
+        JobResult::Expired
+    };
+    ended_unrun(running, &r, id, result);
     true
 }
 
@@ -238,17 +236,17 @@ async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity)
 /// A job whose claim found it waited result_ttl (now `expired`): refunded, its slot passed on.
 async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     let running = shared.running();
-    let who = read(b, id)
-        .await
-        .ok()
-        .flatten()
-        .and_then(|r| payer(&running, field(&r, "key")));
+    let r = read(b, id).await.ok().flatten();
+    let who = r.as_ref().and_then(|r| payer(&running, field(r, "key")));
     let key = who.as_ref().and_then(key_slot);
     let _ = b.job_release(label, id, key).await;
     if let Some(who) = who {
         refund(shared, &running, label, &who).await;
     }
-    metrics::ended(label, JobResult::Expired);
+    match r {
+        Some(r) => ended_unrun(&running, &r, id, JobResult::Expired),
+        None => metrics::ended(label, JobResult::Expired),
+    }
 }
 
 /// Takes the slots granted to the fleet's jobs, on every async route, for as long as the

@@ -8,11 +8,13 @@ use base64::Engine;
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 
+use super::super::metrics::JobResult;
 use super::super::send::JobRequest;
 use crate::identity::Identity;
 use crate::route::Route;
 use crate::state::Running;
 use crate::store::redis::RedisBackend;
+use crate::telemetry::access;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -74,6 +76,63 @@ pub(super) async fn claimed(
     let who = payer(running, field(&r, "key"))?;
     let request = request_of(&r)?;
     Some((r, route, who, request))
+}
+
+/// A job that ended with no runner to say so — cancelled, expired in its queue, or lost with
+/// its runner — as whichever instance saw it end counts it: `tollgate_jobs_total` and the
+/// job's last access-log line (status and charge as the memory store's: cancelled 0 and 0,
+/// expired 503 and 0, lost 502 and its charge).
+pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobResult) {
+    let route = text(r, "route");
+    super::metrics::ended(&route, result);
+    if !access::enabled() {
+        return;
+    }
+    let (status, cost) = match result {
+        JobResult::Expired => (503, 0),
+        JobResult::Cancelled => (0, 0),
+        _ => (
+            502,
+            running.config.router.by_label(&route).map_or(0, |r| r.cost),
+        ),
+    };
+    // Since its submission (`sub`, Redis's clock in ms).
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let since = std::str::from_utf8(field(r, "sub"))
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map_or(0.0, |sub| now_ms.saturating_sub(sub) as f64);
+    let key = payer(running, field(r, "key"))
+        .map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
+    let rid = text(r, "rid");
+    access::write(&access::AccessRecord {
+        method: &text(r, "method"),
+        route: &route,
+        key: &key,
+        cost,
+        decision: result.verdict(),
+        status,
+        latency_ms: since,
+        upstream_ms: None,
+        store_ms: 0.0,
+        // Never run: it waited all along.
+        queue_ms: if result == JobResult::Failed {
+            0.0
+        } else {
+            since
+        },
+        hold_ms: 0.0,
+        upstream_status: None,
+        request_id: (!rid.is_empty()).then_some(rid.as_str()),
+        trace_id: None,
+        fallback: false,
+        shadow: None,
+        client: None,
+        error: None,
+        job: Some(id),
+    });
 }
 
 /// The identity a record's key hash pays as: its registry entry, else the default policy.
