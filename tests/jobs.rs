@@ -262,6 +262,16 @@ async fn jobs_share_a_full_route_fairly() {
         .clone();
     assert_eq!(r["jobs"]["running"], 2, "{r}");
     assert!(r["jobs"]["queued"].as_u64().unwrap() >= 5, "{r}");
+    // /admin/status lists them too (it said `[]` whatever ran).
+    let status = admin_json(&gw, "/admin/status").await;
+    let jobs = status["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 1, "{status}");
+    assert_eq!(
+        (jobs[0]["route"].as_str(), jobs[0]["running"].as_u64()),
+        (Some(ROUTE), Some(2)),
+        "{status}"
+    );
+    assert!(jobs[0]["queued"].as_u64().unwrap() >= 4, "{status}");
     for (location, key) in &locations {
         assert_eq!(result(&c, &gw, location, key).await.status(), 200);
     }

@@ -57,15 +57,9 @@ pub async fn routes(shared: &Shared) -> Resp {
         }
         // This process's board; on Redis the fleet's queued jobs (as this instance last saw
         // them) and the jobs this instance runs.
-        if r.jobs.is_some() {
-            let (queued, running) = match shared.store {
-                crate::store::Store::Memory(_) => crate::jobs::board().counts(&r.label),
-                crate::store::Store::Redis(_) => crate::jobs::gauge_counts(&r.label),
-            };
-            v["jobs"] = serde_json::json!({"queued": queued, "running": running});
-            jobs.push(
-                serde_json::json!({"route": &*r.label, "queued": queued, "running": running}),
-            );
+        if let Some(j) = jobs_on(shared, r) {
+            v["jobs"] = serde_json::json!({"queued": j["queued"], "running": j["running"]});
+            jobs.push(j);
         }
         out.push(v);
     }
@@ -77,4 +71,16 @@ pub async fn routes(shared: &Shared) -> Resp {
             "jobs": jobs,
         }),
     )
+}
+
+/// An async route's jobs, `{route, queued, running}`: this process's board; on Redis the
+/// fleet's queued jobs (as this instance last saw them) and the jobs this instance runs.
+/// `None` for a route without `async`.
+pub(super) fn jobs_on(shared: &Shared, r: &crate::route::Route) -> Option<serde_json::Value> {
+    r.jobs.as_ref()?;
+    let (queued, running) = match shared.store {
+        crate::store::Store::Memory(_) => crate::jobs::board().counts(&r.label),
+        crate::store::Store::Redis(_) => crate::jobs::gauge_counts(&r.label),
+    };
+    Some(serde_json::json!({"route": &*r.label, "queued": queued, "running": running}))
 }

@@ -60,7 +60,11 @@ pub fn status(shared: &Shared) -> serde_json::Value {
         "plans": plans,
         "registry_keys": cfg.keys.len(),
         "top_refused_keys": top_refused(TOP_REFUSED),
-        "jobs": [],
+        "jobs": cfg
+            .router
+            .routes()
+            .filter_map(|r| super::routes::jobs_on(shared, r))
+            .collect::<Vec<_>>(),
     })
 }
 
