@@ -971,3 +971,57 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
     assert_metric(&tg.gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
     drop(send);
 }
+
+/// The same over a job submission (DESIGN §8): a stream asking for `respond-async` whose
+/// body stalls gets its 408 after `body_timeout` as a synchronous stream does, and no job is
+/// made. (Before, the submission's own read of the body had no timer over HTTP/2: the stream
+/// got no answer at all, and held its connection past `idle_timeout`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_http2_job_body_gets_408() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 5, max_in_flight: 2, queue_timeout: 1s, async: {when: prefer, max_request_body: 1KiB}}\n";
+    let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 1s\n");
+    let client = h2_connect(&tg).await;
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("https://localhost/reports/generate")
+        .header("x-api-key", "staller")
+        .header("prefer", "respond-async")
+        .header("content-length", "100")
+        .body(())
+        .unwrap();
+    let mut c = client.clone().ready().await.unwrap();
+    let (resp, mut send) = c.send_request(req, false).unwrap();
+    send.send_data(bytes::Bytes::from_static(b"abc"), false)
+        .unwrap();
+    let stalled_at = Instant::now();
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("no answer to the stalled job stream within 10 s (body_timeout 1s)")
+        .unwrap();
+    let after = stalled_at.elapsed();
+    assert_eq!(resp.status(), 408);
+    assert!(after < Duration::from_secs(4), "answered after {after:?}");
+    let (parts, mut body) = resp.into_parts();
+    assert_eq!(
+        parts.headers.get("content-type").unwrap(),
+        "application/problem+json"
+    );
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.data().await {
+        bytes.extend_from_slice(&chunk.unwrap());
+    }
+    let p: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("request-timeout"),
+        "{p}"
+    );
+    assert_metric(&tg.gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
+    // No job, nothing charged: the key's next request finds its budget whole but for itself.
+    let r = h2_send(&client, h2_request("GET", "/widgets", "staller")).await;
+    assert_eq!((r.status, r.remaining()), (200, 999));
+    assert_eq!(up.count("/reports/generate"), 0);
+    drop(send);
+}

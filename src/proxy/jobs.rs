@@ -19,6 +19,7 @@ use crate::route::Route;
 use crate::state::Running;
 use crate::store::{Standing, Store};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The id a request about a job names (`/_tollgate/jobs/<id>`, a path the gateway keeps), None
 /// for any other request. The path is read as routes are (DESIGN §3: normalized, matrix
@@ -287,8 +288,11 @@ async fn cancel(
     }
 }
 
-/// The whole request body, or `None` when it is over `max` (declared or as it arrives).
-async fn read_body(session: &mut Session, max: u64) -> Result<Option<Bytes>> {
+/// The whole request body, or `None` when it is over `max` (declared or as it arrives). A
+/// gap of `gap` between two reads is a stalled body (408, as on the synchronous path):
+/// Pingora times an HTTP/1 body's reads itself, but not an HTTP/2 stream's, whose DATA frames
+/// could otherwise be awaited for ever.
+async fn read_body(session: &mut Session, max: u64, gap: Duration) -> Result<Option<Bytes>> {
     let declared = session
         .req_header()
         .headers
@@ -301,12 +305,15 @@ async fn read_body(session: &mut Session, max: u64) -> Result<Option<Bytes>> {
     let mut buf = BytesMut::new();
     // The client's errors (a malformed chunk, a stalled body) as the synchronous path has
     // them: 400 or 408, not the gateway's 500.
-    while let Some(chunk) = session
-        .downstream_session
-        .read_request_body()
-        .await
-        .map_err(|e| e.into_down())?
-    {
+    loop {
+        let read = session.downstream_session.read_request_body();
+        let Ok(read) = tokio::time::timeout(gap, read).await else {
+            let e = Error::explain(ErrorType::ReadTimedout, "the job's request body stalled");
+            return Err(e.into_down());
+        };
+        let Some(chunk) = read.map_err(|e| e.into_down())? else {
+            break;
+        };
         if (buf.len() + chunk.len()) as u64 > max {
             return Ok(None);
         }
@@ -385,7 +392,8 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     let Some(rules) = route.jobs else {
         return Error::e_explain(ErrorType::InternalError, "job on a route without async");
     };
-    let Some(body) = read_body(session, rules.max_request_body).await? else {
+    let gap = running.config.client_limits.body_timeout;
+    let Some(body) = read_body(session, rules.max_request_body, gap).await? else {
         // Nothing charged, nothing decided: the headers say what is left as it stands.
         let mut refusal = too_large(rules.max_request_body);
         refusal.outcome = standing(gw, ctx, &who).await;
