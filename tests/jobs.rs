@@ -685,3 +685,132 @@ async fn a_job_is_billed_its_upstream_time() {
     let done = gw.wait_access(1, |l| l["decision"] == "job_done").await;
     assert_eq!(done[0]["cost"].as_u64(), Some(100 - left), "{done:?}");
 }
+
+/// A gateway whose key a has spent its whole budget on `/huge` (cost 100), with
+/// `server.body_timeout: body_timeout`.
+fn with_an_empty_key(up: &Upstream, body_timeout: &str) -> Gateway {
+    let endpoints = format!("{}    /huge:\n      cost: 100\n", reports(1, ""));
+    let server_extra = format!("  body_timeout: {body_timeout}\n");
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&endpoints),
+        server_extra: &server_extra,
+        ..GatewayOpts::default()
+    });
+    let r = raw_request(gw.port, &raw("GET /huge", &["X-API-Key: key-a"])).unwrap();
+    assert_eq!(
+        (r.status, r.header("x-ratelimit-remaining")),
+        (200, Some("0"))
+    );
+    gw
+}
+
+/// A submission's head as raw bytes: `Prefer: respond-async` with `extra` header lines.
+fn submission_head(key: &str, extra: &str) -> Vec<u8> {
+    format!(
+        "POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}\r\nPrefer: respond-async\r\n{extra}\r\n"
+    )
+    .into_bytes()
+}
+
+/// DESIGN §8: a submission is identified, classified and charged as usual — 429 if its budget
+/// refuses — and that is decided before its body is read: a client waiting for `100 Continue`
+/// gets its 429 at once, as on the synchronous route. One the budget admits gets the
+/// `100 Continue` it asked for from the gateway, then sends its body and gets its 202.
+/// (Before: the gateway read the body first and never sent `100 Continue`, so an over-budget
+/// client got a 408 after body_timeout, and every client waited out its own `Expect` timer.)
+#[test]
+fn a_submission_is_decided_before_its_body_is_read() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = with_an_empty_key(&up, "5s");
+    let expect = "Expect: 100-continue\r\nContent-Length: 3\r\n";
+    let mut s = raw_connect(gw.port);
+    let asked = Instant::now();
+    s.write_all(&submission_head("key-a", expect)).unwrap();
+    let r = read_raw_response(&mut s).expect("an answer");
+    let after = asked.elapsed();
+    assert_eq!(r.status, 429, "after {after:?}: {r:?}");
+    assert!(
+        after < Duration::from_millis(2500),
+        "answered after {after:?}"
+    );
+    assert!(r.is_problem("quota-exceeded"), "{r:?}");
+    assert!(r.header("retry-after").unwrap().parse::<u64>().unwrap() > 0);
+    assert_eq!(
+        (
+            r.header("x-ratelimit-cost"),
+            r.header("x-ratelimit-remaining")
+        ),
+        (Some("0"), Some("0"))
+    );
+    // Key b's budget admits it: 100 Continue, then the body, then the 202 (charged 10).
+    let mut s = raw_connect(gw.port);
+    s.write_all(&submission_head("key-b", expect)).unwrap();
+    assert_eq!(read_interim(&mut s), Some(100));
+    s.write_all(b"abc").unwrap();
+    let r = read_raw_response(&mut s).expect("an answer");
+    assert_eq!(r.status, 202, "{r:?}");
+    assert_eq!(
+        (
+            r.header("x-ratelimit-cost"),
+            r.header("x-ratelimit-remaining")
+        ),
+        (Some("10"), Some("90"))
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let location = r.header("location").unwrap().to_string();
+        let done = result(&client(), &gw, &location, "key-b").await;
+        assert_eq!(done.status(), 200);
+        assert_eq!(remaining(&gw, "b").await, 90);
+        assert_eq!(remaining(&gw, "a").await, 0);
+    });
+    assert_eq!(up.count(ROUTE), 1);
+}
+
+/// A submission whose body stalls gets 408 after body_timeout; the job never existed and its
+/// body never reached the upstream, so nothing is charged (as for a 413), and the 408 carries
+/// every rate-limit header of an identified request (DESIGN §3), the budget whole again.
+/// (Before: only `RateLimit-Policy`, `X-RateLimit-Limit` and `X-RateLimit-Cost`, and the access
+/// log said `"decision":"error"`.)
+#[test]
+fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&reports(1, "")),
+        server_extra: "  body_timeout: 1s\n",
+        ..GatewayOpts::default()
+    });
+    let mut s = raw_connect(gw.port);
+    s.write_all(&submission_head("key-a", "Content-Length: 100\r\n"))
+        .unwrap();
+    s.write_all(b"abc").unwrap();
+    let stalled = Instant::now();
+    let r = read_raw_response(&mut s).expect("an answer");
+    let after = stalled.elapsed();
+    assert_eq!(r.status, 408, "{r:?}");
+    assert!(after < Duration::from_secs(4), "answered after {after:?}");
+    assert!(r.is_problem("request-timeout"), "{r:?}");
+    let h = |name| r.header(name);
+    assert_eq!(h("ratelimit-policy"), Some("\"default\";q=100;w=86400"));
+    assert_eq!(h("ratelimit"), Some("\"default\";r=100;t=0"));
+    assert_eq!(h("x-ratelimit-limit"), Some("100"));
+    assert_eq!(h("x-ratelimit-remaining"), Some("100"));
+    assert_eq!(h("x-ratelimit-reset"), Some("0"));
+    assert_eq!(h("x-ratelimit-cost"), Some("0"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        assert_eq!(remaining(&gw, "a").await, 100);
+        assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
+        let line = gw.wait_access(1, |e| e["status"] == 408).await;
+        assert_eq!(
+            (&line[0]["decision"], &line[0]["cost"], &line[0]["route"]),
+            (&"refunded".into(), &0.into(), &ROUTE.into()),
+            "{line:?}"
+        );
+    });
+    assert_eq!(up.count(ROUTE), 0);
+}

@@ -872,3 +872,98 @@ async fn a_freed_slot_goes_to_the_next_job_at_once() {
         "jobs of {EACH:?} through a cap of 1 arrived at the upstream {gaps:?} apart"
     );
 }
+
+/// On Redis as on the memory store, a submission is decided before its body is read (DESIGN
+/// §8): a key at its plan's `max_in_flight_per_key`, or over budget, gets its 429 at once
+/// while it waits for `100 Continue`; a body that then stalls is 408, its charge and its key's
+/// slot given back (no job, and the upstream never had it), with every rate-limit header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_submission_is_decided_before_its_body_and_given_back_if_it_stalls() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(200));
+    let body = config(&redis.url())
+        .replace(
+            "keys:\n",
+            "plans:\n  one: {max_cost: 100, window: 24h, max_in_flight_per_key: 1}\nkeys:\n",
+        )
+        .replace(&registry_key("a", ""), &registry_key("a", ", plan: one"))
+        .replace("  endpoints:\n", "  endpoints:\n    /huge: {cost: 100}\n");
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        server_extra: "  body_timeout: 2s\n",
+        ..GatewayOpts::default()
+    });
+    let port = gw.port;
+    let head = |key: &str, extra: &str| {
+        format!(
+            "POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}\r\nPrefer: respond-async\r\n{extra}\r\n"
+        )
+    };
+    let expect = "Expect: 100-continue\r\nContent-Length: 3\r\n";
+    // Key a's body stalls: 408, nothing charged, its key's slot free again.
+    let stalled = head("key-a", "Content-Length: 100\r\n") + "abc";
+    let r = tokio::task::spawn_blocking(move || raw_request(port, stalled.as_bytes()))
+        .await
+        .unwrap()
+        .expect("an answer");
+    assert_eq!(r.status, 408, "{r:?}");
+    assert!(r.is_problem("request-timeout"), "{r:?}");
+    assert_eq!(r.header("ratelimit"), Some("\"one\";r=100;t=0"));
+    assert_eq!(
+        (
+            r.header("x-ratelimit-remaining"),
+            r.header("x-ratelimit-reset"),
+            r.header("x-ratelimit-cost")
+        ),
+        (Some("100"), Some("0"), Some("0"))
+    );
+    assert_eq!(remaining(&gw, "a").await, 100);
+    // Its slot is free: the next submission is told to send its body, and becomes a job.
+    let (ha, hb) = (head("key-a", expect), head("key-b", expect));
+    let accepted = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut s = raw_connect(port);
+        s.write_all(ha.as_bytes()).unwrap();
+        assert_eq!(read_interim(&mut s), Some(100));
+        s.write_all(b"abc").unwrap();
+        let accepted = read_raw_response(&mut s).expect("an answer");
+        // While that job holds key a's one slot: 429 at once, no 100 Continue.
+        let mut s = raw_connect(port);
+        s.write_all(ha.as_bytes()).unwrap();
+        let busy = read_raw_response(&mut s).expect("an answer");
+        assert_eq!(busy.status, 429, "{busy:?}");
+        assert!(busy.is_problem("concurrency-limit"), "{busy:?}");
+        accepted
+    })
+    .await
+    .unwrap();
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    assert_eq!(accepted.header("x-ratelimit-cost"), Some("10"));
+    let c = client();
+    let location = accepted.header("location").unwrap().to_string();
+    assert_eq!(result(&c, &gw, &location).await.status(), 200);
+    assert_eq!(remaining(&gw, "a").await, 90);
+    // Key b, its budget spent: 429 `quota-exceeded` at once, with Retry-After.
+    assert_eq!(post(&c, gw.url("/huge"), "key-b").await.status(), 200);
+    let refused = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut s = raw_connect(port);
+        let asked = Instant::now();
+        s.write_all(hb.as_bytes()).unwrap();
+        (
+            read_raw_response(&mut s).expect("an answer"),
+            asked.elapsed(),
+        )
+    });
+    let (r, after) = refused.await.unwrap();
+    assert_eq!(r.status, 429, "after {after:?}: {r:?}");
+    assert!(r.is_problem("quota-exceeded"), "{r:?}");
+    assert!(r.header("retry-after").unwrap().parse::<u64>().unwrap() > 0);
+    assert!(
+        after < Duration::from_millis(1500),
+        "answered after {after:?}"
+    );
+    assert_eq!(remaining(&gw, "b").await, 0);
+    assert_eq!(up.count(ROUTE), 1);
+}

@@ -5,6 +5,7 @@
 //! for `result_ttl`, for the same key to read at `/_tollgate/jobs/<id>`.
 //!
 //! - this file: a job, its states, and the [`Board`] of this process's jobs;
+//! - `charge`: a job's charge, made before its body is read, and given back if no job is made;
 //! - `run`: a job's life from its place in the queue to its result;
 //! - `send`: the job's request to the upstream, and the answer read back;
 //! - `metrics`: `tollgate_jobs_total{route,result}` and `tollgate_jobs{route,state}`;
@@ -12,6 +13,7 @@
 //!
 //! On the memory store jobs live in the process and end with it.
 
+mod charge;
 pub mod describe;
 pub mod fleet;
 mod metrics;
@@ -30,6 +32,7 @@ use crate::identity::KeyHash;
 use crate::store::fair::Place;
 use crate::store::lock;
 
+pub use charge::{charge, Charged};
 pub use metrics::{announce, counts as gauge_counts};
 pub use run::{Origin, Submission};
 pub use send::JobRequest;
@@ -283,7 +286,8 @@ fn new_id() -> Arc<str> {
     Arc::from(hex::encode(rand::random::<u128>().to_be_bytes()))
 }
 
-/// A job on its way in, its route known to take jobs: what either store's `submit` is given.
+/// A job on its way in, charged, its route known to take jobs: what either store's `submit`
+/// is given (with what its charge holds there).
 struct NewJob<'a> {
     running: Arc<crate::state::Running>,
     route: Arc<crate::route::Route>,
@@ -291,24 +295,25 @@ struct NewJob<'a> {
     /// The route's `max_in_flight`: a job runs in one of its slots.
     cap: u32,
     who: &'a crate::identity::Identity,
-    admit: crate::store::AdmitRequest,
     request: JobRequest,
     origin: Origin,
 }
 
-/// Charges and queues a job on the store in use (in this process, or the fleet's in Redis);
-/// `Err` is the store's refusal (nothing charged, no job).
+/// Makes a charged job (its whole body read) and queues it on the store in use (in this
+/// process, or the fleet's in Redis); `Err` is the refusal of its queue, of this process's
+/// bound or of the store, its charge given back (no job).
 pub async fn submit(
     shared: &Arc<crate::state::Shared>,
     running: Arc<crate::state::Running>,
     route: Arc<crate::route::Route>,
     who: &crate::identity::Identity,
-    admit: crate::store::AdmitRequest,
+    charged: Charged,
     request: JobRequest,
     origin: Origin,
 ) -> Result<Submission, crate::store::Admission> {
     let (Some(rules), Some(cap)) = (route.jobs, route.max_in_flight) else {
         // `check` refuses async on uncapped routes.
+        charged.give_back().await;
         return Err(crate::store::Admission::Unavailable);
     };
     let job = NewJob {
@@ -317,13 +322,29 @@ pub async fn submit(
         rules,
         cap,
         who,
-        admit,
         request,
         origin,
     };
-    match &shared.store {
-        crate::store::Store::Memory(m) => run::submit(shared, m, job),
-        crate::store::Store::Redis(r) => fleet::submit(shared, r.shared(), job).await,
+    match (&shared.store, charged.into_held()) {
+        (crate::store::Store::Memory(m), Some(charge::Held::Memory { ticket, delay })) => {
+            run::submit(shared, m, job, ticket, delay).await
+        }
+        (
+            crate::store::Store::Redis(_),
+            Some(charge::Held::Redis {
+                req,
+                id,
+                charge,
+                backend,
+            }),
+        ) => fleet::submit(shared, &backend, job, (req, id, charge)).await,
+        (store, held) => {
+            // Charged on the store in use, which never changes: not reached.
+            if let Some(held) = held {
+                held.give_back(store).await;
+            }
+            Err(crate::store::Admission::Unavailable)
+        }
     }
 }
 

@@ -1,6 +1,7 @@
-//! A job's life: charged and queued at submission ([`submit`]), then its own task waits for
-//! the route's slot (or a `DELETE`, or `result_ttl`), sends the request, keeps the answer, and
-//! settles the charge the way a synchronous request's is settled (DESIGN §3, §6, §8).
+//! A job's life: charged before its body is read (`charge`), queued once it is ([`submit`]);
+//! then its own task waits for the route's slot (or a `DELETE`, or `result_ttl`), sends the
+//! request, keeps the answer, and settles the charge the way a synchronous request's is
+//! settled (DESIGN §3, §6, §8).
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicU64;
@@ -55,29 +56,32 @@ struct Task {
     submitted: Instant,
 }
 
-/// Charges the job in this process's store and queues it; `Err` is the store's refusal
-/// (nothing charged, no job).
-// The refusal is returned by value once per refused submission, like the store's answers.
-#[allow(clippy::result_large_err)]
-pub(super) fn submit(
+/// Queues a job charged in this process's store (`ticket`; `delay`: `max_delay`'s) and starts
+/// its task; `Err` is the refusal of this process's bound on held bytes or of the route's
+/// full queue, the charge given back (no job).
+pub(super) async fn submit(
     shared: &Arc<Shared>,
     m: &Arc<MemoryStore>,
     new: NewJob<'_>,
+    mut ticket: Ticket,
+    delay: Duration,
 ) -> Result<Submission, Admission> {
     let bytes = new.request.body.len() as u64;
-    if !board().reserve(bytes) {
-        // This process holds as much for jobs as it may: refused, nothing charged.
+    // This process holds as much for jobs as it may, or the route's queue is full: refused.
+    let reserved = board().reserve(bytes);
+    let place = match reserved {
+        true => m.queue_job(&ticket.req, new.cap),
+        false => None,
+    };
+    let Some(place) = place else {
+        if reserved {
+            board().unreserve(bytes);
+        }
+        let standing = ticket.refund(&shared.store).await;
         return Err(Admission::RouteBusy {
-            standing: (&m.standing(&new.admit)).into(),
+            standing,
             queued: Duration::ZERO,
         });
-    }
-    let (standing, delay, lease, place) = match m.admit_job(&new.admit, new.cap) {
-        Ok(admitted) => admitted,
-        Err(refused) => {
-            board().unreserve(bytes);
-            return Err(refused);
-        }
     };
     let waiting = match &place {
         JobPlace::Slot(_) => None,
@@ -95,13 +99,14 @@ pub(super) fn submit(
         bytes: AtomicU64::new(bytes),
     });
     board().insert(job.clone());
+    let standing = ticket.outcome;
     tokio::spawn(run(Task {
         shared: shared.clone(),
         running: new.running,
         route: new.route,
         rules: new.rules,
         job: job.clone(),
-        ticket: Ticket::new(new.admit, standing, lease),
+        ticket,
         place: Some(place),
         delay,
         cancelled: rx,

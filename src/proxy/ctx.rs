@@ -49,7 +49,8 @@ pub enum Phase {
         outcome: Option<Standing>,
     },
     /// Answered by the gateway about an async job: its submission (`outcome`: charged, the
-    /// job holds the charge from now on) or a poll or cancel of one (free).
+    /// job holds the charge from now on), a submission whose body did not arrive whole
+    /// (`Refunded`: no job, its charge given back), or a poll or cancel of one (free).
     Job {
         decision: Verdict,
         id: Option<Arc<str>>,

@@ -1,25 +1,22 @@
-//! Async jobs at the Pingora edge (DESIGN §8): a submission (the body read whole and bounded,
-//! the upstream head made as the synchronous path would, then charged and queued by
-//! [`crate::jobs`]) answered 202, and `GET`/`DELETE /_tollgate/jobs/<id>`, answered from the
-//! job board: identified, never charged, counted like any request.
+//! Async jobs at the Pingora edge (DESIGN §8): `GET`/`DELETE /_tollgate/jobs/<id>`, answered
+//! from the job board: identified, never charged, counted like any request; and what a
+//! submission's answer (`submit`) shares with them.
 
-use bytes::{Bytes, BytesMut};
-use http::{HeaderName, HeaderValue, Method};
-use pingora::http::{RequestHeader, ResponseHeader};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::Session;
-use pingora::{Error, ErrorType};
 
 use super::ctx::{Ctx, Phase};
-use super::{forward, respond, Gateway};
-use crate::decision::{self, Refusal, Verdict};
-use crate::jobs::{self, Cancel, JobRequest, Origin, View, PATH_PREFIX};
+use super::{respond, Gateway};
+use crate::decision::{self, Verdict};
+use crate::jobs::{self, Cancel, View, PATH_PREFIX};
 use crate::problem::{self, Problem};
 use crate::route::Route;
 use crate::state::Running;
 use crate::store::{Standing, Store};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The id a request about a job names (`/_tollgate/jobs/<id>`, a path the gateway keeps), None
 /// for any other request. The path is read as routes are (DESIGN §3: normalized, matrix
@@ -65,7 +62,7 @@ fn job_in(raw: &[u8]) -> Option<String> {
 
 /// Seconds until a job is likely done: its waves ahead (`position` over the cap, plus its
 /// own run) times the route's mean measured upstream time (1 s before any was measured).
-fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
+pub(super) fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
     let h = &running.metrics.get(route).upstream_duration;
     let n = h.get_sample_count();
     let mean = if n == 0 {
@@ -79,11 +76,11 @@ fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
 }
 
 /// Headers the gateway writes, by the names it spells them with.
-type Own = Vec<(&'static str, HeaderValue)>;
+pub(super) type Own = Vec<(&'static str, HeaderValue)>;
 
 /// Writes the gateway's answer (its own headers, or a stored upstream answer's) with the
 /// rate-limit headers of the request's decision.
-async fn answer(
+pub(super) async fn answer(
     session: &mut Session,
     ctx: &Ctx,
     status: u16,
@@ -101,7 +98,7 @@ async fn answer(
     respond::send(session, ctx, h, body, retry_after).await
 }
 
-fn json_headers() -> Own {
+pub(super) fn json_headers() -> Own {
     vec![
         ("Content-Type", HeaderValue::from_static("application/json")),
         ("Cache-Control", HeaderValue::from_static("no-store")),
@@ -255,7 +252,7 @@ pub(super) async fn status(
 /// nothing (DESIGN §3: every response to an identified request has them all): those of the
 /// job's route (`ctx.route`), or the key's own when no job was found. None when the store
 /// cannot say (the headers then say the policy and that nothing was charged).
-async fn standing(
+pub(super) async fn standing(
     gw: &Gateway,
     ctx: &mut Ctx,
     who: &crate::identity::Identity,
@@ -288,204 +285,9 @@ async fn cancel(
     }
 }
 
-/// The whole request body, or `None` when it is over `max` (declared or as it arrives). A
-/// gap of `gap` between two reads is a stalled body (408, as on the synchronous path):
-/// Pingora times an HTTP/1 body's reads itself, but not an HTTP/2 stream's, whose DATA frames
-/// could otherwise be awaited for ever.
-async fn read_body(session: &mut Session, max: u64, gap: Duration) -> Result<Option<Bytes>> {
-    let declared = session
-        .req_header()
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max) {
-        return Ok(None);
-    }
-    let mut buf = BytesMut::new();
-    // The client's errors (a malformed chunk, a stalled body) as the synchronous path has
-    // them: 400 or 408, not the gateway's 500.
-    loop {
-        let read = session.downstream_session.read_request_body();
-        let Ok(read) = tokio::time::timeout(gap, read).await else {
-            let e = Error::explain(ErrorType::ReadTimedout, "the job's request body stalled");
-            return Err(e.into_down());
-        };
-        let Some(chunk) = read.map_err(|e| e.into_down())? else {
-            break;
-        };
-        if (buf.len() + chunk.len()) as u64 > max {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(Some(buf.freeze()))
-}
-
-/// The head a job sends: as forwarded, over HTTP/1.1 with the whole body's length, without
-/// hop-by-hop headers and without the `respond-async` preference (the gateway applied it).
-fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
-    for name in [
-        "transfer-encoding",
-        "content-length",
-        "expect",
-        "connection",
-        "keep-alive",
-        "te",
-        "upgrade",
-        "proxy-connection",
-        "trailer",
-    ] {
-        up.remove_header(name);
-    }
-    up.set_version(http::Version::HTTP_11);
-    let with_body = matches!(up.method, Method::POST | Method::PUT | Method::PATCH);
-    if body_len > 0 || with_body {
-        up.insert_header(http::header::CONTENT_LENGTH, body_len.to_string())?;
-    }
-    let others: Vec<String> = up
-        .headers
-        .get_all("prefer")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|p| {
-            let token = p.split(';').next().unwrap_or("").trim();
-            !p.is_empty() && !token.eq_ignore_ascii_case("respond-async")
-        })
-        .map(str::to_string)
-        .collect();
-    up.remove_header("prefer");
-    if !others.is_empty() {
-        up.insert_header("Prefer", others.join(", "))?;
-    }
-    Ok(())
-}
-
-fn too_large(max: u64) -> Refusal {
-    let detail = format!(
-        "the request body is over async.max_request_body ({}); nothing was charged",
-        crate::config::size::format_size(max)
-    );
-    Refusal {
-        problem: Problem::PayloadTooLarge,
-        detail,
-        retry_after: None,
-        outcome: None,
-        queued: std::time::Duration::ZERO,
-        reason: Problem::PayloadTooLarge.reason(),
-    }
-}
-
-/// A classified, identified request that becomes a job: 413 over the body bound (nothing
-/// charged), the store's refusal (nothing charged, no job), or 202 with the job's location.
-pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-    let (Some(admit), Some(route), Some(running), Some(who)) = (
-        ctx.job.take(),
-        ctx.route.clone(),
-        ctx.running.clone(),
-        ctx.identity.clone(),
-    ) else {
-        return Error::e_explain(ErrorType::InternalError, "job without its decision");
-    };
-    let Some(rules) = route.jobs else {
-        return Error::e_explain(ErrorType::InternalError, "job on a route without async");
-    };
-    let gap = running.config.client_limits.body_timeout;
-    let Some(body) = read_body(session, rules.max_request_body, gap).await? else {
-        // Nothing charged, nothing decided: the headers say what is left as it stands.
-        let mut refusal = too_large(rules.max_request_body);
-        refusal.outcome = standing(gw, ctx, &who).await;
-        return gw.refuse(session, ctx, refusal).await;
-    };
-    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
-    let mut up = session.req_header().clone();
-    forward::request(&mut up, ctx, &session.req_header().headers, tls)?;
-    if let Some(trace) = &ctx.trace {
-        trace.job_request(&mut up)?;
-    }
-    job_head(&mut up, body.len())?;
-    let origin = Origin {
-        method: up.method.as_str().to_string(),
-        key: who.log_name().to_string(),
-        request_id: ctx.request_id.clone(),
-        client: ctx.origin.map(|o| o.client),
-    };
-    let request = JobRequest { header: up, body };
-    let submitted = jobs::submit(
-        &gw.shared,
-        running.clone(),
-        route.clone(),
-        &who,
-        admit,
-        request,
-        origin,
-    )
-    .await;
-    let sub = match submitted {
-        Ok(sub) => sub,
-        Err(admission) => {
-            return match decision::judge_job(&route, admission) {
-                Err(r) => gw.refuse(session, ctx, r).await,
-                Ok(a) => {
-                    a.lease.release().await;
-                    Error::e_explain(ErrorType::InternalError, "a job refusal that admitted")
-                }
-            };
-        }
-    };
-    let id = sub.id.clone();
-    ctx.phase = Phase::Job {
-        decision: Verdict::JobSubmitted,
-        id: Some(id.clone()),
-        outcome: Some(sub.standing),
-    };
-    let mut own = json_headers();
-    let location = HeaderValue::from_str(&format!("{PATH_PREFIX}{id}"))
-        .map_err(|e| Error::because(ErrorType::InternalError, "location", e))?;
-    own.push(("Location", location));
-    own.push((
-        "Preference-Applied",
-        HeaderValue::from_static("respond-async"),
-    ));
-    let ra = retry_after(&running, &route, sub.position);
-    let body = serde_json::json!({"id": &*id, "status": "queued", "position": sub.position});
-    let body = Bytes::from(body.to_string());
-    answer(session, ctx, 202, (own, vec![]), body, Some(ra)).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_job_head_has_its_length_and_no_hop_by_hop_headers_or_respond_async() {
-        let mut up = RequestHeader::build("POST", b"/reports/generate", None).unwrap();
-        up.set_version(http::Version::HTTP_2);
-        up.insert_header("Transfer-Encoding", "chunked").unwrap();
-        up.insert_header("Expect", "100-continue").unwrap();
-        up.insert_header("Connection", "keep-alive").unwrap();
-        up.append_header("Prefer", "respond-async, wait=5").unwrap();
-        up.append_header("Prefer", "return=minimal").unwrap();
-        up.insert_header("X-Custom", "kept").unwrap();
-        job_head(&mut up, 11).unwrap();
-        let h = &up.headers;
-        assert_eq!(up.version, http::Version::HTTP_11);
-        assert_eq!(h.get("content-length").unwrap(), "11");
-        for gone in ["transfer-encoding", "expect", "connection"] {
-            assert!(h.get(gone).is_none(), "{gone}");
-        }
-        let prefer: Vec<_> = h.get_all("prefer").iter().collect();
-        assert_eq!(prefer, ["wait=5, return=minimal"]);
-        assert_eq!(h.get("x-custom").unwrap(), "kept");
-
-        let mut only = RequestHeader::build("GET", b"/r", None).unwrap();
-        only.insert_header("Prefer", "respond-async").unwrap();
-        job_head(&mut only, 0).unwrap();
-        assert!(only.headers.get("prefer").is_none());
-        assert!(only.headers.get("content-length").is_none());
-    }
 
     #[test]
     fn every_spelling_of_a_job_path_names_the_job() {

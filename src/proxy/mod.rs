@@ -15,6 +15,7 @@ mod jobs;
 mod record;
 pub mod respond;
 mod scrub;
+mod submit;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -213,7 +214,7 @@ impl ProxyHttp for Gateway {
             return Box::pin(jobs::status(self, session, ctx, id)).await;
         }
         match self.decide(session, ctx).await {
-            Ok(true) if ctx.job.is_some() => Box::pin(jobs::submit(self, session, ctx)).await,
+            Ok(true) if ctx.job.is_some() => Box::pin(submit::submit(self, session, ctx)).await,
             Ok(true) => Ok(false),
             Ok(false) => Error::e_explain(
                 ErrorType::ConnectionClosed,

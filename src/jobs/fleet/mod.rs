@@ -18,7 +18,7 @@ use crate::decision;
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
 use crate::state::{Running, Shared};
-use crate::store::redis::{JobEntered, RedisBackend};
+use crate::store::redis::{JobCharge, JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
 use bytes::Bytes;
 use record::{ended_unrun, field, headers_from, payer, read, text};
@@ -34,21 +34,45 @@ fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
     }
 }
 
-/// Charges the job, writes its record and enters it in the route's queue.
+/// Charges a job before its body is read (its key's budgets, and its key's slot under the
+/// job's id, `new_id`): the id and the charge; `Err` is the store's refusal, or 503 when Redis
+/// did not answer (what a call that may have run charged is given back).
+pub(super) async fn charge(
+    shared: &Arc<Shared>,
+    b: &Arc<RedisBackend>,
+    admit: &AdmitRequest,
+    waits_for: Duration,
+) -> Result<(Arc<str>, JobCharge), Admission> {
+    let id = new_id();
+    match b.charge_job(admit, &id, waits_for).await {
+        Ok(Ok(charge)) => Ok((id, charge)),
+        Ok(Err(refused)) => Err(refused),
+        Err(e) => {
+            tracing::warn!(error = %e, "a job could not be charged");
+            if e.may_have_run() {
+                shared.store.refund(admit, Charge::Shared).await;
+            }
+            Err(Admission::Unavailable)
+        }
+    }
+}
+
+/// Writes a charged job's record and enters it in the route's queue; `Err` is the refusal of
+/// its full queue, or 503 when Redis did not answer, the charge given back (no job).
 pub(super) async fn submit(
     shared: &Arc<Shared>,
     b: &Arc<RedisBackend>,
     job: NewJob<'_>,
+    (admit, id, charge): (AdmitRequest, Arc<str>, JobCharge),
 ) -> Result<Submission, Admission> {
-    let id = new_id();
     let rid = job.origin.request_id.clone().unwrap_or_default();
     let ttl = job.rules.result_ttl;
     if !record::put(b, &id, &job.route.label, job.who, ttl, &job.request, &rid).await {
+        b.give_back_job(&admit, &id, charge).await;
         return Err(Admission::Unavailable);
     }
-    // A plan's max_in_flight_per_key counts the job from here to its end (`enter_job`).
-    let admit = job.admit;
-    let entered = b.enter_job(&admit, job.cap, &id, ttl).await;
+    // A plan's max_in_flight_per_key counts the job from its charge to its end.
+    let entered = b.enter_charged_job(&admit, job.cap, &id, charge).await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
             start(shared, b, id.clone(), job.route.label.clone()).await;
@@ -60,13 +84,10 @@ pub(super) async fn submit(
             return Err(*a);
         }
         Err(e) => {
-            // Maybe charged, maybe queued: the record is cancelled (a grant then finds it so
-            // and passes the slot on) and whatever was charged given back.
+            // Maybe queued: the record is cancelled (a grant then finds it so and passes the
+            // slot on); the charge was given back.
             tracing::warn!(error = %e, "a job could not enter its route's queue");
             let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
-            if e.may_have_run() {
-                shared.store.refund(&admit, Charge::Shared).await;
-            }
             return Err(Admission::Unavailable);
         }
     };

@@ -1,5 +1,6 @@
 //! A job's admission on the memory store (DESIGN §8): the charge of a request joining the
-//! route's queue, and a place there that no client connection holds.
+//! route's queue (made before the job's body is read), then a place there that no client
+//! connection holds.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,40 +19,37 @@ pub enum JobPlace {
 }
 
 impl MemoryStore {
-    /// A job's admission (DESIGN §8): charged now, like a request joining the queue, then a
-    /// place in the route's queue that the job's own task awaits (no `queue_timeout`: the job
-    /// decides how long it waits). A full queue (`max_queue`) gives the charge back at once.
-    /// With `max_delay`, the units are reserved ahead: the job runs no sooner than the delay.
+    /// A job's charge (DESIGN §8), made before its body is read, like a request joining the
+    /// queue: its budgets and its key's in-flight cap (held by the lease). With `max_delay`,
+    /// the units are reserved ahead: the job runs no sooner than the delay.
     // The refusal is returned by value once per refused submission, like `admit`'s answers.
     #[allow(clippy::result_large_err)]
-    pub fn admit_job(
+    pub fn charge_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
-        cap: u32,
-    ) -> Result<(Standing, Duration, Lease, JobPlace), Admission> {
-        let (standing, delay, lease) = match self.charge(req) {
+    ) -> Result<(Standing, Duration, Lease), Admission> {
+        match self.charge(req) {
             Admission::Admitted {
                 standing,
                 delay_us,
                 lease,
                 ..
-            } => (standing, Duration::from_micros(delay_us), lease),
-            refused => return Err(refused),
-        };
+            } => Ok((standing, Duration::from_micros(delay_us), lease)),
+            refused => Err(refused),
+        }
+    }
+
+    /// A charged job's place in its route's queue, which its own task awaits (no
+    /// `queue_timeout`: the job decides how long it waits); `None` when the queue is full
+    /// (`max_queue`: the caller gives the charge back).
+    pub fn queue_job(&self, req: &AdmitRequest, cap: u32) -> Option<JobPlace> {
         match self
             .routes
             .join(&req.route, cap, short_key(&req.key), req.fair)
         {
-            Joined::QueueFull => {
-                drop(lease);
-                self.refund(req);
-                Err(Admission::RouteBusy {
-                    standing: (&self.standing(req)).into(),
-                    queued: Duration::ZERO,
-                })
-            }
-            Joined::Slot(slot) => Ok((standing, delay, lease, JobPlace::Slot(slot))),
-            Joined::Waiting(w) => Ok((standing, delay, lease, JobPlace::Waiting(w))),
+            Joined::QueueFull => None,
+            Joined::Slot(slot) => Some(JobPlace::Slot(slot)),
+            Joined::Waiting(w) => Some(JobPlace::Waiting(w)),
         }
     }
 }

@@ -30,6 +30,14 @@ pub(crate) enum JobEntered {
     Refused(Box<Admission>),
 }
 
+/// A job's charge in Redis, made before its body is read: its budget's outcome, and its
+/// key's slot sets (a plan's `max_in_flight_per_key`) held under the job's id.
+#[derive(Debug)]
+pub(crate) struct JobCharge {
+    pub outcome: crate::budget::Outcome,
+    key_slots: Vec<String>,
+}
+
 /// `lua/jobs.lua`.
 pub(crate) struct JobScript(Script);
 
@@ -45,20 +53,21 @@ impl RedisBackend {
             .ok_or_else(|| StoreError::Reply("route lease key".into()))
     }
 
-    /// Charges a job (its key's budgets, as a queued request is charged) and enters it in its
-    /// route's queue as the fleet's waiter `id`. A full queue gives the charge back.
+    /// Charges a job (its key's budgets, as a queued request is charged) before its body is
+    /// read (DESIGN §8: a refusal is a 429 at once, and no job exists); `Ok(Err(_))` is the
+    /// store's refusal, nothing charged. The job then enters its route's queue
+    /// ([`Self::enter_charged_job`]), or is given back ([`Self::give_back_job`]).
     ///
     /// With a plan's `max_in_flight_per_key` (`req.key_cap`) the job holds one of its key's
     /// slots from now to its end, under its id, as a request does: for as long as it may wait
     /// (`waits_for`, its `result_ttl`) and then, once it runs, renewed by its runner
     /// ([`Self::job_renew`]); whoever ends it releases it ([`Self::job_release`]).
-    pub(crate) async fn enter_job(
+    pub(crate) async fn charge_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
-        cap: u32,
         id: &str,
         waits_for: Duration,
-    ) -> Result<JobEntered, StoreError> {
+    ) -> Result<Result<JobCharge, Admission>, StoreError> {
         // As a request's admission: after Redis lost its data, runners register their slots
         // again before this job may take one.
         self.after_data_loss(req).await;
@@ -68,24 +77,39 @@ impl RedisBackend {
             .try_admit_leasing(req, Default::default(), id.to_string(), key_lease)
             .await?
             .0;
-        let (outcome, key_slots) = match decided {
-            Decided::KeyAdmitted(o, key_slots, _) => (o, key_slots),
-            other => {
-                return Ok(JobEntered::Refused(Box::new(
-                    self.answer(req, other, start).admission,
-                )))
-            }
-        };
-        let entered = self.enter_admitted_job(req, cap, id, &outcome).await;
-        match &entered {
-            Ok(JobEntered::Taken(_) | JobEntered::Queued(..)) => {}
-            // The queue is full: as a request that leaves it unserved.
-            Ok(JobEntered::Refused(_)) => self.give_back(req, key_slots, id.to_string()).await,
-            // Maybe queued: its record is cancelled and its charge given back by the caller
-            // (`jobs::fleet::submit`, as `may_have_run` says); its key's slot goes now.
-            Err(_) => self.release_keys(key_slots, id.to_string()).await,
+        Ok(match decided {
+            Decided::KeyAdmitted(outcome, key_slots, _) => Ok(JobCharge { outcome, key_slots }),
+            other => Err(self.answer(req, other, start).admission),
+        })
+    }
+
+    /// Enters a charged job (its record written) in its route's queue as the fleet's waiter
+    /// `id`. A full queue gives the charge back; so does an error (the job may have entered:
+    /// the caller cancels its record, so that a grant finds it so and passes the slot on).
+    pub(crate) async fn enter_charged_job(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        cap: u32,
+        id: &str,
+        charge: JobCharge,
+    ) -> Result<JobEntered, StoreError> {
+        let entered = self.enter_admitted_job(req, cap, id, &charge.outcome).await;
+        if !matches!(&entered, Ok(JobEntered::Taken(_) | JobEntered::Queued(..))) {
+            self.give_back_job(req, id, charge).await;
         }
         entered
+    }
+
+    /// A charged job that is not made after all (its body stalled, was too large, or its
+    /// record could not be written; its queue refused it): its charge back, then its key's
+    /// slot.
+    pub(crate) async fn give_back_job(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        id: &str,
+        charge: JobCharge,
+    ) {
+        self.give_back(req, charge.key_slots, id.to_string()).await;
     }
 
     async fn enter_admitted_job(

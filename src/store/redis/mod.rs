@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use conn::UnusableUrl;
-pub(crate) use jobs::JobEntered;
+pub(crate) use jobs::{JobCharge, JobEntered};
 pub use lease::RedisLease;
 pub use script::script_sha;
 
