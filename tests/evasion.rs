@@ -392,6 +392,75 @@ async fn underscore_copies_of_the_credential_and_the_key_id_do_not_reach_the_ups
     assert_eq!(seen.header("x-other"), ["kept"]);
 }
 
+/// A client's `Connection` header that nominates a header the gateway sets itself (`Host`,
+/// `X-Forwarded-For`, `X-Forwarded-Host`, `X-Forwarded-Proto`, in any case, alone or among
+/// other names) does not make the request fail: it is forwarded and charged as any other,
+/// with the gateway's own values of those headers, and nothing is logged as an error. Other
+/// names it nominates are still hop-by-hop: removed before forwarding, as before. (Before:
+/// admitted, then Pingora refused to forward it — 400 "its framing is malformed", refunded —
+/// with an ERROR line every time: any client could flood the error log.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_header_naming_a_header_the_gateway_sets_is_forwarded() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let nominations = [
+        "X-Forwarded-For",
+        "host",
+        "X-FORWARDED-HOST",
+        "x-forwarded-proto",
+        "keep-alive, X-Forwarded-For,X-Hop , Host",
+    ];
+    for (i, nominated) in nominations.iter().enumerate() {
+        let request = format!(
+            "POST /analytics/query HTTP/1.1\r\nHost: api.example\r\nX-API-Key: k-conn\r\nConnection: {nominated}\r\nX-Hop: hop\r\nX-Forwarded-For: 198.51.100.9\r\nContent-Length: 0\r\n\r\n"
+        );
+        let port = gw.port;
+        let r = tokio::task::spawn_blocking(move || raw_request(port, request.as_bytes()))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("`Connection: {nominated}`: no answer"));
+        assert_eq!(r.status, 200, "`Connection: {nominated}`: {r:?}");
+        let left = (110 - 10 * i).to_string();
+        assert_eq!(
+            (
+                r.header("x-ratelimit-cost"),
+                r.header("x-ratelimit-remaining")
+            ),
+            (Some("10"), Some(left.as_str())),
+            "`Connection: {nominated}`"
+        );
+        let seen = up.api.seen().pop().unwrap();
+        assert_eq!(seen.target, "/analytics/query");
+        assert_eq!(seen.header("x-forwarded-for"), ["127.0.0.1"]);
+        assert_eq!(seen.header("x-forwarded-host"), ["api.example"]);
+        assert_eq!(seen.header("x-forwarded-proto"), ["http"]);
+        assert_eq!(seen.header("host").len(), 1, "{:?}", seen.headers);
+        assert!(seen.header("connection").is_empty(), "{:?}", seen.headers);
+        let hop: &[&str] = if nominated.contains("X-Hop") {
+            &[]
+        } else {
+            &["hop"]
+        };
+        assert_eq!(seen.header("x-hop"), hop, "`Connection: {nominated}`");
+    }
+    assert_eq!(up.count("/analytics/query"), 5);
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        50.0,
+    )
+    .await;
+    // Each request's access line comes after any error line it made.
+    let lines = gw
+        .wait_access(5, |e| e["route"] == "/analytics/query")
+        .await;
+    assert!(
+        lines.iter().all(|l| l["decision"] == "admitted"),
+        "{lines:?}"
+    );
+    assert!(error_lines(&gw).is_empty(), "{:?}", error_lines(&gw));
+}
+
 const CLAIMS: [(&str, &str); 6] = [
     ("Forwarded", "for=203.0.113.7;proto=https"),
     ("X-Real-IP", "203.0.113.7"),

@@ -183,6 +183,9 @@ impl ProxyHttp for Gateway {
             c.head_done();
             ctx.conn = Some(c);
         }
+        // A `Connection` that names `Host` or an `X-Forwarded-*` the gateway sets would make
+        // Pingora refuse to forward the request once it was admitted (400, an ERROR logged).
+        scrub::connection_options(session.req_header_mut())?;
         session.set_read_timeout(Some(limits.body_timeout));
         // A client that half-closes (FIN) after its request still reads the answer (RFC 9112
         // §9.6): Pingora would take the FIN for a client gone and drop the request it may

@@ -2,7 +2,8 @@
 //! that make a framework run another method or path than the one charged, claims about the
 //! client's address from a peer that is not a trusted proxy, other spellings of the credential
 //! and of `key_id_header` (CGI-style servers fold `-` and `_` onto one variable), and request
-//! ids that would bloat the log.
+//! ids that would bloat the log; and the names in a client's `Connection` header of headers
+//! the gateway sets itself, which would make Pingora refuse the request.
 //!
 //! One pass over the header names, compared in place: a request that carries none of these
 //! (nearly all) costs no allocation.
@@ -85,6 +86,59 @@ pub fn scrub(upstream: &mut RequestHeader, cfg: &Config, trusted_peer: bool) {
     }
 }
 
+/// Headers the upstream request gets from the gateway itself (`forward::request`) and from
+/// Pingora (`Host`), which Pingora refuses to see nominated by the client's `Connection`
+/// header: it would fail the admitted request as malformed (400) and log an ERROR each time.
+const SET_FOR_UPSTREAM: [&str; 4] = [
+    "host",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+];
+
+fn sets_for_upstream(token: &[u8]) -> bool {
+    let token = token.trim_ascii();
+    SET_FOR_UPSTREAM
+        .iter()
+        .any(|n| token.eq_ignore_ascii_case(n.as_bytes()))
+}
+
+/// Drops [`SET_FOR_UPSTREAM`]'s names from the client's `Connection` header (the other
+/// options it names are kept, and so still removed before forwarding, as hop-by-hop headers
+/// are): a client that calls them hop-by-hop says nothing the gateway would not do anyway,
+/// since it sets them on the upstream request itself. A `Connection` that names none of them
+/// (nearly all) costs no allocation; one left with no option is removed.
+pub fn connection_options(req: &mut RequestHeader) -> pingora::Result<()> {
+    let named = |v: &HeaderValue| v.as_bytes().split(|&b| b == b',').any(sets_for_upstream);
+    let values = req.headers.get_all(http::header::CONNECTION);
+    if !values.iter().any(named) {
+        return Ok(());
+    }
+    let mut kept: Vec<u8> = Vec::new();
+    for token in values
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+    {
+        let token = token.trim_ascii();
+        if token.is_empty() || sets_for_upstream(token) {
+            continue;
+        }
+        if !kept.is_empty() {
+            kept.extend_from_slice(b", ");
+        }
+        kept.extend_from_slice(token);
+    }
+    req.remove_header(&http::header::CONNECTION);
+    if !kept.is_empty() {
+        // Bytes of the client's own valid values, joined: valid too.
+        let value = HeaderValue::from_bytes(&kept).map_err(|e| {
+            pingora::Error::because(pingora::ErrorType::InvalidHTTPHeader, "connection", e)
+        })?;
+        req.insert_header(http::header::CONNECTION, value)?;
+    }
+    Ok(())
+}
+
 /// The longest client request id that is believed (and logged).
 const MAX_REQUEST_ID: usize = 128;
 
@@ -112,6 +166,32 @@ mod tests {
         assert!(!same_folded(b"xxapi-key", b"x-api-key"));
         assert!(!other_spelling(b"x-api-key", b"x-api-key"));
         assert!(other_spelling(b"x_forwarded_for", b"x-forwarded-for"));
+    }
+
+    #[test]
+    fn connection_options_lose_only_what_the_gateway_sets() {
+        let after = |values: &[&str]| {
+            let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+            for v in values {
+                req.append_header("Connection", *v).unwrap();
+            }
+            connection_options(&mut req).unwrap();
+            let left: Vec<_> = req.headers.get_all("connection").iter().cloned().collect();
+            left
+        };
+        assert_eq!(after(&["X-Forwarded-For"]), Vec::<HeaderValue>::new());
+        assert_eq!(
+            after(&["Host, X-FORWARDED-proto"]),
+            Vec::<HeaderValue>::new()
+        );
+        assert_eq!(
+            after(&["close, x-forwarded-host ,X-Hop", "Keep-Alive,host"]),
+            ["close, X-Hop, Keep-Alive"]
+        );
+        // Untouched: nothing the gateway sets is named (no rewrite, no allocation).
+        assert_eq!(after(&["keep-alive, X-Hop"]), ["keep-alive, X-Hop"]);
+        assert_eq!(after(&["x-forwarded-fort"]), ["x-forwarded-fort"]);
+        assert_eq!(after(&[]), Vec::<HeaderValue>::new());
     }
 
     #[test]
