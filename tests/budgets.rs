@@ -439,6 +439,13 @@ async fn held_callers_that_leave(redis: Option<&Redis>) {
     // The key paid for /p/a and /p/c only.
     let rl = header(&r, "RateLimit").unwrap();
     assert!(rl.starts_with("\"default\";r=98;"), "{rl}");
+    // Its line says how long it was held: until it left (it said the ~2 s planned).
+    let gone = gw.wait_access(1, |l| l["decision"] == "client_gone").await;
+    let (latency, hold) = (
+        gone[0]["latency_ms"].as_f64().unwrap(),
+        gone[0]["hold_ms"].as_f64().unwrap(),
+    );
+    assert!(hold > 200.0 && hold <= latency, "{}", gone[0]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

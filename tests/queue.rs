@@ -382,6 +382,39 @@ async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
     assert_eq!(holder.await.unwrap(), 200);
 }
 
+/// A request that leaves while queued waited until it left: its line, span and histogram say
+/// so (they said 0: only admitted requests' waits were recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_that_leaves_the_queue_waited_until_it_left() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(
+        "    /r:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n",
+        "",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, gw.url("/r?delay_ms=3000"), "key-a");
+    up.wait_current("/r", 1).await;
+    let r = impatient(Duration::from_millis(600))
+        .post(gw.url("/r"))
+        .header("X-API-Key", "key-b")
+        .send()
+        .await;
+    assert!(r.is_err(), "queued past the client's patience");
+    let gone = gw.wait_access(1, |l| l["decision"] == "client_gone").await;
+    let queued = gone[0]["queue_ms"].as_f64().unwrap();
+    assert!(
+        queued >= 500.0 && queued <= gone[0]["latency_ms"].as_f64().unwrap(),
+        "{}",
+        gone[0]
+    );
+    assert_eq!(gone[0]["status"], 499);
+    let sum = metric(&gw, "tollgate_queue_wait_seconds_sum{route=\"/r\"}").await;
+    assert!(sum >= 0.5, "{sum}");
+    assert_eq!(holder.await.unwrap(), 200);
+    assert_eq!(up.count("/r"), 1);
+}
+
 /// A key's share that stays full for `queue_timeout` is what the 503 says, not a full route:
 /// it said "/r has 4 requests in flight" with one running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

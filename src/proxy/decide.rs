@@ -41,6 +41,10 @@ impl Gateway {
             tokio::select! {
                 a = self.shared.store.decide(&admit) => a,
                 _ = front::client_left(&mut session.downstream_session) => {
+                    // It waited in the queue until it left (how much of that was the
+                    // store's own decision, the dropped call cannot say).
+                    ctx.timing.queued = t.elapsed();
+                    running.metrics.get(&route).queue_wait.observe(ctx.timing.queued.as_secs_f64());
                     ctx.phase = Phase::Abandoned;
                     return Ok(false);
                 }
@@ -56,7 +60,12 @@ impl Gateway {
             Ok(a) => a,
             Err(r) => {
                 ctx.timing.store = elapsed.saturating_sub(r.queued);
-                return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
+                let m = running.metrics.get(&route);
+                if !r.queued.is_zero() {
+                    // A wait for a slot that ended without one (`queue_timeout`).
+                    m.queue_wait.observe(r.queued.as_secs_f64());
+                }
+                return shadow_or_refuse(ctx, &route, m, r);
             }
         };
         ctx.timing.store = elapsed.saturating_sub(admitted.queued);
@@ -147,9 +156,11 @@ impl Gateway {
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
             // that leaves meanwhile gets its reservation back and is never forwarded.
+            let held = Instant::now();
             tokio::select! {
                 _ = tokio::time::sleep(hold) => {}
                 _ = front::client_left(&mut session.downstream_session) => {
+                    ctx.timing.hold = held.elapsed();
                     // Boxed: the refund's future would make every request's larger.
                     Box::pin(ctx.abandon(&self.shared.store)).await;
                     return false;
