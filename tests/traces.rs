@@ -450,8 +450,10 @@ async fn a_dead_collector_costs_spans_never_requests() {
 }
 
 /// A job's spans: its submission's, its run's and its upstream call's.
-const JOB_SPANS: [&str; 3] = [
+const JOB_SPANS: [&str; 5] = [
     "POST /reports/generate",
+    "store decision",
+    "queue wait",
     "job /reports/generate",
     "upstream",
 ];
@@ -517,8 +519,22 @@ async fn a_job_is_traced(
     assert_eq!(run.attr("http.route").as_deref(), Some("/reports/generate"));
     let id = location.trim_start_matches("/_tollgate/jobs/");
     assert_eq!(run.attr("tollgate.job_id").as_deref(), Some(id));
+    // The submission's store decision is its child, as a request's (it had none); the
+    // job's wait for its slot is the run's first child, from the run's start.
+    let store = one(&spans, "store decision");
+    assert_eq!(store.parent_id(), server.span_id());
+    let run_waits: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.name() == "queue wait" && s.parent_id() == run.span_id())
+        .collect();
+    assert_eq!(run_waits.len(), 1, "{spans:#?}");
+    assert_eq!(
+        run_waits[0].span.start_time_unix_nano,
+        run.span.start_time_unix_nano
+    );
     let call = one(&spans, "upstream");
     assert_eq!(call.parent_id(), run.span_id());
+    assert!(call.span.start_time_unix_nano >= run_waits[0].span.end_time_unix_nano);
     assert_eq!(call.span.kind, 3, "SPAN_KIND_CLIENT");
     assert_eq!(
         call.attr("http.response.status_code").as_deref(),

@@ -230,6 +230,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         &t.job.id,
         &t.request,
         t.rules.max_response_body,
+        queued,
     )
     .await;
     let mut ended = Ended {

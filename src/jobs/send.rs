@@ -248,7 +248,8 @@ async fn read_body(
 }
 
 /// Sends job `id`'s request and reads the answer, at most `max_body` bytes of it; with
-/// `tracing`, the run and its upstream call are spans under the submission's.
+/// `tracing`, the run (from `queued` ago, when it began to wait) and its upstream call are
+/// spans under the submission's.
 pub(super) async fn send(
     running: &Running,
     tracing: Option<&Tracing>,
@@ -256,8 +257,9 @@ pub(super) async fn send(
     id: &str,
     req: &JobRequest,
     max_body: u64,
+    queued: std::time::Duration,
 ) -> Sent {
-    let mut trace = tracing.map(|t| t.job_run(&route.label, id, &req.header));
+    let mut trace = tracing.map(|t| t.job_run(&route.label, id, &req.header, queued));
     let sent = exchange(running, route, req, max_body, tracing.zip(trace.as_mut())).await;
     if let Some(trace) = trace {
         let (status, upstream_status, error) = sent.outcome();

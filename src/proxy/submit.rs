@@ -173,7 +173,12 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         return gw.refuse(session, ctx, refusal).await;
     }
     // Charged as usual before the body is taken (DESIGN §8): 429 at once, no job.
-    let charged = match jobs::charge(&gw.shared, &route, admit).await {
+    let asked = std::time::Instant::now();
+    ctx.timing.asked = Some(asked);
+    let charged = jobs::charge(&gw.shared, &route, admit).await;
+    // Its `store decision` span and `store_ms`, as a request's.
+    ctx.timing.store = asked.elapsed();
+    let charged = match charged {
         Ok(charged) => charged,
         Err(admission) => return refused(gw, session, ctx, &route, admission).await,
     };

@@ -2,7 +2,7 @@
 //! their parent), the upstream call, and the children made from the request's timings when
 //! it ends.
 
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use http::header::HeaderMap;
 use http::HeaderName;
@@ -230,13 +230,24 @@ impl Tracing {
     /// Starts a job's run: its span is a child of the span its request's `traceparent` names
     /// (the submission's, see [`RequestTrace::job_request`], or the client's when the
     /// submitting instance did not trace).
-    pub fn job_run(&self, route: &str, job_id: &str, request: &RequestHeader) -> JobTrace {
+    /// The run's span starts when the job began to wait for its slot (`queued` ago), with
+    /// that wait as its first child, `queue wait` (DESIGN §9), as a request's.
+    pub fn job_run(
+        &self,
+        route: &str,
+        job_id: &str,
+        request: &RequestHeader,
+        queued: Duration,
+    ) -> JobTrace {
         let parent = self.propagator.extract(&Headers(&request.headers));
         let continued = parent.span().span_context().is_valid();
+        let now = SystemTime::now();
+        let waited_from = now.checked_sub(queued).unwrap_or(now);
         let mut span = self
             .tracer
             .span_builder(format!("job {route}"))
             .with_kind(SpanKind::Consumer)
+            .with_start_time(waited_from)
             .start_with_context(&self.tracer, &parent);
         if span.is_recording() {
             let method = known_method(request.method.as_str()).unwrap_or("_OTHER");
@@ -246,8 +257,14 @@ impl Tracing {
                 KeyValue::new("tollgate.job_id", job_id.to_string()),
             ]);
         }
+        let cx = parent.with_span(span);
+        self.tracer
+            .span_builder("queue wait")
+            .with_start_time(waited_from)
+            .start_with_context(&self.tracer, &cx)
+            .end_with_timestamp(now);
         JobTrace {
-            cx: parent.with_span(span),
+            cx,
             continued,
             upstream: None,
         }

@@ -96,14 +96,7 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
             running.config.router.by_label(&route).map_or(0, |r| r.cost),
         ),
     };
-    // Since its submission (`sub`, Redis's clock in ms).
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let since = std::str::from_utf8(field(r, "sub"))
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map_or(0.0, |sub| now_ms.saturating_sub(sub) as f64);
+    let since = access::millis(waited(r));
     let key = payer(running, field(r, "key"))
         .map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
     let rid = text(r, "rid");
@@ -133,6 +126,18 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
         error: None,
         job: Some(id),
     });
+}
+
+/// How long ago the job was submitted (`sub`, Redis's clock in ms, against this instance's).
+pub(super) fn waited(r: &Record) -> std::time::Duration {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let sub = std::str::from_utf8(field(r, "sub"))
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(now_ms);
+    std::time::Duration::from_millis(now_ms.saturating_sub(sub))
 }
 
 /// The identity a record's key hash pays as: its registry entry, else the default policy.

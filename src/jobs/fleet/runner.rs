@@ -9,7 +9,7 @@ use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
-use super::record::{claimed, headers_json, text};
+use super::record::{claimed, headers_json, text, waited};
 use crate::admission::InFlight;
 use crate::decision;
 use crate::problem::Problem;
@@ -35,6 +35,8 @@ pub(super) async fn run_claimed(
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
+    // Its wait for a slot: from its submission to its claim.
+    let queued = waited(&r);
     let key = super::key_slot(&who).copied();
     let admit = AdmitRequest {
         key_cap: None,
@@ -57,6 +59,7 @@ pub(super) async fn run_claimed(
         &id,
         &request,
         max,
+        queued,
     )
     .await;
     let Settled {
@@ -103,7 +106,7 @@ pub(super) async fn run_claimed(
             latency_ms: access::millis(started.elapsed()),
             upstream_ms: upstream.map(access::millis),
             store_ms: 0.0,
-            queue_ms: 0.0,
+            queue_ms: access::millis(queued),
             hold_ms: 0.0,
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
