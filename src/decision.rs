@@ -195,6 +195,30 @@ pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Most options a `Connection` header may name: Pingora refuses a request with more as
+/// malformed when it forwards it (`MAX_CONNECTION_NOMINATIONS`), after its admission.
+const MAX_CONNECTION_OPTIONS: usize = 9;
+
+/// A request whose `Connection` header names more options than it may: refused before it is
+/// charged (it was admitted, then failed as malformed, logging an ERROR each time).
+pub fn limit_connection_options(headers: &HeaderMap) -> Result<(), Refusal> {
+    let n = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter(|t| !t.trim_ascii().is_empty())
+        .count();
+    if n > MAX_CONNECTION_OPTIONS {
+        return Err(Refusal::new(
+            Problem::BadRequest,
+            format!(
+                "the Connection header names {n} options; at most {MAX_CONNECTION_OPTIONS} are accepted"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A request head Pingora could not parse (it refuses it before any hook, and does not say
 /// why): refused as malformed, like a request without `Host`.
 pub fn malformed_head() -> Refusal {

@@ -461,6 +461,46 @@ async fn a_connection_header_naming_a_header_the_gateway_sets_is_forwarded() {
     assert!(error_lines(&gw).is_empty(), "{:?}", error_lines(&gw));
 }
 
+/// `Connection` options Pingora refuses when it forwards: one that is not a token (quoted,
+/// with a space, `:authority`) is dropped and the request forwarded; ten or more are a 400
+/// before anything is charged. Each was admitted, then failed as malformed with an ERROR.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_options_pingora_would_refuse_are_settled_before_admission() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, INCIDENT);
+    let send = |connection: &str| {
+        let request = format!(
+            "POST /analytics/query HTTP/1.1\r\nHost: api.example\r\nX-API-Key: k-conn\r\nConnection: {connection}\r\nX-Hop: hop\r\nContent-Length: 0\r\n\r\n"
+        );
+        let port = gw.port;
+        tokio::task::spawn_blocking(move || raw_request(port, request.as_bytes()))
+    };
+    for (i, odd) in ["\"x-hop\"", "x y", ":authority", "keep-alive, \"q\", X-Hop"]
+        .iter()
+        .enumerate()
+    {
+        let r = send(odd).await.unwrap().expect("an answer");
+        assert_eq!(r.status, 200, "`Connection: {odd}`: {r:?}");
+        let left = (110 - 10 * i).to_string();
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some(left.as_str()),
+            "{odd}"
+        );
+    }
+    let many = "a, b, c, d, e, f, g, h, i, j";
+    let r = send(many).await.unwrap().expect("an answer");
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(r.is_problem("bad-request"), "{r:?}");
+    assert_eq!(r.header("x-ratelimit-cost"), None);
+    assert_eq!(up.count("/analytics/query"), 4);
+    gw.wait_access(5, |e| {
+        e["route"] == "/analytics/query" || e["status"] == 400
+    })
+    .await;
+    assert!(error_lines(&gw).is_empty(), "{:?}", error_lines(&gw));
+}
+
 const CLAIMS: [(&str, &str); 6] = [
     ("Forwarded", "for=203.0.113.7;proto=https"),
     ("X-Real-IP", "203.0.113.7"),

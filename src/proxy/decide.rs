@@ -130,6 +130,7 @@ impl Gateway {
         ctx.route = Some(route.clone());
         ctx.forward = Some(classified);
         decision::require_host(req.version == http::Version::HTTP_11, &req.headers)?;
+        decision::limit_connection_options(&req.headers)?;
         let who = decision::identify(cfg, &req.headers, ctx.origin.map(|o| o.client))?;
         let admit = decision::admit_request(&route, &who);
         ctx.identity = Some(who);

@@ -103,13 +103,30 @@ fn sets_for_upstream(token: &[u8]) -> bool {
         .any(|n| token.eq_ignore_ascii_case(n.as_bytes()))
 }
 
+/// An option no header could be named by (RFC 9110 §5.6.2: a token is `tchar`s; a quoted
+/// name, one with a space, or `:authority` is not): Pingora refuses those as malformed too.
+fn not_a_token(token: &[u8]) -> bool {
+    let tchar = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b);
+    !token.trim_ascii().iter().all(tchar)
+}
+
+/// An option the client's `Connection` header is better without (see [`connection_options`]).
+fn dropped(token: &[u8]) -> bool {
+    sets_for_upstream(token) || not_a_token(token)
+}
+
 /// Drops [`SET_FOR_UPSTREAM`]'s names from the client's `Connection` header (the other
 /// options it names are kept, and so still removed before forwarding, as hop-by-hop headers
 /// are): a client that calls them hop-by-hop says nothing the gateway would not do anyway,
-/// since it sets them on the upstream request itself. A `Connection` that names none of them
-/// (nearly all) costs no allocation; one left with no option is removed.
+/// since it sets them on the upstream request itself. Options that are not tokens are
+/// dropped too: they name no header (RFC 9110 allows ignoring them). A `Connection` that has
+/// none of them (nearly all) costs no allocation; one left with no option is removed.
 pub fn connection_options(req: &mut RequestHeader) -> pingora::Result<()> {
-    let named = |v: &HeaderValue| v.as_bytes().split(|&b| b == b',').any(sets_for_upstream);
+    let named = |v: &HeaderValue| {
+        v.as_bytes()
+            .split(|&b| b == b',')
+            .any(|t| !t.trim_ascii().is_empty() && dropped(t))
+    };
     let values = req.headers.get_all(http::header::CONNECTION);
     if !values.iter().any(named) {
         return Ok(());
@@ -120,7 +137,7 @@ pub fn connection_options(req: &mut RequestHeader) -> pingora::Result<()> {
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
     {
         let token = token.trim_ascii();
-        if token.is_empty() || sets_for_upstream(token) {
+        if token.is_empty() || dropped(token) {
             continue;
         }
         if !kept.is_empty() {
