@@ -111,8 +111,7 @@ pub async fn charge(
         }
         Store::Redis(r) => {
             let backend = r.shared().clone();
-            let (id, charge) =
-                super::fleet::charge(shared, &backend, &admit, rules.result_ttl).await?;
+            let (id, charge) = super::fleet::charge(&backend, &admit, rules.result_ttl).await?;
             let standing = Standing::from(&charge.outcome);
             let held = Held::Redis {
                 req: admit,

@@ -60,12 +60,7 @@ impl Gateway {
             Ok(a) => a,
             Err(r) => {
                 ctx.timing.store = elapsed.saturating_sub(r.queued);
-                let m = running.metrics.get(&route);
-                if !r.queued.is_zero() {
-                    // A wait for a slot that ended without one (`queue_timeout`).
-                    m.queue_wait.observe(r.queued.as_secs_f64());
-                }
-                return shadow_or_refuse(ctx, &route, m, r);
+                return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
             }
         };
         ctx.timing.store = elapsed.saturating_sub(admitted.queued);

@@ -38,7 +38,6 @@ fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
 /// job's id, `new_id`): the id and the charge; `Err` is the store's refusal, or 503 when Redis
 /// did not answer (what a call that may have run charged is given back).
 pub(super) async fn charge(
-    shared: &Arc<Shared>,
     b: &Arc<RedisBackend>,
     admit: &AdmitRequest,
     waits_for: Duration,
@@ -48,10 +47,9 @@ pub(super) async fn charge(
         Ok(Ok(charge)) => Ok((id, charge)),
         Ok(Err(refused)) => Err(refused),
         Err(e) => {
+            // A call that may have run is undone by its id already (`RedisBackend::deliver`):
+            // a refund here too gave the key its cost twice.
             tracing::warn!(error = %e, "a job could not be charged");
-            if e.may_have_run() {
-                shared.store.refund(admit, Charge::Shared).await;
-            }
             Err(Admission::Unavailable)
         }
     }

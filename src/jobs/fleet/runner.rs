@@ -71,7 +71,7 @@ pub(super) async fn run_claimed(
         report,
         follow,
     } = settle(&shared, &route, &admit, sent, started).await;
-    write_result(&b, &id, state, &stored).await;
+    let mine = write_result(&b, &id, state, &stored).await;
     if let Some(u) = upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
@@ -89,10 +89,13 @@ pub(super) async fn run_claimed(
     renew.abort();
     let _ = b.job_release(&label, &id, key.as_ref()).await;
     drop(in_flight);
-    metrics::ended(&label, state);
     if cost > 0 {
         rm.cost_units.inc_by(cost);
     }
+    if !mine {
+        return;
+    }
+    metrics::ended(&label, state);
     if access::enabled() {
         let key = who.log_name();
         let rid = text(&r, "rid");
@@ -141,7 +144,9 @@ fn keep_alive(
 
 /// Writes the job's end into its record (kept result_ttl from now); a record no longer this
 /// run's (declared lost meanwhile) keeps what it says.
-async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Stored) {
+/// False when the record was no longer this run's: the instance that found the job lost
+/// counted its end and wrote its last line (`record::ended_unrun`).
+async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Stored) -> bool {
     let rheaders = headers_json(&stored.headers.iter().cloned().collect());
     let status = stored.status.to_string();
     let fields: [&[u8]; 7] = [
@@ -153,7 +158,7 @@ async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Sto
         b"rbody",
         &stored.body,
     ];
-    let _ = b.job_record::<i64>(id, "finish", &fields).await;
+    !matches!(b.job_record::<i64>(id, "finish", &fields).await, Ok(0))
 }
 
 /// A job's end: its state, result, charge, what the upstream answered and took, and a late

@@ -8,7 +8,10 @@
 local function gave_back(keys)
   for _, k in ipairs(keys) do
     if keys_own(k) then
-      redis.call('PUBLISH', 'tollgate:given-back', string.sub(k, 3, 12))
+      -- pcall: after the writes, an error (a Redis user whose ACL denies the channel: its
+      -- instances cannot subscribe either, so none keeps refusals) must not make the caller
+      -- send what already ran again.
+      redis.pcall('PUBLISH', 'tollgate:given-back', string.sub(k, 3, 12))
       return
     end
   end
