@@ -392,17 +392,14 @@ impl Connections {
 }
 
 /// How soon a subscription that broke (or never connected) is tried again.
-const SUBSCRIBE_AGAIN_AFTER: Duration = Duration::from_millis(500);
+pub(super) const SUBSCRIBE_AGAIN_AFTER: Duration = Duration::from_millis(500);
 
 /// Calls `heard` with each message Redis publishes on `channel`, subscribed anew after a
-/// broken connection, for as long as the store lives; `link` is told `true` once the
-/// subscription stands and `false` when it is lost (or cannot be made): messages published in
-/// between were missed.
+/// broken connection, for as long as the store lives.
 pub(super) async fn subscribed(
     store: Weak<RedisBackend>,
     channel: String,
     heard: impl Fn(&RedisBackend, &str),
-    link: impl Fn(&RedisBackend, bool),
 ) {
     use futures_util::StreamExt;
     loop {
@@ -412,9 +409,6 @@ pub(super) async fn subscribed(
         match pubsub {
             Ok(mut ps) => {
                 if ps.subscribe(&channel).await.is_ok() {
-                    if let Some(s) = store.upgrade() {
-                        link(&s, true);
-                    }
                     let mut messages = ps.on_message();
                     while let Some(msg) = messages.next().await {
                         let Some(s) = store.upgrade() else { return };
@@ -426,9 +420,6 @@ pub(super) async fn subscribed(
             }
             Err(e) => tracing::debug!(error = %e, channel, "cannot subscribe"),
         }
-        let Some(s) = store.upgrade() else { return };
-        link(&s, false);
-        drop(s);
         tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
     }
 }

@@ -1,13 +1,15 @@
 //! Refusals without a round trip: keys Redis just refused as over budget.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use super::conn::SUBSCRIBE_AGAIN_AFTER;
+use super::guard::Guard;
 use super::{keys, RedisBackend};
 use crate::budget::{Limit, Outcome, Verdict};
 use crate::identity::KeyHash;
-use crate::store::{lock, short_key, AdmitRequest};
+use crate::store::{lock, short_key, AdmitRequest, StoreError};
 
 const DENY_SHARDS: usize = 32;
 
@@ -166,22 +168,93 @@ impl DenyCache {
     }
 }
 
+/// How often an instance publishes its own heartbeat on [`GIVEN_BACK`].
+const BEAT_EVERY: Duration = Duration::from_secs(1);
+/// A subscription that has not heard the instance's own heartbeat for this long is taken for
+/// deaf (a connection a middlebox dropped silently, a primary cut off from the fleet): the
+/// cache stops keeping refusals and the instance subscribes anew.
+const DEAF_AFTER: Duration = Duration::from_secs(3);
+
 impl RedisBackend {
     /// Listens for give-backs ([`GIVEN_BACK`]) on a thread of its own, for as long as the
     /// store lives: the deny cache keeps refusals only while it hears them.
     pub(super) fn spawn_give_back_listener(self: &Arc<Self>) {
         let store = Arc::downgrade(self);
-        let spawned = crate::background::spawn("tollgate-given-back".into(), move || async {
-            super::conn::subscribed(
-                store,
-                GIVEN_BACK.into(),
-                |s, tag| s.deny.heard(tag),
-                |s, live| s.deny.linked(live),
-            )
-            .await
-        });
+        let spawned = crate::background::spawn("tollgate-given-back".into(), move || listen(store));
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot listen for refunds: every refusal asks Redis");
+        }
+    }
+
+    /// Publishes `message` on [`GIVEN_BACK`] on this thread's connection, past the breaker.
+    async fn publish_given_back(&self, message: String) -> Result<(), StoreError> {
+        let within = self.timeout.max(Duration::from_millis(500));
+        self.guarded(Guard::Bypass(within), |mut conn| async move {
+            let mut cmd = redis::cmd("PUBLISH");
+            cmd.arg(GIVEN_BACK).arg(message);
+            Ok(cmd.query_async::<i64>(&mut conn).await?)
+        })
+        .await
+        .map(drop)
+    }
+}
+
+/// Subscribes to [`GIVEN_BACK`], anew whenever the subscription breaks or goes deaf.
+async fn listen(store: Weak<RedisBackend>) {
+    loop {
+        let Some(s) = store.upgrade() else { return };
+        let beat = format!("beat:{}", s.instance);
+        let pubsub = s.conns.pubsub().await;
+        drop(s);
+        match pubsub {
+            Ok(mut ps) => {
+                if ps.subscribe(GIVEN_BACK).await.is_ok() {
+                    hear(&store, ps, beat).await;
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot subscribe to give-backs"),
+        }
+        let Some(s) = store.upgrade() else { return };
+        s.deny.linked(false);
+        drop(s);
+        tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
+    }
+}
+
+/// Hears give-backs until the subscription ends or stops hearing the instance's own
+/// heartbeat (published on the connection its calls use, so a beat heard proves that what
+/// Redis publishes reaches this subscription). The cache keeps refusals from the first beat
+/// heard.
+async fn hear(store: &Weak<RedisBackend>, mut ps: redis::aio::PubSub, beat: String) {
+    use futures_util::StreamExt;
+    let mut messages = ps.on_message();
+    let mut tick = tokio::time::interval(BEAT_EVERY);
+    let (mut heard_beat, mut live) = (Instant::now(), false);
+    loop {
+        tokio::select! {
+            msg = messages.next() => {
+                let Some(msg) = msg else { return };
+                let Some(s) = store.upgrade() else { return };
+                let Ok(m) = msg.get_payload::<String>() else { continue };
+                if m == beat {
+                    heard_beat = Instant::now();
+                    if !std::mem::replace(&mut live, true) {
+                        s.deny.linked(true);
+                    }
+                } else {
+                    s.deny.heard(&m);
+                }
+            }
+            _ = tick.tick() => {
+                if heard_beat.elapsed() > DEAF_AFTER {
+                    tracing::debug!("the give-back subscription went deaf; subscribing anew");
+                    return;
+                }
+                let Some(s) = store.upgrade() else { return };
+                // On a task of its own: a slow Redis must not hold up the messages.
+                let beat = beat.clone();
+                tokio::spawn(async move { s.publish_given_back(beat).await });
+            }
         }
     }
 }

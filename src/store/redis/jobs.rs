@@ -151,7 +151,7 @@ impl RedisBackend {
         let channel = format!("tollgate:q:{FLEET}");
         let store = Arc::downgrade(&self);
         drop(self);
-        super::conn::subscribed(store, channel, move |_, _| notify.notify_one(), |_, _| {}).await;
+        super::conn::subscribed(store, channel, move |_, _| notify.notify_one()).await;
     }
 
     /// Frees the key's slot a job held (`key`), the job never having had its route's.

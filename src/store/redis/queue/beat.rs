@@ -144,12 +144,9 @@ impl RedisBackend {
 
 /// Delivers this instance's grants as Redis publishes them.
 async fn listen(store: Weak<RedisBackend>, channel: String) {
-    subscribed(
-        store,
-        channel,
-        |s, id| lock(&s.waiters).deliver(id, Wake::Granted),
-        |_, _| {},
-    )
+    subscribed(store, channel, |s, id| {
+        lock(&s.waiters).deliver(id, Wake::Granted)
+    })
     .await;
 }
 
