@@ -764,3 +764,133 @@ async fn a_request_queued_locally_waits_in_the_fleets_queue_once_the_store_retur
 async fn allowed_admissions_are_registered_when_the_store_returns() {
     registered_when_the_store_returns("allow", 2, 3, 2).await;
 }
+
+/// A gateway config on the Redis at `url` whose `/reports/generate` lets a key run 2 of its
+/// 10 slots at once (`max_in_flight_per_key`), its further requests waiting 1 s at most.
+fn per_key_share_yaml(url: &str, on_error: &str) -> String {
+    store_yaml(
+        url,
+        "  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 10, max_in_flight_per_key: 2, queue_timeout: 1s}\n",
+    )
+    .replace("on_error: local", &format!("on_error: {on_error}"))
+}
+
+/// A `p1` report to `gw` (`delay_ms` long at the upstream): its status, and whether a 503 was
+/// `route-busy`. A 503 `store-unavailable` (a worker thread's connection broke with the old
+/// Redis, under `on_error: deny`) is sent again.
+async fn p1_report(c: &reqwest::Client, gw: &Gateway, delay_ms: u64) -> (u16, bool) {
+    let url = gw.url(&format!("/reports/generate?delay_ms={delay_ms}"));
+    loop {
+        let r = post(c, url.clone(), "p1").await;
+        let s = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        if s == 503 && text.contains("store-unavailable") {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        return (s, text.contains("route-busy"));
+    }
+}
+
+/// The `/reports/generate` entry of `gw`'s `/admin/routes`, once the fleet's queue counts
+/// `running` requests there, every one of them for one key (DESIGN §8: `keys`).
+async fn route_counts_one_key(gw: &Gateway, running: u64) {
+    eventually(Duration::from_secs(5), async || {
+        let v = admin_json(gw, "/admin/routes").await;
+        let route = v["routes"]
+            .as_array()
+            .and_then(|rs| rs.iter().find(|r| r["route"] == "/reports/generate"))
+            .cloned()
+            .ok_or_else(|| v.to_string())?;
+        let keys = route["keys"].as_array().cloned().unwrap_or_default();
+        if route["running"] == running && keys.len() == 1 && keys[0]["running"] == running {
+            Ok(())
+        } else {
+            Err(format!("not {running} running for one key: {route}"))
+        }
+    })
+    .await
+}
+
+/// DESIGN §4 and §8: the leases an instance registers again after Redis lost its data count
+/// for their key, so the key's share of the route holds across the fleet. Key p1 holds its
+/// share of 2 through A; Redis is SIGKILLed and started empty; A registers its 2 leases again.
+/// Then a p1 request through A and one through B both wait and leave 503 `route-busy`, as
+/// one did before the restart. (Before, the re-registered leases were the route's but no
+/// key's: both ran at once, p1 ran 4 on a share of 2, and `/admin/routes` listed no key.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_registered_again_after_redis_restarted_empty_keep_the_keys_share() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = per_key_share_yaml(&redis.url(), "deny");
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    let held: Vec<_> = (0..2)
+        .map(|_| spawn_post(&c, a.url("/reports/generate?delay_ms=8000"), "p1"))
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    route_counts_one_key(&b, 2).await;
+    // The control: p1 is at its share.
+    assert_eq!(p1_report(&c, &b, 300).await, (503, true));
+    redis.kill();
+    redis = Redis::start_on(port);
+    let leases = redis_route_slots_key("/reports/generate");
+    eventually(Duration::from_secs(5), async || {
+        match redis.cli(&["ZCARD", &leases]) {
+            n if n == "2" => Ok(()),
+            n => Err(format!("{n} leases registered again")),
+        }
+    })
+    .await;
+    let (via_a, via_b) = tokio::join!(p1_report(&c, &a, 300), p1_report(&c, &b, 300));
+    assert_eq!(
+        (via_a, via_b, up.max_concurrent("/reports/generate")),
+        ((503, true), (503, true), 2),
+        "p1 ran past its share of 2 after Redis restarted empty"
+    );
+    route_counts_one_key(&b, 2).await;
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/reports/generate"), 2);
+}
+
+/// DESIGN §4 and §8: a request B admitted on its local share while its path to Redis was down
+/// is registered, once the store answers, as a lease of its key, so the key's share holds
+/// across the fleet. Then two p1 requests through A: one runs beside B's, the other waits and
+/// leaves 503 `route-busy`. (Before, the adopted lease was the route's but no key's: both ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_admissions_registered_when_the_store_returns_keep_the_keys_share() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &per_key_share_yaml(&redis.url(), "local"));
+    let b = Gateway::start(&up, &per_key_share_yaml(&proxy.url(), "local"));
+    let c = client();
+    proxy.blackhole();
+    let on_b = spawn_post(&c, b.url("/reports/generate?delay_ms=9000"), "p1");
+    up.wait_current("/reports/generate", 1).await;
+    proxy.heal();
+    registered_within_2s(&redis, &redis_route_slots_key("/reports/generate"), 1).await;
+    // Long enough that the one that waits is not served within its 1 s.
+    let (first, second) = tokio::join!(p1_report(&c, &a, 3000), p1_report(&c, &a, 3000));
+    let mut got = [first, second];
+    got.sort();
+    assert_eq!(
+        (got, up.max_concurrent("/reports/generate")),
+        ([(200, false), (503, true)], 2),
+        "p1 ran past its share of 2 beside B's adopted lease"
+    );
+    route_counts_one_key(&a, 1).await;
+    assert_eq!(on_b.await.unwrap(), 200);
+    assert_eq!(
+        metric(
+            &b,
+            "tollgate_fallback_decisions_total{decision=\"admitted\"}"
+        )
+        .await,
+        1.0
+    );
+}

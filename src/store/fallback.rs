@@ -91,15 +91,17 @@ pub trait SharedStore: Send + Sync + 'static {
     fn reloaded(self: &Arc<Self>) {}
 
     /// Registers a request admitted on the local share that is still running as a lease in
-    /// the store: in `route`'s lease set and/or the key's (`adopt`).
+    /// the store: in `route`'s lease set and/or the key's (`adopt`); on the route as
+    /// `owner`'s (the request's key), whose share of the route it takes.
     fn adopt(
         self: &Arc<Self>,
         route: Option<&str>,
         key: Option<&KeyHash>,
+        owner: &KeyHash,
     ) -> impl Future<Output = Result<Option<crate::store::redis::RedisLease>, StoreError>> + Send
     {
         // A store without leases has nothing to register.
-        let _ = (route, key);
+        let _ = (route, key, owner);
         async { Ok(None) }
     }
 }

@@ -46,7 +46,7 @@ pub(super) async fn run_claimed(
     let _state = InState::new(&label, JobState::Running);
     let rm = running.metrics.get(&route);
     let in_flight = InFlight::new(&rm.in_flight);
-    b.job_hold(&label, &id, key.as_ref());
+    b.job_hold(&label, &id, key.as_ref(), &admit.key);
     let renew = keep_alive(b.clone(), id.clone(), label.clone(), key);
     // With `max_delay` it holds its slot until its reserved units are due, as on memory.
     tokio::time::sleep(wait).await;

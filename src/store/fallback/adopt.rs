@@ -23,7 +23,10 @@ const ADOPT_EVERY: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 struct Entry {
     route: Option<Arc<str>>,
-    key: Option<KeyHash>,
+    /// The key's own lease set too (it has an in-flight cap).
+    key_slot: bool,
+    /// The request's key: the route counts the lease for it (its per-key share).
+    key: KeyHash,
     registered: bool,
     /// Its lease there (released as it drops).
     shared: Option<RedisLease>,
@@ -61,7 +64,8 @@ impl Adoptions {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let entry = Entry {
             route: req.route_cap.map(|_| req.route.clone()),
-            key: req.key_cap.map(|_| req.key),
+            key_slot: req.key_cap.is_some(),
+            key: req.key,
             registered: false,
             shared: None,
         };
@@ -72,11 +76,11 @@ impl Adoptions {
         }
     }
 
-    fn pending(&self) -> Vec<(u64, Option<Arc<str>>, Option<KeyHash>)> {
+    fn pending(&self) -> Vec<(u64, Option<Arc<str>>, bool, KeyHash)> {
         lock(&self.entries)
             .iter()
             .filter(|(_, e)| !e.registered)
-            .map(|(id, e)| (*id, e.route.clone(), e.key))
+            .map(|(id, e)| (*id, e.route.clone(), e.key_slot, e.key))
             .collect()
     }
 
@@ -117,8 +121,9 @@ impl<S: SharedStore> FallbackStore<S> {
             return Ok(());
         }
         let _round = self.adoptions.round.lock().await;
-        for (id, route, key) in self.adoptions.pending() {
-            let lease = self.shared.adopt(route.as_deref(), key.as_ref()).await?;
+        for (id, route, key_slot, key) in self.adoptions.pending() {
+            let slot = key_slot.then_some(&key);
+            let lease = self.shared.adopt(route.as_deref(), slot, &key).await?;
             let mut entries = lock(&self.adoptions.entries);
             match entries.get_mut(&id) {
                 Some(e) if !e.registered => {

@@ -53,6 +53,9 @@
 --          it)} | {2 GONE} (and the id is refused for given_up_us)
 --   confirm ARGV id lease_ttl_us -> {1} (the granted lease, renewed for lease_ttl) | {0} (it
 --          lapsed unconfirmed and went to another waiter: nothing written)
+--   hold   ARGV id key lease_ttl_us -> {1}: renews lease `id` for lease_ttl; one the route
+--          lost (Redis lost its data, it lapsed while its instance was paused, or a local
+--          admission is registered) is made again as `key`'s, which runs one more
 --   release ARGV id grant_ttl_us given_up_us -> {0} (the lease or the waiter of that id goes;
 --          an id that was neither is refused for given_up_us)
 --   beat   ARGV instance alive_us grant_ttl_us below n, then the n ids the instance has on
@@ -381,6 +384,16 @@ elseif op == 'confirm' then
   if not redis.call('ZSCORE', leases, id) then return {0} end
   redis.call('ZADD', leases, 'XX', now + lease_ttl, id)
   redis.call('HDEL', state, 'gi:' .. id)
+  keep(lease_ttl)
+  return {1}
+elseif op == 'hold' then
+  local id, key, lease_ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
+  redis.call('ZADD', leases, now + lease_ttl, id)
+  if not redis.call('HGET', state, 'l:' .. id) then
+    redis.call('HSET', state, 'l:' .. id, key)
+    add_running(key, 1)
+    refresh(key)
+  end
   keep(lease_ttl)
   return {1}
 elseif op == 'release' then

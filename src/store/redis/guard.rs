@@ -77,7 +77,16 @@ impl RedisBackend {
         &self,
         inv: script::Call<'_>,
     ) -> Result<T, StoreError> {
-        self.guarded(Guard::Breaker, |mut conn| async move {
+        self.call_guarded(Guard::Breaker, inv).await
+    }
+
+    /// One script call, guarded as `guard` says.
+    pub(super) async fn call_guarded<T: redis::FromRedisValue>(
+        &self,
+        guard: Guard,
+        inv: script::Call<'_>,
+    ) -> Result<T, StoreError> {
+        self.guarded(guard, |mut conn| async move {
             Ok(script::invoke::<T>(&inv, &mut conn).await?)
         })
         .await

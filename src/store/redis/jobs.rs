@@ -211,13 +211,21 @@ impl RedisBackend {
     /// is registered, so that when Redis loses its data (`lost.rs`) the slot is registered
     /// again before other instances take slots (without it, a restart let a second job run
     /// beside it on a cap of 1: tests/jobs_fleet).
-    /// (And its key's slot, `key`, if it holds one.)
-    pub(crate) fn job_hold(self: &Arc<Self>, route: &str, id: &str, key: Option<&KeyHash>) {
+    /// (And its key's slot, `key`, if it holds one.) Registered again, its route lease counts
+    /// for `owner`, the job's key, as the queue counted it.
+    pub(crate) fn job_hold(
+        self: &Arc<Self>,
+        route: &str,
+        id: &str,
+        key: Option<&KeyHash>,
+        owner: &KeyHash,
+    ) {
         let mut sets = vec![keys::route_slots_key(route)];
         sets.extend(key.map(keys::key_slots_key));
+        let held = super::lease::Sets::new(sets, Some(keys::key_tag(owner)));
         crate::store::lock(&self.held)
             .live
-            .insert(id.to_string(), sets);
+            .insert(id.to_string(), held);
         self.watch_for_data_loss();
     }
 

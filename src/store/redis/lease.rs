@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::guard::Guard;
 use super::script::{self, Lease, Op};
 use super::{slices, RedisBackend};
 use crate::store::lock;
@@ -30,10 +31,27 @@ pub(super) struct Unreleased {
     lapses: Instant,
 }
 
+/// A lease's sets, and the key a capped route's fair queue counts it for.
+#[derive(Debug, Clone)]
+pub(super) struct Sets {
+    pub(super) sets: Vec<String>,
+    /// The key's tag (`keys::key_tag`) when one of `sets` is a capped route's: a renewal that
+    /// finds the lease gone there (Redis lost its data, or it lapsed while this instance was
+    /// paused) makes it again as that key's (`lua/queue.lua`, `hold`), so that the key's
+    /// share of the route (`max_in_flight_per_key`) and `/admin/routes` count it.
+    pub(super) key: Option<String>,
+}
+
+impl Sets {
+    pub(super) fn new(sets: Vec<String>, key: Option<String>) -> Self {
+        Sets { sets, key }
+    }
+}
+
 /// Leases this instance holds (id → lease sets) and releases still to be sent.
 #[derive(Debug, Default)]
 pub(super) struct Held {
-    pub(super) live: HashMap<String, Vec<String>>,
+    pub(super) live: HashMap<String, Sets>,
     unreleased: Vec<Unreleased>,
     retrying: bool,
 }
@@ -49,10 +67,17 @@ pub struct RedisLease {
 }
 
 impl RedisLease {
-    /// Holds `id` in the lease sets `keys` and keeps it alive until released.
-    pub(super) fn hold(store: &Arc<RedisBackend>, keys: Vec<String>, id: String) -> Self {
-        let renew = store.spawn_renewal(keys.clone(), id.clone());
-        lock(&store.held).live.insert(id.clone(), keys.clone());
+    /// Holds `id` in the lease sets `keys` and keeps it alive until released; `key` is the
+    /// tag of the key a capped route's set among them counts it for ([`Sets::key`]).
+    pub(super) fn hold(
+        store: &Arc<RedisBackend>,
+        keys: Vec<String>,
+        key: Option<String>,
+        id: String,
+    ) -> Self {
+        let sets = Sets::new(keys.clone(), key);
+        let renew = store.spawn_renewal(sets.clone(), id.clone());
+        lock(&store.held).live.insert(id.clone(), sets);
         store.watch_for_data_loss();
         RedisLease {
             store: store.clone(),
@@ -97,17 +122,44 @@ impl Drop for RedisLease {
 
 impl RedisBackend {
     /// Keeps a long request's leases alive: renewed every `lease_ttl / 3` until released.
-    fn spawn_renewal(self: &Arc<Self>, keys: Vec<String>, id: String) -> tokio::task::AbortHandle {
+    fn spawn_renewal(self: &Arc<Self>, sets: Sets, id: String) -> tokio::task::AbortHandle {
         let store = self.clone();
         let every = self.lease_ttl / 3;
-        let ttl_us = self.lease_ttl.as_micros() as u64;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let _ = store.lease_op(&keys, &id, ttl_us).await;
+                let _ = store.renew(&sets, &id, Guard::Breaker).await;
             }
         })
         .abort_handle()
+    }
+
+    /// Renews lease `id` in all of `held`'s sets for `lease_ttl`, making it again where it
+    /// is missing: in a capped route's set through its queue (`hold`), as its key's, the
+    /// other sets as plain leases. The first call that fails ends it (renewing is
+    /// idempotent: sending it all again is safe).
+    pub(super) async fn renew(
+        &self,
+        held: &Sets,
+        id: &str,
+        guard: Guard,
+    ) -> Result<(), StoreError> {
+        let ttl_us = self.lease_ttl.as_micros() as u64;
+        let mut calls = Vec::with_capacity(held.sets.len());
+        let mut others = Vec::new();
+        for k in &held.sets {
+            match (super::keys::queue_keys(k), &held.key) {
+                (Some(q), Some(key)) => calls.push(self.queue_script.hold(&q, id, key, ttl_us)),
+                _ => others.push(k.clone()),
+            }
+        }
+        for sets in self.lease_groups(&others) {
+            calls.push(Lease { sets, id, ttl_us }.invocation());
+        }
+        for call in calls {
+            self.call_guarded::<redis::Value>(guard, call).await?;
+        }
+        Ok(())
     }
 
     /// The lease stays registered as live until the release is sent or remembered: a release
@@ -185,7 +237,7 @@ impl RedisBackend {
             let live = std::mem::take(&mut held.live);
             let owed = std::mem::take(&mut held.unreleased);
             live.into_iter()
-                .map(|(id, keys)| (keys, id))
+                .map(|(id, held)| (held.sets, id))
                 .chain(owed.into_iter().map(|u| (u.keys, u.id)))
                 .collect()
         };

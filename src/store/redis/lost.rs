@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::script::Lease;
+use super::guard::Guard;
+use super::lease::Sets;
 use super::RedisBackend;
 use crate::store::{lock, AdmitRequest, StoreError};
 
@@ -87,20 +88,17 @@ impl RedisBackend {
     }
 
     /// Registers every lease this instance holds again, bypassing the breaker (a renewal
-    /// re-creates a missing one). True when all of them went.
+    /// re-creates a missing one: in a capped route's queue as its key's, so that the key's
+    /// share of the route counts it). True when all of them went.
     async fn reregister_leases(&self) -> Result<(), StoreError> {
-        let live: Vec<(String, Vec<String>)> = lock(&self.held)
+        let live: Vec<(String, Sets)> = lock(&self.held)
             .live
             .iter()
-            .map(|(id, keys)| (id.clone(), keys.clone()))
+            .map(|(id, held)| (id.clone(), held.clone()))
             .collect();
-        let ttl_us = self.lease_ttl.as_micros() as u64;
         let within = self.timeout.max(Duration::from_millis(200));
-        for (id, keys) in &live {
-            for sets in self.lease_groups(keys) {
-                let renew = Lease { sets, id, ttl_us };
-                self.op_bypassing(&renew, within).await?;
-            }
+        for (id, held) in &live {
+            self.renew(held, id, Guard::Bypass(within)).await?;
         }
         if !live.is_empty() {
             tracing::warn!(

@@ -275,7 +275,7 @@ impl RedisBackend {
                 let lease = if held.is_empty() {
                     Lease::shared(None)
                 } else {
-                    Lease::shared(Some(RedisLease::hold(self, held, call.lease_id)))
+                    Lease::shared(Some(RedisLease::hold(self, held, None, call.lease_id)))
                 };
                 Decided::Admitted(outcome(Verdict::Admit { delay_us: reply.a }), lease)
             }

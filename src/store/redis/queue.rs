@@ -70,6 +70,20 @@ impl QueueScript {
         inv
     }
 
+    /// Renews lease `id` for `ttl_us`, making it again as `key`'s (the key's tag) if the
+    /// route lost it (`lua/queue.lua`, `hold`).
+    pub(super) fn hold<'a>(
+        &'a self,
+        keys: &QueueKeys,
+        id: &str,
+        key: &str,
+        ttl_us: u64,
+    ) -> Call<'a> {
+        let mut inv = self.call(keys, "hold");
+        inv.arg(id).arg(key).arg(ttl_us);
+        inv
+    }
+
     pub fn release<'a>(&'a self, keys: &QueueKeys, id: &str) -> Call<'a> {
         let mut inv = self.call(keys, "release");
         inv.arg(id)
@@ -135,11 +149,12 @@ impl Unserved {
     /// The request holds its slot: its leases are held as one (and registered as held before
     /// the id stops being pending, so that no beat in between finds it unnamed).
     fn served(mut self) -> Lease {
-        self.req = None;
+        // The key its route lease counts for, should a renewal have to make it again.
+        let key = self.req.take().map(|r| keys::key_tag(&r.key));
         self.forget_waiter();
         let mut held = std::mem::take(&mut self.key_slots);
         held.push(self.keys[0].clone());
-        let lease = RedisLease::hold(&self.store, held, self.id.clone());
+        let lease = RedisLease::hold(&self.store, held, key, self.id.clone());
         self.store.beat_on(&self.keys);
         Lease::shared(Some(lease))
     }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::guard::Guard;
+use super::lease::Sets;
 use super::script::{Debit, Peek, Refund, Unspend};
 use super::slices::{self, Ask};
 use super::{budget_keys, keys, RedisBackend, RedisLease};
@@ -167,12 +168,14 @@ impl SharedStore for RedisBackend {
         self.release_everything().await;
     }
 
-    /// A lease of a new id in the key's and the route's lease sets, held (and named by this
-    /// instance's beats) from before it is written, and renewed like any other.
+    /// A lease of a new id in the key's and the route's lease sets (in the route's queue as
+    /// `owner`'s, as an admission there counts), held (and named by this instance's beats)
+    /// from before it is written, and renewed like any other.
     async fn adopt(
         self: &Arc<Self>,
         route: Option<&str>,
         key: Option<&KeyHash>,
+        owner: &KeyHash,
     ) -> Result<Option<RedisLease>, StoreError> {
         let sets: Vec<String> = key
             .map(keys::key_slots_key)
@@ -180,10 +183,10 @@ impl SharedStore for RedisBackend {
             .chain(route.map(keys::route_slots_key))
             .collect();
         let id = self.next_lease_id();
-        let lease = RedisLease::hold(self, sets.clone(), id.clone());
+        let held = Sets::new(sets.clone(), Some(keys::key_tag(owner)));
+        let lease = RedisLease::hold(self, sets, held.key.clone(), id.clone());
         // On failure the lease drops, and its release (of nothing, or of what did run) goes.
-        self.lease_op(&sets, &id, self.lease_ttl.as_micros() as u64)
-            .await?;
+        self.renew(&held, &id, Guard::Breaker).await?;
         if let Some(q) = route.and_then(|r| keys::queue_keys(&keys::route_slots_key(r))) {
             self.beat_on(&q);
         }

@@ -135,7 +135,7 @@ impl RedisBackend {
         ids.extend(
             held.live
                 .iter()
-                .filter(|(_, keys)| keys.iter().any(|k| k == route))
+                .filter(|(_, held)| held.sets.iter().any(|k| k == route))
                 .map(|(id, _)| id.clone()),
         );
         (below, ids)
