@@ -800,16 +800,23 @@ async fn concurrent_requests_share_connections() {
         assert_eq!(statuses, vec![200; 64]);
     }
     // One multiplexed connection per proxy worker thread (2 here), not one per request, one
-    // for the `maxmemory-policy` check and one for the store probe (threads of their own).
+    // for the `maxmemory-policy` check, one for the store probe, and the give-back listener's
+    // two (threads of their own): its subscription and the connection its heartbeat goes on.
     let clients = redis.cli(&["CLIENT", "LIST"]);
-    let gateway_conns = clients
+    let gateway_conns: Vec<&str> = clients
         .lines()
         .filter(|l| !l.contains("cmd=client"))
-        .count();
+        .collect();
     assert!(
-        (1..=4).contains(&gateway_conns),
-        "{gateway_conns} connections:\n{clients}"
+        (1..=6).contains(&gateway_conns.len()),
+        "{} connections:\n{clients}",
+        gateway_conns.len()
     );
+    let subscribed = gateway_conns
+        .iter()
+        .filter(|l| !l.contains(" sub=0 "))
+        .count();
+    assert_eq!(subscribed, 1, "{clients}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
