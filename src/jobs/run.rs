@@ -339,7 +339,7 @@ impl Task {
             hold_ms: 0.0,
             upstream_status: e.upstream_status,
             request_id: self.origin.request_id.as_deref(),
-            // Jobs are not traced (yet): no span to join.
+            // The run is traced under the submission, whose line has the trace id.
             trace_id: None,
             fallback: false,
             shadow: None,

@@ -64,7 +64,7 @@ pub async fn assert_refused_by_a_full_queue(gw: &Gateway, r: reqwest::Response) 
     assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
     assert_eq!(
         p["detail"],
-        "/reports/generate has 1 requests in flight and its queue already holds 1 waiting (max_queue)"
+        "/reports/generate allows 1 request in flight and its queue already holds 1 waiting (max_queue)"
     );
     super::gateway::assert_metric(
         gw,

@@ -113,7 +113,7 @@ pub(super) async fn run_claimed(
             hold_ms: 0.0,
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
-            // Jobs are not traced (yet): no span to join.
+            // The run is traced under the submission, whose line has the trace id.
             trace_id: None,
             fallback: false,
             shadow: None,
