@@ -394,6 +394,24 @@ impl Connections {
 /// How soon a subscription that broke (or never connected) is tried again.
 pub(super) const SUBSCRIBE_AGAIN_AFTER: Duration = Duration::from_millis(500);
 
+/// A Pub/Sub connection of its own subscribed to `channel`; `None` (logged at debug) when
+/// the store is gone, Redis cannot be reached, or it refuses the subscription (an ACL).
+pub(super) async fn subscribe(
+    store: &Weak<RedisBackend>,
+    channel: &str,
+) -> Option<redis::aio::PubSub> {
+    let s = store.upgrade()?;
+    let pubsub = s.conns.pubsub().await;
+    drop(s);
+    let subscribed = match pubsub {
+        Ok(mut ps) => ps.subscribe(channel).await.map(|()| ps),
+        Err(e) => Err(e),
+    };
+    subscribed
+        .inspect_err(|e| tracing::debug!(error = %e, channel, "cannot subscribe"))
+        .ok()
+}
+
 /// Calls `heard` with each message Redis publishes on `channel`, subscribed anew after a
 /// broken connection, for as long as the store lives.
 pub(super) async fn subscribed(
@@ -402,23 +420,15 @@ pub(super) async fn subscribed(
     heard: impl Fn(&RedisBackend, &str),
 ) {
     use futures_util::StreamExt;
-    loop {
-        let Some(s) = store.upgrade() else { return };
-        let pubsub = s.conns.pubsub().await;
-        drop(s);
-        match pubsub {
-            Ok(mut ps) => {
-                if ps.subscribe(&channel).await.is_ok() {
-                    let mut messages = ps.on_message();
-                    while let Some(msg) = messages.next().await {
-                        let Some(s) = store.upgrade() else { return };
-                        if let Ok(m) = msg.get_payload::<String>() {
-                            heard(&s, m.as_str());
-                        }
-                    }
+    while store.strong_count() > 0 {
+        if let Some(mut ps) = subscribe(&store, &channel).await {
+            let mut messages = ps.on_message();
+            while let Some(msg) = messages.next().await {
+                let Some(s) = store.upgrade() else { return };
+                if let Ok(m) = msg.get_payload::<String>() {
+                    heard(&s, m.as_str());
                 }
             }
-            Err(e) => tracing::debug!(error = %e, channel, "cannot subscribe"),
         }
         tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
     }

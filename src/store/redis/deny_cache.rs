@@ -202,17 +202,11 @@ impl RedisBackend {
 /// Subscribes to [`GIVEN_BACK`], anew whenever the subscription breaks or goes deaf.
 async fn listen(store: Weak<RedisBackend>) {
     loop {
-        let Some(s) = store.upgrade() else { return };
-        let beat = format!("beat:{}", s.instance);
-        let pubsub = s.conns.pubsub().await;
-        drop(s);
-        match pubsub {
-            Ok(mut ps) => {
-                if ps.subscribe(GIVEN_BACK).await.is_ok() {
-                    hear(&store, ps, beat).await;
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, "cannot subscribe to give-backs"),
+        let Some(beat) = store.upgrade().map(|s| format!("beat:{}", s.instance)) else {
+            return;
+        };
+        if let Some(ps) = super::conn::subscribe(&store, GIVEN_BACK).await {
+            hear(&store, ps, beat).await;
         }
         let Some(s) = store.upgrade() else { return };
         s.deny.linked(false);
