@@ -731,8 +731,9 @@ fn a_submission_is_decided_before_its_body_is_read() {
     let r = read_raw_response(&mut s).expect("an answer");
     let after = asked.elapsed();
     assert_eq!(r.status, 429, "after {after:?}: {r:?}");
+    // At once, not after body_timeout (5 s), as the 408 came.
     assert!(
-        after < Duration::from_millis(2500),
+        after < Duration::from_millis(4500),
         "answered after {after:?}"
     );
     assert!(r.is_problem("quota-exceeded"), "{r:?}");
@@ -792,7 +793,7 @@ fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
     let r = read_raw_response(&mut s).expect("an answer");
     let after = stalled.elapsed();
     assert_eq!(r.status, 408, "{r:?}");
-    assert!(after < Duration::from_secs(4), "answered after {after:?}");
+    assert!(after < Duration::from_secs(8), "answered after {after:?}");
     assert!(r.is_problem("request-timeout"), "{r:?}");
     let h = |name| r.header(name);
     assert_eq!(h("ratelimit-policy"), Some("\"default\";q=100;w=86400"));

@@ -880,7 +880,7 @@ async fn a_freed_slot_goes_to_the_next_job_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_submission_is_decided_before_its_body_and_given_back_if_it_stalls() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(200));
+    let up = Upstream::start(Duration::from_secs(3));
     let body = config(&redis.url())
         .replace(
             "keys:\n",
@@ -960,10 +960,8 @@ async fn a_fleet_submission_is_decided_before_its_body_and_given_back_if_it_stal
     assert_eq!(r.status, 429, "after {after:?}: {r:?}");
     assert!(r.is_problem("quota-exceeded"), "{r:?}");
     assert!(r.header("retry-after").unwrap().parse::<u64>().unwrap() > 0);
-    assert!(
-        after < Duration::from_millis(1500),
-        "answered after {after:?}"
-    );
+    // At once, not after body_timeout (2 s), as a 408 came.
+    assert!(after < Duration::from_secs(2), "answered after {after:?}");
     assert_eq!(remaining(&gw, "b").await, 0);
     assert_eq!(up.count(ROUTE), 1);
 }

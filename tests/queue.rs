@@ -393,9 +393,9 @@ async fn a_request_that_leaves_the_queue_waited_until_it_left() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
-    let holder = spawn_post(&c, gw.url("/r?delay_ms=3000"), "key-a");
+    let holder = spawn_post(&c, gw.url("/r?delay_ms=8000"), "key-a");
     up.wait_current("/r", 1).await;
-    let r = impatient(Duration::from_millis(600))
+    let r = impatient(Duration::from_millis(1500))
         .post(gw.url("/r"))
         .header("X-API-Key", "key-b")
         .send()

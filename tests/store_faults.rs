@@ -836,14 +836,9 @@ async fn leases_registered_again_after_redis_restarted_empty_keep_the_keys_share
     assert_eq!(p1_report(&c, &b, 300).await, (503, true));
     redis.kill();
     redis = Redis::start_on(port);
-    let leases = redis_route_slots_key("/reports/generate");
-    eventually(Duration::from_secs(5), async || {
-        match redis.cli(&["ZCARD", &leases]) {
-            n if n == "2" => Ok(()),
-            n => Err(format!("{n} leases registered again")),
-        }
-    })
-    .await;
+    redis
+        .wait_route_slots("/reports/generate", 2, Duration::from_secs(5))
+        .await;
     let (via_a, via_b) = tokio::join!(p1_report(&c, &a, 300), p1_report(&c, &b, 300));
     assert_eq!(
         (via_a, via_b, up.max_concurrent("/reports/generate")),

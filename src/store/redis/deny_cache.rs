@@ -289,7 +289,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         let req = request();
         assert!(c.check(&req).is_none());
-        let o = refusal(50_000);
+        // Kept 10 s: a stalled test runner cannot see it lapse between two lines.
+        let o = refusal(10_000_000);
         c.insert(&req, &o, Instant::now());
         assert!(c.check(&req).is_some());
         // A cheaper request might fit sooner: not cached.
@@ -306,6 +307,8 @@ mod tests {
         assert!(c.check(&other).is_none());
         c.insert(&req, &o, Instant::now());
         assert!(c.check(&req).is_some());
+        // Kept 50 ms: gone once they have passed.
+        c.insert(&req, &refusal(50_000), Instant::now());
         std::thread::sleep(Duration::from_millis(60));
         assert!(c.check(&req).is_none(), "expired");
     }
