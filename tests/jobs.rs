@@ -318,8 +318,7 @@ async fn a_job_beyond_max_queue_is_told_the_queue_is_full() {
     let first = submit(&c, &gw, ROUTE, "key-a", "").await;
     up.wait_current(ROUTE, 1).await;
     let second = submit(&c, &gw, ROUTE, "key-a", "").await;
-    let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
-    assert_refused_by_a_full_queue(&gw, r).await;
+    refused_at_once_by_a_full_queue(&gw, "key-a").await;
     assert_eq!(remaining(&gw, "a").await, 80);
     for location in [&first, &second] {
         assert_eq!(result(&c, &gw, location, "key-a").await.status(), 200);

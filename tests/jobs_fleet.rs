@@ -817,10 +817,9 @@ async fn a_job_refused_by_a_full_queue_is_not_charged() {
     let (first, _) = submit(&c, &gw, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let (second, _) = submit(&c, &gw, ROUTE, "").await;
-    let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
     // Said and counted as the full queue it was (it was told "no slot freed within 0 ms" and
-    // counted as `in_flight`: a job has no queue_timeout).
-    assert_refused_by_a_full_queue(&gw, r).await;
+    // counted as `in_flight`: a job has no queue_timeout), at once.
+    refused_at_once_by_a_full_queue(&gw, "key-a").await;
     assert_eq!(remaining(&gw, "a").await, 80);
     for location in [&first, &second] {
         assert_eq!(result(&c, &gw, location).await.status(), 200);

@@ -4,6 +4,8 @@
 //! once the budget has admitted the request. A charge whose job is not made after all (its
 //! body stalled, broke off or was over `max_request_body`; its queue, the process's bound or
 //! the store refused it) is given back: no job existed, and the upstream never had anything.
+//! A route's queue already full (`max_queue`) refuses the job here, before its body, as it
+//! refuses a request at once; one that fills while the body arrives refuses it after.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +72,16 @@ impl Charged {
         }
     }
 
+    /// Whether the job's route's queue is full for it now (`max_queue`): a job it would
+    /// refuse is refused before its body is read, as a request is at once (DESIGN §3).
+    async fn queue_full(&self, cap: u32) -> bool {
+        match (&self.held, &self.store) {
+            (Some(Held::Memory { ticket, .. }), Store::Memory(m)) => m.job_queue_full(&ticket.req),
+            (Some(Held::Redis { req, backend, .. }), _) => backend.job_queue_full(req, cap).await,
+            _ => false,
+        }
+    }
+
     /// What the job takes over.
     pub(super) fn into_held(mut self) -> Option<Held> {
         self.held.take()
@@ -122,9 +134,20 @@ pub async fn charge(
             (standing, held)
         }
     };
-    Ok(Charged {
+    let charged = Charged {
         standing,
         held: Some(held),
         store: shared.store.clone(),
-    })
+    };
+    if let Some(cap) = route
+        .max_in_flight
+        .filter(|_| route.queue.max_queue.is_some())
+    {
+        if charged.queue_full(cap).await {
+            let standing = charged.give_back().await;
+            let queued = Duration::ZERO;
+            return Err(Admission::RouteBusy { standing, queued });
+        }
+    }
+    Ok(charged)
 }

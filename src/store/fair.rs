@@ -306,15 +306,25 @@ impl FairQueue {
         }
     }
 
-    fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair) -> Joined {
-        let mut q = lock(this);
-        let weight = fair.weight.max(1);
-        let (running, none_waiting) = q
+    /// Whether `key` may take a free slot now: one is free, the key runs fewer than its
+    /// share, and none of its own earlier requests waits ahead of it.
+    fn takes(&self, key: u128) -> bool {
+        let (running, none_waiting) = self
             .keys
             .get(&key)
             .map_or((0, true), |k| (k.running, k.waiting.is_empty()));
-        // A free slot with nobody of this key ahead (its own earlier requests go first).
-        if q.running < q.cap && q.per_key.is_none_or(|share| running < share) && none_waiting {
+        self.running < self.cap && self.per_key.is_none_or(|share| running < share) && none_waiting
+    }
+
+    /// Whether a join of `key` now would be [`Joined::QueueFull`].
+    fn full(&self, key: u128, fair: Fair) -> bool {
+        fair.max_queue.is_some_and(|m| self.queued >= m as usize) && !self.takes(key)
+    }
+
+    fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair) -> Joined {
+        let mut q = lock(this);
+        let weight = fair.weight.max(1);
+        if q.takes(key) {
             let k = q.keys.entry(key).or_default();
             k.weight = weight;
             k.running += 1;
@@ -324,7 +334,7 @@ impl FairQueue {
                 key,
             });
         }
-        if fair.max_queue.is_some_and(|m| q.queued >= m as usize) {
+        if q.full(key, fair) {
             return Joined::QueueFull;
         }
         q.seq += 1;
@@ -416,6 +426,14 @@ impl RouteQueues {
             }
         }
         FairQueue::join(&queue, key, fair)
+    }
+
+    /// Whether `route`'s queue would refuse `key` now ([`Joined::QueueFull`]): a job asks
+    /// before its body is read.
+    pub fn full(&self, route: &str, key: u128, fair: Fair) -> bool {
+        lock(&self.routes)
+            .get(route)
+            .is_some_and(|q| lock(q).full(key, fair))
     }
 
     /// Running and waiting on `route` in this process.

@@ -56,14 +56,32 @@ pub async fn job_result(
     }
 }
 
-/// A job submission `r` on `gw` refused by the route's full queue (`max_queue` 1 on
-/// `/reports/generate`, capped at 1): said so, and counted as `route_busy` once.
-pub async fn assert_refused_by_a_full_queue(gw: &Gateway, r: reqwest::Response) {
-    assert_eq!(r.status(), 503);
-    let p: serde_json::Value = r.json().await.unwrap();
-    assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+/// A job submission by `key` on `gw` whose route's queue is full (`max_queue` 1 on
+/// `/reports/generate`, capped at 1) is refused at once (DESIGN §3), before its body: the
+/// client waits for `100 Continue` and never sends the body, and still gets its 503 well
+/// inside the default `body_timeout` (30 s). Said so, and counted as `route_busy` once.
+/// (Before: the gateway waited for the body, and answered 408 after `body_timeout`.)
+pub async fn refused_at_once_by_a_full_queue(gw: &Gateway, key: &str) {
+    let port = gw.port;
+    let head = format!(
+        "POST /reports/generate HTTP/1.1\r\nHost: localhost\r\nX-API-Key: {key}\r\nPrefer: respond-async\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n"
+    );
+    let asked = Instant::now();
+    let r = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut s = super::raw_http::raw_connect(port);
+        s.write_all(head.as_bytes()).unwrap();
+        super::raw_http::read_raw_response(&mut s)
+    })
+    .await
+    .unwrap();
+    let after = asked.elapsed();
+    let r = r.unwrap_or_else(|| panic!("no answer after {after:?}: it waited for the body"));
+    assert_eq!(r.status, 503, "after {after:?}: {r:?}");
+    assert!(after < Duration::from_secs(10), "answered after {after:?}");
+    assert!(r.is_problem("route-busy"), "{r:?}");
     assert_eq!(
-        p["detail"],
+        r.json()["detail"],
         "/reports/generate allows 1 request in flight and its queue already holds 1 waiting (max_queue)"
     );
     super::gateway::assert_metric(

@@ -119,12 +119,17 @@ fn max_queue_bounds_the_waiters_and_a_waiter_that_leaves_frees_its_place() {
     };
     let s = slot(&q, 1, 1, f);
     let w1 = wait(&q, 1, 2, f);
+    assert!(!q.full("r", 4, f), "one place left");
     let mut w2 = wait(&q, 1, 3, f);
+    // What a job asks before its body is read: the join it would make now.
+    assert!(q.full("r", 4, f));
+    assert!(!q.full("other", 4, f));
     assert!(matches!(
         q.join(&Arc::from("r"), 1, 4, f),
         Joined::QueueFull
     ));
     drop(w1);
+    assert!(!q.full("r", 4, f));
     assert_eq!(q.counts("r"), (1, 1));
     let _w3 = wait(&q, 1, 4, f);
     // The waiter that left is skipped: the slot goes to the next one.

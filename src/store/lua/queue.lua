@@ -66,6 +66,10 @@
 --          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
+--   full   ARGV key cap share max_queue -> {1} when an `enter` of `key` now would be refused
+--          FULL (no slot for it and max_queue waiters), else {0}: a job asks before its body
+--          is read, so that a full queue refuses it at once. A slot a lapsed lease freed
+--          counts as free (the `enter` grants it first), so {0} may still meet FULL.
 -- Reads and checks come before the first write of each operation's own work; the upkeep
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
 
@@ -321,6 +325,13 @@ local function purge()
   end
 end
 
+-- Whether `key` may take a free slot now: one is free, the key runs fewer than its share, and
+-- none of its own waiters is ahead of it.
+local function takes(key, route_cap, route_share)
+  return redis.call('ZCARD', leases) < route_cap
+    and (route_share == 0 or num('r:' .. key) < route_share) and not oldest(key)
+end
+
 -- Every structure lives a while past the last call (renewals and beats keep it alive).
 local function keep(ttl_us)
   local ms = int(math.max(60000, math.ceil(ttl_us / 1000) * 4))
@@ -344,9 +355,7 @@ if op == 'enter' then
   redis.call('HSET', state, 'cap', route_cap, 'share', route_share, 'i:' .. instance, int(now + alive_us))
   purge()
   grant(grant_ttl)
-  local running = num('r:' .. key)
-  if redis.call('ZCARD', leases) < route_cap and (route_share == 0 or running < route_share)
-      and not oldest(key) then
+  if takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
@@ -499,6 +508,14 @@ elseif op == 'beat' then
 elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
+elseif op == 'full' then
+  purge()
+  local key, max_queue = ARGV[2], tonumber(ARGV[5])
+  if max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
+      or takes(key, tonumber(ARGV[3]), tonumber(ARGV[4])) then
+    return {0}
+  end
+  return {1}
 elseif op == 'peek' then
   purge()
   local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}

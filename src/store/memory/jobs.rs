@@ -39,6 +39,12 @@ impl MemoryStore {
         }
     }
 
+    /// Whether the job's route's queue would refuse it now (`max_queue`), asked before its
+    /// body is read.
+    pub fn job_queue_full(&self, req: &AdmitRequest) -> bool {
+        self.routes.full(&req.route, short_key(&req.key), req.fair)
+    }
+
     /// A charged job's place in its route's queue, which its own task awaits (no
     /// `queue_timeout`: the job decides how long it waits); `None` when the queue is full
     /// (`max_queue`: the caller gives the charge back).

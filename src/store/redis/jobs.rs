@@ -83,6 +83,26 @@ impl RedisBackend {
         })
     }
 
+    /// Whether route `req.route`'s queue would refuse a job of `req`'s key now (`max_queue`
+    /// waiters and no slot for it), asked before the job's body is read so that a full
+    /// queue's 503 comes at once (DESIGN §3). `false` when Redis does not answer: the job's
+    /// entry decides then.
+    pub(crate) async fn job_queue_full(self: &Arc<Self>, req: &AdmitRequest, cap: u32) -> bool {
+        let Some(max) = req.fair.max_queue else {
+            return false;
+        };
+        let Ok(rk) = Self::route_keys(&req.route) else {
+            return false;
+        };
+        let mut inv = self.queue_script.call(&rk, "full");
+        inv.arg(keys::key_tag(&req.key))
+            .arg(cap)
+            .arg(req.fair.per_key.unwrap_or(0))
+            .arg(max);
+        let full: Result<Vec<i64>, _> = self.call(inv).await;
+        full.is_ok_and(|v| v.first() == Some(&1))
+    }
+
     /// Enters a charged job (its record written) in its route's queue as the fleet's waiter
     /// `id`. A full queue gives the charge back; so does an error (the job may have entered:
     /// the caller cancels its record, so that a grant finds it so and passes the slot on).
