@@ -489,6 +489,63 @@ async fn the_audit_compares_stated_and_configured_costs() {
     assert!(!line("/big").contains("stated"), "{table}");
 }
 
+/// An instance whose give-back subscription goes deaf without closing (a middlebox that
+/// drops the flow silently) stops answering from the refusals it keeps: it no longer hears
+/// its own heartbeat, takes the subscription for lost, and asks Redis again. Here `a`'s path
+/// to Redis holds every message Redis pushes to `a`'s subscription (its calls still pass);
+/// `b`'s refund never reaches `a`, and `a` still admits the request that now fits, within
+/// the 3 s the heartbeat allows plus a beat. (Without the heartbeat `a` kept the refusal for
+/// the 36 minutes until Redis said the cost could fit.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deaf_subscription_keeps_no_refusal() {
+    let redis = Redis::start();
+    let path_of_a = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 5 }\n  endpoints:\n    /four: { cost: 4, cost_from_response: X-Actual-Cost }\n";
+    let via = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
+        path_of_a.url()
+    );
+    let a = Gateway::start(&up, &format!("{via}{limits}"));
+    let b = Gateway::start(&up, &format!("{}{limits}", redis_store(&redis, "")));
+    let c = client();
+    let slow = tokio::spawn({
+        let (c, url) = (c.clone(), b.url("/four?delay_ms=5000&actual_cost=0"));
+        async move { get(&c, url, "r-key").await }
+    });
+    up.wait_current("/four", 1).await;
+    // `a` refuses the next 4 (1 left) and keeps the refusal: a repeat asks Redis nothing.
+    eventually(Duration::from_secs(10), async || {
+        let before = redis.evalsha_calls();
+        let r = get(&c, a.url("/four"), "r-key").await;
+        assert_eq!(r.status(), 429);
+        match redis.evalsha_calls() == before {
+            true => Ok(()),
+            false => Err("`a` asked Redis".to_string()),
+        }
+    })
+    .await;
+    // What Redis pushes to `a`'s subscription is held from now on (not its calls or beats).
+    path_of_a.hold_matching("message\r\n$19\r\ntollgate:given-back");
+    assert_eq!(slow.await.unwrap().status(), 200);
+    let asked = Instant::now();
+    let admitted = eventually(Duration::from_secs(15), async || {
+        let r = get(&c, a.url("/four"), "r-key").await;
+        match r.status().as_u16() {
+            200 => Ok(r),
+            429 => Err("`a` still refuses from memory".into()),
+            other => panic!("{other}"),
+        }
+    })
+    .await;
+    assert_eq!(
+        header(&admitted, "x-ratelimit-remaining").as_deref(),
+        Some("1")
+    );
+    assert!(asked.elapsed() < Duration::from_secs(15));
+    assert_eq!(up.count("/four"), 2);
+}
+
 /// A refund on one instance frees the units on every other at once. An instance keeps a
 /// refusal Redis made (and answers its repeats from memory until Redis said the cost could
 /// fit); `b`'s stated 0 gives 4 units back while `a` remembers refusing them, and `a` refused

@@ -22,18 +22,6 @@ fn redis_body(redis: &Redis, on_error: &str, fleet_size: u32, rate_limits: &str)
 /// route that costs 4.
 const BULK: &str = "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /exports/bulk: {cost: 4}\n";
 
-/// EVALSHA calls Redis has run so far.
-fn evalsha_calls(redis: &Redis) -> u64 {
-    redis
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .find_map(|l| {
-            let rest = l.strip_prefix("cmdstat_evalsha:calls=")?;
-            rest.split(',').next()?.parse().ok()
-        })
-        .unwrap_or(0)
-}
-
 /// What the client loops of a run share: when to stop or pause, and what they counted.
 #[derive(Default)]
 struct Run {
@@ -99,7 +87,7 @@ async fn hot_key_through_hand_backs(max_cost: u64, window_s: u64) -> [(u64, u64)
     let mut gws: Vec<Gateway> = (0..3).map(|_| Gateway::start(&up, &body)).collect();
     let c = client();
     let run = Arc::new(Run::default());
-    let calls_before = evalsha_calls(&redis);
+    let calls_before = redis.evalsha_calls();
     let start = Instant::now();
     let mut loops = vec![];
     for gw in &gws {
@@ -113,7 +101,7 @@ async fn hot_key_through_hand_backs(max_cost: u64, window_s: u64) -> [(u64, u64)
     }
     let first_phase = (
         run.ok.load(Ordering::Relaxed),
-        evalsha_calls(&redis) - calls_before,
+        redis.evalsha_calls() - calls_before,
     );
     tokio::time::sleep(Duration::from_millis(1100)).await;
     gws[0].signal("HUP");
@@ -135,7 +123,7 @@ async fn hot_key_through_hand_backs(max_cost: u64, window_s: u64) -> [(u64, u64)
     let sent = run.sent.load(Ordering::Relaxed);
     assert_eq!(up.count("/items"), admitted);
     let bound = max_cost as f64 * (1.0 + elapsed / window_s as f64);
-    let calls = evalsha_calls(&redis) - calls_before;
+    let calls = redis.evalsha_calls() - calls_before;
     eprintln!(
         "{admitted} admitted of {sent} sent (bound {bound:.0} over {elapsed:.2}s), {calls} EVALSHA"
     );
@@ -194,7 +182,7 @@ async fn a_second_instance_gets_the_rest_of_a_budget_a_busy_one_was_spending() {
     );
     let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
     let c = client();
-    let calls_before = evalsha_calls(&redis);
+    let calls_before = redis.evalsha_calls();
     let admitted_a = Arc::new(AtomicU64::new(0));
     let near_end = Arc::new(AtomicBool::new(false));
     let loops: Vec<_> = (0..6)
@@ -226,7 +214,7 @@ async fn a_second_instance_gets_the_rest_of_a_budget_a_busy_one_was_spending() {
     }
     let from_a = admitted_a.load(Ordering::Relaxed);
     assert!(
-        evalsha_calls(&redis) - calls_before < from_a,
+        redis.evalsha_calls() - calls_before < from_a,
         "A spent slices"
     );
     // B asks at once, and then until every unit is gone: A's unspent slices come back
@@ -284,7 +272,7 @@ async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
         ),
     );
     let c = client();
-    let calls_before = evalsha_calls(&redis);
+    let calls_before = redis.evalsha_calls();
     let mut seen = vec![];
     let mut admitted = 0;
     loop {
@@ -310,7 +298,7 @@ async fn one_instance_shows_the_exact_header_sequence_while_spending_slices() {
     let want: Vec<u64> = (0..250).map(|i| 1000 - 4 * (i + 1)).collect();
     assert_eq!(seen, want);
     assert_eq!(admitted, 250);
-    let calls = evalsha_calls(&redis) - calls_before;
+    let calls = redis.evalsha_calls() - calls_before;
     eprintln!("{calls} EVALSHA for 251 requests");
     assert!(
         calls < 150,
@@ -339,12 +327,12 @@ async fn the_admin_view_of_two_budgets_counts_the_unspent_slice_in_each() {
         ),
     );
     let c = client();
-    let calls_before = evalsha_calls(&redis);
+    let calls_before = redis.evalsha_calls();
     for i in 0..100 {
         let r = get(&c, gw.url("/exports/bulk"), "k").await;
         assert_eq!(r.status(), 200, "request {i}");
     }
-    let calls = evalsha_calls(&redis) - calls_before;
+    let calls = redis.evalsha_calls() - calls_before;
     assert!(
         calls < 80,
         "slices were in use: {calls} EVALSHA for 100 requests"
@@ -508,11 +496,11 @@ async fn refunds_of_requests_spent_from_slices_leave_nothing_charged() {
         ..GatewayOpts::default()
     });
     let c = client();
-    let before = evalsha_calls(&redis);
+    let before = redis.evalsha_calls();
     for _ in 0..60 {
         assert_eq!(get(&c, gw.url("/exports/bulk"), "k").await.status(), 502);
     }
-    let calls = evalsha_calls(&redis) - before;
+    let calls = redis.evalsha_calls() - before;
     let start = Instant::now();
     while held_in_redis(&redis, "k") > 0 || left_in_redis(&redis, "k") != 1000 {
         assert!(
@@ -589,10 +577,10 @@ async fn a_burst_after_a_quiet_spell_gets_at_most_the_bucket() {
     // Warm-up on the first instance, slower than the refill, so that its slices grow to the
     // cap without the bucket running low; it ends on a request that reserved a slice (one
     // that reached Redis), so the instance holds about a whole one.
-    let mut calls = evalsha_calls(&redis);
+    let mut calls = redis.evalsha_calls();
     for n in 1.. {
         assert_eq!(get(&c, gws[0].url("/items"), "q").await.status(), 200);
-        let now = evalsha_calls(&redis);
+        let now = redis.evalsha_calls();
         let reserved = now > calls;
         calls = now;
         if n >= 30 && reserved {

@@ -66,6 +66,17 @@ impl Redis {
         cli_on(self.port, args)
     }
 
+    /// EVALSHA calls this Redis has run so far (`INFO commandstats`).
+    pub fn evalsha_calls(&self) -> u64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|l| {
+                let rest = l.strip_prefix("cmdstat_evalsha:calls=")?;
+                rest.split(',').next()?.parse().ok()
+            })
+            .unwrap_or(0)
+    }
+
     /// Waits until `redis-cli args` answers `want` (within `within`): for what the gateways
     /// write, and Redis expires, in the background.
     pub async fn wait_cli(&self, args: &[&str], want: &str, within: Duration) {
