@@ -972,6 +972,44 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
     drop(send);
 }
 
+/// A HEAD stream the gateway answers itself (401, 429) gets headers only: HEADERS that end
+/// the stream, as for a HEAD the upstream answers (RFC 9110 §9.3.2: a HEAD answer has no
+/// content). (Before, the gateway sent its problem JSON in a DATA frame after them, which an
+/// HTTP/2 client must take for a protocol error: curl lost the 429 and its `Retry-After`.)
+#[tokio::test]
+async fn a_head_stream_the_gateway_answers_ends_with_its_headers() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 1}\n";
+    let tg = start_tls(&up, &pki, body, &[]);
+    let client = h2_connect(&tg).await;
+    // The upstream's answer to a HEAD, and the key's one unit spent.
+    let r = h2_send(&client, h2_request("HEAD", "/widgets", "k1")).await;
+    assert_eq!((r.status, r.body.len(), r.remaining()), (200, 0, 0));
+    let r = h2_send(&client, h2_request("HEAD", "/widgets", "k1")).await;
+    assert_eq!((r.status, r.body.len()), (429, 0));
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert!(r.header("retry-after").unwrap().parse::<u64>().unwrap() > 0);
+    assert_eq!(r.header("x-ratelimit-cost"), Some("0"));
+    let anonymous = http::Request::builder()
+        .method("HEAD")
+        .uri("https://localhost/widgets")
+        .body(())
+        .unwrap();
+    let r = h2_send(&client, anonymous).await;
+    assert_eq!((r.status, r.body.len()), (401, 0));
+    // The connection goes on: a GET on it gets its problem JSON.
+    let r = h2_send(&client, h2_request("GET", "/widgets", "k1")).await;
+    assert_eq!(r.status, 429);
+    let p: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("quota-exceeded"),
+        "{p}"
+    );
+    assert_eq!(up.count("/widgets"), 1);
+}
+
 /// The same over a job submission (DESIGN §8): a stream asking for `respond-async` whose
 /// body stalls gets its 408 after `body_timeout` as a synchronous stream does, and no job is
 /// made. (Before, the submission's own read of the body had no timer over HTTP/2: the stream

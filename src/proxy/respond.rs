@@ -9,6 +9,7 @@ use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::Session;
 
+use pingora::protocols::http::HttpTask;
 use pingora::proxy::FailToProxy;
 
 use super::ctx::Ctx;
@@ -61,6 +62,14 @@ pub(super) async fn send(
     }
     rate_limit_headers(&mut h, ctx)?;
     let discard = past_unread_body(session);
+    if session.req_header().method == http::Method::HEAD && session.downstream_session.is_http2() {
+        // A HEAD's answer has no content (RFC 9110 §9.3.2): its HEADERS end the stream. A
+        // DATA frame after them is a protocol error to the client, which then loses the
+        // answer. (Pingora's HTTP/1 writer drops a HEAD's body itself.)
+        let end = vec![HttpTask::Header(Box::new(h), true)];
+        session.downstream_session.response_duplex_vec(end).await?;
+        return Ok(true);
+    }
     session.write_response_header(Box::new(h), false).await?;
     session.write_response_body(Some(body), true).await?;
     if discard {
