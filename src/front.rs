@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use pingora::apps::{HttpServerApp, ServerApp};
+use pingora::apps::{HttpServerApp, ReusedHttpStream, ServerApp};
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::{Stream, UniqueIDType, ALPN};
 use pingora::proxy::HttpProxy;
@@ -67,6 +67,9 @@ pub struct ConnState {
     refused_head: AtomicBool,
     /// Bytes of the HTTP/2 connection preface still to come (0: arrived, or HTTP/1).
     preface_left: AtomicU32,
+    /// The connection, taken back from a request Pingora would end it after
+    /// ([`keep_after_failure`]), for the keep-alive loop's next request.
+    kept: std::sync::Mutex<Option<ReusedHttpStream>>,
 }
 
 impl ConnState {
@@ -83,6 +86,7 @@ impl ConnState {
             http1: AtomicBool::new(false),
             refused_head: AtomicBool::new(false),
             preface_left: AtomicU32::new(0),
+            kept: std::sync::Mutex::new(None),
         }
     }
 
@@ -352,7 +356,8 @@ where
                     return;
                 }
             };
-            let Some(done) = done else {
+            let kept = || conn.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let Some(done) = done.or_else(kept) else {
                 if conn.refused_head.load(Ordering::SeqCst) {
                     crate::proxy::malformed_head(&self.shared, peer, conn.head_elapsed());
                 }
@@ -370,6 +375,75 @@ where
     /// At shutdown: wakes keep-alive reads parked in Pingora so that they don't hold it up.
     async fn cleanup(&self) {
         self.proxy.http_cleanup().await
+    }
+}
+
+/// Takes an HTTP/1 connection back from a request whose upstream failed, once the gateway
+/// has answered for it with the whole request read: Pingora ends the connection after any
+/// upstream error, and what the client pipelined behind the request would be lost (DESIGN
+/// §3: never dropped). Called last in `logging`; the session keeps a stand-in socket for
+/// Pingora to drop, and the keep-alive loop reads the next request from the connection,
+/// with what was read ahead of it.
+pub async fn keep_after_failure(session: &mut pingora::proxy::Session, conn: &ConnState) {
+    use pingora::apps::HttpPersistentSettings;
+    use pingora::protocols::l4::{stream::Stream, virt::VirtualSocketStream};
+    let stand_in = Stream::from(VirtualSocketStream::new(Box::new(Spent)));
+    let stand_in = ServerSession::new_http1(Box::new(stand_in));
+    let session = std::mem::replace(&mut *session.downstream_session, stand_in);
+    let settings = HttpPersistentSettings::for_session(&session);
+    // `None` when the connection is not to go on after all (the client asked to close it,
+    // or its unread body could not be read past).
+    if let Ok(Some(stream)) = session.finish().await {
+        let reused = ReusedHttpStream::from_reusable_stream(stream, settings);
+        *conn.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(reused);
+    }
+}
+
+/// The socket a session is left with once its connection was taken back: it reads nothing
+/// and writes into nothing.
+#[derive(Debug)]
+struct Spent;
+
+impl tokio::io::AsyncRead for Spent {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        _: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for Spent {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl pingora::protocols::l4::virt::VirtualSocket for Spent {
+    fn set_socket_option(
+        &self,
+        _: pingora::protocols::l4::virt::VirtualSockOpt,
+    ) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -787,6 +787,39 @@ fn an_answer_that_closes_the_connection_does_not_wait_for_the_body() {
     }
 }
 
+/// DESIGN §3: pipelined requests are never dropped, also behind a 502 (an upstream nobody
+/// listens on) or a 504 (an upstream slower than `read_timeout`) whose request was whole: the
+/// requests behind them are answered on the same connection. (Before, the 502 and the 504
+/// went with `Connection: close` and what followed them was lost, never forwarded.)
+#[test]
+fn pipelined_requests_behind_an_upstream_failure_are_answered() {
+    let up = Upstream::start(Duration::ZERO);
+    let dead = free_port();
+    let body = format!(
+        "upstreams:\n  dead: {{url: \"http://127.0.0.1:{dead}\"}}\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 100}}\n  endpoints:\n    \"/dead/{{*rest}}\": {{upstream: dead}}\n"
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let get = |target: &str, close: &str| {
+        format!("GET {target} HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-fail\r\n{close}\r\n")
+    };
+    for first in ["/dead/x", "/items/slow?delay_ms=2000"] {
+        let all = get(first, "") + &get("/items/1", "") + &get("/items/2", "Connection: close\r\n");
+        let answers = pipelined(gw.port, &all);
+        let want = if first.starts_with("/dead") { 502 } else { 504 };
+        assert_eq!(
+            answers,
+            [(want, false), (200, false), (200, true)],
+            "behind {first}"
+        );
+    }
+    assert_eq!(up.count("/items/1") + up.count("/items/2"), 4);
+}
+
 #[test]
 fn pipelined_requests_are_all_answered_in_order() {
     let up = Upstream::start(Duration::ZERO);

@@ -91,6 +91,9 @@ pub struct Leg {
     /// work on. Kept here because an HTTP/2 session whose connection closed no longer says
     /// its body was done.
     pub whole_request: bool,
+    /// The upstream failed and the gateway answered for it with the whole request read: the
+    /// client's HTTP/1 connection goes on after the answer (`front::keep_after_failure`).
+    pub keep_client: bool,
 }
 
 /// One request, from the first phase Pingora runs to `logging`: its phase, the facts every

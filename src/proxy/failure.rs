@@ -119,9 +119,17 @@ impl Gateway {
         // HungUp: the upstream had the request and is done with it: charged, its slot freed
         // in `logging` as after an answer.
         ctx.timing.upstream_done();
-        // Pingora will not reuse this connection after an upstream error: say so, so that the
-        // client doesn't send its next request into a closing socket.
-        session.set_keepalive(None);
+        // The client's connection goes on when nothing of the request is left to read: what
+        // it pipelined behind this one is answered (DESIGN §3: never dropped). One whose body
+        // the failure cut short ends: say so, so that the client doesn't send its next request
+        // into a closing socket.
+        // (Pingora closes a connection after an upstream error whatever this hook returns:
+        // `logging` takes it back from the session through the front door.)
+        ctx.upstream.keep_client =
+            ctx.conn.is_some() && !session.downstream_session.is_http2() && session.is_body_done();
+        if !ctx.upstream.keep_client {
+            session.set_keepalive(None);
+        }
         let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
         FailToProxy {
             error_code: failure.problem.status(),

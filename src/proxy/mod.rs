@@ -457,6 +457,9 @@ impl ProxyHttp for Gateway {
             charged,
         };
         record::access_line(ctx, &line, trace_id.as_ref(), e);
+        if let (true, Some(_), Some(conn)) = (ctx.upstream.keep_client, e, &ctx.conn) {
+            front::keep_after_failure(session, conn).await;
+        }
     }
 }
 
