@@ -593,3 +593,57 @@ async fn a_refund_elsewhere_ends_a_remembered_refusal() {
     );
     assert_eq!(up.count("/four"), 2);
 }
+
+/// DESIGN §6: the stated cost's header "is removed before the client sees the response" —
+/// also from an interim `103 Early Hints` the upstream sends first (the rest of it, `Link`,
+/// is relayed). Only the final answer's figure counts: 5, not the hint's 99. (Before, the
+/// 103 reached the client with `X-Actual-Cost: 99`.)
+#[test]
+fn a_stated_cost_in_early_hints_is_not_relayed() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = conn.write_all(
+                b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\nX-Actual-Cost: 99\r\n\r\n\
+                  HTTP/1.1 200 OK\r\nX-Actual-Cost: 5\r\nContent-Length: 2\r\n\r\nok",
+            );
+        }
+    });
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{port}"),
+        body: "rate_limits:\n  default: { cost: 1, window: 1h, max_cost: 100 }\n  endpoints:\n    /q: { cost: 10, cost_from_response: X-Actual-Cost }\n",
+        ..GatewayOpts::default()
+    });
+    let mut s = raw_connect(gw.port);
+    s.write_all(
+        b"GET /q HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-hints\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(text.starts_with("http/1.1 103"), "{text}");
+    assert!(
+        text.contains("\r\nlink: </a.css>; rel=preload\r\n"),
+        "{text}"
+    );
+    assert!(!text.contains("x-actual-cost"), "{text}");
+    assert!(text.contains("http/1.1 200"), "{text}");
+    // The next request sees the first settled to its stated 5 (not 99): admitted at 10, it
+    // leaves 100 - 5 - 10.
+    let mut s = raw_connect(gw.port);
+    s.write_all(&raw("GET /q", &["X-API-Key: k-hints"]))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(text.contains("\r\nx-ratelimit-remaining: 85\r\n"), "{text}");
+}

@@ -361,6 +361,7 @@ impl ProxyHttp for Gateway {
         if respond::is_interim(resp) {
             // A `100 Continue` or `103 Early Hints` is relayed as it is: the upstream is still
             // working (its time still runs) and its answer, cost and status are yet to come.
+            respond::drop_stated_cost(resp, ctx);
             return Ok(());
         }
         ctx.timing.upstream_done();

@@ -177,6 +177,18 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
 /// `cost_from_response`: reads what the upstream says the request cost (kept for settling
 /// when the request was charged) and removes the header: it is for the gateway, not the
 /// client.
+/// An interim answer (`103 Early Hints`) is relayed without the stated cost's header: it is
+/// for the gateway (DESIGN §6), and only the final answer's counts.
+pub fn drop_stated_cost(h: &mut ResponseHeader, ctx: &Ctx) {
+    if let Some(name) = ctx
+        .route
+        .as_ref()
+        .and_then(|r| r.fidelity.cost_from_response.as_ref())
+    {
+        h.remove_header(name);
+    }
+}
+
 pub fn take_stated_cost(h: &mut ResponseHeader, ctx: &mut Ctx) {
     let Some(route) = &ctx.route else {
         return;
