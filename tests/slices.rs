@@ -860,3 +860,33 @@ async fn retry_after_waits_for_held_units_to_be_settled_and_drain() {
         "only {checked} rounds were fast enough to check"
     );
 }
+
+/// A stated cost above the route's (DESIGN §6: debt allowed), charged by the instance that
+/// holds the key's slice, ends that slice there: the key's next requests are decided by
+/// Redis, and refused at once as on the exact path. (Before, the instance went on spending
+/// its slice, ~20 more requests admitted over 0.3 s showing the figures from before the debt.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stated_cost_into_debt_ends_the_instances_slice() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = redis_body(
+        &redis,
+        "deny",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 720h, max_cost: 1000}\n  endpoints:\n    /q: {cost: 10, cost_from_response: X-Actual-Cost}\n",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let calls = redis.evalsha_calls();
+    for _ in 0..40 {
+        assert_eq!(get(&c, gw.url("/items"), "debtor").await.status(), 200);
+    }
+    assert!(redis.evalsha_calls() - calls < 40, "spent from a slice");
+    // 40 + 1000 of 1000: 40 in debt.
+    let r = get(&c, gw.url("/q?actual_cost=1000"), "debtor").await;
+    assert_eq!(r.status(), 200);
+    for i in 0..5 {
+        let r = get(&c, gw.url("/items"), "debtor").await;
+        assert_eq!(r.status(), 429, "#{i} after the debt");
+    }
+}

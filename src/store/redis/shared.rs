@@ -118,6 +118,9 @@ impl SharedStore for RedisBackend {
         id: u64,
     ) -> Result<(), StoreError> {
         self.deny.forget(key);
+        // Before the charge: no unit of it is spent from the key's slice meanwhile (whose
+        // settling the key's next call sends first).
+        self.slices.retire(key);
         let budgets = budget_keys(&AdmitRequest {
             key: *key,
             limit: *limit,

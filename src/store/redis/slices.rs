@@ -351,6 +351,17 @@ impl Slices {
             .map_or(0, |e| e.left)
     }
 
+    /// The key was charged in Redis beyond what its slice here knows (a stated cost's extra
+    /// units, a write-back): the slice is handed back, so that the key's next request is
+    /// decided by Redis, which sees the charge (a key in debt is refused at once there).
+    pub(super) fn retire(&self, key: &crate::identity::KeyHash) {
+        let k = short_key(key);
+        let removed = self.shard(k).remove(&k);
+        if let Some(s) = removed.and_then(|mut e| e.settle()) {
+            self.settle_later(s);
+        }
+    }
+
     /// Queues a hold for the sweeper to settle.
     pub(super) fn settle_later(&self, s: Settle) {
         self.returns
