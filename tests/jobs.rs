@@ -520,6 +520,19 @@ async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
         "{p}"
     );
     assert_eq!(remaining(&gw, "a").await, 70);
+    // Observed as a synchronous 504 is: its upstream time, until the timeout, in the metric
+    // and its end line. (Before, in neither: `audit` saw the route cheaper than it is.)
+    assert_metric(
+        &gw,
+        "tollgate_upstream_duration_seconds_count{route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    let failed = gw
+        .wait_access(1, |l| l["decision"] == "job_failed" && l["status"] == 504)
+        .await;
+    let ms = failed[0]["upstream_ms"].as_f64().unwrap_or_default();
+    assert!((500.0..1500.0).contains(&ms), "{}", failed[0]);
     assert_metric(&gw, &series("failed"), 1.0).await;
     assert_metric(
         &gw,

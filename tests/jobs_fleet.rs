@@ -652,6 +652,33 @@ async fn a_fleet_job_is_counted_in_the_routes_metrics() {
     assert_eq!(remaining(&gw, "a").await, 100 - 10 - 7);
 }
 
+/// A fleet job that times out (504) is observed as a synchronous 504 is: its upstream time,
+/// until the timeout, in `tollgate_upstream_duration_seconds` and its end line's
+/// `upstream_ms`. (Before, in neither: a route whose jobs time out looked cheaper in `audit`.)
+#[tokio::test]
+async fn a_fleet_job_that_times_out_counts_its_upstream_time() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&redis.url()),
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let (slow, _) = submit(&c, &gw, "/reports/generate?delay_ms=5000", "").await;
+    assert_eq!(result(&c, &gw, &slow).await.status(), 504);
+    let failed = gw.wait_access(1, |l| l["decision"] == "job_failed").await;
+    let ms = failed[0]["upstream_ms"].as_f64().unwrap_or_default();
+    assert!((500.0..4000.0).contains(&ms), "{}", failed[0]);
+    assert_metric(
+        &gw,
+        &format!("tollgate_upstream_duration_seconds_count{{route=\"{ROUTE}\"}}"),
+        1.0,
+    )
+    .await;
+}
+
 /// Redis restarted without persistence while one job runs and one waits: Redis's data is
 /// gone (README, "Long-running requests as jobs"), and with it both records and the queued
 /// job's waiter: their polls are 404 and the queued one never runs. What the contract keeps:

@@ -266,6 +266,10 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         }
         Sent::TimedOut(follow) => {
             ended.status = 504;
+            // Its upstream time is a synchronous 504's: until the timeout.
+            let upstream = started.elapsed();
+            ended.upstream = Some(upstream);
+            rm.upstream_duration.observe(upstream.as_secs_f64());
             let detail = "the upstream did not answer within read_timeout; it had the request, so the charge stands";
             ended.kept = t.job.finish(
                 problem_result(Problem::GatewayTimeout, detail),

@@ -231,11 +231,11 @@ async fn settle(
         }
         Sent::TimedOut(follow) => {
             // Charged; settled (for measured time) once the late answer has been followed.
-            let _ = started;
+            // Its upstream time is a synchronous 504's: until the timeout.
             let p = problem_result(Problem::GatewayTimeout, "the upstream did not answer within read_timeout; it had the request, so the charge stands");
             Settled {
                 follow: Some(follow),
-                ..Settled::failed(p, admit.cost, None)
+                ..Settled::failed(p, admit.cost, Some(started.elapsed()))
             }
         }
         Sent::TooLarge { upstream } => {
