@@ -679,6 +679,53 @@ async fn a_certificate_rotated_on_disk_is_served_after_reload() {
     assert_eq!(r.status, 200);
 }
 
+/// `server.tls`'s listener is restart-only, and `/admin/config` shows the running one
+/// (README: a reload keeps restart-only values, "`/admin/config` shows those"): a reload that
+/// moves `tls.listen`, then one that removes `server.tls`, leaves the listener serving where it
+/// was, and the config shown says so. (Before, it showed the file's address, then no `tls` at
+/// all, while the old listener answered.)
+#[tokio::test]
+async fn a_reload_shows_the_running_tls_listener() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls(&up, &pki, INCIDENT, &[]);
+    let running = format!("127.0.0.1:{}", tg.tls_port);
+    let moved = format!("127.0.0.1:{}", free_port());
+    tg.gw.edit_config(&running, &moved);
+    tg.gw.reload(0.0).await;
+    tg.gw
+        .wait_log("server.tls.listen takes effect on restart only; keeping the running listener")
+        .await;
+    let config = admin_text(&tg.gw, "/admin/config").await;
+    assert!(
+        config.contains(&running) && !config.contains(&moved),
+        "{config}"
+    );
+    let yaml = std::fs::read_to_string(&tg.gw.config_path).unwrap();
+    let start = yaml.find("  tls:\n").unwrap();
+    // The block: `tls:` and its three lines (listen, cert, key).
+    let block: String = yaml[start..]
+        .lines()
+        .take(4)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(block.contains("key:"), "{block}");
+    tg.gw.edit_config(&block, "");
+    tg.gw.reload(1.0).await;
+    tg.gw
+        .wait_log("removing server.tls takes effect on restart only")
+        .await;
+    let config = admin_text(&tg.gw, "/admin/config").await;
+    assert!(config.contains(&running), "{config}");
+    let tls = tls_connect(tg.tls_port, &tg.roots, &[b"h2"]).await;
+    assert_eq!(
+        served_cert(&tls),
+        pki.cert_der,
+        "the running listener still serves"
+    );
+}
+
 #[tokio::test]
 async fn a_bad_certificate_on_reload_keeps_the_old_one() {
     let up = Upstream::start(Duration::ZERO);

@@ -45,7 +45,30 @@ impl Config {
         self.store = running.store.clone();
 
         changed.extend(self.keep_tracer(running));
+        self.keep_tls_listener(running);
         changed
+    }
+
+    /// `server.tls`: the listener is the running one — its address, and whether there is one
+    /// at all — while the certificate and key are the file's, re-read on reload. (Said by
+    /// `App::tls_on_reload`, which sees the file before this.)
+    fn keep_tls_listener(&mut self, running: &Config) {
+        match (
+            &running.tls,
+            self.tls.as_mut(),
+            self.raw.server.tls.as_mut(),
+        ) {
+            (Some(run), Some(new), Some(raw)) => {
+                new.listen = run.listen.clone();
+                raw.listen = run.listen.clone();
+            }
+            (None, None, _) => {}
+            // Added or removed: the running listener (or none) stays, and so does its block.
+            _ => {
+                self.tls = running.tls.clone();
+                self.raw.server.tls = running.raw.server.tls.clone();
+            }
+        }
     }
 
     /// `tracing:`: the collector and the service name are the running tracer's (built once),
