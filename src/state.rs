@@ -95,15 +95,16 @@ impl Shared {
         let metrics = RouteMetricsTable::new(&new.router, Some(&old.metrics));
         old.metrics.retire(&new.router);
         crate::telemetry::config_loaded(&new.hash);
-        self.running.store(Arc::new(Running {
+        let running = Arc::new(Running {
             config: new,
             metrics,
             pools,
             upstream_addr,
-        }));
+        });
+        self.running.store(running.clone());
         // After the swap: a request that still spends a slice now asks again under the new
-        // budgets.
-        self.store.reloaded();
+        // budgets, and waiters see the new caps.
+        self.store.reloaded(&running.config.router);
     }
 }
 

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
+const ROUTE: &str = "/reports/generate";
+
 /// Registry keys `a`..`d` (raw keys `key-a`...), a 24 h budget (no refill within a test) and
 /// `endpoint` (YAML lines under `endpoints:`).
 fn config(endpoint: &str, plans: &str) -> String {
@@ -795,4 +797,80 @@ async fn a_release_lost_in_a_failover_gives_its_slot_back_within_a_beat() {
     assert_eq!(redis.cli(&["ZSCORE", &leases, &ghost]), "");
     assert_eq!(redis.cli(&["HGET", &state, &format!("r:{tag_b}")]), "");
     assert_eq!(up.count("/reports/generate"), 2);
+}
+
+/// A reload that changes a route's `max_in_flight` is in force for the requests already
+/// waiting (DESIGN §2: a valid file takes effect at once; §8: no slot left idle while anyone
+/// waits), on `store`'s gateway `gw`: raised from 1 to 4, the 3 waiting behind a running one
+/// reach the upstream at once, 4 together; lowered from 2 to 1, the 2 waiting behind 2
+/// running ones run one after the other. (Before, the queue kept the cap it had until its
+/// next request: the raised cap left 3 slots idle while 3 waited, each taking its turn as the
+/// one before it ended; the lowered one let both waiters run together.)
+async fn a_reloaded_cap_reaches_the_waiters(up: &Upstream, gw: &Gateway, store: &str) {
+    let c = client();
+    let send = |target: String, key: &'static str| {
+        let (c, url) = (c.clone(), gw.url(&target));
+        tokio::spawn(async move { get(&c, url, key).await.status().as_u16() })
+    };
+    // Raised: one runs for 6 s, three wait.
+    let first = send("/reports/generate?delay_ms=6000".into(), "key-a");
+    up.wait_current(ROUTE, 1).await;
+    let waiting: Vec<_> = ["key-b", "key-c", "key-d"]
+        .into_iter()
+        .map(|k| send("/reports/generate?delay_ms=2000".into(), k))
+        .collect();
+    wait_queued(gw, ROUTE, 3.0).await;
+    gw.edit_config("max_in_flight: 1\n", "max_in_flight: 4\n");
+    gw.reload(0.0).await;
+    let reloaded = Instant::now();
+    up.wait_current(ROUTE, 4).await;
+    assert!(
+        reloaded.elapsed() < Duration::from_secs(4),
+        "{store}: 4 ran together only {:?} after the reload",
+        reloaded.elapsed()
+    );
+    for t in waiting.into_iter().chain([first]) {
+        assert_eq!(t.await.unwrap(), 200, "{store}");
+    }
+    // Lowered: two run for 1.5 s, two wait; from the reload on, one at a time.
+    gw.edit_config("max_in_flight: 4\n", "max_in_flight: 2\n");
+    gw.reload(1.0).await;
+    let running: Vec<_> = ["key-a", "key-b"]
+        .into_iter()
+        .map(|k| send("/reports/generate?delay_ms=1500".into(), k))
+        .collect();
+    up.wait_current(ROUTE, 2).await;
+    let waiting: Vec<_> = ["key-c", "key-d"]
+        .into_iter()
+        .map(|k| send("/reports/generate?delay_ms=1500".into(), k))
+        .collect();
+    wait_queued(gw, ROUTE, 2.0).await;
+    gw.edit_config("max_in_flight: 2\n", "max_in_flight: 1\n");
+    gw.reload(2.0).await;
+    for t in running {
+        assert_eq!(t.await.unwrap(), 200, "{store}");
+    }
+    let freed = Instant::now();
+    for t in waiting {
+        assert_eq!(t.await.unwrap(), 200, "{store}");
+    }
+    // Together they would be done ~1.5 s after the slots were freed; in turn, 3 s at least.
+    assert!(
+        freed.elapsed() >= Duration::from_millis(2900),
+        "{store}: both waiters ran together ({:?})",
+        freed.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
+    let endpoint =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n";
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(endpoint, ""));
+    a_reloaded_cap_reaches_the_waiters(&up, &gw, "memory").await;
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(endpoint, "")));
+    a_reloaded_cap_reaches_the_waiters(&up, &gw, "redis").await;
 }

@@ -306,6 +306,15 @@ impl FairQueue {
         }
     }
 
+    /// The route's cap and per-key share from now on; new slots go to the waiters at once.
+    fn set_limits(&mut self, cap: u32, per_key: Option<u32>) {
+        if (self.cap, self.per_key) != (cap, per_key) {
+            self.cap = cap;
+            self.per_key = per_key;
+            self.grant();
+        }
+    }
+
     /// Whether `key` may take a free slot now: one is free, the key runs fewer than its
     /// share, and none of its own earlier requests waits ahead of it.
     fn takes(&self, key: u128) -> bool {
@@ -417,15 +426,18 @@ impl RouteQueues {
             .entry(route.clone())
             .or_insert_with(|| Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key))))
             .clone();
-        {
-            let mut q = lock(&queue);
-            if (q.cap, q.per_key) != (cap, fair.per_key) {
-                q.cap = cap;
-                q.per_key = fair.per_key;
-                q.grant();
-            }
-        }
+        lock(&queue).set_limits(cap, fair.per_key);
         FairQueue::join(&queue, key, fair)
+    }
+
+    /// A reload changed `route`'s cap or per-key share: in force at once for the requests
+    /// running and waiting, not only from its next request (a larger figure hands its new
+    /// slots to the waiters now; a smaller one holds them until fewer run).
+    pub fn reconfigure(&self, route: &str, cap: u32, per_key: Option<u32>) {
+        let queue = lock(&self.routes).get(route).cloned();
+        if let Some(queue) = queue {
+            lock(&queue).set_limits(cap, per_key);
+        }
     }
 
     /// Whether `route`'s queue would refuse `key` now ([`Joined::QueueFull`]): a job asks

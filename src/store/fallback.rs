@@ -87,8 +87,9 @@ pub trait SharedStore: Send + Sync + 'static {
     /// Releases every lease this instance holds (on exit).
     fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
 
-    /// A new config was put in force: nothing decided under the old one may be spent on.
-    fn reloaded(self: &Arc<Self>) {}
+    /// A new config (`router`'s routes) was put in force: nothing decided under the old one
+    /// may be spent on, and capped routes' queues take their new caps.
+    fn reloaded(self: &Arc<Self>, _router: &crate::route::Router) {}
 
     /// Registers a request admitted on the local share that is still running as a lease in
     /// the store: in `route`'s lease set and/or the key's (`adopt`); on the route as
@@ -448,8 +449,8 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     /// A new config is in force (see [`SharedStore::reloaded`]).
-    pub fn reloaded(&self) {
-        self.shared.reloaded();
+    pub fn reloaded(&self, router: &crate::route::Router) {
+        self.shared.reloaded(router);
     }
 
     /// Releases every lease this instance holds in the shared store, within

@@ -299,6 +299,16 @@ impl MemoryStore {
         }
     }
 
+    /// A reload is in force: every capped route's queue takes its new cap and per-key share
+    /// at once (`RouteQueues::reconfigure`).
+    pub fn reconfigure(&self, router: &crate::route::Router) {
+        for r in router.routes() {
+            if let Some(cap) = r.max_in_flight {
+                self.routes.reconfigure(&r.label, cap, r.queue.per_key);
+            }
+        }
+    }
+
     async fn admit_capped(self: &Arc<Self>, req: &AdmitRequest, cap: u32) -> Admission {
         // Charged on joining the route's queue (DESIGN §8): the budgets and the key's cap
         // decide first, so a refusal comes at once, never after waiting.

@@ -415,12 +415,13 @@ impl Store {
         }
     }
 
-    /// A new config was put in force: the Redis store hands back the budget slices it holds
-    /// (they were reserved under the old budgets).
-    pub fn reloaded(&self) {
+    /// A new config (`router`'s routes) was put in force: a capped route's queue takes its
+    /// new cap and per-key share at once, for the requests already waiting; the Redis store
+    /// hands back the budget slices it holds (they were reserved under the old budgets).
+    pub fn reloaded(&self, router: &crate::route::Router) {
         match self {
-            Store::Memory(_) => {}
-            Store::Redis(r) => r.reloaded(),
+            Store::Memory(m) => m.reconfigure(router),
+            Store::Redis(r) => r.reloaded(router),
         }
     }
 

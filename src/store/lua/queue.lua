@@ -66,6 +66,8 @@
 --          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
+--   cap    ARGV cap share grant_ttl_us -> {1} (a reload: the route's cap and per-key share from
+--          now on, and free slots to the waiters) | {0} (no queue state yet: nothing written)
 --   full   ARGV key cap share max_queue -> {1} when an `enter` of `key` now would be refused
 --          FULL (no slot for it and max_queue waiters), else {0}: a job asks before its body
 --          is read, so that a full queue refuses it at once. A slot a lapsed lease freed
@@ -508,6 +510,22 @@ elseif op == 'beat' then
 elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
+elseif op == 'cap' then
+  if redis.call('EXISTS', state) == 0 then return {0} end
+  redis.call('HSET', state, 'cap', ARGV[2], 'share', ARGV[3])
+  purge()
+  -- Each waiting key's place in the serving order under the new share (a key held at the
+  -- old share may be served again, or no longer).
+  local seen = {}
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+    local key = string.match(m, '^([^:]*):')
+    if key and not seen[key] then
+      seen[key] = true
+      refresh(key)
+    end
+  end
+  grant(tonumber(ARGV[4]))
+  return {1}
 elseif op == 'full' then
   purge()
   local key, max_queue = ARGV[2], tonumber(ARGV[5])

@@ -433,6 +433,43 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
+    /// A reload is in force: each capped route's queue takes the new cap and per-key share
+    /// at once (`lua/queue.lua`, `cap`), so that the fleet's waiters get the slots a larger
+    /// cap adds now, and a smaller cap holds them, not only from the route's next request.
+    /// On a thread of its own (a reload may come from a thread without a runtime).
+    pub(super) fn reconfigure_queues(self: &Arc<Self>, router: &crate::route::Router) {
+        let caps: Vec<(String, u32, u32)> = router
+            .routes()
+            .filter_map(|r| {
+                Some((
+                    r.label.to_string(),
+                    r.max_in_flight?,
+                    r.queue.per_key.unwrap_or(0),
+                ))
+            })
+            .collect();
+        if caps.is_empty() {
+            return;
+        }
+        let store = self.clone();
+        let spawned = crate::background::spawn("tollgate-reconfigure".into(), move || async move {
+            for (route, cap, share) in caps {
+                let Some(keys) = super::keys::queue_keys(&super::keys::route_slots_key(&route))
+                else {
+                    continue;
+                };
+                let mut inv = store.queue_script.call(&keys, "cap");
+                inv.arg(cap).arg(share).arg(GRANT_TTL.as_micros() as u64);
+                if let Err(e) = store.call::<Vec<i64>>(inv).await {
+                    tracing::warn!(%route, error = %e, "a reloaded cap reaches the route's waiters with its next request");
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "reloaded caps reach each route's waiters with its next request");
+        }
+    }
+
     /// A capped route's slots and waiters, fleet-wide, as its queue holds them.
     pub async fn route_queue(
         &self,

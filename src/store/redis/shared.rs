@@ -196,7 +196,8 @@ impl SharedStore for RedisBackend {
         Ok(Some(lease))
     }
 
-    fn reloaded(self: &Arc<Self>) {
+    fn reloaded(self: &Arc<Self>, router: &crate::route::Router) {
         self.retire_slices();
+        self.reconfigure_queues(router);
     }
 }
