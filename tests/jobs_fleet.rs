@@ -679,6 +679,45 @@ async fn a_fleet_job_that_times_out_counts_its_upstream_time() {
     .await;
 }
 
+/// A job whose result write is lost on its way to Redis (the connection cut under it) ends
+/// done with the upstream's answer: its runner sends the result again, still vouching for the
+/// job. (Before, the one failed write was dropped: a lease later the job ended `job-lost`
+/// (502), counted both done and failed, with two end lines — what a store outage of a second
+/// or two did to every job that finished in it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_write_that_fails_is_sent_again() {
+    let redis = Redis::start();
+    let path = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(&path.url()));
+    let c = client();
+    let (job, _) = submit(&c, &gw, "/reports/generate?delay_ms=500", "").await;
+    up.wait_current(ROUTE, 1).await;
+    path.drop_next_matching("finish");
+    // A poll on the connection cut under it is 503 (the store did not answer), then the end.
+    let status = eventually(Duration::from_secs(10), async || {
+        match get(&c, gw.url(&job), "key-a").await.status().as_u16() {
+            202 | 503 => Err("not ended yet".to_string()),
+            s => Ok(s),
+        }
+    })
+    .await;
+    assert_eq!(status, 200);
+    let ends = gw
+        .wait_access(1, |l| {
+            l["decision"] == "job_done" || l["decision"] == "job_failed"
+        })
+        .await;
+    assert_eq!(ends[0]["decision"], "job_done", "{}", ends[0]);
+    // A lease later nobody took it for lost.
+    tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
+    assert_eq!(result(&c, &gw, &job).await.status(), 200);
+    let series = |r: &str| format!("tollgate_jobs_total{{result=\"{r}\",route=\"{ROUTE}\"}}");
+    assert_metric(&gw, &series("done"), 1.0).await;
+    assert_metric(&gw, &series("failed"), 0.0).await;
+    assert_eq!(up.count(ROUTE), 1);
+}
+
 /// Redis restarted without persistence while one job runs and one waits: Redis's data is
 /// gone (README, "Long-running requests as jobs"), and with it both records and the queued
 /// job's waiter: their polls are 404 and the queued one never runs. What the contract keeps:
@@ -990,4 +1029,36 @@ async fn a_fleet_submission_is_decided_before_its_body_and_given_back_if_it_stal
     assert!(after < Duration::from_secs(2), "answered after {after:?}");
     assert_eq!(remaining(&gw, "b").await, 0);
     assert_eq!(up.count(ROUTE), 1);
+}
+
+/// `lua/jobs.lua`'s `finish` answers a resend of the run's own finish as it answered the first
+/// (its reply may have been lost with the connection), and a job declared lost as not the
+/// run's: the runner sends a failed write again without counting a job twice.
+#[test]
+fn a_finish_sent_again_is_the_runs_own() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let finish = |id: &str, state: &str| {
+        redis
+            .cli(&["EVAL", script, "1", id, "finish", state, "status", "200"])
+            .trim()
+            .to_string()
+    };
+    redis.cli(&["HSET", "t:j:one", "state", "running", "ttl", "60000"]);
+    assert_eq!(finish("t:j:one", "done"), "1");
+    assert_eq!(finish("t:j:one", "done"), "1", "a resend");
+    assert_eq!(redis.cli(&["HGET", "t:j:one", "state"]).trim(), "done");
+    redis.cli(&[
+        "HSET", "t:j:lost", "state", "failed", "lost", "1", "ttl", "60000",
+    ]);
+    assert_eq!(finish("t:j:lost", "failed"), "0", "declared lost");
+    redis.cli(&[
+        "HSET",
+        "t:j:cancelled",
+        "state",
+        "cancelled",
+        "ttl",
+        "60000",
+    ]);
+    assert_eq!(finish("t:j:cancelled", "done"), "0");
 }

@@ -12,7 +12,7 @@ use super::process::BackgroundRuntime;
 /// One gateway's path to Redis, cut and restored while the others' stays up.
 pub struct Proxy {
     pub port: u16,
-    open: tokio::sync::watch::Sender<Pass>,
+    open: Arc<tokio::sync::watch::Sender<Pass>>,
     /// Chunks that were held, then let through.
     late: Arc<AtomicUsize>,
     /// Chunks read from clients (on their way to the target).
@@ -28,6 +28,9 @@ enum Pass {
     /// Everything but a chunk that contains these bytes (and what follows it on its
     /// connection, which must come after it).
     AllBut(Vec<u8>),
+    /// Everything; but the next chunk from a client that contains these bytes is dropped and
+    /// its connection cut (then `All` again).
+    DropOnce(Vec<u8>),
 }
 
 impl Pass {
@@ -35,9 +38,18 @@ impl Pass {
         match self {
             Pass::All => true,
             Pass::Nothing => false,
-            Pass::AllBut(needle) => !chunk.windows(needle.len()).any(|w| w == needle),
+            Pass::AllBut(needle) => !contains(chunk, needle),
+            Pass::DropOnce(_) => true,
         }
     }
+
+    fn drops(&self, chunk: &[u8]) -> bool {
+        matches!(self, Pass::DropOnce(needle) if contains(chunk, needle))
+    }
+}
+
+fn contains(chunk: &[u8], needle: &[u8]) -> bool {
+    chunk.windows(needle.len()).any(|w| w == needle)
 }
 
 impl Proxy {
@@ -52,12 +64,15 @@ impl Proxy {
     pub fn start_delayed(target: u16, delay: Duration) -> Proxy {
         let rt = BackgroundRuntime::new(1);
         let (open, watch) = tokio::sync::watch::channel(Pass::All);
+        let open = Arc::new(open);
+        let opener = open.clone();
         let late = Arc::new(AtomicUsize::new(0));
         let from_clients = Arc::new(AtomicUsize::new(0));
         let (counted, reads) = (late.clone(), from_clients.clone());
         let port = rt.serve(move |listener| async move {
             while let Ok((client, _)) = listener.accept().await {
                 let (watch, late, reads) = (watch.clone(), counted.clone(), reads.clone());
+                let opener = opener.clone();
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
                     else {
@@ -66,7 +81,14 @@ impl Proxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::join!(
-                        pump(cr, sw, watch.clone(), late.clone(), delay, Some(reads)),
+                        pump(
+                            cr,
+                            sw,
+                            watch.clone(),
+                            late.clone(),
+                            delay,
+                            Some((reads, opener))
+                        ),
                         pump(sr, cw, watch, late, delay, None)
                     );
                 });
@@ -97,6 +119,14 @@ impl Proxy {
             .send_replace(Pass::AllBut(needle.as_bytes().to_vec()));
     }
 
+    /// The next command a client sends with `needle` in it never reaches the target: it is
+    /// dropped and its connection cut (the client sees the connection close under it).
+    /// Everything else passes.
+    pub fn drop_next_matching(&self, needle: &str) {
+        self.open
+            .send_replace(Pass::DropOnce(needle.as_bytes().to_vec()));
+    }
+
     /// How many chunks it has read from its clients so far (each on its way to the target
     /// once read: a command has left its client).
     pub fn read_from_clients(&self) -> usize {
@@ -115,15 +145,16 @@ impl Proxy {
 }
 
 /// Copies `from` to `to`, holding each chunk the proxy does not let through until it does,
-/// and delivering each `delay` after it was read (at once when `delay` is zero); counts the
-/// chunks it reads in `reads`.
+/// and delivering each `delay` after it was read (at once when `delay` is zero); from a client
+/// (`client`: where it counts the chunks it reads, and the proxy's switch), drops the chunk
+/// `Pass::DropOnce` names and cuts the connection.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut open: tokio::sync::watch::Receiver<Pass>,
     late: Arc<AtomicUsize>,
     delay: Duration,
-    reads: Option<Arc<AtomicUsize>>,
+    client: Option<(Arc<AtomicUsize>, Arc<tokio::sync::watch::Sender<Pass>>)>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // Read and let through in order; written by the writer below when due, so a chunk read
@@ -132,8 +163,12 @@ async fn pump(
     let read = async move {
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n @ 1..) = from.read(&mut buf).await {
-            if let Some(r) = &reads {
-                r.fetch_add(1, Ordering::SeqCst);
+            if let Some((reads, opener)) = &client {
+                reads.fetch_add(1, Ordering::SeqCst);
+                if open.borrow().drops(&buf[..n]) {
+                    opener.send_replace(Pass::All);
+                    break;
+                }
             }
             let held = !open.borrow().lets(&buf[..n]);
             if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {

@@ -71,7 +71,8 @@ pub(super) async fn run_claimed(
         report,
         follow,
     } = settle(&shared, &route, &admit, sent, started).await;
-    let mine = write_result(&b, &id, state, &stored).await;
+    let keep_for = route.jobs.map_or(b.lease_ttl(), |j| j.result_ttl);
+    let mine = write_result(&b, &id, state, &stored, keep_for).await;
     if let Some(u) = upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
@@ -142,11 +143,23 @@ fn keep_alive(
     })
 }
 
+/// How often a result that could not be written is sent again.
+const WRITE_AGAIN_EVERY: Duration = Duration::from_millis(250);
+
 /// Writes the job's end into its record (kept result_ttl from now); a record no longer this
-/// run's (declared lost meanwhile) keeps what it says.
-/// False when the record was no longer this run's: the instance that found the job lost
-/// counted its end and wrote its last line (`record::ended_unrun`).
-async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Stored) -> bool {
+/// run's (declared lost meanwhile) keeps what it says. A write the store did not answer is
+/// sent again (the runner goes on vouching for the job meanwhile) for up to `within`: an
+/// outage shorter than `lease_ttl` must not lose the upstream's answer and end the job
+/// `job-lost` (a resend of a write that did run is recognised, `lua/jobs.lua`).
+/// False when the record was not this run's, or the write never went through: the instance
+/// that finds the job lost counts its end and writes its last line (`record::ended_unrun`).
+async fn write_result(
+    b: &RedisBackend,
+    id: &str,
+    state: JobResult,
+    stored: &Stored,
+    within: Duration,
+) -> bool {
     let rheaders = headers_json(&stored.headers.iter().cloned().collect());
     let status = stored.status.to_string();
     let fields: [&[u8]; 7] = [
@@ -158,7 +171,20 @@ async fn write_result(b: &RedisBackend, id: &str, state: JobResult, stored: &Sto
         b"rbody",
         &stored.body,
     ];
-    !matches!(b.job_record::<i64>(id, "finish", &fields).await, Ok(0))
+    let give_up = Instant::now() + within;
+    loop {
+        match b.job_record::<i64>(id, "finish", &fields).await {
+            Ok(n) => return n != 0,
+            Err(e) if Instant::now() < give_up => {
+                tracing::debug!(job = id, error = %e, "a job's result could not be written yet: sent again");
+                tokio::time::sleep(WRITE_AGAIN_EVERY).await;
+            }
+            Err(e) => {
+                tracing::warn!(job = id, error = %e, "a job's result could not be written; the job ends lost");
+                return false;
+            }
+        }
+    }
 }
 
 /// A job's end: its state, result, charge, what the upstream answered and took, and a late

@@ -16,7 +16,8 @@
 --          and come back through the queue; the caller leaves it to the runner)
 --   delay  ms -> 1 (max_delay: the queued job is sent no sooner than ms after `sub`) | 0
 --   renew  alive_ms -> 1 | 0 (no longer this job's run)
---   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now) | 0
+--   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now; or
+--          already that state and not lost: a resend) | 0
 --   cancel -> 1 (queued -> cancelled) | 0
 --   expire -> 1 (queued for result_ttl since `sub` -> expired, kept `ttl`) | 0
 -- Every check comes before the first write.
@@ -73,7 +74,12 @@ elseif op == 'renew' then
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
   return 1
 elseif op == 'finish' then
-  if state() ~= 'running' then return 0 end
+  if state() ~= 'running' then
+    -- A resend of this run's own finish, whose first may have run (a job runs once, and only
+    -- its runner finishes it): said so again. A job declared lost is not.
+    if state() == ARGV[2] and redis.call('HGET', job, 'lost') ~= '1' then return 1 end
+    return 0
+  end
   local fields = {'state', ARGV[2]}
   for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
   redis.call('HSET', job, unpack(fields))
