@@ -293,6 +293,7 @@ pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
             weight: who.policy.weight,
             per_key: route.queue.per_key,
             max_queue: route.queue.max_queue,
+            since: route.loaded_ms,
         },
     }
 }

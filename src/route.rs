@@ -108,11 +108,16 @@ pub struct Route {
     pub fidelity: Fidelity,
     pub provider: Provider,
     pub jobs: Option<AsyncRules>,
+    /// When its config was loaded (ms since the Unix epoch): of two configs' caps for the
+    /// route's queue, the later loaded holds (a reload elsewhere in the fleet, or a request
+    /// decided just before this instance's reload, must not undo a newer one).
+    pub loaded_ms: u64,
 }
 
 impl Route {
-    fn new(spec: &RouteSpec, label: &str, index: usize) -> Arc<Route> {
+    fn new(spec: &RouteSpec, label: &str, index: usize, loaded_ms: u64) -> Arc<Route> {
         Arc::new(Route {
+            loaded_ms,
             label: Arc::from(label),
             index,
             cost: spec.cost,
@@ -255,6 +260,9 @@ impl Router {
         default_cost: u64,
         default_fidelity: Fidelity,
     ) -> Result<Router, Vec<(String, String)>> {
+        let loaded_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         let mut errs = Vec::new();
         let mut routes = Vec::new();
         let mut any = Table::default();
@@ -301,7 +309,7 @@ impl Router {
                 continue;
             }
             routes.push((
-                Route::new(&spec, &spec.pattern, idx),
+                Route::new(&spec, &spec.pattern, idx, loaded_ms),
                 specificity(path, method.is_some()),
             ));
         }
@@ -321,6 +329,7 @@ impl Router {
             },
             "default",
             routes.len(),
+            loaded_ms,
         );
         Ok(Router {
             routes,

@@ -832,17 +832,17 @@ async fn a_reloaded_cap_reaches_the_waiters(up: &Upstream, gw: &Gateway, store: 
     for t in waiting.into_iter().chain([first]) {
         assert_eq!(t.await.unwrap(), 200, "{store}");
     }
-    // Lowered: two run for 1.5 s, two wait; from the reload on, one at a time.
+    // Lowered: two run for 3 s, two wait; from the reload on, one at a time.
     gw.edit_config("max_in_flight: 4\n", "max_in_flight: 2\n");
     gw.reload(1.0).await;
     let running: Vec<_> = ["key-a", "key-b"]
         .into_iter()
-        .map(|k| send("/reports/generate?delay_ms=1500".into(), k))
+        .map(|k| send("/reports/generate?delay_ms=3000".into(), k))
         .collect();
     up.wait_current(ROUTE, 2).await;
     let waiting: Vec<_> = ["key-c", "key-d"]
         .into_iter()
-        .map(|k| send("/reports/generate?delay_ms=1500".into(), k))
+        .map(|k| send("/reports/generate?delay_ms=3000".into(), k))
         .collect();
     wait_queued(gw, ROUTE, 2.0).await;
     gw.edit_config("max_in_flight: 2\n", "max_in_flight: 1\n");
@@ -854,9 +854,10 @@ async fn a_reloaded_cap_reaches_the_waiters(up: &Upstream, gw: &Gateway, store: 
     for t in waiting {
         assert_eq!(t.await.unwrap(), 200, "{store}");
     }
-    // Together they would be done ~1.5 s after the slots were freed; in turn, 3 s at least.
+    // Together they would be done ~3 s after the slots were freed (less the running ones'
+    // stagger); in turn, 6 s. The midpoint tells them apart with room for a slow machine.
     assert!(
-        freed.elapsed() >= Duration::from_millis(2900),
+        freed.elapsed() >= Duration::from_millis(4500),
         "{store}: both waiters ran together ({:?})",
         freed.elapsed()
     );
@@ -873,4 +874,45 @@ async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(endpoint, "")));
     a_reloaded_cap_reaches_the_waiters(&up, &gw, "redis").await;
+}
+
+/// `lua/queue.lua`: a reload's `cap` sets the route's cap fleet-wide and grants the slots it
+/// adds; an `enter` under a config loaded before it (a request decided just before its
+/// instance reloaded, an instance not reloaded yet) is decided under the newer cap and does
+/// not write its own back; nor does a `cap` from an older config.
+#[test]
+fn the_latest_loaded_cap_holds_in_redis() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/queue.lua");
+    let keys = ["t:r{q}f", "t:r{q}q", "t:r{q}k", "t:r{q}s", "t:r{q}x"];
+    let run = |args: &[&str]| {
+        let mut all = vec!["EVAL", script, "5"];
+        all.extend(keys);
+        all.extend(args);
+        redis.cli(&all)
+    };
+    let enter = |id: &str, key: &str, cap: &str, since: &str| {
+        let a = [
+            id, key, "1", cap, "0", "0", "10000000", "i1", "10000000", "1000000", since,
+        ];
+        let mut args = vec!["enter"];
+        args.extend(a);
+        run(&args)
+    };
+    let first = |out: String| out.lines().next().unwrap_or_default().trim().to_string();
+    assert_eq!(first(enter("a", "k1", "1", "100")), "1", "taken");
+    assert_eq!(first(enter("b", "k2", "1", "100")), "0", "queued");
+    // A reload to 2 (loaded at 200): b gets the new slot.
+    assert_eq!(first(run(&["cap", "2", "0", "1000000", "200"])), "1");
+    assert_eq!(redis.cli(&["ZCARD", keys[0]]).trim(), "2");
+    // An enter under the config loaded at 100 (cap 1) waits under the cap of 2 (2 run) and
+    // leaves it as it is; an older reload's `cap` writes nothing.
+    assert_eq!(first(enter("c", "k3", "1", "100")), "0", "queued");
+    assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
+    assert_eq!(first(run(&["cap", "1", "0", "1000000", "150"])), "0");
+    assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
+    // A newer config's request sets it, as before: the slot it adds goes to c, who waited.
+    assert_eq!(first(enter("d", "k4", "3", "300")), "0", "queued behind c");
+    assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "3");
+    assert_eq!(redis.cli(&["ZCARD", keys[0]]).trim(), "3");
 }

@@ -26,6 +26,9 @@ pub struct Fair {
     pub per_key: Option<u32>,
     /// The endpoint's `max_queue`.
     pub max_queue: Option<u32>,
+    /// When the config these figures come from was loaded (`Route::loaded_ms`): a queue takes
+    /// a cap and share no older than those it has.
+    pub since: u64,
 }
 
 impl Default for Fair {
@@ -34,6 +37,7 @@ impl Default for Fair {
             weight: 1,
             per_key: None,
             max_queue: None,
+            since: 0,
         }
     }
 }
@@ -67,6 +71,8 @@ impl KeyState {
 pub struct FairQueue {
     cap: u32,
     per_key: Option<u32>,
+    /// When the config `cap` and `per_key` come from was loaded (`Fair::since`).
+    since: u64,
     running: u32,
     queued: usize,
     seq: u64,
@@ -180,10 +186,11 @@ impl Drop for Waiting {
 }
 
 impl FairQueue {
-    fn new(cap: u32, per_key: Option<u32>) -> FairQueue {
+    fn new(cap: u32, per_key: Option<u32>, since: u64) -> FairQueue {
         FairQueue {
             cap,
             per_key,
+            since,
             running: 0,
             queued: 0,
             seq: 0,
@@ -306,8 +313,13 @@ impl FairQueue {
         }
     }
 
-    /// The route's cap and per-key share from now on; new slots go to the waiters at once.
-    fn set_limits(&mut self, cap: u32, per_key: Option<u32>) {
+    /// The route's cap and per-key share from now on, unless they come from a config loaded
+    /// before the one in force here (`since`); new slots go to the waiters at once.
+    fn set_limits(&mut self, cap: u32, per_key: Option<u32>, since: u64) {
+        if since < self.since {
+            return;
+        }
+        self.since = since;
         if (self.cap, self.per_key) != (cap, per_key) {
             self.cap = cap;
             self.per_key = per_key;
@@ -424,19 +436,19 @@ impl RouteQueues {
     pub fn join(&self, route: &Arc<str>, cap: u32, key: u128, fair: Fair) -> Joined {
         let queue = lock(&self.routes)
             .entry(route.clone())
-            .or_insert_with(|| Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key))))
+            .or_insert_with(|| Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key, fair.since))))
             .clone();
-        lock(&queue).set_limits(cap, fair.per_key);
+        lock(&queue).set_limits(cap, fair.per_key, fair.since);
         FairQueue::join(&queue, key, fair)
     }
 
     /// A reload changed `route`'s cap or per-key share: in force at once for the requests
     /// running and waiting, not only from its next request (a larger figure hands its new
     /// slots to the waiters now; a smaller one holds them until fewer run).
-    pub fn reconfigure(&self, route: &str, cap: u32, per_key: Option<u32>) {
+    pub fn reconfigure(&self, route: &str, cap: u32, per_key: Option<u32>, since: u64) {
         let queue = lock(&self.routes).get(route).cloned();
         if let Some(queue) = queue {
-            lock(&queue).set_limits(cap, per_key);
+            lock(&queue).set_limits(cap, per_key, since);
         }
     }
 

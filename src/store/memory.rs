@@ -304,7 +304,8 @@ impl MemoryStore {
     pub fn reconfigure(&self, router: &crate::route::Router) {
         for r in router.routes() {
             if let Some(cap) = r.max_in_flight {
-                self.routes.reconfigure(&r.label, cap, r.queue.per_key);
+                self.routes
+                    .reconfigure(&r.label, cap, r.queue.per_key, r.loaded_ms);
             }
         }
     }

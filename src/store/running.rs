@@ -299,7 +299,7 @@ mod tests {
         Fair {
             weight,
             per_key,
-            max_queue: None,
+            ..Fair::default()
         }
     }
 

@@ -290,3 +290,37 @@ fn a_place_far_down_a_long_queue_is_bounded_by_its_length() {
     // The 500th: 500 steps over 1,000 keys is past the bound: the queue's 1,000.
     assert_eq!(waiting[499].place().position(), Some(1000));
 }
+
+/// A reload's cap holds for the waiters at once, and a request decided under the config
+/// before it (a job whose upload spanned the reload) does not undo it when it joins late:
+/// only a config loaded no earlier than the one in force sets the cap.
+#[test]
+fn a_reloaded_cap_reaches_the_waiters_and_an_older_config_does_not_undo_it() {
+    let q = RouteQueues::default();
+    let old = Fair {
+        since: 1,
+        ..fair(1)
+    };
+    let s1 = slot(&q, 1, 1, old);
+    let mut w2 = wait(&q, 1, 2, old);
+    let mut w3 = wait(&q, 1, 3, old);
+    // Raised to 3: both waiters run at once.
+    q.reconfigure("r", 3, None, 2);
+    assert!(granted(&mut w2) && granted(&mut w3));
+    assert_eq!(q.counts("r"), (3, 0));
+    // Lowered to 1 while 3 run: a late join under the old config (cap 1 too, but older)
+    // changes nothing, one under a config older than the raise does not bring 3 back.
+    q.reconfigure("r", 1, None, 3);
+    let mut w4 = wait(
+        &q,
+        3,
+        4,
+        Fair {
+            since: 2,
+            ..fair(1)
+        },
+    );
+    drop(s1);
+    assert!(!granted(&mut w4), "3 → 2 running: still above the cap of 1");
+    assert_eq!(q.counts("r"), (2, 1));
+}

@@ -13,8 +13,8 @@
 --            weight, then the longest waiting (with one slot every key runs nothing at a
 --            release, and by its oldest waiter alone a key's backlog would keep the slot)
 --   KEYS[4] `…s` a hash: `seq` (the counter of arrivals, grants and freed leases); `cap`,
---            `share` (the route's max_in_flight and max_in_flight_per_key, 0 = none, as the
---            last caller saw them);
+--            `share` (the route's max_in_flight and max_in_flight_per_key, 0 = none, from
+--            the latest loaded config a caller had), `since` (that config's load time, ms);
 --            `r:<key>` requests the key runs; `wt:<key>` its weight; `h:<key>` its member in
 --            KEYS[3]; `e:<key>` the seq of its last grant or freed lease, while it waits;
 --            `l:<lease>` the key a lease belongs to; `w:<waiter>` "<key>|<member of
@@ -46,6 +46,7 @@
 --
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
+--          since (the caller's config's load time, ms: `limits`)
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -66,12 +67,13 @@
 --          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
---   cap    ARGV cap share grant_ttl_us -> {1} (a reload: the route's cap and per-key share from
---          now on, and free slots to the waiters) | {0} (no queue state yet: nothing written)
---   full   ARGV key cap share max_queue -> {1} when an `enter` of `key` now would be refused
---          FULL (no slot for it and max_queue waiters), else {0}: a job asks before its body
---          is read, so that a full queue refuses it at once. A slot a lapsed lease freed
---          counts as free (the `enter` grants it first), so {0} may still meet FULL.
+--   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
+--          share from now on, and free slots to the waiters) | {0} (no queue state yet, or a
+--          later loaded config's figures in force: nothing written)
+--   full   ARGV key cap share max_queue since grant_ttl_us -> {1} when an `enter` of `key` now
+--          would be refused FULL (no slot for it and max_queue waiters; after the upkeep an
+--          `enter` makes: lapsed leases purged, free slots granted), else {0}: a job asks
+--          before its body is read, so that a full queue refuses it at once.
 -- Reads and checks come before the first write of each operation's own work; the upkeep
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
 
@@ -327,6 +329,17 @@ local function purge()
   end
 end
 
+-- The route's cap and share in force for a caller whose config gave `route_cap` and
+-- `route_share` and was loaded at `since` (ms): its figures unless the stored ones come from
+-- a config loaded later (a reload elsewhere in the fleet, or a request decided just before
+-- its instance reloaded, must not undo a newer cap). With `write`, the caller's are stored
+-- when they are the ones in force.
+local function limits(route_cap, route_share, since, write)
+  if since < num('since') then return cap(), share() end
+  if write then redis.call('HSET', state, 'cap', route_cap, 'share', route_share, 'since', since) end
+  return route_cap, route_share
+end
+
 -- Whether `key` may take a free slot now: one is free, the key runs fewer than its share, and
 -- none of its own waiters is ahead of it.
 local function takes(key, route_cap, route_share)
@@ -354,7 +367,8 @@ if op == 'enter' then
   local lease_ttl, instance, alive_us, grant_ttl = tonumber(ARGV[8]), ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
   local until_us = redis.call('ZSCORE', given_up, id)
   if until_us and tonumber(until_us) > now then return {GIVEN_UP} end
-  redis.call('HSET', state, 'cap', route_cap, 'share', route_share, 'i:' .. instance, int(now + alive_us))
+  route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
+  redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   purge()
   grant(grant_ttl)
   if takes(key, route_cap, route_share) then
@@ -511,8 +525,8 @@ elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
 elseif op == 'cap' then
-  if redis.call('EXISTS', state) == 0 then return {0} end
-  redis.call('HSET', state, 'cap', ARGV[2], 'share', ARGV[3])
+  if redis.call('EXISTS', state) == 0 or tonumber(ARGV[5]) < num('since') then return {0} end
+  limits(ARGV[2], ARGV[3], tonumber(ARGV[5]), true)
   purge()
   -- Each waiting key's place in the serving order under the new share (a key held at the
   -- old share may be served again, or no longer).
@@ -528,9 +542,11 @@ elseif op == 'cap' then
   return {1}
 elseif op == 'full' then
   purge()
+  grant(tonumber(ARGV[7]))
   local key, max_queue = ARGV[2], tonumber(ARGV[5])
+  local route_cap, route_share = limits(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]) or 0, false)
   if max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
-      or takes(key, tonumber(ARGV[3]), tonumber(ARGV[4])) then
+      or takes(key, route_cap, route_share) then
     return {0}
   end
   return {1}

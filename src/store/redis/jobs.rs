@@ -98,7 +98,9 @@ impl RedisBackend {
         inv.arg(keys::key_tag(&req.key))
             .arg(cap)
             .arg(req.fair.per_key.unwrap_or(0))
-            .arg(max);
+            .arg(max)
+            .arg(req.fair.since)
+            .arg(GRANT_TTL.as_micros() as u64);
         let full: Result<Vec<i64>, _> = self.call(inv).await;
         full.is_ok_and(|v| v.first() == Some(&1))
     }

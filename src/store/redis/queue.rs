@@ -409,7 +409,8 @@ impl RedisBackend {
             .arg(self.lease_ttl.as_micros() as u64)
             .arg(instance)
             .arg(alive.as_micros() as u64)
-            .arg(GRANT_TTL.as_micros() as u64);
+            .arg(GRANT_TTL.as_micros() as u64)
+            .arg(req.fair.since);
         inv
     }
 
@@ -438,14 +439,11 @@ impl RedisBackend {
     /// cap adds now, and a smaller cap holds them, not only from the route's next request.
     /// On a thread of its own (a reload may come from a thread without a runtime).
     pub(super) fn reconfigure_queues(self: &Arc<Self>, router: &crate::route::Router) {
-        let caps: Vec<(String, u32, u32)> = router
+        let caps: Vec<(String, u32, u32, u64)> = router
             .routes()
             .filter_map(|r| {
-                Some((
-                    r.label.to_string(),
-                    r.max_in_flight?,
-                    r.queue.per_key.unwrap_or(0),
-                ))
+                let share = r.queue.per_key.unwrap_or(0);
+                Some((r.label.to_string(), r.max_in_flight?, share, r.loaded_ms))
             })
             .collect();
         if caps.is_empty() {
@@ -453,13 +451,16 @@ impl RedisBackend {
         }
         let store = self.clone();
         let spawned = crate::background::spawn("tollgate-reconfigure".into(), move || async move {
-            for (route, cap, share) in caps {
+            for (route, cap, share, since) in caps {
                 let Some(keys) = super::keys::queue_keys(&super::keys::route_slots_key(&route))
                 else {
                     continue;
                 };
                 let mut inv = store.queue_script.call(&keys, "cap");
-                inv.arg(cap).arg(share).arg(GRANT_TTL.as_micros() as u64);
+                inv.arg(cap)
+                    .arg(share)
+                    .arg(GRANT_TTL.as_micros() as u64)
+                    .arg(since);
                 if let Err(e) = store.call::<Vec<i64>>(inv).await {
                     tracing::warn!(%route, error = %e, "a reloaded cap reaches the route's waiters with its next request");
                 }
