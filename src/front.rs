@@ -356,8 +356,9 @@ where
                     return;
                 }
             };
-            let kept = || conn.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let Some(done) = done.or_else(kept) else {
+            // A connection taken back from a failed request (Pingora itself returns none then).
+            let kept = conn.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let Some(done) = kept.or(done) else {
                 if conn.refused_head.load(Ordering::SeqCst) {
                     crate::proxy::malformed_head(&self.shared, peer, conn.head_elapsed());
                 }

@@ -510,7 +510,7 @@ async fn a_deaf_subscription_keeps_no_refusal() {
     let b = Gateway::start(&up, &format!("{}{limits}", redis_store(&redis, "")));
     let c = client();
     let slow = tokio::spawn({
-        let (c, url) = (c.clone(), b.url("/four?delay_ms=5000&actual_cost=0"));
+        let (c, url) = (c.clone(), b.url("/four?delay_ms=8000&actual_cost=0"));
         async move { get(&c, url, "r-key").await }
     });
     up.wait_current("/four", 1).await;
@@ -525,8 +525,13 @@ async fn a_deaf_subscription_keeps_no_refusal() {
         }
     })
     .await;
-    // What Redis pushes to `a`'s subscription is held from now on (not its calls or beats).
+    // What Redis pushes to `a`'s subscription is held from now on (not its calls or beats),
+    // before `b`'s refund (else the test would not be about a deaf subscription).
     path_of_a.hold_matching("message\r\n$19\r\ntollgate:given-back");
+    assert!(
+        !slow.is_finished(),
+        "the refund came before the subscription went deaf"
+    );
     assert_eq!(slow.await.unwrap().status(), 200);
     let asked = Instant::now();
     let admitted = eventually(Duration::from_secs(15), async || {

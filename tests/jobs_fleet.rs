@@ -691,7 +691,9 @@ async fn a_result_write_that_fails_is_sent_again() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start(&up, &config(&path.url()));
     let c = client();
-    let (job, _) = submit(&c, &gw, "/reports/generate?delay_ms=500", "").await;
+    // 2 s at the upstream: the drop is armed well before the result is written (and after
+    // the job's script was loaded: its text names `finish` too).
+    let (job, _) = submit(&c, &gw, "/reports/generate?delay_ms=2000", "").await;
     up.wait_current(ROUTE, 1).await;
     path.drop_next_matching("finish");
     // A poll on the connection cut under it is 503 (the store did not answer), then the end.

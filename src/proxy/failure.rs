@@ -116,21 +116,27 @@ impl Gateway {
             // client's next request already sees the units back.
             ctx.refund(&self.shared.store, failure.problem).await;
         }
-        // HungUp: the upstream had the request and is done with it: charged, its slot freed
-        // in `logging` as after an answer.
+        // HungUp: the upstream had the request and is done with it: charged. Its slot is
+        // freed now (a timed-out one's follows the late answer): reading past the rest of the
+        // body below must not hold it.
         ctx.timing.upstream_done();
-        // The client's connection goes on when nothing of the request is left to read: what
-        // it pipelined behind this one is answered (DESIGN §3: never dropped). One whose body
-        // the failure cut short ends: say so, so that the client doesn't send its next request
-        // into a closing socket.
-        // (Pingora closes a connection after an upstream error whatever this hook returns:
-        // `logging` takes it back from the session through the front door.)
-        ctx.upstream.keep_client =
-            ctx.conn.is_some() && !session.downstream_session.is_http2() && session.is_body_done();
-        if !ctx.upstream.keep_client {
+        ctx.release().await;
+        // An HTTP/1 client's connection goes on, and what it pipelined behind this request is
+        // answered (DESIGN §3: never dropped): the answer reads past what is left of the body,
+        // as a refusal's does (`respond::send`), or says it closes. Pingora closes the
+        // connection after an upstream error whatever this hook returns: `logging` takes it
+        // back from the session, through the front door.
+        let h1 = ctx.conn.is_some() && !session.downstream_session.is_http2();
+        if !h1 {
             session.set_keepalive(None);
         }
-        let _ = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
+        let sent = respond::problem(session, ctx, failure.problem, &failure.detail, None).await;
+        // Only after an answer that went out whole, with the request read to its end: a client
+        // whose socket failed under it is not read from again.
+        ctx.upstream.keep_client = h1
+            && sent.is_ok()
+            && session.is_body_done()
+            && session.downstream_session.get_keepalive().is_some();
         FailToProxy {
             error_code: failure.problem.status(),
             can_reuse_downstream: false,

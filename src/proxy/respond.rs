@@ -174,9 +174,6 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
-/// `cost_from_response`: reads what the upstream says the request cost (kept for settling
-/// when the request was charged) and removes the header: it is for the gateway, not the
-/// client.
 /// An interim answer (`103 Early Hints`) is relayed without the stated cost's header: it is
 /// for the gateway (DESIGN §6), and only the final answer's counts.
 pub fn drop_stated_cost(h: &mut ResponseHeader, ctx: &Ctx) {
@@ -189,6 +186,9 @@ pub fn drop_stated_cost(h: &mut ResponseHeader, ctx: &Ctx) {
     }
 }
 
+/// `cost_from_response`: reads what the upstream says the request cost (kept for settling
+/// when the request was charged) and removes the header: it is for the gateway, not the
+/// client.
 pub fn take_stated_cost(h: &mut ResponseHeader, ctx: &mut Ctx) {
     let Some(route) = &ctx.route else {
         return;

@@ -71,8 +71,7 @@ pub(super) async fn run_claimed(
         report,
         follow,
     } = settle(&shared, &route, &admit, sent, started).await;
-    let keep_for = route.jobs.map_or(b.lease_ttl(), |j| j.result_ttl);
-    let mine = write_result(&b, &id, state, &stored, keep_for).await;
+    let mine = write_result(&b, &id, state, &stored, b.lease_ttl() * 2).await;
     if let Some(u) = upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
@@ -143,14 +142,18 @@ fn keep_alive(
     })
 }
 
-/// How often a result that could not be written is sent again.
-const WRITE_AGAIN_EVERY: Duration = Duration::from_millis(250);
+/// When a result that could not be written is sent again: after this, doubling up to
+/// [`WRITE_AGAIN_AT_MOST`] (a write that fails for as long as the store does not count
+/// against its breaker more than it must).
+const WRITE_AGAIN_AFTER: Duration = Duration::from_millis(250);
+const WRITE_AGAIN_AT_MOST: Duration = Duration::from_secs(2);
 
 /// Writes the job's end into its record (kept result_ttl from now); a record no longer this
 /// run's (declared lost meanwhile) keeps what it says. A write the store did not answer is
-/// sent again (the runner goes on vouching for the job meanwhile) for up to `within`: an
-/// outage shorter than `lease_ttl` must not lose the upstream's answer and end the job
-/// `job-lost` (a resend of a write that did run is recognised, `lua/jobs.lua`).
+/// sent again (the runner goes on vouching for the job, and holding its slot, meanwhile) for
+/// up to `within`, two leases: an outage shorter than `lease_ttl` must not lose the upstream's
+/// answer and end the job `job-lost` (a resend of a write that did run is recognised,
+/// `lua/jobs.lua`); a longer one ends it lost anyway, as the runner's renewals fail too.
 /// False when the record was not this run's, or the write never went through: the instance
 /// that finds the job lost counts its end and writes its last line (`record::ended_unrun`).
 async fn write_result(
@@ -172,12 +175,14 @@ async fn write_result(
         &stored.body,
     ];
     let give_up = Instant::now() + within;
+    let mut again = WRITE_AGAIN_AFTER;
     loop {
         match b.job_record::<i64>(id, "finish", &fields).await {
             Ok(n) => return n != 0,
-            Err(e) if Instant::now() < give_up => {
+            Err(e) if Instant::now() + again < give_up => {
                 tracing::debug!(job = id, error = %e, "a job's result could not be written yet: sent again");
-                tokio::time::sleep(WRITE_AGAIN_EVERY).await;
+                tokio::time::sleep(again).await;
+                again = (again * 2).min(WRITE_AGAIN_AT_MOST);
             }
             Err(e) => {
                 tracing::warn!(job = id, error = %e, "a job's result could not be written; the job ends lost");

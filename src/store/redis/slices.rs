@@ -100,6 +100,8 @@ pub(super) struct Ask {
     asker: bool,
     /// When it was asked: a grant's life here starts then, before Redis's clock saw it.
     at: Option<Instant>,
+    /// The entry it was asked of (`Entry::born`): its answer goes into that entry only.
+    entry: Option<Instant>,
 }
 
 /// What an `admit` reply says beyond the decision: the slice granted, and the stored levels
@@ -192,6 +194,7 @@ impl Slices {
             return Ask {
                 asker: true,
                 at: Some(now),
+                entry: Some(now),
                 ..Ask::default()
             };
         };
@@ -207,6 +210,7 @@ impl Slices {
                 settle_at,
                 settled,
                 at: Some(now),
+                entry: Some(e.born),
                 ..Ask::default()
             };
         }
@@ -224,6 +228,7 @@ impl Slices {
             settled,
             asker: true,
             at: Some(now),
+            entry: Some(e.born),
         }
     }
 
@@ -243,8 +248,12 @@ impl Slices {
     ) -> Option<Outcome> {
         let k = short_key(&req.key);
         let mut shard = self.shard(k);
-        let Some(e) = shard.get_mut(&k).filter(|e| e.serves(req)) else {
-            // Handed back meanwhile (a reload): what was granted is never spent here.
+        let Some(e) = shard
+            .get_mut(&k)
+            .filter(|e| e.serves(req) && ask.entry == Some(e.born))
+        else {
+            // Handed back meanwhile (a reload, a charge beyond it: `retire`): what was granted
+            // is never spent here.
             if seen.granted > 0 {
                 self.settle_later(Settle::unspent(place(), ask.grant, seen.granted));
             }
@@ -300,7 +309,7 @@ impl Slices {
             let mut shard = self.shard(k);
             shard
                 .get_mut(&k)
-                .filter(|e| e.serves(req))
+                .filter(|e| e.serves(req) && ask.entry == Some(e.born))
                 .is_some_and(|e| {
                     e.done_asking(&ask);
                     if e.place.budgets.is_empty() {

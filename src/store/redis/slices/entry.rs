@@ -32,6 +32,9 @@ pub(super) struct Entry {
     pub(super) size: u64,
     /// A reservation is in flight since then.
     pub(super) asking: Option<Instant>,
+    /// When the entry was made: a reservation asked of an entry since taken out of the table
+    /// (`Slices::retire`, a reload) never grants into its successor.
+    pub(super) born: Instant,
 }
 
 impl Entry {
@@ -53,6 +56,7 @@ impl Entry {
             granted_at: now,
             size: 0,
             asking: Some(now),
+            born: now,
         }
     }
 

@@ -240,3 +240,44 @@ fn no_slice_smaller_than_the_cost() {
         s.settle(&r, ask, &seen, true, now, place);
     }
 }
+
+/// A slice retired while its key's reservation is in flight (a charge beyond it: a stated
+/// cost's debt) is not brought back by that reservation's answer: what it granted is settled
+/// unspent, and the key's next entry starts exact.
+#[test]
+fn a_reservation_answered_after_its_slice_was_retired_grants_nothing_here() {
+    let s = Slices::new(1, 9);
+    let r = req(limit(1600, Duration::from_secs(3600)), 3);
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let grant = |ask: Ask, now_us| Seen {
+        granted: ask.slice,
+        now_us,
+        ..Seen::default()
+    };
+    let first = s.ask(&r, t0);
+    s.settle(&r, first, &grant(first, 1), true, t0, place);
+    let asking = s.ask(&r, ms(1));
+    assert!(asking.slice > 0);
+    s.retire(&r.key);
+    // The key's next request makes a new entry (exact) while the old reservation is out.
+    let next = s.ask(&r, ms(2));
+    assert_eq!(next.slice, 0, "a new entry's first call is exact");
+    assert_eq!(
+        s.settle(&r, asking, &grant(asking, 3), true, ms(3), place),
+        None
+    );
+    assert_eq!(
+        s.spend(&r, ms(4)),
+        None,
+        "nothing of the old grant is spent here"
+    );
+    assert_eq!(s.unspent(&r.key, &r.limit), 0);
+    let settling: Vec<Settle> = s.hand_back_all();
+    assert!(
+        settling
+            .iter()
+            .any(|x| x.id == asking.grant && x.unspent == asking.slice),
+        "{settling:?}"
+    );
+}
