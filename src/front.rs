@@ -356,9 +356,10 @@ where
                     return;
                 }
             };
-            // A connection taken back from a failed request (Pingora itself returns none then).
-            let kept = conn.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let Some(done) = kept.or(done) else {
+            // A connection taken back from a failed request: Pingora itself returns none then
+            // (asked only then: no lock per request).
+            let kept = || conn.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let Some(done) = done.or_else(kept) else {
                 if conn.refused_head.load(Ordering::SeqCst) {
                     crate::proxy::malformed_head(&self.shared, peer, conn.head_elapsed());
                 }
