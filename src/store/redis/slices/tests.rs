@@ -25,6 +25,15 @@ fn req(limit: Limit, cost: u64) -> AdmitRequest {
     }
 }
 
+/// Redis's answer granting what `ask` asked for, at Redis time `now_us`.
+fn grant(ask: Ask, now_us: u64) -> Seen {
+    Seen {
+        granted: ask.slice,
+        now_us,
+        ..Seen::default()
+    }
+}
+
 fn place() -> Place {
     Place {
         holds: "t{x}h".into(),

@@ -46,11 +46,6 @@ fn slices_start_exact_double_while_busy_and_halve_when_left_over() {
     let r = req(limit(1600, Duration::from_secs(3600)), 3);
     let t0 = Instant::now();
     let ms = |n: u64| t0 + Duration::from_millis(n);
-    let grant = |ask: Ask, now_us| Seen {
-        granted: ask.slice,
-        now_us,
-        ..Seen::default()
-    };
     assert_eq!(s.spend(&r, t0), None, "nothing reserved yet");
     let ask = s.ask(&r, t0);
     assert_eq!((ask.slice, ask.settle), (0, 0), "the first call is exact");
@@ -250,11 +245,6 @@ fn a_reservation_answered_after_its_slice_was_retired_grants_nothing_here() {
     let r = req(limit(1600, Duration::from_secs(3600)), 3);
     let t0 = Instant::now();
     let ms = |n: u64| t0 + Duration::from_millis(n);
-    let grant = |ask: Ask, now_us| Seen {
-        granted: ask.slice,
-        now_us,
-        ..Seen::default()
-    };
     let first = s.ask(&r, t0);
     s.settle(&r, first, &grant(first, 1), true, t0, place);
     let asking = s.ask(&r, ms(1));
