@@ -782,6 +782,33 @@ fn a_submission_is_decided_before_its_body_is_read() {
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// A submission that waited for `100 Continue` keeps its connection: the request it pipelined
+/// behind its body is answered after the 202 (DESIGN §3: never dropped). (Before, writing the
+/// `100 Continue` before the body was read turned keep-alive off: the 202 said
+/// `Connection: close` and the next request was lost.)
+#[test]
+fn a_submission_that_waited_for_100_continue_keeps_its_connection() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(&reports(1, "")));
+    let mut s = raw_connect(gw.port);
+    s.write_all(&submission_head(
+        "key-b",
+        "Expect: 100-continue\r\nContent-Length: 3\r\n",
+    ))
+    .unwrap();
+    assert_eq!(read_interim(&mut s), Some(100));
+    let mut rest = b"abc".to_vec();
+    rest.extend_from_slice(&raw("GET /items/1", &["X-API-Key: key-b"]));
+    s.write_all(&rest).unwrap();
+    let r = read_raw_response(&mut s).expect("the 202");
+    assert_eq!(r.status, 202, "{r:?}");
+    assert_eq!(r.header("connection"), Some("keep-alive"), "{r:?}");
+    let next = read_raw_response(&mut s).expect("the pipelined request answered");
+    assert_eq!(next.status, 200, "{next:?}");
+    assert_eq!(up.count("/items/1"), 1);
+}
+
 /// A submission whose body stalls gets 408 after body_timeout; the job never existed and its
 /// body never reached the upstream, so nothing is charged (as for a 413), and the 408 carries
 /// every rate-limit header of an identified request (DESIGN §3), the budget whole again.

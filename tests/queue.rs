@@ -911,6 +911,31 @@ fn the_latest_loaded_cap_holds_in_redis() {
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
     assert_eq!(first(run(&["cap", "1", "0", "1000000", "150"])), "0");
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
+    // A route idle past its queue state's expiry keeps a reload's figures for an instance not
+    // reloaded yet: the `cap` writes them even with no state there.
+    let idle = ["t:r{i}f", "t:r{i}q", "t:r{i}k", "t:r{i}s", "t:r{i}x"];
+    let on_idle = |args: &[&str]| {
+        let mut all = vec!["EVAL", script, "5"];
+        all.extend(idle);
+        all.extend(args);
+        redis.cli(&all)
+    };
+    assert_eq!(first(on_idle(&["cap", "1", "0", "1000000", "500"])), "1");
+    let a = [
+        "e", "k1", "1", "4", "0", "0", "10000000", "i1", "10000000", "1000000", "400",
+    ];
+    let mut args = vec!["enter"];
+    args.extend(a);
+    assert_eq!(first(on_idle(&args)), "1", "taken: 1 slot of 1");
+    let mut args = vec!["enter"];
+    args.extend([
+        "f", "k2", "1", "4", "0", "0", "10000000", "i1", "10000000", "1000000", "400",
+    ]);
+    assert_eq!(
+        first(on_idle(&args)),
+        "0",
+        "queued: the reloaded cap of 1, not the older 4"
+    );
     // A newer config's request sets it, as before: the slot it adds goes to c, who waited.
     assert_eq!(first(enter("d", "k4", "3", "300")), "0", "queued behind c");
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "3");

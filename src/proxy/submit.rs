@@ -51,11 +51,13 @@ fn waits_for_continue(session: &mut Session) -> bool {
 async fn read_body(session: &mut Session, max: u64, gap: Duration) -> Result<Option<Bytes>> {
     if waits_for_continue(session) {
         // Admitted: the client may send its body now (else it waits out its own timer).
-        session
-            .downstream_session
-            .write_continue_response()
-            .await
-            .map_err(|e| e.into_down())?;
+        // Pingora takes any answer written before the body was read for one that ends the
+        // connection: not this interim one, after which the body is read whole.
+        let s = &mut session.downstream_session;
+        s.set_close_on_response_before_downstream_finish(false);
+        let written = s.write_continue_response().await;
+        s.set_close_on_response_before_downstream_finish(true);
+        written.map_err(|e| e.into_down())?;
     }
     let mut buf = BytesMut::new();
     // The client's errors (a malformed chunk, a stalled body) as the synchronous path has

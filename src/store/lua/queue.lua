@@ -68,8 +68,9 @@
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
---          share from now on, and free slots to the waiters) | {0} (no queue state yet, or a
---          later loaded config's figures in force: nothing written)
+--          share from now on, and free slots to the waiters; kept as long as the queue's
+--          state, a minute past its last call at least) | {0} (a later loaded config's
+--          figures in force: nothing written)
 --   full   ARGV key cap share max_queue since grant_ttl_us -> {1} when an `enter` of `key` now
 --          would be refused FULL (no slot for it and max_queue waiters; after the upkeep an
 --          `enter` makes: lapsed leases purged, free slots granted), else {0}: a job asks
@@ -525,8 +526,11 @@ elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
 elseif op == 'cap' then
-  if redis.call('EXISTS', state) == 0 or tonumber(ARGV[5]) < num('since') then return {0} end
+  if tonumber(ARGV[5]) < num('since') then return {0} end
+  -- Written even for a route with no queue state now (idle past its expiry): an instance
+  -- not reloaded yet must find the newer figures, not set its own.
   limits(ARGV[2], ARGV[3], tonumber(ARGV[5]), true)
+  if redis.call('PTTL', state) < 60000 then redis.call('PEXPIRE', state, 60000) end
   purge()
   -- Each waiting key's place in the serving order under the new share (a key held at the
   -- old share may be served again, or no longer).
