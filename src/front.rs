@@ -37,7 +37,7 @@ mod stream;
 
 pub use crate::config::ClientLimits;
 pub use body_watch::BodyWatch;
-pub use late::{drain_upstream, LateAnswer};
+pub use late::{drain_upstream, LateAnswer, Learned};
 pub use listen::Listeners;
 pub use stream::Tracked;
 

@@ -608,6 +608,47 @@ async fn one_front_door_for_both_listeners() {
     );
 }
 
+/// A stream reset while the upstream works on a capped route keeps its charge following the
+/// upstream, as its slot does (DESIGN §3, §6): the cost the late answer states becomes the
+/// final charge, and a `cost_per_second` route bills the upstream's time to its answer, as
+/// for an HTTP/1.1 client that leaves. (Before, the charge was fixed at the reset: the stated
+/// 40 was never applied, and the per-second route billed 0.3 s of the upstream's 1.5.)
+#[tokio::test]
+async fn a_reset_streams_charge_follows_the_upstreams_late_answer() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    /cfr: {cost: 2, cost_from_response: X-Actual-Cost, max_in_flight: 2}\n    /cps: {cost: 1, cost_per_second: 10, max_in_flight: 2}\n";
+    let tg = start_tls_with(&up, &pki, body, &[], "");
+    let client = h2_connect(&tg).await;
+    for (path, key, charged) in [
+        ("/cfr?delay_ms=1500&actual_cost=40", "k-cfr", 40u64),
+        // 1 + 10 units a second for ~1.5 s: 15 or 16 units.
+        ("/cps?delay_ms=1500", "k-cps", 16),
+    ] {
+        let route = path.split('?').next().unwrap();
+        let mut c = client.clone().ready().await.unwrap();
+        let (resp, mut stream) = c.send_request(h2_request("GET", path, key), false).unwrap();
+        stream.send_data(bytes::Bytes::new(), true).unwrap();
+        up.wait_current(route, 1).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stream.send_reset(h2::Reason::CANCEL);
+        drop(resp);
+        // Once the upstream has answered, the final charge is counted (not at the reset)...
+        let units = format!("tollgate_cost_units_total{{route=\"{route}\"}}");
+        wait_metric_at_least(&tg.gw, &units, 15.0).await;
+        // ...and the key's budget shows it: 1000 - the final charge - this request's 1.
+        let r = h2_send(&client, h2_request("GET", "/x", key)).await;
+        let final_charge = 1000 - 1 - r.remaining();
+        assert_eq!(metric(&tg.gw, &units).await, final_charge as f64, "{path}");
+        if route == "/cfr" {
+            assert_eq!(final_charge, charged, "{path}");
+        } else {
+            assert!((15..=17).contains(&final_charge), "{path}: {final_charge}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_stream_reset_while_held_by_max_delay_is_never_forwarded() {
     let up = Upstream::start(Duration::ZERO);

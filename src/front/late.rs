@@ -28,20 +28,34 @@ pub enum LateAnswer {
 /// The most bytes a late answer's head may take before it is read as "until close".
 const MAX_HEAD: usize = 64 * 1024;
 
+/// What following a late answer learned of it (a whole one's, `LateAnswer::Whole`): when its
+/// (final) head arrived, and the value of the header `stated` names, the cost the upstream
+/// states (`cost_from_response`).
+#[derive(Debug, Default)]
+pub struct Learned {
+    pub head_at: Option<std::time::Instant>,
+    pub stated: Option<http::HeaderValue>,
+}
+
 /// Reads the rest of the upstream's answer from `dup` (until it ends, the upstream closes,
-/// or `deadline` — `abandon_timeout` after the request was sent), then runs `release`.
+/// or `deadline` — `abandon_timeout` after the request was sent), then runs `release`; what
+/// it learned of the answer's head (the header `stated` names, if any).
 pub async fn drain_upstream(
     dup: std::os::fd::OwnedFd,
     deadline: Instant,
     answer: LateAnswer,
+    stated: Option<&http::HeaderName>,
     release: impl std::future::Future<Output = ()>,
-) {
+) -> Learned {
+    let mut learned = Learned::default();
     // The duplicate shares the original's open file description, so it is non-blocking too.
     match TcpStream::from_std(std::net::TcpStream::from(dup)) {
         Ok(mut upstream) => {
             let read = async {
                 match answer {
-                    LateAnswer::Whole { head } => read_answer(&mut upstream, head).await,
+                    LateAnswer::Whole { head } => {
+                        read_answer(&mut upstream, head, stated, &mut learned).await
+                    }
                     LateAnswer::UntilClose => until_close(&mut upstream).await,
                 }
             };
@@ -54,6 +68,7 @@ pub async fn drain_upstream(
         Err(e) => tracing::debug!(error = %e, "cannot follow a late upstream answer"),
     }
     release.await;
+    learned
 }
 
 /// How the body of a parsed head is delimited.
@@ -66,13 +81,25 @@ enum Body {
     UntilClose,
 }
 
-/// One HTTP/1 answer, from its first byte to its last.
-async fn read_answer(up: &mut TcpStream, head_request: bool) -> io::Result<()> {
+/// One HTTP/1 answer, from its first byte to its last; its final head's arrival and the
+/// header `stated` names go into `learned`.
+async fn read_answer(
+    up: &mut TcpStream,
+    head_request: bool,
+    stated: Option<&http::HeaderName>,
+    learned: &mut Learned,
+) -> io::Result<()> {
     let mut buf = Vec::with_capacity(4096);
     loop {
         let (head_len, body) = loop {
             match parse_head(&buf, head_request) {
-                Ok(Some(parsed)) => break parsed,
+                Ok(Some(parsed)) => {
+                    if !matches!(parsed.1, Body::Interim) {
+                        learned.head_at = Some(std::time::Instant::now());
+                        learned.stated = stated.and_then(|name| header_of(&buf, name));
+                    }
+                    break parsed;
+                }
                 Ok(None) if buf.len() < MAX_HEAD => {
                     if read_more(up, &mut buf).await? == 0 {
                         return Ok(());
@@ -91,6 +118,23 @@ async fn read_answer(up: &mut TcpStream, head_request: bool) -> io::Result<()> {
             Body::UntilClose => until_close(up).await,
         };
     }
+}
+
+/// The value of header `name` in the complete head at the start of `buf` (the only one of
+/// that name; several are no statement: `Report::read` treats them alike only when equal).
+fn header_of(buf: &[u8], name: &http::HeaderName) -> Option<http::HeaderValue> {
+    let mut headers = [httparse::EMPTY_HEADER; 100];
+    let mut resp = httparse::Response::new(&mut headers);
+    resp.parse(buf).ok()?;
+    let mut found = resp
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case(name.as_str()));
+    let first = found.next()?;
+    if found.next().is_some() {
+        return None;
+    }
+    http::HeaderValue::from_bytes(first.value).ok()
 }
 
 /// The head's length and how its body ends, once the head is complete (`None` before).
@@ -224,7 +268,7 @@ mod tests {
         let mut c = TcpStream::connect(addr).await.unwrap();
         let done = tokio::time::timeout(
             std::time::Duration::from_secs(1),
-            read_answer(&mut c, head_request),
+            read_answer(&mut c, head_request, None, &mut Learned::default()),
         )
         .await
         .is_ok();

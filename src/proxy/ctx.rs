@@ -125,6 +125,9 @@ pub struct Ctx {
     /// The request's final charge once settled after the response (`cost_per_second`,
     /// `cost_from_response`); `None` before, or when nothing was charged.
     pub settled: Option<u64>,
+    /// Its settling follows the upstream's late answer (a client gone before it: `LateSettle`):
+    /// its units and stated cost are counted then, not at `logging`.
+    pub settles_late: bool,
     /// What the upstream's response said the request cost (`cost_from_response` routes,
     /// charged requests).
     pub report: Option<Report>,
@@ -154,6 +157,7 @@ impl Ctx {
             request_id: None,
             fallback: false,
             settled: None,
+            settles_late: false,
             report: None,
             share: 1,
             job: None,

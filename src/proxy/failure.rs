@@ -109,7 +109,7 @@ impl Gateway {
             // whole request (one still waiting for the rest of a stalled body is not working).
             if ctx.upstream.whole_request {
                 let head = session.req_header().method == http::Method::HEAD;
-                self.follow_late_answer(ctx, front::LateAnswer::Whole { head });
+                self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, false);
             }
         } else if how == UpstreamFailure::Unreachable {
             // The upstream never received the request: refund, before answering, so that the

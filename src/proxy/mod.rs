@@ -12,6 +12,7 @@ mod decide;
 mod failure;
 pub mod forward;
 mod jobs;
+mod late;
 mod record;
 pub mod respond;
 mod scrub;
@@ -98,19 +99,25 @@ impl Gateway {
     /// discarded) through the duplicate of the upstream socket, for at most
     /// `abandon_timeout` after the request was sent. Without a duplicate (an uncapped route)
     /// the slot, if any, is freed in `logging` as usual.
-    fn follow_late_answer(&self, ctx: &mut Ctx, answer: front::LateAnswer) {
+    fn follow_late_answer(&self, ctx: &mut Ctx, answer: front::LateAnswer, settle: bool) {
         let Some(dup) = ctx.upstream.dup.take() else {
             return;
         };
         let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
         let deadline = sent + ctx.upstream.abandon_after;
+        let settle = settle
+            .then(|| late::LateSettle::take(&self.shared, ctx, sent))
+            .flatten();
         if let Some(slot) = ctx.detach_slot() {
-            tokio::spawn(front::drain_upstream(
-                dup,
-                deadline.into(),
-                answer,
-                slot.release(),
-            ));
+            tokio::spawn(async move {
+                let stated = settle.as_ref().and_then(|s| s.stated_name());
+                let learned =
+                    front::drain_upstream(dup, deadline.into(), answer, stated, slot.release())
+                        .await;
+                if let Some(s) = settle {
+                    s.finish(learned).await;
+                }
+            });
         }
     }
 
@@ -148,10 +155,18 @@ impl Gateway {
                 && e.is_some_and(client_went_away)
                 && ctx.upstream.whole_request
             {
-                // Part of the answer may have been read: its request went with
-                // `Connection: close`, so it ends with the connection.
                 ctx.upstream.dup = Some(dup);
-                self.follow_late_answer(ctx, front::LateAnswer::UntilClose);
+                if ctx.upstream.status.is_none() {
+                    // Nothing of the answer was read: it is read whole from its first byte,
+                    // and the request's charge is settled on it (its stated cost, its time)
+                    // as if its client had stayed (DESIGN §3: the charge follows the upstream).
+                    let head = session.req_header().method == http::Method::HEAD;
+                    self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
+                } else {
+                    // Part of the answer was read (its head, settled on): its request went
+                    // with `Connection: close`, so it ends with the connection.
+                    self.follow_late_answer(ctx, front::LateAnswer::UntilClose, false);
+                }
             }
         }
     }

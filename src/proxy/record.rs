@@ -22,8 +22,9 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
     if let Some(u) = ctx.timing.upstream {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
-    // A job's units are counted when it ends (the charge may be refunded or settled).
-    if charged > 0 && !matches!(ctx.phase, Phase::Job { .. }) {
+    // A job's units are counted when it ends (the charge may be refunded or settled), and so
+    // are those of a request settled on its late answer.
+    if charged > 0 && !matches!(ctx.phase, Phase::Job { .. }) && !ctx.settles_late {
         rm.cost_units.inc_by(charged);
     }
     // Counted once settled: what the report made of the charge is in the store by now.
