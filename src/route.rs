@@ -248,6 +248,25 @@ fn method_table<'a>(by_method: &'a mut Vec<(String, Table)>, method: &str) -> &'
     &mut by_method[pos].1
 }
 
+/// When a config is loaded, in ms since the Unix epoch, always after the last one loaded in
+/// this process (a clock stepped back must not make a reload older than the config it
+/// replaces).
+fn load_stamp() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut last = LAST.load(Ordering::Relaxed);
+    loop {
+        let stamp = now.max(last + 1);
+        match LAST.compare_exchange_weak(last, stamp, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return stamp,
+            Err(seen) => last = seen,
+        }
+    }
+}
+
 impl Router {
     /// Builds the table; errors are `(pattern, message)`.
     pub fn new(specs: Vec<RouteSpec>, default_cost: u64) -> Result<Router, Vec<(String, String)>> {
@@ -260,9 +279,7 @@ impl Router {
         default_cost: u64,
         default_fidelity: Fidelity,
     ) -> Result<Router, Vec<(String, String)>> {
-        let loaded_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let loaded_ms = load_stamp();
         let mut errs = Vec::new();
         let mut routes = Vec::new();
         let mut any = Table::default();

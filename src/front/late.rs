@@ -34,7 +34,8 @@ const MAX_HEAD: usize = 64 * 1024;
 #[derive(Debug, Default)]
 pub struct Learned {
     pub head_at: Option<std::time::Instant>,
-    pub stated: Option<http::HeaderValue>,
+    /// Every value the header had (`Report::read` judges repeats).
+    pub stated: Vec<http::HeaderValue>,
 }
 
 /// Reads the rest of the upstream's answer from `dup` (until it ends, the upstream closes,
@@ -96,7 +97,7 @@ async fn read_answer(
                 Ok(Some(parsed)) => {
                     if !matches!(parsed.1, Body::Interim) {
                         learned.head_at = Some(std::time::Instant::now());
-                        learned.stated = stated.and_then(|name| header_of(&buf, name));
+                        learned.stated = stated.map_or_else(Vec::new, |n| header_of(&buf, n));
                     }
                     break parsed;
                 }
@@ -120,21 +121,22 @@ async fn read_answer(
     }
 }
 
-/// The value of header `name` in the complete head at the start of `buf` (the only one of
-/// that name; several are no statement: `Report::read` treats them alike only when equal).
-fn header_of(buf: &[u8], name: &http::HeaderName) -> Option<http::HeaderValue> {
+/// The values of header `name` in the complete head at the start of `buf` (one that is not
+/// a header value at all stands as a value that is no plain integer: not believed).
+fn header_of(buf: &[u8], name: &http::HeaderName) -> Vec<http::HeaderValue> {
     let mut headers = [httparse::EMPTY_HEADER; 100];
     let mut resp = httparse::Response::new(&mut headers);
-    resp.parse(buf).ok()?;
-    let mut found = resp
-        .headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case(name.as_str()));
-    let first = found.next()?;
-    if found.next().is_some() {
-        return None;
+    if resp.parse(buf).is_err() {
+        return Vec::new();
     }
-    http::HeaderValue::from_bytes(first.value).ok()
+    resp.headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case(name.as_str()))
+        .map(|h| {
+            http::HeaderValue::from_bytes(h.value)
+                .unwrap_or_else(|_| http::HeaderValue::from_static("-"))
+        })
+        .collect()
 }
 
 /// The head's length and how its body ends, once the head is complete (`None` before).

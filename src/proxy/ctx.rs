@@ -70,6 +70,10 @@ pub struct Leg {
     /// How long after the request was sent a late answer is still followed (the upstream's
     /// `abandon_timeout`).
     pub abandon_after: Duration,
+    /// The upstream's `read_timeout`, and whether it is reached over TLS (a late answer read
+    /// from the socket's duplicate is then ciphertext: nothing to settle on).
+    pub read_timeout: Duration,
+    pub tls: bool,
     /// A duplicate of the upstream socket, for an HTTP/2 request on a capped route: if the
     /// client resets the stream, the upstream's answer is drained from it so that the slot
     /// follows the upstream's work.

@@ -23,6 +23,12 @@ pub(super) struct LateSettle {
     running: Arc<Running>,
     /// When the request went to the upstream: its time runs from there.
     sent: Instant,
+    /// The upstream's `read_timeout`: an answer later than that is a 504's, as for a client
+    /// that stayed.
+    read_timeout: std::time::Duration,
+    /// The final charge as at the reset: what stands when the late answer tells nothing (no
+    /// head seen).
+    at_reset: u64,
 }
 
 impl LateSettle {
@@ -45,6 +51,8 @@ impl LateSettle {
             route: route.clone(),
             running: running.clone(),
             sent,
+            read_timeout: ctx.upstream.read_timeout,
+            at_reset: f.final_cost(ticket.req.cost, Some(sent.elapsed())),
         };
         // The admission's charge stands until then (the access line shows it).
         ctx.settled = Some(ticket.req.cost);
@@ -57,26 +65,35 @@ impl LateSettle {
         self.route.fidelity.cost_from_response.as_ref()
     }
 
-    /// Settles on what the late answer said: its stated cost, else its time to the head (to
-    /// the end of following it, if no head came), and counts them.
+    /// Settles on what the late answer said, as for a client that stayed: its stated cost,
+    /// else its time to the head; an answer later than `read_timeout` as that 504 is (its
+    /// time to the timeout, nothing stated). A late answer whose head was not seen (it broke
+    /// off, or Pingora had read part of it) settles as at the reset. Counts them.
     pub(super) async fn finish(self, learned: crate::front::Learned) {
-        let upstream = learned
+        let head = learned
             .head_at
-            .unwrap_or_else(Instant::now)
-            .saturating_duration_since(self.sent);
-        let report = self.stated_name().map(|name| {
-            let mut h = http::HeaderMap::new();
-            if let Some(v) = learned.stated {
-                h.insert(name.clone(), v);
+            .map(|at| at.saturating_duration_since(self.sent));
+        let (total, report, upstream) = match head {
+            Some(t) if t <= self.read_timeout => {
+                let report = self.stated_name().map(|name| {
+                    let mut h = http::HeaderMap::new();
+                    for v in learned.stated {
+                        h.append(name.clone(), v);
+                    }
+                    Report::read(&h, name, self.route.cost)
+                });
+                let total = match report {
+                    Some(Report::Applied(units)) => units,
+                    _ => self.route.fidelity.final_cost(self.req.cost, Some(t)),
+                };
+                (total, report, Some(t))
             }
-            Report::read(&h, name, self.route.cost)
-        });
-        let total = match report {
-            Some(Report::Applied(units)) => units,
-            _ => self
-                .route
-                .fidelity
-                .final_cost(self.req.cost, Some(upstream)),
+            Some(_) => {
+                let t = self.read_timeout;
+                let total = self.route.fidelity.final_cost(self.req.cost, Some(t));
+                (total, None, Some(t))
+            }
+            None => (self.at_reset, None, None),
         };
         self.store.settle(&self.req, self.charge, total).await;
         let rm = self.running.metrics.get(&self.route);
@@ -86,8 +103,8 @@ impl LateSettle {
         if let Some(r) = report {
             rm.cost_report(r);
         }
-        if learned.head_at.is_some() {
-            rm.upstream_duration.observe(upstream.as_secs_f64());
+        if let Some(t) = upstream {
+            rm.upstream_duration.observe(t.as_secs_f64());
         }
     }
 }

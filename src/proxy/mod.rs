@@ -109,7 +109,10 @@ impl Gateway {
             .then(|| late::LateSettle::take(&self.shared, ctx, sent))
             .flatten();
         if let Some(slot) = ctx.detach_slot() {
+            // A shutdown waits for the settling as for a request.
+            let drain = self.shared.drain.enter();
             tokio::spawn(async move {
+                let _drain = drain;
                 let stated = settle.as_ref().and_then(|s| s.stated_name());
                 let learned =
                     front::drain_upstream(dup, deadline.into(), answer, stated, slot.release())
@@ -156,7 +159,7 @@ impl Gateway {
                 && ctx.upstream.whole_request
             {
                 ctx.upstream.dup = Some(dup);
-                if ctx.upstream.status.is_none() {
+                if ctx.upstream.status.is_none() && !ctx.upstream.tls {
                     // Nothing of the answer was read: it is read whole from its first byte,
                     // and the request's charge is settled on it (its stated cost, its time)
                     // as if its client had stayed (DESIGN §3: the charge follows the upstream).
@@ -298,12 +301,15 @@ impl ProxyHttp for Gateway {
             };
             ctx.upstream.host = Some(target.host_header.clone());
             ctx.upstream.abandon_after = target.abandon_timeout;
+            (ctx.upstream.read_timeout, ctx.upstream.tls) = (target.read_timeout, target.tls);
             return Ok(Box::new(crate::upstreams::peer(addr, target)));
         }
         let Some(addr) = running.upstream_addr else {
             return Error::e_explain(ErrorType::ConnectNoRoute, "upstream host did not resolve");
         };
-        ctx.upstream.abandon_after = running.config.upstream.abandon_timeout;
+        let up = &running.config.upstream;
+        ctx.upstream.abandon_after = up.abandon_timeout;
+        (ctx.upstream.read_timeout, ctx.upstream.tls) = (up.read_timeout, up.tls);
         Ok(Box::new(crate::upstreams::peer(
             addr,
             &running.config.upstream,

@@ -545,10 +545,11 @@ elseif op == 'cap' then
   grant(tonumber(ARGV[4]))
   return {1}
 elseif op == 'full' then
+  local key, max_queue = ARGV[2], tonumber(ARGV[5])
+  -- As an `enter` would: the caller's figures if newer, then the upkeep under them.
+  local route_cap, route_share = limits(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]) or 0, true)
   purge()
   grant(tonumber(ARGV[7]))
-  local key, max_queue = ARGV[2], tonumber(ARGV[5])
-  local route_cap, route_share = limits(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]) or 0, false)
   if max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
       or takes(key, route_cap, route_share) then
     return {0}
