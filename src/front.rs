@@ -388,8 +388,12 @@ where
 /// with what was read ahead of it.
 pub async fn keep_after_failure(session: &mut pingora::proxy::Session, conn: &ConnState) {
     use pingora::apps::HttpPersistentSettings;
-    use pingora::protocols::l4::{stream::Stream, virt::VirtualSocketStream};
-    let stand_in = Stream::from(VirtualSocketStream::new(Box::new(Spent)));
+    // The stand-in: one end of a socket pair whose other end is already closed (this path
+    // runs only after an upstream failure).
+    let Ok((stand_in, _)) = tokio::net::UnixStream::pair() else {
+        return;
+    };
+    let stand_in = pingora::protocols::l4::stream::Stream::from(stand_in);
     let stand_in = ServerSession::new_http1(Box::new(stand_in));
     let session = std::mem::replace(&mut *session.downstream_session, stand_in);
     let settings = HttpPersistentSettings::for_session(&session);
@@ -398,54 +402,6 @@ pub async fn keep_after_failure(session: &mut pingora::proxy::Session, conn: &Co
     if let Ok(Some(stream)) = session.finish().await {
         let reused = ReusedHttpStream::from_reusable_stream(stream, settings);
         *conn.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(reused);
-    }
-}
-
-/// The socket a session is left with once its connection was taken back: it reads nothing
-/// and writes into nothing.
-#[derive(Debug)]
-struct Spent;
-
-impl tokio::io::AsyncRead for Spent {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-        _: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-}
-
-impl tokio::io::AsyncWrite for Spent {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::task::Poll::Ready(Ok(buf.len()))
-    }
-
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-}
-
-impl pingora::protocols::l4::virt::VirtualSocket for Spent {
-    fn set_socket_option(
-        &self,
-        _: pingora::protocols::l4::virt::VirtualSockOpt,
-    ) -> std::io::Result<()> {
-        Ok(())
     }
 }
 
