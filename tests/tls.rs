@@ -623,7 +623,8 @@ async fn a_reset_streams_charge_follows_the_upstreams_late_answer() {
     let client = h2_connect(&tg).await;
     for (path, key, charged) in [
         ("/cfr?delay_ms=1500&actual_cost=40", "k-cfr", 40u64),
-        // 1 + 10 units a second for ~1.5 s: 15 or 16 units.
+        // 1 + 10 units a second for the upstream's 1.5 s at least (more on a slow machine);
+        // 4 at the reset.
         ("/cps?delay_ms=1500", "k-cps", 16),
     ] {
         let route = path.split('?').next().unwrap();
@@ -644,7 +645,7 @@ async fn a_reset_streams_charge_follows_the_upstreams_late_answer() {
         if route == "/cfr" {
             assert_eq!(final_charge, charged, "{path}");
         } else {
-            assert!((15..=17).contains(&final_charge), "{path}: {final_charge}");
+            assert!(final_charge >= charged, "{path}: {final_charge}");
         }
     }
 }

@@ -93,13 +93,13 @@ async fn read_answer(
     let mut buf = Vec::with_capacity(4096);
     loop {
         let (head_len, body) = loop {
-            match parse_head(&buf, head_request) {
-                Ok(Some(parsed)) => {
-                    if !matches!(parsed.1, Body::Interim) {
+            match parse_head(&buf, head_request, stated) {
+                Ok(Some((len, body, values))) => {
+                    if !matches!(body, Body::Interim) {
                         learned.head_at = Some(std::time::Instant::now());
-                        learned.stated = stated.map_or_else(Vec::new, |n| header_of(&buf, n));
+                        learned.stated = values;
                     }
-                    break parsed;
+                    break (len, body);
                 }
                 Ok(None) if buf.len() < MAX_HEAD => {
                     if read_more(up, &mut buf).await? == 0 {
@@ -121,26 +121,17 @@ async fn read_answer(
     }
 }
 
-/// The values of header `name` in the complete head at the start of `buf` (one that is not
-/// a header value at all stands as a value that is no plain integer: not believed).
-fn header_of(buf: &[u8], name: &http::HeaderName) -> Vec<http::HeaderValue> {
-    let mut headers = [httparse::EMPTY_HEADER; 100];
-    let mut resp = httparse::Response::new(&mut headers);
-    if resp.parse(buf).is_err() {
-        return Vec::new();
-    }
-    resp.headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case(name.as_str()))
-        .map(|h| {
-            http::HeaderValue::from_bytes(h.value)
-                .unwrap_or_else(|_| http::HeaderValue::from_static("-"))
-        })
-        .collect()
-}
+/// A parsed head: its length, how its body ends, the values of the header asked for.
+type Head = (usize, Body, Vec<http::HeaderValue>);
 
-/// The head's length and how its body ends, once the head is complete (`None` before).
-fn parse_head(buf: &[u8], head_request: bool) -> Result<Option<(usize, Body)>, ()> {
+/// The head's length, how its body ends and the values of header `stated` (one that is not
+/// a header value at all stands as one that is no plain integer: not believed), once the head
+/// is complete (`None` before).
+fn parse_head(
+    buf: &[u8],
+    head_request: bool,
+    stated: Option<&http::HeaderName>,
+) -> Result<Option<Head>, ()> {
     let mut headers = [httparse::EMPTY_HEADER; 100];
     let mut resp = httparse::Response::new(&mut headers);
     let n = match resp.parse(buf) {
@@ -173,7 +164,17 @@ fn parse_head(buf: &[u8], head_request: bool) -> Result<Option<(usize, Body)>, (
     } else {
         Body::UntilClose
     };
-    Ok(Some((n, body)))
+    let values = stated.map_or_else(Vec::new, |name| {
+        resp.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case(name.as_str()))
+            .map(|h| {
+                http::HeaderValue::from_bytes(h.value)
+                    .unwrap_or_else(|_| http::HeaderValue::from_static("-"))
+            })
+            .collect()
+    });
+    Ok(Some((n, body, values)))
 }
 
 async fn read_more(up: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<usize> {
