@@ -100,8 +100,8 @@ pub(super) struct Ask {
     asker: bool,
     /// When it was asked: a grant's life here starts then, before Redis's clock saw it.
     at: Option<Instant>,
-    /// The entry it was asked of (`Entry::born`): its answer goes into that entry only.
-    entry: Option<Instant>,
+    /// The entry it was asked of (`Entry::id`, never 0): its answer goes into that entry only.
+    entry: u64,
 }
 
 /// What an `admit` reply says beyond the decision: the slice granted, and the stored levels
@@ -190,11 +190,13 @@ impl Slices {
         }
         let Some(e) = shard.get_mut(&k) else {
             // The key's first reservation asks for nothing: light traffic stays exact.
-            shard.insert(k, Entry::first(req, now));
+            // Numbered as holds are: unique in this instance.
+            let entry = self.next_hold.fetch_add(1, Ordering::Relaxed);
+            shard.insert(k, Entry::first(req, now, entry));
             return Ask {
                 asker: true,
                 at: Some(now),
-                entry: Some(now),
+                entry,
                 ..Ask::default()
             };
         };
@@ -210,7 +212,7 @@ impl Slices {
                 settle_at,
                 settled,
                 at: Some(now),
-                entry: Some(e.born),
+                entry: e.id,
                 ..Ask::default()
             };
         }
@@ -228,7 +230,7 @@ impl Slices {
             settled,
             asker: true,
             at: Some(now),
-            entry: Some(e.born),
+            entry: e.id,
         }
     }
 
@@ -250,7 +252,7 @@ impl Slices {
         let mut shard = self.shard(k);
         let Some(e) = shard
             .get_mut(&k)
-            .filter(|e| e.serves(req) && ask.entry == Some(e.born))
+            .filter(|e| e.serves(req) && ask.entry == e.id)
         else {
             // Handed back meanwhile (a reload, a charge beyond it: `retire`): what was granted
             // is never spent here.
@@ -309,7 +311,7 @@ impl Slices {
             let mut shard = self.shard(k);
             shard
                 .get_mut(&k)
-                .filter(|e| e.serves(req) && ask.entry == Some(e.born))
+                .filter(|e| e.serves(req) && ask.entry == e.id)
                 .is_some_and(|e| {
                     e.done_asking(&ask);
                     if e.place.budgets.is_empty() {

@@ -32,15 +32,15 @@ pub(super) struct Entry {
     pub(super) size: u64,
     /// A reservation is in flight since then.
     pub(super) asking: Option<Instant>,
-    /// When the entry was made: a reservation asked of an entry since taken out of the table
+    /// Its number: a reservation asked of an entry since taken out of the table
     /// (`Slices::retire`, a reload) never grants into its successor.
-    pub(super) born: Instant,
+    pub(super) id: u64,
 }
 
 impl Entry {
     /// A key's entry at its first reservation, which asks for no slice: light traffic stays
     /// exact.
-    pub(super) fn first(req: &AdmitRequest, now: Instant) -> Entry {
+    pub(super) fn first(req: &AdmitRequest, now: Instant, id: u64) -> Entry {
         Entry {
             limit: req.limit,
             also: req.also.clone(),
@@ -56,7 +56,7 @@ impl Entry {
             granted_at: now,
             size: 0,
             asking: Some(now),
-            born: now,
+            id,
         }
     }
 
