@@ -304,3 +304,14 @@ fn suffixes_and_folds_in_the_router() {
     assert_eq!(c("/report%C5%BF/generate"), Err(BadPath::CaseFold));
     assert_eq!(c("/files/%C4%B1"), Ok(2), "folded or not, the same route");
 }
+
+/// A queue keeps the figures of the latest loaded config (`Route::loaded_ms`): each config
+/// loaded in a process is stamped after the one before, even within one millisecond (or
+/// with the clock stepped back), so a reload always wins over the config it replaces.
+#[test]
+fn each_config_loaded_is_stamped_after_the_one_before() {
+    let stamps: Vec<u64> = (0..3)
+        .map(|_| Router::new(vec![], 1).unwrap().default_route().loaded_ms)
+        .collect();
+    assert!(stamps[0] < stamps[1] && stamps[1] < stamps[2], "{stamps:?}");
+}
