@@ -129,13 +129,29 @@ impl Limit {
     }
 }
 
-/// A bucket's stored state: its level (ticks) at a time (µs), and the drain rate that level
-/// was measured in, so a reload that changes the rate converts instead of forgetting.
+/// A bucket's stored state: its level (ticks) at a time (µs), and the ticks per unit and drain
+/// rate that level was measured in, so a reload that changes the budget converts instead of
+/// forgetting: the units spent are carried into the new budget (see [`level_at`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct State {
     pub level: u64,
     pub at_us: u64,
     pub rate: u64,
+    /// Ticks per unit of the level; 0 for a state stored before tollgate kept it (a Redis
+    /// value `level:at_us:rate`), which converts by its drain rate.
+    pub per_unit: u64,
+}
+
+impl State {
+    /// `level` ticks of `limit` at `at_us`.
+    pub fn of(limit: &Limit, level: u64, at_us: u64) -> State {
+        State {
+            level,
+            at_us,
+            rate: limit.rate,
+            per_unit: limit.per_unit,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,10 +235,23 @@ fn div_ceil(a: u64, b: u64) -> u64 {
 
 /// The level of `state` at `now_us`, in `limit`'s ticks. A clock that went backwards (another
 /// instance's, or a failover to a Redis with a slower clock) drains nothing rather than panicking.
+///
+/// A state stored under another budget (a reload changed `max_cost` or `window`) carries the
+/// units it holds into this one: a key that spent 120 of 120 a minute ago has spent 120 of the
+/// new budget too, whether that is 120 an hour (no room until they drain, at the new rate) or
+/// 240 a minute (120 left). Keeping the time until empty instead (what a stored GCRA arrival
+/// time does) would give a key that just spent 120 a minute 118 more once the window became an
+/// hour. A state without its ticks per unit (stored before they were kept) keeps its time
+/// until empty.
 pub fn level_at(limit: &Limit, state: Option<State>, now_us: u64) -> u64 {
     let Some(s) = state else { return 0 };
     let mut level = s.level;
-    if s.rate != limit.rate && s.rate != 0 {
+    if s.per_unit != 0 {
+        if s.per_unit != limit.per_unit {
+            level = ((level as u128 * limit.per_unit as u128).div_ceil(s.per_unit as u128))
+                .min(MAX_TICKS * 2) as u64;
+        }
+    } else if s.rate != limit.rate && s.rate != 0 {
         // Same time-until-empty, in the new rate's ticks.
         level = ((level as u128 * limit.rate as u128).div_ceil(s.rate as u128)).min(MAX_TICKS * 2)
             as u64;
@@ -241,11 +270,7 @@ pub fn decide(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Ou
         let delay_us = div_ceil(next.saturating_sub(limit.capacity), limit.rate);
         Outcome {
             verdict: Verdict::Admit { delay_us },
-            state: Some(State {
-                level: next,
-                at_us: now_us,
-                rate: limit.rate,
-            }),
+            state: Some(State::of(limit, next, now_us)),
             remaining: limit.remaining(next),
             reset_us: limit.reset_us(next),
             each: Figures::default(),
@@ -362,10 +387,12 @@ pub fn uncharged(limit: &Limit, state: Option<State>, now_us: u64, verdict: Verd
 /// Gives `cost` units back (the upstream never saw the request). Returns the state to store.
 pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Option<State> {
     let level = level_at(limit, state, now_us);
-    state.map(|_| State {
-        level: level.saturating_sub(cost.saturating_mul(limit.per_unit)),
-        at_us: now_us,
-        rate: limit.rate,
+    state.map(|_| {
+        State::of(
+            limit,
+            level.saturating_sub(cost.saturating_mul(limit.per_unit)),
+            now_us,
+        )
     })
 }
 
@@ -374,13 +401,13 @@ pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Op
 /// `capacity`: the key is then in debt and waits it out. The Lua `debit` transcribes it.
 pub fn debit(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> State {
     let level = level_at(limit, state, now_us);
-    State {
-        level: level
+    State::of(
+        limit,
+        level
             .saturating_add(cost.saturating_mul(limit.per_unit))
             .min(MAX_TICKS as u64),
-        at_us: now_us,
-        rate: limit.rate,
-    }
+        now_us,
+    )
 }
 
 /// Seconds for `Retry-After`: rounded up, never 0.

@@ -397,6 +397,77 @@ fn check_and_explain_show_the_shared_budget() {
     );
 }
 
+/// A reload that changes a budget carries what each key has spent into the new one (§4: a
+/// burst never exceeds `max_cost`). A key that spent 10 of 10 an hour has spent 10 of 10 a
+/// day when the window grows (it got 9 more when the stored level kept its time until empty:
+/// an hour's worth of a day's drain), and exactly 10 more when `max_cost` doubles; a plan's
+/// second budget (by name) the same.
+async fn a_reloaded_budget_carries_the_units_spent(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 10}}\nplans:\n  pro:\n    budgets:\n      - {{ name: hour, max_cost: 1000, window: 1h }}\n      - {{ name: cap, max_cost: 10, window: 1h }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: pro }}\n  - {{ id: basic, sha256: \"{}\" }}\n",
+        store(redis),
+        sha256_hex("acme-key"),
+        sha256_hex("k")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let admitted = |key: &'static str| {
+        let (c, gw) = (&c, &gw);
+        async move {
+            let mut n = 0;
+            loop {
+                let r = get(c, gw.url("/items"), key).await;
+                match r.status().as_u16() {
+                    200 => n += 1,
+                    429 => return (n, r),
+                    s => panic!("status {s}"),
+                }
+                assert!(n <= 30, "{key}: no refusal");
+            }
+        }
+    };
+    for key in ["k", "acme-key"] {
+        assert_eq!(admitted(key).await.0, 10, "{key}");
+    }
+
+    gw.edit_config("window: 1h, max_cost: 10}", "window: 24h, max_cost: 10}");
+    gw.edit_config(
+        "name: cap, max_cost: 10, window: 1h",
+        "name: cap, max_cost: 10, window: 24h",
+    );
+    gw.reload(0.0).await;
+    for key in ["k", "acme-key"] {
+        let (n, r) = admitted(key).await;
+        assert_eq!(n, 0, "{key}: admitted after the window grew");
+        // One unit of 10 a day drains in 2.4 hours.
+        let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+        assert!((8639..=8640).contains(&retry), "{key}: Retry-After {retry}");
+    }
+
+    gw.edit_config("window: 24h, max_cost: 10}", "window: 24h, max_cost: 20}");
+    gw.edit_config(
+        "name: cap, max_cost: 10, window: 24h",
+        "name: cap, max_cost: 20, window: 24h",
+    );
+    gw.reload(1.0).await;
+    for key in ["k", "acme-key"] {
+        assert_eq!(admitted(key).await.0, 10, "{key}: after max_cost doubled");
+    }
+    assert_eq!(up.count("/items"), 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_budget_carries_the_units_spent_on_memory() {
+    a_reloaded_budget_carries_the_units_spent(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_budget_carries_the_units_spent_on_redis() {
+    let redis = Redis::start();
+    a_reloaded_budget_carries_the_units_spent(Some(&redis)).await;
+}
+
 /// A caller held in line by a shared budget that gives up is not forwarded, and neither its
 /// key nor the shared budget keeps its charge.
 async fn held_callers_that_leave(redis: Option<&Redis>) {

@@ -166,11 +166,48 @@ fn clock_going_backwards_does_not_panic_or_refill() {
 }
 
 #[test]
-fn reload_with_new_rate_keeps_time_to_empty() {
+fn a_reloaded_budget_carries_the_units_spent() {
+    let minute = lim(120, 60_000, 0);
+    let (_, spent) = burst(&minute, 6, 20, 0); // all 120 units
+                                               // The window becomes an hour: still no room (keeping the time until empty, 60 s of an
+                                               // hour's drain, left 118 units).
+    let hour = lim(120, 3_600_000, 0);
+    let o = decide(&hour, spent, 0, 1);
+    assert!(!o.admitted());
+    assert_eq!(o.remaining, 0);
+    // One unit drains in 30 s at the new rate.
+    assert!(!decide(&hour, spent, 29_999_999, 1).admitted());
+    assert!(decide(&hour, spent, 30_000_000, 1).admitted());
+    // Twice the units a minute: exactly 120 left.
+    let double = lim(240, 60_000, 0);
+    assert_eq!(decide(&double, spent, 0, 1).remaining, 119);
+    let mut st = spent;
+    let mut admitted = 0;
+    for _ in 0..7 {
+        let o = decide(&double, st, 0, 20);
+        if o.admitted() {
+            admitted += 1;
+            st = o.state;
+        }
+    }
+    assert_eq!(admitted, 6);
+    // Half the units: in debt by 60, which drains at 1 unit a second.
+    let half = lim(60, 60_000, 0);
+    assert_eq!(level_at(&half, spent, 0), 120 * half.per_unit);
+    assert!(!decide(&half, spent, 60_999_999, 1).admitted());
+    assert!(decide(&half, spent, 61_000_000, 1).admitted());
+    // A state converted and stored again is in the new budget's ticks.
+    let o = decide(&double, spent, 0, 20);
+    assert_eq!(o.state.unwrap().per_unit, double.per_unit);
+}
+
+#[test]
+fn a_state_stored_without_its_ticks_per_unit_keeps_its_time_to_empty() {
     let old = lim(120, 60_000, 0);
     let (_, st) = burst(&old, 3, 20, 0); // half full: 30 s to empty
+    let legacy = st.map(|s| State { per_unit: 0, ..s });
     let new = lim(7, 1_000, 0);
-    let lvl = level_at(&new, st, 0);
+    let lvl = level_at(&new, legacy, 0);
     assert_eq!(div_ceil(lvl, new.rate), 30_000_000);
 }
 

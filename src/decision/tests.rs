@@ -274,11 +274,7 @@ fn shared_budget_refusals_and_the_hold_bound() {
             (req.limit, None),
             (
                 req.also[0].limit,
-                Some(budget::State {
-                    level: u64::MAX / 4,
-                    at_us: 0,
-                    rate: req.also[0].limit.rate,
-                }),
+                Some(budget::State::of(&req.also[0].limit, u64::MAX / 4, 0)),
             ),
         ],
         0,

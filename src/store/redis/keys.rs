@@ -4,7 +4,7 @@
 //!
 //! | key             | holds                                               |
 //! |-----------------|-----------------------------------------------------|
-//! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate`)            |
+//! | `t{<key tag>}b` | an API key's budget (`level:at_us:rate:per_unit`)   |
 //! | `t{<key tag>}b:<name>` | another budget of the key's plan, by name (`budgets:`) |
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t{<key tag>}h` | the API key's budget slices held by instances (hash: hold id → `units:expiry_us`) |
@@ -22,8 +22,8 @@
 //! then the route's (see `RedisBackend::run_admit`); anything else shared by all callers of a
 //! route belongs with the route's tag, in that second call. The script tells a key's own
 //! budgets (`t{`, where slices are held) from a route's (`t:r{`) by that prefix. A budget key
-//! is 14 characters: that is what keeps a budget under 100 bytes of Redis memory (`MEMORY
-//! USAGE` 88).
+//! is 14 characters: that is what keeps a budget at 104 bytes of Redis memory (`MEMORY
+//! USAGE`; 88 while its value is at most 28 characters).
 //!
 //! The few functions that are `pub` are for reading Redis from outside the gateway — the
 //! integration tests look at budgets, holds, lease sets and job records by these names —

@@ -92,7 +92,7 @@ if seen then
   -- writes nothing, and says what its record says, with the budgets as they are now.
   local live = take_holds(holds, '', 0, now, false)
   for _, x in ipairs(b) do
-    x.level = level_at(x.key, x.q, now)
+    x.level = level_at(x.key, x.p, x.q, now)
     x.held = x.own and live * x.p or 0
     x.next = x.level
   end
@@ -108,7 +108,7 @@ end
 if settle ~= '' and (unspent > 0 or late) then gave_back({holds}) end
 local refused, retry = nil, 0
 for i, x in ipairs(b) do
-  x.level = level_at(x.key, x.q, now)
+  x.level = level_at(x.key, x.p, x.q, now)
   x.held = 0
   if x.own then
     x.held = live * x.p
@@ -116,7 +116,7 @@ for i, x in ipairs(b) do
       -- A settled or expired hold's spent units: charged before anything is decided (and a
       -- late settling's unspent units given back).
       x.level = settled_level(x.level, charge, late, x.p, x.q, now)
-      store_level(x.key, x.level, x.q, now)
+      store_level(x.key, x.level, x.p, x.q, now)
     end
   end
   x.next = x.level + cost * x.p
@@ -158,7 +158,7 @@ for _, x in ipairs(b) do keep = math.max(keep, ceil_div(ceil_div(x.next, x.q), 1
 if key_cap > 0 or route_cap > 0 then keep = math.max(keep, ceil_div(ttl, 1000)) end
 redis.call('SET', record, '1', 'PX', int(math.min(keep, record_ms)))
 for _, x in ipairs(b) do
-  store_level(x.key, x.next, x.q, now)
+  store_level(x.key, x.next, x.p, x.q, now)
   if x.next + x.held > x.cap then
     delay = math.max(delay, ceil_div(x.next + x.held - x.cap, x.q))
   end

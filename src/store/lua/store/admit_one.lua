@@ -23,7 +23,7 @@ local budget, holds, record = KEYS[1], KEYS[2], KEYS[3]
 local own = keys_own(budget)
 local now = now_us()
 local live, charge, last, gone = take_holds(holds, '', 0, now, false)
-local level = level_at(budget, q, now)
+local level = level_at(budget, p, q, now)
 -- `charged`: the level once the expired holds found are charged (to the key's own budgets).
 local held, charged = 0, level
 if own then
@@ -37,7 +37,7 @@ if after + held > cap + delay then
   if not seen then
     -- Refused: the expired holds are charged and removed all the same, as `admit` does.
     drop_holds(holds, gone, now)
-    if charged ~= level then store_level(budget, charged, q, now) end
+    if charged ~= level then store_level(budget, charged, p, q, now) end
     local retry = ceil_div(after + held - cap - delay, q)
     local after_held = held + cost * p - cap - delay
     if held > 0 and after_held > 0 then
@@ -53,7 +53,7 @@ else
                     int(math.min(keep, num(ARGV[6]))))
   if not seen then
     drop_holds(holds, gone, now)
-    store_level(budget, after, q, now)
+    store_level(budget, after, p, q, now)
     local wait = 0
     if after + held > cap then wait = ceil_div(after + held - cap, q) end
     local l = after + held

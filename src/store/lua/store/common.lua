@@ -14,8 +14,9 @@
 -- integer below 2^53 (the config refuses limits that could not), so doubles are exact here.
 -- Numbers go back to Redis as integer strings: tostring() would use an exponent above 1e14.
 --
--- A budget is the string "level:at_us:rate" (ticks, µs, ticks drained per µs); a lease set is
--- a sorted set of lease ids scored by expiry (µs).
+-- A budget is the string "level:at_us:rate:per_unit" (ticks, µs, ticks drained per µs, ticks
+-- per unit; one stored before tollgate kept per_unit has three fields); a lease set is a sorted
+-- set of lease ids scored by expiry (µs).
 --
 -- A key's budget slices (crate::store::redis::slices) are *holds*: the hash `t{tag}h` maps a
 -- hold id (`<instance>:s<n>`) to "units:expiry_us". A live hold counts as charged in every one
@@ -62,18 +63,31 @@ local function ceil_div(a, b)
   return math.floor((a + b - 1) / b)
 end
 
--- The budget's level at `now` in ticks of drain rate `q` (0 when absent or drained).
-local function level_at(key, q, now)
+-- Most ticks a converted level keeps (crate::budget::level_at's MAX_TICKS * 2).
+local MAX_LEVEL = 4503599627370496
+
+-- The budget's level at `now` in ticks of `p` per unit, drained at `q` per µs (0 when absent
+-- or drained).
+local function level_at(key, p, q, now)
   local v = redis.call('GET', key)
   if not v then return 0 end
-  local l, at, r = string.match(v, '^(%d+):(%d+):(%d+)$')
+  local l, at, r, u = string.match(v, '^(%d+):(%d+):(%d+):?(%d*)$')
   if not l then return 0 end
   l = tonumber(l)
   at = tonumber(at)
-  r = num(r)
-  if r ~= q and r > 0 then
-    -- a reload changed the rate: keep the time until empty
-    l = math.ceil(l * q / r)
+  if u ~= '' then
+    u = num(u)
+    if u ~= p and u > 0 then
+      -- a reload changed the budget: carry the units spent (the conversion of a level past
+      -- 2^53 / p ticks is within a tick or so of crate::budget's, which is exact)
+      l = math.min(math.ceil(l * p / u), MAX_LEVEL)
+    end
+  else
+    r = num(r)
+    if r ~= q and r > 0 then
+      -- stored before per_unit was kept: keep the time until empty
+      l = math.min(math.ceil(l * q / r), MAX_LEVEL)
+    end
   end
   local elapsed = now - at
   if elapsed < 0 then elapsed = 0 end
@@ -81,7 +95,7 @@ local function level_at(key, q, now)
   return l - elapsed * q
 end
 
-local function store_level(key, level, q, now)
+local function store_level(key, level, p, q, now)
   if level <= 0 then
     redis.call('DEL', key)
     return
@@ -89,7 +103,7 @@ local function store_level(key, level, q, now)
   -- expire exactly when the bucket is empty again
   local px = math.max(1, ceil_div(ceil_div(level, q), 1000))
   -- one format call: three and a concatenation cost ~3,000 instructions more in Redis
-  redis.call('SET', key, string.format('%d:%d:%d', level, now, q), 'PX', int(px))
+  redis.call('SET', key, string.format('%d:%d:%d:%d', level, now, q, p), 'PX', int(px))
 end
 
 -- A key's holds at `now`: the units of live ones, the units to charge now -- what hold

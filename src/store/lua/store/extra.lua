@@ -60,7 +60,7 @@ end
 local function charge_budgets(units, now, first)
   for i = 2, #KEYS do
     local p, q = hold_budget(i, first)
-    store_level(KEYS[i], level_at(KEYS[i], q, now) + units * p, q, now)
+    store_level(KEYS[i], level_at(KEYS[i], p, q, now) + units * p, p, q, now)
   end
 end
 
@@ -72,7 +72,7 @@ local function adjust(sign)
     local j = 1 + 3 * (i - 1)
     local p = tonumber(ARGV[j])
     local q = tonumber(ARGV[j + 1])
-    store_level(KEYS[i], level_at(KEYS[i], q, now) + sign * tonumber(ARGV[j + 2]) * p, q, now)
+    store_level(KEYS[i], level_at(KEYS[i], p, q, now) + sign * tonumber(ARGV[j + 2]) * p, p, q, now)
   end
   return 1
 end

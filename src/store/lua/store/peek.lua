@@ -13,6 +13,6 @@ for i = 2, #KEYS do
   local p, q = hold_budget(i, 1)
   -- Holds count in the key's own budgets only, as in admit (a route's is never passed).
   local held = keys_own(KEYS[i]) and (live + charge) or 0
-  levels[#levels + 1] = level_at(KEYS[i], q, now) + held * p
+  levels[#levels + 1] = level_at(KEYS[i], p, q, now) + held * p
 end
 return levels

@@ -23,7 +23,7 @@ end
 if charge > 0 or late then
   for i = 2, #KEYS do
     local p, q = hold_budget(i, 3)
-    store_level(KEYS[i], settled_level(level_at(KEYS[i], q, now), charge, late, p, q, now), q, now)
+    store_level(KEYS[i], settled_level(level_at(KEYS[i], p, q, now), charge, late, p, q, now), p, q, now)
   end
 end
 if unspent > 0 or late then gave_back(KEYS) end

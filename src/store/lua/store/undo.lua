@@ -16,7 +16,7 @@ if seen == '1' then
   for i = 3, #KEYS do
     local j = 3 + 3 * (i - 3)
     local p, q = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
-    store_level(KEYS[i], level_at(KEYS[i], q, now) - tonumber(ARGV[j + 2]) * p, q, now)
+    store_level(KEYS[i], level_at(KEYS[i], p, q, now) - tonumber(ARGV[j + 2]) * p, p, q, now)
   end
   if lease_set ~= record then redis.call('ZREM', lease_set, ARGV[1]) end
   gave_back(KEYS)

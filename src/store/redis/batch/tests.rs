@@ -203,6 +203,93 @@ async fn a_batch_decides_each_admission_as_the_model_does_alone() {
     assert!(batches < 120, "{batches} batches");
 }
 
+/// A reload that changes a budget (its window, its `max_cost`) carries the units a key has
+/// spent into the new budget, in Redis as in the model, through `admit_one` (one budget) and
+/// `admit` (two): 10 of 10 an hour spent stay spent when the window becomes a day (keeping
+/// the time until empty gave 9 more), and leave exactly 10 of 20 a day. A budget stored
+/// before the ticks per unit were kept (three fields) keeps its time until empty.
+#[tokio::test]
+async fn a_reloaded_budget_carries_the_units_spent_as_the_model_does() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+    let model = MemoryStore::new(Clock::manual(now));
+    let limit = |max_cost: u64, hours: u64| {
+        Limit::new(max_cost, Duration::from_secs(3600 * hours), Duration::ZERO).unwrap()
+    };
+    let minute = Extra {
+        bucket: Bucket::Key("minute".into()),
+        limit: Limit::new(1000, Duration::from_secs(60), Duration::ZERO).unwrap(),
+    };
+    let mut n = 0;
+    for (key, also) in [(60u8, vec![]), (61u8, vec![minute])] {
+        // (limit, cost, admitted?) in order: spend all, the window grows, the budget doubles.
+        let steps = [
+            (limit(10, 1), 10, true),
+            (limit(10, 24), 1, false),
+            (limit(20, 24), 10, true),
+            (limit(20, 24), 1, false),
+        ];
+        for (limit, cost, admits) in steps {
+            let req = request(key, limit, also.clone(), cost);
+            n += 1;
+            let call = admit_call(
+                &req,
+                Ask::default(),
+                format!("t:u{n}"),
+                Duration::from_secs(60),
+            );
+            assert_eq!(call.is_common(), req.also.is_empty());
+            let Packed(replies) = script::invoke(&AdmitBatch(&[call]).invocation(), &mut conn)
+                .await
+                .unwrap();
+            now.store(replies[0][5] as u64, Ordering::Relaxed);
+            let m = model.admit(&req).await;
+            assert_eq!(
+                redis_line(&replies[0]),
+                model_line(&m),
+                "key {key}, step {n}"
+            );
+            assert_eq!(
+                matches!(m, Admission::Admitted { .. }),
+                admits,
+                "key {key}, step {n}: {m:?}"
+            );
+        }
+    }
+
+    // Stored by an older build: "level:at_us:rate". 5 units of 10 an hour (1,800 s to empty),
+    // dated in the future (so nothing drains), read as 10 a day (the same rate in ticks):
+    // the same time until empty, 0.2 units of the day's. The same level with its ticks per
+    // unit: 5 units.
+    let req = request(62, limit(10, 24), vec![], 1);
+    let call = admit_call(
+        &req,
+        Ask::default(),
+        "t:legacy".into(),
+        Duration::from_secs(60),
+    );
+    let future = 4_000_000_000_000_000u64;
+    for (value, left) in [
+        (format!("1800000000:{future}:1"), 8),
+        (format!("1800000000:{future}:1:360000000"), 4),
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(&call.budget)
+            .arg(&value)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(&call.record)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let (code, remaining, _) = send(&call, false, &mut conn).await;
+        assert_eq!((code, remaining), (AdmitCode::Admitted, left), "{value}");
+    }
+}
+
 /// One admission sent twice in one batch (a resend) is charged once: the second finds its
 /// record and answers from it.
 #[tokio::test]

@@ -99,11 +99,7 @@ impl Entry {
         let at = self.redis_at_us.saturating_add(elapsed);
         let mut each = Figures::default();
         for (i, l) in self.limits().enumerate() {
-            let state = State {
-                level: self.levels[i],
-                at_us: self.redis_at_us,
-                rate: l.rate,
-            };
+            let state = State::of(l, self.levels[i], self.redis_at_us);
             let level = (budget::level_at(l, Some(state), at) + self.held[i])
                 .saturating_sub(self.left.saturating_mul(l.per_unit));
             each.push(Figure {

@@ -59,11 +59,7 @@ impl Model {
                     let left = (charged * l.per_unit).saturating_sub(l.rate * (now_us - at));
                     level = level.saturating_sub((back * l.per_unit).min(left));
                 }
-                *s = Some(State {
-                    level,
-                    at_us: now_us,
-                    rate: l.rate,
-                });
+                *s = Some(State::of(l, level, now_us));
             }
         }
         live
@@ -81,11 +77,11 @@ impl Model {
             return;
         }
         for (l, s) in self.budgets.iter_mut() {
-            *s = Some(State {
-                level: budget::level_at(l, *s, now_us).saturating_sub(cost * l.per_unit),
-                at_us: now_us,
-                rate: l.rate,
-            });
+            *s = Some(State::of(
+                l,
+                budget::level_at(l, *s, now_us).saturating_sub(cost * l.per_unit),
+                now_us,
+            ));
         }
     }
 
@@ -134,11 +130,7 @@ impl Model {
         }
         for (i, ((l, s), lv)) in self.budgets.iter_mut().zip(&levels).enumerate() {
             let next = lv + cost * l.per_unit;
-            *s = Some(State {
-                level: next,
-                at_us: now_us,
-                rate: l.rate,
-            });
+            *s = Some(State::of(l, next, now_us));
             seen.levels[i] = next;
             seen.held[i] = (live + seen.granted) * l.per_unit;
         }
