@@ -134,11 +134,7 @@ fn bench_budget(c: &mut Criterion) {
     // gateway.yaml's default: 120 units per minute.
     let limit = Limit::new(120, Duration::from_secs(60), Duration::ZERO).unwrap();
     let now = 1u64 << 40;
-    let state = Some(State {
-        level: limit.capacity / 2,
-        at_us: now - 1_000_000,
-        rate: limit.rate,
-    });
+    let state = Some(State::of(&limit, limit.capacity / 2, now - 1_000_000));
     assert!(budget::decide(&limit, state, now, 20).admitted());
     g.bench_function("decide_admit", |b| {
         b.iter(|| {
@@ -150,11 +146,7 @@ fn bench_budget(c: &mut Criterion) {
             )
         })
     });
-    let full = Some(State {
-        level: limit.capacity,
-        at_us: now,
-        rate: limit.rate,
-    });
+    let full = Some(State::of(&limit, limit.capacity, now));
     assert!(!budget::decide(&limit, full, now, 20).admitted());
     g.bench_function("decide_reject", |b| {
         b.iter(|| {
