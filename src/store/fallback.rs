@@ -319,6 +319,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 lease,
                 queued,
             } => {
+                self.mirror(req);
                 let slots = slots_of(req);
                 let running = (!slots.is_empty()).then(|| self.running.track(slots));
                 Admission::Admitted {
@@ -339,6 +340,21 @@ impl<S: SharedStore> FallbackStore<S> {
             fallback: false,
             share: 1,
         }
+    }
+
+    /// Under `on_error: local`, a request the shared store admitted on a budget that can hold
+    /// (`max_delay`) is charged to this instance's share of it too (up to what the share
+    /// holds itself): when an outage puts the share in force, the requests the store already
+    /// scheduled here (held for their turn, going out on its schedule) are in it, and the
+    /// share schedules after them. An empty share would schedule as much again beside them
+    /// (DESIGN §4: a key, or a provider, gets at most its budget plus one burst of the shares).
+    fn mirror(&self, req: &AdmitRequest) {
+        if self.on_error != OnError::Local
+            || (req.limit.max_delay == 0 && req.also.iter().all(|e| e.limit.max_delay == 0))
+        {
+            return;
+        }
+        self.local.mirror(&req.share(self.fleet_size));
     }
 
     /// Gives back a charge where it was made: in the shared store, or in this instance's

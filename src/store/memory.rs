@@ -388,6 +388,30 @@ impl MemoryStore {
         locked.put(req, &states);
     }
 
+    /// Charges `req.cost` to each of its budgets that can hold (`max_delay`), up to the most
+    /// such a budget holds itself (`capacity + max_delay`); the others are left as they are.
+    /// This is a shared store's admission mirrored in this instance's local share
+    /// (`store::fallback`): once the share is in force it schedules after what the shared
+    /// store already scheduled here, not beside it.
+    pub fn mirror(&self, req: &AdmitRequest) {
+        let now = self.clock.now_us();
+        let mut locked = self.lock_budgets(req);
+        let states: Vec<Option<State>> = locked
+            .budgets(req)
+            .iter()
+            .map(|(limit, state)| {
+                if limit.max_delay == 0 {
+                    return *state;
+                }
+                let level = budget::level_at(limit, *state, now)
+                    .saturating_add(req.cost.saturating_mul(limit.per_unit))
+                    .min(limit.capacity.saturating_add(limit.max_delay));
+                Some(State::of(limit, level, now))
+            })
+            .collect();
+        locked.put(req, &states);
+    }
+
     /// What is left of the key's budget under `limit` and of each of its further budgets in
     /// `also` (a route's shared budget there is not the key's, and is left out), in order.
     pub fn peek(&self, key: &KeyHash, limit: &Limit, also: &[Extra]) -> Vec<BudgetView> {

@@ -517,3 +517,63 @@ async fn a_shared_refund_that_did_not_run_is_sent_again() {
     tokio::time::sleep(REFUND_RETRY_EVERY * 3).await;
     assert_eq!(fake.refunded.load(Ordering::Relaxed), 7);
 }
+
+/// Under `on_error: local`, what the shared store admitted on a budget that can hold
+/// (`max_delay`) is in the local share when an outage puts it in force (up to what the share
+/// holds itself), so the share schedules after what the store scheduled here; a budget that
+/// cannot hold is left alone (its share starts as it was).
+#[tokio::test]
+async fn the_local_share_of_a_holding_budget_counts_what_the_store_admitted() {
+    let (fake, s) = store(OnError::Local, 2);
+    let provider = Extra {
+        bucket: super::super::Bucket::Route("/r".into()),
+        limit: Limit::new(10, Duration::from_secs(3600), Duration::from_secs(3600)).unwrap(),
+    };
+    let r = AdmitRequest {
+        also: vec![provider],
+        ..req(1, None)
+    };
+    fake.down.store(false, Ordering::Relaxed);
+    for _ in 0..6 {
+        assert!(admitted(&s.admit(&r).await));
+    }
+    fake.down.store(true, Ordering::Relaxed);
+    // The provider's share: 5 units and 5 more held (an hour at 5 an hour); 6 are taken.
+    let mut local = vec![];
+    for _ in 0..5 {
+        local.push(s.admit(&r).await);
+    }
+    assert!(s.degraded());
+    assert_eq!(local.iter().filter(|a| admitted(a)).count(), 4, "{local:?}");
+    let Admission::OverBudget { standing, .. } = &local[4] else {
+        panic!("{:?}", local[4])
+    };
+    // The key's own budget (no max_delay) was not charged by the store's admissions: 60 of
+    // its share, less the 4 admitted here.
+    assert_eq!(remaining_each(standing), [56, 0]);
+
+    // More than the share holds is not carried: 30 more admitted by the store, on a key and
+    // route of their own, leave it full, not 30 deep.
+    let other = AdmitRequest {
+        key: [9; 32],
+        route: Arc::from("/other"),
+        also: vec![Extra {
+            bucket: super::super::Bucket::Route("/other".into()),
+            ..r.also[0].clone()
+        }],
+        ..r.clone()
+    };
+    fake.down.store(false, Ordering::Relaxed);
+    for _ in 0..30 {
+        assert!(admitted(&s.admit(&other).await));
+    }
+    fake.down.store(true, Ordering::Relaxed);
+    let Admission::OverBudget { retry_after_us, .. } = s.admit(&other).await else {
+        panic!("the share is full")
+    };
+    // One unit of 5 an hour drains in 12 minutes.
+    assert!(
+        (719_000_000..=720_000_000).contains(&retry_after_us),
+        "{retry_after_us}"
+    );
+}
