@@ -361,6 +361,56 @@ async fn a_request_that_leaves_the_queue_unserved_is_told_its_budget_is_full_aga
     }
 }
 
+/// Three requests of one key wait for the one slot, 200 ms apart, and leave at
+/// `queue_timeout`: each 503 says what the key has left once its own charge is back, the
+/// others' still charged (3 of 10 charged: 8, then 9, then 10 left), on both stores. On
+/// Redis each said what was left when it joined, given back: 10, 9, 8.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_that_leave_are_told_what_the_keys_other_requests_left() {
+    let endpoint =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 1s\n";
+    let plans = "plans:\n  gold:\n    max_cost: 10\n    window: 24h\n  basic:\n    max_cost: 1000\n    window: 24h\n";
+    let redis = Redis::start();
+    for body in [
+        config(endpoint, plans),
+        on_redis(&redis.url(), &config(endpoint, plans)),
+    ] {
+        let up = Upstream::start(Duration::ZERO);
+        let gw = Gateway::start(&up, &body);
+        let c = client();
+        let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=3000"), "key-a");
+        up.wait_current("/reports/generate", 1).await;
+        let mut waiters = vec![];
+        for _ in 0..3 {
+            let (c, url) = (c.clone(), gw.url("/reports/generate"));
+            waiters.push(tokio::spawn(async move {
+                let r = post(&c, url, "key-c").await;
+                (
+                    r.status().as_u16(),
+                    header(&r, "RateLimit").unwrap_or_default(),
+                )
+            }));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut seen = vec![];
+        for w in waiters {
+            seen.push(w.await.unwrap());
+        }
+        let left: Vec<(u16, String)> = seen
+            .iter()
+            .map(|(s, rl)| (*s, rl.split(";t=").next().unwrap_or_default().to_string()))
+            .collect();
+        assert_eq!(
+            left,
+            [8, 9, 10].map(|r| (503, format!("\"gold\";r={r}"))),
+            "{body}"
+        );
+        assert_eq!(remaining(&gw, "c").await, 10);
+        assert_eq!(holder.await.unwrap(), 200);
+        assert_eq!(up.count("/reports/generate"), 1);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_budget_refusal_comes_at_once_even_while_the_route_is_full() {
     let up = Upstream::start(Duration::ZERO);

@@ -224,6 +224,28 @@ impl Standing {
         })
     }
 
+    /// The standing of budgets `limits` (in their order) at `levels` (ticks, as a store's
+    /// script reads them), which charged nothing: `None` unless there is one level per limit.
+    pub fn of_levels<'a>(
+        limits: impl Iterator<Item = &'a Limit>,
+        levels: &[i64],
+    ) -> Option<Standing> {
+        let figures: Vec<Figure> = limits
+            .zip(levels)
+            .map(|(l, level)| {
+                let level = u64::try_from(*level).unwrap_or(0);
+                Figure {
+                    remaining: l.remaining(level),
+                    reset_us: l.reset_us(level),
+                }
+            })
+            .collect();
+        if figures.len() != levels.len() {
+            return None;
+        }
+        Standing::tightest(&figures)
+    }
+
     /// The figures `elapsed` after the decision: every bucket drained that much longer (`t`
     /// shorter by it). Units left are not raised: what the headers say stays a bound.
     pub fn later(&self, elapsed: Duration) -> Standing {

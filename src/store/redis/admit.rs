@@ -186,20 +186,26 @@ impl RedisBackend {
     }
 
     /// Gives back a charge that its request will not use, surely: a refund that did not run
-    /// (or whose node is dying) is sent again until it does.
-    pub(super) async fn undo_charge(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
+    /// (or whose node is dying) is sent again until it does. Each budget's level afterwards,
+    /// when the first send ran.
+    pub(super) async fn undo_charge(
+        self: &Arc<Self>,
+        budgets: Vec<(String, Limit)>,
+        cost: u64,
+    ) -> Option<Vec<i64>> {
         let refund = Refund {
             budgets: &budgets,
             cost,
         };
         let refunded = self.op_bypassing(&refund, LATE_REPLY_WAIT).await;
         match refunded {
-            Ok(_) => {}
+            Ok(levels) => return Some(levels),
             Err(e) if refund_again(&e) => self.retry_refund(budgets, cost),
             Err(e) => {
                 tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
             }
         }
+        None
     }
 
     /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease

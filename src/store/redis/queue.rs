@@ -198,28 +198,34 @@ impl Unserved {
     }
 }
 
-impl Drop for Unserved {
-    fn drop(&mut self) {
+impl Unserved {
+    /// Leaves the queue and gives the charge back, on a task of its own (so that it is done
+    /// even if the caller goes away); the task answers with each budget's level once the
+    /// charge is back, when it was given back here and then.
+    fn leave(&mut self) -> Option<tokio::task::JoinHandle<Option<Vec<i64>>>> {
         self.forget_waiter();
-        let Some(req) = self.req.take() else {
-            return;
-        };
+        let req = self.req.take()?;
         // Not if the exiting instance took it out of the queue and gave its charge back first
         // (its key's slot with it); the route may still hold it, had it entered again since.
         let refund = self.charge_kept(true);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
+        let rt = tokio::runtime::Handle::try_current().ok()?;
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
-        rt.spawn(async move {
+        Some(rt.spawn(async move {
             if in_route {
                 store.leave_queue(&keys, &id, Guard::Breaker).await;
             }
             if refund {
-                store.give_back(&req, key_slots, id).await;
+                return store.give_back(&req, key_slots, id).await;
             }
-        });
+            None
+        }))
+    }
+}
+
+impl Drop for Unserved {
+    fn drop(&mut self) {
+        let _ = self.leave();
     }
 }
 
@@ -264,15 +270,17 @@ impl RedisBackend {
     }
 
     /// A charged admission that leaves its route's queue unserved (a request, or a job the
-    /// queue refused): its charge back, then its key's slot.
+    /// queue refused): its charge back, then its key's slot. Each budget's level once the
+    /// charge is back, when the refund ran at once.
     pub(super) async fn give_back(
         self: &Arc<Self>,
         req: &AdmitRequest,
         key_slots: Vec<String>,
         id: String,
-    ) {
-        self.undo_charge(super::budget_keys(req), req.cost).await;
+    ) -> Option<Vec<i64>> {
+        let levels = self.undo_charge(super::budget_keys(req), req.cost).await;
         self.release_keys(key_slots, id).await;
+        levels
     }
 
     /// A capped request: charged for its key, then into the route's fair queue.
@@ -310,7 +318,7 @@ impl RedisBackend {
                 self.after_data_loss(req).await;
                 // Not if the instance is exiting and gave its charge back, nor past its time.
                 if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
-                    return Ok(self.route_busy(req, &outcome, start));
+                    return Ok(self.route_busy(req, &outcome, start, unserved).await);
                 }
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
@@ -321,14 +329,14 @@ impl RedisBackend {
                         break;
                     }
                     if start.elapsed() >= req.queue_timeout {
-                        return Ok(self.route_busy(req, &outcome, start));
+                        return Ok(self.route_busy(req, &outcome, start, unserved).await);
                     }
                     // The grant lapsed before this instance confirmed it (it reached us
                     // late): queue again.
                 }
                 Some(FULL) => {
                     unserved.in_route = false;
-                    return Ok(self.route_busy(req, &outcome, start));
+                    return Ok(self.route_busy(req, &outcome, start, unserved).await);
                 }
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
             }
@@ -336,7 +344,7 @@ impl RedisBackend {
         if !unserved.charge_kept(true) {
             // Granted as the instance exits, after it gave the charge back: it does not run
             // (the slot is released as it drops).
-            return Ok(self.route_busy(req, &outcome, start));
+            return Ok(self.route_busy(req, &outcome, start, unserved).await);
         }
         let lease = unserved.served();
         Ok(SharedAnswer {
@@ -414,15 +422,24 @@ impl RedisBackend {
         inv
     }
 
-    /// 503 `route-busy` for a charged request that leaves unserved (its charge goes back as
-    /// the `Unserved` guard drops): the figures as before its charge.
-    fn route_busy(
+    /// 503 `route-busy` for a charged request that leaves unserved: it leaves the queue and
+    /// its charge goes back first, and the figures are the budgets' as that refund left them
+    /// (what the key's other requests, queued or not, have spent since it joined included).
+    /// Should the refund not answer, the figures as before its charge.
+    async fn route_busy(
         &self,
         req: &AdmitRequest,
         o: &crate::budget::Outcome,
         start: Instant,
+        mut unserved: Unserved,
     ) -> SharedAnswer {
-        let standing = Standing::from(o).given_back(req.limits(), req.cost);
+        let levels = match unserved.leave() {
+            Some(task) => task.await.ok().flatten(),
+            None => None,
+        };
+        let standing = levels
+            .and_then(|levels| Standing::of_levels(req.limits(), &levels))
+            .unwrap_or_else(|| Standing::from(o).given_back(req.limits(), req.cost));
         SharedAnswer {
             admission: Admission::RouteBusy {
                 standing,

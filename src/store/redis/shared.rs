@@ -56,7 +56,7 @@ impl SharedStore for RedisBackend {
                 budgets: &budgets,
                 cost: req.cost,
             };
-            self.op(&refund).await
+            self.op(&refund).await.map(|_| 1)
         } else {
             let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
             let unspend = Unspend {

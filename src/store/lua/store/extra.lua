@@ -65,14 +65,17 @@ local function charge_budgets(units, now, first)
 end
 
 -- refund and debit take one budget per key: KEYS[i] with ARGV per_unit, rate, cost from
--- ARGV[1 + 3 (i - 1)] (several budgets of one request in one call).
-local function adjust(sign)
+-- ARGV[1 + 3 (i - 1)] (several budgets of one request in one call). With `levels`, each
+-- budget's level afterwards goes into it, in order.
+local function adjust(sign, levels)
   local now = now_us()
   for i = 1, #KEYS do
     local j = 1 + 3 * (i - 1)
     local p = tonumber(ARGV[j])
     local q = tonumber(ARGV[j + 1])
-    store_level(KEYS[i], level_at(KEYS[i], p, q, now) + sign * tonumber(ARGV[j + 2]) * p, p, q, now)
+    local level = level_at(KEYS[i], p, q, now) + sign * tonumber(ARGV[j + 2]) * p
+    store_level(KEYS[i], level, p, q, now)
+    if levels then levels[i] = math.max(0, level) end
   end
   return 1
 end

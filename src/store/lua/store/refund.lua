@@ -3,8 +3,9 @@
 --
 -- KEYS  budget...
 -- ARGV  (per_unit rate cost) of each budget, from [1]
--- reply 1
+-- reply each budget's level afterwards (ticks), in order
 
-adjust(-1)
+local levels = {}
+adjust(-1, levels)
 gave_back(KEYS)
-return 1
+return levels

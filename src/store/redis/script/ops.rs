@@ -208,14 +208,16 @@ fn budgets_with_cost(inv: &mut Call<'static>, budgets: &[(String, Limit)], cost:
     }
 }
 
-/// `refund`: gives `cost` units back to each budget (never below empty). Reply 1.
+/// `refund`: gives `cost` units back to each budget (never below empty). Reply: each budget's
+/// level afterwards.
 pub(in crate::store::redis) struct Refund<'a> {
     pub budgets: &'a [(String, Limit)],
     pub cost: u64,
 }
 
 impl Op for Refund<'_> {
-    type Reply = i64;
+    /// Each budget's level once the units are back (ticks), in order.
+    type Reply = Vec<i64>;
     const SCRIPT: Lua = Lua::Refund;
 
     fn args(&self, inv: &mut Call<'static>) {
