@@ -81,7 +81,19 @@ async fn read_body(session: &mut Session, max: u64, gap: Duration) -> Result<Opt
 
 /// The head a job sends: as forwarded, over HTTP/1.1 with the whole body's length, without
 /// hop-by-hop headers and without the `respond-async` preference (the gateway applied it).
+/// Hop-by-hop are what Pingora strips from a synchronous request: the headers the client's
+/// `Connection` names, and the standard ones (`Proxy-Authorization` among them).
 fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
+    let nominated: Vec<http::HeaderName> = up
+        .headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|t| http::HeaderName::from_bytes(t.trim_ascii()).ok())
+        .collect();
+    for name in nominated {
+        up.remove_header(&name);
+    }
     for name in [
         "transfer-encoding",
         "content-length",
@@ -91,6 +103,9 @@ fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
         "te",
         "upgrade",
         "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "http2-settings",
         "trailer",
     ] {
         up.remove_header(name);
@@ -261,7 +276,10 @@ mod tests {
         up.set_version(http::Version::HTTP_2);
         up.insert_header("Transfer-Encoding", "chunked").unwrap();
         up.insert_header("Expect", "100-continue").unwrap();
-        up.insert_header("Connection", "keep-alive").unwrap();
+        up.insert_header("Connection", "keep-alive, X-Foo").unwrap();
+        up.insert_header("X-Foo", "hop").unwrap();
+        up.insert_header("Proxy-Authorization", "Basic eA==")
+            .unwrap();
         up.append_header("Prefer", "respond-async, wait=5").unwrap();
         up.append_header("Prefer", "return=minimal").unwrap();
         up.insert_header("X-Custom", "kept").unwrap();
@@ -269,7 +287,13 @@ mod tests {
         let h = &up.headers;
         assert_eq!(up.version, http::Version::HTTP_11);
         assert_eq!(h.get("content-length").unwrap(), "11");
-        for gone in ["transfer-encoding", "expect", "connection"] {
+        for gone in [
+            "transfer-encoding",
+            "expect",
+            "connection",
+            "x-foo",
+            "proxy-authorization",
+        ] {
             assert!(h.get(gone).is_none(), "{gone}");
         }
         let prefer: Vec<_> = h.get_all("prefer").iter().collect();
