@@ -43,6 +43,24 @@ fn series(result: &str) -> String {
     format!("tollgate_jobs_total{{result=\"{result}\",route=\"{ROUTE}\"}}")
 }
 
+/// A job whose upstream answered 204 is served as the upstream answered: no content, and no
+/// `Content-Length` (RFC 9110 §8.6: none on a 204), as the synchronous answer. It said
+/// `Content-Length: 0`.
+#[tokio::test]
+async fn a_job_answered_204_is_served_without_a_length() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(&reports(1, "")));
+    let c = client();
+    let sync = post(&c, gw.url("/reports/generate?status=204"), "key-a").await;
+    assert_eq!(sync.status(), 204);
+    assert_eq!(header(&sync, "content-length"), None);
+    let location = submit(&c, &gw, "/reports/generate?status=204", "key-a", "x").await;
+    let done = result(&c, &gw, &location, "key-a").await;
+    assert_eq!(done.status(), 204);
+    assert_eq!(header(&done, "content-length"), None);
+    assert_eq!(done.bytes().await.unwrap().len(), 0);
+}
+
 #[tokio::test]
 async fn check_refuses_async_where_it_cannot_work() {
     let uncapped = check_fails(&format!(
@@ -77,6 +95,10 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
         .header("X-API-Key", "key-a")
         .header("Prefer", "respond-async, return=minimal")
         .header("X-Request-Id", "job-test-1")
+        // Hop-by-hop: what a synchronous request's upstream never sees, a job's neither.
+        .header("Connection", "X-Hop")
+        .header("X-Hop", "1")
+        .header("Proxy-Authorization", "Basic eA==")
         .body("the report's parameters")
         .send()
         .await
@@ -150,6 +172,9 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     assert_eq!(echo["body"], "the report's parameters");
     assert_eq!(echo["headers"]["x-request-id"], "job-test-1");
     assert_eq!(echo["headers"]["prefer"], "return=minimal");
+    for hop in ["x-hop", "proxy-authorization", "connection"] {
+        assert!(echo["headers"][hop].is_null(), "{hop}: {echo}");
+    }
     // The same answer again for as long as it is kept; the upstream ran it once.
     let again = get(&c, gw.url(&location), "key-a").await;
     assert_eq!(again.status(), 200);

@@ -46,7 +46,8 @@ pub async fn problem(
     send(session, ctx, h, Bytes::from(body), retry_after).await
 }
 
-/// Sends the gateway's own answer `h` with `body`, its `Content-Length`, `Retry-After` where
+/// Sends the gateway's own answer `h` with `body`, its `Content-Length` (but on a 204 or 304),
+/// `Retry-After` where
 /// given and the rate-limit headers; a request body it did not read is read past after it
 /// ([`past_unread_body`]). `Ok(true)` ("response sent") for `request_filter`.
 pub(super) async fn send(
@@ -56,7 +57,13 @@ pub(super) async fn send(
     body: Bytes,
     retry_after: Option<u64>,
 ) -> Result<bool> {
-    h.insert_header("Content-Length", body.len().to_string())?;
+    // None on a 204 or a 304 (RFC 9110 §8.6; a job's stored answer may be either).
+    if !matches!(
+        h.status,
+        http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED
+    ) {
+        h.insert_header("Content-Length", body.len().to_string())?;
+    }
     if let Some(ra) = retry_after {
         h.insert_header("Retry-After", ra.to_string())?;
     }
