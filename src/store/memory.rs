@@ -195,6 +195,14 @@ pub struct MemoryLease {
 }
 
 impl MemoryLease {
+    /// No slot: a charge in this process alone (`on_error: allow` past the count).
+    pub(crate) fn none() -> MemoryLease {
+        MemoryLease {
+            key_slot: None,
+            route: None,
+        }
+    }
+
     pub(crate) fn attach_route(&mut self, slot: RouteSlot) {
         self.route = Some(slot);
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::super::memory::Unserved;
+use super::super::memory::{MemoryLease, Unserved};
 use super::super::running::{Full, Place, RunningGuard};
 use super::super::{short_key, Admission, AdmitRequest, BudgetView, Extra, Lease, Peek, Standing};
 use super::{FallbackStore, SharedStore};
@@ -25,7 +25,9 @@ impl<S: SharedStore> FallbackStore<S> {
             OnError::Deny => Admission::Unavailable,
             OnError::Local => return self.local_share(req, start).await,
             OnError::Allow => {
-                // Admit everything; count it locally so the headers still say something true.
+                // Admit everything; count it locally so the headers still say something true:
+                // past the count too (the key is then in debt here, as it will be in the
+                // shared store once what was admitted is written back).
                 let mut r = req.clone();
                 r.key_cap = None;
                 r.route_cap = None;
@@ -41,14 +43,17 @@ impl<S: SharedStore> FallbackStore<S> {
                         lease: lease.counted(None, true),
                         queued,
                     },
-                    Admission::OverBudget { standing, .. }
-                    | Admission::KeyBusy(standing)
-                    | Admission::RouteBusy { standing, .. } => Admission::Admitted {
-                        standing,
-                        delay_us: 0,
-                        lease: Lease::default().counted(None, true),
-                        queued: Duration::ZERO,
-                    },
+                    Admission::OverBudget { .. }
+                    | Admission::KeyBusy(_)
+                    | Admission::RouteBusy { .. } => {
+                        self.local.debit(&r, r.cost);
+                        Admission::Admitted {
+                            standing: self.local_standing(&r),
+                            delay_us: 0,
+                            lease: Lease::local(MemoryLease::none(), r.limit).counted(None, true),
+                            queued: Duration::ZERO,
+                        }
+                    }
                     Admission::Unavailable => Admission::Unavailable,
                 }
             }

@@ -183,19 +183,43 @@ async fn local_enforces_the_share_of_budget_and_cap() {
     assert_eq!(lease.charge(), Charge::Local(capped.limit.fraction(3)));
 }
 
+/// `allow` admits past the count and goes on counting: the headers say what was spent (the
+/// key is in debt here, as it will be in the shared store once it is written back), and a
+/// refund comes off the count. Past the count they said what they said at its end.
 #[tokio::test]
-async fn allow_admits_past_the_count_uncharged() {
+async fn allow_admits_past_the_count_and_counts_it() {
     let (_fake, s) = store(OnError::Allow, 1);
     let r = req(60, Some(1));
-    let mut charges = vec![];
+    let mut seen = vec![];
     for _ in 0..4 {
-        let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        let Admission::Admitted {
+            lease, standing, ..
+        } = s.admit(&r).await
+        else {
             panic!("allow admits")
         };
-        charges.push(lease.charge());
+        // Whole minutes until full again: 60 units of 120 an hour are 30 minutes.
+        seen.push((
+            lease.charge(),
+            standing.remaining,
+            standing.reset_us.div_ceil(60_000_000),
+        ));
     }
     let local = Charge::Local(r.limit);
-    assert_eq!(charges, [local, local, Charge::None, Charge::None]);
+    assert_eq!(
+        seen,
+        [
+            (local, 60, 30),
+            (local, 0, 60),
+            (local, 0, 90),
+            (local, 0, 120)
+        ]
+    );
+    s.refund(&r, local).await;
+    let Admission::Admitted { standing, .. } = s.admit(&r).await else {
+        panic!("allow admits")
+    };
+    assert_eq!(standing.reset_us.div_ceil(60_000_000), 120);
 }
 
 #[tokio::test]
