@@ -627,13 +627,27 @@ async fn a_fleet_job_is_counted_in_the_routes_metrics() {
     let (held, _) = submit(&c, &gw, "/reports/generate?delay_ms=1500", "").await;
     up.wait_current(ROUTE, 1).await;
     assert_metric(&gw, &series("tollgate_in_flight"), 1.0).await;
-    assert_eq!(result(&c, &gw, &held).await.status(), 200);
+    // Queued behind it (the cap is 1) for most of its 1.5 s.
     let (stated, _) = submit(&c, &gw, "/reports/generate?actual_cost=7", "").await;
+    assert_eq!(result(&c, &gw, &held).await.status(), 200);
     assert_eq!(result(&c, &gw, &stated).await.status(), 200);
     let done = gw.wait_access(2, |l| l["decision"] == "job_done").await;
     for l in &done {
         assert!(l["upstream_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{l}");
+        // DESIGN §5: the client's address on every line; its latency from its submission
+        // (it said the run's alone, and no address).
+        assert_eq!(l["client"], "127.0.0.1", "{l}");
+        let ms = |f: &str| l[f].as_f64().unwrap_or(0.0);
+        assert!(
+            ms("latency_ms") + 1.0 >= ms("queue_ms") + ms("upstream_ms"),
+            "{l}"
+        );
     }
+    assert!(
+        done.iter()
+            .any(|l| l["queue_ms"].as_f64().unwrap_or(0.0) > 500.0),
+        "{done:?}"
+    );
     assert_metric(&gw, &series("tollgate_in_flight"), 0.0).await;
     assert_metric(
         &gw,

@@ -63,9 +63,18 @@ pub(super) async fn submit(
     job: NewJob<'_>,
     (admit, id, charge): (AdmitRequest, Arc<str>, JobCharge),
 ) -> Result<Submission, Admission> {
-    let rid = job.origin.request_id.clone().unwrap_or_default();
     let ttl = job.rules.result_ttl;
-    if !record::put(b, &id, &job.route.label, job.who, ttl, &job.request, &rid).await {
+    if !record::put(
+        b,
+        &id,
+        &job.route.label,
+        job.who,
+        ttl,
+        &job.request,
+        &job.origin,
+    )
+    .await
+    {
         b.give_back_job(&admit, &id, charge).await;
         return Err(Admission::Unavailable);
     }

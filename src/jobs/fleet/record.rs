@@ -122,10 +122,16 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
         trace_id: None,
         fallback: false,
         shadow: None,
-        client: None,
+        client: client_of(r),
         error: None,
         job: Some(id),
     });
+}
+
+/// The address of the client that submitted the job (none in a record written before it was
+/// kept).
+pub(super) fn client_of(r: &Record) -> Option<std::net::IpAddr> {
+    text(r, "ip").parse().ok()
 }
 
 /// How long ago the job was submitted (`sub`, Redis's clock in ms, against this instance's).
@@ -179,14 +185,16 @@ pub(super) async fn put(
     who: &Identity,
     result_ttl: std::time::Duration,
     request: &JobRequest,
-    rid: &str,
+    origin: &crate::jobs::run::Origin,
 ) -> bool {
+    let rid = origin.request_id.as_deref().unwrap_or_default();
     let ttl_ms = (result_ttl.as_millis() as u64).to_string();
     // The record lives while the job may wait (result_ttl) and then be kept (result_ttl).
     let life = ((result_ttl.as_millis() as u64) * 2 + 60_000).to_string();
     let key = hex::encode(who.hash);
     let headers = headers_json(&request.header.headers);
-    let args: [&[u8]; 21] = [
+    let ip = origin.client.map(|c| c.to_string()).unwrap_or_default();
+    let args: [&[u8]; 23] = [
         life.as_bytes(),
         b"key",
         key.as_bytes(),
@@ -206,6 +214,8 @@ pub(super) async fn put(
         &request.body,
         b"rid",
         rid.as_bytes(),
+        b"ip",
+        ip.as_bytes(),
         b"pos",
         b"0",
     ];

@@ -9,7 +9,7 @@ use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
-use super::record::{claimed, headers_json, text, waited};
+use super::record::{claimed, client_of, headers_json, text, waited};
 use crate::admission::InFlight;
 use crate::decision;
 use crate::problem::Problem;
@@ -30,6 +30,7 @@ pub(super) async fn run_claimed(
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
+    let begun = Instant::now();
     let running = shared.running();
     let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
         let _ = b.job_release(&label, &id, None).await;
@@ -106,7 +107,8 @@ pub(super) async fn run_claimed(
             cost,
             decision: state.verdict(),
             status: stored.status,
-            latency_ms: access::millis(started.elapsed()),
+            // From its submission, as on the memory store: its wait, then its run.
+            latency_ms: access::millis(queued + begun.elapsed()),
             upstream_ms: upstream.map(access::millis),
             store_ms: 0.0,
             queue_ms: access::millis(queued),
@@ -117,7 +119,7 @@ pub(super) async fn run_claimed(
             trace_id: None,
             fallback: false,
             shadow: None,
-            client: None,
+            client: client_of(&r),
             error: None,
             job: Some(&id),
         });
