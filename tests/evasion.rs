@@ -929,6 +929,10 @@ fn a_short_or_placeholder_admin_token_is_refused_at_start() {
         "Password",
         "please-change-me-0123456789",
         "CHANGEME0123456789abcdef",
+        // Set but empty (a secret that is missing): it served /admin/* to anyone.
+        "",
+        // No Authorization header carries it: it locked everyone out.
+        "                    ",
     ] {
         let Some((code, err)) = run_with_token(token) else {
             panic!("a gateway with the admin token {token:?} kept running");

@@ -1,7 +1,9 @@
-//! `TOLLGATE_ADMIN_TOKEN` as the admin listener accepts it (DESIGN §5): unset (or empty) means
-//! no token; a value shorter than 16 characters or a placeholder left from an example
-//! (`CHANGE-ME`, the value in `deploy/k8s/secret.yaml`) is refused at start rather than
-//! guarding `/admin/*` with something anyone can guess. [`AdminAuth`] is how a request shows
+//! `TOLLGATE_ADMIN_TOKEN` as the admin listener accepts it (DESIGN §5): unset means no token;
+//! a value shorter than 16 characters (an empty one too: a variable set from a secret that is
+//! missing must not open `/admin/*`) or a placeholder left from an example (`CHANGE-ME`, the
+//! value in `deploy/k8s/secret.yaml`) is refused at start rather than guarding `/admin/*` with
+//! something anyone can guess, and so is one that no `Authorization` header could carry
+//! (spaces, control or non-ASCII characters: it would lock everyone out). [`AdminAuth`] is how a request shows
 //! it: the token as a Bearer credential, or a browser's session cookie.
 
 use std::sync::Arc;
@@ -34,14 +36,16 @@ const PLACEHOLDER_PARTS: [&str; 5] = [
 pub enum BadToken {
     #[error("TOLLGATE_ADMIN_TOKEN is a placeholder value: set a random token of at least {MIN_CHARS} characters (e.g. the output of `openssl rand -hex 32`)")]
     Placeholder,
-    #[error("TOLLGATE_ADMIN_TOKEN is {0} characters long: an admin token needs at least {MIN_CHARS} (e.g. the output of `openssl rand -hex 32`)")]
+    #[error("TOLLGATE_ADMIN_TOKEN is {0} characters long: an admin token needs at least {MIN_CHARS} (e.g. the output of `openssl rand -hex 32`); unset it for no token")]
     TooShort(usize),
+    #[error("TOLLGATE_ADMIN_TOKEN has spaces, control or non-ASCII characters, which no Authorization header can carry: use visible ASCII (e.g. the output of `openssl rand -hex 32`)")]
+    Unsendable,
 }
 
-/// Checks a token value; `Ok(None)` for an empty one (no token).
-pub fn check(value: &str) -> Result<Option<Arc<str>>, BadToken> {
-    if value.is_empty() {
-        return Ok(None);
+/// Checks a token value (the variable is set).
+pub fn check(value: &str) -> Result<Arc<str>, BadToken> {
+    if !value.is_empty() && !value.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(BadToken::Unsendable);
     }
     let lower = value.to_ascii_lowercase();
     if PLACEHOLDERS.contains(&lower.as_str()) || PLACEHOLDER_PARTS.iter().any(|p| lower.contains(p))
@@ -52,14 +56,17 @@ pub fn check(value: &str) -> Result<Option<Arc<str>>, BadToken> {
     if chars < MIN_CHARS {
         return Err(BadToken::TooShort(chars));
     }
-    Ok(Some(Arc::from(value)))
+    Ok(Arc::from(value))
 }
 
-/// The token from the environment, checked.
+/// The token from the environment, checked; `None` when the variable is not set.
 pub fn from_env() -> Result<Option<Arc<str>>, BadToken> {
-    match std::env::var("TOLLGATE_ADMIN_TOKEN") {
-        Ok(v) => check(&v),
-        Err(_) => Ok(None),
+    match std::env::var_os("TOLLGATE_ADMIN_TOKEN") {
+        Some(v) => match v.into_string() {
+            Ok(v) => check(&v).map(Some),
+            Err(_) => Err(BadToken::Unsendable),
+        },
+        None => Ok(None),
     }
 }
 
@@ -163,8 +170,17 @@ mod tests {
         }
         assert_eq!(check("admintok"), Err(BadToken::TooShort(8)));
         assert_eq!(check("0123456789abcde"), Err(BadToken::TooShort(15)));
-        assert!(check("0123456789abcdef").unwrap().is_some());
-        assert_eq!(check(""), Ok(None));
+        assert!(check("0123456789abcdef").is_ok());
+        // Set but empty (a missing secret) does not open the admin API.
+        assert_eq!(check(""), Err(BadToken::TooShort(0)));
+        for t in [
+            "                    ",
+            " 0123456789abcdef",
+            "0123456789\tabcdefgh",
+            "ééééééééééééééééé",
+        ] {
+            assert_eq!(check(t), Err(BadToken::Unsendable), "{t:?}");
+        }
         let e = check("s3cret-admin").unwrap_err().to_string();
         assert!(!e.contains("s3cret-admin"), "{e}");
     }
