@@ -59,6 +59,19 @@ async fn a_job_answered_204_is_served_without_a_length() {
     assert_eq!(done.status(), 204);
     assert_eq!(header(&done, "content-length"), None);
     assert_eq!(done.bytes().await.unwrap().len(), 0);
+    // Both were admitted (the job from its 202; its polls are not requests to the route):
+    // `/admin/routes` counts them in the last minute. It counted the synchronous one only.
+    let v = admin_json(&gw, "/admin/routes").await;
+    let reports = v["routes"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["route"] == ROUTE))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        reports["last_minute"],
+        serde_json::json!({"admitted": 2, "refused": 0}),
+        "{v}"
+    );
 }
 
 #[tokio::test]

@@ -247,6 +247,12 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         Err(admission) => return refused(gw, session, ctx, &route, admission).await,
     };
     let id = sub.id.clone();
+    // Admitted (DESIGN §8: a job is an admitted request answered 202): in the last minute's
+    // figures from its submission, as a request from its admission.
+    running
+        .metrics
+        .get(&route)
+        .count_recent(true, std::time::Instant::now());
     ctx.phase = Phase::Job {
         decision: Verdict::JobSubmitted,
         id: Some(id.clone()),
