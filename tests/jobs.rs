@@ -108,8 +108,9 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
         .header("X-API-Key", "key-a")
         .header("Prefer", "respond-async, return=minimal")
         .header("X-Request-Id", "job-test-1")
-        // Hop-by-hop: what a synchronous request's upstream never sees, a job's neither.
-        .header("Connection", "X-Hop")
+        // Hop-by-hop: what a synchronous request's upstream never sees, a job's neither; a
+        // header the gateway sets itself (X-Request-Id) is sent all the same.
+        .header("Connection", "X-Hop, X-Request-Id")
         .header("X-Hop", "1")
         .header("Proxy-Authorization", "Basic eA==")
         .body("the report's parameters")

@@ -79,11 +79,10 @@ async fn read_body(session: &mut Session, max: u64, gap: Duration) -> Result<Opt
     Ok(Some(buf.freeze()))
 }
 
-/// The head a job sends: as forwarded, over HTTP/1.1 with the whole body's length, without
-/// hop-by-hop headers and without the `respond-async` preference (the gateway applied it).
-/// Hop-by-hop are what Pingora strips from a synchronous request: the headers the client's
-/// `Connection` names, and the standard ones (`Proxy-Authorization` among them).
-fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
+/// Removes the headers the client's `Connection` names, before the gateway adds its own (as
+/// Pingora does to a synchronous request before `upstream_request_filter`): a client cannot
+/// make the job's upstream lose `X-Request-Id` or `key_id_header` by naming them.
+fn without_nominated(up: &mut RequestHeader) {
     let nominated: Vec<http::HeaderName> = up
         .headers
         .get_all(http::header::CONNECTION)
@@ -94,6 +93,14 @@ fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
     for name in nominated {
         up.remove_header(&name);
     }
+}
+
+/// The head a job sends: as forwarded, over HTTP/1.1 with the whole body's length, without
+/// hop-by-hop headers and without the `respond-async` preference (the gateway applied it).
+/// Hop-by-hop are what Pingora strips from a synchronous request: those the client's
+/// `Connection` names ([`without_nominated`], before), and the standard ones
+/// (`Proxy-Authorization` among them).
+fn job_head(up: &mut RequestHeader, body_len: usize) -> Result<()> {
     for name in [
         "transfer-encoding",
         "content-length",
@@ -220,6 +227,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
     };
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
     let mut up = session.req_header().clone();
+    without_nominated(&mut up);
     forward::request(&mut up, ctx, &session.req_header().headers, tls)?;
     if let Some(trace) = &ctx.trace {
         trace.job_request(&mut up)?;
@@ -289,6 +297,7 @@ mod tests {
         up.append_header("Prefer", "respond-async, wait=5").unwrap();
         up.append_header("Prefer", "return=minimal").unwrap();
         up.insert_header("X-Custom", "kept").unwrap();
+        without_nominated(&mut up);
         job_head(&mut up, 11).unwrap();
         let h = &up.headers;
         assert_eq!(up.version, http::Version::HTTP_11);

@@ -319,7 +319,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 lease,
                 queued,
             } => {
-                self.mirror(req);
+                self.mirror(req, false);
                 let slots = slots_of(req);
                 let running = (!slots.is_empty()).then(|| self.running.track(slots));
                 Admission::Admitted {
@@ -348,13 +348,14 @@ impl<S: SharedStore> FallbackStore<S> {
     /// scheduled here (held for their turn, going out on its schedule) are in it, and the
     /// share schedules after them. An empty share would schedule as much again beside them
     /// (DESIGN §4: a key, or a provider, gets at most its budget plus one burst of the shares).
-    fn mirror(&self, req: &AdmitRequest) {
+    /// `back`: the shared store's charge was given back (a refund), and so is the mirror's.
+    fn mirror(&self, req: &AdmitRequest, back: bool) {
         if self.on_error != OnError::Local
             || (req.limit.max_delay == 0 && req.also.iter().all(|e| e.limit.max_delay == 0))
         {
             return;
         }
-        self.local.mirror(&req.share(self.fleet_size));
+        self.local.mirror(&req.share(self.fleet_size), back);
     }
 
     /// Gives back a charge where it was made: in the shared store, or in this instance's
@@ -373,8 +374,14 @@ impl<S: SharedStore> FallbackStore<S> {
                     let _ = self.shared.refund(req, 0).await;
                 }
             }
-            Charge::Shared => self.refund_shared(req, 0).await,
-            Charge::Slice(hold) => self.refund_shared(req, hold).await,
+            Charge::Shared => {
+                self.mirror(req, true);
+                self.refund_shared(req, 0).await
+            }
+            Charge::Slice(hold) => {
+                self.mirror(req, true);
+                self.refund_shared(req, hold).await
+            }
         }
     }
 

@@ -125,6 +125,27 @@ impl Locked<'_> {
         b
     }
 
+    /// Stores again, in the new budget's units, each state a reload left in another's (what
+    /// the key spent is carried, `budget::level_at`): a refusal writes nothing else, and the
+    /// sweep judges a state by the rate it was stored with.
+    fn convert(&mut self, req: &AdmitRequest, budgets: &Budgets, now: u64) {
+        let stale = |(l, s): &(Limit, Option<State>)| s.is_some_and(|s| s.per_unit != l.per_unit);
+        if !budgets.iter().any(stale) {
+            return;
+        }
+        let states: Vec<Option<State>> = budgets
+            .iter()
+            .map(|b @ (l, s)| {
+                if !stale(b) {
+                    return *s;
+                }
+                let level = budget::level_at(l, *s, now);
+                (level > 0).then(|| State::of(l, level, now))
+            })
+            .collect();
+        self.put(req, &states);
+    }
+
     /// Stores what [`budget::decide_all`] (or a refund) computed for `req`'s budgets.
     fn put(&mut self, req: &AdmitRequest, states: &[Option<State>]) {
         let key = self.key;
@@ -267,6 +288,7 @@ impl MemoryStore {
         let budgets = locked.budgets(req);
         let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
+            locked.convert(req, &budgets, now);
             return Admission::over_budget(&joint.outcome);
         }
         let in_flight = locked.shard.entries.get(&key).map_or(0, |e| e.in_flight);
@@ -401,9 +423,13 @@ impl MemoryStore {
     /// This is a shared store's admission mirrored in this instance's local share
     /// (`store::fallback`): once the share is in force it schedules after what the shared
     /// store already scheduled here, not beside it.
-    pub fn mirror(&self, req: &AdmitRequest) {
+    /// `back`: the shared store gave the charge back (the request was refunded), and so does
+    /// the mirror.
+    pub fn mirror(&self, req: &AdmitRequest, back: bool) {
         let now = self.clock.now_us();
         let mut locked = self.lock_budgets(req);
+        // Outside an outage nothing else sweeps this store.
+        locked.shard.sweep(now);
         let states: Vec<Option<State>> = locked
             .budgets(req)
             .iter()
@@ -411,10 +437,18 @@ impl MemoryStore {
                 if limit.max_delay == 0 {
                     return *state;
                 }
-                let level = budget::level_at(limit, *state, now)
-                    .saturating_add(req.cost.saturating_mul(limit.per_unit))
-                    .min(limit.capacity.saturating_add(limit.max_delay));
-                Some(State::of(limit, level, now))
+                let level = budget::level_at(limit, *state, now);
+                let units = req.cost.saturating_mul(limit.per_unit);
+                let level = if back {
+                    level.saturating_sub(units)
+                } else {
+                    // Never below a level already past it (a debt from an outage's charges).
+                    level
+                        .saturating_add(units)
+                        .min(limit.capacity.saturating_add(limit.max_delay))
+                        .max(level)
+                };
+                (level > 0).then(|| State::of(limit, level, now))
             })
             .collect();
         locked.put(req, &states);

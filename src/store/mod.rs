@@ -230,7 +230,12 @@ impl Standing {
         limits: impl Iterator<Item = &'a Limit>,
         levels: &[i64],
     ) -> Option<Standing> {
+        let limits: Vec<&Limit> = limits.collect();
+        if limits.len() != levels.len() {
+            return None;
+        }
         let figures: Vec<Figure> = limits
+            .iter()
             .zip(levels)
             .map(|(l, level)| {
                 let level = u64::try_from(*level).unwrap_or(0);
@@ -240,9 +245,6 @@ impl Standing {
                 }
             })
             .collect();
-        if figures.len() != levels.len() {
-            return None;
-        }
         Standing::tightest(&figures)
     }
 

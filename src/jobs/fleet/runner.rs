@@ -30,7 +30,6 @@ pub(super) async fn run_claimed(
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
-    let begun = Instant::now();
     let running = shared.running();
     let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
         let _ = b.job_release(&label, &id, None).await;
@@ -38,6 +37,7 @@ pub(super) async fn run_claimed(
     };
     // Its wait for a slot: from its submission to its claim.
     let queued = waited(&r);
+    let begun = Instant::now();
     let key = super::key_slot(&who).copied();
     let admit = AdmitRequest {
         key_cap: None,

@@ -558,9 +558,11 @@ async fn the_local_share_of_a_holding_budget_counts_what_the_store_admitted() {
         ..req(1, None)
     };
     fake.down.store(false, Ordering::Relaxed);
-    for _ in 0..6 {
+    for _ in 0..7 {
         assert!(admitted(&s.admit(&r).await));
     }
+    // One of them refunded (its client left while held): the share has it back too.
+    s.refund(&r, Charge::Shared).await;
     fake.down.store(true, Ordering::Relaxed);
     // The provider's share: 5 units and 5 more held (an hour at 5 an hour); 6 are taken.
     let mut local = vec![];

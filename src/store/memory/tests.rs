@@ -97,3 +97,29 @@ async fn idle_keys_are_evicted() {
     }
     assert_eq!(s.len(), 0);
 }
+
+/// A reload that lengthens a budget's drain: what the key spent is kept past the old
+/// budget's time until empty, through the sweep (which judges a state by the rate it was
+/// stored with). It was swept an hour after the spending and the key had all 10 back.
+#[tokio::test]
+async fn units_carried_by_a_reload_outlive_the_old_budgets_emptying() {
+    let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(1_000_000)));
+    let s = MemoryStore::new(Clock::manual(now));
+    let hour = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let day = Limit::new(10, Duration::from_secs(86_400), Duration::ZERO).unwrap();
+    let mut r = req(10, None, None, 0);
+    r.limit = hour;
+    assert!(matches!(s.admit(&r).await, Admission::Admitted { .. }));
+    r.limit = day;
+    r.cost = 1;
+    assert!(matches!(s.admit(&r).await, Admission::OverBudget { .. }));
+    // An hour and a minute on (the old budget is empty again), a sweep of the key's shard.
+    now.fetch_add(3_660_000_000, Ordering::Relaxed);
+    s.shard(short_key(&r.key))
+        .sweep(now.load(Ordering::Relaxed));
+    let Admission::OverBudget { retry_after_us, .. } = s.admit(&r).await else {
+        panic!("the carried units were dropped")
+    };
+    // One unit of 10 a day is 2.4 h; 61 minutes of it have drained.
+    assert_eq!(retry_after_us, 8_640_000_000 - 3_660_000_000);
+}

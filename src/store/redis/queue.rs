@@ -202,7 +202,7 @@ impl Unserved {
     /// Leaves the queue and gives the charge back, on a task of its own (so that it is done
     /// even if the caller goes away); the task answers with each budget's level once the
     /// charge is back, when it was given back here and then.
-    fn leave(&mut self) -> Option<tokio::task::JoinHandle<Option<Vec<i64>>>> {
+    fn leave(&mut self) -> Option<tokio::sync::oneshot::Receiver<Vec<i64>>> {
         self.forget_waiter();
         let req = self.req.take()?;
         // Not if the exiting instance took it out of the queue and gave its charge back first
@@ -211,15 +211,20 @@ impl Unserved {
         let rt = tokio::runtime::Handle::try_current().ok()?;
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
-        Some(rt.spawn(async move {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        rt.spawn(async move {
             if in_route {
                 store.leave_queue(&keys, &id, Guard::Breaker).await;
             }
             if refund {
-                return store.give_back(&req, key_slots, id).await;
+                // The levels as soon as the refund answers; the key's slot after.
+                if let Some(levels) = store.undo_charge(super::budget_keys(&req), req.cost).await {
+                    let _ = tx.send(levels);
+                }
+                store.release_keys(key_slots, id).await;
             }
-            None
-        }))
+        });
+        Some(rx)
     }
 }
 
@@ -425,7 +430,9 @@ impl RedisBackend {
     /// 503 `route-busy` for a charged request that leaves unserved: it leaves the queue and
     /// its charge goes back first, and the figures are the budgets' as that refund left them
     /// (what the key's other requests, queued or not, have spent since it joined included).
-    /// Should the refund not answer, the figures as before its charge.
+    /// Should the refund not answer within `store.timeout` (it goes on), or the key have
+    /// budget slices (held units are not in the refund's levels), the figures as before its
+    /// charge, given back.
     async fn route_busy(
         &self,
         req: &AdmitRequest,
@@ -434,8 +441,11 @@ impl RedisBackend {
         mut unserved: Unserved,
     ) -> SharedAnswer {
         let levels = match unserved.leave() {
-            Some(task) => task.await.ok().flatten(),
-            None => None,
+            Some(rx) if !self.slices_on => tokio::time::timeout(self.timeout, rx)
+                .await
+                .ok()
+                .and_then(Result::ok),
+            _ => None,
         };
         let standing = levels
             .and_then(|levels| Standing::of_levels(req.limits(), &levels))

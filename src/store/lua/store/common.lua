@@ -66,35 +66,6 @@ end
 -- Most ticks a converted level keeps (crate::budget::level_at's MAX_TICKS * 2).
 local MAX_LEVEL = 4503599627370496
 
--- The budget's level at `now` in ticks of `p` per unit, drained at `q` per µs (0 when absent
--- or drained).
-local function level_at(key, p, q, now)
-  local v = redis.call('GET', key)
-  if not v then return 0 end
-  local l, at, r, u = string.match(v, '^(%d+):(%d+):(%d+):?(%d*)$')
-  if not l then return 0 end
-  l = tonumber(l)
-  at = tonumber(at)
-  if u ~= '' then
-    u = num(u)
-    if u ~= p and u > 0 then
-      -- a reload changed the budget: carry the units spent (the conversion of a level past
-      -- 2^53 / p ticks is within a tick or so of crate::budget's, which is exact)
-      l = math.min(math.ceil(l * p / u), MAX_LEVEL)
-    end
-  else
-    r = num(r)
-    if r ~= q and r > 0 then
-      -- stored before per_unit was kept: keep the time until empty
-      l = math.min(math.ceil(l * q / r), MAX_LEVEL)
-    end
-  end
-  local elapsed = now - at
-  if elapsed < 0 then elapsed = 0 end
-  if elapsed * q >= l then return 0 end
-  return l - elapsed * q
-end
-
 local function store_level(key, level, p, q, now)
   if level <= 0 then
     redis.call('DEL', key)
@@ -104,6 +75,59 @@ local function store_level(key, level, p, q, now)
   local px = math.max(1, ceil_div(ceil_div(level, q), 1000))
   -- one format call: three and a concatenation cost ~3,000 instructions more in Redis
   redis.call('SET', key, string.format('%d:%d:%d:%d', level, now, q, p), 'PX', int(px))
+end
+
+local function gcd(a, b)
+  while b ~= 0 do a, b = b, a % b end
+  return a
+end
+
+-- `l` ticks of `u` per unit in ticks of `p` per unit, rounded up, as crate::budget::level_at
+-- (exact in u128) has them: the ratio in lowest terms, then the whole units' part and the
+-- rest's apart, so that no product passes 2^53 for the windows and costs a config can hold.
+local function carried(l, u, p)
+  local g = gcd(p, u)
+  local pp, uu = p / g, u / g
+  local a = math.floor(l / uu)
+  local b = l - a * uu
+  if b < 0 then a, b = a - 1, b + uu elseif b >= uu then a, b = a + 1, b - uu end
+  return math.min(a * pp + ceil_div(b * pp, uu), MAX_LEVEL)
+end
+
+-- The budget's level at `now` in ticks of `p` per unit, drained at `q` per µs (0 when absent
+-- or drained). A level stored under another budget (a reload changed it) is converted and
+-- stored again, in the new budget's units and with its expiry: a refusal writes nothing else,
+-- and the old expiry would drop what was carried. (The rewrite changes no figure, so a script
+-- that fails after it has still written nothing that counts.)
+local function level_at(key, p, q, now)
+  local v = redis.call('GET', key)
+  if not v then return 0 end
+  local l, at, r, u = string.match(v, '^(%d+):(%d+):(%d+):?(%d*)$')
+  if not l then return 0 end
+  l = tonumber(l)
+  at = tonumber(at)
+  local converted = false
+  if u ~= '' then
+    u = num(u)
+    if u ~= p and u > 0 then
+      -- a reload changed the budget: carry the units spent
+      l = carried(l, u, p)
+      converted = true
+    end
+  else
+    r = num(r)
+    if r ~= q and r > 0 then
+      -- stored before per_unit was kept: keep the time until empty
+      l = math.min(math.ceil(l * q / r), MAX_LEVEL)
+      converted = true
+    end
+  end
+  local elapsed = now - at
+  if elapsed < 0 then elapsed = 0 end
+  local level = 0
+  if elapsed * q < l then level = l - elapsed * q end
+  if converted then store_level(key, level, p, q, now) end
+  return level
 end
 
 -- A key's holds at `now`: the units of live ones, the units to charge now -- what hold

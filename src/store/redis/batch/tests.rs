@@ -240,6 +240,7 @@ async fn a_reloaded_budget_carries_the_units_spent_as_the_model_does() {
                 Duration::from_secs(60),
             );
             assert_eq!(call.is_common(), req.also.is_empty());
+            let budget = call.budget.clone();
             let Packed(replies) = script::invoke(&AdmitBatch(&[call]).invocation(), &mut conn)
                 .await
                 .unwrap();
@@ -255,7 +256,74 @@ async fn a_reloaded_budget_carries_the_units_spent_as_the_model_does() {
                 admits,
                 "key {key}, step {n}: {m:?}"
             );
+            if !admits && limit.max_cost() == 10 {
+                // The refusal stored the carried units with the new budget's expiry (10
+                // units of 10 a day: 24 h), not the old one's (1 h): Redis would have dropped
+                // them then, and the key had its 10 back.
+                let pttl: i64 = redis::cmd("PTTL")
+                    .arg(&budget)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert!(pttl > 23 * 3_600_000, "PTTL {pttl} ms");
+            }
         }
+    }
+
+    // Converted as crate::budget does, exactly, where the products pass 2^53: levels of 100
+    // a week read as 100 in 30 days (ticks of 6,048,000,000 and 25,920,000,000 per unit).
+    let week = limit(100, 24 * 7);
+    let month = limit(100, 24 * 30);
+    let req = request(63, month, vec![], 1);
+    let call = admit_call(
+        &req,
+        Ask::default(),
+        "t:exact".into(),
+        Duration::from_secs(60),
+    );
+    let future = 4_000_000_000_000_000u64;
+    for level in [
+        1u64,
+        6_048_000_001,
+        509_969_032_671,
+        219_717_778_959,
+        238_309_671_103,
+        604_799_999_999,
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(&call.budget)
+            .arg(format!("{level}:{future}:{}:{}", week.rate, week.per_unit))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(&call.record)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let (code, remaining, _) = send(&call, false, &mut conn).await;
+        let state = crate::budget::State::of(&week, level, future);
+        let want = crate::budget::decide(&month, Some(state), future, 1);
+        assert_eq!(
+            (code == AdmitCode::Admitted, remaining as u64),
+            (want.admitted(), want.remaining),
+            "level {level}"
+        );
+        let stored: String = redis::cmd("GET")
+            .arg(&call.budget)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let want_level = match want.state {
+            Some(s) => s.level,
+            // Refused: the level converted, stored again in the new budget's units.
+            None => crate::budget::level_at(&month, Some(state), future),
+        };
+        assert_eq!(
+            stored.split(':').next(),
+            Some(want_level.to_string().as_str()),
+            "level {level}"
+        );
     }
 
     // Stored by an older build: "level:at_us:rate". 5 units of 10 an hour (1,800 s to empty),
