@@ -124,7 +124,9 @@ pub(crate) fn show_degraded(on: bool) {
 
 /// How often, and for how long, a shared refund that did not run is sent again.
 const REFUND_RETRY_EVERY: Duration = Duration::from_millis(500);
+const REFUND_RETRY_BACKED_OFF: Duration = Duration::from_secs(2);
 const REFUND_RETRY_FOR: Duration = Duration::from_secs(30);
+const REFUND_RETRY_AT_MOST: Duration = Duration::from_secs(3600);
 
 pub struct FallbackStore<S> {
     shared: Arc<S>,
@@ -436,14 +438,27 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`], while the
-    /// store stays unreachable, for at most [`REFUND_RETRY_FOR`].
+    /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`] backing off
+    /// to [`REFUND_RETRY_BACKED_OFF`], while the store stays unreachable: until the charge
+    /// would have drained from every budget anyway (a refund then gives nothing back), for
+    /// [`REFUND_RETRY_FOR`] at least and [`REFUND_RETRY_AT_MOST`] at most.
     fn refund_later(&self, req: AdmitRequest, hold: u128) {
         let shared = self.shared.clone();
+        let drained_us = req
+            .limits()
+            .map(|l| l.reset_us(req.cost.saturating_mul(l.per_unit)))
+            .max()
+            .unwrap_or(0);
+        let retry_for = Duration::from_micros(drained_us)
+            .max(REFUND_RETRY_FOR)
+            .min(REFUND_RETRY_AT_MOST);
         tokio::spawn(async move {
-            let give_up = std::time::Instant::now() + REFUND_RETRY_FOR;
-            while std::time::Instant::now() < give_up {
-                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+            // Tokio's clock, as the sleeps' (a test can pause it).
+            let give_up = tokio::time::Instant::now() + retry_for;
+            let mut every = REFUND_RETRY_EVERY;
+            while tokio::time::Instant::now() < give_up {
+                tokio::time::sleep(every).await;
+                every = (every * 2).min(REFUND_RETRY_BACKED_OFF);
                 match shared.refund(&req, hold).await {
                     Err(e) if !e.may_have_run() => continue,
                     _ => return,

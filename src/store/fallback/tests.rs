@@ -542,6 +542,27 @@ async fn a_shared_refund_that_did_not_run_is_sent_again() {
     assert_eq!(fake.refunded.load(Ordering::Relaxed), 7);
 }
 
+/// A refund that cannot reach the store is sent again for as long as the charge would take to
+/// drain (7 units of 120 an hour: 3.5 minutes), not for 30 s only: a minute's outage does not
+/// keep the key charged.
+#[tokio::test(start_paused = true)]
+async fn a_shared_refund_is_sent_again_until_its_charge_would_have_drained() {
+    let (fake, s) = store(OnError::Local, 1);
+    fake.down.store(false, Ordering::Relaxed);
+    let r = req(7, None);
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!("the shared store admits")
+    };
+    fake.down.store(true, Ordering::Relaxed);
+    assert_eq!(lease.charge(), Charge::Shared);
+    s.refund(&r, Charge::Shared).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(fake.refunded.load(Ordering::Relaxed), 0);
+    fake.down.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(fake.refunded.load(Ordering::Relaxed), 7);
+}
+
 /// Under `on_error: local`, what the shared store admitted on a budget that can hold
 /// (`max_delay`) is in the local share when an outage puts it in force (up to what the share
 /// holds itself), so the share schedules after what the store scheduled here; a budget that

@@ -4,13 +4,16 @@
 //! second call (the route's slot) undoes the first when it refuses or fails.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::conn::Conn;
 use super::guard::Guard;
 use super::script::{self, AdmitCall, AdmitCode, Op, Refund, Undo, UNDO_FOR};
 use super::slices::{Place, Settle};
-use super::{RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_EVERY};
+use super::{
+    RedisBackend, LATE_REPLY_WAIT, REFUND_RETRY_AT_MOST, REFUND_RETRY_BACKED_OFF,
+    REFUND_RETRY_EVERY,
+};
 use crate::budget::Limit;
 use crate::store::StoreError;
 
@@ -201,21 +204,32 @@ impl RedisBackend {
         match refunded {
             Ok(levels) => return Some(levels),
             Err(e) if refund_again(&e) => self.retry_refund(budgets, cost),
-            Err(e) => {
-                tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
-            }
+            Err(e) => may_have_run(&e),
         }
         None
     }
 
-    /// Sends a refund that Redis refused unrun again every 200 ms, for as long as a lease
-    /// lives: the topology change that refused it is over by then, or it is an outage.
+    /// Sends a refund that Redis refused unrun again, every 200 ms at first and every 2 s
+    /// after a few tries, until the charge would have drained from every budget anyway (a
+    /// refund then gives nothing back), for a lease's time at least and an hour at most: a
+    /// topology change is over within that, and an outage's refunds reach Redis when it is
+    /// back (DESIGN §4: never dropped).
     fn retry_refund(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
         let store = self.clone();
-        let give_up = Instant::now() + self.lease_ttl;
+        let drained_us = budgets
+            .iter()
+            .map(|(_, l)| l.reset_us(cost.saturating_mul(l.per_unit)))
+            .max()
+            .unwrap_or(0);
+        let give_up = Instant::now()
+            + Duration::from_micros(drained_us)
+                .max(self.lease_ttl)
+                .min(REFUND_RETRY_AT_MOST);
         tokio::spawn(async move {
+            let mut every = REFUND_RETRY_EVERY;
             while Instant::now() < give_up {
-                tokio::time::sleep(REFUND_RETRY_EVERY).await;
+                tokio::time::sleep(every).await;
+                every = (every * 2).min(REFUND_RETRY_BACKED_OFF);
                 let refund = Refund {
                     budgets: &budgets,
                     cost,
@@ -223,14 +237,11 @@ impl RedisBackend {
                 match store.op(&refund).await {
                     Ok(_) => return,
                     Err(e) if refund_again(&e) => continue,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "an admission could not be refunded; the key stays charged for it");
-                        return;
-                    }
+                    Err(e) => return may_have_run(&e),
                 }
             }
             tracing::warn!(
-                "an admission could not be refunded in time; the key stays charged for it"
+                "an admission could not be refunded before its charge drained; the key stays charged for it"
             );
         });
     }
@@ -242,6 +253,12 @@ impl RedisBackend {
 /// refund sent twice gives a key one cost too many (the rare case: it ran just before the
 /// node died), one never sent charges it twice for one request: the first is the lesser harm.
 /// Not after a timeout: a live, slow node will run it.
+/// A refund whose call may have run (it timed out) is not sent again: it could give the
+/// units back twice. It most likely ran once the store answered again.
+fn may_have_run(e: &StoreError) {
+    tracing::warn!(error = %e, "a refund may not have reached the store; not sent again (it could give the units back twice)");
+}
+
 fn refund_again(e: &StoreError) -> bool {
     !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
 }

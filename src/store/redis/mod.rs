@@ -81,8 +81,11 @@ impl RedisStore {
 /// it at `store.timeout`, to learn whether a timed-out admission was charged after all.
 const LATE_REPLY_WAIT: Duration = Duration::from_secs(2);
 
-/// How often a refund that Redis refused unrun is sent again.
+/// How often a refund that Redis refused unrun is sent again: at first, and after backing off.
 const REFUND_RETRY_EVERY: Duration = Duration::from_millis(200);
+const REFUND_RETRY_BACKED_OFF: Duration = Duration::from_secs(2);
+/// The longest a refund that did not run is sent again.
+const REFUND_RETRY_AT_MOST: Duration = Duration::from_secs(3600);
 
 /// Redis as a [`SharedStore`].
 pub struct RedisBackend {
