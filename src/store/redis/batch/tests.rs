@@ -290,18 +290,8 @@ async fn a_reloaded_budget_carries_the_units_spent_as_the_model_does() {
         238_309_671_103,
         604_799_999_999,
     ] {
-        let _: () = redis::cmd("SET")
-            .arg(&call.budget)
-            .arg(format!("{level}:{future}:{}:{}", week.rate, week.per_unit))
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let _: () = redis::cmd("DEL")
-            .arg(&call.record)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let (code, remaining, _) = send(&call, false, &mut conn).await;
+        let stored = format!("{level}:{future}:{}:{}", week.rate, week.per_unit);
+        let (code, remaining, _) = send_over(&call, &stored, &mut conn).await;
         let state = crate::budget::State::of(&week, level, future);
         let want = crate::budget::decide(&month, Some(state), future, 1);
         assert_eq!(
@@ -342,18 +332,7 @@ async fn a_reloaded_budget_carries_the_units_spent_as_the_model_does() {
         (format!("1800000000:{future}:1"), 8),
         (format!("1800000000:{future}:1:360000000"), 4),
     ] {
-        let _: () = redis::cmd("SET")
-            .arg(&call.budget)
-            .arg(&value)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let _: () = redis::cmd("DEL")
-            .arg(&call.record)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let (code, remaining, _) = send(&call, false, &mut conn).await;
+        let (code, remaining, _) = send_over(&call, &value, &mut conn).await;
         assert_eq!((code, remaining), (AdmitCode::Admitted, left), "{value}");
     }
 }
@@ -464,6 +443,22 @@ async fn send(c: &AdmitCall, general: bool, conn: &mut Conn) -> (AdmitCode, i64,
         .one()
         .unwrap();
     (AdmitCode::from_reply(r[0]).unwrap(), r[2], r[7])
+}
+
+/// `c` sent as a new admission (its record gone) over a budget stored as `stored`.
+async fn send_over(c: &AdmitCall, stored: &str, conn: &mut Conn) -> (AdmitCode, i64, i64) {
+    let _: () = redis::cmd("SET")
+        .arg(&c.budget)
+        .arg(stored)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(&c.record)
+        .query_async(conn)
+        .await
+        .unwrap();
+    send(c, false, conn).await
 }
 
 /// Field `field` of hash `key` set to `value`, as another instance or an old build left it.
