@@ -889,3 +889,49 @@ async fn local_admissions_registered_when_the_store_returns_keep_the_keys_share(
         1.0
     );
 }
+
+/// DESIGN §8: a request that leaves the queue unserved is refunded; §4: a refund is sent
+/// again, never dropped. Two requests wait in Redis's queue for the one slot when Redis stops
+/// answering for 8 s (longer than `lease_ttl`, 5 s): they leave with 503s and their refunds
+/// cannot reach Redis. Once it answers, the key has paid for the one request that ran. The
+/// refunds were sent again for a lease's time only, then dropped, and one that timed out
+/// (it may have run) was not sent again: 10 units more stayed charged in most runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refunds_of_waiters_that_left_during_an_outage_reach_redis_after_it() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: local\n  fleet_size: 2\n  lease_ttl: 5s\nrate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 100}}\n  endpoints:\n    /slow: {{cost: 5, max_in_flight: 1, queue_timeout: 3s, max_queue: 2}}\nplans:\n  hourly: {{max_cost: 100, window: 1h}}\nkeys:\n{}",
+        redis.url(),
+        registry_key("kf", ", plan: hourly")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, gw.url("/slow?delay_ms=7000"), "key-kf");
+    up.wait_current("/slow", 1).await;
+    let mut waiters = vec![];
+    for _ in 0..2 {
+        waiters.push(spawn_post(&c, gw.url("/slow"), "key-kf"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    redis.pause();
+    let during = spawn_post(&c, gw.url("/slow"), "key-kf");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    redis.resume();
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), 503);
+    }
+    let _ = during.await.unwrap();
+    assert_eq!(holder.await.unwrap(), 200);
+    // What ran: the holder, and whatever the local share let through during the outage
+    // (written back). Everything else was given back.
+    let ran = up.count("/slow");
+    eventually(Duration::from_secs(10), async || {
+        let left = remaining(&gw, "kf").await;
+        match left == 100 - 5 * ran {
+            true => Ok(()),
+            false => Err(format!("{left} left, {ran} ran:\n{}", gw.log())),
+        }
+    })
+    .await;
+}

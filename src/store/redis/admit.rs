@@ -189,32 +189,41 @@ impl RedisBackend {
     }
 
     /// Gives back a charge that its request will not use, surely: a refund that did not run
-    /// (or whose node is dying) is sent again until it does. Each budget's level afterwards,
-    /// when the first send ran.
+    /// (or whose node is dying) is sent again until it does. With `once` (a marker key in the
+    /// budgets' slot, `keys::refund_marker`), it is made once however often it is sent, so one
+    /// that timed out (it may have run) is sent again too. Each budget's level afterwards,
+    /// when the first send answered.
     pub(super) async fn undo_charge(
         self: &Arc<Self>,
         budgets: Vec<(String, Limit)>,
         cost: u64,
+        once: Option<String>,
     ) -> Option<Vec<i64>> {
         let refund = Refund {
             budgets: &budgets,
             cost,
+            once: once.as_deref(),
         };
         let refunded = self.op_bypassing(&refund, LATE_REPLY_WAIT).await;
         match refunded {
             Ok(levels) => return Some(levels),
-            Err(e) if refund_again(&e) => self.retry_refund(budgets, cost),
+            Err(e) if refund_again(&e) || once.is_some() => self.retry_refund(budgets, cost, once),
             Err(e) => may_have_run(&e),
         }
         None
     }
 
-    /// Sends a refund that Redis refused unrun again, every 200 ms at first and every 2 s
-    /// after a few tries, until the charge would have drained from every budget anyway (a
-    /// refund then gives nothing back), for a lease's time at least and an hour at most: a
-    /// topology change is over within that, and an outage's refunds reach Redis when it is
-    /// back (DESIGN §4: never dropped).
-    fn retry_refund(self: &Arc<Self>, budgets: Vec<(String, Limit)>, cost: u64) {
+    /// Sends a refund that Redis refused unrun (or, made once, any that failed) again, every
+    /// 200 ms at first and every 2 s after a few tries, until the charge would have drained
+    /// from every budget anyway (a refund then gives nothing back), for a lease's time at
+    /// least and an hour at most: a topology change is over within that, and an outage's
+    /// refunds reach Redis when it is back (DESIGN §4: never dropped).
+    fn retry_refund(
+        self: &Arc<Self>,
+        budgets: Vec<(String, Limit)>,
+        cost: u64,
+        once: Option<String>,
+    ) {
         let store = self.clone();
         let drained_us = budgets
             .iter()
@@ -233,10 +242,11 @@ impl RedisBackend {
                 let refund = Refund {
                     budgets: &budgets,
                     cost,
+                    once: once.as_deref(),
                 };
                 match store.op(&refund).await {
                     Ok(_) => return,
-                    Err(e) if refund_again(&e) => continue,
+                    Err(e) if refund_again(&e) || once.is_some() => continue,
                     Err(e) => return may_have_run(&e),
                 }
             }
@@ -247,12 +257,6 @@ impl RedisBackend {
     }
 }
 
-/// Whether a refund of an undone admission that failed is sent again. Yes when it did not run
-/// (no connection, CLUSTERDOWN while a failover is under way), and also when its connection
-/// broke: the node is dying, and its charge may live on in the replica that takes over. A
-/// refund sent twice gives a key one cost too many (the rare case: it ran just before the
-/// node died), one never sent charges it twice for one request: the first is the lesser harm.
-/// Not after a timeout: a live, slow node will run it.
 /// A refund whose call may have run (it timed out) is not sent again: it could give the
 /// units back twice. It most likely ran once the store answered again.
 fn may_have_run(e: &StoreError) {

@@ -141,6 +141,12 @@ pub(super) fn admission_key(key: &KeyHash, id: &str) -> String {
     Tag::of(key).key("a", id)
 }
 
+/// Marks the refund of admission `id`'s charge as made (`lua/store/refund.lua`), so that it
+/// is made once however often it is sent; in the key's slot, as its budgets.
+pub(super) fn refund_marker(key: &KeyHash, id: &str) -> String {
+    format!("{}:r", admission_key(key, id))
+}
+
 pub(super) fn key_slots_key(key: &KeyHash) -> String {
     Tag::of(key).key("f", "")
 }

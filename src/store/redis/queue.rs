@@ -218,7 +218,9 @@ impl Unserved {
             }
             if refund {
                 // The levels as soon as the refund answers; the key's slot after.
-                if let Some(levels) = store.undo_charge(super::budget_keys(&req), req.cost).await {
+                let once = super::keys::refund_marker(&req.key, &id);
+                let budgets = super::budget_keys(&req);
+                if let Some(levels) = store.undo_charge(budgets, req.cost, Some(once)).await {
                     let _ = tx.send(levels);
                 }
                 store.release_keys(key_slots, id).await;
@@ -283,7 +285,10 @@ impl RedisBackend {
         key_slots: Vec<String>,
         id: String,
     ) -> Option<Vec<i64>> {
-        let levels = self.undo_charge(super::budget_keys(req), req.cost).await;
+        let once = keys::refund_marker(&req.key, &id);
+        let levels = self
+            .undo_charge(super::budget_keys(req), req.cost, Some(once))
+            .await;
         self.release_keys(key_slots, id).await;
         levels
     }

@@ -55,6 +55,7 @@ impl SharedStore for RedisBackend {
             let refund = Refund {
                 budgets: &budgets,
                 cost: req.cost,
+                once: None,
             };
             self.op(&refund).await.map(|_| 1)
         } else {

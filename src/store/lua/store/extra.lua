@@ -67,9 +67,9 @@ end
 -- refund and debit take one budget per key: KEYS[i] with ARGV per_unit, rate, cost from
 -- ARGV[1 + 3 (i - 1)] (several budgets of one request in one call). With `levels`, each
 -- budget's level afterwards goes into it, in order.
-local function adjust(sign, levels)
+local function adjust(sign, levels, budgets)
   local now = now_us()
-  for i = 1, #KEYS do
+  for i = 1, budgets or #KEYS do
     local j = 1 + 3 * (i - 1)
     local p = tonumber(ARGV[j])
     local q = tonumber(ARGV[j + 1])

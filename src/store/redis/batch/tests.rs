@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::super::admit_call;
 use super::super::conn::Conn;
 use super::super::script::{
-    self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Packed, Settle, Undo, Unspend,
+    self, AdmitBatch, AdmitCall, AdmitCode, Lua, Op, Packed, Refund, Settle, Undo, Unspend,
 };
 use super::super::slices::{hold_field, Ask, IfLost};
 use crate::budget::Limit;
@@ -729,4 +729,53 @@ fn a_lane_sends_two_at_once_and_gathers_the_rest_in_order() {
     // Idle: the next two go at once again.
     assert!(goes("h"));
     assert!(goes("i"));
+}
+
+/// A refund made once (`Refund::once`, a waiter's that left the queue) gives its units back
+/// once however often it is sent (a resend of a call that timed out and may have run), and a
+/// resend answers with the levels as they stand.
+#[tokio::test]
+async fn a_refund_made_once_is_made_once() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let req = request(64, limit, vec![], 4);
+    let call = admit_call(
+        &req,
+        Ask::default(),
+        "t:once".into(),
+        Duration::from_secs(60),
+    );
+    assert_eq!(send(&call, false, &mut conn).await.1, 6);
+    let other = admit_call(
+        &req,
+        Ask::default(),
+        "t:other".into(),
+        Duration::from_secs(60),
+    );
+    assert_eq!(send(&other, false, &mut conn).await.1, 2);
+    let budgets = call.budgets();
+    let marker = super::super::keys::refund_marker(&req.key, "t:once");
+    let mut replies = vec![];
+    for _ in 0..3 {
+        let refund = Refund {
+            budgets: &budgets,
+            cost: 4,
+            once: Some(&marker),
+        };
+        let levels: Vec<i64> = script::invoke(&refund.invocation(), &mut conn)
+            .await
+            .unwrap();
+        replies.push(levels.len());
+    }
+    assert_eq!(replies, [1, 1, 1]);
+    // 4 of the 8 given back once: the next admission of 1 leaves 5 (each send giving them
+    // back left 9).
+    let next = admit_call(
+        &request(64, limit, vec![], 1),
+        Ask::default(),
+        "t:next".into(),
+        Duration::from_secs(60),
+    );
+    assert_eq!(send(&next, false, &mut conn).await.1, 5);
 }

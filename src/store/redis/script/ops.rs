@@ -213,6 +213,9 @@ fn budgets_with_cost(inv: &mut Call<'static>, budgets: &[(String, Limit)], cost:
 pub(in crate::store::redis) struct Refund<'a> {
     pub budgets: &'a [(String, Limit)],
     pub cost: u64,
+    /// A key in the budgets' slot that makes the refund once (`refund.lua`): a resend of a
+    /// call that timed out is then safe.
+    pub once: Option<&'a str>,
 }
 
 impl Op for Refund<'_> {
@@ -222,6 +225,9 @@ impl Op for Refund<'_> {
 
     fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
+        if let Some(marker) = self.once {
+            inv.key(marker).arg(TOMBSTONE.as_millis() as u64);
+        }
     }
 }
 
