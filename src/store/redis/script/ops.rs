@@ -226,7 +226,9 @@ impl Op for Refund<'_> {
     fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
         if let Some(marker) = self.once {
-            inv.key(marker).arg(TOMBSTONE.as_millis() as u64);
+            // As long as the refund may be sent again, and a minute more.
+            let lasts = super::super::REFUND_RETRY_AT_MOST + std::time::Duration::from_secs(60);
+            inv.key(marker).arg(lasts.as_millis() as u64);
         }
     }
 }
