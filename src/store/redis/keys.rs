@@ -9,6 +9,7 @@
 //! | `t{<key tag>}f` | the API key's in-flight leases (sorted set, expiry) |
 //! | `t{<key tag>}h` | the API key's budget slices held by instances (hash: hold id → `units:expiry_us`) |
 //! | `t{<key tag>}a<id>` | admission `id` of the key: `1` charged, `u` undone (expires) |
+//! | `t{<key tag>}a<id>:r` | admission `id`'s charge refunded, once (it left the queue unserved; expires) |
 //! | `t:r{<tag>}f`   | a route's in-flight leases (tag of the route label) |
 //! | `t:r{<tag>}b`   | a route's `shared` budget (tag of the route label)  |
 //! | `t:r{<tag>}q`, `…k`, `…s`, `…x` | a capped route's fair queue: waiters, keys to serve, state, ids given up (`lua/queue.lua`) |
