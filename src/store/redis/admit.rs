@@ -263,6 +263,13 @@ fn may_have_run(e: &StoreError) {
     tracing::warn!(error = %e, "a refund may not have reached the store; not sent again (it could give the units back twice)");
 }
 
+/// Whether a refund of an undone admission that failed is sent again (one made once by its
+/// marker is sent again whatever failed). Yes when it did not run (no connection, CLUSTERDOWN
+/// while a failover is under way), and also when its connection broke: the node is dying, and
+/// its charge may live on in the replica that takes over. A refund sent twice gives a key one
+/// cost too many (the rare case: it ran just before the node died), one never sent charges it
+/// twice for one request: the first is the lesser harm. Not after a timeout: a live, slow
+/// node will run it.
 fn refund_again(e: &StoreError) -> bool {
     !matches!(e, StoreError::Timeout) && (!e.may_have_run() || e.transient())
 }
