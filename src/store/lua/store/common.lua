@@ -77,23 +77,6 @@ local function store_level(key, level, p, q, now)
   redis.call('SET', key, string.format('%d:%d:%d:%d', level, now, q, p), 'PX', int(px))
 end
 
-local function gcd(a, b)
-  while b ~= 0 do a, b = b, a % b end
-  return a
-end
-
--- `l` ticks of `u` per unit in ticks of `p` per unit, rounded up, as crate::budget::level_at
--- (exact in u128) has them: the ratio in lowest terms, then the whole units' part and the
--- rest's apart, so that no product passes 2^53 for the windows and costs a config can hold.
-local function carried(l, u, p)
-  local g = gcd(p, u)
-  local pp, uu = p / g, u / g
-  local a = math.floor(l / uu)
-  local b = l - a * uu
-  if b < 0 then a, b = a - 1, b + uu elseif b >= uu then a, b = a + 1, b - uu end
-  return math.min(a * pp + ceil_div(b * pp, uu), MAX_LEVEL)
-end
-
 -- The budget's level at `now` in ticks of `p` per unit, drained at `q` per µs (0 when absent
 -- or drained). A level stored under another budget (a reload changed it) is converted and
 -- stored again, in the new budget's units and with its expiry: a refusal writes nothing else,
@@ -110,8 +93,22 @@ local function level_at(key, p, q, now)
   if u ~= '' then
     u = num(u)
     if u ~= p and u > 0 then
-      -- a reload changed the budget: carry the units spent
-      l = carried(l, u, p)
+      -- A reload changed the budget: carry the units spent. `l` ticks of `u` per unit in
+      -- ticks of `p`, rounded up, as crate::budget::level_at (exact in u128) has them: the
+      -- ratio in lowest terms, then the whole units' part and the rest's apart, so that no
+      -- product passes 2^53 for the windows and costs a config can hold. (Inline: a local
+      -- function would be made on every call of every script.)
+      local a, b = p, u
+      while b ~= 0 do a, b = b, a % b end
+      local pp, uu = p / a, u / a
+      local whole = math.floor(l / uu)
+      local rest = l - whole * uu
+      if rest < 0 then
+        whole, rest = whole - 1, rest + uu
+      elseif rest >= uu then
+        whole, rest = whole + 1, rest - uu
+      end
+      l = math.min(whole * pp + ceil_div(rest * pp, uu), MAX_LEVEL)
       converted = true
     end
   else
