@@ -410,6 +410,17 @@ pub fn debit(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Sta
     )
 }
 
+/// How long `cost` units take to drain from the slowest of `limits`: a refund of them later
+/// than that gives nothing back (what retries of a refund are bounded by).
+pub fn drain_time<'a>(limits: impl IntoIterator<Item = &'a Limit>, cost: u64) -> Duration {
+    let us = limits
+        .into_iter()
+        .map(|l| l.reset_us(cost.saturating_mul(l.per_unit)))
+        .max()
+        .unwrap_or(0);
+    Duration::from_micros(us)
+}
+
 /// Seconds for `Retry-After`: rounded up, never 0.
 pub fn retry_after_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000).max(1)

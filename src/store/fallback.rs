@@ -444,12 +444,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// [`REFUND_RETRY_FOR`] at least and [`REFUND_RETRY_AT_MOST`] at most.
     fn refund_later(&self, req: AdmitRequest, hold: u128) {
         let shared = self.shared.clone();
-        let drained_us = req
-            .limits()
-            .map(|l| l.reset_us(req.cost.saturating_mul(l.per_unit)))
-            .max()
-            .unwrap_or(0);
-        let retry_for = Duration::from_micros(drained_us)
+        let retry_for = crate::budget::drain_time(req.limits(), req.cost)
             .max(REFUND_RETRY_FOR)
             .min(REFUND_RETRY_AT_MOST);
         tokio::spawn(async move {

@@ -4,7 +4,7 @@
 //! second call (the route's slot) undoes the first when it refuses or fails.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::conn::Conn;
 use super::guard::Guard;
@@ -225,15 +225,8 @@ impl RedisBackend {
         once: Option<String>,
     ) {
         let store = self.clone();
-        let drained_us = budgets
-            .iter()
-            .map(|(_, l)| l.reset_us(cost.saturating_mul(l.per_unit)))
-            .max()
-            .unwrap_or(0);
-        let give_up = Instant::now()
-            + Duration::from_micros(drained_us)
-                .max(self.lease_ttl)
-                .min(REFUND_RETRY_AT_MOST);
+        let drained = crate::budget::drain_time(budgets.iter().map(|(_, l)| l), cost);
+        let give_up = Instant::now() + drained.max(self.lease_ttl).min(REFUND_RETRY_AT_MOST);
         tokio::spawn(async move {
             let mut every = REFUND_RETRY_EVERY;
             while Instant::now() < give_up {
