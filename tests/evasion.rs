@@ -43,6 +43,9 @@ async fn matrix_parameters_are_charged_as_the_route_and_forwarded_as_sent() {
         "/reports/..;x=1/generate",
         "/x/%2e%2e;/reports/generate",
         "/x/..;",
+        // where a later `..` would resolve it away
+        "/x/..;/../reports/generate",
+        "/reports/generate/..;/..",
     ] {
         let line = format!("POST {target}");
         let r = raw_request(gw.port, &raw(&line, &["X-API-Key: k-dotdot"]))

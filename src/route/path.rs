@@ -108,6 +108,9 @@ pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             b".." => {
                 out.pop();
             }
+            // Refused here, before a later `..` resolves it away (`/x/..;/../y`): a server
+            // that strips matrix parameters resolves the pair differently (`/y`'s parent).
+            s if s.starts_with(b"..;") => return Err(BadPath::DotDotParameter),
             s => out.push(s),
         }
     }

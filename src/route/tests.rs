@@ -261,6 +261,17 @@ fn matrix_parameters_are_not_matched() {
     assert_eq!(m("/;x").as_deref(), Ok("/"));
     assert_eq!(m("/x/..;/reports"), Err(BadPath::DotDotParameter));
     assert_eq!(m("/x/..;y=1"), Err(BadPath::DotDotParameter));
+    // Also where a later `..` would resolve it away before the parameters are looked at.
+    for p in [
+        "/x/..;/../reports/generate",
+        "/a/b/..;x=1/../../reports/generate",
+        "/x/%2e%2e;/../reports/generate",
+        "/reports/generate/..;/..",
+        "/..;/..",
+    ] {
+        let classified = normalize_path(p).and_then(|n| match_path(&n).map(|c| c.into_owned()));
+        assert_eq!(classified, Err(BadPath::DotDotParameter), "{p}");
+    }
     assert!(matches!(match_path("/a/b"), Ok(Cow::Borrowed(_))));
 }
 
