@@ -88,6 +88,8 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
     }
 
     let mut masked = Vec::new();
+    // Where stand-ins were put.
+    let mut stood: Vec<String> = Vec::new();
     let mut parses = 0;
     loop {
         let from_text = pending.is_some();
@@ -111,11 +113,16 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         let path: Vec<Segment> = e.path().iter().cloned().collect();
         let message = e.inner().to_string();
         let unknown = error::is_unknown_field(&e);
-        // Only the text's own parse knows where in the file it stopped.
-        errors.0.push(match from_text {
-            true => error::from_serde(e),
-            false => error::from_serde_unplaced(e),
-        });
+        // What a stand-in lacks (a section stood in for as an empty map has none of its
+        // fields) is mended like any mistake, but it is not the file's: not reported.
+        let spot = error::format_segments(&path);
+        if !stood.iter().any(|s| under(&spot, s)) {
+            // Only the text's own parse knows where in the file it stopped.
+            errors.0.push(match from_text {
+                true => error::from_serde(e),
+                false => error::from_serde_unplaced(e),
+            });
+        }
         if errors.0.len() >= MAX_REPORTED_ERRORS || parses >= MAX_PARSES {
             return Err(errors);
         }
@@ -124,11 +131,13 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
         } else if let Some(field) = missing_field(&message) {
             let mut at = path.clone();
             at.push(Segment::Map { key: field });
+            stood.push(error::format_segments(&at));
             stand_in(&mut tree, &at, None, &mut parses) && mask(&mut masked, &path)
         } else {
             // The entry the value belongs to (a top-level value is its own; a map stood in for
             // is an entry of its own, so that its siblings are still checked): its other rules
             // may speak of the stand-in.
+            stood.push(spot);
             stand_in(&mut tree, &path, first_variant(&message), &mut parses) && {
                 let whole = matches!(node(&mut tree, &path), Some(Value::Mapping(_)));
                 let entry = match path.len() {

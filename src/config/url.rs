@@ -46,10 +46,21 @@ fn redact_query(tail: &str) -> String {
 }
 
 fn redact_userinfo(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_string();
+    // The scheme's end: after `://`, or, in a URL that mistypes it (`redis:/:pw@h`,
+    // `redis//:pw@h`, `:pw@h`), after the leading word and the ':' and '/' that follow it,
+    // so that a password is hidden however the rest is written.
+    let start = match url.find("://") {
+        Some(i) => i + 3,
+        None => {
+            let word = url
+                .find(|c: char| !(c.is_ascii_alphanumeric() || "+.-".contains(c)))
+                .unwrap_or(url.len());
+            word + url[word..]
+                .find(|c| c != ':' && c != '/')
+                .unwrap_or(url.len() - word)
+        }
     };
-    let rest = &url[scheme_end + 3..];
+    let rest = &url[start..];
     // Everything up to the last '@' is user information, even when a password holds a '/'
     // (invalid, but it must not be shown): store URLs' paths (`/db`) never hold an '@'.
     let authority = rest;
@@ -63,7 +74,7 @@ fn redact_userinfo(url: &str) -> String {
             } else {
                 "***".to_string()
             };
-            format!("{}{}@{}", &url[..scheme_end + 3], redacted, &rest[at + 1..])
+            format!("{}{}@{}", &url[..start], redacted, &rest[at + 1..])
         }
     }
 }
@@ -211,6 +222,14 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
         Some(at) => (&authority[..at + 1], &authority[at + 1..]),
         None => ("", authority),
     };
+    if userinfo[..userinfo.len().saturating_sub(1)].contains('@') {
+        // `:pw1@h1,:pw2@h2`: one host's credentials each is not a form the URL has (the
+        // first host would be taken as part of the password).
+        return Err(E::Unusable {
+            why: "give the credentials once, before every host (user:password@h1,h2; an '@' in a password is written %40)".into(),
+            shown,
+        });
+    }
     let default_port = if kind == "cluster" {
         CLUSTER_PORT
     } else {

@@ -216,6 +216,21 @@ fn a_missing_field_is_reported_once() {
     );
 }
 
+/// A missing section is one error: the empty map standing in for it lacks its fields, but
+/// that is not the file's mistake. Nor is it when a section of the wrong type stands in.
+#[test]
+fn what_a_stand_in_lacks_is_not_reported() {
+    errors_start(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\n",
+        &[".: missing field `rate_limits`"],
+    );
+    errors_start(
+        "upstream: {url: \"http://127.0.0.1:3000\"}\nrate_limits: 5\n",
+        &["rate_limits: invalid type"],
+    );
+    assert_eq!(paths(""), vec![".", "."]);
+}
+
 /// A file of many unknown keys is not parsed once per key without end.
 #[test]
 fn unknown_keys_are_reported_up_to_a_bound() {

@@ -129,6 +129,29 @@ fn a_password_with_a_slash_is_redacted_too() {
     assert_eq!(super::redact_url("redis://h:6379/0"), "redis://h:6379/0");
 }
 
+/// A mistyped scheme separator (`redis:/`, `redis//`, none) hides the password as well: the
+/// error that refuses such a URL quotes it.
+#[test]
+fn a_password_behind_a_mistyped_scheme_is_redacted() {
+    for (url, shown) in [
+        (
+            "redis:/:hunter2pw@10.0.0.1:6379/0",
+            "redis:/:***@10.0.0.1:6379/0",
+        ),
+        ("redis//:hunter2pw@h:1/0", "redis//:***@h:1/0"),
+        ("redis:hunter2pw@h:1/0", "redis:***@h:1/0"),
+        (":hunter2pw@h:1", ":***@h:1"),
+        ("u:hunter2pw@h:1", "u:***@h:1"),
+    ] {
+        assert_eq!(super::redact_url(url), shown, "{url}");
+        let e = first_error(&with_redis(url));
+        assert!(
+            e.starts_with("store.url: ") && !e.contains("hunter2pw"),
+            "{e}"
+        );
+    }
+}
+
 /// DESIGN §1: a `store.url` that cannot be parsed is an error whatever the backend (the
 /// memory store does not read it, but a file that says it is wrong).
 #[test]
@@ -138,4 +161,22 @@ fn store_url_must_parse_on_the_memory_store_too() {
     assert!(e.starts_with("store.url: "), "{e}");
     let s = format!("store:\n  backend: memory\n  url: \"redis://127.0.0.1:6379/0\"\n{BASE}");
     assert!(Config::parse(&s, &EnvOverrides::default()).is_ok());
+}
+
+/// A multi-host URL carries one set of credentials, before its hosts: credentials per host
+/// would make the first host part of the password.
+#[test]
+fn credentials_per_host_are_refused() {
+    for url in [
+        "redis+cluster://:pw1@h1:1,:pw2@h2:2",
+        "redis+sentinel://u:a@h1:1,u:b@h2:2/mymaster",
+    ] {
+        let e = first_error(&with_redis(url));
+        assert!(
+            e.starts_with("store.url: cannot be used: give the credentials once"),
+            "{e}"
+        );
+        assert!(!e.contains("pw1") && !e.contains("u:a@"), "{e}");
+    }
+    assert!(parse(&with_redis("redis+cluster://:p%40w@h1:1,h2:2")).is_ok());
 }
