@@ -378,6 +378,68 @@ async fn cluster_primaries_fail_over_twenty_times_without_a_double_charge() {
     }
 }
 
+/// DESIGN §4: a Cluster primary that restarts empty (a new `run_id` at its address) lost the
+/// leases in its slots: gateway A, holding the cap of 2 there, registers them again, so B's
+/// two reports wait for A's instead of running beside them. Its replica may not take over,
+/// so the node comes back as the primary of its slots, empty. Before, the `run_id` was not
+/// read on Cluster: A's leases came back only at their next renewal, and 4 ran at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_primary_restarted_empty_keeps_the_cap() {
+    let mut cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::from_secs(6));
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2, queue_timeout: 20s}\n";
+    let body = store_body(&cluster.url(), "deny", 2, limits).replace("30s", "15s");
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let owner = cluster.owner(&redis_route_slots_key("/reports/generate"));
+    for n in &cluster.nodes {
+        if n.cli(&["INFO", "replication"])
+            .contains(&format!("master_port:{owner}"))
+        {
+            assert_eq!(
+                n.cli(&["CONFIG", "SET", "cluster-replica-no-failover", "yes"]),
+                "OK"
+            );
+        }
+    }
+    let first: Vec<_> = (0..2)
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    cluster.kill(owner);
+    cluster.restart(owner);
+    cluster.wait_healthy(3, Duration::from_secs(20));
+    assert_eq!(cluster.primaries().len(), 3);
+    assert!(
+        cluster.primaries().contains(&owner),
+        "the node is its slots' primary again"
+    );
+    a.wait_log("registered this instance's leases again after Redis lost its data")
+        .await;
+    let second: Vec<_> = (0..2)
+        .map(|i| {
+            let (c, url) = (c.clone(), b.url("/reports/generate"));
+            tokio::spawn(async move {
+                loop {
+                    // B's calls to the restarted node may fail once (deny: never admitted).
+                    let r = post(&c, url.clone(), &format!("b{i}")).await;
+                    let s = r.status().as_u16();
+                    if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    return s;
+                }
+            })
+        })
+        .collect();
+    for t in first.into_iter().chain(second) {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/reports/generate"), 4);
+    assert_eq!(up.max_concurrent("/reports/generate"), 2, "{}", a.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sentinel_failover_is_followed() {
     let mut set = SentinelSet::start();

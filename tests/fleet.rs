@@ -176,6 +176,45 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
     eprintln!("slots returned {back:?} after SIGKILL (lease_ttl 2s)");
 }
 
+/// DESIGN §4 and §8: a dead gateway's slot comes back within the lease time for its key's
+/// share of the route too (`max_in_flight_per_key` on the endpoint). Its lease lapses, and the
+/// route's lease set expires a second later; the queue's state outlives it and still counted
+/// the key as running one: its next request waited out `queue_timeout` and got 503, every
+/// time, until the state expired after a minute without calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_gateways_slot_comes_back_for_its_keys_share() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(20));
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 10, max_in_flight_per_key: 1, queue_timeout: 4s}\n",
+    );
+    let mut a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (c2, url) = (c.clone(), a.url("/reports/generate"));
+    tokio::spawn(async move {
+        // Its gateway is killed under it: no answer.
+        let _ = c2.post(url).header("X-API-Key", "k").send().await;
+    });
+    up.wait_current("/reports/generate", 1).await;
+    a.kill9();
+    // The lease (2 s) lapsed and its set expired (a second after it).
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let sent = Instant::now();
+    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "k").await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert!(
+        sent.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        sent.elapsed()
+    );
+    let v = admin_json(&b, "/admin/routes").await;
+    assert!(!v.to_string().contains("\"running\":1"), "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn long_requests_renew_their_leases() {
     let redis = Redis::start();

@@ -303,8 +303,22 @@ end
 -- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
 -- waiters are skipped at once instead of being granted, and lapsing, one after another (a
 -- live one learns from its next beat that they are gone, and queues them again).
+--
+-- The lease set expires a second after its last lease does (`keep`, `lease`), and the state
+-- outlives it: when the set is gone, every lease the state still names (`l:<id>`) lapsed
+-- with it (a dead instance's), and goes the same way, or its key would count as running.
 local function purge()
-  local lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+  local lapsed
+  if redis.call('EXISTS', leases) == 1 then
+    lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+  else
+    lapsed = {}
+    local fields = redis.call('HKEYS', state)
+    for _, f in ipairs(fields) do
+      local id = string.match(f, '^l:(.+)$')
+      if id then lapsed[#lapsed + 1] = id end
+    end
+  end
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)
     local instance = redis.call('HGET', state, 'gi:' .. id)

@@ -211,7 +211,7 @@ pub(super) struct Connections {
     target: Result<Target, UnusableUrl>,
     /// Sentinel: what the watcher knows of the primary (a failover under way, a new one).
     watch: Option<Arc<Watch>>,
-    /// The Redis process's `run_id`, read on every new connection (not on Cluster).
+    /// The Redis process's `run_id` (each Cluster primary's), read on every new connection.
     pub(super) run_id: RunId,
     config: AsyncConnectionConfig,
     /// Bound on making a connection: `max(store.timeout, 100ms)`, since a TCP (and TLS)
@@ -329,7 +329,11 @@ impl Connections {
                 self.run_id.read(&mut conn).await;
                 Conn::Node(conn)
             }
-            Target::Cluster(client, _) => Conn::Cluster(client.get_async_connection().await?),
+            Target::Cluster(client, _) => {
+                let mut conn = client.get_async_connection().await?;
+                self.run_id.read(&mut conn).await;
+                Conn::Cluster(conn)
+            }
             Target::Sentinel { .. } => {
                 let client = primary_client(target).await?;
                 let addr = address(client.get_connection_info());

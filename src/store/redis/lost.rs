@@ -1,8 +1,9 @@
 //! Redis lost its data (a restart without persistence, a failover to an empty replica, a
 //! FLUSHALL): the leases every instance holds are gone with it, and their slots look free.
 //! A new Redis process has a new `run_id`. Each instance reads it on every new connection
-//! (not on Cluster, where each node has its own), and, while it holds leases, every
-//! [`CHECK_EVERY`]. On a new one:
+//! and, while it holds leases, every [`CHECK_EVERY`]; on Cluster, each primary's, by its
+//! address (a primary restarted empty at its address; a replica promoted in its place has
+//! another address, and its data if it was in sync). On a new one:
 //!
 //! - an instance registers every lease it holds again before its next admission (a renewal
 //!   re-creates a missing lease, `lua/store/lease.lua`), at once and bypassing the breaker;
@@ -14,6 +15,7 @@
 //! request that takes a slot gets its thread's connection before it asks whether to hold
 //! back: the connection a thread makes after a restart is what reads the new `run_id`.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -28,10 +30,11 @@ const CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How long requests that take a slot wait after a new `run_id` was seen.
 const SETTLE_FOR: Duration = Duration::from_secs(2);
 
-/// What this instance knows of the Redis process it talks to.
+/// What this instance knows of the Redis process it talks to (on Cluster, of each primary).
 #[derive(Debug, Default)]
 pub(super) struct RunId {
-    known: Mutex<Option<String>>,
+    /// Each process's `run_id` by its node's address (one entry, "", but on Cluster).
+    known: Mutex<HashMap<String, String>>,
     /// When a new `run_id` was last seen.
     changed_at: Mutex<Option<Instant>>,
     /// Set on a new `run_id`, until every lease held is registered again.
@@ -41,19 +44,29 @@ pub(super) struct RunId {
 impl RunId {
     /// Reads `run_id` on `conn` and notes it: `Some(true)` if it is new (another one was
     /// known), `None` if it could not be read.
+    /// On Cluster, `INFO` goes to every primary and answers a map of their addresses to their
+    /// answers: each is noted by its address.
     pub(super) async fn read<C: redis::aio::ConnectionLike>(&self, conn: &mut C) -> Option<bool> {
         let mut cmd = redis::cmd("INFO");
         cmd.arg("server");
-        let info = cmd.query_async::<String>(conn);
+        let info = cmd.query_async::<redis::Value>(conn);
         let Ok(Ok(info)) = tokio::time::timeout(Duration::from_millis(100), info).await else {
             return None;
         };
-        let id = info.lines().find_map(|l| l.strip_prefix("run_id:"))?;
-        let id = id.trim();
+        let ids = run_ids(info);
+        if ids.is_empty() {
+            return None;
+        }
         let mut known = lock(&self.known);
-        let new = known.as_deref().is_some_and(|k| k != id);
-        if known.as_deref() != Some(id) {
-            *known = Some(id.to_string());
+        let mut new = false;
+        for (node, id) in ids {
+            match known.get(&node) {
+                Some(k) if *k == id => {}
+                had => {
+                    new |= had.is_some();
+                    known.insert(node, id);
+                }
+            }
         }
         drop(known);
         if new {
@@ -74,10 +87,39 @@ impl RunId {
     }
 }
 
+/// The `run_id`s an `INFO server` answer names, by node address: one node's text (address
+/// ""), or a Cluster's map of each primary's address to its text (a primary that answered
+/// an error is left out).
+fn run_ids(info: redis::Value) -> Vec<(String, String)> {
+    let of = |v: &redis::Value| -> Option<String> {
+        let text = match v {
+            redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?,
+            redis::Value::VerbatimString { text, .. } => text.as_str(),
+            redis::Value::SimpleString(s) => s.as_str(),
+            _ => return None,
+        };
+        let id = text.lines().find_map(|l| l.strip_prefix("run_id:"))?;
+        Some(id.trim().to_string())
+    };
+    match &info {
+        redis::Value::Map(nodes) => nodes
+            .iter()
+            .filter_map(|(node, v)| {
+                let node = <String as redis::FromRedisValue>::from_redis_value_ref(node).ok()?;
+                Some((node, of(v)?))
+            })
+            .collect(),
+        single => of(single)
+            .map(|id| (String::new(), id))
+            .into_iter()
+            .collect(),
+    }
+}
+
 impl RedisBackend {
     /// Starts the `run_id` check unless it runs (called when a lease is taken).
     pub(super) fn watch_for_data_loss(self: &Arc<Self>) {
-        if self.conns.is_cluster() || self.watching_run_id.swap(true, Ordering::AcqRel) {
+        if self.watching_run_id.swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
