@@ -77,6 +77,20 @@ impl Fidelity {
             _ => cost,
         }
     }
+
+    /// The final charge of a request admitted at `cost`: what its upstream stated
+    /// (`cost_from_response`), else [`Fidelity::final_cost`] of its time.
+    pub fn charge(
+        &self,
+        cost: u64,
+        upstream: Option<Duration>,
+        report: Option<stated::Report>,
+    ) -> u64 {
+        match report {
+            Some(stated::Report::Applied(units)) => units,
+            _ => self.final_cost(cost, upstream),
+        }
+    }
 }
 
 /// What a route that calls a provider adds (DESIGN §1): the provider's own cap, shared by

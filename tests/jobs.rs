@@ -737,6 +737,39 @@ async fn a_job_is_billed_its_upstream_time() {
     assert_eq!(done[0]["cost"].as_u64(), Some(100 - left), "{done:?}");
 }
 
+/// A job that times out (504) is billed as a synchronous 504 on its route is, on its late
+/// answer: the cost that answer states. (Before, its late answer was followed for the slot
+/// only: the stated 60 was never applied, and a `cost_per_second` route billed the time to
+/// the answer's end, not to its head.)
+#[tokio::test]
+async fn a_job_that_times_out_is_billed_what_its_late_answer_states() {
+    let up = Upstream::start(Duration::ZERO);
+    let endpoints = reports(1, "").replace(
+        "      async:\n",
+        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&endpoints),
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let target = format!("{ROUTE}?delay_ms=1500&actual_cost=60");
+    let job = submit(&c, &gw, &target, "key-a", "").await;
+    assert_eq!(result(&c, &gw, &job, "key-a").await.status(), 504);
+    wait_metric(
+        &gw,
+        r#"tollgate_cost_reports_total{result="applied",route="/reports/generate"}"#,
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(remaining(&gw, "a").await, 40);
+    let failed = gw.wait_access(1, |l| l["decision"] == "job_failed").await;
+    assert_eq!(failed[0]["cost"].as_u64(), Some(60), "{failed:?}");
+}
+
 /// A gateway whose key a has spent its whole budget on `/huge` (cost 100), with
 /// `server.body_timeout: body_timeout`.
 fn with_an_empty_key(up: &Upstream, body_timeout: &str) -> Gateway {

@@ -693,6 +693,38 @@ async fn a_fleet_job_that_times_out_counts_its_upstream_time() {
     .await;
 }
 
+/// A fleet job that times out is billed what its late answer states, as a synchronous 504
+/// on its route is (before, its admission's 10 stood and the report was not counted).
+#[tokio::test]
+async fn a_fleet_job_that_times_out_is_billed_what_its_late_answer_states() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(&redis.url()).replace(
+        "      async:\n",
+        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let target = format!("{ROUTE}?delay_ms=1500&actual_cost=60");
+    let (job, _) = submit(&c, &gw, &target, "").await;
+    assert_eq!(result(&c, &gw, &job).await.status(), 504);
+    wait_metric(
+        &gw,
+        &format!("tollgate_cost_reports_total{{result=\"applied\",route=\"{ROUTE}\"}}"),
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(remaining(&gw, "a").await, 40);
+    let failed = gw.wait_access(1, |l| l["decision"] == "job_failed").await;
+    assert_eq!(failed[0]["cost"].as_u64(), Some(60), "{failed:?}");
+}
+
 /// A job whose result write is lost on its way to Redis (the connection cut under it) ends
 /// done with the upstream's answer: its runner sends the result again, still vouching for the
 /// job. (Before, the one failed write was dropped: a lease later the job ended `job-lost`

@@ -76,6 +76,55 @@ async fn a_504_stays_charged_and_its_slot_follows_the_late_answer() {
     assert_eq!(up.count("/reports/generate"), 3);
 }
 
+/// DESIGN §6: "a query that ran 30 s pays for 30 s", and the backend's stated cost is the
+/// final charge: on a capped route a 504's charge follows the late answer as its slot does
+/// (as a job's does). Before, it was fixed at `read_timeout`: the 3 s query paid for 1 s, and
+/// the stated 60 was never applied nor counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_504s_charge_is_settled_on_the_late_answer() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /cps: {{cost: 2, cost_per_second: 10, max_in_flight: 2}}\n    /cfr: {{cost: 10, cost_from_response: X-Actual-Cost, max_in_flight: 2}}\nkeys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
+        sha256_hex("key-a"),
+        sha256_hex("key-b"),
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 1s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let r = get(&c, gw.url("/cps?delay_ms=3000"), "key-a").await;
+    assert_eq!(r.status(), 504);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
+    let r = get(&c, gw.url("/cfr?delay_ms=2000&actual_cost=60"), "key-b").await;
+    assert_eq!(r.status(), 504);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("10"));
+    // Settled once the late answers are in: 10 a second for the upstream's 3 s at least (31
+    // on a fast machine), and the stated 60.
+    wait_metric_at_least(&gw, r#"tollgate_cost_units_total{route="/cps"}"#, 31.0).await;
+    wait_metric(
+        &gw,
+        r#"tollgate_cost_reports_total{result="applied",route="/cfr"}"#,
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    let cps = metric(&gw, r#"tollgate_cost_units_total{route="/cps"}"#).await as u64;
+    assert!((31..=40).contains(&cps), "{cps}");
+    assert_eq!(remaining(&gw, "a").await, 1000 - cps);
+    assert_metric(&gw, r#"tollgate_cost_units_total{route="/cfr"}"#, 60.0).await;
+    assert_eq!(remaining(&gw, "b").await, 940);
+    // The 504's upstream time is counted once, to the timeout.
+    assert_metric(
+        &gw,
+        r#"tollgate_upstream_duration_seconds_count{route="/cps"}"#,
+        1.0,
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_answer_is_followed_for_abandon_timeout_at_most() {
     let up = Upstream::start(Duration::ZERO);

@@ -277,8 +277,8 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             );
             // The slot follows the upstream's late answer, as for a synchronous request; a
             // `cost_per_second` route bills the time the upstream worked.
-            follow.until_done().await;
-            ended.cost = settle(t, started.elapsed(), None).await;
+            let told = follow.until_done(&t.route, started).await;
+            ended.cost = settle(t, told.upstream, told.report).await;
             return ended;
         }
         Sent::TooLarge { upstream } => {
@@ -303,13 +303,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
 /// Frees the slot and makes the job's charge final, as `cost_from_response` and
 /// `cost_per_second` say; the final charge.
 async fn settle(t: &mut Task, upstream: Duration, report: Option<Report>) -> u64 {
-    let total = match report {
-        Some(Report::Applied(units)) => units,
-        _ => t
-            .route
-            .fidelity
-            .final_cost(t.ticket.req.cost, Some(upstream)),
-    };
+    let total = (t.route.fidelity).charge(t.ticket.req.cost, Some(upstream), report);
     t.ticket.release().await;
     t.ticket.settle(&t.shared.store, total).await;
     if let Some(r) = report {

@@ -71,15 +71,43 @@ pub(super) struct Follow {
     deadline: Instant,
 }
 
+/// What a followed late answer tells of its job's charge, as for a synchronous 504's
+/// (`proxy/late.rs`): the upstream's time to the answer's head, and the cost it stated.
+pub(super) struct LateTold {
+    /// To the head; to the end of the following when no head came (it broke off, or came
+    /// after `abandon_timeout`).
+    pub upstream: Duration,
+    pub report: Option<Report>,
+}
+
 impl Follow {
-    pub(super) async fn until_done(mut self) {
+    /// Follows the late answer to its end; `sent`: when the job went to the upstream.
+    pub(super) async fn until_done(mut self, route: &Route, sent: Instant) -> LateTold {
         let s = &mut self.session;
+        let mut head_at = None;
         let read = async {
-            s.read_response_header().await?;
+            read_head(s).await?;
+            head_at = Some(Instant::now());
             while s.read_response_body().await?.is_some() {}
             Ok::<(), Box<pingora::Error>>(())
         };
         let _ = tokio::time::timeout_at(self.deadline.into(), read).await;
+        let report = match (
+            head_at,
+            &route.fidelity.cost_from_response,
+            s.response_header(),
+        ) {
+            (Some(_), Some(name), Some(head)) => {
+                Some(Report::read(&head.headers, name, route.cost))
+            }
+            _ => None,
+        };
+        LateTold {
+            upstream: head_at
+                .unwrap_or_else(Instant::now)
+                .saturating_duration_since(sent),
+            report,
+        }
     }
 }
 

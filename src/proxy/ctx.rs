@@ -246,10 +246,7 @@ impl Ctx {
             .timing
             .upstream
             .or_else(|| self.timing.upstream_start.map(|s| s.elapsed()));
-        let total = match self.report {
-            Some(Report::Applied(units)) => units,
-            _ => route.fidelity.final_cost(c.req.cost, upstream),
-        };
+        let total = route.fidelity.charge(c.req.cost, upstream, self.report);
         c.settle(store, total).await;
         self.settled = Some(total);
     }

@@ -107,9 +107,13 @@ impl Gateway {
             // The upstream has the request and may still be working on it: the charge stands,
             // and a capped slot follows the late answer to its end — if the upstream had the
             // whole request (one still waiting for the rest of a stalled body is not working).
+            // So does a charge that depends on the answer (`cost_per_second`: the time the
+            // upstream worked; `cost_from_response`: what the late answer states).
             if ctx.upstream.whole_request {
                 let head = session.req_header().method == http::Method::HEAD;
-                self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, false);
+                // (The 504's upstream time, to the timeout, is counted with its request.)
+                let time = Some(super::late::UpstreamTime::Counted);
+                self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, time);
             }
         } else if how == UpstreamFailure::Unreachable {
             // The upstream never received the request: refund, before answering, so that the

@@ -1,9 +1,10 @@
-//! The settling of a request whose client left while the upstream still worked on it (an
-//! HTTP/2 stream reset before the answer's head): its slot follows the upstream's late answer
-//! (`front::drain_upstream`), and so does its charge (DESIGN §3: it keeps "its slot (and its
-//! charge) until the upstream has answered"; §6: the final charge is what the answer states,
-//! or the time it took), as for an HTTP/1 client, whose leaving the gateway does not see
-//! until the answer.
+//! The settling of a request the gateway stopped waiting for while the upstream still worked
+//! on it — a 504 at `read_timeout`, or an HTTP/2 stream reset before the answer's head: its
+//! slot follows the upstream's late answer (`front::drain_upstream`), and so does its charge
+//! (DESIGN §3: it keeps "its slot (and its charge) until the upstream has answered"; §6: the
+//! final charge is what the answer states, or the time it took — "a query that ran 30 s pays
+//! for 30 s"), as for an HTTP/1 client that left, whose leaving the gateway does not see until
+//! the answer, and as for a job.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,6 +15,14 @@ use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::{AdmitRequest, Charge, Store};
 
+/// Whether the request's upstream time is in the metrics already (a 504's, to the timeout,
+/// counted with its request) or is counted when the late answer's head comes (a reset's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum UpstreamTime {
+    Counted,
+    AtAnswer,
+}
+
 /// What settling the request needs once its late answer's head came.
 pub(super) struct LateSettle {
     store: Store,
@@ -23,18 +32,21 @@ pub(super) struct LateSettle {
     running: Arc<Running>,
     /// When the request went to the upstream: its time runs from there.
     sent: Instant,
-    /// The upstream's `read_timeout`: an answer later than that is a 504's, as for a client
-    /// that stayed.
-    read_timeout: std::time::Duration,
-    /// The final charge as at the reset: what stands when the late answer tells nothing (no
-    /// head seen).
+    /// The final charge as when the gateway stopped waiting: what stands when the late answer
+    /// tells nothing (no head seen before `abandon_timeout`).
     at_reset: u64,
+    time: UpstreamTime,
 }
 
 impl LateSettle {
     /// Takes the settling out of `ctx` (whose `logging` then settles nothing, and counts
     /// neither its units nor its stated cost) when its route's charge depends on the answer.
-    pub(super) fn take(shared: &Arc<Shared>, ctx: &mut Ctx, sent: Instant) -> Option<LateSettle> {
+    pub(super) fn take(
+        shared: &Arc<Shared>,
+        ctx: &mut Ctx,
+        sent: Instant,
+        time: UpstreamTime,
+    ) -> Option<LateSettle> {
         let (Phase::Admitted(ticket), Some(route), Some(running), None) =
             (&ctx.phase, &ctx.route, &ctx.running, ctx.settled)
         else {
@@ -51,8 +63,8 @@ impl LateSettle {
             route: route.clone(),
             running: running.clone(),
             sent,
-            read_timeout: ctx.upstream.read_timeout,
             at_reset: f.final_cost(ticket.req.cost, Some(sent.elapsed())),
+            time,
         };
         // The admission's charge stands until then (the access line shows it).
         ctx.settled = Some(ticket.req.cost);
@@ -66,15 +78,15 @@ impl LateSettle {
     }
 
     /// Settles on what the late answer said, as for a client that stayed: its stated cost,
-    /// else its time to the head; an answer later than `read_timeout` as that 504 is (its
-    /// time to the timeout, nothing stated). A late answer whose head was not seen (it broke
-    /// off, or Pingora had read part of it) settles as at the reset. Counts them.
+    /// else its time to the head. A late answer whose head was not seen (it broke off, came
+    /// after `abandon_timeout`, or Pingora had read part of it) settles as when the gateway
+    /// stopped waiting. Counts them.
     pub(super) async fn finish(self, learned: crate::front::Learned) {
         let head = learned
             .head_at
             .map(|at| at.saturating_duration_since(self.sent));
         let (total, report, upstream) = match head {
-            Some(t) if t <= self.read_timeout => {
+            Some(t) => {
                 let report = self.stated_name().map(|name| {
                     let mut h = http::HeaderMap::new();
                     for v in learned.stated {
@@ -82,16 +94,8 @@ impl LateSettle {
                     }
                     Report::read(&h, name, self.route.cost)
                 });
-                let total = match report {
-                    Some(Report::Applied(units)) => units,
-                    _ => self.route.fidelity.final_cost(self.req.cost, Some(t)),
-                };
+                let total = self.route.fidelity.charge(self.req.cost, Some(t), report);
                 (total, report, Some(t))
-            }
-            Some(_) => {
-                let t = self.read_timeout;
-                let total = self.route.fidelity.final_cost(self.req.cost, Some(t));
-                (total, None, Some(t))
             }
             None => (self.at_reset, None, None),
         };
@@ -103,7 +107,7 @@ impl LateSettle {
         if let Some(r) = report {
             rm.cost_report(r);
         }
-        if let Some(t) = upstream {
+        if let (Some(t), UpstreamTime::AtAnswer) = (upstream, self.time) {
             rm.upstream_duration.observe(t.as_secs_f64());
         }
     }

@@ -81,11 +81,14 @@ pub(super) async fn run_claimed(
     }
     if let Some(follow) = follow {
         // The slot follows the late answer (the result is readable meanwhile).
-        follow.until_done().await;
+        let told = follow.until_done(&route, started).await;
         cost = route
             .fidelity
-            .final_cost(admit.cost, Some(started.elapsed()));
+            .charge(admit.cost, Some(told.upstream), told.report);
         shared.store.settle(&admit, Charge::Shared, cost).await;
+        if let Some(r) = told.report {
+            rm.cost_report(r);
+        }
     }
     renew.abort();
     let _ = b.job_release(&label, &id, key.as_ref()).await;
@@ -238,10 +241,7 @@ async fn settle(
             upstream,
             report,
         } => {
-            let total = match report {
-                Some(Report::Applied(units)) => units,
-                _ => billed(upstream),
-            };
+            let total = route.fidelity.charge(admit.cost, Some(upstream), report);
             store.settle(admit, Charge::Shared, total).await;
             let status = stored.status;
             Settled {
