@@ -146,7 +146,7 @@ async fn answer(req: Request<Incoming>, shared: &Shared, auth: Option<&AdminAuth
         }
         "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
         "/readyz" => readyz(shared),
-        "/admin/audit" => match serde_json::to_value(crate::audit::snapshot(&shared.running())) {
+        "/admin/audit" => match crate::audit::instance_view(&shared.running()) {
             Ok(v) => json(StatusCode::OK, v),
             Err(e) => json(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -504,5 +504,28 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
     }
 }
 
+/// `GET /admin/audit`: this instance's view ([`snapshot`], which `tollgate audit` reads and
+/// adds up) with, per route, what the audit finds on this instance's figures alone (DESIGN
+/// §6): `implied_cost`, `flag`, `too_little_traffic` and `worst_case`; and the
+/// `baseline_seconds` they are measured against.
+pub fn instance_view(running: &Running) -> serde_json::Result<serde_json::Value> {
+    let snap = snapshot(running);
+    let found = report(&snap, None);
+    let mut v = serde_json::to_value(&snap)?;
+    if let Some(routes) = v["routes"].as_array_mut() {
+        for r in routes {
+            let Some(f) = found.routes.iter().find(|f| r["route"] == f.route.as_str()) else {
+                continue;
+            };
+            r["implied_cost"] = serde_json::to_value(f.implied_cost)?;
+            r["flag"] = serde_json::to_value(f.flag)?;
+            r["too_little_traffic"] = f.too_little_traffic.into();
+            r["worst_case"] = serde_json::to_value(&f.worst_case)?;
+        }
+    }
+    v["baseline_seconds"] = serde_json::to_value(found.baseline_seconds)?;
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests;

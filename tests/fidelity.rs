@@ -182,6 +182,48 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
     );
 }
 
+/// DESIGN §6: `GET /admin/audit` (one instance's view) has, per route, the implied cost, the
+/// flag and the worst case one key can impose, as `tollgate audit` does for a fleet, on this
+/// instance's figures. (Before, only the raw figures: the findings were the CLI's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_audit_has_the_findings_of_its_instance() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, FLEET_LIMITS);
+    let c = client();
+    for (path, ms) in [("/a", 10), ("/b", 10), ("/slow", 300)] {
+        let rs = all_at_once(20, |_| {
+            c.get(gw.url(&format!("{path}?delay_ms={ms}")))
+                .header("X-API-Key", "k")
+        })
+        .await;
+        assert_eq!(sorted_statuses(&rs), vec![200; 20]);
+    }
+    assert_metric(&gw, "tollgate_cost_units_total{route=\"/slow\"}", 20.0).await;
+    let v = admin_json(&gw, "/admin/audit").await;
+    let baseline = v["baseline_seconds"].as_f64().unwrap();
+    assert!((0.01..0.1).contains(&baseline), "{v}");
+    let routes = v["routes"].as_array().unwrap();
+    let slow = routes.iter().find(|r| r["route"] == "/slow").unwrap();
+    assert_eq!(slow["flag"], "under-priced", "{slow}");
+    assert_eq!(slow["too_little_traffic"], false, "{slow}");
+    let mean = slow["mean_seconds"].as_f64().unwrap();
+    let implied = slow["implied_cost"].as_f64().unwrap();
+    assert!((implied - mean / baseline).abs() < 1e-9, "{slow}");
+    // max_cost / cost × 60 / window_seconds × mean: 10000 / 1 × 60 / 3600 × mean.
+    let worst = &slow["worst_case"][0];
+    assert_eq!(worst["plan"], "default", "{slow}");
+    let want = 10000.0 * 60.0 / 3600.0 * mean;
+    assert!(
+        (worst["backend_seconds_per_minute"].as_f64().unwrap() - want).abs() < 1e-9,
+        "{slow}"
+    );
+    let a = routes.iter().find(|r| r["route"] == "/a").unwrap();
+    assert!(a["flag"].is_null() && a["implied_cost"].is_number(), "{a}");
+    // `tollgate audit` still reads it.
+    let (out, code) = audit(&["--admin", &gw.admin(""), "--format", "json"]);
+    assert_eq!(code, 0, "{out}");
+}
+
 /// `mode: shadow`: a request the budget would refuse is forwarded uncharged, counted with its
 /// reason, and described by the headers as if refused; a full cap is counted, not waited on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
