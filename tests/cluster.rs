@@ -509,6 +509,76 @@ async fn a_sentinel_failover_is_followed() {
     }
 }
 
+/// After a Sentinel failover the gateway's subscriptions (its waiters' grants, refunds
+/// heard by the deny cache) move to the new primary as soon as the Sentinels name it: the
+/// demoted one stays up and keeps them open, but publishes nothing the new one is sent.
+/// Before, they stayed on it until it was made a replica (about 10 s): waiters were woken
+/// only by their heartbeat meanwhile, and refunds made elsewhere went unheard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn subscriptions_follow_a_sentinel_failover() {
+    let set = SentinelSet::start();
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    /cap: {cost: 1, max_in_flight: 1, queue_timeout: 10s}\n";
+    let gw = Gateway::start(&up, &store_body(&set.url(), "local", 1, limits));
+    set.wait_watchers(1).await;
+    let c = client();
+    // A waiter: the instance subscribes to its grants.
+    let rs = all_at_once(2, |_| {
+        c.get(gw.url("/cap?delay_ms=300")).header("X-API-Key", "k")
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), vec![200, 200]);
+    let channels = |r: &Redis| -> Vec<String> {
+        let mut v: Vec<String> = r
+            .cli(&["PUBSUB", "CHANNELS", "tollgate*"])
+            .lines()
+            .map(str::to_string)
+            .filter(|l| !l.is_empty())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = eventually(Duration::from_secs(5), async || {
+        let v = channels(&set.primary);
+        match v.len() >= 2 {
+            true => Ok(v),
+            false => Err(format!("subscribed to {v:?}")),
+        }
+    })
+    .await;
+    assert!(
+        before.iter().any(|ch| ch == "tollgate:given-back"),
+        "{before:?}"
+    );
+    assert!(
+        before.iter().any(|ch| ch.starts_with("tollgate:q:")),
+        "{before:?}"
+    );
+
+    assert_eq!(
+        set.sentinel.cli(&["SENTINEL", "FAILOVER", "tollgate"]),
+        "OK"
+    );
+    let asked = Instant::now();
+    while set.current_primary() != set.replica.port {
+        assert!(asked.elapsed() < Duration::from_secs(20), "no failover");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let switched = Instant::now();
+    loop {
+        if channels(&set.replica) == before {
+            break;
+        }
+        assert!(
+            switched.elapsed() < Duration::from_secs(3),
+            "on the new primary: {:?}, on the old one: {:?}",
+            channels(&set.replica),
+            channels(&set.primary)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Sends `key`'s requests to `path`, round robin over `gws`, from `tasks` tasks, until
 /// `stop`.
 fn steady(

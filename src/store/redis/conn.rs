@@ -425,16 +425,69 @@ pub(super) async fn subscribed(
 ) {
     use futures_util::StreamExt;
     while store.strong_count() > 0 {
+        // The primary the Sentinels name now: a subscription made before they named another
+        // is made again on it. The demoted one publishes nothing the new one is sent, and it
+        // stays up (as a replica, seconds later) so its connection does not break.
+        let primary = Primary::now(&store);
         if let Some(mut ps) = subscribe(&store, &channel).await {
             let mut messages = ps.on_message();
-            while let Some(msg) = messages.next().await {
+            let mut check = primary.checks();
+            loop {
+                let msg = tokio::select! {
+                    msg = messages.next() => msg,
+                    _ = check.tick(), if primary.named() => {
+                        if primary.changed(&store) { break }
+                        continue;
+                    }
+                };
+                let Some(msg) = msg else { break };
                 let Some(s) = store.upgrade() else { return };
                 if let Ok(m) = msg.get_payload::<String>() {
                     heard(&s, m.as_str());
                 }
             }
+            if primary.changed(&store) {
+                // A new primary: subscribe on it at once.
+                continue;
+            }
         }
         tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
+    }
+}
+
+/// The primary a subscription was made on, when the Sentinels name it: the demoted one
+/// publishes nothing the new one is sent, and stays up (a replica seconds later), so its
+/// subscriptions do not break; one made before the Sentinels named another is made again.
+pub(super) struct Primary(Option<u64>);
+
+/// How often a subscription on a Sentinel-named primary checks that it is still the one.
+const PRIMARY_CHECK_EVERY: Duration = Duration::from_millis(100);
+
+impl Primary {
+    /// Taken before subscribing: a switch while the subscription is made counts.
+    pub(super) fn now(store: &Weak<RedisBackend>) -> Primary {
+        Primary(store.upgrade().and_then(|s| {
+            let generation = s.conns.generation();
+            s.conns.watch.is_some().then_some(generation)
+        }))
+    }
+
+    /// Whether there is a primary to check (Sentinel).
+    pub(super) fn named(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Ticks every [`PRIMARY_CHECK_EVERY`], to select on while [`Primary::named`].
+    pub(super) fn checks(&self) -> tokio::time::Interval {
+        let mut check = tokio::time::interval(PRIMARY_CHECK_EVERY);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        check
+    }
+
+    /// The Sentinels named another primary since (or the store is gone).
+    pub(super) fn changed(&self, store: &Weak<RedisBackend>) -> bool {
+        self.0
+            .is_some_and(|g| store.upgrade().is_none_or(|s| s.conns.generation() != g))
     }
 }
 

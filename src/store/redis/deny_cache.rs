@@ -205,8 +205,9 @@ async fn listen(store: Weak<RedisBackend>) {
         let Some(beat) = store.upgrade().map(|s| format!("beat:{}", s.instance)) else {
             return;
         };
+        let primary = super::conn::Primary::now(&store);
         if let Some(ps) = super::conn::subscribe(&store, GIVEN_BACK).await {
-            hear(&store, ps, beat).await;
+            hear(&store, ps, beat, &primary).await;
         }
         let Some(s) = store.upgrade() else { return };
         s.deny.linked(false);
@@ -219,10 +220,16 @@ async fn listen(store: Weak<RedisBackend>) {
 /// heartbeat (published on the connection its calls use, so a beat heard proves that what
 /// Redis publishes reaches this subscription). The cache keeps refusals from the first beat
 /// heard.
-async fn hear(store: &Weak<RedisBackend>, mut ps: redis::aio::PubSub, beat: String) {
+async fn hear(
+    store: &Weak<RedisBackend>,
+    mut ps: redis::aio::PubSub,
+    beat: String,
+    primary: &super::conn::Primary,
+) {
     use futures_util::StreamExt;
     let mut messages = ps.on_message();
     let mut tick = tokio::time::interval(BEAT_EVERY);
+    let mut check = primary.checks();
     let (mut heard_beat, mut live) = (Instant::now(), false);
     loop {
         tokio::select! {
@@ -237,6 +244,12 @@ async fn hear(store: &Weak<RedisBackend>, mut ps: redis::aio::PubSub, beat: Stri
                     }
                 } else {
                     s.deny.heard(&m);
+                }
+            }
+            // Subscribed on a demoted primary: deaf to what the new one is sent.
+            _ = check.tick(), if primary.named() => {
+                if primary.changed(store) {
+                    return;
                 }
             }
             _ = tick.tick() => {
