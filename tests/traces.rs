@@ -204,6 +204,26 @@ async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
         server.attr("http.request.method_original").as_deref(),
         Some("FROB")
     );
+
+    // A sampled parent whose flags also carry Level 2's `random` bit (`03`, as newer SDKs
+    // send) is a sampled parent: followed, its tracestate passed on. (Before, the SDK's
+    // propagator refused flags above 02, and a new, unsampled trace began.)
+    let random = "66666666666666666666666666666666";
+    let r = c
+        .get(gw.url("/items/4"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "random-flag")
+        .header("traceparent", format!("00-{random}-{CLIENT_PARENT}-03"))
+        .header("tracestate", "vendor=kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "random-flag");
+    let (trace, _, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!((trace.as_str(), flags.as_str()), (random, "01"));
+    assert_eq!(seen.header("tracestate"), vec!["vendor=kept"]);
+    collector.wait_trace(random, &["GET default"]).await;
 }
 
 /// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its

@@ -54,19 +54,55 @@ pub struct Finished<'a> {
 
 /// A request's headers as the propagator reads them. A repeated `traceparent` is invalid
 /// (W3C trace context §3.2): none is read then; repeated `tracestate`s are one list.
-struct Headers<'a>(&'a HeaderMap);
+struct Headers<'a> {
+    map: &'a HeaderMap,
+    /// The `traceparent` with flags the propagator does not know cleared (below).
+    traceparent: Option<String>,
+}
+
+impl<'a> Headers<'a> {
+    fn of(map: &'a HeaderMap) -> Headers<'a> {
+        let traceparent = one(map, TRACEPARENT.as_str()).and_then(known_flags_only);
+        Headers { map, traceparent }
+    }
+}
+
+/// The header's value when it is there once.
+fn one<'m>(map: &'m HeaderMap, key: &str) -> Option<&'m str> {
+    let mut all = map.get_all(key).iter();
+    match (all.next(), all.next()) {
+        (Some(v), None) => v.to_str().ok(),
+        _ => None,
+    }
+}
+
+/// A version-00 `traceparent` whose flags carry bits beside `sampled` (Level 2's `random`,
+/// 0x02, set by newer SDKs beside it: `03`), with only `sampled` kept: the SDK's propagator
+/// refuses flags above 02, and would start a new trace under a sampled parent (DESIGN §9: a
+/// sampled parent is always followed). `None` when it needs no change (or is not version 00).
+fn known_flags_only(v: &str) -> Option<String> {
+    let v = v.trim();
+    let (head, flags) = v.rsplit_once('-')?;
+    if !v.starts_with("00-") || flags.len() != 2 {
+        return None;
+    }
+    let f = u8::from_str_radix(flags, 16).ok()?;
+    (f > 1 && !flags.bytes().any(|b| b.is_ascii_uppercase()))
+        .then(|| format!("{head}-{:02x}", f & 1))
+}
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        let mut all = self.0.get_all(key).iter();
-        match (all.next(), all.next()) {
-            (Some(v), None) => v.to_str().ok(),
-            _ => None,
+        if key == TRACEPARENT.as_str() {
+            if let Some(t) = &self.traceparent {
+                return Some(t);
+            }
         }
+        one(self.map, key)
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(|k| k.as_str()).collect()
+        self.map.keys().map(|k| k.as_str()).collect()
     }
 }
 
@@ -75,7 +111,7 @@ impl Tracing {
     /// valid one, else the root of a new trace.
     pub fn begin(&self, headers: &HeaderMap) -> Box<RequestTrace> {
         let began = (SystemTime::now(), Instant::now());
-        let parent = self.propagator.extract(&Headers(headers));
+        let parent = self.propagator.extract(&Headers::of(headers));
         let continued = parent.span().span_context().is_valid();
         let span = self
             .tracer
@@ -239,7 +275,7 @@ impl Tracing {
         request: &RequestHeader,
         queued: Duration,
     ) -> JobTrace {
-        let parent = self.propagator.extract(&Headers(&request.headers));
+        let parent = self.propagator.extract(&Headers::of(&request.headers));
         let continued = parent.span().span_context().is_valid();
         let now = SystemTime::now();
         let waited_from = now.checked_sub(queued).unwrap_or(now);
