@@ -511,10 +511,12 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
 pub fn instance_view(running: &Running) -> serde_json::Result<serde_json::Value> {
     let snap = snapshot(running);
     let found = report(&snap, None);
+    let by_route: std::collections::HashMap<&str, &Finding> =
+        found.routes.iter().map(|f| (f.route.as_str(), f)).collect();
     let mut v = serde_json::to_value(&snap)?;
     if let Some(routes) = v["routes"].as_array_mut() {
         for r in routes {
-            let Some(f) = found.routes.iter().find(|f| r["route"] == f.route.as_str()) else {
+            let Some(f) = r["route"].as_str().and_then(|l| by_route.get(l).copied()) else {
                 continue;
             };
             r["implied_cost"] = serde_json::to_value(f.implied_cost)?;

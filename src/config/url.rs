@@ -222,9 +222,11 @@ pub fn parse_redis_target(url: &str) -> Result<RedisTarget, StoreUrlError> {
         Some(at) => (&authority[..at + 1], &authority[at + 1..]),
         None => ("", authority),
     };
-    if userinfo[..userinfo.len().saturating_sub(1)].contains('@') {
+    let inner = &userinfo[..userinfo.len().saturating_sub(1)];
+    if inner.find('@').is_some_and(|at| inner[at..].contains(',')) {
         // `:pw1@h1,:pw2@h2`: one host's credentials each is not a form the URL has (the
-        // first host would be taken as part of the password).
+        // first host would be taken as part of the password). A raw '@' in a password
+        // without a host list after it (`:p@ss@h1,h2`) is read as before: up to the last '@'.
         return Err(E::Unusable {
             why: "give the credentials once, before every host (user:password@h1,h2; an '@' in a password is written %40)".into(),
             shown,

@@ -277,7 +277,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             );
             // The slot follows the upstream's late answer, as for a synchronous request; a
             // `cost_per_second` route bills the time the upstream worked.
-            let told = follow.until_done(&t.route, started).await;
+            let told = follow.until_done(&t.route, started, upstream).await;
             ended.cost = settle(t, told.upstream, told.report).await;
             return ended;
         }

@@ -74,15 +74,21 @@ pub(super) struct Follow {
 /// What a followed late answer tells of its job's charge, as for a synchronous 504's
 /// (`proxy/late.rs`): the upstream's time to the answer's head, and the cost it stated.
 pub(super) struct LateTold {
-    /// To the head; to the end of the following when no head came (it broke off, or came
-    /// after `abandon_timeout`).
+    /// To the head; to the timeout when no head came (it broke off, or came after
+    /// `abandon_timeout`), as for a synchronous 504.
     pub upstream: Duration,
     pub report: Option<Report>,
 }
 
 impl Follow {
-    /// Follows the late answer to its end; `sent`: when the job went to the upstream.
-    pub(super) async fn until_done(mut self, route: &Route, sent: Instant) -> LateTold {
+    /// Follows the late answer to its end; `sent`: when the job went to the upstream,
+    /// `timed_out`: its time at the timeout.
+    pub(super) async fn until_done(
+        mut self,
+        route: &Route,
+        sent: Instant,
+        timed_out: Duration,
+    ) -> LateTold {
         let s = &mut self.session;
         let mut head_at = None;
         let read = async {
@@ -103,9 +109,7 @@ impl Follow {
             _ => None,
         };
         LateTold {
-            upstream: head_at
-                .unwrap_or_else(Instant::now)
-                .saturating_duration_since(sent),
+            upstream: head_at.map_or(timed_out, |at| at.saturating_duration_since(sent)),
             report,
         }
     }

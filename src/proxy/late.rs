@@ -66,8 +66,9 @@ impl LateSettle {
             at_reset: f.final_cost(ticket.req.cost, Some(sent.elapsed())),
             time,
         };
-        // The admission's charge stands until then (the access line shows it).
-        ctx.settled = Some(ticket.req.cost);
+        // The admission's charge stands in the store until then; the access line, written
+        // now, shows the charge as it would stand without the late answer (its time so far).
+        ctx.settled = Some(late.at_reset);
         ctx.settles_late = true;
         Some(late)
     }

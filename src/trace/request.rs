@@ -83,12 +83,13 @@ fn one<'m>(map: &'m HeaderMap, key: &str) -> Option<&'m str> {
 fn known_flags_only(v: &str) -> Option<String> {
     let v = v.trim();
     let (head, flags) = v.rsplit_once('-')?;
-    if !v.starts_with("00-") || flags.len() != 2 {
+    // Two lower-case hex digits, as the header must have (`from_str_radix` takes a '+').
+    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    if !v.starts_with("00-") || flags.len() != 2 || !flags.bytes().all(hex) {
         return None;
     }
     let f = u8::from_str_radix(flags, 16).ok()?;
-    (f > 1 && !flags.bytes().any(|b| b.is_ascii_uppercase()))
-        .then(|| format!("{head}-{:02x}", f & 1))
+    (f > 1).then(|| format!("{head}-{:02x}", f & 1))
 }
 
 impl Extractor for Headers<'_> {
@@ -436,5 +437,29 @@ mod tests {
             "POST /reports/generate"
         );
         assert_eq!(super::span_name("BREW", "default"), "HTTP default");
+    }
+
+    /// Flags beside `sampled` are cleared for the propagator; a malformed header is left for
+    /// it to refuse.
+    #[test]
+    fn only_the_sampled_flag_reaches_the_propagator() {
+        let t = |flags: &str| {
+            super::known_flags_only(&format!(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}"
+            ))
+        };
+        let with = |flags: &str| {
+            Some(format!(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}"
+            ))
+        };
+        assert_eq!(t("03"), with("01"));
+        assert_eq!(t("02"), with("00"));
+        assert_eq!(t("ff"), with("01"));
+        for unchanged in ["00", "01", "+3", "0A", "3", "003"] {
+            assert_eq!(t(unchanged), None, "{unchanged}");
+        }
+        let v1 = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03";
+        assert_eq!(super::known_flags_only(v1), None);
     }
 }

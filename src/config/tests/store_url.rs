@@ -179,4 +179,7 @@ fn credentials_per_host_are_refused() {
         assert!(!e.contains("pw1") && !e.contains("u:a@"), "{e}");
     }
     assert!(parse(&with_redis("redis+cluster://:p%40w@h1:1,h2:2")).is_ok());
+    // A raw '@' in the credentials, with no host list inside them, is read up to the last '@'.
+    assert!(parse(&with_redis("redis+cluster://:p@ss@h1:1,h2:2")).is_ok());
+    assert!(parse(&with_redis("redis+cluster://me@corp.com:pw@h1:1,h2:2")).is_ok());
 }

@@ -81,7 +81,9 @@ pub(super) async fn run_claimed(
     }
     if let Some(follow) = follow {
         // The slot follows the late answer (the result is readable meanwhile).
-        let told = follow.until_done(&route, started).await;
+        let told = (follow)
+            .until_done(&route, started, upstream.unwrap_or_default())
+            .await;
         cost = route
             .fidelity
             .charge(admit.cost, Some(told.upstream), told.report);

@@ -134,9 +134,11 @@ local function turn(key)
   redis.call('HSET', state, 'e:' .. key, string.format('%016d', seq))
 end
 
+-- `running` counts them all (every lease the state names, `l:<id>`), for `purge`.
 local function add_running(key, n)
   local r = redis.call('HINCRBY', state, 'r:' .. key, n)
   if r <= 0 then redis.call('HDEL', state, 'r:' .. key) end
+  if redis.call('HINCRBY', state, 'running', n) <= 0 then redis.call('HDEL', state, 'running') end
 end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
@@ -305,19 +307,21 @@ end
 -- live one learns from its next beat that they are gone, and queues them again).
 --
 -- The lease set expires a second after its last lease does (`keep`, `lease`), and the state
--- outlives it: when the set is gone, every lease the state still names (`l:<id>`) lapsed
--- with it (a dead instance's), and goes the same way, or its key would count as running.
+-- outlives it: when the set is gone while the state still names leases (`running` > 0; a
+-- dead instance's), they lapsed with it and go the same way, or their keys would count as
+-- running. (Gone with no lease named is the idle route's state: nothing to read.)
 local function purge()
   local lapsed
   if redis.call('EXISTS', leases) == 1 then
     lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-  else
+  elseif num('running') > 0 then
     lapsed = {}
-    local fields = redis.call('HKEYS', state)
-    for _, f in ipairs(fields) do
+    for _, f in ipairs(redis.call('HKEYS', state)) do
       local id = string.match(f, '^l:(.+)$')
       if id then lapsed[#lapsed + 1] = id end
     end
+  else
+    return
   end
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)

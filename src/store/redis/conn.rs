@@ -212,7 +212,7 @@ pub(super) struct Connections {
     /// Sentinel: what the watcher knows of the primary (a failover under way, a new one).
     watch: Option<Arc<Watch>>,
     /// The Redis process's `run_id` (each Cluster primary's), read on every new connection.
-    pub(super) run_id: RunId,
+    pub(super) run_id: Arc<RunId>,
     config: AsyncConnectionConfig,
     /// Bound on making a connection: `max(store.timeout, 100ms)`, since a TCP (and TLS)
     /// handshake needs more than a call.
@@ -242,7 +242,7 @@ impl Connections {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             target,
             watch,
-            run_id: RunId::default(),
+            run_id: Arc::default(),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(Some(response_timeout)),
@@ -330,8 +330,11 @@ impl Connections {
                 Conn::Node(conn)
             }
             Target::Cluster(client, _) => {
-                let mut conn = client.get_async_connection().await?;
-                self.run_id.read(&mut conn).await;
+                let conn = client.get_async_connection().await?;
+                // Its primaries' `run_id`s beside it: a read of every primary on the way to
+                // the connection would delay it (and fails whole while one is down).
+                let (mut read_on, ids) = (conn.clone(), self.run_id.clone());
+                tokio::spawn(async move { ids.read(&mut read_on).await });
                 Conn::Cluster(conn)
             }
             Target::Sentinel { .. } => {
@@ -380,7 +383,20 @@ impl Connections {
                     redis::RedisError::from((redis::ErrorKind::Io, "no cluster node answered"))
                 }))
             }
-            Target::Sentinel { .. } => primary_client(target).await?.get_async_pubsub().await,
+            Target::Sentinel { .. } => {
+                // Only on the primary the watcher knows: while a failover ends, the client's
+                // Sentinel may still name the old one (see `Watch::admits`).
+                let client = primary_client(target).await?;
+                let addr = address(client.get_connection_info());
+                if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
+                    return Err(redis::RedisError::from((
+                        redis::ErrorKind::Client,
+                        "the Sentinels have not settled on a primary yet (a failover is ending)",
+                        addr,
+                    )));
+                }
+                client.get_async_pubsub().await
+            }
         }
     }
 

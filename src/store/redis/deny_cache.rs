@@ -212,7 +212,10 @@ async fn listen(store: Weak<RedisBackend>) {
         let Some(s) = store.upgrade() else { return };
         s.deny.linked(false);
         drop(s);
-        tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
+        if !primary.changed(&store) {
+            // (A new primary is subscribed on at once.)
+            tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
+        }
     }
 }
 

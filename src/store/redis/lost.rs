@@ -2,8 +2,11 @@
 //! FLUSHALL): the leases every instance holds are gone with it, and their slots look free.
 //! A new Redis process has a new `run_id`. Each instance reads it on every new connection
 //! and, while it holds leases, every [`CHECK_EVERY`]; on Cluster, each primary's, by its
-//! address (a primary restarted empty at its address; a replica promoted in its place has
-//! another address, and its data if it was in sync). On a new one:
+//! address (a primary restarted empty at its address; a replica promoted
+//! in its place has another address, and its data if it was in sync; a synced replica
+//! promoted back at its old address is taken for one that lost its data: its leases are
+//! registered again, and requests that take a slot wait [`SETTLE_FOR`], needlessly). On a
+//! new one:
 //!
 //! - an instance registers every lease it holds again before its next admission (a renewal
 //!   re-creates a missing lease, `lua/store/lease.lua`), at once and bypassing the breaker;
@@ -188,7 +191,9 @@ async fn check_while_leased(store: Weak<RedisBackend>) {
             Err(_) => None,
         };
         if read.is_none() {
-            // A connection that broke (Redis restarted) is made again on the next look.
+            // A connection that broke (Redis restarted) is made again on the next look. (On
+            // Cluster too: a read fails whole while one primary is down, and the connection
+            // made anew is what reaches it once it is back.)
             s.conns.forget();
         }
         let ids = &s.conns.run_id;
