@@ -116,13 +116,19 @@ async fn a_504s_charge_is_settled_on_the_late_answer() {
     assert_eq!(remaining(&gw, "a").await, 1000 - cps);
     assert_metric(&gw, r#"tollgate_cost_units_total{route="/cfr"}"#, 60.0).await;
     assert_eq!(remaining(&gw, "b").await, 940);
-    // The 504's upstream time is counted once, to the timeout.
+    // The 504's upstream time is observed once, as it was billed: to the late answer's head.
     assert_metric(
         &gw,
         r#"tollgate_upstream_duration_seconds_count{route="/cps"}"#,
         1.0,
     )
     .await;
+    let sum = metric(
+        &gw,
+        r#"tollgate_upstream_duration_seconds_sum{route="/cps"}"#,
+    )
+    .await;
+    assert!((3.0..6.0).contains(&sum), "{sum}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

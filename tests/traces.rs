@@ -224,6 +224,25 @@ async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
     assert_eq!((trace.as_str(), flags.as_str()), (random, "01"));
     assert_eq!(seen.header("tracestate"), vec!["vendor=kept"]);
     collector.wait_trace(random, &["GET default"]).await;
+
+    // A malformed one (a sign in the flags, which the SDK's parser takes) is no parent: a new
+    // trace, unsampled at this ratio, its tracestate dropped.
+    let bad = "77777777777777777777777777777777";
+    let r = c
+        .get(gw.url("/items/5"))
+        .header("X-API-Key", KEY)
+        .header("X-Request-Id", "malformed")
+        .header("traceparent", format!("00-{bad}-{CLIENT_PARENT}-+1"))
+        .header("tracestate", "vendor=dropped")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = seen_by_upstream(&up, "malformed");
+    let (trace, _, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_ne!(trace, bad);
+    assert_eq!(flags, "00");
+    assert!(seen.header("tracestate").is_empty(), "{:?}", seen.headers);
 }
 
 /// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its

@@ -266,10 +266,9 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         }
         Sent::TimedOut(follow) => {
             ended.status = 504;
-            // Its upstream time is a synchronous 504's: until the timeout.
+            // Its end line's upstream time is a synchronous 504's: until the timeout.
             let upstream = started.elapsed();
             ended.upstream = Some(upstream);
-            rm.upstream_duration.observe(upstream.as_secs_f64());
             let detail = "the upstream did not answer within read_timeout; it had the request, so the charge stands";
             ended.kept = t.job.finish(
                 problem_result(Problem::GatewayTimeout, detail),
@@ -277,7 +276,9 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
             );
             // The slot follows the upstream's late answer, as for a synchronous request; a
             // `cost_per_second` route bills the time the upstream worked.
+            // (Its upstream time is observed as it is billed: to the late answer's head.)
             let told = follow.until_done(&t.route, started, upstream).await;
+            rm.upstream_duration.observe(told.upstream.as_secs_f64());
             ended.cost = settle(t, told.upstream, told.report).await;
             return ended;
         }

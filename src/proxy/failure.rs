@@ -111,9 +111,7 @@ impl Gateway {
             // upstream worked; `cost_from_response`: what the late answer states).
             if ctx.upstream.whole_request {
                 let head = session.req_header().method == http::Method::HEAD;
-                // (The 504's upstream time, to the timeout, is counted with its request.)
-                let time = Some(super::late::UpstreamTime::Counted);
-                self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, time);
+                self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
             }
         } else if how == UpstreamFailure::Unreachable {
             // The upstream never received the request: refund, before answering, so that the

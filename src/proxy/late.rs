@@ -15,14 +15,6 @@ use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::{AdmitRequest, Charge, Store};
 
-/// Whether the request's upstream time is in the metrics already (a 504's, to the timeout,
-/// counted with its request) or is counted when the late answer's head comes (a reset's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum UpstreamTime {
-    Counted,
-    AtAnswer,
-}
-
 /// What settling the request needs once its late answer's head came.
 pub(super) struct LateSettle {
     store: Store,
@@ -32,21 +24,17 @@ pub(super) struct LateSettle {
     running: Arc<Running>,
     /// When the request went to the upstream: its time runs from there.
     sent: Instant,
-    /// The final charge as when the gateway stopped waiting: what stands when the late answer
-    /// tells nothing (no head seen before `abandon_timeout`).
+    /// The upstream's time when the gateway stopped waiting, and the final charge then: what
+    /// stands when the late answer tells nothing (no head seen before `abandon_timeout`).
+    stopped: std::time::Duration,
     at_reset: u64,
-    time: UpstreamTime,
 }
 
 impl LateSettle {
     /// Takes the settling out of `ctx` (whose `logging` then settles nothing, and counts
-    /// neither its units nor its stated cost) when its route's charge depends on the answer.
-    pub(super) fn take(
-        shared: &Arc<Shared>,
-        ctx: &mut Ctx,
-        sent: Instant,
-        time: UpstreamTime,
-    ) -> Option<LateSettle> {
+    /// neither its units, its stated cost nor its upstream time) when its route's charge
+    /// depends on the answer.
+    pub(super) fn take(shared: &Arc<Shared>, ctx: &mut Ctx, sent: Instant) -> Option<LateSettle> {
         let (Phase::Admitted(ticket), Some(route), Some(running), None) =
             (&ctx.phase, &ctx.route, &ctx.running, ctx.settled)
         else {
@@ -63,8 +51,8 @@ impl LateSettle {
             route: route.clone(),
             running: running.clone(),
             sent,
+            stopped: sent.elapsed(),
             at_reset: f.final_cost(ticket.req.cost, Some(sent.elapsed())),
-            time,
         };
         // The admission's charge stands in the store until then; the access line, written
         // now, shows the charge as it would stand without the late answer (its time so far).
@@ -81,7 +69,7 @@ impl LateSettle {
     /// Settles on what the late answer said, as for a client that stayed: its stated cost,
     /// else its time to the head. A late answer whose head was not seen (it broke off, came
     /// after `abandon_timeout`, or Pingora had read part of it) settles as when the gateway
-    /// stopped waiting. Counts them.
+    /// stopped waiting. Counts them, and the upstream time billed (DESIGN §6: the audit's).
     pub(super) async fn finish(self, learned: crate::front::Learned) {
         let head = learned
             .head_at
@@ -96,9 +84,9 @@ impl LateSettle {
                     Report::read(&h, name, self.route.cost)
                 });
                 let total = self.route.fidelity.charge(self.req.cost, Some(t), report);
-                (total, report, Some(t))
+                (total, report, t)
             }
-            None => (self.at_reset, None, None),
+            None => (self.at_reset, None, self.stopped),
         };
         self.store.settle(&self.req, self.charge, total).await;
         let rm = self.running.metrics.get(&self.route);
@@ -108,8 +96,6 @@ impl LateSettle {
         if let Some(r) = report {
             rm.cost_report(r);
         }
-        if let (Some(t), UpstreamTime::AtAnswer) = (upstream, self.time) {
-            rm.upstream_duration.observe(t.as_secs_f64());
-        }
+        rm.upstream_duration.observe(upstream.as_secs_f64());
     }
 }

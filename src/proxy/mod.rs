@@ -100,18 +100,15 @@ impl Gateway {
     /// `abandon_timeout` after the request was sent. Without a duplicate (an uncapped route)
     /// the slot, if any, is freed in `logging` as usual.
     /// With `settle`, a charge that depends on the answer is settled on it (`late.rs`).
-    fn follow_late_answer(
-        &self,
-        ctx: &mut Ctx,
-        answer: front::LateAnswer,
-        settle: Option<late::UpstreamTime>,
-    ) {
+    fn follow_late_answer(&self, ctx: &mut Ctx, answer: front::LateAnswer, settle: bool) {
         let Some(dup) = ctx.upstream.dup.take() else {
             return;
         };
         let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
         let deadline = sent + ctx.upstream.abandon_after;
-        let settle = settle.and_then(|time| late::LateSettle::take(&self.shared, ctx, sent, time));
+        let settle = settle
+            .then(|| late::LateSettle::take(&self.shared, ctx, sent))
+            .flatten();
         if let Some(slot) = ctx.detach_slot() {
             // A shutdown waits for the settling as for a request.
             let drain = self.shared.drain.enter();
@@ -168,12 +165,11 @@ impl Gateway {
                     // and the request's charge is settled on it (its stated cost, its time)
                     // as if its client had stayed (DESIGN §3: the charge follows the upstream).
                     let head = session.req_header().method == http::Method::HEAD;
-                    let time = Some(late::UpstreamTime::AtAnswer);
-                    self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, time);
+                    self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
                 } else {
                     // Part of the answer was read (its head, settled on): its request went
                     // with `Connection: close`, so it ends with the connection.
-                    self.follow_late_answer(ctx, front::LateAnswer::UntilClose, None);
+                    self.follow_late_answer(ctx, front::LateAnswer::UntilClose, false);
                 }
             }
         }

@@ -19,7 +19,8 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
         rm.admitted_duration.observe(elapsed.as_secs_f64());
         rm.overhead.observe(ctx.overhead().as_secs_f64());
     }
-    if let Some(u) = ctx.timing.upstream {
+    // (One settled on its late answer is observed then, at the time it is billed.)
+    if let (Some(u), false) = (ctx.timing.upstream, ctx.settles_late) {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
     // A job's units are counted when it ends (the charge may be refunded or settled), and so

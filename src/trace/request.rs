@@ -56,13 +56,14 @@ pub struct Finished<'a> {
 /// (W3C trace context §3.2): none is read then; repeated `tracestate`s are one list.
 struct Headers<'a> {
     map: &'a HeaderMap,
-    /// The `traceparent` with flags the propagator does not know cleared (below).
+    /// The `traceparent` the propagator reads: none when it is not well formed (below), with
+    /// only the `sampled` flag kept.
     traceparent: Option<String>,
 }
 
 impl<'a> Headers<'a> {
     fn of(map: &'a HeaderMap) -> Headers<'a> {
-        let traceparent = one(map, TRACEPARENT.as_str()).and_then(known_flags_only);
+        let traceparent = one(map, TRACEPARENT.as_str()).and_then(well_formed);
         Headers { map, traceparent }
     }
 }
@@ -76,28 +77,37 @@ fn one<'m>(map: &'m HeaderMap, key: &str) -> Option<&'m str> {
     }
 }
 
-/// A version-00 `traceparent` whose flags carry bits beside `sampled` (Level 2's `random`,
-/// 0x02, set by newer SDKs beside it: `03`), with only `sampled` kept: the SDK's propagator
-/// refuses flags above 02, and would start a new trace under a sampled parent (DESIGN §9: a
-/// sampled parent is always followed). `None` when it needs no change (or is not version 00).
-fn known_flags_only(v: &str) -> Option<String> {
+/// A `traceparent` as W3C trace context §3.2 has it — `version-trace_id-parent_id-flags`, two,
+/// 32, 16 and two lower-case hex digits (after version 00 nothing more; a later version may
+/// add `-…` fields, read as 00), version `ff` invalid — as version 00 with only the `sampled`
+/// flag kept; `None` when it is not one (a new trace begins, its `tracestate` dropped). The
+/// SDK's propagator is laxer (`+1`, `1`, a 31-digit id, a trailing `-` pass; `from_str_radix`
+/// takes a sign) and stricter (flags above 02 fail: Level 2's `random` bit, 0x02, set by newer
+/// SDKs beside `sampled`, would start a new trace under a sampled parent; DESIGN §9).
+fn well_formed(v: &str) -> Option<String> {
     let v = v.trim();
-    let (head, flags) = v.rsplit_once('-')?;
-    // Two lower-case hex digits, as the header must have (`from_str_radix` takes a '+').
-    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
-    if !v.starts_with("00-") || flags.len() != 2 || !flags.bytes().all(hex) {
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut parts = v.splitn(5, '-');
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let rest = parts.next();
+    let fields_ok = hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2);
+    let later = version != "00" && version != "ff";
+    if !fields_ok || (rest.is_some() && !later) || version == "ff" {
         return None;
     }
     let f = u8::from_str_radix(flags, 16).ok()?;
-    (f > 1).then(|| format!("{head}-{:02x}", f & 1))
+    Some(format!("00-{trace}-{parent}-{:02x}", f & 1))
 }
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         if key == TRACEPARENT.as_str() {
-            if let Some(t) = &self.traceparent {
-                return Some(t);
-            }
+            return self.traceparent.as_deref();
         }
         one(self.map, key)
     }
@@ -439,27 +449,39 @@ mod tests {
         assert_eq!(super::span_name("BREW", "default"), "HTTP default");
     }
 
-    /// Flags beside `sampled` are cleared for the propagator; a malformed header is left for
-    /// it to refuse.
+    /// What the propagator reads of a `traceparent`: version 00 with only the `sampled` flag,
+    /// or nothing when it is malformed.
     #[test]
-    fn only_the_sampled_flag_reaches_the_propagator() {
-        let t = |flags: &str| {
-            super::known_flags_only(&format!(
-                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}"
-            ))
-        };
-        let with = |flags: &str| {
-            Some(format!(
-                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}"
-            ))
-        };
-        assert_eq!(t("03"), with("01"));
-        assert_eq!(t("02"), with("00"));
-        assert_eq!(t("ff"), with("01"));
-        for unchanged in ["00", "01", "+3", "0A", "3", "003"] {
-            assert_eq!(t(unchanged), None, "{unchanged}");
+    fn a_traceparent_is_read_as_w3c_has_it() {
+        const T: &str = "0af7651916cd43dd8448eb211c80319c";
+        const S: &str = "b7ad6b7169203331";
+        let read = |v: &str| super::well_formed(v);
+        let as_00 = |flags: &str| Some(format!("00-{T}-{S}-{flags}"));
+        assert_eq!(read(&format!("00-{T}-{S}-01")), as_00("01"));
+        assert_eq!(read(&format!("00-{T}-{S}-00")), as_00("00"));
+        assert_eq!(read(&format!("00-{T}-{S}-03")), as_00("01"));
+        assert_eq!(read(&format!("00-{T}-{S}-02")), as_00("00"));
+        assert_eq!(read(&format!("00-{T}-{S}-ff")), as_00("01"));
+        // A later version: its first four fields, whatever follows.
+        assert_eq!(read(&format!("01-{T}-{S}-01-more")), as_00("01"));
+        assert_eq!(read(&format!("1f-{T}-{S}-01")), as_00("01"));
+        for bad in [
+            format!("00-{T}-{S}-+1"),
+            format!("00-{T}-{S}-1"),
+            format!("00-{T}-{S}-001"),
+            format!("00-{T}-{S}-0A"),
+            format!("00-{T}-{S}-01-"),
+            format!("00-{T}-{S}-01-extra"),
+            format!("00-{}-{S}-01", &T[1..]),
+            format!("00-+{}-{S}-01", &T[1..]),
+            format!("00-{T}-+{}-01", &S[1..]),
+            format!("0-{T}-{S}-01"),
+            format!("ff-{T}-{S}-01"),
+            format!("00-{}-{S}-01", T.to_uppercase()),
+            format!("00-{T}-{S}"),
+            format!("00_{T}_{S}_01"),
+        ] {
+            assert_eq!(read(&bad), None, "{bad}");
         }
-        let v1 = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03";
-        assert_eq!(super::known_flags_only(v1), None);
     }
 }

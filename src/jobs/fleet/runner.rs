@@ -73,7 +73,8 @@ pub(super) async fn run_claimed(
         follow,
     } = settle(&shared, &route, &admit, sent, started).await;
     let mine = write_result(&b, &id, state, &stored, b.lease_ttl() * 2).await;
-    if let Some(u) = upstream {
+    // A timed-out job's upstream time is observed as it is billed, once its late answer came.
+    if let (Some(u), None) = (upstream, &follow) {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
     if let Some(r) = report {
@@ -88,6 +89,7 @@ pub(super) async fn run_claimed(
             .fidelity
             .charge(admit.cost, Some(told.upstream), told.report);
         shared.store.settle(&admit, Charge::Shared, cost).await;
+        rm.upstream_duration.observe(told.upstream.as_secs_f64());
         if let Some(r) = told.report {
             rm.cost_report(r);
         }
