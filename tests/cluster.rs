@@ -134,6 +134,46 @@ async fn a_fleet_shares_budgets_and_caps_through_a_cluster() {
     }
 }
 
+/// A healthy Cluster is never taken for a store that would not run the scripts: the breaker's
+/// probe (sent at start, and every second while the instance is idle) names a key, so it
+/// goes to a primary. Before, it named none, and redis-rs sends a keyless `EVAL` to a random
+/// node, a replica half the time here, which refuses a script that may write (READONLY): the
+/// instance flapped to `on_error` (`/readyz` 503, degraded) though every primary answered.
+/// (Six gateways each probe at start. Here the old probe reached a primary every time too —
+/// redis-rs picks among the nodes it holds connections to — where a probe of the build saw
+/// replicas refuse it on every node: a guard, not a reproduction.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_probe_on_a_cluster_goes_to_a_primary() {
+    let cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 5}\n";
+    let body = store_body(&cluster.url(), "deny", 1, limits);
+    let gws: Vec<Gateway> = (0..6).map(|_| Gateway::start(&up, &body)).collect();
+    let c = client();
+    for (i, gw) in gws.iter().enumerate() {
+        let r = get(&c, gw.url("/items"), &format!("k{i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    // Idle for a few probes' time.
+    for _ in 0..12 {
+        for gw in &gws {
+            let r = reqwest::get(gw.admin("/readyz")).await.unwrap();
+            assert_eq!(r.status(), 200, "{}", gw.log());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // No script went to a replica (each would have been refused).
+    for n in &cluster.nodes {
+        let stats = n.cli(&["INFO", "commandstats"]);
+        let eval = stats.lines().find(|l| l.starts_with("cmdstat_eval:"));
+        assert!(
+            eval.is_none_or(|l| l.contains("rejected_calls=0,")),
+            "{}: {eval:?}",
+            n.port
+        );
+    }
+}
+
 /// Budget slices on a Cluster: the key's holds live in its budget's slot, so reserving,
 /// spending, `/admin/keys` (which counts holds) and settling on exit all work there, and Redis
 /// ends with exactly what was admitted.

@@ -87,6 +87,15 @@ fn is_client_gone(message: &str) -> bool {
         || message == "failed to acquire reusable stream"
 }
 
+/// redis-rs's own warnings and notes: while a Cluster node is down it says, many times a
+/// second, that it failed to connect and refreshes its slots. The store's failures are
+/// tollgate's to log, with their cause and rate-limited by the breaker: redis-rs's go to
+/// debug (its errors stay).
+fn is_redis_chatter(record: &log::Record) -> bool {
+    record.level() > log::Level::Error
+        && (record.target() == "redis" || record.target().starts_with("redis::"))
+}
+
 impl log::Log for PingoraLog {
     fn enabled(&self, metadata: &log::Metadata) -> bool {
         metadata.level() <= log::Level::Info
@@ -96,7 +105,10 @@ impl log::Log for PingoraLog {
         if !self.enabled(record.metadata()) {
             return;
         }
-        if record.level() == log::Level::Error && is_client_gone(&record.args().to_string()) {
+        let quieted = (record.level() == log::Level::Error
+            && is_client_gone(&record.args().to_string()))
+            || is_redis_chatter(record);
+        if quieted {
             let _ = tracing_log::format_trace(
                 &log::Record::builder()
                     .args(*record.args())
@@ -154,5 +166,25 @@ mod tests {
         ));
         assert!(is_client_gone("failed to acquire reusable stream"));
         assert!(!is_client_gone("Fail to proxy: Upstream ConnectRefused"));
+    }
+
+    /// redis-rs's warnings and notes go to debug; its errors, and other crates', stay.
+    #[test]
+    fn redis_chatter_is_quieted() {
+        let record = |target: &'static str, level| {
+            let args = format_args!("Failed to connect to node");
+            is_redis_chatter(
+                &log::Record::builder()
+                    .args(args)
+                    .target(target)
+                    .level(level)
+                    .build(),
+            )
+        };
+        assert!(record("redis::cluster_async", log::Level::Warn));
+        assert!(record("redis", log::Level::Info));
+        assert!(!record("redis::cluster_async", log::Level::Error));
+        assert!(!record("redis_x", log::Level::Warn));
+        assert!(!record("pingora_core::connectors", log::Level::Warn));
     }
 }

@@ -12,6 +12,10 @@ use super::{budget_keys, keys, RedisBackend, RedisLease};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 use crate::store::fallback::{SharedAnswer, SharedStore};
+
+/// The key the breaker's probe names (never written): on Cluster, it routes the probe to a
+/// primary (that slot's).
+const PROBE_KEY: &str = "t:probe";
 use crate::store::{Admission, AdmitRequest, Bucket, BudgetView, Extra, StoreError};
 
 impl SharedStore for RedisBackend {
@@ -151,8 +155,10 @@ impl SharedStore for RedisBackend {
     async fn probe(&self) -> Result<(), StoreError> {
         let res = self
             .guarded(Guard::Probe, |mut conn| async move {
+                // With a key: on Cluster a script without one goes to any node, a replica
+                // too, which refuses it (READONLY) although every primary would run it.
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg("#!lua\nreturn 1").arg(0);
+                cmd.arg("#!lua\nreturn 1").arg(1).arg(PROBE_KEY);
                 Ok(cmd.query_async::<i64>(&mut conn).await.map(drop)?)
             })
             .await;
