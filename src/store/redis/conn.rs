@@ -338,15 +338,7 @@ impl Connections {
                 Conn::Cluster(conn)
             }
             Target::Sentinel { .. } => {
-                let client = primary_client(target).await?;
-                let addr = address(client.get_connection_info());
-                if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
-                    return Err(redis::RedisError::from((
-                        redis::ErrorKind::Client,
-                        "the Sentinels have not settled on a primary yet (a failover is ending)",
-                        addr,
-                    )));
-                }
+                let client = self.known_primary(target).await?;
                 let mut conn = client
                     .get_multiplexed_async_connection_with_config(&self.config)
                     .await?;
@@ -383,21 +375,24 @@ impl Connections {
                     redis::RedisError::from((redis::ErrorKind::Io, "no cluster node answered"))
                 }))
             }
-            Target::Sentinel { .. } => {
-                // Only on the primary the watcher knows: while a failover ends, the client's
-                // Sentinel may still name the old one (see `Watch::admits`).
-                let client = primary_client(target).await?;
-                let addr = address(client.get_connection_info());
-                if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
-                    return Err(redis::RedisError::from((
-                        redis::ErrorKind::Client,
-                        "the Sentinels have not settled on a primary yet (a failover is ending)",
-                        addr,
-                    )));
-                }
-                client.get_async_pubsub().await
-            }
+            Target::Sentinel { .. } => self.known_primary(target).await?.get_async_pubsub().await,
         }
+    }
+
+    /// A client for the primary a Sentinel names now, if it is the one the watcher knows:
+    /// while a failover ends, a Sentinel may still name the old one (`Watch::admits`), and
+    /// nothing is sent or subscribed there.
+    async fn known_primary(&self, target: &Target) -> redis::RedisResult<redis::Client> {
+        let client = primary_client(target).await?;
+        let addr = address(client.get_connection_info());
+        if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "the Sentinels have not settled on a primary yet (a failover is ending)",
+                addr,
+            )));
+        }
+        Ok(client)
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.
