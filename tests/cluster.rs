@@ -458,21 +458,11 @@ async fn a_cluster_primary_restarted_empty_keeps_the_cap() {
     a.wait_log("registered this instance's leases again after Redis lost its data")
         .await;
     assert_eq!(up.stats()["/reports/generate"].current, 2, "A's still run");
+    // B's calls to the restarted node may fail once (deny: never admitted).
     let second: Vec<_> = (0..2)
         .map(|i| {
-            let (c, url) = (c.clone(), b.url("/reports/generate?delay_ms=10"));
-            tokio::spawn(async move {
-                loop {
-                    // B's calls to the restarted node may fail once (deny: never admitted).
-                    let r = post(&c, url.clone(), &format!("b{i}")).await;
-                    let s = r.status().as_u16();
-                    if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                    return s;
-                }
-            })
+            let url = b.url("/reports/generate?delay_ms=10");
+            spawn_post_until_decided(&c, url, &format!("b{i}"))
         })
         .collect();
     for t in first.into_iter().chain(second) {

@@ -216,22 +216,12 @@ async fn restarted_empty_keeps_the_cap(warm: bool, queued: bool) {
         .collect();
     up.wait_current("/reports/generate", 6).await;
     let send_second = || -> Vec<tokio::task::JoinHandle<u16>> {
+        // A worker thread whose connection broke with the old Redis finds out on its next
+        // call: 503 store-unavailable (deny), never admitted. Sent again.
         (0..6)
             .map(|i| {
-                let (c, url) = (c.clone(), b.url("/reports/generate"));
-                tokio::spawn(async move {
-                    loop {
-                        // A worker thread whose connection broke with the old Redis finds out
-                        // on its next call: 503 store-unavailable (deny), never admitted. Again.
-                        let r = post(&c, url.clone(), &format!("b{i}")).await;
-                        let s = r.status().as_u16();
-                        if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                        return s;
-                    }
-                })
+                let url = b.url("/reports/generate");
+                spawn_post_until_decided(&c, url, &format!("b{i}"))
             })
             .collect()
     };

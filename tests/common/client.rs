@@ -34,6 +34,28 @@ pub fn spawn_post(c: &reqwest::Client, url: String, key: &str) -> tokio::task::J
     tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
 }
 
+/// `POST url` with an API key, in the background, sent again while it is refused 503
+/// `store-unavailable` (`on_error: deny` while a worker thread finds Redis restarted: never
+/// admitted): the status of the first answer the store decided.
+pub fn spawn_post_until_decided(
+    c: &reqwest::Client,
+    url: String,
+    key: &str,
+) -> tokio::task::JoinHandle<u16> {
+    let (c, key) = (c.clone(), key.to_string());
+    tokio::spawn(async move {
+        loop {
+            let r = post(&c, url.clone(), &key).await;
+            let s = r.status().as_u16();
+            if s == 503 && r.text().await.unwrap().contains("store-unavailable") {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+            return s;
+        }
+    })
+}
+
 /// `GET url` with an API key, in the background: its status, once it is answered.
 pub fn spawn_get(c: &reqwest::Client, url: String, key: &str) -> tokio::task::JoinHandle<u16> {
     let (c, key) = (c.clone(), key.to_string());
