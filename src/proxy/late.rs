@@ -24,10 +24,9 @@ pub(super) struct LateSettle {
     running: Arc<Running>,
     /// When the request went to the upstream: its time runs from there.
     sent: Instant,
-    /// The upstream's time when the gateway stopped waiting, and the final charge then: what
-    /// stands when the late answer tells nothing (no head seen before `abandon_timeout`).
+    /// The upstream's time when the gateway stopped waiting: what is billed when the late
+    /// answer tells nothing (no head seen before `abandon_timeout`).
     stopped: std::time::Duration,
-    at_reset: u64,
 }
 
 impl LateSettle {
@@ -52,13 +51,17 @@ impl LateSettle {
             running: running.clone(),
             sent,
             stopped: sent.elapsed(),
-            at_reset: f.final_cost(ticket.req.cost, Some(sent.elapsed())),
         };
         // The admission's charge stands in the store until then; the access line, written
         // now, shows the charge as it would stand without the late answer (its time so far).
-        ctx.settled = Some(late.at_reset);
+        ctx.settled = Some(late.at_stop());
         ctx.settles_late = true;
         Some(late)
+    }
+
+    /// The final charge as when the gateway stopped waiting.
+    fn at_stop(&self) -> u64 {
+        (self.route.fidelity).final_cost(self.req.cost, Some(self.stopped))
     }
 
     /// The header the route's upstream states its cost in.
@@ -86,7 +89,7 @@ impl LateSettle {
                 let total = self.route.fidelity.charge(self.req.cost, Some(t), report);
                 (total, report, t)
             }
-            None => (self.at_reset, None, self.stopped),
+            None => (self.at_stop(), None, self.stopped),
         };
         self.store.settle(&self.req, self.charge, total).await;
         let rm = self.running.metrics.get(&self.route);
