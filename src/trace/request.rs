@@ -2,6 +2,7 @@
 //! their parent), the upstream call, and the children made from the request's timings when
 //! it ends.
 
+use std::borrow::Cow;
 use std::time::{Duration, Instant, SystemTime};
 
 use http::header::HeaderMap;
@@ -58,7 +59,7 @@ struct Headers<'a> {
     map: &'a HeaderMap,
     /// The `traceparent` the propagator reads: none when it is not well formed (below), with
     /// only the `sampled` flag kept.
-    traceparent: Option<String>,
+    traceparent: Option<Cow<'a, str>>,
 }
 
 impl<'a> Headers<'a> {
@@ -84,7 +85,7 @@ fn one<'m>(map: &'m HeaderMap, key: &str) -> Option<&'m str> {
 /// SDK's propagator is laxer (`+1`, `1`, a 31-digit id, a trailing `-` pass; `from_str_radix`
 /// takes a sign) and stricter (flags above 02 fail: Level 2's `random` bit, 0x02, set by newer
 /// SDKs beside `sampled`, would start a new trace under a sampled parent; DESIGN §9).
-fn well_formed(v: &str) -> Option<String> {
+fn well_formed(v: &str) -> Option<Cow<'_, str>> {
     let v = v.trim();
     let hex = |s: &str, n: usize| {
         s.len() == n
@@ -94,14 +95,17 @@ fn well_formed(v: &str) -> Option<String> {
     let mut parts = v.splitn(5, '-');
     let (version, trace, parent, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let rest = parts.next();
+    let more = parts.next().is_some();
     let fields_ok = hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2);
-    let later = version != "00" && version != "ff";
-    if !fields_ok || (rest.is_some() && !later) || version == "ff" {
+    if !fields_ok || version == "ff" || (more && version == "00") {
         return None;
     }
+    if version == "00" && (flags == "00" || flags == "01") {
+        // The common header, read as it came (no copy per request).
+        return Some(Cow::Borrowed(v));
+    }
     let f = u8::from_str_radix(flags, 16).ok()?;
-    Some(format!("00-{trace}-{parent}-{:02x}", f & 1))
+    Some(Cow::Owned(format!("00-{trace}-{parent}-{:02x}", f & 1)))
 }
 
 impl Extractor for Headers<'_> {
@@ -455,7 +459,7 @@ mod tests {
     fn a_traceparent_is_read_as_w3c_has_it() {
         const T: &str = "0af7651916cd43dd8448eb211c80319c";
         const S: &str = "b7ad6b7169203331";
-        let read = |v: &str| super::well_formed(v);
+        let read = |v: &str| super::well_formed(v).map(std::borrow::Cow::into_owned);
         let as_00 = |flags: &str| Some(format!("00-{T}-{S}-{flags}"));
         assert_eq!(read(&format!("00-{T}-{S}-01")), as_00("01"));
         assert_eq!(read(&format!("00-{T}-{S}-00")), as_00("00"));
