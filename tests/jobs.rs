@@ -27,6 +27,16 @@ fn reports(cap: u32, extra: &str) -> String {
     )
 }
 
+/// A gateway on `body` that waits 500 ms for the upstream's answer (`read_timeout`).
+fn impatient(up: &Upstream, body: &str) -> Gateway {
+    Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body,
+        upstream_extra: "  read_timeout: 500ms\n",
+        ..GatewayOpts::default()
+    })
+}
+
 /// Submits a job: the 202 and its location.
 async fn submit(c: &reqwest::Client, gw: &Gateway, target: &str, key: &str, body: &str) -> String {
     let r = post_async(c, gw.url(target), key, body, &[]).await;
@@ -527,12 +537,7 @@ async fn failed_jobs_are_charged_as_synchronous_requests_would_be() {
         "    \"/bytes/{{n}}\":\n      cost: 10\n      max_in_flight: 1\n      async: {{max_response_body: 1KiB}}\n{}",
         reports(1, "")
     );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &config(&endpoints),
-        upstream_extra: "  read_timeout: 500ms\n",
-        ..GatewayOpts::default()
-    });
+    let gw = impatient(&up, &config(&endpoints));
     let c = client();
     let big = submit(&c, &gw, "/bytes/5000", "key-a", "").await;
     let r = result(&c, &gw, &big, "key-a").await;
@@ -748,12 +753,7 @@ async fn a_job_that_times_out_is_billed_what_its_late_answer_states() {
         "      async:\n",
         "      cost_from_response: X-Actual-Cost\n      async:\n",
     );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &config(&endpoints),
-        upstream_extra: "  read_timeout: 500ms\n",
-        ..GatewayOpts::default()
-    });
+    let gw = impatient(&up, &config(&endpoints));
     let c = client();
     let target = format!("{ROUTE}?delay_ms=1500&actual_cost=60");
     let job = submit(&c, &gw, &target, "key-a", "").await;

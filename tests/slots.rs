@@ -9,14 +9,21 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// A 1,000-a-day budget (under a unit of refill in a test's minutes), a cost-10 route capped
-/// at 2 with no queue, and the key `a` in the registry so that its budget can be read.
-fn capped(extra_route: &str) -> String {
+/// A 1,000-a-day budget (under a unit of refill in a test's minutes), `endpoints` (lines under
+/// `endpoints:`), and the keys `a` and `b` in the registry so that their budgets can be read.
+fn with_keys(endpoints: &str) -> String {
     format!(
-        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /reports/generate:\n      cost: 10\n      max_in_flight: 2\n{extra_route}keys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoints}keys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
         sha256_hex("key-a"),
         sha256_hex("key-b"),
     )
+}
+
+/// [`with_keys`] with a cost-10 route capped at 2 with no queue.
+fn capped(extra_route: &str) -> String {
+    with_keys(&format!(
+        "    /reports/generate:\n      cost: 10\n      max_in_flight: 2\n{extra_route}"
+    ))
 }
 
 /// Sends quick reports of key `b` until one is admitted (200), for at most `within`; returns
@@ -83,10 +90,8 @@ async fn a_504_stays_charged_and_its_slot_follows_the_late_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_504s_charge_is_settled_on_the_late_answer() {
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /cps: {{cost: 2, cost_per_second: 10, max_in_flight: 2}}\n    /cfr: {{cost: 10, cost_from_response: X-Actual-Cost, max_in_flight: 2}}\nkeys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
-        sha256_hex("key-a"),
-        sha256_hex("key-b"),
+    let body = with_keys(
+        "    /cps: {cost: 2, cost_per_second: 10, max_in_flight: 2}\n    /cfr: {cost: 10, cost_from_response: X-Actual-Cost, max_in_flight: 2}\n",
     );
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
@@ -177,11 +182,7 @@ fn abandon_timeout_shorter_than_read_timeout_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stalls_after_admission_is_charged_and_frees_its_slot() {
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /upload:\n      cost: 10\n      max_in_flight: 1\nkeys:\n  - {{id: a, sha256: \"{}\"}}\n  - {{id: b, sha256: \"{}\"}}\n",
-        sha256_hex("key-a"),
-        sha256_hex("key-b"),
-    );
+    let body = with_keys("    /upload:\n      cost: 10\n      max_in_flight: 1\n");
     let gw = Gateway::start_opts(GatewayOpts {
         upstream_url: up.url(),
         body: &body,
