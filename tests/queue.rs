@@ -705,6 +705,83 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
     // The dead instance's waiters never reached the upstream; the cap held.
     assert_eq!(up.count("/reports/generate"), 4);
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
+    // And their charges came back (DESIGN §8: a waiter that leaves unserved is refunded),
+    // although the process that charged them is gone: y, which dropped them, refunds them.
+    eventually(Duration::from_secs(5), async || {
+        let left = remaining(&y, "b").await;
+        (left == 1000)
+            .then_some(())
+            .ok_or(format!("b has {left} left"))
+    })
+    .await;
+}
+
+/// A gateway stopped (SIGSTOP) for longer than its waiters' alive time looks dead: the other
+/// instance drops its waiters and gives their charges back. When it wakes, its waiters must
+/// not run on a refunded charge: they are answered 503 `route-busy`, charged nothing, and the
+/// key's budget is exactly full again (each refund made once, by whoever made it first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_instances_dropped_waiters_are_refunded_once_and_never_run() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(
+        &redis.url(),
+        &config(
+            "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n",
+            "",
+        ),
+    );
+    let x = Gateway::start(&up, &body);
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, y.url("/reports/generate?delay_ms=4000"), "key-a");
+    up.wait_current("/reports/generate", 1).await;
+    let stalled: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c
+                .post(x.url("/reports/generate"))
+                .header("X-API-Key", "key-b");
+            tokio::spawn(async move { req.send().await.unwrap() })
+        })
+        .collect();
+    wait_queued(&x, "/reports/generate", 3.0).await;
+    // y waits too, so that it beats on the route throughout.
+    let other = spawn_post(&c, y.url("/reports/generate"), "key-c");
+    wait_queued(&y, "/reports/generate", 1.0).await;
+    assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
+    x.signal("STOP");
+    eventually(Duration::from_secs(5), async || {
+        let left = remaining(&y, "b").await;
+        (left == 1000)
+            .then_some(())
+            .ok_or(format!("b has {left} left"))
+    })
+    .await;
+    x.signal("CONT");
+    for r in stalled {
+        let r = r.await.unwrap();
+        assert_eq!(r.status(), 503);
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+        let problem: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            problem["type"].as_str().unwrap().ends_with("route-busy"),
+            "{problem}"
+        );
+    }
+    assert_eq!(holder.await.unwrap(), 200);
+    assert_eq!(other.await.unwrap(), 200);
+    assert_eq!(
+        remaining(&y, "b").await,
+        1000,
+        "refunded once, never charged again"
+    );
+    let b_seen = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.header("x-api-key") == ["key-b"])
+        .count();
+    assert_eq!(b_seen, 0);
 }
 
 /// Issue 25: the fairness scenario through 3 gateways on a 3-primary Redis Cluster (the

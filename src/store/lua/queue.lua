@@ -23,7 +23,12 @@
 --            `gi:<lease>` the instance a granted lease waits on, until it confirms it;
 --            `gw:<lease>` a job's lease (the fleet's, `jobs`): its member of KEYS[2], to queue
 --            it again at its place should the lease lapse;
---            `n:<instance>` its waiters, and `insts` the instances with any.
+--            `n:<instance>` its waiters, and `insts` the instances with any;
+--            `c:<waiter>` "<given_up_us> <charge>": what a waiting request was charged (opaque
+--            here: the gateway's refund of it), until it is served or leaves; `owed` the
+--            charges of waiters dropped as a dead instance's, one per line, until a beat takes
+--            them to refund (DESIGN §8: a waiter that leaves unserved is refunded, and its own
+--            process is gone).
 --   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
 --            refused. A `leave` or `release` that finds its id neither waiting nor holding a
 --            lease leaves one: the `enter` it gave up on may still be on its way (a timed-out
@@ -46,7 +51,9 @@
 --
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
---          since (the caller's config's load time, ms: `limits`)
+--          since (the caller's config's load time, ms: `limits`) [given_up_us charge] (kept
+--          as `c:<id>` while it waits: should its instance die, whoever drops it refunds it,
+--          and its id is refused for given_up_us, so that it never runs on a refunded charge)
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -60,11 +67,13 @@
 --   release ARGV id grant_ttl_us given_up_us -> {0} (the lease or the waiter of that id goes;
 --          an id that was neither is refused for given_up_us)
 --   beat   ARGV instance alive_us grant_ttl_us below n, then the n ids the instance has on
---          the route (waiting, entering, holding) -> {w, g, the g waiters granted to it whose
---          grant still holds..., then those of the n that are neither waiting nor granted
---          (the queue lost them: a failover, a flush)}, w its waiters still waiting (for
---          the fleet's jobs: the route's queued jobs). With `below` > 0, the instance's own
---          waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
+--          the route (waiting, entering, holding) -> {w, g, o, the g waiters granted to it
+--          whose grant still holds..., the o charges owed (dropped dead instances' waiters',
+--          now the caller's to refund; at most OWED_PER_BEAT; never to the fleet's jobs),
+--          then those of the n that are neither waiting nor granted (the queue lost them: a
+--          failover, a flush, or dropped as a dead instance's)}, w its waiters still waiting
+--          (for the fleet's jobs: the route's queued jobs). With `below` > 0, the instance's
+--          own waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
@@ -80,6 +89,7 @@
 
 local QUEUED, TAKEN, FULL, GIVEN_UP = 0, 1, 2, 3
 local FLEET = 'jobs'
+local OWED_PER_BEAT = 256
 local leases, waiters, heads, state, given_up = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 
@@ -143,7 +153,7 @@ end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
 local function lease_gone(id)
-  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id)
+  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'c:' .. id)
   local key = redis.call('HGET', state, 'l:' .. id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
@@ -195,7 +205,23 @@ end
 local function give_up(id, for_us)
   redis.call('ZREMRANGEBYSCORE', given_up, '-inf', int(now))
   redis.call('ZADD', given_up, int(now + for_us), id)
-  redis.call('PEXPIRE', given_up, int(math.ceil(for_us / 1000) + 1000))
+  local ms = math.ceil(for_us / 1000) + 1000
+  if redis.call('PTTL', given_up) < ms then redis.call('PEXPIRE', given_up, int(ms)) end
+end
+
+-- Waiter `id` was dropped as a dead instance's (or its grant lapsed unconfirmed): its charge,
+-- if it left one, is owed back by whoever beats next, and its id is refused for as long as
+-- its instance could still send it again (it may only have stalled), so that it never runs
+-- on a charge given back.
+local function owe(id)
+  local c = redis.call('HGET', state, 'c:' .. id)
+  if not c then return end
+  redis.call('HDEL', state, 'c:' .. id)
+  local for_us, charge = string.match(c, '^(%d+) (.*)$')
+  if not charge then return end
+  local owed = redis.call('HGET', state, 'owed')
+  redis.call('HSET', state, 'owed', owed and (owed .. '\n' .. charge) or charge)
+  give_up(id, tonumber(for_us))
 end
 
 local function alive(instance)
@@ -237,6 +263,8 @@ local function grant(grant_ttl)
         redis.call('HSET', state, 'g:' .. instance, g and (g .. ' ' .. id) or id)
         redis.call('PUBLISH', 'tollgate:q:' .. instance, id)
         granted[#granted + 1] = id
+      else
+        owe(id)
       end
       refresh(key)
     end
@@ -328,7 +356,11 @@ local function purge()
     local instance = redis.call('HGET', state, 'gi:' .. id)
     -- Not the fleet's own pseudo-instance of async jobs: its waiters belong to no process,
     -- and any instance's collector picks its grants up.
-    if instance and instance ~= FLEET then redis.call('HDEL', state, 'i:' .. instance) end
+    if instance and instance ~= FLEET then
+      redis.call('HDEL', state, 'i:' .. instance)
+      -- Granted, never confirmed: it never ran.
+      owe(id)
+    end
     local member = redis.call('HGET', state, 'gw:' .. id)
     if member then
       -- A job's lease: the job goes back to its place (not behind its key's others).
@@ -407,6 +439,9 @@ if op == 'enter' then
   local member = key .. ':' .. string.format('%016d', seq) .. ':' .. id
   redis.call('ZADD', waiters, 0, member)
   redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. instance, 'wt:' .. key, weight)
+  if ARGV[14] and instance ~= FLEET then
+    redis.call('HSET', state, 'c:' .. id, ARGV[13] .. ' ' .. ARGV[14])
+  end
   count_instance(instance, 1)
   refresh(key)
   keep(lease_ttl)
@@ -417,6 +452,7 @@ elseif op == 'leave' then
   local info = redis.call('HGET', state, 'w:' .. id)
   if info then
     local key = drop_waiter(id, info)
+    redis.call('HDEL', state, 'c:' .. id)
     refresh(key)
     return {0}
   end
@@ -427,7 +463,7 @@ elseif op == 'confirm' then
   local id, lease_ttl = ARGV[2], tonumber(ARGV[3])
   if not redis.call('ZSCORE', leases, id) then return {0} end
   redis.call('ZADD', leases, 'XX', now + lease_ttl, id)
-  redis.call('HDEL', state, 'gi:' .. id)
+  redis.call('HDEL', state, 'gi:' .. id, 'c:' .. id)
   keep(lease_ttl)
   return {1}
 elseif op == 'hold' then
@@ -479,6 +515,7 @@ elseif op == 'beat' then
     if seen[inst] == nil then seen[inst] = not dead(inst) end
     if not seen[inst] then
       local key = drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|'))
+      owe(id)
       refresh(key)
     end
   end
@@ -519,6 +556,7 @@ elseif op == 'beat' then
         if stale(id) then
           local info = redis.call('HGET', state, 'w:' .. id) or ''
           refresh(drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|')))
+          redis.call('HDEL', state, 'c:' .. id)
         end
       end
     end
@@ -526,7 +564,7 @@ elseif op == 'beat' then
   grant(grant_ttl)
   local mine = redis.call('HGET', state, 'g:' .. instance)
   redis.call('HDEL', state, 'g:' .. instance)
-  local out = {num('n:' .. instance), 0}
+  local out = {num('n:' .. instance), 0, 0}
   if mine then
     local given = {}
     for id in string.gmatch(mine, '%S+') do
@@ -536,7 +574,24 @@ elseif op == 'beat' then
       end
     end
   end
-  out[2] = #out - 2
+  out[2] = #out - 3
+  local owed = instance ~= FLEET and redis.call('HGET', state, 'owed')
+  if owed then
+    local rest = {}
+    for charge in string.gmatch(owed, '[^\n]+') do
+      if out[3] < OWED_PER_BEAT then
+        out[#out + 1] = charge
+        out[3] = out[3] + 1
+      else
+        rest[#rest + 1] = charge
+      end
+    end
+    if #rest == 0 then
+      redis.call('HDEL', state, 'owed')
+    else
+      redis.call('HSET', state, 'owed', table.concat(rest, '\n'))
+    end
+  end
   for _, id in ipairs(lost) do out[#out + 1] = id end
   keep(alive_us)
   return out

@@ -200,9 +200,10 @@ impl RedisBackend {
                 .unwrap_or(0)
         };
         let (waiting, n) = (int(0), int(1) as usize);
+        // (Index 2 counts the owed charges that follow the grants: never the fleet's.)
         let ids = reply
             .iter()
-            .skip(2)
+            .skip(3)
             .take(n)
             .filter_map(|v| redis::from_redis_value::<String>(v.clone()).ok())
             .collect();

@@ -26,6 +26,7 @@ use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
 use crate::telemetry::Queued;
 
 mod beat;
+mod owed;
 pub(in crate::store::redis) use beat::Waiters;
 use beat::Wake;
 
@@ -40,6 +41,9 @@ pub(super) const GRANT_TTL: Duration = Duration::from_secs(1);
 const TAKEN: i64 = 1;
 const FULL: i64 = 2;
 const QUEUED: i64 = 0;
+/// The id was given up on: it left, or was dropped as a dead instance's and its charge given
+/// back by another (`lua/queue.lua`, `enter`).
+const GIVEN_UP: i64 = 3;
 const LEFT: i64 = 0;
 const GRANTED: i64 = 1;
 
@@ -115,6 +119,9 @@ struct Unserved {
     in_route: bool,
     /// Its charge is in `Waiters::owed` (it has waited in the queue).
     owed: bool,
+    /// Its charge as the queue keeps it beside its waiter (`owed::Charge`), for whoever drops
+    /// it should this instance die.
+    charge: String,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -311,6 +318,7 @@ impl RedisBackend {
         let mut unserved = Unserved {
             store: self.clone(),
             req: Some(req.clone()),
+            charge: owed::Charge::of(req, &id),
             keys,
             key_slots,
             id,
@@ -344,7 +352,10 @@ impl RedisBackend {
                     // The grant lapsed before this instance confirmed it (it reached us
                     // late): queue again.
                 }
-                Some(FULL) => {
+                // Dropped as a dead instance's while this one stalled, and its charge given
+                // back by another: it does not run (its own refund, by the same marker, gives
+                // nothing back twice).
+                Some(FULL) | Some(GIVEN_UP) => {
                     unserved.in_route = false;
                     return Ok(self.route_busy(req, &outcome, start, unserved).await);
                 }
@@ -402,8 +413,12 @@ impl RedisBackend {
         Ok(confirmed.first() == Some(&1))
     }
 
+    /// `enter` of this instance's waiter, its charge kept beside it in the queue.
     fn enter(&self, req: &AdmitRequest, cap: u32, u: &Unserved) -> Call<'_> {
-        self.enter_as(&u.keys, &u.id, req, cap, &self.instance, ALIVE_FOR)
+        let mut inv = self.enter_as(&u.keys, &u.id, req, cap, &self.instance, ALIVE_FOR);
+        inv.arg(owed::refused_for(req).as_micros() as u64)
+            .arg(&u.charge);
+        inv
     }
 
     /// `enter` of waiter `id` for `req` on `instance` (this one, or the fleet's jobs), alive

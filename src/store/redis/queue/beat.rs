@@ -181,24 +181,30 @@ async fn beat(store: Weak<RedisBackend>) {
                 inv.arg(id);
             }
             let reply = s.call::<Vec<redis::Value>>(inv).await;
+            let mut owed = vec![];
             let mut w = lock(&s.waiters);
             match reply {
                 Ok(reply) => {
                     if let Some(b) = w.routes.get_mut(&keys[0]) {
                         b.failed = 0;
                     }
-                    let granted = reply
-                        .get(1)
-                        .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
-                        .unwrap_or(0);
-                    for (i, v) in reply.iter().skip(2).enumerate() {
-                        if let Ok(id) = redis::from_redis_value::<String>(v.clone()) {
-                            let wake = if i < granted {
-                                Wake::Granted
-                            } else {
-                                Wake::Requeue
-                            };
-                            w.deliver(&id, wake);
+                    let count = |i: usize| {
+                        reply
+                            .get(i)
+                            .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
+                            .unwrap_or(0)
+                    };
+                    let (granted, charges) = (count(1), count(2));
+                    for (i, v) in reply.iter().skip(3).enumerate() {
+                        let Ok(text) = redis::from_redis_value::<String>(v.clone()) else {
+                            continue;
+                        };
+                        if i < granted {
+                            w.deliver(&text, Wake::Granted);
+                        } else if i < granted + charges {
+                            owed.push(text);
+                        } else {
+                            w.deliver(&text, Wake::Requeue);
                         }
                     }
                 }
@@ -218,6 +224,8 @@ async fn beat(store: Weak<RedisBackend>) {
                     }
                 }
             }
+            drop(w);
+            s.refund_owed(owed);
         }
     }
 }

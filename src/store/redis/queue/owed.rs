@@ -1,0 +1,129 @@
+//! A waiting request's charge, kept beside its waiter in the route's queue (`c:<id>` in
+//! `lua/queue.lua`): should its instance die (SIGKILL, a crash, a stall past its alive time),
+//! whoever drops its waiters takes their charges from the queue with its next beat and gives
+//! them back (DESIGN §8: a waiter that leaves unserved is refunded). Each refund is made once
+//! by the waiter's marker (`keys::refund_marker`), whoever sends it: the instance that drops
+//! the waiter, or its own instance should it only have stalled (its waiter, refused on its way
+//! back into the queue, leaves unserved and refunds by the same marker).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::super::keys;
+use super::super::RedisBackend;
+use crate::budget::Limit;
+use crate::store::AdmitRequest;
+
+/// What gives a charge back, as the queue keeps it (JSON, no line breaks: the queue's list of
+/// owed charges is one per line).
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(super) struct Charge {
+    /// The refund's marker, in the key's slot.
+    m: String,
+    /// The units charged to each budget.
+    c: u64,
+    /// Each budget: its Redis key and its limit (per_unit, rate, capacity, max_delay).
+    b: Vec<(String, u64, u64, u64, u64)>,
+}
+
+impl Charge {
+    /// Waiter `id`'s charge for `req`, as `enter` stores it.
+    pub(super) fn of(req: &AdmitRequest, id: &str) -> String {
+        let charge = Charge {
+            m: keys::refund_marker(&req.key, id),
+            c: req.cost,
+            b: super::super::budget_keys(req)
+                .into_iter()
+                .map(|(k, l)| (k, l.per_unit, l.rate, l.capacity, l.max_delay))
+                .collect(),
+        };
+        serde_json::to_string(&charge).unwrap_or_default()
+    }
+
+    fn parse(s: &str) -> Option<Charge> {
+        serde_json::from_str(s).ok()
+    }
+
+    fn budgets(&self) -> Vec<(String, Limit)> {
+        self.b
+            .iter()
+            .map(|(k, per_unit, rate, capacity, max_delay)| {
+                let limit = Limit {
+                    per_unit: *per_unit,
+                    rate: *rate,
+                    capacity: *capacity,
+                    max_delay: *max_delay,
+                };
+                (k.clone(), limit)
+            })
+            .collect()
+    }
+}
+
+/// How long a dropped waiter's id is refused by the queue: for as long as its instance could
+/// still send it back in (its `queue_timeout`), and the resend horizon of a call after that.
+pub(super) fn refused_for(req: &AdmitRequest) -> Duration {
+    req.queue_timeout + super::GIVEN_UP_FOR
+}
+
+impl RedisBackend {
+    /// Gives back the charges a beat took from a route's queue (its dead instances' waiters'),
+    /// one after another on a task of their own; each is sent again until it is made (once,
+    /// by its marker).
+    pub(super) fn refund_owed(self: &Arc<Self>, charges: Vec<String>) {
+        if charges.is_empty() {
+            return;
+        }
+        tracing::info!(
+            waiters = charges.len(),
+            "giving back the charges of waiters dropped with a dead instance"
+        );
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.clone();
+        rt.spawn(async move {
+            for charge in charges {
+                let Some(charge) = Charge::parse(&charge) else {
+                    tracing::warn!(
+                        "a dead instance's waiter's charge could not be read; not refunded"
+                    );
+                    continue;
+                };
+                let budgets = charge.budgets();
+                store.undo_charge(budgets, charge.c, Some(charge.m)).await;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_charge_reads_back_as_written_on_one_line() {
+        let limit = Limit {
+            per_unit: 7,
+            rate: 3,
+            capacity: 21_000,
+            max_delay: 5,
+        };
+        let charge = Charge {
+            m: "t{ab}a1:r".into(),
+            c: 20,
+            b: vec![
+                ("t{ab}b".into(), 7, 3, 21_000, 5),
+                ("t:s{x y\n}".into(), 1, 1, 1, 0),
+            ],
+        };
+        let text = serde_json::to_string(&charge).unwrap();
+        assert!(!text.contains('\n'), "{text}");
+        let read = Charge::parse(&text).unwrap();
+        assert_eq!(read, charge);
+        assert_eq!(read.budgets()[0], ("t{ab}b".to_string(), limit));
+        assert!(Charge::parse("not json").is_none());
+    }
+}
