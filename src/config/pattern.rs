@@ -43,6 +43,9 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
     if method == Some("CONNECT") {
         return Err(EndpointError::Connect);
     }
+    // One space between the method and the path: the pattern is the route's name in metrics
+    // and logs, written one way.
+    let spaced = method.is_some_and(|m| pattern.len() != m.len() + 1 + path.len());
     if !path.starts_with('/') {
         // The router says so, with the same words as for any other path.
         return Ok(());
@@ -61,7 +64,7 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
     if normalized.contains(';') {
         return Err(EndpointError::Matrix);
     }
-    if normalized != masked {
+    if normalized != masked || spaced {
         let mut written = unmask_params(&normalized, &params);
         if let Some(m) = method {
             written = format!("{m} {written}");

@@ -257,6 +257,9 @@ fn patterns_must_be_written_normalized() {
         ("/prices/€", "/prices/%E2%82%AC"),
         ("/café/{id}", "/caf%C3%A9/{id}"),
         ("GET /a/%67", "GET /a/g"),
+        // One space after the method: the pattern names the route in metrics and logs.
+        ("GET  /dd", "GET /dd"),
+        ("POST   /a//b", "POST /a/b"),
         ("/a/%67/{id}", "/a/g/{id}"),
         ("/x//{*rest}", "/x/{*rest}"),
         ("/x/{id}/..", "/x"),
