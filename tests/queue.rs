@@ -706,8 +706,9 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
     assert_eq!(up.count("/reports/generate"), 4);
     assert_eq!(up.max_concurrent("/reports/generate"), 2);
     // And their charges came back (DESIGN §8: a waiter that leaves unserved is refunded),
-    // although the process that charged them is gone: y, which dropped them, refunds them.
-    eventually(Duration::from_secs(5), async || {
+    // although the process that charged them is gone: owed once dropped, due 5 s later, and
+    // then given back by y, which beats on the route.
+    eventually(Duration::from_secs(15), async || {
         let left = remaining(&y, "b").await;
         (left == 1000)
             .then_some(())
@@ -750,7 +751,8 @@ async fn a_stalled_instances_dropped_waiters_are_refunded_once_and_never_run() {
     wait_queued(&y, "/reports/generate", 1.0).await;
     assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
     x.signal("STOP");
-    eventually(Duration::from_secs(5), async || {
+    // Dropped within about 2.5 s, owed for 5 s more (time for a stall to end), then given back.
+    eventually(Duration::from_secs(15), async || {
         let left = remaining(&y, "b").await;
         (left == 1000)
             .then_some(())
@@ -1011,9 +1013,11 @@ async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
 fn the_latest_loaded_cap_holds_in_redis() {
     let redis = Redis::start();
     let script = include_str!("../src/store/lua/queue.lua");
-    let keys = ["t:r{q}f", "t:r{q}q", "t:r{q}k", "t:r{q}s", "t:r{q}x"];
+    let keys = [
+        "t:r{q}f", "t:r{q}q", "t:r{q}k", "t:r{q}s", "t:r{q}x", "t:r{q}o",
+    ];
     let run = |args: &[&str]| {
-        let mut all = vec!["EVAL", script, "5"];
+        let mut all = vec!["EVAL", script, "6"];
         all.extend(keys);
         all.extend(args);
         redis.cli(&all)
@@ -1040,9 +1044,11 @@ fn the_latest_loaded_cap_holds_in_redis() {
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
     // A route idle past its queue state's expiry keeps a reload's figures for an instance not
     // reloaded yet: the `cap` writes them even with no state there.
-    let idle = ["t:r{i}f", "t:r{i}q", "t:r{i}k", "t:r{i}s", "t:r{i}x"];
+    let idle = [
+        "t:r{i}f", "t:r{i}q", "t:r{i}k", "t:r{i}s", "t:r{i}x", "t:r{i}o",
+    ];
     let on_idle = |args: &[&str]| {
-        let mut all = vec!["EVAL", script, "5"];
+        let mut all = vec!["EVAL", script, "6"];
         all.extend(idle);
         all.extend(args);
         redis.cli(&all)
@@ -1067,4 +1073,70 @@ fn the_latest_loaded_cap_holds_in_redis() {
     assert_eq!(first(enter("d", "k4", "3", "300")), "0", "queued behind c");
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "3");
     assert_eq!(redis.cli(&["ZCARD", keys[0]]).trim(), "3");
+}
+
+/// `lua/queue.lua`'s charges owed (DESIGN §8: a waiter that leaves unserved is refunded, its
+/// instance dead or not): a dropped waiter's charge is owed, not handed out at once, so that
+/// an instance that only looked dead (a stall, a failover) takes it back by entering again —
+/// in a Cluster failover a live gateway's waiters were refused 503 (`GIVEN_UP`) when the
+/// charges went out with the drop. Once due it is handed out to one beat, its id refused from
+/// then on, and it stays owed until `paid`. An id entered twice keeps one place.
+#[test]
+fn a_dropped_waiters_charge_is_owed_and_taken_back_by_its_instance() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/queue.lua");
+    let keys = [
+        "t:r{o}f", "t:r{o}q", "t:r{o}k", "t:r{o}s", "t:r{o}x", "t:r{o}o",
+    ];
+    let run = |args: &[&str]| {
+        let mut all = vec!["EVAL", script, "6"];
+        all.extend(keys);
+        all.extend(args);
+        redis.cli(&all).trim().to_string()
+    };
+    // enter: id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
+    // since given_up_us charge
+    let enter = |id: &str, instance: &str, alive_us: &str| {
+        run(&[
+            "enter", id, "k1", "1", "1", "0", "0", "10000000", instance, alive_us, "1000000",
+            "100", "60000000", "C-of-",
+        ])
+    };
+    let first = |out: String| out.lines().next().unwrap_or_default().to_string();
+    let lines = |out: String| out.lines().map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(first(enter("h", "i2", "10000000")), "1", "taken");
+    // i1's waiters, alive for 1 ms only: dead by the release.
+    assert_eq!(first(enter("w1", "i1", "1000")), "0");
+    assert_eq!(first(enter("w2", "i1", "1000")), "0");
+    std::thread::sleep(Duration::from_millis(20));
+    run(&["release", "h", "1000000", "120000000"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "2", "both owed");
+    // i1 is back for w1 within the grace: its charge is its own again, and it takes the slot.
+    assert_eq!(first(enter("w1", "i1", "10000000")), "1");
+    assert_eq!(redis.cli(&["ZSCORE", keys[5], "w1"]).trim(), "");
+    assert_eq!(redis.cli(&["HEXISTS", keys[3], "c:w1"]).trim(), "0");
+    // w2's is not due yet: nothing handed out, one owed.
+    let beat = || lines(run(&["beat", "i2", "10000000", "1000000", "0", "0"]));
+    assert_eq!(beat(), ["0", "0", "0", "1"]);
+    std::thread::sleep(Duration::from_millis(5100));
+    assert_eq!(
+        beat(),
+        ["0", "0", "1", "1", "w2", "C-of-"],
+        "handed out once due"
+    );
+    assert_eq!(
+        beat(),
+        ["0", "0", "0", "1"],
+        "not twice before it is due again"
+    );
+    // Handed out: w2 never enters again (its charge is being given back).
+    assert_eq!(first(enter("w2", "i1", "10000000")), "3");
+    assert_eq!(first(run(&["leave", "w2", "120000000"])), "2");
+    run(&["paid", "w2"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "0");
+    assert_eq!(redis.cli(&["HEXISTS", keys[3], "c:w2"]).trim(), "0");
+    // An id entered again while it still waits keeps its one place.
+    assert_eq!(first(enter("d", "i2", "10000000")), "0");
+    assert_eq!(first(enter("d", "i2", "10000000")), "0");
+    assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "1");
 }

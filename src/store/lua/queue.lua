@@ -25,14 +25,21 @@
 --            it again at its place should the lease lapse;
 --            `n:<instance>` its waiters, and `insts` the instances with any;
 --            `c:<waiter>` "<given_up_us> <charge>": what a waiting request was charged (opaque
---            here: the gateway's refund of it), until it is served or leaves; `owed` the
---            charges of waiters dropped as a dead instance's, one per line, until a beat takes
---            them to refund (DESIGN §8: a waiter that leaves unserved is refunded, and its own
---            process is gone).
+--            here: the gateway's refund of it), until it is served, leaves, or its owed charge
+--            is paid (KEYS[6]).
 --   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
 --            refused. A `leave` or `release` that finds its id neither waiting nor holding a
 --            lease leaves one: the `enter` it gave up on may still be on its way (a timed-out
 --            call, a partition that delivers late), and must not take a slot nobody holds.
+--   KEYS[6] `…o` charges owed: sorted set, waiter id -> when its charge (`c:<id>`) is due to
+--            be refunded (µs). A waiter dropped as a dead instance's (or whose grant lapsed
+--            unconfirmed) never ran: its charge is owed back (DESIGN §8), by whoever beats once
+--            it is due, OWED_AFTER_US later. Until then its instance may come back for it (it
+--            only stalled, or a failover made every instance look dead for a moment): an
+--            `enter`, `leave` or `release` of the id takes the charge back as its own. Once a
+--            beat hands it out the id is given up (a later `enter` is refused: it never runs on
+--            a charge given back), and it stays here, due again OWED_RETRY_US later, until its
+--            refunder says `paid` (the refund is made once by its marker, however often sent).
 --
 -- The `#!lua` line makes this a flagged script (Redis 7): Redis refuses it before running it
 -- when it is out of memory (`maxmemory` + `noeviction`), a replica or otherwise unable to
@@ -52,8 +59,9 @@
 -- ARGV[1] is the operation; every operation's reply starts with a code:
 --   enter  ARGV id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
 --          since (the caller's config's load time, ms: `limits`) [given_up_us charge] (kept
---          as `c:<id>` while it waits: should its instance die, whoever drops it refunds it,
---          and its id is refused for given_up_us, so that it never runs on a refunded charge)
+--          as `c:<id>` while it waits: should its instance die, its charge is owed, KEYS[6],
+--          and once handed out its id is refused for given_up_us). An id already waiting
+--          keeps its place (its instance entered it again after beats failed).
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -67,13 +75,16 @@
 --   release ARGV id grant_ttl_us given_up_us -> {0} (the lease or the waiter of that id goes;
 --          an id that was neither is refused for given_up_us)
 --   beat   ARGV instance alive_us grant_ttl_us below n, then the n ids the instance has on
---          the route (waiting, entering, holding) -> {w, g, o, the g waiters granted to it
---          whose grant still holds..., the o charges owed (dropped dead instances' waiters',
---          now the caller's to refund; at most OWED_PER_BEAT; never to the fleet's jobs),
---          then those of the n that are neither waiting nor granted (the queue lost them: a
---          failover, a flush, or dropped as a dead instance's)}, w its waiters still waiting
+--          the route (waiting, entering, holding) -> {w, g, o, p, the g waiters granted to
+--          it whose grant still holds..., o pairs (id, charge) of charges owed and due, now
+--          the caller's to refund and then report `paid` (at most OWED_PER_BEAT; never to the
+--          fleet's jobs), then those of the n that are neither waiting nor granted (the queue
+--          lost them: a failover, a flush, or dropped as a dead instance's)}, p the charges
+--          owed on the route, due or not (its instances beat while any are), w its waiters
+--          still waiting
 --          (for the fleet's jobs: the route's queued jobs). With `below` > 0, the instance's
 --          own waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
+--   paid   ARGV ids... -> {0}: their owed charges were refunded (they go)
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
@@ -90,7 +101,8 @@
 local QUEUED, TAKEN, FULL, GIVEN_UP = 0, 1, 2, 3
 local FLEET = 'jobs'
 local OWED_PER_BEAT = 256
-local leases, waiters, heads, state, given_up = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local OWED_AFTER_US, OWED_RETRY_US = 5000000, 30000000
+local leases, waiters, heads, state, given_up, owed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local op = ARGV[1]
 
 local t = redis.call('TIME')
@@ -153,7 +165,9 @@ end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
 local function lease_gone(id)
-  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'c:' .. id)
+  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id)
+  -- (A charge owed stays until paid or taken back.)
+  if not redis.call('ZSCORE', owed, id) then redis.call('HDEL', state, 'c:' .. id) end
   local key = redis.call('HGET', state, 'l:' .. id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
@@ -209,19 +223,25 @@ local function give_up(id, for_us)
   if redis.call('PTTL', given_up) < ms then redis.call('PEXPIRE', given_up, int(ms)) end
 end
 
+local function refused(id)
+  local until_us = redis.call('ZSCORE', given_up, id)
+  return until_us and tonumber(until_us) > now
+end
+
 -- Waiter `id` was dropped as a dead instance's (or its grant lapsed unconfirmed): its charge,
--- if it left one, is owed back by whoever beats next, and its id is refused for as long as
--- its instance could still send it again (it may only have stalled), so that it never runs
--- on a charge given back.
+-- if it left one, is owed back (KEYS[6]), unless it still waits or holds a lease under that id
+-- (then it is not the dropped one's to give back).
 local function owe(id)
-  local c = redis.call('HGET', state, 'c:' .. id)
-  if not c then return end
-  redis.call('HDEL', state, 'c:' .. id)
-  local for_us, charge = string.match(c, '^(%d+) (.*)$')
-  if not charge then return end
-  local owed = redis.call('HGET', state, 'owed')
-  redis.call('HSET', state, 'owed', owed and (owed .. '\n' .. charge) or charge)
-  give_up(id, tonumber(for_us))
+  if redis.call('HEXISTS', state, 'c:' .. id) == 0 then return end
+  if redis.call('HEXISTS', state, 'w:' .. id) == 1 or redis.call('ZSCORE', leases, id) then return end
+  redis.call('ZADD', owed, 'NX', int(now + OWED_AFTER_US), id)
+end
+
+-- Its instance came back for waiter `id` before its owed charge was handed out: the charge is
+-- its own again. True if it was owed.
+local function reclaim(id)
+  if refused(id) then return false end
+  return redis.call('ZREM', owed, id) == 1
 end
 
 local function alive(instance)
@@ -404,6 +424,7 @@ local function keep(ttl_us)
   redis.call('PEXPIRE', waiters, ms)
   redis.call('PEXPIRE', heads, ms)
   redis.call('PEXPIRE', state, ms)
+  if redis.call('EXISTS', owed) == 1 then redis.call('PEXPIRE', owed, ms) end
   if redis.call('EXISTS', leases) == 1 then
     local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
     if last[2] then
@@ -416,14 +437,20 @@ if op == 'enter' then
   local id, key, weight = ARGV[2], ARGV[3], tonumber(ARGV[4])
   local route_cap, route_share, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local lease_ttl, instance, alive_us, grant_ttl = tonumber(ARGV[8]), ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
-  local until_us = redis.call('ZSCORE', given_up, id)
-  if until_us and tonumber(until_us) > now then return {GIVEN_UP} end
+  if refused(id) then return {GIVEN_UP} end
   route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
+  -- Dropped as dead and back before its charge was handed out: the charge is its own again.
+  reclaim(id)
   purge()
   grant(grant_ttl)
+  if redis.call('HEXISTS', state, 'w:' .. id) == 1 then
+    keep(lease_ttl)
+    return {QUEUED, redis.call('ZCARD', waiters)}
+  end
   if takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
+    redis.call('HDEL', state, 'c:' .. id)
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
     refresh(key)
@@ -457,6 +484,11 @@ elseif op == 'leave' then
     return {0}
   end
   if redis.call('ZSCORE', leases, id) then return {1} end
+  if reclaim(id) then
+    -- Dropped as dead, its charge not handed out: its instance gives it back itself.
+    redis.call('HDEL', state, 'c:' .. id)
+    return {0}
+  end
   give_up(id, tonumber(ARGV[3]))
   return {2}
 elseif op == 'confirm' then
@@ -482,7 +514,7 @@ elseif op == 'release' then
   if info then
     -- Still waiting (its `leave` failed): it goes, like a lease.
     refresh(drop_waiter(id, info))
-  elseif not redis.call('ZSCORE', leases, id) then
+  elseif not redis.call('ZSCORE', leases, id) and not reclaim(id) then
     give_up(id, tonumber(ARGV[4]))
   end
   redis.call('ZREM', leases, id)
@@ -495,8 +527,9 @@ elseif op == 'beat' then
   local below, n = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 0
   -- Nothing on the route and nothing named: nothing to keep alive or to clear (and an idle
   -- route leaves no keys behind).
-  if n == 0 and redis.call('EXISTS', leases) == 0 and redis.call('EXISTS', waiters) == 0 then
-    return {0, 0}
+  if n == 0 and redis.call('EXISTS', leases) == 0 and redis.call('EXISTS', waiters) == 0
+      and redis.call('EXISTS', owed) == 0 then
+    return {0, 0, 0, 0}
   end
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   purge()
@@ -564,7 +597,7 @@ elseif op == 'beat' then
   grant(grant_ttl)
   local mine = redis.call('HGET', state, 'g:' .. instance)
   redis.call('HDEL', state, 'g:' .. instance)
-  local out = {num('n:' .. instance), 0, 0}
+  local out = {num('n:' .. instance), 0, 0, 0}
   if mine then
     local given = {}
     for id in string.gmatch(mine, '%S+') do
@@ -574,27 +607,35 @@ elseif op == 'beat' then
       end
     end
   end
-  out[2] = #out - 3
-  local owed = instance ~= FLEET and redis.call('HGET', state, 'owed')
-  if owed then
-    local rest = {}
-    for charge in string.gmatch(owed, '[^\n]+') do
-      if out[3] < OWED_PER_BEAT then
+  out[2] = #out - 4
+  if instance ~= FLEET then
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', owed, '-inf', int(now), 'LIMIT', 0, OWED_PER_BEAT)) do
+      local c = redis.call('HGET', state, 'c:' .. id)
+      local for_us, charge = string.match(c or '', '^(%d+) (.*)$')
+      if charge then
+        -- Handed out: the id is refused from now on, and the charge due again should its
+        -- refunder not say it paid.
+        give_up(id, tonumber(for_us))
+        redis.call('ZADD', owed, 'XX', int(now + OWED_RETRY_US), id)
+        out[#out + 1] = id
         out[#out + 1] = charge
         out[3] = out[3] + 1
       else
-        rest[#rest + 1] = charge
+        redis.call('ZREM', owed, id)
+        redis.call('HDEL', state, 'c:' .. id)
       end
     end
-    if #rest == 0 then
-      redis.call('HDEL', state, 'owed')
-    else
-      redis.call('HSET', state, 'owed', table.concat(rest, '\n'))
-    end
   end
+  out[4] = redis.call('ZCARD', owed)
   for _, id in ipairs(lost) do out[#out + 1] = id end
   keep(alive_us)
   return out
+elseif op == 'paid' then
+  for i = 2, #ARGV do
+    redis.call('ZREM', owed, ARGV[i])
+    redis.call('HDEL', state, 'c:' .. ARGV[i])
+  end
+  return {0}
 elseif op == 'place' then
   purge()
   return {place(ARGV[2])}

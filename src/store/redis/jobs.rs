@@ -200,10 +200,11 @@ impl RedisBackend {
                 .unwrap_or(0)
         };
         let (waiting, n) = (int(0), int(1) as usize);
-        // (Index 2 counts the owed charges that follow the grants: never the fleet's.)
+        // (Index 2 counts the owed charges that follow the grants, never the fleet's; index 3
+        // the charges owed on the route.)
         let ids = reply
             .iter()
-            .skip(3)
+            .skip(4)
             .take(n)
             .filter_map(|v| redis::from_redis_value::<String>(v.clone()).ok())
             .collect();

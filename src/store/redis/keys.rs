@@ -161,11 +161,12 @@ pub fn route_slots_key(route: &str) -> String {
 }
 
 /// The keys of a route's fair queue, in `lua/queue.lua`'s KEYS order.
-pub(super) type QueueKeys = [String; 5];
+pub(super) type QueueKeys = [String; 6];
 
 /// The keys of a route's fair queue (`lua/queue.lua`'s KEYS), from its lease set
-/// (`t:r{tag}f`): the lease set, the waiters (`q`), the keys to serve (`k`), the state (`s`)
-/// and the ids given up (`x`). `None` for a key's own lease set (`t{tag}f`).
+/// (`t:r{tag}f`): the lease set, the waiters (`q`), the keys to serve (`k`), the state (`s`),
+/// the ids given up (`x`) and the charges owed (`o`). `None` for a key's own lease set
+/// (`t{tag}f`).
 pub(super) fn queue_keys(lease_set: &str) -> Option<QueueKeys> {
     let base = lease_set
         .strip_suffix('f')
@@ -176,13 +177,14 @@ pub(super) fn queue_keys(lease_set: &str) -> Option<QueueKeys> {
         format!("{base}k"),
         format!("{base}s"),
         format!("{base}x"),
+        format!("{base}o"),
     ])
 }
 
 /// A capped route's queue state (`lua/queue.lua`'s KEYS[4]: who runs, who waits, which
 /// instance beats), in the route's slot.
 pub fn route_queue_state_key(route: &str) -> String {
-    let [_, _, _, state, _] = queue_keys(&route_slots_key(route)).expect("a route's lease set");
+    let [_, _, _, state, _, _] = queue_keys(&route_slots_key(route)).expect("a route's lease set");
     state
 }
 

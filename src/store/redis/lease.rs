@@ -168,6 +168,14 @@ impl RedisBackend {
         if keys.is_empty() {
             return;
         }
+        // A release on a capped route may drop a dead instance's waiters: this instance beats
+        // there a while (and on while the route owes their charges), so that their charges are
+        // handed out and given back even if nobody else calls on the route.
+        for k in &keys {
+            if let Some(q) = super::keys::queue_keys(k) {
+                self.beat_on(&q);
+            }
+        }
         if self.lease_op(&keys, &id, 0).await.is_ok() {
             lock(&self.held).live.remove(&id);
         } else {

@@ -195,17 +195,28 @@ async fn beat(store: Weak<RedisBackend>) {
                             .unwrap_or(0)
                     };
                     let (granted, charges) = (count(1), count(2));
-                    for (i, v) in reply.iter().skip(3).enumerate() {
-                        let Ok(text) = redis::from_redis_value::<String>(v.clone()) else {
-                            continue;
-                        };
-                        if i < granted {
-                            w.deliver(&text, Wake::Granted);
-                        } else if i < granted + charges {
-                            owed.push(text);
-                        } else {
-                            w.deliver(&text, Wake::Requeue);
+                    if count(3) > 0 {
+                        // Charges owed on the route: beat on until they are handed out.
+                        if let Some(b) = w.routes.get_mut(&keys[0]) {
+                            b.idle = 0;
                         }
+                    }
+                    let texts: Vec<String> = reply
+                        .iter()
+                        .skip(4)
+                        .map(|v| redis::from_redis_value::<String>(v.clone()).unwrap_or_default())
+                        .collect();
+                    let (grants, rest) = texts.split_at(granted.min(texts.len()));
+                    let (pairs, lost) = rest.split_at((2 * charges).min(rest.len()));
+                    for id in grants {
+                        w.deliver(id, Wake::Granted);
+                    }
+                    owed.extend(pairs.chunks(2).filter_map(|p| match p {
+                        [id, charge] => Some((id.clone(), charge.clone())),
+                        _ => None,
+                    }));
+                    for id in lost {
+                        w.deliver(id, Wake::Requeue);
                     }
                 }
                 Err(e) => {
@@ -225,7 +236,7 @@ async fn beat(store: Weak<RedisBackend>) {
                 }
             }
             drop(w);
-            s.refund_owed(owed);
+            s.refund_owed(&keys, owed);
         }
     }
 }

@@ -1,17 +1,19 @@
 //! A waiting request's charge, kept beside its waiter in the route's queue (`c:<id>` in
 //! `lua/queue.lua`): should its instance die (SIGKILL, a crash, a stall past its alive time),
-//! whoever drops its waiters takes their charges from the queue with its next beat and gives
-//! them back (DESIGN §8: a waiter that leaves unserved is refunded). Each refund is made once
-//! by the waiter's marker (`keys::refund_marker`), whoever sends it: the instance that drops
-//! the waiter, or its own instance should it only have stalled (its waiter, refused on its way
-//! back into the queue, leaves unserved and refunds by the same marker).
+//! its dropped waiters' charges are owed, and once due (5 s later: time for an instance that
+//! only stalled, or that a failover made look dead, to come back for them) a beat hands them
+//! to an instance that gives them back (DESIGN §8: a waiter that leaves unserved is refunded)
+//! and then says so (`paid`; until then they are handed out again every 30 s). Each refund
+//! is made once by the waiter's marker (`keys::refund_marker`), whoever sends it and however
+//! often: the instance handed it, or the waiter's own should it come back after all (refused
+//! on its way back into the queue, it leaves unserved and refunds by the same marker).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::super::keys;
+use super::super::keys::{self, QueueKeys};
 use super::super::RedisBackend;
 use crate::budget::Limit;
 use crate::store::AdmitRequest;
@@ -69,31 +71,38 @@ pub(super) fn refused_for(req: &AdmitRequest) -> Duration {
 }
 
 impl RedisBackend {
-    /// Gives back the charges a beat took from a route's queue (its dead instances' waiters'),
-    /// one after another on a task of their own; each is sent again until it is made (once,
-    /// by its marker).
-    pub(super) fn refund_owed(self: &Arc<Self>, charges: Vec<String>) {
-        if charges.is_empty() {
+    /// Gives back the charges a beat handed out on route `keys` (waiter id, charge: its dead
+    /// instances' waiters'), one after another on a task of their own, then tells the queue
+    /// they are paid. A refund that fails is sent again until it is made (once, by its
+    /// marker); one not said paid is handed out again.
+    pub(super) fn refund_owed(self: &Arc<Self>, keys: &QueueKeys, owed: Vec<(String, String)>) {
+        if owed.is_empty() {
             return;
         }
         tracing::info!(
-            waiters = charges.len(),
+            waiters = owed.len(),
             "giving back the charges of waiters dropped with a dead instance"
         );
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.clone();
+        let (store, keys) = (self.clone(), keys.clone());
         rt.spawn(async move {
-            for charge in charges {
-                let Some(charge) = Charge::parse(&charge) else {
-                    tracing::warn!(
+            let mut paid = store.queue_script.call(&keys, "paid");
+            for (id, charge) in owed {
+                match Charge::parse(&charge) {
+                    Some(charge) => {
+                        let budgets = charge.budgets();
+                        store.undo_charge(budgets, charge.c, Some(charge.m)).await;
+                    }
+                    None => tracing::warn!(
                         "a dead instance's waiter's charge could not be read; not refunded"
-                    );
-                    continue;
-                };
-                let budgets = charge.budgets();
-                store.undo_charge(budgets, charge.c, Some(charge.m)).await;
+                    ),
+                }
+                paid.arg(id);
+            }
+            if let Err(e) = store.call::<redis::Value>(paid).await {
+                tracing::debug!(error = %e, "owed charges given back, not said paid: handed out again later (refunded once)");
             }
         });
     }
