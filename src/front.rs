@@ -52,6 +52,8 @@ pub struct ConnState {
     /// When the current head's first byte arrived (µs since `epoch`; 0 = not yet).
     first_byte_us: AtomicU64,
     first_byte: Notify,
+    /// When the connection was accepted: the first head (and a TLS handshake before it) must
+    /// be in within `header_timeout` of it.
     epoch: Instant,
     /// While on, a client that went away is hidden from Pingora: writes are discarded and
     /// reads pend, so the proxy loop reads the upstream's answer to its end.
@@ -73,12 +75,12 @@ pub struct ConnState {
 }
 
 impl ConnState {
-    fn new(send_timeout: Duration) -> ConnState {
+    fn new(send_timeout: Duration, accepted: Instant) -> ConnState {
         ConnState {
             head_done: AtomicBool::new(false),
             first_byte_us: AtomicU64::new(0),
             first_byte: Notify::new(),
-            epoch: Instant::now(),
+            epoch: accepted,
             shield: AtomicBool::new(false),
             gone: AtomicBool::new(false),
             send_timeout_us: AtomicU64::new(send_timeout.as_micros() as u64),
@@ -108,8 +110,8 @@ impl ConnState {
         self.head_done.load(Ordering::SeqCst)
     }
 
-    /// Resolves when the head has been in transit for `timeout`: counted from now for a new
-    /// connection, from its first byte on a kept-alive one (idle time is `idle_timeout`'s, see
+    /// Resolves when the head has been in transit for `timeout`: counted from accept for a new
+    /// connection (a TLS handshake's time included), from its first byte on a kept-alive one (idle time is `idle_timeout`'s, see
     /// [`IdleTimer`]; so is a pipelined head's part read ahead with the previous request when
     /// no more of it comes).
     /// Once the head is complete the deadline no longer matters and no timer is armed: the
@@ -120,7 +122,7 @@ impl ConnState {
             if self.head_complete() {
                 return std::future::pending().await;
             }
-            tokio::time::sleep(timeout).await;
+            tokio::time::sleep_until((self.epoch + timeout).into()).await;
             return;
         }
         loop {
@@ -138,11 +140,11 @@ impl ConnState {
         }
     }
 
-    /// Ends after `timeout` if the HTTP/2 connection preface has not arrived whole by then
-    /// (a client that sent part of it and stopped is as silent as one that sent nothing);
-    /// else never.
+    /// Ends `timeout` after accept if the HTTP/2 connection preface has not arrived whole by
+    /// then (a client that sent part of it and stopped is as silent as one that sent
+    /// nothing); else never.
     async fn without_preface_for(&self, timeout: Duration) {
-        tokio::time::sleep(timeout).await;
+        tokio::time::sleep_until((self.epoch + timeout).into()).await;
         if self.preface_left.load(Ordering::Relaxed) == 0 {
             std::future::pending::<()>().await;
         }
@@ -294,9 +296,10 @@ where
     SV::CTX: Send + Sync,
 {
     /// Serves one client connection (counted by the caller) until it closes.
-    async fn serve(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) {
+    /// Serves a connection accepted at `accepted` (its TLS handshake done).
+    async fn serve(self: &Arc<Self>, stream: Stream, accepted: Instant, shutdown: &ShutdownWatch) {
         let limits = self.shared.running().config.client_limits;
-        let conn = Arc::new(ConnState::new(limits.send_timeout));
+        let conn = Arc::new(ConnState::new(limits.send_timeout, accepted));
         let peer = stream
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));

@@ -76,6 +76,18 @@ async fn tls_connect(
     roots: &[PathBuf],
     alpn: &[&[u8]],
 ) -> TlsStream<tokio::net::TcpStream> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    tls_over(tcp, roots, alpn).await
+}
+
+/// A TLS handshake over a TCP connection already open to the gateway.
+async fn tls_over(
+    tcp: tokio::net::TcpStream,
+    roots: &[PathBuf],
+    alpn: &[&[u8]],
+) -> TlsStream<tokio::net::TcpStream> {
     let mut store = rustls::RootCertStore::empty();
     for r in roots {
         for c in rustls::pki_types::CertificateDer::pem_file_iter(r).unwrap() {
@@ -91,9 +103,6 @@ async fn tls_connect(
     .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     connector.connect(name, tcp).await.unwrap()
 }
@@ -1151,4 +1160,54 @@ async fn a_stalled_http2_job_body_gets_408() {
     assert_eq!((r.status, r.remaining()), (200, 999));
     assert_eq!(up.count("/reports/generate"), 0);
     drop(send);
+}
+
+/// README `server.header_timeout`: "the whole request head must arrive within this (from
+/// accept); a TLS handshake must finish within it too" (DESIGN §1, slowloris). The handshake's
+/// time counts against the head's deadline, not beside it: a client that took 1.5 s to
+/// handshake and 2.4 s more to send its head (3.9 s after accept, header_timeout 3 s) was
+/// served, over HTTP/1.1 and HTTP/2 alike, so a slow client held a connection almost twice
+/// header_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_timeout_counts_from_accept_across_the_tls_handshake() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let tg = start_tls_with(&up, &pki, INCIDENT, &[], "  header_timeout: 3s\n");
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let head = b"GET /widgets HTTP/1.1\r\nHost: localhost\r\nX-API-Key: slow\r\n\r\n".to_vec();
+    for (alpn, first) in [(&b"http/1.1"[..], head), (&b"h2"[..], preface)] {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", tg.tls_port))
+            .await
+            .unwrap();
+        let accepted = Instant::now();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut tls = tls_over(tcp, &tg.roots, &[alpn]).await;
+        tokio::time::sleep_until((accepted + Duration::from_millis(3900)).into()).await;
+        // Closed by now: the write may fail, the read ends.
+        let _ = tls.write_all(&first).await;
+        let _ = tls.flush().await;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let closed = loop {
+            match tokio::time::timeout(Duration::from_secs(5), tls.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break true,
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Err(_) => break false,
+            }
+        };
+        let (text, alpn) = (String::from_utf8_lossy(&got), String::from_utf8_lossy(alpn));
+        assert!(
+            closed,
+            "{alpn}: still open 5 s after its head was late; got {text:?}"
+        );
+        assert!(!text.contains("HTTP/1.1 200"), "{alpn}: served: {text:?}");
+    }
+    assert_eq!(up.count("/widgets"), 0);
+    assert_metric(
+        &tg.gw,
+        "tollgate_client_timeouts_total{kind=\"header\"}",
+        2.0,
+    )
+    .await;
 }

@@ -159,6 +159,7 @@ async fn accept_loop<SV>(
             }
         };
         let (door, tls, shutdown) = (door.clone(), tls.clone(), shutdown.clone());
+        let accepted = std::time::Instant::now();
         pingora_runtime::current_handle().spawn(async move {
             let limits = door.shared.running().config.client_limits;
             // Counted from here, before any byte is read: a handshake is a connection too.
@@ -166,9 +167,10 @@ async fn accept_loop<SV>(
                 // Dropping the socket closes it at once: the refusal costs no more than the accept.
                 return;
             };
+            // The handshake and the first request head, within header_timeout of accept.
             let within = limits.header_timeout;
             if let Some(stream) = handshake(tcp, peer, tls.as_deref(), within).await {
-                door.serve(stream, &shutdown).await;
+                door.serve(stream, accepted, &shutdown).await;
             }
         });
     }
