@@ -70,27 +70,27 @@ impl Ticket {
     }
 
     /// The upstream never had it (or it never left the gateway): the charge goes back (once),
-    /// then its slots. The standing with the charge given back, for the answer's headers.
+    /// then its slots. The standing with the charge given back, for the answer's headers: the
+    /// budgets as the refund left them (what the key's other requests spent meanwhile
+    /// included) when the store says, else the admission's figures with the charge given back.
     pub async fn refund(&mut self, store: &Store) -> Standing {
+        let mut levels = None;
         if !std::mem::replace(&mut self.refunded, true) {
-            store.refund(&self.req, self.charge).await;
+            levels = store.refund(&self.req, self.charge).await;
         }
         self.release().await;
-        self.refunded_standing()
-    }
-
-    /// The standing it was admitted with, its charge given back where it was made.
-    fn refunded_standing(&self) -> Standing {
         let cost = self.req.cost;
         match self.charge {
             // Nothing was charged: nothing comes back.
             Charge::None => self.outcome,
-            Charge::Shared | Charge::Slice(_) => self.outcome.given_back(self.req.limits(), cost),
+            Charge::Shared | Charge::Slice(_) => {
+                refunded_standing(&self.outcome, &self.req, levels, cost)
+            }
             // The memory store's budgets, or one instance's share of each under `on_error:
             // local`.
             Charge::Local(l) => {
                 let under = self.req.charged_under(l);
-                self.outcome.given_back(under.limits(), cost)
+                refunded_standing(&self.outcome, &under, levels, cost)
             }
         }
     }
@@ -120,6 +120,20 @@ impl Ticket {
     pub fn attach_route(&mut self, slot: crate::store::fair::RouteSlot) {
         self.lease.attach_route(slot);
     }
+}
+
+/// The standing of the budgets `charged` was charged under once a charge of `cost` went back:
+/// at `levels` (ticks, as the refund left them) when known, else `admitted` (the admission's
+/// figures) with the cost given back.
+pub fn refunded_standing(
+    admitted: &Standing,
+    charged: &AdmitRequest,
+    levels: Option<Vec<i64>>,
+    cost: u64,
+) -> Standing {
+    levels
+        .and_then(|levels| Standing::of_levels(charged.limits(), &levels))
+        .unwrap_or_else(|| admitted.given_back(charged.limits(), cost))
 }
 
 /// The slots of an admitted request whose client went away, held until the upstream is done.

@@ -883,9 +883,11 @@ fn a_submission_that_waited_for_100_continue_keeps_its_connection() {
 
 /// A submission whose body stalls gets 408 after body_timeout; the job never existed and its
 /// body never reached the upstream, so nothing is charged (as for a 413), and the 408 carries
-/// every rate-limit header of an identified request (DESIGN §3), the budget whole again.
-/// (Before: only `RateLimit-Policy`, `X-RateLimit-Limit` and `X-RateLimit-Cost`, and the access
-/// log said `"decision":"error"`.)
+/// every rate-limit header of an identified request (DESIGN §3), the budget as the refund left
+/// it: what the key spent meanwhile on other requests counts (it said the budget was whole
+/// again, the admission's figures with the charge given back). (Before that: only
+/// `RateLimit-Policy`, `X-RateLimit-Limit` and `X-RateLimit-Cost`, and the access log said
+/// `"decision":"error"`.)
 #[test]
 fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
     use std::io::Write;
@@ -901,6 +903,11 @@ fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
         .unwrap();
     s.write_all(b"abc").unwrap();
     let stalled = Instant::now();
+    // Meanwhile the key spends 3 units elsewhere (3 × 864 s of a day's 100).
+    for _ in 0..3 {
+        let r = raw_request(gw.port, &raw("GET /items/1", &["X-API-Key: key-a"])).unwrap();
+        assert_eq!(r.status, 200);
+    }
     let r = read_raw_response(&mut s).expect("an answer");
     let after = stalled.elapsed();
     assert_eq!(r.status, 408, "{r:?}");
@@ -908,14 +915,17 @@ fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
     assert!(r.is_problem("request-timeout"), "{r:?}");
     let h = |name| r.header(name);
     assert_eq!(h("ratelimit-policy"), Some("\"default\";q=100;w=86400"));
-    assert_eq!(h("ratelimit"), Some("\"default\";r=100;t=0"));
+    // 2592 s until empty when they were spent, drained for body_timeout (1 s) and the time
+    // the three took since.
+    let t: u64 = h("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!((2590..=2592).contains(&t), "{r:?}");
+    assert_eq!(h("ratelimit"), Some(&*format!("\"default\";r=97;t={t}")));
     assert_eq!(h("x-ratelimit-limit"), Some("100"));
-    assert_eq!(h("x-ratelimit-remaining"), Some("100"));
-    assert_eq!(h("x-ratelimit-reset"), Some("0"));
+    assert_eq!(h("x-ratelimit-remaining"), Some("97"));
     assert_eq!(h("x-ratelimit-cost"), Some("0"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        assert_eq!(remaining(&gw, "a").await, 100);
+        assert_eq!(remaining(&gw, "a").await, 97);
         assert_metric(&gw, "tollgate_client_timeouts_total{kind=\"body\"}", 1.0).await;
         let line = gw.wait_access(1, |e| e["status"] == 408).await;
         assert_eq!(
@@ -925,4 +935,51 @@ fn a_stalled_submission_body_is_408_uncharged_with_every_rate_limit_header() {
         );
     });
     assert_eq!(up.count(ROUTE), 0);
+}
+
+/// A synchronous request whose body stalls is charged and answered 408 after body_timeout,
+/// and a job's 202 comes once its body is read: both answer well after their decision, and
+/// `t` counts to when the answer goes out (README), as it does for an upstream's answer. (It
+/// said the decision's `t`: a 408 2 s after a charge of 10 units of a day's 100, `t=8640`.)
+#[test]
+fn an_answer_after_a_slow_body_counts_t_to_when_it_goes_out() {
+    use std::io::Write;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&format!("{}    /upload:\n      cost: 10\n", reports(1, ""))),
+        server_extra: "  body_timeout: 2s\n",
+        ..GatewayOpts::default()
+    });
+    let mut s = raw_connect(gw.port);
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: key-a\r\nContent-Length: 10\r\n\r\nabc")
+        .unwrap();
+    let r = read_raw_response(&mut s).expect("an answer");
+    assert_eq!(r.status, 408, "{r:?}");
+    // 10 units: 8640 s until empty at the decision, 2 s (body_timeout) before the answer.
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"default\";r=90;t=8638"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("x-ratelimit-reset"), Some("8638"));
+    // A job's body sent 2.5 s after its 100 Continue: its 202 says 8640 + 8640 - 2.5 s.
+    let mut s = raw_connect(gw.port);
+    s.write_all(&submission_head(
+        "key-b",
+        "Content-Length: 3\r\nExpect: 100-continue\r\n",
+    ))
+    .unwrap();
+    assert_eq!(read_interim(&mut s), Some(100));
+    std::thread::sleep(Duration::from_millis(1500));
+    s.write_all(b"ab").unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    s.write_all(b"c").unwrap();
+    let r = read_raw_response(&mut s).expect("an answer");
+    assert_eq!(r.status, 202, "{r:?}");
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"default\";r=90;t=8638"),
+        "{r:?}"
+    );
 }

@@ -49,9 +49,9 @@ impl Held {
                 charge,
                 backend,
             } => {
-                let standing = Standing::from(&charge.outcome).given_back(req.limits(), req.cost);
-                backend.give_back_job(&req, &id, charge).await;
-                standing
+                let admitted = Standing::from(&charge.outcome);
+                let levels = backend.give_back_job(&req, &id, charge).await;
+                crate::admission::refunded_standing(&admitted, &req, levels, req.cost)
             }
         }
     }

@@ -291,6 +291,17 @@ impl Ctx {
         matches!(self.phase, Phase::Admitted(_))
     }
 
+    /// A job submitted (answered 202 with the figures of its charge).
+    pub fn job_submitted(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Job {
+                decision: Verdict::JobSubmitted,
+                ..
+            }
+        )
+    }
+
     /// Admitted at some point (and so forwarded, or about to be): the requests whose latency
     /// is the gateway's service level, as opposed to its refusals.
     pub fn was_forwarded(&self) -> bool {

@@ -157,11 +157,15 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     };
     // An admitted request is answered a hold (`max_delay`) and the upstream's work after its
     // decision: the budget drained meanwhile, and `t` says so. (The upstream's answer came
-    // just now: no clock read here.)
+    // just now: no clock read here.) So is one the gateway answers itself after reading its
+    // body (a 408, a job's 202): `t` counted to now.
     let t = &ctx.timing;
     let later = match (t.asked, t.upstream_start, t.upstream) {
         (Some(asked), Some(sent), Some(upstream)) if ctx.is_admitted() => {
             Some(outcome.later((sent + upstream).saturating_duration_since(asked)))
+        }
+        (Some(asked), _, None) if ctx.is_admitted() || ctx.job_submitted() => {
+            Some(outcome.later(asked.elapsed()))
         }
         _ => None,
     };

@@ -47,13 +47,12 @@ pub trait SharedStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SharedAnswer, StoreError>> + Send;
 
     /// Gives `req.cost` back to `req.key`'s shared budget; `hold` is the budget slice it was
-    /// spent from (0: none, charged to the budget itself). True if the store itself took it
-    /// (false: it went back into this instance's slice, which says nothing of the store).
+    /// spent from (0: none, charged to the budget itself).
     fn refund(
         &self,
         req: &AdmitRequest,
         hold: u128,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Refunded, StoreError>> + Send;
 
     /// What is left of the key's budgets: the one under `limit`, then each of `also` that is
     /// the key's own (as [`crate::store::memory::MemoryStore::peek`]).
@@ -115,6 +114,17 @@ pub struct SharedAnswer {
     /// False when the answer came from a local cache of the store's earlier word (so it says
     /// nothing about whether the store is reachable now).
     pub reached: bool,
+}
+
+/// Where a refund to the shared store went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refunded {
+    /// Back into this instance's budget slice: no round trip, and nothing said of the store.
+    Slice,
+    /// The store took it: each budget's level afterwards (ticks, in `req.limits()`'s order),
+    /// when its reply says and the levels are the whole story (not with budget slices, whose
+    /// held units they leave out).
+    Store(Option<Vec<i64>>),
 }
 
 /// Writes `tollgate_store_degraded`; nothing else does.
@@ -365,16 +375,21 @@ impl<S: SharedStore> FallbackStore<S> {
     /// shared budget). A shared refund that surely did not run (no connection, the breaker
     /// open) is sent again in the background; one that might have run is not (it would give
     /// back twice); it never lands in the local store, which did not charge.
-    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
+    ///
+    /// The levels of the budgets the charge was made in, once it is back (ticks; for a `Local`
+    /// charge, the instance's share's), when the store that made it says.
+    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) -> Option<Vec<i64>> {
         match charge {
             Charge::None | Charge::Local(_) => {
-                if let Charge::Local(limit) = charge {
-                    self.local.refund(&req.charged_under(limit));
-                }
+                let levels = match charge {
+                    Charge::Local(limit) => self.local.refund(&req.charged_under(limit)),
+                    _ => None,
+                };
                 // Already written back: the shared budget has it, give it back there.
                 if !self.owed.forgive(req) {
                     let _ = self.shared.refund(req, 0).await;
                 }
+                levels
             }
             Charge::Shared => {
                 self.mirror(req, true);
@@ -388,13 +403,19 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     /// A refund to the shared store (from the slice `hold`, 0: none), sent again in the
-    /// background if it surely did not run.
-    async fn refund_shared(&self, req: &AdmitRequest, hold: u128) {
+    /// background if it surely did not run. The budgets' levels when the store gave them.
+    async fn refund_shared(&self, req: &AdmitRequest, hold: u128) -> Option<Vec<i64>> {
         match self.shared.refund(req, hold).await {
-            Ok(true) => self.set_degraded(false, None),
-            Ok(false) => {}
-            Err(e) if !e.may_have_run() => self.refund_later(req.clone(), hold),
-            Err(_) => {}
+            Ok(Refunded::Store(levels)) => {
+                self.set_degraded(false, None);
+                levels
+            }
+            Ok(Refunded::Slice) => None,
+            Err(e) if !e.may_have_run() => {
+                self.refund_later(req.clone(), hold);
+                None
+            }
+            Err(_) => None,
         }
     }
 

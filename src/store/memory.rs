@@ -390,19 +390,27 @@ impl MemoryStore {
         }
     }
 
-    /// Gives `req.cost` back to every budget of `req`.
-    pub fn refund(&self, req: &AdmitRequest) {
+    /// Gives `req.cost` back to every budget of `req`: each one's level afterwards (ticks, in
+    /// `req.limits()`'s order), what the key's other requests spent meanwhile included; `None`
+    /// when the key has no budgets here (nothing to give back).
+    pub fn refund(&self, req: &AdmitRequest) -> Option<Vec<i64>> {
         let now = self.clock.now_us();
         let mut locked = self.lock_budgets(req);
         if !locked.shard.entries.contains_key(&locked.key) {
-            return;
+            return None;
         }
-        let states: Vec<Option<State>> = locked
-            .budgets(req)
+        let budgets = locked.budgets(req);
+        let states: Vec<Option<State>> = budgets
             .iter()
             .map(|(limit, state)| budget::refund(limit, *state, now, req.cost))
             .collect();
+        let levels = budgets
+            .iter()
+            .zip(&states)
+            .map(|((limit, _), state)| budget::level_at(limit, *state, now) as i64)
+            .collect();
         locked.put(req, &states);
+        Some(levels)
     }
 
     /// Charges `units` that were already spent to each of the request's budgets, past them if

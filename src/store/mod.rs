@@ -449,12 +449,14 @@ impl Store {
         }
     }
 
-    /// Gives a charge back (the upstream never handled the request), where it was made.
-    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) {
+    /// Gives a charge back (the upstream never handled the request), where it was made: the
+    /// levels of the budgets it was made in afterwards (ticks, in the order of the limits it
+    /// was charged under), when that store says ([`Standing::of_levels`]).
+    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) -> Option<Vec<i64>> {
         match (self, charge) {
-            (_, Charge::None) => {}
+            (_, Charge::None) => None,
             (Store::Memory(m), Charge::Local(limit)) => m.refund(&req.charged_under(limit)),
-            (Store::Memory(_), Charge::Shared | Charge::Slice(_)) => {}
+            (Store::Memory(_), Charge::Shared | Charge::Slice(_)) => None,
             (Store::Redis(r), charge) => Box::pin(r.refund(req, charge)).await,
         }
     }

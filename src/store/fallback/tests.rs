@@ -44,16 +44,16 @@ impl SharedStore for Fake {
         })
     }
 
-    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<Refunded, StoreError> {
         if hold != 0 {
             // Back into this instance's slice, as the Redis store does while the slice lives.
-            return Ok(false);
+            return Ok(Refunded::Slice);
         }
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);
         }
         self.refunded.fetch_add(req.cost as u32, Ordering::Relaxed);
-        Ok(true)
+        Ok(Refunded::Store(None))
     }
 
     async fn peek(

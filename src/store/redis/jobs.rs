@@ -124,14 +124,17 @@ impl RedisBackend {
 
     /// A charged job that is not made after all (its body stalled, was too large, or its
     /// record could not be written; its queue refused it): its charge back, then its key's
-    /// slot.
+    /// slot. Each budget's level once the charge is back, when the refund said (and budget
+    /// slices are off).
     pub(crate) async fn give_back_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
         id: &str,
         charge: JobCharge,
-    ) {
-        self.give_back(req, charge.key_slots, id.to_string()).await;
+    ) -> Option<Vec<i64>> {
+        let levels = self.give_back(req, charge.key_slots, id.to_string()).await;
+        // Budget slices' held units are not in the levels.
+        levels.filter(|_| !self.slices_on)
     }
 
     async fn enter_admitted_job(

@@ -11,7 +11,7 @@ use super::slices::{self, Ask};
 use super::{budget_keys, keys, RedisBackend, RedisLease};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
-use crate::store::fallback::{SharedAnswer, SharedStore};
+use crate::store::fallback::{Refunded, SharedAnswer, SharedStore};
 
 /// The key the breaker's probe names (never written): on Cluster, it routes the probe to a
 /// primary (that slot's).
@@ -47,32 +47,31 @@ impl SharedStore for RedisBackend {
     }
 
     /// A failed refund is not retried: it might have run. One spent from this instance's
-    /// slice goes back into it while that is still the key's live hold here (no round trip:
-    /// `Ok(false)`); else to the hold in Redis if that is not settled yet, or to the budget.
-    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<bool, StoreError> {
+    /// slice goes back into it while that is still the key's live hold here (no round trip);
+    /// else to the hold in Redis if that is not settled yet, or to the budget.
+    async fn refund(&self, req: &AdmitRequest, hold: u128) -> Result<Refunded, StoreError> {
         self.deny.forget(&req.key);
         if hold != 0 && self.slices.unspend(req, hold, Instant::now()) {
-            return Ok(false);
+            return Ok(Refunded::Slice);
         }
         let budgets = budget_keys(req);
-        let call = if hold == 0 {
+        if hold == 0 {
             let refund = Refund {
                 budgets: &budgets,
                 cost: req.cost,
                 once: None,
             };
-            self.op(&refund).await.map(|_| 1)
-        } else {
-            let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
-            let unspend = Unspend {
-                holds: &holds,
-                budgets: &budgets,
-                id: &id,
-                cost: req.cost,
-            };
-            self.op(&unspend).await
+            let levels = self.op(&refund).await?;
+            return Ok(Refunded::Store((!self.slices_on).then_some(levels)));
+        }
+        let (holds, id) = (keys::holds_key(&req.key), slices::hold_field(hold));
+        let unspend = Unspend {
+            holds: &holds,
+            budgets: &budgets,
+            id: &id,
+            cost: req.cost,
         };
-        call.map(|_| true)
+        self.op(&unspend).await.map(|_| Refunded::Store(None))
     }
 
     async fn peek(
