@@ -138,6 +138,9 @@ fn plan_names_fit_in_headers() {
     assert!(first_error(&s).starts_with("plans.\"gold plan\": a plan name uses only"));
     let s = format!("{BASE}\nplans:\n  default: {{max_cost: 600, window: 60s}}\n");
     assert!(first_error(&s).starts_with("plans.default: a plan name"));
+    // Nor the name a route's shared budget has beside the key's in the same headers.
+    let s = format!("{BASE}\nplans:\n  shared: {{max_cost: 600, window: 60s}}\n");
+    assert!(first_error(&s).starts_with("plans.shared: a plan name"));
 }
 
 #[test]

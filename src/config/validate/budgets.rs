@@ -48,8 +48,10 @@ pub(super) fn plans(
             continue;
         }
         let base = key_path("plans", name);
-        // Plan names go into RateLimit headers as structured-field strings.
+        // Plan names go into RateLimit headers as structured-field strings, beside a route's
+        // shared budget (named `shared` there).
         if name == "default"
+            || name == crate::policy::SHARED_BUDGET
             || name.is_empty()
             || !name
                 .chars()
@@ -57,7 +59,7 @@ pub(super) fn plans(
         {
             errs.push(
                 base.clone(),
-                "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default)",
+                "a plan name uses only letters, digits, '-', '_' or '.', and is not \"default\" (that is rate_limits.default) nor \"shared\" (a route's shared budget has that name in the RateLimit headers)",
             );
         }
         let per_key = concurrency_cap(
