@@ -147,6 +147,34 @@ async fn an_upstreams_slow_body_is_not_gateway_overhead() {
     assert!(overhead < 0.3, "overhead {overhead} s of {total} s");
 }
 
+/// DESIGN §5: overhead is the time in the gateway minus the upstream's part and the waiting,
+/// so never more than the request's whole time. A request never sent (a refunded 502: the
+/// upstream refuses connections) measured its overhead as the time until its metrics were
+/// written, after its duration was taken: larger, every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overhead_is_never_more_than_the_requests_time() {
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{}", free_port()),
+        body: INCIDENT,
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    for _ in 0..5 {
+        assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 502);
+    }
+    let series = |name: &str| format!("{name}{{route=\"default\"}}");
+    wait_metric(
+        &gw,
+        &series("tollgate_overhead_seconds_count"),
+        5.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    let total = metric(&gw, &series("tollgate_request_duration_seconds_sum")).await;
+    let overhead = metric(&gw, &series("tollgate_overhead_seconds_sum")).await;
+    assert!(overhead <= total, "overhead {overhead} s of {total} s");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_names_and_labels_exactly_as_designed() {
     let up = Upstream::start(Duration::ZERO);

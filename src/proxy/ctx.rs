@@ -314,11 +314,13 @@ impl Ctx {
     /// The time the gateway itself added: all of it but the upstream's part and the waiting.
     /// From sending the request on, the answer is passed on as it comes, at the upstream's and
     /// the client's pace (the upstream's histogram counts up to its head; the streamed body is
-    /// in the request's duration only): so the gateway's own time is what came before.
-    pub fn overhead(&self) -> Duration {
+    /// in the request's duration only): so the gateway's own time is what came before. Never
+    /// sent (a refunded 502, a 408): all of `elapsed`, the request's whole time as measured
+    /// for `tollgate_request_duration_seconds`, which it never exceeds.
+    pub fn overhead(&self, elapsed: Duration) -> Duration {
         let before = match self.timing.upstream_start {
-            Some(sent) => sent.saturating_duration_since(self.start),
-            None => self.start.elapsed(),
+            Some(sent) => sent.saturating_duration_since(self.start).min(elapsed),
+            None => elapsed,
         };
         before
             .saturating_sub(self.timing.queued)

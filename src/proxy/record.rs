@@ -17,7 +17,7 @@ pub(super) fn finished(rm: &RouteMetrics, ctx: &Ctx, status: u16, elapsed: Durat
     if ctx.was_forwarded() {
         // The latency SLO: refusals are fast and would flatter the requests that were served.
         rm.admitted_duration.observe(elapsed.as_secs_f64());
-        rm.overhead.observe(ctx.overhead().as_secs_f64());
+        rm.overhead.observe(ctx.overhead(elapsed).as_secs_f64());
     }
     // (One settled on its late answer is observed then, at the time it is billed.)
     if let (Some(u), false) = (ctx.timing.upstream, ctx.settles_late) {
