@@ -661,3 +661,45 @@ async fn a_repeated_refusal_shows_what_has_drained_on_redis() {
     let redis = Redis::start();
     a_repeated_refusal_shows_what_has_drained_since(Some(&redis)).await;
 }
+
+/// DESIGN §1: a route's shared budget is the provider's own cap, "with `max_delay` so callers
+/// wait in line" (README: one call every 500 ms, whichever instance sends it). A caller held
+/// by its own key's `max_delay` takes the provider's turn when it goes on: the next caller
+/// comes a turn after it. (It took the turn when decided, and went on later, together with
+/// the next caller: 11 ms apart at the provider.)
+async fn a_caller_held_by_its_key_keeps_the_providers_spacing(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 120}}\n  endpoints:\n    /r20: {{cost: 20}}\n    \"/prov/{{*rest}}\":\n      shared: {{max_cost: 1, window: 500ms, max_delay: 30s}}\nplans:\n  held: {{max_cost: 20, window: 10s, max_delay: 3s}}\nkeys:\n{}{}",
+        store(redis),
+        registry_key("a", ", plan: held"),
+        registry_key("b", "")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    // a spends its whole budget: its next unit is 500 ms away.
+    assert_eq!(get(&c, gw.url("/r20"), "key-a").await.status(), 200);
+    let (c2, url) = (c.clone(), gw.url("/prov/a"));
+    let held = tokio::spawn(async move { get(&c2, url, "key-a").await.status() });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(get(&c, gw.url("/prov/b"), "key-b").await.status(), 200);
+    assert_eq!(held.await.unwrap(), 200);
+    let seen = up.api.seen();
+    let at = |t: &str| seen.iter().find(|s| s.target == t).unwrap().at;
+    let gap = at("/prov/b").saturating_duration_since(at("/prov/a"));
+    assert!(
+        gap >= Duration::from_millis(450),
+        "{gap:?} apart at the provider"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_held_by_its_key_keeps_the_providers_spacing_on_memory() {
+    a_caller_held_by_its_key_keeps_the_providers_spacing(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_held_by_its_key_keeps_the_providers_spacing_on_redis() {
+    let redis = Redis::start();
+    a_caller_held_by_its_key_keeps_the_providers_spacing(Some(&redis)).await;
+}
