@@ -302,19 +302,10 @@ pub struct Joint {
 ///   all of them only then; every budget's figures are its level now (nothing was charged).
 /// - Admitted: held for the longest of the delays; the outcome's own figures are the tightest
 ///   budget's (fewest units left, the first of equals), which `X-RateLimit-*` describe.
-///   A route's shared budget (`shared[i]`: a provider's cap, which spaces its callers) is
-///   charged as of when the request goes on: held longer by another budget (the key's
-///   `max_delay`), it takes the provider's turn then, not now ([`at_turn`]), so that it never
-///   reaches the provider together with the next caller the shared budget lets through.
 ///
 /// With one budget this is exactly [`decide`] (and `each` stays empty). The Lua script's
 /// `admit` transcribes it; keep the two in step.
-pub fn decide_all(
-    budgets: &[(Limit, Option<State>)],
-    shared: &[bool],
-    now_us: u64,
-    cost: u64,
-) -> Joint {
+pub fn decide_all(budgets: &[(Limit, Option<State>)], now_us: u64, cost: u64) -> Joint {
     let mut states = [None; MAX_BUDGETS];
     let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
     if let [(limit, state)] = budgets {
@@ -322,7 +313,7 @@ pub fn decide_all(
         states[0] = outcome.state;
         return Joint { outcome, states };
     }
-    let mut outs: Vec<Outcome> = budgets
+    let outs: Vec<Outcome> = budgets
         .iter()
         .map(|(l, s)| decide(l, *s, now_us, cost))
         .collect();
@@ -354,23 +345,14 @@ pub fn decide_all(
         };
         return Joint { outcome, states };
     }
-    let delay_us = outs
-        .iter()
-        .filter_map(|o| match o.verdict {
-            Verdict::Admit { delay_us } => Some(delay_us),
-            Verdict::Reject { .. } => None,
-        })
-        .max()
-        .unwrap_or(0);
-    for (i, (o, (l, _))) in outs.iter_mut().zip(budgets).enumerate() {
-        if shared.get(i) == Some(&true) {
-            at_turn(o, l, delay_us, cost);
-        }
-    }
     let mut tightest = 0;
+    let mut delay_us = 0;
     for (i, o) in outs.iter().enumerate() {
         if o.remaining < outs[tightest].remaining {
             tightest = i;
+        }
+        if let Verdict::Admit { delay_us: d } = o.verdict {
+            delay_us = delay_us.max(d);
         }
         states[i] = o.state;
         each.push(Figure {
@@ -387,26 +369,6 @@ pub fn decide_all(
         each,
     };
     Joint { outcome, states }
-}
-
-/// An admission `o` of `cost` units to the shared budget `limit`, held `delay_us` in all (by
-/// this budget or another): if its own wait is shorter, it is charged as of when the request
-/// goes on — its level then is what it would be now had the request come `delay_us` later:
-/// `max(level, delay_us × rate) + cost`, measured now. The Lua `admit` transcribes it.
-fn at_turn(o: &mut Outcome, limit: &Limit, delay_us: u64, cost: u64) {
-    let (Verdict::Admit { delay_us: own }, Some(state)) = (o.verdict, o.state.as_mut()) else {
-        return;
-    };
-    if own >= delay_us {
-        return;
-    }
-    let turn = (delay_us as u128 * limit.rate as u128 + cost as u128 * limit.per_unit as u128)
-        .min(MAX_TICKS * 2) as u64;
-    if turn > state.level {
-        state.level = turn;
-        o.remaining = limit.remaining(turn);
-        o.reset_us = limit.reset_us(turn);
-    }
 }
 
 /// The bucket as it stands, for answers that charge nothing (a busy slot): same verdict,

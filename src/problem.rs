@@ -291,7 +291,6 @@ mod tests {
                 (policy.budgets[0].limit, None),
                 (policy.budgets[1].limit, None),
             ],
-            &[],
             0,
             20,
         )
@@ -326,7 +325,7 @@ mod tests {
             .iter()
             .map(|b| (b.limit.fraction(2), None))
             .collect();
-        let o = crate::budget::decide_all(&limits, &[], 0, 1).outcome;
+        let o = crate::budget::decide_all(&limits, 0, 1).outcome;
         let h = rate_limit_headers(&policy, Some(&shared), &(&o).into(), 1, 2);
         assert_eq!(
             h[0].1,

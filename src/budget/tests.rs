@@ -238,19 +238,19 @@ fn several_budgets_all_or_nothing() {
     let mut st = [None, None];
     let mut admitted = 0;
     for _ in 0..3 {
-        let j = decide_all(&[(minute, st[0]), (day, st[1])], &[], 0, 1);
+        let j = decide_all(&[(minute, st[0]), (day, st[1])], 0, 1);
         assert!(j.outcome.admitted());
         admitted += 1;
         st = [j.states[0], j.states[1]];
     }
     assert_eq!(admitted, 3);
     // The minute budget is the tightest now (0 left against the day's 1).
-    let j = decide_all(&[(minute, st[0]), (day, st[1])], &[], 0, 1);
+    let j = decide_all(&[(minute, st[0]), (day, st[1])], 0, 1);
     assert!(!j.outcome.admitted());
     assert_eq!(j.outcome.each.decisive, 0);
     assert_eq!(j.states, [None; MAX_BUDGETS], "a refusal writes nothing");
     // A minute later the minute budget has room, the day budget one unit only.
-    let j = decide_all(&[(minute, st[0]), (day, st[1])], &[], 60_000_000, 2);
+    let j = decide_all(&[(minute, st[0]), (day, st[1])], 60_000_000, 2);
     assert_eq!(j.outcome.each.decisive, 1, "the day budget refuses");
     let Verdict::Reject { retry_after_us } = j.outcome.verdict else {
         panic!()
@@ -260,7 +260,7 @@ fn several_budgets_all_or_nothing() {
     assert_eq!(figs.len(), 2);
     assert_eq!((figs[0].remaining, figs[1].remaining), (3, 1));
     assert_eq!(j.outcome.remaining, 1);
-    let j = decide_all(&[(minute, st[0]), (day, st[1])], &[], 60_000_000, 1);
+    let j = decide_all(&[(minute, st[0]), (day, st[1])], 60_000_000, 1);
     assert!(j.outcome.admitted());
     assert_eq!(
         j.outcome.each.decisive, 1,
@@ -274,10 +274,10 @@ fn several_budgets_wait_for_the_slowest() {
     let a = lim(1, 500, 30_000);
     let b = lim(10, 1_000, 0);
     let (_, sa) = burst(&a, 1, 1, 0);
-    let j = decide_all(&[(a, sa), (b, None)], &[], 0, 1);
+    let j = decide_all(&[(a, sa), (b, None)], 0, 1);
     assert_eq!(j.outcome.verdict, Verdict::Admit { delay_us: 500_000 });
     // One budget is exactly `decide`.
-    let one = decide_all(&[(b, None)], &[], 0, 1);
+    let one = decide_all(&[(b, None)], 0, 1);
     assert_eq!(one.outcome, decide(&b, None, 0, 1));
     assert!(one.outcome.each.as_slice().is_empty());
 }
@@ -355,7 +355,7 @@ fn given_back_on_several_budgets_names_the_tightest_again() {
     // 110 of the day's 200 are spent (the minute's bucket is empty): 20 more leave the day
     // 70, the minute 100.
     let day_state = decide(&day, None, now, 110).state;
-    let j = decide_all(&[budgets[0], (day, day_state)], &[], now, 20);
+    let j = decide_all(&[budgets[0], (day, day_state)], now, 20);
     assert!(j.outcome.admitted());
     let standing = crate::store::Standing::from(&j.outcome);
     // The day (70 left) decides over the minute (100 left).
@@ -370,32 +370,4 @@ fn given_back_on_several_budgets_names_the_tightest_again() {
     let one = crate::store::Standing::from(&decide(&minute, None, now, 20));
     let back = one.given_back([minute].iter(), 20);
     assert_eq!((back.remaining, back.reset_us), (120, 0));
-}
-
-/// A caller held by its own key's `max_delay` takes a route's shared budget's turn when it
-/// goes on, not when it was decided: the next caller the shared budget lets through comes a
-/// whole turn after it (the probe: both reached the provider 11 ms apart, against a shared
-/// cap of one call per 500 ms). The key's own budget is charged as before.
-#[test]
-fn a_held_caller_takes_the_shared_budgets_turn_when_it_goes_on() {
-    let ms = Duration::from_millis;
-    let key = Limit::new(20, Duration::from_secs(10), Duration::from_secs(3)).unwrap();
-    let shared = Limit::new(1, ms(500), Duration::from_secs(30)).unwrap();
-    let spent = State::of(&key, key.capacity, 0);
-    let a = decide_all(&[(key, Some(spent)), (shared, None)], &[false, true], 0, 1);
-    assert_eq!(a.outcome.verdict, Verdict::Admit { delay_us: 500_000 });
-    // The key's level as before; the shared one as if it came 500 ms later.
-    assert_eq!(a.states[0].unwrap().level, key.capacity + key.per_unit);
-    assert_eq!(a.states[1].unwrap().level, 2 * shared.per_unit);
-    // Another key, 50 ms later: its turn is 500 ms after a's (at 1 s), 950 ms from now.
-    let b = decide_all(
-        &[(key, None), (shared, a.states[1])],
-        &[false, true],
-        50_000,
-        1,
-    );
-    assert_eq!(b.outcome.verdict, Verdict::Admit { delay_us: 950_000 });
-    // Not a shared budget: charged when decided, as before (a's turn there was now).
-    let c = decide_all(&[(key, Some(spent)), (shared, None)], &[], 0, 1);
-    assert_eq!(c.states[1].unwrap().level, shared.per_unit);
 }

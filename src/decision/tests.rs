@@ -277,7 +277,6 @@ fn shared_budget_refusals_and_the_hold_bound() {
                 Some(budget::State::of(&req.also[0].limit, u64::MAX / 4, 0)),
             ),
         ],
-        &req.shared_budgets(),
         0,
         1,
     );

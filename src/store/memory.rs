@@ -286,7 +286,7 @@ impl MemoryStore {
         let key = locked.key;
         locked.shard.sweep(now);
         let budgets = locked.budgets(req);
-        let joint = budget::decide_all(&budgets, &req.shared_budgets(), now, req.cost);
+        let joint = budget::decide_all(&budgets, now, req.cost);
         if !joint.outcome.admitted() {
             locked.convert(req, &budgets, now);
             return Admission::over_budget(&joint.outcome);
@@ -317,7 +317,7 @@ impl MemoryStore {
     pub fn standing(&self, req: &AdmitRequest) -> budget::Outcome {
         let now = self.clock.now_us();
         let budgets = self.lock_budgets(req).budgets(req);
-        let verdict = budget::decide_all(&budgets, &req.shared_budgets(), now, req.cost).outcome;
+        let verdict = budget::decide_all(&budgets, now, req.cost).outcome;
         uncharged(&budgets, now, verdict)
     }
 

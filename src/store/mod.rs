@@ -169,15 +169,6 @@ impl AdmitRequest {
         std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
     }
 
-    /// Which of [`Self::limits`] is a route's shared budget (a provider's cap), in order.
-    pub fn shared_budgets(&self) -> [bool; crate::budget::MAX_BUDGETS] {
-        let mut shared = [false; crate::budget::MAX_BUDGETS];
-        for (s, e) in shared.iter_mut().skip(1).zip(&self.also) {
-            *s = matches!(e.bucket, Bucket::Route(_));
-        }
-        shared
-    }
-
     /// The same request against `1/n` of every budget: one instance's `on_error: local` share.
     pub(crate) fn share(&self, n: u32) -> AdmitRequest {
         AdmitRequest {

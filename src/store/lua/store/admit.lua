@@ -150,19 +150,6 @@ if route_cap > 0 and redis.call('ZCOUNT', KEYS[3], int(now), '+inf') >= route_ca
   return reply(ROUTE_BUSY, 0, false, nil)
 end
 local delay = 0
-for _, x in ipairs(b) do
-  x.wait = 0
-  if x.next + x.held > x.cap then x.wait = ceil_div(x.next + x.held - x.cap, x.q) end
-  delay = math.max(delay, x.wait)
-end
--- Held `delay` in all, it is charged to a route's shared budget as of when it goes on: held
--- longer than that budget's own wait, it takes the provider's turn then, not now
--- (crate::budget::at_turn).
-for _, x in ipairs(b) do
-  if x.wait < delay and not x.own then
-    x.next = math.max(x.next, math.min(delay * x.q + cost * x.p, MAX_LEVEL))
-  end
-end
 -- The record lives no longer than the budgets take to be full again (then undoing the
 -- admission would give nothing back: its charge has drained), nor than record_ms.
 local keep = 1
@@ -172,6 +159,9 @@ if key_cap > 0 or route_cap > 0 then keep = math.max(keep, ceil_div(ttl, 1000)) 
 redis.call('SET', record, '1', 'PX', int(math.min(keep, record_ms)))
 for _, x in ipairs(b) do
   store_level(x.key, x.next, x.p, x.q, now)
+  if x.next + x.held > x.cap then
+    delay = math.max(delay, ceil_div(x.next + x.held - x.cap, x.q))
+  end
 end
 if granted > 0 then
   redis.call('HSET', holds, grant_id, int(granted) .. ':' .. int(now + hold_ttl))

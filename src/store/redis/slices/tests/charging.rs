@@ -49,7 +49,7 @@ fn a_single_instance_shows_the_exact_paths_headers_or_a_little_less() {
             let now = t0 + Duration::from_micros(700 * i);
             let now_us = base_us + 700 * i;
             let budgets: Vec<_> = exact.iter().map(|(l, s)| (*l, *s)).collect();
-            let want = budget::decide_all(&budgets, &[], now_us, cost);
+            let want = budget::decide_all(&budgets, now_us, cost);
             for (b, st) in exact.iter_mut().zip(want.states) {
                 if st.is_some() {
                     b.1 = st;
