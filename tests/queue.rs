@@ -1111,6 +1111,8 @@ fn a_dropped_waiters_charge_is_owed_and_taken_back_by_its_instance() {
     std::thread::sleep(Duration::from_millis(20));
     run(&["release", "h", "1000000", "120000000"]);
     assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "2", "both owed");
+    let ttl: i64 = redis.cli(&["PTTL", keys[5]]).trim().parse().unwrap();
+    assert!(ttl > 0, "the owed charges' key has a TTL: {ttl}");
     // i1 is back for w1 within the grace: its charge is its own again, and it takes the slot.
     assert_eq!(first(enter("w1", "i1", "10000000")), "1");
     assert_eq!(redis.cli(&["ZSCORE", keys[5], "w1"]).trim(), "");
@@ -1139,4 +1141,12 @@ fn a_dropped_waiters_charge_is_owed_and_taken_back_by_its_instance() {
     assert_eq!(first(enter("d", "i2", "10000000")), "0");
     assert_eq!(first(enter("d", "i2", "10000000")), "0");
     assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "1");
+    // Granted meanwhile (w1's slot freed), it takes that slot, counted once.
+    run(&["release", "w1", "1000000", "120000000"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[0]]).trim(), "1", "granted to d");
+    assert_eq!(first(enter("d", "i2", "10000000")), "1");
+    assert_eq!(redis.cli(&["HGET", keys[3], "r:k1"]).trim(), "1");
+    run(&["release", "d", "1000000", "120000000"]);
+    assert_eq!(redis.cli(&["HGET", keys[3], "running"]).trim(), "");
+    assert_eq!(redis.cli(&["HGET", keys[3], "r:k1"]).trim(), "");
 }

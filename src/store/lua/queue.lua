@@ -61,7 +61,8 @@
 --          since (the caller's config's load time, ms: `limits`) [given_up_us charge] (kept
 --          as `c:<id>` while it waits: should its instance die, its charge is owed, KEYS[6],
 --          and once handed out its id is refused for given_up_us). An id already waiting
---          keeps its place (its instance entered it again after beats failed).
+--          keeps its place, and one granted meanwhile takes its slot, confirmed (its instance
+--          entered it again after beats failed).
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -235,6 +236,9 @@ local function owe(id)
   if redis.call('HEXISTS', state, 'c:' .. id) == 0 then return end
   if redis.call('HEXISTS', state, 'w:' .. id) == 1 or redis.call('ZSCORE', leases, id) then return end
   redis.call('ZADD', owed, 'NX', int(now + OWED_AFTER_US), id)
+  -- Every key has a TTL: the state's (each op that keeps it alive keeps this too).
+  local ms = math.max(redis.call('PTTL', state), 60000)
+  if redis.call('PTTL', owed) < ms then redis.call('PEXPIRE', owed, ms) end
 end
 
 -- Its instance came back for waiter `id` before its owed charge was handed out: the charge is
@@ -448,6 +452,13 @@ if op == 'enter' then
     keep(lease_ttl)
     return {QUEUED, redis.call('ZCARD', waiters)}
   end
+  if instance ~= FLEET and redis.call('ZSCORE', leases, id) then
+    -- Granted (or held) meanwhile: it is the caller's, confirmed, not counted again.
+    redis.call('ZADD', leases, now + lease_ttl, id)
+    redis.call('HDEL', state, 'gi:' .. id, 'c:' .. id)
+    keep(lease_ttl)
+    return {TAKEN}
+  end
   if takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
     redis.call('HDEL', state, 'c:' .. id)
@@ -459,6 +470,8 @@ if op == 'enter' then
   end
   local queued = redis.call('ZCARD', waiters)
   if max_queue > 0 and queued >= max_queue then
+    -- (A charge taken back from the owed is its caller's to give back now.)
+    redis.call('HDEL', state, 'c:' .. id)
     keep(lease_ttl)
     return {FULL}
   end
