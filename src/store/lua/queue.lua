@@ -165,10 +165,13 @@ local function add_running(key, n)
 end
 
 -- A lease gone (released or lapsed): its key runs one fewer.
-local function lease_gone(id)
-  redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id)
-  -- (A charge owed stays until paid or taken back.)
-  if not redis.call('ZSCORE', owed, id) then redis.call('HDEL', state, 'c:' .. id) end
+-- (`owing`: its charge was just owed, KEYS[6], and stays until paid or taken back.)
+local function lease_gone(id, owing)
+  if owing then
+    redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id)
+  else
+    redis.call('HDEL', state, 'gi:' .. id, 'gw:' .. id, 'c:' .. id)
+  end
   local key = redis.call('HGET', state, 'l:' .. id)
   if key then
     redis.call('HDEL', state, 'l:' .. id)
@@ -380,7 +383,8 @@ local function purge()
     local instance = redis.call('HGET', state, 'gi:' .. id)
     -- Not the fleet's own pseudo-instance of async jobs: its waiters belong to no process,
     -- and any instance's collector picks its grants up.
-    if instance and instance ~= FLEET then
+    local owing = instance and instance ~= FLEET
+    if owing then
       redis.call('HDEL', state, 'i:' .. instance)
       -- Granted, never confirmed: it never ran.
       owe(id)
@@ -399,7 +403,7 @@ local function purge()
       count_instance(FLEET, 1)
       refresh(key)
     else
-      lease_gone(id)
+      lease_gone(id, owing)
     end
   end
 end
@@ -444,8 +448,9 @@ if op == 'enter' then
   if refused(id) then return {GIVEN_UP} end
   route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
-  -- Dropped as dead and back before its charge was handed out: the charge is its own again.
-  reclaim(id)
+  -- Dropped as dead and back before its charge was handed out: the charge is its own again
+  -- (`reclaim`; not given up, as checked above).
+  local back = redis.call('ZREM', owed, id) == 1
   purge()
   grant(grant_ttl)
   if redis.call('HEXISTS', state, 'w:' .. id) == 1 then
@@ -461,7 +466,7 @@ if op == 'enter' then
   end
   if takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
-    redis.call('HDEL', state, 'c:' .. id)
+    if back then redis.call('HDEL', state, 'c:' .. id) end
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
     refresh(key)
@@ -471,7 +476,7 @@ if op == 'enter' then
   local queued = redis.call('ZCARD', waiters)
   if max_queue > 0 and queued >= max_queue then
     -- (A charge taken back from the owed is its caller's to give back now.)
-    redis.call('HDEL', state, 'c:' .. id)
+    if back then redis.call('HDEL', state, 'c:' .. id) end
     keep(lease_ttl)
     return {FULL}
   end
