@@ -649,15 +649,7 @@ async fn admin_routes_names_the_keys_holding_and_awaiting_the_slots() {
 /// can only get the dead waiter's slot, after its grant lapsed unconfirmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds() {
-    let redis = Redis::start();
-    let up = Upstream::start(Duration::ZERO);
-    let body = on_redis(
-        &redis.url(),
-        &config(
-            "    /reports/generate:\n      cost: 1\n      max_in_flight: 2\n      queue_timeout: 30s\n",
-            "",
-        ),
-    );
+    let (_redis, up, body) = reports_on_a_redis(2);
     let mut x = Gateway::start(&up, &body);
     let y = Gateway::start(&up, &body);
     let c = client();
@@ -708,11 +700,28 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
     // And their charges came back (DESIGN §8: a waiter that leaves unserved is refunded),
     // although the process that charged them is gone: owed once dropped, due 5 s later, and
     // then given back by y, which beats on the route.
+    wait_whole(&y, "b").await;
+}
+
+/// A Redis, an upstream and the config of `/reports/generate` (cost 1, `cap` at a time, a
+/// 30 s queue_timeout) on it, for gateways to start from.
+fn reports_on_a_redis(cap: u32) -> (Redis, Upstream, String) {
+    let redis = Redis::start();
+    let endpoint = format!(
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: {cap}\n      queue_timeout: 30s\n"
+    );
+    let body = on_redis(&redis.url(), &config(&endpoint, ""));
+    (redis, Upstream::start(Duration::ZERO), body)
+}
+
+/// Waits (15 s at most: dropped within 2.5 s, owed 5 s, then refunded) until registry key
+/// `id`'s budget is whole again.
+async fn wait_whole(gw: &Gateway, id: &str) {
     eventually(Duration::from_secs(15), async || {
-        let left = remaining(&y, "b").await;
+        let left = remaining(gw, id).await;
         (left == 1000)
             .then_some(())
-            .ok_or(format!("b has {left} left"))
+            .ok_or(format!("{id} has {left} left"))
     })
     .await;
 }
@@ -723,15 +732,7 @@ async fn a_killed_instances_grants_pass_to_the_others_waiters_within_two_seconds
 /// key's budget is exactly full again (each refund made once, by whoever made it first).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_instances_dropped_waiters_are_refunded_once_and_never_run() {
-    let redis = Redis::start();
-    let up = Upstream::start(Duration::ZERO);
-    let body = on_redis(
-        &redis.url(),
-        &config(
-            "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n",
-            "",
-        ),
-    );
+    let (_redis, up, body) = reports_on_a_redis(1);
     let x = Gateway::start(&up, &body);
     let y = Gateway::start(&up, &body);
     let c = client();
@@ -752,13 +753,7 @@ async fn a_stalled_instances_dropped_waiters_are_refunded_once_and_never_run() {
     assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
     x.signal("STOP");
     // Dropped within about 2.5 s, owed for 5 s more (time for a stall to end), then given back.
-    eventually(Duration::from_secs(15), async || {
-        let left = remaining(&y, "b").await;
-        (left == 1000)
-            .then_some(())
-            .ok_or(format!("b has {left} left"))
-    })
-    .await;
+    wait_whole(&y, "b").await;
     x.signal("CONT");
     for r in stalled {
         let r = r.await.unwrap();
@@ -1005,6 +1000,32 @@ async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
     a_reloaded_cap_reaches_the_waiters(&up, &gw, "redis").await;
 }
 
+/// `lua/queue.lua` run directly on a Redis, for the route tagged `tag`.
+struct QueueLua<'a> {
+    redis: &'a Redis,
+    keys: [String; 6],
+}
+
+impl<'a> QueueLua<'a> {
+    fn new(redis: &'a Redis, tag: &str) -> Self {
+        let keys = ["f", "q", "k", "s", "x", "o"].map(|k| format!("t:r{{{tag}}}{k}"));
+        QueueLua { redis, keys }
+    }
+
+    /// Its KEYS, in order.
+    fn keys(&self) -> [&str; 6] {
+        self.keys.each_ref().map(String::as_str)
+    }
+
+    /// One operation (`args`: ARGV); the reply as redis-cli prints it.
+    fn run(&self, args: &[&str]) -> String {
+        let mut all = vec!["EVAL", include_str!("../src/store/lua/queue.lua"), "6"];
+        all.extend(self.keys());
+        all.extend(args);
+        self.redis.cli(&all)
+    }
+}
+
 /// `lua/queue.lua`: a reload's `cap` sets the route's cap fleet-wide and grants the slots it
 /// adds; an `enter` under a config loaded before it (a request decided just before its
 /// instance reloaded, an instance not reloaded yet) is decided under the newer cap and does
@@ -1012,16 +1033,8 @@ async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
 #[test]
 fn the_latest_loaded_cap_holds_in_redis() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/queue.lua");
-    let keys = [
-        "t:r{q}f", "t:r{q}q", "t:r{q}k", "t:r{q}s", "t:r{q}x", "t:r{q}o",
-    ];
-    let run = |args: &[&str]| {
-        let mut all = vec!["EVAL", script, "6"];
-        all.extend(keys);
-        all.extend(args);
-        redis.cli(&all)
-    };
+    let q = QueueLua::new(&redis, "q");
+    let (keys, run) = (q.keys(), |args: &[&str]| q.run(args));
     let enter = |id: &str, key: &str, cap: &str, since: &str| {
         let a = [
             id, key, "1", cap, "0", "0", "10000000", "i1", "10000000", "1000000", since,
@@ -1044,15 +1057,8 @@ fn the_latest_loaded_cap_holds_in_redis() {
     assert_eq!(redis.cli(&["HGET", keys[3], "cap"]).trim(), "2");
     // A route idle past its queue state's expiry keeps a reload's figures for an instance not
     // reloaded yet: the `cap` writes them even with no state there.
-    let idle = [
-        "t:r{i}f", "t:r{i}q", "t:r{i}k", "t:r{i}s", "t:r{i}x", "t:r{i}o",
-    ];
-    let on_idle = |args: &[&str]| {
-        let mut all = vec!["EVAL", script, "6"];
-        all.extend(idle);
-        all.extend(args);
-        redis.cli(&all)
-    };
+    let idle = QueueLua::new(&redis, "i");
+    let on_idle = |args: &[&str]| idle.run(args);
     assert_eq!(first(on_idle(&["cap", "1", "0", "1000000", "500"])), "1");
     let a = [
         "e", "k1", "1", "4", "0", "0", "10000000", "i1", "10000000", "1000000", "400",
@@ -1084,16 +1090,8 @@ fn the_latest_loaded_cap_holds_in_redis() {
 #[test]
 fn a_dropped_waiters_charge_is_owed_and_taken_back_by_its_instance() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/queue.lua");
-    let keys = [
-        "t:r{o}f", "t:r{o}q", "t:r{o}k", "t:r{o}s", "t:r{o}x", "t:r{o}o",
-    ];
-    let run = |args: &[&str]| {
-        let mut all = vec!["EVAL", script, "6"];
-        all.extend(keys);
-        all.extend(args);
-        redis.cli(&all).trim().to_string()
-    };
+    let q = QueueLua::new(&redis, "o");
+    let (keys, run) = (q.keys(), |args: &[&str]| q.run(args).trim().to_string());
     // enter: id key weight cap share max_queue lease_ttl_us instance alive_us grant_ttl_us
     // since given_up_us charge
     let enter = |id: &str, instance: &str, alive_us: &str| {
