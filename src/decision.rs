@@ -324,11 +324,12 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "this key has as many requests in flight as its plan allows",
             )
         }),
-        Admission::RouteBusy { standing, queued } => {
-            // Refused before its queue_timeout: the queue was full.
-            let full = route.queue.max_queue.is_some() && queued < route.queue_timeout;
-            Err(route_busy(route, standing, queued, full))
-        }
+        Admission::RouteBusy { standing, queued } => Err(route_busy(
+            route,
+            standing,
+            queued,
+            refused_full(route, queued),
+        )),
         Admission::Unavailable => Err(Refusal {
             retry_after: Some(1),
             ..Refusal::new(
@@ -377,6 +378,19 @@ pub fn judge_job(route: &Route, admission: Admission) -> Result<Admitted, Refusa
         Admission::RouteBusy { standing, queued } => Err(route_busy(route, standing, queued, true)),
         other => judge(route, other),
     }
+}
+
+/// Whether a capped route's `route-busy` refusal after `queued` came from a full queue
+/// (`max_queue`), before any queue_timeout: refused at once, without a wait.
+fn refused_full(route: &Route, queued: Duration) -> bool {
+    route.queue.max_queue.is_some() && queued < route.queue_timeout
+}
+
+/// Whether a capped route's `route-busy` refusal after `queued` waited for a slot (until its
+/// queue_timeout, or its key's share's): not one a full queue, or a route without a queue,
+/// refused at once (`tollgate_queue_wait_seconds` counts waits).
+pub fn waited_for_a_slot(route: &Route, queued: Duration) -> bool {
+    !route.queue_timeout.is_zero() && !refused_full(route, queued)
 }
 
 /// A capped route that had no slot for the request; `full`: its queue held `max_queue`

@@ -324,6 +324,14 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
     assert_eq!(remaining(&gw, "b").await, 1000);
     assert_eq!(holder.await.unwrap(), 200);
     assert_eq!(up.count("/reports/generate"), 1);
+    // Waits for a slot: the holder's (none) and the two that timed out; not the refusal of the
+    // full queue, which waited for nothing (README: "every wait for a capped route's slot").
+    assert_metric(
+        &gw,
+        "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}",
+        3.0,
+    )
+    .await;
 }
 
 /// A request that leaves the queue unserved (503 at `queue_timeout`) is answered with its

@@ -132,7 +132,7 @@ impl Gateway {
             session.set_keepalive(None);
         }
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
-            if r.problem == Problem::RouteBusy {
+            if r.problem == Problem::RouteBusy && decision::waited_for_a_slot(route, r.queued) {
                 run.metrics
                     .get(route)
                     .queue_wait
