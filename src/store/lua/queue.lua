@@ -244,11 +244,16 @@ local function owe(id)
   if redis.call('PTTL', owed) < ms then redis.call('PEXPIRE', owed, ms) end
 end
 
--- Its instance came back for waiter `id` before its owed charge was handed out: the charge is
--- its own again. True if it was owed.
+-- Its instance came back for waiter `id` (not given up) before its owed charge was handed out:
+-- the charge is its own again, off the queue's books. True if it was owed.
+local function take_back(id)
+  if redis.call('ZREM', owed, id) == 0 then return false end
+  redis.call('HDEL', state, 'c:' .. id)
+  return true
+end
+
 local function reclaim(id)
-  if refused(id) then return false end
-  return redis.call('ZREM', owed, id) == 1
+  return not refused(id) and take_back(id)
 end
 
 local function alive(instance)
@@ -449,8 +454,8 @@ if op == 'enter' then
   route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   -- Dropped as dead and back before its charge was handed out: the charge is its own again
-  -- (`reclaim`; not given up, as checked above).
-  local back = redis.call('ZREM', owed, id) == 1
+  -- (not given up, as checked above).
+  take_back(id)
   purge()
   grant(grant_ttl)
   if redis.call('HEXISTS', state, 'w:' .. id) == 1 then
@@ -466,7 +471,6 @@ if op == 'enter' then
   end
   if takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
-    if back then redis.call('HDEL', state, 'c:' .. id) end
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
     refresh(key)
@@ -475,8 +479,6 @@ if op == 'enter' then
   end
   local queued = redis.call('ZCARD', waiters)
   if max_queue > 0 and queued >= max_queue then
-    -- (A charge taken back from the owed is its caller's to give back now.)
-    if back then redis.call('HDEL', state, 'c:' .. id) end
     keep(lease_ttl)
     return {FULL}
   end
@@ -502,11 +504,8 @@ elseif op == 'leave' then
     return {0}
   end
   if redis.call('ZSCORE', leases, id) then return {1} end
-  if reclaim(id) then
-    -- Dropped as dead, its charge not handed out: its instance gives it back itself.
-    redis.call('HDEL', state, 'c:' .. id)
-    return {0}
-  end
+  -- Dropped as dead, its charge not handed out: its instance gives it back itself.
+  if reclaim(id) then return {0} end
   give_up(id, tonumber(ARGV[3]))
   return {2}
 elseif op == 'confirm' then

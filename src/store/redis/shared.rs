@@ -12,11 +12,11 @@ use super::{budget_keys, keys, RedisBackend, RedisLease};
 use crate::budget::Limit;
 use crate::identity::KeyHash;
 use crate::store::fallback::{Refunded, SharedAnswer, SharedStore};
+use crate::store::{Admission, AdmitRequest, Bucket, BudgetView, Extra, StoreError};
 
 /// The key the breaker's probe names (never written): on Cluster, it routes the probe to a
 /// primary (that slot's).
 const PROBE_KEY: &str = "t:probe";
-use crate::store::{Admission, AdmitRequest, Bucket, BudgetView, Extra, StoreError};
 
 impl SharedStore for RedisBackend {
     /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
