@@ -6,8 +6,8 @@
 //! among this instance's waiters: the waiter whose key runs the fewest requests on the route
 //! (per its plan's weight) goes first, among equals the one that has waited longest (since its
 //! oldest waiter came, or since one of its requests last got or freed a slot, whichever is
-//! later, as in `fair`), a key's own requests in arrival order. Every release wakes the waiters; only the one whose turn it is
-//! takes the slot, the others wait on.
+//! later, as in `fair`), a key's own requests in arrival order. Every release wakes the waiters;
+//! as many as there are free slots, in that order, take one; the others wait on.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -59,41 +59,60 @@ impl Inner {
         self.counts.get(s).copied().unwrap_or(0)
     }
 
-    /// Whether `key` is at its share of `route` (it waits, even while slots are free).
-    fn at_share(&self, route: &Arc<str>, t: &Turn) -> bool {
-        t.share
-            .is_some_and(|share| self.count(&Slot::RouteKey(route.clone(), t.key)) >= share)
-    }
-
-    /// The waiter on `route` whose turn it is: fewest running per weight (cross-multiplied,
-    /// exact), then the key that has waited longest; a key's own waiters in arrival order.
-    fn next(&self, route: &Arc<str>) -> Option<u64> {
-        let turns = self.waiting.get(route)?;
-        // (running, weight, waiting since, the waiter's seq)
-        let mut best: Option<(u64, u64, u64, u64)> = None;
-        let mut seen: Vec<u128> = Vec::new();
-        for t in turns {
-            // Only a key's oldest waiter competes.
-            if seen.contains(&t.key) {
-                continue;
+    /// Whether the waiter `seq` on `route` is among those `free` slots would go to now,
+    /// handed out one at a time in turn: fewest running per weight (cross-multiplied, exact),
+    /// then the key that has waited longest; a key's own waiters in arrival order. Each slot
+    /// handed out counts for its key, which then waits behind the keys that waited as long
+    /// (as `turn` does for a slot taken). So two free slots let the first two in turn take one
+    /// each, whichever checks first: a request that cannot wait (`queue_timeout: 0`) is not
+    /// refused only because another, also in turn, joined a moment before it.
+    fn in_turn(&self, route: &Arc<str>, seq: u64, free: u32) -> bool {
+        let Some(turns) = self.waiting.get(route) else {
+            return false;
+        };
+        // Per key: slots handed out in this pass, and when the last was.
+        let mut given: HashMap<u128, (u32, u64)> = HashMap::new();
+        let mut handed: Vec<u64> = Vec::new();
+        let mut now = self.seq;
+        for _ in 0..free {
+            // (running, weight, waiting since, the waiter's seq, its key)
+            let mut best: Option<(u64, u64, u64, u64, u128)> = None;
+            let mut seen: Vec<u128> = Vec::new();
+            for t in turns {
+                // Only a key's oldest waiter still waiting competes.
+                if handed.contains(&t.seq) || seen.contains(&t.key) {
+                    continue;
+                }
+                seen.push(t.key);
+                let (extra, last_given) = given.get(&t.key).copied().unwrap_or_default();
+                let running = self.count(&Slot::RouteKey(route.clone(), t.key)) + extra;
+                if t.share.is_some_and(|share| running >= share) {
+                    continue;
+                }
+                let running = u64::from(running);
+                let weight = u64::from(t.weight.max(1));
+                let last = self.turns.get(&(route.clone(), t.key)).copied();
+                let since = t.seq.max(last.unwrap_or(0)).max(last_given);
+                let better = best.is_none_or(|(r, w, s, _, _)| {
+                    let (a, b) = (running * w, r * weight);
+                    a < b || (a == b && since < s)
+                });
+                if better {
+                    best = Some((running, weight, since, t.seq, t.key));
+                }
             }
-            seen.push(t.key);
-            if self.at_share(route, t) {
-                continue;
+            let Some((_, _, _, next, key)) = best else {
+                return false;
+            };
+            if next == seq {
+                return true;
             }
-            let running = u64::from(self.count(&Slot::RouteKey(route.clone(), t.key)));
-            let weight = u64::from(t.weight.max(1));
-            let last = self.turns.get(&(route.clone(), t.key)).copied();
-            let since = t.seq.max(last.unwrap_or(0));
-            let better = best.is_none_or(|(r, w, s, _)| {
-                let (a, b) = (running * w, r * weight);
-                a < b || (a == b && since < s)
-            });
-            if better {
-                best = Some((running, weight, since, t.seq));
-            }
+            handed.push(next);
+            now += 1;
+            let g = given.entry(key).or_default();
+            *g = (g.0 + 1, now);
         }
-        best.map(|(_, _, _, seq)| seq)
+        false
     }
 
     /// Whether `key` has a waiter on `route`.
@@ -237,9 +256,8 @@ impl Running {
         let mut slots = vec![];
         if let Some(place) = place {
             let route = &place.route;
-            if inner.count(&Slot::Route(route.clone())) >= route_share
-                || inner.next(route) != Some(place.seq)
-            {
+            let free = route_share.saturating_sub(inner.count(&Slot::Route(route.clone())));
+            if !inner.in_turn(route, place.seq, free) {
                 return Err(Full::Route);
             }
             slots.push(Slot::Route(route.clone()));
@@ -396,5 +414,50 @@ mod tests {
             running.try_take(&b, None, 9, Some(1)).err(),
             Some(Full::Key)
         );
+    }
+
+    #[test]
+    fn free_slots_go_to_as_many_waiters_in_turn() {
+        // Three keys join at once before any takes its turn (a request that cannot wait,
+        // `queue_timeout: 0`, checks once): with two slots free the first two in turn take
+        // one each, whichever of them checks first; the third waits.
+        let running = Arc::new(Running::default());
+        let route: Arc<str> = "/r".into();
+        let (a, b, c) = (req(&route, 1), req(&route, 2), req(&route, 3));
+        let pa = running.queue(&route, short_key(&a.key), fair(1, None));
+        let pb = running.queue(&route, short_key(&b.key), fair(1, None));
+        let pc = running.queue(&route, short_key(&c.key), fair(1, None));
+        let full = Some(Full::Route);
+        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
+        let gb = running.try_take(&b, Some(&pb), 2, None).unwrap();
+        drop(pb);
+        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
+        let ga = running.try_take(&a, Some(&pa), 2, None).unwrap();
+        drop(pa);
+        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
+        drop(gb);
+        let gc = running.try_take(&c, Some(&pc), 2, None).unwrap();
+        drop((pc, ga));
+        // c runs 1 of 4: three free. In turn: a1, b1 (none running, a1 first), then b2 —
+        // not a2, a being at its share of 1 once a1 runs.
+        let a1 = running.queue(&route, short_key(&a.key), fair(1, Some(1)));
+        let a2 = running.queue(&route, short_key(&a.key), fair(1, Some(1)));
+        let b1 = running.queue(&route, short_key(&b.key), fair(1, None));
+        let b2 = running.queue(&route, short_key(&b.key), fair(1, None));
+        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
+        let gb2 = running.try_take(&b, Some(&b2), 4, None).unwrap();
+        drop(b2);
+        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
+        let ga1 = running.try_take(&a, Some(&a1), 4, None).unwrap();
+        drop(a1);
+        let gb1 = running.try_take(&b, Some(&b1), 4, None).unwrap();
+        drop(b1);
+        // Full at 4; a2 waits for a slot and for a's share.
+        assert_eq!(running.try_take(&a, Some(&a2), 5, None).err(), full);
+        drop(gc);
+        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
+        drop(ga1);
+        assert!(running.try_take(&a, Some(&a2), 4, None).is_ok());
+        drop((gb1, gb2));
     }
 }
