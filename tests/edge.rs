@@ -294,10 +294,17 @@ async fn unparsable_heads_get_a_problem_json_and_are_counted() {
     )
     .await;
     let lines = gw.wait_access(4, |l| l["status"] == 400).await;
+    let mut ids = std::collections::HashSet::new();
     for l in &lines {
         assert_eq!(l["route"], "default", "{l}");
         assert_eq!(l["decision"], "bad_request", "{l}");
         assert_eq!(l["cost"], 0, "{l}");
+        // Every access line has a request id (DESIGN §5: a generated one when the client
+        // sent none it could be read from).
+        let id = l["request_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no request_id: {l}"));
+        assert!(ids.insert(id.to_owned()), "request_id {id} twice");
     }
     // The next connection is served as usual.
     let r = raw_request(gw.port, &raw("GET /items", &["X-API-Key: k"])).expect("an answer");

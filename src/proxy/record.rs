@@ -142,7 +142,8 @@ pub fn malformed_head_answer() -> bytes::Bytes {
 
 /// Counts and logs a head Pingora refused (see [`malformed_head_answer`]) as any refused
 /// request is, under `default`: a request that never reached a hook, refused as malformed,
-/// from `peer`, whose head took `elapsed`. Nothing was charged and no span exists.
+/// from `peer`, whose head took `elapsed`, under a generated request id. Nothing was charged
+/// and no span exists.
 pub fn malformed_head(
     shared: &crate::state::Shared,
     peer: Option<std::net::IpAddr>,
@@ -153,6 +154,9 @@ pub fn malformed_head(
     let mut ctx = Ctx::new(shared.drain.enter());
     ctx.start = Instant::now().checked_sub(elapsed).unwrap_or(ctx.start);
     ctx.refuse(&crate::decision::malformed_head());
+    // Its access line has a request id like every other (DESIGN §5): a generated one, as the
+    // client's could not be read.
+    ctx.request_id = Some(super::new_request_id());
     ctx.origin = peer.map(|ip| crate::config::origin::Origin {
         peer: ip,
         client: ip,
