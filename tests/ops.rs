@@ -1256,6 +1256,58 @@ async fn twenty_thousand_endpoints_keep_metrics_small_and_reloads_quick() {
     );
 }
 
+/// A reload that removes a capped route leaves none of its series behind, its queue's
+/// included; one that takes a route's cap away removes its limit and its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_removes_the_series_of_routes_and_caps_it_removed() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = "rate_limits:\n  default: {cost: 1, window: 1m, max_cost: 100}\n  endpoints:\n    /gone/items: {cost: 1, max_in_flight: 2}\n    /uncapped/items: {cost: 1, max_in_flight: 3}\n";
+    let gw = Gateway::start(&up, body);
+    let c = client();
+    for path in ["/gone/items", "/uncapped/items"] {
+        assert_eq!(get(&c, gw.url(path), "k").await.status(), 200);
+        wait_metric(
+            &gw,
+            &format!("tollgate_requests_total{{route=\"{path}\",status=\"200\"}}"),
+            1.0,
+            Duration::from_secs(5),
+        )
+        .await;
+    }
+    let before = admin_text(&gw, "/metrics").await;
+    assert!(before.contains("tollgate_queued{route=\"/gone/items\"} 0"));
+    assert!(before.contains("tollgate_queued{route=\"/uncapped/items\"} 0"));
+    assert!(before.contains("tollgate_in_flight_limit{route=\"/uncapped/items\"} 3"));
+    gw.edit_config("    /gone/items: {cost: 1, max_in_flight: 2}\n", "");
+    gw.edit_config(
+        "/uncapped/items: {cost: 1, max_in_flight: 3}",
+        "/uncapped/items: {cost: 1}",
+    );
+    gw.signal("HUP");
+    wait_metric(
+        &gw,
+        "tollgate_config_reloads_total{result=\"ok\"}",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    let after = admin_text(&gw, "/metrics").await;
+    let left: Vec<&str> = after
+        .lines()
+        .filter(|l| l.contains("route=\"/gone/items\""))
+        .collect();
+    assert!(left.is_empty(), "a removed route's series: {left:?}");
+    for series in ["tollgate_queued{", "tollgate_in_flight_limit{"] {
+        let left: Vec<&str> = after
+            .lines()
+            .filter(|l| l.starts_with(series) && l.contains("route=\"/uncapped/items\""))
+            .collect();
+        assert!(left.is_empty(), "an uncapped route's {series}: {left:?}");
+    }
+    // The uncapped route keeps its other series.
+    assert!(after.contains("tollgate_requests_total{route=\"/uncapped/items\",status=\"200\"} 1"));
+}
+
 /// `tollgate run --pid-file`: the file names this gateway's process (a reload signals it and
 /// no other tollgate on the host: docs/operations.md), and is gone after a clean exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -324,7 +324,7 @@ impl RouteMetricsTable {
     }
 
     /// Removes the series of routes that `self` has and `next` no longer does, and the
-    /// in-flight limits of routes that lost their cap.
+    /// in-flight limits and queues of routes that lost their cap.
     pub fn retire(&self, next: &Router) {
         let m = metrics();
         let next: std::collections::HashMap<&str, &Route> =
@@ -333,7 +333,9 @@ impl RouteMetricsTable {
             let label = &*old.label;
             let kept = next.get(label).copied();
             if kept.is_none_or(|r| r.max_in_flight.is_none()) {
+                // Nobody queues on a route without a cap: its queue goes with its limit.
                 let _ = m.in_flight_limit.remove_label_values(&[label]);
+                let _ = m.queued.remove_label_values(&[label]);
             }
             if kept.is_some() {
                 continue;
