@@ -932,6 +932,8 @@ fn a_short_or_placeholder_admin_token_is_refused_at_start() {
         "Password",
         "please-change-me-0123456789",
         "CHANGEME0123456789abcdef",
+        // Long, but one word said three times.
+        "passwordpasswordpassword",
         // Set but empty (a secret that is missing): it served /admin/* to anyone.
         "",
         // No Authorization header carries it: it locked everyone out.

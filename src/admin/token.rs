@@ -1,8 +1,8 @@
 //! `TOLLGATE_ADMIN_TOKEN` as the admin listener accepts it (DESIGN §5): unset means no token;
 //! a value shorter than 16 characters (an empty one too: a variable set from a secret that is
 //! missing must not open `/admin/*`) or a placeholder left from an example (`CHANGE-ME`, the
-//! value in `deploy/k8s/secret.yaml`) is refused at start rather than guarding `/admin/*` with
-//! something anyone can guess, and so is one that no `Authorization` header could carry
+//! value in `deploy/k8s/secret.yaml`) or one shorter string repeated (`passwordpassword`) is
+//! refused at start rather than guarding `/admin/*` with something anyone can guess, and so is one that no `Authorization` header could carry
 //! (spaces, control or non-ASCII characters: it would lock everyone out). [`AdminAuth`] is how a request shows
 //! it: the token as a Bearer credential, or a browser's session cookie.
 
@@ -36,6 +36,8 @@ const PLACEHOLDER_PARTS: [&str; 5] = [
 pub enum BadToken {
     #[error("TOLLGATE_ADMIN_TOKEN is a placeholder value: set a random token of at least {MIN_CHARS} characters (e.g. the output of `openssl rand -hex 32`)")]
     Placeholder,
+    #[error("TOLLGATE_ADMIN_TOKEN is one shorter string repeated: set a random token of at least {MIN_CHARS} characters (e.g. the output of `openssl rand -hex 32`)")]
+    Repeated,
     #[error("TOLLGATE_ADMIN_TOKEN is {0} characters long: an admin token needs at least {MIN_CHARS} (e.g. the output of `openssl rand -hex 32`); unset it for no token")]
     TooShort(usize),
     #[error("TOLLGATE_ADMIN_TOKEN has spaces, control or non-ASCII characters, which no Authorization header can carry: use visible ASCII (e.g. the output of `openssl rand -hex 32`)")]
@@ -56,7 +58,17 @@ pub fn check(value: &str) -> Result<Arc<str>, BadToken> {
     if chars < MIN_CHARS {
         return Err(BadToken::TooShort(chars));
     }
+    if repeats(value.as_bytes()) {
+        return Err(BadToken::Repeated);
+    }
     Ok(Arc::from(value))
+}
+
+/// Whether `v` is a shorter string said at least twice (and a part of it again):
+/// `passwordpasswordpassword`, `aaaaaaaaaaaaaaaa`, `abcabcabcabcabca`. Its length hides how
+/// little there is to guess; a random token of 16 or more characters is not one.
+fn repeats(v: &[u8]) -> bool {
+    (1..=v.len() / 2).any(|period| v[period..] == v[..v.len() - period])
 }
 
 /// The token from the environment, checked; `None` when the variable is not set.
@@ -181,6 +193,17 @@ mod tests {
         ] {
             assert_eq!(check(t), Err(BadToken::Unsendable), "{t:?}");
         }
+        for t in [
+            "passwordpasswordpassword",
+            "aaaaaaaaaaaaaaaa",
+            "abcabcabcabcabcab",
+            "0123456789abcdef0123456789abcdef",
+        ] {
+            assert_eq!(check(t), Err(BadToken::Repeated), "{t}");
+        }
+        // Not repeated: once and a part (less than twice) is not a repetition.
+        assert!(check("0123456789abcdef0123").is_ok());
+        assert!(check("abcdefghabcdefghX").is_ok());
         let e = check("s3cret-admin").unwrap_err().to_string();
         assert!(!e.contains("s3cret-admin"), "{e}");
     }
