@@ -53,10 +53,15 @@ fn json(status: StatusCode, v: serde_json::Value) -> Resp {
     reply(status, "application/json", v.to_string())
 }
 
-/// Starts serving on `listener` in a thread of its own.
-pub fn spawn(listener: std::net::TcpListener, shared: Arc<Shared>) -> anyhow::Result<()> {
+/// Starts serving on `listener` in a thread of its own, `/admin/*` behind `token` if any
+/// (`token::from_env`, checked at start before anything is bound).
+pub fn spawn(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    token: Option<Arc<str>>,
+) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
-    let token = token::from_env()?.map(AdminAuth::new);
+    let token = token.map(AdminAuth::new);
     status::started();
     if token.is_none() && listener.local_addr().is_ok_and(|a| !a.ip().is_loopback()) {
         tracing::warn!(

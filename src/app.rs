@@ -307,6 +307,9 @@ pub fn run_with(
     store: Store,
     watch: bool,
 ) -> anyhow::Result<()> {
+    // A refused admin token stops the start before anything is bound or started (its error,
+    // not a port clash's, is what the operator then reads).
+    let admin_token = crate::admin::token::from_env()?;
     raise_fd_limit();
     warn_unaffordable_in_fallback(&cfg);
     store.publish_gauges();
@@ -339,7 +342,7 @@ pub fn run_with(
     // Bind the admin port before anything else so a clash fails loudly at start.
     let admin_listener = std::net::TcpListener::bind(admin_addr)
         .map_err(|e| anyhow::anyhow!("server.admin_listen {admin_addr}: {e}"))?;
-    crate::admin::spawn(admin_listener, shared.clone())?;
+    crate::admin::spawn(admin_listener, shared.clone(), admin_token)?;
     if watch {
         spawn_file_watch(app.clone());
     }
