@@ -127,6 +127,61 @@ async fn a_full_route_stays_full_when_redis_dies() {
     .await;
 }
 
+/// A reload during an outage holds for the requests already waiting in the local queue
+/// (README, Signals): a larger cap's new share is handed to them at once, a smaller one holds
+/// for them too. They kept the share of the config they arrived under.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reload_during_an_outage_holds_for_the_local_waiters() {
+    for (to, share) in [(8, 4), (2, 1)] {
+        let mut redis = Redis::start();
+        let slow = Duration::from_secs(4);
+        let up = Upstream::start(slow);
+        let caps = "      max_in_flight: 4\n      queue_timeout: 30s\n";
+        let gw = Gateway::start(
+            &up,
+            &store_body(&redis, "local", 2, &incident_with_report_caps(caps)),
+        );
+        redis.kill();
+        // A share of 2: two run, two wait here.
+        start_reports(&gw, 4);
+        up.wait_current("/reports/generate", 2).await;
+        wait_metric(
+            &gw,
+            "tollgate_queued{route=\"/reports/generate\"}",
+            2.0,
+            Duration::from_secs(10),
+        )
+        .await;
+        gw.edit_config("max_in_flight: 4", &format!("max_in_flight: {to}"));
+        gw.reload(0.0).await;
+        if share == 4 {
+            // The waiters take the new slots beside the two still running.
+            up.wait_current("/reports/generate", 4).await;
+            assert_eq!(
+                metric(&gw, "tollgate_queued{route=\"/reports/generate\"}").await,
+                0.0
+            );
+        } else {
+            // A share of 1: once the first two are done, one at a time.
+            eventually(Duration::from_secs(30), async || {
+                match up.count("/reports/generate") {
+                    4 => Ok(()),
+                    n => Err(format!("{n} of 4 started")),
+                }
+            })
+            .await;
+            let at = up.arrivals("/reports/generate");
+            assert!(
+                at[3] - at[2] >= slow,
+                "the last two ran together: {:?} apart",
+                at[3] - at[2]
+            );
+            assert_eq!(up.max_concurrent("/reports/generate"), 2);
+        }
+        wait_idle(&gw, "/reports/generate").await;
+    }
+}
+
 /// (c) What the local shares admitted during an outage is charged to the shared budget when
 /// it returns, even into a Redis that restarted empty: the key then waits out the debt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::memory::MemoryStore;
-use super::running::{slots_of, Running};
+use super::running::{slots_of, Limits, Running};
 use super::write_back::{Ledger, Owed};
 use super::{Admission, AdmitRequest, BudgetView, Charge, Decision, Extra, Peek, StoreError};
 use crate::budget::Limit;
@@ -502,9 +502,19 @@ impl<S: SharedStore> FallbackStore<S> {
         }
     }
 
-    /// A new config is in force (see [`SharedStore::reloaded`]).
+    /// A new config is in force (see [`SharedStore::reloaded`]); its caps' local shares
+    /// hold at once for the requests waiting in this instance's local queues too.
     pub fn reloaded(&self, router: &crate::route::Router) {
         self.shared.reloaded(router);
+        let share = |cap| local::local_share(cap, self.fleet_size);
+        self.running.reconfigure(router.routes().filter_map(|r| {
+            let limits = Limits {
+                share: share(r.max_in_flight?),
+                per_key: r.queue.per_key.map(share),
+                since: r.loaded_ms,
+            };
+            Some((r.label.clone(), limits))
+        }));
     }
 
     /// Releases every lease this instance holds in the shared store, within

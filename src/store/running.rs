@@ -37,6 +37,8 @@ pub(crate) struct Running {
 #[derive(Debug, Default)]
 struct Inner {
     counts: HashMap<Slot, u32>,
+    /// Per capped route, this instance's share of it as the newest config has it.
+    limits: HashMap<Arc<str>, Limits>,
     /// Per route, its waiters in arrival order.
     waiting: HashMap<Arc<str>, Vec<Turn>>,
     /// When (in `seq`) a request of a key on a route last got or freed a slot, kept while
@@ -50,13 +52,33 @@ struct Turn {
     seq: u64,
     key: u128,
     weight: u32,
-    /// The key's local share of the route (`max_in_flight_per_key` / fleet), if any.
-    share: Option<u32>,
+}
+
+/// A capped route's local share (its `max_in_flight` / fleet), and each key's
+/// (`max_in_flight_per_key` / fleet), from the config loaded at `since` (`Route::loaded_ms`).
+/// Every waiter takes its turn within the newest a request or a reload brought: a reload's
+/// cap holds at once for the requests already waiting, as in the fleet's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub(crate) share: u32,
+    pub(crate) per_key: Option<u32>,
+    pub(crate) since: u64,
 }
 
 impl Inner {
     fn count(&self, s: &Slot) -> u32 {
         self.counts.get(s).copied().unwrap_or(0)
+    }
+
+    /// `route`'s share becomes `l` unless a newer config's is in force.
+    fn set_limits(&mut self, route: &Arc<str>, l: Limits) {
+        match self.limits.get_mut(route) {
+            Some(old) if old.since > l.since => {}
+            Some(old) => *old = l,
+            None => {
+                self.limits.insert(route.clone(), l);
+            }
+        }
     }
 
     /// Whether the waiter `seq` on `route` is among those `free` slots would go to now,
@@ -70,6 +92,7 @@ impl Inner {
         let Some(turns) = self.waiting.get(route) else {
             return false;
         };
+        let per_key = self.limits.get(route).and_then(|l| l.per_key);
         // Per key: slots handed out in this pass, and when the last was.
         let mut given: HashMap<u128, (u32, u64)> = HashMap::new();
         let mut handed: Vec<u64> = Vec::new();
@@ -86,7 +109,7 @@ impl Inner {
                 seen.push(t.key);
                 let (extra, last_given) = given.get(&t.key).copied().unwrap_or_default();
                 let running = self.count(&Slot::RouteKey(route.clone(), t.key)) + extra;
-                if t.share.is_some_and(|share| running >= share) {
+                if per_key.is_some_and(|share| running >= share) {
                     continue;
                 }
                 let running = u64::from(running);
@@ -131,6 +154,17 @@ impl Inner {
         } else {
             self.turns.remove(&(route.clone(), key));
         }
+    }
+
+    /// Takes the waiter `seq` off `route`'s waiters; its key, if it was still there.
+    fn leave(&mut self, route: &Arc<str>, seq: u64) -> Option<u128> {
+        let turns = self.waiting.get_mut(route)?;
+        let key = turns.iter().find(|t| t.seq == seq).map(|t| t.key);
+        turns.retain(|t| t.seq != seq);
+        if turns.is_empty() {
+            self.waiting.remove(route);
+        }
+        key
     }
 
     fn take(&mut self, slots: &[Slot]) {
@@ -183,16 +217,10 @@ pub(crate) struct Place {
 impl Drop for Place {
     fn drop(&mut self) {
         let mut inner = lock(&self.running.inner);
-        let mut key = None;
-        if let Some(turns) = inner.waiting.get_mut(&self.route) {
-            key = turns.iter().find(|t| t.seq == self.seq).map(|t| t.key);
-            turns.retain(|t| t.seq != self.seq);
-            if turns.is_empty() {
-                inner.waiting.remove(&self.route);
+        if let Some(key) = inner.leave(&self.route, self.seq) {
+            if !inner.waits(&self.route, key) {
+                inner.turns.remove(&(self.route.clone(), key));
             }
-        }
-        if let Some(key) = key.filter(|k| !inner.waits(&self.route, *k)) {
-            inner.turns.remove(&(self.route.clone(), key));
         }
         drop(inner);
         // The next waiter's turn may have come (this one was ahead of it).
@@ -219,16 +247,23 @@ impl Running {
         }
     }
 
-    /// Joins the waiters of `route` for its local share (`fair.per_key` already divided).
-    pub(crate) fn queue(self: &Arc<Self>, route: &Arc<str>, key: u128, fair: Fair) -> Place {
+    /// Joins the waiters of `route` for its local share, `limits` as the request's config
+    /// has them (taken unless a newer config's are in force).
+    pub(crate) fn queue(
+        self: &Arc<Self>,
+        route: &Arc<str>,
+        key: u128,
+        fair: Fair,
+        limits: Limits,
+    ) -> Place {
         let mut inner = lock(&self.inner);
+        inner.set_limits(route, limits);
         inner.seq += 1;
         let seq = inner.seq;
         inner.waiting.entry(route.clone()).or_default().push(Turn {
             seq,
             key,
             weight: fair.weight,
-            share: fair.per_key,
         });
         Place {
             running: self.clone(),
@@ -242,13 +277,23 @@ impl Running {
         lock(&self.inner).waiting.get(route).map_or(0, Vec::len)
     }
 
-    /// Counts a request if the route has room within `route_share` and it is `place`'s turn,
-    /// and its key is below `key_share` (its plan's cap); else says which is full.
+    /// A reload is in force: each capped route's share becomes the new config's, for the
+    /// requests already waiting too (a larger one hands its new slots to them at once).
+    pub(crate) fn reconfigure(&self, routes: impl IntoIterator<Item = (Arc<str>, Limits)>) {
+        let mut inner = lock(&self.inner);
+        for (route, l) in routes {
+            inner.set_limits(&route, l);
+        }
+        drop(inner);
+        self.freed.notify_waiters();
+    }
+
+    /// Counts a request if the route has room within its share and it is `place`'s turn, and
+    /// its key is below `key_share` (its plan's cap); else says which is full.
     pub(crate) fn try_take(
         self: &Arc<Self>,
         req: &AdmitRequest,
         place: Option<&Place>,
-        route_share: u32,
         key_share: Option<u32>,
     ) -> Result<RunningGuard, Full> {
         let mut inner = lock(&self.inner);
@@ -256,7 +301,8 @@ impl Running {
         let mut slots = vec![];
         if let Some(place) = place {
             let route = &place.route;
-            let free = route_share.saturating_sub(inner.count(&Slot::Route(route.clone())));
+            let share = inner.limits.get(route).map_or(0, |l| l.share);
+            let free = share.saturating_sub(inner.count(&Slot::Route(route.clone())));
             if !inner.in_turn(route, place.seq, free) {
                 return Err(Full::Route);
             }
@@ -271,6 +317,9 @@ impl Running {
         }
         inner.take(&slots);
         if let Some(place) = place {
+            // Served: no longer a waiter (its `Place` has nothing left to remove), so that a
+            // waiter checking before the place is dropped does not count it for a slot again.
+            inner.leave(&place.route, place.seq);
             inner.turn(&place.route, key);
         }
         Ok(RunningGuard {
@@ -313,107 +362,131 @@ mod tests {
         }
     }
 
-    fn fair(weight: u32, per_key: Option<u32>) -> Fair {
-        Fair {
-            weight,
-            per_key,
-            ..Fair::default()
+    /// A route's waiters with a local share of `share` and, per key, `per_key`.
+    struct Route {
+        running: Arc<Running>,
+        name: Arc<str>,
+        limits: Limits,
+    }
+
+    impl Route {
+        fn new(share: u32, per_key: Option<u32>) -> Route {
+            Route {
+                running: Arc::new(Running::default()),
+                name: "/r".into(),
+                limits: Limits {
+                    share,
+                    per_key,
+                    since: 0,
+                },
+            }
+        }
+
+        fn req(&self, key: u8) -> AdmitRequest {
+            req(&self.name, key)
+        }
+
+        /// `r` joins the waiters with its plan's `weight`.
+        fn queue(&self, r: &AdmitRequest, weight: u32) -> Place {
+            let fair = Fair {
+                weight,
+                ..Fair::default()
+            };
+            self.running
+                .queue(&self.name, short_key(&r.key), fair, self.limits)
+        }
+
+        fn take(&self, r: &AdmitRequest, p: &Place) -> Result<RunningGuard, Full> {
+            self.running.try_take(r, Some(p), None)
+        }
+
+        /// The share becomes `share` as a reload loaded at `since` has it.
+        fn reload(&self, share: u32, since: u64) {
+            let l = Limits {
+                share,
+                since,
+                ..self.limits
+            };
+            self.running.reconfigure([(self.name.clone(), l)]);
         }
     }
 
+    const FULL: Option<Full> = Some(Full::Route);
+
     #[test]
     fn the_key_running_fewest_goes_first_then_the_oldest() {
-        let running = Arc::new(Running::default());
-        let route: Arc<str> = "/r".into();
-        let (a, b) = (req(&route, 1), req(&route, 2));
-        let ka = short_key(&a.key);
-        let kb = short_key(&b.key);
+        let r = Route::new(2, None);
+        let (a, b) = (r.req(1), r.req(2));
         // a runs one already; two of a's wait, then one of b's.
-        let held = running.track(slots_of(&a));
-        let a1 = running.queue(&route, ka, fair(1, None));
-        let a2 = running.queue(&route, ka, fair(1, None));
-        let b1 = running.queue(&route, kb, fair(1, None));
-        assert_eq!(running.waiting("/r"), 3);
+        let held = r.running.track(slots_of(&a));
+        let a1 = r.queue(&a, 1);
+        let a2 = r.queue(&a, 1);
+        let b1 = r.queue(&b, 1);
+        assert_eq!(r.running.waiting("/r"), 3);
         // Room for one more (share 2): b's turn, though it came last.
-        assert_eq!(
-            running.try_take(&a, Some(&a1), 2, None).err(),
-            Some(Full::Route)
-        );
-        let gb = running.try_take(&b, Some(&b1), 2, None).unwrap();
+        assert_eq!(r.take(&a, &a1).err(), FULL);
+        let gb = r.take(&b, &b1).unwrap();
         drop(b1);
         // Full at 2.
-        assert_eq!(
-            running.try_take(&a, Some(&a1), 2, None).err(),
-            Some(Full::Route)
-        );
+        assert_eq!(r.take(&a, &a1).err(), FULL);
         drop(held);
         // a's own requests in arrival order.
-        assert_eq!(
-            running.try_take(&a, Some(&a2), 2, None).err(),
-            Some(Full::Route)
-        );
-        let ga = running.try_take(&a, Some(&a1), 2, None).unwrap();
+        assert_eq!(r.take(&a, &a2).err(), FULL);
+        let ga = r.take(&a, &a1).unwrap();
         drop((a1, ga, gb));
-        assert!(running.try_take(&a, Some(&a2), 2, None).is_ok());
+        assert!(r.take(&a, &a2).is_ok());
     }
 
     #[test]
     fn with_one_slot_equals_take_turns() {
-        let running = Arc::new(Running::default());
-        let route: Arc<str> = "/r".into();
-        let (a, b, c) = (req(&route, 1), req(&route, 2), req(&route, 3));
-        let (ka, kb, kc) = (short_key(&a.key), short_key(&b.key), short_key(&c.key));
+        let r = Route::new(1, None);
+        let (a, b, c) = (r.req(1), r.req(2), r.req(3));
         // a holds the only slot; two of a's wait, then two of b's, then one of c's.
-        let held = running.track(slots_of(&a));
-        let a1 = running.queue(&route, ka, fair(1, None));
-        let _a2 = running.queue(&route, ka, fair(1, None));
-        let b1 = running.queue(&route, kb, fair(1, None));
-        let _b2 = running.queue(&route, kb, fair(1, None));
-        let c1 = running.queue(&route, kc, fair(1, None));
+        let held = r.running.track(slots_of(&a));
+        let a1 = r.queue(&a, 1);
+        let _a2 = r.queue(&a, 1);
+        let b1 = r.queue(&b, 1);
+        let _b2 = r.queue(&b, 1);
+        let c1 = r.queue(&c, 1);
         drop(held);
         // a freed it: b's turn (waiting since before c).
-        let full = Some(Full::Route);
-        assert_eq!(running.try_take(&a, Some(&a1), 1, None).err(), full);
-        assert_eq!(running.try_take(&c, Some(&c1), 1, None).err(), full);
-        let gb = running.try_take(&b, Some(&b1), 1, None).unwrap();
+        assert_eq!(r.take(&a, &a1).err(), FULL);
+        assert_eq!(r.take(&c, &c1).err(), FULL);
+        let gb = r.take(&b, &b1).unwrap();
         drop((b1, gb));
         // b freed it: c's turn (waiting since before a last freed a slot), not a's head.
-        assert_eq!(running.try_take(&a, Some(&a1), 1, None).err(), full);
-        let gc = running.try_take(&c, Some(&c1), 1, None).unwrap();
+        assert_eq!(r.take(&a, &a1).err(), FULL);
+        let gc = r.take(&c, &c1).unwrap();
         drop((c1, gc));
-        assert!(running.try_take(&a, Some(&a1), 1, None).is_ok());
+        assert!(r.take(&a, &a1).is_ok());
     }
 
     #[test]
-    fn weights_and_shares_decide_whose_turn_it_is() {
-        let running = Arc::new(Running::default());
-        let route: Arc<str> = "/r".into();
-        let (a, b) = (req(&route, 1), req(&route, 2));
-        let (ka, kb) = (short_key(&a.key), short_key(&b.key));
+    fn weights_decide_whose_turn_it_is() {
+        let r = Route::new(3, None);
+        let (a, b) = (r.req(1), r.req(2));
         // a (weight 2) runs 1, b (weight 1) runs 1: a's 1/2 beats b's 1/1.
-        let _ra = running.track(slots_of(&a));
-        let _rb = running.track(slots_of(&b));
-        let b1 = running.queue(&route, kb, fair(1, None));
-        let a1 = running.queue(&route, ka, fair(2, None));
-        assert_eq!(
-            running.try_take(&b, Some(&b1), 3, None).err(),
-            Some(Full::Route)
-        );
-        let _ga = running.try_take(&a, Some(&a1), 3, None).unwrap();
+        let _ra = r.running.track(slots_of(&a));
+        let _rb = r.running.track(slots_of(&b));
+        let b1 = r.queue(&b, 1);
+        let a1 = r.queue(&a, 2);
+        assert_eq!(r.take(&b, &b1).err(), FULL);
+        let _ga = r.take(&a, &a1).unwrap();
         drop(a1);
-        // A key at its share of the route waits and lets the others by.
-        let a2 = running.queue(&route, ka, fair(2, Some(2)));
-        assert_eq!(
-            running.try_take(&a, Some(&a2), 9, None).err(),
-            Some(Full::Route)
-        );
-        assert!(running.try_take(&b, Some(&b1), 9, None).is_ok());
         // The key's own cap refuses.
-        let _one = running.try_take(&b, None, 9, Some(1)).unwrap();
-        assert_eq!(
-            running.try_take(&b, None, 9, Some(1)).err(),
-            Some(Full::Key)
-        );
+        let _one = r.running.try_take(&b, None, Some(1)).unwrap();
+        assert_eq!(r.running.try_take(&b, None, Some(1)).err(), Some(Full::Key));
+    }
+
+    #[test]
+    fn a_key_at_its_share_waits_and_lets_the_others_by() {
+        let r = Route::new(9, Some(2));
+        let (a, b) = (r.req(1), r.req(2));
+        let _ra = (r.running.track(slots_of(&a)), r.running.track(slots_of(&a)));
+        let a1 = r.queue(&a, 5);
+        let b1 = r.queue(&b, 1);
+        assert_eq!(r.take(&a, &a1).err(), FULL);
+        assert!(r.take(&b, &b1).is_ok());
     }
 
     #[test]
@@ -421,43 +494,94 @@ mod tests {
         // Three keys join at once before any takes its turn (a request that cannot wait,
         // `queue_timeout: 0`, checks once): with two slots free the first two in turn take
         // one each, whichever of them checks first; the third waits.
-        let running = Arc::new(Running::default());
-        let route: Arc<str> = "/r".into();
-        let (a, b, c) = (req(&route, 1), req(&route, 2), req(&route, 3));
-        let pa = running.queue(&route, short_key(&a.key), fair(1, None));
-        let pb = running.queue(&route, short_key(&b.key), fair(1, None));
-        let pc = running.queue(&route, short_key(&c.key), fair(1, None));
-        let full = Some(Full::Route);
-        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
-        let gb = running.try_take(&b, Some(&pb), 2, None).unwrap();
+        let r = Route::new(2, None);
+        let (a, b, c) = (r.req(1), r.req(2), r.req(3));
+        let pa = r.queue(&a, 1);
+        let pb = r.queue(&b, 1);
+        let pc = r.queue(&c, 1);
+        assert_eq!(r.take(&c, &pc).err(), FULL);
+        let gb = r.take(&b, &pb).unwrap();
         drop(pb);
-        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
-        let ga = running.try_take(&a, Some(&pa), 2, None).unwrap();
+        assert_eq!(r.take(&c, &pc).err(), FULL);
+        let ga = r.take(&a, &pa).unwrap();
         drop(pa);
-        assert_eq!(running.try_take(&c, Some(&pc), 2, None).err(), full);
+        assert_eq!(r.take(&c, &pc).err(), FULL);
         drop(gb);
-        let gc = running.try_take(&c, Some(&pc), 2, None).unwrap();
-        drop((pc, ga));
-        // c runs 1 of 4: three free. In turn: a1, b1 (none running, a1 first), then b2 —
-        // not a2, a being at its share of 1 once a1 runs.
-        let a1 = running.queue(&route, short_key(&a.key), fair(1, Some(1)));
-        let a2 = running.queue(&route, short_key(&a.key), fair(1, Some(1)));
-        let b1 = running.queue(&route, short_key(&b.key), fair(1, None));
-        let b2 = running.queue(&route, short_key(&b.key), fair(1, None));
-        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
-        let gb2 = running.try_take(&b, Some(&b2), 4, None).unwrap();
-        drop(b2);
-        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
-        let ga1 = running.try_take(&a, Some(&a1), 4, None).unwrap();
-        drop(a1);
-        let gb1 = running.try_take(&b, Some(&b1), 4, None).unwrap();
+        let gc = r.take(&c, &pc).unwrap();
+        drop((pc, ga, gc));
+    }
+
+    #[test]
+    fn free_slots_pass_over_a_key_at_its_share() {
+        // c runs 1 of 4: three free. In turn: a1, b1 (none running, a1 first); then a and b
+        // are each at their share of 1: a2 and b2 wait, the third slot stays free.
+        let r = Route::new(4, Some(1));
+        let (a, b, c) = (r.req(1), r.req(2), r.req(3));
+        let rc = r.running.track(slots_of(&c));
+        let a1 = r.queue(&a, 1);
+        let a2 = r.queue(&a, 1);
+        let b1 = r.queue(&b, 1);
+        let b2 = r.queue(&b, 1);
+        assert_eq!(r.take(&a, &a2).err(), FULL);
+        assert_eq!(r.take(&b, &b2).err(), FULL);
+        let gb1 = r.take(&b, &b1).unwrap();
         drop(b1);
-        // Full at 4; a2 waits for a slot and for a's share.
-        assert_eq!(running.try_take(&a, Some(&a2), 5, None).err(), full);
-        drop(gc);
-        assert_eq!(running.try_take(&a, Some(&a2), 4, None).err(), full);
-        drop(ga1);
-        assert!(running.try_take(&a, Some(&a2), 4, None).is_ok());
-        drop((gb1, gb2));
+        let ga1 = r.take(&a, &a1).unwrap();
+        drop(a1);
+        assert_eq!(r.take(&a, &a2).err(), FULL);
+        assert_eq!(r.take(&b, &b2).err(), FULL);
+        // b below its share again: b2 in turn.
+        drop(gb1);
+        assert_eq!(r.take(&a, &a2).err(), FULL);
+        assert!(r.take(&b, &b2).is_ok());
+        drop((ga1, rc));
+    }
+
+    #[test]
+    fn a_waiter_served_is_no_longer_one() {
+        // a (weight 2) takes one of two free slots; b, next, is not passed over for a's place,
+        // which its request drops a moment later.
+        let r = Route::new(3, None);
+        let (a, b) = (r.req(1), r.req(2));
+        let held = r.running.track(slots_of(&b));
+        let pa = r.queue(&a, 2);
+        let pb = r.queue(&b, 1);
+        let ga = r.take(&a, &pa).unwrap();
+        assert!(r.take(&b, &pb).is_ok());
+        drop((pa, ga, held));
+    }
+
+    #[test]
+    fn a_reloads_share_holds_for_the_waiters_at_once() {
+        let r = Route::new(2, None);
+        let (a, b) = (r.req(1), r.req(2));
+        let ran = (r.running.track(slots_of(&a)), r.running.track(slots_of(&a)));
+        let (a1, b1) = (r.queue(&a, 1), r.queue(&b, 1));
+        assert_eq!(r.take(&b, &b1).err(), FULL);
+        // A larger share: both waiters take the new slots.
+        r.reload(4, 10);
+        let gb = r.take(&b, &b1).unwrap();
+        let ga = r.take(&a, &a1).unwrap();
+        drop((a1, b1));
+        // An older config's share (a request decided before the reload) does not undo it.
+        let b2 = r.running.queue(
+            &r.name,
+            short_key(&b.key),
+            Fair::default(),
+            Limits {
+                share: 2,
+                per_key: None,
+                since: 5,
+            },
+        );
+        drop((gb, ga));
+        assert!(r.take(&b, &b2).is_ok());
+        drop(b2);
+        // A smaller one: nobody more while 2 run with a share of 1.
+        r.reload(1, 20);
+        let a3 = r.queue(&a, 1);
+        assert_eq!(r.take(&a, &a3).err(), FULL);
+        drop(ran);
+        assert!(r.take(&a, &a3).is_ok());
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::super::memory::{MemoryLease, Unserved};
-use super::super::running::{Full, Place, RunningGuard};
+use super::super::running::{Full, Limits, Place, RunningGuard};
 use super::super::{short_key, Admission, AdmitRequest, BudgetView, Extra, Lease, Peek, Standing};
 use super::{FallbackStore, SharedStore};
 use crate::budget::Limit;
@@ -73,9 +73,8 @@ impl<S: SharedStore> FallbackStore<S> {
     /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
     /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
     async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
-        let n = self.fleet_size;
-        let share = |cap: u32| (cap / n).max(1);
-        let mut r = req.share(n);
+        let share = |cap: u32| local_share(cap, self.fleet_size);
+        let mut r = req.share(self.fleet_size);
         r.key_cap = None;
         r.route_cap = None;
         let (standing, delay_us, lease) = match self.local.admit(&r).await {
@@ -94,7 +93,7 @@ impl<S: SharedStore> FallbackStore<S> {
         let key_share = req.key_cap.map(share);
         let Some(cap) = req.route_cap else {
             // No route cap: only the key's share, if any, to take.
-            return Some(match self.running.try_take(req, None, 0, key_share) {
+            return Some(match self.running.try_take(req, None, key_share) {
                 Ok(running) => {
                     charged.served();
                     admitted(standing, delay_us, lease, running, Duration::ZERO)
@@ -115,13 +114,15 @@ impl<S: SharedStore> FallbackStore<S> {
                 return Some(busy(Duration::ZERO));
             }
         }
-        let mut fair = req.fair;
-        fair.per_key = fair.per_key.map(share);
-        let place = self.running.queue(&req.route, short_key(&req.key), fair);
-        let running = match self
-            .take_in_turn(req, &place, share(cap), key_share, start)
-            .await
-        {
+        let limits = Limits {
+            share: share(cap),
+            per_key: req.fair.per_key.map(share),
+            since: req.fair.since,
+        };
+        let place = self
+            .running
+            .queue(&req.route, short_key(&req.key), req.fair, limits);
+        let running = match self.take_in_turn(req, &place, key_share, start).await {
             Turn::Run(g) => g,
             // Unserved: the local charge is given back as `charged` drops.
             Turn::StoreBack => return None,
@@ -145,15 +146,14 @@ impl<S: SharedStore> FallbackStore<S> {
         ))
     }
 
-    /// Waits for `place`'s turn at this instance's `cap_share` of the route (each freed slot
-    /// wakes the waiters), until the queue timeout counted from `start`, or until the shared
-    /// store answers again: its queue is the fleet's, and a slot taken here then would be
-    /// one more than the cap (DESIGN §4).
+    /// Waits for `place`'s turn within this instance's share of the route (each freed slot,
+    /// and a reload, wakes the waiters), until the queue timeout counted from `start`, or
+    /// until the shared store answers again: its queue is the fleet's, and a slot taken here
+    /// then would be one more than the cap (DESIGN §4).
     async fn take_in_turn(
         &self,
         req: &AdmitRequest,
         place: &Place,
-        cap_share: u32,
         key_share: Option<u32>,
         start: Instant,
     ) -> Turn {
@@ -164,10 +164,7 @@ impl<S: SharedStore> FallbackStore<S> {
             tokio::pin!(freed, back);
             freed.as_mut().enable();
             back.as_mut().enable();
-            match self
-                .running
-                .try_take(req, Some(place), cap_share, key_share)
-            {
+            match self.running.try_take(req, Some(place), key_share) {
                 Ok(g) => return Turn::Run(g),
                 Err(Full::Key) => return Turn::Refused(Full::Key),
                 Err(Full::Route) => {
@@ -219,6 +216,11 @@ enum Turn {
 }
 
 /// A local admission holding what it runs as (`running`), for the fallback's caps.
+/// One instance's share of a cap of `cap` among `fleet` instances: at least 1.
+pub(super) fn local_share(cap: u32, fleet: u32) -> u32 {
+    (cap / fleet.max(1)).max(1)
+}
+
 fn admitted(
     standing: Standing,
     delay_us: u64,
