@@ -276,6 +276,58 @@ async fn restarted_empty_keeps_the_cap(warm: bool, queued: bool) {
     );
 }
 
+/// After Redis restarted empty, a request that would take a slot waits while the other
+/// instances register their leases again — within its `queue_timeout`, not before it: B's
+/// report, on a route A fills, is refused once its 2 s are up (it waited those 2 s, then 2 s
+/// more in the queue: 4 s in all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_hold_after_redis_restarted_empty_counts_in_the_queue_timeout() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::from_secs(8));
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 2, queue_timeout: 2s}}\n",
+        redis.url()
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    assert_eq!(get(&c, b.url("/items"), "warm").await.status(), 200);
+    let first: Vec<_> = (0..2)
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    redis.kill();
+    let _redis = Redis::start_on(port);
+    // B's connections learn the new Redis (and its new `run_id`) on this probe's calls.
+    let start = Instant::now();
+    loop {
+        let r = get(&c, b.url("/items"), "probe").await;
+        if r.status() == 200 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "Redis not back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sent = Instant::now();
+    let r = c
+        .post(b.url("/reports/generate"))
+        .header("X-API-Key", "b0")
+        .send()
+        .await
+        .unwrap();
+    let took = sent.elapsed();
+    assert_eq!(r.status(), 503);
+    assert!(
+        took < Duration::from_millis(3200),
+        "refused after {took:?}, its queue_timeout is 2 s"
+    );
+    assert_eq!(up.count("/reports/generate"), 2);
+    for t in first {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+}
+
 /// A worker's connection that the server closed (Redis restarted) before the once-a-second
 /// watch noticed: the admission that finds it dead is sent again on a new connection (an
 /// admission is decided once by its id, however often sent) instead of failing: the next

@@ -307,6 +307,11 @@ impl RedisBackend {
         cap: u32,
     ) -> Result<SharedAnswer, StoreError> {
         let start = Instant::now();
+        let deadline = start.checked_add(req.queue_timeout);
+        // After Redis lost its data, within its queue time: a request that could not wait
+        // while the others register their leases again is refused as if it had found the
+        // cap full then (charged and given back, as any refused waiter).
+        let settled = self.after_data_loss(req, deadline).await;
         let keys = queue_keys(&keys::route_slots_key(&req.route))
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
         let pending = PendingId::new(self, &keys[0]);
@@ -333,11 +338,14 @@ impl RedisBackend {
                 // Back into the queue: if it lost its waiters because Redis lost its data,
                 // the leases held elsewhere are registered again before this one may take a
                 // slot, as for any admission (`after_data_loss`).
-                self.after_data_loss(req).await;
+                let settled = self.after_data_loss(req, deadline).await;
                 // Not if the instance is exiting and gave its charge back, nor past its time.
-                if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
+                if !settled || !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout
+                {
                     return Ok(self.route_busy(req, &outcome, start, unserved).await);
                 }
+            } else if !settled {
+                return Ok(self.route_busy(req, &outcome, start, unserved).await);
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
             match entered.first().copied() {

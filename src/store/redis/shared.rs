@@ -22,7 +22,10 @@ impl SharedStore for RedisBackend {
     /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
     /// `queue_timeout`.
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
-        self.after_data_loss(req).await;
+        if req.route_cap.is_none() {
+            // A capped route's request waits in `admit_capped`, within its queue time.
+            self.after_data_loss(req, None).await;
+        }
         if let Some(o) = self.deny.check(req) {
             return Ok(SharedAnswer {
                 admission: Admission::over_budget(&o),
