@@ -1156,3 +1156,40 @@ fn a_dropped_waiters_charge_is_owed_and_taken_back_by_its_instance() {
     assert_eq!(redis.cli(&["HGET", keys[3], "running"]).trim(), "");
     assert_eq!(redis.cli(&["HGET", keys[3], "r:k1"]).trim(), "");
 }
+
+/// `lua/queue.lua`: a queued job keeps its route's queue for as long as it may wait (its
+/// record's `result_ttl`, the `enter`'s keep_us), so that a fleet down longer than the
+/// queue's idle expiry (a minute) finds its queued jobs when it is back; a request's waiters
+/// keep it a minute after the last call, as before.
+#[test]
+fn a_queued_job_keeps_its_routes_queue_as_long_as_it_may_wait() {
+    let redis = Redis::start();
+    let q = QueueLua::new(&redis, "j");
+    let keys = q.keys();
+    let enter = |id: &str, instance: &str, extra: &[&str]| {
+        let mut args = vec![
+            "enter", id, "k1", "1", "1", "0", "0", "10000000", instance, "30000000", "1000000",
+            "100",
+        ];
+        args.extend(extra);
+        q.run(&args)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let pttl = |k: &str| redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap();
+    // A request holds the only slot; its queue state lives a minute.
+    assert_eq!(enter("r1", "i1", &["60000000", "{}"]), "1", "taken");
+    assert!(pttl(keys[3]) <= 60_000, "{}", pttl(keys[3]));
+    // A job waits behind it, for up to an hour.
+    assert_eq!(enter("j1", "jobs", &["3600000000"]), "0", "queued");
+    for k in [keys[1], keys[2], keys[3]] {
+        let ttl = pttl(k);
+        assert!((3_590_000..=3_600_000).contains(&ttl), "{k}: {ttl} ms");
+    }
+    // Any later call keeps it so (the job still waits).
+    assert_eq!(enter("r2", "i1", &["60000000", "{}"]), "0", "queued");
+    assert!(pttl(keys[1]) > 3_590_000, "{}", pttl(keys[1]));
+}

@@ -79,7 +79,9 @@ pub(super) async fn submit(
         return Err(Admission::Unavailable);
     }
     // A plan's max_in_flight_per_key counts the job from its charge to its end.
-    let entered = b.enter_charged_job(&admit, job.cap, &id, charge).await;
+    let entered = b
+        .enter_charged_job(&admit, job.cap, (&id, ttl), charge)
+        .await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
             start(shared, b, id.clone(), job.route.label.clone()).await;

@@ -26,7 +26,7 @@
 --            `n:<instance>` its waiters, and `insts` the instances with any;
 --            `c:<waiter>` "<given_up_us> <charge>": what a waiting request was charged (opaque
 --            here: the gateway's refund of it), until it is served, leaves, or its owed charge
---            is paid (KEYS[6]).
+--            is paid (KEYS[6]); `jk` until when (µs) queued jobs may wait.
 --   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
 --            refused. A `leave` or `release` that finds its id neither waiting nor holding a
 --            lease leaves one: the `enter` it gave up on may still be on its way (a timed-out
@@ -62,7 +62,9 @@
 --          as `c:<id>` while it waits: should its instance die, its charge is owed, KEYS[6],
 --          and once handed out its id is refused for given_up_us). An id already waiting
 --          keeps its place, and one granted meanwhile takes its slot, confirmed (its instance
---          entered it again after beats failed).
+--          entered it again after beats failed). The fleet's jobs (instance `jobs`) give
+--          [keep_us] instead: how long the job may wait (its record's life); the route's
+--          queue then lives at least that long (`jk` in KEYS[4]), calls or none.
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -433,7 +435,10 @@ end
 
 -- Every structure lives a while past the last call (renewals and beats keep it alive).
 local function keep(ttl_us)
-  local ms = int(math.max(60000, math.ceil(ttl_us / 1000) * 4))
+  -- Queued jobs wait as long as their records live, however long no instance calls (the
+  -- whole fleet down): the queue lives as long.
+  local jobs_for = (num('jk') - now) / 1000
+  local ms = int(math.max(60000, math.ceil(ttl_us / 1000) * 4, math.ceil(jobs_for)))
   redis.call('PEXPIRE', waiters, ms)
   redis.call('PEXPIRE', heads, ms)
   redis.call('PEXPIRE', state, ms)
@@ -488,6 +493,11 @@ if op == 'enter' then
   redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. instance, 'wt:' .. key, weight)
   if ARGV[14] and instance ~= FLEET then
     redis.call('HSET', state, 'c:' .. id, ARGV[13] .. ' ' .. ARGV[14])
+  elseif ARGV[13] and instance == FLEET then
+    local until_us = now + tonumber(ARGV[13])
+    if until_us > num('jk') then
+      redis.call('HSET', state, 'jk', int(until_us))
+    end
   end
   count_instance(instance, 1)
   refresh(key)

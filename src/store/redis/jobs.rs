@@ -112,10 +112,12 @@ impl RedisBackend {
         self: &Arc<Self>,
         req: &AdmitRequest,
         cap: u32,
-        id: &str,
+        (id, waits_for): (&str, Duration),
         charge: JobCharge,
     ) -> Result<JobEntered, StoreError> {
-        let entered = self.enter_admitted_job(req, cap, id, &charge.outcome).await;
+        let entered = self
+            .enter_admitted_job(req, cap, (id, waits_for), &charge.outcome)
+            .await;
         if !matches!(&entered, Ok(JobEntered::Taken(_) | JobEntered::Queued(..))) {
             self.give_back_job(req, id, charge).await;
         }
@@ -137,11 +139,14 @@ impl RedisBackend {
         levels.filter(|_| !self.slices_on)
     }
 
+    /// `waits_for`: how long the job may wait (its record's `result_ttl`): the route's queue
+    /// is kept at least as long, so that a fleet down longer than the queue's idle expiry
+    /// still finds its queued jobs when it is back.
     async fn enter_admitted_job(
         self: &Arc<Self>,
         req: &AdmitRequest,
         cap: u32,
-        id: &str,
+        (id, waits_for): (&str, Duration),
         outcome: &crate::budget::Outcome,
     ) -> Result<JobEntered, StoreError> {
         if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
@@ -153,7 +158,8 @@ impl RedisBackend {
             }
         }
         let rk = Self::route_keys(&req.route)?;
-        let inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);
+        let mut inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);
+        inv.arg(waits_for.as_micros() as u64);
         let entered: Vec<i64> = self.call(inv).await?;
         let standing: Standing = outcome.into();
         Ok(match entered.first().copied() {
