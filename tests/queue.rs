@@ -734,6 +734,50 @@ async fn wait_whole(gw: &Gateway, id: &str) {
     .await;
 }
 
+/// A killed gateway's waiters are refunded though no live instance waits on their route: every
+/// instance looks, now and then, at the fleet's routes that had waiters and beats on those it
+/// does not beat on itself. y never had a waiter on the route; x held its slot and three
+/// waiters, and is killed. (Nobody beat the route: the charges stayed taken, and a minute later
+/// went with the route's queue; `/admin/routes` showed the dead waiters meanwhile.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
+    let (_redis, up, body) = reports_on_a_redis(1);
+    let mut x = Gateway::start(&up, &body);
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    // Their answers never come: x is killed.
+    let send = |url: String, key: &'static str| {
+        let req = c.post(url).header("X-API-Key", key);
+        tokio::spawn(async move { req.send().await.is_ok() })
+    };
+    let _holder = send(x.url("/reports/generate?delay_ms=30000"), "key-a");
+    up.wait_current("/reports/generate", 1).await;
+    let _waiting: Vec<_> = (0..3)
+        .map(|_| send(x.url("/reports/generate"), "key-b"))
+        .collect();
+    wait_queued(&x, "/reports/generate", 3.0).await;
+    assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
+    x.kill9();
+    // Dropped once x's beats are 2 s old, owed 5 s more, handed out at y's next look (every
+    // 5 s): about 12 s.
+    eventually(Duration::from_secs(25), async || {
+        let left = remaining(&y, "b").await;
+        (left == 1000)
+            .then_some(())
+            .ok_or(format!("b has {left} left"))
+    })
+    .await;
+    let routes = admin_json(&y, "/admin/routes").await;
+    assert_eq!(routes["routes"][0]["queued"], 0, "{routes}");
+    let b_seen = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.header("x-api-key") == ["key-b"])
+        .count();
+    assert_eq!(b_seen, 0);
+}
+
 /// A gateway stopped (SIGSTOP) for longer than its waiters' alive time looks dead: the other
 /// instance drops its waiters and gives their charges back. When it wakes, its waiters must
 /// not run on a refunded charge: they are answered 503 `route-busy`, charged nothing, and the

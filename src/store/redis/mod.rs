@@ -71,6 +71,7 @@ impl RedisStore {
         let backend = RedisBackend::new(s);
         backend.spawn_eviction_check();
         backend.spawn_give_back_listener();
+        backend.spawn_queue_sweep();
         let store = FallbackStore::over(backend, MemoryStore::new(clock), s.on_error, s.fleet_size);
         store.spawn_probe();
         store

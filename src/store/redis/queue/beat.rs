@@ -4,12 +4,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::oneshot;
 
 use super::super::conn::subscribed;
-use super::super::keys::QueueKeys;
+use super::super::guard::Guard;
+use super::super::keys::{queue_keys, QueueKeys};
 use super::{ALIVE_FOR, GRANT_TTL};
 use crate::store::redis::RedisBackend;
 use crate::store::{lock, StoreError};
@@ -19,6 +20,19 @@ const BEAT_EVERY: Duration = Duration::from_millis(500);
 /// Beats on a route after this instance's last waiter there left.
 const IDLE_BEATS: u32 = 10;
 
+/// The fleet's routes with waiters: a sorted set, route lease set → when an instance with
+/// waiters there last said so (ms since the epoch). Every instance looks at it every
+/// [`SWEEP_EVERY`] and beats once on each route it does not beat on itself: a killed
+/// instance's waiters are dropped and their charges handed out for refund (DESIGN §8) even
+/// when no live instance waits on their route. Its own key (on Cluster, a slot of its own).
+const WAITED_ON: &str = "t:qw";
+/// How often an instance with waiters on a route says so in [`WAITED_ON`].
+const REGISTER_EVERY: Duration = Duration::from_secs(10);
+/// How long a route stays in [`WAITED_ON`] after it was last said to have waiters: long
+/// enough for its dead instances' waiters to be dropped (2 s), owed (5 s) and handed out
+/// (again every 30 s until paid).
+const REGISTERED_FOR: Duration = Duration::from_secs(300);
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// What wakes a waiter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wake {
@@ -38,6 +52,9 @@ pub(super) struct Beating {
     failed: u32,
     /// Beats since the last waiter here left.
     idle: u32,
+    /// When this instance last said in [`WAITED_ON`] that it has waiters here (`None` while
+    /// it has none: the next one says so at once).
+    registered: Option<Instant>,
 }
 
 /// This instance's waiters, by waiter id, and the routes it beats on.
@@ -86,8 +103,35 @@ impl RedisBackend {
         self.beat_on(keys);
         let mut w = lock(&self.waiters);
         w.waiting.insert(id.to_string(), (keys[0].clone(), tx));
+        let now = Instant::now();
+        let mut register = false;
         if let Some(b) = w.routes.get_mut(&keys[0]) {
             b.waiting += 1;
+            if b.registered
+                .is_none_or(|at| now.duration_since(at) >= REGISTER_EVERY)
+            {
+                // Said at once, not at the next beat: an instance killed a moment after its
+                // first waiter came has its waiters refunded too.
+                b.registered = Some(now);
+                register = true;
+            }
+        }
+        drop(w);
+        if register {
+            let store = self.clone();
+            let route = keys[0].clone();
+            tokio::spawn(async move {
+                if store
+                    .register_waited_on(std::slice::from_ref(&route))
+                    .await
+                    .is_err()
+                {
+                    // Said again at the next beat.
+                    if let Some(b) = lock(&store.waiters).routes.get_mut(&route) {
+                        b.registered = None;
+                    }
+                }
+            });
         }
         rx
     }
@@ -103,6 +147,7 @@ impl RedisBackend {
                 waiting: 0,
                 failed: 0,
                 idle: 0,
+                registered: None,
             });
             b.idle = 0;
             !std::mem::replace(&mut w.running, true)
@@ -156,6 +201,7 @@ async fn beat(store: Weak<RedisBackend>) {
     loop {
         tokio::time::sleep(BEAT_EVERY).await;
         let Some(s) = store.upgrade() else { return };
+        let mut register = vec![];
         let routes: Vec<QueueKeys> = {
             let mut w = lock(&s.waiters);
             // A route is beaten on for a while after its last waiter here (the count goes
@@ -167,8 +213,29 @@ async fn beat(store: Weak<RedisBackend>) {
                 }
                 b.waiting > 0 || b.idle < IDLE_BEATS
             });
+            let now = Instant::now();
+            for b in w.routes.values_mut() {
+                if b.waiting == 0 {
+                    b.registered = None;
+                } else if b
+                    .registered
+                    .is_none_or(|at| now.duration_since(at) >= REGISTER_EVERY)
+                {
+                    b.registered = Some(now);
+                    register.push(b.keys[0].clone());
+                }
+            }
             w.routes.values().map(|b| b.keys.clone()).collect()
         };
+        if !register.is_empty() && s.register_waited_on(&register).await.is_err() {
+            // Said again at the next beat.
+            let mut w = lock(&s.waiters);
+            for route in &register {
+                if let Some(b) = w.routes.get_mut(route) {
+                    b.registered = None;
+                }
+            }
+        }
         for keys in routes {
             let (below, ids) = s.ids_on_route(&keys[0]);
             let mut inv = s.queue_script.call(&keys, "beat");
@@ -185,37 +252,19 @@ async fn beat(store: Weak<RedisBackend>) {
             let mut w = lock(&s.waiters);
             match reply {
                 Ok(reply) => {
+                    let reply = BeatReply::of(&reply);
                     if let Some(b) = w.routes.get_mut(&keys[0]) {
                         b.failed = 0;
-                    }
-                    let count = |i: usize| {
-                        reply
-                            .get(i)
-                            .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
-                            .unwrap_or(0)
-                    };
-                    let (granted, charges) = (count(1), count(2));
-                    if count(3) > 0 {
-                        // Charges owed on the route: beat on until they are handed out.
-                        if let Some(b) = w.routes.get_mut(&keys[0]) {
+                        if reply.owing > 0 {
+                            // Charges owed on the route: beat on until they are handed out.
                             b.idle = 0;
                         }
                     }
-                    let texts: Vec<String> = reply
-                        .iter()
-                        .skip(4)
-                        .map(|v| redis::from_redis_value::<String>(v.clone()).unwrap_or_default())
-                        .collect();
-                    let (grants, rest) = texts.split_at(granted.min(texts.len()));
-                    let (pairs, lost) = rest.split_at((2 * charges).min(rest.len()));
-                    for id in grants {
+                    for id in &reply.granted {
                         w.deliver(id, Wake::Granted);
                     }
-                    owed.extend(pairs.chunks(2).filter_map(|p| match p {
-                        [id, charge] => Some((id.clone(), charge.clone())),
-                        _ => None,
-                    }));
-                    for id in lost {
+                    owed = reply.owed;
+                    for id in &reply.lost {
                         w.deliver(id, Wake::Requeue);
                     }
                 }
@@ -237,6 +286,133 @@ async fn beat(store: Weak<RedisBackend>) {
             }
             drop(w);
             s.refund_owed(&keys, owed);
+        }
+    }
+}
+
+/// A `beat`'s reply (`lua/queue.lua`): `{w, g, o, p, granted…, (id, charge)…, lost…}`.
+struct BeatReply {
+    granted: Vec<String>,
+    /// Charges owed and due, now the caller's to refund.
+    owed: Vec<(String, String)>,
+    lost: Vec<String>,
+    /// Charges owed on the route, due or not.
+    owing: usize,
+}
+
+impl BeatReply {
+    fn of(reply: &[redis::Value]) -> BeatReply {
+        let count = |i: usize| {
+            reply
+                .get(i)
+                .and_then(|v| redis::from_redis_value::<usize>(v.clone()).ok())
+                .unwrap_or(0)
+        };
+        let (granted, charges) = (count(1), count(2));
+        let texts: Vec<String> = reply
+            .iter()
+            .skip(4)
+            .map(|v| redis::from_redis_value::<String>(v.clone()).unwrap_or_default())
+            .collect();
+        let (grants, rest) = texts.split_at(granted.min(texts.len()));
+        let (pairs, lost) = rest.split_at((2 * charges).min(rest.len()));
+        BeatReply {
+            granted: grants.to_vec(),
+            owed: pairs
+                .chunks(2)
+                .filter_map(|p| match p {
+                    [id, charge] => Some((id.clone(), charge.clone())),
+                    _ => None,
+                })
+                .collect(),
+            lost: lost.to_vec(),
+            owing: count(3),
+        }
+    }
+}
+
+fn epoch_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl RedisBackend {
+    /// Says in [`WAITED_ON`] that this instance has waiters on `routes` (lease sets).
+    async fn register_waited_on(&self, routes: &[String]) -> Result<(), StoreError> {
+        let now = epoch_ms();
+        let within = self.timeout;
+        self.guarded(Guard::Bypass(within), |mut conn| async move {
+            let mut pipe = redis::pipe();
+            let add = pipe.cmd("ZADD").arg(WAITED_ON);
+            for route in routes {
+                add.arg(now).arg(route);
+            }
+            // Like every tollgate key, it expires (an idle fleet leaves nothing behind).
+            pipe.cmd("PEXPIRE")
+                .arg(WAITED_ON)
+                .arg(REGISTERED_FOR.as_millis() as u64);
+            Ok(pipe.query_async::<(i64, i64)>(&mut conn).await?)
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Looks at the fleet's routes with waiters every [`SWEEP_EVERY`], for as long as the
+    /// store lives ([`Self::sweep_waited_on`]).
+    pub(in crate::store::redis) fn spawn_queue_sweep(self: &Arc<Self>) {
+        let store = Arc::downgrade(self);
+        let spawned = crate::background::spawn("tollgate-queue-sweep".into(), move || async move {
+            loop {
+                tokio::time::sleep(SWEEP_EVERY).await;
+                let Some(s) = store.upgrade() else { return };
+                s.sweep_waited_on().await;
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the queue sweep: a killed instance's waiters are refunded only where another instance waits");
+        }
+    }
+
+    /// Beats once on each route of [`WAITED_ON`] this instance does not beat on itself, as an
+    /// instance with nothing there: the queue drops the waiters of instances that stopped
+    /// beating, and hands out the charges they owe, which this instance refunds. Routes not
+    /// said to have waiters for [`REGISTERED_FOR`] leave the set. Past the breaker and
+    /// uncounted, as the other upkeep is.
+    async fn sweep_waited_on(self: &Arc<Self>) {
+        let stale = epoch_ms().saturating_sub(REGISTERED_FOR.as_millis() as u64);
+        let listed = self
+            .guarded(Guard::Bypass(self.timeout), |mut conn| async move {
+                let mut trim = redis::cmd("ZREMRANGEBYSCORE");
+                trim.arg(WAITED_ON).arg("-inf").arg(format!("({stale}"));
+                trim.query_async::<i64>(&mut conn).await?;
+                let mut all = redis::cmd("ZRANGE");
+                all.arg(WAITED_ON).arg(0).arg(-1);
+                Ok(all.query_async::<Vec<String>>(&mut conn).await?)
+            })
+            .await;
+        let Ok(routes) = listed else { return };
+        for route in routes {
+            if lock(&self.waiters).routes.contains_key(&route) {
+                continue;
+            }
+            let Some(keys) = queue_keys(&route) else {
+                continue;
+            };
+            // `below` 0: nothing of this instance's own is dropped (it has nothing there, or
+            // is entering its first waiter this moment).
+            let mut inv = self.queue_script.call(&keys, "beat");
+            inv.arg(&self.instance)
+                .arg(ALIVE_FOR.as_micros() as u64)
+                .arg(GRANT_TTL.as_micros() as u64)
+                .arg(0)
+                .arg(0);
+            let beat = self
+                .call_guarded::<Vec<redis::Value>>(Guard::Bypass(self.timeout), inv)
+                .await;
+            if let Ok(reply) = beat {
+                self.refund_owed(&keys, BeatReply::of(&reply).owed);
+            }
         }
     }
 }
