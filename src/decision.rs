@@ -407,14 +407,16 @@ fn route_busy(route: &Route, outcome: Standing, queued: Duration, full: bool) ->
         } else {
             Reason::RouteBusy
         }),
-        ..Refusal::new(Problem::RouteBusy, route_busy_detail(route, full))
+        ..Refusal::new(Problem::RouteBusy, route_busy_detail(route, full, queued))
     }
 }
 
 /// Why a capped route refused: its queue was full (refused at once), or no slot came free
-/// in time — the route's or, with `max_in_flight_per_key`, the key's share of it. Says what
-/// the route allows: how many run is the store's to know (after a failover it may be more).
-fn route_busy_detail(route: &Route, full: bool) -> String {
+/// in time — the route's or, with `max_in_flight_per_key`, the key's share of it — within
+/// its `queue_timeout`, or in the time it `queued` when it could wait no longer (its place
+/// lost to a stall of its instance). Says what the route allows: how many run is the
+/// store's to know (after a failover it may be more).
+fn route_busy_detail(route: &Route, full: bool, queued: Duration) -> String {
     let cap = route.max_in_flight.unwrap_or(0);
     let mut allows = format!(
         "{} allows {cap} request{} in flight",
@@ -435,7 +437,10 @@ fn route_busy_detail(route: &Route, full: bool) -> String {
             } else {
                 ""
             },
-            route.queue_timeout.as_millis()
+            route
+                .queue_timeout
+                .min(queued.max(Duration::from_millis(1)))
+                .as_millis()
         ),
     }
 }

@@ -816,6 +816,15 @@ async fn a_stalled_instances_dropped_waiters_are_refunded_once_and_never_run() {
             problem["type"].as_str().unwrap().ends_with("route-busy"),
             "{problem}"
         );
+        // It says how long it waited, not its queue_timeout (30 s), which it did not wait.
+        let detail = problem["detail"].as_str().unwrap();
+        let waited: u64 = detail
+            .rsplit("within ")
+            .next()
+            .and_then(|t| t.strip_suffix(" ms"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{detail}"));
+        assert!((1..30_000).contains(&waited), "{detail}");
     }
     assert_eq!(holder.await.unwrap(), 200);
     assert_eq!(other.await.unwrap(), 200);
