@@ -1246,3 +1246,43 @@ fn a_queued_job_keeps_its_routes_queue_as_long_as_it_may_wait() {
     assert_eq!(enter("r2", "i1", &["60000000", "{}"]), "0", "queued");
     assert!(pttl(keys[1]) > 3_590_000, "{}", pttl(keys[1]));
 }
+
+/// `lua/queue.lua`: a waiter dropped as a dead instance's (it only stalled) goes back to its
+/// place when its instance enters it again before its charge is handed out, so that a key's
+/// own requests still run in arrival order (DESIGN §8) whatever order they come back in.
+#[test]
+fn waiters_taken_back_after_a_stall_keep_their_places() {
+    let redis = Redis::start();
+    let q = QueueLua::new(&redis, "p");
+    let keys = q.keys();
+    let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
+        q.run(&[
+            "enter", id, key, "1", "1", "0", "0", "10000000", instance, alive_us, "1000000", "100",
+            "60000000", "{}",
+        ])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+    };
+    assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
+    // i1's three waiters, then i1 looks dead (its alive time was 1 µs).
+    for id in ["w1", "w2", "w3"] {
+        assert_eq!(enter(id, "k1", "i1", "1"), "0", "{id} queued");
+    }
+    q.run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "0", "dropped");
+    assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "3", "owed");
+    // Back, in another order.
+    for id in ["w3", "w1", "w2"] {
+        assert_eq!(enter(id, "k1", "i1", "60000000"), "0", "{id} queued again");
+    }
+    let order: Vec<String> = redis
+        .cli(&["ZRANGE", keys[1], "0", "-1"])
+        .lines()
+        .map(|m| m.rsplit(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(order, ["w1", "w2", "w3"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "0", "taken back");
+}

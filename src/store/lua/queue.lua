@@ -221,6 +221,11 @@ local function drop_waiter(id, info)
   return key
 end
 
+-- The seq of a waiter's member of KEYS[2] (its place among its key's waiters).
+local function seq_of(member)
+  return string.match(member, '^[^:]*:(%d+):')
+end
+
 -- Refuses a late `enter` of `id` for `for_us`.
 local function give_up(id, for_us)
   redis.call('ZREMRANGEBYSCORE', given_up, '-inf', int(now))
@@ -236,22 +241,26 @@ end
 
 -- Waiter `id` was dropped as a dead instance's (or its grant lapsed unconfirmed): its charge,
 -- if it left one, is owed back (KEYS[6]), unless it still waits or holds a lease under that id
--- (then it is not the dropped one's to give back).
-local function owe(id)
+-- (then it is not the dropped one's to give back). `seq`: its place in the queue, kept
+-- (`p:<id>`) for its instance to take back with its charge.
+local function owe(id, seq)
   if redis.call('HEXISTS', state, 'c:' .. id) == 0 then return end
   if redis.call('HEXISTS', state, 'w:' .. id) == 1 or redis.call('ZSCORE', leases, id) then return end
   redis.call('ZADD', owed, 'NX', int(now + OWED_AFTER_US), id)
+  if seq then redis.call('HSET', state, 'p:' .. id, seq) end
   -- Every key has a TTL: the state's (each op that keeps it alive keeps this too).
   local ms = math.max(redis.call('PTTL', state), 60000)
   if redis.call('PTTL', owed) < ms then redis.call('PEXPIRE', owed, ms) end
 end
 
 -- Its instance came back for waiter `id` (not given up) before its owed charge was handed out:
--- the charge is its own again, off the queue's books. True if it was owed.
+-- the charge is its own again, off the queue's books. Its seq in the queue when it was
+-- dropped (a waiter's: it goes back to its place), or true, if it was owed; else false.
 local function take_back(id)
   if redis.call('ZREM', owed, id) == 0 then return false end
-  redis.call('HDEL', state, 'c:' .. id)
-  return true
+  local seq = redis.call('HGET', state, 'p:' .. id)
+  redis.call('HDEL', state, 'c:' .. id, 'p:' .. id)
+  return tonumber(seq) or true
 end
 
 local function reclaim(id)
@@ -289,7 +298,8 @@ local function grant(grant_ttl)
       drop_waiter(id, info ~= '' and info or (key .. '|' .. m .. '|'))
       if alive(instance) then
         redis.call('ZADD', leases, now + grant_ttl, id)
-        redis.call('HSET', state, 'l:' .. id, key, 'gi:' .. id, instance)
+        -- The grant's instance, and the waiter's seq (its place, should the grant lapse).
+        redis.call('HSET', state, 'l:' .. id, key, 'gi:' .. id, instance .. '|' .. (seq_of(m) or ''))
         if instance == FLEET then redis.call('HSET', state, 'gw:' .. id, m) end
         add_running(key, 1)
         turn(key)
@@ -298,7 +308,7 @@ local function grant(grant_ttl)
         redis.call('PUBLISH', 'tollgate:q:' .. instance, id)
         granted[#granted + 1] = id
       else
-        owe(id)
+        owe(id, seq_of(m))
       end
       refresh(key)
     end
@@ -387,14 +397,14 @@ local function purge()
   end
   for _, id in ipairs(lapsed) do
     redis.call('ZREM', leases, id)
-    local instance = redis.call('HGET', state, 'gi:' .. id)
+    local instance, seq = string.match(redis.call('HGET', state, 'gi:' .. id) or '', '^([^|]+)|?(%d*)$')
     -- Not the fleet's own pseudo-instance of async jobs: its waiters belong to no process,
     -- and any instance's collector picks its grants up.
     local owing = instance and instance ~= FLEET
     if owing then
       redis.call('HDEL', state, 'i:' .. instance)
       -- Granted, never confirmed: it never ran.
-      owe(id)
+      owe(id, seq ~= '' and seq or nil)
     end
     local member = redis.call('HGET', state, 'gw:' .. id)
     if member then
@@ -459,8 +469,9 @@ if op == 'enter' then
   route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   -- Dropped as dead and back before its charge was handed out: the charge is its own again
-  -- (not given up, as checked above).
-  take_back(id)
+  -- (not given up, as checked above), and its place in the queue, among its key's waiters
+  -- in arrival order (re-entering in whatever order its requests come back).
+  local back = take_back(id)
   purge()
   grant(grant_ttl)
   if redis.call('HEXISTS', state, 'w:' .. id) == 1 then
@@ -487,7 +498,7 @@ if op == 'enter' then
     keep(lease_ttl)
     return {FULL}
   end
-  local seq = redis.call('HINCRBY', state, 'seq', 1)
+  local seq = type(back) == 'number' and back or redis.call('HINCRBY', state, 'seq', 1)
   local member = key .. ':' .. string.format('%016d', seq) .. ':' .. id
   redis.call('ZADD', waiters, 0, member)
   redis.call('HSET', state, 'w:' .. id, key .. '|' .. member .. '|' .. instance, 'wt:' .. key, weight)
@@ -575,7 +586,7 @@ elseif op == 'beat' then
     if seen[inst] == nil then seen[inst] = not dead(inst) end
     if not seen[inst] then
       local key = drop_waiter(id, info ~= '' and info or (string.match(m, '^([^:]*)') .. '|' .. m .. '|'))
-      owe(id)
+      owe(id, seq_of(m))
       refresh(key)
     end
   end
@@ -660,7 +671,7 @@ elseif op == 'beat' then
 elseif op == 'paid' then
   for i = 2, #ARGV do
     redis.call('ZREM', owed, ARGV[i])
-    redis.call('HDEL', state, 'c:' .. ARGV[i])
+    redis.call('HDEL', state, 'c:' .. ARGV[i], 'p:' .. ARGV[i])
   end
   return {0}
 elseif op == 'place' then
