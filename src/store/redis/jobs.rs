@@ -70,7 +70,7 @@ impl RedisBackend {
     ) -> Result<Result<JobCharge, Admission>, StoreError> {
         // As a request's admission: after Redis lost its data, runners register their slots
         // again before this job may take one.
-        self.after_data_loss(req, None).await;
+        self.after_data_loss(req).await;
         let start = std::time::Instant::now();
         let key_lease = waits_for + self.lease_ttl;
         let decided = self

@@ -155,31 +155,24 @@ impl RedisBackend {
     }
 
     /// Before an admission: leases lost with Redis's data are registered again first, and a
-    /// request that takes a slot waits while other instances do the same — until `until` at
-    /// most (a capped route's request, by the end of its `queue_timeout`: the wait is part of
-    /// its time to a slot). False when it could not wait long enough: it may not take a slot.
-    pub(super) async fn after_data_loss(&self, req: &AdmitRequest, until: Option<Instant>) -> bool {
+    /// request that takes a slot waits while other instances do the same (a capped route's
+    /// request counts the wait in its `queue_timeout`: `admit_capped`).
+    pub(super) async fn after_data_loss(&self, req: &AdmitRequest) {
         let ids = &self.conns.run_id;
         if ids.leases_lost.load(Ordering::Acquire) && self.reregister_leases().await.is_ok() {
             ids.leases_lost.store(false, Ordering::Release);
         }
-        if req.route_cap.is_none() && req.key_cap.is_none() {
-            return true;
+        if req.route_cap.is_some() || req.key_cap.is_some() {
+            // This thread's connection first: one made now (the first since a restart) is
+            // what reads the new `run_id`, and the hold must know of it. Not while the
+            // breaker is open: the admission is refused without connecting then.
+            if self.breaker.closed() {
+                let _ = self.conns.get().await;
+            }
+            if let Some(wait) = ids.settling() {
+                tokio::time::sleep(wait).await;
+            }
         }
-        // This thread's connection first: one made now (the first since a restart) is what
-        // reads the new `run_id`, and the hold must know of it. Not while the breaker is
-        // open: the admission is refused without connecting then.
-        if self.breaker.closed() {
-            let _ = self.conns.get().await;
-        }
-        let Some(wait) = ids.settling() else {
-            return true;
-        };
-        let wait = until.map_or(wait, |t| {
-            wait.min(t.saturating_duration_since(Instant::now()))
-        });
-        tokio::time::sleep(wait).await;
-        ids.settling().is_none()
     }
 }
 

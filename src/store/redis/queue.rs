@@ -307,11 +307,10 @@ impl RedisBackend {
         cap: u32,
     ) -> Result<SharedAnswer, StoreError> {
         let start = Instant::now();
-        let deadline = start.checked_add(req.queue_timeout);
-        // After Redis lost its data, within its queue time: a request that could not wait
-        // while the others register their leases again is refused as if it had found the
-        // cap full then (charged and given back, as any refused waiter).
-        let settled = self.after_data_loss(req, deadline).await;
+        // After Redis lost its data, the wait while the others register their leases again
+        // is part of the request's wait for a slot (counted from `start`): one whose
+        // queue_timeout is shorter waits it out, then takes a free slot or is refused at once.
+        self.after_data_loss(req).await;
         let keys = queue_keys(&keys::route_slots_key(&req.route))
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
         let pending = PendingId::new(self, &keys[0]);
@@ -338,14 +337,11 @@ impl RedisBackend {
                 // Back into the queue: if it lost its waiters because Redis lost its data,
                 // the leases held elsewhere are registered again before this one may take a
                 // slot, as for any admission (`after_data_loss`).
-                let settled = self.after_data_loss(req, deadline).await;
+                self.after_data_loss(req).await;
                 // Not if the instance is exiting and gave its charge back, nor past its time.
-                if !settled || !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout
-                {
+                if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
                     return Ok(self.route_busy(req, &outcome, start, unserved).await);
                 }
-            } else if !settled {
-                return Ok(self.route_busy(req, &outcome, start, unserved).await);
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
             match entered.first().copied() {

@@ -24,7 +24,7 @@ impl SharedStore for RedisBackend {
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {
         if req.route_cap.is_none() {
             // A capped route's request waits in `admit_capped`, within its queue time.
-            self.after_data_loss(req, None).await;
+            self.after_data_loss(req).await;
         }
         if let Some(o) = self.deny.check(req) {
             return Ok(SharedAnswer {
