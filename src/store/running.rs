@@ -9,7 +9,7 @@
 //! later, as in `fair`), a key's own requests in arrival order. Every release wakes the waiters;
 //! as many as there are free slots, in that order, take one; the others wait on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -95,18 +95,19 @@ impl Inner {
         let per_key = self.limits.get(route).and_then(|l| l.per_key);
         // Per key: slots handed out in this pass, and when the last was.
         let mut given: HashMap<u128, (u32, u64)> = HashMap::new();
-        let mut handed: Vec<u64> = Vec::new();
+        let mut handed: HashSet<u64> = HashSet::new();
+        let mut seen: HashSet<u128> = HashSet::new();
         let mut now = self.seq;
-        for _ in 0..free {
+        // Never more passes than waiters: each hands a slot to one.
+        for _ in 0..free.min(u32::try_from(turns.len()).unwrap_or(u32::MAX)) {
             // (running, weight, waiting since, the waiter's seq, its key)
             let mut best: Option<(u64, u64, u64, u64, u128)> = None;
-            let mut seen: Vec<u128> = Vec::new();
+            seen.clear();
             for t in turns {
                 // Only a key's oldest waiter still waiting competes.
-                if handed.contains(&t.seq) || seen.contains(&t.key) {
+                if handed.contains(&t.seq) || !seen.insert(t.key) {
                     continue;
                 }
-                seen.push(t.key);
                 let (extra, last_given) = given.get(&t.key).copied().unwrap_or_default();
                 let running = self.count(&Slot::RouteKey(route.clone(), t.key)) + extra;
                 if per_key.is_some_and(|share| running >= share) {
@@ -130,7 +131,7 @@ impl Inner {
             if next == seq {
                 return true;
             }
-            handed.push(next);
+            handed.insert(next);
             now += 1;
             let g = given.entry(key).or_default();
             *g = (g.0 + 1, now);

@@ -569,7 +569,9 @@ elseif op == 'beat' then
       and redis.call('EXISTS', owed) == 0 then
     return {0, 0, 0, 0}
   end
-  redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
+  -- Alive: not an instance that has nothing here (another's look at a route with waiters,
+  -- `below` 0): its field would stay for good.
+  if n > 0 or below > 0 then redis.call('HSET', state, 'i:' .. instance, int(now + alive_us)) end
   purge()
   -- Waiters of instances that stopped beating leave the queue (the queue is walked only
   -- when an instance with waiters stopped; waiters from before this count are found by

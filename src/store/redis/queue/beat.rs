@@ -30,7 +30,8 @@ const WAITED_ON: &str = "t:qw";
 const REGISTER_EVERY: Duration = Duration::from_secs(10);
 /// How long a route stays in [`WAITED_ON`] after it was last said to have waiters: long
 /// enough for its dead instances' waiters to be dropped (2 s), owed (5 s) and handed out
-/// (again every 30 s until paid).
+/// (again every 30 s until paid). Scores are each instance's clock: instances whose clocks
+/// differ by less than this less [`REGISTER_EVERY`] keep each other's entries.
 const REGISTERED_FOR: Duration = Duration::from_secs(300);
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// What wakes a waiter.
@@ -393,8 +394,13 @@ impl RedisBackend {
             .await;
         let Ok(routes) = listed else { return };
         for route in routes {
-            if lock(&self.waiters).routes.contains_key(&route) {
-                continue;
+            {
+                // Its own beats cover a route where it waits or is entering a waiter (its
+                // grants there are for those beats to deliver).
+                let w = lock(&self.waiters);
+                if w.routes.contains_key(&route) || w.pending.values().any(|r| *r == route) {
+                    continue;
+                }
             }
             let Some(keys) = queue_keys(&route) else {
                 continue;
@@ -411,7 +417,14 @@ impl RedisBackend {
                 .call_guarded::<Vec<redis::Value>>(Guard::Bypass(self.timeout), inv)
                 .await;
             if let Ok(reply) = beat {
-                self.refund_owed(&keys, BeatReply::of(&reply).owed);
+                let reply = BeatReply::of(&reply);
+                // A grant to a waiter that entered meanwhile is delivered, not lost.
+                let mut w = lock(&self.waiters);
+                for id in &reply.granted {
+                    w.deliver(id, Wake::Granted);
+                }
+                drop(w);
+                self.refund_owed(&keys, reply.owed);
             }
         }
     }
