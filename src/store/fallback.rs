@@ -506,13 +506,9 @@ impl<S: SharedStore> FallbackStore<S> {
     /// hold at once for the requests waiting in this instance's local queues too.
     pub fn reloaded(&self, router: &crate::route::Router) {
         self.shared.reloaded(router);
-        let share = |cap| local::local_share(cap, self.fleet_size);
         self.running.reconfigure(router.routes().filter_map(|r| {
-            let limits = Limits {
-                share: share(r.max_in_flight?),
-                per_key: r.queue.per_key.map(share),
-                since: r.loaded_ms,
-            };
+            let cap = r.max_in_flight?;
+            let limits = Limits::local(cap, r.queue.per_key, r.loaded_ms, self.fleet_size);
             Some((r.label.clone(), limits))
         }));
     }

@@ -65,6 +65,23 @@ pub(crate) struct Limits {
     pub(crate) since: u64,
 }
 
+impl Limits {
+    /// One instance's share of a cap of `cap` among `fleet` instances: at least 1.
+    pub(crate) fn share_of(cap: u32, fleet: u32) -> u32 {
+        (cap / fleet.max(1)).max(1)
+    }
+
+    /// One of `fleet` instances' shares of a route's `max_in_flight` (`cap`) and
+    /// `max_in_flight_per_key`, from the config loaded at `since`.
+    pub(crate) fn local(cap: u32, per_key: Option<u32>, since: u64, fleet: u32) -> Limits {
+        Limits {
+            share: Self::share_of(cap, fleet),
+            per_key: per_key.map(|k| Self::share_of(k, fleet)),
+            since,
+        }
+    }
+}
+
 impl Inner {
     fn count(&self, s: &Slot) -> u32 {
         self.counts.get(s).copied().unwrap_or(0)

@@ -73,7 +73,7 @@ impl<S: SharedStore> FallbackStore<S> {
     /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
     /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
     async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
-        let share = |cap: u32| local_share(cap, self.fleet_size);
+        let share = |cap: u32| Limits::share_of(cap, self.fleet_size);
         let mut r = req.share(self.fleet_size);
         r.key_cap = None;
         r.route_cap = None;
@@ -114,11 +114,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 return Some(busy(Duration::ZERO));
             }
         }
-        let limits = Limits {
-            share: share(cap),
-            per_key: req.fair.per_key.map(share),
-            since: req.fair.since,
-        };
+        let limits = Limits::local(cap, req.fair.per_key, req.fair.since, self.fleet_size);
         let place = self
             .running
             .queue(&req.route, short_key(&req.key), req.fair, limits);
@@ -216,11 +212,6 @@ enum Turn {
 }
 
 /// A local admission holding what it runs as (`running`), for the fallback's caps.
-/// One instance's share of a cap of `cap` among `fleet` instances: at least 1.
-pub(super) fn local_share(cap: u32, fleet: u32) -> u32 {
-    (cap / fleet.max(1)).max(1)
-}
-
 fn admitted(
     standing: Standing,
     delay_us: u64,
