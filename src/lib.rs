@@ -44,3 +44,11 @@ pub mod telemetry;
 pub mod tls;
 pub mod trace;
 pub mod upstreams;
+
+/// This machine's wall clock in ms since the Unix epoch (0 before it): for what is only
+/// compared with other instances' clocks loosely (budgets run on Redis's clock).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

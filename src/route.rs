@@ -268,9 +268,7 @@ fn method_table<'a>(by_method: &'a mut Vec<(String, Table)>, method: &str) -> &'
 fn load_stamp() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now = crate::unix_ms();
     let mut last = LAST.load(Ordering::Relaxed);
     loop {
         let stamp = now.max(last + 1);

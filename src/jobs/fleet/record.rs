@@ -136,9 +136,7 @@ pub(super) fn client_of(r: &Record) -> Option<std::net::IpAddr> {
 
 /// How long ago the job was submitted (`sub`, Redis's clock in ms, against this instance's).
 pub(super) fn waited(r: &Record) -> std::time::Duration {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now_ms = crate::unix_ms();
     let sub = std::str::from_utf8(field(r, "sub"))
         .ok()
         .and_then(|s| s.parse::<u64>().ok())

@@ -4,13 +4,14 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
 use super::super::conn::subscribed;
 use super::super::guard::Guard;
 use super::super::keys::{queue_keys, QueueKeys};
+use super::super::script::Call;
 use super::{ALIVE_FOR, GRANT_TTL};
 use crate::store::redis::RedisBackend;
 use crate::store::{lock, StoreError};
@@ -58,6 +59,25 @@ pub(super) struct Beating {
     registered: Option<Instant>,
 }
 
+impl Beating {
+    /// Whether to say now in [`WAITED_ON`] that this instance has waiters here: at its first
+    /// waiter, then every [`REGISTER_EVERY`] while it has any.
+    fn due(&mut self, now: Instant) -> bool {
+        if self.waiting == 0 {
+            self.registered = None;
+            return false;
+        }
+        if self
+            .registered
+            .is_some_and(|at| now.duration_since(at) < REGISTER_EVERY)
+        {
+            return false;
+        }
+        self.registered = Some(now);
+        true
+    }
+}
+
 /// This instance's waiters, by waiter id, and the routes it beats on.
 #[derive(Debug, Default)]
 pub(in crate::store::redis) struct Waiters {
@@ -79,6 +99,17 @@ impl Waiters {
     pub(super) fn deliver(&mut self, id: &str, wake: Wake) {
         if let Some((_, tx)) = self.waiting.remove(id) {
             let _ = tx.send(wake);
+        }
+    }
+
+    /// Delivers what a beat's reply says of this instance's waiters: their grants, and those
+    /// the queue lost (to enter again).
+    fn heard(&mut self, reply: &BeatReply) {
+        for id in &reply.granted {
+            self.deliver(id, Wake::Granted);
+        }
+        for id in &reply.lost {
+            self.deliver(id, Wake::Requeue);
         }
     }
 
@@ -104,35 +135,17 @@ impl RedisBackend {
         self.beat_on(keys);
         let mut w = lock(&self.waiters);
         w.waiting.insert(id.to_string(), (keys[0].clone(), tx));
-        let now = Instant::now();
-        let mut register = false;
-        if let Some(b) = w.routes.get_mut(&keys[0]) {
+        let due = w.routes.get_mut(&keys[0]).is_some_and(|b| {
             b.waiting += 1;
-            if b.registered
-                .is_none_or(|at| now.duration_since(at) >= REGISTER_EVERY)
-            {
-                // Said at once, not at the next beat: an instance killed a moment after its
-                // first waiter came has its waiters refunded too.
-                b.registered = Some(now);
-                register = true;
-            }
-        }
+            b.due(Instant::now())
+        });
         drop(w);
-        if register {
+        if due {
+            // Said at once, not at the next beat: an instance killed a moment after its
+            // first waiter came has its waiters refunded too.
             let store = self.clone();
             let route = keys[0].clone();
-            tokio::spawn(async move {
-                if store
-                    .register_waited_on(std::slice::from_ref(&route))
-                    .await
-                    .is_err()
-                {
-                    // Said again at the next beat.
-                    if let Some(b) = lock(&store.waiters).routes.get_mut(&route) {
-                        b.registered = None;
-                    }
-                }
-            });
+            tokio::spawn(async move { store.register_waited_on(vec![route]).await });
         }
         rx
     }
@@ -216,39 +229,20 @@ async fn beat(store: Weak<RedisBackend>) {
             });
             let now = Instant::now();
             for b in w.routes.values_mut() {
-                if b.waiting == 0 {
-                    b.registered = None;
-                } else if b
-                    .registered
-                    .is_none_or(|at| now.duration_since(at) >= REGISTER_EVERY)
-                {
-                    b.registered = Some(now);
+                if b.due(now) {
                     register.push(b.keys[0].clone());
                 }
             }
             w.routes.values().map(|b| b.keys.clone()).collect()
         };
-        if !register.is_empty() && s.register_waited_on(&register).await.is_err() {
-            // Said again at the next beat.
-            let mut w = lock(&s.waiters);
-            for route in &register {
-                if let Some(b) = w.routes.get_mut(route) {
-                    b.registered = None;
-                }
-            }
+        if !register.is_empty() {
+            s.register_waited_on(register).await;
         }
         for keys in routes {
             let (below, ids) = s.ids_on_route(&keys[0]);
-            let mut inv = s.queue_script.call(&keys, "beat");
-            inv.arg(&s.instance)
-                .arg(ALIVE_FOR.as_micros() as u64)
-                .arg(GRANT_TTL.as_micros() as u64)
-                .arg(below)
-                .arg(ids.len());
-            for id in &ids {
-                inv.arg(id);
-            }
-            let reply = s.call::<Vec<redis::Value>>(inv).await;
+            let reply = s
+                .call::<Vec<redis::Value>>(s.beat_call(&keys, below, &ids))
+                .await;
             let mut owed = vec![];
             let mut w = lock(&s.waiters);
             match reply {
@@ -261,13 +255,8 @@ async fn beat(store: Weak<RedisBackend>) {
                             b.idle = 0;
                         }
                     }
-                    for id in &reply.granted {
-                        w.deliver(id, Wake::Granted);
-                    }
+                    w.heard(&reply);
                     owed = reply.owed;
-                    for id in &reply.lost {
-                        w.deliver(id, Wake::Requeue);
-                    }
                 }
                 Err(e) => {
                     let failed = w.routes.get_mut(&keys[0]).map(|b| {
@@ -332,31 +321,48 @@ impl BeatReply {
     }
 }
 
-fn epoch_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 impl RedisBackend {
-    /// Says in [`WAITED_ON`] that this instance has waiters on `routes` (lease sets).
-    async fn register_waited_on(&self, routes: &[String]) -> Result<(), StoreError> {
-        let now = epoch_ms();
-        let within = self.timeout;
-        self.guarded(Guard::Bypass(within), |mut conn| async move {
-            let mut pipe = redis::pipe();
-            let add = pipe.cmd("ZADD").arg(WAITED_ON);
-            for route in routes {
-                add.arg(now).arg(route);
+    /// A `beat` on the route of `keys` as this instance, naming the `ids` it has there (and
+    /// with `below` > 0, letting the queue drop its others from before it).
+    fn beat_call<'a>(&'a self, keys: &QueueKeys, below: u64, ids: &[String]) -> Call<'a> {
+        let mut inv = self.queue_script.call(keys, "beat");
+        inv.arg(&self.instance)
+            .arg(ALIVE_FOR.as_micros() as u64)
+            .arg(GRANT_TTL.as_micros() as u64)
+            .arg(below)
+            .arg(ids.len());
+        for id in ids {
+            inv.arg(id);
+        }
+        inv
+    }
+
+    /// Says in [`WAITED_ON`] that this instance has waiters on `routes` (lease sets); one
+    /// that fails is said again at the next beat.
+    async fn register_waited_on(&self, routes: Vec<String>) {
+        let now = crate::unix_ms();
+        let said = self
+            .guarded(Guard::Bypass(self.timeout), |mut conn| {
+                let mut pipe = redis::pipe();
+                let add = pipe.cmd("ZADD").arg(WAITED_ON);
+                for route in &routes {
+                    add.arg(now).arg(route);
+                }
+                // Like every tollgate key, it expires (an idle fleet leaves nothing behind).
+                pipe.cmd("PEXPIRE")
+                    .arg(WAITED_ON)
+                    .arg(REGISTERED_FOR.as_millis() as u64);
+                async move { Ok(pipe.query_async::<(i64, i64)>(&mut conn).await?) }
+            })
+            .await;
+        if said.is_err() {
+            let mut w = lock(&self.waiters);
+            for route in &routes {
+                if let Some(b) = w.routes.get_mut(route) {
+                    b.registered = None;
+                }
             }
-            // Like every tollgate key, it expires (an idle fleet leaves nothing behind).
-            pipe.cmd("PEXPIRE")
-                .arg(WAITED_ON)
-                .arg(REGISTERED_FOR.as_millis() as u64);
-            Ok(pipe.query_async::<(i64, i64)>(&mut conn).await?)
-        })
-        .await
-        .map(drop)
+        }
     }
 
     /// Looks at the fleet's routes with waiters every [`SWEEP_EVERY`], for as long as the
@@ -381,7 +387,7 @@ impl RedisBackend {
     /// said to have waiters for [`REGISTERED_FOR`] leave the set. Past the breaker and
     /// uncounted, as the other upkeep is.
     async fn sweep_waited_on(self: &Arc<Self>) {
-        let stale = epoch_ms().saturating_sub(REGISTERED_FOR.as_millis() as u64);
+        let stale = crate::unix_ms().saturating_sub(REGISTERED_FOR.as_millis() as u64);
         let listed = self
             .guarded(Guard::Bypass(self.timeout), |mut conn| async move {
                 let mut trim = redis::cmd("ZREMRANGEBYSCORE");
@@ -405,25 +411,16 @@ impl RedisBackend {
             let Some(keys) = queue_keys(&route) else {
                 continue;
             };
-            // `below` 0: nothing of this instance's own is dropped (it has nothing there, or
-            // is entering its first waiter this moment).
-            let mut inv = self.queue_script.call(&keys, "beat");
-            inv.arg(&self.instance)
-                .arg(ALIVE_FOR.as_micros() as u64)
-                .arg(GRANT_TTL.as_micros() as u64)
-                .arg(0)
-                .arg(0);
+            // `below` 0, no ids: nothing of this instance's own is dropped (it has nothing
+            // there, or is entering its first waiter this moment).
+            let inv = self.beat_call(&keys, 0, &[]);
             let beat = self
                 .call_guarded::<Vec<redis::Value>>(Guard::Bypass(self.timeout), inv)
                 .await;
             if let Ok(reply) = beat {
                 let reply = BeatReply::of(&reply);
                 // A grant to a waiter that entered meanwhile is delivered, not lost.
-                let mut w = lock(&self.waiters);
-                for id in &reply.granted {
-                    w.deliver(id, Wake::Granted);
-                }
-                drop(w);
+                lock(&self.waiters).heard(&reply);
                 self.refund_owed(&keys, reply.owed);
             }
         }
