@@ -1283,3 +1283,52 @@ fn waiters_taken_back_after_a_stall_keep_their_places() {
     assert_eq!(order, ["w1", "w2", "w3"]);
     assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "0", "taken back");
 }
+
+/// `lua/queue.lua`: a grant its instance does not confirm in time lapses, and the waiter it
+/// was goes back to its place when its instance enters it again (before its charge is handed
+/// out): ahead of its key's waiters that came after it.
+#[test]
+fn a_lapsed_grants_waiter_taken_back_keeps_its_place() {
+    let redis = Redis::start();
+    let q = QueueLua::new(&redis, "g");
+    let keys = q.keys();
+    let enter = |id: &str, key: &str, instance: &str| {
+        q.run(&[
+            "enter", id, key, "1", "1", "0", "0", "10000000", instance, "60000000", "1000000",
+            "100", "60000000", "{}",
+        ])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+    };
+    assert_eq!(enter("h", "k0", "i2"), "1", "taken");
+    // w1 (instance i1), then w3 and w4 of the same key on i3.
+    for (id, instance) in [("w1", "i1"), ("w3", "i3"), ("w4", "i3")] {
+        assert_eq!(enter(id, "k1", instance), "0", "{id} queued");
+    }
+    // h goes: w1 is granted the slot for 1 ms, and does not confirm it.
+    q.run(&["release", "h", "1000", "60000000"]);
+    assert!(redis
+        .cli(&["ZSCORE", keys[0], "w1"])
+        .trim()
+        .parse::<f64>()
+        .is_ok());
+    std::thread::sleep(Duration::from_millis(50));
+    // Lapsed (its charge owed), the slot goes on to w3.
+    q.run(&["beat", "i3", "60000000", "60000000", "0", "2", "w3", "w4"]);
+    assert_eq!(
+        redis.cli(&["ZCARD", keys[5]]).trim(),
+        "1",
+        "w1's charge owed"
+    );
+    // i1 enters w1 again: its place is before w4's.
+    assert_eq!(enter("w1", "k1", "i1"), "0", "w1 queued again");
+    let order: Vec<String> = redis
+        .cli(&["ZRANGE", keys[1], "0", "-1"])
+        .lines()
+        .map(|m| m.rsplit(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(order, ["w1", "w4"]);
+}

@@ -662,7 +662,7 @@ elseif op == 'beat' then
         out[3] = out[3] + 1
       else
         redis.call('ZREM', owed, id)
-        redis.call('HDEL', state, 'c:' .. id)
+        redis.call('HDEL', state, 'c:' .. id, 'p:' .. id)
       end
     end
   end
