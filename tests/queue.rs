@@ -29,17 +29,6 @@ fn config(endpoint: &str, plans: &str) -> String {
     )
 }
 
-/// Waits until the gateway reports `n` requests waiting on `route`.
-async fn wait_queued(gw: &Gateway, route: &str, n: f64) {
-    wait_metric(
-        gw,
-        &format!("tollgate_queued{{route=\"{route}\"}}"),
-        n,
-        Duration::from_secs(10),
-    )
-    .await;
-}
-
 /// The scenario: reports take 1 s, 5 at a time; key a sends 20 at once through the
 /// gateways in turn, then keys b and c send one each. b and c reach the upstream in the first
 /// release wave (each runs no report yet); in arrival order they would wait behind 15 (3 s

@@ -190,6 +190,29 @@ async fn requests_queued_when_redis_restarted_empty_hold_back_too() {
     restarted_empty_keeps_the_cap(true, true).await;
 }
 
+/// Two gateways' config on `redis`, `on_error: deny` (nothing is admitted while Redis is away,
+/// only the lost leases matter): `/reports/generate` costs 1, runs `cap` at once and queues
+/// for `queue_timeout`; budgets that never run out.
+fn reports_on_deny(redis: &Redis, cap: u32, queue_timeout: &str) -> String {
+    format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: {cap}, queue_timeout: {queue_timeout}}}\n",
+        redis.url()
+    )
+}
+
+/// Waits (5 s at most) until `gw` admits a request through Redis again (503
+/// store-unavailable until then, under `on_error: deny`).
+async fn wait_answering(gw: &Gateway) {
+    let c = client();
+    eventually(Duration::from_secs(5), async || {
+        match get(&c, gw.url("/items"), "probe").await.status().as_u16() {
+            200 => Ok(()),
+            s => Err(format!("Redis not back: {s}")),
+        }
+    })
+    .await;
+}
+
 /// A holds a cap of 6 with long reports; Redis restarts empty; B's 6 must wait for A's.
 /// `warm`: B's worker threads spoke to the old Redis, and B waits for the new one to answer
 /// before sending its reports (its process knew the old `run_id` either way: it read Redis's
@@ -199,11 +222,7 @@ async fn restarted_empty_keeps_the_cap(warm: bool, queued: bool) {
     let port = free_port();
     let mut redis = Redis::start_on(port);
     let up = Upstream::start(Duration::from_secs(5));
-    // on_error deny: nothing is admitted while Redis is away, only the lost leases matter.
-    let cfg = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 6, queue_timeout: 15s}}\n",
-        redis.url()
-    );
+    let cfg = reports_on_deny(&redis, 6, "15s");
     let a = Gateway::start(&up, &cfg);
     let b = Gateway::start(&up, &cfg);
     let c = client();
@@ -247,19 +266,7 @@ async fn restarted_empty_keeps_the_cap(warm: bool, queued: bool) {
     assert_eq!(redis.cli(&["CONFIG", "GET", "save"]).trim(), "save");
     if warm {
         // B's requests once Redis answers it again (503 store-unavailable until then).
-        let start = Instant::now();
-        loop {
-            let r = get(&c, b.url("/items"), "probe").await;
-            if r.status() == 200 {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "Redis not back: {}",
-                r.status()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_answering(&b).await;
     }
     if !queued {
         second = send_second();
@@ -285,10 +292,7 @@ async fn the_hold_after_redis_restarted_empty_counts_in_the_queue_timeout() {
     let port = free_port();
     let mut redis = Redis::start_on(port);
     let up = Upstream::start(Duration::from_secs(8));
-    let cfg = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 2, queue_timeout: 2s}}\n",
-        redis.url()
-    );
+    let cfg = reports_on_deny(&redis, 2, "2s");
     let a = Gateway::start(&up, &cfg);
     let b = Gateway::start(&up, &cfg);
     let c = client();
@@ -300,15 +304,7 @@ async fn the_hold_after_redis_restarted_empty_counts_in_the_queue_timeout() {
     redis.kill();
     let _redis = Redis::start_on(port);
     // B's connections learn the new Redis (and its new `run_id`) on this probe's calls.
-    let start = Instant::now();
-    loop {
-        let r = get(&c, b.url("/items"), "probe").await;
-        if r.status() == 200 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(5), "Redis not back");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_answering(&b).await;
     let sent = Instant::now();
     let r = c
         .post(b.url("/reports/generate"))

@@ -2,9 +2,10 @@
 //! a value shorter than 16 characters (an empty one too: a variable set from a secret that is
 //! missing must not open `/admin/*`) or a placeholder left from an example (`CHANGE-ME`, the
 //! value in `deploy/k8s/secret.yaml`) or one shorter string repeated (`passwordpassword`) is
-//! refused at start rather than guarding `/admin/*` with something anyone can guess, and so is one that no `Authorization` header could carry
-//! (spaces, control or non-ASCII characters: it would lock everyone out). [`AdminAuth`] is how a request shows
-//! it: the token as a Bearer credential, or a browser's session cookie.
+//! refused at start rather than guarding `/admin/*` with something anyone can guess, and so
+//! is one that no `Authorization` header could carry (spaces, control or non-ASCII
+//! characters: it would lock everyone out). [`AdminAuth`] is how a request shows it: the
+//! token as a Bearer credential, or a browser's session cookie.
 
 use std::sync::Arc;
 

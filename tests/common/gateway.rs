@@ -348,6 +348,12 @@ pub async fn wait_in_flight(gw: &Gateway, route: &str, n: u64) {
     wait_metric(gw, &series, n as f64, Duration::from_secs(10)).await
 }
 
+/// Waits (10 s at most) until `gw` reports `n` requests waiting on `route`.
+pub async fn wait_queued(gw: &Gateway, route: &str, n: f64) {
+    let series = format!("tollgate_queued{{route=\"{route}\"}}");
+    wait_metric(gw, &series, n, Duration::from_secs(10)).await
+}
+
 /// Polls a metric until it equals `want` (within `within`), for counts that take a while.
 pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
     eventually(within, async || match metric(gw, series).await {
