@@ -973,3 +973,55 @@ async fn refunds_of_waiters_that_left_during_an_outage_reach_redis_after_it() {
     })
     .await;
 }
+
+/// DESIGN §4: what is admitted on the fallback is charged in full to the shared budget when
+/// the store returns. Three requests of one key wait in Redis's queue behind another key's
+/// report when Redis is killed and comes back empty: each is decided again on the fallback
+/// (charged there, written back) and runs. The refunds of their Redis charges, sent again
+/// until Redis answers, must not cancel the write-back: those charges went with Redis's
+/// data. They did: the key was charged nothing for the three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_decided_again_after_redis_restarted_empty_stay_charged() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}  endpoints:\n    /slow: {{cost: 5, max_in_flight: 1, queue_timeout: 20s}}\nkeys:\n{}{}",
+        store_yaml(&redis.url(), "").replace("fleet_size: 2", "fleet_size: 1"),
+        registry_key("kh", ""),
+        registry_key("kw", "")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, gw.url("/slow?delay_ms=3000"), "key-kh");
+    up.wait_current("/slow", 1).await;
+    let waiters: Vec<_> = (0..3)
+        .map(|_| spawn_post(&c, gw.url("/slow"), "key-kw"))
+        .collect();
+    wait_queued(&gw, "/slow", 3.0).await;
+    redis.kill();
+    assert_eq!(holder.await.unwrap(), 200);
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), 200);
+    }
+    redis = Redis::start_on(port);
+    let ran = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.header("x-api-key") == ["key-kw"])
+        .count() as u64;
+    assert_eq!(ran, 3);
+    // They ran on the fallback (what this test is about), not back in a restarted Redis.
+    let on_fallback = gw
+        .access_log()
+        .iter()
+        .filter(|l| l["key"] == "kw" && l["fallback"] == true)
+        .count();
+    assert_eq!(on_fallback, 3, "{}", gw.log());
+    // Long enough for every refund sent again to have reached Redis (every 2 s at most).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let left = remaining(&gw, "kw").await;
+    assert_eq!(left, MAX - 5 * ran, "{}", gw.log());
+    drop(redis);
+}

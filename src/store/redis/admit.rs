@@ -197,13 +197,9 @@ impl RedisBackend {
         self: &Arc<Self>,
         budgets: Vec<(String, Limit)>,
         cost: u64,
-        once: Option<String>,
+        once: Option<Once>,
     ) -> Option<Vec<i64>> {
-        let refund = Refund {
-            budgets: &budgets,
-            cost,
-            once: once.as_deref(),
-        };
+        let refund = Once::refund(&once, &budgets, cost);
         let refunded = self.op_bypassing(&refund, LATE_REPLY_WAIT).await;
         match refunded {
             Ok(levels) => return Some(levels),
@@ -222,7 +218,7 @@ impl RedisBackend {
         self: &Arc<Self>,
         budgets: Vec<(String, Limit)>,
         cost: u64,
-        once: Option<String>,
+        once: Option<Once>,
     ) {
         let store = self.clone();
         let drained = crate::budget::drain_time(budgets.iter().map(|(_, l)| l), cost);
@@ -232,11 +228,7 @@ impl RedisBackend {
             while Instant::now() < give_up {
                 tokio::time::sleep(every).await;
                 every = (every * 2).min(REFUND_RETRY_BACKED_OFF);
-                let refund = Refund {
-                    budgets: &budgets,
-                    cost,
-                    once: once.as_deref(),
-                };
+                let refund = Once::refund(&once, &budgets, cost);
                 match store.op(&refund).await {
                     Ok(_) => return,
                     Err(e) if refund_again(&e) || once.is_some() => continue,
@@ -247,6 +239,40 @@ impl RedisBackend {
                 "an admission could not be refunded before its charge drained; the key stays charged for it"
             );
         });
+    }
+}
+
+/// What makes a refund of an admission's charge once however often it is sent: its marker
+/// (`keys::refund_marker`), and, for a charge whose record is known to live until a time
+/// (a queued request's: `script::record_holds_until`), that record. Sent before then, the
+/// refund is made only if the record is there: Redis still holds the charge. A record
+/// missing then went with Redis's data (a restart without persistence, an empty replica
+/// promoted), and the charge with it: giving it back would cancel what was charged since
+/// (the fallback's write-back of what ran while Redis was away). Sent later, as before.
+pub(super) struct Once {
+    pub marker: String,
+    pub record: Option<(String, Instant)>,
+}
+
+impl Once {
+    pub fn marker(marker: String) -> Once {
+        Once {
+            marker,
+            record: None,
+        }
+    }
+
+    /// The refund of `cost` to `budgets`, made once by `once`, as sent now.
+    fn refund<'a>(once: &'a Option<Once>, budgets: &'a [(String, Limit)], cost: u64) -> Refund<'a> {
+        let record = once.as_ref().and_then(|o| o.record.as_ref());
+        Refund {
+            budgets,
+            cost,
+            once: once.as_ref().map(|o| o.marker.as_str()),
+            record: record
+                .filter(|(_, until)| Instant::now() < *until)
+                .map(|(r, _)| r.as_str()),
+        }
     }
 }
 

@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use redis::Script;
 
+use super::admit::Once;
 use super::guard::Guard;
 use super::keys::{self, queue_keys, QueueKeys};
-use super::script::Call;
+use super::script::{self, Call};
 use super::{Decided, RedisBackend, RedisLease};
 use crate::store::fallback::SharedAnswer;
 use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
@@ -122,6 +123,9 @@ struct Unserved {
     /// Its charge as the queue keeps it beside its waiter (`owed::Charge`), for whoever drops
     /// it should this instance die.
     charge: String,
+    /// Until when its charge's admission record surely lives in Redis
+    /// (`script::record_holds_until`).
+    record_until: Instant,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -218,14 +222,20 @@ impl Unserved {
         let rt = tokio::runtime::Handle::try_current().ok()?;
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
+        let record_until = self.record_until;
         let (tx, rx) = tokio::sync::oneshot::channel();
         rt.spawn(async move {
             if in_route {
                 store.leave_queue(&keys, &id, Guard::Breaker).await;
             }
             if refund {
-                // The levels as soon as the refund answers; the key's slot after.
-                let once = super::keys::refund_marker(&req.key, &id);
+                // The levels as soon as the refund answers; the key's slot after. Not if
+                // Redis lost the charge with its data (`Once`): the request may have run on
+                // the fallback meanwhile, charged there and written back.
+                let once = Once {
+                    marker: keys::refund_marker(&req.key, &id),
+                    record: Some((keys::admission_key(&req.key, &id), record_until)),
+                };
                 let budgets = super::budget_keys(&req);
                 if let Some(levels) = store.undo_charge(budgets, req.cost, Some(once)).await {
                     let _ = tx.send(levels);
@@ -292,7 +302,7 @@ impl RedisBackend {
         key_slots: Vec<String>,
         id: String,
     ) -> Option<Vec<i64>> {
-        let once = keys::refund_marker(&req.key, &id);
+        let once = Once::marker(keys::refund_marker(&req.key, &id));
         let levels = self
             .undo_charge(super::budget_keys(req), req.cost, Some(once))
             .await;
@@ -323,6 +333,7 @@ impl RedisBackend {
             store: self.clone(),
             req: Some(req.clone()),
             charge: owed::Charge::of(req, &id),
+            record_until: script::record_holds_until(start, req.queue_timeout),
             keys,
             key_slots,
             id,

@@ -7,7 +7,7 @@
 //! [`invoke`]). Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost,
 //! drained at `rate` per µs), as in `crate::budget`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::sync::LazyLock;
 
@@ -287,6 +287,9 @@ pub(super) struct AdmitCall {
     pub lease_id: String,
     /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
     pub record: String,
+    /// How long the record lives, ms: at most this (shorter once the charge drained), or,
+    /// negative, exactly its magnitude (`record_px` in `common.lua`; [`record_ms`]).
+    pub record_ms: i64,
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,
@@ -445,6 +448,25 @@ fn figures(more: &[i64]) -> Option<Figures> {
 /// How long Redis keeps an admission's record: beyond the longest time the gateway keeps
 /// sending the `undo` of a call it gave up on ([`UNDO_FOR`]).
 pub(super) const ADMISSION_RECORD: Duration = Duration::from_secs(120);
+
+/// The `record_ms` of an `admit` call: [`ADMISSION_RECORD`] at most; for a charge that will
+/// wait in its route's queue for `queued` at most, exactly that and `ADMISSION_RECORD` more,
+/// so that a refund of it can tell by the record whether Redis still holds the charge
+/// ([`record_holds_until`], `refund.lua`).
+pub(super) fn record_ms(queued: Option<Duration>) -> i64 {
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    match queued {
+        None => ms(ADMISSION_RECORD),
+        Some(wait) => -ms(wait.saturating_add(ADMISSION_RECORD)),
+    }
+}
+
+/// Until when the record of a charge sent at `sent` that may wait `queued` surely lives:
+/// [`record_ms`]'s life, less a margin for a refund that reaches Redis late.
+pub(super) fn record_holds_until(sent: Instant, queued: Duration) -> Instant {
+    const LATE: Duration = Duration::from_secs(20);
+    sent + queued.saturating_add(ADMISSION_RECORD) - LATE
+}
 /// How long an undone id's tombstone keeps a late delivery of its call from charging: past
 /// the time a kernel keeps retransmitting a closed connection's unsent data (~15 min).
 pub(super) const TOMBSTONE: Duration = Duration::from_secs(20 * 60);

@@ -63,6 +63,7 @@ impl SharedStore for RedisBackend {
                 budgets: &budgets,
                 cost: req.cost,
                 once: None,
+                record: None,
             };
             let levels = self.op(&refund).await?;
             return Ok(Refunded::Store((!self.slices_on).then_some(levels)));

@@ -8,15 +8,27 @@
 -- With one more key and one more argument (a marker, in the budgets' slot, and how long it
 -- lasts, ms), the refund is made once: a resend (one whose first send timed out and may have
 -- run) finds the marker and only reads the levels.
+--
+-- With two more keys (the marker, then the charge's admission record) and two more arguments
+-- (how long the marker lasts, then 1), the refund is made only if the record is there ('1'):
+-- the caller knows the record lives at least until then, so a record missing means Redis
+-- lost the charge with its data (a restart without persistence, an empty replica promoted)
+-- and there is nothing to give back -- giving it back would cancel what was charged since
+-- (the fallback's write-back of what ran while Redis was away).
 
 local budgets = #KEYS
-local marker = nil
+local marker, record = nil, nil
 if #ARGV == 3 * #KEYS - 2 then
   budgets = #KEYS - 1
   marker = KEYS[#KEYS]
+elseif #ARGV == 3 * #KEYS - 4 then
+  budgets = #KEYS - 2
+  marker, record = KEYS[#KEYS - 1], KEYS[#KEYS]
 end
 local levels = {}
-if marker and redis.call('EXISTS', marker) == 1 then
+local lost = record and redis.call('GET', record) ~= '1'
+if lost or (marker and redis.call('EXISTS', marker) == 1) then
+  if lost then redis.call('SET', marker, '1', 'PX', ARGV[3 * budgets + 1]) end
   local now = now_us()
   for i = 1, budgets do
     levels[i] = level_at(KEYS[i], tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), now)
@@ -25,5 +37,5 @@ if marker and redis.call('EXISTS', marker) == 1 then
 end
 adjust(-1, levels, budgets)
 gave_back(KEYS)
-if marker then redis.call('SET', marker, '1', 'PX', ARGV[#ARGV]) end
+if marker then redis.call('SET', marker, '1', 'PX', ARGV[3 * budgets + 1]) end
 return levels

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::super::admit::Once;
 use super::super::keys::{self, QueueKeys};
 use super::super::RedisBackend;
 use crate::budget::Limit;
@@ -93,7 +94,7 @@ impl RedisBackend {
                 match Charge::parse(&charge) {
                     Some(charge) => {
                         let budgets = charge.budgets();
-                        store.undo_charge(budgets, charge.c, Some(charge.m)).await;
+                        store.undo_charge(budgets, charge.c, Some(Once::marker(charge.m))).await;
                     }
                     None => tracing::warn!(
                         "a dead instance's waiter's charge could not be read; not refunded"

@@ -4,7 +4,7 @@
 
 use redis::ToRedisArgs;
 
-use super::{AdmitCall, Call, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
+use super::{AdmitCall, Call, Lua, Op, TOMBSTONE};
 use crate::budget::Limit;
 use crate::store::redis::slices::{self, IfLost};
 
@@ -79,7 +79,7 @@ impl AdmitCall {
         }
         inv.arg(self.if_lost.units)
             .arg(self.if_lost.granted_us)
-            .arg(ADMISSION_RECORD.as_millis() as u64)
+            .arg(self.record_ms)
             .key(&self.record);
     }
 }
@@ -138,7 +138,7 @@ impl AdmitCall {
             .arg(l.capacity)
             .arg(l.max_delay)
             .arg(self.cost)
-            .arg(ADMISSION_RECORD.as_millis() as u64);
+            .arg(self.record_ms);
     }
 
     /// What `admit_one` decides exactly as `admit` does.
@@ -216,6 +216,9 @@ pub(in crate::store::redis) struct Refund<'a> {
     /// A key in the budgets' slot that makes the refund once (`refund.lua`): a resend of a
     /// call that timed out is then safe.
     pub once: Option<&'a str>,
+    /// With `once`: the charge's admission record, known to live until now at least. The
+    /// refund is made only if it is there: missing, Redis lost the charge with its data.
+    pub record: Option<&'a str>,
 }
 
 impl Op for Refund<'_> {
@@ -229,6 +232,9 @@ impl Op for Refund<'_> {
             // As long as the refund may be sent again, and a minute more.
             let lasts = super::super::REFUND_RETRY_AT_MOST + std::time::Duration::from_secs(60);
             inv.key(marker).arg(lasts.as_millis() as u64);
+            if let Some(record) = self.record {
+                inv.key(record).arg(1);
+            }
         }
     }
 }

@@ -185,6 +185,7 @@ async fn a_refund_made_once_is_made_once() {
             budgets: &budgets,
             cost: 4,
             once: Some(&marker),
+            record: None,
         };
         let levels: Vec<i64> = script::invoke(&refund.invocation(), &mut conn)
             .await
@@ -201,4 +202,87 @@ async fn a_refund_made_once_is_made_once() {
         Duration::from_secs(60),
     );
     assert_eq!(send(&next, false, &mut conn).await.1, 5);
+}
+
+/// A queued request's charge is recorded for as long as it may wait and two minutes more
+/// (`script::record_ms`), through `admit_one` and `admit` alike; its refund, sent with the
+/// record, gives the units back while Redis still holds the charge, and nothing once Redis
+/// lost it with its data: the units charged since (the fallback's write-back of the same
+/// request, run while Redis was away) stay charged. Without the record it gave them back.
+#[tokio::test]
+async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let queued = |key: u8, cost: u64| AdmitRequest {
+        route_cap: Some(1),
+        queue_timeout: Duration::from_secs(30),
+        ..request(key, limit, vec![], cost)
+    };
+    let pttl = async |conn: &mut Conn, key: &str| -> i64 {
+        redis::cmd("PTTL").arg(key).query_async(conn).await.unwrap()
+    };
+    let refund = async |conn: &mut Conn, key: u8, call: &AdmitCall, id: &str| {
+        let budgets = call.budgets();
+        let marker = crate::store::redis::keys::refund_marker(&[key; 32], id);
+        let refund = Refund {
+            budgets: &budgets,
+            cost: 4,
+            once: Some(&marker),
+            record: Some(&call.record),
+        };
+        let _: Vec<i64> = script::invoke(&refund.invocation(), conn).await.unwrap();
+    };
+    for (key, also) in [(70u8, false), (71, true)] {
+        let extra = also.then(|| Extra {
+            bucket: Bucket::Key("day".into()),
+            limit: Limit::new(1000, Duration::from_secs(86400), Duration::ZERO).unwrap(),
+        });
+        let req = AdmitRequest {
+            also: extra.into_iter().collect(),
+            ..queued(key, 4)
+        };
+        let lease = Duration::from_secs(10);
+        let call = admit_call(&req, Ask::default(), "t:q1".into(), lease);
+        assert_eq!(send(&call, false, &mut conn).await.1, 6, "{}", call.record);
+        // max(queue_timeout, lease) + 120 s, whatever the budget's drain time (~24 min).
+        let life = pttl(&mut conn, &call.record).await;
+        assert!(
+            (149_000..=150_000).contains(&life),
+            "record lives {life} ms"
+        );
+        // Redis holds the charge: given back.
+        refund(&mut conn, key, &call, "t:q1").await;
+        let probe = admit_call(
+            &request(key, limit, vec![], 1),
+            Ask::default(),
+            format!("t:p{key}"),
+            lease,
+        );
+        assert_eq!(send(&probe, false, &mut conn).await.1, 9);
+        // Charged, then Redis loses its data, then the fallback's write-back charges the
+        // same request again (here: an admission of 4): the refund gives nothing back.
+        let lost = admit_call(&req, Ask::default(), "t:q2".into(), lease);
+        assert_eq!(send(&lost, false, &mut conn).await.1, 5);
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        let written_back = admit_call(
+            &request(key, limit, vec![], 4),
+            Ask::default(),
+            format!("t:w{key}"),
+            lease,
+        );
+        assert_eq!(send(&written_back, false, &mut conn).await.1, 6);
+        refund(&mut conn, key, &lost, "t:q2").await;
+        let probe = admit_call(
+            &request(key, limit, vec![], 1),
+            Ask::default(),
+            format!("t:x{key}"),
+            lease,
+        );
+        assert_eq!(
+            send(&probe, false, &mut conn).await.1,
+            5,
+            "the write-back stays charged"
+        );
+    }
 }
