@@ -80,6 +80,11 @@ impl RunId {
         Some(new)
     }
 
+    /// Whether a new `run_id` was seen after `t`: Redis may have lost its data since.
+    pub(super) fn changed_since(&self, t: Instant) -> bool {
+        lock(&self.changed_at).is_some_and(|at| at > t)
+    }
+
     /// How long a request that takes a slot still waits for other instances to register
     /// their leases again.
     fn settling(&self) -> Option<Duration> {

@@ -310,6 +310,19 @@ impl RedisBackend {
         levels
     }
 
+    /// The charge of waiter `id` of `req` again, if Redis lost it with its data (`Recharge`).
+    async fn recharge(&self, req: &AdmitRequest, id: &str) -> Result<(), StoreError> {
+        let (budgets, record) = (super::budget_keys(req), keys::admission_key(&req.key, id));
+        let recharge = script::Recharge {
+            budgets: &budgets,
+            cost: req.cost,
+            record: &record,
+            record_ms: script::record_ms(Some(req.queue_timeout.max(self.lease_ttl)))
+                .unsigned_abs(),
+        };
+        self.op(&recharge).await.map(drop)
+    }
+
     /// A capped request: charged for its key, then into the route's fair queue.
     pub(super) async fn admit_capped(
         self: &Arc<Self>,
@@ -352,6 +365,11 @@ impl RedisBackend {
                 // Not if the instance is exiting and gave its charge back, nor past its time.
                 if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
                     return Ok(self.route_busy(req, &outcome, start, unserved).await);
+                }
+                // Its charge went with Redis's data, if its record did: made again before it
+                // waits again, as the fallback's write-back would have (it runs after all).
+                if self.conns.run_id.changed_since(start) {
+                    self.recharge(req, &unserved.id).await?;
                 }
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;

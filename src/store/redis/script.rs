@@ -19,7 +19,7 @@ use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
-pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Refund, Settle, Undo, Unspend};
+pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Recharge, Refund, Settle, Undo, Unspend};
 
 /// An operation's script: the shared helpers (they start with the `#!lua` flag line), those
 /// `admit_one` does not call (`extra.lua`; a script's functions are made anew on every call,

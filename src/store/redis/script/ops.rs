@@ -258,6 +258,27 @@ impl Op for Debit<'_> {
     }
 }
 
+/// `debit` of a queued request's charge again when Redis lost it with its data (its
+/// admission record is gone), before the request waits again: the charge, then the record
+/// for `record_ms` (`script::record_ms`'s magnitude), so that it is made once. Nothing if the
+/// record is there (the charge stands, or was undone). Reply 1.
+pub(in crate::store::redis) struct Recharge<'a> {
+    pub budgets: &'a [(String, Limit)],
+    pub cost: u64,
+    pub record: &'a str,
+    pub record_ms: u64,
+}
+
+impl Op for Recharge<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Debit;
+
+    fn args(&self, inv: &mut Call<'static>) {
+        budgets_with_cost(inv, self.budgets, self.cost);
+        inv.key(self.record).arg(0).arg(self.record_ms);
+    }
+}
+
 /// The key's holds, then each budget with per_unit and rate (`settle`, `unspend`, `peek`).
 fn holds_and_budgets(inv: &mut Call<'static>, holds: &str, budgets: &[(String, Limit)]) {
     inv.key(holds);

@@ -286,3 +286,47 @@ async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
         );
     }
 }
+
+/// A queued request whose charge Redis lost with its data is charged again before it waits
+/// again (`Recharge`), once however often that is sent; one whose record is there (Redis
+/// kept its data) is not charged twice.
+#[tokio::test]
+async fn a_lost_queued_charge_is_made_again_once() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
+    let req = AdmitRequest {
+        route_cap: Some(1),
+        queue_timeout: Duration::from_secs(30),
+        ..request(72, limit, vec![], 4)
+    };
+    let lease = Duration::from_secs(10);
+    let call = admit_call(&req, Ask::default(), "t:r1".into(), lease);
+    assert_eq!(send(&call, false, &mut conn).await.1, 6);
+    let budgets = call.budgets();
+    let recharge = script::Recharge {
+        budgets: &budgets,
+        cost: 4,
+        record: &call.record,
+        record_ms: 150_000,
+    };
+    let again = async |conn: &mut Conn| {
+        let _: i64 = script::invoke(&recharge.invocation(), conn).await.unwrap();
+    };
+    // Redis kept it: nothing more.
+    again(&mut conn).await;
+    let probe = |id: &str| {
+        admit_call(
+            &request(72, limit, vec![], 1),
+            Ask::default(),
+            id.into(),
+            lease,
+        )
+    };
+    assert_eq!(send(&probe("t:p1"), false, &mut conn).await.1, 5);
+    // Redis lost it: made again, once.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    again(&mut conn).await;
+    again(&mut conn).await;
+    assert_eq!(send(&probe("t:p2"), false, &mut conn).await.1, 5);
+}
