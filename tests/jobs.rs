@@ -720,6 +720,23 @@ fn check_and_explain_describe_async_routes() {
         explain.contains("async:        a request with Prefer: respond-async becomes a job"),
         "{explain}"
     );
+    // A job's poll and cancel are the gateway's, on any config, in any spelling of the path
+    // (DESIGN §8: they cost nothing and take no slot). It said `route: default`, `cost: 1`.
+    for (method, target) in [
+        ("GET", "/_tollgate/jobs/0123456789abcdef0123456789abcdef"),
+        (
+            "DELETE",
+            "/_tollgate//jobs/0123456789abcdef0123456789abcdef",
+        ),
+    ] {
+        let explain = cli_ok(&path, &["explain", method, target]);
+        assert!(
+            explain.contains("answered by:  the gateway, never forwarded")
+                && explain.contains("cost:         0 (never charged, takes no slot)")
+                && !explain.contains("route:"),
+            "{explain}"
+        );
+    }
 }
 
 /// `cost_per_second` bills a job's measured upstream time when it ends, as for a request: a

@@ -23,6 +23,13 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
         return (out, false);
     }
     let path = path.split_once('#').map_or(path, |(p, _)| p);
+    // A path the gateway keeps for jobs is answered by it, whatever the routes (DESIGN §8).
+    if !decision::is_connect(method) {
+        if let Some(id) = crate::proxy::job_in(path.as_bytes()) {
+            explain_job(&mut out, cfg, method, path, &id, key);
+            return (out, true);
+        }
+    }
     // The proxy's own classification, so that explain and the gateway never disagree.
     let classified = match decision::classify(cfg, method, path) {
         Ok(c) => c,
@@ -49,23 +56,54 @@ pub fn explain(cfg: &Config, method: &str, path: &str, key: Option<&str>) -> (St
     let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
     match who {
         Ok(id) => explain_key(&mut out, route, &id, key.is_some()),
-        Err(Unauthenticated::Missing) => {
-            let _ = writeln!(
-                out,
-                "key:          none given → 401 unauthenticated (anonymous: reject)"
-            );
-        }
-        Err(Unauthenticated::Unknown) => {
-            let _ = writeln!(
-                out,
-                "key:          not in the registry → 401 unauthenticated"
-            );
-        }
-        Err(Unauthenticated::Conflicting) => {
-            let _ = writeln!(out, "key:          conflicting keys → 401 unauthenticated");
+        Err(e) => {
+            let _ = writeln!(out, "key:          {}", refused(e));
         }
     }
     (out, true)
+}
+
+/// `explain` of a request about a job (`/_tollgate/jobs/<id>`): the gateway answers it from
+/// the job board, for the key that submitted the job only; never forwarded, never charged.
+fn explain_job(
+    out: &mut String,
+    cfg: &Config,
+    method: &str,
+    path: &str,
+    id: &str,
+    key: Option<&str>,
+) {
+    let what = match method {
+        "GET" | "HEAD" => "the job's status, then its result (202 while it waits or runs)",
+        "DELETE" => "cancels the job if it has not started (409 job-started once it has)",
+        _ => "405 (a job answers GET, HEAD and DELETE)",
+    };
+    let _ = writeln!(out, "request:      {method} {path}");
+    let _ = writeln!(
+        out,
+        "job:          {}",
+        if id.is_empty() { "(no id: 404)" } else { id }
+    );
+    let _ = writeln!(out, "answered by:  the gateway, never forwarded: {what}");
+    let _ = writeln!(out, "cost:         0 (never charged, takes no slot)");
+    let who = identity::identify(cfg, Ok(key.map(str::as_bytes)), Some([127, 0, 0, 1].into()));
+    let _ = writeln!(
+        out,
+        "key:          {}",
+        match who {
+            Ok(_) => "the key that submitted the job (any other: 404 job-not-found)",
+            Err(e) => refused(e),
+        }
+    );
+}
+
+/// Why a request's key is refused (401), as `explain` says it.
+fn refused(e: Unauthenticated) -> &'static str {
+    match e {
+        Unauthenticated::Missing => "none given → 401 unauthenticated (anonymous: reject)",
+        Unauthenticated::Unknown => "not in the registry → 401 unauthenticated",
+        Unauthenticated::Conflicting => "conflicting keys → 401 unauthenticated",
+    }
 }
 
 /// `explain`'s `cost:` lines: the price, and how it is settled after the response.

@@ -19,7 +19,7 @@ use crate::store::{Standing, Store};
 use std::sync::Arc;
 
 /// The id a request about a job names (`/_tollgate/jobs/<id>`, a path the gateway keeps), None
-/// for any other request. The path is read as routes are (DESIGN §3: normalized, matrix
+/// for any other request (`job_in`, also `tollgate explain`'s). The path is read as routes are (DESIGN §3: normalized, matrix
 /// parameters dropped, ASCII case ignored), so that no other spelling of it (`//`, `./`,
 /// `%6aobs`, `jobs;v=1`, `/_TOLLGATE/…`) reaches the upstream; `/_tollgate/jobs` without an
 /// id names none (empty), which no job has.
@@ -31,7 +31,7 @@ pub(super) fn job_named(session: &Session) -> Option<String> {
     job_in(req.raw_path())
 }
 
-fn job_in(raw: &[u8]) -> Option<String> {
+pub(crate) fn job_in(raw: &[u8]) -> Option<String> {
     if let Some(rest) = raw.strip_prefix(PATH_PREFIX.as_bytes()) {
         // As the gateway writes it in `Location`: the common case, nothing to normalize.
         let id = rest

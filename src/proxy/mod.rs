@@ -12,6 +12,7 @@ mod decide;
 mod failure;
 pub mod forward;
 mod jobs;
+pub(crate) use jobs::job_in;
 mod late;
 mod record;
 pub mod respond;
