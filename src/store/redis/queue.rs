@@ -368,7 +368,9 @@ impl RedisBackend {
                 }
                 // Its charge went with Redis's data, if its record did: made again before it
                 // waits again, as the fallback's write-back would have (it runs after all).
-                if self.conns.run_id.changed_since(start) {
+                // Only while the record surely lives: missing later, it may have lapsed.
+                if self.conns.run_id.changed_since(start) && Instant::now() < unserved.record_until
+                {
                     self.recharge(req, &unserved.id).await?;
                 }
             }

@@ -450,14 +450,16 @@ fn figures(more: &[i64]) -> Option<Figures> {
 pub(super) const ADMISSION_RECORD: Duration = Duration::from_secs(120);
 
 /// The `record_ms` of an `admit` call: [`ADMISSION_RECORD`] at most; for a charge that will
-/// wait in its route's queue for `queued` at most, exactly that and `ADMISSION_RECORD` more,
-/// so that a refund of it can tell by the record whether Redis still holds the charge
-/// ([`record_holds_until`], `refund.lua`).
+/// wait in its route's queue for `queued` at most, exactly that (5 minutes at most) and
+/// `ADMISSION_RECORD` more, so that a refund of it can tell by the record whether Redis
+/// still holds the charge ([`record_holds_until`], `refund.lua`). The bound keeps a busy
+/// route's records few (one per request, for up to 7 minutes); a refund later than that is
+/// made as any other.
 pub(super) fn record_ms(queued: Option<Duration>) -> i64 {
     let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
     match queued {
         None => ms(ADMISSION_RECORD),
-        Some(wait) => -ms(wait.saturating_add(ADMISSION_RECORD)),
+        Some(wait) => -ms(queued_record(wait)),
     }
 }
 
@@ -465,7 +467,13 @@ pub(super) fn record_ms(queued: Option<Duration>) -> i64 {
 /// [`record_ms`]'s life, less a margin for a refund that reaches Redis late.
 pub(super) fn record_holds_until(sent: Instant, queued: Duration) -> Instant {
     const LATE: Duration = Duration::from_secs(20);
-    sent + queued.saturating_add(ADMISSION_RECORD) - LATE
+    sent + queued_record(queued) - LATE
+}
+
+/// How long a queued charge's record lives.
+fn queued_record(queued: Duration) -> Duration {
+    const WAIT_AT_MOST: Duration = Duration::from_secs(300);
+    queued.min(WAIT_AT_MOST) + ADMISSION_RECORD
 }
 /// How long an undone id's tombstone keeps a late delivery of its call from charging: past
 /// the time a kernel keeps retransmitting a closed connection's unsent data (~15 min).
