@@ -270,6 +270,39 @@ fn raw_and_escaped_non_ascii_paths_are_one_route() {
     assert_eq!(paths, ["/prices/%E2%82%AC"; 3]);
 }
 
+/// So are a raw ASCII character a path must hold escaped (RFC 3986 §3.3: `|`, `"`, `^`, `[`
+/// …) and its escape in either case: `check` takes the pattern escaped, and every spelling
+/// costs what it does (an upstream that decodes runs the one handler). Before, `/q%7Cx`
+/// missed a `/q|x` endpoint and was charged 1, and `/q|x` missed `/q%7Cx`.
+#[test]
+fn raw_and_escaped_ascii_a_path_must_escape_are_one_route() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    /q%7Cx: {cost: 30}\n    /a%22b%5Ec%5B1%5D: {cost: 40}\n",
+        ),
+    );
+    let cases = [
+        ("/q|x", "30", "/q%7Cx"),
+        ("/q%7cx", "30", "/q%7Cx"),
+        ("/q%7Cx", "30", "/q%7Cx"),
+        ("/a\"b^c[1]", "40", "/a%22b%5Ec%5B1%5D"),
+        ("/a%22b%5ec%5b1%5d", "40", "/a%22b%5Ec%5B1%5D"),
+    ];
+    for (i, (target, cost, _)) in cases.iter().enumerate() {
+        let line = format!("GET {target}");
+        let r = raw_request(gw.port, &raw(&line, &[&format!("X-API-Key: k-ascii-{i}")]))
+            .unwrap_or_else(|| panic!("`{line}`: no answer"));
+        assert_eq!(r.status, 200, "`{line}`: {r:?}");
+        assert_eq!(r.header("X-RateLimit-Cost"), Some(*cost), "`{line}`");
+    }
+    let paths: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
+    let want: Vec<&str> = cases.iter().map(|c| c.2).collect();
+    assert_eq!(paths, want);
+}
+
 // ---- Headers that change what the upstream runs, or whom it believes ----
 
 /// A `HEAD` on a `GET` endpoint is charged as that GET and counts against its cap: the

@@ -18,7 +18,7 @@ pub(super) enum EndpointError {
     Connect,
     #[error("can never match: {0}, and such requests are refused (400 bad-path) before routing")]
     BadPath(BadPath),
-    #[error("can never match: a request path cannot contain '{0}' ({why})", why = unsendable(*.0))]
+    #[error("can never match: {why}", why = unsendable(*.0))]
     Unsendable(char),
     #[error("can never match: requests are matched without matrix parameters (';' and what follows it in a segment)")]
     Matrix,
@@ -28,12 +28,15 @@ pub(super) enum EndpointError {
     NotNormalized { written: String },
 }
 
-/// Why a request path never holds `c` as it is.
+/// Why a request path is never matched with `c` as it is.
 fn unsendable(c: char) -> String {
     match c {
-        '?' => "it starts the query string, which is not part of the path".to_string(),
-        '#' => "it starts a fragment, which clients never send".to_string(),
-        c => format!("clients send it percent-encoded; write %{:02X}", c as u32),
+        '?' => "a request path cannot contain '?' (it starts the query string, which is not part of the path)".to_string(),
+        '#' => "a request path cannot contain '#' (it starts a fragment, which clients never send)".to_string(),
+        c => format!(
+            "requests are matched with '{c}' percent-encoded, as a path must hold it (one spelling for both); write %{:02X}",
+            c as u32
+        ),
     }
 }
 
@@ -54,13 +57,16 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
         // Unbalanced braces: the router reports the template error.
         return Ok(());
     };
-    let normalized = normalize_path(&masked).map_err(EndpointError::BadPath)?;
-    if let Some(c) = normalized
-        .chars()
-        .find(|c| matches!(c, ' ' | '#' | '<' | '>' | '?' | '`'))
-    {
+    // Before normalizing, which would escape them (`route::normalize_path`).
+    if let Some(c) = masked.chars().find(|c| {
+        matches!(
+            c,
+            ' ' | '#' | '?' | '"' | '<' | '>' | '^' | '`' | '{' | '|' | '}' | '[' | ']'
+        )
+    }) {
         return Err(EndpointError::Unsendable(c));
     }
+    let normalized = normalize_path(&masked).map_err(EndpointError::BadPath)?;
     if normalized.contains(';') {
         return Err(EndpointError::Matrix);
     }

@@ -89,8 +89,10 @@ pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             b'\\' => return Err(BadPath::Backslash),
             0..=0x1f | 0x7f => return Err(BadPath::ControlChar),
             // A raw non-ASCII byte is the same character as its escape (`/€` is
-            // `/%E2%82%AC`): one spelling for both.
-            0x80.. => {
+            // `/%E2%82%AC`): one spelling for both. So is a raw ASCII byte that a path may
+            // not hold unescaped (RFC 3986 §3.3): `/q|x` is `/q%7Cx`, one route, one cost,
+            // whichever a client sends (an upstream that decodes runs the same handler).
+            0x80.. | b' ' | b'"' | b'<' | b'>' | b'^' | b'`' | b'{' | b'|' | b'}' | b'[' | b']' => {
                 decoded.extend_from_slice(percent_encoding::percent_encode_byte(b).as_bytes());
                 i += 1;
             }
@@ -136,6 +138,9 @@ pub(super) fn is_canonical(bytes: &[u8]) -> bool {
     for &b in bytes {
         match b {
             b'%' | b'\\' | 0..=0x1f | 0x7f | 0x80.. => return false,
+            b' ' | b'"' | b'<' | b'>' | b'^' | b'`' | b'{' | b'|' | b'}' | b'[' | b']' => {
+                return false
+            }
             b'/' => {
                 if prev == b'/' || dots == 1 || dots == 2 {
                     return false;

@@ -43,6 +43,22 @@ fn non_ascii_paths_match_in_either_spelling() {
     assert_eq!(c(&n("/caf%c3%a9/1")), 8);
 }
 
+/// A raw ASCII character that a path must hold escaped is its escape: one spelling, as for
+/// non-ASCII bytes.
+#[test]
+fn ascii_a_path_must_escape_is_escaped() {
+    for (raw, escaped) in [
+        ("/q|x", "/q%7Cx"),
+        ("/q%7cx", "/q%7Cx"),
+        ("/a b", "/a%20b"),
+        ("/a\"b'c", "/a%22b'c"),
+        ("/{x}^[y]`<z>", "/%7Bx%7D%5E%5By%5D%60%3Cz%3E"),
+    ] {
+        assert_eq!(normalize_path(raw).unwrap(), escaped, "{raw}");
+        assert!(!super::path::is_canonical(raw.as_bytes()), "{raw}");
+    }
+}
+
 #[test]
 fn canonical_fast_path_agrees() {
     for p in [
