@@ -96,11 +96,21 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 impl<'de> Deserialize<'de> for ConfDuration {
+    /// Parsed in the visitor, so that a bad value's error carries the value's own line and
+    /// column (serde_yaml places an error raised after the string was read at the start of
+    /// the enclosing map).
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s)
-            .map(ConfDuration)
-            .map_err(serde::de::Error::custom)
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = ConfDuration;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a duration like 250ms, 10s, 1m or 1h")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ConfDuration, E> {
+                parse_duration(s).map(ConfDuration).map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Text)
     }
 }
 
