@@ -243,15 +243,15 @@ impl RedisBackend {
 }
 
 /// What makes a refund of an admission's charge once however often it is sent: its marker
-/// (`keys::refund_marker`), and, for a charge whose record is known to live until a time
-/// (a queued request's: `script::record_holds_until`), that record. Sent before then, the
-/// refund is made only if the record is there: Redis still holds the charge. A record
-/// missing then went with Redis's data (a restart without persistence, an empty replica
-/// promoted), and the charge with it: giving it back would cancel what was charged since
-/// (the fallback's write-back of what ran while Redis was away). Sent later, as before.
+/// (`keys::refund_marker`), and, for a charge whose record is known to be kept until a time
+/// (Redis's, µs: a queued request's, `KeepRecord`), that record. Run before then, the refund
+/// is made only if the record is there: Redis still holds the charge. A record missing then
+/// went with Redis's data (a restart without persistence, an empty replica promoted), and
+/// the charge with it: giving it back would cancel what was charged since (the fallback's
+/// write-back of what ran while Redis was away). Run later, as with the marker alone.
 pub(super) struct Once {
     pub marker: String,
-    pub record: Option<(String, Instant)>,
+    pub record: Option<(String, u64)>,
 }
 
 impl Once {
@@ -262,6 +262,15 @@ impl Once {
         }
     }
 
+    /// Admission `id`'s of `req`, its record kept until `kept_us` (Redis time; 0: not known
+    /// to be kept).
+    pub fn kept(req: &crate::store::AdmitRequest, id: &str, kept_us: u64) -> Once {
+        Once {
+            marker: super::keys::refund_marker(&req.key, id),
+            record: (kept_us > 0).then(|| (super::keys::admission_key(&req.key, id), kept_us)),
+        }
+    }
+
     /// The refund of `cost` to `budgets`, made once by `once`, as sent now.
     fn refund<'a>(once: &'a Option<Once>, budgets: &'a [(String, Limit)], cost: u64) -> Refund<'a> {
         let record = once.as_ref().and_then(|o| o.record.as_ref());
@@ -269,9 +278,7 @@ impl Once {
             budgets,
             cost,
             once: once.as_ref().map(|o| o.marker.as_str()),
-            record: record
-                .filter(|(_, until)| Instant::now() < *until)
-                .map(|(r, _)| r.as_str()),
+            record: record.map(|(r, until_us)| (r.as_str(), *until_us)),
         }
     }
 }

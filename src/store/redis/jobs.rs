@@ -134,7 +134,9 @@ impl RedisBackend {
         id: &str,
         charge: JobCharge,
     ) -> Option<Vec<i64>> {
-        let levels = self.give_back(req, charge.key_slots, id.to_string()).await;
+        let levels = self
+            .give_back(req, charge.key_slots, id.to_string(), 0)
+            .await;
         // Budget slices' held units are not in the levels.
         levels.filter(|_| !self.slices_on)
     }

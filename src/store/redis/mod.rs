@@ -300,8 +300,6 @@ fn admit_call(req: &AdmitRequest, ask: Ask, lease_id: String, lease_ttl: Duratio
         cost: req.cost,
         key_cap: req.key_cap.unwrap_or(0),
         record: String::new(),
-        // A capped route's charge waits in its queue (a job's, while its lease lives).
-        record_ms: script::record_ms(req.route_cap.map(|_| req.queue_timeout.max(lease_ttl))),
         // Every call's admission id; the id of its leases too, if it takes any.
         lease_id,
         lease_ttl_us: lease_ttl.as_micros() as u64,

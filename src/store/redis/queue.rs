@@ -12,6 +12,7 @@
 //!
 //! Leaving unserved (`queue_timeout`, `max_queue`, the client gone) gives the charge back.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -105,6 +106,8 @@ pub(in crate::store::redis) struct Owed {
     req: AdmitRequest,
     keys: QueueKeys,
     key_slots: Vec<String>,
+    /// `Unserved::record_kept`.
+    record_kept: Arc<AtomicU64>,
 }
 
 /// A charged request that has not (yet) got its route slot: dropped before it is served, it
@@ -123,9 +126,9 @@ struct Unserved {
     /// Its charge as the queue keeps it beside its waiter (`owed::Charge`), for whoever drops
     /// it should this instance die.
     charge: String,
-    /// Until when its charge's admission record surely lives in Redis
-    /// (`script::record_holds_until`).
-    record_until: Instant,
+    /// Until when (Redis time, µs) its charge's admission record is kept (`keep_record`;
+    /// 0: not known to be).
+    record_kept: Arc<AtomicU64>,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -178,6 +181,7 @@ impl Unserved {
                 req: req.clone(),
                 keys: self.keys.clone(),
                 key_slots: self.key_slots.clone(),
+                record_kept: self.record_kept.clone(),
             };
             lock(&self.store.waiters).owed.insert(self.id.clone(), owed);
         }
@@ -222,7 +226,7 @@ impl Unserved {
         let rt = tokio::runtime::Handle::try_current().ok()?;
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
-        let record_until = self.record_until;
+        let record_until = self.record_kept.load(Ordering::Acquire);
         let (tx, rx) = tokio::sync::oneshot::channel();
         rt.spawn(async move {
             if in_route {
@@ -232,10 +236,7 @@ impl Unserved {
                 // The levels as soon as the refund answers; the key's slot after. Not if
                 // Redis lost the charge with its data (`Once`): the request may have run on
                 // the fallback meanwhile, charged there and written back.
-                let once = Once {
-                    marker: keys::refund_marker(&req.key, &id),
-                    record: Some((keys::admission_key(&req.key, &id), record_until)),
-                };
+                let once = Once::kept(&req, &id, record_until);
                 let budgets = super::budget_keys(&req);
                 if let Some(levels) = store.undo_charge(budgets, req.cost, Some(once)).await {
                     let _ = tx.send(levels);
@@ -272,7 +273,8 @@ impl RedisBackend {
             sends.spawn(async move {
                 let past_breaker = Guard::Bypass(super::LATE_REPLY_WAIT);
                 store.leave_queue(&o.keys, &id, past_breaker).await;
-                store.give_back(&o.req, o.key_slots, id).await;
+                let kept = o.record_kept.load(Ordering::Acquire);
+                store.give_back(&o.req, o.key_slots, id, kept).await;
             });
         }
     }
@@ -294,15 +296,17 @@ impl RedisBackend {
     }
 
     /// A charged admission that leaves its route's queue unserved (a request, or a job the
-    /// queue refused): its charge back, then its key's slot. Each budget's level once the
-    /// charge is back, when the refund ran at once.
+    /// queue refused): its charge back (if Redis still holds it, while its record is kept:
+    /// until `kept_us`, Redis time, 0 for none; `Once`), then its key's slot. Each budget's
+    /// level once the charge is back, when the refund ran at once.
     pub(super) async fn give_back(
         self: &Arc<Self>,
         req: &AdmitRequest,
         key_slots: Vec<String>,
         id: String,
+        kept_us: u64,
     ) -> Option<Vec<i64>> {
-        let once = Once::marker(keys::refund_marker(&req.key, &id));
+        let once = Once::kept(req, &id, kept_us);
         let levels = self
             .undo_charge(super::budget_keys(req), req.cost, Some(once))
             .await;
@@ -310,15 +314,46 @@ impl RedisBackend {
         levels
     }
 
-    /// The charge of waiter `id` of `req` again, if Redis lost it with its data (`Recharge`).
-    async fn recharge(&self, req: &AdmitRequest, id: &str) -> Result<(), StoreError> {
-        let (budgets, record) = (super::budget_keys(req), keys::admission_key(&req.key, id));
+    /// Keeps a waiting request's admission record for as long as it may wait and
+    /// `ADMISSION_RECORD` more (once, on a task of its own: the wait goes on meanwhile), so
+    /// that its refund and its charge made again can tell whether Redis lost the charge
+    /// (`Once`, `recharge`). Not known to be kept until this answers, or if it fails.
+    fn keep_record(self: &Arc<Self>, req: &AdmitRequest, u: &Unserved) {
+        if u.record_kept.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let (store, kept) = (self.clone(), u.record_kept.clone());
+        let record = keys::admission_key(&req.key, &u.id);
+        let kept_for = script::record_kept_for(req.queue_timeout);
+        tokio::spawn(async move {
+            let keep = script::KeepRecord {
+                record: &record,
+                ms: kept_for.as_millis() as u64,
+            };
+            if let Ok(at) = store.op(&keep).await {
+                if let Ok(at @ 1..) = u64::try_from(at) {
+                    let until = script::record_lives_until(at, kept_for);
+                    let _ = kept.compare_exchange(0, until, Ordering::AcqRel, Ordering::Acquire);
+                }
+            }
+        });
+    }
+
+    /// The charge of waiter `id` of `req` again, if Redis lost it with its data (`Recharge`),
+    /// while its record is kept (until `kept_us`, Redis time).
+    async fn recharge(&self, req: &AdmitRequest, id: &str, kept_us: u64) -> Result<(), StoreError> {
+        let budgets = super::budget_keys(req);
+        let (record, marker) = (
+            keys::admission_key(&req.key, id),
+            keys::refund_marker(&req.key, id),
+        );
         let recharge = script::Recharge {
             budgets: &budgets,
             cost: req.cost,
             record: &record,
-            record_ms: script::record_ms(Some(req.queue_timeout.max(self.lease_ttl)))
-                .unsigned_abs(),
+            marker: &marker,
+            record_ms: script::record_kept_for(req.queue_timeout).as_millis() as u64,
+            until_us: kept_us,
         };
         self.op(&recharge).await.map(drop)
     }
@@ -346,7 +381,7 @@ impl RedisBackend {
             store: self.clone(),
             req: Some(req.clone()),
             charge: owed::Charge::of(req, &id),
-            record_until: script::record_holds_until(start, req.queue_timeout),
+            record_kept: Arc::default(),
             keys,
             key_slots,
             id,
@@ -368,16 +403,18 @@ impl RedisBackend {
                 }
                 // Its charge went with Redis's data, if its record did: made again before it
                 // waits again, as the fallback's write-back would have (it runs after all).
-                // Only while the record surely lives: missing later, it may have lapsed.
-                if self.conns.run_id.changed_since(start) && Instant::now() < unserved.record_until
-                {
-                    self.recharge(req, &unserved.id).await?;
+                // Only while the record is known to be kept (missing later, it may have
+                // lapsed): Redis decides, by its own clock.
+                let kept = unserved.record_kept.load(Ordering::Acquire);
+                if kept > 0 && self.conns.run_id.changed_since(start) {
+                    self.recharge(req, &unserved.id, kept).await?;
                 }
             }
             let entered: Vec<i64> = self.call(self.enter(req, cap, &unserved)).await?;
             match entered.first().copied() {
                 Some(TAKEN) => break,
                 Some(QUEUED) => {
+                    self.keep_record(req, &unserved);
                     if self.wait_granted(req, &mut unserved, start).await? {
                         break;
                     }

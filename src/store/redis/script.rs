@@ -7,7 +7,7 @@
 //! [`invoke`]). Times are Redis `TIME` in µs; levels are ticks (`per_unit` per unit of cost,
 //! drained at `rate` per µs), as in `crate::budget`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use std::sync::LazyLock;
 
@@ -19,7 +19,9 @@ use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
-pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Recharge, Refund, Settle, Undo, Unspend};
+pub(super) use ops::{
+    AdmitBatch, Debit, KeepRecord, Lease, Peek, Recharge, Refund, Settle, Undo, Unspend,
+};
 
 /// An operation's script: the shared helpers (they start with the `#!lua` flag line), those
 /// `admit_one` does not call (`extra.lua`; a script's functions are made anew on every call,
@@ -47,11 +49,12 @@ pub(super) enum Lua {
     Peek,
     Lease,
     AdmitBatch,
+    Keep,
 }
 
 /// Each operation's script by name, in the order of [`Lua`]. The admitting scripts answer
 /// packed (`pack.lua`, [`Packed`]).
-pub(super) const SOURCES: [(&str, &str); 10] = [
+pub(super) const SOURCES: [(&str, &str); 11] = [
     (
         "admit",
         concat!(
@@ -92,10 +95,11 @@ pub(super) const SOURCES: [(&str, &str); 10] = [
             include_str!("../lua/store/admit_batch.lua"),
         ),
     ),
+    ("keep", store_lua!("keep")),
 ];
 
 /// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
-static SCRIPTS: LazyLock<[Script; 10]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+static SCRIPTS: LazyLock<[Script; 11]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
 
 /// The SHA1 an operation's script is sent by (`EVALSHA`), by its name in [`SOURCES`]: what
 /// a test that holds one kind of call on the wire looks for.
@@ -287,9 +291,6 @@ pub(super) struct AdmitCall {
     pub lease_id: String,
     /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
     pub record: String,
-    /// How long the record lives, ms: at most this (shorter once the charge drained), or,
-    /// negative, exactly its magnitude (`record_px` in `common.lua`; [`record_ms`]).
-    pub record_ms: i64,
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,
@@ -449,32 +450,18 @@ fn figures(more: &[i64]) -> Option<Figures> {
 /// sending the `undo` of a call it gave up on ([`UNDO_FOR`]).
 pub(super) const ADMISSION_RECORD: Duration = Duration::from_secs(120);
 
-/// The `record_ms` of an `admit` call: [`ADMISSION_RECORD`] at most; for a charge that will
-/// wait in its route's queue for `queued` at most, exactly that (5 minutes at most) and
-/// `ADMISSION_RECORD` more, so that a refund of it can tell by the record whether Redis
-/// still holds the charge ([`record_holds_until`], `refund.lua`). The bound keeps a busy
-/// route's records few (one per request, for up to 7 minutes); a refund later than that is
-/// made as any other.
-pub(super) fn record_ms(queued: Option<Duration>) -> i64 {
-    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-    match queued {
-        None => ms(ADMISSION_RECORD),
-        Some(wait) => -ms(queued_record(wait)),
-    }
+/// How long a queued request's admission record is kept (`KeepRecord`) past the time it may
+/// wait: as long as an admission's record lives.
+pub(super) fn record_kept_for(queue_timeout: Duration) -> Duration {
+    queue_timeout.saturating_add(ADMISSION_RECORD)
 }
 
-/// Until when the record of a charge sent at `sent` that may wait `queued` surely lives:
-/// [`record_ms`]'s life, less a margin for a refund that reaches Redis late.
-pub(super) fn record_holds_until(sent: Instant, queued: Duration) -> Instant {
-    const LATE: Duration = Duration::from_secs(20);
-    sent + queued_record(queued) - LATE
+/// Until when (Redis time, µs) a record kept at `kept_us` for `kept_for` surely lives: less a
+/// second, for the expiry's millisecond rounding and a call's own time.
+pub(super) fn record_lives_until(kept_us: u64, kept_for: Duration) -> u64 {
+    kept_us + (kept_for.as_micros() as u64).saturating_sub(1_000_000)
 }
 
-/// How long a queued charge's record lives.
-fn queued_record(queued: Duration) -> Duration {
-    const WAIT_AT_MOST: Duration = Duration::from_secs(300);
-    queued.min(WAIT_AT_MOST) + ADMISSION_RECORD
-}
 /// How long an undone id's tombstone keeps a late delivery of its call from charging: past
 /// the time a kernel keeps retransmitting a closed connection's unsent data (~15 min).
 pub(super) const TOMBSTONE: Duration = Duration::from_secs(20 * 60);

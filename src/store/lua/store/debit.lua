@@ -10,20 +10,25 @@
 -- with its id, and this key (in the first budget's slot) remembers it, as long as a send
 -- delivered late may still arrive (write-backs are rare: outages only).
 --
--- With one more key, an admission's record (`t{tag}a<id>`), and one more argument, how long
--- it lives (ms): the charge of a queued request that Redis lost with its data, made again
--- only if the record is missing (else it stands, or was undone), and the record written
--- again, so that it is made once.
+-- With two more keys, an admission's record (`t{tag}a<id>`) and its refund's marker, and
+-- three more arguments ('0', how long the record lives, ms, and until when, Redis time in
+-- µs, it was known to be kept: `keep.lua`): the charge of a queued request that Redis lost
+-- with its data, made again only if neither the record ('1', or 'u': undone) nor the marker
+-- (refunded) is there, and only before that time (later a missing record may have lapsed);
+-- then the record is written again, so that it is made once.
 
 local WRITE_BACK_SEEN_MS = 1200000
 
-if #ARGV == 3 * #KEYS - 1 then
-  local record = KEYS[#KEYS]
-  if redis.call('EXISTS', record) == 1 then
+if #ARGV == 3 * #KEYS - 3 then
+  local record, marker = KEYS[#KEYS - 1], KEYS[#KEYS]
+  if now_us() >= tonumber(ARGV[#ARGV]) then
     return 1
   end
-  adjust(1, nil, #KEYS - 1)
-  redis.call('SET', record, '1', 'PX', ARGV[#ARGV])
+  if redis.call('EXISTS', record) == 1 or redis.call('EXISTS', marker) == 1 then
+    return 1
+  end
+  adjust(1, nil, #KEYS - 2)
+  redis.call('SET', record, '1', 'PX', ARGV[#ARGV - 1])
   return 1
 end
 

@@ -4,7 +4,7 @@
 
 use redis::ToRedisArgs;
 
-use super::{AdmitCall, Call, Lua, Op, TOMBSTONE};
+use super::{AdmitCall, Call, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
 use crate::budget::Limit;
 use crate::store::redis::slices::{self, IfLost};
 
@@ -79,7 +79,7 @@ impl AdmitCall {
         }
         inv.arg(self.if_lost.units)
             .arg(self.if_lost.granted_us)
-            .arg(self.record_ms)
+            .arg(ADMISSION_RECORD.as_millis() as u64)
             .key(&self.record);
     }
 }
@@ -138,7 +138,7 @@ impl AdmitCall {
             .arg(l.capacity)
             .arg(l.max_delay)
             .arg(self.cost)
-            .arg(self.record_ms);
+            .arg(ADMISSION_RECORD.as_millis() as u64);
     }
 
     /// What `admit_one` decides exactly as `admit` does.
@@ -216,9 +216,10 @@ pub(in crate::store::redis) struct Refund<'a> {
     /// A key in the budgets' slot that makes the refund once (`refund.lua`): a resend of a
     /// call that timed out is then safe.
     pub once: Option<&'a str>,
-    /// With `once`: the charge's admission record, known to live until now at least. The
-    /// refund is made only if it is there: missing, Redis lost the charge with its data.
-    pub record: Option<&'a str>,
+    /// With `once`: the charge's admission record and until when (Redis time, µs) it is known
+    /// to be kept (`KeepRecord`). Before then, the refund is made only if it is there:
+    /// missing, Redis lost the charge with its data.
+    pub record: Option<(&'a str, u64)>,
 }
 
 impl Op for Refund<'_> {
@@ -232,8 +233,8 @@ impl Op for Refund<'_> {
             // As long as the refund may be sent again, and a minute more.
             let lasts = super::super::REFUND_RETRY_AT_MOST + std::time::Duration::from_secs(60);
             inv.key(marker).arg(lasts.as_millis() as u64);
-            if let Some(record) = self.record {
-                inv.key(record).arg(1);
+            if let Some((record, until_us)) = self.record {
+                inv.key(record).arg(until_us);
             }
         }
     }
@@ -260,13 +261,16 @@ impl Op for Debit<'_> {
 
 /// `debit` of a queued request's charge again when Redis lost it with its data (its
 /// admission record is gone), before the request waits again: the charge, then the record
-/// for `record_ms` (`script::record_ms`'s magnitude), so that it is made once. Nothing if the
-/// record is there (the charge stands, or was undone). Reply 1.
+/// for `record_ms`, so that it is made once. Nothing if the record is there (the charge
+/// stands, or was undone), if its refund was made (`marker`), or from `until_us` (Redis time,
+/// µs) on, when a missing record may have lapsed. Reply 1.
 pub(in crate::store::redis) struct Recharge<'a> {
     pub budgets: &'a [(String, Limit)],
     pub cost: u64,
     pub record: &'a str,
+    pub marker: &'a str,
     pub record_ms: u64,
+    pub until_us: u64,
 }
 
 impl Op for Recharge<'_> {
@@ -275,7 +279,27 @@ impl Op for Recharge<'_> {
 
     fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
-        inv.key(self.record).arg(0).arg(self.record_ms);
+        inv.key(self.record)
+            .key(self.marker)
+            .arg(0)
+            .arg(self.record_ms)
+            .arg(self.until_us);
+    }
+}
+
+/// `keep`: a queued request's admission record kept `ms` from now. Redis's time (µs) when
+/// kept, 0 if the record was not there.
+pub(in crate::store::redis) struct KeepRecord<'a> {
+    pub record: &'a str,
+    pub ms: u64,
+}
+
+impl Op for KeepRecord<'_> {
+    type Reply = i64;
+    const SCRIPT: Lua = Lua::Keep;
+
+    fn args(&self, inv: &mut Call<'static>) {
+        inv.key(self.record).arg(self.ms);
     }
 }
 

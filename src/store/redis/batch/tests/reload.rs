@@ -204,32 +204,46 @@ async fn a_refund_made_once_is_made_once() {
     assert_eq!(send(&next, false, &mut conn).await.1, 5);
 }
 
-/// A queued request's charge is recorded for as long as it may wait and two minutes more
-/// (`script::record_ms`), through `admit_one` and `admit` alike; its refund, sent with the
-/// record, gives the units back while Redis still holds the charge, and nothing once Redis
-/// lost it with its data: the units charged since (the fallback's write-back of the same
-/// request, run while Redis was away) stay charged. Without the record it gave them back.
+/// A queued request's admission record, kept for as long as it may wait (`KeepRecord`, through
+/// `admit_one`'s record and `admit`'s alike): its refund, sent with the record and the time it
+/// is kept until, gives the units back while Redis still holds the charge, and nothing once
+/// Redis lost it with its data -- the units charged since (the fallback's write-back of the
+/// same request, run while Redis was away) stay charged; after that time, as without the
+/// record. Without the record it gave them back.
 #[tokio::test]
 async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
     let redis = Redis::start();
     let mut conn = redis.conn().await;
     let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
-    let queued = |key: u8, cost: u64| AdmitRequest {
-        route_cap: Some(1),
-        queue_timeout: Duration::from_secs(30),
-        ..request(key, limit, vec![], cost)
+    let lease = Duration::from_secs(10);
+    let admit = async |conn: &mut Conn, req: &AdmitRequest, id: &str| -> (AdmitCall, i64) {
+        let call = admit_call(req, Ask::default(), id.into(), lease);
+        let left = send(&call, false, conn).await.1;
+        (call, left)
     };
-    let pttl = async |conn: &mut Conn, key: &str| -> i64 {
-        redis::cmd("PTTL").arg(key).query_async(conn).await.unwrap()
+    // Kept 150 s: Redis's time then, and the record's life.
+    let keep = async |conn: &mut Conn, call: &AdmitCall| -> u64 {
+        let keep = script::KeepRecord {
+            record: &call.record,
+            ms: 150_000,
+        };
+        let at: i64 = script::invoke(&keep.invocation(), conn).await.unwrap();
+        let life: i64 = redis::cmd("PTTL")
+            .arg(&call.record)
+            .query_async(conn)
+            .await
+            .unwrap();
+        assert!((149_000..=150_000).contains(&life), "kept {life} ms");
+        script::record_lives_until(at as u64, Duration::from_secs(150))
     };
-    let refund = async |conn: &mut Conn, key: u8, call: &AdmitCall, id: &str| {
+    let refund = async |conn: &mut Conn, key: u8, call: &AdmitCall, until_us: u64| {
         let budgets = call.budgets();
-        let marker = crate::store::redis::keys::refund_marker(&[key; 32], id);
+        let marker = crate::store::redis::keys::refund_marker(&[key; 32], &call.lease_id);
         let refund = Refund {
             budgets: &budgets,
             cost: 4,
             once: Some(&marker),
-            record: Some(&call.record),
+            record: Some((&call.record, until_us)),
         };
         let _: Vec<i64> = script::invoke(&refund.invocation(), conn).await.unwrap();
     };
@@ -240,56 +254,58 @@ async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
         });
         let req = AdmitRequest {
             also: extra.into_iter().collect(),
-            ..queued(key, 4)
+            route_cap: Some(1),
+            queue_timeout: Duration::from_secs(30),
+            ..request(key, limit, vec![], 4)
         };
-        let lease = Duration::from_secs(10);
-        let call = admit_call(&req, Ask::default(), "t:q1".into(), lease);
-        assert_eq!(send(&call, false, &mut conn).await.1, 6, "{}", call.record);
-        // max(queue_timeout, lease) + 120 s, whatever the budget's drain time (~24 min).
-        let life = pttl(&mut conn, &call.record).await;
-        assert!(
-            (149_000..=150_000).contains(&life),
-            "record lives {life} ms"
-        );
+        let probe = |id: String| (request(key, limit, vec![], 1), id);
         // Redis holds the charge: given back.
-        refund(&mut conn, key, &call, "t:q1").await;
-        let probe = admit_call(
-            &request(key, limit, vec![], 1),
-            Ask::default(),
-            format!("t:p{key}"),
-            lease,
-        );
-        assert_eq!(send(&probe, false, &mut conn).await.1, 9);
+        let (call, left) = admit(&mut conn, &req, "t:q1").await;
+        assert_eq!(left, 6);
+        let until = keep(&mut conn, &call).await;
+        refund(&mut conn, key, &call, until).await;
+        let (p, id) = probe(format!("t:p{key}"));
+        assert_eq!(admit(&mut conn, &p, &id).await.1, 9);
         // Charged, then Redis loses its data, then the fallback's write-back charges the
         // same request again (here: an admission of 4): the refund gives nothing back.
-        let lost = admit_call(&req, Ask::default(), "t:q2".into(), lease);
-        assert_eq!(send(&lost, false, &mut conn).await.1, 5);
+        let (lost, left) = admit(&mut conn, &req, "t:q2").await;
+        assert_eq!(left, 5);
+        let until = keep(&mut conn, &lost).await;
         let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
-        let written_back = admit_call(
-            &request(key, limit, vec![], 4),
-            Ask::default(),
-            format!("t:w{key}"),
-            lease,
-        );
-        assert_eq!(send(&written_back, false, &mut conn).await.1, 6);
-        refund(&mut conn, key, &lost, "t:q2").await;
-        let probe = admit_call(
-            &request(key, limit, vec![], 1),
-            Ask::default(),
-            format!("t:x{key}"),
-            lease,
-        );
+        let written_back = request(key, limit, vec![], 4);
         assert_eq!(
-            send(&probe, false, &mut conn).await.1,
+            admit(&mut conn, &written_back, &format!("t:w{key}"))
+                .await
+                .1,
+            6
+        );
+        refund(&mut conn, key, &lost, until).await;
+        let (p, id) = probe(format!("t:x{key}"));
+        assert_eq!(
+            admit(&mut conn, &p, &id).await.1,
             5,
             "the write-back stays charged"
         );
+        // Past the time the record was kept until, a record missing may have lapsed: the
+        // refund is made as with the marker alone.
+        let (late, left) = admit(&mut conn, &req, "t:q3").await;
+        assert_eq!(left, 1);
+        let _: () = redis::cmd("DEL")
+            .arg(&late.record)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        refund(&mut conn, key, &late, 1).await;
+        let (p, id) = probe(format!("t:y{key}"));
+        assert_eq!(admit(&mut conn, &p, &id).await.1, 4);
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     }
 }
 
 /// A queued request whose charge Redis lost with its data is charged again before it waits
-/// again (`Recharge`), once however often that is sent; one whose record is there (Redis
-/// kept its data) is not charged twice.
+/// again (`Recharge`), once however often that is sent; not if its record is there (Redis
+/// kept its data), nor once its refund was made (a re-charge delivered late), nor past the
+/// time its record was kept until.
 #[tokio::test]
 async fn a_lost_queued_charge_is_made_again_once() {
     let redis = Redis::start();
@@ -304,17 +320,19 @@ async fn a_lost_queued_charge_is_made_again_once() {
     let call = admit_call(&req, Ask::default(), "t:r1".into(), lease);
     assert_eq!(send(&call, false, &mut conn).await.1, 6);
     let budgets = call.budgets();
-    let recharge = script::Recharge {
+    let marker = crate::store::redis::keys::refund_marker(&req.key, "t:r1");
+    let until = |us: u64| script::Recharge {
         budgets: &budgets,
         cost: 4,
         record: &call.record,
+        marker: &marker,
         record_ms: 150_000,
+        until_us: us,
     };
-    let again = async |conn: &mut Conn| {
-        let _: i64 = script::invoke(&recharge.invocation(), conn).await.unwrap();
+    let far = u64::MAX / 2;
+    let again = async |conn: &mut Conn, r: &script::Recharge<'_>| {
+        let _: i64 = script::invoke(&r.invocation(), conn).await.unwrap();
     };
-    // Redis kept it: nothing more.
-    again(&mut conn).await;
     let probe = |id: &str| {
         admit_call(
             &request(72, limit, vec![], 1),
@@ -323,10 +341,30 @@ async fn a_lost_queued_charge_is_made_again_once() {
             lease,
         )
     };
+    // Redis kept it: nothing more.
+    again(&mut conn, &until(far)).await;
     assert_eq!(send(&probe("t:p1"), false, &mut conn).await.1, 5);
     // Redis lost it: made again, once.
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
-    again(&mut conn).await;
-    again(&mut conn).await;
+    again(&mut conn, &until(far)).await;
+    again(&mut conn, &until(far)).await;
     assert_eq!(send(&probe("t:p2"), false, &mut conn).await.1, 5);
+    // Lost, but past the time its record was kept until: not made (it may have lapsed).
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    again(&mut conn, &until(1)).await;
+    assert_eq!(send(&probe("t:p3"), false, &mut conn).await.1, 9);
+    // Lost, and its refund ran first (it found nothing to give back): a re-charge delivered
+    // after it makes nothing.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let refund = Refund {
+        budgets: &budgets,
+        cost: 4,
+        once: Some(&marker),
+        record: Some((&call.record, far)),
+    };
+    let _: Vec<i64> = script::invoke(&refund.invocation(), &mut conn)
+        .await
+        .unwrap();
+    again(&mut conn, &until(far)).await;
+    assert_eq!(send(&probe("t:p4"), false, &mut conn).await.1, 9);
 }
