@@ -134,6 +134,12 @@ fn origin_form(target: &str) -> Result<(&str, Option<&str>, bool), BadPath> {
     Ok((path, query, absolute))
 }
 
+/// The path of a request target in origin-form or absolute-form (`http://host/path`: the
+/// same path, DESIGN §3), None for any other form.
+pub fn origin_path(target: &str) -> Option<&str> {
+    origin_form(target).ok().map(|(path, _, _)| path)
+}
+
 /// Chooses the route from the method and the normalized origin-form target.
 pub fn classify(cfg: &Config, method: &str, target: &str) -> Result<Classified, Refusal> {
     let forward_method = canonical_method(method);

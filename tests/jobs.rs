@@ -223,6 +223,15 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     for none in ["/_tollgate/jobs", "/_tollgate/jobs/"] {
         assert_eq!(get(&c, gw.url(none), "key-a").await.status(), 404, "{none}");
     }
+    // An absolute-form target names the same path (DESIGN §3): the same poll, never forwarded
+    // (it reached the upstream as the default route).
+    let (port, line) = (gw.port, format!("GET http://localhost/_tollgate/jobs/{id}"));
+    let r =
+        tokio::task::spawn_blocking(move || raw_request(port, &raw(&line, &["X-API-Key: key-a"])))
+            .await
+            .unwrap()
+            .expect("an answer");
+    assert_eq!((r.status, r.header("x-ratelimit-cost")), (200, Some("0")));
     let forwarded = up
         .api
         .seen()

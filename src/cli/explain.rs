@@ -73,10 +73,12 @@ fn explain_job(
     id: &str,
     key: Option<&str>,
 ) {
-    let what = match method {
+    // As the proxy reads it: the method in any case, and a job this key does not have is
+    // 404 whatever the method.
+    let what = match method.to_ascii_uppercase().as_str() {
         "GET" | "HEAD" => "the job's status, then its result (202 while it waits or runs)",
         "DELETE" => "cancels the job if it has not started (409 job-started once it has)",
-        _ => "405 (a job answers GET, HEAD and DELETE)",
+        _ => "405 for a job of this key (a job answers GET, HEAD and DELETE)",
     };
     let _ = writeln!(out, "request:      {method} {path}");
     let _ = writeln!(
@@ -91,7 +93,8 @@ fn explain_job(
         out,
         "key:          {}",
         match who {
-            Ok(_) => "the key that submitted the job (any other: 404 job-not-found)",
+            Ok(_) =>
+                "the key that submitted the job (any other, or no such job: 404 job-not-found)",
             Err(e) => refused(e),
         }
     );

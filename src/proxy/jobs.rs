@@ -31,7 +31,18 @@ pub(super) fn job_named(session: &Session) -> Option<String> {
     job_in(req.raw_path())
 }
 
+/// The job a request target names (`job_named`'s), in origin-form or absolute-form
+/// (`http://host/_tollgate/jobs/<id>` names the same job: DESIGN §3 classifies it as its
+/// origin-form, and it must not reach the upstream either).
 pub(crate) fn job_in(raw: &[u8]) -> Option<String> {
+    if raw.first() == Some(&b'/') {
+        return job_in_path(raw);
+    }
+    let target = std::str::from_utf8(raw).ok()?;
+    job_in_path(decision::origin_path(target)?.as_bytes())
+}
+
+fn job_in_path(raw: &[u8]) -> Option<String> {
     if let Some(rest) = raw.strip_prefix(PATH_PREFIX.as_bytes()) {
         // As the gateway writes it in `Location`: the common case, nothing to normalize.
         let id = rest
