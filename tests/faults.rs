@@ -632,3 +632,34 @@ async fn the_local_fallback_headers_describe_the_local_share() {
     assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("5"));
     assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("4"));
 }
+
+/// A client that leaves while its request waits in the `local` fallback's queue is logged as
+/// decided under `on_error` (DESIGN §5's access line: `fallback`), as every other request of
+/// the outage is. It said `"fallback": false`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_leaves_the_fallbacks_queue_is_logged_on_the_fallback() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(3000));
+    let caps = "      max_in_flight: 1\n      queue_timeout: 10s\n";
+    let gw = Gateway::start(
+        &up,
+        &store_body(&redis, "local", 1, &incident_with_report_caps(caps)),
+    );
+    redis.kill();
+    let holder = tokio::spawn({
+        let url = gw.url("/reports/generate");
+        async move { post(&client(), url, "holder").await.status() }
+    });
+    up.wait_current("/reports/generate", 1).await;
+    let left = impatient(Duration::from_millis(800))
+        .post(gw.url("/reports/generate"))
+        .header("X-API-Key", "leaver")
+        .send()
+        .await;
+    assert!(left.is_err(), "queued past the client's patience");
+    let gone = gw.wait_access(1, |l| l["decision"] == "client_gone").await;
+    assert_eq!(gone[0]["fallback"], true, "{}", gone[0]);
+    assert_eq!(holder.await.unwrap(), 200);
+    let ran = gw.wait_access(1, |l| l["decision"] == "admitted").await;
+    assert_eq!(ran[0]["fallback"], true, "{}", ran[0]);
+}

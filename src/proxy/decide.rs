@@ -45,6 +45,9 @@ impl Gateway {
                     // store's own decision, the dropped call cannot say).
                     ctx.timing.queued = t.elapsed();
                     running.metrics.get(&route).queue_wait.observe(ctx.timing.queued.as_secs_f64());
+                    // Waiting under `on_error` if the store is away (the dropped call cannot
+                    // say which way it went).
+                    ctx.fallback = self.shared.store.degraded();
                     ctx.phase = Phase::Abandoned;
                     return Ok(false);
                 }

@@ -182,12 +182,12 @@ impl<S: SharedStore> FallbackStore<S> {
         })
     }
 
-    /// True while decisions are made by `store.on_error` instead of the shared store.
     /// The shared store this one falls back from.
     pub fn shared(&self) -> &Arc<S> {
         &self.shared
     }
 
+    /// True while decisions are made by `store.on_error` instead of the shared store.
     pub fn degraded(&self) -> bool {
         self.degraded.load(Ordering::Relaxed)
     }
