@@ -12,7 +12,7 @@ use crate::policy::Budget;
 
 mod path;
 pub mod stated;
-pub use path::{fold_to_ascii, match_path, normalize_path, BadPath};
+pub use path::{decode_delims, fold_to_ascii, match_path, normalize_path, BadPath};
 
 /// One endpoint of `rate_limits.endpoints`, as validated by the config.
 #[derive(Debug, Clone)]

@@ -303,6 +303,65 @@ fn raw_and_escaped_ascii_a_path_must_escape_are_one_route() {
     assert_eq!(paths, want);
 }
 
+/// The escape of `:`, `@` or a sub-delimiter other than `;` is that character when routes are
+/// matched (upstream frameworks decode a path before they route it: WSGI, CGI, Go): each
+/// spelling costs what the endpoint costs and counts against its cap, and is forwarded as it
+/// came (probe: `/v1/reports%3Agenerate` was the default route, charged 1 of 20, and three ran
+/// at once on a cap of 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn escaped_delimiters_are_the_route_they_spell() {
+    let up = Upstream::start(Duration::from_millis(1500));
+    let gw = Gateway::start(
+        &up,
+        &INCIDENT.replace(
+            "  endpoints:\n",
+            "  endpoints:\n    \"/v1/reports:generate\": {cost: 20, max_in_flight: 1}\n    \"/a+b@c\": {cost: 30}\n",
+        ),
+    );
+    let c = client();
+    for (i, (target, cost)) in [("/a+b@c", "30"), ("/a%2Bb%40c", "30"), ("/a%2bb%40C", "30")]
+        .into_iter()
+        .enumerate()
+    {
+        let r = get(&c, gw.url(target), &format!("k-delim-{i}")).await;
+        assert_eq!(r.status(), 200, "{target}");
+        assert_eq!(
+            header(&r, "X-RateLimit-Cost").as_deref(),
+            Some(cost),
+            "{target}"
+        );
+    }
+    // One cap for every spelling: one runs, the others are refused at once.
+    let spellings = [
+        "/v1/reports:generate?delay_ms=1500",
+        "/v1/reports%3Agenerate?delay_ms=1500",
+        "/v1/reports%3agenerate?delay_ms=1500",
+    ];
+    let rs = all_at_once(3, |i| {
+        c.post(gw.url(spellings[i]))
+            .header("X-API-Key", format!("k-cap-{i}"))
+    })
+    .await;
+    assert_eq!(sorted_statuses(&rs), [200, 503, 503]);
+    let ran = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with("/v1/reports"))
+        .count();
+    assert_eq!(ran, 1);
+    for r in &rs {
+        if r.status() == 200 {
+            assert_eq!(header(r, "X-RateLimit-Cost").as_deref(), Some("20"));
+        }
+    }
+    // Forwarded as they came (normalized: escapes upper-cased).
+    let mut paths: Vec<String> = up.api.seen().into_iter().map(|s| s.target).collect();
+    paths.sort();
+    paths.dedup();
+    assert!(paths.contains(&"/a%2Bb%40c".to_string()), "{paths:?}");
+}
+
 // ---- Headers that change what the upstream runs, or whom it believes ----
 
 /// A `HEAD` on a `GET` endpoint is charged as that GET and counts against its cap: the

@@ -4,7 +4,7 @@
 //! is only useful written in that form, and only if it holds nothing a request path can never
 //! hold. The router itself checks the template syntax (matchit) and conflicts.
 
-use crate::route::{normalize_path, split_pattern, BadPath};
+use crate::route::{decode_delims, normalize_path, split_pattern, BadPath};
 
 /// Placeholders for `{name}` / `{*name}` while the literal parts are normalized: the escapes
 /// of two private-use characters, which normalization keeps as they are.
@@ -70,6 +70,8 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
     if normalized.contains(';') {
         return Err(EndpointError::Matrix);
     }
+    // As routes are matched: `%3A` is `:` (`route::decode_delims`).
+    let normalized = decode_delims(&normalized);
     if normalized != masked || spaced {
         let mut written = unmask_params(&normalized, &params);
         if let Some(m) = method {

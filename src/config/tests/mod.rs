@@ -266,6 +266,9 @@ fn patterns_must_be_written_normalized() {
         ("/a/%67/{id}", "/a/g/{id}"),
         ("/x//{*rest}", "/x/{*rest}"),
         ("/x/{id}/..", "/x"),
+        // Escaped ':' and sub-delimiters: requests are matched with them as they are.
+        ("/v1/x%3Agenerate", "/v1/x:generate"),
+        ("/a%2bb%40c", "/a+b@c"),
     ] {
         let e = first_error(&with_endpoint(pattern));
         let path = format!("rate_limits.endpoints.\"{pattern}\": ");
@@ -280,6 +283,8 @@ fn patterns_must_be_written_normalized() {
         "/a/g",
         "/caf%C3%A9",
         "/a%20b",
+        "/v1/{name}:generate",
+        "/a%3Bb",
         "GET /a/{id}.json",
         "/x/{*rest}",
     ] {
