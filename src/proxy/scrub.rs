@@ -55,6 +55,11 @@ fn scrubbed(name: &str, cfg: &Config, trusted_peer: bool) -> bool {
     if OVERRIDES.iter().any(|o| same_folded(n, o.as_bytes())) {
         return true;
     }
+    // The request id is the gateway's to check (or make): `X_Request_Id` is the same variable
+    // to a CGI-style server, and would bring the client's unchecked one beside it.
+    if other_spelling(n, b"x-request-id") {
+        return true;
+    }
     if !trusted_peer
         && (CLAIMS.iter().any(|c| same_folded(n, c.as_bytes()))
             || GATEWAY_SET.iter().any(|g| other_spelling(n, g.as_bytes())))
