@@ -380,10 +380,18 @@ impl Router {
 
     /// The route of a *normalized* path ([`normalize_path`]), as the gateway charges it:
     /// matched without matrix parameters ([`match_path`]); refused when a Unicode letter in it
-    /// case-folds onto ASCII and the folded spelling is another route ([`fold_to_ascii`]).
+    /// case-folds onto ASCII and the folded spelling is another route ([`fold_to_ascii`]), or
+    /// when an escaped `:`, `@` or sub-delimiter unescaped spells another route
+    /// ([`decode_delims`]): an upstream that decodes the path and one that does not would run
+    /// two different handlers, and either could be the costlier.
     pub fn route_of(&self, method: &str, normalized: &str) -> Result<&Arc<Route>, BadPath> {
         let path = match_path(normalized)?;
         let route = self.classify(method, &path).route;
+        if let Some(decoded) = decode_delims(&path) {
+            if self.classify(method, &decoded).route.index != route.index {
+                return Err(BadPath::EscapedDelimiter);
+            }
+        }
         if let Some(folded) = fold_to_ascii(&path) {
             if self.classify(method, &folded).route.index != route.index {
                 return Err(BadPath::CaseFold);

@@ -70,8 +70,12 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
     if normalized.contains(';') {
         return Err(EndpointError::Matrix);
     }
-    // As routes are matched: `%3A` is `:` (`route::decode_delims`).
-    let normalized = decode_delims(&normalized);
+    // Written unescaped: a request with the escape is refused unless it is the same route
+    // either way (`route::decode_delims`); one without would miss the endpoint.
+    let normalized = match decode_delims(&normalized) {
+        Some(d) => std::borrow::Cow::Owned(d),
+        None => normalized,
+    };
     if normalized != masked || spaced {
         let mut written = unmask_params(&normalized, &params);
         if let Some(m) = method {

@@ -25,6 +25,8 @@ pub enum BadPath {
     DotDotParameter,
     #[error("the path has a non-ASCII letter that case-folds to an ASCII one and so spells another route")]
     CaseFold,
+    #[error("the path has an escaped ':', '@' or sub-delimiter and spells another route with it unescaped")]
+    EscapedDelimiter,
 }
 
 fn hex_val(b: u8) -> Option<u8> {
@@ -158,57 +160,8 @@ pub(super) fn is_canonical(bytes: &[u8]) -> bool {
 /// The path as routes are matched (DESIGN §3): matrix parameters (`;name=value`, which Tomcat
 /// and Spring strip from every segment) are removed, and a segment that is empty or `.` once
 /// they are gone is dropped. A `..;…` segment is refused: such servers resolve it as `..`.
-/// Then the escapes of `:`, `@` and the sub-delimiters but `;` are read as those characters
-/// ([`decode_delims`]). Takes a [`normalize_path`] result; borrows it when it has no `;` and
-/// no `%` (the common case).
+/// Takes a [`normalize_path`] result; borrows it when it has no `;` (the common case).
 pub fn match_path(normalized: &str) -> Result<Cow<'_, str>, BadPath> {
-    Ok(match strip_matrix(normalized)? {
-        Cow::Borrowed(p) => decode_delims(p),
-        Cow::Owned(p) => Cow::Owned(decode_delims(&p).into_owned()),
-    })
-}
-
-/// `path` with the escapes of `:`, `@` and the sub-delimiters `!$&'()*+,=` (RFC 3986 §2.2; not
-/// `;`, whose escape is no matrix parameter) read as those characters: `/v1/r%3Agenerate` is
-/// `/v1/r:generate` when routes are matched, since the upstreams' frameworks decode a path
-/// before routing it (WSGI, CGI, Go's `URL.Path`), and so run the same handler for both. The
-/// path forwarded keeps the spelling it came with. Borrows a path with no `%`.
-pub fn decode_delims(path: &str) -> Cow<'_, str> {
-    if !path.contains('%') {
-        return Cow::Borrowed(path);
-    }
-    let bytes = path.as_bytes();
-    let decoded = |i: usize| {
-        let v = hex_val(*bytes.get(i + 1)?)? << 4 | hex_val(*bytes.get(i + 2)?)?;
-        matches!(
-            v,
-            b':' | b'@' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b'='
-        )
-        .then_some(v)
-    };
-    if !(0..bytes.len()).any(|i| bytes[i] == b'%' && decoded(i).is_some()) {
-        return Cow::Borrowed(path);
-    }
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match (bytes[i], decoded(i)) {
-            (b'%', Some(v)) => {
-                out.push(v);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    // Only ASCII bytes were put in place of ASCII escapes.
-    Cow::Owned(String::from_utf8(out).unwrap_or_else(|_| path.to_string()))
-}
-
-/// [`match_path`]'s first part: the matrix parameters removed.
-fn strip_matrix(normalized: &str) -> Result<Cow<'_, str>, BadPath> {
     if !normalized.contains(';') {
         return Ok(Cow::Borrowed(normalized));
     }
@@ -228,6 +181,49 @@ fn strip_matrix(normalized: &str) -> Result<Cow<'_, str>, BadPath> {
         out.push('/');
     }
     Ok(Cow::Owned(out))
+}
+
+/// `path` with the escapes of `:`, `@` and the sub-delimiters `!$&'()*+,=` (RFC 3986 §2.2; not
+/// `;`, whose escape is no matrix parameter) read as those characters, None when it has none:
+/// an upstream framework that decodes a path before routing it (WSGI, CGI, Go's `URL.Path`)
+/// runs `/v1/r:generate` for `/v1/r%3Agenerate`, one that routes the raw path (Express) does
+/// not. A path whose two spellings are two routes cannot be classified safely
+/// (`Router::route_of`); an endpoint is written unescaped (`check`).
+pub fn decode_delims(path: &str) -> Option<String> {
+    if !path.contains('%') {
+        return None;
+    }
+    let bytes = path.as_bytes();
+    let decoded = |i: usize| {
+        if bytes[i] != b'%' {
+            return None;
+        }
+        let v = hex_val(*bytes.get(i + 1)?)? << 4 | hex_val(*bytes.get(i + 2)?)?;
+        matches!(
+            v,
+            b':' | b'@' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b'='
+        )
+        .then_some(v)
+    };
+    if !(0..bytes.len()).any(|i| decoded(i).is_some()) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match decoded(i) {
+            Some(v) => {
+                out.push(v);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    // Only ASCII bytes were put in place of ASCII escapes.
+    String::from_utf8(out).ok()
 }
 
 /// The value of a `%XY` escape at `i` when it encodes a non-ASCII byte.

@@ -43,20 +43,32 @@ fn non_ascii_paths_match_in_either_spelling() {
     assert_eq!(c(&n("/caf%c3%a9/1")), 8);
 }
 
-/// The escapes of `:`, `@` and the sub-delimiters but `;` are those characters when routes are
-/// matched; other escapes stay; a path without them is borrowed.
+/// The escapes of `:`, `@` and the sub-delimiters but `;`, unescaped; None when there are
+/// none.
 #[test]
-fn escaped_delimiters_match_as_themselves() {
-    let m = |p: &str| match_path(p).unwrap().into_owned();
-    assert_eq!(m("/v1/r%3Agenerate"), "/v1/r:generate");
+fn escaped_delimiters_unescaped() {
+    let d = |p: &str| decode_delims(p);
+    assert_eq!(d("/v1/r%3Agenerate").as_deref(), Some("/v1/r:generate"));
     assert_eq!(
-        m("/a%2Bb%40c%21%24%26%27%28%29%2A%2C%3D"),
-        "/a+b@c!$&'()*,="
+        d("/a%2Bb%40c%21%24%26%27%28%29%2A%2C%3D").as_deref(),
+        Some("/a+b@c!$&'()*,=")
     );
-    assert_eq!(m("/a%3Bb%2Fc%25d%3F"), "/a%3Bb%2Fc%25d%3F");
-    assert_eq!(m("/x;v=1/y%3Az"), "/x/y:z");
-    assert!(matches!(match_path("/a%20b"), Ok(Cow::Borrowed(_))));
-    assert!(matches!(match_path("/a/b"), Ok(Cow::Borrowed(_))));
+    assert_eq!(d("/a%3Bb%2Fc%25d%3F"), None);
+    assert_eq!(d("/a%20b"), None);
+    assert_eq!(d("/a/b"), None);
+    assert_eq!(d("/a%3"), None);
+}
+
+/// A path whose escaped delimiter, unescaped, is another route is refused; one that is the
+/// same route either way is that route.
+#[test]
+fn an_escaped_delimiter_that_spells_another_route_is_refused() {
+    let r = Router::new(vec![spec("/v1/r:gen", 20), spec("/items/{id}", 3)], 1).unwrap();
+    let route = |p: &str| r.route_of("GET", p).map(|r| r.cost);
+    assert_eq!(route("/v1/r:gen"), Ok(20));
+    assert_eq!(route("/v1/r%3Agen"), Err(BadPath::EscapedDelimiter));
+    assert_eq!(route("/items/a%3Ab"), Ok(3));
+    assert_eq!(route("/other%40x"), Ok(1));
 }
 
 /// A raw ASCII character that a path must hold escaped is its escape: one spelling, as for
