@@ -300,6 +300,16 @@ fn admit_call(req: &AdmitRequest, ask: Ask, lease_id: String, lease_ttl: Duratio
         cost: req.cost,
         key_cap: req.key_cap.unwrap_or(0),
         record: String::new(),
+        // A capped route's charge may wait in its queue: its record lives 120 s whatever the
+        // budgets, for its waiter's `keep` to find (`queue::keep_record`).
+        record_ms: {
+            let ms = script::ADMISSION_RECORD.as_millis() as i64;
+            if req.route_cap.is_some() {
+                -ms
+            } else {
+                ms
+            }
+        },
         // Every call's admission id; the id of its leases too, if it takes any.
         lease_id,
         lease_ttl_us: lease_ttl.as_micros() as u64,

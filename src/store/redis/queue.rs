@@ -315,9 +315,10 @@ impl RedisBackend {
     }
 
     /// Keeps a waiting request's admission record for as long as it may wait and
-    /// `ADMISSION_RECORD` more (once, on a task of its own: the wait goes on meanwhile), so
-    /// that its refund and its charge made again can tell whether Redis lost the charge
-    /// (`Once`, `recharge`). Not known to be kept until this answers, or if it fails.
+    /// `ADMISSION_RECORD` more (on a task of its own: the wait goes on meanwhile; sent again
+    /// twice, 200 ms apart, if it fails), so that its refund and its charge made again can
+    /// tell whether Redis lost the charge (`Once`, `recharge`). Not known to be kept until
+    /// this answers, or if it fails: refunds are then made as with the marker alone.
     fn keep_record(self: &Arc<Self>, req: &AdmitRequest, u: &Unserved) {
         if u.record_kept.load(Ordering::Acquire) != 0 {
             return;
@@ -330,11 +331,19 @@ impl RedisBackend {
                 record: &record,
                 ms: kept_for.as_millis() as u64,
             };
-            if let Ok(at) = store.op(&keep).await {
+            for attempt in 0..3 {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                // 0: the record was not there (nothing is known of it).
+                let Ok(at) = store.op(&keep).await else {
+                    continue;
+                };
                 if let Ok(at @ 1..) = u64::try_from(at) {
                     let until = script::record_lives_until(at, kept_for);
                     let _ = kept.compare_exchange(0, until, Ordering::AcqRel, Ordering::Acquire);
                 }
+                return;
             }
         });
     }

@@ -291,6 +291,9 @@ pub(super) struct AdmitCall {
     pub lease_id: String,
     /// Where Redis records the admission by its id (`keys::admission_key`, the key's slot).
     pub record: String,
+    /// How long the record lives, ms: at most this (shorter once the charge drained), or,
+    /// negative, exactly its magnitude (a capped route's charge; `record_px`, `common.lua`).
+    pub record_ms: i64,
     pub lease_ttl_us: u64,
     /// Further budgets (their keys and limits), charged with the first or not at all.
     pub also: Vec<(String, Limit)>,

@@ -156,7 +156,7 @@ local keep = 1
 for _, x in ipairs(b) do keep = math.max(keep, ceil_div(ceil_div(x.next, x.q), 1000)) end
 -- ...and no shorter than its leases: an undo must find them.
 if key_cap > 0 or route_cap > 0 then keep = math.max(keep, ceil_div(ttl, 1000)) end
-redis.call('SET', record, '1', 'PX', int(math.min(keep, record_ms)))
+redis.call('SET', record, '1', 'PX', int(record_px(keep, record_ms)))
 for _, x in ipairs(b) do
   store_level(x.key, x.next, x.p, x.q, now)
   if x.next + x.held > x.cap then

@@ -49,8 +49,7 @@ if after + held > cap + delay then
   end
 else
   local keep = math.max(1, ceil_div(ceil_div(after, q), 1000))
-  seen = redis.call('SET', record, '1', 'NX', 'GET', 'PX',
-                    int(math.min(keep, num(ARGV[6]))))
+  seen = redis.call('SET', record, '1', 'NX', 'GET', 'PX', int(record_px(keep, num(ARGV[6]))))
   if not seen then
     drop_holds(holds, gone, now)
     store_level(budget, after, p, q, now)

@@ -40,6 +40,17 @@
 -- it) writes nothing and answers from it: admitted (the charge stands, not charged again) or
 -- UNDONE.
 
+-- How long an admission's record lives (ms): no longer than `keep` (until its budgets are
+-- full again: undoing it would give nothing back then; no shorter than its leases), nor than
+-- `record_ms` -- except when `record_ms` is negative: then exactly -record_ms. A capped
+-- route's charge is recorded so, for a while whatever its budgets, so that a waiter's `keep`
+-- finds its record and its refund can tell a charge Redis lost from one it holds
+-- (`refund.lua`).
+local function record_px(keep, record_ms)
+  if record_ms < 0 then return -record_ms end
+  return math.min(keep, record_ms)
+end
+
 -- admit's reply codes (crate::store::redis::script::AdmitCode mirrors them; a test compares).
 local OVER_BUDGET, KEY_BUSY, ROUTE_BUSY, ADMITTED, UNDONE = 0, 1, 2, 3, 4
 

@@ -4,7 +4,7 @@
 
 use redis::ToRedisArgs;
 
-use super::{AdmitCall, Call, Lua, Op, ADMISSION_RECORD, TOMBSTONE};
+use super::{AdmitCall, Call, Lua, Op, TOMBSTONE};
 use crate::budget::Limit;
 use crate::store::redis::slices::{self, IfLost};
 
@@ -79,7 +79,7 @@ impl AdmitCall {
         }
         inv.arg(self.if_lost.units)
             .arg(self.if_lost.granted_us)
-            .arg(ADMISSION_RECORD.as_millis() as u64)
+            .arg(self.record_ms)
             .key(&self.record);
     }
 }
@@ -138,7 +138,7 @@ impl AdmitCall {
             .arg(l.capacity)
             .arg(l.max_delay)
             .arg(self.cost)
-            .arg(ADMISSION_RECORD.as_millis() as u64);
+            .arg(self.record_ms);
     }
 
     /// What `admit_one` decides exactly as `admit` does.

@@ -368,3 +368,35 @@ async fn a_lost_queued_charge_is_made_again_once() {
     again(&mut conn, &until(far)).await;
     assert_eq!(send(&probe("t:p4"), false, &mut conn).await.1, 9);
 }
+
+/// A capped route's charge is recorded for 120 s whatever its budgets (its waiter's `keep`
+/// must find the record), through `admit_one` and `admit`; another charge's record lives only
+/// until its budgets are full again.
+#[tokio::test]
+async fn a_capped_charges_record_lives_whatever_its_budgets() {
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    // Full again within a millisecond.
+    let fast = Limit::new(1_000_000, Duration::from_secs(1), Duration::ZERO).unwrap();
+    let lease = Duration::from_secs(10);
+    for general in [false, true] {
+        for (capped, id) in [(true, "t:c"), (false, "t:u")] {
+            let req = AdmitRequest {
+                route_cap: capped.then_some(1),
+                ..request(73 + general as u8, fast, vec![], 1)
+            };
+            let call = admit_call(&req, Ask::default(), format!("{id}{general}"), lease);
+            send(&call, general, &mut conn).await;
+            let life: i64 = redis::cmd("PTTL")
+                .arg(&call.record)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if capped {
+                assert!((119_000..=120_000).contains(&life), "capped: {life} ms");
+            } else {
+                assert!(life <= 1_000, "uncapped: {life} ms");
+            }
+        }
+    }
+}
