@@ -319,13 +319,16 @@ pub async fn remaining(gw: &Gateway, id: &str) -> u64 {
 /// the series is missing, so that a renamed or absent metric can't pass for a zero.
 pub async fn metric(gw: &Gateway, series: &str) -> f64 {
     let text = admin_text(gw, "/metrics").await;
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-        })
-        .unwrap_or_else(|| panic!("no series `{series}` in /metrics:\n{text}"))
+    sample(&text, series).unwrap_or_else(|| panic!("no series `{series}` in /metrics:\n{text}"))
+}
+
+/// The value of `series` in a Prometheus text, if it is there.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    })
 }
 
 /// Asserts that a metric series reaches `want`. Polls for a while: a request's metrics are
@@ -354,11 +357,16 @@ pub async fn wait_queued(gw: &Gateway, route: &str, n: f64) {
     wait_metric(gw, &series, n, Duration::from_secs(10)).await
 }
 
-/// Polls a metric until it equals `want` (within `within`), for counts that take a while.
+/// Polls a metric until it equals `want` (within `within`), for counts that take a while. A
+/// series not there yet is waited for too: a route's first request makes its series in
+/// `logging`, which may run just after the client has its answer.
 pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration) {
-    eventually(within, async || match metric(gw, series).await {
-        got if got == want => Ok(()),
-        got => Err(format!("{series} is {got}, expected {want}")),
+    eventually(within, async || {
+        match sample(&admin_text(gw, "/metrics").await, series) {
+            Some(got) if got == want => Ok(()),
+            Some(got) => Err(format!("{series} is {got}, expected {want}")),
+            None => Err(format!("no series `{series}` in /metrics yet")),
+        }
     })
     .await
 }
@@ -367,9 +375,10 @@ pub async fn wait_metric(gw: &Gateway, series: &str, want: f64, within: Duration
 /// further meanwhile.
 pub async fn wait_metric_at_least(gw: &Gateway, series: &str, want: f64) {
     eventually(Duration::from_secs(10), async || {
-        match metric(gw, series).await {
-            got if got >= want => Ok(()),
-            got => Err(format!("{series} is {got}, expected at least {want}")),
+        match sample(&admin_text(gw, "/metrics").await, series) {
+            Some(got) if got >= want => Ok(()),
+            Some(got) => Err(format!("{series} is {got}, expected at least {want}")),
+            None => Err(format!("no series `{series}` in /metrics yet")),
         }
     })
     .await
