@@ -101,6 +101,8 @@ fn cases() -> Vec<(String, String)> {
         "authorization",
         "host",
         "content-length",
+        "X_Request_Id",
+        "x-forwarded-for",
     ] {
         files.push((
             format!("key_id_header {h}"),

@@ -15,7 +15,18 @@ pub(super) enum KeyIdHeaderError {
     Authorization,
     #[error("\"{0}\" is a framing header of the request; choose another header")]
     Framing(String),
+    #[error("\"{0}\" is a header the gateway sets itself (or another spelling of one, the same variable to a CGI-style server); choose another header")]
+    GatewaySet(String),
 }
+
+/// Set by the gateway on every forwarded request (`proxy::forward`); another spelling of one
+/// is removed before forwarding (`proxy::scrub`), so the key id would never arrive.
+const GATEWAY_SET: [&str; 4] = [
+    "x-request-id",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+];
 
 /// "" is none. Otherwise a header the gateway may set on the upstream request: not one that
 /// carries a key (it would be overwritten by, or leak into, credentials) nor one that frames
@@ -46,6 +57,10 @@ pub(super) fn key_id_header(
     ];
     if framing.contains(&header) {
         return Err(KeyIdHeaderError::Framing(name.into()));
+    }
+    let folded = header.as_str().replace('_', "-");
+    if GATEWAY_SET.contains(&folded.as_str()) {
+        return Err(KeyIdHeaderError::GatewaySet(name.into()));
     }
     Ok(Some(header))
 }
