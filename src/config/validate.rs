@@ -25,7 +25,7 @@ mod key_id;
 
 use budgets::{default_policy, keys, plans};
 use endpoints::endpoints;
-use key_id::key_id_header;
+use key_id::{key_id_header, source_header};
 
 pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
     let mut errs = ConfigErrors::default();
@@ -491,7 +491,10 @@ fn identity(
             sources.push(IdentitySource::Bearer);
         } else if let Some(h) = s.strip_prefix("header:") {
             match http::HeaderName::from_bytes(h.as_bytes()) {
-                Ok(name) if !h.is_empty() => sources.push(IdentitySource::Header(name)),
+                Ok(name) if !h.is_empty() => match source_header(h, &name) {
+                    Ok(()) => sources.push(IdentitySource::Header(name)),
+                    Err(m) => errs.push(format!("identity.sources[{i}]"), m.to_string()),
+                },
                 _ => errs.push(
                     format!("identity.sources[{i}]"),
                     format!("invalid header name in \"{s}\""),

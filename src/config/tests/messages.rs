@@ -109,6 +109,14 @@ fn cases() -> Vec<(String, String)> {
             top(&format!("identity:\n  key_id_header: \"{h}\"")),
         ));
     }
+    for h in ["X_Request_Id", "x-forwarded-host", "host", "content-length"] {
+        files.push((
+            format!("sources header:{h}"),
+            top(&format!(
+                "identity:\n  sources: [\"bearer\", \"header:{h}\"]"
+            )),
+        ));
+    }
     for u in [
         "foo://x",
         "redis://127.0.0.1:6379/abc",

@@ -49,18 +49,48 @@ pub(super) fn key_id_header(
     if header == http::header::AUTHORIZATION {
         return Err(KeyIdHeaderError::Authorization);
     }
-    let framing = [
-        http::header::HOST,
-        http::header::CONTENT_LENGTH,
-        http::header::TRANSFER_ENCODING,
-        http::header::CONNECTION,
-    ];
-    if framing.contains(&header) {
+    if FRAMING.contains(&header) {
         return Err(KeyIdHeaderError::Framing(name.into()));
     }
-    let folded = header.as_str().replace('_', "-");
-    if GATEWAY_SET.contains(&folded.as_str()) {
+    if gateway_set(&header) {
         return Err(KeyIdHeaderError::GatewaySet(name.into()));
     }
     Ok(Some(header))
+}
+
+const FRAMING: [http::HeaderName; 4] = [
+    http::header::HOST,
+    http::header::CONTENT_LENGTH,
+    http::header::TRANSFER_ENCODING,
+    http::header::CONNECTION,
+];
+
+/// One of [`GATEWAY_SET`] in any spelling (`_` for `-`: the same CGI variable).
+fn gateway_set(header: &http::HeaderName) -> bool {
+    let folded = header.as_str().replace('_', "-");
+    GATEWAY_SET.contains(&folded.as_str())
+}
+
+/// Why a header cannot carry the API key (`identity.sources`); each names the header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum SourceHeaderError {
+    #[error("\"{0}\" is a framing header of the request; the key cannot be read from it")]
+    Framing(String),
+    #[error("\"{0}\" is a header the gateway sets itself (or another spelling of one): the key would be logged or replaced with the gateway's value; choose another header")]
+    GatewaySet(String),
+}
+
+/// A header the key may be read from: not one that frames the request, nor one the gateway
+/// sets, logs (the request id) or replaces with its own value upstream.
+pub(super) fn source_header(
+    name: &str,
+    header: &http::HeaderName,
+) -> Result<(), SourceHeaderError> {
+    if FRAMING.contains(header) {
+        return Err(SourceHeaderError::Framing(name.into()));
+    }
+    if gateway_set(header) {
+        return Err(SourceHeaderError::GatewaySet(name.into()));
+    }
+    Ok(())
 }
