@@ -243,8 +243,8 @@ impl RedisBackend {
 }
 
 /// What makes a refund of an admission's charge once however often it is sent: its marker
-/// (`keys::refund_marker`), and, for a charge whose record is known to be kept until a time
-/// (Redis's, µs: a queued request's, `KeepRecord`), that record. Run before then, the refund
+/// (`keys::refund_marker`), and, for a charge whose record is known to live until a time
+/// (Redis's, µs: a capped route's, `queue::record::kept_until`), that record. Run before then, the refund
 /// is made only if the record is there: Redis still holds the charge. A record missing then
 /// went with Redis's data (a restart without persistence, an empty replica promoted), and
 /// the charge with it: giving it back would cancel what was charged since (the fallback's

@@ -300,15 +300,13 @@ fn admit_call(req: &AdmitRequest, ask: Ask, lease_id: String, lease_ttl: Duratio
         cost: req.cost,
         key_cap: req.key_cap.unwrap_or(0),
         record: String::new(),
-        // A capped route's charge may wait in its queue: its record lives 120 s whatever the
-        // budgets, for its waiter's `keep` to find (`queue::keep_record`).
-        record_ms: {
-            let ms = script::ADMISSION_RECORD.as_millis() as i64;
-            if req.route_cap.is_some() {
-                -ms
-            } else {
-                ms
-            }
+        // A capped route's charge may wait in its queue: its record lives as long as the
+        // request may wait and `ADMISSION_RECORD` more, whatever the budgets, written with the
+        // charge (the two are lost together or not at all), so that its refund and its charge
+        // made again can tell a charge Redis lost with its data (`queue::record`).
+        record_ms: match req.route_cap {
+            Some(_) => -(script::record_kept_for(req.queue_timeout).as_millis() as i64),
+            None => script::ADMISSION_RECORD.as_millis() as i64,
         },
         // Every call's admission id; the id of its leases too, if it takes any.
         lease_id,

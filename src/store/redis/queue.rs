@@ -12,7 +12,6 @@
 //!
 //! Leaving unserved (`queue_timeout`, `max_queue`, the client gone) gives the charge back.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -108,7 +107,7 @@ pub(in crate::store::redis) struct Owed {
     keys: QueueKeys,
     key_slots: Vec<String>,
     /// `Unserved::record_kept`.
-    record_kept: Arc<AtomicU64>,
+    record_kept: u64,
 }
 
 /// A charged request that has not (yet) got its route slot: dropped before it is served, it
@@ -127,9 +126,9 @@ struct Unserved {
     /// Its charge as the queue keeps it beside its waiter (`owed::Charge`), for whoever drops
     /// it should this instance die.
     charge: String,
-    /// Until when (Redis time, µs) its charge's admission record is kept (`keep_record`;
-    /// 0: not known to be).
-    record_kept: Arc<AtomicU64>,
+    /// Until when (Redis time, µs) its charge's admission record surely lives
+    /// (`record::kept_until`; 0: not known).
+    record_kept: u64,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -182,7 +181,7 @@ impl Unserved {
                 req: req.clone(),
                 keys: self.keys.clone(),
                 key_slots: self.key_slots.clone(),
-                record_kept: self.record_kept.clone(),
+                record_kept: self.record_kept,
             };
             lock(&self.store.waiters).owed.insert(self.id.clone(), owed);
         }
@@ -227,7 +226,7 @@ impl Unserved {
         let rt = tokio::runtime::Handle::try_current().ok()?;
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
-        let record_until = self.record_kept.load(Ordering::Acquire);
+        let record_until = self.record_kept;
         let (tx, rx) = tokio::sync::oneshot::channel();
         rt.spawn(async move {
             if in_route {
@@ -274,8 +273,9 @@ impl RedisBackend {
             sends.spawn(async move {
                 let past_breaker = Guard::Bypass(super::LATE_REPLY_WAIT);
                 store.leave_queue(&o.keys, &id, past_breaker).await;
-                let kept = o.record_kept.load(Ordering::Acquire);
-                store.give_back(&o.req, o.key_slots, id, kept).await;
+                store
+                    .give_back(&o.req, o.key_slots, id, o.record_kept)
+                    .await;
             });
         }
     }
@@ -330,15 +330,15 @@ impl RedisBackend {
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
         let pending = PendingId::new(self, &keys[0]);
         let decided = self.try_admit_as(req, Default::default(), pending.id.clone());
-        let (outcome, key_slots, id) = match decided.await?.0 {
-            Decided::KeyAdmitted(o, key_slots, id) => (o, key_slots, id),
-            other => return Ok(self.answer(req, other, start)),
+        let (outcome, key_slots, id, seen) = match decided.await? {
+            (Decided::KeyAdmitted(o, key_slots, id), seen) => (o, key_slots, id, seen),
+            (other, _) => return Ok(self.answer(req, other, start)),
         };
         let mut unserved = Unserved {
             store: self.clone(),
             req: Some(req.clone()),
             charge: owed::Charge::of(req, &id),
-            record_kept: Arc::default(),
+            record_kept: record::kept_until(req, &seen),
             keys,
             key_slots,
             id,
@@ -362,7 +362,7 @@ impl RedisBackend {
                 // waits again, as the fallback's write-back would have (it runs after all).
                 // Only while the record is known to be kept (missing later, it may have
                 // lapsed): Redis decides, by its own clock.
-                let kept = unserved.record_kept.load(Ordering::Acquire);
+                let kept = unserved.record_kept;
                 if kept > 0 && self.conns.run_id.changed_since(start) {
                     self.recharge(req, &unserved.id, kept).await?;
                 }
@@ -371,7 +371,6 @@ impl RedisBackend {
             match entered.first().copied() {
                 Some(TAKEN) => break,
                 Some(QUEUED) => {
-                    self.keep_record(req, &unserved);
                     if self.wait_granted(req, &mut unserved, start).await? {
                         break;
                     }

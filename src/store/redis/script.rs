@@ -19,9 +19,7 @@ use super::conn::Conn;
 use super::slices::{HoldId, IfLost, Seen};
 use crate::budget::{Figure, Figures, Limit, MAX_BUDGETS};
 
-pub(super) use ops::{
-    AdmitBatch, Debit, KeepRecord, Lease, Peek, Recharge, Refund, Settle, Undo, Unspend,
-};
+pub(super) use ops::{AdmitBatch, Debit, Lease, Peek, Recharge, Refund, Settle, Undo, Unspend};
 
 /// An operation's script: the shared helpers (they start with the `#!lua` flag line), those
 /// `admit_one` does not call (`extra.lua`; a script's functions are made anew on every call,
@@ -49,12 +47,11 @@ pub(super) enum Lua {
     Peek,
     Lease,
     AdmitBatch,
-    Keep,
 }
 
 /// Each operation's script by name, in the order of [`Lua`]. The admitting scripts answer
 /// packed (`pack.lua`, [`Packed`]).
-pub(super) const SOURCES: [(&str, &str); 11] = [
+pub(super) const SOURCES: [(&str, &str); 10] = [
     (
         "admit",
         concat!(
@@ -95,11 +92,10 @@ pub(super) const SOURCES: [(&str, &str); 11] = [
             include_str!("../lua/store/admit_batch.lua"),
         ),
     ),
-    ("keep", store_lua!("keep")),
 ];
 
 /// The scripts, in the order of [`Lua`] (each one's SHA1 is computed once).
-static SCRIPTS: LazyLock<[Script; 11]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
+static SCRIPTS: LazyLock<[Script; 10]> = LazyLock::new(|| SOURCES.map(|(_, lua)| Script::new(lua)));
 
 /// The SHA1 an operation's script is sent by (`EVALSHA`), by its name in [`SOURCES`]: what
 /// a test that holds one kind of call on the wire looks for.
@@ -453,14 +449,14 @@ fn figures(more: &[i64]) -> Option<Figures> {
 /// sending the `undo` of a call it gave up on ([`UNDO_FOR`]).
 pub(super) const ADMISSION_RECORD: Duration = Duration::from_secs(120);
 
-/// How long a queued request's admission record is kept (`KeepRecord`) past the time it may
-/// wait: as long as an admission's record lives.
+/// How long a capped route's admission record lives (`admit_call`): past the time its request
+/// may wait in the queue, as long as an admission's record lives.
 pub(super) fn record_kept_for(queue_timeout: Duration) -> Duration {
     queue_timeout.saturating_add(ADMISSION_RECORD)
 }
 
-/// Until when (Redis time, µs) a record kept at `kept_us` for `kept_for` surely lives: less a
-/// second, for the expiry's millisecond rounding and a call's own time.
+/// Until when (Redis time, µs) a record written at `kept_us` for `kept_for` surely lives: less
+/// a second, for the expiry's millisecond rounding and a call's own time.
 pub(super) fn record_lives_until(kept_us: u64, kept_for: Duration) -> u64 {
     kept_us + (kept_for.as_micros() as u64).saturating_sub(1_000_000)
 }

@@ -43,9 +43,9 @@
 -- How long an admission's record lives (ms): no longer than `keep` (until its budgets are
 -- full again: undoing it would give nothing back then; no shorter than its leases), nor than
 -- `record_ms` -- except when `record_ms` is negative: then exactly -record_ms. A capped
--- route's charge is recorded so, for a while whatever its budgets, so that a waiter's `keep`
--- finds its record and its refund can tell a charge Redis lost from one it holds
--- (`refund.lua`).
+-- route's charge is recorded so, for as long as its request may wait in the queue and a
+-- while more, whatever its budgets, so that its refund can tell a charge Redis lost from one
+-- it holds (`refund.lua`); written with the charge, the two are lost together or not at all.
 local function record_px(keep, record_ms)
   if record_ms < 0 then return -record_ms end
   return math.min(keep, record_ms)

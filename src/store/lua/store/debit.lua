@@ -12,7 +12,7 @@
 --
 -- With two more keys, an admission's record (`t{tag}a<id>`) and its refund's marker, and
 -- three more arguments ('0', how long the record lives, ms, and until when, Redis time in
--- µs, it was known to be kept: `keep.lua`): the charge of a queued request that Redis lost
+-- µs, it surely lives, as its admission wrote it): the charge of a queued request that Redis lost
 -- with its data, made again only if neither the record ('1', or 'u': undone) nor the marker
 -- (refunded) is there, and only before that time (later a missing record may have lapsed);
 -- then the record is written again, so that it is made once.

@@ -10,8 +10,8 @@
 -- run) finds the marker and only reads the levels.
 --
 -- With two more keys (the marker, then the charge's admission record) and two more arguments
--- (how long the marker lasts, then until when, Redis time in µs, the record is known to be
--- kept: `keep.lua`), the refund made before then is made only if the record is there ('1'):
+-- (how long the marker lasts, then until when, Redis time in µs, the record surely lives, as
+-- its admission wrote it), the refund made before then is made only if the record is there ('1'):
 -- missing, Redis lost the charge with its data (a restart without persistence, an empty
 -- replica promoted) and there is nothing to give back -- giving it back would cancel what
 -- was charged since (the fallback's write-back of what ran while Redis was away). The record

@@ -216,8 +216,8 @@ pub(in crate::store::redis) struct Refund<'a> {
     /// A key in the budgets' slot that makes the refund once (`refund.lua`): a resend of a
     /// call that timed out is then safe.
     pub once: Option<&'a str>,
-    /// With `once`: the charge's admission record and until when (Redis time, µs) it is known
-    /// to be kept (`KeepRecord`). Before then, the refund is made only if it is there:
+    /// With `once`: the charge's admission record and until when (Redis time, µs) it surely
+    /// lives (`queue::record::kept_until`). Before then, the refund is made only if it is there:
     /// missing, Redis lost the charge with its data.
     pub record: Option<(&'a str, u64)>,
 }
@@ -284,22 +284,6 @@ impl Op for Recharge<'_> {
             .arg(0)
             .arg(self.record_ms)
             .arg(self.until_us);
-    }
-}
-
-/// `keep`: a queued request's admission record kept `ms` from now. Redis's time (µs) when
-/// kept, 0 if the record was not there.
-pub(in crate::store::redis) struct KeepRecord<'a> {
-    pub record: &'a str,
-    pub ms: u64,
-}
-
-impl Op for KeepRecord<'_> {
-    type Reply = i64;
-    const SCRIPT: Lua = Lua::Keep;
-
-    fn args(&self, inv: &mut Call<'static>) {
-        inv.key(self.record).arg(self.ms);
     }
 }
 

@@ -130,7 +130,6 @@ fn every_operation_has_a_flagged_script_of_its_own() {
         Lua::Peek,
         Lua::Lease,
         Lua::AdmitBatch,
-        Lua::Keep,
     ];
     assert_eq!(all.len(), SOURCES.len());
     for l in all {

@@ -204,37 +204,44 @@ async fn a_refund_made_once_is_made_once() {
     assert_eq!(send(&next, false, &mut conn).await.1, 5);
 }
 
-/// A queued request's admission record, kept for as long as it may wait (`KeepRecord`, through
-/// `admit_one`'s record and `admit`'s alike): its refund, sent with the record and the time it
-/// is kept until, gives the units back while Redis still holds the charge, and nothing once
-/// Redis lost it with its data -- the units charged since (the fallback's write-back of the
-/// same request, run while Redis was away) stay charged; after that time, as without the
-/// record. Without the record it gave them back.
+/// A capped route's admission record, written with its charge for as long as the request may
+/// wait and 120 s more: its refund, sent with the record and the time it surely lives until
+/// (from the admission's own answer), gives the units back while Redis still holds the
+/// charge, and nothing once Redis lost it with its data -- the units charged since (the
+/// fallback's write-back of the same request, run while Redis was away) stay charged; after
+/// that time, as without the record. Without the record it gave them back.
 #[tokio::test]
 async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
     let redis = Redis::start();
     let mut conn = redis.conn().await;
     let limit = Limit::new(10, Duration::from_secs(3600), Duration::ZERO).unwrap();
     let lease = Duration::from_secs(10);
-    let admit = async |conn: &mut Conn, req: &AdmitRequest, id: &str| -> (AdmitCall, i64) {
+    // The call, what it left, and Redis's time when it ran.
+    let charge = async |conn: &mut Conn, req: &AdmitRequest, id: &str| {
         let call = admit_call(req, Ask::default(), id.into(), lease);
-        let left = send(&call, false, conn).await.1;
+        let r = script::invoke::<Packed>(&call.invocation(), conn)
+            .await
+            .unwrap()
+            .one()
+            .unwrap();
+        (call, r[2], r[5] as u64)
+    };
+    let admit = async |conn: &mut Conn, req: &AdmitRequest, id: &str| -> (AdmitCall, i64) {
+        let (call, left, _) = charge(conn, req, id).await;
         (call, left)
     };
-    // Kept 150 s: Redis's time then, and the record's life.
-    let keep = async |conn: &mut Conn, call: &AdmitCall| -> u64 {
-        let keep = script::KeepRecord {
-            record: &call.record,
-            ms: 150_000,
-        };
-        let at: i64 = script::invoke(&keep.invocation(), conn).await.unwrap();
+    // A queue_timeout of 30 s: the record lives 150 s, and surely until (Redis's time then)
+    // + 149 s.
+    let kept = async |conn: &mut Conn, call: &AdmitCall, at: u64| -> u64 {
         let life: i64 = redis::cmd("PTTL")
             .arg(&call.record)
             .query_async(conn)
             .await
             .unwrap();
         assert!((149_000..=150_000).contains(&life), "kept {life} ms");
-        script::record_lives_until(at as u64, Duration::from_secs(150))
+        let until = script::record_lives_until(at, Duration::from_secs(150));
+        assert_eq!(until, at + 149_000_000);
+        until
     };
     let refund = async |conn: &mut Conn, key: u8, call: &AdmitCall, until_us: u64| {
         let budgets = call.budgets();
@@ -260,17 +267,17 @@ async fn a_queued_charges_refund_gives_back_only_what_redis_still_holds() {
         };
         let probe = |id: String| (request(key, limit, vec![], 1), id);
         // Redis holds the charge: given back.
-        let (call, left) = admit(&mut conn, &req, "t:q1").await;
+        let (call, left, at) = charge(&mut conn, &req, "t:q1").await;
         assert_eq!(left, 6);
-        let until = keep(&mut conn, &call).await;
+        let until = kept(&mut conn, &call, at).await;
         refund(&mut conn, key, &call, until).await;
         let (p, id) = probe(format!("t:p{key}"));
         assert_eq!(admit(&mut conn, &p, &id).await.1, 9);
         // Charged, then Redis loses its data, then the fallback's write-back charges the
         // same request again (here: an admission of 4): the refund gives nothing back.
-        let (lost, left) = admit(&mut conn, &req, "t:q2").await;
+        let (lost, left, at) = charge(&mut conn, &req, "t:q2").await;
         assert_eq!(left, 5);
-        let until = keep(&mut conn, &lost).await;
+        let until = kept(&mut conn, &lost, at).await;
         let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
         let written_back = request(key, limit, vec![], 4);
         assert_eq!(
@@ -369,9 +376,9 @@ async fn a_lost_queued_charge_is_made_again_once() {
     assert_eq!(send(&probe("t:p4"), false, &mut conn).await.1, 9);
 }
 
-/// A capped route's charge is recorded for 120 s whatever its budgets (its waiter's `keep`
-/// must find the record), through `admit_one` and `admit`; another charge's record lives only
-/// until its budgets are full again.
+/// A capped route's charge is recorded for its `queue_timeout` and 120 s more whatever its
+/// budgets (its refund must find the record while the request may wait), through `admit_one`
+/// and `admit`; another charge's record lives only until its budgets are full again.
 #[tokio::test]
 async fn a_capped_charges_record_lives_whatever_its_budgets() {
     let redis = Redis::start();
@@ -383,6 +390,7 @@ async fn a_capped_charges_record_lives_whatever_its_budgets() {
         for (capped, id) in [(true, "t:c"), (false, "t:u")] {
             let req = AdmitRequest {
                 route_cap: capped.then_some(1),
+                queue_timeout: Duration::from_secs(45),
                 ..request(73 + general as u8, fast, vec![], 1)
             };
             let call = admit_call(&req, Ask::default(), format!("{id}{general}"), lease);
@@ -393,7 +401,7 @@ async fn a_capped_charges_record_lives_whatever_its_budgets() {
                 .await
                 .unwrap();
             if capped {
-                assert!((119_000..=120_000).contains(&life), "capped: {life} ms");
+                assert!((164_000..=165_000).contains(&life), "capped: {life} ms");
             } else {
                 assert!(life <= 1_000, "uncapped: {life} ms");
             }
