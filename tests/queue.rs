@@ -770,6 +770,66 @@ async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
     assert_eq!(requests_of(&up, "key-b"), 0);
 }
 
+/// A killed gateway's waiters' charges are given back by another instance only while Redis
+/// still holds them. Here the key's data is lost after the kill while the route's queue (and
+/// the charges it owes) stays — on Redis Cluster, the key's primary restarted empty while the
+/// route's kept its data: the key is charged 2 since, and the three owed refunds must not
+/// cancel that (they did: refunded by their marker alone, they left the key whole, 1000).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_instances_waiters_charges_lost_with_the_keys_data_are_not_given_back() {
+    let (redis, up, body) = reports_on_a_redis(1);
+    let mut x = Gateway::start(&up, &body);
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    let send = |url: String, key: &'static str| {
+        let req = c.post(url).header("X-API-Key", key);
+        tokio::spawn(async move { req.send().await.is_ok() })
+    };
+    let _holder = send(x.url("/reports/generate?delay_ms=30000"), "key-a");
+    up.wait_current("/reports/generate", 1).await;
+    let _waiting: Vec<_> = (0..3)
+        .map(|_| send(x.url("/reports/generate"), "key-b"))
+        .collect();
+    wait_queued(&x, "/reports/generate", 3.0).await;
+    assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
+    x.kill9();
+    // Key b's data lost; the route's queue kept.
+    let pattern = format!("t{{{}}}*", redis_key_tag("key-b"));
+    let deleted = redis.cli(&[
+        "EVAL",
+        "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do n = n + redis.call('DEL', k) end return n",
+        "0",
+        &pattern,
+    ]);
+    assert_ne!(deleted, "0", "key b's keys ({pattern})");
+    assert_eq!(remaining(&y, "b").await, 1000);
+    for _ in 0..2 {
+        let r = c
+            .get(y.url("/items/1"))
+            .header("X-API-Key", "key-b")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(remaining(&y, "b").await, 998, "charged since");
+    // The three dropped (x's beats 2 s old), owed, handed out to y and paid: about 12 s.
+    let owed = redis_route_slots_key("/reports/generate");
+    let owed = format!("{}o", owed.strip_suffix('f').unwrap());
+    redis
+        .wait_cli(&["ZCARD", &owed], "3", Duration::from_secs(10))
+        .await;
+    redis
+        .wait_cli(&["ZCARD", &owed], "0", Duration::from_secs(25))
+        .await;
+    assert_eq!(
+        remaining(&y, "b").await,
+        998,
+        "what b was charged since stands"
+    );
+    assert_eq!(requests_of(&up, "key-b"), 2);
+}
+
 /// A gateway stopped (SIGSTOP) for longer than its waiters' alive time looks dead: the other
 /// instance drops its waiters and gives their charges back. When it wakes, its waiters must
 /// not run on a refunded charge: they are answered 503 `route-busy`, charged nothing, and the

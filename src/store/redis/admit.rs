@@ -255,13 +255,6 @@ pub(super) struct Once {
 }
 
 impl Once {
-    pub fn marker(marker: String) -> Once {
-        Once {
-            marker,
-            record: None,
-        }
-    }
-
     /// Admission `id`'s of `req`, its record kept until `kept_us` (Redis time; 0: not known
     /// to be kept).
     pub fn kept(req: &crate::store::AdmitRequest, id: &str, kept_us: u64) -> Once {

@@ -334,11 +334,12 @@ impl RedisBackend {
             (Decided::KeyAdmitted(o, key_slots, id), seen) => (o, key_slots, id, seen),
             (other, _) => return Ok(self.answer(req, other, start)),
         };
+        let record_kept = record::kept_until(req, &seen);
         let mut unserved = Unserved {
             store: self.clone(),
             req: Some(req.clone()),
-            charge: owed::Charge::of(req, &id),
-            record_kept: record::kept_until(req, &seen),
+            charge: owed::Charge::of(req, &id, record_kept),
+            record_kept,
             keys,
             key_slots,
             id,

@@ -6,7 +6,10 @@
 //! and then says so (`paid`; until then they are handed out again every 30 s). Each refund
 //! is made once by the waiter's marker (`keys::refund_marker`), whoever sends it and however
 //! often: the instance handed it, or the waiter's own should it come back after all (refused
-//! on its way back into the queue, it leaves unserved and refunds by the same marker).
+//! on its way back into the queue, it leaves unserved and refunds by the same marker). Like
+//! the waiter's own refund, it carries the charge's admission record and how long that surely
+//! lives: before then, a charge Redis lost with the key's data (on Cluster, the key's node
+//! restarted empty while the route's kept its queue) is not given back (`refund.lua`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +17,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::super::admit::Once;
-use super::super::keys::{self, QueueKeys};
+use super::super::keys::QueueKeys;
 use super::super::RedisBackend;
 use crate::budget::Limit;
 use crate::store::AdmitRequest;
@@ -29,13 +32,21 @@ pub(super) struct Charge {
     c: u64,
     /// Each budget: its Redis key and its limit (per_unit, rate, capacity, max_delay).
     b: Vec<(String, u64, u64, u64, u64)>,
+    /// The charge's admission record and until when (Redis time, µs) it surely lives
+    /// (`record::kept_until`): the refund then gives back only a charge Redis still holds, as
+    /// the waiter's own would (`Once`). Absent if not known (and from older instances).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    r: Option<(String, u64)>,
 }
 
 impl Charge {
-    /// Waiter `id`'s charge for `req`, as `enter` stores it.
-    pub(super) fn of(req: &AdmitRequest, id: &str) -> String {
+    /// Waiter `id`'s charge for `req`, its record living until `kept_us` (0: not known), as
+    /// `enter` stores it.
+    pub(super) fn of(req: &AdmitRequest, id: &str, kept_us: u64) -> String {
+        let Once { marker, record } = Once::kept(req, id, kept_us);
         let charge = Charge {
-            m: keys::refund_marker(&req.key, id),
+            m: marker,
+            r: record,
             c: req.cost,
             b: super::super::budget_keys(req)
                 .into_iter()
@@ -94,7 +105,11 @@ impl RedisBackend {
                 match Charge::parse(&charge) {
                     Some(charge) => {
                         let budgets = charge.budgets();
-                        store.undo_charge(budgets, charge.c, Some(Once::marker(charge.m))).await;
+                        let once = Once {
+                            marker: charge.m,
+                            record: charge.r,
+                        };
+                        store.undo_charge(budgets, charge.c, Some(once)).await;
                     }
                     None => tracing::warn!(
                         "a dead instance's waiter's charge could not be read; not refunded"
@@ -128,6 +143,7 @@ mod tests {
                 ("t{ab}b".into(), 7, 3, 21_000, 5),
                 ("t:s{x y\n}".into(), 1, 1, 1, 0),
             ],
+            r: Some(("t{ab}a1".into(), 1_700_000_000_000_000)),
         };
         let text = serde_json::to_string(&charge).unwrap();
         assert!(!text.contains('\n'), "{text}");
@@ -135,5 +151,8 @@ mod tests {
         assert_eq!(read, charge);
         assert_eq!(read.budgets()[0], ("t{ab}b".to_string(), limit));
         assert!(Charge::parse("not json").is_none());
+        // As an instance that knew no record wrote it: refunded by the marker alone.
+        let old = r#"{"m":"t{ab}a1:r","c":20,"b":[["t{ab}b",7,3,21000,5]]}"#;
+        assert_eq!(Charge::parse(old).unwrap().r, None);
     }
 }
