@@ -166,6 +166,7 @@ impl ShutdownSignalWatch for Signals {
                     // log out, and go. Not through Pingora's fast shutdown, which joins every
                     // worker thread without a bound: in CI an instance once never exited
                     // after SIGINT that way (a worker that did not come back to its runtime).
+                    give_back_held(&self.app).await;
                     self.app.shared.store.release_all().await;
                     flush_spans(&self.app);
                     crate::telemetry::flush_logs();
@@ -185,6 +186,8 @@ const DRAIN_QUIET: Duration = Duration::from_secs(1);
 /// whichever is first.
 fn spawn_drain_watch(app: Arc<App>) {
     let grace = app.shared.running().config.grace_period;
+    // A request held for a turn past the grace period would never go from here.
+    app.shared.drain.give_back_held_past(Instant::now() + grace);
     std::thread::spawn(move || {
         let start = Instant::now();
         // Let the listeners see the shutdown broadcast before counting.
@@ -206,15 +209,32 @@ fn spawn_drain_watch(app: Arc<App>) {
     });
 }
 
-/// An exiting instance frees the fleet's slots it holds first (the store bounds this to 1 s),
-/// on a runtime of its own: this runs on the drain thread.
+/// An exiting instance gives back the reservations of the requests it still holds for their
+/// `max_delay` turn, then frees the fleet's slots it holds (the store bounds this to 1 s), on
+/// a runtime of its own: this runs on the drain thread.
 fn release_leases(app: &App) {
     match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
-        Ok(rt) => rt.block_on(app.shared.store.release_all()),
+        Ok(rt) => rt.block_on(async {
+            give_back_held(app).await;
+            app.shared.store.release_all().await
+        }),
         Err(e) => tracing::warn!(error = %e, "cannot release leases before exit"),
+    }
+}
+
+/// Has every request still held for its `max_delay` turn give its reservation back and be
+/// refused (each on its own worker: `proxy::decide`), waiting up to 1 s for them; a held
+/// request's permit (`Shared::holds`) goes back when it is answered.
+async fn give_back_held(app: &App) {
+    app.shared.drain.give_back_held_past(Instant::now());
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while app.shared.holds.available_permits() < crate::decision::MAX_HELD
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

@@ -278,6 +278,24 @@ pub fn too_many_held(route: &Route, hold: Duration, outcome: Standing) -> Refusa
     }
 }
 
+/// A request held for its `max_delay` turn by an instance that exits before it, its
+/// reservation given back (`outcome`: the budget as the refund left it).
+pub fn exiting(route: &Route, outcome: Option<Standing>) -> Refusal {
+    Refusal {
+        retry_after: Some(1),
+        outcome,
+        reason: Some(Reason::RouteBusy),
+        ..Refusal::new(
+            Problem::RouteBusy,
+            format!(
+                "this gateway instance is shutting down before the turn {} reserved for the \
+                 request (max_delay); it was not forwarded and its reservation was given back",
+                route.label
+            ),
+        )
+    }
+}
+
 /// The store question for a classified, identified request.
 pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
     AdmitRequest {

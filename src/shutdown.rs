@@ -24,6 +24,11 @@ pub struct Drain {
     active: Mutex<usize>,
     changed: Condvar,
     draining: AtomicBool,
+    /// While exiting, by when the requests held for their `max_delay` turn must be gone: a
+    /// turn later than that is never reached here, so its request gives its reservation back
+    /// at once and is refused (it may go to another instance), instead of holding the shared
+    /// schedule — the fleet's — until the process ends with it.
+    held_until: tokio::sync::watch::Sender<Option<Instant>>,
 }
 
 /// Held by one request while the gateway works on it.
@@ -62,6 +67,25 @@ impl Drain {
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Requests held for a `max_delay` turn later than `by` give their reservations back now
+    /// (the grace period's end; `Instant::now()` when it is over).
+    pub fn give_back_held_past(&self, by: Instant) {
+        self.held_until.send_replace(Some(by));
+    }
+
+    /// Resolves once the process is exiting before `turn`: a request held until then gives
+    /// its reservation back instead (never, while the process is not exiting).
+    pub async fn exits_before(&self, turn: Instant) {
+        let mut rx = self.held_until.subscribe();
+        if rx
+            .wait_for(|by| by.is_some_and(|by| turn > by))
+            .await
+            .is_err()
+        {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// Blocks until nothing has been in flight for `quiet` — a request still arriving on a

@@ -721,3 +721,69 @@ async fn held_callers_waiting_for_a_slot_go_at_their_turn_on_redis() {
     let redis = Redis::start();
     held_callers_waiting_for_a_slot_go_at_their_turn(Some(&redis)).await;
 }
+
+/// A gateway that exits (SIGTERM) gives back the reservations of the callers it holds for a
+/// shared budget's turn past its grace period, and answers them 503 at once (they may go to
+/// another instance), instead of keeping them until it ends with them charged: the fleet's
+/// schedule — the provider's — then blocked every other caller behind turns never taken, and
+/// each key kept its charge (probe: 18 s of an idle provider after a kill during a burst).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exiting_gateway_gives_back_the_turns_it_holds() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/p/{{*rest}}\":\n      shared: {{max_cost: 1, window: 2s, max_delay: 60s}}\n",
+        fleet_store(&redis, 2)
+    );
+    let mut x = Gateway::start_with_grace(&up, &body, "1s");
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(get(&c, x.url("/p/first"), "kf").await.status(), 200);
+    // Three callers held on x, their turns 2, 4 and 6 s away.
+    let held: Vec<_> = (0..3)
+        .map(|i| {
+            let req = c
+                .get(x.url(&format!("/p/held{i}")))
+                .header("X-API-Key", "kh");
+            tokio::spawn(async move {
+                let r = req.send().await.unwrap();
+                let retry = header(&r, "Retry-After");
+                let status = r.status().as_u16();
+                (status, retry, r.text().await.unwrap())
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(10), async || {
+        let held = metric(&x, "tollgate_in_flight{route=\"/p/{*rest}\"}").await;
+        (held == 3.0).then_some(()).ok_or(format!("{held} held"))
+    })
+    .await;
+    let t = Instant::now();
+    x.signal("TERM");
+    for h in held {
+        let (status, retry, body) = h.await.unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(retry.as_deref(), Some("1"));
+        assert!(
+            body.contains("route-busy") && body.contains("shutting down"),
+            "{body}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(x.wait_exit(Duration::from_secs(10)), Some(0));
+    // The schedule is back to the first call's unit alone: another caller, on y, goes when
+    // it has drained (within 2 s of it), not behind three more turns (6 s more).
+    let r = get(&c, y.url("/p/next"), "kn").await;
+    assert_eq!(r.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    // Nothing of the held callers reached the upstream, nor stayed charged to their key.
+    let forwarded: Vec<String> = up.api.seen().iter().map(|s| s.target.clone()).collect();
+    assert_eq!(forwarded, ["/p/first", "/p/next"]);
+    let r = get(&c, y.url("/q"), "kh").await;
+    let rl = header(&r, "RateLimit").unwrap();
+    assert!(rl.starts_with("\"default\";r=99;"), "{rl}");
+}

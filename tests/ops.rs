@@ -713,10 +713,12 @@ async fn sigint_with_work_in_every_state_exits_zero_at_once() {
             c.post(url).header("X-API-Key", "k").send().await.is_ok()
         }));
     }
+    let mut held = vec![];
     for _ in 0..3 {
         let (c, url) = (c.clone(), gw.url("/held?delay_ms=30000"));
-        pending.push(tokio::spawn(async move {
-            c.get(url).header("X-API-Key", "h").send().await.is_ok()
+        held.push(tokio::spawn(async move {
+            let r = c.get(url).header("X-API-Key", "h").send().await;
+            r.map(|r| r.status().as_u16()).ok()
         }));
     }
     up.wait_current("/reports/generate", 2).await;
@@ -724,6 +726,14 @@ async fn sigint_with_work_in_every_state_exits_zero_at_once() {
         &gw,
         "tollgate_queued{route=\"/reports/generate\"}",
         4.0,
+        Duration::from_secs(10),
+    )
+    .await;
+    up.wait_current("/held", 1).await;
+    wait_metric(
+        &gw,
+        "tollgate_in_flight{route=\"/held\"}",
+        3.0,
         Duration::from_secs(10),
     )
     .await;
@@ -737,6 +747,14 @@ async fn sigint_with_work_in_every_state_exits_zero_at_once() {
         // Cut off, not answered: SIGINT does not drain.
         assert!(!p.await.unwrap());
     }
+    // The first went (cut off); the two held for their turn got their reservations back and
+    // a 503.
+    let mut answers = vec![];
+    for h in held {
+        answers.push(h.await.unwrap());
+    }
+    answers.sort();
+    assert_eq!(answers, [None, Some(503), Some(503)]);
 }
 
 fn tollgate(args: &[&str]) -> (i32, String, String) {

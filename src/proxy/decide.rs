@@ -93,7 +93,7 @@ impl Gateway {
         // last minute's figures while it runs. The moment is its start plus its wait for a
         // slot (the store's answer is not worth a clock read).
         m.count_recent(true, ctx.start + ctx.timing.queued);
-        Ok(self.hold_then_arm(session, ctx, &route, hold).await)
+        self.hold_then_arm(session, ctx, &route, hold).await
     }
 
     /// Classifies (the route is chosen from, and the upstream receives, the canonical target)
@@ -143,26 +143,32 @@ impl Gateway {
     }
 
     /// An admitted request: held for `max_delay` (a client that leaves meanwhile gets its
-    /// reservation back and is never forwarded: `false`), then, on a capped route, its slot
-    /// armed to follow the upstream's work.
+    /// reservation back and is never forwarded: `false`; an instance that exits before its
+    /// turn gives it back and refuses it), then, on a capped route, its slot armed to follow
+    /// the upstream's work.
     async fn hold_then_arm(
         &self,
         session: &mut Session,
         ctx: &mut Ctx,
         route: &Route,
         hold: Duration,
-    ) -> bool {
+    ) -> Result<bool, Refusal> {
         if !hold.is_zero() {
             // max_delay: the units are reserved; hold the request until they are due. A client
             // that leaves meanwhile gets its reservation back and is never forwarded.
             let held = Instant::now();
+            let drain = self.shared.drain.clone();
             tokio::select! {
                 _ = tokio::time::sleep(hold) => {}
                 _ = front::client_left(&mut session.downstream_session) => {
                     ctx.timing.hold = held.elapsed();
                     // Boxed: the refund's future would make every request's larger.
                     Box::pin(ctx.abandon(&self.shared.store)).await;
-                    return false;
+                    return Ok(false);
+                }
+                _ = drain.exits_before(held + hold) => {
+                    ctx.timing.hold = held.elapsed();
+                    return Err(Box::pin(self.give_back_held(ctx, route)).await);
                 }
             }
         }
@@ -177,6 +183,20 @@ impl Gateway {
                 ctx.shield_after_body = true;
             }
         }
-        true
+        Ok(true)
+    }
+
+    /// A held request whose turn this exiting instance will not reach: its reservation (and
+    /// its key's charge) given back, and the refusal to answer it with (503 `route-busy`: it
+    /// may go to another instance at once).
+    async fn give_back_held(&self, ctx: &mut Ctx, route: &Route) -> Refusal {
+        let standing = match std::mem::replace(&mut ctx.phase, Phase::Abandoned) {
+            Phase::Admitted(mut ticket) => Some(ticket.refund(&self.shared.store).await),
+            _ => None,
+        };
+        Refusal {
+            queued: ctx.timing.queued,
+            ..decision::exiting(route, standing)
+        }
     }
 }

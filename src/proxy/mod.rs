@@ -127,13 +127,19 @@ impl Gateway {
     }
 
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
+        // One admitted and then given back (held as its instance exits): its wait for a slot
+        // was observed when it was admitted.
+        let admitted = matches!(ctx.phase, Phase::Abandoned);
         ctx.refuse(&r);
         // A client refused a tunnel may already be writing into it: none of that is a request.
         if decision::is_connect(session.req_header().method.as_str()) {
             session.set_keepalive(None);
         }
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
-            if r.problem == Problem::RouteBusy && decision::waited_for_a_slot(route, r.queued) {
+            if r.problem == Problem::RouteBusy
+                && !admitted
+                && decision::waited_for_a_slot(route, r.queued)
+            {
                 run.metrics
                     .get(route)
                     .queue_wait
