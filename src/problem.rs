@@ -173,6 +173,17 @@ fn push_member(out: &mut String, quoted_name: &str, remaining: u64, reset: u64) 
     out.push_str(itoa::Buffer::new().format(reset));
 }
 
+/// `RateLimit-Policy`: the key's plan's budgets, and the route's shared budget after them.
+pub fn policy_header(policy: &Policy, shared: Option<&Budget>) -> HeaderValue {
+    match (shared, policy.headers.policy.to_str()) {
+        (Some(s), Ok(list)) => {
+            let both = format!("{list}, {}", s.headers.policy.to_str().unwrap_or_default());
+            HeaderValue::from_str(&both).unwrap_or_else(|_| policy.headers.policy.clone())
+        }
+        _ => policy.headers.policy.clone(),
+    }
+}
+
 /// `RateLimit-Policy`, `RateLimit` and `X-RateLimit-*` for a decision under `policy`.
 /// `cost` is the price of the request (charged when admitted, nothing when refused). The
 /// policy's own two values are formatted once, when the config is loaded. A decision made on
@@ -196,11 +207,7 @@ pub fn rate_limit_headers(
     let several = figures.len() > 1 && figures.len() == budgets().count();
     // One list member per budget when the request was decided on several (DESIGN §1);
     // `X-RateLimit-*` describe the decisive one: the refusing, else the tightest.
-    let mut policy_header = policy.headers.policy.clone();
-    if let (Some(s), Ok(list)) = (shared, policy.headers.policy.to_str()) {
-        let both = format!("{list}, {}", s.headers.policy.to_str().unwrap_or_default());
-        policy_header = HeaderValue::from_str(&both).unwrap_or(policy_header);
-    }
+    let policy_header = policy_header(policy, shared);
     let mut rate_limit = String::with_capacity(64);
     let limit = if several {
         for (i, (b, f)) in budgets().zip(figures).enumerate() {

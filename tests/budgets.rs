@@ -787,3 +787,27 @@ async fn an_exiting_gateway_gives_back_the_turns_it_holds() {
     let rl = header(&r, "RateLimit").unwrap();
     assert!(rl.starts_with("\"default\";r=99;"), "{rl}");
 }
+
+/// A route's shared budget is named in `RateLimit-Policy` when the store cannot decide too
+/// (503 `store-unavailable` under `on_error: deny`): the policy is the config's, whatever the
+/// store says. (It named the key's budget alone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_names_the_shared_budget_when_the_store_is_down() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: deny\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 1000}}\n  endpoints:\n    /o: {{shared: {{max_cost: 30, window: 1h}}}}\n",
+        redis.url()
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let policy = "\"default\";q=1000;w=3600, \"shared\";q=30;w=3600";
+    let r = get(&c, gw.url("/o"), "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "RateLimit-Policy").as_deref(), Some(policy));
+    redis.kill();
+    let r = get(&c, gw.url("/o"), "k").await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "RateLimit-Policy").as_deref(), Some(policy));
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+}

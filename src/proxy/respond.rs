@@ -149,8 +149,13 @@ pub fn rate_limit_headers(h: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     let Some(outcome) = ctx.outcome() else {
-        // No decision to describe (the store was unavailable): the policy, and nothing charged.
-        h.insert_header("RateLimit-Policy", id.policy.headers.policy.clone())?;
+        // No decision to describe (the store was unavailable): the policy (the route's shared
+        // budget's too), and nothing charged.
+        let shared = ctx.route.as_ref().and_then(|r| r.shared());
+        h.insert_header(
+            "RateLimit-Policy",
+            problem::policy_header(&id.policy, shared),
+        )?;
         h.insert_header("X-RateLimit-Limit", id.policy.headers.limit.clone())?;
         h.insert_header("X-RateLimit-Cost", HeaderValue::from_static("0"))?;
         return Ok(());
