@@ -1110,3 +1110,50 @@ fn a_finish_sent_again_is_the_runs_own() {
     ]);
     assert_eq!(finish("t:j:cancelled", "done"), "0");
 }
+
+/// A queued job is given back and settled at what it was charged, whatever a reload changed
+/// since: charged 10, its route's cost reloaded to 40, a cancel gives 10 back (it gave 40) and
+/// the job that runs stays charged 10 (it was settled to 40); its route's `async:` then
+/// removed, a cancel still gives its 10 back (it gave nothing: the route was not async).
+#[tokio::test]
+async fn a_queued_jobs_charge_is_what_it_was_charged_across_reloads() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(1500));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    let (third, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&a, "a").await, 70);
+    let delete = |location: &str| {
+        c.delete(a.url(location))
+            .header("X-API-Key", "key-a")
+            .send()
+    };
+    a.edit_config("      cost: 10\n", "      cost: 40\n");
+    a.reload(0.0).await;
+    assert_eq!(delete(&second).await.unwrap().status(), 200);
+    assert_eq!(
+        remaining(&a, "a").await,
+        80,
+        "the cancel gave back what was charged"
+    );
+    a.edit_config("      async:\n        result_ttl: 30s\n", "");
+    a.reload(1.0).await;
+    assert_eq!(delete(&third).await.unwrap().status(), 200);
+    assert_eq!(
+        remaining(&a, "a").await,
+        90,
+        "given back without its route's async"
+    );
+    assert_eq!(result(&c, &a, &first).await.status(), 200);
+    let line = job_end_line(&a, &first, "job_done").await;
+    assert_eq!(line["cost"].as_u64(), Some(10), "{line}");
+    assert_eq!(
+        remaining(&a, "a").await,
+        90,
+        "the job that ran stays charged what it was"
+    );
+    assert_eq!(up.count(ROUTE), 1);
+}

@@ -5,6 +5,7 @@
 //! once; a runner that stops vouching for its job (it died) leaves it `failed` (`job-lost`,
 //! charged) at the next read, and its slot comes back with its lapsed lease.
 
+mod charged;
 mod record;
 mod runner;
 
@@ -14,7 +15,6 @@ use std::time::Duration;
 use super::metrics::{self, JobResult};
 use super::run::{expired_result, problem_result, Submission};
 use super::{new_id, NewJob, Stored, View};
-use crate::decision;
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
 use crate::state::{Running, Shared};
@@ -67,7 +67,7 @@ pub(super) async fn submit(
     if !record::put(
         b,
         &id,
-        &job.route.label,
+        (&job.route.label, &admit),
         job.who,
         ttl,
         &job.request,
@@ -236,7 +236,7 @@ async fn take_out(
     } else if let Some(key) = key {
         let _ = b.job_release_key(key, id).await;
     }
-    refund(shared, running, &label, who).await;
+    refund(shared, running, &r, who).await;
     let result = if op == "cancel" {
         JobResult::Cancelled
     } else {
@@ -246,19 +246,17 @@ async fn take_out(
     true
 }
 
-/// Gives back the charge of a job of `who` on route `label` that never ran.
 /// The key whose slot a job of `who` holds: its plan's `max_in_flight_per_key` counts jobs
 /// (`RedisBackend::enter_job`), as `decision::admit_request` sets `key_cap`.
 pub(super) fn key_slot(who: &Identity) -> Option<&KeyHash> {
     who.policy.max_in_flight_per_key.map(|_| &who.hash)
 }
 
-async fn refund(shared: &Shared, running: &Running, label: &str, who: &Identity) {
-    if let Some(route) = running.config.router.by_label(label) {
-        let admit = AdmitRequest {
-            key_cap: None,
-            ..decision::admit_request(route, who)
-        };
+/// Gives back the charge of the job of record `r`, paid by `who`, that never ran: what it was
+/// charged (`charged`), even if a reload changed or removed its route since.
+async fn refund(shared: &Shared, running: &Running, r: &record::Record, who: &Identity) {
+    let route = running.config.router.by_label(&text(r, "route"));
+    if let Some(admit) = charged::admit_of(r, route.map(|r| &**r), who) {
         shared.store.refund(&admit, Charge::Shared).await;
     }
 }
@@ -270,8 +268,8 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     let who = r.as_ref().and_then(|r| payer(&running, field(r, "key")));
     let key = who.as_ref().and_then(key_slot);
     let _ = b.job_release(label, id, key).await;
-    if let Some(who) = who {
-        refund(shared, &running, label, &who).await;
+    if let (Some(who), Some(r)) = (who, &r) {
+        refund(shared, &running, r, &who).await;
     }
     match r {
         Some(r) => ended_unrun(&running, &r, id, JobResult::Expired),

@@ -88,17 +88,22 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
     if !access::enabled() {
         return;
     }
+    let who = payer(running, field(r, "key"));
     let (status, cost) = match result {
         JobResult::Expired => (503, 0),
         JobResult::Cancelled => (0, 0),
         _ => (
             502,
-            running.config.router.by_label(&route).map_or(0, |r| r.cost),
+            who.as_ref()
+                .and_then(|w| {
+                    let now = running.config.router.by_label(&route).map(|r| &**r);
+                    super::charged::admit_of(r, now, w)
+                })
+                .map_or(0, |a| a.cost),
         ),
     };
     let since = access::millis(waited(r));
-    let key = payer(running, field(r, "key"))
-        .map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
+    let key = who.map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
     let rid = text(r, "rid");
     access::write(&access::AccessRecord {
         method: &text(r, "method"),
@@ -179,7 +184,7 @@ pub(super) fn request_of(r: &Record) -> Option<JobRequest> {
 pub(super) async fn put(
     b: &RedisBackend,
     id: &str,
-    route: &str,
+    (route, admit): (&str, &crate::store::AdmitRequest),
     who: &Identity,
     result_ttl: std::time::Duration,
     request: &JobRequest,
@@ -192,7 +197,8 @@ pub(super) async fn put(
     let key = hex::encode(who.hash);
     let headers = headers_json(&request.header.headers);
     let ip = origin.client.map(|c| c.to_string()).unwrap_or_default();
-    let args: [&[u8]; 23] = [
+    let charged = super::charged::of(admit);
+    let args: [&[u8]; 25] = [
         life.as_bytes(),
         b"key",
         key.as_bytes(),
@@ -216,6 +222,8 @@ pub(super) async fn put(
         ip.as_bytes(),
         b"pos",
         b"0",
+        b"chg",
+        &charged,
     ];
     b.job_record::<i64>(id, "put", &args).await.is_ok()
 }

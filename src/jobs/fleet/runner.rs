@@ -11,7 +11,6 @@ use super::super::Stored;
 use super::backend;
 use super::record::{claimed, client_of, headers_json, text, waited};
 use crate::admission::InFlight;
-use crate::decision;
 use crate::problem::Problem;
 use crate::route::stated::Report;
 use crate::route::Route;
@@ -39,9 +38,10 @@ pub(super) async fn run_claimed(
     let queued = waited(&r);
     let begun = Instant::now();
     let key = super::key_slot(&who).copied();
-    let admit = AdmitRequest {
-        key_cap: None,
-        ..decision::admit_request(&route, &who)
+    // Settled as it was charged, whatever a reload changed since.
+    let Some(admit) = super::charged::admit_of(&r, Some(&route), &who) else {
+        let _ = b.job_release(&label, &id, None).await;
+        return;
     };
     let _drain = shared.drain.enter();
     let _state = InState::new(&label, JobState::Running);
