@@ -26,6 +26,8 @@ pub(super) enum EndpointError {
         "is not in normalized form, which is what requests are matched in: write \"{written}\""
     )]
     NotNormalized { written: String },
+    #[error("can never match: {prefix}<id> is an async job's own path, answered by the gateway before routing (never forwarded)", prefix = crate::jobs::PATH_PREFIX)]
+    JobPath,
 }
 
 /// Why a request path is never matched with `c` as it is.
@@ -82,6 +84,13 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
             written = format!("{m} {written}");
         }
         return Err(EndpointError::NotNormalized { written });
+    }
+    // One segment after the jobs' prefix is a job's id, whatever the method (a catch-all
+    // `{*…}` there also matches deeper paths, which are routed).
+    if let Some(id) = path.strip_prefix(crate::jobs::PATH_PREFIX) {
+        if !id.contains('/') && !id.starts_with("{*") {
+            return Err(EndpointError::JobPath);
+        }
     }
     Ok(())
 }

@@ -222,7 +222,8 @@ fn listen_path(s: &RawServer, i: usize) -> String {
 
 /// Every listener (`server.listen`, `server.tls.listen`, `server.admin_listen`) needs an address
 /// of its own: two that bind the same port (the same address, or one of them "any address" of
-/// the same family) would pass `check` and then fail `run` with "Address already in use".
+/// the same family, or `[::]`, which takes IPv4 too) would pass `check` and then fail `run`
+/// with "Address already in use".
 /// Port 0 (the kernel picks a free one) never clashes.
 fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
     let mut seen: Vec<(String, SocketAddr)> = Vec::new();
@@ -244,10 +245,17 @@ fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
         let clash = seen.iter().find(|(_, other)| {
             addr.port() != 0
                 && addr.port() == other.port()
-                && addr.is_ipv4() == other.is_ipv4()
-                && (addr.ip() == other.ip()
-                    || addr.ip().is_unspecified()
-                    || other.ip().is_unspecified())
+                && if addr.is_ipv4() == other.is_ipv4() {
+                    addr.ip() == other.ip()
+                        || addr.ip().is_unspecified()
+                        || other.ip().is_unspecified()
+                } else {
+                    // `[::]` takes the port on IPv4 too, unless the host binds IPv6 only.
+                    dual_stack()
+                        && [addr, *other]
+                            .iter()
+                            .any(|a| a.is_ipv6() && a.ip().is_unspecified())
+                }
         });
         if let Some((other, _)) = clash {
             errs.push(
@@ -257,6 +265,12 @@ fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
         }
         seen.push((path, addr));
     }
+}
+
+/// Whether a socket bound to `[::]` takes its port on IPv4 as well: Linux's default
+/// (`net.ipv6.bindv6only` 0), assumed where that cannot be read.
+pub(super) fn dual_stack() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").map_or(true, |v| v.trim() != "1")
 }
 
 /// `server.tls`: the listener's address, and a certificate and key that can be served (read

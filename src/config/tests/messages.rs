@@ -75,6 +75,8 @@ fn cases() -> Vec<(String, String)> {
         "/a;x=1",
         "/a/%7Ex",
         "GET /a/%7E{id}",
+        "/_tollgate/jobs/x",
+        "POST /_tollgate/jobs/{id}",
     ] {
         files.push((format!("endpoint {p}"), endpoint(p)));
     }

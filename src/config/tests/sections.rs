@@ -343,5 +343,16 @@ fn listeners_need_addresses_of_their_own() {
     )
     .is_empty());
     assert!(server("  listen: [\"127.0.0.1:9000\", \"[::1]:9000\"]").is_empty());
+    // `[::]` takes the port on IPv4 too (Linux's default, `net.ipv6.bindv6only` 0).
+    if super::super::validate::dual_stack() {
+        assert_eq!(
+            server("  listen: [\"[::]:9000\", \"127.0.0.1:9000\"]"),
+            ["server.listen[1]: 127.0.0.1:9000 is taken by server.listen[0]: each listener needs an address of its own"]
+        );
+        assert_eq!(
+            server("  listen: \"127.0.0.1:9000\"\n  admin_listen: \"[::]:9000\"").len(),
+            1
+        );
+    }
     assert!(server("  listen: [\"127.0.0.1:9000\", \"127.0.0.2:9000\"]").is_empty());
 }
