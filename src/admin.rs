@@ -143,6 +143,7 @@ async fn answer(req: Request<Incoming>, shared: &Shared, auth: Option<&AdminAuth
     match path {
         "/metrics" => {
             shared.store.publish_gauges();
+            crate::telemetry::retire_routes();
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

@@ -105,6 +105,10 @@ impl Shared {
         // After the swap: a request that still spends a slice now asks again under the new
         // budgets, and waiters see the new caps.
         self.store.reloaded(&running.config.router);
+        // The series of routes gone with the old config, unless requests still run on them
+        // (then at a later scrape, once they have ended).
+        drop(old);
+        crate::telemetry::retire_routes();
     }
 }
 

@@ -230,5 +230,5 @@ pub fn render() -> String {
 
 pub use labels::{ClientTimeout, FallbackDecision, Listener, Reload, StoreCall};
 pub use logging::{flush_logs, init_logging, LogFormat};
-pub use routes::{RouteMetrics, RouteMetricsTable};
+pub use routes::{retire_pending as retire_routes, RouteMetrics, RouteMetricsTable};
 pub use timing::Timing;

@@ -1319,6 +1319,50 @@ async fn a_reload_removes_the_series_of_routes_and_caps_it_removed() {
     assert!(after.contains("tollgate_requests_total{route=\"/uncapped/items\",status=\"200\"} 1"));
 }
 
+/// A route a reload removes keeps its series while its requests run (their counts go to
+/// series still exported), and one a second reload adds back while they run carries on with
+/// them: its in-flight gauge counts them, and its requests count once they end. (Removed at
+/// once, the gauge of the route added back said 0 with 3 running, and their 200s were lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_removed_and_added_back_while_its_requests_run_keeps_counting_them() {
+    let up = Upstream::start(Duration::ZERO);
+    let route = "    /slow/items: {cost: 1}\n";
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 1m, max_cost: 100}}\n  endpoints:\n{route}"
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let running: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c
+                .get(gw.url("/slow/items?delay_ms=2500"))
+                .header("X-API-Key", "k");
+            tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    up.wait_current("/slow/items", 3).await;
+    let gauge = "tollgate_in_flight{route=\"/slow/items\"}";
+    assert_metric(&gw, gauge, 3.0).await;
+    gw.edit_config(route, "");
+    gw.reload(0.0).await;
+    assert_metric(&gw, gauge, 3.0).await;
+    gw.edit_config("  endpoints:\n", &format!("  endpoints:\n{route}"));
+    gw.reload(1.0).await;
+    assert_metric(&gw, gauge, 3.0).await;
+    for r in running {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    wait_metric(
+        &gw,
+        "tollgate_requests_total{route=\"/slow/items\",status=\"200\"}",
+        3.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_metric(&gw, gauge, 0.0).await;
+    assert_metric(&gw, "tollgate_cost_units_total{route=\"/slow/items\"}", 3.0).await;
+}
+
 /// `tollgate run --pid-file`: the file names this gateway's process (a reload signals it and
 /// no other tollgate on the host: docs/operations.md), and is gone after a clean exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,8 +85,71 @@ impl std::fmt::Debug for RouteMetrics {
     }
 }
 
+/// How many [`RouteMetrics`] of each label are alive (in the config in force, or in an older
+/// one its requests still run under), and the labels none is alive of any more, whose series
+/// [`retire_pending`] removes: a route a reload removed keeps its series while its requests
+/// finish (their counts would go to series no longer exported), and a route added back meanwhile
+/// carries on with them.
+#[derive(Default)]
+struct Alive {
+    count: std::collections::HashMap<Arc<str>, usize>,
+    gone: Vec<Arc<str>>,
+}
+
+fn alive() -> std::sync::MutexGuard<'static, Alive> {
+    static ALIVE: OnceLock<Mutex<Alive>> = OnceLock::new();
+    crate::store::lock(ALIVE.get_or_init(Mutex::default))
+}
+
+impl Drop for RouteMetrics {
+    fn drop(&mut self) {
+        let mut a = alive();
+        if let Some(n) = a.count.get_mut(&self.label) {
+            *n -= 1;
+            if *n == 0 {
+                a.count.remove(&self.label);
+                a.gone.push(self.label.clone());
+            }
+        }
+    }
+}
+
+/// Removes the series of the routes no config in use has any more (a reload removed them and
+/// their last request has ended): after a reload, and before each scrape of `/metrics` — off
+/// the request path (the last request of such a route only notes its label).
+pub fn retire_pending() {
+    let gone = std::mem::take(&mut alive().gone);
+    if gone.is_empty() {
+        return;
+    }
+    let m = metrics();
+    for label in gone {
+        if alive().count.contains_key(&label) {
+            continue; // added back since
+        }
+        for vec in [
+            &m.request_duration,
+            &m.upstream_duration,
+            &m.queue_wait,
+            &m.overhead,
+            &m.admitted_duration,
+        ] {
+            let _ = vec.remove_label_values(&[&label]);
+        }
+        let _ = m.in_flight.remove_label_values(&[&label]);
+        let _ = m.cost_units.remove_label_values(&[&label]);
+        let _ = m.in_flight_limit.remove_label_values(&[&label]);
+        let _ = m.queued.remove_label_values(&[&label]);
+        remove_route_series(&m.requests, &label);
+        remove_route_series(&m.rejections, &label);
+        remove_route_series(&m.shadow_rejections, &label);
+        remove_route_series(&m.cost_reports, &label);
+    }
+}
+
 impl RouteMetrics {
     fn new(label: &Arc<str>) -> RouteMetrics {
+        *alive().count.entry(label.clone()).or_default() += 1;
         RouteMetrics {
             label: label.clone(),
             request_duration: Lazy::new(label, |m, l| m.request_duration.with_label_values(l)),
@@ -323,38 +386,20 @@ impl RouteMetricsTable {
         }
     }
 
-    /// Removes the series of routes that `self` has and `next` no longer does, and the
-    /// in-flight limits and queues of routes that lost their cap.
+    /// Removes the in-flight limits and queues of routes that `next` keeps without a cap. (A
+    /// route `next` no longer has keeps its series until its last request has ended:
+    /// [`retire_pending`].)
     pub fn retire(&self, next: &Router) {
         let m = metrics();
         let next: std::collections::HashMap<&str, &Route> =
             next.routes().map(|r| (&*r.label, r)).collect();
         for old in &self.by_index {
             let label = &*old.label;
-            let kept = next.get(label).copied();
-            if kept.is_none_or(|r| r.max_in_flight.is_none()) {
+            if next.get(label).is_some_and(|r| r.max_in_flight.is_none()) {
                 // Nobody queues on a route without a cap: its queue goes with its limit.
                 let _ = m.in_flight_limit.remove_label_values(&[label]);
                 let _ = m.queued.remove_label_values(&[label]);
             }
-            if kept.is_some() {
-                continue;
-            }
-            for vec in [
-                &m.request_duration,
-                &m.upstream_duration,
-                &m.queue_wait,
-                &m.overhead,
-                &m.admitted_duration,
-            ] {
-                let _ = vec.remove_label_values(&[label]);
-            }
-            let _ = m.in_flight.remove_label_values(&[label]);
-            let _ = m.cost_units.remove_label_values(&[label]);
-            remove_route_series(&m.requests, label);
-            remove_route_series(&m.rejections, label);
-            remove_route_series(&m.shadow_rejections, label);
-            remove_route_series(&m.cost_reports, label);
         }
     }
 }
