@@ -163,10 +163,11 @@ impl Gateway {
             _ => 400,
         };
         if code > 0 && !headers_sent {
-            // A request the client framed wrongly (a chunk size that overflows, say): the
-            // upstream got it cut off mid-body, and its connection is dropped, so it never had
-            // a whole request to run. Not charged (issue 23, item 13).
-            ctx.refund(&self.shared.store, Problem::BadRequest).await;
+            // A request the client framed wrongly (a chunk size that overflows, say) after its
+            // admission: the upstream had it (its head, and its body up to there), and its slot
+            // was held meanwhile, so it stays charged, as one whose client left mid-body or
+            // stalled (DESIGN §3: holding a slot costs what the slot is worth; refunded, a key
+            // could drip a body into every slot of a capped route and then break it, free).
             // The rest of the connection's bytes cannot be framed: answer, then close.
             session.set_keepalive(None);
             let detail = "the request could not be read: its framing is malformed";
