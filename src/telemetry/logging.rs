@@ -60,15 +60,19 @@ pub fn init_logging(format: LogFormat) {
 }
 
 /// Bridges Pingora's `log` records into tracing, with two changes: the errors Pingora logs
-/// for a client that went away, timed out or failed its handshake — which no hook can
-/// suppress — are debug events (a client that leaves is not a gateway error), and so is the
+/// for a client that went away, timed out, failed its handshake or framed its body wrongly —
+/// which no hook can suppress — are debug events (a client that leaves or sends garbage is not
+/// a gateway error: its access-log line says what happened, and a client must not be able to
+/// fill the error log at will), and so is the
 /// one for a pooled upstream connection it could not reuse (it connects anew); and its own
 /// debug and trace records are dropped, whatever `RUST_LOG` says: they print request heads
 /// whole, API keys and bearer tokens with them.
 struct PingoraLog;
 
 /// Parts of the messages of those records (pingora-proxy and pingora-core 0.9).
-const CLIENT_GONE: [&str; 7] = [
+const CLIENT_GONE: [&str; 9] = [
+    "Downstream InvalidChunk",
+    "Downstream InvalidTrailerEnd",
     "Downstream ConnectionClosed",
     "Downstream ReadError",
     "Downstream WriteError",
@@ -165,6 +169,9 @@ mod tests {
             "Downstream handshake error from 127.0.0.1:5555"
         ));
         assert!(is_client_gone("failed to acquire reusable stream"));
+        assert!(is_client_gone(
+            "Fail to proxy: Downstream InvalidChunk context: Invalid chunked encoding"
+        ));
         assert!(!is_client_gone("Fail to proxy: Upstream ConnectRefused"));
     }
 
