@@ -180,6 +180,8 @@ impl Config {
     }
 
     pub fn parse(text: &str, env: &EnvOverrides) -> Result<Config, ConfigErrors> {
+        // A UTF-8 byte order mark (some editors write one) is not part of the document.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         // serde_yaml's time grows badly with nesting: bound the work before it starts.
         bounds::check_size(text.len() as u64)?;
         bounds::check_depth(text)?;

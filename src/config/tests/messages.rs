@@ -58,6 +58,10 @@ fn cases() -> Vec<(String, String)> {
         files.push((format!("size {s}"), request_body(s)));
     }
     files.push((
+        "cap 0 with a queue".into(),
+        format!("upstream:\n  url: \"http://127.0.0.1:3000\"\nrate_limits:\n{DEFAULT}  endpoints:\n    /r: {{cost: 1, max_in_flight: 0, queue_timeout: 1s, max_queue: 3}}\n"),
+    ));
+    files.push((
         "limit".into(),
         "upstream:\n  url: \"http://127.0.0.1:3000\"\nrate_limits:\n  default:\n    cost: 1\n    window: 24h\n    max_cost: 999999937\n".into(),
     ));

@@ -75,6 +75,14 @@ fn unknown_field_is_rejected_with_path() {
     );
 }
 
+/// A byte order mark before the first key (some editors write one) is not part of the
+/// document: it said "missing field `upstream` at line 1 column 2".
+#[test]
+fn a_byte_order_mark_is_not_part_of_the_document() {
+    let with_bom = format!("\u{feff}{}", BASE.trim_start());
+    assert!(parse(&with_bom).is_ok(), "{:?}", parse(&with_bom).err());
+}
+
 #[test]
 fn type_error_has_path() {
     let s = BASE.replace("max_cost: 120", "max_cost: lots");

@@ -146,7 +146,8 @@ fn check_queue_timeout(
     max_in_flight: Option<u32>,
     errs: &mut ConfigErrors,
 ) {
-    if e.queue_timeout.is_some() && max_in_flight.is_none() {
+    // Written without max_in_flight (an invalid one is reported as such, not again here).
+    if e.queue_timeout.is_some() && max_in_flight.is_none() && e.max_in_flight.is_none() {
         errs.push(
             format!("{base}.queue_timeout"),
             "only applies together with max_in_flight",
@@ -279,7 +280,7 @@ fn queue_rules(
         ("max_queue", max_queue.is_some()),
         ("max_in_flight_per_key", per_key.is_some()),
     ] {
-        if set && max_in_flight.is_none() {
+        if set && max_in_flight.is_none() && e.max_in_flight.is_none() {
             errs.push(
                 format!("{base}.{field}"),
                 "only applies together with max_in_flight",
