@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -660,66 +660,6 @@ async fn a_repeated_refusal_shows_what_has_drained_on_memory() {
 async fn a_repeated_refusal_shows_what_has_drained_on_redis() {
     let redis = Redis::start();
     a_repeated_refusal_shows_what_has_drained_since(Some(&redis)).await;
-}
-
-/// A capped route's caller held by a shared budget's `max_delay` is held until its turn, a
-/// moment: a turn that came while it waited for its slot sends it on as soon as it has the
-/// slot. (Each was held its whole delay again after the slot: three callers whose turns, 1, 2
-/// and 3 s away, had all passed by the time the slot freed at 5 s reached the upstream 0.9,
-/// 2.8 and 5.7 s after it, one by one, the slot idle meanwhile.)
-async fn held_callers_waiting_for_a_slot_go_at_their_turn(redis: Option<&Redis>) {
-    let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "{}rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/kq/{{*rest}}\":\n      max_in_flight: 1\n      queue_timeout: 20s\n      shared: {{max_cost: 1, window: 1s, max_delay: 10s}}\n",
-        store(redis)
-    );
-    let gw = Gateway::start(&up, &body);
-    let c = client();
-    let slow = {
-        let req = c
-            .get(gw.url("/kq/a?delay_ms=5000"))
-            .header("X-API-Key", "ka");
-        tokio::spawn(async move { (req.send().await.unwrap().status(), Instant::now()) })
-    };
-    up.wait_current("/kq/a", 1).await;
-    let held: Vec<_> = ["kb", "kc", "kd"]
-        .into_iter()
-        .map(|key| {
-            let req = c
-                .get(gw.url(&format!("/kq/{key}")))
-                .header("X-API-Key", key);
-            tokio::spawn(async move { req.send().await.unwrap().status() })
-        })
-        .collect();
-    let (status, freed) = slow.await.unwrap();
-    assert_eq!(status, 200);
-    for h in held {
-        assert_eq!(h.await.unwrap(), 200);
-    }
-    let last = up
-        .api
-        .seen()
-        .iter()
-        .filter(|s| s.target.starts_with("/kq/k"))
-        .map(|s| s.at)
-        .max()
-        .unwrap();
-    let after = last.saturating_duration_since(freed);
-    assert!(
-        after < Duration::from_millis(1500),
-        "the last held caller reached the upstream {after:?} after the slot freed"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_callers_waiting_for_a_slot_go_at_their_turn_on_memory() {
-    held_callers_waiting_for_a_slot_go_at_their_turn(None).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_callers_waiting_for_a_slot_go_at_their_turn_on_redis() {
-    let redis = Redis::start();
-    held_callers_waiting_for_a_slot_go_at_their_turn(Some(&redis)).await;
 }
 
 /// A gateway that exits (SIGTERM) gives back the reservations of the callers it holds for a

@@ -353,7 +353,6 @@ impl MemoryStore {
             } => (standing, delay_us, lease),
             refused => return refused,
         };
-        let charged_at = Instant::now();
         // Given back if the request leaves the queue unserved, also when this future is
         // dropped (the client left while it waited).
         let charged = Unserved {
@@ -385,9 +384,7 @@ impl MemoryStore {
         lease.attach_route(slot);
         Admission::Admitted {
             standing,
-            // The turn `max_delay` reserved came while it waited for the slot, or comes
-            // that much sooner: it is held only for what is left.
-            delay_us: super::held_for(delay_us, charged_at),
+            delay_us,
             lease,
             queued: start.elapsed(),
         }

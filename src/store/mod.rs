@@ -47,14 +47,6 @@ pub(crate) fn short_key(key: &KeyHash) -> u128 {
 /// memory-store decision.
 pub(crate) type KeyMap<V> = std::collections::HashMap<u128, V, foldhash::fast::RandomState>;
 
-/// What is left of a `max_delay` hold of `delay_us` reserved when the request was charged
-/// (`charged_at`), for a capped route's request that then waited for its slot: its turn is
-/// a moment, and the wait for the slot counts towards it (held after the slot for the whole
-/// delay, each waiter would reach the upstream that much past its turn while its slot idled).
-pub(crate) fn held_for(delay_us: u64, charged_at: std::time::Instant) -> u64 {
-    delay_us.saturating_sub(charged_at.elapsed().as_micros() as u64)
-}
-
 /// Locks one of the stores' short, never-awaited mutexes. A panic while one was held cannot
 /// have left its map inconsistent, so a poisoned lock is simply taken.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -22,7 +22,6 @@ use super::guard::Guard;
 use super::keys::{self, queue_keys, QueueKeys};
 use super::script::Call;
 use super::{Decided, RedisBackend, RedisLease};
-use crate::budget::Verdict;
 use crate::store::fallback::SharedAnswer;
 use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
 use crate::telemetry::Queued;
@@ -331,11 +330,10 @@ impl RedisBackend {
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
         let pending = PendingId::new(self, &keys[0]);
         let decided = self.try_admit_as(req, Default::default(), pending.id.clone());
-        let (mut outcome, key_slots, id, seen) = match decided.await? {
+        let (outcome, key_slots, id, seen) = match decided.await? {
             (Decided::KeyAdmitted(o, key_slots, id), seen) => (o, key_slots, id, seen),
             (other, _) => return Ok(self.answer(req, other, start)),
         };
-        let charged_at = Instant::now();
         let record_kept = record::kept_until(req, &seen);
         let mut unserved = Unserved {
             store: self.clone(),
@@ -399,10 +397,6 @@ impl RedisBackend {
             return Ok(self.route_busy(req, &outcome, start, unserved).await);
         }
         let lease = unserved.served();
-        // Held (`max_delay`) only for what is left of its turn after the wait for the slot.
-        if let Verdict::Admit { delay_us } = &mut outcome.verdict {
-            *delay_us = crate::store::held_for(*delay_us, charged_at);
-        }
         Ok(SharedAnswer {
             admission: Admission::admitted(&outcome, lease, start.elapsed()),
             reached: true,
