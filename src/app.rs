@@ -227,7 +227,8 @@ fn release_leases(app: &App) {
 
 /// Has every request still held for its `max_delay` turn give its reservation back and be
 /// refused (each on its own worker: `proxy::decide`), waiting up to 1 s for them; a held
-/// request's permit (`Shared::holds`) goes back when it is answered.
+/// request's permit (`Shared::holds`) goes back once it has been answered (`Ctx::given_back`,
+/// dropped with its context after its response and its log line).
 async fn give_back_held(app: &App) {
     app.shared.drain.give_back_held_past(Instant::now());
     let deadline = Instant::now() + Duration::from_secs(1);

@@ -110,6 +110,9 @@ pub struct Ctx {
     pub conn: Option<Arc<ConnState>>,
     /// Turn the client shield on once the request body has been read in full (capped routes).
     pub shield_after_body: bool,
+    /// A held (`max_delay`) request given back as its instance exits: its permit
+    /// (`Shared::holds`) kept until it has been answered, for the exit to wait for.
+    pub given_back: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The config this request runs under, from its first phase to its last.
     pub running: Option<Arc<Running>>,
     pub route: Option<Arc<Route>>,
@@ -150,6 +153,7 @@ impl Ctx {
             _drain: drain,
             conn: None,
             shield_after_body: false,
+            given_back: None,
             running: None,
             route: None,
             forward: None,

@@ -75,7 +75,7 @@ impl Gateway {
         let mut ticket = Ticket::new(admit, admitted.outcome, admitted.lease);
         // Held requests are bounded per instance: past the bound, give the reservation back
         // and refuse (429 with Retry-After) rather than queue without limit.
-        let _held = if hold.is_zero() {
+        let held = if hold.is_zero() {
             None
         } else {
             match self.shared.holds.clone().try_acquire_owned() {
@@ -93,7 +93,13 @@ impl Gateway {
         // last minute's figures while it runs. The moment is its start plus its wait for a
         // slot (the store's answer is not worth a clock read).
         m.count_recent(true, ctx.start + ctx.timing.queued);
-        self.hold_then_arm(session, ctx, &route, hold).await
+        let armed = self.hold_then_arm(session, ctx, &route, hold).await;
+        if armed.is_err() {
+            // Given back as the instance exits: its permit goes back once it has been
+            // answered (the exit waits for that: `app::give_back_held`).
+            ctx.given_back = held;
+        }
+        armed
     }
 
     /// Classifies (the route is chosen from, and the upstream receives, the canonical target)
