@@ -118,13 +118,16 @@ impl Drop for RouteMetrics {
 /// their last request has ended): after a reload, and before each scrape of `/metrics` — off
 /// the request path (the last request of such a route only notes its label).
 pub fn retire_pending() {
-    let gone = std::mem::take(&mut alive().gone);
+    // Held throughout: a reload that adds a label back meanwhile waits, so that its new
+    // handles are never made of series about to be removed.
+    let mut a = alive();
+    let gone = std::mem::take(&mut a.gone);
     if gone.is_empty() {
         return;
     }
     let m = metrics();
     for label in gone {
-        if alive().count.contains_key(&label) {
+        if a.count.contains_key(&label) {
             continue; // added back since
         }
         for vec in [
