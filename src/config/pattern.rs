@@ -26,6 +26,7 @@ pub(super) enum EndpointError {
         "is not in normalized form, which is what requests are matched in: write \"{written}\""
     )]
     NotNormalized { written: String },
+    /// The jobs' prefix itself, or a path under it, in any case.
     #[error("can never match: {prefix}<id> is an async job's own path, answered by the gateway before routing (never forwarded)", prefix = crate::jobs::PATH_PREFIX)]
     JobPath,
 }
@@ -85,12 +86,15 @@ pub(super) fn check_endpoint(pattern: &str) -> Result<(), EndpointError> {
         }
         return Err(EndpointError::NotNormalized { written });
     }
-    // One segment after the jobs' prefix is a job's id, whatever the method (a catch-all
-    // `{*…}` there also matches deeper paths, which are routed).
-    if let Some(id) = path.strip_prefix(crate::jobs::PATH_PREFIX) {
-        if !id.contains('/') && !id.starts_with("{*") {
-            return Err(EndpointError::JobPath);
-        }
+    // The jobs' prefix and every path under it, in any case, are the gateway's, whatever the
+    // method (`proxy::jobs::job_in`).
+    let prefix = crate::jobs::PATH_PREFIX.trim_end_matches('/');
+    let under = path
+        .get(..prefix.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(prefix))
+        && matches!(path.as_bytes().get(prefix.len()), None | Some(b'/'));
+    if under {
+        return Err(EndpointError::JobPath);
     }
     Ok(())
 }

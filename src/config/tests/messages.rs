@@ -81,6 +81,8 @@ fn cases() -> Vec<(String, String)> {
         "GET /a/%7E{id}",
         "/_tollgate/jobs/x",
         "POST /_tollgate/jobs/{id}",
+        "/_Tollgate/Jobs/{id}/result",
+        "/_tollgate/jobs",
     ] {
         files.push((format!("endpoint {p}"), endpoint(p)));
     }
