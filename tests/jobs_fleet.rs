@@ -1118,10 +1118,10 @@ fn a_finish_sent_again_is_the_runs_own() {
 #[tokio::test]
 async fn a_queued_jobs_charge_is_what_it_was_charged_across_reloads() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(1500));
+    let up = Upstream::start(Duration::ZERO);
     let a = Gateway::start(&up, &config(&redis.url()));
     let c = client();
-    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    let (first, _) = submit(&c, &a, HELD, "").await;
     up.wait_current(ROUTE, 1).await;
     let (second, _) = submit(&c, &a, ROUTE, "").await;
     let (third, _) = submit(&c, &a, ROUTE, "").await;

@@ -58,6 +58,13 @@ pub(super) fn of(admit: &AdmitRequest) -> Vec<u8> {
     serde_json::to_vec(&charged).unwrap_or_default()
 }
 
+/// The cost the job of record `r` was charged, if the record keeps it.
+pub(super) fn cost_of(r: &Record) -> Option<u64> {
+    serde_json::from_slice::<Charged>(field(r, "chg"))
+        .ok()
+        .map(|c| c.c)
+}
+
 /// The charge of the job of record `r`, paid by `who`, as the store is asked to give it back
 /// or settle it (never a key slot: a job's is its own, `job_release`): as it was charged when
 /// the record keeps it, else (a record of an older instance) as `route` charges now, if the
@@ -140,6 +147,7 @@ mod tests {
         ]
         .into_iter()
         .collect();
+        assert_eq!(cost_of(&r), Some(5));
         let back = admit_of(&r, None, &who).unwrap();
         assert_eq!(back.cost, 5);
         assert_eq!(back.limit, admit.limit);

@@ -92,14 +92,12 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
     let (status, cost) = match result {
         JobResult::Expired => (503, 0),
         JobResult::Cancelled => (0, 0),
+        // As charged; a record of an older instance, as its route costs now.
         _ => (
             502,
-            who.as_ref()
-                .and_then(|w| {
-                    let now = running.config.router.by_label(&route).map(|r| &**r);
-                    super::charged::admit_of(r, now, w)
-                })
-                .map_or(0, |a| a.cost),
+            super::charged::cost_of(r)
+                .or_else(|| running.config.router.by_label(&route).map(|r| r.cost))
+                .unwrap_or(0),
         ),
     };
     let since = access::millis(waited(r));
