@@ -732,18 +732,11 @@ async fn wait_whole(gw: &Gateway, id: &str) {
     .await;
 }
 
-/// A killed gateway's waiters are refunded though no live instance waits on their route: every
-/// instance looks, now and then, at the fleet's routes that had waiters and beats on those it
-/// does not beat on itself. y never had a waiter on the route; x held its slot and three
-/// waiters, and is killed. (Nobody beat the route: the charges stayed taken, and a minute later
-/// went with the route's queue; `/admin/routes` showed the dead waiters meanwhile.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
-    let (_redis, up, body) = reports_on_a_redis(1);
-    let mut x = Gateway::start(&up, &body);
-    let y = Gateway::start(&up, &body);
+/// Starts gateway x beside `y`, has it hold the route's one slot (key a) and three waiters of
+/// key b (charged 3 on joining), then kills it (`kill -9`): their answers never come.
+async fn kill_with_three_waiters(up: &Upstream, body: &str, y: &Gateway) {
+    let mut x = Gateway::start(up, body);
     let c = client();
-    // Their answers never come: x is killed.
     let send = |url: String, key: &'static str| {
         let req = c.post(url).header("X-API-Key", key);
         tokio::spawn(async move { req.send().await.is_ok() })
@@ -754,8 +747,20 @@ async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
         .map(|_| send(x.url("/reports/generate"), "key-b"))
         .collect();
     wait_queued(&x, "/reports/generate", 3.0).await;
-    assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
+    assert_eq!(remaining(y, "b").await, 997, "charged on joining");
     x.kill9();
+}
+
+/// A killed gateway's waiters are refunded though no live instance waits on their route: every
+/// instance looks, now and then, at the fleet's routes that had waiters and beats on those it
+/// does not beat on itself. y never had a waiter on the route; x held its slot and three
+/// waiters, and is killed. (Nobody beat the route: the charges stayed taken, and a minute later
+/// went with the route's queue; `/admin/routes` showed the dead waiters meanwhile.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
+    let (_redis, up, body) = reports_on_a_redis(1);
+    let y = Gateway::start(&up, &body);
+    kill_with_three_waiters(&up, &body, &y).await;
     // Dropped once x's beats are 2 s old, owed 5 s more, handed out at y's next look (every
     // 5 s): about 12 s.
     eventually(Duration::from_secs(25), async || {
@@ -778,21 +783,9 @@ async fn a_killed_instances_waiters_are_refunded_with_nobody_else_waiting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_instances_waiters_charges_lost_with_the_keys_data_are_not_given_back() {
     let (redis, up, body) = reports_on_a_redis(1);
-    let mut x = Gateway::start(&up, &body);
     let y = Gateway::start(&up, &body);
     let c = client();
-    let send = |url: String, key: &'static str| {
-        let req = c.post(url).header("X-API-Key", key);
-        tokio::spawn(async move { req.send().await.is_ok() })
-    };
-    let _holder = send(x.url("/reports/generate?delay_ms=30000"), "key-a");
-    up.wait_current("/reports/generate", 1).await;
-    let _waiting: Vec<_> = (0..3)
-        .map(|_| send(x.url("/reports/generate"), "key-b"))
-        .collect();
-    wait_queued(&x, "/reports/generate", 3.0).await;
-    assert_eq!(remaining(&y, "b").await, 997, "charged on joining");
-    x.kill9();
+    kill_with_three_waiters(&up, &body, &y).await;
     // Key b's data lost; the route's queue kept.
     let pattern = format!("t{{{}}}*", redis_key_tag("key-b"));
     let deleted = redis.cli(&[
