@@ -227,15 +227,20 @@ fn release_leases(app: &App) {
 
 /// Has every request still held for its `max_delay` turn give its reservation back and be
 /// refused (each on its own worker: `proxy::decide`), waiting up to 1 s for them; a held
-/// request's permit (`Shared::holds`) goes back once it has been answered (`Ctx::given_back`,
-/// dropped with its context after its response and its log line).
+/// request's permit (`Shared::holds`) goes back once its answer has been handed to the
+/// connection (`Ctx::given_back`, dropped with its context after its log line).
 async fn give_back_held(app: &App) {
+    let all = crate::decision::MAX_HELD;
+    let held = app.shared.holds.available_permits() < all;
     app.shared.drain.give_back_held_past(Instant::now());
     let deadline = Instant::now() + Duration::from_secs(1);
-    while app.shared.holds.available_permits() < crate::decision::MAX_HELD
-        && Instant::now() < deadline
-    {
+    while app.shared.holds.available_permits() < all && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if held {
+        // A permit goes back once its answer is handed to the connection; an HTTP/2 stream's
+        // last frame is written by the connection's own task, a moment later.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -1121,7 +1121,8 @@ async fn a_queued_jobs_charge_is_what_it_was_charged_across_reloads() {
     let up = Upstream::start(Duration::ZERO);
     let a = Gateway::start(&up, &config(&redis.url()));
     let c = client();
-    let (first, _) = submit(&c, &a, HELD, "").await;
+    // Running 10 s: through both reloads and cancels, however slow the machine.
+    let (first, _) = submit(&c, &a, "/reports/generate?delay_ms=10000", "").await;
     up.wait_current(ROUTE, 1).await;
     let (second, _) = submit(&c, &a, ROUTE, "").await;
     let (third, _) = submit(&c, &a, ROUTE, "").await;

@@ -174,6 +174,9 @@ impl Gateway {
                 }
                 _ = drain.exits_before(held + hold) => {
                     ctx.timing.hold = held.elapsed();
+                    // The instance is going: answered, the connection closes (no unread body
+                    // to discard first).
+                    session.set_keepalive(None);
                     return Err(Box::pin(self.give_back_held(ctx, route)).await);
                 }
             }

@@ -126,10 +126,13 @@ pub fn retire_pending() {
         return;
     }
     let m = metrics();
-    for label in gone {
-        if a.count.contains_key(&label) {
-            continue; // added back since
-        }
+    // Not those added back since.
+    let gone: std::collections::HashSet<&str> = gone
+        .iter()
+        .map(|l| &**l)
+        .filter(|l| !a.count.contains_key(*l))
+        .collect();
+    for &label in &gone {
         for vec in [
             &m.request_duration,
             &m.upstream_duration,
@@ -137,16 +140,21 @@ pub fn retire_pending() {
             &m.overhead,
             &m.admitted_duration,
         ] {
-            let _ = vec.remove_label_values(&[&label]);
+            let _ = vec.remove_label_values(&[label]);
         }
-        let _ = m.in_flight.remove_label_values(&[&label]);
-        let _ = m.cost_units.remove_label_values(&[&label]);
-        let _ = m.in_flight_limit.remove_label_values(&[&label]);
-        let _ = m.queued.remove_label_values(&[&label]);
-        remove_route_series(&m.requests, &label);
-        remove_route_series(&m.rejections, &label);
-        remove_route_series(&m.shadow_rejections, &label);
-        remove_route_series(&m.cost_reports, &label);
+        let _ = m.in_flight.remove_label_values(&[label]);
+        let _ = m.cost_units.remove_label_values(&[label]);
+        let _ = m.in_flight_limit.remove_label_values(&[label]);
+        let _ = m.queued.remove_label_values(&[label]);
+    }
+    // One pass over each `{route, …}` counter for every route retired.
+    for vec in [
+        &m.requests,
+        &m.rejections,
+        &m.shadow_rejections,
+        &m.cost_reports,
+    ] {
+        remove_route_series(vec, &gone);
     }
 }
 
@@ -408,7 +416,7 @@ impl RouteMetricsTable {
 }
 
 /// Removes every series of a `{route, ...}` counter whose route is `label`.
-fn remove_route_series(vec: &IntCounterVec, label: &str) {
+fn remove_route_series(vec: &IntCounterVec, routes: &std::collections::HashSet<&str>) {
     use prometheus::core::Collector;
     for family in vec.collect() {
         for metric in family.get_metric() {
@@ -417,7 +425,7 @@ fn remove_route_series(vec: &IntCounterVec, label: &str) {
                 .iter()
                 .map(|l| (l.name(), l.value()))
                 .collect();
-            if labels.get("route") == Some(&label) {
+            if labels.get("route").is_some_and(|r| routes.contains(r)) {
                 let _ = vec.remove(&labels);
             }
         }
