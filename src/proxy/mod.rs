@@ -37,6 +37,7 @@ use crate::state::Shared;
 use crate::upstreams;
 use ctx::{Ctx, Phase};
 pub use record::{malformed_head, malformed_head_answer};
+pub(crate) use scrub::set_by_gateway;
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 

@@ -35,6 +35,14 @@ const CLAIMS: [&str; 6] = [
 /// Set by the gateway itself (`forward::request`); a client's other spellings of them are claims.
 const GATEWAY_SET: [&str; 3] = ["x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"];
 
+/// Whether `name` (lower-case) is, in any spelling, a header the gateway sets on every request
+/// it forwards (`X-Request-Id`, [`GATEWAY_SET`]): a client's copy is replaced or removed, so
+/// no other meaning can travel in one (`config`: not a key source, not the key-id header).
+pub(crate) fn set_by_gateway(name: &str) -> bool {
+    let n = name.as_bytes();
+    same_folded(n, b"x-request-id") || GATEWAY_SET.iter().any(|g| same_folded(n, g.as_bytes()))
+}
+
 /// `name` (lower-case, as `http` keeps header names) equals `want` when `-` and `_` are one.
 fn same_folded(name: &[u8], want: &[u8]) -> bool {
     name.len() == want.len()

@@ -19,15 +19,6 @@ pub(super) enum KeyIdHeaderError {
     GatewaySet(String),
 }
 
-/// Set by the gateway on every forwarded request (`proxy::forward`); another spelling of one
-/// is removed before forwarding (`proxy::scrub`), so the key id would never arrive.
-const GATEWAY_SET: [&str; 4] = [
-    "x-request-id",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-proto",
-];
-
 /// "" is none. Otherwise a header the gateway may set on the upstream request: not one that
 /// carries a key (it would be overwritten by, or leak into, credentials) nor one that frames
 /// the request.
@@ -49,26 +40,36 @@ pub(super) fn key_id_header(
     if header == http::header::AUTHORIZATION {
         return Err(KeyIdHeaderError::Authorization);
     }
-    if FRAMING.contains(&header) {
-        return Err(KeyIdHeaderError::Framing(name.into()));
+    match reserved(&header) {
+        Some(Reserved::Framing) => Err(KeyIdHeaderError::Framing(name.into())),
+        Some(Reserved::GatewaySet) => Err(KeyIdHeaderError::GatewaySet(name.into())),
+        None => Ok(Some(header)),
     }
-    if gateway_set(&header) {
-        return Err(KeyIdHeaderError::GatewaySet(name.into()));
-    }
-    Ok(Some(header))
 }
 
-const FRAMING: [http::HeaderName; 4] = [
-    http::header::HOST,
-    http::header::CONTENT_LENGTH,
-    http::header::TRANSFER_ENCODING,
-    http::header::CONNECTION,
-];
+/// Headers no setting may give another meaning to.
+enum Reserved {
+    /// It frames the request.
+    Framing,
+    /// The gateway sets it on every forwarded request, in any spelling (`proxy::scrub`): a
+    /// value of the client's is replaced or removed (and the request id is logged).
+    GatewaySet,
+}
 
-/// One of [`GATEWAY_SET`] in any spelling (`_` for `-`: the same CGI variable).
-fn gateway_set(header: &http::HeaderName) -> bool {
-    let folded = header.as_str().replace('_', "-");
-    GATEWAY_SET.contains(&folded.as_str())
+fn reserved(header: &http::HeaderName) -> Option<Reserved> {
+    const FRAMING: [http::HeaderName; 4] = [
+        http::header::HOST,
+        http::header::CONTENT_LENGTH,
+        http::header::TRANSFER_ENCODING,
+        http::header::CONNECTION,
+    ];
+    if FRAMING.contains(header) {
+        Some(Reserved::Framing)
+    } else if crate::proxy::set_by_gateway(header.as_str()) {
+        Some(Reserved::GatewaySet)
+    } else {
+        None
+    }
 }
 
 /// Why a header cannot carry the API key (`identity.sources`); each names the header.
@@ -86,11 +87,9 @@ pub(super) fn source_header(
     name: &str,
     header: &http::HeaderName,
 ) -> Result<(), SourceHeaderError> {
-    if FRAMING.contains(header) {
-        return Err(SourceHeaderError::Framing(name.into()));
+    match reserved(header) {
+        Some(Reserved::Framing) => Err(SourceHeaderError::Framing(name.into())),
+        Some(Reserved::GatewaySet) => Err(SourceHeaderError::GatewaySet(name.into())),
+        None => Ok(()),
     }
-    if gateway_set(header) {
-        return Err(SourceHeaderError::GatewaySet(name.into()));
-    }
-    Ok(())
 }
