@@ -226,6 +226,7 @@ fn listen_path(s: &RawServer, i: usize) -> String {
 /// with "Address already in use".
 /// Port 0 (the kernel picks a free one) never clashes.
 fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
+    let dual_stack = dual_stack();
     let mut seen: Vec<(String, SocketAddr)> = Vec::new();
     let listen = s.listen.addrs();
     let named = listen
@@ -242,21 +243,9 @@ fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
         let Ok(addr) = text.parse::<SocketAddr>() else {
             continue; // already reported as not IP:PORT
         };
-        let clash = seen.iter().find(|(_, other)| {
-            addr.port() != 0
-                && addr.port() == other.port()
-                && if addr.is_ipv4() == other.is_ipv4() {
-                    addr.ip() == other.ip()
-                        || addr.ip().is_unspecified()
-                        || other.ip().is_unspecified()
-                } else {
-                    // `[::]` takes the port on IPv4 too, unless the host binds IPv6 only.
-                    dual_stack()
-                        && [addr, *other]
-                            .iter()
-                            .any(|a| a.is_ipv6() && a.ip().is_unspecified())
-                }
-        });
+        let clash = seen
+            .iter()
+            .find(|(_, other)| binds_same_port(addr, *other, dual_stack));
         if let Some((other, _)) = clash {
             errs.push(
                 path.clone(),
@@ -267,9 +256,25 @@ fn distinct_listeners(s: &RawServer, errs: &mut ConfigErrors) {
     }
 }
 
+/// Whether listeners on `a` and `b` would take the same port: the same address, or "any
+/// address" of the family beside a specific one, or — `dual_stack` — `[::]` beside any IPv4
+/// address. Port 0 (the kernel picks a free one) never clashes.
+pub(super) fn binds_same_port(a: SocketAddr, b: SocketAddr, dual_stack: bool) -> bool {
+    if a.port() == 0 || a.port() != b.port() {
+        return false;
+    }
+    if a.is_ipv4() == b.is_ipv4() {
+        return a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified();
+    }
+    dual_stack
+        && [a, b]
+            .iter()
+            .any(|x| x.is_ipv6() && x.ip().is_unspecified())
+}
+
 /// Whether a socket bound to `[::]` takes its port on IPv4 as well: Linux's default
 /// (`net.ipv6.bindv6only` 0), assumed where that cannot be read.
-pub(super) fn dual_stack() -> bool {
+fn dual_stack() -> bool {
     std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").map_or(true, |v| v.trim() != "1")
 }
 
