@@ -1335,7 +1335,9 @@ async fn a_route_removed_and_added_back_while_its_requests_run_keeps_counting_th
     let running: Vec<_> = (0..3)
         .map(|_| {
             let req = c
-                .get(gw.url("/slow/items?delay_ms=2500"))
+                // 8 s: the two reloads and their scrapes come while they run, however slow the
+                // machine.
+                .get(gw.url("/slow/items?delay_ms=8000"))
                 .header("X-API-Key", "k");
             tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
         })
