@@ -1158,3 +1158,42 @@ async fn a_queued_jobs_charge_is_what_it_was_charged_across_reloads() {
     );
     assert_eq!(up.count(ROUTE), 1);
 }
+
+/// Jobs queued before a reload took their route away, or its `async:`, still run, as their
+/// route was when they were accepted (DESIGN §8: "a queued job still runs"): the instance
+/// that knew the route collects its queue until it is empty. (They were stranded in the
+/// queue: their slots were never collected, so they never ran, and their polls said `queued`
+/// until `result_ttl`, then 503.)
+async fn queued_jobs_run_after_a_reload(from: &str, to: &str) {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let c = client();
+    // Running 3 s: through the reload, however slow the machine.
+    let (first, _) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, "/reports/generate?n=2", "").await;
+    let (third, _) = submit(&c, &a, "/reports/generate?n=3", "").await;
+    assert_eq!(remaining(&a, "a").await, 70);
+    a.edit_config(from, to);
+    a.reload(0.0).await;
+    for location in [&first, &second, &third] {
+        assert_eq!(result(&c, &a, location).await.status(), 200, "{location}");
+    }
+    assert_eq!(up.count(ROUTE), 3);
+    assert_eq!(
+        remaining(&a, "a").await,
+        70,
+        "each stays charged what it was"
+    );
+}
+
+#[tokio::test]
+async fn jobs_queued_before_a_reload_takes_their_route_away_still_run() {
+    queued_jobs_run_after_a_reload(&format!("    {ROUTE}:\n"), "    /elsewhere:\n").await;
+}
+
+#[tokio::test]
+async fn jobs_queued_before_a_reload_takes_their_routes_async_away_still_run() {
+    queued_jobs_run_after_a_reload("      async:\n        result_ttl: 30s\n", "").await;
+}

@@ -17,6 +17,7 @@ use super::run::{expired_result, problem_result, Submission};
 use super::{new_id, NewJob, Stored, View};
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
+use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::redis::{JobCharge, JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
@@ -84,7 +85,7 @@ pub(super) async fn submit(
         .await;
     let (standing, position) = match entered {
         Ok(JobEntered::Taken(s)) => {
-            start(shared, b, id.clone(), job.route.label.clone()).await;
+            start(shared, b, id.clone(), job.route.label.clone(), None).await;
             (s, 0)
         }
         Ok(JobEntered::Queued(s, p)) => (s, p as usize),
@@ -134,11 +135,18 @@ async fn claim(b: &RedisBackend, id: &str) -> Claimed {
     }
 }
 
-/// Runs, refunds or passes on a job whose slot this instance now holds.
-async fn start(shared: &Arc<Shared>, b: &RedisBackend, id: Arc<str>, label: Arc<str>) {
+/// Runs, refunds or passes on a job whose slot this instance now holds; `retired`: its route
+/// as it was before a reload took it (or its `async:`) away.
+async fn start(
+    shared: &Arc<Shared>,
+    b: &RedisBackend,
+    id: Arc<str>,
+    label: Arc<str>,
+    retired: Option<Arc<Route>>,
+) {
     match claim(b, &id).await {
         Claimed::Run(wait) => {
-            tokio::spawn(run_claimed(shared.clone(), id, label, wait));
+            tokio::spawn(run_claimed(shared.clone(), id, label, wait, retired));
         }
         Claimed::Expired => expired(shared, b, &id, &label).await,
         Claimed::Running => {}
@@ -289,6 +297,7 @@ pub fn start_collector(shared: Arc<Shared>) {
         // to its one connection per worker thread.)
         let granted = Arc::new(tokio::sync::Notify::new());
         let mut watching = false;
+        let mut routes = Collected::default();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(COLLECT_EVERY) => {}
@@ -298,29 +307,25 @@ pub fn start_collector(shared: Arc<Shared>) {
                 // A draining instance starts no job: the others take the fleet's queue.
                 return;
             }
-            let running = shared.running();
-            let routes: Vec<Arc<str>> = running
-                .config
-                .router
-                .routes()
-                .filter(|r| r.jobs.is_some())
-                .map(|r| r.label.clone())
-                .collect();
+            routes.follow(&shared.running());
             if !routes.is_empty() && !std::mem::replace(&mut watching, true) {
                 tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
             }
-            for label in routes {
+            for (label, retired) in routes.to_collect() {
                 let Ok((ids, waiting)) = b.job_grants(&label).await else {
                     continue;
                 };
                 metrics::fleet_queued(&label, waiting);
+                if retired.is_some() && ids.is_empty() && waiting == 0 {
+                    routes.emptied(&label);
+                }
                 for id in ids {
                     // Confirming the grant: the key's slot, if any, is renewed by the runner.
                     // A grant that lapsed first went back to the queue (a release now would
                     // take the job out of it), and one whose confirm went unanswered lapses
                     // back there: neither is released here.
                     if matches!(b.job_renew(&label, &id, None).await, Ok(true)) {
-                        start(&shared, b, Arc::from(id), label.clone()).await;
+                        start(&shared, b, Arc::from(id), label.clone(), retired.clone()).await;
                     }
                 }
             }
@@ -328,5 +333,63 @@ pub fn start_collector(shared: Arc<Shared>) {
     });
     if let Err(e) = started {
         tracing::error!(error = %e, "cannot start the async jobs' collector");
+    }
+}
+
+/// The async routes whose fleet queue this instance collects: those of the config in force,
+/// and those a reload took away (or took their `async:` from), as they were, until their
+/// queue is empty: a job accepted under them still runs, as it would have (DESIGN §8), as
+/// the memory store's do.
+#[derive(Default)]
+struct Collected {
+    /// The config whose async routes `live` are (compared by pointer: a reload replaces it).
+    seen: Option<Arc<Running>>,
+    live: Vec<Arc<str>>,
+    retired: Vec<(Arc<str>, Arc<Route>)>,
+}
+
+impl Collected {
+    /// Takes the config in force: a route that was async and is no longer retires.
+    fn follow(&mut self, running: &Arc<Running>) {
+        if self.seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, running)) {
+            return;
+        }
+        let router = &running.config.router;
+        let is_async = |label: &str| router.by_label(label).is_some_and(|r| r.jobs.is_some());
+        if let Some(before) = self.seen.take() {
+            for label in &self.live {
+                if !is_async(label) && !self.retired.iter().any(|(l, _)| l == label) {
+                    if let Some(route) = before.config.router.by_label(label) {
+                        self.retired.push((label.clone(), route.clone()));
+                    }
+                }
+            }
+        }
+        self.retired.retain(|(label, _)| !is_async(label));
+        self.live = router
+            .routes()
+            .filter(|r| r.jobs.is_some())
+            .map(|r| r.label.clone())
+            .collect();
+        self.seen = Some(running.clone());
+    }
+
+    fn is_empty(&self) -> bool {
+        self.live.is_empty() && self.retired.is_empty()
+    }
+
+    /// Each route to collect, with its route as it was if a reload retired it.
+    fn to_collect(&self) -> Vec<(Arc<str>, Option<Arc<Route>>)> {
+        let live = self.live.iter().map(|l| (l.clone(), None));
+        let retired = self
+            .retired
+            .iter()
+            .map(|(l, r)| (l.clone(), Some(r.clone())));
+        live.chain(retired).collect()
+    }
+
+    /// A retired route's queue is empty: no job of it is left to start.
+    fn emptied(&mut self, label: &str) {
+        self.retired.retain(|(l, _)| &**l != label);
     }
 }

@@ -19,18 +19,20 @@ use crate::store::redis::RedisBackend;
 use crate::store::{AdmitRequest, Charge};
 use crate::telemetry::access;
 
-/// Runs a claimed job whose slot this instance holds, renewing both while it runs.
+/// Runs a claimed job whose slot this instance holds, renewing both while it runs; `retired`:
+/// its route as it was, if a reload took it away since.
 pub(super) async fn run_claimed(
     shared: Arc<Shared>,
     id: Arc<str>,
     label: Arc<str>,
     wait: Duration,
+    retired: Option<Arc<Route>>,
 ) {
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
     let running = shared.running();
-    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
+    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label, retired).await else {
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
