@@ -115,11 +115,23 @@ impl Pool {
         }))
     }
 
-    /// The next healthy address, round robin, with its target; `None` when none is.
-    pub fn pick(&self) -> Option<(SocketAddr, &UpstreamTarget)> {
-        let backend = self.lb.select(b"", 256)?;
+    /// The next healthy address, round robin, but those in `refused` (they refused this
+    /// request's connection), with its target; `None` when none is.
+    pub fn pick(&self, refused: &[SocketAddr]) -> Option<(SocketAddr, &UpstreamTarget)> {
+        let backend = if refused.is_empty() {
+            self.lb.select(b"", 256)?
+        } else {
+            let not_refused = |b: &Backend| b.addr.as_inet().is_some_and(|a| !refused.contains(a));
+            self.lb
+                .select_with(b"", 256, |b, healthy| healthy && not_refused(b))?
+        };
         let addr = backend.addr.as_inet().copied()?;
         Some((addr, self.targets.get(&addr)?))
+    }
+
+    /// Whether an address is left to try besides those in `refused` (healthy or not).
+    pub fn untried(&self, refused: &[SocketAddr]) -> bool {
+        self.targets.keys().any(|a| !refused.contains(a))
     }
 }
 

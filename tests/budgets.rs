@@ -748,3 +748,37 @@ async fn the_policy_names_the_shared_budget_when_the_store_is_down() {
     assert_eq!(header(&r, "RateLimit-Policy").as_deref(), Some(policy));
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
 }
+
+/// A pool without a health check: an address that refuses the connection is not tried again
+/// for the request, which goes to the pool's next address, whatever its method (it reached
+/// none), and is charged once (DESIGN §1: round robin over healthy addresses). (Every third
+/// request was a 502.)
+#[tokio::test]
+async fn a_pool_sends_a_request_one_address_refused_to_the_next() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "upstreams:\n  pool:\n    urls: [\"{}\", \"{}\", \"{}\"]\nrate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc}}\n",
+        dead_url(),
+        up.url(),
+        dead_url(),
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for i in 0..6 {
+        let r = get(&c, gw.url(&format!("/svc/items?i={i}")), "pool-key").await;
+        assert_eq!(r.status(), 200, "GET {i}");
+        let r = c
+            .post(gw.url(&format!("/svc/items?p={i}")))
+            .header("X-API-Key", "pool-key")
+            .body("a body")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "POST {i}");
+        assert_eq!(
+            header(&r, "X-RateLimit-Remaining").unwrap(),
+            (98 - 2 * i).to_string()
+        );
+    }
+    assert_eq!(up.count("/items"), 12);
+}

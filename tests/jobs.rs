@@ -1015,3 +1015,26 @@ fn an_answer_after_a_slow_body_counts_t_to_when_it_goes_out() {
     assert_eq!(r.status, 202, "{r:?}");
     counted_down(&r, sent, 2.5);
 }
+
+/// A job on a pool whose address refuses the connection goes to the pool's next address, as a
+/// request does (it never reached the first): each runs once and is charged once. (Every
+/// other job failed 502, refunded.)
+#[tokio::test]
+async fn a_job_refused_by_one_pool_address_runs_at_the_next() {
+    let up = Upstream::start(Duration::ZERO);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let body = format!(
+        "upstreams:\n  pool:\n    urls: [\"{dead}\", \"{}\"]\n{}",
+        up.url(),
+        config(&reports(1, "      upstream: pool\n")),
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for i in 0..4 {
+        let location = submit(&c, &gw, ROUTE, "key-a", "").await;
+        let r = result(&c, &gw, &location, "key-a").await;
+        assert_eq!(r.status(), 200, "job {i}");
+    }
+    assert_eq!(up.count(ROUTE), 4);
+    assert_eq!(remaining(&gw, "a").await, 60);
+}

@@ -147,12 +147,17 @@ type PeerChoice = (
     Duration,
 );
 
-fn peer(running: &Running, route: &Route) -> Result<PeerChoice, Unreachable> {
+/// (`refused`: the named pool's addresses that refused this job's connection.)
+fn peer(
+    running: &Running,
+    route: &Route,
+    refused: &[std::net::SocketAddr],
+) -> Result<PeerChoice, Unreachable> {
     if let Some(name) = &route.provider.upstream {
         let (addr, t) = running
             .pools
             .get(name)
-            .and_then(|p| p.pick())
+            .and_then(|p| p.pick(refused))
             .ok_or(Unreachable::NoHealthyAddress)?;
         let host = Some(t.host_header.clone());
         return Ok((
@@ -191,12 +196,32 @@ async fn open(
     req: &JobRequest,
     trace: Option<(&Tracing, &mut JobTrace)>,
 ) -> Result<Opened, Unreachable> {
-    let (peer, host, read_timeout, abandon) = peer(running, route)?;
+    // An address of a named pool that refuses the connection is not tried again: the next
+    // one is (the upstream never had the job), as `fail_to_connect` does for a request.
+    let mut refused = Vec::new();
+    let (mut s, peer, host, read_timeout, abandon) = loop {
+        let (peer, host, read_timeout, abandon) = peer(running, route, &refused)?;
+        match connector().get_http_session(&peer).await {
+            Ok((s, _)) => break (s, peer, host, read_timeout, abandon),
+            Err(e) => {
+                let pool = route.provider.upstream.as_ref();
+                let pool = pool.and_then(|name| running.pools.get(name));
+                match (pool, peer._address.as_inet()) {
+                    (Some(pool), Some(addr)) => {
+                        refused.push(*addr);
+                        if !pool.untried(&refused) {
+                            return Err(e.into());
+                        }
+                    }
+                    _ => return Err(e.into()),
+                }
+            }
+        }
+    };
     let mut header = req.header.clone();
     if let Some(h) = host {
         header.insert_header(http::header::HOST, h)?;
     }
-    let (mut s, _) = connector().get_http_session(&peer).await?;
     // A new connection every time (the connector pools none): its round trip is known.
     upstreams::note_round_trip(&peer._address, s.digest());
     let within = upstreams::stale_within(&peer._address);

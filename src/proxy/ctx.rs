@@ -98,6 +98,9 @@ pub struct Leg {
     /// The upstream failed and the gateway answered for it with the whole request read: the
     /// client's HTTP/1 connection goes on after the answer (`front::keep_after_failure`).
     pub keep_client: bool,
+    /// The addresses of a named pool that refused this request's connection (it never
+    /// reached them): its next attempt goes to another (`Pool::pick`).
+    pub refused_by: Vec<std::net::SocketAddr>,
 }
 
 /// One request, from the first phase Pingora runs to `logging`: its phase, the facts every

@@ -302,7 +302,8 @@ impl ProxyHttp for Gateway {
         };
         if let Some(name) = ctx.route.as_ref().and_then(|r| r.provider.upstream.clone()) {
             // A named upstream: the pool's next healthy address (none: 502, refunded).
-            let Some((addr, target)) = running.pools.get(&name).and_then(|p| p.pick()) else {
+            let pool = running.pools.get(&name);
+            let Some((addr, target)) = pool.and_then(|p| p.pick(&ctx.upstream.refused_by)) else {
                 return Error::e_explain(
                     ErrorType::ConnectNoRoute,
                     "no healthy address in the named upstream",
@@ -410,14 +411,28 @@ impl ProxyHttp for Gateway {
     }
 
     /// The upstream never had a request whose connection could not be made.
+    /// The upstream never had the request. An address of a named pool that refused the
+    /// connection (or did not accept it in time, or failed its TLS handshake) is not tried again
+    /// for this request: it goes to the pool's next address, whatever its method, since it
+    /// reached none (a pool without `health_check` would otherwise send every n-th request to
+    /// a dead address and answer it 502).
     fn fail_to_connect(
         &self,
         _session: &mut Session,
-        _peer: &HttpPeer,
+        peer: &HttpPeer,
         ctx: &mut Self::CTX,
-        e: Box<Error>,
+        mut e: Box<Error>,
     ) -> Box<Error> {
         ctx.upstream.had_request = Some(false);
+        let pool = ctx
+            .route
+            .as_ref()
+            .and_then(|r| r.provider.upstream.as_ref());
+        let pool = pool.and_then(|name| ctx.running.as_ref()?.pools.get(name));
+        if let (Some(pool), Some(addr)) = (pool, peer._address.as_inet()) {
+            ctx.upstream.refused_by.push(*addr);
+            e.set_retry(pool.untried(&ctx.upstream.refused_by));
+        }
         e
     }
 
