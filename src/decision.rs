@@ -490,6 +490,10 @@ pub fn upstream_failed(failure: UpstreamFailure) -> Refusal {
             Problem::BadGateway,
             "the upstream closed the connection without answering; it had the request, so the request is charged",
         ),
+        UpstreamFailure::Malformed => Refusal::new(
+            Problem::BadGateway,
+            "the upstream's answer could not be read (it is not valid HTTP); it had the request, so the request is charged",
+        ),
         UpstreamFailure::Unreachable => Refusal::new(
             Problem::BadGateway,
             "the upstream could not be reached; the request was not charged",
@@ -504,6 +508,9 @@ pub enum UpstreamFailure {
     Unreachable,
     /// It had the request and closed the connection without an answer: 502, charged.
     HungUp,
+    /// It had the request and answered with something that is not HTTP (an invalid head):
+    /// 502, charged.
+    Malformed,
     /// It had the request and did not answer within `read_timeout`: 504, charged.
     TimedOut,
 }

@@ -982,3 +982,36 @@ async fn extreme_budgets_hold_up() {
     assert_eq!(r.status(), 429);
     assert_eq!(header(&r, "Retry-After").as_deref(), Some("3600"));
 }
+
+/// An upstream that answers with a head that is not HTTP (a four-digit status) had the
+/// request: 502, charged, and the problem says its answer could not be read. (It said the
+/// upstream "closed the connection without answering".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            let _ = std::io::Read::read(&mut s, &mut buf);
+            let _ =
+                std::io::Write::write_all(&mut s, b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let body = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n";
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: url,
+        body,
+        ..GatewayOpts::default()
+    });
+    let r = get(&client(), gw.url("/x"), "key-1").await;
+    assert_eq!(r.status(), 502);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("1"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("99"));
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        p["detail"],
+        "the upstream's answer could not be read (it is not valid HTTP); it had the request, so the request is charged"
+    );
+}

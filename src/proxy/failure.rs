@@ -56,6 +56,8 @@ impl Gateway {
                 };
             }
             (ErrorSource::Upstream, ReadTimedout | WriteTimedout) => UpstreamFailure::TimedOut,
+            // An answer, but not HTTP: it had the request.
+            (ErrorSource::Upstream, InvalidHTTPHeader) => UpstreamFailure::Malformed,
             (ErrorSource::Upstream, _)
             | (_, ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError) => {
                 // Decided when the attempt failed (`error_while_proxy`, `fail_to_connect`);
