@@ -1015,3 +1015,62 @@ async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
         "the upstream's answer could not be read (it is not valid HTTP); it had the request, so the request is charged"
     );
 }
+
+/// An upstream that breaks off a short fixed-length answer (its head, 10 of its 1,000 bytes,
+/// then the connection closed): the client gets what came — the head and those 10 bytes,
+/// short of the length it was told, then the close — as the access log's 200 says, and as a
+/// chunked answer's client does. (The head waited in the client connection's write buffer for
+/// the rest of the body, and the buffer was dropped with the connection: the client got
+/// nothing at all, an empty reply a client may take for a request never sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_upstream_breaks_off_reaches_the_client_as_far_as_it_came() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            let _ = std::io::Read::read(&mut s, &mut buf);
+            // Its head, then part of the body, then the close, each a moment apart.
+            let _ = std::io::Write::write_all(
+                &mut s,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n",
+            );
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = std::io::Write::write_all(&mut s, b"0123456789");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let body = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n";
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: url,
+        body,
+        ..GatewayOpts::default()
+    });
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\nX-API-Key: key-1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+        .await
+        .expect("the connection closes")
+        .ok();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got:?}");
+    assert!(
+        got.contains("\r\ncontent-length: 1000\r\n")
+            || got.contains("\r\nContent-Length: 1000\r\n"),
+        "{got:?}"
+    );
+    assert!(got.ends_with("\r\n\r\n0123456789"), "{got:?}");
+    let line = gw
+        .wait_access(1, |l| l["route"].is_string())
+        .await
+        .pop()
+        .unwrap();
+    assert_eq!(line["status"], 200, "{line}");
+}

@@ -240,6 +240,30 @@ impl AsyncWrite for Tracked {
     }
 }
 
+impl Drop for Tracked {
+    /// A connection closed with part of an answer still in the write buffer: the upstream
+    /// broke off a fixed-length answer whose head and body so far had not filled it (Pingora
+    /// flushes such an answer only at its end, and after an upstream error drops the
+    /// connection unflushed). What is buffered is written now, as far as the socket takes it
+    /// without waiting: the client gets the head and the part of the body that came, short of
+    /// the length it was told, as a chunked answer's client does, instead of an empty reply it
+    /// might take for a request never sent.
+    fn drop(&mut self) {
+        if self.inner.buffer().is_empty() || self.discarding() {
+            return;
+        }
+        let buffered = self.inner.buffer().to_vec();
+        let mut rest = &buffered[..];
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while !rest.is_empty() {
+            match Pin::new(self.inner.get_mut()).poll_write(&mut cx, rest) {
+                Poll::Ready(Ok(n)) if n > 0 => rest = &rest[n..],
+                _ => return,
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl Shutdown for Tracked {
     async fn shutdown(&mut self) {
