@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -983,11 +984,9 @@ async fn extreme_budgets_hold_up() {
     assert_eq!(header(&r, "Retry-After").as_deref(), Some("3600"));
 }
 
-/// An upstream that answers with a head that is not HTTP (a four-digit status) had the
-/// request: 502, charged, and the problem says its answer could not be read. (It said the
-/// upstream "closed the connection without answering".)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
+/// An upstream that answers in raw bytes: each connection's request is read (one read), then
+/// `answer` writes to the connection, which closes when it returns. Its URL.
+fn raw_upstream(answer: impl Fn(&mut std::net::TcpStream) + Send + 'static) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -995,9 +994,19 @@ async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
             let Ok(mut s) = s else { return };
             let mut buf = [0u8; 4096];
             let _ = std::io::Read::read(&mut s, &mut buf);
-            let _ =
-                std::io::Write::write_all(&mut s, b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n");
+            answer(&mut s);
         }
+    });
+    url
+}
+
+/// An upstream that answers with a head that is not HTTP (a four-digit status) had the
+/// request: 502, charged, and the problem says its answer could not be read. (It said the
+/// upstream "closed the connection without answering".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
+    let url = raw_upstream(|s| {
+        let _ = s.write_all(b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n");
     });
     let body = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n";
     let gw = Gateway::start_opts(GatewayOpts {
@@ -1025,22 +1034,12 @@ async fn an_upstream_answer_that_is_not_http_is_a_charged_502_that_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_upstream_breaks_off_reaches_the_client_as_far_as_it_came() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for s in listener.incoming() {
-            let Ok(mut s) = s else { return };
-            let mut buf = [0u8; 4096];
-            let _ = std::io::Read::read(&mut s, &mut buf);
-            // Its head, then part of the body, then the close, each a moment apart.
-            let _ = std::io::Write::write_all(
-                &mut s,
-                b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n",
-            );
-            std::thread::sleep(Duration::from_millis(100));
-            let _ = std::io::Write::write_all(&mut s, b"0123456789");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+    let url = raw_upstream(|s| {
+        // Its head, then part of the body, then the close, each a moment apart.
+        let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(100));
+        let _ = s.write_all(b"0123456789");
+        std::thread::sleep(Duration::from_millis(100));
     });
     let body = "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n";
     let gw = Gateway::start_opts(GatewayOpts {
