@@ -168,6 +168,8 @@ impl ShutdownSignalWatch for Signals {
                     // after SIGINT that way (a worker that did not come back to its runtime).
                     give_back_held(&self.app).await;
                     self.app.shared.store.release_all().await;
+                    let store = &self.app.shared.store;
+                    store.written_back_by(Instant::now() + WRITE_BACK_AT_EXIT).await;
                     flush_spans(&self.app);
                     crate::telemetry::flush_logs();
                     crate::pid_file::remove();
@@ -187,7 +189,8 @@ const DRAIN_QUIET: Duration = Duration::from_secs(1);
 fn spawn_drain_watch(app: Arc<App>) {
     let grace = app.shared.running().config.grace_period;
     // A request held for a turn past the grace period would never go from here.
-    app.shared.drain.give_back_held_past(Instant::now() + grace);
+    let ends = Instant::now() + grace;
+    app.shared.drain.give_back_held_past(ends);
     std::thread::spawn(move || {
         let start = Instant::now();
         // Let the listeners see the shutdown broadcast before counting.
@@ -201,7 +204,9 @@ fn spawn_drain_watch(app: Arc<App>) {
                 tracing::warn!(active, "grace period over with requests in flight; exiting")
             }
         }
-        release_leases(&app);
+        // What the fallback admitted is written back within the grace period (the store
+        // may be about to return), or at least within WRITE_BACK_AT_EXIT.
+        release_leases(&app, ends.max(Instant::now() + WRITE_BACK_AT_EXIT));
         flush_spans(&app);
         crate::telemetry::flush_logs();
         crate::pid_file::remove();
@@ -209,17 +214,23 @@ fn spawn_drain_watch(app: Arc<App>) {
     });
 }
 
+/// How long an exit waits at least for the write-back of what the fallback admitted (an
+/// exit past its grace period, and SIGINT's, wait this long).
+const WRITE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
+
 /// An exiting instance gives back the reservations of the requests it still holds for their
-/// `max_delay` turn, then frees the fleet's slots it holds (the store bounds this to 1 s), on
-/// a runtime of its own: this runs on the drain thread.
-fn release_leases(app: &App) {
+/// `max_delay` turn, then frees the fleet's slots it holds (the store bounds this to 1 s), and
+/// waits until `write_back_by` for what its fallback admitted to be written back, on a runtime
+/// of its own: this runs on the drain thread.
+fn release_leases(app: &App, write_back_by: Instant) {
     match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt.block_on(async {
             give_back_held(app).await;
-            app.shared.store.release_all().await
+            app.shared.store.release_all().await;
+            app.shared.store.written_back_by(write_back_by).await
         }),
         Err(e) => tracing::warn!(error = %e, "cannot release leases before exit"),
     }

@@ -1059,3 +1059,44 @@ async fn waiters_when_redis_restarts_empty(at_once: bool) {
     assert_eq!(left, want, "{on_fallback} on the fallback\n{}", gw.log());
     drop(redis);
 }
+
+/// An instance that exits owing the shared budget what its fallback admitted writes it back
+/// first: SIGTERM during an outage waits, within its grace period, for the store to return
+/// (DESIGN §4: over any period that includes an outage a key gets at most its budget plus one
+/// burst; an instance that exits in it is no exception). (It exited once idle, a second
+/// after SIGTERM, and the units were never charged.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_exits_during_an_outage_writes_back_first() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = body(&redis, "");
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &cfg,
+        grace: "10s",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let r = get(&c, gw.url("/items"), "exiting").await;
+    assert_eq!(header(&r, "X-RateLimit-Limit"), Some(MAX.to_string()));
+    redis.pause();
+    // Until the fallback decides (its share's limit), then five more on it.
+    let mut admitted = 1;
+    let mut local = 0;
+    while local < 5 {
+        let r = get(&c, gw.url("/items"), "exiting").await;
+        assert_eq!(r.status(), 200);
+        admitted += 1;
+        if header(&r, "X-RateLimit-Limit") == Some((MAX / 2).to_string()) {
+            local += 1;
+        }
+    }
+    gw.signal("TERM");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    redis.resume();
+    assert_eq!(gw.wait_exit(Duration::from_secs(15)), Some(0));
+    let log = gw.log();
+    assert!(!log.contains("not written back"), "{log}");
+    let other = Gateway::start(&up, &cfg);
+    assert_eq!(charged(&c, &other, "exiting").await, admitted, "{log}");
+}

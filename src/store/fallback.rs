@@ -32,6 +32,8 @@ use crate::telemetry::{metrics, FallbackDecision};
 pub const RELEASE_ALL_WITHIN: Duration = Duration::from_secs(1);
 /// How often owed units are sent while the store is unreachable.
 const WRITE_BACK_EVERY: Duration = Duration::from_millis(250);
+/// How often an exit looks whether the write-back is done (`written_back_by`).
+const WRITTEN_BACK_POLL: Duration = Duration::from_millis(50);
 /// How often the start-up probe tries a store that was unreachable at start.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Longest a request waits for the write-back task to send its key's debt (a send is
@@ -468,7 +470,9 @@ impl<S: SharedStore> FallbackStore<S> {
         let retry_for = crate::budget::drain_time(req.limits(), req.cost)
             .max(REFUND_RETRY_FOR)
             .min(REFUND_RETRY_AT_MOST);
+        let resending = super::Resending::start();
         tokio::spawn(async move {
+            let _resending = resending;
             // Tokio's clock, as the sleeps' (a test can pause it).
             let give_up = tokio::time::Instant::now() + retry_for;
             let mut every = REFUND_RETRY_EVERY;
@@ -511,6 +515,28 @@ impl<S: SharedStore> FallbackStore<S> {
             let limits = Limits::local(cap, r.queue.per_key, r.loaded_ms, self.fleet_size);
             Some((r.label.clone(), limits))
         }));
+    }
+
+    /// Waits, until `deadline`, for what the fallback admitted to be written back: the
+    /// write-back task sends it as soon as the shared store answers (DESIGN §4: the bound of a
+    /// key's budget plus one burst holds over an outage an instance exits in, too). What is
+    /// still owed then is dropped, and said so.
+    /// So are the refunds and undos being sent again until the store answers them
+    /// ([`super::Resending`]).
+    pub async fn written_back_by(&self, deadline: std::time::Instant) {
+        while !self.owed.is_empty() || super::Resending::any() {
+            if std::time::Instant::now() >= deadline {
+                let (keys, units) = self.owed.outstanding();
+                tracing::warn!(
+                    keys,
+                    units,
+                    resending = super::Resending::count(),
+                    "exiting before the store took what this instance owes it (the fallback's admissions written back; refunds and undos of admissions given up on): those keys' charges stay as they are"
+                );
+                return;
+            }
+            tokio::time::sleep(WRITTEN_BACK_POLL).await;
+        }
     }
 
     /// Releases every lease this instance holds in the shared store, within

@@ -47,6 +47,35 @@ pub(crate) fn short_key(key: &KeyHash) -> u128 {
 /// memory-store decision.
 pub(crate) type KeyMap<V> = std::collections::HashMap<u128, V, foldhash::fast::RandomState>;
 
+/// Calls to the shared store sent again in the background until it answers them (the refund
+/// of a charge that did not run, the undo of an admission a request gave up on): an exit waits
+/// for them, within its grace period (`FallbackStore::written_back_by`). One is counted while
+/// its guard lives.
+pub(crate) struct Resending(());
+
+static RESENDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl Resending {
+    pub(crate) fn start() -> Resending {
+        RESENDING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Resending(())
+    }
+
+    pub(crate) fn count() -> usize {
+        RESENDING.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn any() -> bool {
+        Resending::count() > 0
+    }
+}
+
+impl Drop for Resending {
+    fn drop(&mut self) {
+        RESENDING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Locks one of the stores' short, never-awaited mutexes. A panic while one was held cannot
 /// have left its map inconsistent, so a poisoned lock is simply taken.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -427,6 +456,14 @@ impl Store {
             // (which Pingora boxes and so copies whole) would carry it inline, memory store
             // or not. One allocation per round trip costs less.
             Store::Redis(r) => Box::pin(r.decide(req)).await,
+        }
+    }
+
+    /// For the exit path: waits until `deadline` for what the `local` fallback admitted to be
+    /// written back to the shared store (see [`fallback::FallbackStore::written_back_by`]).
+    pub async fn written_back_by(&self, deadline: std::time::Instant) {
+        if let Store::Redis(r) = self {
+            r.written_back_by(deadline).await;
         }
     }
 

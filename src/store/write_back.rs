@@ -231,6 +231,19 @@ impl Ledger {
         true
     }
 
+    /// Nothing is owed, nor being sent.
+    pub fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Relaxed) == 0
+    }
+
+    /// What is still owed, for the exit's last word: the keys (entries, those being sent
+    /// included) and the units of those not being sent.
+    pub fn outstanding(&self) -> (usize, u64) {
+        let inner = lock(&self.inner);
+        let units = inner.owed.values().chain(&inner.doubtful).map(|o| o.units);
+        (inner.len(), units.sum())
+    }
+
     /// The sending task is done if nothing is owed; true when it should stop.
     pub fn done_if_empty(&self) -> bool {
         let mut inner = lock(&self.inner);

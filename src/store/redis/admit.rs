@@ -15,7 +15,7 @@ use super::{
     REFUND_RETRY_EVERY,
 };
 use crate::budget::Limit;
-use crate::store::StoreError;
+use crate::store::{Resending, StoreError};
 
 impl RedisBackend {
     /// The charging call. It runs in a task of its own (see [`PendingReply`] for a request
@@ -82,8 +82,11 @@ impl RedisBackend {
         if let Err((Ok(v), c)) = tx.send((reply, c)) {
             if admitted(&v) {
                 tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                let store = self.clone();
-                tokio::spawn(async move { store.undo_admission(&c, granted(&v)).await });
+                let (store, resending) = (self.clone(), Resending::start());
+                tokio::spawn(async move {
+                    store.undo_admission(&c, granted(&v)).await;
+                    drop(resending);
+                });
             }
         }
     }
@@ -177,7 +180,9 @@ impl RedisBackend {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let _resending = Resending::start();
         rt.spawn(async move {
+            let _resending = _resending;
             while Instant::now() < give_up {
                 if store.undo_now(&c).await {
                     return;
@@ -223,7 +228,9 @@ impl RedisBackend {
         let store = self.clone();
         let drained = crate::budget::drain_time(budgets.iter().map(|(_, l)| l), cost);
         let give_up = Instant::now() + drained.max(self.lease_ttl).min(REFUND_RETRY_AT_MOST);
+        let resending = Resending::start();
         tokio::spawn(async move {
+            let _resending = resending;
             let mut every = REFUND_RETRY_EVERY;
             while Instant::now() < give_up {
                 tokio::time::sleep(every).await;
@@ -325,8 +332,11 @@ impl Drop for PendingReply {
                 // Dropped outside a runtime only when the process is going away: the lease
                 // then lapses after lease_ttl.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    let store = self.store.clone();
-                    rt.spawn(async move { store.undo_admission(&c, granted(&v)).await });
+                    let (store, resending) = (self.store.clone(), Resending::start());
+                    rt.spawn(async move {
+                        store.undo_admission(&c, granted(&v)).await;
+                        drop(resending);
+                    });
                 }
             }
         }
