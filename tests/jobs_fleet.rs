@@ -1197,3 +1197,31 @@ async fn jobs_queued_before_a_reload_takes_their_route_away_still_run() {
 async fn jobs_queued_before_a_reload_takes_their_routes_async_away_still_run() {
     queued_jobs_run_after_a_reload("      async:\n        result_ttl: 30s\n", "").await;
 }
+
+/// The fleet's collectors keep its jobs alive in the route's queue: a backlog that outlasts
+/// the 30 s the last submission marked the fleet alive for still runs, one job after another
+/// as the slot frees. (Only a submission marked it: 30 s after the last one, the queue passed
+/// its jobs over, and they waited with the slot idle until `result_ttl`.) The 30 s are made to
+/// have passed by setting the mark in the past.
+#[tokio::test]
+async fn a_backlog_of_jobs_runs_on_after_the_last_submission_is_long_past() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let c = client();
+    // Running 3 s: the mark is moved while it runs.
+    let (first, _) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, "/reports/generate?n=2", "").await;
+    let keys = redis.cli(&["KEYS", "*"]);
+    let states: Vec<&str> = keys
+        .lines()
+        .filter(|k| redis.cli(&["HEXISTS", k, "i:jobs"]) == "1")
+        .collect();
+    assert_eq!(states.len(), 1, "{keys}");
+    assert_eq!(redis.cli(&["HSET", states[0], "i:jobs", "0"]), "0");
+    for location in [&first, &second] {
+        assert_eq!(result(&c, &a, location).await.status(), 200, "{location}");
+    }
+    assert_eq!(up.count(ROUTE), 2);
+}

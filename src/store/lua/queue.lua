@@ -570,8 +570,12 @@ elseif op == 'beat' then
     return {0, 0, 0, 0}
   end
   -- Alive: not an instance that has nothing here (another's look at a route with waiters,
-  -- `below` 0): its field would stay for good.
-  if n > 0 or below > 0 then redis.call('HSET', state, 'i:' .. instance, int(now + alive_us)) end
+  -- `below` 0): its field would stay for good. The fleet is, whenever a collector beats for
+  -- it: its jobs may be granted slots for as long as one takes them, not only for a while
+  -- after the last submission.
+  if n > 0 or below > 0 or instance == FLEET then
+    redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
+  end
   purge()
   -- Waiters of instances that stopped beating leave the queue (the queue is walked only
   -- when an instance with waiters stopped; waiters from before this count are found by

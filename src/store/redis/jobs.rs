@@ -321,6 +321,7 @@ impl RedisBackend {
     }
 }
 
-/// How long the fleet counts as alive after a beat: jobs outlive a gap in the fleet's beats
-/// (every instance with an async route beats for it twice a second).
+/// How long the fleet counts as alive after a submission or a collector's beat: jobs outlive
+/// a gap in the fleet's beats (every instance with an async route beats for it five times a
+/// second, `fleet::COLLECT_EVERY`).
 const FLEET_ALIVE: Duration = Duration::from_secs(30);
