@@ -129,9 +129,9 @@ impl Pool {
         Some((addr, self.targets.get(&addr)?))
     }
 
-    /// Whether an address is left to try besides those in `refused` (healthy or not).
+    /// Whether a healthy address is left to try besides those in `refused`.
     pub fn untried(&self, refused: &[SocketAddr]) -> bool {
-        self.targets.keys().any(|a| !refused.contains(a))
+        self.pick(refused).is_some()
     }
 }
 

@@ -1164,10 +1164,17 @@ async fn a_queued_jobs_charge_is_what_it_was_charged_across_reloads() {
 /// that knew the route collects its queue until it is empty. (They were stranded in the
 /// queue: their slots were never collected, so they never ran, and their polls said `queued`
 /// until `result_ttl`, then 503.)
-async fn queued_jobs_run_after_a_reload(from: &str, to: &str) {
+async fn queued_jobs_run_after_a_reload(edits: &[(&str, &str)]) {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let a = Gateway::start(&up, &config(&redis.url()));
+    // The route's upstream is a named one, which a reload may take away with it.
+    let body = config(&redis.url()).replacen(
+        "      cost: 10\n",
+        "      cost: 10\n      upstream: reports\n",
+        1,
+    );
+    let body = format!("upstreams:\n  reports: {{url: \"{}\"}}\n{body}", up.url());
+    let a = Gateway::start(&up, &body);
     let c = client();
     // Running 3 s: through the reload, however slow the machine.
     let (first, _) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
@@ -1175,7 +1182,9 @@ async fn queued_jobs_run_after_a_reload(from: &str, to: &str) {
     let (second, _) = submit(&c, &a, "/reports/generate?n=2", "").await;
     let (third, _) = submit(&c, &a, "/reports/generate?n=3", "").await;
     assert_eq!(remaining(&a, "a").await, 70);
-    a.edit_config(from, to);
+    for (from, to) in edits {
+        a.edit_config(from, to);
+    }
     a.reload(0.0).await;
     for location in [&first, &second, &third] {
         assert_eq!(result(&c, &a, location).await.status(), 200, "{location}");
@@ -1190,12 +1199,18 @@ async fn queued_jobs_run_after_a_reload(from: &str, to: &str) {
 
 #[tokio::test]
 async fn jobs_queued_before_a_reload_takes_their_route_away_still_run() {
-    queued_jobs_run_after_a_reload(&format!("    {ROUTE}:\n"), "    /elsewhere:\n").await;
+    // The route and its named upstream both go.
+    queued_jobs_run_after_a_reload(&[
+        (&format!("    {ROUTE}:\n"), "    /elsewhere:\n"),
+        ("      upstream: reports\n", ""),
+        ("upstreams:\n  reports:", "upstreams:\n  others:"),
+    ])
+    .await;
 }
 
 #[tokio::test]
 async fn jobs_queued_before_a_reload_takes_their_routes_async_away_still_run() {
-    queued_jobs_run_after_a_reload("      async:\n        result_ttl: 30s\n", "").await;
+    queued_jobs_run_after_a_reload(&[("      async:\n        result_ttl: 30s\n", "")]).await;
 }
 
 /// The fleet's collectors keep its jobs alive in the route's queue: a backlog that outlasts

@@ -248,19 +248,15 @@ impl Drop for Tracked {
     /// without waiting: the client gets the head and the part of the body that came, short of
     /// the length it was told, as a chunked answer's client does, instead of an empty reply it
     /// might take for a request never sent.
+    ///
+    /// Through the buffer's own flush, which goes on from where an earlier one stopped (a
+    /// partial write leaves the bytes already sent in the buffer, marked as written).
     fn drop(&mut self) {
         if self.inner.buffer().is_empty() || self.discarding() {
             return;
         }
-        let buffered = self.inner.buffer().to_vec();
-        let mut rest = &buffered[..];
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        while !rest.is_empty() {
-            match Pin::new(self.inner.get_mut()).poll_write(&mut cx, rest) {
-                Poll::Ready(Ok(n)) if n > 0 => rest = &rest[n..],
-                _ => return,
-            }
-        }
+        let _ = Pin::new(&mut self.inner).poll_flush(&mut cx);
     }
 }
 

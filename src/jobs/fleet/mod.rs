@@ -17,7 +17,6 @@ use super::run::{expired_result, problem_result, Submission};
 use super::{new_id, NewJob, Stored, View};
 use crate::identity::{Identity, KeyHash};
 use crate::problem::Problem;
-use crate::route::Route;
 use crate::state::{Running, Shared};
 use crate::store::redis::{JobCharge, JobEntered, RedisBackend};
 use crate::store::{Admission, AdmitRequest, Charge, Store};
@@ -135,14 +134,14 @@ async fn claim(b: &RedisBackend, id: &str) -> Claimed {
     }
 }
 
-/// Runs, refunds or passes on a job whose slot this instance now holds; `retired`: its route
-/// as it was before a reload took it (or its `async:`) away.
+/// Runs, refunds or passes on a job whose slot this instance now holds; `retired`: the last
+/// config that had its route async, if a reload took the route (or its `async:`) away since.
 async fn start(
     shared: &Arc<Shared>,
     b: &RedisBackend,
     id: Arc<str>,
     label: Arc<str>,
-    retired: Option<Arc<Route>>,
+    retired: Option<Arc<Running>>,
 ) {
     match claim(b, &id).await {
         Claimed::Run(wait) => {
@@ -316,8 +315,8 @@ pub fn start_collector(shared: Arc<Shared>) {
                     continue;
                 };
                 metrics::fleet_queued(&label, waiting);
-                if retired.is_some() && ids.is_empty() && waiting == 0 {
-                    routes.emptied(&label);
+                if retired.is_some() {
+                    routes.seen(&label, ids.is_empty() && waiting == 0);
                 }
                 for id in ids {
                     // Confirming the grant: the key's slot, if any, is renewed by the runner.
@@ -337,16 +336,30 @@ pub fn start_collector(shared: Arc<Shared>) {
 }
 
 /// The async routes whose fleet queue this instance collects: those of the config in force,
-/// and those a reload took away (or took their `async:` from), as they were, until their
-/// queue is empty: a job accepted under them still runs, as it would have (DESIGN §8), as
-/// the memory store's do.
+/// and those a reload took away (or took their `async:` from), under the last config that
+/// had them async, until their queue is empty: a job accepted under them still runs, under
+/// that config (its upstreams, keys and metrics), as it would have (DESIGN §8), as the memory
+/// store's do.
 #[derive(Default)]
 struct Collected {
     /// The config whose async routes `live` are (compared by pointer: a reload replaces it).
     seen: Option<Arc<Running>>,
     live: Vec<Arc<str>>,
-    retired: Vec<(Arc<str>, Arc<Route>)>,
+    retired: Vec<Retired>,
 }
+
+struct Retired {
+    label: Arc<str>,
+    /// The last config that had the route async.
+    under: Arc<Running>,
+    /// Since when its queue has been seen empty, nothing granted: a grant whose confirm went
+    /// unanswered is neither waiting nor granted until it lapses back into the queue
+    /// (`GRANT_TTL`), so the queue counts as empty only when it stays so for [`EMPTY_FOR`].
+    empty_since: Option<std::time::Instant>,
+}
+
+/// How long a retired route's queue must stay empty before it is no longer collected.
+const EMPTY_FOR: Duration = Duration::from_secs(3);
 
 impl Collected {
     /// Takes the config in force: a route that was async and is no longer retires.
@@ -358,14 +371,16 @@ impl Collected {
         let is_async = |label: &str| router.by_label(label).is_some_and(|r| r.jobs.is_some());
         if let Some(before) = self.seen.take() {
             for label in &self.live {
-                if !is_async(label) && !self.retired.iter().any(|(l, _)| l == label) {
-                    if let Some(route) = before.config.router.by_label(label) {
-                        self.retired.push((label.clone(), route.clone()));
-                    }
+                if !is_async(label) && !self.retired.iter().any(|r| &r.label == label) {
+                    self.retired.push(Retired {
+                        label: label.clone(),
+                        under: before.clone(),
+                        empty_since: None,
+                    });
                 }
             }
         }
-        self.retired.retain(|(label, _)| !is_async(label));
+        self.retired.retain(|r| !is_async(&r.label));
         self.live = router
             .routes()
             .filter(|r| r.jobs.is_some())
@@ -378,18 +393,29 @@ impl Collected {
         self.live.is_empty() && self.retired.is_empty()
     }
 
-    /// Each route to collect, with its route as it was if a reload retired it.
-    fn to_collect(&self) -> Vec<(Arc<str>, Option<Arc<Route>>)> {
+    /// Each route to collect, with the config to run its jobs under if a reload retired it.
+    fn to_collect(&self) -> Vec<(Arc<str>, Option<Arc<Running>>)> {
         let live = self.live.iter().map(|l| (l.clone(), None));
         let retired = self
             .retired
             .iter()
-            .map(|(l, r)| (l.clone(), Some(r.clone())));
+            .map(|r| (r.label.clone(), Some(r.under.clone())));
         live.chain(retired).collect()
     }
 
-    /// A retired route's queue is empty: no job of it is left to start.
-    fn emptied(&mut self, label: &str) {
-        self.retired.retain(|(l, _)| &**l != label);
+    /// What a round saw of a retired route's queue: once it has stayed empty for
+    /// [`EMPTY_FOR`], no job of it is left to start.
+    fn seen(&mut self, label: &str, empty: bool) {
+        let now = std::time::Instant::now();
+        self.retired.retain_mut(|r| {
+            if &*r.label != label {
+                return true;
+            }
+            if !empty {
+                r.empty_since = None;
+                return true;
+            }
+            now.duration_since(*r.empty_since.get_or_insert(now)) < EMPTY_FOR
+        });
     }
 }

@@ -63,18 +63,16 @@ pub(super) async fn read(
     Ok((!r.is_empty()).then_some(r))
 }
 
-/// A claimed job's record, route (in force, else as it was before a reload took it away:
-/// `retired`), payer and request; `None` when one is gone (the record expired or was lost,
-/// the route is not known, the key is no longer known).
+/// A claimed job's record, route, payer and request; `None` when one is gone (the record
+/// expired or was lost, a reload removed the route, the key is no longer known).
 pub(super) async fn claimed(
     b: &RedisBackend,
     running: &Running,
     id: &str,
     label: &str,
-    retired: Option<Arc<Route>>,
 ) -> Option<(Record, Arc<Route>, Identity, JobRequest)> {
     let r = read(b, id).await.ok()??;
-    let route = running.config.router.by_label(label).cloned().or(retired)?;
+    let route = running.config.router.by_label(label)?.clone();
     let who = payer(running, field(&r, "key"))?;
     let request = request_of(&r)?;
     Some((r, route, who, request))

@@ -14,25 +14,26 @@ use crate::admission::InFlight;
 use crate::problem::Problem;
 use crate::route::stated::Report;
 use crate::route::Route;
-use crate::state::Shared;
+use crate::state::{Running, Shared};
 use crate::store::redis::RedisBackend;
 use crate::store::{AdmitRequest, Charge};
 use crate::telemetry::access;
 
 /// Runs a claimed job whose slot this instance holds, renewing both while it runs; `retired`:
-/// its route as it was, if a reload took it away since.
+/// the last config that had its route async, if a reload took it away since: the job runs
+/// under it.
 pub(super) async fn run_claimed(
     shared: Arc<Shared>,
     id: Arc<str>,
     label: Arc<str>,
     wait: Duration,
-    retired: Option<Arc<Route>>,
+    retired: Option<Arc<Running>>,
 ) {
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
-    let running = shared.running();
-    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label, retired).await else {
+    let running = retired.unwrap_or_else(|| shared.running());
+    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
