@@ -1100,3 +1100,58 @@ async fn an_instance_that_exits_during_an_outage_writes_back_first() {
     let other = Gateway::start(&up, &cfg);
     assert_eq!(charged(&c, &other, "exiting").await, admitted, "{log}");
 }
+
+/// A refusal an instance keeps in memory (its deny cache) is forgotten when another
+/// instance writes back what its fallback admitted for the key: the next refusal asks Redis,
+/// and its `Retry-After` counts the debt (DESIGN §3: the seconds until the cost fits). (It
+/// kept the refusal Redis made before the write-back, and told clients to come back long
+/// before their cost could fit, until that moment came.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_refusal_is_forgotten_when_another_instance_writes_back() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    // 10 an hour: a unit drains in 360 s.
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: local\n  fleet_size: 2\nrate_limits:\n  default: {{cost: 1, window: 1h, max_cost: 10}}\n",
+        redis.url()
+    );
+    let (a, b) = (Gateway::start(&up, &cfg), Gateway::start(&up, &cfg));
+    let c = client();
+    for _ in 0..10 {
+        assert_eq!(get(&c, a.url("/items"), "owing").await.status(), 200);
+    }
+    let retry_after =
+        |r: &reqwest::Response| -> u64 { header(r, "Retry-After").unwrap().parse().unwrap() };
+    let r = get(&c, a.url("/items"), "owing").await;
+    assert_eq!(r.status(), 429);
+    assert!(retry_after(&r) <= 360, "{:?}", header(&r, "Retry-After"));
+    // B admits its share (5) on the fallback while Redis is away, then writes it back.
+    redis.pause();
+    let mut local = 0;
+    loop {
+        let r = get(&c, b.url("/items"), "owing").await;
+        if r.status() != 200 {
+            break;
+        }
+        local += 1;
+    }
+    redis.resume();
+    assert_eq!(local, 5);
+    // Redis has the debt once B's refusal is Redis's and counts it: 15 units, 6 to drain.
+    let start = Instant::now();
+    loop {
+        let r = get(&c, b.url("/items"), "owing").await;
+        assert_eq!(r.status(), 429);
+        if header(&r, "X-RateLimit-Limit").as_deref() == Some("10") && retry_after(&r) > 2000 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "B never wrote back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = get(&c, a.url("/items"), "owing").await;
+    assert_eq!(r.status(), 429);
+    assert!(retry_after(&r) > 2000, "{:?}", header(&r, "Retry-After"));
+}

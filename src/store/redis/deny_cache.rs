@@ -22,7 +22,9 @@ pub(super) const GIVEN_BACK: &str = "tollgate:given-back";
 /// Until then the bucket cannot have room for `cost` units — levels only fall with time, and
 /// other instances' admissions only add to them — unless units go back into it: a refund,
 /// here or on another instance. Redis publishes every such give-back ([`GIVEN_BACK`]) and the
-/// instance forgets the key's refusal when it hears it; so a refusal is kept only while this
+/// instance forgets the key's refusal when it hears it; so it does a debt charged elsewhere
+/// (a write-back, a charge after the fact), which leaves the refusal right but its moment too
+/// early; so a refusal is kept only while this
 /// instance is subscribed, and one decided before a give-back it heard (or before it
 /// subscribed) is not kept at all. A config change invalidates an entry (its `Limit` differs).
 #[derive(Debug)]
@@ -110,7 +112,7 @@ impl DenyCache {
         }
     }
 
-    /// Redis published that units went back to the key of `tag`.
+    /// Redis published that units went back to the key of `tag`, or that it was charged a debt.
     fn heard(&self, tag: &str) {
         let Some(bits) = keys::tag_bits_of(tag) else {
             return;

@@ -6,6 +6,9 @@
 -- ARGV  (per_unit rate cost) of each budget, from [1], then id
 -- reply 1
 --
+-- A debit with an id (a write-back, or a charge after the fact) is published as a give-back
+-- is (`gave_back`): instances forget the key's refusals they keep, which it made stale.
+--
 -- A debit with an id ('0': none) charges once: a write-back that may have run is sent again
 -- with its id, and this key (in the first budget's slot) remembers it, as long as a send
 -- delivered late may still arrive (write-backs are rare: outages only).
@@ -42,4 +45,7 @@ if redis.call('EXISTS', seen) == 1 then
 end
 adjust(1)
 redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
+-- A refusal another instance keeps in memory was decided before this debt: it would tell
+-- its clients to come back too soon. Told as a give-back is, it asks Redis again.
+gave_back(KEYS)
 return 1

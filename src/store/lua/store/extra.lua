@@ -3,8 +3,9 @@
 -- Redis), so the hot call alone makes only those it calls.
 
 -- Units went back into the budgets of the API key whose keys are among `keys` (a refund, an
--- undone admission, a slice's unspent units): every instance that refuses the key from memory
--- (its deny cache, `redis/deny_cache.rs`) hears it and asks again. Named by the key's tag.
+-- undone admission, a slice's unspent units), or a debt was charged to them (a write-back):
+-- every instance that refuses the key from memory (its deny cache, `redis/deny_cache.rs`)
+-- hears it and asks again. Named by the key's tag.
 local function gave_back(keys)
   for _, k in ipairs(keys) do
     if keys_own(k) then
