@@ -205,8 +205,8 @@ fn spawn_drain_watch(app: Arc<App>) {
             }
         }
         // What the fallback admitted is written back within the grace period (the store
-        // may be about to return), or at least within WRITE_BACK_AT_EXIT.
-        release_leases(&app, ends.max(Instant::now() + WRITE_BACK_AT_EXIT));
+        // may be about to return), or at least within WRITE_BACK_AT_EXIT of the release.
+        release_leases(&app, ends);
         flush_spans(&app);
         crate::telemetry::flush_logs();
         crate::pid_file::remove();
@@ -218,10 +218,16 @@ fn spawn_drain_watch(app: Arc<App>) {
 /// exit past its grace period, and SIGINT's, wait this long).
 const WRITE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
 
+/// Seconds Pingora's runtimes outlive the grace period, for the drain thread's last steps:
+/// held turns given back (1.1 s at most), leases released (1 s), the write-back
+/// (`WRITE_BACK_AT_EXIT` at least), spans and logs flushed (2 s and 1 s), and a margin.
+const EXIT_ROOM: u64 = 7;
+
 /// An exiting instance gives back the reservations of the requests it still holds for their
 /// `max_delay` turn, then frees the fleet's slots it holds (the store bounds this to 1 s), and
-/// waits until `write_back_by` for what its fallback admitted to be written back, on a runtime
-/// of its own: this runs on the drain thread.
+/// waits until `write_back_by` (at least [`WRITE_BACK_AT_EXIT`] from then) for what its
+/// fallback admitted to be written back, on a runtime of its own: this runs on the drain
+/// thread.
 fn release_leases(app: &App, write_back_by: Instant) {
     match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -230,7 +236,8 @@ fn release_leases(app: &App, write_back_by: Instant) {
         Ok(rt) => rt.block_on(async {
             give_back_held(app).await;
             app.shared.store.release_all().await;
-            app.shared.store.written_back_by(write_back_by).await
+            let by = write_back_by.max(Instant::now() + WRITE_BACK_AT_EXIT);
+            app.shared.store.written_back_by(by).await
         }),
         Err(e) => tracing::warn!(error = %e, "cannot release leases before exit"),
     }
@@ -319,7 +326,12 @@ fn server_conf(threads: usize, grace: Duration, ca_file: Option<String>) -> Serv
         // One single-threaded runtime per worker: no cross-thread wake-ups on the hot path, and
         // each worker's Redis connection lives on the runtime that uses it.
         work_stealing: false,
-        grace_period_seconds: Some(grace.as_secs() + 1),
+        // Pingora stops the worker runtimes (and every task on them: the write-back's) this
+        // long after SIGTERM; the drain thread exits before, once it has given back, released
+        // and written back what it must (`spawn_drain_watch`): room for that, past the grace.
+        grace_period_seconds: Some(
+            grace.as_secs() + u64::from(grace.subsec_nanos() > 0) + EXIT_ROOM,
+        ),
         graceful_shutdown_timeout_seconds: Some(1),
         // Trusted CAs for https upstreams (Pingora's connector reads this once, at start).
         ca_file,

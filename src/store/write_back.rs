@@ -71,6 +71,17 @@ pub(crate) struct Ledger {
     full_warned: AtomicBool,
     /// Told when a send of the task is over.
     sent: Notify,
+    /// Requests sending what they took ([`Ledger::in_hand`]).
+    in_hand: AtomicUsize,
+}
+
+/// A request's send of what it took of the ledger, under way.
+pub(crate) struct InHand<'a>(&'a Ledger);
+
+impl Drop for InHand<'_> {
+    fn drop(&mut self) {
+        self.0.in_hand.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Ledger {
@@ -169,6 +180,7 @@ impl Ledger {
     }
 
     /// What `req.key` owes: write-backs that may have run first (as they were), then the rest.
+    /// (A request sends them itself: it holds [`Ledger::in_hand`] meanwhile.)
     pub fn take(&self, req: &AdmitRequest) -> Vec<Owed> {
         let k = entry_of(&req.key, &req.also);
         let mut inner = lock(&self.inner);
@@ -179,6 +191,14 @@ impl Ledger {
         out.extend(inner.owed.remove(&k));
         self.len.store(inner.len(), Ordering::Relaxed);
         out
+    }
+
+    /// Held by a request while it sends what it took of the ledger ([`Ledger::take`]): an exit
+    /// waits for it (`is_empty`). Its drop says it is over, however the send ended (a request
+    /// whose client left drops it mid-send).
+    pub fn in_hand(&self) -> InHand<'_> {
+        self.in_hand.fetch_add(1, Ordering::Relaxed);
+        InHand(self)
     }
 
     /// Everything owed, for the sending task, which tells [`Ledger::done_sending`] of each.
@@ -231,9 +251,9 @@ impl Ledger {
         true
     }
 
-    /// Nothing is owed, nor being sent.
+    /// Nothing is owed, nor being sent (by the task, or by a request).
     pub fn is_empty(&self) -> bool {
-        self.len.load(Ordering::Relaxed) == 0
+        self.len.load(Ordering::Relaxed) == 0 && self.in_hand.load(Ordering::Relaxed) == 0
     }
 
     /// What is still owed, for the exit's last word: the keys (entries, those being sent
@@ -286,7 +306,12 @@ mod tests {
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
+        let in_hand = l.in_hand();
         assert_eq!(l.take(&req(1, 0)).first().map(|o| o.units), Some(5));
+        // A request sends it: an exit waits for it, however that send ends.
+        assert!(!l.is_empty());
+        drop(in_hand);
+        assert!(l.is_empty());
         assert!(l.done_if_empty());
         assert!(l.add(&req(1, 1), 1), "sender stopped: start another");
     }

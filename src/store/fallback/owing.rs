@@ -16,6 +16,7 @@ impl<S: SharedStore> FallbackStore<S> {
         if !self.owed.owes(req) {
             return Ok(());
         }
+        let _in_hand = self.owed.in_hand();
         let mut owed = self.owed.take(req);
         if owed.is_empty() {
             self.owed.sending_done(req, SENDING_WAIT).await;
@@ -42,7 +43,7 @@ impl<S: SharedStore> FallbackStore<S> {
         }
         let sent = self
             .shared
-            .write_back(&o.key, &o.limit, &o.also, o.units, o.id)
+            .write_back(&o.key, &o.limit, &o.also, o.units, o.id, true)
             .await;
         if let Err(e) = &sent {
             tracing::debug!(error = %e, units = o.units, "a write-back did not reach the store: sent again");
