@@ -66,7 +66,9 @@ pub trait SharedStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<BudgetView>, StoreError>> + Send;
 
     /// Charges `units` admitted elsewhere to `limit` and every `also`, past the budgets if
-    /// need be (a debt); once per `id` (0: no id, every call charges).
+    /// need be (a debt); once per `id` (0: no id, every call charges). `tell`: what the
+    /// fallback admitted, a debt the fleet may not have seen coming: instances that keep a
+    /// refusal of the key made before it are told to forget it (its moment is too early now).
     fn write_back(
         &self,
         key: &KeyHash,
@@ -74,6 +76,7 @@ pub trait SharedStore: Send + Sync + 'static {
         also: &[Extra],
         units: u64,
         id: u64,
+        tell: bool,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// One cheap round trip: is the store reachable?
@@ -432,7 +435,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 let id = rand::random::<u64>() | 1;
                 match self
                     .shared
-                    .write_back(&req.key, &req.limit, &req.also, units, id)
+                    .write_back(&req.key, &req.limit, &req.also, units, id, false)
                     .await
                 {
                     Ok(()) => {}

@@ -75,6 +75,7 @@ impl SharedStore for Fake {
         also: &[Extra],
         units: u64,
         _id: u64,
+        _tell: bool,
     ) -> Result<(), StoreError> {
         if self.down.load(Ordering::Relaxed) {
             return Err(StoreError::BreakerOpen);

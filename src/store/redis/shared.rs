@@ -124,6 +124,7 @@ impl SharedStore for RedisBackend {
         also: &[Extra],
         units: u64,
         id: u64,
+        tell: bool,
     ) -> Result<(), StoreError> {
         self.deny.forget(key);
         // Before the charge: no unit of it is spent from the key's slice meanwhile (whose
@@ -146,6 +147,7 @@ impl SharedStore for RedisBackend {
             budgets: &budgets,
             cost: units,
             id,
+            tell,
         };
         self.op(&debit).await?;
         Ok(())

@@ -3,11 +3,13 @@
 -- unreachable) to each budget, even past capacity: the key then waits out the debt.
 --
 -- KEYS  budget...
--- ARGV  (per_unit rate cost) of each budget, from [1], then id
+-- ARGV  (per_unit rate cost) of each budget, from [1], then id [tell]
 -- reply 1
 --
--- A debit with an id (a write-back, or a charge after the fact) is published as a give-back
--- is (`gave_back`): instances forget the key's refusals they keep, which it made stale.
+-- With `tell` '1' (a write-back of what the fallback admitted), a debit that charges is
+-- published as a give-back is (`gave_back`): instances forget the key's refusals they keep,
+-- whose moment it made too early. (Not a charge after the fact: one per request on a
+-- `cost_per_second` route would keep every instance's deny cache from keeping anything.)
 --
 -- A debit with an id ('0': none) charges once: a write-back that may have run is sent again
 -- with its id, and this key (in the first budget's slot) remembers it, as long as a send
@@ -47,5 +49,5 @@ adjust(1)
 redis.call('SET', seen, '1', 'PX', WRITE_BACK_SEEN_MS)
 -- A refusal another instance keeps in memory was decided before this debt: it would tell
 -- its clients to come back too soon. Told as a give-back is, it asks Redis again.
-gave_back(KEYS)
+if ARGV[2 + 3 * #KEYS] == '1' then gave_back(KEYS) end
 return 1

@@ -247,6 +247,8 @@ pub(in crate::store::redis) struct Debit<'a> {
     pub budgets: &'a [(String, Limit)],
     pub cost: u64,
     pub id: u64,
+    /// Published as a give-back is (`lua/store/debit.lua`): a write-back of the fallback's.
+    pub tell: bool,
 }
 
 impl Op for Debit<'_> {
@@ -256,6 +258,9 @@ impl Op for Debit<'_> {
     fn args(&self, inv: &mut Call<'static>) {
         budgets_with_cost(inv, self.budgets, self.cost);
         inv.arg(self.id);
+        if self.tell {
+            inv.arg(1);
+        }
     }
 }
 
