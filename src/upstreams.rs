@@ -7,7 +7,9 @@
 //! from each config put in force (names resolve then, never per request). A pool's health
 //! check is a [`Checker`] that outlives reloads: the next config's pool of the same name with
 //! the same check takes it over, so addresses that did not change keep their health, and a
-//! checker no pool uses any more stops at once (a reload starts no thread that lingers).
+//! checker no pool uses any more stops at once (a reload starts no thread that lingers; a
+//! config kept for the queued jobs of an async route the reload took away keeps its pools,
+//! and their checkers, until those jobs have started: `jobs::fleet`'s `Retired`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
