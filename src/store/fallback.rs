@@ -520,12 +520,11 @@ impl<S: SharedStore> FallbackStore<S> {
         }));
     }
 
-    /// Waits, until `deadline`, for what the fallback admitted to be written back: the
-    /// write-back task sends it as soon as the shared store answers (DESIGN §4: the bound of a
-    /// key's budget plus one burst holds over an outage an instance exits in, too). What is
-    /// still owed then is dropped, and said so.
-    /// So are the refunds and undos being sent again until the store answers them
-    /// ([`super::Resending`]).
+    /// Waits, until `deadline`, for what the fallback admitted to be written back (the
+    /// write-back task sends it as soon as the shared store answers: DESIGN §4's bound of a
+    /// key's budget plus one burst holds over an outage an instance exits in, too), and for
+    /// the refunds and undos being sent again until the store answers them
+    /// ([`super::Resending`]). What is still owed then is dropped, and said so.
     pub async fn written_back_by(&self, deadline: std::time::Instant) {
         while !self.owed.is_empty() || super::Resending::any() {
             if std::time::Instant::now() >= deadline {
