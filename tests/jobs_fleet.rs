@@ -1240,3 +1240,32 @@ async fn a_backlog_of_jobs_runs_on_after_the_last_submission_is_long_past() {
     }
     assert_eq!(up.count(ROUTE), 2);
 }
+
+/// A queued job that has waited `result_ttl` is expired and refunded when it is due, whether
+/// or not anyone polls it (DESIGN §8; the memory store's job does so itself): the fleet's
+/// collectors look at each route's oldest queued jobs now and then. (It was expired only at a
+/// poll or when its slot came: behind a long backlog, or never polled, it stayed charged, and
+/// once its record lapsed the charge stayed for good.)
+#[tokio::test]
+async fn a_queued_job_past_its_result_ttl_is_refunded_unpolled() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config_kept(&redis.url(), "2s"));
+    let c = client();
+    // Holds the slot for 12 s: the queued job's 2 s pass long before.
+    submit(&c, &a, "/reports/generate?delay_ms=12000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&a, "a").await, 80);
+    let start = std::time::Instant::now();
+    while remaining(&a, "a").await != 90 {
+        assert!(
+            start.elapsed() < Duration::from_secs(9),
+            "the expired job was not refunded while the slot stayed taken"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let line = a.wait_access(1, |l| l["decision"] == "job_expired").await;
+    assert_eq!(line.len(), 1, "{line:?}");
+    assert_eq!(up.count(ROUTE), 1);
+}

@@ -26,6 +26,10 @@ use runner::run_claimed;
 
 /// How often an instance takes the slots granted to the fleet's jobs on each async route.
 const COLLECT_EVERY: Duration = Duration::from_millis(200);
+/// How often an instance looks at each async route's oldest queued jobs for those that have
+/// waited `result_ttl` (expired and refunded then, polled or not), and how many it looks at.
+const EXPIRE_EVERY: Duration = Duration::from_secs(1);
+const EXPIRE_LOOKS_AT: u32 = 10;
 
 fn backend(shared: &Shared) -> Option<&Arc<RedisBackend>> {
     match &shared.store {
@@ -284,6 +288,29 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     }
 }
 
+/// Expires (and refunds) the oldest queued jobs on `label` that have waited `result_ttl`,
+/// whether or not anyone polls them, as the memory store's jobs expire themselves; the
+/// record decides, once, by Redis's clock (`lua/jobs.lua` `expire`), so the fleet's
+/// collectors may all look. Oldest first: it stops at the first one not due yet.
+async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, label: &str) {
+    let Ok(ids) = b.queued_jobs(label, EXPIRE_LOOKS_AT).await else {
+        return;
+    };
+    for id in ids {
+        let Ok(Some(r)) = read(b, &id).await else {
+            continue;
+        };
+        let Some(who) = payer(running, field(&r, "key")) else {
+            continue;
+        };
+        if field(&r, "state") == b"queued"
+            && !take_out(shared, running, b, &id, &who, "expire").await
+        {
+            return;
+        }
+    }
+}
+
 /// Takes the slots granted to the fleet's jobs, on every async route, for as long as the
 /// process runs: each grant goes to one instance's call, which confirms it, claims the job
 /// and runs it.
@@ -297,6 +324,7 @@ pub fn start_collector(shared: Arc<Shared>) {
         let granted = Arc::new(tokio::sync::Notify::new());
         let mut watching = false;
         let mut routes = Collected::default();
+        let mut looked = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(COLLECT_EVERY) => {}
@@ -310,11 +338,19 @@ pub fn start_collector(shared: Arc<Shared>) {
             if !routes.is_empty() && !std::mem::replace(&mut watching, true) {
                 tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
             }
+            let expire = looked.elapsed() >= EXPIRE_EVERY;
+            if expire {
+                looked = tokio::time::Instant::now();
+            }
             for (label, retired) in routes.to_collect() {
                 let Ok((ids, waiting)) = b.job_grants(&label).await else {
                     continue;
                 };
                 metrics::fleet_queued(&label, waiting);
+                if expire && waiting > 0 {
+                    let under = retired.clone().unwrap_or_else(|| shared.running());
+                    expire_overdue(&shared, &under, b, &label).await;
+                }
                 if retired.is_some() {
                     routes.seen(&label, ids.is_empty() && waiting == 0);
                 }

@@ -89,6 +89,7 @@
 --          own waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   paid   ARGV ids... -> {0}: their owed charges were refunded (they go)
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
+--   jobs   ARGV most -> {id...}: the fleet's waiting jobs, oldest first, at most `most`
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
 --          share from now on, and free slots to the waiters; kept as long as the queue's
@@ -683,6 +684,18 @@ elseif op == 'paid' then
 elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
+elseif op == 'jobs' then
+  -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2].
+  local found = {}
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+    local seq, id = string.match(m, '^[^:]*:(%d+):(.*)$')
+    local info = id and redis.call('HGET', state, 'w:' .. id) or ''
+    if string.match(info, '|([^|]*)$') == FLEET then found[#found + 1] = {seq, id} end
+  end
+  table.sort(found, function(a, b) return a[1] < b[1] end)
+  local out = {}
+  for i = 1, math.min(#found, tonumber(ARGV[2])) do out[i] = found[i][2] end
+  return out
 elseif op == 'cap' then
   if tonumber(ARGV[5]) < num('since') then return {0} end
   -- Written even for a route with no queue state now (idle past its expiry): an instance

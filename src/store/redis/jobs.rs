@@ -297,6 +297,18 @@ impl RedisBackend {
         Ok(v.first().copied().unwrap_or(0))
     }
 
+    /// The ids of the fleet's jobs waiting on `route`, oldest first, at most `most`.
+    pub(crate) async fn queued_jobs(
+        &self,
+        route: &str,
+        most: u32,
+    ) -> Result<Vec<String>, StoreError> {
+        let rk = Self::route_keys(route)?;
+        let mut inv = self.queue_script.call(&rk, "jobs");
+        inv.arg(most);
+        self.call(inv).await
+    }
+
     /// One `lua/jobs.lua` operation on the record of job `id`.
     pub(crate) async fn job_record<T: redis::FromRedisValue>(
         &self,
