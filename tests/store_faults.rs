@@ -1155,3 +1155,50 @@ async fn a_kept_refusal_is_forgotten_when_another_instance_writes_back() {
     assert_eq!(r.status(), 429);
     assert!(retry_after(&r) > 2000, "{:?}", header(&r, "Retry-After"));
 }
+
+/// A stated cost below the admission's, settled on the fallback while the store is away: the
+/// key ends charged what the upstream stated, whether the refund finds its write-back still
+/// owed (forgiven) or on its way (given back after it: `fallback::tests::
+/// a_refund_behind_its_write_back_goes_after_it` makes that case for sure; here it is the
+/// sending task's timing). (Refunded once to the unreachable store, it was lost: the key
+/// stayed charged the whole admission.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_behind_its_write_back_is_not_lost() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = body(
+        &redis,
+        "  endpoints:\n    /q: {cost: 10, cost_from_response: X-Actual-Cost}\n",
+    );
+    let gw = Gateway::start(&up, &cfg);
+    let c = client();
+    // Connected: the write-back goes out (and times out, so it may have run) while the
+    // store is away, rather than failing to connect.
+    for _ in 0..4 {
+        assert_eq!(get(&c, gw.url("/items"), "stated").await.status(), 200);
+    }
+    redis.pause();
+    // Admitted on the fallback; its write-back is tried (and times out) while it runs.
+    let r = get(&c, gw.url("/q?actual_cost=0&delay_ms=2000"), "stated").await;
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.resume();
+    // Each reading's probe is charged 1, seen by the next reading; the 4 before, and 0 for
+    // the request.
+    let start = Instant::now();
+    let mut probes = 4;
+    loop {
+        let got = charged(&c, &gw, "stated").await;
+        if got == probes {
+            break;
+        }
+        probes += 1;
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "charged {got} for {} requests to /items\n{}",
+            probes - 1,
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -383,16 +383,24 @@ impl<S: SharedStore> FallbackStore<S> {
     ///
     /// The levels of the budgets the charge was made in, once it is back (ticks; for a `Local`
     /// charge, the instance's share's), when the store that made it says.
-    pub async fn refund(&self, req: &AdmitRequest, charge: Charge) -> Option<Vec<i64>> {
+    pub async fn refund(self: &Arc<Self>, req: &AdmitRequest, charge: Charge) -> Option<Vec<i64>> {
         match charge {
             Charge::None | Charge::Local(_) => {
                 let levels = match charge {
                     Charge::Local(limit) => self.local.refund(&req.charged_under(limit)),
                     _ => None,
                 };
-                // Already written back: the shared budget has it, give it back there.
-                if !self.owed.forgive(req) {
-                    let _ = self.shared.refund(req, 0).await;
+                if self.owed.forgive(req) {
+                    // Not written back yet: forgotten from the debt.
+                } else if self.owed.owes(req) {
+                    // Its write-back is on its way (being sent, or sent in doubt and sent
+                    // again as it was): given back once it has landed, or the store would
+                    // give back units it does not have yet, and the refund would be lost.
+                    self.refund_after_write_back(req.clone());
+                } else {
+                    // Written back: the shared budget has it, give it back there (again
+                    // later if the store is away).
+                    let _ = self.refund_shared(req, 0).await;
                 }
                 levels
             }
@@ -462,6 +470,25 @@ impl<S: SharedStore> FallbackStore<S> {
             }
             Charge::None => self.owe(req, units),
         }
+    }
+
+    /// Gives back, in the shared store, a local charge whose key's write-back is on its way,
+    /// once it has landed (nothing of the key owed any more), within [`REFUND_RETRY_AT_MOST`];
+    /// sent again later if the store is away then.
+    fn refund_after_write_back(self: &Arc<Self>, req: AdmitRequest) {
+        let (store, resending) = (self.clone(), super::Resending::start());
+        tokio::spawn(async move {
+            let _resending = resending;
+            let give_up = tokio::time::Instant::now() + REFUND_RETRY_AT_MOST;
+            while store.owed.owes(&req) {
+                if tokio::time::Instant::now() >= give_up {
+                    tracing::warn!("a refund waited in vain for its key's write-back; the key stays charged for it");
+                    return;
+                }
+                tokio::time::sleep(WRITE_BACK_EVERY).await;
+            }
+            store.refund_shared(&req, 0).await;
+        });
     }
 
     /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`] backing off

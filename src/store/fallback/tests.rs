@@ -525,3 +525,37 @@ async fn time_charges_weigh_every_local_share_alike() {
 }
 
 mod shared_charges;
+
+/// A local charge refunded while its key's write-back is on its way (taken by the sending
+/// task, or sent in doubt: it is sent again as it was) is given back after that write-back
+/// lands, not once to a store that is away: the key ends charged nothing. (The refund went
+/// once to the unreachable store and was lost: the write-back charged it all.)
+#[tokio::test]
+async fn a_refund_behind_its_write_back_goes_after_it() {
+    let (fake, s) = store(OnError::Local, 1);
+    let r = req(10, None);
+    let Admission::Admitted { lease, .. } = s.admit(&r).await else {
+        panic!()
+    };
+    // The sending task has taken the debt and is sending it.
+    let taken = s.owed.take_all();
+    assert_eq!(taken.len(), 1);
+    s.refund(&r, lease.charge()).await;
+    assert_eq!(
+        fake.refunded.load(Ordering::Relaxed),
+        0,
+        "the store is away"
+    );
+    // The send failed (it goes back to the ledger), and the store comes back.
+    s.owed.put_back(taken);
+    fake.down.store(false, Ordering::Relaxed);
+    let start = Instant::now();
+    while fake.refunded.load(Ordering::Relaxed) < 10 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the refund was lost"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(fake.written.load(Ordering::Relaxed), 10);
+}
