@@ -624,11 +624,26 @@ async fn one_front_door_for_both_listeners() {
 /// 40 was never applied, and the per-second route billed 0.3 s of the upstream's 1.5.)
 #[tokio::test]
 async fn a_reset_streams_charge_follows_the_upstreams_late_answer() {
+    reset_streams_charge_follows_the_late_answer(", max_in_flight: 2").await;
+}
+
+/// The same on routes without a cap (no slot to follow): the charge still follows the
+/// upstream's late answer. (It stayed the admission's, 2 and 4: resetting every stream just
+/// before its answer made a client pay the admission cost for whatever the upstream did.)
+#[tokio::test]
+async fn an_uncapped_reset_streams_charge_follows_the_upstreams_late_answer() {
+    reset_streams_charge_follows_the_late_answer("").await;
+}
+
+/// `cap`: what each route's line ends with.
+async fn reset_streams_charge_follows_the_late_answer(cap: &str) {
     let up = Upstream::start(Duration::ZERO);
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::new(dir.path());
-    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    /cfr: {cost: 2, cost_from_response: X-Actual-Cost, max_in_flight: 2}\n    /cps: {cost: 1, cost_per_second: 10, max_in_flight: 2}\n";
-    let tg = start_tls_with(&up, &pki, body, &[], "");
+    let body = format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /cfr: {{cost: 2, cost_from_response: X-Actual-Cost{cap}}}\n    /cps: {{cost: 1, cost_per_second: 10{cap}}}\n"
+    );
+    let tg = start_tls_with(&up, &pki, &body, &[], "");
     let client = h2_connect(&tg).await;
     for (path, key, charged) in [
         ("/cfr?delay_ms=1500&actual_cost=40", "k-cfr", 40u64),

@@ -111,7 +111,9 @@ impl Gateway {
             // whole request (one still waiting for the rest of a stalled body is not working).
             // So does a charge that depends on the answer (`cost_per_second`: the time the
             // upstream worked; `cost_from_response`: what the late answer states).
-            if ctx.upstream.whole_request {
+            // (A route without a cap bills to the timeout: the duplicate an HTTP/2 request on
+            // it may have is for a reset stream, `settles_on_reset`.)
+            if ctx.upstream.whole_request && super::follows_upstream(ctx) {
                 let head = session.req_header().method == http::Method::HEAD;
                 self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
             }

@@ -56,6 +56,17 @@ fn follows_upstream(ctx: &Ctx) -> bool {
             .is_some_and(|r| r.max_in_flight.is_some())
 }
 
+/// An admitted HTTP/2 request whose charge is settled on the answer (`cost_per_second`,
+/// `cost_from_response`): a stream reset before the answer's head is followed to the late
+/// answer for its charge, on a route without a cap too (HTTP/1 has the client shield instead).
+fn settles_on_reset(session: &Session, ctx: &Ctx) -> bool {
+    session.downstream_session.is_http2()
+        && ctx.is_admitted()
+        && ctx.route.as_ref().is_some_and(|r| {
+            r.fidelity.cost_per_second.is_some() || r.fidelity.cost_from_response.is_some()
+        })
+}
+
 /// An HTTP/2 request admitted to a capped route: a reset stream is followed to the end of its
 /// upstream connection (HTTP/1 has the client shield instead, see `front`).
 fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
@@ -174,9 +185,10 @@ impl Gateway {
                     // as if its client had stayed (DESIGN §3: the charge follows the upstream).
                     let head = session.req_header().method == http::Method::HEAD;
                     self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
-                } else {
+                } else if follows_upstream(ctx) {
                     // Part of the answer was read (its head, settled on): its request went
-                    // with `Connection: close`, so it ends with the connection.
+                    // with `Connection: close`, so it ends with the connection. (Without a
+                    // slot to follow, the charge was settled on the head: nothing to follow.)
                     self.follow_late_answer(ctx, front::LateAnswer::UntilClose, false);
                 }
             }
@@ -370,7 +382,7 @@ impl ProxyHttp for Gateway {
         } else {
             borrowed.try_clone_to_owned().ok()
         };
-        if follows_upstream(ctx) {
+        if follows_upstream(ctx) || settles_on_reset(session, ctx) {
             ctx.upstream.dup = borrowed.try_clone_to_owned().ok();
         }
         let h2_body = session.downstream_session.is_http2() && !ctx.upstream.whole_request;
