@@ -464,9 +464,14 @@ pub fn report(fleet: &InstanceAudit, cfg: Option<&Config>) -> Report {
                 .map(|(m, b)| m / b);
             let effective = mean.map(|m| effective_cost(cost, cost_per_second, m));
             let flag = implied.zip(effective).and_then(|(i, c)| price_flag(c, i));
-            let worst_case = match (mean, effective) {
-                (Some(m), Some(c)) => plans.iter().filter_map(|p| worst_case(p, c, m)).collect(),
-                _ => vec![],
+            // DESIGN §6's formula, on the configured cost (whatever a time-priced route bills
+            // after the fact).
+            let worst_case = match mean {
+                Some(m) => plans
+                    .iter()
+                    .filter_map(|p| worst_case(p, cost as f64, m))
+                    .collect(),
+                None => vec![],
             };
             Finding {
                 route: r.route.clone(),

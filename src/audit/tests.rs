@@ -201,3 +201,24 @@ fn a_file_audits_its_own_routes() {
         ]
     );
 }
+
+/// A `cost_per_second` route's worst case is DESIGN §6's formula on its configured cost,
+/// `max_cost / cost × 60 / window_seconds × mean`, as for any route (its price flag compares
+/// what it bills on average, its time's cost when more). (It divided by that average bill,
+/// ceil(mean × cost_per_second): 100.4 where the formula gives 150.6.)
+#[test]
+fn a_time_priced_routes_worst_case_is_the_formulas() {
+    let mut timed = route("/timed", 2, &[0.502; 40]);
+    timed.cost_per_second = Some(4.0);
+    let mut i = instance(vec![route("/a", 1, &[0.010; 40]), timed]);
+    i.plans[0].budgets[0].max_cost = 600;
+    let r = report(&merge(&[i]).unwrap(), None);
+    let timed = r.routes.iter().find(|f| f.route == "/timed").unwrap();
+    let mean = timed.mean_seconds.unwrap();
+    let want = 600.0 / 2.0 * 60.0 / 60.0 * mean;
+    assert!(
+        (timed.worst_case[0].backend_seconds_per_minute - want).abs() < 1e-9,
+        "{} for {want}",
+        timed.worst_case[0].backend_seconds_per_minute
+    );
+}
