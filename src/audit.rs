@@ -186,6 +186,10 @@ pub struct BudgetAudit {
 pub struct InstanceAudit {
     pub version: String,
     pub config_hash: String,
+    /// Which process answered (random, per process): an instance named twice to `tollgate
+    /// audit` (by another address, say) is counted once. Empty from older instances.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
     pub routes: Vec<RouteAudit>,
     pub plans: Vec<PlanAudit>,
 }
@@ -236,6 +240,12 @@ fn requests_by_route() -> BTreeMap<String, u64> {
     out
 }
 
+/// This process's id in its audit reports: random, made once.
+fn process_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
+}
+
 /// This instance's report, from the series of the config it runs.
 pub fn snapshot(running: &Running) -> InstanceAudit {
     let requests = requests_by_route();
@@ -269,6 +279,7 @@ pub fn snapshot(running: &Running) -> InstanceAudit {
     InstanceAudit {
         version: env!("CARGO_PKG_VERSION").into(),
         config_hash: running.config.hash.clone(),
+        instance: process_id().to_string(),
         routes,
         plans: plans_of(&running.config),
     }
@@ -316,6 +327,7 @@ pub fn merge(instances: &[InstanceAudit]) -> Result<InstanceAudit, MergeError> {
     Ok(InstanceAudit {
         version: first.map(|i| i.version.clone()).unwrap_or_default(),
         config_hash: first.map(|i| i.config_hash.clone()).unwrap_or_default(),
+        instance: String::new(),
         routes,
         plans: first.map(|i| i.plans.clone()).unwrap_or_default(),
     })

@@ -463,3 +463,41 @@ async fn cost_per_second_bills_the_time_after_a_100_continue() {
     assert_eq!(logged[0]["cost"], 2, "{logged:?}");
     assert_eq!(logged[0]["status"], 200, "{logged:?}");
 }
+
+/// An instance named twice (the same address, or another spelling of it) is counted once:
+/// each `/admin/audit` names its instance, and the audit says which names were the same.
+/// (Its requests were counted twice, and "2 of 2 answered".)
+#[tokio::test]
+async fn an_instance_named_twice_is_audited_once() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, FLEET_LIMITS);
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(get(&c, gw.url("/a"), "k").await.status(), 200);
+    }
+    let other = format!("http://localhost:{}/", gw.admin_port);
+    let (out, code) = audit(&[
+        "--admin",
+        &gw.admin(""),
+        "--admin",
+        &other,
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let a = v["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == "/a")
+        .unwrap();
+    assert_eq!(a["requests"], 3, "{out}");
+    assert_eq!(v["instances"][1]["same_as"], gw.admin(""), "{out}");
+    let (out, _) = audit(&["--admin", &gw.admin(""), "--admin", &other]);
+    assert!(out.contains("instances: 1 of 2 answered"), "{out}");
+    assert!(
+        out.contains(&format!("{other}: the same instance as {}", gw.admin(""))),
+        "{out}"
+    );
+}

@@ -34,6 +34,7 @@ fn instance(routes: Vec<RouteAudit>) -> InstanceAudit {
     InstanceAudit {
         version: "t".into(),
         config_hash: "h".into(),
+        instance: String::new(),
         routes,
         plans: vec![PlanAudit {
             name: "default".into(),

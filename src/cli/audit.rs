@@ -8,6 +8,8 @@ use crate::config::Config;
 
 /// An instance that did not answer, and why.
 type Failed = (String, FetchError);
+/// An `--admin` whose instance an earlier one named: (it, that earlier one).
+type Same = (String, String);
 
 /// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
 /// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
@@ -18,11 +20,25 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
         Ok(a) => a,
         Err(e) => return (format!("tollgate audit: {e}\n"), 1),
     };
-    let mut reports = vec![];
+    let mut reports: Vec<InstanceAudit> = vec![];
     let mut failed = vec![];
+    // An instance named twice (another spelling of its address): counted once.
+    let mut first_named: Vec<(String, &String)> = vec![];
+    let mut same: Vec<Same> = vec![];
     for (admin, answer) in admins.iter().zip(answers) {
         match answer {
-            Ok(r) => reports.push(r),
+            Ok(r) => {
+                let seen = first_named
+                    .iter()
+                    .find(|(id, _)| !r.instance.is_empty() && *id == r.instance);
+                match seen {
+                    Some((_, first)) => same.push((admin.clone(), (*first).clone())),
+                    None => {
+                        first_named.push((r.instance.clone(), admin));
+                        reports.push(r);
+                    }
+                }
+            }
             Err(e) => failed.push((admin.clone(), e)),
         }
     }
@@ -39,12 +55,13 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
         .map(|m| crate::audit::report(m, cfg));
     let merged = merged.as_ref().err();
     let out = if json {
-        as_json(admins, &failed, report.as_ref(), merged)
+        as_json(admins, &failed, &same, report.as_ref(), merged)
     } else {
         as_text(
             admins.len(),
             reports.len(),
             &failed,
+            &same,
             report.as_ref(),
             merged,
         )
@@ -81,6 +98,7 @@ fn fetch_all(admins: &[String]) -> std::io::Result<Vec<Result<InstanceAudit, Fet
 fn as_json(
     admins: &[String],
     failed: &[Failed],
+    same: &[Same],
     report: Option<&Report>,
     merged: Option<&MergeError>,
 ) -> String {
@@ -90,7 +108,10 @@ fn as_json(
             Some((_, e)) => {
                 serde_json::json!({"admin": a, "ok": false, "error": e.to_string()})
             }
-            None => serde_json::json!({"admin": a, "ok": true}),
+            None => match same.iter().find(|(s, _)| s == a) {
+                Some((_, first)) => serde_json::json!({"admin": a, "ok": true, "same_as": first}),
+                None => serde_json::json!({"admin": a, "ok": true}),
+            },
         })
         .collect();
     let mut v = serde_json::json!({ "instances": instances });
@@ -109,11 +130,18 @@ fn as_text(
     asked: usize,
     answered: usize,
     failed: &[Failed],
+    same: &[Same],
     report: Option<&Report>,
     merged: Option<&MergeError>,
 ) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "instances: {answered} of {asked} answered");
+    for (admin, first) in same {
+        let _ = writeln!(
+            out,
+            "  {admin}: the same instance as {first} (counted once)"
+        );
+    }
     for (admin, e) in failed {
         let _ = writeln!(
             out,
