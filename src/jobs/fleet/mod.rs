@@ -300,6 +300,11 @@ async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, la
         let Ok(Some(r)) = read(b, &id).await else {
             continue;
         };
+        if field(&r, "ended_now") == b"1" {
+            // This read found its runner gone (`job-lost`): counted and logged once, here.
+            ended_unrun(running, &r, &id, JobResult::Failed);
+            continue;
+        }
         let Some(who) = payer(running, field(&r, "key")) else {
             continue;
         };
@@ -347,10 +352,6 @@ pub fn start_collector(shared: Arc<Shared>) {
                     continue;
                 };
                 metrics::fleet_queued(&label, waiting);
-                if expire && waiting > 0 {
-                    let under = retired.clone().unwrap_or_else(|| shared.running());
-                    expire_overdue(&shared, &under, b, &label).await;
-                }
                 if retired.is_some() {
                     routes.seen(&label, ids.is_empty() && waiting == 0);
                 }
@@ -362,6 +363,11 @@ pub fn start_collector(shared: Arc<Shared>) {
                     if matches!(b.job_renew(&label, &id, None).await, Ok(true)) {
                         start(&shared, b, Arc::from(id), label.clone(), retired.clone()).await;
                     }
+                }
+                // After the grants are confirmed (each within its grant's short time).
+                if expire && waiting > 0 {
+                    let under = retired.unwrap_or_else(|| shared.running());
+                    expire_overdue(&shared, &under, b, &label).await;
                 }
             }
         }

@@ -89,7 +89,8 @@
 --          own waiters and leases (`<instance>:<seq>`, seq < below) that it does not name go.
 --   paid   ARGV ids... -> {0}: their owed charges were refunded (they go)
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
---   jobs   ARGV most -> {id...}: the fleet's waiting jobs, oldest first, at most `most`
+--   jobs   ARGV most -> {id...}: the fleet's waiting jobs, oldest first, at most `most`,
+--          among the first JOBS_SCAN waiters
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
 --          share from now on, and free slots to the waiters; kept as long as the queue's
@@ -325,6 +326,8 @@ end
 -- Past PLACE_WAITERS waiters or PLACE_WORK steps of the simulation (steps × keys waiting),
 -- the queue's length stands for it (an upper bound): a poll never holds Redis for long.
 local PLACE_WAITERS, PLACE_WORK = 10000, 200000
+-- How many waiters `jobs` reads at most.
+local JOBS_SCAN = 1000
 local function place(id)
   if not redis.call('HGET', state, 'w:' .. id) then return 0 end
   local total = redis.call('ZCARD', waiters)
@@ -685,9 +688,11 @@ elseif op == 'place' then
   purge()
   return {place(ARGV[2])}
 elseif op == 'jobs' then
-  -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2].
+  -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2],
+  -- among the first JOBS_SCAN waiters (by key, then seq): a look that never holds Redis for
+  -- long, however long the queue.
   local found = {}
-  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, -1)) do
+  for _, m in ipairs(redis.call('ZRANGE', waiters, 0, JOBS_SCAN - 1)) do
     local seq, id = string.match(m, '^[^:]*:(%d+):(.*)$')
     local info = id and redis.call('HGET', state, 'w:' .. id) or ''
     if string.match(info, '|([^|]*)$') == FLEET then found[#found + 1] = {seq, id} end
