@@ -53,6 +53,9 @@ struct Inner {
     sending: HashSet<u128>,
     /// Write-backs sent that may have run: sent again as they are (same id, same units).
     doubtful: Vec<Owed>,
+    /// Entries a request took to send itself ([`Ledger::in_hand`]), and how many requests
+    /// of each are sending.
+    in_hand: HashMap<u128, usize>,
     /// A task is sending the ledger to the store.
     flushing: bool,
 }
@@ -75,11 +78,19 @@ pub(crate) struct Ledger {
     in_hand: AtomicUsize,
 }
 
-/// A request's send of what it took of the ledger, under way.
-pub(crate) struct InHand<'a>(&'a Ledger);
+/// A request's send of what it took of a key's entry in the ledger, under way.
+pub(crate) struct InHand<'a>(&'a Ledger, u128);
 
 impl Drop for InHand<'_> {
     fn drop(&mut self) {
+        let mut inner = lock(&self.0.inner);
+        if let Some(n) = inner.in_hand.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                inner.in_hand.remove(&self.1);
+            }
+        }
+        drop(inner);
         self.0.in_hand.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -137,15 +148,16 @@ impl Ledger {
         !std::mem::replace(&mut inner.flushing, true)
     }
 
-    /// True while `req.key` owes units, or the sending task is sending them.
+    /// True while `req.key` owes units, or the sending task or a request is sending them.
     pub fn owes(&self, req: &AdmitRequest) -> bool {
-        if self.len.load(Ordering::Relaxed) == 0 {
+        if self.len.load(Ordering::Relaxed) == 0 && self.in_hand.load(Ordering::Relaxed) == 0 {
             return false;
         }
         let k = entry_of(&req.key, &req.also);
         let inner = lock(&self.inner);
         inner.owed.contains_key(&k)
             || inner.sending.contains(&k)
+            || inner.in_hand.contains_key(&k)
             || inner
                 .doubtful
                 .iter()
@@ -193,12 +205,15 @@ impl Ledger {
         out
     }
 
-    /// Held by a request while it sends what it took of the ledger ([`Ledger::take`]): an exit
-    /// waits for it (`is_empty`). Its drop says it is over, however the send ended (a request
-    /// whose client left drops it mid-send).
-    pub fn in_hand(&self) -> InHand<'_> {
+    /// Held by a request while it sends what it took of `req.key`'s debt ([`Ledger::take`]):
+    /// the key still owes meanwhile (`owes`: a refund waits for it), and an exit waits for it
+    /// (`is_empty`). Its drop says it is over, however the send ended (a request whose client
+    /// left drops it mid-send).
+    pub fn in_hand(&self, req: &AdmitRequest) -> InHand<'_> {
+        let k = entry_of(&req.key, &req.also);
+        *lock(&self.inner).in_hand.entry(k).or_default() += 1;
         self.in_hand.fetch_add(1, Ordering::Relaxed);
-        InHand(self)
+        InHand(self, k)
     }
 
     /// Everything owed, for the sending task, which tells [`Ledger::done_sending`] of each.
@@ -306,12 +321,13 @@ mod tests {
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].units, 5);
         l.put_back(all);
-        let in_hand = l.in_hand();
+        let in_hand = l.in_hand(&req(1, 0));
         assert_eq!(l.take(&req(1, 0)).first().map(|o| o.units), Some(5));
-        // A request sends it: an exit waits for it, however that send ends.
-        assert!(!l.is_empty());
+        // A request sends it: the key owes until it is done (a refund waits), and an exit
+        // waits for it, however that send ends.
+        assert!(!l.is_empty() && l.owes(&req(1, 0)) && !l.owes(&req(2, 0)));
         drop(in_hand);
-        assert!(l.is_empty());
+        assert!(l.is_empty() && !l.owes(&req(1, 0)));
         assert!(l.done_if_empty());
         assert!(l.add(&req(1, 1), 1), "sender stopped: start another");
     }

@@ -16,7 +16,7 @@ impl<S: SharedStore> FallbackStore<S> {
         if !self.owed.owes(req) {
             return Ok(());
         }
-        let _in_hand = self.owed.in_hand();
+        let _in_hand = self.owed.in_hand(req);
         let mut owed = self.owed.take(req);
         if owed.is_empty() {
             self.owed.sending_done(req, SENDING_WAIT).await;
