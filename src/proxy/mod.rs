@@ -61,10 +61,39 @@ fn follows_upstream(ctx: &Ctx) -> bool {
 /// answer for its charge, on a route without a cap too (HTTP/1 has the client shield instead).
 fn settles_on_reset(session: &Session, ctx: &Ctx) -> bool {
     session.downstream_session.is_http2()
+        // (A TLS upstream's late answer, read from the socket, is ciphertext.)
+        && !ctx.upstream.tls
         && ctx.is_admitted()
         && ctx.route.as_ref().is_some_and(|r| {
             r.fidelity.cost_per_second.is_some() || r.fidelity.cost_from_response.is_some()
         })
+}
+
+/// Late answers followed at once for routes without a cap ([`settles_on_reset`]): each holds
+/// an upstream socket for up to `abandon_timeout`, and nothing else bounds how many.
+const UNCAPPED_FOLLOWS_AT_MOST: usize = 256;
+
+static UNCAPPED_FOLLOWS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One of those, counted while it lives.
+struct UncappedFollow;
+
+impl UncappedFollow {
+    fn start() -> Option<UncappedFollow> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let n = UNCAPPED_FOLLOWS.fetch_add(1, Relaxed);
+        if n >= UNCAPPED_FOLLOWS_AT_MOST {
+            UNCAPPED_FOLLOWS.fetch_sub(1, Relaxed);
+            return None;
+        }
+        Some(UncappedFollow)
+    }
+}
+
+impl Drop for UncappedFollow {
+    fn drop(&mut self) {
+        UNCAPPED_FOLLOWS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// An HTTP/2 request admitted to a capped route: a reset stream is followed to the end of its
@@ -117,6 +146,16 @@ impl Gateway {
         let Some(dup) = ctx.upstream.dup.take() else {
             return;
         };
+        // A route without a cap bounds nothing of its own: so many late answers at once are
+        // followed, past that the charge stays the admission's (the socket closes now).
+        let uncapped = if follows_upstream(ctx) {
+            None
+        } else {
+            match UncappedFollow::start() {
+                Some(f) => Some(f),
+                None => return,
+            }
+        };
         let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
         let deadline = sent + ctx.upstream.abandon_after;
         let settle = settle
@@ -126,7 +165,7 @@ impl Gateway {
             // A shutdown waits for the settling as for a request.
             let drain = self.shared.drain.enter();
             tokio::spawn(async move {
-                let _drain = drain;
+                let (_drain, _uncapped) = (drain, uncapped);
                 let stated = settle.as_ref().and_then(|s| s.stated_name());
                 let learned =
                     front::drain_upstream(dup, deadline.into(), answer, stated, slot.release())
