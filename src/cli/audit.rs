@@ -8,8 +8,8 @@ use crate::config::Config;
 
 /// An instance that did not answer, and why.
 type Failed = (String, FetchError);
-/// An `--admin` whose instance an earlier one named: (it, that earlier one).
-type Same = (String, String);
+/// An `--admin` whose instance an earlier one named: (its place in the list, that earlier one).
+type Same = (usize, String);
 
 /// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
 /// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
@@ -25,14 +25,14 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
     // An instance named twice (another spelling of its address): counted once.
     let mut first_named: Vec<(String, &String)> = vec![];
     let mut same: Vec<Same> = vec![];
-    for (admin, answer) in admins.iter().zip(answers) {
+    for (n, (admin, answer)) in admins.iter().zip(answers).enumerate() {
         match answer {
             Ok(r) => {
                 let seen = first_named
                     .iter()
                     .find(|(id, _)| !r.instance.is_empty() && *id == r.instance);
                 match seen {
-                    Some((_, first)) => same.push((admin.clone(), (*first).clone())),
+                    Some((_, first)) => same.push((n, (*first).clone())),
                     None => {
                         first_named.push((r.instance.clone(), admin));
                         reports.push(r);
@@ -57,14 +57,7 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
     let out = if json {
         as_json(admins, &failed, &same, report.as_ref(), merged)
     } else {
-        as_text(
-            admins.len(),
-            reports.len(),
-            &failed,
-            &same,
-            report.as_ref(),
-            merged,
-        )
+        as_text(admins, &failed, &same, report.as_ref(), merged)
     };
     (out, code)
 }
@@ -104,11 +97,12 @@ fn as_json(
 ) -> String {
     let instances: Vec<serde_json::Value> = admins
         .iter()
-        .map(|a| match failed.iter().find(|(f, _)| f == a) {
+        .enumerate()
+        .map(|(n, a)| match failed.iter().find(|(f, _)| f == a) {
             Some((_, e)) => {
                 serde_json::json!({"admin": a, "ok": false, "error": e.to_string()})
             }
-            None => match same.iter().find(|(s, _)| s == a) {
+            None => match same.iter().find(|(s, _)| *s == n) {
                 Some((_, first)) => serde_json::json!({"admin": a, "ok": true, "same_as": first}),
                 None => serde_json::json!({"admin": a, "ok": true}),
             },
@@ -127,16 +121,17 @@ fn as_json(
 
 /// The text: who answered, who did not, and the table.
 fn as_text(
-    asked: usize,
-    answered: usize,
+    admins: &[String],
     failed: &[Failed],
     same: &[Same],
     report: Option<&Report>,
     merged: Option<&MergeError>,
 ) -> String {
     let mut out = String::new();
+    let (asked, answered) = (admins.len(), admins.len() - failed.len());
     let _ = writeln!(out, "instances: {answered} of {asked} answered");
-    for (admin, first) in same {
+    for (n, first) in same {
+        let admin = &admins[*n];
         let _ = writeln!(
             out,
             "  {admin}: the same instance as {first} (counted once)"
