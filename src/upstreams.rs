@@ -65,6 +65,24 @@ impl Pools {
     pub fn get(&self, name: &str) -> Option<&Arc<Pool>> {
         self.0.get(name)
     }
+
+    /// `peer`, an address of the named upstream `name` (`None`: the default upstream), did not
+    /// take a connection (refused, timed out, failed its TLS handshake): noted in `refused`,
+    /// never tried again for this request or job. Whether another healthy address of the pool
+    /// is left to try: the upstream never had it, so it may go there whatever its method.
+    pub fn refused(
+        &self,
+        name: Option<&str>,
+        peer: &pingora::upstreams::peer::HttpPeer,
+        refused: &mut Vec<SocketAddr>,
+    ) -> bool {
+        let (Some(pool), Some(addr)) = (name.and_then(|n| self.get(n)), peer._address.as_inet())
+        else {
+            return false;
+        };
+        refused.push(*addr);
+        pool.pick(refused).is_some()
+    }
 }
 
 impl Pool {
@@ -129,11 +147,6 @@ impl Pool {
         };
         let addr = backend.addr.as_inet().copied()?;
         Some((addr, self.targets.get(&addr)?))
-    }
-
-    /// Whether a healthy address is left to try besides those in `refused`.
-    pub fn untried(&self, refused: &[SocketAddr]) -> bool {
-        self.pick(refused).is_some()
     }
 }
 

@@ -204,16 +204,9 @@ async fn open(
         match connector().get_http_session(&peer).await {
             Ok((s, _)) => break (s, peer, host, read_timeout, abandon),
             Err(e) => {
-                let pool = route.provider.upstream.as_ref();
-                let pool = pool.and_then(|name| running.pools.get(name));
-                match (pool, peer._address.as_inet()) {
-                    (Some(pool), Some(addr)) => {
-                        refused.push(*addr);
-                        if !pool.untried(&refused) {
-                            return Err(e.into());
-                        }
-                    }
-                    _ => return Err(e.into()),
+                let name = route.provider.upstream.as_deref();
+                if !running.pools.refused(name, &peer, &mut refused) {
+                    return Err(e.into());
                 }
             }
         }

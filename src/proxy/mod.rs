@@ -461,7 +461,6 @@ impl ProxyHttp for Gateway {
         respond::rate_limit_headers(resp, ctx)
     }
 
-    /// The upstream never had a request whose connection could not be made.
     /// The upstream never had the request. An address of a named pool that refused the
     /// connection (or did not accept it in time, or failed its TLS handshake) is not tried again
     /// for this request: it goes to the pool's next address, whatever its method, since it
@@ -475,14 +474,16 @@ impl ProxyHttp for Gateway {
         mut e: Box<Error>,
     ) -> Box<Error> {
         ctx.upstream.had_request = Some(false);
-        let pool = ctx
+        let name = ctx
             .route
             .as_ref()
-            .and_then(|r| r.provider.upstream.as_ref());
-        let pool = pool.and_then(|name| ctx.running.as_ref()?.pools.get(name));
-        if let (Some(pool), Some(addr)) = (pool, peer._address.as_inet()) {
-            ctx.upstream.refused_by.push(*addr);
-            e.set_retry(pool.untried(&ctx.upstream.refused_by));
+            .and_then(|r| r.provider.upstream.as_deref());
+        if let (Some(running), Some(_)) = (&ctx.running, name) {
+            e.set_retry(
+                running
+                    .pools
+                    .refused(name, peer, &mut ctx.upstream.refused_by),
+            );
         }
         e
     }
