@@ -69,32 +69,10 @@ fn settles_on_reset(session: &Session, ctx: &Ctx) -> bool {
         })
 }
 
-/// Late answers followed at once for routes without a cap ([`settles_on_reset`]): each holds
-/// an upstream socket for up to `abandon_timeout`, and nothing else bounds how many.
-const UNCAPPED_FOLLOWS_AT_MOST: usize = 256;
-
-static UNCAPPED_FOLLOWS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// One of those, counted while it lives.
-struct UncappedFollow;
-
-impl UncappedFollow {
-    fn start() -> Option<UncappedFollow> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let n = UNCAPPED_FOLLOWS.fetch_add(1, Relaxed);
-        if n >= UNCAPPED_FOLLOWS_AT_MOST {
-            UNCAPPED_FOLLOWS.fetch_sub(1, Relaxed);
-            return None;
-        }
-        Some(UncappedFollow)
-    }
-}
-
-impl Drop for UncappedFollow {
-    fn drop(&mut self) {
-        UNCAPPED_FOLLOWS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
+/// Late answers followed at once for routes without a cap ([`settles_on_reset`]), a permit
+/// each: each holds an upstream socket for up to `abandon_timeout`, and nothing else bounds
+/// how many.
+static UNCAPPED_FOLLOWS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
 
 /// An HTTP/2 request admitted to a capped route: a reset stream is followed to the end of its
 /// upstream connection (HTTP/1 has the client shield instead, see `front`).
@@ -151,10 +129,10 @@ impl Gateway {
         let uncapped = if follows_upstream(ctx) {
             None
         } else {
-            match UncappedFollow::start() {
-                Some(f) => Some(f),
-                None => return,
-            }
+            let Ok(permit) = UNCAPPED_FOLLOWS.try_acquire() else {
+                return;
+            };
+            Some(permit)
         };
         let sent = ctx.timing.upstream_start.unwrap_or(ctx.start);
         let deadline = sent + ctx.upstream.abandon_after;
