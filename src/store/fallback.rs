@@ -476,9 +476,8 @@ impl<S: SharedStore> FallbackStore<S> {
     /// once it has landed (nothing of the key owed any more), within [`REFUND_RETRY_AT_MOST`];
     /// sent again later if the store is away then.
     fn refund_after_write_back(self: &Arc<Self>, req: AdmitRequest) {
-        let (store, resending) = (self.clone(), super::Resending::start());
-        tokio::spawn(async move {
-            let _resending = resending;
+        let store = self.clone();
+        tokio::spawn(super::Resending::counted(async move {
             let give_up = tokio::time::Instant::now() + REFUND_RETRY_AT_MOST;
             while store.owed.owes(&req) {
                 if tokio::time::Instant::now() >= give_up {
@@ -488,7 +487,7 @@ impl<S: SharedStore> FallbackStore<S> {
                 tokio::time::sleep(WRITE_BACK_EVERY).await;
             }
             store.refund_shared(&req, 0).await;
-        });
+        }));
     }
 
     /// Sends a shared refund that did not run again, every [`REFUND_RETRY_EVERY`] backing off
@@ -500,9 +499,7 @@ impl<S: SharedStore> FallbackStore<S> {
         let retry_for = crate::budget::drain_time(req.limits(), req.cost)
             .max(REFUND_RETRY_FOR)
             .min(REFUND_RETRY_AT_MOST);
-        let resending = super::Resending::start();
-        tokio::spawn(async move {
-            let _resending = resending;
+        tokio::spawn(super::Resending::counted(async move {
             // Tokio's clock, as the sleeps' (a test can pause it).
             let give_up = tokio::time::Instant::now() + retry_for;
             let mut every = REFUND_RETRY_EVERY;
@@ -517,7 +514,7 @@ impl<S: SharedStore> FallbackStore<S> {
             tracing::warn!(
                 "a refund could not reach the store in time; the key stays charged for it"
             );
-        });
+        }));
     }
 
     /// What is left of the key's budgets in the shared store; while it cannot say, the local

@@ -56,9 +56,16 @@ pub(crate) struct Resending(());
 static RESENDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Resending {
-    pub(crate) fn start() -> Resending {
+    /// `work`, counted from now until it ends (or is dropped): spawn what this returns.
+    pub(crate) fn counted<F: std::future::Future>(
+        work: F,
+    ) -> impl std::future::Future<Output = F::Output> {
         RESENDING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Resending(())
+        let guard = Resending(());
+        async move {
+            let _guard = guard;
+            work.await
+        }
     }
 
     pub(crate) fn count() -> usize {

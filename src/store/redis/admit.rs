@@ -82,11 +82,10 @@ impl RedisBackend {
         if let Err((Ok(v), c)) = tx.send((reply, c)) {
             if admitted(&v) {
                 tracing::warn!("a timed-out admission reached Redis after all; refunding it");
-                let (store, resending) = (self.clone(), Resending::start());
-                tokio::spawn(async move {
-                    store.undo_admission(&c, granted(&v)).await;
-                    drop(resending);
-                });
+                let store = self.clone();
+                tokio::spawn(Resending::counted(async move {
+                    store.undo_admission(&c, granted(&v)).await
+                }));
             }
         }
     }
@@ -180,9 +179,7 @@ impl RedisBackend {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let _resending = Resending::start();
-        rt.spawn(async move {
-            let _resending = _resending;
+        rt.spawn(Resending::counted(async move {
             while Instant::now() < give_up {
                 if store.undo_now(&c).await {
                     return;
@@ -190,7 +187,7 @@ impl RedisBackend {
                 tokio::time::sleep(REFUND_RETRY_EVERY).await;
             }
             tracing::warn!("an admission given up on could not be undone in time; the key may be charged for it twice");
-        });
+        }));
     }
 
     /// Gives back a charge that its request will not use, surely: a refund that did not run
@@ -228,9 +225,7 @@ impl RedisBackend {
         let store = self.clone();
         let drained = crate::budget::drain_time(budgets.iter().map(|(_, l)| l), cost);
         let give_up = Instant::now() + drained.max(self.lease_ttl).min(REFUND_RETRY_AT_MOST);
-        let resending = Resending::start();
-        tokio::spawn(async move {
-            let _resending = resending;
+        tokio::spawn(Resending::counted(async move {
             let mut every = REFUND_RETRY_EVERY;
             while Instant::now() < give_up {
                 tokio::time::sleep(every).await;
@@ -245,7 +240,7 @@ impl RedisBackend {
             tracing::warn!(
                 "an admission could not be refunded before its charge drained; the key stays charged for it"
             );
-        });
+        }));
     }
 }
 
@@ -332,11 +327,10 @@ impl Drop for PendingReply {
                 // Dropped outside a runtime only when the process is going away: the lease
                 // then lapses after lease_ttl.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    let (store, resending) = (self.store.clone(), Resending::start());
-                    rt.spawn(async move {
-                        store.undo_admission(&c, granted(&v)).await;
-                        drop(resending);
-                    });
+                    let store = self.store.clone();
+                    rt.spawn(Resending::counted(async move {
+                        store.undo_admission(&c, granted(&v)).await
+                    }));
                 }
             }
         }
