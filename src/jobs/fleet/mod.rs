@@ -183,7 +183,7 @@ pub async fn view(
     if field(&r, "state") == b"queued" {
         let running = shared.running();
         if let Some(who) = payer(&running, field(&r, "key")) {
-            if take_out(shared, &running, b, id, &who, "expire").await {
+            if take_out(shared, &running, b, (id, &r), &who, "expire").await {
                 return Ok(Some((route, View::Done(Arc::new(expired_result())))));
             }
         }
@@ -214,25 +214,26 @@ pub async fn cancel(shared: &Shared, running: &Running, id: &str, who: &Identity
     let Some(b) = backend(shared) else {
         return false;
     };
-    take_out(shared, running, b, id, who, "cancel").await
+    let Ok(Some(r)) = read(b, id).await else {
+        return false;
+    };
+    take_out(shared, running, b, (id, &r), who, "cancel").await
 }
 
-/// Takes a queued job out of its route's queue as record operation `op` (`cancel`, or
-/// `expire` once it has waited result_ttl) and refunds it; `false`: it was not queued (or
-/// not due), nothing changed.
+/// Takes queued job `id` (of record `r`, as its caller read it) out of its route's queue as
+/// record operation `op` (`cancel`, or `expire` once it has waited result_ttl) and refunds
+/// it; `false`: it was not queued (or not due), nothing changed. (The record's operation
+/// decides, whatever changed since `r` was read.)
 async fn take_out(
     shared: &Shared,
     running: &Running,
     b: &RedisBackend,
-    id: &str,
+    (id, r): (&str, &record::Record),
     who: &Identity,
     op: &str,
 ) -> bool {
-    let Ok(Some(r)) = read(b, id).await else {
-        return false;
-    };
-    let label = text(&r, "route");
-    if field(&r, "state") != b"queued" {
+    let label = text(r, "route");
+    if field(r, "state") != b"queued" {
         return false;
     }
     // The record decides first: a collector that claimed it keeps it (and its slot); once it
@@ -247,13 +248,13 @@ async fn take_out(
     } else if let Some(key) = key {
         let _ = b.job_release_key(key, id).await;
     }
-    refund(shared, running, &r, who).await;
+    refund(shared, running, r, who).await;
     let result = if op == "cancel" {
         JobResult::Cancelled
     } else {
         JobResult::Expired
     };
-    ended_unrun(running, &r, id, result);
+    ended_unrun(running, r, id, result);
     true
 }
 
@@ -309,7 +310,7 @@ async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, la
             continue;
         };
         if field(&r, "state") == b"queued"
-            && !take_out(shared, running, b, &id, &who, "expire").await
+            && !take_out(shared, running, b, (&id, &r), &who, "expire").await
         {
             return;
         }
