@@ -61,8 +61,10 @@ struct Inner {
 }
 
 impl Inner {
+    /// Entries owed, being sent (by the task or a request), or sent in doubt: while there is
+    /// any, the sending task goes on (one a request puts back is then sent too).
     fn len(&self) -> usize {
-        self.owed.len() + self.sending.len() + self.doubtful.len()
+        self.owed.len() + self.sending.len() + self.doubtful.len() + self.in_hand.len()
     }
 }
 
@@ -74,8 +76,6 @@ pub(crate) struct Ledger {
     full_warned: AtomicBool,
     /// Told when a send of the task is over.
     sent: Notify,
-    /// Requests sending what they took ([`Ledger::in_hand`]).
-    in_hand: AtomicUsize,
 }
 
 /// A request's send of what it took of a key's entry in the ledger, under way.
@@ -90,8 +90,7 @@ impl Drop for InHand<'_> {
                 inner.in_hand.remove(&self.1);
             }
         }
-        drop(inner);
-        self.0.in_hand.fetch_sub(1, Ordering::Relaxed);
+        self.0.len.store(inner.len(), Ordering::Relaxed);
     }
 }
 
@@ -150,7 +149,7 @@ impl Ledger {
 
     /// True while `req.key` owes units, or the sending task or a request is sending them.
     pub fn owes(&self, req: &AdmitRequest) -> bool {
-        if self.len.load(Ordering::Relaxed) == 0 && self.in_hand.load(Ordering::Relaxed) == 0 {
+        if self.len.load(Ordering::Relaxed) == 0 {
             return false;
         }
         let k = entry_of(&req.key, &req.also);
@@ -211,8 +210,9 @@ impl Ledger {
     /// left drops it mid-send).
     pub fn in_hand(&self, req: &AdmitRequest) -> InHand<'_> {
         let k = entry_of(&req.key, &req.also);
-        *lock(&self.inner).in_hand.entry(k).or_default() += 1;
-        self.in_hand.fetch_add(1, Ordering::Relaxed);
+        let mut inner = lock(&self.inner);
+        *inner.in_hand.entry(k).or_default() += 1;
+        self.len.store(inner.len(), Ordering::Relaxed);
         InHand(self, k)
     }
 
@@ -268,7 +268,7 @@ impl Ledger {
 
     /// Nothing is owed, nor being sent (by the task, or by a request).
     pub fn is_empty(&self) -> bool {
-        self.len.load(Ordering::Relaxed) == 0 && self.in_hand.load(Ordering::Relaxed) == 0
+        self.len.load(Ordering::Relaxed) == 0
     }
 
     /// What is still owed, for the exit's last word: the keys (entries, those being sent
