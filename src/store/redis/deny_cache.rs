@@ -21,12 +21,11 @@ pub(super) const GIVEN_BACK: &str = "tollgate:given-back";
 ///
 /// Until then the bucket cannot have room for `cost` units — levels only fall with time, and
 /// other instances' admissions only add to them — unless units go back into it: a refund,
-/// here or on another instance. Redis publishes every such give-back ([`GIVEN_BACK`]) and the
-/// instance forgets the key's refusal when it hears it; so it does a debt written back
-/// elsewhere (what a fallback admitted), which leaves the refusal right but its moment too
-/// early; so a refusal is kept only while this
-/// instance is subscribed, and one decided before a give-back it heard (or before it
-/// subscribed) is not kept at all. A config change invalidates an entry (its `Limit` differs).
+/// here or on another instance. Redis publishes every such give-back ([`GIVEN_BACK`]), and
+/// every write-back of what another instance's fallback admitted (the refusal stays right,
+/// but its moment comes later), and the instance forgets the key's refusal when it hears
+/// it. So a refusal is kept only while this instance is subscribed, and one decided before
+/// a message it heard (or before it subscribed) is not kept at all. A config change invalidates an entry (its `Limit` differs).
 #[derive(Debug)]
 pub(super) struct DenyCache {
     shards: Box<[Mutex<Shard>]>,
