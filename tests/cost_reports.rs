@@ -405,23 +405,13 @@ async fn the_audit_compares_stated_and_configured_costs() {
     .await;
 
     let inst: serde_json::Value = admin_json(&gw, "/admin/audit").await;
-    let q = inst["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == "/q")
-        .unwrap();
+    let q = route_entry(&inst, "/q");
     assert_eq!(
         q["stated"],
         serde_json::json!({"header": "x-actual-cost", "reports": 20, "sum": 100}),
         "{q}"
     );
-    let plain = inst["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == "/plain")
-        .unwrap();
+    let plain = route_entry(&inst, "/plain");
     assert!(plain.get("stated").is_none(), "{plain}");
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
@@ -429,16 +419,7 @@ async fn the_audit_compares_stated_and_configured_costs() {
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let finding = |name: &str| {
-        v["routes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["route"] == name)
-            .cloned()
-            .unwrap()
-    };
-    let stated = |name: &str| finding(name)["stated"].clone();
+    let stated = |name: &str| route_entry(&v, name)["stated"].clone();
     assert_eq!(
         stated("/q"),
         serde_json::json!({"header": "x-actual-cost", "reports": 20, "mean_cost": 5.0, "flag": "under-priced"})
@@ -451,7 +432,7 @@ async fn the_audit_compares_stated_and_configured_costs() {
         stated("/big"),
         serde_json::json!({"header": "x-actual-cost", "reports": 20, "mean_cost": 5.0, "flag": null})
     );
-    assert!(finding("/plain").get("stated").is_none());
+    assert!(route_entry(&v, "/plain").get("stated").is_none());
     // The existing fields are all still there.
     for field in [
         "requests",
@@ -461,7 +442,7 @@ async fn the_audit_compares_stated_and_configured_costs() {
         "worst_case",
         "p95_seconds",
     ] {
-        assert!(finding("/q").get(field).is_some(), "{field}");
+        assert!(route_entry(&v, "/q").get(field).is_some(), "{field}");
     }
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))

@@ -284,10 +284,7 @@ async fn an_exit_past_the_grace_period_leaves_its_keys_their_share() {
     a.signal("TERM");
     assert_eq!(a.wait_exit(Duration::from_secs(5)), Some(0));
     let routes = admin_json(&b, "/admin/routes").await;
-    let route = routes["routes"]
-        .as_array()
-        .and_then(|rs| rs.iter().find(|r| r["route"] == "/reports/generate"))
-        .unwrap_or_else(|| panic!("{routes}"));
+    let route = route_entry(&routes, "/reports/generate");
     assert_eq!(route["running"], 0, "{routes}");
     assert_eq!(route["keys"], serde_json::json!([]), "{routes}");
     // The same key gets its one slot, not a 503 at its queue_timeout.

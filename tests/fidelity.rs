@@ -81,17 +81,8 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
     assert_eq!(inst.len(), 3);
     assert_eq!(inst[2]["admin"], dead.as_str());
     assert_eq!(inst[2]["ok"], false);
-    let route = |name: &str| {
-        v["routes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["route"] == name)
-            .cloned()
-            .unwrap()
-    };
     for name in ["/a", "/b", "/slow"] {
-        let r = route(name);
+        let r = route_entry(&v, name);
         assert_eq!(
             (r["requests"].as_u64(), r["upstream_requests"].as_u64()),
             (Some(20), Some(20)),
@@ -122,7 +113,7 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
         let slow = i.routes.iter().find(|x| x.route == "/slow").unwrap();
         assert!(slow.upstream.count < tollgate::audit::MIN_SAMPLES);
     }
-    let slow = route("/slow");
+    let slow = route_entry(&v, "/slow");
     let p95 = slow["p95_seconds"].as_f64().unwrap();
     assert!((0.25..=0.5).contains(&p95), "{p95}");
     let implied = slow["implied_cost"].as_f64().unwrap();
@@ -140,7 +131,7 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
     );
     assert_eq!(v["routes"][0]["route"], "/slow", "worst first");
     for name in ["/a", "/b"] {
-        assert!(route(name)["flag"].is_null());
+        assert!(route_entry(&v, name)["flag"].is_null());
     }
 
     // The table says the same, and names the dead instance.
@@ -169,12 +160,7 @@ async fn audit_merges_a_redis_fleet_and_flags_the_slow_route() {
     ]);
     assert_eq!(code, 0, "{out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let slow = v["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == "/slow")
-        .unwrap();
+    let slow = route_entry(&v, "/slow");
     assert_eq!(
         (slow["cost"].as_u64(), slow["flag"].is_null()),
         (Some(30), true),
@@ -202,8 +188,7 @@ async fn the_admin_audit_has_the_findings_of_its_instance() {
     let v = admin_json(&gw, "/admin/audit").await;
     let baseline = v["baseline_seconds"].as_f64().unwrap();
     assert!((0.01..0.1).contains(&baseline), "{v}");
-    let routes = v["routes"].as_array().unwrap();
-    let slow = routes.iter().find(|r| r["route"] == "/slow").unwrap();
+    let slow = route_entry(&v, "/slow");
     assert_eq!(slow["flag"], "under-priced", "{slow}");
     assert_eq!(slow["too_little_traffic"], false, "{slow}");
     let mean = slow["mean_seconds"].as_f64().unwrap();
@@ -217,7 +202,7 @@ async fn the_admin_audit_has_the_findings_of_its_instance() {
         (worst["backend_seconds_per_minute"].as_f64().unwrap() - want).abs() < 1e-9,
         "{slow}"
     );
-    let a = routes.iter().find(|r| r["route"] == "/a").unwrap();
+    let a = route_entry(&v, "/a");
     assert!(a["flag"].is_null() && a["implied_cost"].is_number(), "{a}");
     // `tollgate audit` still reads it.
     let (out, code) = audit(&["--admin", &gw.admin(""), "--format", "json"]);
@@ -486,12 +471,7 @@ async fn an_instance_named_twice_is_audited_once() {
     ]);
     assert_eq!(code, 0, "{out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let a = v["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == "/a")
-        .unwrap();
+    let a = route_entry(&v, "/a");
     assert_eq!(a["requests"], 3, "{out}");
     assert_eq!(v["instances"][1]["same_as"], gw.admin(""), "{out}");
     let (out, _) = audit(&["--admin", &gw.admin(""), "--admin", &other]);

@@ -72,11 +72,7 @@ async fn a_job_answered_204_is_served_without_a_length() {
     // Both were admitted (the job from its 202; its polls are not requests to the route):
     // `/admin/routes` counts them in the last minute. It counted the synchronous one only.
     let v = admin_json(&gw, "/admin/routes").await;
-    let reports = v["routes"]
-        .as_array()
-        .and_then(|r| r.iter().find(|r| r["route"] == ROUTE))
-        .cloned()
-        .unwrap_or_default();
+    let reports = find_route(&v, ROUTE).cloned().unwrap_or_default();
     assert_eq!(
         reports["last_minute"],
         serde_json::json!({"admitted": 2, "refused": 0}),
@@ -311,13 +307,7 @@ async fn jobs_share_a_full_route_fairly() {
     // Started by now, key b's perhaps included: b is among the next 2 after its queueing.
     let before_b = up.count(ROUTE);
     let routes = admin_json(&gw, "/admin/routes").await;
-    let r = routes["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == ROUTE)
-        .unwrap()
-        .clone();
+    let r = route_entry(&routes, ROUTE).clone();
     assert_eq!(r["jobs"]["running"], 2, "{r}");
     assert!(r["jobs"]["queued"].as_u64().unwrap() >= 5, "{r}");
     // /admin/status lists them too (it said `[]` whatever ran).

@@ -844,12 +844,7 @@ async fn every_instance_sees_the_fleets_queued_jobs() {
         .json()
         .await
         .unwrap();
-    let route = routes["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == ROUTE)
-        .unwrap();
+    let route = route_entry(&routes, ROUTE);
     assert_eq!(
         route["jobs"],
         serde_json::json!({"queued": 3, "running": 0})

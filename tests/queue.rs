@@ -612,13 +612,7 @@ async fn admin_routes_names_the_keys_holding_and_awaiting_the_slots() {
         }
         wait_queued(holder, "/reports/generate", 1.0).await;
         let v = admin_json(asked, "/admin/routes").await;
-        let route = v["routes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["route"] == "/reports/generate")
-            .unwrap()
-            .clone();
+        let route = route_entry(&v, "/reports/generate").clone();
         assert_eq!(route["cap"], 2, "{v}");
         assert_eq!(route["running"], 2, "{v}");
         assert_eq!(route["queued"], 1, "{v}");

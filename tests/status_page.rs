@@ -141,15 +141,6 @@ async fn admin_get(gw: &Gateway, path: &str) -> serde_json::Value {
     r.json().await.unwrap()
 }
 
-fn route<'v>(v: &'v serde_json::Value, label: &str) -> &'v serde_json::Value {
-    v["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == label)
-        .unwrap_or_else(|| panic!("no route {label} in {v}"))
-}
-
 /// Key c's exports: the first admitted, the next `refused` ones refused by its 20-unit budget.
 async fn exports_of_key_c(gw: &Gateway, refused: usize) {
     let c = client();
@@ -197,7 +188,7 @@ async fn the_status_page_shows_the_live_numbers_in_a_browser() {
     .await;
     // What the API says now (the page must say the same).
     let live = admin_get(&gw, "/admin/routes").await;
-    let reports = route(&live, "/reports/generate");
+    let reports = route_entry(&live, "/reports/generate");
     assert_eq!(reports["cap"], 2, "{live}");
     assert_eq!(reports["running"], 2, "{live}");
     assert_eq!(reports["queued"], 1, "{live}");
@@ -311,7 +302,7 @@ async fn admin_routes_counts_the_last_minute_and_status_names_the_refused_keys()
     let start = Instant::now();
     let v = loop {
         let v = admin_json(&gw, "/admin/routes").await;
-        let counts = |label| route(&v, label)["last_minute"].clone();
+        let counts = |label| route_entry(&v, label)["last_minute"].clone();
         if counts("/items") == serde_json::json!({"admitted": 3, "refused": 0})
             && counts("/exports/bulk") == serde_json::json!({"admitted": 1, "refused": 2})
         {
@@ -320,7 +311,7 @@ async fn admin_routes_counts_the_last_minute_and_status_names_the_refused_keys()
         assert!(start.elapsed() < Duration::from_secs(5), "{v}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let reports = route(&v, "/reports/generate");
+    let reports = route_entry(&v, "/reports/generate");
     assert_eq!(reports["cost"], 20, "{v}");
     assert_eq!(reports["cap"], 2, "{v}");
     assert_eq!(reports["running"], 0, "{v}");
@@ -331,7 +322,7 @@ async fn admin_routes_counts_the_last_minute_and_status_names_the_refused_keys()
         serde_json::json!({"admitted": 0, "refused": 0}),
         "{v}"
     );
-    let default = route(&v, "default");
+    let default = route_entry(&v, "default");
     assert_eq!(default["cost"], 1, "{v}");
     assert!(default.get("cap").is_none(), "{v}");
     assert_eq!(v["jobs"], serde_json::json!([]), "{v}");

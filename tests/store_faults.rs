@@ -835,11 +835,7 @@ async fn p1_report(c: &reqwest::Client, gw: &Gateway, delay_ms: u64) -> (u16, bo
 async fn route_counts_one_key(gw: &Gateway, running: u64) {
     eventually(Duration::from_secs(5), async || {
         let v = admin_json(gw, "/admin/routes").await;
-        let route = v["routes"]
-            .as_array()
-            .and_then(|rs| rs.iter().find(|r| r["route"] == "/reports/generate"))
-            .cloned()
-            .ok_or_else(|| v.to_string())?;
+        let route = find_route(&v, "/reports/generate").ok_or_else(|| v.to_string())?;
         let keys = route["keys"].as_array().cloned().unwrap_or_default();
         if route["running"] == running && keys.len() == 1 && keys[0]["running"] == running {
             Ok(())

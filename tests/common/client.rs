@@ -100,3 +100,14 @@ pub async fn anonymous_gets(c: &reqwest::Client, url: &str, n: usize) -> Vec<(u1
     }
     seen
 }
+
+/// The entry for `route` in a JSON answer's `routes` array (`/admin/routes`, `/admin/costs`,
+/// `/status.json`, `tollgate audit --json`), if it has one.
+pub fn find_route<'a>(v: &'a serde_json::Value, route: &str) -> Option<&'a serde_json::Value> {
+    v["routes"].as_array()?.iter().find(|r| r["route"] == route)
+}
+
+/// [`find_route`], or a panic that shows the whole answer.
+pub fn route_entry<'a>(v: &'a serde_json::Value, route: &str) -> &'a serde_json::Value {
+    find_route(v, route).unwrap_or_else(|| panic!("no route {route} in {v}"))
+}
