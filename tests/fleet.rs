@@ -974,6 +974,45 @@ async fn access_log_separates_the_store_round_trip_from_queueing() {
     }
 }
 
+/// A capped route's admission is two calls to a Redis a network away (its key's budget, then
+/// the route's queue), each a round trip of 60 ms at least: that is store time. With the slot
+/// free it waits for nothing, so its queue time is nil (the access log, and the queue-wait
+/// histogram). Both went to queue time, and store time was near 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_routes_store_round_trips_are_not_queue_time() {
+    const WAY: Duration = Duration::from_millis(30);
+    let redis = Redis::start();
+    let proxy = Proxy::start_delayed(redis.port, WAY);
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\n{}",
+        proxy.url(),
+        incident_with_report_caps("      max_in_flight: 2\n      queue_timeout: 5s\n")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(
+            post(&c, gw.url("/reports/generate"), "k").await.status(),
+            200
+        );
+    }
+    let events = gw.wait_access(3, |_| true).await;
+    for e in &events {
+        let (queue, store) = (
+            e["queue_ms"].as_f64().unwrap(),
+            e["store_ms"].as_f64().unwrap(),
+        );
+        assert!(store >= 120.0 && queue < 5.0, "{e}");
+    }
+    let waited = metric(
+        &gw,
+        "tollgate_queue_wait_seconds_sum{route=\"/reports/generate\"}",
+    )
+    .await;
+    assert!(waited < 0.015, "{waited}");
+}
+
 /// Group commit across a fleet (`store::redis::batch`): while Redis is paused, each worker
 /// thread of three gateways has two `admit` calls in flight and gathers the rest of 60
 /// requests (cost 2, one key, 25 units left) behind them; they then go as batches, which

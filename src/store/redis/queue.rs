@@ -129,6 +129,9 @@ struct Unserved {
     /// Until when (Redis time, µs) its charge's admission record surely lives
     /// (`record::kept_until`; 0: not known).
     record_kept: u64,
+    /// How long it has waited for a grant: its queue time. Its calls to Redis are the
+    /// store's time, not the queue's (`Timing::store`, the access log's `store_ms`).
+    waited: Duration,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     _pending: PendingId,
 }
@@ -346,6 +349,7 @@ impl RedisBackend {
             waiting: false,
             in_route: true,
             owed: false,
+            waited: Duration::ZERO,
             _pending: pending,
         };
         let mut again = false;
@@ -357,7 +361,7 @@ impl RedisBackend {
                 self.after_data_loss(req).await;
                 // Not if the instance is exiting and gave its charge back, nor past its time.
                 if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
-                    return Ok(self.route_busy(req, &outcome, start, unserved).await);
+                    return Ok(self.route_busy(req, &outcome, unserved).await);
                 }
                 // Its charge went with Redis's data, if its record did: made again before it
                 // waits again, as the fallback's write-back would have (it runs after all).
@@ -376,7 +380,7 @@ impl RedisBackend {
                         break;
                     }
                     if start.elapsed() >= req.queue_timeout {
-                        return Ok(self.route_busy(req, &outcome, start, unserved).await);
+                        return Ok(self.route_busy(req, &outcome, unserved).await);
                     }
                     // The grant lapsed before this instance confirmed it (it reached us
                     // late): queue again.
@@ -386,7 +390,7 @@ impl RedisBackend {
                 // nothing back twice).
                 Some(FULL) | Some(GIVEN_UP) => {
                     unserved.in_route = false;
-                    return Ok(self.route_busy(req, &outcome, start, unserved).await);
+                    return Ok(self.route_busy(req, &outcome, unserved).await);
                 }
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
             }
@@ -394,11 +398,12 @@ impl RedisBackend {
         if !unserved.charge_kept(true) {
             // Granted as the instance exits, after it gave the charge back: it does not run
             // (the slot is released as it drops).
-            return Ok(self.route_busy(req, &outcome, start, unserved).await);
+            return Ok(self.route_busy(req, &outcome, unserved).await);
         }
+        let waited = unserved.waited;
         let lease = unserved.served();
         Ok(SharedAnswer {
-            admission: Admission::admitted(&outcome, lease, start.elapsed()),
+            admission: Admission::admitted(&outcome, lease, waited),
             reached: true,
         })
     }
@@ -416,7 +421,9 @@ impl RedisBackend {
         u.owe();
         let _queued = Queued::new(&req.route);
         let left = req.queue_timeout.saturating_sub(start.elapsed());
+        let asleep = Instant::now();
         let woken = tokio::time::timeout(left, rx).await;
+        u.waited += asleep.elapsed();
         if let Ok(Ok(Wake::Requeue)) = woken {
             u.forget_waiter();
             return Ok(false);
@@ -486,7 +493,6 @@ impl RedisBackend {
         &self,
         req: &AdmitRequest,
         o: &crate::budget::Outcome,
-        start: Instant,
         mut unserved: Unserved,
     ) -> SharedAnswer {
         let levels = match unserved.leave() {
@@ -502,7 +508,7 @@ impl RedisBackend {
         SharedAnswer {
             admission: Admission::RouteBusy {
                 standing,
-                queued: start.elapsed(),
+                queued: unserved.waited,
             },
             reached: true,
         }
