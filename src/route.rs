@@ -483,6 +483,34 @@ impl Router {
     }
 }
 
+/// A reload, as the stores' queues take it at once: the routes now in force, and the routes
+/// whose cap it took away (the cap, or the route with it), whose waiters go now, as the
+/// route's new requests do.
+pub struct Reloaded<'a> {
+    pub router: &'a Router,
+    pub uncapped: Vec<Arc<str>>,
+}
+
+impl<'a> Reloaded<'a> {
+    pub fn new(old: &Router, router: &'a Router) -> Self {
+        let capped = |r: &&Route| r.max_in_flight.is_some();
+        let still: std::collections::HashSet<&str> =
+            router.routes().filter(capped).map(|r| &*r.label).collect();
+        let uncapped = old
+            .routes()
+            .filter(capped)
+            .filter(|r| !still.contains(&*r.label))
+            .map(|r| r.label.clone())
+            .collect();
+        Reloaded { router, uncapped }
+    }
+
+    /// When the new config was loaded (`Route::loaded_ms`): a queue keeps the newest figures.
+    pub fn loaded_ms(&self) -> u64 {
+        self.router.default_route().loaded_ms
+    }
+}
+
 /// Why an endpoint's path can be no route; each quotes the path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 enum PatternError {

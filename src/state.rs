@@ -104,7 +104,10 @@ impl Shared {
         self.running.store(running.clone());
         // After the swap: a request that still spends a slice now asks again under the new
         // budgets, and waiters see the new caps.
-        self.store.reloaded(&running.config.router);
+        self.store.reloaded(&crate::route::Reloaded::new(
+            &old.config.router,
+            &running.config.router,
+        ));
         // The series of routes gone with the old config, unless requests still run on them
         // (then at a later scrape, once they have ended).
         drop(old);

@@ -1094,6 +1094,67 @@ async fn a_reloaded_cap_reaches_the_waiters_on_memory_and_redis() {
     a_reloaded_cap_reaches_the_waiters(&up, &gw, "redis").await;
 }
 
+/// A reload that takes a route's cap away (`edit`: the cap's lines, or the whole route) lets
+/// the requests already waiting go at once, as the route's new requests do (DESIGN §2: a
+/// valid file takes effect at once; README: a larger cap hands its slots to the waiters then,
+/// and no cap is the largest). Before, they waited under the old cap until the one running
+/// ended, or were refused at their queue_timeout.
+async fn a_cap_a_reload_takes_away_lets_the_waiters_go(
+    up: &Upstream,
+    gw: &Gateway,
+    edit: (&str, &str),
+    what: &str,
+) {
+    let c = client();
+    let send = |target: &str, key: &'static str| {
+        let (c, url) = (c.clone(), gw.url(target));
+        tokio::spawn(async move { get(&c, url, key).await.status().as_u16() })
+    };
+    let first = send("/reports/generate?delay_ms=8000", "key-a");
+    up.wait_current(ROUTE, 1).await;
+    let waiting: Vec<_> = ["key-b", "key-c"]
+        .into_iter()
+        .map(|k| send("/reports/generate?delay_ms=200", k))
+        .collect();
+    wait_queued(gw, ROUTE, 2.0).await;
+    gw.edit_config(edit.0, edit.1);
+    gw.reload(0.0).await;
+    let reloaded = Instant::now();
+    for t in waiting {
+        assert_eq!(t.await.unwrap(), 200, "{what}");
+    }
+    assert!(
+        reloaded.elapsed() < Duration::from_secs(4),
+        "{what}: the waiters ran {:?} after the reload, behind the one running",
+        reloaded.elapsed()
+    );
+    assert_eq!(up.max_concurrent(ROUTE), 3, "{what}");
+    assert_eq!(first.await.unwrap(), 200, "{what}");
+    // Each charged once: cost 1 each from a budget of 1000.
+    for id in ["a", "b", "c"] {
+        assert_eq!(remaining(gw, id).await, 999, "{what}: key {id}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cap_a_reload_takes_away_lets_the_waiters_go_on_memory_and_redis() {
+    const CAP: &str = "      max_in_flight: 1\n      queue_timeout: 30s\n";
+    let endpoint = format!("    /reports/generate:\n      cost: 1\n{CAP}");
+    let cap_gone = (CAP, "");
+    let route_gone = (endpoint.as_str(), "");
+    for (edit, what) in [(cap_gone, "cap removed"), (route_gone, "route removed")] {
+        let up = Upstream::start(Duration::ZERO);
+        let gw = Gateway::start(&up, &config(&endpoint, ""));
+        a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, edit, &format!("memory, {what}"))
+            .await;
+        let redis = Redis::start();
+        let up = Upstream::start(Duration::ZERO);
+        let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(&endpoint, "")));
+        a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, edit, &format!("redis, {what}"))
+            .await;
+    }
+}
+
 /// `lua/queue.lua` run directly on a Redis, for the route tagged `tag`.
 struct QueueLua<'a> {
     redis: &'a Redis,

@@ -370,3 +370,41 @@ fn each_config_loaded_is_stamped_after_the_one_before() {
         .collect();
     assert!(stamps[0] < stamps[1] && stamps[1] < stamps[2], "{stamps:?}");
 }
+
+/// A reload lists the routes whose cap it took away, or whose route it took away with its
+/// cap: their waiters go at once (`Store::reloaded`). A route still capped (whatever its new
+/// cap), one never capped and one the reload caps are not listed.
+#[test]
+fn a_reload_lists_the_caps_it_took_away() {
+    let capped = |p: &str, cap| RouteSpec {
+        max_in_flight: Some(cap),
+        queue_timeout: Duration::from_secs(1),
+        ..spec(p, 1)
+    };
+    let old = Router::new(
+        vec![
+            capped("/kept", 2),
+            capped("/uncapped", 2),
+            capped("/gone", 2),
+            spec("/plain", 1),
+            spec("/capped-now", 1),
+        ],
+        1,
+    )
+    .unwrap();
+    let new = Router::new(
+        vec![
+            capped("/kept", 5),
+            spec("/uncapped", 1),
+            spec("/plain", 1),
+            capped("/capped-now", 1),
+        ],
+        1,
+    )
+    .unwrap();
+    let r = Reloaded::new(&old, &new);
+    let mut labels: Vec<&str> = r.uncapped.iter().map(|l| &**l).collect();
+    labels.sort();
+    assert_eq!(labels, ["/gone", "/uncapped"]);
+    assert_eq!(r.loaded_ms(), new.default_route().loaded_ms);
+}

@@ -91,9 +91,9 @@ pub trait SharedStore: Send + Sync + 'static {
     /// Releases every lease this instance holds (on exit).
     fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
 
-    /// A new config (`router`'s routes) was put in force: nothing decided under the old one
-    /// may be spent on, and capped routes' queues take their new caps.
-    fn reloaded(self: &Arc<Self>, _router: &crate::route::Router) {}
+    /// A new config was put in force: nothing decided under the old one may be spent on, and
+    /// capped routes' queues take their new caps (none for those that lost theirs).
+    fn reloaded(self: &Arc<Self>, _r: &crate::route::Reloaded) {}
 
     /// Registers a request admitted on the local share that is still running as a lease in
     /// the store: in `route`'s lease set and/or the key's (`adopt`); on the route as
@@ -535,13 +535,24 @@ impl<S: SharedStore> FallbackStore<S> {
 
     /// A new config is in force (see [`SharedStore::reloaded`]); its caps' local shares
     /// hold at once for the requests waiting in this instance's local queues too.
-    pub fn reloaded(&self, router: &crate::route::Router) {
-        self.shared.reloaded(router);
-        self.running.reconfigure(router.routes().filter_map(|r| {
-            let cap = r.max_in_flight?;
-            let limits = Limits::local(cap, r.queue.per_key, r.loaded_ms, self.fleet_size);
-            Some((r.label.clone(), limits))
-        }));
+    pub fn reloaded(&self, reloaded: &crate::route::Reloaded) {
+        self.shared.reloaded(reloaded);
+        let since = reloaded.loaded_ms();
+        let uncapped = reloaded.uncapped.iter().map(|label| {
+            let limits = Limits::local(u32::MAX, None, since, self.fleet_size);
+            (label.clone(), limits)
+        });
+        self.running.reconfigure(
+            reloaded
+                .router
+                .routes()
+                .filter_map(|r| {
+                    let cap = r.max_in_flight?;
+                    let limits = Limits::local(cap, r.queue.per_key, r.loaded_ms, self.fleet_size);
+                    Some((r.label.clone(), limits))
+                })
+                .chain(uncapped),
+        );
     }
 
     /// Waits, until `deadline`, for what the fallback admitted to be written back (the

@@ -330,13 +330,17 @@ impl MemoryStore {
     }
 
     /// A reload is in force: every capped route's queue takes its new cap and per-key share
-    /// at once (`RouteQueues::reconfigure`).
-    pub fn reconfigure(&self, router: &crate::route::Router) {
-        for r in router.routes() {
+    /// at once (`RouteQueues::reconfigure`); one whose cap the reload took away, no cap.
+    pub fn reconfigure(&self, reloaded: &crate::route::Reloaded) {
+        for r in reloaded.router.routes() {
             if let Some(cap) = r.max_in_flight {
                 self.routes
                     .reconfigure(&r.label, cap, r.queue.per_key, r.loaded_ms);
             }
+        }
+        for label in &reloaded.uncapped {
+            self.routes
+                .reconfigure(label, u32::MAX, None, reloaded.loaded_ms());
         }
     }
 

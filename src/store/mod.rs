@@ -483,13 +483,14 @@ impl Store {
         }
     }
 
-    /// A new config (`router`'s routes) was put in force: a capped route's queue takes its
-    /// new cap and per-key share at once, for the requests already waiting; the Redis store
-    /// hands back the budget slices it holds (they were reserved under the old budgets).
-    pub fn reloaded(&self, router: &crate::route::Router) {
+    /// A new config was put in force: a capped route's queue takes its new cap and per-key
+    /// share at once, for the requests already waiting, and one whose cap the reload took
+    /// away lets its waiters go; the Redis store hands back the budget slices it holds (they
+    /// were reserved under the old budgets).
+    pub fn reloaded(&self, r: &crate::route::Reloaded) {
         match self {
-            Store::Memory(m) => m.reconfigure(router),
-            Store::Redis(r) => r.reloaded(router),
+            Store::Memory(m) => m.reconfigure(r),
+            Store::Redis(s) => s.reloaded(r),
         }
     }
 

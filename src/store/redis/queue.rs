@@ -518,15 +518,19 @@ impl RedisBackend {
 impl RedisBackend {
     /// A reload is in force: each capped route's queue takes the new cap and per-key share
     /// at once (`lua/queue.lua`, `cap`), so that the fleet's waiters get the slots a larger
-    /// cap adds now, and a smaller cap holds them, not only from the route's next request.
+    /// cap adds now, and a smaller cap holds them, not only from the route's next request;
+    /// one whose cap the reload took away takes none, and its waiters go.
     /// On a thread of its own (a reload may come from a thread without a runtime).
-    pub(super) fn reconfigure_queues(self: &Arc<Self>, router: &crate::route::Router) {
-        let caps: Vec<(String, u32, u32, u64)> = router
+    pub(super) fn reconfigure_queues(self: &Arc<Self>, reloaded: &crate::route::Reloaded) {
+        let since = reloaded.loaded_ms();
+        let caps: Vec<(String, u32, u32, u64)> = reloaded
+            .router
             .routes()
             .filter_map(|r| {
                 let share = r.queue.per_key.unwrap_or(0);
                 Some((r.label.to_string(), r.max_in_flight?, share, r.loaded_ms))
             })
+            .chain((reloaded.uncapped.iter()).map(|label| (label.to_string(), u32::MAX, 0, since)))
             .collect();
         if caps.is_empty() {
             return;

@@ -208,8 +208,8 @@ impl SharedStore for RedisBackend {
         Ok(Some(lease))
     }
 
-    fn reloaded(self: &Arc<Self>, router: &crate::route::Router) {
+    fn reloaded(self: &Arc<Self>, r: &crate::route::Reloaded) {
         self.retire_slices();
-        self.reconfigure_queues(router);
+        self.reconfigure_queues(r);
     }
 }
