@@ -56,7 +56,26 @@ impl fmt::Display for ConfigErrors {
 
 /// A serde error as a [`ConfigError`], with the path in this module's format.
 pub(super) fn from_serde(e: serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
-    ConfigError::new(format_path(e.path()), message(&e))
+    ConfigError::new(placed_path(&e), message(&e))
+}
+
+/// The path of a parse error. A syntax error that came while the next key of a map was read
+/// (its path ends `?`) names the map: the entry before it was read whole and is not at fault
+/// (a key the scanner could not read, e.g. one over YAML's 1,024 characters, named the entry
+/// above it). Its line and column say where.
+fn placed_path(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
+    let segments: Vec<_> = e.path().iter().collect();
+    let text = e.inner().to_string();
+    let syntax = text.contains(", while scanning") || text.contains(", while parsing");
+    match segments.split_last() {
+        Some((serde_path_to_error::Segment::Unknown, rest)) if syntax => format_segments(
+            rest.split_last()
+                .map_or(rest, |(_, map)| map)
+                .iter()
+                .copied(),
+        ),
+        _ => format_path(e.path()),
+    }
 }
 
 /// [`from_serde`] for a parse of text the file does not hold (its tree written out again):

@@ -50,7 +50,10 @@ pub struct RawConfig {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "expected an address like \"0.0.0.0:8080\", or a list of them"
+)]
 pub enum Listen {
     One(String),
     Many(Vec<String>),
@@ -70,7 +73,7 @@ impl Listen {
 pub struct RawServer {
     #[serde(default = "default_listen")]
     pub listen: Listen,
-    #[serde(default = "default_admin_listen")]
+    #[serde(default = "default_admin_listen", deserialize_with = "text")]
     pub admin_listen: String,
     #[serde(default)]
     pub threads: Option<i64>,
@@ -99,11 +102,27 @@ pub struct RawServer {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, expecting = "the TLS settings, a map")]
 pub struct RawTls {
+    #[serde(deserialize_with = "text")]
     pub listen: String,
     /// PEM certificate chain, leaf first; re-read on reload.
+    #[serde(deserialize_with = "text")]
     pub cert: String,
     /// PEM private key of the leaf certificate; re-read on reload.
+    #[serde(deserialize_with = "text")]
     pub key: String,
+}
+
+/// A string field: YAML's null (`null`, `~`, or no value) is refused as the field's error,
+/// not read as the text `null` or `~` (serde_yaml reads any plain scalar into a string).
+/// Other scalars stay as written (`id: 0123` is `"0123"`).
+pub(crate) fn text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Option::<String>::deserialize(d)?
+        .ok_or_else(|| serde::de::Error::invalid_type(serde::de::Unexpected::Unit, &"a string"))
+}
+
+/// [`text`] for a field whose "" means off: null (no value, `null`, `~`) is off too.
+fn text_or_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
 fn default_listen() -> Listen {
@@ -154,6 +173,7 @@ impl Default for RawServer {
     expecting = "the upstream, a map like {url: \"http://127.0.0.1:3000\"}"
 )]
 pub struct RawUpstream {
+    #[serde(deserialize_with = "text")]
     pub url: String,
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout: ConfDuration,
@@ -196,6 +216,7 @@ pub struct RawNamedUpstream {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, expecting = "the health check settings, a map")]
 pub struct RawHealthCheck {
+    #[serde(deserialize_with = "text")]
     pub path: String,
     pub interval: ConfDuration,
 }
@@ -230,7 +251,7 @@ pub enum OnError {
 pub struct RawStore {
     #[serde(default = "default_backend")]
     pub backend: Backend,
-    #[serde(default = "default_redis_url")]
+    #[serde(default = "default_redis_url", deserialize_with = "text")]
     pub url: String,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfDuration,
@@ -298,7 +319,7 @@ pub struct RawIdentity {
     #[serde(default = "default_forward_credentials")]
     pub forward_credentials: bool,
     /// A header that tells the upstream which key paid; "" = none.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "text_or_empty")]
     pub key_id_header: String,
     /// CIDRs of the proxies (load balancers) whose `X-Forwarded-For` names the client.
     #[serde(default)]

@@ -33,7 +33,7 @@ pub(super) fn validate(mut raw: RawConfig, env: &EnvOverrides) -> Result<Config,
     let (listen, threads, max_connections) = server(&raw.server, &mut errs);
     let upstream = upstream("upstream", &raw.upstream, &mut errs);
     let upstreams = named_upstreams(&raw, &mut errs);
-    let fleet_size = store(&raw.store, env.redis_url.is_some(), &mut errs);
+    let fleet_size = store(&raw.store, env, &mut errs);
     let tls = raw.server.tls.as_ref().and_then(|t| tls(t, &mut errs));
     distinct_listeners(&raw.server, &mut errs);
     let (sources, key_id_header) = identity(&raw.identity, &mut errs);
@@ -468,9 +468,9 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
 
 /// `store`: returns the fleet size (1 when it is invalid, with an error). The URL is checked
 /// whatever the backend (DESIGN §1): only Redis reads it, but a file that says it is wrong.
-fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
+fn store(s: &RawStore, env: &EnvOverrides, errs: &mut ConfigErrors) -> u32 {
     if let Err(m) = parse_redis_target(&s.url) {
-        if url_from_env {
+        if env.redis_url.is_some() {
             errs.push("store.url", format!("{m} (from TOLLGATE_REDIS_URL)"));
         } else {
             errs.push("store.url", m.to_string());
@@ -485,10 +485,15 @@ fn store(s: &RawStore, url_from_env: bool, errs: &mut ConfigErrors) -> u32 {
     if (1..=10_000).contains(&s.fleet_size) {
         s.fleet_size as u32
     } else {
+        let from = if env.fleet_size.is_some() {
+            " (from TOLLGATE_FLEET_SIZE)"
+        } else {
+            ""
+        };
         errs.push(
             "store.fleet_size",
             format!(
-                "must be an integer between 1 and 10000, got {}",
+                "must be an integer between 1 and 10000, got {}{from}",
                 s.fleet_size
             ),
         );

@@ -51,6 +51,7 @@ pub struct RawDefault {
     expecting = "a budget, a map like {name: day, window: 24h, max_cost: 20000}"
 )]
 pub struct RawBudget {
+    #[serde(deserialize_with = "super::text")]
     pub name: String,
     pub max_cost: i64,
     pub window: ConfDuration,
@@ -179,7 +180,9 @@ pub struct RawPlan {
     expecting = "a key, a map like {id: acme, sha256: \"…\"}"
 )]
 pub struct RawKey {
+    #[serde(deserialize_with = "super::text")]
     pub id: String,
+    #[serde(deserialize_with = "super::text")]
     pub sha256: String,
     #[serde(default)]
     pub plan: Option<String>,

@@ -96,6 +96,30 @@ fn type_error_has_path() {
     assert!(e.starts_with("rate_limits.default.window: "), "{e}");
 }
 
+/// YAML's null in a string field is no value, not the text `null` or `~`: refused where a
+/// string is needed (it made a key id "null", a header named `~`), off where "" is off.
+#[test]
+fn a_null_string_is_no_value() {
+    let key = "keys:\n  - {id: ID, sha256: \"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"}\n";
+    for null in ["null", "~", ""] {
+        let e = first_error(&format!("{BASE}{}", key.replace("ID", null)));
+        assert!(
+            e.starts_with("keys[0].id: no value given, expected a string"),
+            "{null}: {e}"
+        );
+        let e = first_error(&BASE.replace("\"http://127.0.0.1:3000\"", null));
+        assert!(
+            e.starts_with("upstream.url: no value given, expected a string"),
+            "{null}: {e}"
+        );
+        let c = parse(&format!("{BASE}identity:\n  key_id_header: {null}\n")).unwrap();
+        assert_eq!(c.key_id_header, None, "{null}");
+    }
+    // Other scalars are strings as written.
+    let c = parse(&format!("{BASE}{}", key.replace("ID", "0123"))).unwrap();
+    assert_eq!(&*c.keys.values().next().unwrap().id, "0123");
+}
+
 #[test]
 fn cost_over_plan_is_rejected() {
     let s = format!("{BASE}\nplans:\n  small:\n    max_cost: 10\n    window: 60s\n");
@@ -149,6 +173,46 @@ fn plan_names_fit_in_headers() {
     // Nor the name a route's shared budget has beside the key's in the same headers.
     let s = format!("{BASE}\nplans:\n  shared: {{max_cost: 600, window: 60s}}\n");
     assert!(first_error(&s).starts_with("plans.shared: a plan name"));
+}
+
+/// A listen address that is neither a string nor a list says what it should be, not the
+/// name of an internal type; a fleet size out of range from the environment says so.
+#[test]
+fn listen_and_environment_errors_say_what_they_need() {
+    for v in ["7460", "null", "{a: 1}"] {
+        let e = first_error(&format!("server:\n  listen: {v}\n{BASE}"));
+        assert!(
+            e.starts_with(
+                "server.listen: expected an address like \"0.0.0.0:8080\", or a list of them"
+            ),
+            "{v}: {e}"
+        );
+    }
+    let env = EnvOverrides {
+        redis_url: None,
+        fleet_size: Some("0".into()),
+    };
+    let e = Config::parse(BASE, &env).unwrap_err().0[0].to_string();
+    assert_eq!(
+        e,
+        "store.fleet_size: must be an integer between 1 and 10000, got 0 (from TOLLGATE_FLEET_SIZE)"
+    );
+}
+
+/// A pattern over YAML's 1,024 characters for a plain key cannot be read as one: the error
+/// names the endpoints, not the entry above it (it said `"/exports/bulk"."?"`), and YAML's
+/// explicit key (`? pattern`, then `: settings`) holds one up to the 2,048 the check allows.
+#[test]
+fn a_key_the_scanner_cannot_read_is_placed_in_its_map() {
+    let long = format!("/{}", "x".repeat(1100));
+    let s = format!("{BASE}    {long}:\n      cost: 2\n");
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.endpoints: could not find expected ':' at line 21"),
+        "{e}"
+    );
+    let c = parse(&format!("{BASE}    ? {long}\n    : {{cost: 2}}\n")).unwrap();
+    assert_eq!(c.router.route_of("GET", &long).unwrap().cost, 2);
 }
 
 #[test]
