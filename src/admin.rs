@@ -255,12 +255,8 @@ fn key_json(id: &str, policy: &Policy, views: &[BudgetView], source: &str) -> se
             })
         })
         .collect();
-    // `min_by_key` keeps the first of equals.
-    let tightest = views
-        .iter()
-        .enumerate()
-        .min_by_key(|(_, v)| v.remaining)
-        .map_or(0, |(i, _)| i);
+    // The one the key's requests' `X-RateLimit-*` describe.
+    let tightest = budget::tightest(views.iter().map(|v| (v.remaining, v.reset_us)));
     let mut top = budgets
         .get(tightest)
         .cloned()

@@ -200,6 +200,20 @@ pub struct Figures {
     pub decisive: u8,
 }
 
+/// Which of several budgets' figures speak for all (`X-RateLimit-*`, and `r`/`t` of an
+/// outcome): the tightest, with the fewest units left; of equals, the one full again last (its
+/// reset is when every one of them is); then the first. `(remaining, reset_us)` each, in
+/// order; 0 for none. The Lua script's `reply` transcribes it; keep the two in step.
+pub fn tightest(figures: impl IntoIterator<Item = (u64, u64)>) -> usize {
+    let mut best: Option<(usize, (u64, u64))> = None;
+    for (i, (remaining, reset_us)) in figures.into_iter().enumerate() {
+        if best.is_none_or(|(_, (r, t))| remaining < r || (remaining == r && reset_us > t)) {
+            best = Some((i, (remaining, reset_us)));
+        }
+    }
+    best.map_or(0, |(i, _)| i)
+}
+
 impl Figures {
     pub fn as_slice(&self) -> &[Figure] {
         &self.each[..self.len as usize]
@@ -301,7 +315,7 @@ pub struct Joint {
 /// - Refused: by the budget whose retry is furthest (the first of equals) — the request fits
 ///   all of them only then; every budget's figures are its level now (nothing was charged).
 /// - Admitted: held for the longest of the delays; the outcome's own figures are the tightest
-///   budget's (fewest units left, the first of equals), which `X-RateLimit-*` describe.
+///   budget's ([`tightest`]), which `X-RateLimit-*` describe.
 ///
 /// With one budget this is exactly [`decide`] (and `each` stays empty). The Lua script's
 /// `admit` transcribes it; keep the two in step.
@@ -345,12 +359,9 @@ pub fn decide_all(budgets: &[(Limit, Option<State>)], now_us: u64, cost: u64) ->
         };
         return Joint { outcome, states };
     }
-    let mut tightest = 0;
+    let tightest = tightest(outs.iter().map(|o| (o.remaining, o.reset_us)));
     let mut delay_us = 0;
     for (i, o) in outs.iter().enumerate() {
-        if o.remaining < outs[tightest].remaining {
-            tightest = i;
-        }
         if let Verdict::Admit { delay_us: d } = o.verdict {
             delay_us = delay_us.max(d);
         }

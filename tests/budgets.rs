@@ -782,3 +782,34 @@ async fn a_pool_sends_a_request_one_address_refused_to_the_next() {
     }
     assert_eq!(up.count("/items"), 12);
 }
+
+/// Budgets with as few units left as each other: `X-RateLimit-*` (and `/admin/keys`) speak
+/// for the one full again last, on both stores (`budget::tightest`, and its transcription in
+/// the Lua script). A request that empties a 100/10s and a 100/100s budget said
+/// `X-RateLimit-Reset: 10`: a client that came back then was refused.
+async fn equally_tight_budgets_speak_for_the_slower(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 120}}\n  endpoints:\n    /big: {{cost: 100}}\nplans:\n  two:\n    budgets:\n      - {{ name: fast, max_cost: 100, window: 10s }}\n      - {{ name: slow, max_cost: 100, window: 100s }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: two }}\n",
+        store(redis),
+        sha256_hex("acme-key")
+    );
+    let gw = Gateway::start(&up, &body);
+    let r = get(&client(), gw.url("/big"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "RateLimit").as_deref(),
+        Some("\"two-fast\";r=0;t=10, \"two-slow\";r=0;t=100")
+    );
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+    assert_eq!(header(&r, "X-RateLimit-Reset").as_deref(), Some("100"));
+    let v = admin_json(&gw, "/admin/keys/acme").await;
+    assert_eq!(v["budget"], "two-slow", "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equally_tight_budgets_speak_for_the_slower_on_memory_and_redis() {
+    equally_tight_budgets_speak_for_the_slower(None).await;
+    let redis = Redis::start();
+    equally_tight_budgets_speak_for_the_slower(Some(&redis)).await;
+}

@@ -345,6 +345,25 @@ fn given_back_figures_are_the_refunded_buckets() {
     }
 }
 
+/// Budgets with as few units left as each other: the one full again last speaks for them
+/// (`X-RateLimit-Reset` is when all of them are), not the first. A request that empties a
+/// 100/10s and a 100/100s budget said `X-RateLimit-Reset: 10`, when the second has 10 units
+/// back then.
+#[test]
+fn of_equally_tight_budgets_the_one_full_last_speaks() {
+    let fast = lim(100, 10_000, 0);
+    let slow = lim(100, 100_000, 0);
+    let j = decide_all(&[(fast, None), (slow, None)], 0, 100);
+    assert!(j.outcome.admitted());
+    assert_eq!(j.outcome.each.decisive, 1);
+    assert_eq!((j.outcome.remaining, j.outcome.reset_us), (0, 100_000_000));
+    // The other order: the same one.
+    let j = decide_all(&[(slow, None), (fast, None)], 0, 100);
+    assert_eq!(j.outcome.each.decisive, 0);
+    assert_eq!(tightest([(3, 5), (2, 1), (2, 9), (2, 9)]), 2);
+    assert_eq!(tightest([]), 0);
+}
+
 /// With several budgets each is given back, and the decisive one is the tightest again.
 #[test]
 fn given_back_on_several_budgets_names_the_tightest_again() {

@@ -537,9 +537,7 @@ fn uncharged(
     }
     // The tightest now, which is the one `X-RateLimit-*` describe.
     let figs = each.as_slice();
-    let tightest = (0..figs.len())
-        .min_by_key(|&i| figs[i].remaining)
-        .unwrap_or(0);
+    let tightest = budget::tightest(figs.iter().map(|f| (f.remaining, f.reset_us)));
     let f = figs.get(tightest).copied().unwrap_or_default();
     each.decisive = tightest as u8;
     budget::Outcome {

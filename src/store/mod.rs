@@ -241,13 +241,11 @@ pub struct Standing {
 
 impl Standing {
     /// The standing of a decision on `figures` (one per budget, in order) that admitted or
-    /// charged nothing: the tightest budget decides (fewest units left, the first of equals),
-    /// as in an admission (`budget::decide_all`); `each` is kept only for several budgets.
+    /// charged nothing: the tightest budget decides (`budget::tightest`), as in an admission
+    /// (`budget::decide_all`); `each` is kept only for several budgets.
     fn tightest(figures: &[Figure]) -> Option<Standing> {
-        let (i, t) = figures
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, f)| f.remaining)?;
+        let i = crate::budget::tightest(figures.iter().map(|f| (f.remaining, f.reset_us)));
+        let t = figures.get(i)?;
         let mut each = Figures::default();
         if figures.len() > 1 {
             figures.iter().for_each(|f| each.push(*f));

@@ -56,7 +56,8 @@ local granted = 0
 -- The reply: {code, a, remaining, reset_us, granted, now, levels..., helds...} of the
 -- decisive budget and, when there are several, its index (from 0) and every budget's
 -- remaining and reset_us. `after` = the levels after the charge; `decisive` = nil picks the
--- tightest (fewest left, first of equals).
+-- tightest (fewest left; of equals, the one full again last; then the first: as
+-- `budget::tightest`).
 local function reply(code, a, after, decisive)
   local figs = {}
   for i, x in ipairs(b) do
@@ -67,7 +68,8 @@ local function reply(code, a, after, decisive)
   if decisive == nil then
     decisive = 1
     for i = 2, #b do
-      if figs[i][1] < figs[decisive][1] then decisive = i end
+      local r, d = figs[i][1], figs[decisive][1]
+      if r < d or (r == d and figs[i][2] > figs[decisive][2]) then decisive = i end
     end
   end
   local out = {code, a, figs[decisive][1], figs[decisive][2], granted, now}

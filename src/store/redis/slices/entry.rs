@@ -107,14 +107,9 @@ impl Entry {
                 reset_us: l.reset_us(level),
             });
         }
-        // The tightest budget speaks for all (fewest left, the first of equals), as in Redis.
+        // The tightest budget speaks for all, as in Redis.
         let figs = each.as_slice();
-        let mut tightest = 0;
-        for (i, f) in figs.iter().enumerate() {
-            if f.remaining < figs[tightest].remaining {
-                tightest = i;
-            }
-        }
+        let tightest = crate::budget::tightest(figs.iter().map(|f| (f.remaining, f.reset_us)));
         let Figure {
             remaining,
             reset_us,
