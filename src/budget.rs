@@ -85,6 +85,12 @@ impl Limit {
         self.max_delay / self.rate.max(1)
     }
 
+    /// Whether a request of `cost` units can ever pass: it fits an empty bucket (held up to
+    /// `max_delay`).
+    pub fn holds(&self, cost: u64) -> bool {
+        cost.saturating_mul(self.per_unit) <= self.capacity.saturating_add(self.max_delay)
+    }
+
     /// Units that fit an empty bucket.
     pub fn max_cost(&self) -> u64 {
         self.capacity / self.per_unit

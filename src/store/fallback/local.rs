@@ -14,6 +14,10 @@ use crate::config::OnError;
 use crate::identity::KeyHash;
 use crate::telemetry::Queued;
 
+/// When a request the local share can never hold may ask again: the breaker asks the shared
+/// store again within this.
+const STORE_BACK_WITHIN: Duration = Duration::from_secs(1);
+
 impl<S: SharedStore> FallbackStore<S> {
     /// Decides by `store.on_error` while the shared store cannot, for an admission that began
     /// at `start`: a capped request's wait for a slot is bounded from then, so one that waited
@@ -84,6 +88,16 @@ impl<S: SharedStore> FallbackStore<S> {
                 lease,
                 ..
             } => (standing, delay_us, lease),
+            // More than this instance's share of a budget can ever hold: it passes once the
+            // shared store answers again, which the breaker asks within the second. Its
+            // Retry-After says so, as `deny`'s does, not the time the share would take to hold
+            // it (two windows at most: never, here).
+            Admission::OverBudget { standing, .. } if r.limits().any(|l| !l.holds(r.cost)) => {
+                return Some(Admission::OverBudget {
+                    standing,
+                    retry_after_us: STORE_BACK_WITHIN.as_micros() as u64,
+                });
+            }
             refused => return Some(refused),
         };
         let charged = Unserved {

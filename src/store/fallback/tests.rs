@@ -184,6 +184,38 @@ async fn local_enforces_the_share_of_budget_and_cap() {
     assert_eq!(lease.charge(), Charge::Local(capped.limit.fraction(3)));
 }
 
+/// A request that costs more than this instance's share of a budget can ever hold is refused
+/// during an outage with a `Retry-After` of 1 s: it passes as soon as the shared store answers
+/// again. It said two windows (7,200 s for this hour's budget), the share's time to hold it.
+/// One the share could hold later keeps its true wait.
+#[tokio::test]
+async fn beyond_the_local_share_retries_when_the_store_may_be_back() {
+    let (_fake, s) = store(OnError::Local, 3);
+    // 120/3 = 40 units here.
+    match s.admit(&req(50, None)).await {
+        Admission::OverBudget { retry_after_us, .. } => assert_eq!(retry_after_us, 1_000_000),
+        other => panic!("{other:?}"),
+    }
+    assert!(admitted(&s.admit(&req(40, None)).await));
+    match s.admit(&req(10, None)).await {
+        // 10 of the share's 40 units an hour: 15 minutes.
+        Admission::OverBudget { retry_after_us, .. } => {
+            assert_eq!(crate::budget::retry_after_secs(retry_after_us), 900)
+        }
+        other => panic!("{other:?}"),
+    }
+    // A plan's second budget beyond its share (10 a day: 3 here) counts too.
+    let r = AdmitRequest {
+        key: [5; 32],
+        also: vec![day_budget()],
+        ..req(5, None)
+    };
+    match s.admit(&r).await {
+        Admission::OverBudget { retry_after_us, .. } => assert_eq!(retry_after_us, 1_000_000),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// `allow` admits past the count and goes on counting: the headers say what was spent (the
 /// key is in debt here, as it will be in the shared store once it is written back), and a
 /// refund comes off the count. Past the count they said what they said at its end.
