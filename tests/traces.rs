@@ -591,6 +591,23 @@ async fn a_job_is_traced(
     for s in &spans {
         assert!(!s.all_values().contains(KEY), "the raw key in {s:#?}");
     }
+    // Both of the job's access-log lines name its trace (DESIGN §5), its run's too, on
+    // whichever gateway ran it: the run's had none.
+    let lines = eventually(Duration::from_secs(10), async || {
+        let lines: Vec<serde_json::Value> = (gws.iter())
+            .flat_map(|g| g.access_log())
+            .filter(|l| l["request_id"] == rid)
+            .collect();
+        match lines.iter().any(|l| l["decision"] == "job_done") {
+            true => Ok(lines),
+            false => Err(format!("no job_done line for {rid} in {lines:?}")),
+        }
+    })
+    .await;
+    for l in &lines {
+        assert_eq!(l["trace_id"], trace, "{l}");
+    }
+    assert_eq!(lines.len(), 2, "{lines:?}");
 }
 
 /// DESIGN §8–9 on the memory store: the job's run and its upstream call are spans of the

@@ -324,6 +324,8 @@ impl Task {
         if !access::enabled() {
             return;
         }
+        let trace =
+            super::send::trace_of(self.shared.tracing.is_some(), &self.request.header.headers);
         access::write(&access::AccessRecord {
             method: &self.origin.method,
             route: &self.route.label,
@@ -338,8 +340,7 @@ impl Task {
             hold_ms: 0.0,
             upstream_status: e.upstream_status,
             request_id: self.origin.request_id.as_deref(),
-            // The run is traced under the submission, whose line has the trace id.
-            trace_id: None,
+            trace_id: trace.as_ref().map(|t| t.as_str()),
             fallback: false,
             shadow: None,
             client: self.origin.client,

@@ -25,6 +25,13 @@ pub struct JobRequest {
     pub body: Bytes,
 }
 
+/// The trace of a job's access-log lines while tracing is on (`traced`): the one its request's
+/// `traceparent` names, the submission's (DESIGN §5: the trace id when tracing is on).
+pub(crate) fn trace_of(traced: bool, headers: &http::HeaderMap) -> Option<crate::trace::TraceHex> {
+    let value = headers.get("traceparent").filter(|_| traced)?;
+    crate::trace::TraceHex::of_traceparent(value.as_bytes())
+}
+
 /// How sending went.
 pub(super) enum Sent {
     /// The upstream answered in full.

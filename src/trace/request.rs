@@ -412,6 +412,30 @@ impl TraceHex {
     pub fn as_str(&self) -> &str {
         std::str::from_utf8(&self.0).unwrap_or("")
     }
+
+    /// The trace a request's `traceparent` names (version `00`; an invalid or all-zero one
+    /// names none). A job's request names its submission's span ([`RequestTrace::job_request`]):
+    /// its run's access-log line names the trace the submission's does.
+    pub fn of_traceparent(value: &[u8]) -> Option<TraceHex> {
+        let value = std::str::from_utf8(value).ok()?;
+        let parent = opentelemetry_sdk::propagation::TraceContextPropagator::new()
+            .extract(&OneHeader(value));
+        let cx = parent.span().span_context().clone();
+        cx.is_valid().then(|| TraceHex::new(cx.trace_id()))
+    }
+}
+
+/// A carrier of one `traceparent` value, to read it as the propagator reads a request's.
+struct OneHeader<'a>(&'a str);
+
+impl Extractor for OneHeader<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        (key == "traceparent").then_some(self.0)
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec!["traceparent"]
+    }
 }
 
 /// `{method} {route}`, OpenTelemetry's HTTP server span name, with the route's path only: a

@@ -103,6 +103,11 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
     let since = access::millis(waited(r));
     let key = who.map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
     let rid = text(r, "rid");
+    let traced = running.config.tracing.is_some();
+    let trace = headers_from(field(r, "headers"))
+        .into_iter()
+        .find(|(name, _)| traced && name == "traceparent")
+        .and_then(|(_, v)| crate::trace::TraceHex::of_traceparent(v.as_bytes()));
     access::write(&access::AccessRecord {
         method: &text(r, "method"),
         route: &route,
@@ -122,7 +127,7 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
         hold_ms: 0.0,
         upstream_status: None,
         request_id: (!rid.is_empty()).then_some(rid.as_str()),
-        trace_id: None,
+        trace_id: trace.as_ref().map(|t| t.as_str()),
         fallback: false,
         shadow: None,
         client: client_of(r),

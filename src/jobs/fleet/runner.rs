@@ -110,6 +110,7 @@ pub(super) async fn run_claimed(
     if access::enabled() {
         let key = who.log_name();
         let rid = text(&r, "rid");
+        let trace = crate::jobs::send::trace_of(shared.tracing.is_some(), &request.header.headers);
         access::write(&access::AccessRecord {
             method: request.header.method.as_str(),
             route: &label,
@@ -125,8 +126,7 @@ pub(super) async fn run_claimed(
             hold_ms: 0.0,
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
-            // The run is traced under the submission, whose line has the trace id.
-            trace_id: None,
+            trace_id: trace.as_ref().map(|t| t.as_str()),
             fallback: false,
             shadow: None,
             client: client_of(&r),
