@@ -472,6 +472,47 @@ async fn a_cluster_primary_restarted_empty_keeps_the_cap() {
     assert_eq!(up.max_concurrent("/reports/generate"), 2, "{}", a.log());
 }
 
+/// Cluster nodes that close a client's connections (a managed service's idle `timeout`,
+/// `CLIENT KILL`): each thread's connection to every primary is looked at every second, so a
+/// closed one is mended before a call needs it. Before, the queue's hand-off failed on it at
+/// the release (the waiters got 503 `store-unavailable`, Redis up all along), and so did
+/// the first `/admin/routes` after (503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_a_cluster_closed_are_mended_before_they_are_needed() {
+    const ROUTE: &str = "/reports/generate";
+    let cluster = RedisCluster::start(3);
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 100}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1, queue_timeout: 30s}\n";
+    let body = store_body(&cluster.url(), "deny", 2, limits);
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let kill_all = || {
+        for p in cluster.primaries() {
+            cluster.node(p).cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+        }
+    };
+    let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=4000"), "h");
+    up.wait_current(ROUTE, 1).await;
+    let waiters: Vec<_> = ["w0", "w1"]
+        .into_iter()
+        .map(|k| spawn_post(&c, b.url("/reports/generate?delay_ms=10"), k))
+        .collect();
+    wait_queued(&b, ROUTE, 2.0).await;
+    kill_all();
+    assert_eq!(holder.await.unwrap(), 200);
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), 200, "{}", b.log());
+    }
+    assert_eq!(up.count(ROUTE), 3);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    kill_all();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for gw in [&a, &b] {
+        let r = reqwest::get(gw.admin("/admin/routes")).await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sentinel_failover_is_followed() {
     let mut set = SentinelSet::start();

@@ -5,10 +5,11 @@
 //! worker is a current-thread runtime of its own: so each thread connects on first use (on its
 //! own runtime), concurrent requests on it share that one connection, and a connection that
 //! failed or timed out is dropped and made again on the next call. Connecting lazily is also
-//! what lets the gateway start while Redis is down. A node's connection is looked at every
-//! second (a `PING` beside the calls): one the server closed (a restart, `CLIENT KILL`) is
-//! not used again, so the next call connects anew instead of failing on it, however long
-//! the thread stayed idle.
+//! what lets the gateway start while Redis is down. A connection is looked at every second
+//! (a `PING` beside the calls, on a Cluster to every primary): one the server closed (a
+//! restart, `CLIENT KILL`, an idle `timeout`) is not used again (a Cluster's node connection
+//! is mended by the cluster client), so the next call does not fail on it, however long the
+//! thread stayed idle.
 //!
 //! Making a connection again is also how a topology change is followed:
 //! - Sentinel: the Sentinels are asked for the primary's address on every connect, and a
@@ -30,6 +31,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, RedisFuture, Value};
 
@@ -301,10 +303,7 @@ impl Connections {
             let generation = self.generation();
             let conn = self.connect(target).await.map_err(StoreError::Connect)?;
             let open = Arc::new(AtomicBool::new(true));
-            let watched = match &conn {
-                Conn::Node(node) => watch(node.clone(), open.clone()),
-                Conn::Cluster(_) => None,
-            };
+            let watched = watch(conn.clone(), open.clone());
             CONN.with(|c| {
                 *c.borrow_mut() = Some(Cached {
                     id: self.id,
@@ -502,16 +501,16 @@ impl Primary {
     }
 }
 
-/// Checks a node connection every [`WATCH_EVERY`] until the thread lets go of it (the
-/// returned sender dropped): a `PING` that finds it closed by the server (a dropped
+/// Checks a connection every [`WATCH_EVERY`] until the thread lets go of it (the returned
+/// sender dropped). A node's: a `PING` that finds it closed by the server (a dropped
 /// connection: redis-rs fails a call on a connection whose driver ended at once) clears
-/// `open`, and the thread's next call connects anew. A slow answer proves nothing and changes
-/// nothing (a call that times out forgets the connection itself). Runs on the runtime that
-/// made the connection.
-fn watch(
-    mut conn: MultiplexedConnection,
-    open: Arc<AtomicBool>,
-) -> Option<tokio::sync::oneshot::Sender<()>> {
+/// `open`, and the thread's next call connects anew. A Cluster's: a `PING` to every primary,
+/// so that a node connection the server closed fails the `PING`, not a call, and the cluster
+/// client mends it (it reconnects a node whose connection failed); `open` stays, as one dead
+/// node is no reason to connect to all of them again. A slow answer proves nothing and
+/// changes nothing (a call that times out forgets the connection itself). Runs on the runtime
+/// that made the connection.
+fn watch(mut conn: Conn, open: Arc<AtomicBool>) -> Option<tokio::sync::oneshot::Sender<()>> {
     let rt = tokio::runtime::Handle::try_current().ok()?;
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     rt.spawn(async move {
@@ -520,8 +519,18 @@ fn watch(
                 _ = &mut stopped => return,
                 _ = tokio::time::sleep(WATCH_EVERY) => {}
             }
-            let cmd = redis::cmd("PING");
-            let ping = cmd.query_async::<()>(&mut conn);
+            let ping = async {
+                match &mut conn {
+                    Conn::Node(node) => redis::cmd("PING").query_async::<()>(node).await,
+                    Conn::Cluster(cluster) => {
+                        let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                        // Failed or not, the PING has done its work: the cluster client
+                        // mends a node connection it found broken.
+                        let _ = cluster.route_command(redis::cmd("PING"), all).await;
+                        Ok(())
+                    }
+                }
+            };
             let res = tokio::select! {
                 _ = &mut stopped => return,
                 res = ping => res,
