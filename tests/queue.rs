@@ -1155,6 +1155,38 @@ async fn a_cap_a_reload_takes_away_lets_the_waiters_go_on_memory_and_redis() {
     }
 }
 
+/// A waiter's instance whose Pub/Sub connection Redis closed (`CLIENT KILL TYPE pubsub`, a
+/// restart) subscribes again at once, so that a grant published 200 ms later reaches it as
+/// the release happens (DESIGN §8: within 50 ms on a healthy store), not at its instance's
+/// next beat, up to 500 ms later: it subscribed again only 500 ms after the break.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let endpoint =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n";
+    let body = on_redis(&redis.url(), &config(endpoint, ""));
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    for round in 0..3 {
+        let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=1000"), "key-a");
+        up.wait_current(ROUTE, 1).await;
+        let held_from = Instant::now();
+        let waiter = spawn_post(&c, b.url("/reports/generate?delay_ms=10"), "key-b");
+        wait_queued(&b, ROUTE, 1.0).await;
+        tokio::time::sleep(Duration::from_millis(800).saturating_sub(held_from.elapsed())).await;
+        redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+        assert_eq!(holder.await.unwrap(), 200);
+        assert_eq!(waiter.await.unwrap(), 200);
+        let at = up.arrivals(ROUTE);
+        let gap = at[2 * round + 1] - at[2 * round] - Duration::from_millis(1000);
+        assert!(
+            gap < Duration::from_millis(150),
+            "round {round}: the waiter went {gap:?} after the release"
+        );
+    }
+}
+
 /// `lua/queue.lua` run directly on a Redis, for the route tagged `tag`.
 struct QueueLua<'a> {
     redis: &'a Redis,

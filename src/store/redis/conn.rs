@@ -405,7 +405,9 @@ impl Connections {
     }
 }
 
-/// How soon a subscription that broke (or never connected) is tried again.
+/// How soon a subscription that never connected, or broke sooner than this after it was
+/// made, is tried again; one that had lived longer is made again at once (a grant published
+/// meanwhile is not heard: it waits for the next beat).
 pub(super) const SUBSCRIBE_AGAIN_AFTER: Duration = Duration::from_millis(500);
 
 /// A Pub/Sub connection of its own subscribed to `channel`; `None` (logged at debug) when
@@ -439,6 +441,7 @@ pub(super) async fn subscribed(
         // is made again on it. The demoted one publishes nothing the new one is sent, and it
         // stays up (as a replica, seconds later) so its connection does not break.
         let primary = Primary::now(&store);
+        let tried = tokio::time::Instant::now();
         if let Some(mut ps) = subscribe(&store, &channel).await {
             let mut messages = ps.on_message();
             let mut check = primary.checks();
@@ -461,7 +464,9 @@ pub(super) async fn subscribed(
                 continue;
             }
         }
-        tokio::time::sleep(SUBSCRIBE_AGAIN_AFTER).await;
+        // At once after a subscription that lived (a connection the server closed, a
+        // restart); no more than twice a second while Redis refuses or drops each at once.
+        tokio::time::sleep_until(tried + SUBSCRIBE_AGAIN_AFTER).await;
     }
 }
 
