@@ -1187,6 +1187,39 @@ async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
     }
 }
 
+/// Redis closes both instances' connections (`CLIENT KILL TYPE normal`: an idle `timeout`, a
+/// restart) 150 ms before the slot frees, sooner than the connections' once-a-second look:
+/// the holder's release and the waiter's confirmation of its grant meet the closed
+/// connections, and each is sent once more on a new one (both are the same run twice), so the
+/// waiter runs at the release. Before, both failed: the waiter got 503 `store-unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_off_outlives_connections_redis_closed_just_before() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let endpoint =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n";
+    let body = on_redis(&redis.url(), &config(endpoint, ""));
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    for round in 0..5 {
+        let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=1000"), "key-a");
+        up.wait_current(ROUTE, 1).await;
+        let held_from = Instant::now();
+        let waiter = spawn_post(&c, b.url("/reports/generate?delay_ms=10"), "key-b");
+        wait_queued(&b, ROUTE, 1.0).await;
+        tokio::time::sleep(Duration::from_millis(850).saturating_sub(held_from.elapsed())).await;
+        redis.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+        assert_eq!(holder.await.unwrap(), 200, "round {round}");
+        assert_eq!(waiter.await.unwrap(), 200, "round {round}: {}", b.log());
+        let at = up.arrivals(ROUTE);
+        let gap = at[2 * round + 1] - at[2 * round] - Duration::from_millis(1000);
+        assert!(
+            gap < Duration::from_millis(300),
+            "round {round}: the waiter went {gap:?} after the release"
+        );
+    }
+}
+
 /// `lua/queue.lua` run directly on a Redis, for the route tagged `tag`.
 struct QueueLua<'a> {
     redis: &'a Redis,

@@ -80,6 +80,29 @@ impl RedisBackend {
         self.call_guarded(Guard::Breaker, inv).await
     }
 
+    /// [`Self::call`] of an operation that changes nothing more when it runs twice (a read, a
+    /// grant's confirmation): one whose connection turns out closed as it is sent (Redis closed
+    /// it since the connection was last looked at: an idle `timeout`, `CLIENT KILL`, a
+    /// restart) is sent once more, on a new connection, instead of failing its request. It
+    /// may have run the first time; running again is the same.
+    pub(super) async fn call_repeatable<T: redis::FromRedisValue>(
+        &self,
+        inv: script::Call<'_>,
+    ) -> Result<T, StoreError> {
+        let again = inv.clone();
+        match self.call(inv).await {
+            Err(StoreError::Redis { source, .. }) if source.is_connection_dropped() => {
+                self.call(again).await
+            }
+            res => res,
+        }
+    }
+
+    /// One operation of the store's scripts, as [`Self::call_repeatable`].
+    pub(super) async fn op_repeatable<O: Op>(&self, op: &O) -> Result<O::Reply, StoreError> {
+        self.call_repeatable(op.invocation()).await
+    }
+
     /// One script call, guarded as `guard` says.
     pub(super) async fn call_guarded<T: redis::FromRedisValue>(
         &self,

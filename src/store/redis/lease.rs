@@ -300,12 +300,12 @@ impl RedisBackend {
     ) -> Result<(), StoreError> {
         if ttl_us == 0 {
             for release in self.release_calls(keys, id) {
-                self.call::<redis::Value>(release).await?;
+                self.call_repeatable::<redis::Value>(release).await?;
             }
             return Ok(());
         }
         for sets in self.lease_groups(keys) {
-            self.op(&Lease { sets, id, ttl_us }).await?;
+            self.op_repeatable(&Lease { sets, id, ttl_us }).await?;
         }
         Ok(())
     }

@@ -444,7 +444,7 @@ impl RedisBackend {
         u.forget_waiter();
         // Confirm the slot for a whole lease before its short grant lapses.
         let confirmed: Vec<i64> = self
-            .call(self.queue_script.confirm(&u.keys, &u.id, self.lease_ttl))
+            .call_repeatable(self.queue_script.confirm(&u.keys, &u.id, self.lease_ttl))
             .await?;
         Ok(confirmed.first() == Some(&1))
     }
@@ -565,7 +565,9 @@ impl RedisBackend {
         use crate::store::fair::{KeyRef, KeyView, QueueView};
         let keys = queue_keys(&keys::route_slots_key(route))
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
-        let v: Vec<redis::Value> = self.call(self.queue_script.call(&keys, "peek")).await?;
+        let v: Vec<redis::Value> = self
+            .call_repeatable(self.queue_script.call(&keys, "peek"))
+            .await?;
         let int = |v: &redis::Value| redis::from_redis_value::<u64>(v.clone()).unwrap_or(0);
         let (running, queued) = (v.first().map_or(0, int), v.get(1).map_or(0, int));
         let keys = v

@@ -127,6 +127,7 @@ pub(super) trait Op {
 /// `EVALSHA sha numkeys KEYS... ARGV...`. Where redis-rs's `ScriptInvocation` allocates a
 /// `Vec` for each argument and copies each again into the command it sends: a dozen
 /// allocations per `admit`.
+#[derive(Clone)]
 pub(super) struct Call<'a> {
     script: &'a Script,
     keys: Cmd,

@@ -94,7 +94,7 @@ impl SharedStore for RedisBackend {
             holds: &holds,
             budgets: &budgets,
         };
-        let levels = self.op(&peek).await?;
+        let levels = self.op_repeatable(&peek).await?;
         if levels.len() != budgets.len() {
             return Err(StoreError::Reply(format!(
                 "peek: {} levels for {} budgets",
