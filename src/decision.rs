@@ -49,6 +49,10 @@ pub struct Refusal {
     pub outcome: Option<Standing>,
     /// Time spent waiting for a route slot before the refusal.
     pub queued: Duration,
+    /// It waited for a route slot (until its queue_timeout, or its key's share's): not one a
+    /// full queue, or a route without a queue, refused at once. `tollgate_queue_wait_seconds`
+    /// counts waits.
+    pub waited_for_a_slot: bool,
     /// `tollgate_rejections_total{reason}`; `None` for answers that are not a gateway refusal.
     pub reason: Option<Reason>,
 }
@@ -61,6 +65,7 @@ impl Refusal {
             retry_after: None,
             outcome: None,
             queued: Duration::ZERO,
+            waited_for_a_slot: false,
             reason: problem.reason(),
         }
     }
@@ -348,12 +353,11 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
                 "this key has as many requests in flight as its plan allows",
             )
         }),
-        Admission::RouteBusy { standing, queued } => Err(route_busy(
-            route,
+        Admission::RouteBusy {
             standing,
             queued,
-            refused_full(route, queued),
-        )),
+            full,
+        } => Err(route_busy(route, standing, queued, full)),
         Admission::Unavailable => Err(Refusal {
             retry_after: Some(1),
             ..Refusal::new(
@@ -399,22 +403,11 @@ fn over_budget(route: &Route, outcome: Standing, retry_after_us: u64) -> Refusal
 /// whatever the route's `queue_timeout`, so a route with no place for it had its queue full.
 pub fn judge_job(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
     match admission {
-        Admission::RouteBusy { standing, queued } => Err(route_busy(route, standing, queued, true)),
+        Admission::RouteBusy {
+            standing, queued, ..
+        } => Err(route_busy(route, standing, queued, true)),
         other => judge(route, other),
     }
-}
-
-/// Whether a capped route's `route-busy` refusal after `queued` came from a full queue
-/// (`max_queue`), before any queue_timeout: refused at once, without a wait.
-fn refused_full(route: &Route, queued: Duration) -> bool {
-    route.queue.max_queue.is_some() && queued < route.queue_timeout
-}
-
-/// Whether a capped route's `route-busy` refusal after `queued` waited for a slot (until its
-/// queue_timeout, or its key's share's): not one a full queue, or a route without a queue,
-/// refused at once (`tollgate_queue_wait_seconds` counts waits).
-pub fn waited_for_a_slot(route: &Route, queued: Duration) -> bool {
-    !route.queue_timeout.is_zero() && !refused_full(route, queued)
 }
 
 /// A capped route that had no slot for the request; `full`: its queue held `max_queue`
@@ -424,6 +417,7 @@ fn route_busy(route: &Route, outcome: Standing, queued: Duration, full: bool) ->
         retry_after: Some(1),
         outcome: Some(outcome),
         queued,
+        waited_for_a_slot: !route.queue_timeout.is_zero() && !full,
         // A full route with no queue is refused at once (`in_flight`); `route_busy` is a
         // full queue, or a full route that stayed full for its queue_timeout.
         reason: Some(if route.queue_timeout.is_zero() && !full {

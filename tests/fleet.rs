@@ -1013,6 +1013,39 @@ async fn a_capped_routes_store_round_trips_are_not_queue_time() {
     assert!(waited < 0.015, "{waited}");
 }
 
+/// A request that waits its queue_timeout for a slot on a route with `max_queue`, Redis a
+/// network away, is refused for its wait ("no slot freed within 1000 ms", its wait counted),
+/// not as one its full queue refused at once: it was said to find its queue full whenever its
+/// calls to Redis made its wait for a grant shorter than the queue_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_waiter_is_not_told_its_queue_was_full() {
+    const WAY: Duration = Duration::from_millis(20);
+    let redis = Redis::start();
+    let proxy = Proxy::start_delayed(redis.port, WAY);
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\n{}",
+        proxy.url(),
+        incident_with_report_caps(
+            "      max_in_flight: 1\n      queue_timeout: 1s\n      max_queue: 5\n"
+        )
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=3000"), "a");
+    up.wait_current("/reports/generate", 1).await;
+    let r = post(&c, gw.url("/reports/generate"), "b").await;
+    assert_eq!(r.status(), 503);
+    let detail = r.json::<serde_json::Value>().await.unwrap()["detail"].clone();
+    assert_eq!(
+        detail,
+        "/reports/generate allows 1 request in flight; no slot freed within 1000 ms"
+    );
+    let series = "tollgate_queue_wait_seconds_count{route=\"/reports/generate\"}";
+    wait_metric(&gw, series, 2.0, Duration::from_secs(5)).await;
+    assert_eq!(holder.await.unwrap(), 200);
+}
+
 /// Group commit across a fleet (`store::redis::batch`): while Redis is paused, each worker
 /// thread of three gateways has two `admit` calls in flight and gathers the rest of 60
 /// requests (cost 2, one key, 25 units left) behind them; they then go as batches, which

@@ -145,6 +145,7 @@ fn store_answers_become_refusals() {
             Admission::RouteBusy {
                 standing: standing(1),
                 queued: Duration::from_millis(5),
+                full: false,
             },
         )
         .unwrap_err()
@@ -192,6 +193,40 @@ fn store_answers_become_refusals() {
     )
     .unwrap();
     assert_eq!(ok.hold, Duration::from_micros(1_500));
+}
+
+/// A queue that was full says so only when the store says it was: a request that waited
+/// its queue_timeout less its calls to Redis is a timed-out one, however little short of
+/// the queue_timeout its wait was (it was told its queue held max_queue waiting, and its
+/// wait went uncounted).
+#[test]
+fn a_full_queue_is_the_stores_word_not_a_short_wait() {
+    let c = cfg("    /q: {cost: 1, max_in_flight: 1, queue_timeout: 1s, max_queue: 4}\n");
+    let q = classify(&c, "POST", "/q").unwrap().route;
+    let busy = |queued: u64, full: bool| {
+        judge(
+            &q,
+            Admission::RouteBusy {
+                standing: standing(1),
+                queued: Duration::from_millis(queued),
+                full,
+            },
+        )
+        .unwrap_err()
+    };
+    let timed_out = busy(997, false);
+    assert_eq!(
+        timed_out.detail,
+        "/q allows 1 request in flight; no slot freed within 997 ms"
+    );
+    assert!(timed_out.waited_for_a_slot);
+    let full = busy(0, true);
+    assert_eq!(
+        full.detail,
+        "/q allows 1 request in flight and its queue already holds 4 waiting (max_queue)"
+    );
+    assert!(!full.waited_for_a_slot);
+    assert_eq!(full.reason, Some(Reason::RouteBusy));
 }
 
 #[test]

@@ -146,7 +146,11 @@ pub async fn charge(
         if charged.queue_full(cap).await {
             let standing = charged.give_back().await;
             let queued = Duration::ZERO;
-            return Err(Admission::RouteBusy { standing, queued });
+            return Err(Admission::RouteBusy {
+                standing,
+                queued,
+                full: true,
+            });
         }
     }
     Ok(charged)

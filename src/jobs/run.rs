@@ -81,6 +81,7 @@ pub(super) async fn submit(
         return Err(Admission::RouteBusy {
             standing,
             queued: Duration::ZERO,
+            full: true,
         });
     };
     let waiting = match &place {

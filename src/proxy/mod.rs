@@ -165,10 +165,7 @@ impl Gateway {
             session.set_keepalive(None);
         }
         if let (Some(run), Some(route)) = (&ctx.running, &ctx.route) {
-            if r.problem == Problem::RouteBusy
-                && !admitted
-                && decision::waited_for_a_slot(route, r.queued)
-            {
+            if r.problem == Problem::RouteBusy && !admitted && r.waited_for_a_slot {
                 run.metrics
                     .get(route)
                     .queue_wait

@@ -153,6 +153,7 @@ fn too_large(max: u64) -> Refusal {
         retry_after: None,
         outcome: None,
         queued: std::time::Duration::ZERO,
+        waited_for_a_slot: false,
         reason: Problem::PayloadTooLarge.reason(),
     }
 }

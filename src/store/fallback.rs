@@ -346,9 +346,14 @@ impl<S: SharedStore> FallbackStore<S> {
                     queued: queued + waited,
                 }
             }
-            Admission::RouteBusy { standing, queued } => Admission::RouteBusy {
+            Admission::RouteBusy {
+                standing,
+                queued,
+                full,
+            } => Admission::RouteBusy {
                 standing,
                 queued: queued + waited,
+                full,
             },
             refused => refused,
         };

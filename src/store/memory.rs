@@ -363,17 +363,16 @@ impl MemoryStore {
             store: self,
             req: Some(req),
         };
-        let slot = match self
+        let (slot, full) = match self
             .routes
             .join(&req.route, cap, short_key(&req.key), req.fair)
         {
-            Joined::Slot(slot) => Some(slot),
-            Joined::QueueFull => None,
+            Joined::Slot(slot) => (Some(slot), false),
+            Joined::QueueFull => (None, true),
             Joined::Waiting(w) => {
                 let _queued = Queued::new(&req.route);
-                tokio::time::timeout(req.queue_timeout, w.granted())
-                    .await
-                    .ok()
+                let granted = tokio::time::timeout(req.queue_timeout, w.granted()).await;
+                (granted.ok(), false)
             }
         };
         let Some(slot) = slot else {
@@ -382,6 +381,7 @@ impl MemoryStore {
             return Admission::RouteBusy {
                 standing: (&self.standing(req)).into(),
                 queued: start.elapsed(),
+                full,
             };
         };
         charged.served();

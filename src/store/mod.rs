@@ -351,6 +351,8 @@ pub enum Admission {
     RouteBusy {
         standing: Standing,
         queued: Duration,
+        /// Its queue held `max_queue` waiters: refused at once, without a wait.
+        full: bool,
     },
     /// The store failed and `on_error: deny`: 503 `store-unavailable`.
     Unavailable,

@@ -118,14 +118,15 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
             });
         };
-        let busy = |queued| Admission::RouteBusy {
+        let busy = |queued, full| Admission::RouteBusy {
             standing: self.local_standing(&r),
             queued,
+            full,
         };
         if let Some(bound) = req.fair.max_queue {
             if self.running.waiting(&req.route) >= share(bound) as usize {
                 drop(charged);
-                return Some(busy(Duration::ZERO));
+                return Some(busy(Duration::ZERO, true));
             }
         }
         let limits = Limits::local(cap, req.fair.per_key, req.fair.since, self.fleet_size);
@@ -142,7 +143,7 @@ impl<S: SharedStore> FallbackStore<S> {
             }
             Turn::Refused(Full::Route) => {
                 drop(charged);
-                return Some(busy(start.elapsed()));
+                return Some(busy(start.elapsed(), false));
             }
         };
         drop(place);

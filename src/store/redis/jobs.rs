@@ -172,6 +172,7 @@ impl RedisBackend {
                 JobEntered::Refused(Box::new(Admission::RouteBusy {
                     standing,
                     queued: Duration::ZERO,
+                    full: true,
                 }))
             }
         })

@@ -154,6 +154,7 @@ impl RedisBackend {
             Decided::RouteBusy(o) => Admission::RouteBusy {
                 standing: o,
                 queued: start.elapsed(),
+                full: false,
             },
         };
         SharedAnswer {

@@ -326,8 +326,9 @@ impl RedisBackend {
     ) -> Result<SharedAnswer, StoreError> {
         let start = Instant::now();
         // After Redis lost its data, the wait while the others register their leases again
-        // is part of the request's wait for a slot (counted from `start`): one whose
-        // queue_timeout is shorter waits it out, then takes a free slot or is refused at once.
+        // counts against the request's queue_timeout (from `start`): one whose queue_timeout
+        // is shorter waits it out, then takes a free slot or is refused at once. (An admitted
+        // request's queue time is only its wait for a grant: this wait is the store's.)
         self.after_data_loss(req).await;
         let keys = queue_keys(&keys::route_slots_key(&req.route))
             .ok_or_else(|| StoreError::Reply("route lease key".into()))?;
@@ -361,7 +362,7 @@ impl RedisBackend {
                 self.after_data_loss(req).await;
                 // Not if the instance is exiting and gave its charge back, nor past its time.
                 if !unserved.charge_kept(false) || start.elapsed() >= req.queue_timeout {
-                    return Ok(self.route_busy(req, &outcome, unserved).await);
+                    return Ok(self.route_busy(req, &outcome, unserved, start, false).await);
                 }
                 // Its charge went with Redis's data, if its record did: made again before it
                 // waits again, as the fallback's write-back would have (it runs after all).
@@ -380,7 +381,7 @@ impl RedisBackend {
                         break;
                     }
                     if start.elapsed() >= req.queue_timeout {
-                        return Ok(self.route_busy(req, &outcome, unserved).await);
+                        return Ok(self.route_busy(req, &outcome, unserved, start, false).await);
                     }
                     // The grant lapsed before this instance confirmed it (it reached us
                     // late): queue again.
@@ -388,9 +389,10 @@ impl RedisBackend {
                 // Dropped as a dead instance's while this one stalled, and its charge given
                 // back by another: it does not run (its own refund, by the same marker, gives
                 // nothing back twice).
-                Some(FULL) | Some(GIVEN_UP) => {
+                Some(code @ (FULL | GIVEN_UP)) => {
                     unserved.in_route = false;
-                    return Ok(self.route_busy(req, &outcome, unserved).await);
+                    let full = code == FULL;
+                    return Ok(self.route_busy(req, &outcome, unserved, start, full).await);
                 }
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
             }
@@ -398,7 +400,7 @@ impl RedisBackend {
         if !unserved.charge_kept(true) {
             // Granted as the instance exits, after it gave the charge back: it does not run
             // (the slot is released as it drops).
-            return Ok(self.route_busy(req, &outcome, unserved).await);
+            return Ok(self.route_busy(req, &outcome, unserved, start, false).await);
         }
         let waited = unserved.waited;
         let lease = unserved.served();
@@ -494,6 +496,8 @@ impl RedisBackend {
         req: &AdmitRequest,
         o: &crate::budget::Outcome,
         mut unserved: Unserved,
+        start: Instant,
+        full: bool,
     ) -> SharedAnswer {
         let levels = match unserved.leave() {
             Some(rx) if !self.slices_on => tokio::time::timeout(self.timeout, rx)
@@ -506,9 +510,12 @@ impl RedisBackend {
             .and_then(|levels| Standing::of_levels(req.limits(), &levels))
             .unwrap_or_else(|| Standing::from(o).given_back(req.limits(), req.cost));
         SharedAnswer {
+            // Its whole time in the queue, its calls to Redis too: the time the client was
+            // kept waiting for a slot that did not come (`full`: none, refused as it joined).
             admission: Admission::RouteBusy {
                 standing,
-                queued: unserved.waited,
+                queued: start.elapsed(),
+                full,
             },
             reached: true,
         }

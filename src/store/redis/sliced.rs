@@ -74,6 +74,7 @@ impl RedisBackend {
             Decided::RouteBusy(standing) => Admission::RouteBusy {
                 standing,
                 queued: Duration::ZERO,
+                full: false,
             },
         };
         Some(Ok(SharedAnswer {
