@@ -484,25 +484,41 @@ impl Router {
 }
 
 /// A reload, as the stores' queues take it at once: the routes now in force, and the routes
-/// whose cap it took away (the cap, or the route with it), whose waiters go now, as the
-/// route's new requests do.
+/// whose cap it took away, whose waiters go now, as the route's new requests do.
 pub struct Reloaded<'a> {
     pub router: &'a Router,
+    /// Routes still configured, with no cap now: their queue has none, fleet-wide (the
+    /// newest config's figures, as for any change of cap).
     pub uncapped: Vec<Arc<str>>,
+    /// Capped routes the reload took away (or renamed): this instance's own waiters go, but
+    /// a fleet-wide queue keeps its cap for the instances that still have the route.
+    pub gone: Vec<Arc<str>>,
 }
 
 impl<'a> Reloaded<'a> {
     pub fn new(old: &Router, router: &'a Router) -> Self {
-        let capped = |r: &&Route| r.max_in_flight.is_some();
-        let still: std::collections::HashSet<&str> =
-            router.routes().filter(capped).map(|r| &*r.label).collect();
-        let uncapped = old
+        let capped_now: std::collections::HashMap<&str, bool> = router
             .routes()
-            .filter(capped)
-            .filter(|r| !still.contains(&*r.label))
-            .map(|r| r.label.clone())
+            .map(|r| (&*r.label, r.max_in_flight.is_some()))
             .collect();
-        Reloaded { router, uncapped }
+        let (mut uncapped, mut gone) = (vec![], vec![]);
+        for r in old.routes().filter(|r| r.max_in_flight.is_some()) {
+            match capped_now.get(&*r.label) {
+                Some(true) => {}
+                Some(false) => uncapped.push(r.label.clone()),
+                None => gone.push(r.label.clone()),
+            }
+        }
+        Reloaded {
+            router,
+            uncapped,
+            gone,
+        }
+    }
+
+    /// Every route whose waiters in this instance go now.
+    pub fn released(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.uncapped.iter().chain(&self.gone)
     }
 
     /// When the new config was loaded (`Route::loaded_ms`): a queue keeps the newest figures.

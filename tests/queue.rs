@@ -1147,12 +1147,13 @@ async fn a_cap_a_reload_takes_away_lets_the_waiters_go_on_memory_and_redis() {
         let gw = Gateway::start(&up, &config(&endpoint, ""));
         a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, edit, &format!("memory, {what}"))
             .await;
-        let redis = Redis::start();
-        let up = Upstream::start(Duration::ZERO);
-        let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(&endpoint, "")));
-        a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, edit, &format!("redis, {what}"))
-            .await;
     }
+    // On Redis the queue is the fleet's: a route still configured takes the newest config's
+    // figures, none; one taken away whole keeps its cap for the instances not reloaded yet.
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(&endpoint, "")));
+    a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, cap_gone, "redis, cap removed").await;
 }
 
 /// A waiter's instance whose Pub/Sub connection Redis closed (`CLIENT KILL TYPE pubsub`, a
@@ -1244,6 +1245,30 @@ impl<'a> QueueLua<'a> {
         all.extend(args);
         self.redis.cli(&all)
     }
+}
+
+/// `lua/queue.lua`: a cap taken away (the largest cap) or raised by many hands out at most 128
+/// slots in one call, the rest at the next calls on the route: one call granted every waiter,
+/// however many, holding Redis meanwhile.
+#[test]
+fn a_queue_hands_out_at_most_128_slots_a_call() {
+    let redis = Redis::start();
+    let q = QueueLua::new(&redis, "many");
+    let (keys, run) = (q.keys(), |args: &[&str]| q.run(args));
+    for i in 0..200 {
+        let (id, key) = (format!("w{i}"), format!("k{i}"));
+        let mut args = vec!["enter", &id, &key];
+        args.extend([
+            "1", "1", "0", "0", "10000000", "i1", "10000000", "1000000", "100",
+        ]);
+        run(&args);
+    }
+    let running = || redis.cli(&["ZCARD", keys[0]]).trim().to_string();
+    assert_eq!(running(), "1");
+    run(&["cap", "4294967295", "0", "1000000", "200"]);
+    assert_eq!(running(), "129");
+    run(&["cap", "4294967295", "0", "1000000", "200"]);
+    assert_eq!(running(), "200");
 }
 
 /// `lua/queue.lua`: a reload's `cap` sets the route's cap fleet-wide and grants the slots it

@@ -543,7 +543,7 @@ impl<S: SharedStore> FallbackStore<S> {
     pub fn reloaded(&self, reloaded: &crate::route::Reloaded) {
         self.shared.reloaded(reloaded);
         let since = reloaded.loaded_ms();
-        let uncapped = reloaded.uncapped.iter().map(|label| {
+        let uncapped = reloaded.released().map(|label| {
             let limits = Limits::local(u32::MAX, None, since, self.fleet_size);
             (label.clone(), limits)
         });

@@ -338,7 +338,7 @@ impl MemoryStore {
                     .reconfigure(&r.label, cap, r.queue.per_key, r.loaded_ms);
             }
         }
-        for label in &reloaded.uncapped {
+        for label in reloaded.released() {
             self.routes
                 .reconfigure(label, u32::MAX, None, reloaded.loaded_ms());
         }

@@ -278,12 +278,17 @@ local function dead(instance)
   return instance ~= FLEET and not alive(instance)
 end
 
+-- At most this many waiters are handed a slot in one call: a cap raised by more (or taken
+-- away: the largest cap) hands the rest on at the next calls on the route (each beat, every
+-- 500 ms, calls too), so that no one call holds Redis for long.
+local MAX_GRANTS = 128
+
 -- Gives free slots to the next waiters; returns the waiters granted. A key whose oldest
 -- waiter is a job while no instance collects jobs is passed over (`skip`), still queued.
 local function grant(grant_ttl)
   local granted = {}
-  local skip = 0
-  while redis.call('ZCARD', leases) < cap() do
+  local skip, handed = 0, 0
+  while handed < MAX_GRANTS and redis.call('ZCARD', leases) < cap() do
     local top = redis.call('ZRANGE', heads, skip, skip)[1]
     if not top then break end
     local key = string.match(top, '^%d+:(.*)$')
@@ -297,6 +302,7 @@ local function grant(grant_ttl)
     elseif instance == FLEET and not alive(FLEET) then
       skip = skip + 1
     else
+      handed = handed + 1
       drop_waiter(id, info ~= '' and info or (key .. '|' .. m .. '|'))
       if alive(instance) then
         redis.call('ZADD', leases, now + grant_ttl, id)

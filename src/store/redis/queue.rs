@@ -522,11 +522,16 @@ impl RedisBackend {
     }
 }
 
+/// How often a reload's `cap` is sent while Redis fails it, and how far apart.
+const CAP_ATTEMPTS: u32 = 3;
+const CAP_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 impl RedisBackend {
     /// A reload is in force: each capped route's queue takes the new cap and per-key share
     /// at once (`lua/queue.lua`, `cap`), so that the fleet's waiters get the slots a larger
     /// cap adds now, and a smaller cap holds them, not only from the route's next request;
-    /// one whose cap the reload took away takes none, and its waiters go.
+    /// one whose cap the reload took away takes none, and its waiters go. (One the reload took
+    /// away whole keeps its cap: the instances not reloaded yet still serve it.)
     /// On a thread of its own (a reload may come from a thread without a runtime).
     pub(super) fn reconfigure_queues(self: &Arc<Self>, reloaded: &crate::route::Reloaded) {
         let since = reloaded.loaded_ms();
@@ -544,6 +549,9 @@ impl RedisBackend {
         }
         let store = self.clone();
         let spawned = crate::background::spawn("tollgate-reconfigure".into(), move || async move {
+            // Once one route's calls all failed, the others are sent once each: a Redis that
+            // is down does not hold the thread for seconds per route.
+            let mut attempts = CAP_ATTEMPTS;
             for (route, cap, share, since) in caps {
                 let Some(keys) = super::keys::queue_keys(&super::keys::route_slots_key(&route))
                 else {
@@ -554,8 +562,17 @@ impl RedisBackend {
                     .arg(share)
                     .arg(GRANT_TTL.as_micros() as u64)
                     .arg(since);
-                if let Err(e) = store.call::<Vec<i64>>(inv).await {
-                    tracing::warn!(%route, error = %e, "a reloaded cap reaches the route's waiters with its next request");
+                // The same call twice writes the same figures: sent again while Redis fails
+                // (a route that lost its cap has no request of the new config to carry them).
+                let mut attempt = 1;
+                while let Err(e) = store.call_repeatable::<Vec<i64>>(inv.clone()).await {
+                    if attempt >= attempts {
+                        attempts = 1;
+                        tracing::warn!(%route, error = %e, "a reloaded cap did not reach Redis: the route's queue takes it with the next request of the new config");
+                        break;
+                    }
+                    attempt += 1;
+                    tokio::time::sleep(CAP_RETRY_AFTER).await;
                 }
             }
         });
