@@ -56,26 +56,67 @@ impl fmt::Display for ConfigErrors {
 
 /// A serde error as a [`ConfigError`], with the path in this module's format.
 pub(super) fn from_serde(e: serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
-    ConfigError::new(placed_path(&e), message(&e))
+    ConfigError::new(format_path(e.path()), message(&e))
 }
 
-/// The path of a parse error. A syntax error that came while the next key of a map was read
-/// (its path ends `?`) names the map: the entry before it was read whole and is not at fault
-/// (a key the scanner could not read, e.g. one over YAML's 1,024 characters, named the entry
-/// above it). Its line and column say where.
-fn placed_path(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
+/// [`from_serde`] for the error of a file that is not YAML (`text`, the file). One that came
+/// while the next key of a map was read (its path ends `?`: libyaml could not scan a key, e.g.
+/// one over its 1,024 characters) names that map; and when the key it could not scan stands
+/// no deeper in the file than the entry read before it (the entry's key, found in the lines
+/// above, at the same column or right of it), that entry was read whole and is not at fault
+/// either: the map around it is named. Its line and column say where.
+pub(super) fn from_syntax(
+    e: serde_path_to_error::Error<serde_yaml::Error>,
+    text: &str,
+) -> ConfigError {
     let segments: Vec<_> = e.path().iter().collect();
-    let text = e.inner().to_string();
-    let syntax = text.contains(", while scanning") || text.contains(", while parsing");
-    match segments.split_last() {
-        Some((serde_path_to_error::Segment::Unknown, rest)) if syntax => format_segments(
-            rest.split_last()
-                .map_or(rest, |(_, map)| map)
-                .iter()
-                .copied(),
-        ),
+    let path = match segments.split_last() {
+        Some((serde_path_to_error::Segment::Unknown, rest)) => {
+            let scanned = scanned_key_at(&e.inner().to_string());
+            let done = match (rest.last(), scanned) {
+                (Some(serde_path_to_error::Segment::Map { key }), Some((line, column))) => {
+                    key_column(text, key, line).is_some_and(|at| column <= at)
+                }
+                _ => false,
+            };
+            let rest = match rest.split_last() {
+                Some((_, map)) if done => map,
+                _ => rest,
+            };
+            format_segments(rest.iter().copied())
+        }
         _ => format_path(e.path()),
-    }
+    };
+    ConfigError::new(path, message(&e))
+}
+
+/// Where libyaml's message says the key it could not scan starts: "while scanning a simple
+/// key at line L column C" (1-based).
+fn scanned_key_at(message: &str) -> Option<(usize, usize)> {
+    let rest = message
+        .split("while scanning a simple key at line ")
+        .nth(1)?;
+    let (line, rest) = rest.split_once(" column ")?;
+    let column: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    Some((line.trim().parse().ok()?, column.parse().ok()?))
+}
+
+/// The column (1-based) of the last line above `line` (1-based) that starts with `key` as a
+/// mapping key (plain or quoted, followed by `:`).
+fn key_column(text: &str, key: &str, line: usize) -> Option<usize> {
+    let above: Vec<&str> = text.lines().take(line.saturating_sub(1)).collect();
+    above.into_iter().rev().find_map(|l| {
+        let body = l.trim_start();
+        let column = l.len() - body.len() + 1;
+        let body = body.strip_prefix("? ").unwrap_or(body);
+        [key.to_string(), format!("\"{key}\""), format!("'{key}'")]
+            .iter()
+            .any(|k| {
+                body.strip_prefix(k.as_str())
+                    .is_some_and(|r| r.starts_with(':'))
+            })
+            .then_some(column)
+    })
 }
 
 /// [`from_serde`] for a parse of text the file does not hold (its tree written out again):

@@ -73,7 +73,7 @@ impl Listen {
 pub struct RawServer {
     #[serde(default = "default_listen")]
     pub listen: Listen,
-    #[serde(default = "default_admin_listen", deserialize_with = "text")]
+    #[serde(default = "default_admin_listen", deserialize_with = "admin_listen")]
     pub admin_listen: String,
     #[serde(default)]
     pub threads: Option<i64>,
@@ -123,6 +123,23 @@ pub(crate) fn text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::
 /// [`text`] for a field whose "" means off: null (no value, `null`, `~`) is off too.
 fn text_or_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+}
+
+/// [`text`] for a field with a default: null is no value, the default (`store.url` left
+/// empty for `TOLLGATE_REDIS_URL` to fill, as before).
+fn text_or<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    default: fn() -> String,
+) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_else(default))
+}
+
+fn admin_listen<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    text_or(d, default_admin_listen)
+}
+
+fn redis_url<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    text_or(d, default_redis_url)
 }
 
 fn default_listen() -> Listen {
@@ -251,7 +268,7 @@ pub enum OnError {
 pub struct RawStore {
     #[serde(default = "default_backend")]
     pub backend: Backend,
-    #[serde(default = "default_redis_url", deserialize_with = "text")]
+    #[serde(default = "default_redis_url", deserialize_with = "redis_url")]
     pub url: String,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfDuration,

@@ -64,7 +64,7 @@ pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, Co
     // The text parse got this far, so the text is YAML; a tree that cannot be built anyway
     // (a YAML tag, which no field of the file takes) leaves the first error alone.
     let Ok((mut tree, repeated)) = lenient_tree(text) else {
-        errors.0.push(error::from_serde(first));
+        errors.0.push(error::from_syntax(first, text));
         return Err(errors);
     };
     if tree.is_null() {

@@ -115,6 +115,17 @@ fn a_null_string_is_no_value() {
         let c = parse(&format!("{BASE}identity:\n  key_id_header: {null}\n")).unwrap();
         assert_eq!(c.key_id_header, None, "{null}");
     }
+    // One with a default: null is the default, which the environment may replace.
+    let env = EnvOverrides {
+        redis_url: Some("redis://10.0.0.1:6379/0".into()),
+        fleet_size: None,
+    };
+    for null in ["null", "~", ""] {
+        let c = Config::parse(&format!("{BASE}store:\n  url: {null}\n"), &env).unwrap();
+        assert_eq!(c.store.url, "redis://10.0.0.1:6379/0", "{null}");
+        let c = parse(&format!("{BASE}store:\n  url: {null}\n")).unwrap();
+        assert_eq!(c.store.url, "redis://127.0.0.1:6379/0", "{null}");
+    }
     // Other scalars are strings as written.
     let c = parse(&format!("{BASE}{}", key.replace("ID", "0123"))).unwrap();
     assert_eq!(&*c.keys.values().next().unwrap().id, "0123");
@@ -213,6 +224,20 @@ fn a_key_the_scanner_cannot_read_is_placed_in_its_map() {
     );
     let c = parse(&format!("{BASE}    ? {long}\n    : {{cost: 2}}\n")).unwrap();
     assert_eq!(c.router.route_of("GET", &long).unwrap().cost, 2);
+    // After an entry in flow style: the endpoints too.
+    let s = format!("{BASE}    /flow: {{cost: 3}}\n    {long}: {{cost: 2}}\n");
+    let e = first_error(&s);
+    assert!(
+        e.starts_with("rate_limits.endpoints: could not find"),
+        "{e}"
+    );
+    // A key the scanner cannot read inside an entry's own map names that entry.
+    let s = BASE.replace(
+        "    max_delay: 0s\n",
+        "    max_delay 0s\n    max_cost: 120\n",
+    );
+    let e = first_error(&s);
+    assert!(e.starts_with("rate_limits.default: could not find"), "{e}");
 }
 
 #[test]
