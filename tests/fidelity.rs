@@ -481,3 +481,42 @@ async fn an_instance_named_twice_is_audited_once() {
         "{out}"
     );
 }
+
+/// Instances that run different configs (mid-rollout, or one not reloaded) are audited
+/// against the first one's costs, and the audit says so, naming each config and where it runs;
+/// `-c` audits against one file and says nothing. It said nothing, with the first's costs.
+#[tokio::test]
+async fn instances_on_different_configs_are_said_to_differ() {
+    let up = Upstream::start(Duration::ZERO);
+    let first = Gateway::start(&up, FLEET_LIMITS);
+    let second = Gateway::start(
+        &up,
+        &FLEET_LIMITS.replace("/a: { cost: 1 }", "/a: { cost: 2 }"),
+    );
+    let h1 = admin_json(&first, "/admin/audit").await["config_hash"].clone();
+    let h2 = admin_json(&second, "/admin/audit").await["config_hash"].clone();
+    let (h1, h2) = (h1.as_str().unwrap(), h2.as_str().unwrap());
+    assert_ne!(h1, h2);
+    let (a1, a2) = (first.admin(""), second.admin(""));
+    let (out, code) = audit(&["--admin", &a1, "--admin", &a2]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "CONFIGS DIFFER: {h1} at {a1}, {h2} at {a2}; the costs below are {a1}'s"
+        )),
+        "{out}"
+    );
+    let (out, _) = audit(&["--admin", &a1, "--admin", &a2, "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["configs_differ"],
+        serde_json::json!([{"admin": a1, "config_hash": h1}, {"admin": a2, "config_hash": h2}]),
+        "{out}"
+    );
+    let file = first.config_path.to_str().unwrap();
+    let (out, _) = audit(&["-c", file, "--admin", &a1, "--admin", &a2]);
+    assert!(!out.contains("CONFIGS DIFFER"), "{out}");
+    // One config everywhere: nothing to say.
+    let (out, _) = audit(&["--admin", &a1]);
+    assert!(!out.contains("CONFIGS DIFFER"), "{out}");
+}

@@ -10,6 +10,8 @@ use crate::config::Config;
 type Failed = (String, FetchError);
 /// An `--admin` whose instance an earlier one named: (its place in the list, that earlier one).
 type Same = (usize, String);
+/// The first `--admin` that runs each config, by its hash, when they run more than one.
+type Mixed = Vec<(String, String)>;
 
 /// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
 /// fleet's measured upstream time with the costs of `cfg` (or the instances' own). Returns the
@@ -25,6 +27,7 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
     // An instance named twice (another spelling of its address): counted once.
     let mut first_named: Vec<(String, &String)> = vec![];
     let mut same: Vec<Same> = vec![];
+    let mut configs: Mixed = vec![];
     for (n, (admin, answer)) in admins.iter().zip(answers).enumerate() {
         match answer {
             Ok(r) => {
@@ -35,6 +38,9 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
                     Some((_, first)) => same.push((n, (*first).clone())),
                     None => {
                         first_named.push((r.instance.clone(), admin));
+                        if !configs.iter().any(|(_, h)| *h == r.config_hash) {
+                            configs.push((admin.clone(), r.config_hash.clone()));
+                        }
                         reports.push(r);
                     }
                 }
@@ -54,10 +60,17 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
         .filter(|_| !reports.is_empty())
         .map(|m| crate::audit::report(m, cfg));
     let merged = merged.as_ref().err();
-    let out = if json {
-        as_json(admins, &failed, &same, report.as_ref(), merged)
+    // Instances mid-rollout (or one not reloaded): the costs are the first's, unless a file
+    // is audited against (`-c`), and the output says so.
+    let mixed = if configs.len() > 1 && cfg.is_none() {
+        configs
     } else {
-        as_text(admins, &failed, &same, report.as_ref(), merged)
+        vec![]
+    };
+    let out = if json {
+        as_json(admins, &failed, &same, &mixed, report.as_ref(), merged)
+    } else {
+        as_text(admins, &failed, &same, &mixed, report.as_ref(), merged)
     };
     (out, code)
 }
@@ -92,6 +105,7 @@ fn as_json(
     admins: &[String],
     failed: &[Failed],
     same: &[Same],
+    mixed: &Mixed,
     report: Option<&Report>,
     merged: Option<&MergeError>,
 ) -> String {
@@ -109,6 +123,11 @@ fn as_json(
         })
         .collect();
     let mut v = serde_json::json!({ "instances": instances });
+    if !mixed.is_empty() {
+        v["configs_differ"] = (mixed.iter())
+            .map(|(a, h)| serde_json::json!({"admin": a, "config_hash": h}))
+            .collect();
+    }
     if let Some(r) = report {
         v["baseline_seconds"] = serde_json::json!(r.baseline_seconds);
         v["routes"] = serde_json::to_value(&r.routes).unwrap_or_default();
@@ -124,6 +143,7 @@ fn as_text(
     admins: &[String],
     failed: &[Failed],
     same: &[Same],
+    mixed: &Mixed,
     report: Option<&Report>,
     merged: Option<&MergeError>,
 ) -> String {
@@ -141,6 +161,14 @@ fn as_text(
         let _ = writeln!(
             out,
             "  UNREACHABLE {admin}: {e} (its traffic is not in the figures below)"
+        );
+    }
+    if let Some((first, _)) = mixed.first() {
+        let each: Vec<String> = (mixed.iter()).map(|(a, h)| format!("{h} at {a}")).collect();
+        let _ = writeln!(
+            out,
+            "  CONFIGS DIFFER: {}; the costs below are {first}'s (audit against one file with -c)",
+            each.join(", ")
         );
     }
     if let Some(e) = merged {
