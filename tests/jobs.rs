@@ -1028,3 +1028,40 @@ async fn a_job_refused_by_one_pool_address_runs_at_the_next() {
     assert_eq!(up.count(ROUTE), 4);
     assert_eq!(remaining(&gw, "a").await, 60);
 }
+
+/// With `max_delay` a job whose units were reserved ahead holds its slot until they are due:
+/// meanwhile it is running and in flight in the metrics too (as `/admin/routes` and its status
+/// say; it was in neither state there), and its last access-log line says how long it was
+/// held (`hold_ms`, which said 0).
+#[tokio::test]
+async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
+    let up = Upstream::start(Duration::from_millis(50));
+    // 10 units per 4 s: a second job of 10 right after the first is due about 4 s later.
+    let body = config(&reports(1, "")).replace(
+        "default: {cost: 1, window: 24h, max_cost: 100}",
+        "default: {cost: 1, window: 4s, max_cost: 10, max_delay: 5s}",
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let first = submit(&c, &gw, ROUTE, "key-a", "").await;
+    assert_eq!(result(&c, &gw, &first, "key-a").await.status(), 200);
+    let second = submit(&c, &gw, ROUTE, "key-a", "").await;
+    let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
+    wait_metric(&gw, &running, 1.0, Duration::from_secs(2)).await;
+    assert_eq!(up.count(ROUTE), 1, "held, not sent yet");
+    assert_metric(
+        &gw,
+        &format!("tollgate_in_flight{{route=\"{ROUTE}\"}}"),
+        1.0,
+    )
+    .await;
+    assert_eq!(result(&c, &gw, &second, "key-a").await.status(), 200);
+    let id = second.trim_start_matches("/_tollgate/jobs/").to_string();
+    let done = gw
+        .wait_access(1, |l| {
+            l["decision"] == "job_done" && l["job"] == id.as_str()
+        })
+        .await;
+    let hold = done[0]["hold_ms"].as_f64().unwrap();
+    assert!((2500.0..5000.0).contains(&hold), "{}", done[0]);
+}

@@ -153,6 +153,8 @@ struct Ended {
     upstream_status: Option<u16>,
     cost: u64,
     queued: Duration,
+    /// Its `max_delay` hold, with its slot, until its reserved units were due.
+    hold: Duration,
     upstream: Option<Duration>,
     /// Bytes of the result kept.
     kept: u64,
@@ -199,16 +201,13 @@ async fn run(mut t: Task) {
                 upstream_status: None,
                 cost: 0,
                 queued,
+                hold: Duration::ZERO,
                 upstream: None,
                 kept: 0,
             });
         }
     };
     t.ticket.attach_route(slot);
-    let due = t.submitted + t.delay;
-    if Instant::now() < due {
-        tokio::time::sleep_until(due.into()).await;
-    }
     let ended = execute(&mut t, queued).await;
     // From now on the job holds its result, not its request.
     board().resize(&t.job, ended.kept);
@@ -223,6 +222,12 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     let (running, route) = (t.running.clone(), t.route.clone());
     let rm = running.metrics.get(&route);
     let _in_flight = InFlight::new(&rm.in_flight);
+    // `max_delay`: it holds its slot until its reserved units are due, counted as running and
+    // in flight meanwhile (as `/admin/routes` and its status say), as a held request is.
+    let hold = (t.submitted + t.delay).saturating_duration_since(Instant::now());
+    if !hold.is_zero() {
+        tokio::time::sleep(hold).await;
+    }
     let started = Instant::now();
     let sent = send::send(
         &t.running,
@@ -240,6 +245,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         upstream_status: None,
         cost: t.ticket.req.cost,
         queued,
+        hold,
         upstream: None,
         kept: 0,
     };
@@ -338,7 +344,7 @@ impl Task {
             upstream_ms: e.upstream.map(access::millis),
             store_ms: 0.0,
             queue_ms: access::millis(e.queued),
-            hold_ms: 0.0,
+            hold_ms: access::millis(e.hold),
             upstream_status: e.upstream_status,
             request_id: self.origin.request_id.as_deref(),
             trace_id: trace.as_ref().map(|t| t.as_str()),

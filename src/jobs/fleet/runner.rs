@@ -123,7 +123,7 @@ pub(super) async fn run_claimed(
             upstream_ms: upstream.map(access::millis),
             store_ms: 0.0,
             queue_ms: access::millis(queued),
-            hold_ms: 0.0,
+            hold_ms: access::millis(wait),
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
             trace_id: trace.as_ref().map(|t| t.as_str()),
