@@ -1171,3 +1171,41 @@ async fn an_interim_answer_is_not_the_final_one() {
     let statuses: Vec<_> = logged.iter().map(|e| e["status"].clone()).collect();
     assert_eq!(statuses, [504, 408], "{logged:?}");
 }
+
+/// Clients that reset their connection right after their request, before the gateway's own
+/// answer (a 401) is written: none is an ERROR (DESIGN §5: a client that goes away is not an
+/// ERROR; else any client could fill the error log at will), and an answer not taken counts
+/// as 499, in the access log and the metrics. Before, most were logged at ERROR ("Fail to
+/// filter request: … WriteError", as a gateway failure) and counted 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_reset_before_their_refusal_are_no_error() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 100}\n",
+    );
+    for _ in 0..50 {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+            .await
+            .unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        s.set_zero_linger().unwrap();
+        drop(s);
+    }
+    let lines = gw.wait_access(50, |_| true).await;
+    assert_eq!(error_lines(&gw), Vec::<String>::new());
+    let gone = lines.iter().filter(|l| l["status"] == 499).count();
+    for l in &lines {
+        match l.get("error") {
+            Some(_) => assert_eq!(l["status"], 499, "{l}"),
+            None => assert_eq!(l["status"], 401, "{l}"),
+        }
+    }
+    let series = "tollgate_requests_total{route=\"default\",status=\"499\"}";
+    if gone > 0 {
+        assert_metric(&gw, series, gone as f64).await;
+    }
+}

@@ -506,10 +506,12 @@ impl ProxyHttp for Gateway {
         ctx.release().await;
         // After the slots are free: settling is one more store call, for such routes only.
         ctx.settle(&self.shared.store).await;
-        // Nothing written: the client left first (a closed connection, a reset stream).
-        let status = session
-            .response_written()
-            .map_or(CLIENT_CLOSED_REQUEST, |r| r.status.as_u16());
+        // Nothing written, or the gateway's own answer not taken: the client left first (a
+        // closed connection, a reset stream).
+        let status = match session.response_written() {
+            Some(r) if !e.is_some_and(respond::nobody_answered) => r.status.as_u16(),
+            _ => CLIENT_CLOSED_REQUEST,
+        };
         // Requests Pingora refused before `request_filter` count under `default`.
         let running = ctx.running.clone().unwrap_or_else(|| self.shared.running());
         let route = match &ctx.route {

@@ -69,20 +69,48 @@ pub(super) async fn send(
     }
     rate_limit_headers(&mut h, ctx)?;
     let discard = past_unread_body(session);
+    let written = async {
+        if session.req_header().method == http::Method::HEAD
+            && session.downstream_session.is_http2()
+        {
+            // A HEAD's answer has no content (RFC 9110 §9.3.2): its HEADERS end the stream. A
+            // DATA frame after them is a protocol error to the client, which then loses the
+            // answer. (Pingora's HTTP/1 writer drops a HEAD's body itself.)
+            let end = vec![HttpTask::Header(Box::new(h), true)];
+            return session
+                .downstream_session
+                .response_duplex_vec(end)
+                .await
+                .map(|_| ());
+        }
+        session.write_response_header(Box::new(h), false).await?;
+        session.write_response_body(Some(body), true).await
+    };
+    if let Err(e) = written.await {
+        // The client's side failed to take it (gone, reset, too slow): nobody was answered.
+        // Its source is the client's, so that it is no gateway ERROR, and the request counts
+        // as 499 (`logging`).
+        let etype = e.etype().clone();
+        return Err(Error::because(etype, NOBODY_ANSWERED, e).into_down());
+    }
     if session.req_header().method == http::Method::HEAD && session.downstream_session.is_http2() {
-        // A HEAD's answer has no content (RFC 9110 §9.3.2): its HEADERS end the stream. A
-        // DATA frame after them is a protocol error to the client, which then loses the
-        // answer. (Pingora's HTTP/1 writer drops a HEAD's body itself.)
-        let end = vec![HttpTask::Header(Box::new(h), true)];
-        session.downstream_session.response_duplex_vec(end).await?;
         return Ok(true);
     }
-    session.write_response_header(Box::new(h), false).await?;
-    session.write_response_body(Some(body), true).await?;
     if discard {
         discard_unread_body(session).await;
     }
     Ok(true)
+}
+
+/// The context of the error of a gateway's own answer its client did not take.
+const NOBODY_ANSWERED: &str = "the client left before its answer was written";
+
+/// Whether `e` is the failure of a gateway's own answer its client did not take ([`send`]):
+/// its request was answered to nobody.
+pub(super) fn nobody_answered(e: &Error) -> bool {
+    e.context
+        .as_ref()
+        .is_some_and(|c| c.as_str() == NOBODY_ANSWERED)
 }
 
 /// The most of an unread request body the gateway reads and discards after its own answer,
