@@ -974,22 +974,33 @@ async fn access_log_separates_the_store_round_trip_from_queueing() {
     }
 }
 
+/// A gateway on `redis` a network away (a proxy delivering everything `way` late each way),
+/// with the incident's rate limits and `/reports/generate` capped by `caps` (endpoint lines).
+fn behind_a_slow_redis(
+    redis: &Redis,
+    up: &Upstream,
+    way: Duration,
+    caps: &str,
+) -> (Gateway, Proxy) {
+    let proxy = Proxy::start_delayed(redis.port, way);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\n{}",
+        proxy.url(),
+        incident_with_report_caps(caps)
+    );
+    (Gateway::start(up, &body), proxy)
+}
+
 /// A capped route's admission is two calls to a Redis a network away (its key's budget, then
 /// the route's queue), each a round trip of 60 ms at least: that is store time. With the slot
 /// free it waits for nothing, so its queue time is nil (the access log, and the queue-wait
 /// histogram). Both went to queue time, and store time was near 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capped_routes_store_round_trips_are_not_queue_time() {
-    const WAY: Duration = Duration::from_millis(30);
     let redis = Redis::start();
-    let proxy = Proxy::start_delayed(redis.port, WAY);
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\n{}",
-        proxy.url(),
-        incident_with_report_caps("      max_in_flight: 2\n      queue_timeout: 5s\n")
-    );
-    let gw = Gateway::start(&up, &body);
+    let caps = "      max_in_flight: 2\n      queue_timeout: 5s\n";
+    let (gw, _proxy) = behind_a_slow_redis(&redis, &up, Duration::from_millis(30), caps);
     let c = client();
     for _ in 0..3 {
         assert_eq!(
@@ -1019,18 +1030,10 @@ async fn a_capped_routes_store_round_trips_are_not_queue_time() {
 /// calls to Redis made its wait for a grant shorter than the queue_timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_waiter_is_not_told_its_queue_was_full() {
-    const WAY: Duration = Duration::from_millis(20);
     let redis = Redis::start();
-    let proxy = Proxy::start_delayed(redis.port, WAY);
     let up = Upstream::start(Duration::ZERO);
-    let body = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 5s\n  on_error: deny\n{}",
-        proxy.url(),
-        incident_with_report_caps(
-            "      max_in_flight: 1\n      queue_timeout: 1s\n      max_queue: 5\n"
-        )
-    );
-    let gw = Gateway::start(&up, &body);
+    let caps = "      max_in_flight: 1\n      queue_timeout: 1s\n      max_queue: 5\n";
+    let (gw, _proxy) = behind_a_slow_redis(&redis, &up, Duration::from_millis(20), caps);
     let c = client();
     let holder = spawn_post(&c, gw.url("/reports/generate?delay_ms=3000"), "a");
     up.wait_current("/reports/generate", 1).await;

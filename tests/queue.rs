@@ -1156,12 +1156,11 @@ async fn a_cap_a_reload_takes_away_lets_the_waiters_go_on_memory_and_redis() {
     a_cap_a_reload_takes_away_lets_the_waiters_go(&up, &gw, cap_gone, "redis, cap removed").await;
 }
 
-/// A waiter's instance whose Pub/Sub connection Redis closed (`CLIENT KILL TYPE pubsub`, a
-/// restart) subscribes again at once, so that a grant published 200 ms later reaches it as
-/// the release happens (DESIGN §8: within 50 ms on a healthy store), not at its instance's
-/// next beat, up to 500 ms later: it subscribed again only 500 ms after the break.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
+/// Two gateways on one Redis, a route capped at 1: for each of `rounds`, one request holds
+/// the slot for 1 s on the first and another waits on the second; `lead` before the slot
+/// frees, Redis closes the clients of `kind` (`CLIENT KILL TYPE kind`). The waiter must run
+/// within `within` of the release, every round.
+async fn hand_offs_after_redis_closed(kind: &str, lead: Duration, rounds: usize, within: Duration) {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
     let endpoint =
@@ -1169,23 +1168,34 @@ async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
     let body = on_redis(&redis.url(), &config(endpoint, ""));
     let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
     let c = client();
-    for round in 0..3 {
+    const HOLD: Duration = Duration::from_millis(1000);
+    for round in 0..rounds {
         let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=1000"), "key-a");
         up.wait_current(ROUTE, 1).await;
         let held_from = Instant::now();
         let waiter = spawn_post(&c, b.url("/reports/generate?delay_ms=10"), "key-b");
         wait_queued(&b, ROUTE, 1.0).await;
-        tokio::time::sleep(Duration::from_millis(800).saturating_sub(held_from.elapsed())).await;
-        redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
-        assert_eq!(holder.await.unwrap(), 200);
-        assert_eq!(waiter.await.unwrap(), 200);
+        tokio::time::sleep((HOLD - lead).saturating_sub(held_from.elapsed())).await;
+        redis.cli(&["CLIENT", "KILL", "TYPE", kind]);
+        assert_eq!(holder.await.unwrap(), 200, "round {round}");
+        assert_eq!(waiter.await.unwrap(), 200, "round {round}: {}", b.log());
         let at = up.arrivals(ROUTE);
-        let gap = at[2 * round + 1] - at[2 * round] - Duration::from_millis(1000);
+        let gap = at[2 * round + 1] - at[2 * round] - HOLD;
         assert!(
-            gap < Duration::from_millis(150),
+            gap < within,
             "round {round}: the waiter went {gap:?} after the release"
         );
     }
+}
+
+/// A waiter's instance whose Pub/Sub connection Redis closed (`CLIENT KILL TYPE pubsub`, a
+/// restart) subscribes again at once, so that a grant published 200 ms later reaches it as
+/// the release happens (DESIGN §8: within 50 ms on a healthy store), not at its instance's
+/// next beat, up to 500 ms later: it subscribed again only 500 ms after the break.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
+    let lead = Duration::from_millis(200);
+    hand_offs_after_redis_closed("pubsub", lead, 3, Duration::from_millis(150)).await;
 }
 
 /// Redis closes both instances' connections (`CLIENT KILL TYPE normal`: an idle `timeout`, a
@@ -1195,30 +1205,8 @@ async fn a_waiter_hears_its_grant_soon_after_its_subscription_broke() {
 /// waiter runs at the release. Before, both failed: the waiter got 503 `store-unavailable`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hand_off_outlives_connections_redis_closed_just_before() {
-    let redis = Redis::start();
-    let up = Upstream::start(Duration::ZERO);
-    let endpoint =
-        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n";
-    let body = on_redis(&redis.url(), &config(endpoint, ""));
-    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
-    let c = client();
-    for round in 0..5 {
-        let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=1000"), "key-a");
-        up.wait_current(ROUTE, 1).await;
-        let held_from = Instant::now();
-        let waiter = spawn_post(&c, b.url("/reports/generate?delay_ms=10"), "key-b");
-        wait_queued(&b, ROUTE, 1.0).await;
-        tokio::time::sleep(Duration::from_millis(850).saturating_sub(held_from.elapsed())).await;
-        redis.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
-        assert_eq!(holder.await.unwrap(), 200, "round {round}");
-        assert_eq!(waiter.await.unwrap(), 200, "round {round}: {}", b.log());
-        let at = up.arrivals(ROUTE);
-        let gap = at[2 * round + 1] - at[2 * round] - Duration::from_millis(1000);
-        assert!(
-            gap < Duration::from_millis(300),
-            "round {round}: the waiter went {gap:?} after the release"
-        );
-    }
+    let lead = Duration::from_millis(150);
+    hand_offs_after_redis_closed("normal", lead, 5, Duration::from_millis(300)).await;
 }
 
 /// `lua/queue.lua` run directly on a Redis, for the route tagged `tag`.
