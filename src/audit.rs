@@ -194,6 +194,18 @@ pub struct InstanceAudit {
     pub plans: Vec<PlanAudit>,
 }
 
+impl InstanceAudit {
+    /// What the audit compares against, as this instance has it: each route's cost, time
+    /// price and mode, and the plans' budgets (not its ports, its store or its comments, which
+    /// the config's hash covers too).
+    pub fn prices(&self) -> String {
+        let routes: Vec<_> = (self.routes.iter())
+            .map(|r| (&r.route, r.cost, r.cost_per_second, &r.mode))
+            .collect();
+        serde_json::to_string(&(routes, &self.plans)).unwrap_or_default()
+    }
+}
+
 /// The budgets a key of `policy` must fit, every one of them, for the worst case (the
 /// tightest one binds); named as the rate-limit headers name them.
 fn budgets_of(p: &Policy) -> Vec<BudgetAudit> {

@@ -482,13 +482,17 @@ async fn an_instance_named_twice_is_audited_once() {
     );
 }
 
-/// Instances that run different configs (mid-rollout, or one not reloaded) are audited
-/// against the first one's costs, and the audit says so, naming each config and where it runs;
-/// `-c` audits against one file and says nothing. It said nothing, with the first's costs.
+/// Instances whose configs price routes differently (mid-rollout, or one not reloaded) are
+/// audited against the first one's costs, and the audit says so, naming each config and where
+/// it runs; `-c` audits against one file and says nothing. It said nothing, with the first's
+/// costs. Configs that differ elsewhere (each instance's own ports) are not said to differ.
 #[tokio::test]
 async fn instances_on_different_configs_are_said_to_differ() {
     let up = Upstream::start(Duration::ZERO);
     let first = Gateway::start(&up, FLEET_LIMITS);
+    let same = Gateway::start(&up, FLEET_LIMITS);
+    let (out, _) = audit(&["--admin", &first.admin(""), "--admin", &same.admin("")]);
+    assert!(!out.contains("CONFIGS DIFFER"), "{out}");
     let second = Gateway::start(
         &up,
         &FLEET_LIMITS.replace("/a: { cost: 1 }", "/a: { cost: 2 }"),

@@ -1237,26 +1237,38 @@ impl<'a> QueueLua<'a> {
 
 /// `lua/queue.lua`: a cap taken away (the largest cap) or raised by many hands out at most 128
 /// slots in one call, the rest at the next calls on the route: one call granted every waiter,
-/// however many, holding Redis meanwhile.
+/// however many, holding Redis meanwhile. A newcomer meanwhile queues behind those still
+/// waiting, free slots or not (it does not jump them), and is not told the queue is full.
 #[test]
 fn a_queue_hands_out_at_most_128_slots_a_call() {
     let redis = Redis::start();
     let q = QueueLua::new(&redis, "many");
     let (keys, run) = (q.keys(), |args: &[&str]| q.run(args));
-    for i in 0..200 {
-        let (id, key) = (format!("w{i}"), format!("k{i}"));
-        let mut args = vec!["enter", &id, &key];
+    // Grants confirmable for 10 s, its instance alive as long: no lapse between the calls.
+    let enter = |id: &str, key: &str| {
+        let mut args = vec!["enter", id, key];
         args.extend([
-            "1", "1", "0", "0", "10000000", "i1", "10000000", "1000000", "100",
+            "1", "1", "0", "0", "10000000", "i1", "10000000", "10000000", "100",
         ]);
-        run(&args);
+        run(&args)
+    };
+    for i in 0..300 {
+        enter(&format!("w{i}"), &format!("k{i}"));
     }
     let running = || redis.cli(&["ZCARD", keys[0]]).trim().to_string();
     assert_eq!(running(), "1");
-    run(&["cap", "4294967295", "0", "1000000", "200"]);
+    run(&["cap", "4294967295", "0", "10000000", "200"]);
     assert_eq!(running(), "129");
-    run(&["cap", "4294967295", "0", "1000000", "200"]);
-    assert_eq!(running(), "200");
+    // Its own call hands out 128 more; 43 still wait: it queues behind them.
+    let late = enter("late", "k-late");
+    assert_eq!(
+        late.lines().next().unwrap_or_default().trim(),
+        "0",
+        "{late}"
+    );
+    assert_eq!(running(), "257");
+    run(&["cap", "4294967295", "0", "10000000", "200"]);
+    assert_eq!(running(), "301");
 }
 
 /// `lua/queue.lua`: a reload's `cap` sets the route's cap fleet-wide and grants the slots it

@@ -10,7 +10,8 @@ use crate::config::Config;
 type Failed = (String, FetchError);
 /// An `--admin` whose instance an earlier one named: (its place in the list, that earlier one).
 type Same = (usize, String);
-/// The first `--admin` that runs each config, by its hash, when they run more than one.
+/// The first `--admin` that has each set of prices (costs, time prices, modes, plans), by its
+/// config's hash, when they have more than one.
 type Mixed = Vec<(String, String)>;
 
 /// `tollgate audit`: reads every instance's `/admin/audit`, merges them and compares the
@@ -27,7 +28,7 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
     // An instance named twice (another spelling of its address): counted once.
     let mut first_named: Vec<(String, &String)> = vec![];
     let mut same: Vec<Same> = vec![];
-    let mut configs: Mixed = vec![];
+    let mut configs: Vec<(String, String, String)> = vec![];
     for (n, (admin, answer)) in admins.iter().zip(answers).enumerate() {
         match answer {
             Ok(r) => {
@@ -38,8 +39,9 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
                     Some((_, first)) => same.push((n, (*first).clone())),
                     None => {
                         first_named.push((r.instance.clone(), admin));
-                        if !configs.iter().any(|(_, h)| *h == r.config_hash) {
-                            configs.push((admin.clone(), r.config_hash.clone()));
+                        let prices = r.prices();
+                        if !configs.iter().any(|(_, _, p)| *p == prices) {
+                            configs.push((admin.clone(), r.config_hash.clone(), prices));
                         }
                         reports.push(r);
                     }
@@ -62,8 +64,8 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
     let merged = merged.as_ref().err();
     // Instances mid-rollout (or one not reloaded): the costs are the first's, unless a file
     // is audited against (`-c`), and the output says so.
-    let mixed = if configs.len() > 1 && cfg.is_none() {
-        configs
+    let mixed: Mixed = if configs.len() > 1 && cfg.is_none() {
+        configs.into_iter().map(|(a, h, _)| (a, h)).collect()
     } else {
         vec![]
     };

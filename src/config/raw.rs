@@ -125,8 +125,8 @@ fn text_or_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
     Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
-/// [`text`] for a field with a default: null is no value, the default (`store.url` left
-/// empty for `TOLLGATE_REDIS_URL` to fill, as before).
+/// [`text`] for a field with a default: null is no value, so the default (as before, a
+/// `store.url` left empty may be filled by `TOLLGATE_REDIS_URL`, which replaces it).
 fn text_or<'de, D: serde::Deserializer<'de>>(
     d: D,
     default: fn() -> String,

@@ -87,10 +87,17 @@ pub(super) async fn send(
         session.write_response_body(Some(body), true).await
     };
     if let Err(e) = written.await {
+        use ErrorType::*;
         // The client's side failed to take it (gone, reset, too slow): nobody was answered.
         // Its source is the client's, so that it is no gateway ERROR, and the request counts
-        // as 499 (`logging`).
+        // as 499 (`logging`). A failure of the gateway's own making stays as it is.
         let etype = e.etype().clone();
+        if !matches!(
+            etype,
+            WriteError | WriteTimedout | ConnectionClosed | H2Error | ReadError
+        ) {
+            return Err(e);
+        }
         return Err(Error::because(etype, NOBODY_ANSWERED, e).into_down());
     }
     if session.req_header().method == http::Method::HEAD && session.downstream_session.is_http2() {

@@ -98,7 +98,7 @@
 --          figures in force: nothing written)
 --   full   ARGV key cap share max_queue since grant_ttl_us -> {1} when an `enter` of `key` now
 --          would be refused FULL (no slot for it and max_queue waiters; after the upkeep an
---          `enter` makes: lapsed leases purged, free slots granted), else {0}: a job asks
+--          `enter` makes: lapsed leases purged, free slots granted, 128 at most), else {0}: a job asks
 --          before its body is read, so that a full queue refuses it at once.
 -- Reads and checks come before the first write of each operation's own work; the upkeep
 -- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
@@ -282,13 +282,20 @@ end
 -- away: the largest cap) hands the rest on at the next calls on the route (each beat, every
 -- 500 ms, calls too), so that no one call holds Redis for long.
 local MAX_GRANTS = 128
+-- Set when `grant` stopped at MAX_GRANTS: slots may still be free while waiters wait, and a
+-- newcomer then queues behind them (it neither takes a free slot nor finds the queue full).
+local backlog = false
 
 -- Gives free slots to the next waiters; returns the waiters granted. A key whose oldest
 -- waiter is a job while no instance collects jobs is passed over (`skip`), still queued.
 local function grant(grant_ttl)
   local granted = {}
   local skip, handed = 0, 0
-  while handed < MAX_GRANTS and redis.call('ZCARD', leases) < cap() do
+  while redis.call('ZCARD', leases) < cap() do
+    if handed >= MAX_GRANTS then
+      backlog = true
+      break
+    end
     local top = redis.call('ZRANGE', heads, skip, skip)[1]
     if not top then break end
     local key = string.match(top, '^%d+:(.*)$')
@@ -495,7 +502,7 @@ if op == 'enter' then
     keep(lease_ttl)
     return {TAKEN}
   end
-  if takes(key, route_cap, route_share) then
+  if not backlog and takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
@@ -504,7 +511,7 @@ if op == 'enter' then
     return {TAKEN}
   end
   local queued = redis.call('ZCARD', waiters)
-  if max_queue > 0 and queued >= max_queue then
+  if max_queue > 0 and queued >= max_queue and not backlog then
     keep(lease_ttl)
     return {FULL}
   end
@@ -732,7 +739,7 @@ elseif op == 'full' then
   local route_cap, route_share = limits(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]) or 0, true)
   purge()
   grant(tonumber(ARGV[7]))
-  if max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
+  if backlog or max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
       or takes(key, route_cap, route_share) then
     return {0}
   end

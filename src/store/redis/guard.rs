@@ -81,21 +81,27 @@ impl RedisBackend {
     }
 
     /// [`Self::call`] of an operation that changes nothing more when it runs twice (a read, a
-    /// grant's confirmation): one whose connection turns out closed as it is sent (Redis closed
-    /// it since the connection was last looked at: an idle `timeout`, `CLIENT KILL`, a
-    /// restart) is sent once more, on a new connection, instead of failing its request. It
-    /// may have run the first time; running again is the same.
+    /// grant's confirmation, a lease's release): one whose connection turns out closed as it
+    /// is sent (Redis closed it since the connection was last looked at: an idle `timeout`,
+    /// `CLIENT KILL`, a restart) is sent once more, on a new connection, within the same
+    /// guarded call: only its last outcome counts (metrics, breaker), so that the resend is
+    /// not refused by a breaker the first failures opened. It may have run the first time;
+    /// running again is the same.
     pub(super) async fn call_repeatable<T: redis::FromRedisValue>(
         &self,
         inv: script::Call<'_>,
     ) -> Result<T, StoreError> {
-        let again = inv.clone();
-        match self.call(inv).await {
-            Err(StoreError::Redis { source, .. }) if source.is_connection_dropped() => {
-                self.call(again).await
+        self.guarded(Guard::Breaker, |mut conn| async move {
+            match script::invoke::<T>(&inv, &mut conn).await {
+                Err(e) if e.is_connection_dropped() => {
+                    self.conns.forget();
+                    let mut fresh = self.conns.get().await?;
+                    Ok(script::invoke::<T>(&inv, &mut fresh).await?)
+                }
+                res => Ok(res?),
             }
-            res => res,
-        }
+        })
+        .await
     }
 
     /// One operation of the store's scripts, as [`Self::call_repeatable`].

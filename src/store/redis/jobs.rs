@@ -274,7 +274,11 @@ impl RedisBackend {
     ) -> Result<(), StoreError> {
         crate::store::lock(&self.held).live.remove(id);
         let rk = Self::route_keys(route)?;
-        let _: Vec<i64> = self.call(self.queue_script.release(&rk, id)).await?;
+        // Sent again on a new connection if Redis closed this one (a release run twice is
+        // one); a failure leaves the slot to its lease's end.
+        let _: Vec<i64> = self
+            .call_repeatable(self.queue_script.release(&rk, id))
+            .await?;
         if let Some(key) = key {
             self.lease_op(&[keys::key_slots_key(key)], id, 0).await?;
         }

@@ -355,7 +355,8 @@ impl RedisBackend {
         };
         let mut again = false;
         loop {
-            if std::mem::replace(&mut again, true) {
+            let reentry = std::mem::replace(&mut again, true);
+            if reentry {
                 // Back into the queue: if it lost its waiters because Redis lost its data,
                 // the leases held elsewhere are registered again before this one may take a
                 // slot, as for any admission (`after_data_loss`).
@@ -391,7 +392,8 @@ impl RedisBackend {
                 // nothing back twice).
                 Some(code @ (FULL | GIVEN_UP)) => {
                     unserved.in_route = false;
-                    let full = code == FULL;
+                    // Refused as it joined, unless it had waited already (its grant lapsed).
+                    let full = code == FULL && !reentry;
                     return Ok(self.route_busy(req, &outcome, unserved, start, full).await);
                 }
                 _ => return Err(StoreError::Reply(format!("enter: {entered:?}"))),
@@ -510,11 +512,14 @@ impl RedisBackend {
             .and_then(|levels| Standing::of_levels(req.limits(), &levels))
             .unwrap_or_else(|| Standing::from(o).given_back(req.limits(), req.cost));
         SharedAnswer {
-            // Its whole time in the queue, its calls to Redis too: the time the client was
-            // kept waiting for a slot that did not come (`full`: none, refused as it joined).
+            // Its wait for a grant; one that timed out waited its queue_timeout (the rest of
+            // its time, its calls to Redis, is the store's). `full`: refused as it joined.
             admission: Admission::RouteBusy {
                 standing,
-                queued: start.elapsed(),
+                queued: match full {
+                    true => unserved.waited,
+                    false => (unserved.waited).max(start.elapsed().min(req.queue_timeout)),
+                },
                 full,
             },
             reached: true,
@@ -530,7 +535,8 @@ impl RedisBackend {
     /// A reload is in force: each capped route's queue takes the new cap and per-key share
     /// at once (`lua/queue.lua`, `cap`), so that the fleet's waiters get the slots a larger
     /// cap adds now, and a smaller cap holds them, not only from the route's next request;
-    /// one whose cap the reload took away takes none, and its waiters go. (One the reload took
+    /// one whose cap the reload took away takes none, and its waiters go (128 a call, the rest
+    /// at the route's next calls, each beat's among them). (One the reload took
     /// away whole keeps its cap: the instances not reloaded yet still serve it.)
     /// On a thread of its own (a reload may come from a thread without a runtime).
     pub(super) fn reconfigure_queues(self: &Arc<Self>, reloaded: &crate::route::Reloaded) {
