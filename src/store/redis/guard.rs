@@ -91,7 +91,16 @@ impl RedisBackend {
         &self,
         inv: script::Call<'_>,
     ) -> Result<T, StoreError> {
-        self.guarded(Guard::Breaker, |mut conn| async move {
+        self.call_repeatable_guarded(Guard::Breaker, inv).await
+    }
+
+    /// [`Self::call_repeatable`], guarded as `guard` says.
+    pub(super) async fn call_repeatable_guarded<T: redis::FromRedisValue>(
+        &self,
+        guard: Guard,
+        inv: script::Call<'_>,
+    ) -> Result<T, StoreError> {
+        self.guarded(guard, |mut conn| async move {
             match script::invoke::<T>(&inv, &mut conn).await {
                 Err(e) if e.is_connection_dropped() => {
                     self.conns.forget();

@@ -157,7 +157,8 @@ impl RedisBackend {
             calls.push(Lease { sets, id, ttl_us }.invocation());
         }
         for call in calls {
-            self.call_guarded::<redis::Value>(guard, call).await?;
+            self.call_repeatable_guarded::<redis::Value>(guard, call)
+                .await?;
         }
         Ok(())
     }
