@@ -18,7 +18,7 @@ async fn a_shared_refund_that_did_not_run_is_sent_again() {
     s.refund(&r, Charge::Shared).await;
     assert_eq!(fake.refunded.load(Ordering::Relaxed), 0);
     fake.down.store(false, Ordering::Relaxed);
-    tokio::time::sleep(REFUND_RETRY_EVERY * 3).await;
+    tokio::time::sleep(super::super::refunds::REFUND_RETRY_EVERY * 3).await;
     assert_eq!(fake.refunded.load(Ordering::Relaxed), 7);
 }
 
