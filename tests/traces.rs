@@ -245,6 +245,76 @@ async fn ratio_zero_exports_nothing_new_but_follows_a_sampled_parent() {
     assert!(seen.header("tracestate").is_empty(), "{:?}", seen.headers);
 }
 
+/// An unsampled parent (`traceparent` flags `00`) is continued — same trace, the client's span
+/// as parent — but does not decide the sampling: a request without a *sampled* parent is
+/// recorded at `sample_ratio` (DESIGN §1, §9). At 1.0 it is exported and the upstream learns
+/// it sampled; at 0 it stays unsampled and nothing is exported. (Before, an unsampled parent
+/// was never recorded, whatever the ratio.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_parent_is_continued_and_sampled_at_the_ratio() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::from_millis(1));
+    let all = Gateway::start(&up, &body(&collector.url(), "1.0"));
+    let none = Gateway::start(&up, &body(&collector.url(), "0"));
+    let c = client();
+    let send = |gw: &Gateway, id: &str, trace: &str| {
+        c.get(gw.url("/items/1"))
+            .header("X-API-Key", KEY)
+            .header("X-Request-Id", id)
+            .header("traceparent", format!("00-{trace}-{CLIENT_PARENT}-00"))
+            .send()
+    };
+    let recorded = "88888888888888888888888888888888";
+    assert_eq!(
+        send(&all, "unsampled-at-1", recorded)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let spans = collector
+        .wait_trace(recorded, &["GET default", "store decision", "upstream"])
+        .await;
+    let server = one(&spans, "GET default");
+    assert_eq!(server.parent_id(), CLIENT_PARENT);
+    let seen = seen_by_upstream(&up, "unsampled-at-1");
+    let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!(trace, recorded);
+    assert_eq!(parent, one(&spans, "upstream").span_id());
+    assert_eq!(flags, "01");
+
+    let unrecorded = "99999999999999999999999999999999";
+    assert_eq!(
+        send(&none, "unsampled-at-0", unrecorded)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let seen = seen_by_upstream(&up, "unsampled-at-0");
+    let (trace, _, flags) = traceparent(seen.header("traceparent")[0]);
+    assert_eq!((trace.as_str(), flags.as_str()), (unrecorded, "00"));
+    none.wait_log("unsampled-at-0").await;
+    // Its spans ended before its access-log line; the next, sampled one is exported after
+    // them: had they been recorded, they would be here by then.
+    let sampled = "abababababababababababababababab";
+    let r = c
+        .get(none.url("/items/2"))
+        .header("X-API-Key", KEY)
+        .header("traceparent", format!("00-{sampled}-{CLIENT_PARENT}-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    collector.wait_trace(sampled, &["GET default"]).await;
+    let leaked: Vec<Received> = collector
+        .spans()
+        .into_iter()
+        .filter(|s| s.trace_id() == unrecorded)
+        .collect();
+    assert!(leaked.is_empty(), "{leaked:#?}");
+}
+
 /// Requests that never reach the upstream, or wait first, are spans too: a refusal (429: its
 /// decision and the store's, no upstream span), a request held by `max_delay` (its hold is a
 /// child span), and an unreachable upstream (502 refunded: an error status, the error type).
