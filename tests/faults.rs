@@ -75,11 +75,21 @@ async fn slots_of_requests_finished_during_a_stall_are_free_soon_after() {
         }
     });
     up.wait_current("/reports/generate", 4).await;
+    const TIMED_OUT: &str = "tollgate_store_calls_total{result=\"timeout\"}";
+    let timed_out = metric(&a, TIMED_OUT).await;
     redis.pause();
     // Calls time out: the breaker opens before the four finish, so their releases can't go.
     for _ in 0..4 {
         assert_eq!(get(&c, a.url("/items"), "other").await.status(), 503);
     }
+    // Counted as timeouts (DESIGN §5), the refusals by their reason (`deny`).
+    assert!(metric(&a, TIMED_OUT).await > timed_out);
+    assert_metric(
+        &a,
+        "tollgate_rejections_total{reason=\"store_unavailable\",route=\"default\"}",
+        4.0,
+    )
+    .await;
     assert_eq!(running.await.unwrap(), vec![200; 4]);
     redis.resume();
     // Released in Redis without any further traffic, soon (a retry every 200 ms behind the

@@ -254,9 +254,19 @@ async fn outage(on_error: &str) -> Duration {
         "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
     );
     let c = client();
+    // Every call Redis answered is counted `ok` and timed (DESIGN §5): the two admissions at
+    // least (background calls may add to both alike).
+    const OK: &str = "tollgate_store_calls_total{result=\"ok\"}";
+    const TIMED: &str = "tollgate_store_duration_seconds_count";
+    let (ok, timed) = (metric(&gw, OK).await, metric(&gw, TIMED).await);
     for _ in 0..2 {
         assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
     }
+    let more_ok = metric(&gw, OK).await - ok;
+    assert!(more_ok >= 2.0, "{more_ok} more ok");
+    assert!(metric(&gw, TIMED).await - timed >= more_ok);
+    const FAILED: &str = "tollgate_store_calls_total{result=\"error\"}";
+    let failed = metric(&gw, FAILED).await;
     redis.kill();
 
     let mut statuses = vec![];
@@ -290,6 +300,19 @@ async fn outage(on_error: &str) -> Duration {
     }
     assert_metric(&gw, "tollgate_store_degraded", 1.0).await;
     assert!(metric(&gw, "tollgate_store_calls_total{result=\"breaker_open\"}").await > 0.0);
+    // A refused connection is an `error` (a hanging Redis's are `timeout`s: faults.rs).
+    assert!(metric(&gw, FAILED).await > failed);
+    // Each refusal counted by its reason: the fallback's share spent (budget), or the
+    // store's absence under `deny`.
+    let refused = |reason: &str| {
+        format!("tollgate_rejections_total{{reason=\"{reason}\",route=\"default\"}}")
+    };
+    let budget = if on_error == "local" { 7.0 } else { 0.0 };
+    assert_metric(&gw, &refused("budget"), budget).await;
+    if on_error == "deny" {
+        // (A series only where `deny` can refuse.)
+        assert_metric(&gw, &refused("store_unavailable"), 12.0).await;
+    }
     let ready = reqwest::get(gw.admin("/readyz")).await.unwrap().status();
     assert_eq!(ready == 503, on_error == "deny", "readyz {ready}");
 

@@ -790,6 +790,13 @@ async fn per_key_in_flight_cap_answers_429_concurrency_limit() {
     assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
     let v: serde_json::Value = r.json().await.unwrap();
     assert!(v["type"].as_str().unwrap().ends_with("concurrency-limit"));
+    assert_metric(
+        &gw,
+        "tollgate_rejections_total{reason=\"key_in_flight\",route=\"default\"}",
+        1.0,
+    )
+    .await;
+    assert_metric(&gw, "tollgate_rejections_by_key_total{key=\"g\"}", 1.0).await;
     assert_eq!(slow.await.unwrap(), 200);
     // The slot was released (in the logging phase, after the answer was sent): the next call
     // passes, and only the slow call was charged.
