@@ -257,6 +257,18 @@ async fn metrics_names_and_labels_exactly_as_designed() {
         })
         .collect();
     assert_eq!(exported, designed);
+    // The standard process metrics (DESIGN §5: cpu, rss, fds), with this process's figures.
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name}"))
+    };
+    assert!(value("process_cpu_seconds_total") > 0.0);
+    let rss = value("process_resident_memory_bytes");
+    assert!((1e6..1e9).contains(&rss), "rss {rss}");
+    let fds = value("process_open_fds");
+    assert!((5.0..1000.0).contains(&fds), "fds {fds}");
+    assert!(value("process_max_fds") >= fds);
 }
 
 /// The dashboard and the alert rules against what the real binary exports, both ways:
@@ -418,6 +430,42 @@ async fn sighup_reload_valid_and_invalid() {
         )
     };
     assert_eq!(call().await, ("1".into(), "99".into()));
+    // The build, and the running file by its hash (the first 8 bytes of its SHA-256), each a
+    // series of value 1; when it was loaded (DESIGN §5).
+    let version = env!("CARGO_PKG_VERSION");
+    assert_metric(
+        &gw,
+        &format!("tollgate_build_info{{version=\"{version}\"}}"),
+        1.0,
+    )
+    .await;
+    let config_info = || async {
+        let text = admin_text(&gw, "/metrics").await;
+        let series: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("tollgate_config_info{"))
+            .map(str::to_string)
+            .collect();
+        series
+    };
+    let hash_of_file = || {
+        let text = std::fs::read(&gw.config_path).unwrap();
+        hex::encode(tollgate::identity::hash_key(&text))[..16].to_string()
+    };
+    assert_eq!(
+        config_info().await,
+        [format!(
+            "tollgate_config_info{{hash=\"{}\"}} 1",
+            hash_of_file()
+        )]
+    );
+    const LOADED: &str = "tollgate_config_last_reload_timestamp_seconds";
+    let loaded = metric(&gw, LOADED).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(loaded <= now && loaded > now - 60.0, "{loaded} at {now}");
 
     // A valid change takes effect for new requests; the budget carries over.
     gw.edit_config("cost: 1}", "cost: 7}");
@@ -440,6 +488,15 @@ async fn sighup_reload_valid_and_invalid() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_metric(&gw, "tollgate_config_reloads_total{result=\"ok\"}", 1.0).await;
+    // One series still, the new file's; loaded later than the first.
+    assert_eq!(
+        config_info().await,
+        [format!(
+            "tollgate_config_info{{hash=\"{}\"}} 1",
+            hash_of_file()
+        )]
+    );
+    assert!(metric(&gw, LOADED).await > loaded);
 
     // An invalid file is refused, logged with its field path, and the old config stays.
     gw.edit_config("cost: 7}", "cost: 0}");
