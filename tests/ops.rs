@@ -826,6 +826,58 @@ fn tollgate(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `server.listen` as a list (DESIGN §1: "string or list"): the gateway serves on every
+/// address, one budget for them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_list_serves_on_every_address() {
+    let up = Upstream::start(Duration::ZERO);
+    let second = free_port();
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 10}\n",
+        also_listen: Some(second),
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let urls = [gw.url("/items"), format!("http://127.0.0.1:{second}/items")];
+    for (i, url) in urls.iter().cycle().take(4).enumerate() {
+        let r = get(&c, url, "k").await;
+        assert_eq!(r.status(), 200, "{url}");
+        let left = (9 - i).to_string();
+        assert_eq!(
+            header(&r, "X-RateLimit-Remaining").as_deref(),
+            Some(left.as_str())
+        );
+    }
+    assert_eq!(up.count("/items"), 4);
+}
+
+/// Without `-c`, the commands read `./gateway.yaml` (DESIGN §2): `check` passes in a directory
+/// that has one and fails, naming the file, in one that has none.
+#[test]
+fn the_default_config_is_gateway_yaml_in_the_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), text)
+    };
+    let (code, text) = run(&["check"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("gateway.yaml"), "{text}");
+    std::fs::copy("gateway.yaml", dir.path().join("gateway.yaml")).unwrap();
+    let (code, text) = run(&["check"]);
+    assert_eq!(code, Some(0), "{text}");
+    let (code, text) = run(&["explain", "POST", "/reports/generate"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("/reports/generate"), "{text}");
+}
+
 #[test]
 fn cli_check_and_explain() {
     let (code, out, _) = tollgate(&["check", "-c", "gateway.yaml"]);
@@ -970,6 +1022,13 @@ fn check_refuses_what_run_cannot_honour() {
                 "plans:\n  enterprise: {max_cost: 5, window: 1s}\n",
             ),
             "plans.enterprise: appears twice",
+        ),
+        (
+            "upstream twice",
+            format!(
+                "{text}upstreams:\n  reports: {{url: \"http://127.0.0.1:3001\"}}\n  reports: {{url: \"http://127.0.0.1:3002\"}}\n"
+            ),
+            "upstreams.reports: appears twice",
         ),
         (
             "not normalized",

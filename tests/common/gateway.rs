@@ -33,6 +33,8 @@ pub struct GatewayOpts<'a> {
     /// A command the gateway runs under, e.g. `["prlimit", "--nofile=64:64", "--"]` (it
     /// must exec the gateway, so that the child's pid is the gateway's).
     pub wrapper: Vec<&'a str>,
+    /// A second proxy address, `127.0.0.1:<port>` (`server.listen` as a list).
+    pub also_listen: Option<u16>,
 }
 
 impl Default for GatewayOpts<'_> {
@@ -47,6 +49,7 @@ impl Default for GatewayOpts<'_> {
             grace: "2s",
             args: vec![],
             wrapper: vec![],
+            also_listen: None,
         }
     }
 }
@@ -75,8 +78,12 @@ impl Gateway {
         for _attempt in 0..5 {
             let port = free_port();
             let admin_port = free_port();
+            let listen = match o.also_listen {
+                Some(p) => format!("[\"127.0.0.1:{port}\", \"127.0.0.1:{p}\"]"),
+                None => format!("\"127.0.0.1:{port}\""),
+            };
             let yaml = format!(
-                "server:\n  listen: \"127.0.0.1:{port}\"\n  admin_listen: \"127.0.0.1:{admin_port}\"\n  threads: {threads}\n  grace_period: {grace}\n{server_extra}upstream:\n  url: \"{url}\"\n  connect_timeout: 1s\n{extra}\n{body}\n",
+                "server:\n  listen: {listen}\n  admin_listen: \"127.0.0.1:{admin_port}\"\n  threads: {threads}\n  grace_period: {grace}\n{server_extra}upstream:\n  url: \"{url}\"\n  connect_timeout: 1s\n{extra}\n{body}\n",
                 threads = o.threads,
                 grace = o.grace,
                 server_extra = o.server_extra,
@@ -109,7 +116,11 @@ impl Gateway {
             let mut child = cmd.spawn().unwrap();
             // Read from /proc, not probed with a connect: a probe connection would count against
             // `max_connections` until the gateway had accepted and closed it (tests/tls).
-            let up = wait_for_own_ports(&mut child, &[port, admin_port], Duration::from_secs(15));
+            let ports: Vec<u16> = [port, admin_port]
+                .into_iter()
+                .chain(o.also_listen)
+                .collect();
+            let up = wait_for_own_ports(&mut child, &ports, Duration::from_secs(15));
             if up {
                 return Gateway {
                     port,
