@@ -287,8 +287,11 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
         "{:?}",
         t.elapsed()
     );
+    // DESIGN §3: at once, with a Retry-After.
+    assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
     let problem: serde_json::Value = r.json().await.unwrap();
     assert!(problem["type"].as_str().unwrap().ends_with("route-busy"));
+    assert_eq!(problem["retry_after"], 1);
     assert_eq!(
         problem["detail"],
         "/reports/generate allows 1 request in flight and its queue already holds 2 waiting (max_queue)",
@@ -304,7 +307,10 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
         let r = w.await.unwrap();
         assert_eq!(r.status(), 503);
         assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+        // DESIGN §3: `Retry-After: 1`, `route-busy`.
+        assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
         let problem: serde_json::Value = r.json().await.unwrap();
+        assert!(problem["type"].as_str().unwrap().ends_with("route-busy"));
         assert_eq!(
             problem["detail"],
             "/reports/generate allows 1 request in flight; no slot freed within 500 ms"
@@ -321,6 +327,56 @@ async fn queued_requests_are_charged_on_joining_and_refunded_when_they_leave_uns
         3.0,
     )
     .await;
+}
+
+/// `max_queue` bounds the waiters fleet-wide (DESIGN §8): with one waiting on each of two
+/// gateways on one Redis and `max_queue: 2`, a third on either is refused at once (503
+/// `route-busy`, `Retry-After: 1`, nothing charged), and the two waiters run in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_queue_counts_the_waiters_of_the_whole_fleet() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(
+        &redis.url(),
+        &config(
+            "    /reports/generate:\n      cost: 10\n      max_in_flight: 1\n      queue_timeout: 30s\n      max_queue: 2\n",
+            "",
+        ),
+    );
+    let (a, b) = (Gateway::start(&up, &body), Gateway::start(&up, &body));
+    let c = client();
+    let holder = spawn_post(&c, a.url("/reports/generate?delay_ms=1500"), "key-a");
+    up.wait_current(ROUTE, 1).await;
+    let on_a = spawn_post(&c, a.url("/reports/generate"), "key-b");
+    wait_queued(&a, ROUTE, 1.0).await;
+    let on_b = spawn_post(&c, b.url("/reports/generate"), "key-b");
+    wait_queued(&b, ROUTE, 1.0).await;
+    for gw in [&a, &b] {
+        let t = Instant::now();
+        let r = post(&c, gw.url("/reports/generate"), "key-c").await;
+        assert_eq!(r.status(), 503);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert_eq!(header(&r, "Retry-After").as_deref(), Some("1"));
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+        let problem: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .ends_with("holds 2 waiting (max_queue)"),
+            "{problem}"
+        );
+    }
+    assert_eq!(holder.await.unwrap(), 200);
+    assert_eq!(on_a.await.unwrap(), 200);
+    assert_eq!(on_b.await.unwrap(), 200);
+    assert_eq!(up.count(ROUTE), 3);
+    assert_eq!(up.max_concurrent(ROUTE), 1);
+    assert_eq!(
+        remaining(&a, "c").await,
+        1000,
+        "a full queue charges nothing"
+    );
 }
 
 /// A request that leaves the queue unserved (503 at `queue_timeout`) is answered with its
