@@ -370,6 +370,28 @@ fn dead_url() -> String {
     format!("http://127.0.0.1:{}", free_port())
 }
 
+/// A pool of two live addresses takes turns (DESIGN §1: "round robin over healthy
+/// addresses"): ten requests, five to each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_sends_its_requests_round_robin() {
+    let (one, two) = (
+        Upstream::start(Duration::ZERO),
+        Upstream::start(Duration::ZERO),
+    );
+    let body = format!(
+        "upstreams:\n  pool:\n    urls: [\"{}\", \"{}\"]\nrate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    \"/svc/{{*rest}}\": {{upstream: pool, strip_prefix: /svc}}\n",
+        one.url(),
+        two.url()
+    );
+    let gw = Gateway::start(&one, &body);
+    let c = client();
+    for i in 0..10 {
+        let r = get(&c, gw.url(&format!("/svc/items?n={i}")), "pool-key").await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!((one.count("/items"), two.count("/items")), (5, 5));
+}
+
 async fn pools_skip_dead_addresses(redis: Option<&Redis>) {
     let up = Upstream::start(Duration::ZERO);
     let body = format!(
