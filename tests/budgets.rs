@@ -684,6 +684,89 @@ async fn a_repeated_refusal_shows_what_has_drained_on_redis() {
     a_repeated_refusal_shows_what_has_drained_since(Some(&redis)).await;
 }
 
+/// Held requests are bounded per instance (DESIGN §1: "beyond the bound: 429 with
+/// Retry-After"): with 1,024 requests held for their `max_delay` turns, the next one is
+/// refused at once, 429 `quota-exceeded` with the Retry-After of the turn it would have had,
+/// and nothing is charged for it; once the held callers leave, their reservations come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_requests_are_bounded_per_instance() {
+    use std::io::Write;
+    const HELD: usize = 1024;
+    // Two sockets per held request (ours and the gateway's): the soft limit raised to the
+    // hard one, inherited by the gateway, so the test does not depend on the machine's.
+    raise_open_files_limit((3 * HELD + 200) as u64);
+    let up = Upstream::start(Duration::ZERO);
+    // One unit a second: the n-th request is held n seconds (up to 2,000).
+    let gw = Gateway::start(
+        &up,
+        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 1, max_delay: 2000s}\n",
+    );
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "hk").await.status(), 200);
+    let held: Vec<std::net::TcpStream> = (0..HELD)
+        .map(|_| {
+            let mut s = raw_connect(gw.port);
+            s.write_all(b"GET /items HTTP/1.1\r\nHost: t\r\nX-API-Key: hk\r\n\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    eventually(Duration::from_secs(30), async || {
+        let n = metric(&gw, "tollgate_in_flight{route=\"default\"}").await;
+        (n == HELD as f64).then_some(()).ok_or(format!("{n} held"))
+    })
+    .await;
+    let t = Instant::now();
+    let r = get(&c, gw.url("/items"), "hk").await;
+    assert_eq!(r.status(), 429);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!(
+        (HELD as u64..=HELD as u64 + 2).contains(&retry),
+        "Retry-After {retry}"
+    );
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+    let problem: serde_json::Value = r.json().await.unwrap();
+    assert!(problem["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("quota-exceeded"));
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("1024 requests are already waiting their turn here"),
+        "{problem}"
+    );
+    assert_eq!(up.count("/items"), 1);
+    // The held callers leave: never forwarded, their reservations given back.
+    drop(held);
+    eventually(Duration::from_secs(30), async || {
+        let n = metric(&gw, "tollgate_in_flight{route=\"default\"}").await;
+        (n == 0.0).then_some(()).ok_or(format!("{n} held"))
+    })
+    .await;
+    assert_eq!(up.count("/items"), 1);
+}
+
+/// Raises this process's soft limit on open files to at least `want` (up to the hard limit),
+/// for the gateways it starts to inherit.
+fn raise_open_files_limit(want: u64) {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut l), 0);
+        if l.rlim_cur < want {
+            l.rlim_cur = want.min(l.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &l), 0);
+        }
+    }
+    assert!(l.rlim_cur >= want, "open files limited to {}", l.rlim_cur);
+}
+
 /// A gateway that exits (SIGTERM) gives back the reservations of the callers it holds for a
 /// shared budget's turn past its grace period, and answers them 503 at once (they may go to
 /// another instance), instead of keeping them until it ends with them charged: the fleet's
