@@ -28,6 +28,7 @@ fn config() -> String {
     /reports/generate: {{cost: 20, max_in_flight: 2, queue_timeout: 60s}}
     /exports/bulk: {{cost: 20}}
     /items: {{cost: 1}}
+    /jobs/run: {{cost: 1, max_in_flight: 1, queue_timeout: 60s, async: {{when: always}}}}
 plans:
   gold: {{max_cost: 1000, window: 24h, weight: 2}}
   tiny: {{max_cost: 20, window: 24h}}
@@ -186,6 +187,20 @@ async fn the_status_page_shows_the_live_numbers_in_a_browser() {
         Duration::from_secs(10),
     )
     .await;
+    // Two jobs on a route capped at 1: one runs, one is queued.
+    for _ in 0..2 {
+        let r = post(&c, gw.url("/jobs/run?delay_ms=60000"), "key-b").await;
+        assert_eq!(r.status(), 202);
+    }
+    up.wait_current("/jobs/run", 1).await;
+    eventually(Duration::from_secs(10), async || {
+        let live = admin_get(&gw, "/admin/routes").await;
+        let jobs = &route_entry(&live, "/jobs/run")["jobs"];
+        (jobs["queued"] == 1 && jobs["running"] == 1)
+            .then_some(())
+            .ok_or(format!("jobs {jobs}"))
+    })
+    .await;
     // What the API says now (the page must say the same).
     let live = admin_get(&gw, "/admin/routes").await;
     let reports = route_entry(&live, "/reports/generate");
@@ -224,7 +239,14 @@ async fn the_status_page_shows_the_live_numbers_in_a_browser() {
         dom.contains("120 / 1 min (silver-minute), 20000 / 1 d (silver-day)"),
         "{dom}"
     );
-    assert!(dom.contains("No async jobs."), "{dom}");
+    // The async route's jobs, as /admin/routes gives them: 1 queued, 1 running.
+    assert!(
+        dom.contains(
+            "<td class=\"route\">/jobs/run</td><td class=\"n\">1</td><td class=\"n\">1</td>"
+        ),
+        "{dom}"
+    );
+    assert!(!dom.contains("No async jobs."), "{dom}");
     assert!(!dom.contains(TOKEN), "the token is not in the page");
 
     let shot = artefact("status-page.png");
@@ -325,7 +347,11 @@ async fn admin_routes_counts_the_last_minute_and_status_names_the_refused_keys()
     let default = route_entry(&v, "default");
     assert_eq!(default["cost"], 1, "{v}");
     assert!(default.get("cap").is_none(), "{v}");
-    assert_eq!(v["jobs"], serde_json::json!([]), "{v}");
+    assert_eq!(
+        v["jobs"],
+        serde_json::json!([{"route": "/jobs/run", "queued": 0, "running": 0}]),
+        "{v}"
+    );
     assert_eq!(v["last_minute_seconds"], 60, "{v}");
 
     let s = admin_json(&gw, "/admin/status").await;
@@ -356,7 +382,11 @@ async fn admin_routes_counts_the_last_minute_and_status_names_the_refused_keys()
         "{s}"
     );
     assert_eq!(s["default"]["budgets"][0]["max_cost"], 1000, "{s}");
-    assert_eq!(s["jobs"], serde_json::json!([]), "{s}");
+    assert_eq!(
+        s["jobs"],
+        serde_json::json!([{"route": "/jobs/run", "queued": 0, "running": 0}]),
+        "{s}"
+    );
 }
 
 /// With a token set: `/admin/` answers 401 with a sign-in page, the data 401; the token as
@@ -426,6 +456,6 @@ async fn the_admin_token_guards_the_page_and_a_session_cookie_opens_it() {
     assert_eq!(status.status(), 200);
     assert_eq!(
         admin_get(&gw, "/admin/routes").await["jobs"],
-        serde_json::json!([])
+        serde_json::json!([{"route": "/jobs/run", "queued": 0, "running": 0}])
     );
 }
