@@ -826,6 +826,54 @@ fn tollgate(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `--log-format pretty` (the default): one access-log line per request with the route, the
+/// key's id (never the key), the cost, the decision and the status, and — written to a file,
+/// not a terminal — no colour escape codes (they were written into files as text).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pretty_log_names_the_key_by_its_id_and_writes_no_escape_codes_to_a_file() {
+    let up = Upstream::start(Duration::ZERO);
+    let raw = "pretty-log-secret-key-0123456789";
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &format!(
+            "rate_limits:\n  default: {{cost: 3, window: 1h, max_cost: 5}}\nkeys:\n  - {{id: pretty-id, sha256: \"{}\"}}\n",
+            sha256_hex(raw)
+        ),
+        log_format: "pretty",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items?q=1"), raw).await.status(), 200);
+    assert_eq!(get(&c, gw.url("/items?q=2"), raw).await.status(), 429);
+    let lines = eventually(Duration::from_secs(5), async || {
+        let log = gw.log();
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("tollgate::access"))
+            .map(str::to_string)
+            .collect();
+        (lines.len() == 2).then_some(lines).ok_or(log)
+    })
+    .await;
+    for (line, cost, decision, status) in [
+        (&lines[0], 3, "admitted", 200),
+        (&lines[1], 0, "budget", 429),
+    ] {
+        for field in [
+            "route=\"default\"".to_string(),
+            "key=\"pretty-id\"".to_string(),
+            format!("cost={cost} "),
+            format!("decision=\"{decision}\""),
+            format!("status={status} "),
+        ] {
+            assert!(line.contains(&field), "no {field} in {line}");
+        }
+    }
+    let log = gw.log();
+    assert!(!log.contains(raw), "the raw key is in the log");
+    assert!(!log.contains('\u{1b}'), "escape codes in a log file");
+}
+
 /// `server.listen` as a list (DESIGN §1: "string or list"): the gateway serves on every
 /// address, one budget for them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,9 +35,12 @@ pub fn init_logging(format: LogFormat) {
             .unwrap_or(log::LevelFilter::Trace)
             .min(log::LevelFilter::Info)
     };
-    // tracing-subscriber's own default (https://no-color.org), decided here once so that the
-    // access log's pretty lines are coloured exactly when the other lines are.
-    let ansi = std::env::var("NO_COLOR").map_or(true, |v| v.is_empty());
+    // Coloured only for a person at a terminal: not into a file, a pipe or journald, whose
+    // readers would get the escape codes as text; nor with NO_COLOR (https://no-color.org).
+    // Decided here once so that the access log's pretty lines are coloured exactly when the
+    // other lines are.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var("NO_COLOR").map_or(true, |v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)

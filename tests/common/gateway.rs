@@ -35,6 +35,8 @@ pub struct GatewayOpts<'a> {
     pub wrapper: Vec<&'a str>,
     /// A second proxy address, `127.0.0.1:<port>` (`server.listen` as a list).
     pub also_listen: Option<u16>,
+    /// `--log-format` (`json` unless a test reads the pretty lines).
+    pub log_format: &'a str,
 }
 
 impl Default for GatewayOpts<'_> {
@@ -50,6 +52,7 @@ impl Default for GatewayOpts<'_> {
             args: vec![],
             wrapper: vec![],
             also_listen: None,
+            log_format: "json",
         }
     }
 }
@@ -105,7 +108,7 @@ impl Gateway {
             };
             cmd.args(["run", "-c"])
                 .arg(&config_path)
-                .args(["--log-format", "json"])
+                .args(["--log-format", o.log_format])
                 .args(&o.args)
                 .env("RUST_LOG", "info")
                 .stdout(Stdio::null())
