@@ -442,6 +442,38 @@ async fn max_delay_holds_the_seventh_report() {
     assert_eq!(up.count("/reports/generate"), 7);
 }
 
+/// An upstream that never completes the TCP handshake (a listener whose backlog is full:
+/// the kernel drops the SYNs, as a black-holed address would) is given up on at
+/// `upstream.connect_timeout` (1 s here; DESIGN §1), not waited for: 502, refunded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_never_accepts_is_given_up_at_connect_timeout() {
+    use std::os::fd::AsRawFd;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // SAFETY: listen(2) on a socket this test owns, to shrink its accept queue to one.
+    assert_eq!(unsafe { libc::listen(silent.as_raw_fd(), 0) }, 0);
+    let port = silent.local_addr().unwrap().port();
+    // The one connection the queue takes; every later handshake hangs.
+    let _filler = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: format!("http://127.0.0.1:{port}"),
+        body: "rate_limits:\n  default: {cost: 2, window: 1h, max_cost: 10}\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    for _ in 0..2 {
+        let t = Instant::now();
+        let r = get(&c, gw.url("/items"), "k").await;
+        let took = t.elapsed();
+        assert_eq!(r.status(), 502);
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+            "answered after {took:?}"
+        );
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
+        assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("10"));
+    }
+}
+
 /// A 502 (the upstream never had the request) is refunded, and its rate-limit headers and
 /// problem JSON say so: nothing charged, the units as they were before it (not as its charge
 /// left them). Three such requests of `cost` to a gateway on `store` (YAML, or "" for memory).
