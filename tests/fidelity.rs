@@ -371,6 +371,65 @@ async fn cost_per_second_bills_time_on_redis() {
     .await;
 }
 
+/// `cost_per_second` charges the extra after the fact even when it leaves the bucket in debt
+/// (DESIGN §6): a ~2.3 s query at 4 units/s is charged 10 against a budget of 8, and the key
+/// then waits for the debt as well — its next call (cost 1) fits once 3 units have drained,
+/// at 8 an hour: Retry-After 1,350 s (less what drained while the query ran).
+async fn time_billed_into_debt(store: &str) {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "{store}rate_limits:\n  default: {{ cost: 1, window: 1h, max_cost: 8 }}\n  endpoints:\n    /analytics/query: {{ cost: 1, cost_per_second: 4 }}\nkeys:\n  - {{ id: q, sha256: \"{}\" }}\n",
+            sha256_hex("q-key")
+        ),
+    );
+    let c = client();
+    let r = get(&c, gw.url("/analytics/query?delay_ms=2300"), "q-key").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-cost").as_deref(), Some("1"));
+    // ceil(2.3 × 4) = 10 (11 should the machine be slow past 2.5 s): beyond the 8 the
+    // budget holds.
+    let logged = gw
+        .wait_access(1, |e| e["route"] == "/analytics/query")
+        .await;
+    let charged = logged[0]["cost"].as_u64().unwrap();
+    assert!((10..=11).contains(&charged), "charged {charged}");
+    assert_metric(
+        &gw,
+        "tollgate_cost_units_total{route=\"/analytics/query\"}",
+        charged as f64,
+    )
+    .await;
+    let r = get(&c, gw.url("/analytics/query"), "q-key").await;
+    assert_eq!(r.status(), 429, "{store}");
+    assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("0"));
+    // Fits once the level is down to 7: `charged - 7` units at 450 s each, less the few
+    // seconds the admission's unit has drained since it was charged.
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    let debt = (charged - 7) * 450;
+    assert!(
+        (debt - 4..=debt).contains(&retry),
+        "{store}: Retry-After {retry}, charged {charged}"
+    );
+    assert_eq!(up.count("/analytics/query"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_billed_into_debt_is_waited_for_on_the_memory_store() {
+    time_billed_into_debt("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_billed_into_debt_is_waited_for_on_redis() {
+    let redis = Redis::start();
+    time_billed_into_debt(&format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
+        redis.url()
+    ))
+    .await;
+}
+
 /// `/admin/audit` is behind the admin token like every `/admin/*` path; `tollgate audit`
 /// sends `TOLLGATE_ADMIN_TOKEN` and says what a 401 means.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
