@@ -47,7 +47,7 @@ fn one<'a>(spans: &'a [Received], name: &str) -> &'a Received {
 /// A request with the client's sampled `traceparent` on a capped route: the gateway's server
 /// span continues the client's trace under the client's span; the store decision, the queue
 /// wait and the upstream call are its children; the upstream got a `traceparent` naming the
-/// upstream-call span (same trace) and the client's `tracestate` as it came; the attributes
+/// gateway's (server) span (same trace; DESIGN §9) and the client's `tracestate` as it came; the attributes
 /// carry the route, the key's id and plan, never the key; the access log has the trace id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_trace_is_continued_and_the_upstream_is_its_child() {
@@ -99,7 +99,7 @@ async fn a_client_trace_is_continued_and_the_upstream_is_its_child() {
     assert_eq!(sent.len(), 1, "{:?}", seen.headers);
     let (trace, parent, flags) = traceparent(sent[0]);
     assert_eq!(trace, CLIENT_TRACE);
-    assert_eq!(parent, upstream_span.span_id());
+    assert_eq!(parent, server.span_id());
     assert_eq!(flags, "01");
     assert_eq!(seen.header("tracestate"), ["vendor=opaque,other=1"]);
 
@@ -280,7 +280,7 @@ async fn an_unsampled_parent_is_continued_and_sampled_at_the_ratio() {
     let seen = seen_by_upstream(&up, "unsampled-at-1");
     let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
     assert_eq!(trace, recorded);
-    assert_eq!(parent, one(&spans, "upstream").span_id());
+    assert_eq!(parent, server.span_id());
     assert_eq!(flags, "01");
 
     let unrecorded = "99999999999999999999999999999999";
@@ -655,7 +655,7 @@ async fn a_job_is_traced(
     assert_eq!(sent.len(), 1, "{:?}", seen.headers);
     assert_eq!(
         traceparent(sent[0]),
-        (trace.to_string(), call.span_id(), "01".to_string())
+        (trace.to_string(), run.span_id(), "01".to_string())
     );
     assert_eq!(seen.header("tracestate"), ["vendor=opaque"]);
     for s in &spans {
@@ -696,7 +696,7 @@ async fn a_jobs_run_is_traced_under_its_submission() {
     let (trace, parent, flags) = traceparent(seen.header("traceparent")[0]);
     assert_eq!(flags, "01");
     let spans = collector.wait_trace(&trace, &JOB_SPANS).await;
-    assert_eq!(one(&spans, "upstream").span_id(), parent);
+    assert_eq!(one(&spans, "job /reports/generate").span_id(), parent);
     assert_eq!(one(&spans, "POST /reports/generate").parent_id(), "");
 }
 

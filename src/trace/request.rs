@@ -152,8 +152,9 @@ impl RequestTrace {
         TraceHex::new(self.cx.span().span_context().trace_id())
     }
 
-    /// Starts the upstream-call span and names it in the request's `traceparent`; the
-    /// client's `tracestate` stays as it came (removed when its parent was not continued).
+    /// Starts the upstream-call span, and names the request's (server) span in the request's
+    /// `traceparent` (DESIGN §9: "naming the gateway's span as parent"); the client's
+    /// `tracestate` stays as it came (removed when its parent was not continued).
     pub fn upstream_request(
         &mut self,
         tracing: &Tracing,
@@ -174,7 +175,7 @@ impl RequestTrace {
             let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
             span.set_attribute(KeyValue::new("http.request.method", method));
         }
-        name_parent(upstream, span.span_context(), self.continued)?;
+        name_parent(upstream, self.cx.span().span_context(), self.continued)?;
         self.upstream = Some((span, now));
         Ok(())
     }
@@ -324,8 +325,9 @@ impl Tracing {
 
 impl JobTrace {
     /// The job's request is about to be written on a connection to the upstream: the
-    /// upstream-call span starts, named in the request's `traceparent`. A header that cannot be
-    /// set leaves the request as it was: tracing never fails a job.
+    /// upstream-call span starts, and the run's span is named in the request's `traceparent`
+    /// (as a request's own span is). A header that cannot be set leaves the request as it
+    /// was: tracing never fails a job.
     pub fn upstream_request(&mut self, tracing: &Tracing, upstream: &mut RequestHeader) {
         let mut call = tracing
             .tracer
@@ -336,7 +338,7 @@ impl JobTrace {
             let method = known_method(upstream.method.as_str()).unwrap_or("_OTHER");
             call.set_attribute(KeyValue::new("http.request.method", method));
         }
-        if let Err(e) = name_parent(upstream, call.span_context(), self.continued) {
+        if let Err(e) = name_parent(upstream, self.cx.span().span_context(), self.continued) {
             tracing::debug!(error = %e, "a job's traceparent could not be set");
         }
         self.upstream = Some(call);
