@@ -513,6 +513,48 @@ async fn connections_a_cluster_closed_are_mended_before_they_are_needed() {
     }
 }
 
+/// A Sentinel that has not caught up — restarted with a config from before a failover, it
+/// names the old primary, still a master, for a moment — is listed first in `store.url`: the
+/// gateway goes by the newest config among the Sentinels (its `config-epoch`), and writes
+/// nothing to the primary the stale one names. Here the stale Sentinel (epoch 0) names a
+/// standalone master of its own for good; the set's Sentinel (epoch 3) the real primary.
+/// Before, the first answer won, at the first connection and at every poll: every charge
+/// went to the stale one's master (probe: 11 charges lost with a demoted primary, the
+/// budget overrun by them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sentinel_behind_the_others_is_not_followed() {
+    let set = SentinelSet::start();
+    let elsewhere = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let stale = start_sentinel(dir.path(), elsewhere.port, "");
+    let url = format!(
+        "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/tollgate",
+        stale.port, set.sentinel.port
+    );
+    let up = Upstream::start(Duration::ZERO);
+    let limits = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 5}\n";
+    let (a, b) = (
+        Gateway::start(&up, &store_body(&url, "deny", 2, limits)),
+        Gateway::start(&up, &store_body(&url, "deny", 2, limits)),
+    );
+    let c = client();
+    let mut statuses = vec![];
+    // Across several of the watchers' polls (every 500 ms).
+    for i in 0..10 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        statuses.push(get(&c, gw.url("/items"), "s").await.status().as_u16());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert_eq!(statuses, [vec![200; 5], vec![429; 5]].concat());
+    assert_eq!(set.primary.cli(&["EXISTS", &redis_budget_key("s")]), "1");
+    assert_eq!(
+        elsewhere.cli(&["DBSIZE"]),
+        "0",
+        "written where the stale Sentinel pointed"
+    );
+    drop(stale);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sentinel_failover_is_followed() {
     let mut set = SentinelSet::start();

@@ -7,6 +7,36 @@ use super::process::{free_port, wait_for_port};
 use super::redis_server::Redis;
 use super::wait::eventually;
 
+/// A Sentinel (quorum 1, `down-after-milliseconds 500`, `failover-timeout 2000`) of its own
+/// config file in `dir`, watching master `tollgate` at `primary`, with `extra` config lines.
+pub fn start_sentinel(dir: &std::path::Path, primary: u16, extra: &str) -> Redis {
+    let port = free_port();
+    let conf = dir.join(format!("sentinel-{port}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndir {dir}\nsentinel monitor tollgate 127.0.0.1 {primary} 1\nsentinel down-after-milliseconds tollgate 500\nsentinel failover-timeout tollgate 2000\n{extra}",
+            dir = dir.display(),
+        ),
+    )
+    .unwrap();
+    let child = Command::new("redis-server")
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server --sentinel");
+    assert!(
+        wait_for_port(port, Duration::from_secs(10)),
+        "sentinel did not start"
+    );
+    Redis {
+        port,
+        child: Some(child),
+    }
+}
+
 /// A Sentinel-managed pair: a primary, its replica, one Sentinel (quorum 1,
 /// `down-after-milliseconds 500`, `failover-timeout 2000`) watching master `tollgate`.
 pub struct SentinelSet {
@@ -50,35 +80,16 @@ impl SentinelSet {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let port = free_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\nsentinel monitor tollgate 127.0.0.1 {p} 1\nsentinel down-after-milliseconds tollgate 500\nsentinel failover-timeout tollgate 2000\n{auth}",
-                dir = dir.path().display(),
-                p = primary.port,
-                auth = password
-                    .map(|pw| format!("sentinel auth-pass tollgate {pw}\n"))
-                    .unwrap_or_default(),
-            ),
-        )
-        .unwrap();
-        let child = Command::new("redis-server")
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server --sentinel");
-        assert!(
-            wait_for_port(port, Duration::from_secs(10)),
-            "sentinel did not start"
+        // Its config at epoch 3, as after three failovers: a Sentinel with an older config
+        // (`start_sentinel` with none) is one that has not caught up.
+        let auth = password
+            .map(|pw| format!("sentinel auth-pass tollgate {pw}\n"))
+            .unwrap_or_default();
+        let sentinel = start_sentinel(
+            dir.path(),
+            primary.port,
+            &format!("sentinel config-epoch tollgate 3\n{auth}"),
         );
-        let sentinel = Redis {
-            port,
-            child: Some(child),
-        };
         let set = SentinelSet {
             primary,
             replica,

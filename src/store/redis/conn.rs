@@ -50,6 +50,32 @@ fn address(info: &ConnectionInfo) -> String {
     }
 }
 
+/// `client`, sent to `addr` ("host:port") instead, with its other settings.
+fn redirected(client: &redis::Client, addr: &str) -> redis::RedisResult<redis::Client> {
+    let (host, port) = addr
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+        .ok_or_else(|| {
+            redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "the Sentinels named no usable address",
+                addr.to_string(),
+            ))
+        })?;
+    let info = client.get_connection_info().clone();
+    let mut to = info.addr().clone();
+    match &mut to {
+        redis::ConnectionAddr::Tcp(h, p)
+        | redis::ConnectionAddr::TcpTls {
+            host: h, port: p, ..
+        } => {
+            (*h, *p) = (host, port);
+        }
+        _ => {}
+    }
+    redis::Client::open(info.set_addr(to))
+}
+
 /// How often a node connection is checked ([`watch`]).
 const WATCH_EVERY: Duration = Duration::from_secs(1);
 
@@ -378,20 +404,36 @@ impl Connections {
         }
     }
 
-    /// A client for the primary a Sentinel names now, if it is the one the watcher knows:
-    /// while a failover ends, a Sentinel may still name the old one (`Watch::admits`), and
-    /// nothing is sent or subscribed there.
+    /// A client for the primary the watcher names. redis-rs asks the Sentinels in turn and
+    /// takes the first answer, which may name another: while a failover ends, or from a
+    /// Sentinel restarted with an old config (the primary of before the failover, still a
+    /// master for seconds, which loses what it takes). The watcher goes by the newest config
+    /// (`sentinel::newest`), asking every Sentinel itself before the first connection; the
+    /// connection goes there, with redis-rs's settings (TLS, password, database).
     async fn known_primary(&self, target: &Target) -> redis::RedisResult<redis::Client> {
         let client = primary_client(target).await?;
-        let addr = address(client.get_connection_info());
-        if self.watch.as_ref().is_some_and(|w| !w.admits(&addr)) {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::Client,
-                "the Sentinels have not settled on a primary yet (a failover is ending)",
-                addr,
-            )));
+        let (
+            Some(watch),
+            Target::Sentinel {
+                sentinels, master, ..
+            },
+        ) = (&self.watch, target)
+        else {
+            return Ok(client);
+        };
+        if watch.primary().is_none() {
+            if let Some(n) = sentinel::ask_every(sentinels, master, self.connect_timeout).await {
+                watch.primary_at(&n);
+            }
         }
-        Ok(client)
+        let named = address(client.get_connection_info());
+        if watch.admits(&named) {
+            return Ok(client);
+        }
+        let Some(primary) = watch.primary() else {
+            return Ok(client);
+        };
+        redirected(&client, &primary)
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.
