@@ -372,6 +372,51 @@ async fn redis_outage_on_error_allow() {
     outage("allow").await;
 }
 
+/// A store call that fails is logged at WARN with its cause (DESIGN §5), also when it is one
+/// failure that opens no breaker (here: Redis stopped for the one call, which times out); and
+/// a Redis failing every call makes one such line per 10 s, with the count, not one per call.
+/// (Before, only the breaker's opening was logged: a failure counted in
+/// `tollgate_store_calls_total` had no line at the default level.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_store_call_is_logged_with_its_cause() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = gateway_on(
+        &up,
+        &redis,
+        "allow",
+        1,
+        "rate_limits:\n  default: {cost: 1, window: 1h, max_cost: 100}\n",
+    );
+    let c = client();
+    assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+    redis.pause();
+    assert_eq!(get(&c, gw.url("/items"), "k").await.status(), 200);
+    redis.resume();
+    let line = eventually(Duration::from_secs(5), async || {
+        let log = gw.log();
+        log.lines()
+            .find(|l| l.contains("store calls failed"))
+            .map(str::to_string)
+            .ok_or(log)
+    })
+    .await;
+    assert!(line.contains("\"level\":\"WARN\""), "{line}");
+    assert!(line.contains("store call timed out"), "{line}");
+    // Many more failures (Redis stopped for ~1 s of requests): still one line, within 10 s.
+    redis.pause();
+    for _ in 0..10 {
+        get(&c, gw.url("/items"), "k").await;
+    }
+    redis.resume();
+    let lines = gw
+        .log()
+        .lines()
+        .filter(|l| l.contains("store calls failed"))
+        .count();
+    assert_eq!(lines, 1, "{}", gw.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_outage_on_error_deny() {
     outage("deny").await;

@@ -4,6 +4,8 @@
 //! never retried here: a call that timed out may have run.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
@@ -171,7 +173,7 @@ impl RedisBackend {
             Err(e) => {
                 m.store_duration.observe(start.elapsed().as_secs_f64());
                 m.store_call(e.metric_label());
-                tracing::debug!(error = %e, "store call failed");
+                FAILED_CALLS.note(e);
                 self.conns.forget();
                 if opens && self.breaker.failure() {
                     // Once per opening, with the cause: a wrong password or an out-of-memory
@@ -236,5 +238,43 @@ mod tests {
         ] {
             assert!(!distrusts_connection(&e), "{e}");
         }
+    }
+}
+
+/// How often at most a failed call is logged.
+const FAILURES_LOGGED_EVERY: Duration = Duration::from_secs(10);
+
+/// Failed calls, logged at WARN with their cause (DESIGN §5: "Store errors are logged with
+/// their cause"): the first at once, then at most one line per [`FAILURES_LOGGED_EVERY`]
+/// with how many failed since the last line, so that a Redis that fails every call does not
+/// fill the log (`tollgate_store_calls_total` counts each).
+struct FailureLog {
+    /// Ms after `since` before which nothing more is logged.
+    next_ms: AtomicU64,
+    unlogged: AtomicU64,
+    since: OnceLock<Instant>,
+}
+
+static FAILED_CALLS: FailureLog = FailureLog {
+    next_ms: AtomicU64::new(0),
+    unlogged: AtomicU64::new(0),
+    since: OnceLock::new(),
+};
+
+impl FailureLog {
+    fn note(&self, e: &StoreError) {
+        self.unlogged.fetch_add(1, Ordering::Relaxed);
+        let now = self.since.get_or_init(Instant::now).elapsed().as_millis() as u64;
+        let next = self.next_ms.load(Ordering::Relaxed);
+        let every = FAILURES_LOGGED_EVERY.as_millis() as u64;
+        if now < next
+            || (self.next_ms)
+                .compare_exchange(next, now + every, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let failed = self.unlogged.swap(0, Ordering::Relaxed);
+        tracing::warn!(error = %e, transient = e.transient(), failed, "store calls failed (logged at most every 10 s; `failed`: how many since the last line)");
     }
 }
