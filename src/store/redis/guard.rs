@@ -205,42 +205,6 @@ fn distrusts_connection(e: &StoreError) -> bool {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use redis::{ErrorKind, RedisError, ServerErrorKind};
-
-    use super::*;
-
-    fn redis(kind: ErrorKind) -> StoreError {
-        StoreError::from(RedisError::from((kind, "test")))
-    }
-
-    #[test]
-    fn a_servers_own_refusal_keeps_the_connection_a_broken_one_does_not() {
-        let io = StoreError::from(RedisError::from(std::io::Error::from(
-            std::io::ErrorKind::BrokenPipe,
-        )));
-        for e in [
-            io,
-            StoreError::Timeout,
-            StoreError::ConnectTimeout,
-            redis(ErrorKind::Server(ServerErrorKind::ReadOnly)),
-            redis(ErrorKind::Server(ServerErrorKind::MasterDown)),
-        ] {
-            assert!(distrusts_connection(&e), "{e}");
-        }
-        for e in [
-            redis(ErrorKind::Server(ServerErrorKind::NoScript)),
-            redis(ErrorKind::Server(ServerErrorKind::ResponseError)),
-            redis(ErrorKind::Extension),
-            StoreError::FailingOver,
-            StoreError::Reply("x".into()),
-        ] {
-            assert!(!distrusts_connection(&e), "{e}");
-        }
-    }
-}
-
 /// How often at most a failed call is logged.
 const FAILURES_LOGGED_EVERY: Duration = Duration::from_secs(10);
 
@@ -276,5 +240,41 @@ impl FailureLog {
         }
         let failed = self.unlogged.swap(0, Ordering::Relaxed);
         tracing::warn!(error = %e, transient = e.transient(), failed, "store calls failed (logged at most every 10 s; `failed`: how many since the last line)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+    use super::*;
+
+    fn redis(kind: ErrorKind) -> StoreError {
+        StoreError::from(RedisError::from((kind, "test")))
+    }
+
+    #[test]
+    fn a_servers_own_refusal_keeps_the_connection_a_broken_one_does_not() {
+        let io = StoreError::from(RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::BrokenPipe,
+        )));
+        for e in [
+            io,
+            StoreError::Timeout,
+            StoreError::ConnectTimeout,
+            redis(ErrorKind::Server(ServerErrorKind::ReadOnly)),
+            redis(ErrorKind::Server(ServerErrorKind::MasterDown)),
+        ] {
+            assert!(distrusts_connection(&e), "{e}");
+        }
+        for e in [
+            redis(ErrorKind::Server(ServerErrorKind::NoScript)),
+            redis(ErrorKind::Server(ServerErrorKind::ResponseError)),
+            redis(ErrorKind::Extension),
+            StoreError::FailingOver,
+            StoreError::Reply("x".into()),
+        ] {
+            assert!(!distrusts_connection(&e), "{e}");
+        }
     }
 }
