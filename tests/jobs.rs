@@ -418,6 +418,16 @@ async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {
     assert_metric(&gw, &series("cancelled"), 1.0).await;
     assert_eq!(remaining(&gw, "a").await, 90);
     assert_eq!(get(&c, gw.url(&second), "key-a").await.status(), 404);
+    // Its last access-log line: answered to nobody (its client called it off), 499 as for a
+    // client that left; nothing charged. (It said status 0.)
+    let id = second.rsplit('/').next().unwrap().to_string();
+    let line = gw
+        .wait_access(1, |l| l["job"] == *id && l["decision"] == "job_cancelled")
+        .await;
+    assert_eq!(
+        (line[0]["status"].as_u64(), line[0]["cost"].as_u64()),
+        (Some(499), Some(0))
+    );
     let running = c
         .delete(gw.url(&first))
         .header("X-API-Key", "key-a")

@@ -366,7 +366,7 @@ async fn a_queued_job_is_cancelled_from_another_gateway() {
     let line = job_end_line(&b, &second, "job_cancelled").await;
     assert_eq!(
         (line["status"].as_u64(), line["cost"].as_u64()),
-        (Some(0), Some(0))
+        (Some(499), Some(0))
     );
     assert_eq!(line["key"], "a");
     assert_eq!(line["method"], "POST");

@@ -194,7 +194,13 @@ async fn run(mut t: Task) {
                 board().remove(&t.job.id);
                 JobResult::Cancelled
             };
-            let status = if result == JobResult::Expired { 503 } else { 0 };
+            // Expired: the 503 its polls get; cancelled: nobody is answered (its client
+            // called it off), 499 as for a client that left.
+            let status = if result == JobResult::Expired {
+                503
+            } else {
+                499
+            };
             return t.ended(Ended {
                 result,
                 status,

@@ -80,7 +80,7 @@ pub(super) async fn claimed(
 
 /// A job that ended with no runner to say so — cancelled, expired in its queue, or lost with
 /// its runner — as whichever instance saw it end counts it: `tollgate_jobs_total` and the
-/// job's last access-log line (status and charge as the memory store's: cancelled 0 and 0,
+/// job's last access-log line (status and charge as the memory store's: cancelled 499 and 0,
 /// expired 503 and 0, lost 502 and its charge).
 pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobResult) {
     let route = text(r, "route");
@@ -91,7 +91,8 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
     let who = payer(running, field(r, "key"));
     let (status, cost) = match result {
         JobResult::Expired => (503, 0),
-        JobResult::Cancelled => (0, 0),
+        // Nobody is answered: its client called it off (as for a client that left, 499).
+        JobResult::Cancelled => (499, 0),
         // As charged; a record of an older instance, as its route costs now.
         _ => (
             502,
