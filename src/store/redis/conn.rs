@@ -25,7 +25,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -50,8 +50,9 @@ fn address(info: &ConnectionInfo) -> String {
     }
 }
 
-/// `client`, sent to `addr` ("host:port") instead, with its other settings.
-fn redirected(client: &redis::Client, addr: &str) -> redis::RedisResult<redis::Client> {
+/// A client with the connection settings `info` (TLS, password, database), to `addr`
+/// ("host:port") instead.
+fn redirected(info: ConnectionInfo, addr: &str) -> redis::RedisResult<redis::Client> {
     let (host, port) = addr
         .rsplit_once(':')
         .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
@@ -62,7 +63,6 @@ fn redirected(client: &redis::Client, addr: &str) -> redis::RedisResult<redis::C
                 addr.to_string(),
             ))
         })?;
-    let info = client.get_connection_info().clone();
     let mut to = info.addr().clone();
     match &mut to {
         redis::ConnectionAddr::Tcp(h, p)
@@ -71,7 +71,12 @@ fn redirected(client: &redis::Client, addr: &str) -> redis::RedisResult<redis::C
         } => {
             (*h, *p) = (host, port);
         }
-        _ => {}
+        _ => {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "a Sentinel's primary is reached over TCP",
+            )))
+        }
     }
     redis::Client::open(info.set_addr(to))
 }
@@ -245,6 +250,9 @@ pub(super) struct Connections {
     /// Bound on making a connection: `max(store.timeout, 100ms)`, since a TCP (and TLS)
     /// handshake needs more than a call.
     connect_timeout: Duration,
+    /// Sentinel: a primary's connection settings as redis-rs made them (TLS, password,
+    /// database), for connecting straight to the primary the watcher names.
+    settings: Mutex<Option<ConnectionInfo>>,
 }
 
 impl Connections {
@@ -275,6 +283,7 @@ impl Connections {
                 .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(Some(response_timeout)),
             connect_timeout,
+            settings: Mutex::new(None),
         }
     }
 
@@ -411,7 +420,6 @@ impl Connections {
     /// (`sentinel::newest`), asking every Sentinel itself before the first connection; the
     /// connection goes there, with redis-rs's settings (TLS, password, database).
     async fn known_primary(&self, target: &Target) -> redis::RedisResult<redis::Client> {
-        let client = primary_client(target).await?;
         let (
             Some(watch),
             Target::Sentinel {
@@ -419,8 +427,17 @@ impl Connections {
             },
         ) = (&self.watch, target)
         else {
-            return Ok(client);
+            return primary_client(target).await;
         };
+        // Once redis-rs has made one: straight to the primary the watcher names, without
+        // asking a Sentinel (whose answer would not count, and which may name none while
+        // the Sentinels reconfigure after a failover).
+        let settings = crate::store::lock(&self.settings).clone();
+        if let (Some(primary), Some(settings)) = (watch.primary(), settings) {
+            return redirected(settings, &primary);
+        }
+        let client = primary_client(target).await?;
+        *crate::store::lock(&self.settings) = Some(client.get_connection_info().clone());
         if watch.primary().is_none() {
             if let Some(n) = sentinel::ask_every(sentinels, master, self.connect_timeout).await {
                 watch.primary_at(&n);
@@ -430,10 +447,10 @@ impl Connections {
         if watch.admits(&named) {
             return Ok(client);
         }
-        let Some(primary) = watch.primary() else {
-            return Ok(client);
-        };
-        redirected(&client, &primary)
+        match watch.primary() {
+            Some(primary) => redirected(client.get_connection_info().clone(), &primary),
+            None => Ok(client),
+        }
     }
 
     /// A timed-out or broken connection is not trusted again: the next call connects anew.

@@ -66,12 +66,34 @@ pub(super) struct Watch {
     /// Ms since `epoch` when the pause began (0: none).
     paused_at_ms: AtomicU64,
     epoch: Instant,
-    /// The primary's address as the Sentinels last named it ("host:port").
-    primary: Mutex<String>,
-    /// The config epoch the Sentinels hold that primary under (at least: a `+switch-master`
-    /// says no epoch, and counts as one more than the one before). An answer naming an older
-    /// epoch is a Sentinel's that has not caught up: ignored.
-    config_epoch: AtomicU64,
+    /// The primary as the Sentinels last named it.
+    primary: Mutex<Known>,
+}
+
+/// The primary's address ("host:port"; empty: none known yet) and the config epoch the
+/// Sentinels hold it under — at least: a `+switch-master` says no epoch, and counts as one
+/// more than the one before. An answer naming an older epoch is a Sentinel's that has not
+/// caught up: ignored. The two change together, under one lock.
+#[derive(Debug, Default)]
+struct Known {
+    addr: String,
+    epoch: u64,
+}
+
+impl Known {
+    /// Notes `addr`; true when it changed from a known one (connections made to the old one
+    /// are then stale).
+    fn moved_to(&mut self, addr: &str) -> bool {
+        if self.addr == addr {
+            return false;
+        }
+        let changed = !self.addr.is_empty();
+        self.addr = addr.to_string();
+        if changed {
+            tracing::warn!(primary = %self.addr, "the Sentinels named a new primary: reconnecting");
+        }
+        changed
+    }
 }
 
 /// What one Sentinel says of the primary: its address, and the config epoch it holds it
@@ -97,34 +119,46 @@ impl Watch {
             generation: AtomicU64::new(0),
             paused_at_ms: AtomicU64::new(0),
             epoch: Instant::now(),
-            primary: Mutex::new(String::new()),
-            config_epoch: AtomicU64::new(0),
+            primary: Mutex::new(Known::default()),
         }
     }
 
     /// The primary the watcher names, if it knows one.
     pub(super) fn primary(&self) -> Option<String> {
         let p = crate::store::lock(&self.primary);
-        (!p.is_empty()).then(|| p.clone())
+        (!p.addr.is_empty()).then(|| p.addr.clone())
     }
 
     /// A Sentinel's answer, gone by unless it names an older config epoch than the watcher
     /// knows (a Sentinel that has not caught up with a failover): whether it was.
     pub(super) fn primary_at(&self, named: &Named) -> bool {
-        if self.config_epoch.fetch_max(named.epoch, Ordering::AcqRel) > named.epoch {
-            tracing::debug!(primary = %named.addr, epoch = named.epoch, "a Sentinel named the primary of an older config: ignored");
-            return false;
+        let moved = {
+            let mut p = crate::store::lock(&self.primary);
+            if named.epoch < p.epoch {
+                tracing::debug!(primary = %named.addr, epoch = named.epoch, "a Sentinel named the primary of an older config: ignored");
+                return false;
+            }
+            p.epoch = named.epoch;
+            p.moved_to(&named.addr)
+        };
+        if moved {
+            self.switched();
         }
-        self.primary_is(named.addr.clone());
         true
     }
 
-    /// The Sentinels have all named an older config than the watcher knows for
+    /// A majority of the Sentinels has named an older config than the watcher knows for
     /// [`OLDER_FOR_GOOD_AFTER`]: they were set up again (their epochs start over), not behind.
     fn epochs_started_over(&self, named: &Named) {
         tracing::warn!(primary = %named.addr, epoch = named.epoch, "the Sentinels' config epochs went back: following them");
-        self.config_epoch.store(named.epoch, Ordering::Release);
-        self.primary_is(named.addr.clone());
+        let moved = {
+            let mut p = crate::store::lock(&self.primary);
+            p.epoch = named.epoch;
+            p.moved_to(&named.addr)
+        };
+        if moved {
+            self.switched();
+        }
     }
 
     pub(super) fn generation(&self) -> u64 {
@@ -151,14 +185,6 @@ impl Watch {
         self.paused_at_ms.store(0, Ordering::Release);
     }
 
-    /// The primary is (now) at `addr`; a change makes every older connection stale and ends
-    /// a failover's pause (in that order: nothing resumes on an old connection).
-    pub(super) fn primary_is(&self, addr: String) {
-        if self.note_primary(addr) {
-            self.switched();
-        }
-    }
-
     /// Whether a connection to `addr`, the primary a Sentinel named to a connecting thread,
     /// may be used: the watcher knows no primary yet (it notes this one), or names the same.
     /// While a failover ends the Sentinel's two answers differ: `get-master-addr-by-name` (the
@@ -169,24 +195,31 @@ impl Watch {
     /// decides), and never moves the watcher back.
     pub(super) fn admits(&self, addr: &str) -> bool {
         let mut p = crate::store::lock(&self.primary);
-        if p.is_empty() {
-            *p = addr.to_string();
+        if p.addr.is_empty() {
+            p.addr = addr.to_string();
         }
-        *p == addr
+        p.addr == addr
     }
 
-    /// Notes the primary's address; true when it changed from a known one.
-    fn note_primary(&self, addr: String) -> bool {
-        let mut p = crate::store::lock(&self.primary);
-        if *p == addr {
-            return false;
+    /// `+switch-master` from `from` to `to`: followed when it is about the primary the
+    /// watcher knows — it leaves it (a new config: one epoch more; each Sentinel says so
+    /// once, and the same address again adds nothing) or names it (a poll saw it first) —
+    /// or when none is known; not when it names neither (a late message about an earlier
+    /// failover, or a Sentinel catching up through an intermediate config: the poll goes by
+    /// the epochs). Connections made before are stale then, even when the address is the
+    /// one known (the old primary came back at its address).
+    fn switch(&self, from: &str, to: &str) {
+        {
+            let mut p = crate::store::lock(&self.primary);
+            if !p.addr.is_empty() && p.addr != from && p.addr != to {
+                tracing::debug!(from, to, known = %p.addr, "a switch of another primary than the one known: left to the poll");
+                return;
+            }
+            if p.moved_to(to) {
+                p.epoch += 1;
+            }
         }
-        let changed = !p.is_empty();
-        *p = addr;
-        if changed {
-            tracing::warn!(primary = %*p, "the Sentinels named a new primary: reconnecting");
-        }
-        changed
+        self.switched();
     }
 
     /// Connections made before now are stale, then calls resume.
@@ -200,16 +233,9 @@ impl Watch {
         let words: Vec<&str> = payload.split_whitespace().collect();
         if channel == SWITCH {
             // `<name> <old ip> <old port> <new ip> <new port>`
-            if let [name, _, _, ip, port, ..] = words[..] {
+            if let [name, old_ip, old_port, ip, port, ..] = words[..] {
                 if name == master {
-                    // Switched also when the address was known already (a poll saw it
-                    // first, or the old primary came back at its address). A new address
-                    // is a newer config than the one the watcher knew (each Sentinel says
-                    // so once: the same address again adds nothing).
-                    if self.note_primary(format!("{ip}:{port}")) {
-                        self.config_epoch.fetch_add(1, Ordering::AcqRel);
-                    }
-                    self.switched();
+                    self.switch(&format!("{old_ip}:{old_port}"), &format!("{ip}:{port}"));
                 }
             }
             return;
@@ -303,7 +329,8 @@ async fn listen(sentinel: ConnectionInfo, master: String, watch: Weak<Watch>) {
 /// and goes by the newest config's answer.
 async fn poll(sentinels: Vec<ConnectionInfo>, master: String, watch: Weak<Watch>) {
     let mut conns: Vec<Option<MultiplexedConnection>> = vec![None; sentinels.len()];
-    // Since when every answer has named an older config than the watcher knows.
+    // Since when a majority of the Sentinels has named an older config than the watcher
+    // knows, poll after poll.
     let mut older_since: Option<Instant> = None;
     loop {
         tokio::time::sleep(POLL_EVERY).await;
@@ -321,14 +348,18 @@ async fn poll(sentinels: Vec<ConnectionInfo>, master: String, watch: Weak<Watch>
             .into_iter()
             .flatten()
             .collect();
-        if let Some(n) = newest(&answers, &w.primary().unwrap_or_default()) {
-            if w.primary_at(n) {
-                older_since = None;
-            } else if older_since.get_or_insert_with(Instant::now).elapsed() >= OLDER_FOR_GOOD_AFTER
-            {
-                w.epochs_started_over(n);
-                older_since = None;
-            }
+        let Some(n) = newest(&answers, &w.primary().unwrap_or_default()) else {
+            older_since = None;
+            continue;
+        };
+        // Only a majority naming an older config is the Sentinels' word: one that alone
+        // answers may be behind (restarted, or with the old primary on a partition's far
+        // side).
+        if w.primary_at(n) || answers.len() * 2 <= sentinels.len() {
+            older_since = None;
+        } else if older_since.get_or_insert_with(Instant::now).elapsed() >= OLDER_FOR_GOOD_AFTER {
+            w.epochs_started_over(n);
+            older_since = None;
         }
     }
 }
@@ -355,7 +386,9 @@ pub(super) async fn ask_every(
 
 /// One Sentinel's answer (connecting first if `conn` is none): the primary's address as
 /// `get-master-addr-by-name` gives it (while a failover ends, the promoted replica already),
-/// with `SENTINEL MASTER`'s `config-epoch`. `None`: it knows no such master.
+/// with `SENTINEL MASTER`'s `config-epoch` (a map under RESP3, pairs in an array under RESP2:
+/// read as a map either way). `None`: it knows no such master (asked apart: `SENTINEL MASTER`
+/// of an unknown master is an error reply).
 async fn ask_on(
     conn: &mut Option<MultiplexedConnection>,
     sentinel: &ConnectionInfo,
@@ -368,21 +401,24 @@ async fn ask_on(
     let Some(c) = conn.as_mut() else {
         return Ok(None);
     };
-    let (addr, fields): (Option<(String, String)>, Vec<String>) = redis::pipe()
-        .cmd("SENTINEL")
+    let addr: Option<(String, String)> = redis::cmd("SENTINEL")
         .arg("get-master-addr-by-name")
         .arg(master)
-        .cmd("SENTINEL")
+        .query_async(c)
+        .await?;
+    let Some((ip, port)) = addr else {
+        return Ok(None);
+    };
+    let fields: std::collections::HashMap<String, String> = redis::cmd("SENTINEL")
         .arg("master")
         .arg(master)
         .query_async(c)
         .await?;
     let epoch = fields
-        .chunks(2)
-        .find(|kv| kv[0] == "config-epoch")
-        .and_then(|kv| kv.get(1)?.parse().ok())
+        .get("config-epoch")
+        .and_then(|e| e.parse().ok())
         .unwrap_or(0);
-    Ok(addr.map(|(ip, port)| Named {
+    Ok(Some(Named {
         addr: format!("{ip}:{port}"),
         epoch,
     }))
@@ -397,7 +433,7 @@ mod tests {
 
     fn watching() -> Watch {
         let w = Watch::new();
-        w.primary_is("127.0.0.1:7001".into());
+        w.primary_at(&named("127.0.0.1:7001", 0));
         w
     }
 
@@ -430,7 +466,7 @@ mod tests {
         );
         assert!(!w.paused());
         assert!(w.generation() > g);
-        assert_eq!(*crate::store::lock(&w.primary), "127.0.0.1:7002");
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7002"));
     }
 
     #[test]
@@ -438,9 +474,9 @@ mod tests {
         let w = watching();
         let g = w.generation();
         w.event("+try-failover", ABOUT, "tollgate");
-        w.primary_is("127.0.0.1:7001".into());
+        w.primary_at(&named("127.0.0.1:7001", 0));
         assert!(w.paused(), "the same primary ends nothing");
-        w.primary_is("127.0.0.1:7002".into());
+        w.primary_at(&named("127.0.0.1:7002", 0));
         assert!(!w.paused());
         assert!(w.generation() > g);
         // The switch message arriving after the poll: connections made meanwhile go too.
@@ -461,16 +497,16 @@ mod tests {
     fn a_connection_to_another_primary_than_the_watchers_is_not_used() {
         let w = watching();
         w.event("+try-failover", ABOUT, "tollgate");
-        w.primary_is("127.0.0.1:7002".into());
+        w.primary_at(&named("127.0.0.1:7002", 0));
         let g = w.generation();
         assert!(!w.admits("127.0.0.1:7001"), "the old primary");
-        assert_eq!(*crate::store::lock(&w.primary), "127.0.0.1:7002");
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7002"));
         assert_eq!(w.generation(), g, "nothing moved back");
         assert!(w.admits("127.0.0.1:7002"));
         // A first connection, before the watcher heard anything, names the primary.
         let fresh = Watch::new();
         assert!(fresh.admits("127.0.0.1:7001"));
-        assert_eq!(*crate::store::lock(&fresh.primary), "127.0.0.1:7001");
+        assert_eq!(fresh.primary().as_deref(), Some("127.0.0.1:7001"));
     }
 
     fn named(addr: &str, epoch: u64) -> Named {
@@ -531,6 +567,24 @@ mod tests {
         w.primary_at(&fresh);
         w.primary_at(&named("127.0.0.1:7003", 5));
         assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7003"));
+        // A switch about neither the primary known nor to it (a late message of an earlier
+        // failover) is left to the poll; one from it is followed, as a newer config.
+        let g = w.generation();
+        w.event(
+            "+switch-master",
+            "tollgate 127.0.0.1 7001 127.0.0.1 7002",
+            "tollgate",
+        );
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7003"));
+        assert_eq!(w.generation(), g);
+        w.event(
+            "+switch-master",
+            "tollgate 127.0.0.1 7003 127.0.0.1 7004",
+            "tollgate",
+        );
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7004"));
+        assert!(!w.primary_at(&named("127.0.0.1:7003", 5)), "epoch 6 now");
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7004"));
     }
 
     #[test]
@@ -553,6 +607,6 @@ mod tests {
             "other 127.0.0.1 7101 127.0.0.1 7102",
             "tollgate",
         );
-        assert_eq!(*crate::store::lock(&w.primary), "127.0.0.1:7001");
+        assert_eq!(w.primary().as_deref(), Some("127.0.0.1:7001"));
     }
 }
