@@ -9,10 +9,11 @@ use opentelemetry::trace::{Link, SamplingResult, SpanKind, TraceContextExt, Trac
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::{Sampler, ShouldSample};
 
-/// A sampled parent is followed (`AlwaysOn`); a request without one — no parent, or an
-/// unsampled parent, whose trace it continues — is recorded for `ratio` of trace ids
-/// (`TraceIdRatioBased`). Unlike the SDK's `ParentBased`, an unsampled parent does not
-/// decide: at `sample_ratio: 1.0` every request is recorded.
+/// A sampled parent is followed (`AlwaysOn`); a request without one — no parent, or a
+/// client's unsampled parent, whose trace it continues — is recorded for `ratio` of trace
+/// ids (`TraceIdRatioBased`). Unlike the SDK's `ParentBased`, a remote unsampled parent does
+/// not decide: at `sample_ratio: 1.0` every request is recorded. The gateway's own spans'
+/// children follow their parent's decision.
 #[derive(Debug, Clone)]
 pub(super) struct Sampling {
     current: Arc<ArcSwap<(f64, Sampler)>>,
@@ -49,14 +50,20 @@ impl ShouldSample for Sampling {
         attributes: &[KeyValue],
         links: &[Link],
     ) -> SamplingResult {
-        let sampled_parent = parent_context
-            .filter(|cx| cx.has_active_span())
-            .is_some_and(|cx| cx.span().span_context().is_sampled());
+        let parent = parent_context.filter(|cx| cx.has_active_span()).map(|cx| {
+            let p = cx.span();
+            let p = p.span_context();
+            (p.is_sampled(), p.is_remote())
+        });
         let current = self.current.load();
-        let sampler = if sampled_parent {
-            &Sampler::AlwaysOn
-        } else {
-            &current.1
+        let sampler = match parent {
+            // A sampled parent, the client's or the gateway's own: followed.
+            Some((true, _)) => &Sampler::AlwaysOn,
+            // The gateway's own unsampled span (a child's parent): not recorded either,
+            // whatever the ratio is now (a reload may have changed it since).
+            Some((false, false)) => &Sampler::AlwaysOff,
+            // No parent, or the client's unsampled one: the ratio decides.
+            _ => &current.1,
         };
         sampler.should_sample(parent_context, trace_id, name, span_kind, attributes, links)
     }
