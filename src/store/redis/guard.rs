@@ -239,7 +239,12 @@ impl FailureLog {
             return;
         }
         let failed = self.unlogged.swap(0, Ordering::Relaxed);
-        tracing::warn!(error = %e, transient = e.transient(), failed, "store calls failed (logged at most every 10 s; `failed`: how many since the last line)");
+        // The time the count covers: since the last line (none before the first).
+        let over_s = match next {
+            0 => 0,
+            _ => now.saturating_sub(next - every) / 1000,
+        };
+        tracing::warn!(error = %e, transient = e.transient(), failed, over_s, "store calls failed (logged at most every 10 s; `failed`: how many in the `over_s` seconds since the last line)");
     }
 }
 
