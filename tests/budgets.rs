@@ -696,10 +696,11 @@ async fn held_requests_are_bounded_per_instance() {
     // hard one, inherited by the gateway, so the test does not depend on the machine's.
     raise_open_files_limit((3 * HELD + 200) as u64);
     let up = Upstream::start(Duration::ZERO);
-    // One unit a second: the n-th request is held n seconds (up to 2,000).
+    // One unit every 10 s: the n-th request is held 10 n seconds (up to 11,000 s), so none
+    // is let go while the others are still being held, however slow the machine.
     let gw = Gateway::start(
         &up,
-        "rate_limits:\n  default: {cost: 1, window: 1s, max_cost: 1, max_delay: 2000s}\n",
+        "rate_limits:\n  default: {cost: 1, window: 10s, max_cost: 1, max_delay: 11000s}\n",
     );
     let c = client();
     assert_eq!(get(&c, gw.url("/items"), "hk").await.status(), 200);
@@ -720,11 +721,11 @@ async fn held_requests_are_bounded_per_instance() {
     let r = get(&c, gw.url("/items"), "hk").await;
     assert_eq!(r.status(), 429);
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // Its turn would have been after the 1,024 others': 10,250 s after the first request,
+    // less the time since.
     let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
-    assert!(
-        (HELD as u64..=HELD as u64 + 2).contains(&retry),
-        "Retry-After {retry}"
-    );
+    let turn = 10 * (HELD as u64 + 1);
+    assert!((turn - 60..=turn).contains(&retry), "Retry-After {retry}");
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("0"));
     let problem: serde_json::Value = r.json().await.unwrap();
     assert!(problem["type"]

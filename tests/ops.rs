@@ -840,6 +840,8 @@ async fn the_pretty_log_names_the_key_by_its_id_and_writes_no_escape_codes_to_a_
             sha256_hex(raw)
         ),
         log_format: "pretty",
+        // Not colourless by the environment's say (NO_COLOR set in CI): by the file.
+        env: vec![("NO_COLOR", String::new())],
         ..GatewayOpts::default()
     });
     let c = client();
