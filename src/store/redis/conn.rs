@@ -32,7 +32,7 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
-use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
+use redis::sentinel::SentinelNodeConnectionInfo;
 use redis::{AsyncConnectionConfig, Cmd, ConnectionInfo, IntoConnectionInfo, RedisFuture, Value};
 
 use super::lost::RunId;
@@ -41,6 +41,8 @@ use super::RedisBackend;
 use crate::config::{parse_redis_target, RedisTarget, StoreUrlError};
 use crate::store::StoreError;
 
+mod primary;
+
 /// "host:port" of a node, as the Sentinels name it.
 fn address(info: &ConnectionInfo) -> String {
     match info.addr() {
@@ -48,37 +50,6 @@ fn address(info: &ConnectionInfo) -> String {
         | redis::ConnectionAddr::TcpTls { host, port, .. } => format!("{host}:{port}"),
         other => other.to_string(),
     }
-}
-
-/// A client with the connection settings `info` (TLS, password, database), to `addr`
-/// ("host:port") instead.
-fn redirected(info: ConnectionInfo, addr: &str) -> redis::RedisResult<redis::Client> {
-    let (host, port) = addr
-        .rsplit_once(':')
-        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
-        .ok_or_else(|| {
-            redis::RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "the Sentinels named no usable address",
-                addr.to_string(),
-            ))
-        })?;
-    let mut to = info.addr().clone();
-    match &mut to {
-        redis::ConnectionAddr::Tcp(h, p)
-        | redis::ConnectionAddr::TcpTls {
-            host: h, port: p, ..
-        } => {
-            (*h, *p) = (host, port);
-        }
-        _ => {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "a Sentinel's primary is reached over TCP",
-            )))
-        }
-    }
-    redis::Client::open(info.set_addr(to))
 }
 
 /// How often a node connection is checked ([`watch`]).
@@ -217,25 +188,6 @@ impl Target {
             }
         })
     }
-}
-
-/// A client for the primary the Sentinels name now. A Sentinel client of its own for each
-/// connect: it keeps connections to the Sentinels, which must not outlive this runtime's use
-/// of them.
-async fn primary_client(target: &Target) -> redis::RedisResult<redis::Client> {
-    let Target::Sentinel {
-        sentinels,
-        master,
-        primary,
-    } = target
-    else {
-        return Err(redis::RedisError::from((
-            redis::ErrorKind::InvalidClientConfig,
-            "not a Sentinel target",
-        )));
-    };
-    let mut sentinel = Sentinel::build(sentinels.clone())?;
-    sentinel.async_master_for(master, Some(primary)).await
 }
 
 /// How to reach one store; tells its thread-local connections apart from another store's.
@@ -410,46 +362,6 @@ impl Connections {
                 }))
             }
             Target::Sentinel { .. } => self.known_primary(target).await?.get_async_pubsub().await,
-        }
-    }
-
-    /// A client for the primary the watcher names. redis-rs asks the Sentinels in turn and
-    /// takes the first answer, which may name another: while a failover ends, or from a
-    /// Sentinel restarted with an old config (the primary of before the failover, still a
-    /// master for seconds, which loses what it takes). The watcher goes by the newest config
-    /// (`sentinel::newest`), asking every Sentinel itself before the first connection; the
-    /// connection goes there, with redis-rs's settings (TLS, password, database).
-    async fn known_primary(&self, target: &Target) -> redis::RedisResult<redis::Client> {
-        let (
-            Some(watch),
-            Target::Sentinel {
-                sentinels, master, ..
-            },
-        ) = (&self.watch, target)
-        else {
-            return primary_client(target).await;
-        };
-        // Once redis-rs has made one: straight to the primary the watcher names, without
-        // asking a Sentinel (whose answer would not count, and which may name none while
-        // the Sentinels reconfigure after a failover).
-        let settings = crate::store::lock(&self.settings).clone();
-        if let (Some(primary), Some(settings)) = (watch.primary(), settings) {
-            return redirected(settings, &primary);
-        }
-        let client = primary_client(target).await?;
-        *crate::store::lock(&self.settings) = Some(client.get_connection_info().clone());
-        if watch.primary().is_none() {
-            if let Some(n) = sentinel::ask_every(sentinels, master, self.connect_timeout).await {
-                watch.primary_at(&n);
-            }
-        }
-        let named = address(client.get_connection_info());
-        if watch.admits(&named) {
-            return Ok(client);
-        }
-        match watch.primary() {
-            Some(primary) => redirected(client.get_connection_info().clone(), &primary),
-            None => Ok(client),
         }
     }
 
