@@ -1053,9 +1053,18 @@ async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
     );
     let gw = Gateway::start(&up, &body);
     let c = client();
+    let charged = Instant::now();
     let first = submit(&c, &gw, ROUTE, "key-a", "").await;
     assert_eq!(result(&c, &gw, &first, "key-a").await.status(), 200);
-    let second = submit(&c, &gw, ROUTE, "key-a", "").await;
+    let r = post_async(&c, gw.url(ROUTE), "key-a", "", &[]).await;
+    assert_eq!(r.status(), 202);
+    // Its 202 says to come back once it can have run: after its hold (about 4 s) and its run,
+    // not after one upstream time (it said 1).
+    // (Less what has drained since the first was charged, on a slow machine.)
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    let due = (4.0 - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
+    assert!((due..=6).contains(&retry), "Retry-After {retry}");
+    let second = job_location(&r);
     let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
     wait_metric(&gw, &running, 1.0, Duration::from_secs(2)).await;
     assert_eq!(up.count(ROUTE), 1, "held, not sent yet");

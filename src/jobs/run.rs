@@ -28,6 +28,8 @@ pub struct Submission {
     pub standing: Standing,
     /// Its place in the route's fair order (1: next); 0 when a slot was free.
     pub position: usize,
+    /// `max_delay`: how long from now before its reserved units are due (it runs no sooner).
+    pub hold: Duration,
 }
 
 /// What the end-of-job access-log line says about the request (never the key).
@@ -119,6 +121,7 @@ pub(super) async fn submit(
         id: job.id.clone(),
         standing,
         position,
+        hold: delay,
     })
 }
 

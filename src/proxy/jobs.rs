@@ -71,9 +71,15 @@ fn job_in_path(raw: &[u8]) -> Option<String> {
     }
 }
 
-/// Seconds until a job is likely done: its waves ahead (`position` over the cap, plus its
-/// own run) times the route's mean measured upstream time (1 s before any was measured).
-pub(super) fn retry_after(running: &Running, route: &Route, position: usize) -> u64 {
+/// Seconds until a job is likely done: its own run after the later of its waves ahead
+/// (`position` over the cap, each the route's mean measured upstream time, 1 s before any
+/// was measured) and its `max_delay` hold (it runs no sooner than its units are due).
+pub(super) fn retry_after(
+    running: &Running,
+    route: &Route,
+    position: usize,
+    hold: std::time::Duration,
+) -> u64 {
     let h = &running.metrics.get(route).upstream_duration;
     let n = h.get_sample_count();
     let mean = if n == 0 {
@@ -82,8 +88,10 @@ pub(super) fn retry_after(running: &Running, route: &Route, position: usize) -> 
         h.get_sample_sum() / n as f64
     };
     let cap = f64::from(route.max_in_flight.unwrap_or(1).max(1));
-    let waves = (position as f64 / cap).ceil() + 1.0;
-    (mean * waves).ceil().clamp(1.0, 3600.0) as u64
+    let ahead = (position as f64 / cap).ceil() * mean;
+    (ahead.max(hold.as_secs_f64()) + mean)
+        .ceil()
+        .clamp(1.0, 3600.0) as u64
 }
 
 /// Headers the gateway writes, by the names it spells them with.
@@ -237,7 +245,9 @@ pub(super) async fn status(
                 View::Queued { position } => ("queued", position),
                 _ => ("running", 0),
             };
-            let ra = route.map_or(1, |r| retry_after(&running, &r, position));
+            let ra = route.map_or(1, |r| {
+                retry_after(&running, &r, position, std::time::Duration::ZERO)
+            });
             let body = serde_json::json!({"id": &*job_id, "status": state, "position": position});
             let body = Bytes::from(body.to_string());
             answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await

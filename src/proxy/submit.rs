@@ -275,7 +275,7 @@ pub(super) async fn submit(gw: &Gateway, session: &mut Session, ctx: &mut Ctx) -
         "Preference-Applied",
         HeaderValue::from_static("respond-async"),
     ));
-    let ra = retry_after(&running, &route, sub.position);
+    let ra = retry_after(&running, &route, sub.position, sub.hold);
     let body = serde_json::json!({"id": &*id, "status": "queued", "position": sub.position});
     let body = Bytes::from(body.to_string());
     answer(session, ctx, 202, (own, vec![]), body, Some(ra)).await
