@@ -247,6 +247,14 @@ impl Outcome {
     pub fn admitted(&self) -> bool {
         matches!(self.verdict, Verdict::Admit { .. })
     }
+
+    /// How long an admitted request waits for its reserved units (`max_delay`); 0 refused.
+    pub fn delay_us(&self) -> u64 {
+        match self.verdict {
+            Verdict::Admit { delay_us } => delay_us,
+            Verdict::Reject { .. } => 0,
+        }
+    }
 }
 
 fn div_ceil(a: u64, b: u64) -> u64 {

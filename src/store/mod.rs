@@ -361,13 +361,9 @@ pub enum Admission {
 impl Admission {
     /// The answer of a budget decision that charged (`verdict` Admit).
     pub(crate) fn admitted(o: &Outcome, lease: Lease, queued: Duration) -> Admission {
-        let delay_us = match o.verdict {
-            Verdict::Admit { delay_us } => delay_us,
-            Verdict::Reject { .. } => 0,
-        };
         Admission::Admitted {
             standing: o.into(),
-            delay_us,
+            delay_us: o.delay_us(),
             lease,
             queued,
         }

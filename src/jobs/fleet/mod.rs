@@ -82,10 +82,7 @@ pub(super) async fn submit(
         b.give_back_job(&admit, &id, charge).await;
         return Err(Admission::Unavailable);
     }
-    let hold = match charge.outcome.verdict {
-        crate::budget::Verdict::Admit { delay_us } => Duration::from_micros(delay_us),
-        crate::budget::Verdict::Reject { .. } => Duration::ZERO,
-    };
+    let hold = Duration::from_micros(charge.outcome.delay_us());
     // A plan's max_in_flight_per_key counts the job from its charge to its end.
     let entered = b
         .enter_charged_job(&admit, job.cap, (&id, ttl), charge)

@@ -151,13 +151,12 @@ impl RedisBackend {
         (id, waits_for): (&str, Duration),
         outcome: &crate::budget::Outcome,
     ) -> Result<JobEntered, StoreError> {
-        if let crate::budget::Verdict::Admit { delay_us } = outcome.verdict {
-            if delay_us > 0 {
-                // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
-                let ms = delay_us.div_ceil(1000).to_string();
-                self.job_record::<i64>(id, "delay", &[ms.as_bytes()])
-                    .await?;
-            }
+        let delay_us = outcome.delay_us();
+        if delay_us > 0 {
+            // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
+            let ms = delay_us.div_ceil(1000).to_string();
+            self.job_record::<i64>(id, "delay", &[ms.as_bytes()])
+                .await?;
         }
         let rk = Self::route_keys(&req.route)?;
         let mut inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);

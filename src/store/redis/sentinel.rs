@@ -132,9 +132,15 @@ impl Watch {
     /// A Sentinel's answer, gone by unless it names an older config epoch than the watcher
     /// knows (a Sentinel that has not caught up with a failover): whether it was.
     pub(super) fn primary_at(&self, named: &Named) -> bool {
+        self.follow(named, false)
+    }
+
+    /// Puts `named` in force (unless it is an older config and `older` does not allow it):
+    /// the address and its epoch together; a new address makes older connections stale.
+    fn follow(&self, named: &Named, older: bool) -> bool {
         let moved = {
             let mut p = crate::store::lock(&self.primary);
-            if named.epoch < p.epoch {
+            if named.epoch < p.epoch && !older {
                 tracing::debug!(primary = %named.addr, epoch = named.epoch, "a Sentinel named the primary of an older config: ignored");
                 return false;
             }
@@ -151,14 +157,7 @@ impl Watch {
     /// [`OLDER_FOR_GOOD_AFTER`]: they were set up again (their epochs start over), not behind.
     fn epochs_started_over(&self, named: &Named) {
         tracing::warn!(primary = %named.addr, epoch = named.epoch, "the Sentinels' config epochs went back: following them");
-        let moved = {
-            let mut p = crate::store::lock(&self.primary);
-            p.epoch = named.epoch;
-            p.moved_to(&named.addr)
-        };
-        if moved {
-            self.switched();
-        }
+        self.follow(named, true);
     }
 
     pub(super) fn generation(&self) -> u64 {
@@ -335,19 +334,7 @@ async fn poll(sentinels: Vec<ConnectionInfo>, master: String, watch: Weak<Watch>
     loop {
         tokio::time::sleep(POLL_EVERY).await;
         let Some(w) = watch.upgrade() else { return };
-        let asked = conns.iter_mut().zip(&sentinels).map(|(conn, s)| async {
-            let answer = tokio::time::timeout(POLL_EVERY, ask_on(conn, s, &master)).await;
-            let answer = answer.unwrap_or_else(|_| Err((redis::ErrorKind::Io, "no answer").into()));
-            if answer.is_err() {
-                *conn = None;
-            }
-            answer.ok().flatten()
-        });
-        let answers: Vec<Named> = futures_util::future::join_all(asked)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let answers = answers_on(&mut conns, &sentinels, &master, POLL_EVERY).await;
         let Some(n) = newest(&answers, &w.primary().unwrap_or_default()) else {
             older_since = None;
             continue;
@@ -371,17 +358,32 @@ pub(super) async fn ask_every(
     master: &str,
     within: Duration,
 ) -> Option<Named> {
-    let asked = sentinels.iter().map(|s| async {
-        let mut conn = None;
-        let answer = tokio::time::timeout(within, ask_on(&mut conn, s, master)).await;
-        answer.ok().and_then(Result::ok).flatten()
+    let mut conns = vec![None; sentinels.len()];
+    let answers = answers_on(&mut conns, sentinels, master, within).await;
+    newest(&answers, "").cloned()
+}
+
+/// The answers of the Sentinels that answer within `within`, asked at once, each on its
+/// connection in `conns` (made first where there is none; dropped when it fails).
+async fn answers_on(
+    conns: &mut [Option<MultiplexedConnection>],
+    sentinels: &[ConnectionInfo],
+    master: &str,
+    within: Duration,
+) -> Vec<Named> {
+    let asked = conns.iter_mut().zip(sentinels).map(|(conn, s)| async {
+        let answer = tokio::time::timeout(within, ask_on(conn, s, master)).await;
+        let answer = answer.unwrap_or_else(|_| Err((redis::ErrorKind::Io, "no answer").into()));
+        if answer.is_err() {
+            *conn = None;
+        }
+        answer.ok().flatten()
     });
-    let answers: Vec<Named> = futures_util::future::join_all(asked)
+    futures_util::future::join_all(asked)
         .await
         .into_iter()
         .flatten()
-        .collect();
-    newest(&answers, "").cloned()
+        .collect()
 }
 
 /// One Sentinel's answer (connecting first if `conn` is none): the primary's address as
