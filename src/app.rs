@@ -248,11 +248,10 @@ fn release_leases(app: &App, write_back_by: Instant) {
 /// request's permit (`Shared::holds`) goes back once its answer has been handed to the
 /// connection (`Ctx::given_back`, dropped with its context after its log line).
 async fn give_back_held(app: &App) {
-    let all = crate::decision::MAX_HELD;
-    let held = app.shared.holds.available_permits() < all;
+    let held = app.shared.holds.held() > 0;
     app.shared.drain.give_back_held_past(Instant::now());
     let deadline = Instant::now() + Duration::from_secs(1);
-    while app.shared.holds.available_permits() < all && Instant::now() < deadline {
+    while app.shared.holds.held() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     if held {

@@ -80,6 +80,8 @@ pub struct Admitted {
     pub queued: Duration,
     /// `max_delay`: how long to hold the request before forwarding it (its units are reserved).
     pub hold: Duration,
+    /// How long the store held it already (a capped route's request, before its queue).
+    pub held: Duration,
 }
 
 /// The methods an endpoint may name, so that a case variant can be charged (and forwarded) as
@@ -259,10 +261,7 @@ fn refused_by_shared(route: &Route, outcome: &Standing) -> bool {
     route.shared().is_some() && n > 1 && outcome.each.decisive as usize == n - 1
 }
 
-/// Most requests one instance holds at once for `max_delay` (waiting their turn on a budget):
-/// past it, a request that would be held is refused with `Retry-After` instead, so a queue of
-/// callers never grows this process's memory without bound.
-pub const MAX_HELD: usize = 1024;
+pub use crate::hold::MAX_HELD;
 
 /// The refusal of a request that would be held while [`MAX_HELD`] others are (its
 /// reservation is given back by the caller).
@@ -285,7 +284,7 @@ pub fn too_many_held(route: &Route, hold: Duration, outcome: Standing) -> Refusa
 
 /// A request held for its `max_delay` turn by an instance that exits before it, its
 /// reservation given back (`outcome`: the budget as the refund left it).
-pub fn exiting(route: &Route, outcome: Option<Standing>) -> Refusal {
+pub fn exiting_before_turn(route: &Route, outcome: Option<Standing>) -> Refusal {
     Refusal {
         retry_after: Some(1),
         outcome,
@@ -337,9 +336,18 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             queued,
         } => Ok(Admitted {
             outcome: standing,
+            held: lease.held(),
             lease,
             queued,
             hold: Duration::from_micros(delay_us),
+        }),
+        Admission::NotHeld {
+            standing,
+            hold_us,
+            exiting,
+        } => Err(match exiting {
+            true => exiting_before_turn(route, Some(standing)),
+            false => too_many_held(route, Duration::from_micros(hold_us), standing),
         }),
         Admission::OverBudget {
             standing,

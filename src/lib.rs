@@ -28,6 +28,7 @@ pub mod cli;
 pub mod config;
 pub mod decision;
 pub mod front;
+pub mod hold;
 pub mod identity;
 pub mod jobs;
 pub mod pid_file;

@@ -30,9 +30,9 @@ pub struct Shared {
     running: ArcSwap<Running>,
     pub store: Store,
     pub drain: Arc<Drain>,
-    /// Requests this instance may hold at once for `max_delay` (their memory is bounded):
-    /// [`crate::decision::MAX_HELD`] permits.
-    pub holds: Arc<tokio::sync::Semaphore>,
+    /// Requests this instance holds for `max_delay` (their memory is bounded): the proxy's,
+    /// and a store's before a capped route's queue.
+    pub holds: crate::hold::Holds,
     /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
     pub tracing: Option<crate::trace::Tracing>,
 }
@@ -47,6 +47,9 @@ impl Shared {
         let metrics = RouteMetricsTable::new(&config.router, None);
         crate::telemetry::config_loaded(&config.hash);
         let pools = crate::upstreams::Pools::build(&config, &crate::upstreams::Pools::default());
+        let drain = Drain::new();
+        let holds = crate::hold::Holds::new(crate::hold::MAX_HELD, drain.clone());
+        store.set_holds(&holds);
         Arc::new(Shared {
             running: ArcSwap::from_pointee(Running {
                 config,
@@ -55,8 +58,8 @@ impl Shared {
                 upstream_addr: addr,
             }),
             store,
-            drain: Drain::new(),
-            holds: Arc::new(tokio::sync::Semaphore::new(crate::decision::MAX_HELD)),
+            drain,
+            holds,
             tracing,
         })
     }

@@ -1636,3 +1636,154 @@ fn a_lapsed_grants_waiter_taken_back_keeps_its_place() {
         .collect();
     assert_eq!(order, ["w1", "w4"]);
 }
+
+/// Key c's plan holds its requests (`max_delay`): one unit per 6 s. Its second report is
+/// charged at once and held ~6 s until its unit is due, while the route's only slot is free.
+/// Key b's report, sent meanwhile, runs at once: the held request waits for its units before
+/// it joins the route's queue, so it never keeps a slot idle (DESIGN §8: one customer's
+/// requests never make another's wait behind them). Then c's report runs, after its hold; and
+/// a held request whose client leaves is never forwarded and gets its units back.
+async fn a_held_request_holds_no_slot(up: &Upstream, gws: &[Gateway], store: &str) {
+    let c = client();
+    let (gw_c, gw_b) = (&gws[0], &gws[gws.len() - 1]);
+    let url = |gw: &Gateway| gw.url("/reports/generate");
+    assert_eq!(post(&c, url(gw_c), "key-c").await.status(), 200, "{store}");
+    let reset = async |gw: &Gateway| {
+        let v = admin_json(gw, "/admin/keys/c").await;
+        v["budgets"][0]["reset_seconds"].as_u64().unwrap_or(0)
+    };
+    let sent = Instant::now();
+    let held = tokio::spawn({
+        let (c, url) = (c.clone(), url(gw_c));
+        async move {
+            let status = post(&c, url, "key-c").await.status().as_u16();
+            (status, sent.elapsed())
+        }
+    });
+    // Charged (its unit reserved: the budget is full again only ~12 s from now) and held.
+    eventually(Duration::from_secs(10), async || match reset(gw_c).await {
+        r if r >= 10 => Ok(()),
+        r => Err(format!("{store}: reset {r}")),
+    })
+    .await;
+    let t = Instant::now();
+    assert_eq!(post(&c, url(gw_b), "key-b").await.status(), 200, "{store}");
+    let b_took = t.elapsed();
+    let (status, c_took) = held.await.unwrap();
+    assert_eq!(status, 200, "{store}");
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with("/reports/generate"))
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    assert_eq!(order, ["key-c", "key-b", "key-c"], "{store}");
+    assert!(
+        b_took < Duration::from_secs(3),
+        "{store}: b took {b_took:?}"
+    );
+    assert!(
+        c_took >= Duration::from_secs(4),
+        "{store}: c's hold {c_took:?}"
+    );
+    assert_eq!(up.max_concurrent("/reports/generate"), 1, "{store}");
+
+    // Held again (its unit due ~6 s from now), then the client leaves: never forwarded, and
+    // its unit given back (the budget is full again within ~6 s, not ~12 s).
+    let gone = tokio::spawn({
+        let (c, url) = (c.clone(), url(gw_c));
+        async move { post(&c, url, "key-c").await.status().as_u16() }
+    });
+    eventually(Duration::from_secs(10), async || match reset(gw_c).await {
+        r if r >= 10 => Ok(()),
+        r => Err(format!("{store}: reset {r}")),
+    })
+    .await;
+    gone.abort();
+    eventually(Duration::from_secs(10), async || match reset(gw_c).await {
+        r if r <= 7 => Ok(()),
+        r => Err(format!("{store}: reset {r} after the client left")),
+    })
+    .await;
+    assert_eq!(up.count("/reports/generate"), 3, "{store}");
+}
+
+const HELD_PLAN: &str = "plans:\n  gold: {max_cost: 1, window: 6s, max_delay: 20s}\n  basic: {max_cost: 1000, window: 24h}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_request_holds_no_slot_on_memory_redis_and_the_local_fallback() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(ONE_SLOT, HELD_PLAN));
+    a_held_request_holds_no_slot(&up, &[gw], "memory").await;
+
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(&redis.url(), &config(ONE_SLOT, HELD_PLAN));
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    a_held_request_holds_no_slot(&up, &gws, "2 gateways on redis").await;
+
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1/0\"\n  timeout: 100ms\n  on_error: local\n  fleet_size: 1\n{}",
+        config(ONE_SLOT, HELD_PLAN)
+    );
+    let gw = Gateway::start(&up, &body);
+    a_held_request_holds_no_slot(&up, &[gw], "local fallback").await;
+}
+
+/// A gateway that exits (SIGTERM) answers the capped requests it holds for their `max_delay`
+/// turn, before their queue, 503 at once and gives their units back, as it does for those it
+/// holds after admission (`budgets::an_exiting_gateway_gives_back_the_turns_it_holds`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exiting_gateway_gives_back_the_capped_requests_it_holds() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let plan = "plans:\n  gold: {max_cost: 1, window: 6s, max_delay: 60s}\n  basic: {max_cost: 1000, window: 24h}\n";
+    let body = on_redis(&redis.url(), &config(ONE_SLOT, plan));
+    let mut x = Gateway::start_with_grace(&up, &body, "1s");
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(post(&c, x.url(ROUTE), "key-c").await.status(), 200);
+    // Three held on x, their turns 6, 12 and 18 s away (the budget full again in ~24 s).
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c.post(x.url(ROUTE)).header("X-API-Key", "key-c");
+            tokio::spawn(async move {
+                let r = req.send().await.unwrap();
+                let retry = header(&r, "Retry-After");
+                (r.status().as_u16(), retry, r.text().await.unwrap())
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(4), async || {
+        let v = admin_json(&y, "/admin/keys/c").await;
+        match v["budgets"][0]["reset_seconds"].as_u64().unwrap_or(0) {
+            r if r >= 20 => Ok(()),
+            r => Err(format!("reset {r}")),
+        }
+    })
+    .await;
+    // None holds the route's slot meanwhile: another key's report runs at once.
+    let t = Instant::now();
+    assert_eq!(post(&c, y.url(ROUTE), "key-b").await.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let t = Instant::now();
+    x.signal("TERM");
+    for h in held {
+        let (status, retry, body) = h.await.unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(retry.as_deref(), Some("1"));
+        assert!(
+            body.contains("route-busy") && body.contains("shutting down"),
+            "{body}"
+        );
+    }
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert_eq!(x.wait_exit(Duration::from_secs(10)), Some(0));
+    // Their units are back: the budget is full again within the first report's 6 s.
+    let v = admin_json(&y, "/admin/keys/c").await;
+    let reset = v["budgets"][0]["reset_seconds"].as_u64().unwrap();
+    assert!(reset <= 6, "reset {reset}: {v}");
+    assert_eq!(up.count(ROUTE), 2);
+}

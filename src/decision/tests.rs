@@ -193,6 +193,36 @@ fn store_answers_become_refusals() {
     )
     .unwrap();
     assert_eq!(ok.hold, Duration::from_micros(1_500));
+
+    // A capped request the store could not hold for its turn before the route's queue: past
+    // the bound as when the proxy holds it (429, retry at its turn), or the instance exits.
+    let not_held = |exiting| {
+        judge(
+            &reports,
+            Admission::NotHeld {
+                standing: standing(0),
+                hold_us: 4_200_000,
+                exiting,
+            },
+        )
+        .unwrap_err()
+    };
+    let full = not_held(false);
+    assert_eq!(
+        (full.problem, full.reason, full.retry_after),
+        (Problem::QuotaExceeded, Some(Reason::Budget), Some(5))
+    );
+    assert!(full.detail.contains("1024 requests"), "{}", full.detail);
+    let exiting = not_held(true);
+    assert_eq!(
+        (exiting.problem, exiting.reason, exiting.retry_after),
+        (Problem::RouteBusy, Some(Reason::RouteBusy), Some(1))
+    );
+    assert!(
+        exiting.detail.contains("shutting down"),
+        "{}",
+        exiting.detail
+    );
 }
 
 /// A queue that was full says so only when the store says it was: a request that waited

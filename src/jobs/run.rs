@@ -232,7 +232,9 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
     let rm = running.metrics.get(&route);
     let _in_flight = InFlight::new(&rm.in_flight);
     // `max_delay`: it holds its slot until its reserved units are due, counted as running and
-    // in flight meanwhile (as `/admin/routes` and its status say), as a held request is.
+    // in flight meanwhile (as `/admin/routes` and its status say). (A synchronous request is
+    // held before its route's queue instead, `crate::hold`: a job joined the queue when it
+    // was submitted.)
     let hold = (t.submitted + t.delay).saturating_duration_since(Instant::now());
     if !hold.is_zero() {
         tokio::time::sleep(hold).await;

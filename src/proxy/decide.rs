@@ -34,7 +34,9 @@ impl Gateway {
         // Admit: budget, per-key cap and route cap in one store decision. A client that
         // leaves while queued for a slot is never admitted (the store's admit is cancel-safe).
         // An HTTP/2 client leaves by resetting its stream.
-        let may_queue = route.max_in_flight.is_some() && !route.queue_timeout.is_zero();
+        // A capped route's request may also be held for its `max_delay` turn before it joins
+        // the queue (`crate::hold`): a client that leaves meanwhile is never admitted either.
+        let may_queue = route.max_in_flight.is_some();
         let t = Instant::now();
         ctx.timing.asked = Some(t);
         let answer = if may_queue {
@@ -66,33 +68,35 @@ impl Gateway {
                 return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
             }
         };
-        ctx.timing.store = elapsed.saturating_sub(admitted.queued);
+        ctx.timing.store = elapsed
+            .saturating_sub(admitted.queued)
+            .saturating_sub(admitted.held);
         let m = running.metrics.get(&route);
         if route.max_in_flight.is_some() {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
-        let (hold, queued) = (admitted.hold, admitted.queued);
+        let (hold, queued, store_held) = (admitted.hold, admitted.queued, admitted.held);
         let mut ticket = Ticket::new(admit, admitted.outcome, admitted.lease);
         // Held requests are bounded per instance: past the bound, give the reservation back
         // and refuse (429 with Retry-After) rather than queue without limit.
         let held = if hold.is_zero() {
             None
         } else {
-            match self.shared.holds.clone().try_acquire_owned() {
-                Ok(permit) => Some(permit),
-                Err(_) => {
+            match self.shared.holds.try_permit() {
+                Some(permit) => Some(permit),
+                None => {
                     let outcome = ticket.refund(&self.shared.store).await;
                     let r = decision::too_many_held(&route, hold, outcome);
                     return shadow_or_refuse(ctx, &route, m, r);
                 }
             }
         };
-        ctx.timing.hold = hold;
+        ctx.timing.hold = hold + store_held;
         ctx.admit(ticket.in_flight(&m.in_flight), queued);
         // Counted when admitted, not when it ends: a report running for minutes is in the
         // last minute's figures while it runs. The moment is its start plus its wait for a
-        // slot (the store's answer is not worth a clock read).
-        m.count_recent(true, ctx.start + ctx.timing.queued);
+        // slot (and a store's hold before it; the store's answer is not worth a clock read).
+        m.count_recent(true, ctx.start + store_held + ctx.timing.queued);
         let armed = self.hold_then_arm(session, ctx, &route, hold).await;
         if armed.is_err() {
             // Given back as the instance exits: its permit goes back once it has been
@@ -205,7 +209,7 @@ impl Gateway {
         };
         Refusal {
             queued: ctx.timing.queued,
-            ..decision::exiting(route, standing)
+            ..decision::exiting_before_turn(route, standing)
         }
     }
 }

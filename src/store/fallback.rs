@@ -91,6 +91,9 @@ pub trait SharedStore: Send + Sync + 'static {
     /// Releases every lease this instance holds (on exit).
     fn release_all(self: &Arc<Self>) -> impl Future<Output = ()> + Send;
 
+    /// This instance's held requests (`crate::hold`), set once as the gateway starts.
+    fn set_holds(&self, _holds: &crate::hold::Holds) {}
+
     /// A new config was put in force: nothing decided under the old one may be spent on, and
     /// capped routes' queues take their new caps (none for those that lost theirs).
     fn reloaded(self: &Arc<Self>, _r: &crate::route::Reloaded) {}
@@ -187,6 +190,13 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     /// True while decisions are made by `store.on_error` instead of the shared store.
+    /// This instance's held requests (`crate::hold`): the shared store's and the local
+    /// share's capped requests wait their `max_delay` turn there before their queue.
+    pub fn set_holds(&self, holds: &crate::hold::Holds) {
+        self.local.set_holds(holds);
+        self.shared.set_holds(holds);
+    }
+
     pub fn degraded(&self) -> bool {
         self.degraded.load(Ordering::Relaxed)
     }

@@ -196,6 +196,9 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     shared: Mutex<SharedBudgets>,
     routes: RouteQueues,
+    /// This instance's held requests (`crate::hold`): a capped request waits its `max_delay`
+    /// turn there before it joins its route's queue.
+    holds: std::sync::OnceLock<crate::hold::Holds>,
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -247,7 +250,17 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             shared: Mutex::default(),
             routes: RouteQueues::default(),
+            holds: Default::default(),
         })
+    }
+
+    /// Set once, as the gateway starts; a store no gateway runs holds under the default.
+    pub fn set_holds(&self, holds: &crate::hold::Holds) {
+        let _ = self.holds.set(holds.clone());
+    }
+
+    pub(super) fn holds(&self) -> &crate::hold::Holds {
+        self.holds.get_or_init(Default::default)
     }
 
     pub fn now_us(&self) -> u64 {
@@ -358,11 +371,25 @@ impl MemoryStore {
             refused => return refused,
         };
         // Given back if the request leaves the queue unserved, also when this future is
-        // dropped (the client left while it waited).
+        // dropped (the client left while it waited or was held).
         let charged = Unserved {
             store: self,
             req: Some(req),
         };
+        if let Err(exiting) = super::hold_before_queue(self.holds(), delay_us).await {
+            drop(charged);
+            return Admission::NotHeld {
+                standing: (&self.standing(req)).into(),
+                hold_us: delay_us,
+                exiting,
+            };
+        }
+        let held = if delay_us > 0 {
+            start.elapsed()
+        } else {
+            Duration::ZERO
+        };
+        let start = Instant::now();
         let (slot, full) = match self
             .routes
             .join(&req.route, cap, short_key(&req.key), req.fair)
@@ -392,6 +419,7 @@ impl MemoryStore {
             lease,
             queued: start.elapsed(),
         }
+        .held_before_queue(held)
     }
 
     /// Gives `req.cost` back to every budget of `req`: each one's level afterwards (ticks, in

@@ -205,6 +205,14 @@ impl AdmitRequest {
         std::iter::once(&self.limit).chain(self.also.iter().map(|e| &e.limit))
     }
 
+    /// How long a capped request may wait before it runs: held for its `max_delay` turn (at
+    /// most the longest of its budgets'), then queued for up to `queue_timeout`.
+    pub(crate) fn may_wait(&self) -> Duration {
+        let hold = self.limits().map(Limit::max_delay_us).max().unwrap_or(0);
+        self.queue_timeout
+            .saturating_add(Duration::from_micros(hold))
+    }
+
     /// The same request against `1/n` of every budget: one instance's `on_error: local` share.
     pub(crate) fn share(&self, n: u32) -> AdmitRequest {
         AdmitRequest {
@@ -354,6 +362,15 @@ pub enum Admission {
         /// Its queue held `max_queue` waiters: refused at once, without a wait.
         full: bool,
     },
+    /// A capped request to be held for its `max_delay` turn before it joins the route's
+    /// queue, that could not be: [`crate::hold::MAX_HELD`] are held already (429, retry in
+    /// `hold_us`), or the instance exits before its turn (503 `route-busy`). Nothing was
+    /// charged (its reservation was given back).
+    NotHeld {
+        standing: Standing,
+        hold_us: u64,
+        exiting: bool,
+    },
     /// The store failed and `on_error: deny`: 503 `store-unavailable`.
     Unavailable,
 }
@@ -369,6 +386,26 @@ impl Admission {
         }
     }
 
+    /// A capped request the store held `held` for its `max_delay` turn before it joined the
+    /// route's queue: nothing left to hold (DESIGN §8: a request waiting for its units keeps
+    /// no slot idle).
+    pub(crate) fn held_before_queue(self, held: Duration) -> Admission {
+        match self {
+            Admission::Admitted {
+                standing,
+                lease,
+                queued,
+                ..
+            } => Admission::Admitted {
+                standing,
+                delay_us: 0,
+                lease: lease.held_for(held),
+                queued,
+            },
+            other => other,
+        }
+    }
+
     /// The answer of a budget decision that refused (`verdict` Reject).
     pub(crate) fn over_budget(o: &Outcome) -> Admission {
         let retry_after_us = match o.verdict {
@@ -379,6 +416,24 @@ impl Admission {
             standing: o.into(),
             retry_after_us,
         }
+    }
+}
+
+/// Holds a charged capped request until its units are due (`delay_us`, its `max_delay`
+/// turn), before it joins the route's queue (DESIGN §8: a request waiting for its units keeps
+/// no slot idle). `Err(exiting)`: it could not be held (past the bound, or the instance exits
+/// first), and its charge is to be given back.
+pub(crate) async fn hold_before_queue(
+    holds: &crate::hold::Holds,
+    delay_us: u64,
+) -> Result<(), bool> {
+    if delay_us == 0 {
+        return Ok(());
+    }
+    match holds.hold(Duration::from_micros(delay_us)).await {
+        crate::hold::Held::Due => Ok(()),
+        crate::hold::Held::Full => Err(false),
+        crate::hold::Held::Exiting => Err(true),
     }
 }
 
@@ -531,6 +586,15 @@ impl Store {
                 local_share: None,
             }),
             Store::Redis(r) => r.peek(key, limit, also).await,
+        }
+    }
+
+    /// This instance's held requests: a capped route's request held for its `max_delay` turn
+    /// waits there, before it joins the route's queue (set once, as the gateway starts).
+    pub fn set_holds(&self, holds: &crate::hold::Holds) {
+        match self {
+            Store::Memory(m) => m.set_holds(holds),
+            Store::Redis(r) => r.set_holds(holds),
         }
     }
 

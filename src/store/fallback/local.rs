@@ -58,7 +58,8 @@ impl<S: SharedStore> FallbackStore<S> {
                             queued: Duration::ZERO,
                         }
                     }
-                    Admission::Unavailable => Admission::Unavailable,
+                    // Uncapped here: never held by the store.
+                    refused @ (Admission::Unavailable | Admission::NotHeld { .. }) => refused,
                 }
             }
         })
@@ -118,6 +119,22 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
             });
         };
+        // Held for its `max_delay` turn before it joins the local queue (`crate::hold`); the
+        // queue time counts from then.
+        let holding = Instant::now();
+        if let Err(exiting) = super::super::hold_before_queue(self.local.holds(), delay_us).await {
+            drop(charged);
+            return Some(Admission::NotHeld {
+                standing: self.local_standing(&r),
+                hold_us: delay_us,
+                exiting,
+            });
+        }
+        let held = match delay_us {
+            0 => Duration::ZERO,
+            _ => holding.elapsed(),
+        };
+        let start = start + held;
         let busy = |queued, full| Admission::RouteBusy {
             standing: self.local_standing(&r),
             queued,
@@ -148,13 +165,7 @@ impl<S: SharedStore> FallbackStore<S> {
         };
         drop(place);
         charged.served();
-        Some(admitted(
-            standing,
-            delay_us,
-            lease,
-            running,
-            start.elapsed(),
-        ))
+        Some(admitted(standing, delay_us, lease, running, start.elapsed()).held_before_queue(held))
     }
 
     /// Waits for `place`'s turn within this instance's share of the route (each freed slot,

@@ -115,6 +115,9 @@ pub struct RedisBackend {
     job_script: jobs::JobScript,
     /// Each worker thread's admissions in flight and waiting (group commit: `batch`).
     lanes: thread_local::ThreadLocal<Arc<batch::Lane>>,
+    /// This instance's held requests (`crate::hold`): a capped request waits its `max_delay`
+    /// turn there before it enters its route's queue.
+    holds: std::sync::OnceLock<crate::hold::Holds>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -186,7 +189,12 @@ impl RedisBackend {
             waiters: Mutex::default(),
             watching_run_id: AtomicBool::new(false),
             lanes: thread_local::ThreadLocal::new(),
+            holds: Default::default(),
         })
+    }
+
+    fn holds(&self) -> &crate::hold::Holds {
+        self.holds.get_or_init(Default::default)
     }
 
     /// True while the circuit breaker is closed (the status page's "breaker" field).
@@ -301,12 +309,12 @@ fn admit_call(req: &AdmitRequest, ask: Ask, lease_id: String, lease_ttl: Duratio
         cost: req.cost,
         key_cap: req.key_cap.unwrap_or(0),
         record: String::new(),
-        // A capped route's charge may wait in its queue: its record lives as long as the
+        // A capped route's charge may wait (held for its turn, then queued): its record lives as long as the
         // request may wait and `ADMISSION_RECORD` more, whatever the budgets, written with the
         // charge (the two are lost together or not at all), so that its refund and its charge
         // made again can tell a charge Redis lost with its data (`queue::record`).
         record_ms: match req.route_cap {
-            Some(_) => -(script::record_kept_for(req.queue_timeout).as_millis() as i64),
+            Some(_) => -(script::record_kept_for(req.may_wait()).as_millis() as i64),
             None => script::ADMISSION_RECORD.as_millis() as i64,
         },
         // Every call's admission id; the id of its leases too, if it takes any.

@@ -340,6 +340,7 @@ impl RedisBackend {
             (other, _) => return Ok(self.answer(req, other, start)),
         };
         let record_kept = record::kept_until(req, &seen);
+        let delay_us = outcome.delay_us();
         let mut unserved = Unserved {
             store: self.clone(),
             req: Some(req.clone()),
@@ -349,11 +350,22 @@ impl RedisBackend {
             key_slots,
             id,
             waiting: false,
-            in_route: true,
+            // Not before it enters (after its hold, if any).
+            in_route: delay_us == 0,
             owed: false,
             waited: Duration::ZERO,
             _pending: pending,
         };
+        // Held for its `max_delay` turn before it enters (`crate::hold`): its queue time
+        // counts from then.
+        let held = match delay_us {
+            0 => Duration::ZERO,
+            _ => match self.hold_before_queue(req, &outcome, &mut unserved).await? {
+                Ok(held) => held,
+                Err(refused) => return Ok(refused),
+            },
+        };
+        let start = start + held;
         let mut again = false;
         loop {
             let reentry = std::mem::replace(&mut again, true);
@@ -408,9 +420,40 @@ impl RedisBackend {
         let waited = unserved.waited;
         let lease = unserved.served();
         Ok(SharedAnswer {
-            admission: Admission::admitted(&outcome, lease, waited),
+            admission: Admission::admitted(&outcome, lease, waited).held_before_queue(held),
             reached: true,
         })
+    }
+
+    /// Holds a charged request for its `max_delay` turn, before it enters its route's queue:
+    /// how long, or the answer when it could not be held (its charge given back). Redis may
+    /// have lost its data meanwhile, and the charge with it: made again before it enters, as
+    /// for a waiter that enters again.
+    async fn hold_before_queue(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        o: &crate::budget::Outcome,
+        u: &mut Unserved,
+    ) -> Result<Result<Duration, SharedAnswer>, StoreError> {
+        let holding = Instant::now();
+        if let Err(exiting) = crate::store::hold_before_queue(self.holds(), o.delay_us()).await {
+            let standing = self.given_back(req, o, u).await;
+            return Ok(Err(SharedAnswer {
+                admission: Admission::NotHeld {
+                    standing,
+                    hold_us: o.delay_us(),
+                    exiting,
+                },
+                reached: true,
+            }));
+        }
+        let held = holding.elapsed();
+        self.after_data_loss(req).await;
+        if u.record_kept > 0 && self.conns.run_id.changed_since(holding) {
+            self.recharge(req, &u.id, u.record_kept).await?;
+        }
+        u.in_route = true;
+        Ok(Ok(held))
     }
 
     /// Waits for a queued request's grant (until its `queue_timeout`) and confirms it: `true`
@@ -488,12 +531,31 @@ impl RedisBackend {
         inv
     }
 
-    /// 503 `route-busy` for a charged request that leaves unserved: it leaves the queue and
-    /// its charge goes back first, and the figures are the budgets' as that refund left them
-    /// (what the key's other requests, queued or not, have spent since it joined included).
-    /// Should the refund not answer within `store.timeout` (it goes on), or the key have
-    /// budget slices (held units are not in the refund's levels), the figures as before its
-    /// charge, given back.
+    /// A charged request that leaves unserved: out of the queue (if it entered), its charge
+    /// given back, and its budgets' figures as that refund left them (what the key's other
+    /// requests have spent since included). Should the refund not answer within
+    /// `store.timeout` (it goes on), or the key have budget slices (held units are not in the
+    /// refund's levels), the figures as before its charge, given back.
+    async fn given_back(
+        &self,
+        req: &AdmitRequest,
+        o: &crate::budget::Outcome,
+        unserved: &mut Unserved,
+    ) -> Standing {
+        let levels = match unserved.leave() {
+            Some(rx) if !self.slices_on => tokio::time::timeout(self.timeout, rx)
+                .await
+                .ok()
+                .and_then(Result::ok),
+            _ => None,
+        };
+        levels
+            .and_then(|levels| Standing::of_levels(req.limits(), &levels))
+            .unwrap_or_else(|| Standing::from(o).given_back(req.limits(), req.cost))
+    }
+
+    /// 503 `route-busy` for a charged request that leaves unserved, with its budgets' figures
+    /// once its charge is back (`given_back`).
     async fn route_busy(
         &self,
         req: &AdmitRequest,
@@ -502,16 +564,7 @@ impl RedisBackend {
         start: Instant,
         full: bool,
     ) -> SharedAnswer {
-        let levels = match unserved.leave() {
-            Some(rx) if !self.slices_on => tokio::time::timeout(self.timeout, rx)
-                .await
-                .ok()
-                .and_then(Result::ok),
-            _ => None,
-        };
-        let standing = levels
-            .and_then(|levels| Standing::of_levels(req.limits(), &levels))
-            .unwrap_or_else(|| Standing::from(o).given_back(req.limits(), req.cost));
+        let standing = self.given_back(req, o, &mut unserved).await;
         SharedAnswer {
             // Its wait for a grant; one that timed out waited its queue_timeout (the rest of
             // its time, its calls to Redis, is the store's). `full`: refused as it joined.

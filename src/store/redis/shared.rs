@@ -19,6 +19,10 @@ use crate::store::{Admission, AdmitRequest, Bucket, BudgetView, Extra, StoreErro
 const PROBE_KEY: &str = "t:probe";
 
 impl SharedStore for RedisBackend {
+    fn set_holds(&self, holds: &crate::hold::Holds) {
+        let _ = self.holds.set(holds.clone());
+    }
+
     /// Decides one request; a capped one waits in its route's fair queue (`queue`) up to
     /// `queue_timeout`.
     async fn admit(self: &Arc<Self>, req: &AdmitRequest) -> Result<SharedAnswer, StoreError> {

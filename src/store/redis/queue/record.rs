@@ -16,7 +16,7 @@ use crate::store::{AdmitRequest, StoreError};
 pub(super) fn kept_until(req: &AdmitRequest, seen: &Seen) -> u64 {
     match seen.now_us {
         0 => 0,
-        at => script::record_lives_until(at, script::record_kept_for(req.queue_timeout)),
+        at => script::record_lives_until(at, script::record_kept_for(req.may_wait())),
     }
 }
 
@@ -39,7 +39,7 @@ impl RedisBackend {
             cost: req.cost,
             record: &record,
             marker: &marker,
-            record_ms: script::record_kept_for(req.queue_timeout).as_millis() as u64,
+            record_ms: script::record_kept_for(req.may_wait()).as_millis() as u64,
             until_us: kept_us,
         };
         self.op(&recharge).await.map(drop)
