@@ -1065,6 +1065,17 @@ async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
     let due = (4.0 - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
     assert!((due..=6).contains(&retry), "Retry-After {retry}");
     let second = job_location(&r);
+    // So does a poll while it is held (it said 1, whatever the hold).
+    let r = c
+        .get(gw.url(&second))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    let due = (4.0 - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
+    assert!((due..=6).contains(&retry), "poll's Retry-After {retry}");
     let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
     wait_metric(&gw, &running, 1.0, Duration::from_secs(2)).await;
     assert_eq!(up.count(ROUTE), 1, "held, not sent yet");

@@ -477,6 +477,17 @@ async fn a_job_admitted_ahead_runs_no_sooner_than_its_units_are_due() {
     let due = (4.0 - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
     assert!((due..=6).contains(&retry), "Retry-After {retry}");
     let second = job_location(&r);
+    // So does a poll while it is held (it said 1, whatever the hold).
+    let r = c
+        .get(b.url(&second))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    let due = (4.0 - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
+    assert!((due..=6).contains(&retry), "poll's Retry-After {retry}");
     assert_eq!(result(&c, &b, &second).await.status(), 200);
     let waited = submitted.elapsed();
     assert_eq!(up.count(ROUTE), 2);

@@ -75,6 +75,8 @@ pub struct Job {
     refunded: tokio::sync::Notify,
     /// What it holds in memory (its request body, then its result's), counted in the board.
     bytes: AtomicU64,
+    /// When its reserved units are due (`max_delay`): it is sent no sooner.
+    due: Instant,
 }
 
 /// A job as a poll sees it.
@@ -84,8 +86,13 @@ pub enum View {
     /// about to run).
     Queued {
         position: usize,
+        /// Until its reserved units are due (`max_delay`): it is sent no sooner.
+        due_in: Duration,
     },
-    Running,
+    /// Running, or holding its slot until its units are due (in `due_in`).
+    Running {
+        due_in: Duration,
+    },
     Done(Arc<Stored>),
 }
 
@@ -106,8 +113,11 @@ impl Job {
         match &*lock(&self.status) {
             Status::Queued(place) => Some(View::Queued {
                 position: place.as_ref().and_then(Place::position).unwrap_or(0),
+                due_in: self.due.saturating_duration_since(Instant::now()),
             }),
-            Status::Running => Some(View::Running),
+            Status::Running => Some(View::Running {
+                due_in: self.due.saturating_duration_since(Instant::now()),
+            }),
             Status::Done { result, until } if Instant::now() < *until => {
                 Some(View::Done(result.clone()))
             }
@@ -388,6 +398,7 @@ mod tests {
             cancel: Mutex::new(None),
             refunded: tokio::sync::Notify::new(),
             bytes: AtomicU64::new(bytes),
+            due: Instant::now(),
         })
     }
 
@@ -404,7 +415,7 @@ mod tests {
         assert!(board.get(&j.id, &[8; 32]).is_none());
         assert!(matches!(
             board.get(&j.id, &[7; 32]),
-            Some((_, View::Running))
+            Some((_, View::Running { .. }))
         ));
         let kept = j.finish(
             Stored {

@@ -100,6 +100,7 @@ pub(super) async fn submit(
         cancel: Mutex::new(Some(tx)),
         refunded: tokio::sync::Notify::new(),
         bytes: AtomicU64::new(bytes),
+        due: Instant::now() + delay,
     });
     board().insert(job.clone());
     let standing = ticket.outcome;

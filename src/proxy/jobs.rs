@@ -241,13 +241,13 @@ pub(super) async fn status(
             answer(session, ctx, s.status, (vec![], s.headers), s.body, None).await
         }
         ("GET" | "HEAD", view) => {
-            let (state, position) = match view {
-                View::Queued { position } => ("queued", position),
-                _ => ("running", 0),
+            let (state, position, due_in) = match view {
+                View::Queued { position, due_in } => ("queued", position, due_in),
+                View::Running { due_in } => ("running", 0, due_in),
+                View::Done(_) => ("running", 0, std::time::Duration::ZERO),
             };
-            let ra = route.map_or(1, |r| {
-                retry_after(&running, &r, position, std::time::Duration::ZERO)
-            });
+            // A job held for its `max_delay` turn runs no sooner than it is due.
+            let ra = route.map_or(1, |r| retry_after(&running, &r, position, due_in));
             let body = serde_json::json!({"id": &*job_id, "status": state, "position": position});
             let body = Bytes::from(body.to_string());
             answer(session, ctx, 202, (json_headers(), vec![]), body, Some(ra)).await

@@ -194,8 +194,9 @@ pub async fn view(
         // Its place in the fleet's fair order now (0: granted, about to run).
         b"queued" => View::Queued {
             position: b.job_place(&route, id).await? as usize,
+            due_in: due_in(&r),
         },
-        b"running" => View::Running,
+        b"running" => View::Running { due_in: due_in(&r) },
         b"expired" => View::Done(Arc::new(expired_result())),
         b"done" | b"failed" if field(&r, "lost") == b"1" => View::Done(Arc::new(problem_result(
             Problem::JobLost,
@@ -209,6 +210,11 @@ pub async fn view(
         _ => return Ok(None),
     };
     Ok(Some((route, view)))
+}
+
+/// Until a job's reserved units are due (`max_delay`), as its record's read said.
+fn due_in(r: &record::Record) -> Duration {
+    Duration::from_millis(text(r, "due_in").parse().unwrap_or(0))
 }
 
 /// `DELETE`: takes a queued job out of its queue (refunded); `false` once it runs.

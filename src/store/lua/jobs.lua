@@ -6,7 +6,8 @@
 --
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
---   get    -> the record's fields and values (empty: none); a running job whose runner
+--   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
+--             (until it may be sent, `max_delay`; 0 once due); a running job whose runner
 --             stopped vouching for it becomes failed (lost) first, never to run again, and
 --             that one reply ends with the pair `ended_now 1`
 --   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
@@ -32,6 +33,11 @@ local function ttl() return tonumber(redis.call('HGET', job, 'ttl') or '60000') 
 local function keep() redis.call('PEXPIRE', job, ttl()) end
 -- A queued job that has waited result_ttl since its submission no longer runs.
 local function overdue() return now > tonumber(redis.call('HGET', job, 'sub') or '0') + ttl() end
+-- ms until the job may be sent (`max_delay`: `delay` after `sub`), 0 once it may.
+local function due_in()
+  local due = tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
+  return math.max(0, due - now)
+end
 local function expire()
   redis.call('HSET', job, 'state', 'expired')
   redis.call('HDEL', job, 'body', 'headers')
@@ -56,7 +62,12 @@ elseif op == 'get' then
     all[#all + 1] = '1'
     return all
   end
-  return redis.call('HGETALL', job)
+  local all = redis.call('HGETALL', job)
+  if #all > 0 then
+    all[#all + 1] = 'due_in'
+    all[#all + 1] = tostring(due_in())
+  end
+  return all
 elseif op == 'claim' then
   if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') >= now then
     return {3}
@@ -67,8 +78,7 @@ elseif op == 'claim' then
     return {2}
   end
   redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]))
-  local due = tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
-  return {1, math.max(0, due - now)}
+  return {1, due_in()}
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
