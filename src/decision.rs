@@ -80,8 +80,6 @@ pub struct Admitted {
     pub queued: Duration,
     /// `max_delay`: how long to hold the request before forwarding it (its units are reserved).
     pub hold: Duration,
-    /// How long the store held it already (a capped route's request, before its queue).
-    pub held: Duration,
 }
 
 /// The methods an endpoint may name, so that a case variant can be charged (and forwarded) as
@@ -336,7 +334,6 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             queued,
         } => Ok(Admitted {
             outcome: standing,
-            held: lease.held(),
             lease,
             queued,
             hold: Duration::from_micros(delay_us),

@@ -8,7 +8,7 @@ use super::*;
 use crate::admission::Ticket;
 use crate::route::Route;
 use crate::state::Running;
-use crate::store::AdmitRequest;
+use crate::store::{Admission, AdmitRequest};
 
 impl Gateway {
     /// Classifies, identifies and admits; `Err` is the refusal to send, `Ok(false)` a client
@@ -39,43 +39,54 @@ impl Gateway {
         let may_queue = route.max_in_flight.is_some();
         let t = Instant::now();
         ctx.timing.asked = Some(t);
-        let answer = if may_queue {
-            tokio::select! {
-                a = self.shared.store.decide(&admit) => a,
-                _ = front::client_left(&mut session.downstream_session) => {
-                    // It waited in the queue until it left (how much of that was the
-                    // store's own decision, the dropped call cannot say).
-                    ctx.timing.queued = t.elapsed();
-                    running.metrics.get(&route).queue_wait.observe(ctx.timing.queued.as_secs_f64());
-                    // Waiting under `on_error` if the store is away (the dropped call cannot
-                    // say which way it went).
-                    ctx.fallback = self.shared.store.degraded();
-                    ctx.phase = Phase::Abandoned;
-                    return Ok(false);
+        // What the store held it for its turn, told apart from its queue time.
+        let clock = may_queue.then(crate::hold::HoldClock::default);
+        let answer = match &clock {
+            Some(clock) => {
+                tokio::select! {
+                    a = clock.scope(self.shared.store.decide(&admit)) => a,
+                    _ = front::client_left(&mut session.downstream_session) => {
+                        // It was held, then waited in the queue until it left (how much of
+                        // that was the store's own decision, the dropped call cannot say).
+                        ctx.timing.hold = clock.held();
+                        ctx.timing.queued = t.elapsed().saturating_sub(ctx.timing.hold);
+                        running.metrics.get(&route).queue_wait.observe(ctx.timing.queued.as_secs_f64());
+                        // Waiting under `on_error` if the store is away (the dropped call
+                        // cannot say which way it went).
+                        ctx.fallback = self.shared.store.degraded();
+                        ctx.phase = Phase::Abandoned;
+                        return Ok(false);
+                    }
                 }
             }
-        } else {
-            self.shared.store.decide(&admit).await
+            None => self.shared.store.decide(&admit).await,
         };
-        let elapsed = t.elapsed();
+        let store_held = clock.map_or(Duration::ZERO, |c| c.held());
+        let elapsed = t.elapsed().saturating_sub(store_held);
         ctx.fallback = answer.fallback;
         ctx.share = answer.share;
         let answer = answer.admission;
+        // An instance that exits before a held request's turn answers it (and closes the
+        // connection), whatever the route's shadow mode: it is not forwarded on the way out.
+        let exiting = matches!(answer, Admission::NotHeld { exiting: true, .. });
         let admitted = match decision::judge(&route, answer) {
             Ok(a) => a,
             Err(r) => {
                 ctx.timing.store = elapsed.saturating_sub(r.queued);
+                ctx.timing.hold = store_held;
+                if exiting {
+                    session.set_keepalive(None);
+                    return Err(r);
+                }
                 return shadow_or_refuse(ctx, &route, running.metrics.get(&route), r);
             }
         };
-        ctx.timing.store = elapsed
-            .saturating_sub(admitted.queued)
-            .saturating_sub(admitted.held);
+        ctx.timing.store = elapsed.saturating_sub(admitted.queued);
         let m = running.metrics.get(&route);
         if route.max_in_flight.is_some() {
             m.queue_wait.observe(admitted.queued.as_secs_f64());
         }
-        let (hold, queued, store_held) = (admitted.hold, admitted.queued, admitted.held);
+        let (hold, queued) = (admitted.hold, admitted.queued);
         let mut ticket = Ticket::new(admit, admitted.outcome, admitted.lease);
         // Held requests are bounded per instance: past the bound, give the reservation back
         // and refuse (429 with Retry-After) rather than queue without limit.

@@ -270,8 +270,21 @@ impl<S: SharedStore> FallbackStore<S> {
     }
 
     pub async fn decide(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
+        use crate::hold::HoldClock;
+        // A capped request may be held for its turn (on either side) before its queue: that
+        // time is not queue time (the proxy keeps the clock; a caller without one gets one).
+        if req.route_cap.is_some() && !HoldClock::present() {
+            return HoldClock::default().scope(self.decide_held(req)).await;
+        }
+        self.decide_held(req).await
+    }
+
+    async fn decide_held(self: &Arc<Self>, req: &AdmitRequest) -> Decision {
+        use crate::hold::HoldClock;
         // Tokio's clock: the wait it bounds is timed by tokio (and a test can pause it).
         let start = tokio::time::Instant::now();
+        let held_before = HoldClock::now_held();
+        let held = || HoldClock::now_held().saturating_sub(held_before);
         // A request that waited in a local queue until the store answered again is decided
         // there, with what is left of its queue time.
         let mut again: Option<AdmitRequest> = None;
@@ -291,8 +304,8 @@ impl<S: SharedStore> FallbackStore<S> {
                 Err(e) => e,
             };
             self.set_degraded(true, Some(&e));
-            let Some(mut admission) = self.fallback(req, start).await else {
-                waited = start.elapsed();
+            let Some(mut admission) = self.fallback(req, start + held()).await else {
+                waited = start.elapsed().saturating_sub(held());
                 let mut r = req.clone();
                 r.queue_timeout = req.queue_timeout.saturating_sub(waited);
                 again = Some(r);

@@ -17,9 +17,6 @@ pub struct Lease {
     fallback: bool,
     /// A local admission's registration in the shared store once it answers again.
     adopted: Option<fallback::adopt::Adoptable>,
-    /// How long the store held the request for its `max_delay` turn before it joined its
-    /// route's queue ([`crate::hold`]), in µs (a `Duration` would make every answer larger).
-    held_us: u64,
 }
 
 /// Where an admitted request's units were taken from.
@@ -93,17 +90,6 @@ impl Lease {
         self.running = running;
         self.fallback = fallback;
         self
-    }
-
-    pub(super) fn held_for(mut self, held: std::time::Duration) -> Lease {
-        self.held_us = held.as_micros() as u64;
-        self
-    }
-
-    /// How long the store held the request for its `max_delay` turn (before a capped route's
-    /// queue); the proxy holds no more then.
-    pub fn held(&self) -> std::time::Duration {
-        std::time::Duration::from_micros(self.held_us)
     }
 
     pub fn charge(&self) -> Charge {

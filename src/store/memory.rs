@@ -360,7 +360,6 @@ impl MemoryStore {
     async fn admit_capped(self: &Arc<Self>, req: &AdmitRequest, cap: u32) -> Admission {
         // Charged on joining the route's queue (DESIGN §8): the budgets and the key's cap
         // decide first, so a refusal comes at once, never after waiting.
-        let start = Instant::now();
         let (standing, delay_us, mut lease) = match self.charge(req) {
             Admission::Admitted {
                 standing,
@@ -376,19 +375,15 @@ impl MemoryStore {
             store: self,
             req: Some(req),
         };
-        if let Err(exiting) = super::hold_before_queue(self.holds(), delay_us).await {
+        if let Err(not) = self.holds().before_queue(delay_us).await {
             drop(charged);
             return Admission::NotHeld {
                 standing: (&self.standing(req)).into(),
                 hold_us: delay_us,
-                exiting,
+                exiting: not.exiting,
             };
         }
-        let held = if delay_us > 0 {
-            start.elapsed()
-        } else {
-            Duration::ZERO
-        };
+        // Its queue time counts from here.
         let start = Instant::now();
         let (slot, full) = match self
             .routes
@@ -419,7 +414,7 @@ impl MemoryStore {
             lease,
             queued: start.elapsed(),
         }
-        .held_before_queue(held)
+        .held_before_queue()
     }
 
     /// Gives `req.cost` back to every budget of `req`: each one's level afterwards (ticks, in

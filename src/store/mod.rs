@@ -21,18 +21,20 @@ pub mod memory;
 pub mod redis;
 mod running;
 mod settle;
+mod standing;
 mod write_back;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::budget::{Figure, Figures, Limit, Outcome, Verdict};
+use crate::budget::{Figure, Limit, Outcome, Verdict};
 use crate::{identity::KeyHash, telemetry::StoreCall};
 
 pub use fallback::{FallbackStore, SharedAnswer, SharedStore};
 pub use lease::{Charge, Lease};
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
+pub use standing::Standing;
 
 /// 128 bits of a key's SHA-256: as collision-free as the whole for any real key count, and
 /// half the memory per entry in the maps keyed by it.
@@ -236,105 +238,6 @@ impl AdmitRequest {
     }
 }
 
-/// The budget as a decision left it: what the rate-limit headers describe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Standing {
-    /// Whole units left (`RateLimit: r=`); of the decisive budget when there are several.
-    pub remaining: u64,
-    /// µs until the bucket is full again (`RateLimit: t=`).
-    pub reset_us: u64,
-    /// Every budget's figures when the request was decided on several; empty for one.
-    pub each: Figures,
-}
-
-impl Standing {
-    /// The standing of a decision on `figures` (one per budget, in order) that admitted or
-    /// charged nothing: the tightest budget decides (`budget::tightest`), as in an admission
-    /// (`budget::decide_all`); `each` is kept only for several budgets.
-    fn tightest(figures: &[Figure]) -> Option<Standing> {
-        let i = crate::budget::tightest(figures.iter().map(|f| (f.remaining, f.reset_us)));
-        let t = figures.get(i)?;
-        let mut each = Figures::default();
-        if figures.len() > 1 {
-            figures.iter().for_each(|f| each.push(*f));
-            each.decisive = i as u8;
-        }
-        Some(Standing {
-            remaining: t.remaining,
-            reset_us: t.reset_us,
-            each,
-        })
-    }
-
-    /// The standing of budgets `limits` (in their order) at `levels` (ticks, as a store's
-    /// script reads them), which charged nothing: `None` unless there is one level per limit.
-    pub fn of_levels<'a>(
-        limits: impl Iterator<Item = &'a Limit>,
-        levels: &[i64],
-    ) -> Option<Standing> {
-        let limits: Vec<&Limit> = limits.collect();
-        if limits.len() != levels.len() {
-            return None;
-        }
-        let figures: Vec<Figure> = limits
-            .iter()
-            .zip(levels)
-            .map(|(l, level)| {
-                let level = u64::try_from(*level).unwrap_or(0);
-                Figure {
-                    remaining: l.remaining(level),
-                    reset_us: l.reset_us(level),
-                }
-            })
-            .collect();
-        Standing::tightest(&figures)
-    }
-
-    /// The figures `elapsed` after the decision: every bucket drained that much longer (`t`
-    /// shorter by it). Units left are not raised: what the headers say stays a bound.
-    pub fn later(&self, elapsed: Duration) -> Standing {
-        let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
-        Standing {
-            remaining: self.remaining,
-            reset_us: self.reset_us.saturating_sub(us),
-            each: self.each.later(us),
-        }
-    }
-
-    /// The standing once `cost` units went back into `limits`, the budgets it was decided on
-    /// in their order (a refund): each budget's figures as [`Limit::given_back`] has them, and
-    /// the decisive one the tightest again.
-    pub fn given_back<'a>(&self, limits: impl Iterator<Item = &'a Limit>, cost: u64) -> Standing {
-        let own = [Figure {
-            remaining: self.remaining,
-            reset_us: self.reset_us,
-        }];
-        let figures = match self.each.as_slice() {
-            [] => &own[..],
-            several => several,
-        };
-        let back: Vec<Figure> = figures
-            .iter()
-            .zip(limits)
-            .map(|(f, l)| l.given_back(*f, cost))
-            .collect();
-        if back.len() != figures.len() {
-            return *self;
-        }
-        Standing::tightest(&back).unwrap_or(*self)
-    }
-}
-
-impl From<&Outcome> for Standing {
-    fn from(o: &Outcome) -> Standing {
-        Standing {
-            remaining: o.remaining,
-            reset_us: o.reset_us,
-            each: o.each,
-        }
-    }
-}
-
 /// A store's answer. Each variant carries only what is true of it: a delay only when
 /// admitted, a retry time only when over budget.
 #[derive(Debug)]
@@ -386,10 +289,9 @@ impl Admission {
         }
     }
 
-    /// A capped request the store held `held` for its `max_delay` turn before it joined the
-    /// route's queue: nothing left to hold (DESIGN §8: a request waiting for its units keeps
-    /// no slot idle).
-    pub(crate) fn held_before_queue(self, held: Duration) -> Admission {
+    /// A capped request the store held for its `max_delay` turn before it joined the route's
+    /// queue: nothing left to hold (how long it was held, its caller's `HoldClock` says).
+    pub(crate) fn held_before_queue(self) -> Admission {
         match self {
             Admission::Admitted {
                 standing,
@@ -399,7 +301,7 @@ impl Admission {
             } => Admission::Admitted {
                 standing,
                 delay_us: 0,
-                lease: lease.held_for(held),
+                lease,
                 queued,
             },
             other => other,
@@ -416,24 +318,6 @@ impl Admission {
             standing: o.into(),
             retry_after_us,
         }
-    }
-}
-
-/// Holds a charged capped request until its units are due (`delay_us`, its `max_delay`
-/// turn), before it joins the route's queue (DESIGN §8: a request waiting for its units keeps
-/// no slot idle). `Err(exiting)`: it could not be held (past the bound, or the instance exits
-/// first), and its charge is to be given back.
-pub(crate) async fn hold_before_queue(
-    holds: &crate::hold::Holds,
-    delay_us: u64,
-) -> Result<(), bool> {
-    if delay_us == 0 {
-        return Ok(());
-    }
-    match holds.hold(Duration::from_micros(delay_us)).await {
-        crate::hold::Held::Due => Ok(()),
-        crate::hold::Held::Full => Err(false),
-        crate::hold::Held::Exiting => Err(true),
     }
 }
 

@@ -206,6 +206,16 @@ impl std::fmt::Debug for RunningGuard {
     }
 }
 
+impl RunningGuard {
+    /// This guard holding `other`'s slots too (released together).
+    pub(crate) fn with(mut self, other: Option<RunningGuard>) -> RunningGuard {
+        if let Some(mut other) = other {
+            self.slots.append(&mut other.slots);
+        }
+        self
+    }
+}
+
 impl Drop for RunningGuard {
     fn drop(&mut self) {
         let mut inner = lock(&self.running.inner);

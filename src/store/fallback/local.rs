@@ -119,22 +119,33 @@ impl<S: SharedStore> FallbackStore<S> {
                 }
             });
         };
+        // The key's share first, kept through the hold and the queue (as memory and Redis take
+        // the key's slot with the charge): a key at its share is refused at once.
+        let key_slot = match key_share {
+            Some(_) => match self.running.try_take(req, None, key_share) {
+                Ok(g) => Some(g),
+                Err(_) => {
+                    drop(charged);
+                    return Some(Admission::KeyBusy(self.local_standing(&r)));
+                }
+            },
+            None => None,
+        };
         // Held for its `max_delay` turn before it joins the local queue (`crate::hold`); the
         // queue time counts from then.
         let holding = Instant::now();
-        if let Err(exiting) = super::super::hold_before_queue(self.local.holds(), delay_us).await {
+        if let Err(not) = self.local.holds().before_queue(delay_us).await {
             drop(charged);
             return Some(Admission::NotHeld {
                 standing: self.local_standing(&r),
                 hold_us: delay_us,
-                exiting,
+                exiting: not.exiting,
             });
         }
-        let held = match delay_us {
-            0 => Duration::ZERO,
-            _ => holding.elapsed(),
+        let start = match delay_us {
+            0 => start,
+            _ => start + holding.elapsed(),
         };
-        let start = start + held;
         let busy = |queued, full| Admission::RouteBusy {
             standing: self.local_standing(&r),
             queued,
@@ -150,8 +161,8 @@ impl<S: SharedStore> FallbackStore<S> {
         let place = self
             .running
             .queue(&req.route, short_key(&req.key), req.fair, limits);
-        let running = match self.take_in_turn(req, &place, key_share, start).await {
-            Turn::Run(g) => g,
+        let running = match self.take_in_turn(req, &place, start).await {
+            Turn::Run(g) => g.with(key_slot),
             // Unserved: the local charge is given back as `charged` drops.
             Turn::StoreBack => return None,
             Turn::Refused(Full::Key) => {
@@ -165,20 +176,14 @@ impl<S: SharedStore> FallbackStore<S> {
         };
         drop(place);
         charged.served();
-        Some(admitted(standing, delay_us, lease, running, start.elapsed()).held_before_queue(held))
+        Some(admitted(standing, delay_us, lease, running, start.elapsed()).held_before_queue())
     }
 
     /// Waits for `place`'s turn within this instance's share of the route (each freed slot,
     /// and a reload, wakes the waiters), until the queue timeout counted from `start`, or
     /// until the shared store answers again: its queue is the fleet's, and a slot taken here
     /// then would be one more than the cap (DESIGN §4).
-    async fn take_in_turn(
-        &self,
-        req: &AdmitRequest,
-        place: &Place,
-        key_share: Option<u32>,
-        start: Instant,
-    ) -> Turn {
+    async fn take_in_turn(&self, req: &AdmitRequest, place: &Place, start: Instant) -> Turn {
         let mut queued = None;
         loop {
             let freed = self.running.freed.notified();
@@ -186,7 +191,7 @@ impl<S: SharedStore> FallbackStore<S> {
             tokio::pin!(freed, back);
             freed.as_mut().enable();
             back.as_mut().enable();
-            match self.running.try_take(req, Some(place), key_share) {
+            match self.running.try_take(req, Some(place), None) {
                 Ok(g) => return Turn::Run(g),
                 Err(Full::Key) => return Turn::Refused(Full::Key),
                 Err(Full::Route) => {

@@ -122,7 +122,11 @@ impl Drop for RedisLease {
 
 impl RedisBackend {
     /// Keeps a long request's leases alive: renewed every `lease_ttl / 3` until released.
-    fn spawn_renewal(self: &Arc<Self>, sets: Sets, id: String) -> tokio::task::AbortHandle {
+    pub(super) fn spawn_renewal(
+        self: &Arc<Self>,
+        sets: Sets,
+        id: String,
+    ) -> tokio::task::AbortHandle {
         let store = self.clone();
         let every = self.lease_ttl / 3;
         tokio::spawn(async move {

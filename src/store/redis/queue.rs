@@ -21,17 +21,19 @@ use super::admit::Once;
 use super::guard::Guard;
 use super::keys::{self, queue_keys, QueueKeys};
 use super::script::Call;
-use super::{Decided, RedisBackend, RedisLease};
+use super::{Decided, RedisBackend};
 use crate::store::fallback::SharedAnswer;
-use crate::store::{lock, Admission, AdmitRequest, Lease, Standing, StoreError};
+use crate::store::{lock, Admission, AdmitRequest, Standing, StoreError};
 use crate::telemetry::Queued;
 
 mod beat;
 mod owed;
 mod record;
+mod unserved;
 mod whole;
 pub(in crate::store::redis) use beat::Waiters;
 use beat::Wake;
+use unserved::{HeldId, PendingId, Unserved};
 
 /// How long an instance counts as alive after its last beat.
 pub(super) const ALIVE_FOR: Duration = Duration::from_secs(2);
@@ -109,153 +111,6 @@ pub(in crate::store::redis) struct Owed {
     key_slots: Vec<String>,
     /// `Unserved::record_kept`.
     record_kept: u64,
-}
-
-/// A charged request that has not (yet) got its route slot: dropped before it is served, it
-/// leaves the queue (releasing a slot granted meanwhile) and gives its charge back.
-struct Unserved {
-    store: Arc<RedisBackend>,
-    req: Option<AdmitRequest>,
-    keys: QueueKeys,
-    key_slots: Vec<String>,
-    id: String,
-    waiting: bool,
-    /// The route may hold a waiter or a lease of this id (an `enter` was sent).
-    in_route: bool,
-    /// Its charge is in `Waiters::owed` (it has waited in the queue).
-    owed: bool,
-    /// Its charge as the queue keeps it beside its waiter (`owed::Charge`), for whoever drops
-    /// it should this instance die.
-    charge: String,
-    /// Until when (Redis time, µs) its charge's admission record surely lives
-    /// (`record::kept_until`; 0: not known).
-    record_kept: u64,
-    /// How long it has waited for a grant: its queue time. Its calls to Redis are the
-    /// store's time, not the queue's (`Timing::store`, the access log's `store_ms`).
-    waited: Duration,
-    /// Dropped after the rest: unregistered only once the lease is held or given up.
-    _pending: PendingId,
-}
-
-/// An admission id this instance may have in a route's queue: registered (`Waiters::pending`)
-/// from before its first call until it is given up, or held as a lease (`Held::live`).
-struct PendingId {
-    store: Arc<RedisBackend>,
-    id: String,
-}
-
-impl PendingId {
-    /// A new id, registered under the same lock a beat reads the ids and the id counter under.
-    fn new(store: &Arc<RedisBackend>, route_set: &str) -> Self {
-        let mut w = lock(&store.waiters);
-        let id = store.next_lease_id();
-        w.pending.insert(id.clone(), route_set.to_string());
-        PendingId {
-            store: store.clone(),
-            id,
-        }
-    }
-}
-
-impl Drop for PendingId {
-    fn drop(&mut self) {
-        lock(&self.store.waiters).pending.remove(&self.id);
-    }
-}
-
-impl Unserved {
-    /// The request holds its slot: its leases are held as one (and registered as held before
-    /// the id stops being pending, so that no beat in between finds it unnamed).
-    fn served(mut self) -> Lease {
-        // The key its route lease counts for, should a renewal have to make it again.
-        let key = self.req.take().map(|r| keys::key_tag(&r.key));
-        self.forget_waiter();
-        let mut held = std::mem::take(&mut self.key_slots);
-        held.push(self.keys[0].clone());
-        let lease = RedisLease::hold(&self.store, held, key, self.id.clone());
-        self.store.beat_on(&self.keys);
-        Lease::shared(Some(lease))
-    }
-
-    /// Its charge is owed back should the instance exit while it waits.
-    fn owe(&mut self) {
-        let Some(req) = &self.req else { return };
-        if !std::mem::replace(&mut self.owed, true) {
-            let owed = Owed {
-                req: req.clone(),
-                keys: self.keys.clone(),
-                key_slots: self.key_slots.clone(),
-                record_kept: self.record_kept,
-            };
-            lock(&self.store.waiters).owed.insert(self.id.clone(), owed);
-        }
-    }
-
-    /// Whether its charge is still its own: not given back by the exiting instance (which
-    /// takes every owed charge at once). `take`: keep it from here on (it is served).
-    fn charge_kept(&mut self, take: bool) -> bool {
-        if !self.owed {
-            return true;
-        }
-        let mut w = lock(&self.store.waiters);
-        if !take {
-            return w.owed.contains_key(&self.id);
-        }
-        let kept = w.owed.remove(&self.id).is_some();
-        self.owed = !kept;
-        kept
-    }
-
-    fn forget_waiter(&mut self) {
-        if std::mem::take(&mut self.waiting) {
-            let mut w = lock(&self.store.waiters);
-            w.waiting.remove(&self.id);
-            if let Some(b) = w.routes.get_mut(&self.keys[0]) {
-                b.waiting = b.waiting.saturating_sub(1);
-            }
-        }
-    }
-}
-
-impl Unserved {
-    /// Leaves the queue and gives the charge back, on a task of its own (so that it is done
-    /// even if the caller goes away); the task answers with each budget's level once the
-    /// charge is back, when it was given back here and then.
-    fn leave(&mut self) -> Option<tokio::sync::oneshot::Receiver<Vec<i64>>> {
-        self.forget_waiter();
-        let req = self.req.take()?;
-        // Not if the exiting instance took it out of the queue and gave its charge back first
-        // (its key's slot with it); the route may still hold it, had it entered again since.
-        let refund = self.charge_kept(true);
-        let rt = tokio::runtime::Handle::try_current().ok()?;
-        let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
-        let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
-        let record_until = self.record_kept;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        rt.spawn(async move {
-            if in_route {
-                store.leave_queue(&keys, &id, Guard::Breaker).await;
-            }
-            if refund {
-                // The levels as soon as the refund answers; the key's slot after. Not if
-                // Redis lost the charge with its data (`Once`): the request may have run on
-                // the fallback meanwhile, charged there and written back.
-                let once = Once::kept(&req, &id, record_until);
-                let budgets = super::budget_keys(&req);
-                if let Some(levels) = store.undo_charge(budgets, req.cost, Some(once)).await {
-                    let _ = tx.send(levels);
-                }
-                store.release_keys(key_slots, id).await;
-            }
-        });
-        Some(rx)
-    }
-}
-
-impl Drop for Unserved {
-    fn drop(&mut self) {
-        let _ = self.leave();
-    }
 }
 
 pub(super) fn leave<'a>(script: &'a QueueScript, keys: &QueueKeys, id: &str) -> Call<'a> {
@@ -354,8 +209,13 @@ impl RedisBackend {
             in_route: delay_us == 0,
             owed: false,
             waited: Duration::ZERO,
+            renew_key: None,
             _pending: pending,
         };
+        if !unserved.key_slots.is_empty() {
+            let sets = super::lease::Sets::new(unserved.key_slots.clone(), None);
+            unserved.renew_key = Some(self.spawn_renewal(sets, unserved.id.clone()));
+        }
         // Held for its `max_delay` turn before it enters (`crate::hold`): its queue time
         // counts from then.
         let held = match delay_us {
@@ -420,7 +280,7 @@ impl RedisBackend {
         let waited = unserved.waited;
         let lease = unserved.served();
         Ok(SharedAnswer {
-            admission: Admission::admitted(&outcome, lease, waited).held_before_queue(held),
+            admission: Admission::admitted(&outcome, lease, waited).held_before_queue(),
             reached: true,
         })
     }
@@ -436,13 +296,21 @@ impl RedisBackend {
         u: &mut Unserved,
     ) -> Result<Result<Duration, SharedAnswer>, StoreError> {
         let holding = Instant::now();
-        if let Err(exiting) = crate::store::hold_before_queue(self.holds(), o.delay_us()).await {
+        let held = {
+            // Not one this instance enters now: its beats need not cover the route for it.
+            let _held = HeldId::new(self, &u.id);
+            self.holds().before_queue(o.delay_us()).await
+        };
+        if let Err(not) = held {
+            // An exiting instance waits for held requests: for this one until its charge is
+            // back (its permit goes then).
             let standing = self.given_back(req, o, u).await;
+            drop(not.permit);
             return Ok(Err(SharedAnswer {
                 admission: Admission::NotHeld {
                     standing,
                     hold_us: o.delay_us(),
-                    exiting,
+                    exiting: not.exiting,
                 },
                 reached: true,
             }));

@@ -92,6 +92,9 @@ pub(in crate::store::redis) struct Waiters {
     /// takes one out gives it back (the request as it leaves unserved, or the instance as it
     /// exits with the request still waiting).
     pub(in crate::store::redis) owed: HashMap<String, super::Owed>,
+    /// Pending ids held for their `max_delay` turn, not entering yet: a route where this
+    /// instance has only those is still swept by it (`sweep`).
+    pub(in crate::store::redis) holding: std::collections::HashSet<String>,
     running: bool,
 }
 
@@ -404,7 +407,8 @@ impl RedisBackend {
                 // Its own beats cover a route where it waits or is entering a waiter (its
                 // grants there are for those beats to deliver).
                 let w = lock(&self.waiters);
-                if w.routes.contains_key(&route) || w.pending.values().any(|r| *r == route) {
+                let entering = |(id, r): (&String, &String)| *r == route && !w.holding.contains(id);
+                if w.routes.contains_key(&route) || w.pending.iter().any(entering) {
                     continue;
                 }
             }

@@ -1,0 +1,352 @@
+//! Requests held for their `max_delay` turn on a capped route (README "When a route is
+//! full"): held before they join the route's queue, never keeping a slot idle, on the memory
+//! store, Redis and the `local` fallback; their key's slot kept, their charge given back when
+//! they are not served, and their hold told apart from queue time.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ROUTE: &str = "/reports/generate";
+
+/// Registry keys `a`..`d` (raw keys `key-a`...), `c` on plan `gold` and `d` on `basic` of
+/// `plans`, a 24 h default budget and `endpoint` (YAML lines under `endpoints:`).
+fn config(endpoint: &str, plans: &str) -> String {
+    let keys: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|id| {
+            let plan = match *id {
+                "c" => ", plan: gold",
+                "d" => ", plan: basic",
+                _ => "",
+            };
+            registry_key(id, plan)
+        })
+        .collect();
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
+    )
+}
+
+fn on_redis(url: &str, body: &str) -> String {
+    format!("store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: 1s\n{body}")
+}
+
+/// Redis unreachable from the start (nothing listens on port 1): the `local` fallback decides,
+/// `fleet_size: 1` (the local share is the whole budget and cap).
+const LOCAL: &str = "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1/0\"\n  timeout: 100ms\n  on_error: local\n  fleet_size: 1\n";
+
+const ONE_SLOT: &str =
+    "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n";
+const FIVE_SLOTS: &str =
+    "    /reports/generate:\n      cost: 1\n      max_in_flight: 5\n      queue_timeout: 30s\n";
+
+/// Key c: one unit per 6 s, held up to 20 s for its turn. Key d: plenty.
+const HELD: &str = "plans:\n  gold: {max_cost: 1, window: 6s, max_delay: 20s}\n  basic: {max_cost: 1000, window: 24h}\n";
+
+/// When key `id`'s first budget is full again, from `/admin/keys/<id>` (s).
+async fn reset(gw: &Gateway, id: &str) -> u64 {
+    let v = admin_json(gw, &format!("/admin/keys/{id}")).await;
+    v["budgets"][0]["reset_seconds"].as_u64().unwrap_or(0)
+}
+
+/// Waits until key `id`'s budget is full again only more than `s` seconds from now: a request
+/// charged (and held) beyond what the budget held.
+async fn wait_reset_above(gw: &Gateway, id: &str, s: u64) {
+    eventually(Duration::from_secs(10), async || {
+        match reset(gw, id).await {
+            r if r > s => Ok(()),
+            r => Err(format!("reset {r}")),
+        }
+    })
+    .await;
+}
+
+/// Key c's plan holds its requests (`max_delay`): one unit per 6 s. Its second report is
+/// charged at once and held ~6 s until its unit is due, while the route's only slot is free.
+/// Key b's report, sent meanwhile, runs at once: the held request waits for its units before
+/// it joins the route's queue, so it never keeps a slot idle (DESIGN §8: one customer's
+/// requests never make another's wait behind them). Then c's report runs, after its hold; and
+/// a held request whose client leaves is never forwarded and gets its units back.
+async fn a_held_request_holds_no_slot(up: &Upstream, gws: &[Gateway], store: &str) {
+    let c = client();
+    let (gw_c, gw_b) = (&gws[0], &gws[gws.len() - 1]);
+    assert_eq!(
+        post(&c, gw_c.url(ROUTE), "key-c").await.status(),
+        200,
+        "{store}"
+    );
+    let sent = Instant::now();
+    let held = tokio::spawn({
+        let (c, url) = (c.clone(), gw_c.url(ROUTE));
+        async move {
+            let status = post(&c, url, "key-c").await.status().as_u16();
+            (status, sent.elapsed())
+        }
+    });
+    // Charged (its unit reserved: the budget is full again only ~12 s from now) and held.
+    wait_reset_above(gw_c, "c", 6).await;
+    let t = Instant::now();
+    assert_eq!(
+        post(&c, gw_b.url(ROUTE), "key-b").await.status(),
+        200,
+        "{store}"
+    );
+    let b_took = t.elapsed();
+    let (status, c_took) = held.await.unwrap();
+    assert_eq!(status, 200, "{store}");
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    assert_eq!(order, ["key-c", "key-b", "key-c"], "{store}");
+    assert!(
+        b_took < Duration::from_secs(3),
+        "{store}: b took {b_took:?}"
+    );
+    assert!(
+        c_took >= Duration::from_secs(4),
+        "{store}: c's hold {c_took:?}"
+    );
+    assert_eq!(up.max_concurrent(ROUTE), 1, "{store}");
+
+    // Held again (its unit due ~6 s from now), then the client leaves: never forwarded, and
+    // its unit given back (the budget is full again within ~6 s, not ~12 s).
+    let gone = spawn_post(&c, gw_c.url(ROUTE), "key-c");
+    wait_reset_above(gw_c, "c", 6).await;
+    gone.abort();
+    eventually(Duration::from_secs(10), async || {
+        match reset(gw_c, "c").await {
+            r if r <= 6 => Ok(()),
+            r => Err(format!("{store}: reset {r} after the client left")),
+        }
+    })
+    .await;
+    assert_eq!(up.count(ROUTE), 3, "{store}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_request_holds_no_slot_on_memory_redis_and_the_local_fallback() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(ONE_SLOT, HELD));
+    a_held_request_holds_no_slot(&up, &[gw], "memory").await;
+
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(&redis.url(), &config(ONE_SLOT, HELD));
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    a_held_request_holds_no_slot(&up, &gws, "2 gateways on redis").await;
+
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &format!("{LOCAL}{}", config(ONE_SLOT, HELD)));
+    a_held_request_holds_no_slot(&up, &[gw], "local fallback").await;
+}
+
+/// Three requests of key c held on `x` for their turns (6, 12 and 18 s away), then `x` exits
+/// by `signal`: each is answered 503 `route-busy` at once and its unit given back (as for a
+/// request held after admission, `budgets::an_exiting_gateway_gives_back_the_turns_it_holds`),
+/// read on `y`. Meanwhile none held a slot: another key's report ran at once.
+async fn exit_while_held(x: &mut Gateway, y: &Gateway, signal: &str) {
+    let c = client();
+    assert_eq!(post(&c, x.url(ROUTE), "key-c").await.status(), 200);
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let req = c.post(x.url(ROUTE)).header("X-API-Key", "key-c");
+            let signal = signal.to_string();
+            tokio::spawn(async move {
+                let r = req.send().await.map_err(|e| format!("{signal}: {e}"))?;
+                let retry = header(&r, "Retry-After");
+                Ok::<_, String>((r.status().as_u16(), retry, r.text().await.unwrap()))
+            })
+        })
+        .collect();
+    // All three charged (the budget full again in ~24 s).
+    wait_reset_above(y, "c", 18).await;
+    let t = Instant::now();
+    assert_eq!(post(&c, y.url(ROUTE), "key-b").await.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let t = Instant::now();
+    x.signal(signal);
+    for h in held {
+        let (status, retry, body) = h.await.unwrap().unwrap();
+        assert_eq!(status, 503, "{signal}: {body}");
+        assert_eq!(retry.as_deref(), Some("1"));
+        assert!(
+            body.contains("route-busy") && body.contains("shutting down"),
+            "{signal}: {body}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "{signal}: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(x.wait_exit(Duration::from_secs(10)), Some(0), "{signal}");
+    // Their units are back: the budget is full again within the first report's 6 s.
+    let reset = reset(y, "c").await;
+    assert!(reset <= 6, "{signal}: reset {reset}");
+}
+
+/// SIGTERM with the turns past the grace period; SIGINT (the fast exit) with Redis a network
+/// away (100 ms each way): the exit waits for the held requests' answers and refunds (a
+/// review found them cut off by the exit: connection errors, the units kept).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exiting_gateway_answers_and_gives_back_the_capped_requests_it_holds() {
+    let plan = "plans:\n  gold: {max_cost: 1, window: 6s, max_delay: 60s}\n  basic: {max_cost: 1000, window: 24h}\n";
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(&redis.url(), &config(ONE_SLOT, plan));
+    let mut x = Gateway::start_with_grace(&up, &body, "1s");
+    let y = Gateway::start(&up, &body);
+    exit_while_held(&mut x, &y, "TERM").await;
+    assert_eq!(up.count(ROUTE), 2);
+
+    let redis = Redis::start();
+    let far = Proxy::start_delayed(redis.port, Duration::from_millis(100));
+    let up = Upstream::start(Duration::ZERO);
+    let store = |port: u16| {
+        let url = format!("redis://127.0.0.1:{port}/0");
+        on_redis(&url, &config(ONE_SLOT, plan)).replace("timeout: 250ms", "timeout: 1s")
+    };
+    let mut x = Gateway::start(&up, &store(far.port));
+    let y = Gateway::start(&up, &store(redis.port));
+    exit_while_held(&mut x, &y, "INT").await;
+    assert_eq!(up.count(ROUTE), 2);
+}
+
+/// Key c may run one request at a time (`max_in_flight_per_key: 1`) and its plan holds its
+/// requests (one unit per 10 s). Its second report is charged and held ~10 s for its turn:
+/// meanwhile the key is at its cap, so its third is refused at once (429
+/// `concurrency-limit`), and so is a fourth sent after three times `lease_ttl` (1 s on Redis:
+/// the held request's key lease is renewed while it is held, it lapsed before), on memory,
+/// Redis and the local fallback (where the key's share was taken only after the hold: the 429
+/// came after it, ~10 s late).
+async fn a_held_request_keeps_its_keys_slot(gw: &Gateway, store: &str) {
+    let c = client();
+    assert_eq!(
+        post(&c, gw.url(ROUTE), "key-c").await.status(),
+        200,
+        "{store}"
+    );
+    let held = spawn_post(&c, gw.url(ROUTE), "key-c");
+    wait_reset_above(gw, "c", 10).await;
+    let charged = Instant::now();
+    let t = Instant::now();
+    let r = post(&c, gw.url(ROUTE), "key-c").await;
+    assert_eq!(r.status(), 429, "{store}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "{store}: {:?}",
+        t.elapsed()
+    );
+    let body = r.text().await.unwrap();
+    assert!(body.contains("concurrency-limit"), "{store}: {body}");
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(charged.elapsed())).await;
+    assert_eq!(
+        post(&c, gw.url(ROUTE), "key-c").await.status(),
+        429,
+        "{store}"
+    );
+    assert_eq!(held.await.unwrap(), 200, "{store}");
+}
+
+const KEY_CAPPED: &str = "plans:\n  gold: {max_cost: 1, window: 10s, max_delay: 30s, max_in_flight_per_key: 1}\n  basic: {max_cost: 1000, window: 24h}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_request_keeps_its_keys_slot_on_memory_redis_and_the_local_fallback() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(FIVE_SLOTS, KEY_CAPPED));
+    a_held_request_keeps_its_keys_slot(&gw, "memory").await;
+
+    let redis = Redis::start();
+    let gw = Gateway::start(
+        &up,
+        &on_redis(&redis.url(), &config(FIVE_SLOTS, KEY_CAPPED)),
+    );
+    a_held_request_keeps_its_keys_slot(&gw, "redis").await;
+
+    let gw = Gateway::start(&up, &format!("{LOCAL}{}", config(FIVE_SLOTS, KEY_CAPPED)));
+    a_held_request_keeps_its_keys_slot(&gw, "local fallback").await;
+}
+
+/// Key c's report is held ~6 s on Redis for its turn while key d's 12 s report has the route's
+/// only slot; Redis dies during the hold, and `on_error: local` decides c after it. Its
+/// `queue_timeout` (8 s) counts from the end of its hold, there too: it waits for d's slot and
+/// runs (it was refused at ~8 s, its queue time spent by its hold), and its log line tells its
+/// hold from its queue time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hold_is_not_queue_time_when_redis_dies_during_it() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let route =
+        "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 8s\n";
+    let body = on_redis(&redis.url(), &config(route, HELD))
+        .replace("on_error: deny", "on_error: local\n  fleet_size: 1");
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
+    let d = spawn_post(&c, gw.url(&format!("{ROUTE}?delay_ms=12000")), "key-d");
+    up.wait_current(ROUTE, 1).await;
+    let held = spawn_post(&c, gw.url(ROUTE), "key-c");
+    wait_reset_above(&gw, "c", 6).await;
+    redis.kill();
+    assert_eq!(held.await.unwrap(), 200);
+    assert_eq!(d.await.unwrap(), 200);
+    let lines = gw.wait_access(3, |l| l["route"] == ROUTE).await;
+    let c2 = &lines[2];
+    assert_eq!(
+        (&c2["key"], &c2["status"]),
+        (&"c".into(), &200.into()),
+        "{c2}"
+    );
+    let (hold, queue) = (
+        c2["hold_ms"].as_f64().unwrap(),
+        c2["queue_ms"].as_f64().unwrap(),
+    );
+    assert!(hold > 4000.0 && queue > 2000.0 && queue < 8000.0, "{c2}");
+}
+
+/// A held request whose client leaves mid-hold, and one held then admitted, on the memory
+/// store: their log lines say they were held (`hold_ms`), not queued, and
+/// `tollgate_queue_wait_seconds` counts no hold (the first was logged as queued for its hold).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hold_before_the_queue_is_logged_as_a_hold() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(ONE_SLOT, HELD));
+    let c = client();
+    assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
+    let gone = impatient(Duration::from_secs(2))
+        .post(gw.url(ROUTE))
+        .header("X-API-Key", "key-c")
+        .send()
+        .await;
+    assert!(gone.is_err());
+    let lines = gw.wait_access(2, |l| l["key"] == "c").await;
+    let left = &lines[1];
+    let (hold, queue) = (
+        left["hold_ms"].as_f64().unwrap(),
+        left["queue_ms"].as_f64().unwrap(),
+    );
+    assert!(hold > 1500.0 && queue < 500.0, "{left}");
+    // Its unit given back; the first's is due ~4 s from now: one more, held.
+    let held = spawn_post(&c, gw.url(ROUTE), "key-c");
+    assert_eq!(held.await.unwrap(), 200);
+    let lines = gw.wait_access(3, |l| l["key"] == "c").await;
+    let admitted = &lines[2];
+    let (hold, queue) = (
+        admitted["hold_ms"].as_f64().unwrap(),
+        admitted["queue_ms"].as_f64().unwrap(),
+    );
+    assert!(hold > 1000.0 && queue < 500.0, "{admitted}");
+    let sum = metric(
+        &gw,
+        &format!("tollgate_queue_wait_seconds_sum{{route=\"{ROUTE}\"}}"),
+    )
+    .await;
+    assert!(sum < 1.0, "queue wait {sum} s");
+}
