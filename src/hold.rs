@@ -199,7 +199,9 @@ mod tests {
         assert_eq!(holds.held(), 0);
         // A turn before the exit's deadline is still held to its end.
         assert!(holds.before_queue(10_000).await.is_ok());
-        // A cancelled hold gives its permit back, and its clock counts the time it held.
+        // A cancelled hold gives its permit back, and its clock counts the time it held (an
+        // instance not exiting).
+        let holds = Holds::new(1, Drain::new());
         let clock = HoldClock::default();
         let cut = tokio::time::timeout(
             Duration::from_millis(30),

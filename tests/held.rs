@@ -350,3 +350,34 @@ async fn a_hold_before_the_queue_is_logged_as_a_hold() {
     .await;
     assert!(sum < 1.0, "queue wait {sum} s");
 }
+
+/// A request Redis charged and held for its turn goes out on that schedule when Redis dies
+/// during the hold (`on_error: local`, two instances: this one's share is half the budget):
+/// its turn came, so the local share takes its units without deciding again. It was decided
+/// again: held a second time until the share (full with the key's earlier requests) had room,
+/// or refused with 429 after its hold when the share could not hold it (probe).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_redis_scheduled_goes_out_at_its_turn_when_redis_dies_meanwhile() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let plan = "plans:\n  gold: {max_cost: 2, window: 20s, max_delay: 30s}\n  basic: {max_cost: 1000, window: 24h}\n";
+    let body = on_redis(&redis.url(), &config(ONE_SLOT, plan))
+        .replace("on_error: deny", "on_error: local\n  fleet_size: 2");
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    for _ in 0..2 {
+        assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
+    }
+    // The third is due 10 s from now (one unit back every 10 s).
+    let sent = Instant::now();
+    let third = spawn_post(&c, gw.url(ROUTE), "key-c");
+    wait_reset_above(&gw, "c", 20).await;
+    redis.kill();
+    assert_eq!(third.await.unwrap(), 200);
+    let took = sent.elapsed();
+    assert!(
+        took >= Duration::from_secs(8) && took < Duration::from_secs(15),
+        "{took:?}"
+    );
+    assert_eq!(up.count(ROUTE), 3);
+}

@@ -292,6 +292,7 @@ impl<S: SharedStore> FallbackStore<S> {
         loop {
             let asked = again.as_ref().unwrap_or(req);
             // What this instance admitted locally and still runs is registered first (DESIGN §4).
+            let held_before_call = HoldClock::now_held();
             let shared = match self.charge_owed_first(asked).await {
                 Ok(()) => match self.adopt_local().await {
                     Ok(()) => self.shared.admit(asked).await,
@@ -304,7 +305,12 @@ impl<S: SharedStore> FallbackStore<S> {
                 Err(e) => e,
             };
             self.set_degraded(true, Some(&e));
-            let Some(mut admission) = self.fallback(req, start + held()).await else {
+            // Held for its turn on the shared store before it failed: the store charged and
+            // scheduled it (that charge goes back), and its turn has come. It goes out on that
+            // schedule, as the requests the store scheduled before an outage do (`mirror`):
+            // the local share takes its units without deciding again.
+            let scheduled = HoldClock::now_held() > held_before_call;
+            let Some(mut admission) = self.fallback(req, start + held(), scheduled).await else {
                 waited = start.elapsed().saturating_sub(held());
                 let mut r = req.clone();
                 r.queue_timeout = req.queue_timeout.saturating_sub(waited);

@@ -24,10 +24,17 @@ impl<S: SharedStore> FallbackStore<S> {
     /// on the shared store (in its queue, before the store failed) does not wait its whole
     /// `queue_timeout` again on the local share. `None`: it waited in the local queue until the
     /// shared store answered again, and is to be decided there.
-    pub(super) async fn fallback(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
+    /// `scheduled`: the shared store charged the request and held it for its turn, which has
+    /// come (`local` takes its units past the share if need be).
+    pub(super) async fn fallback(
+        &self,
+        req: &AdmitRequest,
+        start: Instant,
+        scheduled: bool,
+    ) -> Option<Admission> {
         Some(match self.on_error {
             OnError::Deny => Admission::Unavailable,
-            OnError::Local => return self.local_share(req, start).await,
+            OnError::Local => return self.local_share(req, start, scheduled).await,
             OnError::Allow => {
                 // Admit everything; count it locally so the headers still say something true:
                 // past the count too (the key is then in debt here, as it will be in the
@@ -77,29 +84,46 @@ impl<S: SharedStore> FallbackStore<S> {
     /// of the caps (counting everything it runs). A capped request is charged when it joins the
     /// route's local waiters (a refusal comes at once) and given back if it leaves unserved;
     /// waiters take their turn in the fair order among this instance's waiters (DESIGN §8).
-    async fn local_share(&self, req: &AdmitRequest, start: Instant) -> Option<Admission> {
+    async fn local_share(
+        &self,
+        req: &AdmitRequest,
+        start: Instant,
+        scheduled: bool,
+    ) -> Option<Admission> {
         let share = |cap: u32| Limits::share_of(cap, self.fleet_size);
         let mut r = req.share(self.fleet_size);
         r.key_cap = None;
         r.route_cap = None;
-        let (standing, delay_us, lease) = match self.local.admit(&r).await {
-            Admission::Admitted {
-                standing,
-                delay_us,
-                lease,
-                ..
-            } => (standing, delay_us, lease),
-            // More than this instance's share of a budget can ever hold: it passes once the
-            // shared store answers again, which the breaker asks within the second. Its
-            // Retry-After says so, as `deny`'s does, not the time the share would take to hold
-            // it (two windows at most: never, here).
-            Admission::OverBudget { standing, .. } if r.limits().any(|l| !l.holds(r.cost)) => {
-                return Some(Admission::OverBudget {
+        if scheduled {
+            // Its units were due on the shared store's schedule: taken from the share (into
+            // debt if need be, written back like any local charge), not decided again.
+            self.local.debit(&r, r.cost);
+        }
+        let (standing, delay_us, lease) = match scheduled {
+            true => (
+                self.local_standing(&r),
+                0,
+                Lease::local(MemoryLease::none(), r.limit),
+            ),
+            false => match self.local.admit(&r).await {
+                Admission::Admitted {
                     standing,
-                    retry_after_us: STORE_BACK_WITHIN.as_micros() as u64,
-                });
-            }
-            refused => return Some(refused),
+                    delay_us,
+                    lease,
+                    ..
+                } => (standing, delay_us, lease),
+                // More than this instance's share of a budget can ever hold: it passes once the
+                // shared store answers again, which the breaker asks within the second. Its
+                // Retry-After says so, as `deny`'s does, not the time the share would take to hold
+                // it (two windows at most: never, here).
+                Admission::OverBudget { standing, .. } if r.limits().any(|l| !l.holds(r.cost)) => {
+                    return Some(Admission::OverBudget {
+                        standing,
+                        retry_after_us: STORE_BACK_WITHIN.as_micros() as u64,
+                    });
+                }
+                refused => return Some(refused),
+            },
         };
         let charged = Unserved {
             store: &self.local,
