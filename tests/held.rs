@@ -381,3 +381,33 @@ async fn a_request_redis_scheduled_goes_out_at_its_turn_when_redis_dies_meanwhil
     );
     assert_eq!(up.count(ROUTE), 3);
 }
+
+/// Redis restarts without its data while key c's request is held on `x` (its plan: one at a
+/// time, `max_in_flight_per_key: 1`): `x` registers the held request's key lease again, as it
+/// does for the leases of running requests (DESIGN §4: the caps are exact again within 2 s),
+/// so c's next request, on `y` 3 s later, is 429 `concurrency-limit` (it was admitted: the
+/// held request's lease was not registered anywhere; its renewal made it again 5 s later, one
+/// request too late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_requests_key_lease_is_registered_again_after_redis_lost_its_data() {
+    let mut redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let plan = "plans:\n  gold: {max_cost: 1, window: 20s, max_delay: 60s, max_in_flight_per_key: 1}\n  basic: {max_cost: 1000, window: 24h}\n";
+    // The default lease_ttl (15 s): renewals every 5 s.
+    let body = on_redis(&redis.url(), &config(FIVE_SLOTS, plan)).replace("  lease_ttl: 1s\n", "");
+    let x = Gateway::start(&up, &body);
+    let y = Gateway::start(&up, &body);
+    let c = client();
+    assert_eq!(post(&c, x.url(ROUTE), "key-c").await.status(), 200);
+    let held = spawn_post(&c, x.url(ROUTE), "key-c");
+    wait_reset_above(&x, "c", 20).await;
+    let port = redis.port;
+    redis.kill();
+    let _redis = Redis::start_on(port);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = post(&c, y.url(ROUTE), "key-c").await;
+    let status = r.status();
+    assert_eq!(status, 429, "{}", r.text().await.unwrap());
+    assert_eq!(held.await.unwrap(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+}

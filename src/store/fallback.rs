@@ -283,8 +283,14 @@ impl<S: SharedStore> FallbackStore<S> {
         use crate::hold::HoldClock;
         // Tokio's clock: the wait it bounds is timed by tokio (and a test can pause it).
         let start = tokio::time::Instant::now();
-        let held_before = HoldClock::now_held();
-        let held = || HoldClock::now_held().saturating_sub(held_before);
+        // Only a capped request is held by a store (read for it alone: the clock is a
+        // task-local).
+        let held_now = || match req.route_cap {
+            Some(_) => HoldClock::now_held(),
+            None => Duration::ZERO,
+        };
+        let held_before = held_now();
+        let held = || held_now().saturating_sub(held_before);
         // A request that waited in a local queue until the store answered again is decided
         // there, with what is left of its queue time.
         let mut again: Option<AdmitRequest> = None;
@@ -292,7 +298,7 @@ impl<S: SharedStore> FallbackStore<S> {
         loop {
             let asked = again.as_ref().unwrap_or(req);
             // What this instance admitted locally and still runs is registered first (DESIGN §4).
-            let held_before_call = HoldClock::now_held();
+            let held_before_call = held_now();
             let shared = match self.charge_owed_first(asked).await {
                 Ok(()) => match self.adopt_local().await {
                     Ok(()) => self.shared.admit(asked).await,
@@ -309,7 +315,7 @@ impl<S: SharedStore> FallbackStore<S> {
             // scheduled it (that charge goes back), and its turn has come. It goes out on that
             // schedule, as the requests the store scheduled before an outage do (`mirror`):
             // the local share takes its units without deciding again.
-            let scheduled = HoldClock::now_held() > held_before_call;
+            let scheduled = held_now() > held_before_call;
             let Some(mut admission) = self.fallback(req, start + held(), scheduled).await else {
                 waited = start.elapsed().saturating_sub(held());
                 let mut r = req.clone();

@@ -121,21 +121,39 @@ impl Drop for RedisLease {
 }
 
 impl RedisBackend {
-    /// Keeps a long request's leases alive: renewed every `lease_ttl / 3` until released.
-    pub(super) fn spawn_renewal(
-        self: &Arc<Self>,
-        sets: Sets,
-        id: String,
-    ) -> tokio::task::AbortHandle {
+    /// Keeps a long request's leases alive: renewed every `lease_ttl / 3` until released, and
+    /// never once its release was sent (the exit releases every live lease at once, the
+    /// requests that hold them still running: a renewal after that would make one again).
+    fn spawn_renewal(self: &Arc<Self>, sets: Sets, id: String) -> tokio::task::AbortHandle {
         let store = self.clone();
         let every = self.lease_ttl / 3;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
+                if !lock(&store.held).live.contains_key(&id) {
+                    return;
+                }
                 let _ = store.renew(&sets, &id, Guard::Breaker).await;
             }
         })
         .abort_handle()
+    }
+
+    /// Registers (as live: re-registered after Redis lost its data, released at exit) and
+    /// renews the key's lease a capped request took with its charge, while it is held for its
+    /// turn and while it waits for its slot; `RedisLease::hold` takes over once it is served.
+    pub(super) fn keep_key_lease(
+        self: &Arc<Self>,
+        key_slots: &[String],
+        id: &str,
+    ) -> Option<tokio::task::AbortHandle> {
+        if key_slots.is_empty() {
+            return None;
+        }
+        let sets = Sets::new(key_slots.to_vec(), None);
+        lock(&self.held).live.insert(id.to_string(), sets.clone());
+        self.watch_for_data_loss();
+        Some(self.spawn_renewal(sets, id.to_string()))
     }
 
     /// Renews lease `id` in all of `held`'s sets for `lease_ttl`, making it again where it

@@ -212,10 +212,7 @@ impl RedisBackend {
             renew_key: None,
             _pending: pending,
         };
-        if !unserved.key_slots.is_empty() {
-            let sets = super::lease::Sets::new(unserved.key_slots.clone(), None);
-            unserved.renew_key = Some(self.spawn_renewal(sets, unserved.id.clone()));
-        }
+        unserved.renew_key = self.keep_key_lease(&unserved.key_slots, &unserved.id);
         // Held for its `max_delay` turn before it enters (`crate::hold`): its queue time
         // counts from then.
         let held = match delay_us {
