@@ -7,28 +7,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::four_keys as config;
 use common::*;
 
 const ROUTE: &str = "/reports/generate";
-
-/// Registry keys `a`..`d` (raw keys `key-a`...), `c` on plan `gold` and `d` on `basic` of
-/// `plans`, a 24 h default budget and `endpoint` (YAML lines under `endpoints:`).
-fn config(endpoint: &str, plans: &str) -> String {
-    let keys: String = ["a", "b", "c", "d"]
-        .iter()
-        .map(|id| {
-            let plan = match *id {
-                "c" => ", plan: gold",
-                "d" => ", plan: basic",
-                _ => "",
-            };
-            registry_key(id, plan)
-        })
-        .collect();
-    format!(
-        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
-    )
-}
 
 fn on_redis(url: &str, body: &str) -> String {
     format!("store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: 1s\n{body}")

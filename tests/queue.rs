@@ -6,28 +6,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::four_keys as config;
 use common::*;
 
 const ROUTE: &str = "/reports/generate";
-
-/// Registry keys `a`..`d` (raw keys `key-a`...), a 24 h budget (no refill within a test) and
-/// `endpoint` (YAML lines under `endpoints:`).
-fn config(endpoint: &str, plans: &str) -> String {
-    let keys: String = ["a", "b", "c", "d"]
-        .iter()
-        .map(|id| {
-            let plan = match *id {
-                "c" if !plans.is_empty() => ", plan: gold",
-                "d" if !plans.is_empty() => ", plan: basic",
-                _ => "",
-            };
-            registry_key(id, plan)
-        })
-        .collect();
-    format!(
-        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
-    )
-}
 
 /// The scenario: reports take 1 s, 5 at a time; key a sends 20 at once through the
 /// gateways in turn, then keys b and c send one each. b and c reach the upstream in the first

@@ -189,7 +189,6 @@ impl<S: SharedStore> FallbackStore<S> {
         &self.shared
     }
 
-    /// True while decisions are made by `store.on_error` instead of the shared store.
     /// This instance's held requests (`crate::hold`): the shared store's and the local
     /// share's capped requests wait their `max_delay` turn there before their queue.
     pub fn set_holds(&self, holds: &crate::hold::Holds) {
@@ -197,6 +196,7 @@ impl<S: SharedStore> FallbackStore<S> {
         self.shared.set_holds(holds);
     }
 
+    /// True while decisions are made by `store.on_error` instead of the shared store.
     pub fn degraded(&self) -> bool {
         self.degraded.load(Ordering::Relaxed)
     }

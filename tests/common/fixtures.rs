@@ -35,3 +35,23 @@ pub const INCIDENT: &str = r#"rate_limits:
     "GET /reports/{id}":
       cost: 1
 "#;
+
+/// Registry keys `a`..`d` (raw keys `key-a`...), with `c` on plan `gold` and `d` on `basic` when
+/// `plans` (a `plans:` section) is given, a 24 h budget (no refill within a test) and
+/// `endpoint` (YAML lines under `endpoints:`).
+pub fn four_keys(endpoint: &str, plans: &str) -> String {
+    let keys: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|id| {
+            let plan = match *id {
+                "c" if !plans.is_empty() => ", plan: gold",
+                "d" if !plans.is_empty() => ", plan: basic",
+                _ => "",
+            };
+            registry_key(id, plan)
+        })
+        .collect();
+    format!(
+        "rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n{endpoint}{plans}keys:\n{keys}"
+    )
+}

@@ -190,3 +190,39 @@ pub async fn job_positions_follow_the_fair_order(
     }
     assert_eq!(up.max_concurrent(target), 1);
 }
+
+/// Submits a job as `key-a` whose `max_delay` hold ends about `hold_s` seconds after
+/// `charged` (when the key's budget was last full): its 202's `Retry-After`, and a poll's
+/// right after, count the hold (about `hold_s`, less what has drained since `charged` on a
+/// slow machine; at most 2 s more for its run). Its location.
+pub async fn submit_held(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    route: &str,
+    charged: Instant,
+    hold_s: f64,
+) -> String {
+    let r = post_async(c, gw.url(route), "key-a", "", &[]).await;
+    assert_eq!(r.status(), 202);
+    let due = |charged: Instant| (hold_s - charged.elapsed().as_secs_f64()).ceil().max(1.0) as u64;
+    let most = hold_s.ceil() as u64 + 2;
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!(
+        (due(charged)..=most).contains(&retry),
+        "Retry-After {retry}"
+    );
+    let location = job_location(&r);
+    let r = c
+        .get(gw.url(&location))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!(
+        (due(charged)..=most).contains(&retry),
+        "poll's Retry-After {retry}"
+    );
+    location
+}
