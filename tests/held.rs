@@ -393,3 +393,47 @@ async fn a_held_requests_key_lease_is_registered_again_after_redis_lost_its_data
     assert_eq!(held.await.unwrap(), 200);
     assert_eq!(up.count(ROUTE), 2);
 }
+
+/// Redis stops answering (`CLIENT PAUSE`) just after it charged and held key c's fifth request, and
+/// for longer than one unit takes to drain (4 s) but not the five its bucket holds (20 s):
+/// the request goes out at its turn on the local share, and the charge Redis holds goes back
+/// once Redis answers again (the local one is written back instead), so the key is charged
+/// once. (A probe saw the key charged twice with a 26 s pause; this test passes on the code
+/// before the refund's longer horizon too: Redis ran the refunds it had kept unrun.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_request_is_charged_once_through_a_long_redis_stall() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let plan = "plans:\n  gold: {max_cost: 4, window: 16s, max_delay: 10s}\n  basic: {max_cost: 1000, window: 24h}\n";
+    let body = on_redis(&redis.url(), &config(FIVE_SLOTS, plan))
+        .replace("on_error: deny", "on_error: local\n  fleet_size: 1");
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let t0 = Instant::now();
+    for _ in 0..4 {
+        assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
+    }
+    // The fifth is due 4 s from now; the bucket is full again 20 s from now.
+    let fifth = spawn_post(&c, gw.url(ROUTE), "key-c");
+    wait_reset_above(&gw, "c", 16).await;
+    // Until ~10 s after t0: Redis keeps the calls it receives meanwhile unrun, and drops
+    // those of a connection closed before it answers them.
+    let pause_ms = Duration::from_secs(10)
+        .saturating_sub(t0.elapsed())
+        .as_millis();
+    redis.cli(&["CLIENT", "PAUSE", &pause_ms.to_string(), "ALL"]);
+    assert_eq!(fifth.await.unwrap(), 200);
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed())).await;
+    // Five units charged at t0, draining at 0.25 a second: full again 20 s after t0 (24 s
+    // with a unit charged twice), as Redis says once it answers again.
+    eventually(Duration::from_secs(8), async || {
+        let v = admin_json(&gw, "/admin/keys/c").await;
+        let r = v["budgets"][0]["reset_seconds"].as_f64().unwrap_or(0.0);
+        let due = 20.0 - t0.elapsed().as_secs_f64();
+        (v["source"] == "store" && r <= due + 1.5 && r >= due - 1.5)
+            .then_some(())
+            .ok_or(format!("{v}: {due:.1} s expected"))
+    })
+    .await;
+    assert_eq!(up.count(ROUTE), 5);
+}

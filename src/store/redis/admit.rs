@@ -201,11 +201,26 @@ impl RedisBackend {
         cost: u64,
         once: Option<Once>,
     ) -> Option<Vec<i64>> {
+        self.undo_charge_by(budgets, cost, once, None).await
+    }
+
+    /// [`RedisBackend::undo_charge`] of a charge that drains only by `drains_by` (a charge
+    /// into a bucket its reservations keep deep drains when the bucket is empty again, not
+    /// `cost`'s drain time from now): sent again until then.
+    pub(super) async fn undo_charge_by(
+        self: &Arc<Self>,
+        budgets: Vec<(String, Limit)>,
+        cost: u64,
+        once: Option<Once>,
+        drains_by: Option<Instant>,
+    ) -> Option<Vec<i64>> {
         let refund = Once::refund(&once, &budgets, cost);
         let refunded = self.op_bypassing(&refund, LATE_REPLY_WAIT).await;
         match refunded {
             Ok(levels) => return Some(levels),
-            Err(e) if refund_again(&e) || once.is_some() => self.retry_refund(budgets, cost, once),
+            Err(e) if refund_again(&e) || once.is_some() => {
+                self.retry_refund(budgets, cost, once, drains_by)
+            }
             Err(e) => may_have_run(&e),
         }
         None
@@ -221,10 +236,14 @@ impl RedisBackend {
         budgets: Vec<(String, Limit)>,
         cost: u64,
         once: Option<Once>,
+        drains_by: Option<Instant>,
     ) {
         let store = self.clone();
+        let now = Instant::now();
         let drained = crate::budget::drain_time(budgets.iter().map(|(_, l)| l), cost);
-        let give_up = Instant::now() + drained.max(self.lease_ttl).min(REFUND_RETRY_AT_MOST);
+        let give_up = (now + drained.max(self.lease_ttl))
+            .max(drains_by.unwrap_or(now))
+            .min(now + REFUND_RETRY_AT_MOST);
         tokio::spawn(Resending::counted(async move {
             let mut every = REFUND_RETRY_EVERY;
             while Instant::now() < give_up {

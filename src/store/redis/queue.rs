@@ -113,6 +113,16 @@ pub(in crate::store::redis) struct Owed {
     record_kept: u64,
 }
 
+/// µs from a charge until every budget it was made in is full again (its figures' latest
+/// reset): by then a refund of it gives nothing back.
+fn drained_in(o: &crate::budget::Outcome) -> u64 {
+    o.each
+        .as_slice()
+        .iter()
+        .map(|f| f.reset_us)
+        .fold(o.reset_us, u64::max)
+}
+
 pub(super) fn leave<'a>(script: &'a QueueScript, keys: &QueueKeys, id: &str) -> Call<'a> {
     let mut inv = script.call(keys, "leave");
     inv.arg(id).arg(GIVEN_UP_FOR.as_micros() as u64);
@@ -210,6 +220,7 @@ impl RedisBackend {
             owed: false,
             waited: Duration::ZERO,
             renew_key: None,
+            drains_by: Instant::now() + Duration::from_micros(drained_in(&outcome)),
             _pending: pending,
         };
         unserved.renew_key = self.keep_key_lease(&unserved.key_slots, &unserved.id);

@@ -36,6 +36,10 @@ pub(super) struct Unserved {
     /// Renews its key's lease (`max_in_flight_per_key`), taken with the charge, while it is
     /// held for its turn and while it waits: either may outlast `lease_ttl`.
     pub(super) renew_key: Option<tokio::task::AbortHandle>,
+    /// When its charge has drained from every budget (they are full again): its refund is
+    /// sent until then, however long Redis is away (a held request's charge sits on top of
+    /// the reservations before it).
+    pub(super) drains_by: std::time::Instant,
     /// Dropped after the rest: unregistered only once the lease is held or given up.
     pub(super) _pending: PendingId,
 }
@@ -164,6 +168,7 @@ impl Unserved {
         let (store, keys, id) = (self.store.clone(), self.keys.clone(), self.id.clone());
         let (key_slots, in_route) = (std::mem::take(&mut self.key_slots), self.in_route);
         let record_until = self.record_kept;
+        let drains_by = self.drains_by;
         let (tx, rx) = tokio::sync::oneshot::channel();
         // Counted: an exiting instance waits for it (`FallbackStore::written_back_by`).
         rt.spawn(crate::store::Resending::counted(async move {
@@ -176,7 +181,8 @@ impl Unserved {
                 // the fallback meanwhile, charged there and written back.
                 let once = Once::kept(&req, &id, record_until);
                 let budgets = super::super::budget_keys(&req);
-                if let Some(levels) = store.undo_charge(budgets, req.cost, Some(once)).await {
+                let refunded = store.undo_charge_by(budgets, req.cost, Some(once), Some(drains_by));
+                if let Some(levels) = refunded.await {
                     let _ = tx.send(levels);
                 }
                 store.release_keys(key_slots, id).await;
