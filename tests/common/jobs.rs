@@ -212,12 +212,7 @@ pub async fn submit_held(
         "Retry-After {retry}"
     );
     let location = job_location(&r);
-    let r = c
-        .get(gw.url(&location))
-        .header("X-API-Key", "key-a")
-        .send()
-        .await
-        .unwrap();
+    let r = get(c, gw.url(&location), "key-a").await;
     assert_eq!(r.status(), 202);
     let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
     assert!(
