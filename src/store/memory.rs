@@ -408,13 +408,13 @@ impl MemoryStore {
         };
         charged.served();
         lease.attach_route(slot);
+        // Held already, before the queue: nothing left to hold.
         Admission::Admitted {
             standing,
-            delay_us,
+            delay_us: 0,
             lease,
             queued: start.elapsed(),
         }
-        .held_before_queue()
     }
 
     /// Gives `req.cost` back to every budget of `req`: each one's level afterwards (ticks, in

@@ -289,25 +289,6 @@ impl Admission {
         }
     }
 
-    /// A capped request the store held for its `max_delay` turn before it joined the route's
-    /// queue: nothing left to hold (how long it was held, its caller's `HoldClock` says).
-    pub(crate) fn held_before_queue(self) -> Admission {
-        match self {
-            Admission::Admitted {
-                standing,
-                lease,
-                queued,
-                ..
-            } => Admission::Admitted {
-                standing,
-                delay_us: 0,
-                lease,
-                queued,
-            },
-            other => other,
-        }
-    }
-
     /// The answer of a budget decision that refused (`verdict` Reject).
     pub(crate) fn over_budget(o: &Outcome) -> Admission {
         let retry_after_us = match o.verdict {

@@ -200,7 +200,8 @@ impl<S: SharedStore> FallbackStore<S> {
         };
         drop(place);
         charged.served();
-        Some(admitted(standing, delay_us, lease, running, start.elapsed()).held_before_queue())
+        // Held already, before the queue: nothing left to hold.
+        Some(admitted(standing, 0, lease, running, start.elapsed()))
     }
 
     /// Waits for `place`'s turn within this instance's share of the route (each freed slot,

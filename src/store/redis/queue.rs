@@ -288,7 +288,13 @@ impl RedisBackend {
         let waited = unserved.waited;
         let lease = unserved.served();
         Ok(SharedAnswer {
-            admission: Admission::admitted(&outcome, lease, waited).held_before_queue(),
+            // Held already, before the queue: nothing left to hold.
+            admission: Admission::Admitted {
+                standing: (&outcome).into(),
+                delay_us: 0,
+                lease,
+                queued: waited,
+            },
             reached: true,
         })
     }
