@@ -243,15 +243,19 @@ fn release_leases(app: &App, write_back_by: Instant) {
     }
 }
 
-/// Has every request still held for its `max_delay` turn give its reservation back and be
+/// Has every request still held for its `max_delay` turn give its reservation back, and every
+/// one still waiting for a capped route's slot leave the queue (its charge back), and be
 /// refused (each on its own worker: `proxy::decide`), waiting up to 1 s for them; a held
-/// request's permit (`Shared::holds`) goes back once its answer has been handed to the
-/// connection (`Ctx::given_back`, dropped with its context after its log line).
+/// request's permit (`Shared::holds`) and a waiting one's count (`Drain::waiting`) go back
+/// once its answer has been handed to the connection (`Ctx::given_back`, `Ctx::leaving`,
+/// dropped with its context after its log line).
 async fn give_back_held(app: &App) {
-    let held = app.shared.holds.held() > 0;
-    app.shared.drain.give_back_held_past(Instant::now());
+    let drain = &app.shared.drain;
+    let waiting = || app.shared.holds.held() + drain.waiting_now();
+    let held = waiting() > 0;
+    drain.give_back_held_past(Instant::now());
     let deadline = Instant::now() + Duration::from_secs(1);
-    while app.shared.holds.held() > 0 && Instant::now() < deadline {
+    while waiting() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     if held {

@@ -298,6 +298,26 @@ pub fn exiting_before_turn(route: &Route, outcome: Option<Standing>) -> Refusal 
     }
 }
 
+/// A request still waiting for a slot (or for its turn before the queue) when its instance
+/// exits past its grace period (at SIGINT, at once): it left the queue and its charge was
+/// given back; it may go to another instance at once.
+pub fn exiting_while_queued(route: &Route, queued: Duration) -> Refusal {
+    Refusal {
+        retry_after: Some(1),
+        reason: Some(Reason::RouteBusy),
+        queued,
+        waited_for_a_slot: true,
+        ..Refusal::new(
+            Problem::RouteBusy,
+            format!(
+                "this gateway instance is shutting down before the request got a slot on {}; \
+                 it was not forwarded and its charge was given back",
+                route.label
+            ),
+        )
+    }
+}
+
 /// The store question for a classified, identified request.
 pub fn admit_request(route: &Route, who: &Identity) -> AdmitRequest {
     AdmitRequest {

@@ -6,7 +6,7 @@
 //! whichever comes first. No polling: the waiter sleeps on a condition variable that each
 //! finished request signals.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,10 @@ pub struct Drain {
     /// at once and is refused (it may go to another instance), instead of holding the shared
     /// schedule — the fleet's — until the process ends with it.
     held_until: tokio::sync::watch::Sender<Option<Instant>>,
+    /// Requests waiting for a capped route's decision (queued for a slot, or held before the
+    /// queue), and those answered because the instance exits, until their log line: the exit
+    /// waits for them to be answered (`app::give_back_held`).
+    waiting: AtomicUsize,
 }
 
 /// Held by one request while the gateway works on it.
@@ -42,6 +46,16 @@ impl Drop for DrainGuard {
         if *n == 0 {
             self.0.changed.notify_all();
         }
+    }
+}
+
+/// Counts one request in [`Drain::waiting`] while it lives.
+#[derive(Debug)]
+pub struct Waiting(Arc<Drain>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -86,6 +100,37 @@ impl Drain {
         {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// Resolves once the instance is past its grace period (at SIGINT, at once): a request
+    /// still waiting for a slot then leaves the queue (its charge goes back) and is answered,
+    /// instead of being cut off by the exit (never, while the process is not exiting).
+    pub async fn grace_over(&self) {
+        let mut rx = self.held_until.subscribe();
+        loop {
+            let by = rx.wait_for(Option::is_some).await.map(|by| *by);
+            let Ok(Some(by)) = by else {
+                return std::future::pending().await;
+            };
+            tokio::select! {
+                _ = tokio::time::sleep_until(by.into()) => return,
+                // An earlier end (the grace period cut short by SIGINT): looked at again.
+                changed = rx.changed() => if changed.is_err() {
+                    return std::future::pending().await;
+                },
+            }
+        }
+    }
+
+    /// Counts a request waiting for a capped route's decision until the guard drops.
+    pub fn waiting(self: &Arc<Self>) -> Waiting {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        Waiting(self.clone())
+    }
+
+    /// How many requests [`Drain::waiting`] counts now.
+    pub fn waiting_now(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
     }
 
     /// Blocks until nothing has been in flight for `quiet` — a request still arriving on a
@@ -160,6 +205,35 @@ mod tests {
         assert!(!t.is_finished(), "drained while a request was in flight");
         drop(g);
         assert_eq!(t.join().unwrap(), Drained::Idle);
+    }
+
+    /// A waiting request leaves at the grace period's end, or at once when SIGINT cuts it
+    /// short; never while the process is not exiting.
+    #[tokio::test(start_paused = true)]
+    async fn waiters_leave_when_the_grace_period_is_over() {
+        let d = Drain::new();
+        let over = tokio::time::timeout(Duration::from_secs(3600), d.grace_over());
+        assert!(over.await.is_err(), "left while not exiting");
+
+        let t = tokio::time::Instant::now();
+        d.give_back_held_past(t.into_std() + Duration::from_secs(10));
+        d.grace_over().await;
+        assert_eq!(t.elapsed(), Duration::from_secs(10));
+
+        let d = Drain::new();
+        d.give_back_held_past(Instant::now() + Duration::from_secs(10));
+        let t = tokio::time::Instant::now();
+        let (d2, w) = (d.clone(), d.waiting());
+        assert_eq!(d.waiting_now(), 1);
+        let waiter = tokio::spawn(async move {
+            d2.grace_over().await;
+            drop(w);
+        });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        d.give_back_held_past(Instant::now());
+        waiter.await.unwrap();
+        assert_eq!(t.elapsed(), Duration::from_secs(2));
+        assert_eq!(d.waiting_now(), 0);
     }
 
     #[test]

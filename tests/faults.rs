@@ -303,55 +303,102 @@ async fn an_exit_past_the_grace_period_leaves_its_keys_their_share() {
     assert_eq!(up.count("/reports/generate"), 2);
 }
 
-/// (d'') Requests still queued when an instance exits past its grace period never ran: each
-/// gets its charge back (DESIGN §3: refunded when it leaves the queue without running), as if
-/// its client had left.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_exit_past_the_grace_period_refunds_the_requests_still_queued() {
-    let redis = Redis::start();
-    let up = Upstream::start(Duration::from_secs(4));
-    let body = store_body(
-        &redis,
-        "deny",
-        1,
-        // An hour's window: nothing refills while the test runs.
-        &capped(1)
-            .replace("    window: 60s\n", "    window: 1h\n")
-            .replace(
-                "      max_in_flight: 1\n",
-                "      max_in_flight: 1\n      queue_timeout: 30s\n",
-            ),
-    );
-    let mut a = Gateway::start_with_grace(&up, &body, "1s");
-    start_reports(&a, 1);
+/// The report route with one slot, a 30 s queue and an hour's budget (nothing refills while
+/// a test runs).
+fn one_slot_queued() -> String {
+    capped(1)
+        .replace("    window: 60s\n", "    window: 1h\n")
+        .replace(
+            "      max_in_flight: 1\n",
+            "      max_in_flight: 1\n      queue_timeout: 30s\n",
+        )
+}
+
+/// Three requests of key `waiting-key` queued on `gw` behind a report that outlasts the grace
+/// period (1 s); then SIGTERM. Each queued one is answered 503 `route-busy`, `Retry-After: 1`,
+/// with one access-log line (its wait shown as `queue_ms`); before, they were cut off by the
+/// exit with no answer and no line. The running report is cut off (abandoned), and the
+/// gateway exits 0.
+async fn exit_with_queued(gw: &mut Gateway, up: &Upstream, store: &str) {
+    start_reports(gw, 1);
     up.wait_current("/reports/generate", 1).await;
-    // Three requests of one key queue behind it.
-    for _ in 0..3 {
-        let url = a.url("/reports/generate");
-        tokio::spawn(async move {
-            let _ = client()
-                .post(url)
-                .header("X-API-Key", "waiting-key")
-                .send()
-                .await;
-        });
-    }
+    let queued: Vec<_> = (0..3)
+        .map(|_| {
+            let req = client()
+                .post(gw.url("/reports/generate"))
+                .header("X-API-Key", "waiting-key");
+            tokio::spawn(async move {
+                let r = req.send().await.map_err(|e| e.to_string())?;
+                let retry = header(&r, "Retry-After");
+                Ok::<_, String>((r.status().as_u16(), retry, r.text().await.unwrap()))
+            })
+        })
+        .collect();
     wait_metric(
-        &a,
+        gw,
         r#"tollgate_queued{route="/reports/generate"}"#,
         3.0,
         Duration::from_secs(5),
     )
     .await;
-    a.signal("TERM");
-    assert_eq!(a.wait_exit(Duration::from_secs(5)), Some(0), "{}", a.log());
-    assert_eq!(up.count("/reports/generate"), 1);
+    gw.signal("TERM");
+    for q in queued {
+        let (status, retry, body) = q.await.unwrap().unwrap_or_else(|e| panic!("{store}: {e}"));
+        assert_eq!(status, 503, "{store}: {body}");
+        assert_eq!(retry.as_deref(), Some("1"), "{store}");
+        assert!(
+            body.contains("route-busy") && body.contains("shutting down"),
+            "{store}: {body}"
+        );
+    }
+    assert_eq!(
+        gw.wait_exit(Duration::from_secs(5)),
+        Some(0),
+        "{store}: {}",
+        gw.log()
+    );
+    assert_eq!(up.count("/reports/generate"), 1, "{store}");
+    let lines: Vec<_> = gw
+        .access_log()
+        .into_iter()
+        .filter(|l| l["status"] == 503)
+        .collect();
+    assert_eq!(lines.len(), 3, "{store}: {}", gw.log());
+    for l in lines {
+        assert_eq!(l["decision"], "route_busy", "{store}: {l}");
+        // Queued before the signal, answered at the grace period's end.
+        let queued = l["queue_ms"].as_f64().unwrap();
+        assert!(queued >= 990.0, "{store}: {l}");
+    }
+}
+
+/// (d'') Requests still queued when an instance exits past its grace period never ran: each
+/// is answered (503, see `exit_with_queued`) and gets its charge back (DESIGN §3: refunded
+/// when it leaves the queue without running), as if its client had left; on memory, Redis
+/// and the `local` fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exit_past_the_grace_period_answers_and_refunds_the_requests_still_queued() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(4));
+    let body = store_body(&redis, "deny", 1, &one_slot_queued());
+    let mut a = Gateway::start_with_grace(&up, &body, "1s");
+    exit_with_queued(&mut a, &up, "redis").await;
     let b = Gateway::start(&up, &body);
     // The key's 120 units are whole again but for the request that reads them (116: the
     // three kept).
     let r = get(&client(), b.url("/items"), "waiting-key").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-ratelimit-remaining").as_deref(), Some("119"));
+
+    let up = Upstream::start(Duration::from_secs(4));
+    let mut a = Gateway::start_with_grace(&up, &one_slot_queued(), "1s");
+    exit_with_queued(&mut a, &up, "memory").await;
+
+    // Nothing listens on port 1: the local fallback decides, its share the whole budget.
+    let local = "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1/0\"\n  timeout: 100ms\n  on_error: local\n  fleet_size: 1\n";
+    let up = Upstream::start(Duration::from_secs(4));
+    let mut a = Gateway::start_with_grace(&up, &format!("{local}{}", one_slot_queued()), "1s");
+    exit_with_queued(&mut a, &up, "local").await;
 }
 
 /// (e) A Redis that stops and continues every 0.6 s, two gateways sending all the time: the

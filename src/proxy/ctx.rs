@@ -116,6 +116,9 @@ pub struct Ctx {
     /// A held (`max_delay`) request given back as its instance exits: its permit
     /// (`Shared::holds`) kept until it has been answered, for the exit to wait for.
     pub given_back: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// A capped route's request answered because the instance exits while it waited for its
+    /// slot (or its turn): counted until it has been answered, for the exit to wait for.
+    pub leaving: Option<crate::shutdown::Waiting>,
     /// The config this request runs under, from its first phase to its last.
     pub running: Option<Arc<Running>>,
     pub route: Option<Arc<Route>>,
@@ -157,6 +160,7 @@ impl Ctx {
             conn: None,
             shield_after_body: false,
             given_back: None,
+            leaving: None,
             running: None,
             route: None,
             forward: None,

@@ -41,10 +41,23 @@ impl Gateway {
         ctx.timing.asked = Some(t);
         // What the store held it for its turn, told apart from its queue time.
         let clock = may_queue.then(crate::hold::HoldClock::default);
+        // Counted for the exit, which waits for every waiting request to be answered.
+        let waiting = may_queue.then(|| self.shared.drain.waiting());
         let answer = match &clock {
             Some(clock) => {
                 tokio::select! {
                     a = clock.scope(self.shared.store.decide(&admit)) => a,
+                    _ = self.shared.drain.grace_over() => {
+                        // Still waiting for a slot as the instance exits: it leaves the queue
+                        // and its charge goes back (the dropped decision's, as for a client
+                        // that leaves), and it is answered, not cut off; the connection closes.
+                        ctx.timing.hold = clock.held();
+                        ctx.timing.queued = t.elapsed().saturating_sub(ctx.timing.hold);
+                        ctx.fallback = self.shared.store.degraded();
+                        ctx.leaving = waiting;
+                        session.set_keepalive(None);
+                        return Err(decision::exiting_while_queued(&route, ctx.timing.queued));
+                    }
                     _ = front::client_left(&mut session.downstream_session) => {
                         // It was held, then waited in the queue until it left (how much of
                         // that was the store's own decision, the dropped call cannot say).
@@ -75,6 +88,7 @@ impl Gateway {
                 ctx.timing.store = elapsed.saturating_sub(r.queued);
                 ctx.timing.hold = store_held;
                 if exiting {
+                    ctx.leaving = waiting;
                     session.set_keepalive(None);
                     return Err(r);
                 }
