@@ -35,6 +35,8 @@ pub struct Shared {
     pub holds: crate::hold::Holds,
     /// The tracer, when `tracing:` was on at start (a reload changes its sample ratio only).
     pub tracing: Option<crate::trace::Tracing>,
+    /// The routes this instance queued fleet jobs on, for its collector to follow.
+    pub queued_jobs: crate::jobs::fleet::Queued,
 }
 
 impl Shared {
@@ -61,6 +63,7 @@ impl Shared {
             drain,
             holds,
             tracing,
+            queued_jobs: Default::default(),
         })
     }
 

@@ -9,6 +9,7 @@ mod charged;
 mod record;
 mod runner;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,7 +93,10 @@ pub(super) async fn submit(
             start(shared, b, id.clone(), job.route.label.clone(), None).await;
             (s, 0)
         }
-        Ok(JobEntered::Queued(s, p)) => (s, p as usize),
+        Ok(JobEntered::Queued(s, p)) => {
+            shared.queued_jobs.note(&job.route.label, &job.running);
+            (s, p as usize)
+        }
         Ok(JobEntered::Refused(a)) => {
             let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
             return Err(*a);
@@ -349,6 +353,7 @@ pub fn start_collector(shared: Arc<Shared>) {
                 return;
             }
             routes.follow(&shared.running());
+            routes.adopt(shared.queued_jobs.take());
             if !routes.is_empty() && !std::mem::replace(&mut watching, true) {
                 tokio::spawn(b.clone().watch_fleet_grants(granted.clone()));
             }
@@ -409,6 +414,26 @@ struct Retired {
     empty_since: Option<std::time::Instant>,
 }
 
+/// The routes this instance queued fleet jobs on since its collector last looked, each with
+/// the config it accepted them under. A reload may take a route (or its `async:`) away before
+/// the collector's next round has seen it at all (they come every 200 ms): its jobs were left
+/// in the queue, never collected, when no other instance knew the route.
+#[derive(Default)]
+pub struct Queued(std::sync::Mutex<HashMap<Arc<str>, Arc<Running>>>);
+
+impl Queued {
+    fn note(&self, label: &Arc<str>, running: &Arc<Running>) {
+        let mut noted = crate::store::lock(&self.0);
+        if !noted.get(label).is_some_and(|r| Arc::ptr_eq(r, running)) {
+            noted.insert(label.clone(), running.clone());
+        }
+    }
+
+    fn take(&self) -> HashMap<Arc<str>, Arc<Running>> {
+        std::mem::take(&mut *crate::store::lock(&self.0))
+    }
+}
+
 /// How long a retired route's queue must stay empty before it is no longer collected.
 const EMPTY_FOR: Duration = Duration::from_secs(3);
 
@@ -438,6 +463,21 @@ impl Collected {
             .map(|r| r.label.clone())
             .collect();
         self.seen = Some(running.clone());
+    }
+
+    /// Routes this instance queued jobs on ([`Queued`]): one the config in force no longer
+    /// has async retires under the config the jobs were accepted under, as if a round had
+    /// seen it before the reload.
+    fn adopt(&mut self, queued: HashMap<Arc<str>, Arc<Running>>) {
+        for (label, under) in queued {
+            if !self.live.contains(&label) && !self.retired.iter().any(|r| r.label == label) {
+                self.retired.push(Retired {
+                    label,
+                    under,
+                    empty_since: None,
+                });
+            }
+        }
     }
 
     fn is_empty(&self) -> bool {
