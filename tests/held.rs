@@ -209,6 +209,84 @@ async fn an_exiting_gateway_answers_and_gives_back_the_capped_requests_it_holds(
     assert_eq!(up.count(ROUTE), 2);
 }
 
+/// The report route with one slot, async, its jobs' `result_ttl` (2 s) shorter than key c's
+/// hold.
+const ONE_SLOT_ASYNC: &str = "    /reports/generate:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 30s\n      async:\n        result_ttl: 2s\n";
+
+/// Key c's job is held ~6 s for its turn (`max_delay`). It waits at its place in the route's
+/// queue without a slot: key b's report, sent right after the job's 202, runs at once (the
+/// job took the route's only slot and held it for its whole hold: b waited ~6 s). The job
+/// runs once its units are due, not sooner, and does not expire (its `result_ttl` counts from
+/// then); its last access-log line counts the hold as `hold_ms`, not as `queue_ms`.
+async fn a_held_job_holds_no_slot(up: &Upstream, gws: &[Gateway], store: &str) {
+    let c = client();
+    let (x, y) = (&gws[0], &gws[gws.len() - 1]);
+    let charged = Instant::now();
+    assert_eq!(
+        post(&c, x.url(ROUTE), "key-c").await.status(),
+        200,
+        "{store}"
+    );
+    let r = post_async(&c, x.url(ROUTE), "key-c", "", &[]).await;
+    assert_eq!(r.status(), 202, "{store}");
+    let location = job_location(&r);
+    let t = Instant::now();
+    assert_eq!(
+        post(&c, y.url(ROUTE), "key-b").await.status(),
+        200,
+        "{store}"
+    );
+    let b_took = t.elapsed();
+    assert!(
+        b_took < Duration::from_secs(3),
+        "{store}: b took {b_took:?}"
+    );
+    let within = Duration::from_secs(20);
+    let done = job_result(&c, y, &location, "key-c", within, |_| {}).await;
+    assert_eq!(done.status(), 200, "{store}");
+    // Its unit is due 6 s after the first one's charge, which came after `charged`.
+    let ran = charged.elapsed();
+    assert!(ran >= Duration::from_secs(6), "{store}: ran after {ran:?}");
+    let order: Vec<String> = up
+        .api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect();
+    assert_eq!(order, ["key-c", "key-b", "key-c"], "{store}");
+    assert_eq!(up.max_concurrent(ROUTE), 1, "{store}");
+    let id = location.trim_start_matches("/_tollgate/jobs/").to_string();
+    let line = eventually(Duration::from_secs(10), async || {
+        let lines: Vec<_> = gws
+            .iter()
+            .flat_map(|g| g.access_log())
+            .filter(|l| l["decision"] == "job_done" && l["job"] == id.as_str())
+            .collect();
+        lines
+            .first()
+            .cloned()
+            .ok_or(format!("{store}: no job_done line"))
+    })
+    .await;
+    let (hold, queue) = hold_and_queue_ms(&line);
+    assert!((4000.0..7000.0).contains(&hold), "{store}: {line}");
+    assert!(queue < 1000.0, "{store}: {line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_holds_no_slot_on_memory_and_redis() {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &config(ONE_SLOT_ASYNC, HELD));
+    a_held_job_holds_no_slot(&up, &[gw], "memory").await;
+
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = on_redis(&redis.url(), &config(ONE_SLOT_ASYNC, HELD));
+    let gws: Vec<Gateway> = (0..2).map(|_| Gateway::start(&up, &body)).collect();
+    a_held_job_holds_no_slot(&up, &gws, "2 gateways on redis").await;
+}
+
 /// Key c may run one request at a time (`max_in_flight_per_key: 1`) and its plan holds its
 /// requests (one unit per 10 s). Its second report is charged and held ~10 s for its turn:
 /// meanwhile the key is at its cap, so its third is refused at once (429

@@ -1039,12 +1039,13 @@ async fn a_job_refused_by_one_pool_address_runs_at_the_next() {
     assert_eq!(remaining(&gw, "a").await, 60);
 }
 
-/// With `max_delay` a job whose units were reserved ahead holds its slot until they are due:
-/// meanwhile it is running and in flight in the metrics too (as `/admin/routes` and its status
-/// say; it was in neither state there), and its last access-log line says how long it was
-/// held (`hold_ms`, which said 0).
+/// With `max_delay` a job whose units were reserved ahead waits in the queue until they are
+/// due, without a slot (`held::a_held_job_holds_no_slot_on_memory_and_redis`): meanwhile it is
+/// queued in the metrics, neither running nor in flight (it held its slot and was counted
+/// running), and its last access-log line says how long it was held (`hold_ms`, which said 0
+/// before the hold was counted at all), not queued.
 #[tokio::test]
-async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
+async fn a_held_job_is_counted_queued_and_its_hold_is_logged() {
     let up = Upstream::start(Duration::from_millis(50));
     // 10 units per 4 s: a second job of 10 right after the first is due about 4 s later.
     let body = config(&reports(1, "")).replace(
@@ -1059,13 +1060,15 @@ async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
     // Its 202, and a poll while it is held, say to come back once it can have run: after its
     // hold (about 4 s) and its run, not after one upstream time (they said 1).
     let second = submit_held(&c, &gw, ROUTE, charged, 4.0).await;
-    let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
-    wait_metric(&gw, &running, 1.0, Duration::from_secs(2)).await;
+    let queued = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"queued\"}}");
+    wait_metric(&gw, &queued, 1.0, Duration::from_secs(2)).await;
     assert_eq!(up.count(ROUTE), 1, "held, not sent yet");
+    let running = format!("tollgate_jobs{{route=\"{ROUTE}\",state=\"running\"}}");
+    assert_metric(&gw, &running, 0.0).await;
     assert_metric(
         &gw,
         &format!("tollgate_in_flight{{route=\"{ROUTE}\"}}"),
-        1.0,
+        0.0,
     )
     .await;
     assert_eq!(result(&c, &gw, &second, "key-a").await.status(), 200);
@@ -1077,4 +1080,6 @@ async fn a_held_job_is_counted_running_and_its_hold_is_logged() {
         .await;
     let hold = done[0]["hold_ms"].as_f64().unwrap();
     assert!((2500.0..5000.0).contains(&hold), "{}", done[0]);
+    let queue = done[0]["queue_ms"].as_f64().unwrap();
+    assert!(queue < 1000.0, "{}", done[0]);
 }

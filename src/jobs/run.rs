@@ -50,8 +50,6 @@ struct Task {
     /// Its charge and, once granted, its slot.
     ticket: Ticket,
     place: Option<JobPlace>,
-    /// `max_delay`: its units were reserved ahead; it runs no sooner than this after submission.
-    delay: Duration,
     cancelled: oneshot::Receiver<()>,
     request: JobRequest,
     origin: Origin,
@@ -71,8 +69,9 @@ pub(super) async fn submit(
     let bytes = new.request.body.len() as u64;
     // This process holds as much for jobs as it may, or the route's queue is full: refused.
     let reserved = board().reserve(bytes);
+    let due = Instant::now() + delay;
     let place = match reserved {
-        true => m.queue_job(&ticket.req, new.cap),
+        true => m.queue_job(&ticket.req, new.cap, due),
         false => None,
     };
     let Some(place) = place else {
@@ -100,7 +99,7 @@ pub(super) async fn submit(
         cancel: Mutex::new(Some(tx)),
         refunded: tokio::sync::Notify::new(),
         bytes: AtomicU64::new(bytes),
-        due: Instant::now() + delay,
+        due,
     });
     board().insert(job.clone());
     let standing = ticket.outcome;
@@ -112,7 +111,6 @@ pub(super) async fn submit(
         job: job.clone(),
         ticket,
         place: Some(place),
-        delay,
         cancelled: rx,
         request: new.request,
         origin: new.origin,
@@ -157,7 +155,7 @@ struct Ended {
     upstream_status: Option<u16>,
     cost: u64,
     queued: Duration,
-    /// Its `max_delay` hold, with its slot, until its reserved units were due.
+    /// Its `max_delay` hold, in the queue without a slot, until its reserved units were due.
     hold: Duration,
     upstream: Option<Duration>,
     /// Bytes of the result kept.
@@ -172,12 +170,17 @@ async fn run(mut t: Task) {
         Some(JobPlace::Waiting(w)) => tokio::select! {
             s = w.granted() => Some(s),
             _ = &mut t.cancelled => None,
-            _ = tokio::time::sleep(t.rules.result_ttl) => None,
+            // `result_ttl` from when it may run (a `max_delay` hold first).
+            _ = tokio::time::sleep_until((t.job.due + t.rules.result_ttl).into()) => None,
         },
         None => None,
     };
     drop(queued_gauge);
-    let queued = waited.elapsed();
+    // Waiting for its units (`max_delay`: the queue serves it no sooner) is its hold; the
+    // rest of its wait, its queue time.
+    let total = waited.elapsed();
+    let held = t.job.due.saturating_duration_since(waited).min(total);
+    let queued = total - held;
     // A draining instance starts no job: on the memory store its queue ends with it.
     let draining = t.shared.drain.is_draining();
     let slot = match slot {
@@ -211,34 +214,32 @@ async fn run(mut t: Task) {
                 upstream_status: None,
                 cost: 0,
                 queued,
-                hold: Duration::ZERO,
+                hold: held,
                 upstream: None,
                 kept: 0,
             });
         }
     };
     t.ticket.attach_route(slot);
-    let ended = execute(&mut t, queued).await;
+    let ended = execute(&mut t, queued, held).await;
     // From now on the job holds its result, not its request.
     board().resize(&t.job, ended.kept);
     t.ended(ended);
 }
 
 /// Runs a job that holds its slot, and keeps its result.
-async fn execute(t: &mut Task, queued: Duration) -> Ended {
+async fn execute(t: &mut Task, queued: Duration, held: Duration) -> Ended {
     // SIGTERM lets a running job finish within grace_period, like a request.
     let _drain = t.shared.drain.enter();
     let _running = InState::new(&t.route.label, JobState::Running);
     let (running, route) = (t.running.clone(), t.route.clone());
     let rm = running.metrics.get(&route);
     let _in_flight = InFlight::new(&rm.in_flight);
-    // `max_delay`: it holds its slot until its reserved units are due, counted as running and
-    // in flight meanwhile (as `/admin/routes` and its status say). (A synchronous request is
-    // held before its route's queue instead, `crate::hold`: a job joined the queue when it
-    // was submitted.)
-    let hold = (t.submitted + t.delay).saturating_duration_since(Instant::now());
-    if !hold.is_zero() {
-        tokio::time::sleep(hold).await;
+    // `max_delay`: the queue serves it no sooner than its reserved units are due, so this is
+    // nothing but a clock's rounding; it is waited out all the same (it is sent no sooner).
+    let rounding = t.job.due.saturating_duration_since(Instant::now());
+    if !rounding.is_zero() {
+        tokio::time::sleep(rounding).await;
     }
     let started = Instant::now();
     let sent = send::send(
@@ -257,7 +258,7 @@ async fn execute(t: &mut Task, queued: Duration) -> Ended {
         upstream_status: None,
         cost: t.ticket.req.cost,
         queued,
-        hold,
+        hold: held + rounding,
         upstream: None,
         kept: 0,
     };

@@ -9,9 +9,14 @@
 //! by its oldest waiter alone a key's backlog would keep the slot). Equals so take turns. A
 //! key at the endpoint's `max_in_flight_per_key` waits even while slots are free. One key's
 //! 60 queued reports thus delay another key's single report by at most one release.
+//!
+//! A job held for its `max_delay` turn waits at its place but is not served before its units
+//! are due: a slot freed meanwhile goes to the next waiter that may run (DESIGN §8: a request
+//! waiting for its units keeps no slot idle), and the queue looks again at the due time.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::oneshot;
 
@@ -46,6 +51,8 @@ impl Default for Fair {
 struct Waiter {
     seq: u64,
     tx: oneshot::Sender<()>,
+    /// Not served before then (a job's `max_delay` turn).
+    due: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -208,11 +215,17 @@ impl FairQueue {
     }
 
     /// The key whose head waiter is served next: fewest running per weight, then the one
-    /// that has waited longest ([`KeyState::waiting_since`]).
-    fn next_key(&self) -> Option<u128> {
+    /// that has waited longest ([`KeyState::waiting_since`]); a head not yet due (at `now`)
+    /// is passed over.
+    fn next_key(&self, now: Instant) -> Option<u128> {
+        let due = |k: &KeyState| {
+            k.waiting
+                .front()
+                .is_some_and(|w| w.due.is_none_or(|d| d <= now))
+        };
         self.keys
             .iter()
-            .filter(|(_, k)| !k.waiting.is_empty() && self.eligible(k))
+            .filter(|(_, k)| due(k) && self.eligible(k))
             .min_by(|(_, a), (_, b)| {
                 serve_order(
                     (a.running, a.weight, a.waiting_since()),
@@ -293,8 +306,12 @@ impl FairQueue {
 
     /// Gives free slots to waiters, best first; a waiter whose receiver is gone is skipped.
     fn grant(&mut self) {
+        if self.queued == 0 {
+            return;
+        }
+        let now = Instant::now();
         while self.running < self.cap {
-            let Some(key) = self.next_key() else {
+            let Some(key) = self.next_key(now) else {
                 return;
             };
             let Some(k) = self.keys.get_mut(&key) else {
@@ -342,10 +359,13 @@ impl FairQueue {
         fair.max_queue.is_some_and(|m| self.queued >= m as usize) && !self.takes(key)
     }
 
-    fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair) -> Joined {
+    /// `due`: not served before then (a job held for its `max_delay` turn): it waits at its
+    /// place meanwhile, and the queue grants again at that time.
+    fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair, due: Option<Instant>) -> Joined {
+        let due = due.filter(|&d| d > Instant::now());
         let mut q = lock(this);
         let weight = fair.weight.max(1);
-        if q.takes(key) {
+        if due.is_none() && q.takes(key) {
             let k = q.keys.entry(key).or_default();
             k.weight = weight;
             k.running += 1;
@@ -363,8 +383,17 @@ impl FairQueue {
         let (tx, rx) = oneshot::channel();
         let k = q.keys.entry(key).or_default();
         k.weight = weight;
-        k.waiting.push_back(Waiter { seq, tx });
+        k.waiting.push_back(Waiter { seq, tx, due });
         q.queued += 1;
+        if let Some(due) = due {
+            let queue = Arc::downgrade(this);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(due.into()).await;
+                if let Some(queue) = queue.upgrade() {
+                    lock(&queue).grant();
+                }
+            });
+        }
         Joined::Waiting(Waiting {
             queue: this.clone(),
             key,
@@ -434,12 +463,25 @@ impl RouteQueues {
     /// share changes them in place: the requests running and waiting count against the new
     /// figures (a larger cap hands its new slots to the waiters at once).
     pub fn join(&self, route: &Arc<str>, cap: u32, key: u128, fair: Fair) -> Joined {
+        self.join_due(route, cap, key, fair, None)
+    }
+
+    /// As [`Self::join`], for a waiter not to be served before `due` (a job held for its
+    /// `max_delay` turn): it never takes a free slot ahead of that.
+    pub fn join_due(
+        &self,
+        route: &Arc<str>,
+        cap: u32,
+        key: u128,
+        fair: Fair,
+        due: Option<Instant>,
+    ) -> Joined {
         let queue = lock(&self.routes)
             .entry(route.clone())
             .or_insert_with(|| Arc::new(Mutex::new(FairQueue::new(cap, fair.per_key, fair.since))))
             .clone();
         lock(&queue).set_limits(cap, fair.per_key, fair.since);
-        FairQueue::join(&queue, key, fair)
+        FairQueue::join(&queue, key, fair, due)
     }
 
     /// A reload changed `route`'s cap or per-key share: in force at once for the requests

@@ -210,9 +210,13 @@ impl AdmitRequest {
     /// How long a capped request may wait before it runs: held for its `max_delay` turn (at
     /// most the longest of its budgets'), then queued for up to `queue_timeout`.
     pub(crate) fn may_wait(&self) -> Duration {
+        self.queue_timeout.saturating_add(self.longest_hold())
+    }
+
+    /// The longest it may be held for its `max_delay` turn: its budgets' longest.
+    pub(crate) fn longest_hold(&self) -> Duration {
         let hold = self.limits().map(Limit::max_delay_us).max().unwrap_or(0);
-        self.queue_timeout
-            .saturating_add(Duration::from_micros(hold))
+        Duration::from_micros(hold)
     }
 
     /// The same request against `1/n` of every budget: one instance's `on_error: local` share.

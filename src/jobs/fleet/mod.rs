@@ -69,12 +69,13 @@ pub(super) async fn submit(
     (admit, id, charge): (AdmitRequest, Arc<str>, JobCharge),
 ) -> Result<Submission, Admission> {
     let ttl = job.rules.result_ttl;
+    let hold = Duration::from_micros(charge.outcome.delay_us());
     if !record::put(
         b,
         &id,
         (&job.route.label, &admit),
         job.who,
-        ttl,
+        (ttl, hold),
         &job.request,
         &job.origin,
     )
@@ -83,7 +84,6 @@ pub(super) async fn submit(
         b.give_back_job(&admit, &id, charge).await;
         return Err(Admission::Unavailable);
     }
-    let hold = Duration::from_micros(charge.outcome.delay_us());
     // A plan's max_in_flight_per_key counts the job from its charge to its end.
     let entered = b
         .enter_charged_job(&admit, job.cap, (&id, ttl), charge)

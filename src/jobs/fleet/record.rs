@@ -153,6 +153,15 @@ pub(super) fn waited(r: &Record) -> std::time::Duration {
     std::time::Duration::from_millis(now_ms.saturating_sub(sub))
 }
 
+/// How long after its submission a record's job was not to be sent (`max_delay`'s hold).
+pub(super) fn delay(r: &Record) -> std::time::Duration {
+    let ms = std::str::from_utf8(field(r, "delay"))
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(0);
+    std::time::Duration::from_millis(ms)
+}
+
 /// The identity a record's key hash pays as: its registry entry, else the default policy.
 pub(super) fn payer(running: &Running, key_hex: &[u8]) -> Option<Identity> {
     let mut hash = [0u8; 32];
@@ -190,19 +199,23 @@ pub(super) async fn put(
     id: &str,
     (route, admit): (&str, &crate::store::AdmitRequest),
     who: &Identity,
-    result_ttl: std::time::Duration,
+    (result_ttl, hold): (std::time::Duration, std::time::Duration),
     request: &JobRequest,
     origin: &crate::jobs::run::Origin,
 ) -> bool {
     let rid = origin.request_id.as_deref().unwrap_or_default();
     let ttl_ms = (result_ttl.as_millis() as u64).to_string();
-    // The record lives while the job may wait (result_ttl) and then be kept (result_ttl).
-    let life = ((result_ttl.as_millis() as u64) * 2 + 60_000).to_string();
+    // `max_delay`: it is sent no sooner than this after the record is written (whole ms).
+    let delay_ms = (hold.as_micros() as u64).div_ceil(1000);
+    // The record lives while the job is held and may wait (result_ttl) and then be kept
+    // (result_ttl).
+    let life = ((result_ttl.as_millis() as u64) * 2 + delay_ms + 60_000).to_string();
+    let delay_ms = delay_ms.to_string();
     let key = hex::encode(who.hash);
     let headers = headers_json(&request.header.headers);
     let ip = origin.client.map(|c| c.to_string()).unwrap_or_default();
     let charged = super::charged::of(admit);
-    let args: [&[u8]; 25] = [
+    let args: [&[u8]; 27] = [
         life.as_bytes(),
         b"key",
         key.as_bytes(),
@@ -228,6 +241,8 @@ pub(super) async fn put(
         b"0",
         b"chg",
         &charged,
+        b"delay",
+        delay_ms.as_bytes(),
     ];
     b.job_record::<i64>(id, "put", &args).await.is_ok()
 }

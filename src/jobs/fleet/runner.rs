@@ -37,8 +37,11 @@ pub(super) async fn run_claimed(
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
-    // Its wait for a slot: from its submission to its claim.
-    let queued = waited(&r);
+    // Its wait from its submission to its claim: held for its `max_delay` turn (the queue
+    // served it no sooner), then queued for a slot.
+    let waited = waited(&r);
+    let held = super::record::delay(&r).min(waited);
+    let queued = waited - held;
     let begun = Instant::now();
     let key = super::key_slot(&who).copied();
     // Settled as it was charged, whatever a reload changed since.
@@ -52,7 +55,8 @@ pub(super) async fn run_claimed(
     let in_flight = InFlight::new(&rm.in_flight);
     b.job_hold(&label, &id, key.as_ref(), &admit.key);
     let renew = keep_alive(b.clone(), id.clone(), label.clone(), key);
-    // With `max_delay` it holds its slot until its reserved units are due, as on memory.
+    // `max_delay`: what is left of its hold (the queue served it once it was due: clocks'
+    // rounding at most), waited out all the same: it is sent no sooner.
     tokio::time::sleep(wait).await;
     let max = route.jobs.map_or(16 << 20, |j| j.max_response_body);
     let started = Instant::now();
@@ -119,11 +123,11 @@ pub(super) async fn run_claimed(
             decision: state.verdict(),
             status: stored.status,
             // From its submission, as on the memory store: its wait, then its run.
-            latency_ms: access::millis(queued + begun.elapsed()),
+            latency_ms: access::millis(waited + begun.elapsed()),
             upstream_ms: upstream.map(access::millis),
             store_ms: 0.0,
             queue_ms: access::millis(queued),
-            hold_ms: access::millis(wait),
+            hold_ms: access::millis(held + wait),
             upstream_status,
             request_id: (!rid.is_empty()).then_some(rid.as_str()),
             trace_id: trace.as_ref().map(|t| t.as_str()),

@@ -324,3 +324,40 @@ fn a_reloaded_cap_reaches_the_waiters_and_an_older_config_does_not_undo_it() {
     assert!(!granted(&mut w4), "3 → 2 running: still above the cap of 1");
     assert_eq!(q.counts("r"), (2, 1));
 }
+
+/// A waiter not to be served before its due time (a job held for its `max_delay` turn) never
+/// takes a free slot ahead of it, and keeps none idle: another key takes the slot at once, and
+/// a slot freed before the due time goes on to the next waiter that may run. At the due time
+/// the queue grants it by itself, with no release to trigger it.
+#[tokio::test]
+async fn a_waiter_not_yet_due_keeps_no_slot_idle_and_is_served_when_due() {
+    let q = RouteQueues::default();
+    let route: Arc<str> = Arc::from("r");
+    // Far enough ahead that no scheduler delay reaches it before the checks below.
+    let due = Instant::now() + std::time::Duration::from_secs(3);
+    let held = match q.join_due(&route, 1, 1, fair(1), Some(due)) {
+        Joined::Waiting(w) => w,
+        other => panic!("expected to wait, got {other:?}"),
+    };
+    assert_eq!(q.counts("r"), (0, 1));
+    // The free slot is another key's at once; freed, it goes to the next waiter that may run.
+    let s2 = slot(&q, 1, 2, fair(1));
+    let w3 = wait(&q, 1, 3, fair(1));
+    drop(s2);
+    assert_eq!(
+        q.counts("r"),
+        (1, 1),
+        "key 3 waited behind a waiter not yet due"
+    );
+    let s3 = w3.granted().await;
+    // Key 3's slot freed before the due time: nobody may take it.
+    drop(s3);
+    assert_eq!(q.counts("r"), (0, 1));
+    let slot = tokio::time::timeout(std::time::Duration::from_secs(10), held.granted())
+        .await
+        .expect("never granted once due");
+    assert!(Instant::now() >= due);
+    assert_eq!(q.counts("r"), (1, 0));
+    drop(slot);
+    assert_eq!(q.counts("r"), (0, 0));
+}

@@ -2,7 +2,8 @@
 --   key (hex of the key's hash), route, state (queued | running | done | failed | cancelled |
 --   expired), runner (instance), alive (ms until which the runner vouches for it), ttl (ms a
 --   result is kept), method, target, headers, body (the request), status,
---   rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms).
+--   rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms), delay (ms
+--   after `sub` before it may be sent: `max_delay`'s hold).
 --
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
@@ -15,12 +16,11 @@
 --          waited result_ttl: queued -> expired; the caller refunds it) | {3} (running, and
 --          its runner vouches for it: the slot granted is that run's, its lease having lapsed
 --          and come back through the queue; the caller leaves it to the runner)
---   delay  ms -> 1 (max_delay: the queued job is sent no sooner than ms after `sub`) | 0
 --   renew  alive_ms -> 1 | 0 (no longer this job's run)
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now; or
 --          already that state and not lost: a resend) | 0
 --   cancel -> 1 (queued -> cancelled) | 0
---   expire -> 1 (queued for result_ttl since `sub` -> expired, kept `ttl`) | 0
+--   expire -> 1 (queued for result_ttl since it may be sent -> expired, kept `ttl`) | 0
 -- Every check comes before the first write.
 
 local job = KEYS[1]
@@ -31,13 +31,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function state() return redis.call('HGET', job, 'state') end
 local function ttl() return tonumber(redis.call('HGET', job, 'ttl') or '60000') end
 local function keep() redis.call('PEXPIRE', job, ttl()) end
--- A queued job that has waited result_ttl since its submission no longer runs.
-local function overdue() return now > tonumber(redis.call('HGET', job, 'sub') or '0') + ttl() end
--- ms until the job may be sent (`max_delay`: `delay` after `sub`), 0 once it may.
-local function due_in()
-  local due = tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
-  return math.max(0, due - now)
+-- When the job may be sent (`max_delay`: `delay` after `sub`).
+local function due()
+  return tonumber(redis.call('HGET', job, 'sub') or '0') + tonumber(redis.call('HGET', job, 'delay') or '0')
 end
+-- A queued job that has waited result_ttl since it may be sent no longer runs.
+local function overdue() return now > due() + ttl() end
+-- ms until the job may be sent, 0 once it may.
+local function due_in() return math.max(0, due() - now) end
 local function expire()
   redis.call('HSET', job, 'state', 'expired')
   redis.call('HDEL', job, 'body', 'headers')
@@ -105,10 +106,6 @@ elseif op == 'cancel' then
 elseif op == 'expire' then
   if state() ~= 'queued' or not overdue() then return 0 end
   expire()
-  return 1
-elseif op == 'delay' then
-  if state() ~= 'queued' then return 0 end
-  redis.call('HSET', job, 'delay', ARGV[2])
   return 1
 end
 return redis.error_reply('unknown job operation ' .. tostring(op))

@@ -26,7 +26,9 @@
 --            `n:<instance>` its waiters, and `insts` the instances with any;
 --            `c:<waiter>` "<given_up_us> <charge>": what a waiting request was charged (opaque
 --            here: the gateway's refund of it), until it is served, leaves, or its owed charge
---            is paid (KEYS[6]); `jk` until when (µs) queued jobs may wait.
+--            is paid (KEYS[6]); `jk` until when (µs) queued jobs may wait; `rd:<waiter>`
+--            when (µs) a job held for its `max_delay` turn may be served: until then it
+--            waits at its place and is passed over (it keeps no slot idle).
 --   KEYS[5] `…x` ids given up: sorted set, id -> until when (µs) an `enter` of that id is
 --            refused. A `leave` or `release` that finds its id neither waiting nor holding a
 --            lease leaves one: the `enter` it gave up on may still be on its way (a timed-out
@@ -63,8 +65,9 @@
 --          and once handed out its id is refused for given_up_us). An id already waiting
 --          keeps its place, and one granted meanwhile takes its slot, confirmed (its instance
 --          entered it again after beats failed). The fleet's jobs (instance `jobs`) give
---          [keep_us] instead: how long the job may wait (its record's life); the route's
---          queue then lives at least that long (`jk` in KEYS[4]), calls or none.
+--          [keep_us hold_us] instead: how long the job may wait (its record's life; the
+--          route's queue then lives at least that long, `jk` in KEYS[4], calls or none), and
+--          how long from now it is not to be served (`max_delay`: `rd:<id>`; 0 none).
 --          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
@@ -220,6 +223,7 @@ local function drop_waiter(id, info)
   local key, member, instance = string.match(info, '^([^|]*)|([^|]*)|(.*)$')
   redis.call('ZREM', waiters, member)
   if redis.call('HDEL', state, 'w:' .. id) == 1 then count_instance(instance or '', -1) end
+  if instance == FLEET then redis.call('HDEL', state, 'rd:' .. id) end
   return key
 end
 
@@ -286,8 +290,14 @@ local MAX_GRANTS = 128
 -- newcomer then queues behind them (it neither takes a free slot nor finds the queue full).
 local backlog = false
 
+-- A job held for its `max_delay` turn until later than now (`rd:<id>`).
+local function held(id)
+  return num('rd:' .. id) > now
+end
+
 -- Gives free slots to the next waiters; returns the waiters granted. A key whose oldest
--- waiter is a job while no instance collects jobs is passed over (`skip`), still queued.
+-- waiter is a job while no instance collects jobs, or a job held for its turn, is passed
+-- over (`skip`), still queued (the fleet's beats, every 200 ms, grant it once it is due).
 local function grant(grant_ttl)
   local granted = {}
   local skip, handed = 0, 0
@@ -306,7 +316,7 @@ local function grant(grant_ttl)
     if not m then
       redis.call('ZREM', heads, top)
       redis.call('HDEL', state, 'h:' .. key)
-    elseif instance == FLEET and not alive(FLEET) then
+    elseif instance == FLEET and (not alive(FLEET) or held(id)) then
       skip = skip + 1
     else
       handed = handed + 1
@@ -502,7 +512,8 @@ if op == 'enter' then
     keep(lease_ttl)
     return {TAKEN}
   end
-  if not backlog and takes(key, route_cap, route_share) then
+  local hold_us = instance == FLEET and tonumber(ARGV[14]) or 0
+  if not backlog and hold_us <= 0 and takes(key, route_cap, route_share) then
     redis.call('ZADD', leases, now + lease_ttl, id)
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
@@ -526,6 +537,7 @@ if op == 'enter' then
     if until_us > num('jk') then
       redis.call('HSET', state, 'jk', int(until_us))
     end
+    if hold_us > 0 then redis.call('HSET', state, 'rd:' .. id, int(now + hold_us)) end
   end
   count_instance(instance, 1)
   refresh(key)

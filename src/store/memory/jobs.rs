@@ -3,7 +3,7 @@
 //! connection holds.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{short_key, Admission, AdmitRequest, Joined, Lease, MemoryStore};
 use crate::store::fair::{RouteSlot, Waiting};
@@ -47,11 +47,13 @@ impl MemoryStore {
 
     /// A charged job's place in its route's queue, which its own task awaits (no
     /// `queue_timeout`: the job decides how long it waits); `None` when the queue is full
-    /// (`max_queue`: the caller gives the charge back).
-    pub fn queue_job(&self, req: &AdmitRequest, cap: u32) -> Option<JobPlace> {
+    /// (`max_queue`: the caller gives the charge back). Held for its `max_delay` turn, it is
+    /// not served before `due` (it waits at its place, keeping no slot idle meanwhile).
+    pub fn queue_job(&self, req: &AdmitRequest, cap: u32, due: Instant) -> Option<JobPlace> {
+        let key = short_key(&req.key);
         match self
             .routes
-            .join(&req.route, cap, short_key(&req.key), req.fair)
+            .join_due(&req.route, cap, key, req.fair, Some(due))
         {
             Joined::QueueFull => None,
             Joined::Slot(slot) => Some(JobPlace::Slot(slot)),

@@ -72,7 +72,8 @@ impl RedisBackend {
         // again before this job may take one.
         self.after_data_loss(req).await;
         let start = std::time::Instant::now();
-        let key_lease = waits_for + self.lease_ttl;
+        // It may wait `waits_for` once its units are due (`max_delay`), and until then.
+        let key_lease = waits_for + req.longest_hold() + self.lease_ttl;
         let decided = self
             .try_admit_leasing(req, Default::default(), id.to_string(), key_lease)
             .await?
@@ -151,16 +152,13 @@ impl RedisBackend {
         (id, waits_for): (&str, Duration),
         outcome: &crate::budget::Outcome,
     ) -> Result<JobEntered, StoreError> {
-        let delay_us = outcome.delay_us();
-        if delay_us > 0 {
-            // `max_delay`: its units were reserved ahead; it runs no sooner than they are due.
-            let ms = delay_us.div_ceil(1000).to_string();
-            self.job_record::<i64>(id, "delay", &[ms.as_bytes()])
-                .await?;
-        }
+        // `max_delay`: its units were reserved ahead (its record says so too): the queue
+        // serves it no sooner than they are due, whole milliseconds from now, as its record
+        // counts them from its writing (a little earlier), and it may wait `waits_for` after.
+        let hold_us = outcome.delay_us().div_ceil(1000) * 1000;
         let rk = Self::route_keys(&req.route)?;
         let mut inv = self.enter_as(&rk, id, req, cap, FLEET, FLEET_ALIVE);
-        inv.arg(waits_for.as_micros() as u64);
+        inv.arg(waits_for.as_micros() as u64 + hold_us).arg(hold_us);
         let entered: Vec<i64> = self.call(inv).await?;
         let standing: Standing = outcome.into();
         Ok(match entered.first().copied() {
