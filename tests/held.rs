@@ -287,6 +287,44 @@ async fn a_held_job_holds_no_slot_on_memory_and_redis() {
     a_held_job_holds_no_slot(&up, &gws, "2 gateways on redis").await;
 }
 
+/// On Redis the fleet's collectors expire a queued job that has waited its `result_ttl` (and
+/// refund it) whether or not anyone polls it, oldest first. A job held for its turn ahead of
+/// it no longer stops that look (its `result_ttl` counts from its due time, so it was not
+/// overdue, and the look stopped there): key b's job, queued behind key d's report that holds
+/// the only slot, is refunded about `result_ttl` (2 s) after it was queued, though key c's
+/// held job is older in the queue. (It was refunded only once c's job was out of the way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_does_not_hold_up_the_expiry_of_the_jobs_behind_it() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(ONE_SLOT_ASYNC, HELD)));
+    let c = client();
+    assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
+    // Key d's report holds the only slot for 10 s.
+    let _slow = spawn_post(&c, gw.url(&format!("{ROUTE}?delay_ms=10000")), "key-d");
+    up.wait_current(ROUTE, 1).await;
+    let held = post_async(&c, gw.url(ROUTE), "key-c", "", &[]).await;
+    assert_eq!(held.status(), 202);
+    let queued = post_async(&c, gw.url(ROUTE), "key-b", "", &[]).await;
+    assert_eq!(queued.status(), 202);
+    let t = Instant::now();
+    assert_eq!(remaining(&gw, "b").await, 999);
+    eventually(Duration::from_secs(15), async || {
+        match remaining(&gw, "b").await {
+            1000 => Ok(()),
+            r => Err(format!("key b's job still charged: {r} left")),
+        }
+    })
+    .await;
+    // Its result_ttl, then the next look (every second): not c's hold (6 s) first.
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(4500),
+        "refunded after {took:?}"
+    );
+    assert_eq!(up.count(ROUTE), 2, "neither job ran");
+}
+
 /// Key c may run one request at a time (`max_in_flight_per_key: 1`) and its plan holds its
 /// requests (one unit per 10 s). Its second report is charged and held ~10 s for its turn:
 /// meanwhile the key is at its cap, so its third is refused at once (429

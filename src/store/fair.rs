@@ -375,7 +375,9 @@ impl FairQueue {
                 key,
             });
         }
-        if q.full(key, fair) {
+        // A held waiter queues even beside a free slot: `max_queue` bounds it all the same.
+        let bounded = due.is_some() && fair.max_queue.is_some_and(|m| q.queued >= m as usize);
+        if bounded || q.full(key, fair) {
             return Joined::QueueFull;
         }
         q.seq += 1;

@@ -304,7 +304,9 @@ async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
 /// Expires (and refunds) the oldest queued jobs on `label` that have waited `result_ttl`,
 /// whether or not anyone polls them, as the memory store's jobs expire themselves; the
 /// record decides, once, by Redis's clock (`lua/jobs.lua` `expire`), so the fleet's
-/// collectors may all look. Oldest first: it stops at the first one not due yet.
+/// collectors may all look. Oldest first: it stops at the first one not due yet, unless that
+/// one was held for its `max_delay` turn (its `result_ttl` counts from its due time, later than
+/// its place in the queue says).
 async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, label: &str) {
     let Ok(ids) = b.queued_jobs(label, EXPIRE_LOOKS_AT).await else {
         return;
@@ -323,6 +325,7 @@ async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, la
         };
         if field(&r, "state") == b"queued"
             && !take_out(shared, running, b, (&id, &r), &who, "expire").await
+            && record::delay(&r).is_zero()
         {
             return;
         }

@@ -361,3 +361,24 @@ async fn a_waiter_not_yet_due_keeps_no_slot_idle_and_is_served_when_due() {
     drop(slot);
     assert_eq!(q.counts("r"), (0, 0));
 }
+
+/// `max_queue` bounds waiters not yet due too: such a waiter queues even beside a free slot
+/// (it never takes one ahead of its time), so the bound is counted without the free slot.
+#[tokio::test]
+async fn a_waiter_not_yet_due_is_bounded_by_max_queue() {
+    let q = RouteQueues::default();
+    let route: Arc<str> = Arc::from("r");
+    let f = Fair {
+        max_queue: Some(1),
+        ..fair(1)
+    };
+    let due = Some(Instant::now() + std::time::Duration::from_secs(60));
+    let first = q.join_due(&route, 2, 1, f, due);
+    assert!(matches!(first, Joined::Waiting(_)), "{first:?}");
+    assert!(matches!(
+        q.join_due(&route, 2, 2, f, due),
+        Joined::QueueFull
+    ));
+    // A request that may run takes a free slot as before.
+    assert!(matches!(q.join(&route, 2, 3, f), Joined::Slot(_)));
+}

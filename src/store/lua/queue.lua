@@ -93,7 +93,8 @@
 --   paid   ARGV ids... -> {0}: their owed charges were refunded (they go)
 --   place  ARGV id -> {position} (`place`: 1 next, 0 not waiting)
 --   jobs   ARGV most -> {id...}: the fleet's waiting jobs, oldest first, at most `most`,
---          among the first JOBS_SCAN waiters
+--          among the first JOBS_SCAN waiters; not those held for their turn (`rd:`): none of
+--          them has waited its `result_ttl`
 --   peek   -> {running, queued, then per key: key, running, waiting}
 --   cap    ARGV cap share grant_ttl_us since -> {1} (a reload: the route's cap and per-key
 --          share from now on, and free slots to the waiters; kept as long as the queue's
@@ -720,7 +721,7 @@ elseif op == 'jobs' then
   for _, m in ipairs(redis.call('ZRANGE', waiters, 0, JOBS_SCAN - 1)) do
     local seq, id = string.match(m, '^[^:]*:(%d+):(.*)$')
     local info = id and redis.call('HGET', state, 'w:' .. id) or ''
-    if string.match(info, '|([^|]*)$') == FLEET then found[#found + 1] = {seq, id} end
+    if string.match(info, '|([^|]*)$') == FLEET and not held(id) then found[#found + 1] = {seq, id} end
   end
   table.sort(found, function(a, b) return a[1] < b[1] end)
   local out = {}
