@@ -36,6 +36,16 @@ fn hold_and_queue_ms(line: &serde_json::Value) -> (f64, f64) {
     )
 }
 
+/// The keys of the reports the upstream received, in order.
+fn keys_seen(up: &Upstream) -> Vec<String> {
+    up.api
+        .seen()
+        .iter()
+        .filter(|s| s.target.starts_with(ROUTE))
+        .map(|s| s.header("x-api-key")[0].to_string())
+        .collect()
+}
+
 /// When key `id`'s first budget is full again, from `/admin/keys/<id>` (s).
 async fn reset(gw: &Gateway, id: &str) -> u64 {
     let v = admin_json(gw, &format!("/admin/keys/{id}")).await;
@@ -87,13 +97,7 @@ async fn a_held_request_holds_no_slot(up: &Upstream, gws: &[Gateway], store: &st
     let b_took = t.elapsed();
     let (status, c_took) = held.await.unwrap();
     assert_eq!(status, 200, "{store}");
-    let order: Vec<String> = up
-        .api
-        .seen()
-        .iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .map(|s| s.header("x-api-key")[0].to_string())
-        .collect();
+    let order = keys_seen(up);
     assert_eq!(order, ["key-c", "key-b", "key-c"], "{store}");
     assert!(
         b_took < Duration::from_secs(3),
@@ -247,13 +251,7 @@ async fn a_held_job_holds_no_slot(up: &Upstream, gws: &[Gateway], store: &str) {
     // Its unit is due 6 s after the first one's charge, which came after `charged`.
     let ran = charged.elapsed();
     assert!(ran >= Duration::from_secs(6), "{store}: ran after {ran:?}");
-    let order: Vec<String> = up
-        .api
-        .seen()
-        .iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .map(|s| s.header("x-api-key")[0].to_string())
-        .collect();
+    let order = keys_seen(up);
     assert_eq!(order, ["key-c", "key-b", "key-c"], "{store}");
     assert_eq!(up.max_concurrent(ROUTE), 1, "{store}");
     let id = location.trim_start_matches("/_tollgate/jobs/").to_string();
