@@ -11,8 +11,9 @@
 //! 60 queued reports thus delay another key's single report by at most one release.
 //!
 //! A job held for its `max_delay` turn waits at its place but is not served before its units
-//! are due: a slot freed meanwhile goes to the next waiter that may run (DESIGN §8: a request
-//! waiting for its units keeps no slot idle), and the queue looks again at the due time.
+//! are due: a slot freed meanwhile goes to the next key whose first waiter may run (DESIGN §8:
+//! a request waiting for its units keeps no slot idle; the job's key's later requests wait
+//! behind it, in arrival order), and the queue looks again at the due time.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -364,6 +365,9 @@ impl FairQueue {
     fn join(this: &Arc<Mutex<FairQueue>>, key: u128, fair: Fair, due: Option<Instant>) -> Joined {
         let due = due.filter(|&d| d > Instant::now());
         let mut q = lock(this);
+        // A held waiter now due is served before a newcomer takes the free slot (its timer
+        // may not have fired yet).
+        q.grant();
         let weight = fair.weight.max(1);
         if due.is_none() && q.takes(key) {
             let k = q.keys.entry(key).or_default();
