@@ -291,6 +291,9 @@ async fn a_held_job_holds_no_slot_on_memory_and_redis() {
 /// overdue, and the look stopped there): key b's job, queued behind key d's report that holds
 /// the only slot, is refunded about `result_ttl` (2 s) after it was queued, though key c's
 /// held job is older in the queue. (It was refunded only once c's job was out of the way.)
+/// Then c's job, due at 6 s with the slot still taken, expires after its own `result_ttl`:
+/// its end line counts its hold as `hold_ms` and its wait after it as `queue_ms` (on Redis an
+/// unrun job's line put it all in `queue_ms`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_held_job_does_not_hold_up_the_expiry_of_the_jobs_behind_it() {
     let redis = Redis::start();
@@ -298,8 +301,8 @@ async fn a_held_job_does_not_hold_up_the_expiry_of_the_jobs_behind_it() {
     let gw = Gateway::start(&up, &on_redis(&redis.url(), &config(ONE_SLOT_ASYNC, HELD)));
     let c = client();
     assert_eq!(post(&c, gw.url(ROUTE), "key-c").await.status(), 200);
-    // Key d's report holds the only slot for 10 s.
-    let _slow = spawn_post(&c, gw.url(&format!("{ROUTE}?delay_ms=10000")), "key-d");
+    // Key d's report holds the only slot for 12 s.
+    let _slow = spawn_post(&c, gw.url(&format!("{ROUTE}?delay_ms=12000")), "key-d");
     up.wait_current(ROUTE, 1).await;
     let held = post_async(&c, gw.url(ROUTE), "key-c", "", &[]).await;
     assert_eq!(held.status(), 202);
@@ -320,6 +323,18 @@ async fn a_held_job_does_not_hold_up_the_expiry_of_the_jobs_behind_it() {
         took < Duration::from_millis(4500),
         "refunded after {took:?}"
     );
+    assert_eq!(up.count(ROUTE), 2, "neither job ran");
+    let id = job_location(&held)
+        .trim_start_matches("/_tollgate/jobs/")
+        .to_string();
+    let expired = gw
+        .wait_access(1, |l| {
+            l["decision"] == "job_expired" && l["job"] == id.as_str()
+        })
+        .await;
+    let (hold, queue) = hold_and_queue_ms(&expired[0]);
+    assert!((5000.0..7000.0).contains(&hold), "{}", expired[0]);
+    assert!((1500.0..4500.0).contains(&queue), "{}", expired[0]);
     assert_eq!(up.count(ROUTE), 2, "neither job ran");
 }
 

@@ -645,6 +645,30 @@ async fn sigterm_lets_a_running_job_finish_and_starts_no_queued_one() {
     );
 }
 
+/// An exit past grace_period (SIGTERM), or SIGINT, while a job runs: the jobs still queued
+/// behind it are not run, and the log names each (README: "it logs each job it did not run").
+/// It named one only if a slot came to it while the instance drained: these were never named.
+#[tokio::test]
+async fn an_exit_names_the_queued_jobs_it_did_not_run() {
+    for signal in ["TERM", "INT"] {
+        let up = Upstream::start(Duration::ZERO);
+        let mut gw = Gateway::start_with_grace(&up, &config(&reports(1, "")), "1s");
+        let c = client();
+        let _running = submit(&c, &gw, &format!("{ROUTE}?delay_ms=10000"), "key-a", "").await;
+        up.wait_current(ROUTE, 1).await;
+        let queued = submit(&c, &gw, ROUTE, "key-b", "").await;
+        let id = queued.rsplit('/').next().unwrap().to_string();
+        gw.signal(signal);
+        assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0), "{signal}");
+        let log = gw.log();
+        let named = log
+            .lines()
+            .any(|l| l.contains("queued job not run") && l.contains(&id));
+        assert!(named, "{signal}: the queued job was not named:\n{log}");
+        assert_eq!(up.count(ROUTE), 1, "{signal}");
+    }
+}
+
 /// A job that finds no slot within result_ttl expires: its result is a 503 route-busy, and its
 /// charge comes back; it never reaches the upstream.
 #[tokio::test]

@@ -165,6 +165,9 @@ struct Ended {
 async fn run(mut t: Task) {
     let waited = Instant::now();
     let queued_gauge = InState::new(&t.route.label, JobState::Queued);
+    // The exit waits for a queued job to say it was not run (`app::give_back_held`).
+    let waiting = t.shared.drain.waiting();
+    let mut exiting = false;
     let slot = match t.place.take() {
         Some(JobPlace::Slot(s)) => Some(s),
         Some(JobPlace::Waiting(w)) => tokio::select! {
@@ -172,6 +175,10 @@ async fn run(mut t: Task) {
             _ = &mut t.cancelled => None,
             // `result_ttl` from when it may run (a `max_delay` hold first).
             _ = tokio::time::sleep_until((t.job.due + t.rules.result_ttl).into()) => None,
+            _ = t.shared.drain.grace_over() => {
+                exiting = true;
+                None
+            }
         },
         None => None,
     };
@@ -181,8 +188,9 @@ async fn run(mut t: Task) {
     let total = waited.elapsed();
     let held = t.job.due.saturating_duration_since(waited).min(total);
     let queued = total - held;
-    // A draining instance starts no job: on the memory store its queue ends with it.
-    let draining = t.shared.drain.is_draining();
+    // A draining instance starts no job: on the memory store its queue ends with it (each
+    // job still queued as it exits says so).
+    let draining = exiting || t.shared.drain.is_draining();
     let slot = match slot {
         Some(slot) if !draining && t.job.start() => slot,
         _ if draining => {
@@ -220,6 +228,7 @@ async fn run(mut t: Task) {
             });
         }
     };
+    drop(waiting);
     t.ticket.attach_route(slot);
     let ended = execute(&mut t, queued, held).await;
     // From now on the job holds its result, not its request.

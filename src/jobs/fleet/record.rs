@@ -101,7 +101,12 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
                 .unwrap_or(0),
         ),
     };
-    let since = access::millis(waited(r));
+    let (waited, held, queued) = wait_of(r);
+    // Never run: it was held, then waited, all along (a lost run's wait is not known).
+    let (held, queued) = match result {
+        JobResult::Failed => (0.0, 0.0),
+        _ => (access::millis(held), access::millis(queued)),
+    };
     let key = who.map_or_else(|| "-".to_string(), |w| w.log_name().to_string());
     let rid = text(r, "rid");
     let traced = running.config.tracing.is_some();
@@ -116,16 +121,11 @@ pub(super) fn ended_unrun(running: &Running, r: &Record, id: &str, result: JobRe
         cost,
         decision: result.verdict(),
         status,
-        latency_ms: since,
+        latency_ms: access::millis(waited),
         upstream_ms: None,
         store_ms: 0.0,
-        // Never run: it waited all along.
-        queue_ms: if result == JobResult::Failed {
-            0.0
-        } else {
-            since
-        },
-        hold_ms: 0.0,
+        queue_ms: queued,
+        hold_ms: held,
         upstream_status: None,
         request_id: (!rid.is_empty()).then_some(rid.as_str()),
         trace_id: trace.as_ref().map(|t| t.as_str()),
@@ -151,6 +151,20 @@ pub(super) fn waited(r: &Record) -> std::time::Duration {
         .and_then(|s| s.parse::<u64>().ok())
         .unwrap_or(now_ms);
     std::time::Duration::from_millis(now_ms.saturating_sub(sub))
+}
+
+/// A record's job's wait from its submission to now: all of it, the part it was held for its
+/// `max_delay` turn (the queue served it no sooner), and the rest, queued.
+pub(super) fn wait_of(
+    r: &Record,
+) -> (
+    std::time::Duration,
+    std::time::Duration,
+    std::time::Duration,
+) {
+    let waited = waited(r);
+    let held = delay(r).min(waited);
+    (waited, held, waited - held)
 }
 
 /// How long after its submission a record's job was not to be sent (`max_delay`'s hold).

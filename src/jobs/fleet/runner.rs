@@ -9,7 +9,7 @@ use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
-use super::record::{claimed, client_of, headers_json, text, waited};
+use super::record::{claimed, client_of, headers_json, text, wait_of};
 use crate::admission::InFlight;
 use crate::problem::Problem;
 use crate::route::stated::Report;
@@ -39,9 +39,7 @@ pub(super) async fn run_claimed(
     };
     // Its wait from its submission to its claim: held for its `max_delay` turn (the queue
     // served it no sooner), then queued for a slot.
-    let waited = waited(&r);
-    let held = super::record::delay(&r).min(waited);
-    let queued = waited - held;
+    let (waited, held, queued) = wait_of(&r);
     let begun = Instant::now();
     let key = super::key_slot(&who).copied();
     // Settled as it was charged, whatever a reload changed since.
