@@ -27,7 +27,8 @@ pub struct Drain {
     /// While exiting, by when the requests held for their `max_delay` turn must be gone: a
     /// turn later than that is never reached here, so its request gives its reservation back
     /// at once and is refused (it may go to another instance), instead of holding the shared
-    /// schedule — the fleet's — until the process ends with it.
+    /// schedule — the fleet's — until the process ends with it. Requests still waiting for a
+    /// slot, and queued jobs, leave at that moment ([`Drain::grace_over`]).
     held_until: tokio::sync::watch::Sender<Option<Instant>>,
     /// Requests waiting for a capped route's decision (queued for a slot, or held before the
     /// queue), and those answered because the instance exits, until their log line: the exit

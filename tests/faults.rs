@@ -322,17 +322,9 @@ fn one_slot_queued() -> String {
 async fn exit_with_queued(gw: &mut Gateway, up: &Upstream, store: &str) {
     start_reports(gw, 1);
     up.wait_current("/reports/generate", 1).await;
+    let c = client();
     let queued: Vec<_> = (0..3)
-        .map(|_| {
-            let req = client()
-                .post(gw.url("/reports/generate"))
-                .header("X-API-Key", "waiting-key");
-            tokio::spawn(async move {
-                let r = req.send().await.map_err(|e| e.to_string())?;
-                let retry = header(&r, "Retry-After");
-                Ok::<_, String>((r.status().as_u16(), retry, r.text().await.unwrap()))
-            })
-        })
+        .map(|_| spawn_post_answer(&c, gw.url("/reports/generate"), "waiting-key"))
         .collect();
     wait_metric(
         gw,
@@ -343,13 +335,7 @@ async fn exit_with_queued(gw: &mut Gateway, up: &Upstream, store: &str) {
     .await;
     gw.signal("TERM");
     for q in queued {
-        let (status, retry, body) = q.await.unwrap().unwrap_or_else(|e| panic!("{store}: {e}"));
-        assert_eq!(status, 503, "{store}: {body}");
-        assert_eq!(retry.as_deref(), Some("1"), "{store}");
-        assert!(
-            body.contains("route-busy") && body.contains("shutting down"),
-            "{store}: {body}"
-        );
+        assert_answered_as_exiting(q.await.unwrap(), store);
     }
     assert_eq!(
         gw.wait_exit(Duration::from_secs(5)),

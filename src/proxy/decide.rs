@@ -45,28 +45,28 @@ impl Gateway {
         let waiting = may_queue.then(|| self.shared.drain.waiting());
         let answer = match &clock {
             Some(clock) => {
+                // A decision dropped before it answered: it was held, then waited in the queue
+                // (how much of that was the store's own work, the dropped call cannot say),
+                // under `on_error` if the store is away (nor which way it went).
+                let dropped = |ctx: &mut Ctx| {
+                    ctx.timing.hold = clock.held();
+                    ctx.timing.queued = t.elapsed().saturating_sub(ctx.timing.hold);
+                    ctx.fallback = self.shared.store.degraded();
+                };
                 tokio::select! {
                     a = clock.scope(self.shared.store.decide(&admit)) => a,
                     _ = self.shared.drain.grace_over() => {
                         // Still waiting for a slot as the instance exits: it leaves the queue
                         // and its charge goes back (the dropped decision's, as for a client
                         // that leaves), and it is answered, not cut off; the connection closes.
-                        ctx.timing.hold = clock.held();
-                        ctx.timing.queued = t.elapsed().saturating_sub(ctx.timing.hold);
-                        ctx.fallback = self.shared.store.degraded();
+                        dropped(ctx);
                         ctx.leaving = waiting;
                         session.set_keepalive(None);
                         return Err(decision::exiting_while_queued(&route, ctx.timing.queued));
                     }
                     _ = front::client_left(&mut session.downstream_session) => {
-                        // It was held, then waited in the queue until it left (how much of
-                        // that was the store's own decision, the dropped call cannot say).
-                        ctx.timing.hold = clock.held();
-                        ctx.timing.queued = t.elapsed().saturating_sub(ctx.timing.hold);
+                        dropped(ctx);
                         running.metrics.get(&route).queue_wait.observe(ctx.timing.queued.as_secs_f64());
-                        // Waiting under `on_error` if the store is away (the dropped call
-                        // cannot say which way it went).
-                        ctx.fallback = self.shared.store.degraded();
                         ctx.phase = Phase::Abandoned;
                         return Ok(false);
                     }

@@ -34,6 +34,36 @@ pub fn spawn_post(c: &reqwest::Client, url: String, key: &str) -> tokio::task::J
     tokio::spawn(async move { post(&c, url, &key).await.status().as_u16() })
 }
 
+/// A request's answer as a background task sees it: its status, `Retry-After` and body, or
+/// the error that cut it off.
+pub type Answer = Result<(u16, Option<String>, String), String>;
+
+/// `POST url` with an API key, in the background: its [`Answer`].
+pub fn spawn_post_answer(
+    c: &reqwest::Client,
+    url: String,
+    key: &str,
+) -> tokio::task::JoinHandle<Answer> {
+    let req = c.post(url).header("X-API-Key", key);
+    tokio::spawn(async move {
+        let r = req.send().await.map_err(|e| e.to_string())?;
+        let retry = header(&r, "Retry-After");
+        Ok((r.status().as_u16(), retry, r.text().await.unwrap()))
+    })
+}
+
+/// An exiting instance's answer to a request it will not forward (a held one, or one still
+/// queued for a slot): 503 `route-busy`, `Retry-After: 1`, saying it is shutting down.
+pub fn assert_answered_as_exiting(answer: Answer, what: &str) {
+    let (status, retry, body) = answer.unwrap_or_else(|e| panic!("{what}: cut off: {e}"));
+    assert_eq!(status, 503, "{what}: {body}");
+    assert_eq!(retry.as_deref(), Some("1"), "{what}");
+    assert!(
+        body.contains("route-busy") && body.contains("shutting down"),
+        "{what}: {body}"
+    );
+}
+
 /// `POST url` with an API key, in the background, sent again while it is refused 503
 /// `store-unavailable` (`on_error: deny` while a worker thread finds Redis restarted: never
 /// admitted): the status of the first answer the store decided.

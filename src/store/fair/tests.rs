@@ -333,9 +333,9 @@ fn a_reloaded_cap_reaches_the_waiters_and_an_older_config_does_not_undo_it() {
 async fn a_waiter_not_yet_due_keeps_no_slot_idle_and_is_served_when_due() {
     let q = RouteQueues::default();
     let route: Arc<str> = Arc::from("r");
-    // Far enough ahead that no scheduler delay reaches it before the checks below.
-    let due = Instant::now() + std::time::Duration::from_secs(3);
-    let held = match q.join_due(&route, 1, 1, fair(1), Some(due)) {
+    // An hour ahead: no scheduler delay reaches it during the checks.
+    let later = Instant::now() + std::time::Duration::from_secs(3600);
+    let held = match q.join_due(&route, 1, 1, fair(1), Some(later)) {
         Joined::Waiting(w) => w,
         other => panic!("expected to wait, got {other:?}"),
     };
@@ -353,6 +353,16 @@ async fn a_waiter_not_yet_due_keeps_no_slot_idle_and_is_served_when_due() {
     // Key 3's slot freed before the due time: nobody may take it.
     drop(s3);
     assert_eq!(q.counts("r"), (0, 1));
+    drop(held);
+    assert_eq!(q.counts("r"), (0, 0));
+
+    // Due soon, alone in the queue beside a free slot: granted at its time by the queue
+    // itself, with no release to trigger it, and never before (the queue reads the clock).
+    let due = Instant::now() + std::time::Duration::from_millis(100);
+    let held = match q.join_due(&route, 1, 1, fair(1), Some(due)) {
+        Joined::Waiting(w) => w,
+        other => panic!("expected to wait, got {other:?}"),
+    };
     let slot = tokio::time::timeout(std::time::Duration::from_secs(10), held.granted())
         .await
         .expect("never granted once due");
