@@ -177,6 +177,13 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
     let not_found = get(&c, gw.url(&unknown), "key-a").await;
     assert_eq!(not_found.status(), 404);
     full_headers(&not_found);
+    // Its body's members agree with its headers, as a synchronous refusal's do (§3).
+    let p: serde_json::Value = not_found.json().await.unwrap();
+    assert_eq!(
+        (p["cost"].as_u64(), p["remaining"].as_u64()),
+        (Some(0), Some(90)),
+        "{p}"
+    );
 
     let done = result(&c, &gw, &location, "key-a").await;
     assert_eq!(done.status(), 200);
@@ -435,6 +442,10 @@ async fn cancel_refunds_a_queued_job_and_refuses_a_running_one() {
         .await
         .unwrap();
     assert_eq!(running.status(), 409);
+    let p: serde_json::Value = running.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("job-started"), "{p}");
+    assert_eq!(p["cost"].as_u64(), Some(0), "{p}");
+    assert!(p["remaining"].as_u64().is_some(), "{p}");
     assert_eq!(result(&c, &gw, &first, "key-a").await.status(), 200);
     assert_eq!(up.count(ROUTE), 1);
 }
@@ -688,6 +699,7 @@ async fn a_job_that_waits_past_result_ttl_expires_refunded() {
     assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
     let p: serde_json::Value = r.json().await.unwrap();
     assert!(p["type"].as_str().unwrap().ends_with("route-busy"), "{p}");
+    assert_eq!(p["retry_after"].as_u64(), Some(1), "{p}");
     assert_metric(&gw, &series("expired"), 1.0).await;
     assert_eq!(remaining(&gw, "b").await, 100);
     assert_eq!(up.count(ROUTE), 1);

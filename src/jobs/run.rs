@@ -129,6 +129,8 @@ pub(super) async fn submit(
 pub(super) fn expired_result() -> Stored {
     let detail = "the job found no free slot within async.result_ttl; its charge was refunded";
     let mut r = problem_result(Problem::RouteBusy, detail);
+    // `Retry-After` and its member agree, as in the gateway's other answers.
+    r.body = problem::body(Problem::RouteBusy, detail, None, None, Some(1)).into();
     r.headers.push((
         http::header::RETRY_AFTER,
         http::HeaderValue::from_static("1"),

@@ -134,6 +134,8 @@ async fn problem_answer(
 }
 
 /// The gateway's problem JSON, with `Retry-After` (and its `retry_after` member) if given.
+/// Its `cost` is 0 (a poll or a cancel costs nothing) and its `remaining` the budget as it
+/// stands, when known, as in a synchronous refusal's body (DESIGN §3).
 async fn problem_retry(
     session: &mut Session,
     ctx: &Ctx,
@@ -148,7 +150,9 @@ async fn problem_retry(
         ),
         ("Cache-Control", HeaderValue::from_static("no-store")),
     ];
-    let body = problem::body(p, detail, None, None, retry_after);
+    let remaining = ctx.outcome().map(|o| o.remaining);
+    let cost = ctx.identity.as_ref().map(|_| 0);
+    let body = problem::body(p, detail, cost, remaining, retry_after);
     answer(
         session,
         ctx,
