@@ -60,6 +60,11 @@ fn pem_error(path: &Path, what: &str, e: pem::Error) -> String {
     }
 }
 
+/// Reads a PEM private key (`server.tls.key`).
+pub fn read_key(key: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::Key(pem_error(key, "private key", e)))
+}
+
 /// Reads a PEM chain (leaf first) and its private key, and checks that they belong together.
 pub fn load_key_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
@@ -72,8 +77,7 @@ pub fn load_key_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> 
             pem::Error::NoItemsFound,
         )));
     }
-    let private = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| TlsError::Key(pem_error(key, "private key", e)))?;
+    let private = read_key(key)?;
     pingora::tls::install_default_crypto_provider();
     let Some(provider) = pingora::tls::CryptoProvider::get_default() else {
         return Err(TlsError::Key("no TLS crypto provider is installed".into()));

@@ -300,6 +300,11 @@ fn tls(t: &RawTls, errs: &mut ConfigErrors) -> Option<crate::tls::TlsListener> {
         }),
         Err(e) => {
             errs.push(e.field(), e.to_string());
+            // A certificate that cannot be read stops the pair's check before its key: the
+            // key is read too, so that both are reported at once.
+            if let (crate::tls::TlsError::Cert(_), Err(k)) = (&e, crate::tls::read_key(&key)) {
+                errs.push(k.field(), k.to_string());
+            }
             None
         }
     }

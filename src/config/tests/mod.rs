@@ -161,6 +161,25 @@ fn registry_and_plans() {
     assert!(first_error(&bad).starts_with("keys[0].sha256: must be the 64 hex digits"));
     let bad = s.replace("plan: enterprise", "plan: gold");
     assert_eq!(first_error(&bad), "keys[0].plan: unknown plan \"gold\"");
+    // A second entry with the same id and key is reported beside the unknown plan.
+    let twice = format!(
+        "{bad}  - id: acme-prod\n    sha256: \"{}\"\n",
+        "ab".repeat(32)
+    );
+    let errs: Vec<String> = parse(&twice)
+        .unwrap_err()
+        .0
+        .iter()
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(
+        errs,
+        [
+            "keys[0].plan: unknown plan \"gold\"",
+            "keys[1].sha256: duplicate key",
+            "keys[1].id: duplicate id \"acme-prod\""
+        ]
+    );
     // A plan that is there but wrong is reported where it is wrong, not as unknown to its keys.
     let bad = s.replace("max_cost: 600", "max_cost: 0");
     let errs: Vec<String> = parse(&bad)

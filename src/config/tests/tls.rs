@@ -54,6 +54,12 @@ fn check_names_the_file_that_cannot_be_served() {
             cert.display()
         )]
     );
+    // Neither file there: both are reported, not the certificate alone.
+    let missing_key = dir.path().join("missing.key");
+    let e = errors(&missing, &missing_key);
+    assert_eq!(e.len(), 2, "{e:?}");
+    assert!(e[0].starts_with("server.tls.cert: cannot read"), "{e:?}");
+    assert!(e[1].starts_with("server.tls.key: cannot read"), "{e:?}");
     let garbage = dir.path().join("garbage.crt");
     std::fs::write(
         &garbage,

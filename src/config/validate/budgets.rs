@@ -107,6 +107,9 @@ pub(super) fn keys(
 ) -> Registry {
     let mut keys = HashMap::new();
     let mut key_ids = HashMap::new();
+    // Every entry's hash and id, whether or not the entry is valid otherwise: a duplicate is
+    // reported beside an unknown plan, not only once that is fixed.
+    let (mut hashes, mut ids) = (HashSet::new(), HashSet::new());
     for (i, k) in raw.iter().enumerate() {
         let base = format!("keys[{i}]");
         let chars = k.id.chars().count();
@@ -157,13 +160,14 @@ pub(super) fn keys(
                 }
             },
         };
+        if hash.is_some_and(|h| !hashes.insert(h)) {
+            errs.push(format!("{base}.sha256"), "duplicate key");
+        }
+        if !ids.insert(k.id.as_str()) {
+            errs.push(format!("{base}.id"), format!("duplicate id \"{}\"", k.id));
+        }
         if let (Some(hash), Some(policy)) = (hash, policy) {
-            if keys.contains_key(&hash) {
-                errs.push(format!("{base}.sha256"), "duplicate key");
-            }
-            if key_ids.insert(k.id.clone(), hash).is_some() {
-                errs.push(format!("{base}.id"), format!("duplicate id \"{}\"", k.id));
-            }
+            key_ids.insert(k.id.clone(), hash);
             keys.insert(
                 hash,
                 KeyEntry {
