@@ -358,19 +358,22 @@ pub fn had_request(e: &pingora::Error, since_sent: Option<Duration>, within: Dur
     }
 }
 
-/// Whether an upstream that closed a new connection without answering (`e`) read the
-/// request first, by the connection's TCP state (`info`, read when the close was seen): it
-/// closed in order (the connection waits for our side to close: CLOSE_WAIT, not reset) and
-/// its kernel had acknowledged every byte sent. One that closes with the request unread in
-/// its socket resets the connection instead, and one that closed before the request arrived
-/// has the request reset or still unacknowledged; a new connection has no race with a
-/// keep-alive timeout. So this needs no time window ([`had_request`]'s), which on loopback
-/// took an upstream that read the request and hung up at once for one that never had it.
+/// Whether an upstream that closed its connection without answering (`e`) read the request
+/// first, by the connection's TCP state (`info`, read when the close was seen): it closed in
+/// order (the connection waits for our side to close: CLOSE_WAIT, not reset) and its kernel
+/// had acknowledged every byte written (none unacknowledged, none still unsent). One that
+/// closes with the request unread in its socket resets the connection instead; one that
+/// closed before the request arrived (a kept-alive connection given up on as it was sent: the
+/// keep-alive race) has the request reset, still unacknowledged or unsent. So this needs no
+/// time window ([`had_request`]'s), which on loopback took an upstream that read the request
+/// and hung up at once for one that never had it.
 pub fn read_before_closing(e: &pingora::Error, info: Option<TCP_INFO>) -> bool {
     /// `TCP_CLOSE_WAIT` of the kernel's `enum tcp_state`.
     const CLOSE_WAIT: u8 = 8;
     matches!(e.etype(), pingora::ErrorType::ConnectionClosed)
-        && info.is_some_and(|i| i.tcpi_state == CLOSE_WAIT && i.tcpi_unacked == 0)
+        && info.is_some_and(|i| {
+            i.tcpi_state == CLOSE_WAIT && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes == 0
+        })
 }
 
 #[cfg(test)]

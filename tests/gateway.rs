@@ -627,9 +627,10 @@ async fn an_upstream_that_hangs_up_after_receiving_keeps_the_charge_and_runs_it_
 }
 
 /// The same when the upstream hangs up at once, the moment it has read the request, on a new
-/// connection: it had the request (it closed in order, having read all of it: an unread
-/// request would have been reset), so the 502 is charged. (Within 100 ms of sending, this was
-/// refunded as if the upstream had never received it.)
+/// connection or a kept-alive one: it had the request (it closed in order, having read all of
+/// it: an unread request would have been reset), so the 502 is charged, and a GET is not sent
+/// again. (Within 100 ms of sending, this was refunded as if the upstream had never received
+/// it; on a kept-alive connection a GET was then run twice, a POST run and refunded.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_hangs_up_at_once_after_reading_keeps_the_charge() {
     let (up, gw) = hang_up_gateway("/work", Duration::ZERO);
@@ -648,6 +649,34 @@ async fn an_upstream_that_hangs_up_at_once_after_reading_keeps_the_charge() {
         "each sent once, on a connection of its own: {work:?}"
     );
     assert!(work.iter().all(|w| w.2 == 1), "{work:?}");
+
+    // On a kept-alive connection the upstream answered on before (the gateway's one thread
+    // puts it back in its pool before the client's next request on the same connection).
+    for (n, post) in [(6u64, false), (7, true)] {
+        let ok = get(&c, gw.url("/ok"), "key-1").await;
+        assert_eq!(ok.status(), 200);
+        ok.text().await.unwrap();
+        let target = gw.url(&format!("/work?n={n}"));
+        let r = match post {
+            false => get(&c, target, "key-1").await,
+            // No body: `HangUp` reads a request's head only (a body left unread would reset
+            // the connection as it closes).
+            true => c
+                .post(target)
+                .header("X-API-Key", "key-1")
+                .send()
+                .await
+                .unwrap(),
+        };
+        assert_eq!(r.status(), 502, "#{n}");
+        assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("5"), "#{n}");
+        // Each `/ok` costs 1.
+        let left = (100 - 5 * n - (n - 5)).to_string();
+        assert_eq!(header(&r, "X-RateLimit-Remaining"), Some(left), "#{n}");
+        let work = up.seen(&format!("/work?n={n}"));
+        assert_eq!(work.len(), 1, "sent once: {work:?}");
+        assert_eq!(work[0].2, 2, "on the kept-alive connection: {work:?}");
+    }
 }
 
 /// And the other side on a new connection: an upstream that accepts and closes without

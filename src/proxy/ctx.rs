@@ -78,11 +78,10 @@ pub struct Leg {
     /// client resets the stream, the upstream's answer is drained from it so that the slot
     /// follows the upstream's work.
     pub dup: Option<std::os::fd::OwnedFd>,
-    /// A duplicate of a new upstream connection's socket (not one taken from the pool), kept
-    /// only until its request's answer begins: should the upstream close it unanswered, its TCP
-    /// state says whether it read the request (`upstreams::read_before_closing`). Never
-    /// followed, unlike `dup`.
-    pub fresh: Option<std::os::fd::OwnedFd>,
+    /// A duplicate of the upstream connection's socket, kept only until its request's answer
+    /// begins: should the upstream close it unanswered, its TCP state says whether it read
+    /// the request (`upstreams::read_before_closing`). Never followed, unlike `dup`.
+    pub socket: Option<std::os::fd::OwnedFd>,
     /// `server.body_timeout` for an HTTP/2 request body being forwarded (Pingora times only
     /// HTTP/1 bodies).
     pub body_watch: Option<crate::front::BodyWatch>,

@@ -13,16 +13,16 @@ use crate::problem::Problem;
 use crate::telemetry::{metrics, ClientTimeout};
 use crate::upstreams;
 
-/// Whether the upstream had the request when the attempt on `peer` failed with `e`
-/// (`upstreams::had_request`); on a new connection (not `client_reused`), also by its TCP
-/// state (`upstreams::read_before_closing`).
-pub(super) fn had_request(e: &Error, peer: &HttpPeer, ctx: &Ctx, client_reused: bool) -> bool {
+/// Whether the upstream had the request when the attempt on `peer` failed with `e`: by the
+/// time since it was sent (`upstreams::had_request`), or by the connection's TCP state
+/// (`upstreams::read_before_closing`), on a new connection or a kept-alive one alike.
+pub(super) fn had_request(e: &Error, peer: &HttpPeer, ctx: &Ctx) -> bool {
     let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
     let within = upstreams::stale_within(&peer._address);
     upstreams::had_request(e, sent, within)
-        || (!client_reused && sent.is_some() && {
+        || (sent.is_some() && {
             use std::os::fd::AsRawFd;
-            let fd = ctx.upstream.fresh.as_ref().map(|d| d.as_raw_fd());
+            let fd = ctx.upstream.socket.as_ref().map(|d| d.as_raw_fd());
             let info = fd.and_then(|fd| pingora::protocols::l4::ext::get_tcp_info(fd).ok());
             upstreams::read_before_closing(e, info)
         })

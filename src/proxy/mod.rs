@@ -389,13 +389,10 @@ impl ProxyHttp for Gateway {
         // SAFETY: Pingora owns `fd` and keeps it open for the duration of this call; only
         // duplicates are kept.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        // A new connection's TCP state says, should the upstream close it unanswered, whether
-        // it read the request (`error_while_proxy`).
-        ctx.upstream.fresh = if reused {
-            None
-        } else {
-            borrowed.try_clone_to_owned().ok()
-        };
+        // The connection's TCP state says, should the upstream close it unanswered, whether
+        // it read the request (`error_while_proxy`): on a kept-alive connection too, where a
+        // close soon after sending is otherwise taken for the keep-alive race.
+        ctx.upstream.socket = borrowed.try_clone_to_owned().ok();
         if follows_upstream(ctx) || settles_on_reset(session, ctx) {
             ctx.upstream.dup = borrowed.try_clone_to_owned().ok();
         }
@@ -425,7 +422,7 @@ impl ProxyHttp for Gateway {
         // The upstream answered: it no longer waits on the client's body, nor is there a
         // close without an answer to judge.
         ctx.upstream.body_watch = None;
-        ctx.upstream.fresh = None;
+        ctx.upstream.socket = None;
         ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         if matches!(ctx.report, Some(Report::Applied(_))) {
@@ -477,9 +474,9 @@ impl ProxyHttp for Gateway {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        let had = failure::had_request(&e, peer, ctx, client_reused);
+        let had = failure::had_request(&e, peer, ctx);
         ctx.upstream.had_request = Some(had);
-        ctx.upstream.fresh = None;
+        ctx.upstream.socket = None;
         if !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
             || had

@@ -145,10 +145,12 @@ impl TlsUpstream {
 
 /// An upstream that reads each request's head and then, after `after`, closes its connection
 /// without a byte of answer — except for targets starting with `/ok`, answered `200 ok` on a
-/// kept-alive connection, and `/stale`, answered so as the first request of a connection and
-/// closed at once, unanswered, as a later one (a kept-alive connection the upstream gave up
-/// on). It records every request it read: its target, and which connection (counted from 1)
-/// and which request on that connection (counted from 1) it came on.
+/// kept-alive connection, and `/stale`, answered so as the first request of a connection and,
+/// as a later one, closed the moment it arrives, unread and unanswered (a kept-alive
+/// connection the upstream gave up on as the request came: the kernel resets a connection
+/// closed with unread data, as it does one whose request arrives after the close). It records
+/// every request it saw: its target, and which connection (counted from 1) and which request
+/// on that connection (counted from 1) it came on.
 pub struct HangUp {
     pub port: u16,
     seen: Arc<std::sync::Mutex<Vec<(String, usize, usize)>>>,
@@ -168,6 +170,28 @@ impl HangUp {
                 let log = log.clone();
                 std::thread::spawn(move || {
                     for nth in 1.. {
+                        if nth > 1 {
+                            // A later `/stale` is seen without being read, and the
+                            // connection closed with it unread.
+                            let mut peeked = [0u8; 256];
+                            let target = loop {
+                                let Ok(n) = conn.peek(&mut peeked) else {
+                                    return;
+                                };
+                                if n == 0 {
+                                    return;
+                                }
+                                let seen = String::from_utf8_lossy(&peeked[..n]).into_owned();
+                                if let Some((line, _)) = seen.split_once("\r\n") {
+                                    break line.split(' ').nth(1).unwrap_or("").to_string();
+                                }
+                                std::thread::sleep(Duration::from_millis(1));
+                            };
+                            if target.starts_with("/stale") {
+                                log.lock().unwrap().push((target, n + 1, nth));
+                                return;
+                            }
+                        }
                         let mut head = Vec::new();
                         let mut byte = [0u8; 1];
                         while !head.ends_with(b"\r\n\r\n") {
@@ -180,9 +204,6 @@ impl HangUp {
                         let target = head.split(' ').nth(1).unwrap_or("").to_string();
                         log.lock().unwrap().push((target.clone(), n + 1, nth));
                         let stale = target.starts_with("/stale");
-                        if stale && nth > 1 {
-                            return; // closed at once, nothing answered
-                        }
                         if !target.starts_with("/ok") && !stale {
                             std::thread::sleep(after);
                             return; // dropped: closed, nothing answered
