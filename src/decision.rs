@@ -194,16 +194,27 @@ pub fn identify(
     })
 }
 
-/// HTTP/1.1 requires `Host` (RFC 9112 §3.2); a request without one is refused before anything
-/// is charged.
+/// HTTP/1.1 requires `Host` (RFC 9112 §3.2), and a `Host` must be a `uri-host [":" port]`
+/// (RFC 9110 §7.2; empty is allowed): a request without one, or with one that is not, is
+/// refused before anything is charged (it is copied upstream as `X-Forwarded-Host`).
 pub fn require_host(http11: bool, headers: &HeaderMap) -> Result<(), Refusal> {
-    if http11 && !headers.contains_key(http::header::HOST) {
-        return Err(Refusal::new(
+    match headers.get(http::header::HOST) {
+        None if http11 => Err(Refusal::new(
             Problem::BadRequest,
             "an HTTP/1.1 request must carry a Host header",
-        ));
+        )),
+        Some(h) if !h.as_bytes().iter().all(|&b| is_authority_byte(b)) => Err(Refusal::new(
+            Problem::BadRequest,
+            "the Host header is not a host with an optional port",
+        )),
+        _ => Ok(()),
     }
-    Ok(())
+}
+
+/// A byte a `Host` may hold: a reg-name's, an IP literal's (`[`, `]`, `:`) or a port's (RFC
+/// 3986 §3.2.2); no whitespace, and no `@` (`Host` has no userinfo).
+fn is_authority_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=:[]".contains(&b)
 }
 
 /// Most options a `Connection` header may name: Pingora refuses a request with more as

@@ -244,6 +244,16 @@ async fn http11_without_host_is_400() {
     .expect("an answer");
     assert_eq!(r.status, 400, "{r:?}");
     assert!(up.stats().is_empty(), "the upstream ran {:?}", up.stats());
+    // A Host that is not a host (RFC 9110 §7.2), on HTTP/1.1 or 1.0: 400, not forwarded.
+    for (version, host) in [("1.1", "a b"), ("1.1", "user@api.example"), ("1.0", "a/b")] {
+        let head = format!(
+            "GET /items HTTP/{version}\r\nHost: {host}\r\nX-API-Key: k\r\nConnection: close\r\n\r\n"
+        );
+        let r = raw_request(gw.port, head.as_bytes()).expect("an answer");
+        assert_eq!(r.status, 400, "{host:?}: {r:?}");
+        assert!(r.is_problem("bad-request"), "{host:?}: {r:?}");
+    }
+    assert!(up.stats().is_empty(), "the upstream ran {:?}", up.stats());
     // With Host, the same request passes.
     let r = raw_request(gw.port, &raw("GET /items", &["X-API-Key: k"])).expect("an answer");
     assert_eq!(r.status, 200);

@@ -81,6 +81,28 @@ fn host_is_required_on_http11() {
     assert!(require_host(false, &h).is_ok());
     h.insert("host", "x".parse().unwrap());
     assert!(require_host(true, &h).is_ok());
+    // A host with a port, an IP literal, an empty one (RFC 9110 §7.2): accepted; one with a
+    // space, a slash or userinfo is not a host, on HTTP/1.0 too.
+    for ok in [
+        "api.example.com:8080",
+        "127.0.0.1",
+        "[::1]:80",
+        "xn--bcher-kva.example",
+        "",
+    ] {
+        h.insert("host", ok.parse().unwrap());
+        assert!(require_host(true, &h).is_ok(), "{ok:?}");
+    }
+    for bad in ["a b", "a/b", "user@host", "host\tx", "h\u{e9}"] {
+        h.insert(
+            "host",
+            http::HeaderValue::from_bytes(bad.as_bytes()).unwrap(),
+        );
+        for http11 in [true, false] {
+            let e = require_host(http11, &h).unwrap_err();
+            assert_eq!(e.problem, Problem::BadRequest, "{bad:?}");
+        }
+    }
 }
 
 #[test]
