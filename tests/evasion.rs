@@ -600,13 +600,27 @@ async fn connection_options_pingora_would_refuse_are_settled_before_admission() 
     assert!(error_lines(&gw).is_empty(), "{:?}", error_lines(&gw));
 }
 
-const CLAIMS: [(&str, &str); 6] = [
+const CLAIMS: [(&str, &str); 20] = [
     ("Forwarded", "for=203.0.113.7;proto=https"),
     ("X-Real-IP", "203.0.113.7"),
     ("True-Client-IP", "203.0.113.7"),
     ("X-Client-IP", "203.0.113.7"),
     ("X-Forwarded-Port", "443"),
     ("X-Forwarded-Prefix", "/admin"),
+    ("Client-IP", "203.0.113.7"),
+    ("X-Cluster-Client-IP", "203.0.113.7"),
+    ("CF-Connecting-IP", "203.0.113.7"),
+    ("Fastly-Client-IP", "203.0.113.7"),
+    ("X-Original-Forwarded-For", "203.0.113.7"),
+    ("X-Forwarded", "for=203.0.113.7"),
+    ("X-Remote-IP", "203.0.113.7"),
+    ("X-Remote-Addr", "203.0.113.7"),
+    ("X-Forwarded-Ssl", "on"),
+    ("X-Forwarded-Scheme", "https"),
+    ("X-Url-Scheme", "https"),
+    ("Front-End-Https", "on"),
+    ("X-Forwarded-Server", "admin.internal"),
+    ("X-Original-Host", "admin.internal"),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,14 +22,31 @@ const OVERRIDES: [&str; 5] = [
     "x-rewrite-url",
 ];
 
-/// Claims about the client that only a trusted proxy may make.
-const CLAIMS: [&str; 6] = [
+/// Claims about the client that only a trusted proxy may make: DESIGN §3's six, then the
+/// other address headers frameworks and CDNs read (the upstream learns the client from
+/// `X-Forwarded-For` only), and the claims of scheme and host besides the `X-Forwarded-Proto`
+/// and `X-Forwarded-Host` the gateway sets (Rails's `X-Forwarded-Ssl`, `X-Url-Scheme`, …).
+const CLAIMS: [&str; 20] = [
     "forwarded",
     "x-real-ip",
     "true-client-ip",
     "x-client-ip",
     "x-forwarded-port",
     "x-forwarded-prefix",
+    "client-ip",
+    "x-cluster-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+    "x-original-forwarded-for",
+    "x-forwarded",
+    "x-remote-ip",
+    "x-remote-addr",
+    "x-forwarded-ssl",
+    "x-forwarded-scheme",
+    "x-url-scheme",
+    "front-end-https",
+    "x-forwarded-server",
+    "x-original-host",
 ];
 
 /// Set by the gateway itself (`forward::request`); a client's other spellings of them are claims.
