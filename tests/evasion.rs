@@ -1057,6 +1057,9 @@ fn a_short_or_placeholder_admin_token_is_refused_at_start() {
         "CHANGEME0123456789abcdef",
         // Long, but one word said three times.
         "passwordpasswordpassword",
+        // A template's placeholder, and guessable words with digits (a probe started with each).
+        "<your-admin-token>",
+        "password1234567890",
         // Set but empty (a secret that is missing): it served /admin/* to anyone.
         "",
         // No Authorization header carries it: it locked everyone out.

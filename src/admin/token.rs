@@ -23,14 +23,65 @@ const PLACEHOLDERS: [&str; 7] = [
     "token",
 ];
 
-/// Placeholders that are refused wherever they appear in a value (`CHANGE-ME-0123456789`).
-const PLACEHOLDER_PARTS: [&str; 5] = [
-    "change-me",
+/// Placeholders that are refused wherever they appear in a value (`CHANGE-ME-0123456789`,
+/// `<your-admin-token>`), compared on its letters and digits alone, lower-cased. Each has 7
+/// letters or more, so that a random token holds one by chance about never.
+const PLACEHOLDER_PARTS: [&str; 13] = [
     "changeme",
-    "change_me",
-    "replace-me",
+    "changeit",
     "replaceme",
+    "placeholder",
+    "yourtoken",
+    "youradmin",
+    "yoursecret",
+    "tokenhere",
+    "secrethere",
+    "inserttoken",
+    "inserthere",
+    "settoken",
+    "example",
 ];
+
+/// Words a guessable token is made of: a value that is only these and digits
+/// (`password1234567890`, `default-admin-token`) is refused. Longest first where one begins
+/// another.
+const WEAK_WORDS: [&str; 16] = [
+    "password", "passwd", "pass", "secret", "default", "admin", "token", "test", "tollgate",
+    "qwerty", "letmein", "welcome", "key", "dummy", "sample", "todo",
+];
+
+/// Whether `letters` (a value's letters and digits, lower-cased) is made of [`WEAK_WORDS`] and
+/// digits only (and is not empty: an empty value is too short, not a placeholder).
+fn weak_only(mut letters: &str) -> bool {
+    if letters.is_empty() {
+        return false;
+    }
+    while !letters.is_empty() {
+        if letters.as_bytes()[0].is_ascii_digit() {
+            letters = &letters[1..];
+        } else if let Some(w) = WEAK_WORDS.iter().find(|w| letters.starts_with(**w)) {
+            letters = &letters[w.len()..];
+        } else {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether `value` is a placeholder: one from [`PLACEHOLDERS`], one holding a
+/// [`PLACEHOLDER_PARTS`] or starting `todo`, an unrendered template (`<…>`, `${…}`, `{{…}}`),
+/// or made of [`WEAK_WORDS`] and digits.
+fn is_placeholder(value: &str) -> bool {
+    let lower = value.to_ascii_lowercase();
+    let letters: String = lower.chars().filter(char::is_ascii_alphanumeric).collect();
+    PLACEHOLDERS.contains(&lower.as_str())
+        || PLACEHOLDER_PARTS.iter().any(|p| letters.contains(p))
+        || letters.starts_with("todo")
+        || (value.starts_with('<') && value.ends_with('>'))
+        || value.starts_with("${")
+        || value.starts_with("{{")
+        || weak_only(&letters)
+}
 
 /// Why the token is refused. The value itself is never part of the message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -50,9 +101,7 @@ pub fn check(value: &str) -> Result<Arc<str>, BadToken> {
     if !value.is_empty() && !value.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(BadToken::Unsendable);
     }
-    let lower = value.to_ascii_lowercase();
-    if PLACEHOLDERS.contains(&lower.as_str()) || PLACEHOLDER_PARTS.iter().any(|p| lower.contains(p))
-    {
+    if is_placeholder(value) {
         return Err(BadToken::Placeholder);
     }
     let chars = value.chars().count();
@@ -181,6 +230,34 @@ mod tests {
         for t in ["CHANGE-ME-0123456789abcdef", "xxchangemexx-0123456789"] {
             assert_eq!(check(t), Err(BadToken::Placeholder), "{t}");
         }
+        // What a probe started a gateway with: templates' placeholders, and values made of
+        // guessable words and digits.
+        for t in [
+            "<your-admin-token>",
+            "PLACEHOLDER-TOKEN-123",
+            "REPLACE_ME_REPLACE_ME1",
+            "TODO-set-a-real-token",
+            "insert-token-here-123",
+            "your-token-here-please",
+            "changeit-changeit",
+            "example-token-0000",
+            "default-admin-token",
+            "password1234567890",
+            "Secret1234567890",
+            "${TOLLGATE_ADMIN_TOKEN}",
+            "{{admin_token}}",
+        ] {
+            assert_eq!(check(t), Err(BadToken::Placeholder), "{t}");
+        }
+        // Random tokens pass, whatever letters they happen to hold.
+        for t in [
+            "0123456789abcdef",
+            "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+            "tK3Qz8sV0pL6wR2yN5mB",
+            "admin-9f86d081884c7d65",
+        ] {
+            assert!(check(t).is_ok(), "{t}");
+        }
         assert_eq!(check("admintok"), Err(BadToken::TooShort(8)));
         assert_eq!(check("0123456789abcde"), Err(BadToken::TooShort(15)));
         assert!(check("0123456789abcdef").is_ok());
@@ -194,8 +271,13 @@ mod tests {
         ] {
             assert_eq!(check(t), Err(BadToken::Unsendable), "{t:?}");
         }
+        // (A guessable word said again and again is a placeholder first.)
+        assert_eq!(
+            check("passwordpasswordpassword"),
+            Err(BadToken::Placeholder)
+        );
         for t in [
-            "passwordpasswordpassword",
+            "xpasswordxpasswordxpassword",
             "aaaaaaaaaaaaaaaa",
             "abcabcabcabcabcab",
             "0123456789abcdef0123456789abcdef",
