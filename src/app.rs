@@ -167,6 +167,7 @@ impl ShutdownSignalWatch for Signals {
                     // worker thread without a bound: in CI an instance once never exited
                     // after SIGINT that way (a worker that did not come back to its runtime).
                     give_back_held(&self.app).await;
+                    cut_off_running(&self.app).await;
                     self.app.shared.store.release_all().await;
                     let store = &self.app.shared.store;
                     store.written_back_by(Instant::now() + WRITE_BACK_AT_EXIT).await;
@@ -219,9 +220,28 @@ fn spawn_drain_watch(app: Arc<App>) {
 const WRITE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
 
 /// Seconds Pingora's runtimes outlive the grace period, for the drain thread's last steps:
-/// held turns given back (1.1 s at most), leases released (1 s), the write-back
-/// (`WRITE_BACK_AT_EXIT` at least), spans and logs flushed (2 s and 1 s), and a margin.
-const EXIT_ROOM: u64 = 7;
+/// held turns given back (1.1 s at most), running requests cut off (`CUT_OFF_WAIT`), leases
+/// released (1 s), the write-back (`WRITE_BACK_AT_EXIT` at least), spans and logs flushed (2 s
+/// and 1 s), and a margin.
+const EXIT_ROOM: u64 = 8;
+
+/// How long an exit waits for the requests it cut off to be answered and logged.
+const CUT_OFF_WAIT: Duration = Duration::from_secs(1);
+
+/// Cuts off the requests still running as the instance exits (past its grace period, or at
+/// SIGINT): each one's upstream socket is shut down, so that it fails on its own worker, is
+/// answered (502, charged: the upstream had it) and gets its access-log line, as every
+/// request does (DESIGN §5); waits up to [`CUT_OFF_WAIT`] for them.
+async fn cut_off_running(app: &App) {
+    let drain = &app.shared.drain;
+    if drain.cut_off() == 0 {
+        return;
+    }
+    let deadline = Instant::now() + CUT_OFF_WAIT;
+    while drain.active() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
 
 /// An exiting instance gives back the reservations of the requests it still holds for their
 /// `max_delay` turn, then frees the fleet's slots it holds (the store bounds this to 1 s), and
@@ -235,6 +255,7 @@ fn release_leases(app: &App, write_back_by: Instant) {
     {
         Ok(rt) => rt.block_on(async {
             give_back_held(app).await;
+            cut_off_running(app).await;
             app.shared.store.release_all().await;
             let by = write_back_by.max(Instant::now() + WRITE_BACK_AT_EXIT);
             app.shared.store.written_back_by(by).await

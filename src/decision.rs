@@ -520,6 +520,10 @@ pub fn upstream_failed(failure: UpstreamFailure) -> Refusal {
             Problem::BadGateway,
             "the upstream closed the connection without answering; it had the request, so the request is charged",
         ),
+        UpstreamFailure::CutOff => Refusal::new(
+            Problem::BadGateway,
+            "this gateway instance exited past its grace period while the upstream worked on the request; it had the request, so the request is charged",
+        ),
         UpstreamFailure::Malformed => Refusal::new(
             Problem::BadGateway,
             "the upstream's answer could not be read (it is not valid HTTP); it had the request, so the request is charged",
@@ -538,6 +542,9 @@ pub enum UpstreamFailure {
     Unreachable,
     /// It had the request and closed the connection without an answer: 502, charged.
     HungUp,
+    /// It had the request when the instance, exiting past its grace period (or at SIGINT),
+    /// cut the request off (`Drain::cut_off`): 502, charged.
+    CutOff,
     /// It had the request and answered with something that is not HTTP (an invalid head):
     /// 502, charged.
     Malformed,

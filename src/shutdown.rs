@@ -6,6 +6,7 @@
 //! whichever comes first. No polling: the waiter sleeps on a condition variable that each
 //! finished request signals.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -19,9 +20,19 @@ pub enum Drained {
     GraceOver { active: usize },
 }
 
+/// The requests in flight, and the upstream sockets of those that reached an upstream.
+#[derive(Debug, Default)]
+struct Active {
+    count: usize,
+    /// A duplicate of each such request's upstream socket ([`DrainGuard::follow_socket`]):
+    /// what an exit past the grace period shuts down to cut the request off
+    /// ([`Drain::cut_off`]), and what tells whether an upstream that closed had the request.
+    sockets: slab::Slab<OwnedFd>,
+}
+
 #[derive(Debug, Default)]
 pub struct Drain {
-    active: Mutex<usize>,
+    active: Mutex<Active>,
     changed: Condvar,
     draining: AtomicBool,
     /// While exiting, by when the requests held for their `max_delay` turn must be gone: a
@@ -34,19 +45,61 @@ pub struct Drain {
     /// queue), and those answered because the instance exits, until their log line: the exit
     /// waits for them to be answered (`app::give_back_held`).
     waiting: AtomicUsize,
+    /// The requests still running have been cut off: their upstream sockets shut down, so
+    /// that each fails, is answered and logged (`Drain::cut_off`).
+    cut: AtomicBool,
 }
 
-/// Held by one request while the gateway works on it.
+/// Held by one request while the gateway works on it, with its upstream socket's duplicate
+/// once it has one.
 #[derive(Debug)]
-pub struct DrainGuard(Arc<Drain>);
+pub struct DrainGuard {
+    drain: Arc<Drain>,
+    socket: Option<usize>,
+}
 
 impl Drop for DrainGuard {
     fn drop(&mut self) {
-        let mut n = crate::store::lock(&self.0.active);
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            self.0.changed.notify_all();
+        let mut a = crate::store::lock(&self.drain.active);
+        a.count = a.count.saturating_sub(1);
+        if let Some(k) = self.socket {
+            a.sockets.try_remove(k);
         }
+        if a.count == 0 {
+            self.drain.changed.notify_all();
+        }
+    }
+}
+
+impl DrainGuard {
+    /// Keeps `fd`, a duplicate of the request's upstream socket, until the request ends (in
+    /// place of the one of an attempt before it). A request that reaches its upstream after
+    /// the cut is cut off at once.
+    pub fn follow_socket(&mut self, fd: OwnedFd) {
+        let mut a = crate::store::lock(&self.drain.active);
+        if let Some(k) = self.socket.take() {
+            a.sockets.try_remove(k);
+        }
+        if self.drain.is_cut_off() {
+            shut(&fd);
+        }
+        self.socket = Some(a.sockets.insert(fd));
+    }
+
+    /// The TCP state of the request's upstream socket, when it has one.
+    pub fn socket_tcp_info(&self) -> Option<pingora::protocols::l4::ext::TCP_INFO> {
+        let a = crate::store::lock(&self.drain.active);
+        let fd = a.sockets.get(self.socket?)?;
+        pingora::protocols::l4::ext::get_tcp_info(fd.as_raw_fd()).ok()
+    }
+}
+
+/// Shuts a socket down both ways: whoever reads or writes it next fails.
+fn shut(fd: &OwnedFd) {
+    // SAFETY: `fd` is an open socket this process owns; shutdown(2) neither frees nor
+    // invalidates it.
+    unsafe {
+        libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR);
     }
 }
 
@@ -67,12 +120,33 @@ impl Drain {
 
     /// Counts a request in; it is counted out when the guard drops.
     pub fn enter(self: &Arc<Self>) -> DrainGuard {
-        *crate::store::lock(&self.active) += 1;
-        DrainGuard(self.clone())
+        crate::store::lock(&self.active).count += 1;
+        DrainGuard {
+            drain: self.clone(),
+            socket: None,
+        }
     }
 
     pub fn active(&self) -> usize {
-        *crate::store::lock(&self.active)
+        crate::store::lock(&self.active).count
+    }
+
+    /// Cuts off the requests still running as the instance exits past its grace period (at
+    /// SIGINT, at once): each one's upstream socket is shut down, so that it fails, is
+    /// answered (502, charged: the upstream had it) and logged, as every request is, instead
+    /// of ending with the process unlogged. Returns how many sockets were shut.
+    pub fn cut_off(&self) -> usize {
+        self.cut.store(true, Ordering::SeqCst);
+        let a = crate::store::lock(&self.active);
+        for (_, fd) in a.sockets.iter() {
+            shut(fd);
+        }
+        a.sockets.len()
+    }
+
+    /// Whether the requests still running have been cut off ([`Drain::cut_off`]).
+    pub fn is_cut_off(&self) -> bool {
+        self.cut.load(Ordering::SeqCst)
     }
 
     /// Marks the process as draining (`/readyz` answers 503 from now on).
@@ -142,10 +216,10 @@ impl Drain {
         let mut n = crate::store::lock(&self.active);
         loop {
             // Wait for the count to reach zero.
-            while *n > 0 {
+            while n.count > 0 {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Drained::GraceOver { active: *n };
+                    return Drained::GraceOver { active: n.count };
                 }
                 n = match self.changed.wait_timeout(n, left) {
                     Ok((g, _)) => g,
@@ -154,7 +228,7 @@ impl Drain {
             }
             // Then for it to stay there for `quiet`.
             let quiet_until = Instant::now() + quiet;
-            while *n == 0 {
+            while n.count == 0 {
                 let now = Instant::now();
                 if now >= quiet_until {
                     return Drained::Idle;
@@ -248,5 +322,37 @@ mod tests {
         assert!(!d.is_draining());
         d.start();
         assert!(d.is_draining());
+    }
+
+    /// The cut shuts down every followed socket (its peer reads the end), one followed after
+    /// it at once, and a request's socket is let go with its guard.
+    #[test]
+    fn a_cut_shuts_the_followed_sockets_down() {
+        use std::io::Read;
+        use std::os::unix::net::UnixStream;
+        let d = Drain::new();
+        let (mut g1, mut g2, mut g3) = (d.enter(), d.enter(), d.enter());
+        let (a, mut a_peer) = UnixStream::pair().unwrap();
+        let (b, b_peer) = UnixStream::pair().unwrap();
+        let (c, mut c_peer) = UnixStream::pair().unwrap();
+        g1.follow_socket(OwnedFd::from(a));
+        g2.follow_socket(OwnedFd::from(b));
+        // Let go with its guard: not shut, and no longer counted.
+        drop(g2);
+        b_peer.set_nonblocking(true).unwrap();
+        let unread = (&b_peer).read(&mut [0u8; 1]);
+        assert!(
+            matches!(unread, Ok(0)),
+            "closed once its guard went: {unread:?}"
+        );
+        assert!(!d.is_cut_off());
+        assert_eq!(d.cut_off(), 1);
+        assert!(d.is_cut_off());
+        assert_eq!(a_peer.read(&mut [0u8; 1]).unwrap(), 0);
+        // Reached its upstream after the cut: shut at once.
+        g3.follow_socket(OwnedFd::from(c));
+        assert_eq!(c_peer.read(&mut [0u8; 1]).unwrap(), 0);
+        drop((g1, g3));
+        assert_eq!(d.active(), 0);
     }
 }

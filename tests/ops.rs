@@ -753,6 +753,46 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
     assert!(gw.log().contains("drained; exiting"));
 }
 
+/// DESIGN §5's one access-log event per request, for a request still running when the grace
+/// period ends: it is cut off (its upstream connection shut down), answered 502 (charged: the
+/// upstream had it), logged, and not sent again (a GET: idempotent, but the upstream had it).
+/// Before, the exit ended it with the process: its client's connection closed unanswered, and
+/// no line was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_running_when_the_grace_period_ends_is_answered_and_logged() {
+    let up = Upstream::start(Duration::from_secs(30));
+    let body = "rate_limits:\n  default: {cost: 2, window: 1h, max_cost: 100}\n";
+    let mut gw = Gateway::start_with_grace(&up, body, "1s");
+    let (c, url) = (client(), gw.url("/slow?delay_ms=30000"));
+    let slow = tokio::spawn(async move { c.get(url).header("X-API-Key", "k").send().await });
+    up.wait_current("/slow", 1).await;
+    let t = Instant::now();
+    gw.signal("TERM");
+    let r = slow
+        .await
+        .unwrap()
+        .expect("an answer, not a closed connection");
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(r.status(), 502);
+    assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["detail"].as_str().unwrap().contains("grace period"),
+        "{p}"
+    );
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+    let lines = gw.access_log();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["status"], 502, "{lines:?}");
+    assert_eq!(lines[0]["cost"], 2, "{lines:?}");
+    assert_eq!(up.count("/slow"), 1, "sent once");
+}
+
 /// Issue 22's "SIGINT worker spin": SIGINT with requests running, queued for a capped route's
 /// slot and held by `max_delay` exits 0 at once (it does not drain), after giving back what
 /// it holds and answering what it queued or held, and no thread spins on the way out. (Pingora's own fast shutdown joins each
@@ -801,8 +841,8 @@ async fn sigint_with_work_in_every_state_exits_zero_at_once() {
     let took = t.elapsed();
     assert_eq!(code, Some(0), "exit code");
     assert!(took < Duration::from_secs(2), "SIGINT took {took:?}");
-    // The two running are cut off, not answered: SIGINT does not drain. The four queued for
-    // a slot leave the queue (their charges back) and are answered 503.
+    // The two running are cut off (SIGINT does not drain) and answered 502, charged; the
+    // four queued for a slot leave the queue (their charges back) and are answered 503.
     let mut answers = vec![];
     for p in pending {
         answers.push(p.await.unwrap());
@@ -810,16 +850,23 @@ async fn sigint_with_work_in_every_state_exits_zero_at_once() {
     answers.sort();
     assert_eq!(
         answers,
-        [None, None, Some(503), Some(503), Some(503), Some(503)]
+        [
+            Some(502),
+            Some(502),
+            Some(503),
+            Some(503),
+            Some(503),
+            Some(503)
+        ]
     );
-    // The first went (cut off); the two held for their turn got their reservations back and
-    // a 503.
+    // The first went (cut off: 502); the two held for their turn got their reservations back
+    // and a 503.
     let mut answers = vec![];
     for h in held {
         answers.push(h.await.unwrap());
     }
     answers.sort();
-    assert_eq!(answers, [None, Some(503), Some(503)]);
+    assert_eq!(answers, [Some(502), Some(503), Some(503)]);
 }
 
 fn tollgate(args: &[&str]) -> (i32, String, String) {

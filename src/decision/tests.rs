@@ -329,7 +329,7 @@ fn shadow_mode_forwards_only_the_limiter_refusals() {
 fn upstream_failures_are_not_gateway_refusals() {
     use UpstreamFailure::*;
     assert_eq!(upstream_failed(TimedOut).problem, Problem::GatewayTimeout);
-    for f in [Unreachable, HungUp, Malformed] {
+    for f in [Unreachable, HungUp, CutOff, Malformed] {
         assert_eq!(upstream_failed(f).problem, Problem::BadGateway);
         assert_eq!(upstream_failed(f).reason, None);
     }

@@ -78,10 +78,6 @@ pub struct Leg {
     /// client resets the stream, the upstream's answer is drained from it so that the slot
     /// follows the upstream's work.
     pub dup: Option<std::os::fd::OwnedFd>,
-    /// A duplicate of the upstream connection's socket, kept only until its request's answer
-    /// begins: should the upstream close it unanswered, its TCP state says whether it read
-    /// the request (`upstreams::read_before_closing`). Never followed, unlike `dup`.
-    pub socket: Option<std::os::fd::OwnedFd>,
     /// `server.body_timeout` for an HTTP/2 request body being forwarded (Pingora times only
     /// HTTP/1 bodies).
     pub body_watch: Option<crate::front::BodyWatch>,
@@ -106,7 +102,11 @@ pub struct Leg {
 /// phase reads, and the upstream leg.
 pub struct Ctx {
     pub start: Instant,
-    _drain: DrainGuard,
+    /// Counts the request in flight for the drain, and keeps a duplicate of its upstream
+    /// socket (`DrainGuard::follow_socket`): should the upstream close it unanswered, its TCP
+    /// state says whether it read the request (`upstreams::read_before_closing`), and an exit
+    /// past the grace period shuts it down to cut the request off (`Drain::cut_off`).
+    pub drain: DrainGuard,
     /// The client connection's front-door state (absent for streams that didn't come through
     /// it).
     pub conn: Option<Arc<ConnState>>,
@@ -155,7 +155,7 @@ impl Ctx {
     pub fn new(drain: DrainGuard) -> Ctx {
         Ctx {
             start: Instant::now(),
-            _drain: drain,
+            drain,
             conn: None,
             shield_after_body: false,
             given_back: None,

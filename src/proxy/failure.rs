@@ -20,12 +20,7 @@ pub(super) fn had_request(e: &Error, peer: &HttpPeer, ctx: &Ctx) -> bool {
     let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
     let within = upstreams::stale_within(&peer._address);
     upstreams::had_request(e, sent, within)
-        || (sent.is_some() && {
-            use std::os::fd::AsRawFd;
-            let fd = ctx.upstream.socket.as_ref().map(|d| d.as_raw_fd());
-            let info = fd.and_then(|fd| pingora::protocols::l4::ext::get_tcp_info(fd).ok());
-            upstreams::read_before_closing(e, info)
-        })
+        || (sent.is_some() && { upstreams::read_before_closing(e, ctx.drain.socket_tcp_info()) })
 }
 
 impl Gateway {
@@ -63,7 +58,11 @@ impl Gateway {
                 // Decided when the attempt failed (`error_while_proxy`, `fail_to_connect`);
                 // undecided, no attempt reached a connection (no upstream address).
                 if ctx.upstream.had_request.unwrap_or(false) {
-                    UpstreamFailure::HungUp
+                    if self.shared.drain.is_cut_off() {
+                        UpstreamFailure::CutOff
+                    } else {
+                        UpstreamFailure::HungUp
+                    }
                 } else {
                     UpstreamFailure::Unreachable
                 }
@@ -122,7 +121,8 @@ impl Gateway {
             // client's next request already sees the units back.
             ctx.refund(&self.shared.store, failure.problem).await;
         }
-        // HungUp: the upstream had the request and is done with it: charged. Its slot is
+        // HungUp (CutOff): the upstream had the request and is done with it (or the exiting
+        // instance with the upstream): charged. Its slot is
         // freed now (a timed-out one's follows the late answer): reading past the rest of the
         // body below must not hold it.
         ctx.timing.upstream_done();

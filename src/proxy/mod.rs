@@ -391,8 +391,11 @@ impl ProxyHttp for Gateway {
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         // The connection's TCP state says, should the upstream close it unanswered, whether
         // it read the request (`error_while_proxy`): on a kept-alive connection too, where a
-        // close soon after sending is otherwise taken for the keep-alive race.
-        ctx.upstream.socket = borrowed.try_clone_to_owned().ok();
+        // close soon after sending is otherwise taken for the keep-alive race. And an exit
+        // past the grace period cuts the request off through it (`Drain::cut_off`).
+        if let Ok(fd) = borrowed.try_clone_to_owned() {
+            ctx.drain.follow_socket(fd);
+        }
         if follows_upstream(ctx) || settles_on_reset(session, ctx) {
             ctx.upstream.dup = borrowed.try_clone_to_owned().ok();
         }
@@ -422,7 +425,6 @@ impl ProxyHttp for Gateway {
         // The upstream answered: it no longer waits on the client's body, nor is there a
         // close without an answer to judge.
         ctx.upstream.body_watch = None;
-        ctx.upstream.socket = None;
         ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         if matches!(ctx.report, Some(Report::Applied(_))) {
@@ -474,10 +476,16 @@ impl ProxyHttp for Gateway {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        let had = failure::had_request(&e, peer, ctx);
+        // Cut off by the exiting instance: it had the request once it was sent, and it is not
+        // sent again.
+        let cut = self.shared.drain.is_cut_off();
+        let had = match cut {
+            true => ctx.timing.upstream_start.is_some(),
+            false => failure::had_request(&e, peer, ctx),
+        };
         ctx.upstream.had_request = Some(had);
-        ctx.upstream.socket = None;
-        if !session.req_header().method.is_idempotent()
+        if cut
+            || !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
             || had
         {
