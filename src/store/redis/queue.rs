@@ -191,6 +191,7 @@ impl RedisBackend {
         cap: u32,
     ) -> Result<SharedAnswer, StoreError> {
         let start = Instant::now();
+        let asked = start;
         // After Redis lost its data, the wait while the others register their leases again
         // counts against the request's queue_timeout (from `start`): one whose queue_timeout
         // is shorter waits it out, then takes a free slot or is refused at once. (An admitted
@@ -234,6 +235,12 @@ impl RedisBackend {
             },
         };
         let start = start + held;
+        // Redis seen anew while this request was charged (or held): its thread's connection
+        // to the old process looked open, its charge went again on a new one, and that read
+        // the new `run_id`. The others register their leases again before it may take a slot.
+        if self.conns.run_id.changed_since(asked) {
+            self.after_data_loss(req).await;
+        }
         let mut again = false;
         loop {
             let reentry = std::mem::replace(&mut again, true);
