@@ -34,6 +34,12 @@ fn first_error(s: &str) -> String {
     parse(s).expect_err("config should be rejected").0[0].to_string()
 }
 
+/// Every error `check` reports for `s`, in its order.
+fn all_errors(s: &str) -> Vec<String> {
+    let errs = parse(s).expect_err("config should be rejected").0;
+    errs.iter().map(|e| e.to_string()).collect()
+}
+
 #[test]
 fn incident_block_parses() {
     let c = parse(BASE).unwrap();
@@ -166,14 +172,8 @@ fn registry_and_plans() {
         "{bad}  - id: acme-prod\n    sha256: \"{}\"\n",
         "ab".repeat(32)
     );
-    let errs: Vec<String> = parse(&twice)
-        .unwrap_err()
-        .0
-        .iter()
-        .map(|e| e.to_string())
-        .collect();
     assert_eq!(
-        errs,
+        all_errors(&twice),
         [
             "keys[0].plan: unknown plan \"gold\"",
             "keys[1].sha256: duplicate key",
@@ -182,14 +182,8 @@ fn registry_and_plans() {
     );
     // A plan that is there but wrong is reported where it is wrong, not as unknown to its keys.
     let bad = s.replace("max_cost: 600", "max_cost: 0");
-    let errs: Vec<String> = parse(&bad)
-        .unwrap_err()
-        .0
-        .iter()
-        .map(|e| e.to_string())
-        .collect();
     assert_eq!(
-        errs,
+        all_errors(&bad),
         ["plans.enterprise.max_cost: must be a positive integer, got 0"]
     );
 }
