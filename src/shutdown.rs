@@ -45,9 +45,9 @@ pub struct Drain {
     /// queue), and those answered because the instance exits, until their log line: the exit
     /// waits for them to be answered (`app::give_back_held`).
     waiting: AtomicUsize,
-    /// The requests still running have been cut off: their upstream sockets shut down, so
+    /// When the requests still running were cut off: their upstream sockets shut down, so
     /// that each fails, is answered and logged (`Drain::cut_off`).
-    cut: AtomicBool,
+    cut_at: std::sync::OnceLock<Instant>,
 }
 
 /// Held by one request while the gateway works on it, with its upstream socket's duplicate
@@ -62,12 +62,13 @@ impl Drop for DrainGuard {
     fn drop(&mut self) {
         let mut a = crate::store::lock(&self.drain.active);
         a.count = a.count.saturating_sub(1);
-        if let Some(k) = self.socket {
-            a.sockets.try_remove(k);
-        }
+        let socket = self.socket.and_then(|k| a.sockets.try_remove(k));
         if a.count == 0 {
             self.drain.changed.notify_all();
         }
+        drop(a);
+        // Closed outside the lock (the last owner's close sends the FIN).
+        drop(socket);
     }
 }
 
@@ -77,13 +78,27 @@ impl DrainGuard {
     /// the cut is cut off at once.
     pub fn follow_socket(&mut self, fd: OwnedFd) {
         let mut a = crate::store::lock(&self.drain.active);
-        if let Some(k) = self.socket.take() {
-            a.sockets.try_remove(k);
-        }
+        let before = self.socket.take().and_then(|k| a.sockets.try_remove(k));
         if self.drain.is_cut_off() {
             shut(&fd);
         }
         self.socket = Some(a.sockets.insert(fd));
+        drop(a);
+        drop(before);
+    }
+
+    /// Lets the request's upstream socket go: its attempt failed (Pingora closed its own
+    /// descriptor: the duplicate must not keep the connection open while the request is
+    /// answered), or no duplicate could be made for a new attempt (the last one's must not
+    /// stand for it).
+    pub fn let_go_socket(&mut self) {
+        let Some(k) = self.socket.take() else {
+            return;
+        };
+        let mut a = crate::store::lock(&self.drain.active);
+        let socket = a.sockets.try_remove(k);
+        drop(a);
+        drop(socket);
     }
 
     /// The TCP state of the request's upstream socket, when it has one.
@@ -136,8 +151,9 @@ impl Drain {
     /// answered (502, charged: the upstream had it) and logged, as every request is, instead
     /// of ending with the process unlogged. Returns how many sockets were shut.
     pub fn cut_off(&self) -> usize {
-        self.cut.store(true, Ordering::SeqCst);
         let a = crate::store::lock(&self.active);
+        // Set under the lock: a socket followed from now on is shut as it is followed.
+        let _ = self.cut_at.set(Instant::now());
         for (_, fd) in a.sockets.iter() {
             shut(fd);
         }
@@ -146,7 +162,14 @@ impl Drain {
 
     /// Whether the requests still running have been cut off ([`Drain::cut_off`]).
     pub fn is_cut_off(&self) -> bool {
-        self.cut.load(Ordering::SeqCst)
+        self.cut_at.get().is_some()
+    }
+
+    /// When the requests still running were cut off, if they were: a request sent upstream
+    /// before then had been received; one sent after it (its socket shut as it connected)
+    /// never reached the upstream.
+    pub fn cut_at(&self) -> Option<Instant> {
+        self.cut_at.get().copied()
     }
 
     /// Marks the process as draining (`/readyz` answers 503 from now on).
@@ -345,9 +368,10 @@ mod tests {
             matches!(unread, Ok(0)),
             "closed once its guard went: {unread:?}"
         );
-        assert!(!d.is_cut_off());
+        assert!(!d.is_cut_off() && d.cut_at().is_none());
+        let before = Instant::now();
         assert_eq!(d.cut_off(), 1);
-        assert!(d.is_cut_off());
+        assert!(d.is_cut_off() && d.cut_at().is_some_and(|at| at >= before));
         assert_eq!(a_peer.read(&mut [0u8; 1]).unwrap(), 0);
         // Reached its upstream after the cut: shut at once.
         g3.follow_socket(OwnedFd::from(c));

@@ -51,21 +51,21 @@ const WEAK_WORDS: [&str; 16] = [
 ];
 
 /// Whether `letters` (a value's letters and digits, lower-cased) is made of [`WEAK_WORDS`] and
-/// digits only (and is not empty: an empty value is too short, not a placeholder).
+/// digits only, with a word among them (random digits alone are a token; an empty value is
+/// too short, not a placeholder).
 fn weak_only(mut letters: &str) -> bool {
-    if letters.is_empty() {
-        return false;
-    }
+    let mut words = false;
     while !letters.is_empty() {
         if letters.as_bytes()[0].is_ascii_digit() {
             letters = &letters[1..];
         } else if let Some(w) = WEAK_WORDS.iter().find(|w| letters.starts_with(**w)) {
             letters = &letters[w.len()..];
+            words = true;
         } else {
             return false;
         }
     }
-    true
+    words
 }
 
 /// Whether `value` is a placeholder: one from [`PLACEHOLDERS`], one holding a
@@ -255,6 +255,7 @@ mod tests {
             "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
             "tK3Qz8sV0pL6wR2yN5mB",
             "admin-9f86d081884c7d65",
+            "84120937561029384756120398475610",
         ] {
             assert!(check(t).is_ok(), "{t}");
         }

@@ -393,8 +393,9 @@ impl ProxyHttp for Gateway {
         // it read the request (`error_while_proxy`): on a kept-alive connection too, where a
         // close soon after sending is otherwise taken for the keep-alive race. And an exit
         // past the grace period cuts the request off through it (`Drain::cut_off`).
-        if let Ok(fd) = borrowed.try_clone_to_owned() {
-            ctx.drain.follow_socket(fd);
+        match borrowed.try_clone_to_owned() {
+            Ok(fd) => ctx.drain.follow_socket(fd),
+            Err(_) => ctx.drain.let_go_socket(),
         }
         if follows_upstream(ctx) || settles_on_reset(session, ctx) {
             ctx.upstream.dup = borrowed.try_clone_to_owned().ok();
@@ -476,15 +477,18 @@ impl ProxyHttp for Gateway {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        // Cut off by the exiting instance: it had the request once it was sent, and it is not
-        // sent again.
-        let cut = self.shared.drain.is_cut_off();
+        // Cut off by the exiting instance: it had the request if it was sent before the cut
+        // (one that connected after it was shut at once, unsent), and it is not sent again.
+        let cut = self.shared.drain.cut_at();
         let had = match cut {
-            true => ctx.timing.upstream_start.is_some(),
-            false => failure::had_request(&e, peer, ctx),
+            Some(at) => ctx.timing.upstream_start.is_some_and(|sent| sent < at),
+            None => failure::had_request(&e, peer, ctx),
         };
         ctx.upstream.had_request = Some(had);
-        if cut
+        // Pingora has closed its descriptor: the duplicate must not hold the connection open
+        // while the request is answered.
+        ctx.drain.let_go_socket();
+        if cut.is_some()
             || !session.req_header().method.is_idempotent()
             || session.as_ref().retry_buffer_truncated()
             || had
