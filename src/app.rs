@@ -237,8 +237,13 @@ async fn cut_off_running(app: &App) {
     if drain.cut_off() == 0 {
         return;
     }
-    let deadline = Instant::now() + CUT_OFF_WAIT;
-    while drain.active() > 0 && Instant::now() < deadline {
+    wait_until(CUT_OFF_WAIT, || drain.active() == 0).await;
+}
+
+/// Waits until `done` holds (looked at every 10 ms), for at most `within`.
+async fn wait_until(within: Duration, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -275,10 +280,7 @@ async fn give_back_held(app: &App) {
     let waiting = || app.shared.holds.held() + drain.waiting_now();
     let held = waiting() > 0;
     drain.give_back_held_past(Instant::now());
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while waiting() > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(Duration::from_secs(1), || waiting() == 0).await;
     if held {
         // A permit goes back once its answer is handed to the connection; an HTTP/2 stream's
         // last frame is written by the connection's own task, a moment later.

@@ -12,17 +12,6 @@ use std::sync::Arc;
 /// The fewest characters an admin token may have.
 pub const MIN_CHARS: usize = 16;
 
-/// Values from examples and templates, compared ignoring ASCII case.
-const PLACEHOLDERS: [&str; 7] = [
-    "change-me",
-    "changeme",
-    "change_me",
-    "replace-me",
-    "secret",
-    "password",
-    "token",
-];
-
 /// Placeholders that are refused wherever they appear in a value (`CHANGE-ME-0123456789`,
 /// `<your-admin-token>`), compared on its letters and digits alone, lower-cased. Each has 7
 /// letters or more, so that a random token holds one by chance about never.
@@ -68,14 +57,16 @@ fn weak_only(mut letters: &str) -> bool {
     words
 }
 
-/// Whether `value` is a placeholder: one from [`PLACEHOLDERS`], one holding a
-/// [`PLACEHOLDER_PARTS`] or starting `todo`, an unrendered template (`<…>`, `${…}`, `{{…}}`),
-/// or made of [`WEAK_WORDS`] and digits.
+/// Whether `value` is a placeholder: one holding a [`PLACEHOLDER_PARTS`] (`CHANGE-ME`,
+/// `change_me`) or starting `todo`, an unrendered template (`<…>`, `${…}`, `{{…}}`), or made of
+/// [`WEAK_WORDS`] and digits (`secret`, `password`, `TOKEN`).
 fn is_placeholder(value: &str) -> bool {
-    let lower = value.to_ascii_lowercase();
-    let letters: String = lower.chars().filter(char::is_ascii_alphanumeric).collect();
-    PLACEHOLDERS.contains(&lower.as_str())
-        || PLACEHOLDER_PARTS.iter().any(|p| letters.contains(p))
+    let letters: String = value
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    PLACEHOLDER_PARTS.iter().any(|p| letters.contains(p))
         || letters.starts_with("todo")
         || (value.starts_with('<') && value.ends_with('>'))
         || value.starts_with("${")

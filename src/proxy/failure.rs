@@ -20,7 +20,7 @@ pub(super) fn had_request(e: &Error, peer: &HttpPeer, ctx: &Ctx) -> bool {
     let sent = ctx.timing.upstream_start.map(|t| t.elapsed());
     let within = upstreams::stale_within(&peer._address);
     upstreams::had_request(e, sent, within)
-        || (sent.is_some() && { upstreams::read_before_closing(e, ctx.drain.socket_tcp_info()) })
+        || (sent.is_some() && upstreams::read_before_closing(e, ctx.drain.socket_tcp_info()))
 }
 
 impl Gateway {
