@@ -755,7 +755,8 @@ async fn sigterm_drains_in_flight_request_and_exits_zero() {
 
 /// DESIGN §5's one access-log event per request, for a request still running when the grace
 /// period ends: it is cut off (its upstream connection shut down), answered 502 (charged: the
-/// upstream had it), logged, and not sent again (a GET: idempotent, but the upstream had it).
+/// upstream had it), logged, and not sent again (a GET: idempotent, but the upstream had it);
+/// one whose answer is under way has its connection closed, and is logged too.
 /// Before, the exit ended it with the process: its client's connection closed unanswered, and
 /// no line was written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -763,6 +764,15 @@ async fn a_request_running_when_the_grace_period_ends_is_answered_and_logged() {
     let up = Upstream::start(Duration::from_secs(30));
     let body = "rate_limits:\n  default: {cost: 2, window: 1h, max_cost: 100}\n";
     let mut gw = Gateway::start_with_grace(&up, body, "1s");
+    // One whose answer is under way (its head received; 64 KiB every 200 ms of 100 MB).
+    let c = client();
+    let streaming = c
+        .get(gw.url("/bytes/100000000?pace_ms=200"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streaming.status(), 200);
     let (c, url) = (client(), gw.url("/slow?delay_ms=30000"));
     let slow = tokio::spawn(async move { c.get(url).header("X-API-Key", "k").send().await });
     up.wait_current("/slow", 1).await;
@@ -779,17 +789,30 @@ async fn a_request_running_when_the_grace_period_ends_is_answered_and_logged() {
     );
     assert_eq!(r.status(), 502);
     assert_eq!(header(&r, "X-RateLimit-Cost").as_deref(), Some("2"));
-    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("98"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("96"));
     let p: serde_json::Value = r.json().await.unwrap();
     assert!(
         p["detail"].as_str().unwrap().contains("grace period"),
         "{p}"
     );
+    // The answer under way is cut short: its connection closes.
+    assert!(
+        streaming.bytes().await.is_err(),
+        "the stream ran to its end"
+    );
     assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+    // Each has its line, charged: the 502, and the answer cut short (its status, and why).
     let lines = gw.access_log();
-    assert_eq!(lines.len(), 1, "{lines:?}");
-    assert_eq!(lines[0]["status"], 502, "{lines:?}");
-    assert_eq!(lines[0]["cost"], 2, "{lines:?}");
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let line = |status: u64| {
+        let of: Vec<_> = lines.iter().filter(|l| l["status"] == status).collect();
+        assert_eq!(of.len(), 1, "{status}: {lines:?}");
+        of[0].clone()
+    };
+    assert_eq!(line(502)["cost"], 2, "{lines:?}");
+    let cut_short = line(200);
+    assert_eq!(cut_short["cost"], 2, "{lines:?}");
+    assert!(cut_short["error"].is_string(), "{cut_short}");
     assert_eq!(up.count("/slow"), 1, "sent once");
 }
 
