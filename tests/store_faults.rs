@@ -340,6 +340,68 @@ async fn the_hold_after_redis_restarted_empty_counts_in_the_queue_timeout() {
     }
 }
 
+/// A plan's `max_in_flight_per_key` after Redis restarted empty: A runs key `gold`'s 3 (its
+/// plan's cap) when Redis restarts; B's worker threads still hold connections to the old
+/// process, so B's requests for `gold`, sent as soon as Redis listens, find them closed and
+/// are charged again on new ones, which read the new `run_id` only then. Each must be decided
+/// beside A's 3 leases, registered again: 429 `concurrency-limit`, never a 4th at the
+/// upstream. (Before, the key's slot was taken at once: the cap's half of the race that
+/// `a_request_that_meets_the_restart_on_its_charge_holds_back_too` shows on a route.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_keys_cap_holds_when_its_charge_meets_the_restart() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let up = Upstream::start(Duration::ZERO);
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 15s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\nplans:\n  gold: {{max_cost: {MAX}, window: 8760h, max_in_flight_per_key: 3}}\n  basic: {{max_cost: {MAX}, window: 8760h}}\nkeys:\n  - {{id: g, sha256: \"{}\", plan: gold}}\n  - {{id: w, sha256: \"{}\", plan: basic}}\n",
+        redis.url(),
+        sha256_hex("gold"),
+        sha256_hex("warm"),
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    // B's worker threads know the Redis process before it goes.
+    for _ in 0..4 {
+        assert_eq!(get(&c, b.url("/warm"), "warm").await.status(), 200);
+    }
+    let first: Vec<_> = (0..3)
+        .map(|_| spawn_get(&c, a.url("/items?delay_ms=5000"), "gold"))
+        .collect();
+    up.wait_current("/items", 3).await;
+    redis.kill();
+    let _redis = Redis::start_on(port);
+    let second: Vec<_> = (0..3)
+        .map(|_| {
+            let (c, url) = (c.clone(), b.url("/items?delay_ms=100"));
+            tokio::spawn(async move {
+                loop {
+                    let r = get(&c, url.clone(), "gold").await;
+                    let s = r.status().as_u16();
+                    let body = r.text().await.unwrap();
+                    // A connection that broke with the old Redis, found before the charge:
+                    // store-unavailable (deny), never admitted. Sent again.
+                    if s == 503 && body.contains("store-unavailable") {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    return (s, body);
+                }
+            })
+        })
+        .collect();
+    for t in second {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, 429, "{body}\n{}", b.log());
+        assert!(body.contains("concurrency-limit"), "{body}");
+    }
+    for t in first {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(up.count("/items"), 3);
+    assert_eq!(up.max_concurrent("/items"), 3);
+}
+
 /// A worker's connection that the server closed (Redis restarted) before the once-a-second
 /// watch noticed: the admission that finds it dead is sent again on a new connection (an
 /// admission is decided once by its id, however often sent) instead of failing: the next

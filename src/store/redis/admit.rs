@@ -129,7 +129,7 @@ impl RedisBackend {
     /// Refunds and releases an admission that its request cannot use: the request had
     /// already given up on it. A budget slice that came with it (`granted` units) is settled
     /// unspent, by the sweeper: nobody will spend it.
-    async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64) {
+    pub(super) async fn undo_admission(self: &Arc<Self>, c: &AdmitCall, granted: u64) {
         if granted > 0 {
             let place = Place {
                 holds: c.holds.clone(),

@@ -303,9 +303,12 @@ impl RedisBackend {
     }
 
     /// A lease's sets as script calls: one call on one node; on Redis Cluster one call per
-    /// set, since a key's lease set and a route's are in different hash slots.
+    /// set, since a key's lease set and a route's are in different hash slots. No call for
+    /// no sets (a lease only in capped routes' queues is renewed there).
     pub(super) fn lease_groups<'a>(&self, keys: &'a [String]) -> Vec<&'a [String]> {
-        if self.conns.is_cluster() {
+        if keys.is_empty() {
+            vec![]
+        } else if self.conns.is_cluster() {
             keys.chunks(1).collect()
         } else {
             vec![keys]

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::guard::Guard;
 use super::lease::Sets;
+use super::script::{AdmitCall, Lease};
 use super::RedisBackend;
 use crate::store::{lock, AdmitRequest, StoreError};
 
@@ -177,6 +178,46 @@ impl RedisBackend {
             if let Some(wait) = ids.settling() {
                 tokio::time::sleep(wait).await;
             }
+        }
+    }
+}
+
+impl RedisBackend {
+    /// Whether admission `c`, which took a slot of its key's `max_in_flight_per_key`, must be
+    /// given back because Redis was seen anew during its call (asked at `asked`): its
+    /// thread's connection to the old process looked open, the charge went again on a new
+    /// one, and that read the new `run_id` only then, after [`Self::after_data_loss`] let it
+    /// through. It waits as a request that saw the new `run_id` first does, then counts its
+    /// key's leases (its own renewed among them): over the cap, beside the leases the others
+    /// registered again meanwhile, it is undone (charge and slot) and true. A count Redis
+    /// does not answer keeps it (as any admission on a store that fails: DESIGN §4's bound).
+    pub(super) async fn over_key_cap_after_loss(
+        self: &Arc<Self>,
+        req: &AdmitRequest,
+        c: &AdmitCall,
+        asked: Instant,
+    ) -> bool {
+        let (Some(cap), Some(set)) = (req.key_cap, &c.key_slots) else {
+            return false;
+        };
+        if !self.conns.run_id.changed_since(asked) {
+            return false;
+        }
+        self.after_data_loss(req).await;
+        let renew = Lease {
+            sets: std::slice::from_ref(set),
+            id: &c.lease_id,
+            ttl_us: c.lease_ttl_us,
+        };
+        match self.op_repeatable(&renew).await {
+            Ok(live) if live > i64::from(cap) => {
+                tracing::warn!(
+                    "a request took its key's slot as Redis came back empty: given back (429)"
+                );
+                self.undo_admission(c, 0).await;
+                true
+            }
+            _ => false,
         }
     }
 }

@@ -250,6 +250,7 @@ impl RedisBackend {
         // route's own slot, on one node as on Cluster).
         let capped = req.route_cap.is_some();
         let call = admit_call(req, ask, lease_id, lease_ttl);
+        let asked = Instant::now();
         let (r, call) = self.call_admit(call).await?;
         let reply = script::parse_admit(&r, 1 + req.also.len())
             .ok_or_else(|| StoreError::Reply(format!("{r:?}")))?;
@@ -267,6 +268,16 @@ impl RedisBackend {
             reset_us: reply.reset_us,
             each: reply.each,
         };
+        if reply.code == AdmitCode::Admitted
+            && self.over_key_cap_after_loss(req, &call, asked).await
+        {
+            // Given back: refused as it would have been, asked after the others' leases.
+            let standing = Standing {
+                remaining: standing.remaining.saturating_add(req.cost),
+                ..standing
+            };
+            return Ok((Decided::KeyBusy(standing), reply.seen));
+        }
         let decided = match reply.code {
             AdmitCode::OverBudget => Decided::OverBudget(outcome(Verdict::Reject {
                 retry_after_us: reply.a,

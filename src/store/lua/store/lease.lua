@@ -4,7 +4,8 @@
 --
 -- KEYS  lease sets...
 -- ARGV  [1] lease_id [2] ttl_us (0: release)
--- reply 1
+-- reply 1; when renewing, the count of live leases in KEYS[1] (this one among them), 0 for
+--       no KEYS
 
 local ttl = tonumber(ARGV[2])
 if ttl == 0 then
@@ -20,4 +21,5 @@ for i = 1, #KEYS do
   redis.call('ZADD', KEYS[i], int(now + ttl), ARGV[1])
   expire_with_last_lease(KEYS[i])
 end
-return 1
+if #KEYS == 0 then return 0 end
+return redis.call('ZCOUNT', KEYS[1], int(now), '+inf')
