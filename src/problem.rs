@@ -201,12 +201,22 @@ pub fn rate_limit_headers(
         let shared = shared.map(|b| b.share(share));
         return rate_limit_headers(&local, shared.as_ref(), outcome, cost, 1);
     }
-    let reset = budget::reset_secs(outcome.reset_us);
     let figures = outcome.each.as_slice();
     let budgets = || policy.budgets.iter().chain(shared);
     let several = figures.len() > 1 && figures.len() == budgets().count();
-    // One list member per budget when the request was decided on several (DESIGN §1);
-    // `X-RateLimit-*` describe the decisive one: the refusing, else the tightest.
+    // One list member per budget when the request was decided on several; `X-RateLimit-*`
+    // describe the tightest (`Standing::shown`).
+    let (shown_i, shown) = match several {
+        true => outcome.shown(),
+        false => (
+            0,
+            budget::Figure {
+                remaining: outcome.remaining,
+                reset_us: outcome.reset_us,
+            },
+        ),
+    };
+    let reset = budget::reset_secs(shown.reset_us);
     let policy_header = policy_header(policy, shared);
     let mut rate_limit = String::with_capacity(64);
     let limit = if several {
@@ -218,11 +228,11 @@ pub fn rate_limit_headers(
             push_member(&mut rate_limit, &b.headers.quoted_name, f.remaining, reset);
         }
         budgets()
-            .nth(outcome.each.decisive as usize)
+            .nth(shown_i)
             .map_or(policy.headers.limit.clone(), |b| b.headers.limit.clone())
     } else {
         let name = &policy.headers.quoted_name;
-        push_member(&mut rate_limit, name, outcome.remaining, reset);
+        push_member(&mut rate_limit, name, shown.remaining, reset);
         policy.headers.limit.clone()
     };
     [
@@ -233,10 +243,7 @@ pub fn rate_limit_headers(
                 .unwrap_or_else(|_| HeaderValue::from_static("")),
         ),
         ("X-RateLimit-Limit", limit),
-        (
-            "X-RateLimit-Remaining",
-            HeaderValue::from(outcome.remaining),
-        ),
+        ("X-RateLimit-Remaining", HeaderValue::from(shown.remaining)),
         ("X-RateLimit-Reset", HeaderValue::from(reset)),
         ("X-RateLimit-Cost", HeaderValue::from(cost)),
     ]

@@ -919,3 +919,48 @@ async fn equally_tight_budgets_speak_for_the_slower_on_memory_and_redis() {
     let redis = Redis::start();
     equally_tight_budgets_speak_for_the_slower(Some(&redis)).await;
 }
+
+/// A refusal by several budgets: the refusing one (the longest wait) sets `Retry-After`, and
+/// `X-RateLimit-*` describe the tightest, the fewest units left (DESIGN §1). A stated cost of
+/// 85 leaves `hour` (100/h) 15 units and `fast` (30/3s) 55 in debt; a request of 20 is then
+/// refused by both, `hour` for 180 s and `fast` for under 8 s. The headers said `hour`'s 15
+/// left of 100, which no client could spend.
+async fn a_refusal_by_several_budgets_describes_the_tightest(redis: Option<&Redis>) {
+    let up = Upstream::start(Duration::ZERO);
+    let body = format!(
+        "{}rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 120}}\n  endpoints:\n    /s: {{cost: 10, cost_from_response: X-Actual-Cost}}\n    /r20: {{cost: 20}}\nplans:\n  ab:\n    budgets:\n      - {{ name: hour, max_cost: 100, window: 1h }}\n      - {{ name: fast, max_cost: 30, window: 3s }}\nkeys:\n  - {{ id: acme, sha256: \"{}\", plan: ab }}\n",
+        store(redis),
+        sha256_hex("acme-key")
+    );
+    let gw = Gateway::start(&up, &body);
+    let c = client();
+    let r = get(&c, gw.url("/s?actual_cost=85"), "acme-key").await;
+    assert_eq!(r.status(), 200);
+    let r = get(&c, gw.url("/r20"), "acme-key").await;
+    assert_eq!(r.status(), 429);
+    // `hour` needs 5 more units at 100 an hour: 180 s (less what drained since, under 1 s).
+    assert_eq!(header(&r, "Retry-After").as_deref(), Some("180"));
+    assert_eq!(header(&r, "X-RateLimit-Limit").as_deref(), Some("30"));
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("0"));
+    // `fast` is empty again 85 units at 10 a second after the stated cost: 9 s, rounded up.
+    let reset: u64 = header(&r, "X-RateLimit-Reset").unwrap().parse().unwrap();
+    assert!((8..=9).contains(&reset), "reset {reset}");
+    let policy = header(&r, "RateLimit").unwrap();
+    assert!(
+        policy.starts_with("\"ab-hour\";r=15;t=") && policy.contains(", \"ab-fast\";r=0;t="),
+        "{policy}"
+    );
+    // The problem's `remaining` is the headers' (it said 15).
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        (v["remaining"].as_u64(), v["retry_after"].as_u64()),
+        (Some(0), Some(180))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_by_several_budgets_describes_the_tightest_on_memory_and_redis() {
+    a_refusal_by_several_budgets_describes_the_tightest(None).await;
+    let redis = Redis::start();
+    a_refusal_by_several_budgets_describes_the_tightest(Some(&redis)).await;
+}

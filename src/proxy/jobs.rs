@@ -150,7 +150,7 @@ async fn problem_retry(
         ),
         ("Cache-Control", HeaderValue::from_static("no-store")),
     ];
-    let remaining = ctx.outcome().map(|o| o.remaining);
+    let remaining = ctx.outcome().map(|o| o.shown().1.remaining);
     let cost = ctx.identity.as_ref().map(|_| 0);
     let body = problem::body(p, detail, cost, remaining, retry_after);
     answer(

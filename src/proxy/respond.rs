@@ -38,7 +38,7 @@ pub async fn problem(
         .as_ref()
         .filter(|_| ctx.identity.is_some())
         .map(|r| r.cost);
-    let remaining = ctx.outcome().map(|o| o.remaining);
+    let remaining = ctx.outcome().map(|o| o.shown().1.remaining);
     let body = problem::body(p, detail, cost, remaining, retry_after);
     let mut h = ResponseHeader::build(p.status(), Some(10))?;
     h.insert_header("Content-Type", "application/problem+json")?;

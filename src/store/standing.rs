@@ -16,6 +16,25 @@ pub struct Standing {
 }
 
 impl Standing {
+    /// What `X-RateLimit-*` and a problem's `remaining` show, with its budget's index: the
+    /// tightest budget's figures when there are several (a refusal's too: DESIGN §1, the
+    /// refusing budget sets only `Retry-After`), else the one's.
+    pub fn shown(&self) -> (usize, Figure) {
+        match self.each.as_slice() {
+            several @ [_, _, ..] => {
+                let i = crate::budget::tightest(several.iter().map(|f| (f.remaining, f.reset_us)));
+                (i, several[i])
+            }
+            _ => (
+                0,
+                Figure {
+                    remaining: self.remaining,
+                    reset_us: self.reset_us,
+                },
+            ),
+        }
+    }
+
     /// The standing of a decision on `figures` (one per budget, in order) that admitted or
     /// charged nothing: the tightest budget decides (`budget::tightest`), as in an admission
     /// (`budget::decide_all`); `each` is kept only for several budgets.
