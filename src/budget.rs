@@ -423,14 +423,14 @@ pub fn refund(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> Op
 
 /// Charges `cost` units without asking whether they fit (units already spent: a fallback
 /// admission, or the measured time of a `cost_per_second` route), so the level may pass
-/// `capacity`: the key is then in debt and waits it out. The Lua `debit` transcribes it.
+/// `capacity`: the key is then in debt and waits it out, all of it (a stated cost may be 100
+/// times a route's, so the level may pass the 2^51 ticks a decision stays below). The Lua
+/// `debit` transcribes it.
 pub fn debit(limit: &Limit, state: Option<State>, now_us: u64, cost: u64) -> State {
     let level = level_at(limit, state, now_us);
     State::of(
         limit,
-        level
-            .saturating_add(cost.saturating_mul(limit.per_unit))
-            .min(MAX_TICKS as u64),
+        level.saturating_add(cost.saturating_mul(limit.per_unit)),
         now_us,
     )
 }
