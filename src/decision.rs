@@ -367,7 +367,12 @@ pub fn judge(route: &Route, admission: Admission) -> Result<Admitted, Refusal> {
             outcome: standing,
             lease,
             queued,
-            hold: Duration::from_micros(delay_us),
+            // A shadow route is never held for its turn: it adds no latency (charged as
+            // enforcement would charge it).
+            hold: match route.fidelity.shadow {
+                true => Duration::ZERO,
+                false => Duration::from_micros(delay_us),
+            },
         }),
         Admission::NotHeld {
             standing,

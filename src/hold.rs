@@ -77,7 +77,7 @@ impl Holds {
     /// keeps no slot idle). Cancel-safe: a dropped hold gives its permit back. The time held is
     /// told to the task's [`HoldClock`], if it has one, however the hold ends.
     pub async fn before_queue(&self, delay_us: u64) -> Result<(), NotHeld> {
-        if delay_us == 0 {
+        if delay_us == 0 || HoldClock::never_holds() {
             return Ok(());
         }
         let Some(permit) = self.try_permit() else {
@@ -114,9 +114,26 @@ pub struct HoldClock(Arc<std::sync::Mutex<Clock>>);
 struct Clock {
     total: Duration,
     since: Option<Instant>,
+    /// A shadow route's request: not held at all (shadow mode adds no latency).
+    never: bool,
 }
 
 impl HoldClock {
+    /// The clock of a request that is never held (a shadow route's: what enforcement would
+    /// hold for its turn goes on at once).
+    pub fn never() -> HoldClock {
+        let c = HoldClock::default();
+        crate::store::lock(&c.0).never = true;
+        c
+    }
+
+    /// Whether the task's request is never held.
+    fn never_holds() -> bool {
+        CLOCK
+            .try_with(|c| crate::store::lock(&c.0).never)
+            .unwrap_or(false)
+    }
+
     /// Runs `f` with this clock as its task's.
     pub async fn scope<F: std::future::Future>(&self, f: F) -> F::Output {
         CLOCK.scope(self.clone(), f).await

@@ -295,6 +295,55 @@ async fn shadow_mode_forwards_would_be_refusals_uncharged() {
     assert_eq!(shadowed[0]["shadow"], "budget");
 }
 
+/// A shadow route never waits for its `max_delay` turn either (shadow mode adds no latency):
+/// what enforcement would hold is forwarded at once, charged as enforcement would charge it,
+/// on a capped route as on another. Trying a cost of 60 in shadow on a 120/10s budget with
+/// `max_delay: 5s` held the third request for 5 s.
+async fn shadow_never_holds(store: &str) {
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            r#"{store}rate_limits:
+  default: {{ cost: 1, window: 10s, max_cost: 120, max_delay: 5s }}
+  endpoints:
+    /new: {{ cost: 60, mode: shadow }}
+    /capped: {{ cost: 60, mode: shadow, max_in_flight: 5, queue_timeout: 5s }}
+"#
+        ),
+    );
+    let c = client();
+    for (path, key) in [("/new", "h1"), ("/capped", "h2")] {
+        let start = std::time::Instant::now();
+        for _ in 0..3 {
+            let r = get(&c, gw.url(path), key).await;
+            assert_eq!(r.status(), 200, "{path}");
+        }
+        // Enforced, the third would wait 5 s for its units.
+        assert!(
+            start.elapsed() < Duration::from_millis(2500),
+            "{store} {path}: {:?}",
+            start.elapsed()
+        );
+    }
+    let held: Vec<_> = gw
+        .wait_access(6, |e| e["route"] == "/new" || e["route"] == "/capped")
+        .await;
+    assert!(held.iter().all(|e| e["hold_ms"] == 0.0), "{held:?}");
+    assert_eq!(up.count("/new") + up.count("/capped"), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_never_holds_on_memory_and_redis() {
+    shadow_never_holds("").await;
+    let redis = Redis::start();
+    shadow_never_holds(&format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n",
+        redis.url()
+    ))
+    .await;
+}
+
 /// A ~1.3 s query at 4 units/s: admitted (and shown) at its cost of 1, charged 6 in total
 /// once it has run: ceil(1.3 × 4). (Exactly 1.5 s would measure a few ms more and bill 7.)
 async fn bills_measured_time(store: &str) {

@@ -40,7 +40,10 @@ impl Gateway {
         let t = Instant::now();
         ctx.timing.asked = Some(t);
         // What the store held it for its turn, told apart from its queue time.
-        let clock = may_queue.then(crate::hold::HoldClock::default);
+        let clock = may_queue.then(|| match route.fidelity.shadow {
+            true => crate::hold::HoldClock::never(),
+            false => crate::hold::HoldClock::default(),
+        });
         // Counted for the exit, which waits for every waiting request to be answered.
         let waiting = may_queue.then(|| self.shared.drain.waiting());
         let answer = match &clock {
