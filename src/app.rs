@@ -149,13 +149,12 @@ impl ShutdownSignalWatch for Signals {
             tracing::error!("cannot install signal handlers");
             return ShutdownSignal::FastShutdown;
         };
+        let reloads = spawn_reloader(self.app.clone());
         loop {
             tokio::select! {
-                _ = hup.recv() => {
-                    let app = self.app.clone();
-                    // Reading and validating the file is blocking work.
-                    let _ = tokio::task::spawn_blocking(move || app.reload()).await;
-                }
+                // Never awaited here: a reload that blocks (a FIFO for a file, a slow DNS
+                // answer for an upstream's name) must not keep SIGTERM from being handled.
+                _ = hup.recv() => reloads.notify_one(),
                 _ = term.recv() => {
                     self.app.shared.drain.start();
                     spawn_drain_watch(self.app.clone());
@@ -180,6 +179,22 @@ impl ShutdownSignalWatch for Signals {
             }
         }
     }
+}
+
+/// The reloads SIGHUP asks for, one at a time on a task of their own: each signal while one
+/// runs makes one more after it (several make one: the file as it is then wins).
+fn spawn_reloader(app: Arc<App>) -> Arc<tokio::sync::Notify> {
+    let asked = Arc::new(tokio::sync::Notify::new());
+    let next = asked.clone();
+    tokio::spawn(async move {
+        loop {
+            next.notified().await;
+            let app = app.clone();
+            // Reading and validating the file is blocking work.
+            let _ = tokio::task::spawn_blocking(move || app.reload()).await;
+        }
+    });
+    asked
 }
 
 const DRAIN_QUIET: Duration = Duration::from_secs(1);
@@ -300,7 +315,7 @@ fn flush_spans(app: &App) {
 /// would. Content, not mtime, so that editors and ConfigMap symlink swaps are both seen.
 fn spawn_file_watch(app: Arc<App>) {
     std::thread::spawn(move || {
-        let read = || std::fs::read(&app.config_path).ok();
+        let read = || crate::config::read_bounded(&app.config_path).ok();
         let mut last = read();
         loop {
             std::thread::sleep(Duration::from_secs(1));

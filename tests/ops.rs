@@ -1691,3 +1691,50 @@ async fn a_request_queued_across_a_reload_goes_to_its_own_configs_upstream() {
     assert_eq!(send().await.unwrap(), 200);
     assert_eq!(new.count("/reports/generate"), 1);
 }
+
+/// A reload that blocks (its file a FIFO nobody writes, say; or a slow DNS answer for an
+/// upstream's name) keeps neither SIGTERM nor a later SIGHUP from being handled: the drain
+/// starts and the process exits 0, and a SIGHUP meanwhile is one more reload after it. The
+/// signal loop used to await the reload: the process went on serving past SIGTERM until
+/// `kill -9`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_reload_keeps_no_signal_from_being_handled() {
+    let up = Upstream::start(Duration::ZERO);
+    let mut gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 100}\n",
+        grace: "2s",
+        ..GatewayOpts::default()
+    });
+    let path = gw.config_path.clone();
+    std::fs::remove_file(&path).unwrap();
+    let made = Command::new("mkfifo").arg(&path).status().unwrap();
+    assert!(made.success());
+    gw.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw.signal("HUP");
+    let asked = Instant::now();
+    gw.signal("TERM");
+    assert_eq!(
+        gw.wait_exit(Duration::from_secs(10)),
+        Some(0),
+        "{}",
+        gw.log()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        asked.elapsed()
+    );
+}
+
+/// A config path whose size the file system does not know (a device, a pipe) is read up to
+/// the 4 MiB bound and refused there: `check -c /dev/zero` read without end (3.8 GB in 4 s).
+#[test]
+fn check_refuses_an_endless_file_at_the_size_bound() {
+    let start = Instant::now();
+    let (code, _, err) = tollgate(&["check", "-c", "/dev/zero"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("more than the 4 MiB"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+}

@@ -17,6 +17,18 @@ pub(super) const MAX_PATTERN_CHARS: usize = 2048;
 /// Most errors reported of one file by the typed parse (each costs a parse of the file's tree).
 pub(super) const MAX_REPORTED_ERRORS: usize = 100;
 
+/// A config file's bytes, one past [`MAX_FILE_BYTES`] at most: a device or a pipe, whose size
+/// the file system does not know (`/dev/zero`, `/dev/stdin`), is refused at the bound instead
+/// of read without end.
+pub fn read_bounded(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 pub(super) fn check_size(bytes: u64) -> Result<(), ConfigErrors> {
     if bytes > MAX_FILE_BYTES {
         return Err(ConfigErrors::one(

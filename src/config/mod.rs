@@ -37,6 +37,7 @@ mod url;
 mod validate;
 
 pub use crate::policy::Policy;
+pub use bounds::read_bounded;
 pub use client_limits::ClientLimits;
 pub use duration::{format_duration, parse_duration, ConfDuration};
 pub use error::{ConfigError, ConfigErrors};
@@ -173,9 +174,22 @@ impl Config {
         let cannot_read = |e: std::io::Error| {
             ConfigErrors::one(path.display().to_string(), format!("cannot read: {e}"))
         };
-        // Refuse a huge file before reading it into memory.
+        // Refuse a huge file before reading it into memory; one whose size is not known
+        // before it is read, at the bound.
         bounds::check_size(std::fs::metadata(path).map_err(cannot_read)?.len())?;
-        let text = std::fs::read_to_string(path).map_err(cannot_read)?;
+        let bytes = bounds::read_bounded(path).map_err(cannot_read)?;
+        if bytes.len() as u64 > bounds::MAX_FILE_BYTES {
+            return Err(ConfigErrors::one(
+                ".",
+                "the file is more than the 4 MiB a gateway.yaml may have",
+            ));
+        }
+        let text = String::from_utf8(bytes).map_err(|_| {
+            cannot_read(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "stream did not contain valid UTF-8",
+            ))
+        })?;
         Self::parse(&text, env)
     }
 
