@@ -1085,6 +1085,56 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
     drop(send);
 }
 
+/// An HTTP/2 stream whose upstream answered at once, without reading its body, gives its slot
+/// back once that answer is sent, though its client leaves the body unfinished: the
+/// upstream's work is done (DESIGN §3: the slot is kept "until the upstream has answered"),
+/// and nothing times an HTTP/2 body out after the answer. Before, two such streams held a
+/// cap of 2 for as long as their client kept the connection, every other key refused
+/// `route-busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answered_http2_stream_with_an_unfinished_body_frees_its_slot() {
+    let up = Upstream::start(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /early\": {cost: 1, max_in_flight: 1, queue_timeout: 100ms}\n";
+    let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 30s\n");
+    let client = h2_connect(&tg).await;
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("https://localhost/early")
+        .header("x-api-key", "holder")
+        .header("content-length", "100")
+        .body(())
+        .unwrap();
+    let mut c = client.clone().ready().await.unwrap();
+    let (resp, mut send) = c.send_request(req, false).unwrap();
+    send.send_data(bytes::Bytes::from_static(b"x"), false)
+        .unwrap();
+    // The upstream (an echo that reads no body) answers at once.
+    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+        .await
+        .expect("no answer")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let answered = Instant::now();
+    // Freed at once, not after body_timeout (30 s), nor when the client ends the stream.
+    loop {
+        let r = h2_send(&client, h2_request("POST", "/early", "other")).await;
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 503);
+        assert!(
+            answered.elapsed() < Duration::from_secs(5),
+            "the slot was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The holder's stream is still open, charged once.
+    assert_eq!(up.count("/early"), 2);
+    drop(send);
+}
+
 /// A HEAD stream the gateway answers itself (401, 429) gets headers only: HEADERS that end
 /// the stream, as for a HEAD the upstream answers (RFC 9110 §9.3.2: a HEAD answer has no
 /// content). (Before, the gateway sent its problem JSON in a DATA frame after them, which an

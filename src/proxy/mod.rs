@@ -20,7 +20,7 @@ mod scrub;
 mod submit;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -434,6 +434,26 @@ impl ProxyHttp for Gateway {
             ctx.settle(&self.shared.store).await;
         }
         respond::rate_limit_headers(resp, ctx)
+    }
+
+    fn response_body_filter(
+        &self,
+        session: &mut Session,
+        _body: &mut Option<bytes::Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Self::CTX,
+    ) -> Result<Option<Duration>> {
+        // The upstream's answer is whole and sent, and an HTTP/2 stream's body is not (an
+        // upstream that answered without reading it): the upstream's work is done, so its slot
+        // goes now. The stream lasts until its client ends it, and nothing times an HTTP/2
+        // body out once the answer is sent (Pingora has no read timeout for one): holding the
+        // slot until then let a client keep a cap full for as long as it kept a connection.
+        if end_of_stream && !ctx.upstream.whole_request && session.downstream_session.is_http2() {
+            if let Some(slot) = ctx.detach_slot() {
+                tokio::spawn(slot.release());
+            }
+        }
+        Ok(None)
     }
 
     /// The upstream never had the request. An address of a named pool that refused the
