@@ -838,6 +838,31 @@ fn a_repeated_content_length_is_forwarded_as_one() {
         .expect("forwarded");
     assert_eq!(upload.header("content-length"), vec!["2"]);
     assert_eq!(up.api.uploads_completed(), 1);
+    // On separate lines too, however the length is spelled: an upstream that refuses the
+    // repetition (nginx answers 400) ran nothing, and the key was charged 20 for it.
+    for (i, lines) in [
+        "Content-Length: 2\r\nContent-Length: 2\r\n",
+        "Content-Length: 2\r\ncontent-length: 02\r\n",
+        "Content-Length: 2\r\nContent-Length: 2\r\nCONTENT-LENGTH: 2, 2\r\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = raw_request(
+            gw.port,
+            format!("POST /upload HTTP/1.1\r\nHost: localhost\r\nX-API-Key: k-cl{i}\r\n{lines}Connection: close\r\n\r\n{{}}").as_bytes(),
+        )
+        .expect("an answer");
+        assert_eq!(r.status, 200, "{lines}: {r:?}");
+        let seen = up.api.seen();
+        let upload = seen
+            .iter()
+            .filter(|s| s.target == "/upload")
+            .nth(i + 1)
+            .expect("forwarded");
+        assert_eq!(upload.header("content-length"), vec!["2"], "{lines}");
+        assert_eq!(up.api.uploads_completed(), i as u64 + 2, "{lines}");
+    }
 }
 
 /// The same behind a chunked body; but a body the client holds back for a `100 Continue`

@@ -115,19 +115,28 @@ fn forwarded_for(
     Ok(())
 }
 
-/// A `Content-Length` that repeats one length (`2, 2`, which Pingora reads as 2) as the single
-/// value the upstream must get (RFC 9110 §8.6); `None` for any other.
-fn one_length(v: Option<&HeaderValue>) -> Option<HeaderValue> {
-    let v = v?.as_bytes();
-    if !v.contains(&b',') {
-        return None;
+/// A `Content-Length` that repeats one length — in one line (`2, 2`) or on several lines
+/// (`3` and `03`), which Pingora reads as that length — as the single value the upstream must
+/// get (RFC 9110 §8.6: an upstream that refuses the repetition would have been charged for
+/// a request it never ran); `None` for one plain value, or any other.
+fn one_length<'a>(values: impl Iterator<Item = &'a HeaderValue>) -> Option<HeaderValue> {
+    let mut length = None;
+    let mut repeated = false;
+    for (i, v) in values.enumerate() {
+        for part in v.as_bytes().split(|b| *b == b',') {
+            let part = part.trim_ascii();
+            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let n: u64 = std::str::from_utf8(part).ok()?.parse().ok()?;
+            repeated |= i > 0 || length.is_some();
+            match length {
+                Some(l) if l != n => return None,
+                _ => length = Some(n),
+            }
+        }
     }
-    let mut parts = v.split(|b| *b == b',').map(<[u8]>::trim_ascii);
-    let first = parts.next()?;
-    if first.is_empty() || !parts.all(|p| p == first) {
-        return None;
-    }
-    HeaderValue::from_bytes(first).ok()
+    length.filter(|_| repeated).map(HeaderValue::from)
 }
 
 /// Rewrites the upstream request: what was charged is what is sent. `received` are the
@@ -158,7 +167,12 @@ pub fn request(
     {
         strip_prefix(upstream, &prefix)?;
     }
-    if let Some(one) = one_length(upstream.headers.get(http::header::CONTENT_LENGTH)) {
+    if let Some(one) = one_length(
+        upstream
+            .headers
+            .get_all(http::header::CONTENT_LENGTH)
+            .iter(),
+    ) {
         upstream.insert_header(http::header::CONTENT_LENGTH, one)?;
     }
     if let Some(running) = &ctx.running {
