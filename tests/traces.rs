@@ -447,6 +447,58 @@ async fn refusals_holds_and_failures_are_traced() {
     assert!(spans.iter().all(|s| s.name() != "upstream"), "{spans:#?}");
 }
 
+/// A capped route's request held for its `max_delay` turn waits in the queue after the hold
+/// (`crate::hold`), and its spans say so: `max_delay hold`, then `queue wait`, then the
+/// upstream. The second of two requests on a cap of 1, whose provider budget gives one call
+/// a second, is held ~1 s, then queued behind the first (1.5 s at the upstream). Its spans
+/// were laid out queue first: a wait in a queue that was empty then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_capped_requests_spans_hold_then_queue() {
+    let collector = Collector::start();
+    let up = Upstream::start(Duration::ZERO);
+    let gw = Gateway::start(
+        &up,
+        &format!(
+            "rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /capheld:\n      cost: 1\n      max_in_flight: 1\n      queue_timeout: 10s\n      shared: {{max_cost: 1, window: 1s, max_delay: 10s}}\ntracing:\n  otlp_endpoint: \"{}\"\n",
+            collector.url()
+        ),
+    );
+    let c = client();
+    let send = |path: &str, trace: &str| {
+        c.get(gw.url(path))
+            .header("X-API-Key", "k")
+            .header("traceparent", format!("00-{trace}-{CLIENT_PARENT}-01"))
+            .send()
+    };
+    let first = send("/capheld?delay_ms=1500", &"e".repeat(32));
+    let first = tokio::spawn(first);
+    up.wait_current("/capheld", 1).await;
+    let second = "f".repeat(32);
+    assert_eq!(send("/capheld", &second).await.unwrap().status(), 200);
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    let spans = collector
+        .wait_trace(
+            &second,
+            &[
+                "GET /capheld",
+                "store decision",
+                "max_delay hold",
+                "queue wait",
+                "upstream",
+            ],
+        )
+        .await;
+    let (hold, queue) = (one(&spans, "max_delay hold"), one(&spans, "queue wait"));
+    let length = |s: &Received| s.span.end_time_unix_nano - s.span.start_time_unix_nano;
+    assert!(length(hold) > 500_000_000, "{hold:#?}");
+    assert!(length(queue) > 0, "{queue:#?}");
+    assert_eq!(
+        queue.span.start_time_unix_nano,
+        hold.span.end_time_unix_nano
+    );
+    assert!(one(&spans, "upstream").span.start_time_unix_nano >= queue.span.end_time_unix_nano);
+}
+
 /// `sample_ratio` is reloaded: from 0 (a request without a parent is not recorded) to 1 (the
 /// next one is).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -221,19 +221,20 @@ impl RequestTrace {
         id
     }
 
-    /// The store's decision, the wait for a slot and the `max_delay` hold, one after the
-    /// other from when the store was asked .
+    /// The store's decision, the `max_delay` hold and the wait for a slot, one after the
+    /// other from when the store was asked, in the order they happen: a capped route's
+    /// request is held for its turn before it joins the queue (`crate::hold`).
     fn children(&self, tracing: &Tracing, f: &Finished<'_>) {
         let Some(asked) = f.timing.asked else {
             return;
         };
         let t = f.timing;
         let mut parts = vec![("store decision", t.store)];
-        if f.capped {
-            parts.push(("queue wait", t.queued));
-        }
         if !t.hold.is_zero() {
             parts.push(("max_delay hold", t.hold));
+        }
+        if f.capped {
+            parts.push(("queue wait", t.queued));
         }
         let mut from = asked;
         for (name, length) in parts {
