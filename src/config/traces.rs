@@ -104,7 +104,7 @@ enum EndpointError {
 }
 
 /// `http://host:4318` → `http://host:4318/v1/traces`; a URL that already ends in
-/// `/v1/traces` is kept.
+/// `/v1/traces` (or `/v1/traces/`) is kept, without the slash.
 fn traces_url(raw: &str) -> Result<String, EndpointError> {
     use EndpointError as E;
     // Errors quote the URL, redacted: a user:password@ part is a secret.
@@ -129,9 +129,11 @@ fn traces_url(raw: &str) -> Result<String, EndpointError> {
         return Err(E::QueryOrFragment(quoted));
     }
     let mut url = url;
+    // `…/v1/traces/` too is posted to `…/v1/traces`: a collector routes that exact path.
     let path = url.path().trim_end_matches('/').to_string();
-    if !path.ends_with(TRACES_PATH) {
-        url.set_path(&format!("{path}{TRACES_PATH}"));
+    match path.ends_with(TRACES_PATH) {
+        true => url.set_path(&path),
+        false => url.set_path(&format!("{path}{TRACES_PATH}")),
     }
     Ok(url.to_string())
 }
@@ -165,6 +167,7 @@ mod tests {
         assert_eq!(url("http://c:4318/"), "http://c:4318/v1/traces");
         assert_eq!(url("http://c/otel/"), "http://c/otel/v1/traces");
         assert_eq!(url("http://c/v1/traces"), "http://c/v1/traces");
+        assert_eq!(url("http://c:4318/v1/traces/"), "http://c:4318/v1/traces");
         assert!(check("https://c:4318", 1.0).unwrap_err()[0]
             .starts_with("tracing.otlp_endpoint: https:// is not supported yet"));
     }
