@@ -61,10 +61,16 @@ fn under(path: &str, entry: &str) -> bool {
 /// cannot be mended into one that parses.
 pub(super) fn every_error(text: &str, first: ParseError) -> Result<Recovered, ConfigErrors> {
     let mut errors = ConfigErrors::default();
-    // The text parse got this far, so the text is YAML; a tree that cannot be built anyway
-    // (a YAML tag, which no field of the file takes) leaves the first error alone.
+    // A text whose tree cannot be built is not YAML past the point the typed parse stopped
+    // at (an unknown key before a line indented wrongly, say), or has a YAML tag, which no
+    // field of the file takes: the first error, and the tree's when it is another.
     let Ok((mut tree, repeated)) = lenient_tree(text) else {
+        let de = serde_yaml::Deserializer::from_str(text);
+        let tree_error = serde_path_to_error::deserialize::<_, Value>(de).err();
+        let at = |e: &ParseError| e.inner().location().map(|l| (l.line(), l.column()));
+        let other = tree_error.filter(|t| at(t) != at(&first));
         errors.0.push(error::from_syntax(first, text));
+        errors.0.extend(other.map(|e| error::from_syntax(e, text)));
         return Err(errors);
     };
     if tree.is_null() {

@@ -81,6 +81,26 @@ fn unknown_field_is_rejected_with_path() {
     );
 }
 
+/// A YAML syntax error further down than an unknown key is reported beside it: the typed
+/// parse stops at the key, before the text is read to its end, and `check` said only the key.
+#[test]
+fn a_syntax_error_after_an_unknown_key_is_reported_too() {
+    let s = format!("{BASE}server:\n  bogus: 1\ntracing:\n  service_name: x\n   sample_ratio: 1\n");
+    let errs = all_errors(&s);
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert!(
+        errs[0].starts_with("server.bogus: unknown field `bogus`"),
+        "{errs:?}"
+    );
+    assert!(
+        errs[1].starts_with("tracing: mapping values are not allowed in this context at line"),
+        "{errs:?}"
+    );
+    // A syntax error alone is said once.
+    let s = format!("{BASE}tracing:\n  service_name: x\n   sample_ratio: 1\n");
+    assert_eq!(all_errors(&s).len(), 1);
+}
+
 /// A byte order mark before the first key (some editors write one) is not part of the
 /// document: it said "missing field `upstream` at line 1 column 2".
 #[test]
