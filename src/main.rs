@@ -111,6 +111,15 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     })
 }
 
+/// `TOLLGATE_ADMIN_TOKEN` as `run` would take it: `check` refuses what `run` would refuse
+/// at start (a short or placeholder token).
+fn admin_token_checked() -> Result<(), ExitCode> {
+    tollgate::admin::token::from_env().map(drop).map_err(|e| {
+        to_stderr(&format!("{e}\n"));
+        ExitCode::from(1)
+    })
+}
+
 /// Writes `text` to stdout and exits with `code`. print!/println! panic when the reader has
 /// gone (`tollgate check | head -1`); that is not an error of the command, so it exits as it
 /// would have. Other write errors are reported.
@@ -149,8 +158,9 @@ fn run() -> ExitCode {
             init_logging(cli.log_format);
             serve(&config, watch, pid_file.as_deref())
         }
-        Cmd::Check { config } => match load(&config) {
-            Ok(cfg) => {
+        Cmd::Check { config } => match (load(&config), admin_token_checked()) {
+            (Ok(_), Err(code)) => code,
+            (Ok(cfg), Ok(())) => {
                 let text = format!(
                     "{}{}: ok\n",
                     tollgate::cli::route_table(&cfg),
@@ -158,7 +168,7 @@ fn run() -> ExitCode {
                 );
                 to_stdout(&text, ExitCode::SUCCESS)
             }
-            Err(code) => code,
+            (Err(code), _) => code,
         },
         Cmd::Explain {
             config,

@@ -1738,3 +1738,35 @@ fn check_refuses_an_endless_file_at_the_size_bound() {
     assert!(err.contains("more than the 4 MiB"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(10));
 }
+
+/// `check` refuses the admin token `run` would refuse at start: a file that checks clean
+/// then failed to start (exit 1, "TOLLGATE_ADMIN_TOKEN is 5 characters long").
+#[test]
+fn check_refuses_an_admin_token_run_would_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &path,
+        "upstream:\n  url: \"http://127.0.0.1:3000\"\nrate_limits:\n  default: {cost: 1, window: 60s, max_cost: 100}\n",
+    )
+    .unwrap();
+    let check = |token: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["check", "-c"])
+            .arg(&path)
+            .env("TOLLGATE_ADMIN_TOKEN", token)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), err)
+    };
+    let (code, err) = check("short");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.starts_with("TOLLGATE_ADMIN_TOKEN is 5 characters long"),
+        "{err}"
+    );
+    assert!(!err.contains("short"), "the token is never printed: {err}");
+    let (code, err) = check("9f86d081884c7d659a2feaa0c55ad015");
+    assert_eq!(code, Some(0), "{err}");
+}
