@@ -154,7 +154,7 @@ impl ShutdownSignalWatch for Signals {
             tokio::select! {
                 // Never awaited here: a reload that blocks (a FIFO for a file, a slow DNS
                 // answer for an upstream's name) must not keep SIGTERM from being handled.
-                _ = hup.recv() => reloads.notify_one(),
+                _ = hup.recv() => reloads.ask(),
                 _ = term.recv() => {
                     self.app.shared.drain.start();
                     spawn_drain_watch(self.app.clone());
@@ -183,18 +183,39 @@ impl ShutdownSignalWatch for Signals {
 
 /// The reloads SIGHUP asks for, one at a time on a task of their own: each signal while one
 /// runs makes one more after it (several make one: the file as it is then wins).
-fn spawn_reloader(app: Arc<App>) -> Arc<tokio::sync::Notify> {
-    let asked = Arc::new(tokio::sync::Notify::new());
-    let next = asked.clone();
+struct Reloads {
+    asked: tokio::sync::Notify,
+    running: std::sync::atomic::AtomicBool,
+}
+
+impl Reloads {
+    fn ask(&self) {
+        if self.running.load(std::sync::atomic::Ordering::Acquire) {
+            // One that never ends (a FIFO nobody writes) would hide every later one: said.
+            tracing::warn!("SIGHUP while a reload is still running: it follows that one");
+        }
+        self.asked.notify_one();
+    }
+}
+
+fn spawn_reloader(app: Arc<App>) -> Arc<Reloads> {
+    let reloads = Arc::new(Reloads {
+        asked: tokio::sync::Notify::new(),
+        running: Default::default(),
+    });
+    let r = reloads.clone();
     tokio::spawn(async move {
+        use std::sync::atomic::Ordering;
         loop {
-            next.notified().await;
+            r.asked.notified().await;
+            r.running.store(true, Ordering::Release);
             let app = app.clone();
             // Reading and validating the file is blocking work.
             let _ = tokio::task::spawn_blocking(move || app.reload()).await;
+            r.running.store(false, Ordering::Release);
         }
     });
-    asked
+    reloads
 }
 
 const DRAIN_QUIET: Duration = Duration::from_secs(1);

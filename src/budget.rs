@@ -9,8 +9,10 @@
 //! `window_us / max_cost = p / q` in lowest terms, one unit of cost adds `p` ticks to the
 //! bucket's level and the level drains by `q` ticks per µs. Every quantity is then an integer:
 //! no rounding drift at `1e8` units/s, and none at `1` unit/h. The bucket is full (no room) at
-//! `capacity = window_us * q` ticks. Levels stay below 2^52 (checked at config load) so the
-//! Lua script, whose numbers are doubles, computes exactly the same integers.
+//! `capacity = window_us * q` ticks. A decision's levels stay below 2^52 (checked at config
+//! load) so the Lua script, whose numbers are doubles, computes exactly the same integers. A
+//! debt (a charge after the fact, a fallback's write-back) may go past that: it is kept, to
+//! within a double's precision in Lua.
 
 use std::time::Duration;
 

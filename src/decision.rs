@@ -434,7 +434,9 @@ fn over_budget(route: &Route, outcome: Standing, retry_after_us: u64) -> Refusal
             Problem::QuotaExceeded,
             format!(
                 "this request costs {} units and {} are left; retry in {retry} s",
-                route.cost, outcome.remaining
+                route.cost,
+                // As `remaining` and `X-RateLimit-Remaining` say: the tightest budget's.
+                outcome.shown().1.remaining
             ),
         )
     }

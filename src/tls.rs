@@ -60,15 +60,30 @@ fn pem_error(path: &Path, what: &str, e: pem::Error) -> String {
     }
 }
 
+/// A PEM file's bytes, up to the bound a config file has: a device or a pipe named for one
+/// (`/dev/zero`) is refused there instead of read without end.
+fn read_pem(path: &Path) -> Result<Vec<u8>, pem::Error> {
+    let bytes = crate::config::read_bounded(path).map_err(pem::Error::Io)?;
+    if bytes.len() > 4 << 20 {
+        return Err(pem::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "more than 4 MiB, not a PEM file",
+        )));
+    }
+    Ok(bytes)
+}
+
 /// Reads a PEM private key (`server.tls.key`).
 pub fn read_key(key: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::Key(pem_error(key, "private key", e)))
+    read_pem(key)
+        .and_then(|bytes| PrivateKeyDer::from_pem_slice(&bytes))
+        .map_err(|e| TlsError::Key(pem_error(key, "private key", e)))
 }
 
 /// Reads a PEM chain (leaf first) and its private key, and checks that they belong together.
 pub fn load_key_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect())
+    let chain: Vec<CertificateDer<'static>> = read_pem(cert)
+        .and_then(|bytes| CertificateDer::pem_slice_iter(&bytes).collect())
         .map_err(|e| TlsError::Cert(pem_error(cert, "certificate", e)))?;
     if chain.is_empty() {
         return Err(TlsError::Cert(pem_error(

@@ -956,6 +956,10 @@ async fn a_refusal_by_several_budgets_describes_the_tightest(redis: Option<&Redi
         (v["remaining"].as_u64(), v["retry_after"].as_u64()),
         (Some(0), Some(180))
     );
+    assert_eq!(
+        v["detail"],
+        "this request costs 20 units and 0 are left; retry in 180 s"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1726,6 +1726,11 @@ async fn a_blocked_reload_keeps_no_signal_from_being_handled() {
         "{:?}",
         asked.elapsed()
     );
+    assert!(
+        gw.log().contains("SIGHUP while a reload is still running"),
+        "{}",
+        gw.log()
+    );
 }
 
 /// A config path whose size the file system does not know (a device, a pipe) is read up to

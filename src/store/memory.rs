@@ -434,7 +434,9 @@ impl MemoryStore {
         let levels = budgets
             .iter()
             .zip(&states)
-            .map(|((limit, _), state)| budget::level_at(limit, *state, now) as i64)
+            .map(|((limit, _), state)| {
+                i64::try_from(budget::level_at(limit, *state, now)).unwrap_or(i64::MAX)
+            })
             .collect();
         locked.put(req, &states);
         Some(levels)

@@ -69,3 +69,22 @@ fn check_names_the_file_that_cannot_be_served() {
     let e = errors(&garbage, &key);
     assert!(e[0].starts_with("server.tls.cert: "), "{e:?}");
 }
+
+/// A cert or key path whose size the file system does not know is read up to a bound and
+/// refused there: `tls.cert: /dev/zero` read without end.
+#[test]
+fn an_endless_pem_file_is_refused_at_a_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = write_pair(dir.path(), "a");
+    let zero = Path::new("/dev/zero");
+    let e = errors(zero, &key);
+    assert_eq!(
+        e,
+        ["server.tls.cert: cannot read \"/dev/zero\": more than 4 MiB, not a PEM file"]
+    );
+    let e = errors(&cert, zero);
+    assert_eq!(
+        e,
+        ["server.tls.key: cannot read \"/dev/zero\": more than 4 MiB, not a PEM file"]
+    );
+}

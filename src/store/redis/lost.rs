@@ -191,18 +191,39 @@ impl RedisBackend {
     /// key's leases (its own renewed among them): over the cap, beside the leases the others
     /// registered again meanwhile, it is undone (charge and slot) and true. A count Redis
     /// does not answer keeps it (as any admission on a store that fails: DESIGN §4's bound).
+    /// The wait and the count run in a task of their own, so that a request that goes away
+    /// meanwhile (its future dropped) leaves nothing held: whatever it was not told is undone.
     pub(super) async fn over_key_cap_after_loss(
         self: &Arc<Self>,
         req: &AdmitRequest,
         c: &AdmitCall,
         asked: Instant,
     ) -> bool {
+        if req.key_cap.is_none() || c.key_slots.is_none() || !self.conns.run_id.changed_since(asked)
+        {
+            return false;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (store, req, call) = (self.clone(), req.clone(), c.clone());
+        tokio::spawn(async move {
+            let over = store.recount_key_slots(&req, &call).await;
+            if tx.send(over).is_err() && !over {
+                store.undo_admission(&call, 0).await;
+            }
+        });
+        let mut told = Told {
+            rx,
+            store: self.clone(),
+            call: c.clone(),
+        };
+        (&mut told.rx).await.unwrap_or(false)
+    }
+
+    /// [`Self::over_key_cap_after_loss`]'s wait and count: true when over the cap (undone).
+    async fn recount_key_slots(self: &Arc<Self>, req: &AdmitRequest, c: &AdmitCall) -> bool {
         let (Some(cap), Some(set)) = (req.key_cap, &c.key_slots) else {
             return false;
         };
-        if !self.conns.run_id.changed_since(asked) {
-            return false;
-        }
         self.after_data_loss(req).await;
         let renew = Lease {
             sets: std::slice::from_ref(set),
@@ -218,6 +239,24 @@ impl RedisBackend {
                 true
             }
             _ => false,
+        }
+    }
+}
+
+/// The request's end of a recount: dropped before it read "kept", the admission is undone
+/// (the task undoes it itself when it could not tell anyone).
+struct Told {
+    rx: tokio::sync::oneshot::Receiver<bool>,
+    store: Arc<RedisBackend>,
+    call: AdmitCall,
+}
+
+impl Drop for Told {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let (Ok(false), Ok(rt)) = (self.rx.try_recv(), tokio::runtime::Handle::try_current()) {
+            let (store, call) = (self.store.clone(), self.call.clone());
+            rt.spawn(async move { store.undo_admission(&call, 0).await });
         }
     }
 }

@@ -272,10 +272,7 @@ impl RedisBackend {
             && self.over_key_cap_after_loss(req, &call, asked).await
         {
             // Given back: refused as it would have been, asked after the others' leases.
-            let standing = Standing {
-                remaining: standing.remaining.saturating_add(req.cost),
-                ..standing
-            };
+            let standing = standing.given_back(req.limits(), req.cost);
             return Ok((Decided::KeyBusy(standing), reply.seen));
         }
         let decided = match reply.code {
