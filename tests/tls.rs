@@ -1090,7 +1090,8 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
 /// upstream's work is done (DESIGN §3: the slot is kept "until the upstream has answered"),
 /// and nothing times an HTTP/2 body out after the answer. Before, two such streams held a
 /// cap of 2 for as long as their client kept the connection, every other key refused
-/// `route-busy`.
+/// `route-busy`. An answer without a body (a 204) too: it has no body for its end to be seen
+/// on, and held the slot after the first fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answered_http2_stream_with_an_unfinished_body_frees_its_slot() {
     let up = Upstream::start(Duration::ZERO);
@@ -1099,40 +1100,110 @@ async fn an_answered_http2_stream_with_an_unfinished_body_frees_its_slot() {
     let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /early\": {cost: 1, max_in_flight: 1, queue_timeout: 100ms}\n";
     let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 30s\n");
     let client = h2_connect(&tg).await;
+    let mut held = vec![];
+    for (n, (target, status)) in [("/early", 200), ("/early?status=204", 204)]
+        .into_iter()
+        .enumerate()
+    {
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("https://localhost{target}"))
+            .header("x-api-key", "holder")
+            .header("content-length", "100")
+            .body(())
+            .unwrap();
+        let mut c = client.clone().ready().await.unwrap();
+        let (resp, mut send) = c.send_request(req, false).unwrap();
+        send.send_data(bytes::Bytes::from_static(b"x"), false)
+            .unwrap();
+        // The upstream (an echo that reads no body) answers at once.
+        let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert_eq!(resp.status(), status);
+        held.push(send);
+        let answered = Instant::now();
+        // Freed at once, not after body_timeout (30 s), nor when the client ends the stream.
+        loop {
+            let r = h2_send(&client, h2_request("POST", "/early", "other")).await;
+            if r.status == 200 {
+                break;
+            }
+            assert_eq!(r.status, 503, "{target}");
+            assert!(
+                answered.elapsed() < Duration::from_secs(5),
+                "{target}: the slot was never released"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The holders' streams are still open, each charged once.
+        assert_eq!(up.count("/early"), 2 * (n as u64 + 1));
+    }
+    drop(held);
+}
+
+/// An HTTP/2 request without `content-length` whose body ends with an empty DATA frame (as
+/// `curl --http2 -T -` sends it) reaches an HTTP/1 upstream with one chunked terminator.
+/// Pingora wrote the empty last chunk as a terminator and then its own: the upstream read a
+/// second request, `0`, answered 400 on the pooled connection, and the next request on it
+/// (another key's) got a 502 it was charged for, never having reached the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_last_data_frame_ends_the_upstream_body_once() {
+    use std::io::{Read, Write};
+    let up = Upstream::start(Duration::ZERO);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let raw_port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The whole request, then 300 ms more of whatever follows it on the connection.
+        while !got.windows(5).any(|w| w == b"0\r\n\r\n") {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        conn.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        while let Ok(n) = conn.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let _ = tx.send(got);
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let body = format!(
+        "upstreams:\n  raw: {{url: \"http://127.0.0.1:{raw_port}\"}}\nrate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 1000}}\n  endpoints:\n    /raw: {{upstream: raw}}\n"
+    );
+    let tg = start_tls(&up, &pki, &body, &[]);
+    let client = h2_connect(&tg).await;
     let req = http::Request::builder()
         .method("POST")
-        .uri("https://localhost/early")
-        .header("x-api-key", "holder")
-        .header("content-length", "100")
+        .uri("https://localhost/raw")
+        .header("x-api-key", "k")
         .body(())
         .unwrap();
     let mut c = client.clone().ready().await.unwrap();
     let (resp, mut send) = c.send_request(req, false).unwrap();
-    send.send_data(bytes::Bytes::from_static(b"x"), false)
+    send.send_data(bytes::Bytes::from_static(b"abc"), false)
         .unwrap();
-    // The upstream (an echo that reads no body) answers at once.
+    send.send_data(bytes::Bytes::new(), true).unwrap();
     let resp = tokio::time::timeout(Duration::from_secs(5), resp)
         .await
         .expect("no answer")
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let answered = Instant::now();
-    // Freed at once, not after body_timeout (30 s), nor when the client ends the stream.
-    loop {
-        let r = h2_send(&client, h2_request("POST", "/early", "other")).await;
-        if r.status == 200 {
-            break;
-        }
-        assert_eq!(r.status, 503);
-        assert!(
-            answered.elapsed() < Duration::from_secs(5),
-            "the slot was never released"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // The holder's stream is still open, charged once.
-    assert_eq!(up.count("/early"), 2);
-    drop(send);
+    let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    let got = String::from_utf8_lossy(&got);
+    let (_, sent_body) = got.split_once("\r\n\r\n").unwrap();
+    assert_eq!(sent_body, "3\r\nabc\r\n0\r\n\r\n", "{got}");
 }
 
 /// A HEAD stream the gateway answers itself (401, 429) gets headers only: HEADERS that end

@@ -81,6 +81,31 @@ fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
 }
 
 /// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
+/// The upstream's whole answer is in, and an HTTP/2 stream's body is not (an upstream that
+/// answered without reading it): the upstream's work is done, so its slot goes now. The
+/// stream lasts until its client ends it, and nothing times an HTTP/2 body out once the answer
+/// is sent (Pingora has no read timeout for one): holding the slot until then let a client
+/// keep a cap full for as long as it kept a connection.
+fn answered_before_the_body_ended(session: &Session, ctx: &mut Ctx) {
+    if ctx.upstream.whole_request || !session.downstream_session.is_http2() {
+        return;
+    }
+    if let Some(slot) = ctx.detach_slot() {
+        tokio::spawn(slot.release());
+    }
+}
+
+/// An answer whose head is all of it (RFC 9110 §6.4.1): to a HEAD, a 204 or 304, or one that
+/// says `Content-Length: 0`.
+fn answer_has_no_body(session: &Session, resp: &ResponseHeader) -> bool {
+    session.req_header().method == http::Method::HEAD
+        || matches!(resp.status.as_u16(), 204 | 304)
+        || resp
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() == b"0")
+}
+
 fn client_went_away(e: &Error) -> bool {
     *e.esource() == ErrorSource::Downstream
         && matches!(
@@ -284,11 +309,17 @@ impl ProxyHttp for Gateway {
     async fn request_body_filter(
         &self,
         _session: &mut Session,
-        _body: &mut Option<bytes::Bytes>,
+        body: &mut Option<bytes::Bytes>,
         end_of_stream: bool,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
         if end_of_stream {
+            // An empty last chunk (an HTTP/2 body ended by an empty DATA frame) is no chunk:
+            // Pingora would write it as a terminator and then its own, and the HTTP/1 upstream
+            // would read a second request (`0`) on the connection.
+            if body.as_ref().is_some_and(|b| b.is_empty()) {
+                *body = None;
+            }
             ctx.upstream.body_watch = None;
             ctx.upstream.whole_request = true;
         } else if let Some(w) = &ctx.upstream.body_watch {
@@ -412,7 +443,7 @@ impl ProxyHttp for Gateway {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
@@ -426,6 +457,10 @@ impl ProxyHttp for Gateway {
         // The upstream answered: it no longer waits on the client's body, nor is there a
         // close without an answer to judge.
         ctx.upstream.body_watch = None;
+        if !ctx.upstream.whole_request && answer_has_no_body(session, resp) {
+            // Its whole answer is this head: no body's end will say so.
+            answered_before_the_body_ended(session, ctx);
+        }
         ctx.upstream.status = Some(resp.status.as_u16());
         respond::take_stated_cost(resp, ctx);
         if matches!(ctx.report, Some(Report::Applied(_))) {
@@ -443,15 +478,8 @@ impl ProxyHttp for Gateway {
         end_of_stream: bool,
         ctx: &mut Self::CTX,
     ) -> Result<Option<Duration>> {
-        // The upstream's answer is whole and sent, and an HTTP/2 stream's body is not (an
-        // upstream that answered without reading it): the upstream's work is done, so its slot
-        // goes now. The stream lasts until its client ends it, and nothing times an HTTP/2
-        // body out once the answer is sent (Pingora has no read timeout for one): holding the
-        // slot until then let a client keep a cap full for as long as it kept a connection.
-        if end_of_stream && !ctx.upstream.whole_request && session.downstream_session.is_http2() {
-            if let Some(slot) = ctx.detach_slot() {
-                tokio::spawn(slot.release());
-            }
+        if end_of_stream {
+            answered_before_the_body_ended(session, ctx);
         }
         Ok(None)
     }
