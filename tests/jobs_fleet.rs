@@ -1267,3 +1267,43 @@ async fn a_queued_job_past_its_result_ttl_is_refunded_unpolled() {
     assert_eq!(line.len(), 1, "{line:?}");
     assert_eq!(up.count(ROUTE), 1);
 }
+
+/// A Redis stall shorter than `lease_ttl` while a job runs loses nothing: the runner
+/// renews its lease again at once once Redis answers, so a poll meanwhile never finds it
+/// lapsed. The runner renewed every third of `lease_ttl` and let a failed renewal go: two
+/// missed in a row (the second refused by the breaker still open after the stall) left the
+/// lease to lapse, the next poll declared the job lost (502 `job-lost`) while it ran, and
+/// the upstream's 200 was thrown away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_redis_stall_while_a_job_runs_loses_nothing() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(&redis.url());
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=4000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    // From 0.3 s after the job's claim (its lease's last renewal) to 1.8 s, within the lease
+    // (2 s), over two of its renewals' ticks (every 2/3 s).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.pause();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis.resume();
+    // Polled all along on the other gateway: never found lost.
+    let done = loop {
+        let r = get(&c, b.url(&running), "key-a").await;
+        match r.status().as_u16() {
+            202 | 503 => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => break r,
+        }
+    };
+    assert_eq!(
+        done.status(),
+        200,
+        "{}\n{}",
+        a.log(),
+        done.text().await.unwrap()
+    );
+    assert_eq!(up.count(ROUTE), 1);
+}

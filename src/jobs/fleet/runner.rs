@@ -148,13 +148,25 @@ fn keep_alive(
     let every = b.lease_ttl() / 3;
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
     tokio::spawn(async move {
+        let mut wait = every;
         loop {
-            tokio::time::sleep(every).await;
-            let _ = b.job_renew(&label, &id, key.as_ref()).await;
-            let _ = b.job_record::<i64>(&id, "renew", &[alive.as_bytes()]).await;
+            tokio::time::sleep(wait).await;
+            let slot = b.job_renew(&label, &id, key.as_ref()).await.is_ok();
+            let args: [&[u8]; 1] = [alive.as_bytes()];
+            let record = b.job_record::<i64>(&id, "renew", &args).await.is_ok();
+            // A renewal that failed (a stall, the breaker still open after one) is sent again
+            // soon, not a third of the lease later: two missed in a row let the lease lapse,
+            // and the next read declared the running job lost.
+            wait = match slot && record {
+                true => every,
+                false => RENEW_AGAIN_AFTER.min(every),
+            };
         }
     })
 }
+
+/// When a renewal that failed is sent again.
+const RENEW_AGAIN_AFTER: Duration = Duration::from_millis(100);
 
 /// When a result that could not be written is sent again: after this, doubling up to
 /// [`WRITE_AGAIN_AT_MOST`] (a write that fails for as long as the store does not count
