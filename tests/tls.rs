@@ -162,6 +162,28 @@ fn h2_request(method: &str, path: &str, key: &str) -> http::Request<()> {
         .unwrap()
 }
 
+/// Opens a `POST` stream that says `content-length: 100` and sends `first` of it, no more:
+/// the answer's future and the body's sender (kept open while it is held).
+async fn h2_unfinished_post(
+    client: &h2::client::SendRequest<bytes::Bytes>,
+    path: &str,
+    headers: &[(&str, &str)],
+    first: &'static [u8],
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let mut req = http::Request::builder()
+        .method("POST")
+        .uri(format!("https://localhost{path}"))
+        .header("content-length", "100");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let mut c = client.clone().ready().await.unwrap();
+    let (resp, mut send) = c.send_request(req.body(()).unwrap(), false).unwrap();
+    send.send_data(bytes::Bytes::from_static(first), false)
+        .unwrap();
+    (resp, send)
+}
+
 /// Sends a bodyless request as a new stream and reads its whole response.
 async fn h2_send(
     client: &h2::client::SendRequest<bytes::Bytes>,
@@ -1034,17 +1056,8 @@ async fn a_stalled_http2_body_gets_408_frees_the_slot_and_stays_charged() {
     let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    \"POST /upload\": {cost: 1, max_in_flight: 1}\n";
     let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 1s\n");
     let client = h2_connect(&tg).await;
-    let req = http::Request::builder()
-        .method("POST")
-        .uri("https://localhost/upload")
-        .header("x-api-key", "staller")
-        .header("content-length", "100")
-        .body(())
-        .unwrap();
-    let mut c = client.clone().ready().await.unwrap();
-    let (resp, mut send) = c.send_request(req, false).unwrap();
-    send.send_data(bytes::Bytes::from_static(b"x"), false)
-        .unwrap();
+    let (resp, send) =
+        h2_unfinished_post(&client, "/upload", &[("x-api-key", "staller")], b"x").await;
     up.wait_current("/upload", 1).await;
     let stalled_at = Instant::now();
     let other = || {
@@ -1105,17 +1118,8 @@ async fn an_answered_http2_stream_with_an_unfinished_body_frees_its_slot() {
         .into_iter()
         .enumerate()
     {
-        let req = http::Request::builder()
-            .method("POST")
-            .uri(format!("https://localhost{target}"))
-            .header("x-api-key", "holder")
-            .header("content-length", "100")
-            .body(())
-            .unwrap();
-        let mut c = client.clone().ready().await.unwrap();
-        let (resp, mut send) = c.send_request(req, false).unwrap();
-        send.send_data(bytes::Bytes::from_static(b"x"), false)
-            .unwrap();
+        let (resp, send) =
+            h2_unfinished_post(&client, target, &[("x-api-key", "holder")], b"x").await;
         // The upstream (an echo that reads no body) answers at once.
         let resp = tokio::time::timeout(Duration::from_secs(5), resp)
             .await
@@ -1256,18 +1260,8 @@ async fn a_stalled_http2_job_body_gets_408() {
     let body = "rate_limits:\n  default: {cost: 1, window: 24h, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 5, max_in_flight: 2, queue_timeout: 1s, async: {when: prefer, max_request_body: 1KiB}}\n";
     let tg = start_tls_with(&up, &pki, body, &[], "  body_timeout: 1s\n");
     let client = h2_connect(&tg).await;
-    let req = http::Request::builder()
-        .method("POST")
-        .uri("https://localhost/reports/generate")
-        .header("x-api-key", "staller")
-        .header("prefer", "respond-async")
-        .header("content-length", "100")
-        .body(())
-        .unwrap();
-    let mut c = client.clone().ready().await.unwrap();
-    let (resp, mut send) = c.send_request(req, false).unwrap();
-    send.send_data(bytes::Bytes::from_static(b"abc"), false)
-        .unwrap();
+    let headers = [("x-api-key", "staller"), ("prefer", "respond-async")];
+    let (resp, send) = h2_unfinished_post(&client, "/reports/generate", &headers, b"abc").await;
     let stalled_at = Instant::now();
     let resp = tokio::time::timeout(Duration::from_secs(10), resp)
         .await
