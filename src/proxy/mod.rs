@@ -80,7 +80,6 @@ fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
     session.downstream_session.is_http2() && follows_upstream(ctx)
 }
 
-/// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
 /// The upstream's whole answer is in, and an HTTP/2 stream's body is not (an upstream that
 /// answered without reading it): the upstream's work is done, so its slot goes now. The
 /// stream lasts until its client ends it, and nothing times an HTTP/2 body out once the answer
@@ -106,6 +105,7 @@ fn answer_has_no_body(session: &Session, resp: &ResponseHeader) -> bool {
             .is_some_and(|v| v.as_bytes() == b"0")
 }
 
+/// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
 fn client_went_away(e: &Error) -> bool {
     *e.esource() == ErrorSource::Downstream
         && matches!(

@@ -100,6 +100,8 @@ pub(super) async fn run_claimed(
         }
     }
     renew.abort();
+    // A renewal still on its way would make the key's lease again after the release.
+    let _ = renew.await;
     let _ = b.job_release(&label, &id, key.as_ref()).await;
     drop(in_flight);
     if cost > 0 {
@@ -156,11 +158,19 @@ fn keep_alive(
             let record = b.job_record::<i64>(&id, "renew", &args).await.is_ok();
             // A renewal that failed (a stall, the breaker still open after one) is sent again
             // soon, not a third of the lease later: two missed in a row let the lease lapse,
-            // and the next read declared the running job lost.
-            wait = match slot && record {
-                true => every,
-                false => RENEW_AGAIN_AFTER.min(every),
+            // and the next read declared the running job lost. Backed off (doubling up to a
+            // quarter of the tick, so that several tries still fit in what is left of the
+            // lease; each job at its own moment), so that many jobs do not press a Redis that
+            // answers only some calls.
+            let most = every / 4;
+            wait = match (slot && record, wait < every) {
+                (true, _) => every,
+                (false, false) => RENEW_AGAIN_AFTER.mul_f64(1.0 + rand::random::<f64>()),
+                (false, true) => wait * 2,
             };
+            if wait != every {
+                wait = wait.min(most);
+            }
         }
     })
 }
