@@ -112,7 +112,7 @@ impl Gateway {
             // upstream worked; `cost_from_response`: what the late answer states).
             // (A route without a cap bills to the timeout: the duplicate an HTTP/2 request on
             // it may have is for a reset stream, `settles_on_reset`.)
-            if ctx.upstream.whole_request && super::follows_upstream(ctx) {
+            if ctx.upstream.whole_request && super::slot::follows_upstream(ctx) {
                 let head = session.req_header().method == http::Method::HEAD;
                 self.follow_late_answer(ctx, front::LateAnswer::Whole { head }, true);
             }

@@ -17,6 +17,7 @@ mod late;
 mod record;
 pub mod respond;
 mod scrub;
+mod slot;
 mod submit;
 
 use std::sync::Arc;
@@ -38,71 +39,15 @@ use crate::upstreams;
 use ctx::{Ctx, Phase};
 pub use record::{malformed_head, malformed_head_answer};
 pub(crate) use scrub::set_by_gateway;
+use slot::{
+    answer_has_no_body, answered_before_the_body_ended, drains_on_reset, follows_upstream,
+    settles_on_reset, UNCAPPED_FOLLOWS,
+};
 
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 pub struct Gateway {
     pub shared: Arc<Shared>,
-}
-
-/// A request admitted to a capped route: its slot follows the upstream's work, through a
-/// duplicate of the upstream socket, when the gateway stops waiting for the answer (the
-/// client got its 504 at `read_timeout`; an HTTP/2 client reset its stream).
-fn follows_upstream(ctx: &Ctx) -> bool {
-    ctx.is_admitted()
-        && ctx
-            .route
-            .as_ref()
-            .is_some_and(|r| r.max_in_flight.is_some())
-}
-
-/// An admitted HTTP/2 request whose charge is settled on the answer (`cost_per_second`,
-/// `cost_from_response`): a stream reset before the answer's head is followed to the late
-/// answer for its charge, on a route without a cap too (HTTP/1 has the client shield instead).
-fn settles_on_reset(session: &Session, ctx: &Ctx) -> bool {
-    session.downstream_session.is_http2()
-        // (A TLS upstream's late answer, read from the socket, is ciphertext.)
-        && !ctx.upstream.tls
-        && ctx.is_admitted()
-        && ctx.route.as_ref().is_some_and(|r| {
-            r.fidelity.cost_per_second.is_some() || r.fidelity.cost_from_response.is_some()
-        })
-}
-
-/// Late answers followed at once for routes without a cap ([`settles_on_reset`]), a permit
-/// each: each holds an upstream socket for up to `abandon_timeout`, and nothing else bounds
-/// how many.
-static UNCAPPED_FOLLOWS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
-
-/// An HTTP/2 request admitted to a capped route: a reset stream is followed to the end of its
-/// upstream connection (HTTP/1 has the client shield instead, see `front`).
-fn drains_on_reset(session: &Session, ctx: &Ctx) -> bool {
-    session.downstream_session.is_http2() && follows_upstream(ctx)
-}
-
-/// The upstream's whole answer is in, and an HTTP/2 stream's body is not (an upstream that
-/// answered without reading it): the upstream's work is done, so its slot goes now. The
-/// stream lasts until its client ends it, and nothing times an HTTP/2 body out once the answer
-/// is sent (Pingora has no read timeout for one): holding the slot until then let a client
-/// keep a cap full for as long as it kept a connection.
-fn answered_before_the_body_ended(session: &Session, ctx: &mut Ctx) {
-    if ctx.upstream.whole_request || !session.downstream_session.is_http2() {
-        return;
-    }
-    if let Some(slot) = ctx.detach_slot() {
-        tokio::spawn(slot.release());
-    }
-}
-
-/// An answer whose head is all of it (RFC 9110 §6.4.1): to a HEAD, a 204 or 304, or one that
-/// says `Content-Length: 0`.
-fn answer_has_no_body(session: &Session, resp: &ResponseHeader) -> bool {
-    session.req_header().method == http::Method::HEAD
-        || matches!(resp.status.as_u16(), 204 | 304)
-        || resp
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .is_some_and(|v| v.as_bytes() == b"0")
 }
 
 /// The client went away (an HTTP/2 stream reset, or a closed connection) — not a failure.
