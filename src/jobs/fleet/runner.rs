@@ -162,15 +162,15 @@ fn keep_alive(
             // quarter of the tick, so that several tries still fit in what is left of the
             // lease; each job at its own moment), so that many jobs do not press a Redis that
             // answers only some calls.
-            let most = every / 4;
-            wait = match (slot && record, wait < every) {
-                (true, _) => every,
-                (false, false) => RENEW_AGAIN_AFTER.mul_f64(1.0 + rand::random::<f64>()),
-                (false, true) => wait * 2,
+            wait = if slot && record {
+                every
+            } else if wait == every {
+                RENEW_AGAIN_AFTER
+                    .mul_f64(1.0 + rand::random::<f64>())
+                    .min(every / 4)
+            } else {
+                (wait * 2).min(every / 4)
             };
-            if wait != every {
-                wait = wait.min(most);
-            }
         }
     })
 }

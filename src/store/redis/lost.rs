@@ -180,9 +180,7 @@ impl RedisBackend {
             }
         }
     }
-}
 
-impl RedisBackend {
     /// Whether admission `c`, which took a slot of its key's `max_in_flight_per_key`, must be
     /// given back because Redis was seen anew during its call (asked at `asked`): its
     /// thread's connection to the old process looked open, the charge went again on a new
