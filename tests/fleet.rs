@@ -176,6 +176,37 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
     eprintln!("slots returned {back:?} after SIGKILL (lease_ttl 2s)");
 }
 
+/// The same when nobody asks meanwhile: A holds both slots and is SIGKILLed, the route sees
+/// no call for longer than the lease, and B's one request then finds a slot free at once
+/// (200; no queue to wait in). A route that went silent because its holder died is not a
+/// Redis stall (`lua/queue.lua`'s `wake`): its lapsed leases go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_gateways_slots_are_free_after_a_quiet_lease_time() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(20));
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2}\n",
+    );
+    let mut a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let held: Vec<_> = (0..2)
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
+        .collect();
+    up.wait_current("/reports/generate", 2).await;
+    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
+    assert_eq!(r.status(), 503, "A holds both slots");
+    a.kill9();
+    // The lease (2 s) and more, with no call on the route.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
+    assert_eq!(r.status(), 200, "{}", b.log());
+    drop(held);
+}
+
 /// DESIGN §4 and §8: a dead gateway's slot comes back within the lease time for its key's
 /// share of the route too (`max_in_flight_per_key` on the endpoint). Its lease lapses, and the
 /// route's lease set expires a second later; the queue's state outlives it and still counted

@@ -1268,6 +1268,45 @@ async fn a_queued_job_past_its_result_ttl_is_refunded_unpolled() {
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// Redis stalls for longer than `lease_ttl` while a job runs on a cap of 1 and another
+/// waits: by Redis's clock the running job's lease lapsed, but nobody could renew it. Once
+/// Redis answers, the lease is kept for its runner to renew instead of going to the waiting
+/// job: the second job runs after the first, never beside it, and both end 200. (Before, the
+/// first beat Redis ran after the stall granted the slot to the waiting job.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_stall_past_lease_ttl_gives_no_running_jobs_slot_away() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(100));
+    let body = config(&redis.url());
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=6000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (waiting, _) = submit_as(&c, &b, ROUTE, "", "key-b").await;
+    redis.pause();
+    // Past the lease (2 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    redis.resume();
+    // No poll until the second job reached the upstream (a poll that finds the first job's
+    // record unrenewed would take it for lost: not this test's matter).
+    eventually(Duration::from_secs(15), async || match up.count(ROUTE) {
+        2 => Ok(()),
+        n => Err(format!("{n} at the upstream")),
+    })
+    .await;
+    assert_eq!(
+        up.max_concurrent(ROUTE),
+        1,
+        "the waiting job ran beside the running one\n{}\n{}",
+        a.log(),
+        b.log()
+    );
+    assert_eq!(result(&c, &b, &running).await.status(), 200);
+    assert_eq!(result_as(&c, &a, &waiting, "key-b").await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2);
+}
+
 /// A Redis stall shorter than `lease_ttl` while a job runs loses nothing: the runner
 /// renews its lease again at once once Redis answers, so a poll meanwhile never finds it
 /// lapsed. The runner renewed every third of `lease_ttl` and let a failed renewal go: two

@@ -544,6 +544,42 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
     );
 }
 
+/// Redis itself stalls (SIGSTOP) for longer than `lease_ttl` while gateway A runs a report on
+/// a cap of 1: nobody could renew A's lease, and by Redis's clock it lapsed. B's client asks
+/// for a report all along (503 `store-unavailable` while Redis is away, `on_error: deny`).
+/// Once Redis answers, B holds its report back while A registers its lease again, and the
+/// report waits for A's: never beside it. (Before, B's report took the slot A's lease had
+/// lapsed from, and A's renewal then made the lease again: 2 at the upstream on a cap of 1.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_stall_past_lease_ttl_keeps_the_cap() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(10));
+    let cfg = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 4s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 1, queue_timeout: 60s}}\n",
+        redis.url()
+    );
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    let first = spawn_post(&c, a.url("/reports/generate"), "a");
+    up.wait_current("/reports/generate", 1).await;
+    redis.pause();
+    let second = spawn_post_until_decided(&c, b.url("/reports/generate?delay_ms=100"), "b");
+    // Past the lease's 4 s: it lapsed by Redis's clock.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    redis.resume();
+    assert_eq!(first.await.unwrap(), 200, "{}", a.log());
+    assert_eq!(second.await.unwrap(), 200, "{}", b.log());
+    assert_eq!(up.count("/reports/generate"), 2);
+    assert_eq!(
+        up.max_concurrent("/reports/generate"),
+        1,
+        "B's report ran beside A's\n{}\n{}",
+        a.log(),
+        b.log()
+    );
+}
+
 /// A capped request's `enter` (its place in the route's queue) reaches Redis only after the
 /// gateway gave up on it: it timed out, the request was decided on the local share, and the
 /// gateway's `leave` of that id reached Redis first, on a new connection. The late `enter`

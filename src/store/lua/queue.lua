@@ -401,6 +401,63 @@ local function place(id)
   end
 end
 
+-- A route's leases lapse by Redis's clock, which runs on while Redis answers nobody (a stall:
+-- SIGSTOP, a long command, a fork on a large dataset) or nobody reaches it (a partition). A
+-- holder that could not renew meanwhile would lose its slot to the first call after, and its
+-- renewal then makes the lease again beside the one that took it: the cap run over. So a call
+-- that finds the route silent for longer than a live lease's renewals ever leave it (`seen`,
+-- the last call's time: longer than half `lt`, the lease time, as holders renew every third
+-- of it, and than a second, as instances with anything on the route beat every 500 ms) gives
+-- every lease that lapsed meanwhile its lease time once more, for its holder to renew -- when
+-- the silence must be Redis's: the call comes from an instance with a stake on the route (a
+-- lease, a waiter), or the route has waiters (their live instances would have beaten it). A
+-- route that went silent because its only holder died is woken by a newcomer with no stake,
+-- and the lapsed lease goes at once (DESIGN §4: a dead gateway's slots come back within the
+-- lease time). An instance whose store was out for that long holds its own new requests back
+-- until the others registered their leases again (`store/redis/lost.rs`).
+local function silent()
+  local last, lt = num('seen'), num('lt')
+  return last > 0 and lt > 0 and now - last > math.max(lt / 2, 1000000)
+end
+
+-- The lease set expires a second after its last lease does.
+local function keep_leases()
+  if redis.call('EXISTS', leases) == 1 then
+    local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
+    if last[2] then
+      redis.call('PEXPIREAT', leases, int(math.ceil(tonumber(last[2]) / 1000) + 1000))
+    end
+  end
+end
+
+-- Every writing call starts with this: the route's call time, and after a silence the grace
+-- above. `stake`: the caller has a lease or a waiter here.
+local function wake(stake)
+  if redis.call('EXISTS', state) == 0 then return end
+  local after_silence = silent()
+  redis.call('HSET', state, 'seen', int(now))
+  if not after_silence or not (stake or redis.call('EXISTS', waiters) == 1) then return end
+  local lapsed = {}
+  if redis.call('EXISTS', leases) == 1 then
+    lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now))
+  elseif num('running') > 0 then
+    -- The set itself expired with its leases (see `purge`): the state still names them.
+    for _, f in ipairs(redis.call('HKEYS', state)) do
+      local id = string.match(f, '^l:(.+)$')
+      if id then lapsed[#lapsed + 1] = id end
+    end
+  end
+  if #lapsed == 0 then return end
+  local until_us = int(now + num('lt'))
+  for _, id in ipairs(lapsed) do redis.call('ZADD', leases, until_us, id) end
+  keep_leases()
+end
+
+-- The lease time holders renew for (`lt`, for `wake`).
+local function note_ttl(lease_ttl)
+  if num('lt') ~= lease_ttl then redis.call('HSET', state, 'lt', int(lease_ttl)) end
+end
+
 -- Leases past their expiry (their instance died or stalled) go, with their key's count. An
 -- instance that let a grant lapse unconfirmed counts as dead until it beats again: its other
 -- waiters are skipped at once instead of being granted, and lapsing, one after another (a
@@ -481,12 +538,7 @@ local function keep(ttl_us)
   redis.call('PEXPIRE', heads, ms)
   redis.call('PEXPIRE', state, ms)
   if redis.call('EXISTS', owed) == 1 then redis.call('PEXPIRE', owed, ms) end
-  if redis.call('EXISTS', leases) == 1 then
-    local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
-    if last[2] then
-      redis.call('PEXPIREAT', leases, int(math.ceil(tonumber(last[2]) / 1000) + 1000))
-    end
-  end
+  keep_leases()
 end
 
 if op == 'enter' then
@@ -494,8 +546,10 @@ if op == 'enter' then
   local route_cap, route_share, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local lease_ttl, instance, alive_us, grant_ttl = tonumber(ARGV[8]), ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
   if refused(id) then return {GIVEN_UP} end
+  wake(num('n:' .. instance) > 0)
   route_cap, route_share = limits(route_cap, route_share, tonumber(ARGV[12]) or 0, true)
   redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
+  note_ttl(lease_ttl)
   -- Dropped as dead and back before its charge was handed out: the charge is its own again
   -- (not given up, as checked above), and its place in the queue, among its key's waiters
   -- in arrival order (re-entering in whatever order its requests come back).
@@ -547,6 +601,7 @@ if op == 'enter' then
   return {QUEUED, instance == FLEET and place(id) or queued + 1}
 elseif op == 'leave' then
   local id = ARGV[2]
+  wake(true)
   local info = redis.call('HGET', state, 'w:' .. id)
   if info then
     local key = drop_waiter(id, info)
@@ -561,14 +616,18 @@ elseif op == 'leave' then
   return {2}
 elseif op == 'confirm' then
   local id, lease_ttl = ARGV[2], tonumber(ARGV[3])
+  wake(true)
   if not redis.call('ZSCORE', leases, id) then return {0} end
+  note_ttl(lease_ttl)
   redis.call('ZADD', leases, 'XX', now + lease_ttl, id)
   redis.call('HDEL', state, 'gi:' .. id, 'c:' .. id)
   keep(lease_ttl)
   return {1}
 elseif op == 'hold' then
   local id, key, lease_ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
+  wake(true)
   redis.call('ZADD', leases, now + lease_ttl, id)
+  note_ttl(lease_ttl)
   if not redis.call('HGET', state, 'l:' .. id) then
     redis.call('HSET', state, 'l:' .. id, key)
     add_running(key, 1)
@@ -578,6 +637,7 @@ elseif op == 'hold' then
   return {1}
 elseif op == 'release' then
   local id, grant_ttl = ARGV[2], tonumber(ARGV[3])
+  wake(true)
   local info = redis.call('HGET', state, 'w:' .. id)
   if info then
     -- Still waiting (its `leave` failed): it goes, like a lease.
@@ -603,6 +663,7 @@ elseif op == 'beat' then
   -- `below` 0): its field would stay for good. The fleet is, whenever a collector beats for
   -- it: its jobs may be granted slots for as long as one takes them, not only for a while
   -- after the last submission.
+  wake(n > 0)
   if n > 0 or below > 0 or instance == FLEET then
     redis.call('HSET', state, 'i:' .. instance, int(now + alive_us))
   end
@@ -711,7 +772,8 @@ elseif op == 'paid' then
   end
   return {0}
 elseif op == 'place' then
-  purge()
+  -- A read: after a silence it leaves the lapsed leases to the next writing call (`wake`).
+  if not silent() then purge() end
   return {place(ARGV[2])}
 elseif op == 'jobs' then
   -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2],
@@ -733,6 +795,7 @@ elseif op == 'cap' then
   -- not reloaded yet must find the newer figures, not set its own.
   limits(ARGV[2], ARGV[3], tonumber(ARGV[5]), true)
   if redis.call('PTTL', state) < 60000 then redis.call('PEXPIRE', state, 60000) end
+  wake(false)
   purge()
   -- Each waiting key's place in the serving order under the new share (a key held at the
   -- old share may be served again, or no longer).
@@ -750,6 +813,7 @@ elseif op == 'full' then
   local key, max_queue = ARGV[2], tonumber(ARGV[5])
   -- As an `enter` would: the caller's figures if newer, then the upkeep under them.
   local route_cap, route_share = limits(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]) or 0, true)
+  wake(false)
   purge()
   grant(tonumber(ARGV[7]))
   if backlog or max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
@@ -758,7 +822,7 @@ elseif op == 'full' then
   end
   return {1}
 elseif op == 'peek' then
-  purge()
+  if not silent() then purge() end
   local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}
   local per = {}
   local order = {}

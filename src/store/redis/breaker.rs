@@ -63,12 +63,16 @@ impl Breaker {
         self.open_until_us.load(Ordering::Acquire) == 0
     }
 
-    /// A call answered at `at` (an instant its caller read anyway: no clock read here).
-    pub(super) fn success(&self, at: Instant) {
+    /// A call answered at `at` (an instant its caller read anyway: no clock read here). When
+    /// it closed an open breaker: how long no call had been answered before it.
+    pub(super) fn success(&self, at: Instant) -> Option<Duration> {
         self.failures.store(0, Ordering::Release);
-        self.open_until_us.store(0, Ordering::Release);
         let us = at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
-        self.last_ok_us.store(us, Ordering::Relaxed);
+        // A load first: the common answer, on a closed breaker, writes nothing here.
+        let reopened = self.open_until_us.load(Ordering::Acquire) != 0
+            && self.open_until_us.swap(0, Ordering::AcqRel) != 0;
+        let last = self.last_ok_us.swap(us, Ordering::Relaxed);
+        reopened.then(|| Duration::from_micros(us.saturating_sub(last)))
     }
 
     /// How long since a call last succeeded (since the breaker was made, if none has).
@@ -114,8 +118,12 @@ mod tests {
         assert!(!b.allow(), "probe failed: open again");
         std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
         assert!(b.allow());
-        b.success(Instant::now());
+        // The probe's answer closes it, and says how long nothing was answered: since the
+        // breaker was made (no answer before), three periods of 500 ms at least.
+        let quiet = b.success(Instant::now()).expect("it closed the breaker");
+        assert!(quiet >= BREAKER_OPEN_FOR * 3, "{quiet:?}");
         assert!(b.allow() && b.allow(), "closed");
+        assert_eq!(b.success(Instant::now()), None, "closed already");
     }
 
     /// How long the store has been quiet counts from the last success (no answer yet: from

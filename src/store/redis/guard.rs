@@ -161,7 +161,9 @@ impl RedisBackend {
                 m.store_duration
                     .observe(now.saturating_duration_since(start).as_secs_f64());
                 m.store_call(StoreCall::Ok);
-                self.breaker.success(now);
+                if let Some(quiet) = self.breaker.success(now) {
+                    self.conns.run_id.answered_after(quiet, self.lease_ttl);
+                }
             }
             Err(StoreError::BreakerOpen) => {
                 m.store_call(StoreCall::BreakerOpen);

@@ -81,6 +81,24 @@ impl RunId {
         Some(new)
     }
 
+    /// Redis answered again after answering nothing for `quiet` (a stall, a partition): its
+    /// clock ran on meanwhile, and a lease renewed every third of `lease_ttl` may have lapsed
+    /// by it once `quiet` reaches half of it (and a second: the `run_id` check's own period
+    /// is half one). As after a new `run_id`: leases are registered again, and requests that
+    /// take a slot wait while the other instances do the same (`lua/queue.lua`'s `wake` keeps
+    /// the lapsed leases of a route with waiters meanwhile, by the same measure).
+    pub(super) fn answered_after(&self, quiet: Duration, lease_ttl: Duration) {
+        if quiet < (lease_ttl / 2).max(Duration::from_secs(1)) {
+            return;
+        }
+        *lock(&self.changed_at) = Some(Instant::now());
+        self.leases_lost.store(true, Ordering::Release);
+        tracing::warn!(
+            silent_s = quiet.as_secs_f64(),
+            "Redis answers again after a silence of half the lease time or more: leases may have lapsed by its clock; they are registered again"
+        );
+    }
+
     /// Whether a new `run_id` was seen after `t`: Redis may have lost its data since.
     pub(super) fn changed_since(&self, t: Instant) -> bool {
         lock(&self.changed_at).is_some_and(|at| at > t)
@@ -154,7 +172,7 @@ impl RedisBackend {
         if !live.is_empty() {
             tracing::warn!(
                 leases = live.len(),
-                "registered this instance's leases again after Redis lost its data"
+                "registered this instance's leases again after Redis lost its data or answered nobody"
             );
         }
         Ok(())
@@ -260,6 +278,8 @@ impl Drop for Told {
 }
 
 async fn check_while_leased(store: Weak<RedisBackend>) {
+    // When `run_id` was last read: a read after a long silence is Redis answering again.
+    let mut read_at = Instant::now();
     loop {
         tokio::time::sleep(CHECK_EVERY).await;
         let Some(s) = store.upgrade() else { return };
@@ -274,13 +294,17 @@ async fn check_while_leased(store: Weak<RedisBackend>) {
             Ok(mut conn) => s.conns.run_id.read(&mut conn).await,
             Err(_) => None,
         };
-        if read.is_none() {
+        let ids = &s.conns.run_id;
+        match read {
+            Some(_) => {
+                ids.answered_after(read_at.elapsed(), s.lease_ttl);
+                read_at = Instant::now();
+            }
             // A connection that broke (Redis restarted) is made again on the next look. (On
             // Cluster too: a read fails whole while one primary is down, and the connection
             // made anew is what reaches it once it is back.)
-            s.conns.forget();
+            None => s.conns.forget(),
         }
-        let ids = &s.conns.run_id;
         if ids.leases_lost.load(Ordering::Acquire) {
             match s.reregister_leases().await {
                 Ok(()) => ids.leases_lost.store(false, Ordering::Release),
