@@ -207,6 +207,41 @@ async fn a_killed_gateways_slots_are_free_after_a_quiet_lease_time() {
     drop(held);
 }
 
+/// And when the dead gateway left a waiter in the route's queue: a dead instance's waiter is
+/// no sign that Redis, not the gateway, went silent. B's report, sent once A's lease lapsed
+/// and nobody called meanwhile, takes the slot at once (a `queue_timeout` of 1 s: keeping the
+/// lapsed lease for one more lease time, 2 s, would make it 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_gateways_slot_is_free_after_a_quiet_lease_time_despite_its_waiters() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(20));
+    let body = redis_body(
+        &redis,
+        "deny",
+        2,
+        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1, queue_timeout: 1s}\n",
+    );
+    let mut a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    let held = spawn_post(&c, a.url("/reports/generate"), "a0");
+    up.wait_current("/reports/generate", 1).await;
+    let waiting = spawn_post(&c, a.url("/reports/generate"), "a1");
+    wait_metric(
+        &a,
+        r#"tollgate_queued{route="/reports/generate"}"#,
+        1.0,
+        Duration::from_secs(1),
+    )
+    .await;
+    a.kill9();
+    // The lease (2 s) and more.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
+    assert_eq!(r.status(), 200, "{}", b.log());
+    drop((held, waiting));
+}
+
 /// DESIGN §4 and §8: a dead gateway's slot comes back within the lease time for its key's
 /// share of the route too (`max_in_flight_per_key` on the endpoint). Its lease lapses, and the
 /// route's lease set expires a second later; the queue's state outlives it and still counted

@@ -550,24 +550,31 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
 /// Once Redis answers, B holds its report back while A registers its lease again, and the
 /// report waits for A's: never beside it. (Before, B's report took the slot A's lease had
 /// lapsed from, and A's renewal then made the lease again: 2 at the upstream on a cap of 1.)
+/// A's own way to Redis comes back a second after Redis does (a proxy holds it), so that B's
+/// report always reaches Redis first unless B holds it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_stall_past_lease_ttl_keeps_the_cap() {
     let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::from_secs(10));
-    let cfg = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 4s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 1, queue_timeout: 60s}}\n",
-        redis.url()
-    );
-    let a = Gateway::start(&up, &cfg);
-    let b = Gateway::start(&up, &cfg);
+    let cfg = |url: &str| {
+        format!(
+            "store:\n  backend: redis\n  url: \"{url}\"\n  timeout: 200ms\n  on_error: deny\n  fleet_size: 2\n  lease_ttl: 4s\nrate_limits:\n  default: {{cost: 1, window: 8760h, max_cost: {MAX}}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: 1, queue_timeout: 60s}}\n",
+        )
+    };
+    let a = Gateway::start(&up, &cfg(&proxy.url()));
+    let b = Gateway::start(&up, &cfg(&redis.url()));
     let c = client();
     let first = spawn_post(&c, a.url("/reports/generate"), "a");
     up.wait_current("/reports/generate", 1).await;
     redis.pause();
+    proxy.blackhole();
     let second = spawn_post_until_decided(&c, b.url("/reports/generate?delay_ms=100"), "b");
     // Past the lease's 4 s: it lapsed by Redis's clock.
     tokio::time::sleep(Duration::from_secs(5)).await;
     redis.resume();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    proxy.heal();
     assert_eq!(first.await.unwrap(), 200, "{}", a.log());
     assert_eq!(second.await.unwrap(), 200, "{}", b.log());
     assert_eq!(up.count("/reports/generate"), 2);

@@ -105,7 +105,8 @@
 --          `enter` makes: lapsed leases purged, free slots granted, 128 at most), else {0}: a job asks
 --          before its body is read, so that a full queue refuses it at once.
 -- Reads and checks come before the first write of each operation's own work; the upkeep
--- every operation starts with (lapsed leases, dead waiters) is safe to repeat.
+-- every operation starts with (the route's call time and the grace after a silence, `wake`;
+-- lapsed leases, dead waiters) is safe to repeat, and is all a `{0}` of `confirm` writes.
 
 local QUEUED, TAKEN, FULL, GIVEN_UP = 0, 1, 2, 3
 local FLEET = 'jobs'
@@ -410,11 +411,15 @@ end
 -- of it, and than a second, as instances with anything on the route beat every 500 ms) gives
 -- every lease that lapsed meanwhile its lease time once more, for its holder to renew -- when
 -- the silence must be Redis's: the call comes from an instance with a stake on the route (a
--- lease, a waiter), or the route has waiters (their live instances would have beaten it). A
--- route that went silent because its only holder died is woken by a newcomer with no stake,
--- and the lapsed lease goes at once (DESIGN §4: a dead gateway's slots come back within the
--- lease time). An instance whose store was out for that long holds its own new requests back
--- until the others registered their leases again (`store/redis/lost.rs`).
+-- lease it renews, confirms or releases, a waiter it names or leaves, waiters it has there),
+-- or the fleet has jobs queued on the route (every live instance's collector beats it every
+-- 200 ms). A route that went silent because its holder died is woken by a call with no stake
+-- (a newcomer, another instance's look at it, the admin's), and the lapsed lease goes at once
+-- (DESIGN §4: a dead gateway's slots come back within the lease time); a dead instance's
+-- waiters are no stake of anyone's. (Jobs queued while the whole fleet was down for longer
+-- than the lease time wait one lease time more for a dead runner's slot.) An instance whose
+-- store was out for that long holds its own new requests back until the others registered
+-- their leases again (`store/redis/lost.rs`).
 local function silent()
   local last, lt = num('seen'), num('lt')
   return last > 0 and lt > 0 and now - last > math.max(lt / 2, 1000000)
@@ -430,13 +435,14 @@ local function keep_leases()
   end
 end
 
--- Every writing call starts with this: the route's call time, and after a silence the grace
--- above. `stake`: the caller has a lease or a waiter here.
+-- Every call that purges starts with this (and those that renew or give up a lease or a
+-- waiter): the route's call time, and after a silence the grace above. `stake`: the caller
+-- has a lease or a waiter here.
 local function wake(stake)
   if redis.call('EXISTS', state) == 0 then return end
   local after_silence = silent()
   redis.call('HSET', state, 'seen', int(now))
-  if not after_silence or not (stake or redis.call('EXISTS', waiters) == 1) then return end
+  if not after_silence or not (stake or num('n:' .. FLEET) > 0) then return end
   local lapsed = {}
   if redis.call('EXISTS', leases) == 1 then
     lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now))
@@ -772,8 +778,8 @@ elseif op == 'paid' then
   end
   return {0}
 elseif op == 'place' then
-  -- A read: after a silence it leaves the lapsed leases to the next writing call (`wake`).
-  if not silent() then purge() end
+  wake(false)
+  purge()
   return {place(ARGV[2])}
 elseif op == 'jobs' then
   -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2],
@@ -822,7 +828,8 @@ elseif op == 'full' then
   end
   return {1}
 elseif op == 'peek' then
-  if not silent() then purge() end
+  wake(false)
+  purge()
   local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}
   local per = {}
   local order = {}

@@ -20,6 +20,8 @@ pub(super) struct Breaker {
     open_until_us: AtomicU64,
     /// When a call last succeeded (µs since `epoch`; 0: none yet).
     last_ok_us: AtomicU64,
+    /// When the first failure of the current run of them was counted (µs since `epoch`).
+    failing_since_us: AtomicU64,
     epoch: Instant,
 }
 
@@ -29,6 +31,7 @@ impl Breaker {
             failures: AtomicU32::new(0),
             open_until_us: AtomicU64::new(0),
             last_ok_us: AtomicU64::new(0),
+            failing_since_us: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -64,15 +67,19 @@ impl Breaker {
     }
 
     /// A call answered at `at` (an instant its caller read anyway: no clock read here). When
-    /// it closed an open breaker: how long no call had been answered before it.
+    /// it closed an open breaker: how long calls had been failing before it (from the first
+    /// failure counted: an instance idle before the outage did not find Redis silent then).
     pub(super) fn success(&self, at: Instant) -> Option<Duration> {
         self.failures.store(0, Ordering::Release);
         let us = at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
-        // A load first: the common answer, on a closed breaker, writes nothing here.
-        let reopened = self.open_until_us.load(Ordering::Acquire) != 0
+        self.last_ok_us.store(us, Ordering::Relaxed);
+        // A load first: the common answer, on a closed breaker, writes nothing more.
+        let closed_now = self.open_until_us.load(Ordering::Acquire) != 0
             && self.open_until_us.swap(0, Ordering::AcqRel) != 0;
-        let last = self.last_ok_us.swap(us, Ordering::Relaxed);
-        reopened.then(|| Duration::from_micros(us.saturating_sub(last)))
+        closed_now.then(|| {
+            let since = self.failing_since_us.load(Ordering::Relaxed);
+            Duration::from_micros(us.saturating_sub(since))
+        })
     }
 
     /// How long since a call last succeeded (since the breaker was made, if none has).
@@ -84,6 +91,10 @@ impl Breaker {
     /// Counts a failure; true when this one opened a closed breaker.
     pub(super) fn failure(&self) -> bool {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if n == 1 {
+            self.failing_since_us
+                .store(self.now_us(), Ordering::Relaxed);
+        }
         if n >= BREAKER_THRESHOLD {
             let was = self.open_until_us.swap(
                 self.now_us() + BREAKER_OPEN_FOR.as_micros() as u64,
@@ -118,10 +129,10 @@ mod tests {
         assert!(!b.allow(), "probe failed: open again");
         std::thread::sleep(BREAKER_OPEN_FOR + Duration::from_millis(20));
         assert!(b.allow());
-        // The probe's answer closes it, and says how long nothing was answered: since the
-        // breaker was made (no answer before), three periods of 500 ms at least.
-        let quiet = b.success(Instant::now()).expect("it closed the breaker");
-        assert!(quiet >= BREAKER_OPEN_FOR * 3, "{quiet:?}");
+        // The probe's answer closes it, and says how long calls had been failing: since the
+        // first failure, three periods of 500 ms at least.
+        let failing = b.success(Instant::now()).expect("it closed the breaker");
+        assert!(failing >= BREAKER_OPEN_FOR * 3, "{failing:?}");
         assert!(b.allow() && b.allow(), "closed");
         assert_eq!(b.success(Instant::now()), None, "closed already");
     }

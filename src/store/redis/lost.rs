@@ -296,8 +296,9 @@ async fn check_while_leased(store: Weak<RedisBackend>) {
         };
         let ids = &s.conns.run_id;
         match read {
+            // Silent for the time since the last read, but the period between two reads.
             Some(_) => {
-                ids.answered_after(read_at.elapsed(), s.lease_ttl);
+                ids.answered_after(read_at.elapsed().saturating_sub(CHECK_EVERY), s.lease_ttl);
                 read_at = Instant::now();
             }
             // A connection that broke (Redis restarted) is made again on the next look. (On
@@ -307,7 +308,11 @@ async fn check_while_leased(store: Weak<RedisBackend>) {
         }
         if ids.leases_lost.load(Ordering::Acquire) {
             match s.reregister_leases().await {
-                Ok(()) => ids.leases_lost.store(false, Ordering::Release),
+                Ok(()) => {
+                    ids.leases_lost.store(false, Ordering::Release);
+                    // Redis answered all along (registering many takes a while).
+                    read_at = Instant::now();
+                }
                 Err(e) => tracing::debug!(error = %e, "leases not registered again yet"),
             }
         }
