@@ -1307,6 +1307,68 @@ async fn a_redis_stall_past_lease_ttl_gives_no_running_jobs_slot_away() {
     assert_eq!(up.count(ROUTE), 2);
 }
 
+/// A job found lost by a poll whose answer never came back (its call timed out, and Redis ran
+/// it later: a partition that delivered it late) is still counted and logged once. Its
+/// runner, A, is paused past its lease; B's path to Redis holds B's poll until then. Before,
+/// only the reader that made the job failed counted it, and that reader had given up: no
+/// `job_failed` line and no `tollgate_jobs_total{result="failed"}` anywhere, although the job
+/// ended `job-lost` for its client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    // A slot is free: A runs the job it accepts.
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=5000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 202);
+    a.signal("STOP");
+    // B's next poll of the job waits on Redis, and B gives up on it.
+    proxy.hold_matching(location.rsplit('/').next().unwrap());
+    let r = get(&c, b.url(&location), "key-a").await;
+    assert_eq!(r.status(), 503, "{:?}", r.text().await);
+    // Past A's word for the job (lease_ttl, 2 s): the poll, delivered now, finds it lost.
+    tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
+    proxy.heal();
+    eventually(Duration::from_secs(5), async || {
+        match proxy.delivered_late() {
+            0 => Err("the poll is still held".to_string()),
+            _ => Ok(()),
+        }
+    })
+    .await;
+    // (What was held reaches Redis before A renews anything.)
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.signal("CONT");
+    let lost = result(&c, &b, &location).await;
+    assert_eq!(lost.status(), 502);
+    let p: serde_json::Value = lost.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("job-lost"), "{p}");
+    const FAILED: &str = "tollgate_jobs_total{result=\"failed\",route=\"/reports/generate\"}";
+    let counted = async || metric(&a, FAILED).await + metric(&b, FAILED).await;
+    let lines = || {
+        [&a, &b]
+            .iter()
+            .flat_map(|gw| gw.access_log())
+            .filter(|l| l["decision"] == "job_failed")
+            .count()
+    };
+    eventually(Duration::from_secs(10), async || match counted().await {
+        1.0 => Ok(()),
+        n => Err(format!("counted {n} times\n{}\n{}", a.log(), b.log())),
+    })
+    .await;
+    // A's run ends after its upstream's 5 s: its refused result counts nothing again.
+    up.wait_current(ROUTE, 0).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(counted().await, 1.0);
+    assert_eq!(lines(), 1);
+    assert_eq!(up.count(ROUTE), 1);
+}
+
 /// A Redis stall shorter than `lease_ttl` while a job runs loses nothing: the runner
 /// renews its lease again at once once Redis answers, so a poll meanwhile never finds it
 /// lapsed. The runner renewed every third of `lease_ttl` and let a failed renewal go: two

@@ -183,8 +183,8 @@ pub async fn view(
         return Ok(None);
     }
     let route: Arc<str> = Arc::from(text(&r, "route"));
-    if field(&r, "ended_now") == b"1" {
-        ended_unrun(&shared.running(), &r, id, JobResult::Failed);
+    if record::uncounted(&r) {
+        record::count_lost(&shared.running(), b, id).await;
     }
     if field(&r, "state") == b"queued" {
         let running = shared.running();
@@ -315,9 +315,9 @@ async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, la
         let Ok(Some(r)) = read(b, &id).await else {
             continue;
         };
-        if field(&r, "ended_now") == b"1" {
-            // This read found its runner gone (`job-lost`): counted and logged once, here.
-            ended_unrun(running, &r, &id, JobResult::Failed);
+        if record::uncounted(&r) {
+            // Its runner gone (`job-lost`): counted and logged once, by whoever takes it.
+            record::count_lost(running, b, &id).await;
             continue;
         }
         let Some(who) = payer(running, field(&r, "key")) else {

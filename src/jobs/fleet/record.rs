@@ -53,14 +53,34 @@ pub(super) async fn read(
     b: &RedisBackend,
     id: &str,
 ) -> Result<Option<Record>, crate::store::StoreError> {
-    let flat: Vec<Vec<u8>> = b.job_record(id, "get", &[]).await?;
+    Ok(parse(b.job_record(id, "get", &[]).await?))
+}
+
+/// A record from its fields and values; `None` when there are none.
+fn parse(flat: Vec<Vec<u8>>) -> Option<Record> {
     let mut r = Record::new();
-    for pair in flat.chunks(2) {
-        if let [k, v] = pair {
-            r.insert(String::from_utf8_lossy(k).into_owned(), v.clone());
+    let mut pairs = flat.into_iter();
+    while let (Some(k), Some(v)) = (pairs.next(), pairs.next()) {
+        r.insert(String::from_utf8_lossy(&k).into_owned(), v);
+    }
+    (!r.is_empty()).then_some(r)
+}
+
+/// Whether the record is of a job found lost whose end nobody has counted yet.
+pub(super) fn uncounted(r: &Record) -> bool {
+    field(r, "uncounted") == b"1"
+}
+
+/// Counts and logs the end of job `id`, found lost, if this call is the one that takes it
+/// (`lua/jobs.lua` `count`): its reader, or a later one should that reader's answer have been
+/// lost, or its runner when its result is refused. A call Redis does not answer leaves it to
+/// the next.
+pub(super) async fn count_lost(running: &Running, b: &RedisBackend, id: &str) {
+    if let Ok(flat) = b.job_record::<Vec<Vec<u8>>>(id, "count", &[]).await {
+        if let Some(r) = parse(flat) {
+            ended_unrun(running, &r, id, JobResult::Failed);
         }
     }
-    Ok((!r.is_empty()).then_some(r))
 }
 
 /// A claimed job's record, route, payer and request; `None` when one is gone (the record

@@ -9,7 +9,7 @@ use super::super::run::problem_result;
 use super::super::send::{self, Sent};
 use super::super::Stored;
 use super::backend;
-use super::record::{claimed, client_of, headers_json, text, wait_of};
+use super::record::{self, claimed, client_of, headers_json, text, wait_of};
 use crate::admission::InFlight;
 use crate::problem::Problem;
 use crate::route::stated::Report;
@@ -108,6 +108,8 @@ pub(super) async fn run_claimed(
         rm.cost_units.inc_by(cost);
     }
     if !mine {
+        // Found lost meanwhile: its end is counted once, here if no reader took it.
+        record::count_lost(&shared.running(), &b, &id).await;
         return;
     }
     metrics::ended(&label, state);

@@ -10,7 +10,11 @@
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
 --             (until it may be sent, `max_delay`; 0 once due); a running job whose runner
 --             stopped vouching for it becomes failed (lost) first, never to run again, and
---             that one reply ends with the pair `ended_now 1`
+--             `uncounted` until an instance takes its end to count and log (`count`)
+--   count  -> the record's fields and values when this call took the end of a job found lost
+--             to count and log (it was `uncounted`), else empty: one instance counts it, the
+--             reader that found it lost, or, should that reader's answer be lost (a call that
+--             timed out and ran later), the next reader or its runner
 --   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
 --          | {0} (cancelled, finished, gone, or its runner stopped vouching for it) | {2} (it
 --          waited result_ttl: queued -> expired; the caller refunds it) | {3} (running, and
@@ -55,13 +59,8 @@ if op == 'put' then
   return 1
 elseif op == 'get' then
   if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now then
-    redis.call('HSET', job, 'state', 'failed', 'lost', '1')
+    redis.call('HSET', job, 'state', 'failed', 'lost', '1', 'uncounted', '1')
     keep()
-    -- This read made it failed: its reader counts the job's end (the pair is not stored).
-    local all = redis.call('HGETALL', job)
-    all[#all + 1] = 'ended_now'
-    all[#all + 1] = '1'
-    return all
   end
   local all = redis.call('HGETALL', job)
   if #all > 0 then
@@ -97,6 +96,9 @@ elseif op == 'finish' then
   redis.call('HDEL', job, 'body', 'headers')
   keep()
   return 1
+elseif op == 'count' then
+  if redis.call('HDEL', job, 'uncounted') == 0 then return {} end
+  return redis.call('HGETALL', job)
 elseif op == 'cancel' then
   if state() ~= 'queued' then return 0 end
   redis.call('HSET', job, 'state', 'cancelled')
