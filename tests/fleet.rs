@@ -182,29 +182,7 @@ async fn killed_gateways_slots_come_back_within_lease_ttl() {
 /// Redis stall (`lua/queue.lua`'s `wake`): its lapsed leases go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_gateways_slots_are_free_after_a_quiet_lease_time() {
-    let redis = Redis::start();
-    let up = Upstream::start(Duration::from_secs(20));
-    let body = redis_body(
-        &redis,
-        "deny",
-        2,
-        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 2}\n",
-    );
-    let mut a = Gateway::start(&up, &body);
-    let b = Gateway::start(&up, &body);
-    let c = client();
-    let held: Vec<_> = (0..2)
-        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
-        .collect();
-    up.wait_current("/reports/generate", 2).await;
-    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
-    assert_eq!(r.status(), 503, "A holds both slots");
-    a.kill9();
-    // The lease (2 s) and more, with no call on the route.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
-    let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
-    assert_eq!(r.status(), 200, "{}", b.log());
-    drop(held);
+    free_after_a_quiet_lease_time(false).await;
 }
 
 /// And when the dead gateway left a waiter in the route's queue: a dead instance's waiter is
@@ -213,33 +191,45 @@ async fn a_killed_gateways_slots_are_free_after_a_quiet_lease_time() {
 /// lapsed lease for one more lease time, 2 s, would make it 503).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_gateways_slot_is_free_after_a_quiet_lease_time_despite_its_waiters() {
+    free_after_a_quiet_lease_time(true).await;
+}
+
+/// A fills a cap of 2 (`waiter`: 1 and queues one more) and is SIGKILLed; 3.5 s later (the
+/// lease, 2 s, and more, with no call on the route) B's one report is answered 200.
+async fn free_after_a_quiet_lease_time(waiter: bool) {
     let redis = Redis::start();
     let up = Upstream::start(Duration::from_secs(20));
+    let (cap, queue) = if waiter {
+        (1, ", queue_timeout: 1s")
+    } else {
+        (2, "")
+    };
     let body = redis_body(
         &redis,
         "deny",
         2,
-        "rate_limits:\n  default: {cost: 1, window: 60s, max_cost: 1000}\n  endpoints:\n    /reports/generate: {cost: 1, max_in_flight: 1, queue_timeout: 1s}\n",
+        &format!("rate_limits:\n  default: {{cost: 1, window: 60s, max_cost: 1000}}\n  endpoints:\n    /reports/generate: {{cost: 1, max_in_flight: {cap}{queue}}}\n"),
     );
     let mut a = Gateway::start(&up, &body);
     let b = Gateway::start(&up, &body);
     let c = client();
-    let held = spawn_post(&c, a.url("/reports/generate"), "a0");
-    up.wait_current("/reports/generate", 1).await;
-    let waiting = spawn_post(&c, a.url("/reports/generate"), "a1");
-    wait_metric(
-        &a,
-        r#"tollgate_queued{route="/reports/generate"}"#,
-        1.0,
-        Duration::from_secs(1),
-    )
-    .await;
+    let held: Vec<_> = (0..cap)
+        .map(|i| spawn_post(&c, a.url("/reports/generate"), &format!("a{i}")))
+        .collect();
+    up.wait_current("/reports/generate", cap).await;
+    if waiter {
+        let _queued = spawn_post(&c, a.url("/reports/generate"), "a-waiting");
+        let queued = r#"tollgate_queued{route="/reports/generate"}"#;
+        wait_metric(&a, queued, 1.0, Duration::from_secs(1)).await;
+    } else {
+        let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
+        assert_eq!(r.status(), 503, "A holds both slots");
+    }
     a.kill9();
-    // The lease (2 s) and more.
     tokio::time::sleep(Duration::from_millis(3500)).await;
     let r = post(&c, b.url("/reports/generate?delay_ms=10"), "b").await;
     assert_eq!(r.status(), 200, "{}", b.log());
-    drop((held, waiting));
+    drop(held);
 }
 
 /// DESIGN §4 and §8: a dead gateway's slot comes back within the lease time for its key's
