@@ -1369,6 +1369,40 @@ async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// A job refused after its route's queue was asked whether it is full (`max_queue`: before
+/// its body is read) leaves no key without a TTL behind: the route's queue state that the
+/// question wrote (its cap and share) expires like every tollgate key (DESIGN §4: an evicting
+/// policy could take tollgate's keys only because every one has a TTL). It stayed for good.
+#[tokio::test]
+async fn a_job_refused_after_asking_for_a_full_queue_leaves_no_key_without_a_ttl() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let keys: String = ["a"].iter().map(|id| registry_key(id, "")).collect();
+    let body = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 250ms\n  on_error: deny\n  lease_ttl: 2s\n\
+         rate_limits:\n  default: {{cost: 1, window: 24h, max_cost: 100}}\n  endpoints:\n    {ROUTE}:\n      cost: 10\n      max_in_flight: 1\n      max_queue: 5\n      async:\n        max_request_body: 16B\nkeys:\n{keys}",
+        redis.url()
+    );
+    let gw = Gateway::start(&up, &body);
+    let chunks = futures_util::stream::iter(vec![
+        Ok::<_, std::io::Error>("x".repeat(10)),
+        Ok("y".repeat(10)),
+    ]);
+    let r = client()
+        .post(gw.url(ROUTE))
+        .header("X-API-Key", "key-a")
+        .header("Prefer", "respond-async")
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let state = redis_route_queue_state_key(ROUTE);
+    assert_eq!(redis.cli(&["EXISTS", &state]), "1", "the question wrote it");
+    let ttl: i64 = redis.cli(&["PTTL", &state]).parse().unwrap();
+    assert!(ttl > 0, "{state} has PTTL {ttl}");
+}
+
 /// A Redis stall shorter than `lease_ttl` while a job runs loses nothing: the runner
 /// renews its lease again at once once Redis answers, so a poll meanwhile never finds it
 /// lapsed. The runner renewed every third of `lease_ttl` and let a failed renewal go: two

@@ -780,6 +780,8 @@ elseif op == 'paid' then
 elseif op == 'place' then
   wake(false)
   purge()
+  -- (A lapsed job's lease puts its waiter back: what that writes expires too.)
+  keep(num('lt'))
   return {place(ARGV[2])}
 elseif op == 'jobs' then
   -- Reads only: the ids of the fleet's jobs waiting here, oldest first, at most ARGV[2],
@@ -822,6 +824,8 @@ elseif op == 'full' then
   wake(false)
   purge()
   grant(tonumber(ARGV[7]))
+  -- `limits` may have made the state: it expires like the rest (the job may never enter).
+  keep(num('lt'))
   if backlog or max_queue == 0 or redis.call('ZCARD', waiters) < max_queue
       or takes(key, route_cap, route_share) then
     return {0}
@@ -830,6 +834,7 @@ elseif op == 'full' then
 elseif op == 'peek' then
   wake(false)
   purge()
+  keep(num('lt'))
   local out = {redis.call('ZCARD', leases), redis.call('ZCARD', waiters)}
   local per = {}
   local order = {}
