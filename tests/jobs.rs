@@ -485,15 +485,11 @@ async fn submission_refusals_charge_nothing_and_make_no_job() {
         "{p}"
     );
     // Chunked, without a declared length: the same.
-    let chunks = futures_util::stream::iter(vec![
-        Ok::<_, std::io::Error>("x".repeat(10)),
-        Ok("y".repeat(10)),
-    ]);
     let r = c
         .post(gw.url(ROUTE))
         .header("X-API-Key", "key-a")
         .header("Prefer", "respond-async")
-        .body(reqwest::Body::wrap_stream(chunks))
+        .body(chunked(&["x".repeat(10), "y".repeat(10)]))
         .send()
         .await
         .unwrap();

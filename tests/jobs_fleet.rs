@@ -1384,15 +1384,11 @@ async fn a_job_refused_after_asking_for_a_full_queue_leaves_no_key_without_a_ttl
         redis.url()
     );
     let gw = Gateway::start(&up, &body);
-    let chunks = futures_util::stream::iter(vec![
-        Ok::<_, std::io::Error>("x".repeat(10)),
-        Ok("y".repeat(10)),
-    ]);
     let r = client()
         .post(gw.url(ROUTE))
         .header("X-API-Key", "key-a")
         .header("Prefer", "respond-async")
-        .body(reqwest::Body::wrap_stream(chunks))
+        .body(chunked(&["x".repeat(10), "y".repeat(10)]))
         .send()
         .await
         .unwrap();

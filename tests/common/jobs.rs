@@ -6,6 +6,12 @@ use std::time::{Duration, Instant};
 use super::client::{get, header};
 use super::gateway::Gateway;
 
+/// A body sent chunked, without a declared length: `parts`, one chunk each.
+pub fn chunked(parts: &[String]) -> reqwest::Body {
+    let chunks: Vec<Result<String, std::io::Error>> = parts.iter().cloned().map(Ok).collect();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(chunks))
+}
+
 /// `POST url` as `key` asking for a job (`Prefer: respond-async`), with `body` and then
 /// `headers`: the answer, whatever it is.
 pub async fn post_async(
