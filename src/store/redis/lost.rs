@@ -83,10 +83,10 @@ impl RunId {
 
     /// Redis answered again after answering nothing for `quiet` (a stall, a partition): its
     /// clock ran on meanwhile, and a lease renewed every third of `lease_ttl` may have lapsed
-    /// by it once `quiet` reaches half of it (and a second: the `run_id` check's own period
-    /// is half one). As after a new `run_id`: leases are registered again, and requests that
-    /// take a slot wait while the other instances do the same (`lua/queue.lua`'s `wake` keeps
-    /// the lapsed leases of a route with waiters meanwhile, by the same measure).
+    /// by it once `quiet` reaches half of it, or a second if that is longer. As after a new
+    /// `run_id`: leases are registered again, and requests that take a slot wait while the
+    /// other instances do the same (meanwhile `lua/queue.lua`'s `wake` keeps a route's lapsed
+    /// leases, by the same measure, for callers with a stake there or the fleet's queued jobs).
     pub(super) fn answered_after(&self, quiet: Duration, lease_ttl: Duration) {
         if quiet < (lease_ttl / 2).max(Duration::from_secs(1)) {
             return;
