@@ -485,14 +485,8 @@ async fn submission_refusals_charge_nothing_and_make_no_job() {
         "{p}"
     );
     // Chunked, without a declared length: the same.
-    let r = c
-        .post(gw.url(ROUTE))
-        .header("X-API-Key", "key-a")
-        .header("Prefer", "respond-async")
-        .body(chunked(&["x".repeat(10), "y".repeat(10)]))
-        .send()
-        .await
-        .unwrap();
+    let twenty = chunked(&["x".repeat(10), "y".repeat(10)]);
+    let r = post_async_body(&c, gw.url(ROUTE), "key-a", twenty, &[]).await;
     assert_eq!(r.status(), 413);
     assert_eq!(remaining(&gw, "a").await, 100);
     // 16 bytes fit.

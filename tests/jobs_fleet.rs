@@ -1333,15 +1333,13 @@ async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
     // Past A's word for the job (lease_ttl, 2 s): the poll, delivered now, finds it lost.
     tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
     proxy.heal();
-    eventually(Duration::from_secs(5), async || {
-        match proxy.delivered_late() {
-            0 => Err("the poll is still held".to_string()),
-            _ => Ok(()),
-        }
-    })
-    .await;
-    // (What was held reaches Redis before A renews anything.)
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The held poll has run in Redis (and found the job lost) before A renews anything.
+    let id = location.rsplit('/').next().unwrap();
+    let record = redis_job_key(id);
+    let within = Duration::from_secs(5);
+    redis
+        .wait_cli(&["HGET", &record, "state"], "failed", within)
+        .await;
     a.signal("CONT");
     let lost = result(&c, &b, &location).await;
     assert_eq!(lost.status(), 502);
@@ -1384,14 +1382,8 @@ async fn a_job_refused_after_asking_for_a_full_queue_leaves_no_key_without_a_ttl
         redis.url()
     );
     let gw = Gateway::start(&up, &body);
-    let r = client()
-        .post(gw.url(ROUTE))
-        .header("X-API-Key", "key-a")
-        .header("Prefer", "respond-async")
-        .body(chunked(&["x".repeat(10), "y".repeat(10)]))
-        .send()
-        .await
-        .unwrap();
+    let twenty = chunked(&["x".repeat(10), "y".repeat(10)]);
+    let r = post_async_body(&client(), gw.url(ROUTE), "key-a", twenty, &[]).await;
     assert_eq!(r.status(), 413);
     let state = redis_route_queue_state_key(ROUTE);
     assert_eq!(redis.cli(&["EXISTS", &state]), "1", "the question wrote it");

@@ -21,6 +21,17 @@ pub async fn post_async(
     body: &str,
     headers: &[(&str, &str)],
 ) -> reqwest::Response {
+    post_async_body(c, url, key, body.to_string().into(), headers).await
+}
+
+/// [`post_async`] with any body (one sent [`chunked`], say).
+pub async fn post_async_body(
+    c: &reqwest::Client,
+    url: String,
+    key: &str,
+    body: reqwest::Body,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
     let mut rb = c
         .post(url)
         .header("X-API-Key", key)
@@ -28,7 +39,7 @@ pub async fn post_async(
     for (name, value) in headers {
         rb = rb.header(*name, *value);
     }
-    rb.body(body.to_string()).send().await.unwrap()
+    rb.body(body).send().await.unwrap()
 }
 
 /// The location a 202 gave its job (under `/_tollgate/jobs/`).
