@@ -1408,10 +1408,13 @@ async fn a_short_redis_stall_while_a_job_runs_loses_nothing() {
     let (running, _) = submit(&c, &a, "/reports/generate?delay_ms=4000", "").await;
     up.wait_current(ROUTE, 1).await;
     // From 0.3 s after the job's claim (its lease's last renewal) to 1.8 s, within the lease
-    // (2 s), over two of its renewals' ticks (every 2/3 s).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // (2 s), over two of its renewals' ticks (every 2/3 s). Both ends are set from one
+    // reading of the clock, so that neither the pause's own time nor a late wake-up moves
+    // the end towards the lease's: only the time from the claim to the upstream's count does.
+    let claimed = tokio::time::Instant::now();
+    tokio::time::sleep_until(claimed + Duration::from_millis(300)).await;
     redis.pause();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep_until(claimed + Duration::from_millis(1800)).await;
     redis.resume();
     // Polled all along on the other gateway: never found lost.
     let done = loop {
