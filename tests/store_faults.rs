@@ -1319,3 +1319,89 @@ async fn a_refund_behind_its_write_back_is_not_lost() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// `on_error: deny`: requests queued for a capped route's slot ride out a Redis stall shorter
+/// than the lease time. Their places (and charges) are in Redis, which keeps them; they run as
+/// slots free once it answers again, never over the cap. Before, a waiter was sent back to
+/// enter the queue again as soon as two of its instance's beats failed, and entering
+/// through a store that did not answer refused it 503 `store-unavailable` (2 of 2 runs with a
+/// 2.5 s stall). 3 s: past the 2 s after which Redis drops a silent instance's waiters as
+/// dead, so their instances take them back (in their places) once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_queued_under_deny_ride_out_a_short_redis_stall() {
+    let q = queued_through_a_stall("15s", Duration::from_secs(3)).await;
+    for (answer, _) in &q.answers {
+        assert_eq!(
+            answer.as_ref().map(|a| a.0),
+            Ok(200),
+            "{answer:?}\n{}\n{}",
+            q.a.log(),
+            q.b.log()
+        );
+    }
+    assert_eq!(q.up.count("/reports/generate"), 3);
+    assert_eq!(q.up.max_concurrent("/reports/generate"), 1);
+}
+
+/// [`requests_queued_under_deny_ride_out_a_short_redis_stall`], past the lease time: `deny`
+/// answers them (503 `store-unavailable`, while Redis is still away), as it would a dead
+/// instance's slots' takers; they do not wait out their `queue_timeout` (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_queued_under_deny_are_refused_once_a_stall_outlasts_the_lease_time() {
+    let q = queued_through_a_stall("2s", Duration::from_secs(6)).await;
+    for (answer, at) in &q.answers[1..] {
+        let (status, _, body) = answer.as_ref().expect("answered");
+        assert_eq!(*status, 503, "{body}");
+        assert!(body.contains("store-unavailable"), "{body}");
+        assert!(
+            *at < Duration::from_secs(6),
+            "answered {at:?} after the pause"
+        );
+    }
+}
+
+/// What [`queued_through_a_stall`] saw.
+struct QueuedThroughAStall {
+    up: Upstream,
+    a: Gateway,
+    b: Gateway,
+    /// The holder's answer, then a waiter's on each gateway: each with when it came, from
+    /// the pause.
+    answers: Vec<(Answer, Duration)>,
+}
+
+/// Two gateways (`on_error: deny`, `lease_ttl`), a cap of 1 held by a 3 s report on A, one
+/// report queued on each gateway behind it (`queue_timeout` 30 s); Redis paused for `stall`.
+async fn queued_through_a_stall(lease_ttl: &str, stall: Duration) -> QueuedThroughAStall {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_secs(3));
+    let cfg = reports_on_deny(&redis, 1, "30s")
+        .replace("lease_ttl: 15s", &format!("lease_ttl: {lease_ttl}"));
+    let a = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg);
+    let c = client();
+    let holder = spawn_post_answer(&c, a.url("/reports/generate"), "k0");
+    up.wait_current("/reports/generate", 1).await;
+    let waiters = [(&a, "k1"), (&b, "k2")]
+        .map(|(gw, key)| spawn_post_answer(&c, gw.url("/reports/generate"), key));
+    let queued = r#"tollgate_queued{route="/reports/generate"}"#;
+    for gw in [&a, &b] {
+        wait_metric(gw, queued, 1.0, Duration::from_secs(5)).await;
+    }
+    let paused = Instant::now();
+    redis.pause();
+    let resume = async {
+        tokio::time::sleep(stall).await;
+        redis.resume();
+    };
+    let answered = async {
+        let mut answers = vec![];
+        for t in std::iter::once(holder).chain(waiters) {
+            let answer = t.await.unwrap();
+            answers.push((answer, paused.elapsed()));
+        }
+        answers
+    };
+    let ((), answers) = tokio::join!(resume, answered);
+    QueuedThroughAStall { up, a, b, answers }
+}

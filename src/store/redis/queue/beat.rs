@@ -50,8 +50,9 @@ pub(super) struct Beating {
     keys: QueueKeys,
     /// This instance's waiters there.
     pub(super) waiting: usize,
-    /// Beats that failed in a row.
+    /// Beats that failed in a row, and since when.
     failed: u32,
+    failing_since: Option<Instant>,
     /// Beats since the last waiter here left.
     idle: u32,
     /// When this instance last said in [`WAITED_ON`] that it has waiters here (`None` while
@@ -163,6 +164,7 @@ impl RedisBackend {
                 keys: keys.clone(),
                 waiting: 0,
                 failed: 0,
+                failing_since: None,
                 idle: 0,
                 registered: None,
             });
@@ -253,6 +255,7 @@ async fn beat(store: Weak<RedisBackend>) {
                     let reply = BeatReply::of(&reply);
                     if let Some(b) = w.routes.get_mut(&keys[0]) {
                         b.failed = 0;
+                        b.failing_since = None;
                         if reply.owing > 0 {
                             // Charges owed on the route: beat on until they are handed out.
                             b.idle = 0;
@@ -262,13 +265,25 @@ async fn beat(store: Weak<RedisBackend>) {
                     owed = reply.owed;
                 }
                 Err(e) => {
-                    let failed = w.routes.get_mut(&keys[0]).map(|b| {
+                    let now = Instant::now();
+                    let failing = w.routes.get_mut(&keys[0]).map(|b| {
                         b.failed += 1;
-                        b.failed
+                        let since = *b.failing_since.get_or_insert(now);
+                        (b.failed, now.duration_since(since))
                     });
-                    // The breaker open: the store is away for a while, do not keep anyone
-                    // waiting on it.
-                    if failed >= Some(2) || matches!(e, StoreError::BreakerOpen) {
+                    let gone = failing.is_some_and(|(failed, failing_for)| {
+                        match s.waiters_outlast {
+                            // The breaker open: the store is away for a while, do not keep
+                            // anyone waiting on it.
+                            None => failed >= 2 || matches!(e, StoreError::BreakerOpen),
+                            // `deny` would refuse them: they wait for the store instead, as
+                            // long as a dead instance's slots would (their places and
+                            // charges are Redis's; a beat once it answers again names them,
+                            // and any it dropped meanwhile are taken back).
+                            Some(outlast) => failing_for >= outlast,
+                        }
+                    });
+                    if gone {
                         // The route's queue is out of reach: its waiters enter again, which
                         // answers them by `store.on_error` while it stays so.
                         for id in ids {
