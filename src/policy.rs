@@ -223,3 +223,17 @@ pub fn minute_and_day(per_minute: u64, per_day: u64) -> Policy {
     )
     .expect("a valid test plan")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `w` is whole seconds, rounded up: a sub-second window says 1, never 0.
+    #[test]
+    fn policy_header_rounds_the_window_up() {
+        let policy = |ms| PolicyHeaders::new("shared", 1, Duration::from_millis(ms)).policy;
+        assert_eq!(policy(500), "\"shared\";q=1;w=1");
+        assert_eq!(policy(1500), "\"shared\";q=1;w=2");
+        assert_eq!(policy(60_000), "\"shared\";q=1;w=60");
+    }
+}

@@ -50,6 +50,9 @@ pub struct Seen {
     pub headers: Vec<(String, String)>,
     /// When it arrived (tests check how callers were spaced).
     pub at: std::time::Instant,
+    /// When its handler was done with it (its answer made), if it is.
+    pub ended: Option<std::time::Instant>,
+    id: u64,
 }
 
 impl Seen {
@@ -71,6 +74,8 @@ pub struct SampleApi {
     pub report_time: Duration,
     stats: Mutex<BTreeMap<String, PathStats>>,
     seen: Mutex<VecDeque<Seen>>,
+    /// The id of the next request `seen` records.
+    next_id: std::sync::atomic::AtomicU64,
     /// `POST /upload` bodies that arrived whole (a gateway that passes on a truncated body as
     /// if it were complete shows here).
     uploads_completed: std::sync::atomic::AtomicU64,
@@ -94,6 +99,8 @@ fn full(status: StatusCode, ct: &str, body: impl Into<Bytes>) -> Response<Body> 
 struct InFlight<'a> {
     api: &'a SampleApi,
     path: String,
+    /// Its record in `seen`.
+    id: u64,
 }
 
 impl Drop for InFlight<'_> {
@@ -101,6 +108,11 @@ impl Drop for InFlight<'_> {
         if let Ok(mut s) = self.api.stats.lock() {
             if let Some(p) = s.get_mut(&self.path) {
                 p.current = p.current.saturating_sub(1);
+            }
+        }
+        if let Ok(mut seen) = self.api.seen.lock() {
+            if let Some(r) = seen.iter_mut().rev().find(|r| r.id == self.id) {
+                r.ended = Some(std::time::Instant::now());
             }
         }
     }
@@ -112,6 +124,7 @@ impl SampleApi {
             report_time,
             stats: Mutex::default(),
             seen: Mutex::default(),
+            next_id: Default::default(),
             uploads_completed: Default::default(),
         })
     }
@@ -130,7 +143,11 @@ impl SampleApi {
             .unwrap_or_default()
     }
 
-    fn record(&self, req: &Request<Incoming>) {
+    /// Records `req` in `seen`: its id there.
+    fn record(&self, req: &Request<Incoming>) -> u64 {
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let seen = Seen {
             method: req.method().as_str().to_string(),
             target: req.uri().to_string(),
@@ -145,6 +162,8 @@ impl SampleApi {
                 })
                 .collect(),
             at: std::time::Instant::now(),
+            ended: None,
+            id,
         };
         if let Ok(mut s) = self.seen.lock() {
             if s.len() == SEEN_KEPT {
@@ -152,13 +171,14 @@ impl SampleApi {
             }
             s.push_back(seen);
         }
+        id
     }
 
     pub fn stats(&self) -> BTreeMap<String, PathStats> {
         self.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
-    fn enter(&self, path: &str) -> InFlight<'_> {
+    fn enter(&self, path: &str, id: u64) -> InFlight<'_> {
         if let Ok(mut s) = self.stats.lock() {
             let p = s.entry(path.to_string()).or_default();
             p.count += 1;
@@ -168,6 +188,7 @@ impl SampleApi {
         InFlight {
             api: self,
             path: path.to_string(),
+            id,
         }
     }
 
@@ -185,11 +206,11 @@ impl SampleApi {
             }
             _ => {}
         }
-        self.record(&req);
+        let id = self.record(&req);
         if let Some(ms) = param(&query, "work_ms") {
-            return self.work(path, ms).await;
+            return self.work(path, ms, id).await;
         }
-        let _guard = self.enter(&path);
+        let _guard = self.enter(&path, id);
         let delay = match param(&query, "delay_ms") {
             Some(ms) => Duration::from_millis(ms),
             None if path == "/reports/generate" => self.report_time,
@@ -223,13 +244,13 @@ impl SampleApi {
     }
 
     /// `?work_ms=N`: works N ms, whether or not the client stays.
-    async fn work(self: Arc<Self>, path: String, ms: u64) -> Response<Body> {
+    async fn work(self: Arc<Self>, path: String, ms: u64, id: u64) -> Response<Body> {
         // The work runs in a task of its own: when the connection goes away, hyper drops
         // this handler, but not the work, as a database would go on generating a report.
         let api = self.clone();
         let p = path.clone();
         let work = tokio::spawn(async move {
-            let _guard = api.enter(&p);
+            let _guard = api.enter(&p, id);
             tokio::time::sleep(Duration::from_millis(ms)).await;
         });
         let _ = work.await;

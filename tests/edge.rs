@@ -1119,25 +1119,25 @@ async fn a_chunk_size_that_overflows_is_a_400_problem_and_stays_charged() {
 
 /// Requests on one keep-alive connection are answered without the 40 ms delayed-ACK stall
 /// that Nagle's algorithm adds when a response goes out in two writes (the gateway's own
-/// accept loop must set TCP_NODELAY, as Pingora's does): 50 requests in a row take well under
-/// 50 × 40 ms = 2 s even on a busy machine.
+/// accept loop must set TCP_NODELAY, as Pingora's does): of 50 requests in a row, most take
+/// well under 40 ms (the median: a busy machine may slow a few, the stall slows each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_requests_do_not_wait_for_delayed_acks() {
     let up = Upstream::start(Duration::ZERO);
     let gw = Gateway::start(&up, &incident_with_report_caps(""));
     let mut sock = raw_connect(gw.port);
     let request = b"GET /items/1 HTTP/1.1\r\nHost: localhost\r\nX-API-Key: nagle\r\n\r\n";
-    let start = Instant::now();
+    let mut took = vec![];
     for i in 0..50 {
+        let start = Instant::now();
         sock.write_all(request).unwrap();
         let r = tokio::task::block_in_place(|| read_raw_response(&mut sock));
         assert_eq!(r.map(|r| r.status), Some(200), "request {i}");
+        took.push(start.elapsed());
     }
-    let took = start.elapsed();
-    assert!(
-        took < Duration::from_millis(1200),
-        "50 requests took {took:?}"
-    );
+    let mut sorted = took.clone();
+    sorted.sort();
+    assert!(sorted[25] < Duration::from_millis(30), "{took:?}");
 }
 
 // ---- 11. Interim answers ----

@@ -274,7 +274,7 @@ async fn a_dead_gateways_slot_comes_back_for_its_keys_share() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn long_requests_renew_their_leases() {
     let redis = Redis::start();
-    let up = Upstream::start(Duration::from_millis(3500));
+    let up = Upstream::start(Duration::from_millis(5000));
     let gw = gateway_on(
         &up,
         &redis,
@@ -284,8 +284,10 @@ async fn long_requests_renew_their_leases() {
     );
     let c = client();
     let long = spawn_post(&c, gw.url("/reports/generate"), "a");
-    // Well past lease_ttl (2 s), the long request still holds its slot.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    up.wait_current("/reports/generate", 1).await;
+    let arrived = *up.arrivals("/reports/generate").last().expect("arrived");
+    // Well past lease_ttl (2 s), the long request still holds its slot (for 2 s more).
+    tokio::time::sleep_until((arrived + Duration::from_millis(3000)).into()).await;
     let r = post(&c, gw.url("/reports/generate?delay_ms=1"), "b").await;
     assert_eq!(r.status(), 503, "the lease was renewed");
     assert_eq!(long.await.unwrap(), 200);
@@ -1251,14 +1253,15 @@ async fn batches_straddling_a_budgets_last_units_admit_exactly_what_fits() {
     assert_eq!(get(&c, gws[2].url("/items"), "k").await.status(), 429);
 }
 
-/// Group commit where Redis is a network away (a proxy delivering everything 250 ms late
-/// each way: a round trip of 500 ms at least). Request A's admission is in flight on the
+/// Group commit where Redis is a network away (a proxy delivering everything 500 ms late
+/// each way: a round trip of 1 s at least). Request A's admission is in flight on the
 /// gateway's only worker thread when request B arrives: B's call goes at once beside it
 /// (`store::redis::batch`: two calls in flight per thread) rather than waiting the rest of
-/// A's round trip and then its own (about 1 s). Both are admitted and charged once.
+/// A's round trip and then its own (about 2 s). Both are admitted and charged once. (The
+/// bound between the two, 1.5 s, leaves half a second on either side for a loaded machine.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_does_not_wait_for_the_call_in_flight_before_it() {
-    const WAY: Duration = Duration::from_millis(250);
+    const WAY: Duration = Duration::from_millis(500);
     let redis = Redis::start();
     let proxy = Proxy::start_delayed(redis.port, WAY);
     let up = Upstream::start(Duration::ZERO);
@@ -1277,7 +1280,7 @@ async fn an_admission_does_not_wait_for_the_call_in_flight_before_it() {
     assert_eq!(get(&c, gw.url("/items"), "warm").await.status(), 200);
     let before = proxy.read_from_clients();
     let a = spawn_get(&c, gw.url("/items"), "a");
-    // A's call has left the gateway (it lands 500 ms later, at the earliest).
+    // A's call has left the gateway (it lands 1 s later, at the earliest).
     eventually(Duration::from_secs(5), async || {
         (proxy.read_from_clients() > before)
             .then_some(())
@@ -1293,7 +1296,7 @@ async fn an_admission_does_not_wait_for_the_call_in_flight_before_it() {
         took >= 2 * WAY,
         "B took {took:?}: its admission went through Redis"
     );
-    // Waiting for A's call to land first would take B more than 3 × WAY (750 ms).
+    // Waiting for A's call to land first would take B nearly 4 × WAY (2 s).
     assert!(
         took < 3 * WAY,
         "B took {took:?}: it waited for A's call to land before its own left"

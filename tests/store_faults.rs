@@ -550,8 +550,9 @@ async fn a_paused_instance_gets_its_leases_back_on_resume() {
 /// Once Redis answers, B holds its report back while A registers its lease again, and the
 /// report waits for A's: never beside it. (Before, B's report took the slot A's lease had
 /// lapsed from, and A's renewal then made the lease again: 2 at the upstream on a cap of 1.)
-/// A's own way to Redis comes back a second after Redis does (a proxy holds it), so that B's
-/// report always reaches Redis first unless B holds it back.
+/// A's own way to Redis comes back only after B's does (a proxy holds it: until B says it saw
+/// the silence, or a second after Redis resumes), so that B's report always reaches Redis
+/// first unless B holds it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_stall_past_lease_ttl_keeps_the_cap() {
     let redis = Redis::start();
@@ -573,7 +574,11 @@ async fn a_redis_stall_past_lease_ttl_keeps_the_cap() {
     // Past the lease's 4 s: it lapsed by Redis's clock.
     tokio::time::sleep(Duration::from_secs(5)).await;
     redis.resume();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A's way back: once B has seen Redis answer after the silence (and holds its slot-taking
+    // requests back from then), or 1 s after the resume if it never says so. So A has B's
+    // whole hold-back to register its lease again, however late B's breaker closes.
+    let b_saw_it = b.wait_log("Redis answers again after a silence");
+    let _ = tokio::time::timeout(Duration::from_secs(1), b_saw_it).await;
     proxy.heal();
     assert_eq!(first.await.unwrap(), 200, "{}", a.log());
     assert_eq!(second.await.unwrap(), 200, "{}", b.log());

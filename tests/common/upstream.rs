@@ -51,12 +51,13 @@ impl Upstream {
         .await
     }
 
-    /// The `X-API-Key` of each request for `target`, in the order they arrived.
-    pub fn keys_in_order(&self, target: &str) -> Vec<String> {
+    /// The `X-API-Key` of each request for `path` (whatever its query), in the order they
+    /// arrived.
+    pub fn keys_in_order(&self, path: &str) -> Vec<String> {
         self.api
             .seen()
             .into_iter()
-            .filter(|s| s.target == target)
+            .filter(|s| s.target.split('?').next() == Some(path))
             .map(|s| s.header("x-api-key")[0].to_string())
             .collect()
     }
