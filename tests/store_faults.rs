@@ -1325,65 +1325,104 @@ async fn a_refund_behind_its_write_back_is_not_lost() {
     }
 }
 
-/// `on_error: deny`: requests queued for a capped route's slot ride out a Redis stall shorter
-/// than the lease time. Their places (and charges) are in Redis, which keeps them; they run as
-/// slots free once it answers again, never over the cap. Before, a waiter was sent back to
-/// enter the queue again as soon as two of its instance's beats failed, and entering
-/// through a store that did not answer refused it 503 `store-unavailable` (2 of 2 runs with a
-/// 2.5 s stall). 3 s: past the 2 s after which Redis drops a silent instance's waiters as
-/// dead, so their instances take them back (in their places) once it answers.
+/// `on_error: deny`: requests queued for a capped route's slot ride out a Redis stall of a few
+/// seconds. Their places (and charges) are in Redis, which keeps them; they run as slots free
+/// once it answers again, never over the cap. Before, a waiter was sent back to enter the
+/// queue again as soon as two of its instance's beats failed, and entering through a store
+/// that did not answer refused it 503 `store-unavailable` (2 of 2 runs with a 2.5 s stall).
+/// 3 s: past the 2 s after which Redis drops a silent instance's waiters as dead, so their
+/// instances take them back (in their places) once it answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_queued_under_deny_ride_out_a_short_redis_stall() {
-    let q = queued_through_a_stall("15s", Duration::from_secs(3)).await;
-    for (answer, _) in &q.answers {
-        assert_eq!(
-            answer.as_ref().map(|a| a.0),
-            Ok(200),
-            "{answer:?}\n{}\n{}",
-            q.a.log(),
-            q.b.log()
-        );
-    }
-    assert_eq!(q.up.count("/reports/generate"), 3);
-    assert_eq!(q.up.max_concurrent("/reports/generate"), 1);
+    let q = queued_through(Outage::Stall, Duration::from_secs(3), "30s").await;
+    q.all_served();
 }
 
-/// [`requests_queued_under_deny_ride_out_a_short_redis_stall`], past the lease time: `deny`
-/// answers them (503 `store-unavailable`, while Redis is still away), as it would a dead
-/// instance's slots' takers; they do not wait out their `queue_timeout` (30 s).
+/// [`requests_queued_under_deny_ride_out_a_short_redis_stall`] when only one gateway is cut
+/// off from Redis (a proxy holds its way there for 3 s), while the other beats on: Redis drops
+/// the cut-off gateway's waiter as dead, and takes it back in its place when it returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_queued_under_deny_are_refused_once_a_stall_outlasts_the_lease_time() {
-    let q = queued_through_a_stall("2s", Duration::from_secs(6)).await;
-    for (answer, at) in &q.answers[1..] {
-        let (status, _, body) = answer.as_ref().expect("answered");
-        assert_eq!(*status, 503, "{body}");
-        assert!(body.contains("store-unavailable"), "{body}");
-        assert!(
-            *at < Duration::from_secs(6),
-            "answered {at:?} after the pause"
-        );
-    }
+async fn a_request_queued_under_deny_rides_out_its_gateways_cut_from_redis() {
+    let q = queued_through(Outage::CutOffB, Duration::from_secs(3), "30s").await;
+    q.all_served();
 }
 
-/// What [`queued_through_a_stall`] saw.
-struct QueuedThroughAStall {
+/// Past 5 s of a store that does not answer, `deny` answers the waiters (503
+/// `store-unavailable`, while Redis is still away) instead of keeping them for their
+/// `queue_timeout` (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_queued_under_deny_are_refused_once_a_stall_outlasts_five_seconds() {
+    let q = queued_through(Outage::Stall, Duration::from_secs(8), "30s").await;
+    q.waiters_refused_unavailable(Duration::from_secs(4)..Duration::from_secs(8));
+}
+
+/// A waiter whose `queue_timeout` (2 s) ends while the store does not answer is answered for
+/// the store (503 `store-unavailable`, as `deny` says), not for a full route (`route-busy`):
+/// nobody knows whether the route is full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_timeout_during_a_stall_under_deny_is_the_stores_failure() {
+    let q = queued_through(Outage::Stall, Duration::from_secs(4), "2s").await;
+    q.waiters_refused_unavailable(Duration::ZERO..Duration::from_secs(4));
+}
+
+/// What [`queued_through`] cuts off.
+enum Outage {
+    /// Redis itself (SIGSTOP).
+    Stall,
+    /// Gateway B's way to Redis (a proxy holds it, then delivers it late).
+    CutOffB,
+}
+
+/// What [`queued_through`] saw.
+struct QueuedThrough {
     up: Upstream,
     a: Gateway,
     b: Gateway,
     /// The holder's answer, then a waiter's on each gateway: each with when it came, from
-    /// the pause.
+    /// the outage's start.
     answers: Vec<(Answer, Duration)>,
 }
 
-/// Two gateways (`on_error: deny`, `lease_ttl`), a cap of 1 held by a 3 s report on A, one
-/// report queued on each gateway behind it (`queue_timeout` 30 s); Redis paused for `stall`.
-async fn queued_through_a_stall(lease_ttl: &str, stall: Duration) -> QueuedThroughAStall {
+impl QueuedThrough {
+    /// Every request ran, one at a time.
+    fn all_served(&self) {
+        for (answer, _) in &self.answers {
+            assert_eq!(
+                answer.as_ref().map(|a| a.0),
+                Ok(200),
+                "{answer:?}\n{}\n{}",
+                self.a.log(),
+                self.b.log()
+            );
+        }
+        assert_eq!(self.up.count("/reports/generate"), 3);
+        assert_eq!(self.up.max_concurrent("/reports/generate"), 1);
+    }
+
+    /// Both waiters got 503 `store-unavailable`, `within` the outage's start.
+    fn waiters_refused_unavailable(&self, within: std::ops::Range<Duration>) {
+        for (answer, at) in &self.answers[1..] {
+            let (status, _, body) = answer.as_ref().expect("answered");
+            assert_eq!(*status, 503, "{body}");
+            assert!(body.contains("store-unavailable"), "{body}");
+            assert!(
+                within.contains(at),
+                "answered {at:?} after the outage began"
+            );
+        }
+    }
+}
+
+/// Two gateways (`on_error: deny`; B on Redis through a proxy), a cap of 1 held by a 3 s
+/// report on A, one report queued on each gateway behind it (for `queue_timeout`); then the
+/// outage, for `lasting`.
+async fn queued_through(outage: Outage, lasting: Duration, queue_timeout: &str) -> QueuedThrough {
     let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::from_secs(3));
-    let cfg = reports_on_deny(&redis, 1, "30s")
-        .replace("lease_ttl: 15s", &format!("lease_ttl: {lease_ttl}"));
+    let cfg = reports_on_deny(&redis, 1, queue_timeout);
     let a = Gateway::start(&up, &cfg);
-    let b = Gateway::start(&up, &cfg);
+    let b = Gateway::start(&up, &cfg.replace(&redis.url(), &proxy.url()));
     let c = client();
     let holder = spawn_post_answer(&c, a.url("/reports/generate"), "k0");
     up.wait_current("/reports/generate", 1).await;
@@ -1393,20 +1432,26 @@ async fn queued_through_a_stall(lease_ttl: &str, stall: Duration) -> QueuedThrou
     for gw in [&a, &b] {
         wait_metric(gw, queued, 1.0, Duration::from_secs(5)).await;
     }
-    let paused = Instant::now();
-    redis.pause();
-    let resume = async {
-        tokio::time::sleep(stall).await;
-        redis.resume();
+    let began = Instant::now();
+    match outage {
+        Outage::Stall => redis.pause(),
+        Outage::CutOffB => proxy.blackhole(),
+    }
+    let end = async {
+        tokio::time::sleep(lasting).await;
+        match outage {
+            Outage::Stall => redis.resume(),
+            Outage::CutOffB => proxy.heal(),
+        }
     };
     let answered = async {
         let mut answers = vec![];
         for t in std::iter::once(holder).chain(waiters) {
             let answer = t.await.unwrap();
-            answers.push((answer, paused.elapsed()));
+            answers.push((answer, began.elapsed()));
         }
         answers
     };
-    let ((), answers) = tokio::join!(resume, answered);
-    QueuedThroughAStall { up, a, b, answers }
+    let ((), answers) = tokio::join!(end, answered);
+    QueuedThrough { up, a, b, answers }
 }

@@ -94,10 +94,10 @@ pub struct RedisBackend {
     timeout: Duration,
     lease_ttl: Duration,
     /// How long this instance's waiters keep their places while their route's beats fail:
-    /// under `on_error: deny` up to the lease time (nothing is decided for them meanwhile,
-    /// and Redis keeps their places and charges through a stall or a failover). `None`: they
-    /// enter again after two failed beats, and `store.on_error` answers them (`local` runs
-    /// them on this instance's share, `allow` at once).
+    /// under `on_error: deny`, [`queue::DENY_WAITS_OUT`] (nothing is decided for them
+    /// meanwhile, and Redis keeps their places and charges). `None`: they enter again after
+    /// two failed beats, and `store.on_error` answers them (`local` runs them on this
+    /// instance's share, `allow` at once).
     waiters_outlast: Option<Duration>,
     /// Lease ids are `<instance>:<sequence>`: unique across the fleet.
     instance: String,
@@ -182,7 +182,8 @@ impl RedisBackend {
             conns: Connections::new(&s.url, s.timeout, LATE_REPLY_WAIT),
             timeout: s.timeout,
             lease_ttl: s.lease_ttl,
-            waiters_outlast: (s.on_error == crate::config::OnError::Deny).then_some(s.lease_ttl),
+            waiters_outlast: (s.on_error == crate::config::OnError::Deny)
+                .then_some(queue::DENY_WAITS_OUT),
             instance: format!("{instance:016x}"),
             lease_seq: AtomicU64::new(0),
             breaker: Breaker::new(),

@@ -37,6 +37,12 @@ use unserved::{HeldId, PendingId, Unserved};
 
 /// How long an instance counts as alive after its last beat.
 pub(super) const ALIVE_FOR: Duration = Duration::from_secs(2);
+/// Under `on_error: deny`, how long a waiter keeps its place while its instance's beats on
+/// the route fail (from the last one Redis answered): a stall, a restart, a network blip.
+/// Within [`ALIVE_FOR`] and the 5 s after which Redis hands a dropped waiter's charge out
+/// (`lua/queue.lua`, `OWED_AFTER_US`), less a beat: Redis still keeps its place when its
+/// instance is back, whether Redis itself stalled or only this instance was cut off.
+pub(super) const DENY_WAITS_OUT: Duration = Duration::from_secs(5);
 /// How long a granted slot waits for its instance to confirm it (told by Pub/Sub, or by its
 /// next beat 500 ms later, a live instance confirms within milliseconds). One that lets a
 /// grant lapse counts as dead until it beats again, so that a dead instance's grants pass on
@@ -366,16 +372,21 @@ impl RedisBackend {
             return Ok(false);
         }
         if woken.is_err() {
-            let code = self
+            let left = self
                 .call::<Vec<i64>>(leave(&self.queue_script, &u.keys, &u.id))
-                .await
-                .ok()
-                .and_then(|v| v.first().copied());
+                .await;
+            let code = left.as_ref().ok().and_then(|v| v.first().copied());
             if code != Some(GRANTED) {
                 // Left unserved: `Unserved` gives the charge back (and, if leaving failed,
                 // tries again).
                 u.in_route = code != Some(LEFT);
-                return Ok(false);
+                match left {
+                    // Its time ran out while the store did not answer (it waited the store
+                    // out, `DENY_WAITS_OUT`): the store's failure, which `deny` answers, not
+                    // a full route's.
+                    Err(e) if self.waiters_outlast.is_some() => return Err(e),
+                    _ => return Ok(false),
+                }
             }
         }
         u.forget_waiter();

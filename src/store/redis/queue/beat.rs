@@ -50,9 +50,10 @@ pub(super) struct Beating {
     keys: QueueKeys,
     /// This instance's waiters there.
     pub(super) waiting: usize,
-    /// Beats that failed in a row, and since when.
+    /// Beats that failed in a row.
     failed: u32,
-    failing_since: Option<Instant>,
+    /// When Redis last answered a beat here, or queued a waiter of this instance here.
+    answered: Instant,
     /// Beats since the last waiter here left.
     idle: u32,
     /// When this instance last said in [`WAITED_ON`] that it has waiters here (`None` while
@@ -138,6 +139,10 @@ impl RedisBackend {
         let (tx, rx) = oneshot::channel();
         self.beat_on(keys);
         let mut w = lock(&self.waiters);
+        // It waits once Redis queued it: Redis answered on the route just now.
+        if let Some(b) = w.routes.get_mut(&keys[0]) {
+            b.answered = Instant::now();
+        }
         w.waiting.insert(id.to_string(), (keys[0].clone(), tx));
         let due = w.routes.get_mut(&keys[0]).is_some_and(|b| {
             b.waiting += 1;
@@ -164,7 +169,7 @@ impl RedisBackend {
                 keys: keys.clone(),
                 waiting: 0,
                 failed: 0,
-                failing_since: None,
+                answered: Instant::now(),
                 idle: 0,
                 registered: None,
             });
@@ -255,7 +260,7 @@ async fn beat(store: Weak<RedisBackend>) {
                     let reply = BeatReply::of(&reply);
                     if let Some(b) = w.routes.get_mut(&keys[0]) {
                         b.failed = 0;
-                        b.failing_since = None;
+                        b.answered = Instant::now();
                         if reply.owing > 0 {
                             // Charges owed on the route: beat on until they are handed out.
                             b.idle = 0;
@@ -265,21 +270,18 @@ async fn beat(store: Weak<RedisBackend>) {
                     owed = reply.owed;
                 }
                 Err(e) => {
-                    let now = Instant::now();
                     let failing = w.routes.get_mut(&keys[0]).map(|b| {
                         b.failed += 1;
-                        let since = *b.failing_since.get_or_insert(now);
-                        (b.failed, now.duration_since(since))
+                        (b.failed, b.answered.elapsed())
                     });
                     let gone = failing.is_some_and(|(failed, failing_for)| {
                         match s.waiters_outlast {
                             // The breaker open: the store is away for a while, do not keep
                             // anyone waiting on it.
                             None => failed >= 2 || matches!(e, StoreError::BreakerOpen),
-                            // `deny` would refuse them: they wait for the store instead, as
-                            // long as a dead instance's slots would (their places and
-                            // charges are Redis's; a beat once it answers again names them,
-                            // and any it dropped meanwhile are taken back).
+                            // `deny` would refuse them: they wait a blip out instead (their
+                            // places and charges are Redis's; a beat once it answers again
+                            // names them, and any it dropped meanwhile are taken back).
                             Some(outlast) => failing_for >= outlast,
                         }
                     });
