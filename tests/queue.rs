@@ -1589,6 +1589,41 @@ fn waiters_taken_back_after_a_stall_keep_their_places() {
     assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "0", "taken back");
 }
 
+/// `lua/queue.lua`: a waiter taken back after a stall keeps its place even when newcomers
+/// filled the queue to `max_queue` while it was away: it joined before them, and was counted
+/// then. (Before, it was refused FULL: 503 `route-busy` for a request that had waited.)
+#[test]
+fn a_waiter_taken_back_is_not_refused_by_max_queue() {
+    let redis = Redis::start();
+    let q = QueueLua::new(&redis, "m");
+    let keys = q.keys();
+    let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
+        q.run(&[
+            "enter", id, key, "1", "1", "0", "2", "10000000", instance, alive_us, "1000000", "100",
+            "60000000", "{}",
+        ])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+    };
+    assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
+    // i1's waiter, then i1 looks dead (its alive time was 1 µs) and it is dropped.
+    assert_eq!(enter("w1", "k1", "i1", "1"), "0", "queued");
+    q.run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
+    assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "0", "dropped");
+    // Two newcomers fill the queue (max_queue 2); a third is refused.
+    for id in ["n1", "n2"] {
+        assert_eq!(enter(id, "k2", "i2", "60000000"), "0", "{id} queued");
+    }
+    assert_eq!(enter("n3", "k2", "i2", "60000000"), "2", "full");
+    // w1 is back, ahead of them.
+    assert_eq!(enter("w1", "k1", "i1", "60000000"), "0", "taken back");
+    let first = redis.cli(&["ZRANGE", keys[1], "0", "0"]);
+    assert!(first.trim().ends_with(":w1"), "{first}");
+}
+
 /// `lua/queue.lua`: a grant its instance does not confirm in time lapses, and the waiter it
 /// was goes back to its place when its instance enters it again (before its charge is handed
 /// out): ahead of its key's waiters that came after it.

@@ -68,7 +68,7 @@
 --          [keep_us hold_us] instead: how long the job may wait (its record's life; the
 --          route's queue then lives at least that long, `jk` in KEYS[4], calls or none), and
 --          how long from now it is not to be served (`max_delay`: `rd:<id>`; 0 none).
---          -> {1 TAKEN} | {2 FULL} (max_queue waiters already; nothing written) |
+--          -> {1 TAKEN} | {2 FULL} (max_queue waiters already, and it is no waiter taken back: nothing written) |
 --             {0 QUEUED, position (the fleet's jobs: `place`; else the queue's length)} | {3 GIVEN_UP} (a `leave` or `release` of this id came
 --             first: nothing written)
 --   leave  ARGV id given_up_us -> {0 LEFT} | {1 GRANTED (the caller holds the lease: release
@@ -583,7 +583,9 @@ if op == 'enter' then
     return {TAKEN}
   end
   local queued = redis.call('ZCARD', waiters)
-  if max_queue > 0 and queued >= max_queue and not backlog then
+  -- One taken back joined before (it was counted then): newcomers that came while it was
+  -- away do not push it out.
+  if max_queue > 0 and queued >= max_queue and not backlog and type(back) ~= 'number' then
     keep(lease_ttl)
     return {FULL}
   end
