@@ -242,12 +242,7 @@ async fn a_job_runs_once_and_its_answer_is_kept_for_its_key() {
         .filter(|s| s.target.contains("tollgate"))
         .count();
     assert_eq!(forwarded, 0, "a job's path reached the upstream");
-    let seen: Vec<_> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .collect();
+    let seen = up.seen_on(ROUTE);
     assert_eq!(
         (seen.len(), seen[0].method.as_str(), seen[0].target.as_str()),
         (1, "POST", target)

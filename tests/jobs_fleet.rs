@@ -168,12 +168,7 @@ async fn submitted_on_one_read_on_another(url: &str, cli: &dyn Fn(&[&str]) -> St
     assert_eq!(on_a.json::<serde_json::Value>().await.unwrap(), echo);
     assert_eq!(get(&c, a.url(&location), "key-b").await.status(), 404);
 
-    let seen: Vec<_> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .collect();
+    let seen = up.seen_on(ROUTE);
     assert_eq!(
         (seen.len(), seen[0].method.as_str(), seen[0].target.as_str()),
         (1, "POST", target)

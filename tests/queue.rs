@@ -1254,12 +1254,7 @@ async fn a_waiter_runs_within_50_ms_of_the_release_on_redis() {
 /// Round `round`'s (of a holder, then a waiter on `ROUTE`): from the upstream's answer to the
 /// holder to the waiter's arrival there.
 fn gap_after_release(up: &Upstream, round: usize) -> Duration {
-    let seen: Vec<_> = up
-        .api
-        .seen()
-        .into_iter()
-        .filter(|s| s.target.starts_with(ROUTE))
-        .collect();
+    let seen = up.seen_on(ROUTE);
     let (held, waited) = (&seen[2 * round], &seen[2 * round + 1]);
     let ended = held.ended.expect("the holder's answer was made");
     assert!(
@@ -1350,6 +1345,27 @@ impl<'a> QueueLua<'a> {
         all.extend(self.keys());
         all.extend(args);
         self.redis.cli(&all)
+    }
+
+    /// `enter` of waiter `id` of `key` (weight 1, cap 1, `max_queue`) from `instance`, alive
+    /// for `alive_us`: its reply's code (`0` queued, `1` taken, `2` full, `3` given up).
+    fn enter_code(
+        &self,
+        id: &str,
+        key: &str,
+        max_queue: &str,
+        instance: &str,
+        alive_us: &str,
+    ) -> String {
+        self.run(&[
+            "enter", id, key, "1", "1", "0", max_queue, "10000000", instance, alive_us, "1000000",
+            "100", "60000000", "{}",
+        ])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
     }
 }
 
@@ -1558,15 +1574,7 @@ fn waiters_taken_back_after_a_stall_keep_their_places() {
     let q = QueueLua::new(&redis, "p");
     let keys = q.keys();
     let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
-        q.run(&[
-            "enter", id, key, "1", "1", "0", "0", "10000000", instance, alive_us, "1000000", "100",
-            "60000000", "{}",
-        ])
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string()
+        q.enter_code(id, key, "0", instance, alive_us)
     };
     assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
     // i1's three waiters, then i1 looks dead (its alive time was 1 µs).
@@ -1598,15 +1606,7 @@ fn a_waiter_taken_back_is_not_refused_by_max_queue() {
     let q = QueueLua::new(&redis, "m");
     let keys = q.keys();
     let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
-        q.run(&[
-            "enter", id, key, "1", "1", "0", "2", "10000000", instance, alive_us, "1000000", "100",
-            "60000000", "{}",
-        ])
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string()
+        q.enter_code(id, key, "2", instance, alive_us)
     };
     assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
     // i1's waiter, then i1 looks dead (its alive time was 1 µs) and it is dropped.

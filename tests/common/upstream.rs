@@ -62,17 +62,20 @@ impl Upstream {
             .collect()
     }
 
+    /// The requests whose target starts with `prefix`, in the order they were recorded.
+    pub fn seen_on(&self, prefix: &str) -> Vec<tollgate::sample_api::Seen> {
+        self.api
+            .seen()
+            .into_iter()
+            .filter(|s| s.target.starts_with(prefix))
+            .collect()
+    }
+
     /// When each request whose target starts with `prefix` arrived, earliest first (for
     /// spacing measured where the work is, not by the test's clock). Sorted: two requests
     /// arriving at once may be recorded in either order.
     pub fn arrivals(&self, prefix: &str) -> Vec<Instant> {
-        let mut at: Vec<Instant> = self
-            .api
-            .seen()
-            .into_iter()
-            .filter(|s| s.target.starts_with(prefix))
-            .map(|s| s.at)
-            .collect();
+        let mut at: Vec<Instant> = self.seen_on(prefix).into_iter().map(|s| s.at).collect();
         at.sort();
         at
     }
