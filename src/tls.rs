@@ -52,11 +52,11 @@ impl TlsError {
 }
 
 fn pem_error(path: &Path, what: &str, e: pem::Error) -> String {
-    let path = path.display();
+    let path = crate::config::shown_path(&path.display().to_string());
     match e {
-        pem::Error::Io(e) => format!("cannot read \"{path}\": {e}"),
-        pem::Error::NoItemsFound => format!("no {what} in \"{path}\" (expected PEM)"),
-        e => format!("\"{path}\" is not valid PEM: {e}"),
+        pem::Error::Io(e) => format!("cannot read {path}: {e}"),
+        pem::Error::NoItemsFound => format!("no {what} in {path} (expected PEM)"),
+        e => format!("{path} is not valid PEM: {e}"),
     }
 }
 

@@ -151,10 +151,77 @@ fn message(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
         },
     };
     // serde's name for YAML's null (`~`, or a key with nothing after it).
-    match text.strip_prefix("invalid type: unit value, ") {
+    let text = match text.strip_prefix("invalid type: unit value, ") {
         Some(rest) => format!("no value given, {rest}"),
         None => text,
+    };
+    unquoted(&text)
+}
+
+/// A value from the file, as an error may repeat it: quoted when it is short and plain (a
+/// typo of a word the field expects: `loca`, `cookie`), else only its length. A value in the
+/// wrong place may be a secret (a raw key where the registry wants a map, a Redis URL with its
+/// password where a word is expected, a PEM block), and errors go to logs and terminals.
+pub(crate) fn shown(value: &str) -> String {
+    match plain(value) {
+        true => format!("\"{value}\""),
+        false => withheld(value),
     }
+}
+
+fn plain(value: &str) -> bool {
+    value.len() <= 16
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'))
+}
+
+fn withheld(value: &str) -> String {
+    format!("a value of {} characters", value.chars().count())
+}
+
+/// [`shown`] for a path: quoted when it is one line and not PEM itself.
+pub(crate) fn shown_path(value: &str) -> String {
+    match value.contains('\n') || value.contains("-----BEGIN") {
+        false => format!("\"{value}\""),
+        true => format!(
+            "a value of {} lines, not a path (PEM goes in a file the field names)",
+            value.lines().count()
+        ),
+    }
+}
+
+/// serde's messages with the file's string values they quote (`invalid type: string "…"`,
+/// ``unknown variant `…` ``) withheld unless [`shown`] would show them.
+fn unquoted(text: &str) -> String {
+    let mut out = text.to_string();
+    if let Some(at) = out.find("invalid type: string \"") {
+        let from = at + "invalid type: string ".len();
+        // Debug-quoted by serde: up to the first quote not escaped.
+        let mut escaped = false;
+        let end = out[from + 1..].char_indices().find_map(|(i, c)| {
+            let done = c == '"' && !escaped;
+            escaped = c == '\\' && !escaped;
+            done.then_some(from + 1 + i + 1)
+        });
+        if let Some(end) = end {
+            let quoted = out[from + 1..end - 1].to_string();
+            if !plain(&quoted) {
+                out.replace_range(from..end, &withheld(&quoted));
+            }
+        }
+    }
+    if let Some(at) = out.find("unknown variant `") {
+        let from = at + "unknown variant ".len();
+        if let Some(len) = out[from + 1..].find("`, ") {
+            let end = from + 1 + len + 1;
+            let value = out[from + 1..end - 1].to_string();
+            if !plain(&value) {
+                out.replace_range(from..end, &withheld(&value));
+            }
+        }
+    }
+    out
 }
 
 /// Formats a serde path the way the errors of this module do: `a.b."/x/y".c[0]`.

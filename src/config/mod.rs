@@ -40,6 +40,7 @@ pub use crate::policy::Policy;
 pub use bounds::read_bounded;
 pub use client_limits::ClientLimits;
 pub use duration::{format_duration, parse_duration, ConfDuration};
+pub(crate) use error::shown_path;
 pub use error::{ConfigError, ConfigErrors};
 pub use raw::{
     Anonymous, Backend, Listen, Mode, OnError, RawBudget, RawConfig, RawDefault, RawEndpoint,

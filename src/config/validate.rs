@@ -446,7 +446,7 @@ fn upstream(base: &str, u: &RawUpstream, errs: &mut ConfigErrors) -> Option<Upst
         if let Err(e) = std::fs::metadata(f) {
             errs.push(
                 format!("{base}.ca_file"),
-                format!("cannot read \"{f}\": {e}"),
+                format!("cannot read {}: {e}", super::error::shown_path(f)),
             );
         }
     }
@@ -532,7 +532,10 @@ fn identity(
         } else {
             errs.push(
                 format!("identity.sources[{i}]"),
-                format!("expected \"header:<name>\" or \"bearer\", got \"{s}\""),
+                format!(
+                    "expected \"header:<name>\" or \"bearer\", got {}",
+                    super::error::shown(s)
+                ),
             );
         }
     }

@@ -534,3 +534,30 @@ fn store_slices_are_off_unless_asked_for() {
     let e = first_error(&bad);
     assert!(e.starts_with("store.slices: invalid"), "{e}");
 }
+
+/// A value in the wrong place may be a secret: a raw API key where the registry wants a map,
+/// a Redis URL with its password where a word or the store's map is expected, a PEM block
+/// where a path is. Errors name the field (and line) but do not repeat such a value; a short
+/// plain word (a typo of a choice) is still quoted.
+#[test]
+fn errors_do_not_repeat_values_that_may_be_secrets() {
+    const KEY: &str = "SEKRIT-API-7f3a9c";
+    const URL: &str = "redis://:SEKRIT-REDIS-pw41@127.0.0.1:6379/0";
+    let pem = "      -----BEGIN PRIVATE KEY-----\n      MIIEvgIBADANBgkqhkiG9w0BAQEFAASCBKgw\n      -----END PRIVATE KEY-----";
+    let files = [
+        format!("{BASE}keys:\n  - {KEY}\n"),
+        format!("{BASE}store: \"{URL}\"\n"),
+        format!("{BASE}store:\n  backend: \"{URL}\"\n"),
+        format!("{BASE}identity:\n  sources: [\"{KEY}\"]\n"),
+        format!("server:\n  tls:\n    listen: \"127.0.0.1:8443\"\n    cert: /nonexistent/c.pem\n    key: |\n{pem}\n{BASE}"),
+        format!("{KEY} {URL}\n"),
+    ];
+    for file in &files {
+        let errs = all_errors(file).join("\n");
+        assert!(!errs.contains("SEKRIT"), "{errs}");
+        assert!(!errs.contains("MIIEvg"), "{errs}");
+        assert!(errs.contains("a value of"), "{errs}");
+    }
+    let typo = first_error(&format!("{BASE}store:\n  backend: redsi\n"));
+    assert!(typo.contains("`redsi`"), "{typo}");
+}
