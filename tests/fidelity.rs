@@ -632,3 +632,20 @@ async fn instances_on_different_configs_are_said_to_differ() {
     let (out, _) = audit(&["--admin", &a1]);
     assert!(!out.contains("CONFIGS DIFFER"), "{out}");
 }
+
+/// `tollgate audit` names each `--admin` as the store's URL is named: a password in its user
+/// information, or a token in its query, is not repeated to the terminal (or a CI log), in the
+/// table or in JSON. (Before, `UNREACHABLE http://u:<password>@…`.)
+#[test]
+fn audit_does_not_repeat_credentials_in_an_admin_url() {
+    let dead = format!(
+        "http://ops:sekret-pw@127.0.0.1:{}/?token=sekret-q",
+        free_port()
+    );
+    for format in ["table", "json"] {
+        let (out, code) = audit(&["--admin", &dead, "--format", format]);
+        assert_eq!(code, 1, "{out}");
+        assert!(!out.contains("sekret"), "{out}");
+        assert!(out.contains("ops:***@127.0.0.1"), "{out}");
+    }
+}

@@ -23,6 +23,13 @@ pub fn audit(cfg: Option<&Config>, admins: &[String], json: bool) -> (String, u8
         Ok(a) => a,
         Err(e) => return (format!("tollgate audit: {e}\n"), 1),
     };
+    // Named as the store's URL is: a password in the user information, or a token in the
+    // query, is not repeated to the terminal (or a CI log).
+    let admins: Vec<String> = admins
+        .iter()
+        .map(|a| crate::config::redact_url(a))
+        .collect();
+    let admins = &admins[..];
     let mut reports: Vec<InstanceAudit> = vec![];
     let mut failed = vec![];
     // An instance named twice (another spelling of its address): counted once.
