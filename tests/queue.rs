@@ -1597,6 +1597,38 @@ fn waiters_taken_back_after_a_stall_keep_their_places() {
     assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "0", "taken back");
 }
 
+/// `lua/queue.lua`: after a silence on the route longer than a second (Redis stalled: its
+/// clock ran on while nobody could beat), an instance with a stake there finds the other
+/// instances' waiters still in the queue: their alive times get the silence back. A call with
+/// no stake (a look from an instance with nothing there) drops them as a dead instance's, as
+/// before. (Before, the first call after any stall over 2 s dropped every other instance's
+/// waiters, and a slot freed before their instances took them back went past them.)
+#[test]
+fn waiters_of_other_instances_outlive_a_silence_of_redis() {
+    let redis = Redis::start();
+    let routes = [QueueLua::new(&redis, "s1"), QueueLua::new(&redis, "s2")];
+    for q in &routes {
+        assert_eq!(q.enter_code("h", "k0", "0", "i2", "60000000"), "1", "taken");
+        // i1's waiter, its instance alive for 1.5 s from its last word.
+        assert_eq!(
+            q.enter_code("w1", "k1", "0", "i1", "1500000"),
+            "0",
+            "queued"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(2500));
+    // i2 holds `h` on s1 and says so: a stake. On s2 an instance with nothing there looks.
+    routes[0].run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
+    routes[1].run(&["beat", "i3", "60000000", "1000000", "0", "0"]);
+    let waiting = |q: &QueueLua| redis.cli(&["ZCARD", q.keys()[1]]).trim().to_string();
+    assert_eq!(waiting(&routes[0]), "1", "kept through the silence");
+    assert_eq!(
+        waiting(&routes[1]),
+        "0",
+        "dropped: nobody with a stake said Redis was away"
+    );
+}
+
 /// `lua/queue.lua`: a waiter taken back after a stall keeps its place even when newcomers
 /// filled the queue to `max_queue` while it was away: it joined before them, and was counted
 /// then. (Before, it was refused FULL: 503 `route-busy` for a request that had waited.)

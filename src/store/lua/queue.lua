@@ -435,14 +435,32 @@ local function keep_leases()
   end
 end
 
+-- The same for the instances with waiters here, whose alive time (2 s after a beat) is much
+-- shorter than a lease's: after a silence of over a second (each beats every 500 ms), one
+-- that was alive at the last call and whose time ran out in the silence gets the silence's
+-- length back, when the silence must be Redis's (the caller's stake, as above). Else the
+-- first call after any stall of Redis over 2 s would drop every other instance's waiters as
+-- dead's, and a slot freed before they came back went past them.
+local function shift_alive(last)
+  for inst in string.gmatch(redis.call('HGET', state, 'insts') or '', '%S+') do
+    local t = num('i:' .. inst)
+    if t >= last and t < now then
+      redis.call('HSET', state, 'i:' .. inst, int(t + (now - last)))
+    end
+  end
+end
+
 -- Every call that purges starts with this (and those that renew or give up a lease or a
 -- waiter): the route's call time, and after a silence the grace above. `stake`: the caller
 -- has a lease or a waiter here.
 local function wake(stake)
   if redis.call('EXISTS', state) == 0 then return end
+  local last = num('seen')
   local after_silence = silent()
   redis.call('HSET', state, 'seen', int(now))
-  if not after_silence or not (stake or num('n:' .. FLEET) > 0) then return end
+  local redis_was_silent = stake or num('n:' .. FLEET) > 0
+  if redis_was_silent and last > 0 and now - last > 1000000 then shift_alive(last) end
+  if not after_silence or not redis_was_silent then return end
   local lapsed = {}
   if redis.call('EXISTS', leases) == 1 then
     lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now))
