@@ -420,9 +420,9 @@ end
 -- than the lease time wait one lease time more for a dead runner's slot.) An instance whose
 -- store was out for that long holds its own new requests back until the others registered
 -- their leases again (`store/redis/lost.rs`).
-local function silent()
-  local last, lt = num('seen'), num('lt')
-  return last > 0 and lt > 0 and now - last > math.max(lt / 2, 1000000)
+local function silent_past_leases(last)
+  local lt = num('lt')
+  return lt > 0 and now - last > math.max(lt / 2, 1000000)
 end
 
 -- The lease set expires a second after its last lease does.
@@ -456,11 +456,12 @@ end
 local function wake(stake)
   if redis.call('EXISTS', state) == 0 then return end
   local last = num('seen')
-  local after_silence = silent()
   redis.call('HSET', state, 'seen', int(now))
-  local redis_was_silent = stake or num('n:' .. FLEET) > 0
-  if redis_was_silent and last > 0 and now - last > 1000000 then shift_alive(last) end
-  if not after_silence or not redis_was_silent then return end
+  -- No silence (the usual call): nothing more to read.
+  if last == 0 or now - last <= 1000000 then return end
+  if not (stake or num('n:' .. FLEET) > 0) then return end
+  shift_alive(last)
+  if not silent_past_leases(last) then return end
   local lapsed = {}
   if redis.call('EXISTS', leases) == 1 then
     lapsed = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now))
