@@ -136,6 +136,31 @@ async fn a_504s_charge_is_settled_on_the_late_answer() {
     assert!((3.0..6.0).contains(&sum), "{sum}");
 }
 
+/// A late answer that never comes is billed the time the gateway followed the upstream for
+/// it: to `abandon_timeout` here (3 s at 10 a second: 30 and a little), as long as the slot
+/// was held. Before, it paid as at `read_timeout` (1 s: 11), though the upstream worked on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_answer_that_never_comes_is_billed_until_abandon_timeout() {
+    let up = Upstream::start(Duration::ZERO);
+    let body = with_keys(
+        "    /cps: {cost: 2, cost_per_second: 10, max_in_flight: 2}
+",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 1s\n  abandon_timeout: 3s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let r = get(&c, gw.url("/cps?delay_ms=10000"), "key-a").await;
+    assert_eq!(r.status(), 504);
+    wait_metric_at_least(&gw, r#"tollgate_cost_units_total{route="/cps"}"#, 30.0).await;
+    let cps = metric(&gw, r#"tollgate_cost_units_total{route="/cps"}"#).await as u64;
+    assert!((30..=40).contains(&cps), "{cps}");
+    assert_eq!(remaining(&gw, "a").await, 1000 - cps);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_answer_is_followed_for_abandon_timeout_at_most() {
     let up = Upstream::start(Duration::ZERO);

@@ -36,6 +36,10 @@ pub struct Learned {
     pub head_at: Option<std::time::Instant>,
     /// Every value the header had (`Report::read` judges repeats).
     pub stated: Vec<http::HeaderValue>,
+    /// When following a whole answer ended without its head (the upstream closed, or
+    /// `abandon_timeout` came): until then the upstream was at work on it, as far as anyone
+    /// can tell, and its slot was held.
+    pub ended_headless_at: Option<std::time::Instant>,
 }
 
 /// Reads the rest of the upstream's answer from `dup` (until it ends, the upstream closes,
@@ -64,6 +68,9 @@ pub async fn drain_upstream(
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(error = %e, "a late upstream answer ended early"),
                 Err(_) => tracing::info!("gave up on a late upstream answer at abandon_timeout"),
+            }
+            if matches!(answer, LateAnswer::Whole { .. }) && learned.head_at.is_none() {
+                learned.ended_headless_at = Some(std::time::Instant::now());
             }
         }
         Err(e) => tracing::debug!(error = %e, "cannot follow a late upstream answer"),

@@ -70,9 +70,11 @@ impl LateSettle {
     }
 
     /// Settles on what the late answer said, as for a client that stayed: its stated cost,
-    /// else its time to the head. A late answer whose head was not seen (it broke off, came
-    /// after `abandon_timeout`, or Pingora had read part of it) settles as when the gateway
-    /// stopped waiting. Counts them, and the upstream time billed (DESIGN §6: the audit's).
+    /// else its time to the head. A late answer that never came (the upstream closed without
+    /// one, or `abandon_timeout` came first) is billed its time until then: the upstream was
+    /// at work that long, as far as anyone can tell, and held its slot (DESIGN §6: "a query
+    /// that ran 30 s pays for 30 s"). One Pingora had read part of settles as when the
+    /// gateway stopped waiting. Counts them, and the upstream time billed (the audit's).
     pub(super) async fn finish(self, learned: crate::front::Learned) {
         let head = learned
             .head_at
@@ -89,7 +91,14 @@ impl LateSettle {
                 let total = self.route.fidelity.charge(self.req.cost, Some(t), report);
                 (total, report, t)
             }
-            None => (self.at_stop(), None, self.stopped),
+            None => match learned.ended_headless_at {
+                Some(at) => {
+                    let ran = at.saturating_duration_since(self.sent).max(self.stopped);
+                    let total = (self.route.fidelity).final_cost(self.req.cost, Some(ran));
+                    (total, None, ran)
+                }
+                None => (self.at_stop(), None, self.stopped),
+            },
         };
         self.store.settle(&self.req, self.charge, total).await;
         let rm = self.running.metrics.get(&self.route);
