@@ -390,9 +390,12 @@ impl RedisBackend {
             }
         }
         u.forget_waiter();
-        // Confirm the slot for a whole lease before its short grant lapses.
+        // Confirm the slot for a whole lease before its short grant lapses: past an open
+        // breaker (the grant is Redis's word that it answers again: a waiter that rode out a
+        // stall hears it before its instance's breaker has probed the store).
+        let confirm = self.queue_script.confirm(&u.keys, &u.id, self.lease_ttl);
         let confirmed: Vec<i64> = self
-            .call_repeatable(self.queue_script.confirm(&u.keys, &u.id, self.lease_ttl))
+            .call_repeatable_guarded(super::guard::Guard::Bypass(GRANT_TTL), confirm)
             .await?;
         Ok(confirmed.first() == Some(&1))
     }
