@@ -1347,6 +1347,29 @@ impl<'a> QueueLua<'a> {
         self.redis.cli(&all)
     }
 
+    /// The slot taken by `h` (key k0, instance i2), `ids` queued behind it by key k1 from
+    /// instance i1, which then looks dead (alive for 1 µs): i2's beat drops them.
+    fn dropped_as_dead(&self, max_queue: &str, ids: &[&str]) {
+        assert_eq!(
+            self.enter_code("h", "k0", max_queue, "i2", "60000000"),
+            "1",
+            "taken"
+        );
+        for id in ids {
+            assert_eq!(
+                self.enter_code(id, "k1", max_queue, "i1", "1"),
+                "0",
+                "{id} queued"
+            );
+        }
+        self.run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
+        assert_eq!(
+            self.redis.cli(&["ZCARD", self.keys()[1]]).trim(),
+            "0",
+            "dropped"
+        );
+    }
+
     /// `enter` of waiter `id` of `key` (weight 1, cap 1, `max_queue`) from `instance`, alive
     /// for `alive_us`: its reply's code (`0` queued, `1` taken, `2` full, `3` given up).
     fn enter_code(
@@ -1576,13 +1599,8 @@ fn waiters_taken_back_after_a_stall_keep_their_places() {
     let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
         q.enter_code(id, key, "0", instance, alive_us)
     };
-    assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
-    // i1's three waiters, then i1 looks dead (its alive time was 1 µs).
-    for id in ["w1", "w2", "w3"] {
-        assert_eq!(enter(id, "k1", "i1", "1"), "0", "{id} queued");
-    }
-    q.run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
-    assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "0", "dropped");
+    // i1's three waiters, dropped as a dead instance's.
+    q.dropped_as_dead("0", &["w1", "w2", "w3"]);
     assert_eq!(redis.cli(&["ZCARD", keys[5]]).trim(), "3", "owed");
     // Back, in another order.
     for id in ["w3", "w1", "w2"] {
@@ -1640,11 +1658,8 @@ fn a_waiter_taken_back_is_not_refused_by_max_queue() {
     let enter = |id: &str, key: &str, instance: &str, alive_us: &str| {
         q.enter_code(id, key, "2", instance, alive_us)
     };
-    assert_eq!(enter("h", "k0", "i2", "60000000"), "1", "taken");
-    // i1's waiter, then i1 looks dead (its alive time was 1 µs) and it is dropped.
-    assert_eq!(enter("w1", "k1", "i1", "1"), "0", "queued");
-    q.run(&["beat", "i2", "60000000", "1000000", "0", "1", "h"]);
-    assert_eq!(redis.cli(&["ZCARD", keys[1]]).trim(), "0", "dropped");
+    // i1's waiter, dropped as a dead instance's.
+    q.dropped_as_dead("2", &["w1"]);
     // Two newcomers fill the queue (max_queue 2); a third is refused.
     for id in ["n1", "n2"] {
         assert_eq!(enter(id, "k2", "i2", "60000000"), "0", "{id} queued");
