@@ -1679,17 +1679,8 @@ fn a_lapsed_grants_waiter_taken_back_keeps_its_place() {
     let redis = Redis::start();
     let q = QueueLua::new(&redis, "g");
     let keys = q.keys();
-    let enter = |id: &str, key: &str, instance: &str| {
-        q.run(&[
-            "enter", id, key, "1", "1", "0", "0", "10000000", instance, "60000000", "1000000",
-            "100", "60000000", "{}",
-        ])
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string()
-    };
+    let enter =
+        |id: &str, key: &str, instance: &str| q.enter_code(id, key, "0", instance, "60000000");
     assert_eq!(enter("h", "k0", "i2"), "1", "taken");
     // w1 (instance i1), then w3 and w4 of the same key on i3.
     for (id, instance) in [("w1", "i1"), ("w3", "i3"), ("w4", "i3")] {
