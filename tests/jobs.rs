@@ -817,6 +817,32 @@ async fn a_job_that_times_out_is_billed_what_its_late_answer_states() {
     assert_eq!(failed[0]["cost"].as_u64(), Some(60), "{failed:?}");
 }
 
+/// A job whose late answer never comes is billed its `cost_per_second` time until the gateway
+/// stopped following it (`abandon_timeout` here), as a synchronous 504 is (DESIGN §6: "a query
+/// that ran 30 s pays for 30 s"): its slot was held that long. (Before, it was billed as at
+/// `read_timeout`: 12 units for a slot held 3 s.)
+#[tokio::test]
+async fn a_job_whose_late_answer_never_comes_is_billed_until_abandon_timeout() {
+    let up = Upstream::start(Duration::ZERO);
+    let endpoints = reports(1, "").replace(
+        "      cost: 10\n",
+        "      cost: 2\n      cost_per_second: 10\n",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &config(&endpoints),
+        upstream_extra: "  read_timeout: 1s\n  abandon_timeout: 3s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let job = submit(&c, &gw, &format!("{ROUTE}?delay_ms=10000"), "key-a", "").await;
+    assert_eq!(result(&c, &gw, &job, "key-a").await.status(), 504);
+    let failed = gw.wait_access(1, |l| l["decision"] == "job_failed").await;
+    let cost = failed[0]["cost"].as_u64().expect("a cost");
+    assert!((30..=40).contains(&cost), "{failed:?}");
+    assert_eq!(remaining(&gw, "a").await, 100 - cost);
+}
+
 /// A gateway whose key a has spent its whole budget on `/huge` (cost 100), with
 /// `server.body_timeout: body_timeout`.
 fn with_an_empty_key(up: &Upstream, body_timeout: &str) -> Gateway {

@@ -81,8 +81,8 @@ pub(super) struct Follow {
 /// What a followed late answer tells of its job's charge, as for a synchronous 504's
 /// (`proxy/late.rs`): the upstream's time to the answer's head, and the cost it stated.
 pub(super) struct LateTold {
-    /// To the head; to the timeout when no head came (it broke off, or came after
-    /// `abandon_timeout`), as for a synchronous 504.
+    /// To the head; when no head came, until following ended (the upstream closed without
+    /// one, or `abandon_timeout` came): it held the slot that long, as for a synchronous 504.
     pub upstream: Duration,
     pub report: Option<Report>,
 }
@@ -116,7 +116,10 @@ impl Follow {
             _ => None,
         };
         LateTold {
-            upstream: head_at.map_or(timed_out, |at| at.saturating_duration_since(sent)),
+            upstream: match head_at {
+                Some(at) => at.saturating_duration_since(sent),
+                None => sent.elapsed().max(timed_out),
+            },
             report,
         }
     }
