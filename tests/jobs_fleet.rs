@@ -1302,12 +1302,60 @@ async fn a_redis_stall_past_lease_ttl_gives_no_running_jobs_slot_away() {
     assert_eq!(up.count(ROUTE), 2);
 }
 
+/// Redis is silent for longer than `lease_ttl` while a job runs and its client polls: by
+/// Redis's clock its runner's word for it lapsed, but the runner did not stop (DESIGN §8 loses
+/// the job of an instance that dies). A poller that just saw Redis fail leaves the runner time
+/// to renew: here the runner, A, is cut off from Redis a moment longer, and B's first answer
+/// after the silence is still "running"; A renews, the job ends 200, run once. (Before, that
+/// first read declared the job lost: 502 `job-lost`, the upstream's 200 thrown away.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_silence_past_lease_ttl_loses_no_running_job() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&proxy.url()));
+    let b = Gateway::start(&up, &config(&redis.url()));
+    let c = client();
+    // A slot is free: A runs the job it accepts.
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=7000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 202);
+    proxy.blackhole();
+    redis.pause();
+    let paused = Instant::now();
+    // Polled on B through the silence, past the lease (2 s): 503 while Redis does not answer.
+    while paused.elapsed() < LEASE_TTL + Duration::from_secs(1) {
+        let r = get(&c, b.url(&location), "key-a").await;
+        assert_eq!(r.status(), 503, "{:?}", r.text().await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    redis.resume();
+    let first = loop {
+        let r = get(&c, b.url(&location), "key-a").await;
+        match r.status().as_u16() {
+            503 => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => break r,
+        }
+    };
+    assert_eq!(
+        first.status(),
+        202,
+        "B's first answer after the silence, A still cut off: {:?}",
+        first.text().await
+    );
+    proxy.heal();
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200, "{}\n{}", a.log(), b.log());
+    assert_eq!(up.count(ROUTE), 1);
+}
+
 /// A job found lost by a poll whose answer never came back (its call timed out, and Redis ran
 /// it later: a partition that delivered it late) is still counted and logged once. Its
-/// runner, A, is paused past its lease; B's path to Redis holds B's poll until then. Before,
-/// only the reader that made the job failed counted it, and that reader had given up: no
-/// `job_failed` line and no `tollgate_jobs_total{result="failed"}` anywhere, although the job
-/// ended `job-lost` for its client.
+/// runner, A, is paused past its lease; B's path to Redis holds B's call that declares it
+/// lost (`lose`, after a read found its runner's word lapsed) until then. Before, only the
+/// reader that made the job failed counted it, and that reader had given up: no `job_failed`
+/// line and no `tollgate_jobs_total{result="failed"}` anywhere, although the job ended
+/// `job-lost` for its client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
     let redis = Redis::start();
@@ -1321,14 +1369,14 @@ async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
     up.wait_current(ROUTE, 1).await;
     assert_eq!(get(&c, b.url(&location), "key-a").await.status(), 202);
     a.signal("STOP");
-    // B's next poll of the job waits on Redis, and B gives up on it.
-    proxy.hold_matching(location.rsplit('/').next().unwrap());
+    // Past A's word for the job (lease_ttl, 2 s): B's next poll finds it lapsed, and its call
+    // that declares the job lost waits on Redis; B gives up on it.
+    tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
+    proxy.hold_matching("lose");
     let r = get(&c, b.url(&location), "key-a").await;
     assert_eq!(r.status(), 503, "{:?}", r.text().await);
-    // Past A's word for the job (lease_ttl, 2 s): the poll, delivered now, finds it lost.
-    tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
     proxy.heal();
-    // The held poll has run in Redis (and found the job lost) before A renews anything.
+    // The held call has run in Redis (and found the job lost) before A renews anything.
     let id = location.rsplit('/').next().unwrap();
     let record = redis_job_key(id);
     let within = Duration::from_secs(5);

@@ -48,12 +48,22 @@ pub(super) fn text(r: &Record, name: &str) -> String {
 }
 
 /// The record of job `id`: `Ok(None)` when Redis has none (unknown, expired, or lost with
-/// Redis's data), an error when Redis did not answer.
+/// Redis's data), an error when Redis did not answer. A running job whose runner's word for
+/// it lapsed is declared lost (`failed`, `uncounted`) when this instance may tell
+/// (`RedisBackend::may_find_jobs_lost`: not just after Redis was silent), else read as
+/// running.
 pub(super) async fn read(
     b: &RedisBackend,
     id: &str,
 ) -> Result<Option<Record>, crate::store::StoreError> {
-    Ok(parse(b.job_record(id, "get", &[]).await?))
+    let r = parse(b.job_record(id, "get", &[]).await?);
+    match r {
+        // Its runner may renew it meanwhile: `lose` decides again.
+        Some(r) if field(&r, "lapsed") == b"1" && b.may_find_jobs_lost() => {
+            Ok(parse(b.job_record(id, "lose", &[]).await?))
+        }
+        r => Ok(r),
+    }
 }
 
 /// A record from its fields and values; `None` when there are none.

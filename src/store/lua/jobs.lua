@@ -8,9 +8,12 @@
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
---             (until it may be sent, `max_delay`; 0 once due); a running job whose runner
---             stopped vouching for it becomes failed (lost) first, never to run again, and
---             `uncounted` until an instance takes its end to count and log (`count`)
+--             (until it may be sent, `max_delay`; 0 once due), and `lapsed 1` for a running
+--             job whose runner's word for it has lapsed (it may have died, or Redis was
+--             silent meanwhile: the reader decides whether to `lose` it)
+--   lose   -> as `get`; a running job whose runner's word for it has lapsed becomes failed
+--             (lost) first, never to run again, and `uncounted` until an instance takes its
+--             end to count and log (`count`)
 --   count  -> the record's fields and values when this call took the end of a job found lost
 --             to count and log (it was `uncounted`), else empty: one instance counts it, the
 --             reader that found it lost, or, should that reader's answer be lost (a call that
@@ -57,15 +60,21 @@ if op == 'put' then
   redis.call('HSET', job, 'sub', now)
   redis.call('PEXPIRE', job, ttl)
   return 1
-elseif op == 'get' then
-  if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now then
+elseif op == 'get' or op == 'lose' then
+  local lapsed = state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now
+  if lapsed and op == 'lose' then
     redis.call('HSET', job, 'state', 'failed', 'lost', '1', 'uncounted', '1')
     keep()
+    lapsed = false
   end
   local all = redis.call('HGETALL', job)
   if #all > 0 then
     all[#all + 1] = 'due_in'
     all[#all + 1] = tostring(due_in())
+    if lapsed then
+      all[#all + 1] = 'lapsed'
+      all[#all + 1] = '1'
+    end
   end
   return all
 elseif op == 'claim' then

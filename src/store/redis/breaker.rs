@@ -22,6 +22,8 @@ pub(super) struct Breaker {
     last_ok_us: AtomicU64,
     /// When the first failure of the current run of them was counted (µs since `epoch`).
     failing_since_us: AtomicU64,
+    /// When a call last failed, counted or not (the probe's too; µs since `epoch`; 0: none).
+    last_failed_us: AtomicU64,
     epoch: Instant,
 }
 
@@ -32,6 +34,7 @@ impl Breaker {
             open_until_us: AtomicU64::new(0),
             last_ok_us: AtomicU64::new(0),
             failing_since_us: AtomicU64::new(0),
+            last_failed_us: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -88,6 +91,18 @@ impl Breaker {
         Duration::from_micros(self.now_us().saturating_sub(last))
     }
 
+    /// Notes that a call failed (the store did not answer it, or refused it), whether or
+    /// not it counts towards opening the breaker.
+    pub(super) fn failed(&self) {
+        self.last_failed_us.store(self.now_us(), Ordering::Relaxed);
+    }
+
+    /// How long since a call last failed ([`Breaker::failed`]); `None` if none ever did.
+    pub(super) fn unfailing_for(&self) -> Option<Duration> {
+        let last = self.last_failed_us.load(Ordering::Relaxed);
+        (last != 0).then(|| Duration::from_micros(self.now_us().saturating_sub(last)))
+    }
+
     /// Counts a failure; true when this one opened a closed breaker.
     pub(super) fn failure(&self) -> bool {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
@@ -135,6 +150,20 @@ mod tests {
         assert!(failing >= BREAKER_OPEN_FOR * 3, "{failing:?}");
         assert!(b.allow() && b.allow(), "closed");
         assert_eq!(b.success(Instant::now()), None, "closed already");
+    }
+
+    /// The time since the last failed call, counted towards the breaker or not.
+    #[test]
+    fn unfailing_for_counts_from_the_last_failure() {
+        let b = Breaker::new();
+        assert_eq!(b.unfailing_for(), None, "none failed");
+        b.failed();
+        std::thread::sleep(Duration::from_millis(2));
+        let since = b.unfailing_for().expect("one failed");
+        assert!(since >= Duration::from_millis(2), "{since:?}");
+        assert!(!b.failure(), "noting a failure opens nothing");
+        b.failed();
+        assert!(b.unfailing_for().unwrap() < since);
     }
 
     /// How long the store has been quiet counts from the last success (no answer yet: from

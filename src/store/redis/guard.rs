@@ -168,11 +168,14 @@ impl RedisBackend {
             Err(StoreError::BreakerOpen) => {
                 m.store_call(StoreCall::BreakerOpen);
             }
-            // Not sent: the store is not failing, it is changing primaries.
+            // Not sent: the store is not failing, it is changing primaries (but it does not
+            // answer meanwhile).
             Err(e @ StoreError::FailingOver) => {
+                self.breaker.failed();
                 m.store_call(e.metric_label());
             }
             Err(e) => {
+                self.breaker.failed();
                 m.store_duration.observe(start.elapsed().as_secs_f64());
                 m.store_call(e.metric_label());
                 FAILED_CALLS.note(e);

@@ -330,6 +330,26 @@ impl RedisBackend {
         self.lease_ttl
     }
 
+    /// Whether this instance may declare a running job lost whose runner's word for it
+    /// lapsed (`lua/jobs.lua` `lose`): only once Redis has answered its calls for
+    /// [`Self::runners_recover_within`]. After Redis was silent for longer than `lease_ttl`
+    /// (a stall, a failover, the whole fleet cut off), every runner's word has lapsed by
+    /// Redis's clock although none stopped; the first read after it must leave the runner
+    /// time to renew (DESIGN §8 loses only a job whose instance died). A runner that did die
+    /// is declared lost by the next read after that time.
+    pub(crate) fn may_find_jobs_lost(&self) -> bool {
+        self.breaker
+            .unfailing_for()
+            .is_none_or(|quiet| quiet >= self.runners_recover_within())
+    }
+
+    /// How long after Redis answers again a live runner has renewed its word for its job:
+    /// its breaker lets a call through within half a second, and its renewal is tried again
+    /// at least every quarter of its tick (a third of `lease_ttl`), with room to spare.
+    fn runners_recover_within(&self) -> Duration {
+        Duration::from_secs(3) + self.lease_ttl / 4
+    }
+
     pub(crate) fn instance(&self) -> &str {
         &self.instance
     }
