@@ -723,6 +723,42 @@ async fn a_fleet_job_that_times_out_is_billed_what_its_late_answer_states() {
     assert_eq!(failed[0]["cost"].as_u64(), Some(60), "{failed:?}");
 }
 
+/// A fleet job that timed out, whose late answer never comes, is billed its
+/// `cost_per_second` time until `abandon_timeout` (2 s here: 20 units at 10 a second), also
+/// when writing its result takes Redis longer: its late answer is followed from the timeout
+/// on, beside the write. (Before, it was followed only once the write went through, here at
+/// about 3.5 s, and billed until then: about 35.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_jobs_late_answer_is_billed_apart_from_the_time_its_result_takes_to_write() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(&proxy.url()).replace(
+        "      async:\n",
+        "      cost_per_second: 10\n      async:\n",
+    );
+    let gw = Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra: "  read_timeout: 1s\n  abandon_timeout: 2s\n",
+        ..GatewayOpts::default()
+    });
+    let c = client();
+    let (job, _) = submit(&c, &gw, "/reports/generate?delay_ms=20000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let sent = Instant::now();
+    // The job's result (its 504) is held on its way to Redis until 3 s after it was sent;
+    // its runner's next try (its fourth, at about 3.5 s) goes through.
+    proxy.hold_matching("finish");
+    tokio::time::sleep_until((sent + Duration::from_secs(3)).into()).await;
+    proxy.heal();
+    assert_eq!(result(&c, &gw, &job).await.status(), 504);
+    let failed = gw.wait_access(1, |l| l["decision"] == "job_failed").await;
+    let cost = failed[0]["cost"].as_u64().expect("a cost");
+    assert!((20..=27).contains(&cost), "{failed:?}");
+    assert_eq!(remaining(&gw, "a").await, 100 - cost);
+}
+
 /// A job whose result write is lost on its way to Redis (the connection cut under it) ends
 /// done with the upstream's answer: its runner sends the result again, still vouching for the
 /// job. (Before, the one failed write was dropped: a lease later the job ended `job-lost`
@@ -1346,6 +1382,50 @@ async fn a_redis_silence_past_lease_ttl_loses_no_running_job() {
     proxy.heal();
     let done = result(&c, &b, &location).await;
     assert_eq!(done.status(), 200, "{}\n{}", a.log(), b.log());
+    assert_eq!(up.count(ROUTE), 1);
+}
+
+/// A dead runner's job is declared lost also by an instance whose way to Redis keeps failing
+/// now and then (it never goes the 3 s + lease_ttl/4 without a silence that lets it declare by
+/// itself): once Redis first saw the runner's word lapsed that long ago, any read declares.
+/// Here B's way to Redis is cut for 1.5 s of every 3 s while A, the runner, lies dead. (Before,
+/// B's polls answered 202 `running` for as long as its failures went on.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_runners_job_is_lost_also_on_an_instance_whose_redis_fails_now_and_then() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let mut a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    // A slot is free: A runs the job it accepts.
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=30000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    a.kill9();
+    let killed = Instant::now();
+    let lost = loop {
+        let cut = killed.elapsed().as_millis() % 3000 < 1500;
+        if cut {
+            proxy.blackhole();
+        } else {
+            proxy.heal();
+        }
+        let r = get(&c, b.url(&location), "key-a").await;
+        match r.status().as_u16() {
+            202 | 503 => {}
+            _ => break r,
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "still running 20 s after its runner died\n{}",
+            b.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    proxy.heal();
+    assert_eq!(lost.status(), 502);
+    let p: serde_json::Value = lost.json().await.unwrap();
+    assert!(p["type"].as_str().unwrap().ends_with("job-lost"), "{p}");
     assert_eq!(up.count(ROUTE), 1);
 }
 

@@ -118,7 +118,11 @@ impl Follow {
         LateTold {
             upstream: match head_at {
                 Some(at) => at.saturating_duration_since(sent),
-                None => sent.elapsed().max(timed_out),
+                // Following ended now, or (when its caller came late) at the deadline.
+                None => Instant::now()
+                    .min(self.deadline)
+                    .saturating_duration_since(sent)
+                    .max(timed_out),
             },
             report,
         }

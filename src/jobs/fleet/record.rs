@@ -59,11 +59,18 @@ pub(super) async fn read(
     let r = parse(b.job_record(id, "get", &[]).await?);
     match r {
         // Its runner may renew it meanwhile: `lose` decides again.
-        Some(r) if field(&r, "lapsed") == b"1" && b.may_find_jobs_lost() => {
+        Some(r) if lapsed(&r).is_some_and(|ago| b.may_find_jobs_lost(ago)) => {
             Ok(parse(b.job_record(id, "lose", &[]).await?))
         }
         r => Ok(r),
     }
+}
+
+/// How long ago (by Redis's clock) a read first found the running job's runner's word for
+/// it lapsed, if it has (`lua/jobs.lua` `get`).
+fn lapsed(r: &Record) -> Option<std::time::Duration> {
+    let ms = std::str::from_utf8(r.get("lapsed")?).ok()?.parse().ok()?;
+    Some(std::time::Duration::from_millis(ms))
 }
 
 /// A record from its fields and values; `None` when there are none.

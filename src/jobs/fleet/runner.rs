@@ -77,19 +77,29 @@ pub(super) async fn run_claimed(
         report,
         follow,
     } = settle(&shared, &route, &admit, sent, started).await;
-    let mine = write_result(&b, &id, state, &stored, b.lease_ttl() * 2).await;
+    // The slot follows a late answer from now on, while the result is written (readable
+    // meanwhile): its time is the upstream's, not that of writes Redis is slow to take.
+    let followed = async {
+        match follow {
+            Some(f) => Some(
+                f.until_done(&route, started, upstream.unwrap_or_default())
+                    .await,
+            ),
+            None => None,
+        }
+    };
+    let (mine, told) = tokio::join!(
+        write_result(&b, &id, state, &stored, b.lease_ttl() * 2),
+        followed
+    );
     // A timed-out job's upstream time is observed as it is billed, once its late answer came.
-    if let (Some(u), None) = (upstream, &follow) {
+    if let (Some(u), None) = (upstream, &told) {
         rm.upstream_duration.observe(u.as_secs_f64());
     }
     if let Some(r) = report {
         rm.cost_report(r);
     }
-    if let Some(follow) = follow {
-        // The slot follows the late answer (the result is readable meanwhile).
-        let told = (follow)
-            .until_done(&route, started, upstream.unwrap_or_default())
-            .await;
+    if let Some(told) = told {
         cost = route
             .fidelity
             .charge(admit.cost, Some(told.upstream), told.report);

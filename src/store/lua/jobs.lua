@@ -8,9 +8,10 @@
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
---             (until it may be sent, `max_delay`; 0 once due), and `lapsed 1` for a running
---             job whose runner's word for it has lapsed (it may have died, or Redis was
---             silent meanwhile: the reader decides whether to `lose` it)
+--             (until it may be sent, `max_delay`; 0 once due), and `lapsed <ms>` for a
+--             running job whose runner's word for it has lapsed (it may have died, or Redis
+--             was silent meanwhile: the reader decides whether to `lose` it): since a read
+--             first found it so (`lapsed_at`; a renewal clears it)
 --   lose   -> as `get`; a running job whose runner's word for it has lapsed becomes failed
 --             (lost) first, never to run again, and `uncounted` until an instance takes its
 --             end to count and log (`count`)
@@ -67,13 +68,21 @@ elseif op == 'get' or op == 'lose' then
     keep()
     lapsed = false
   end
+  local since = now
+  if lapsed then
+    since = tonumber(redis.call('HGET', job, 'lapsed_at') or '0')
+    if since == 0 then
+      since = now
+      redis.call('HSET', job, 'lapsed_at', now)
+    end
+  end
   local all = redis.call('HGETALL', job)
   if #all > 0 then
     all[#all + 1] = 'due_in'
     all[#all + 1] = tostring(due_in())
     if lapsed then
       all[#all + 1] = 'lapsed'
-      all[#all + 1] = '1'
+      all[#all + 1] = tostring(math.max(0, now - since))
     end
   end
   return all
@@ -91,6 +100,7 @@ elseif op == 'claim' then
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
+  redis.call('HDEL', job, 'lapsed_at')
   return 1
 elseif op == 'finish' then
   if state() ~= 'running' then

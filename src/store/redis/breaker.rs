@@ -8,6 +8,11 @@ pub(super) const BREAKER_THRESHOLD: u32 = 3;
 /// How long an open breaker waits before letting one probe through.
 pub(super) const BREAKER_OPEN_FOR: Duration = Duration::from_millis(500);
 
+/// A run of failed calls with no answer between them (or one call's wait for its answer)
+/// this long is a silence of the store: long enough that others' calls failed too, and
+/// renewals with them ([`Breaker::since_silence`]).
+pub(super) const SILENCE: Duration = Duration::from_millis(500);
+
 /// Closed → (3 failures) → open for 500 ms → one probe → closed or open again.
 ///
 /// The probe is whoever moves `open_until_us` forward first; there is no "probing" flag, so a
@@ -22,8 +27,11 @@ pub(super) struct Breaker {
     last_ok_us: AtomicU64,
     /// When the first failure of the current run of them was counted (µs since `epoch`).
     failing_since_us: AtomicU64,
-    /// When a call last failed, counted or not (the probe's too; µs since `epoch`; 0: none).
-    last_failed_us: AtomicU64,
+    /// When the first of the failed calls since the last answer failed, counted or not (the
+    /// probe's too; µs since `epoch`; 0: a call was answered since the last failure).
+    unanswered_since_us: AtomicU64,
+    /// When the last silence ended (µs since `epoch`; 0: none yet): see [`Breaker::since_silence`].
+    silence_ended_us: AtomicU64,
     epoch: Instant,
 }
 
@@ -34,7 +42,8 @@ impl Breaker {
             open_until_us: AtomicU64::new(0),
             last_ok_us: AtomicU64::new(0),
             failing_since_us: AtomicU64::new(0),
-            last_failed_us: AtomicU64::new(0),
+            unanswered_since_us: AtomicU64::new(0),
+            silence_ended_us: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -76,6 +85,13 @@ impl Breaker {
         self.failures.store(0, Ordering::Release);
         let us = at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
         self.last_ok_us.store(us, Ordering::Relaxed);
+        // A load first: the common answer, after another answer, writes nothing more.
+        if self.unanswered_since_us.load(Ordering::Relaxed) != 0 {
+            let since = self.unanswered_since_us.swap(0, Ordering::Relaxed);
+            if since != 0 && us.saturating_sub(since) >= SILENCE.as_micros() as u64 {
+                self.silence_ended_us.fetch_max(us, Ordering::Relaxed);
+            }
+        }
         // A load first: the common answer, on a closed breaker, writes nothing more.
         let closed_now = self.open_until_us.load(Ordering::Acquire) != 0
             && self.open_until_us.swap(0, Ordering::AcqRel) != 0;
@@ -94,13 +110,35 @@ impl Breaker {
     /// Notes that a call failed (the store did not answer it, or refused it), whether or
     /// not it counts towards opening the breaker.
     pub(super) fn failed(&self) {
-        self.last_failed_us.store(self.now_us(), Ordering::Relaxed);
+        let _ = self.unanswered_since_us.compare_exchange(
+            0,
+            self.now_us(),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
     }
 
-    /// How long since a call last failed ([`Breaker::failed`]); `None` if none ever did.
-    pub(super) fn unfailing_for(&self) -> Option<Duration> {
-        let last = self.last_failed_us.load(Ordering::Relaxed);
-        (last != 0).then(|| Duration::from_micros(self.now_us().saturating_sub(last)))
+    /// Notes that a call answered at `at` took `took`: one that took [`SILENCE`] or more
+    /// was answered after a silence (one whose `store.timeout` is longer than it).
+    pub(super) fn answered_slowly(&self, at: Instant, took: Duration) {
+        if took >= SILENCE {
+            let us = at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
+            self.silence_ended_us.fetch_max(us, Ordering::Relaxed);
+        }
+    }
+
+    /// How long since the store was last silent for this instance: calls failed, and none
+    /// was answered, for [`SILENCE`] or more (or one call took that long); zero while such a
+    /// run of failures goes on, `None` if there has been none. A lone failure that the next
+    /// call's answer follows at once is not a silence.
+    pub(super) fn since_silence(&self) -> Option<Duration> {
+        let now = self.now_us();
+        let unanswered = self.unanswered_since_us.load(Ordering::Relaxed);
+        if unanswered != 0 && now.saturating_sub(unanswered) >= SILENCE.as_micros() as u64 {
+            return Some(Duration::ZERO);
+        }
+        let ended = self.silence_ended_us.load(Ordering::Relaxed);
+        (ended != 0).then(|| Duration::from_micros(now.saturating_sub(ended)))
     }
 
     /// Counts a failure; true when this one opened a closed breaker.
@@ -152,18 +190,29 @@ mod tests {
         assert_eq!(b.success(Instant::now()), None, "closed already");
     }
 
-    /// The time since the last failed call, counted towards the breaker or not.
+    /// A silence is a run of failures unanswered for `SILENCE`, or one slow answer; a lone
+    /// failure that an answer follows at once is not one.
     #[test]
-    fn unfailing_for_counts_from_the_last_failure() {
+    fn a_silence_is_a_run_of_failures_not_a_lone_one() {
         let b = Breaker::new();
-        assert_eq!(b.unfailing_for(), None, "none failed");
+        assert_eq!(b.since_silence(), None, "none failed");
         b.failed();
-        std::thread::sleep(Duration::from_millis(2));
-        let since = b.unfailing_for().expect("one failed");
-        assert!(since >= Duration::from_millis(2), "{since:?}");
         assert!(!b.failure(), "noting a failure opens nothing");
+        b.success(Instant::now());
+        assert_eq!(b.since_silence(), None, "a lone failure answered at once");
+        b.answered_slowly(Instant::now(), SILENCE - Duration::from_millis(1));
+        assert_eq!(b.since_silence(), None, "a call answered within SILENCE");
+        b.answered_slowly(Instant::now(), SILENCE);
+        assert!(b.since_silence().is_some(), "a call that waited SILENCE");
+
+        let b = Breaker::new();
         b.failed();
-        assert!(b.unfailing_for().unwrap() < since);
+        std::thread::sleep(SILENCE);
+        b.failed();
+        assert_eq!(b.since_silence(), Some(Duration::ZERO), "going on");
+        b.success(Instant::now());
+        let since = b.since_silence().expect("it ended");
+        assert!(since < Duration::from_millis(100), "{since:?}");
     }
 
     /// How long the store has been quiet counts from the last success (no answer yet: from

@@ -158,8 +158,9 @@ impl RedisBackend {
         match res {
             Ok(_) => {
                 let now = Instant::now();
-                m.store_duration
-                    .observe(now.saturating_duration_since(start).as_secs_f64());
+                let took = now.saturating_duration_since(start);
+                m.store_duration.observe(took.as_secs_f64());
+                self.breaker.answered_slowly(now, took);
                 m.store_call(StoreCall::Ok);
                 if let Some(quiet) = self.breaker.success(now) {
                     self.conns.run_id.answered_after(quiet, self.lease_ttl);

@@ -330,17 +330,17 @@ impl RedisBackend {
         self.lease_ttl
     }
 
-    /// Whether this instance may declare a running job lost whose runner's word for it
-    /// lapsed (`lua/jobs.lua` `lose`): only once Redis has answered its calls for
-    /// [`Self::runners_recover_within`]. After Redis was silent for longer than `lease_ttl`
-    /// (a stall, a failover, the whole fleet cut off), every runner's word has lapsed by
-    /// Redis's clock although none stopped; the first read after it must leave the runner
-    /// time to renew (DESIGN §8 loses only a job whose instance died). A runner that did die
-    /// is declared lost by the next read after that time.
-    pub(crate) fn may_find_jobs_lost(&self) -> bool {
-        self.breaker
-            .unfailing_for()
-            .is_none_or(|quiet| quiet >= self.runners_recover_within())
+    /// Whether this instance may declare lost a running job whose runner's word for it
+    /// lapsed `ago` (by Redis's clock, since a read first found it so: `lua/jobs.lua`
+    /// `lose`). After Redis was silent for longer than `lease_ttl` (a stall, a failover, the
+    /// whole fleet cut off), every runner's word has lapsed by Redis's clock although none
+    /// stopped: a read must leave the runners [`Self::runners_recover_within`] to renew
+    /// (DESIGN §8 loses only a job whose instance died). So an instance that found Redis
+    /// silent within that time does not declare; any instance does once the lapse was first
+    /// seen that long ago (also one whose calls keep failing now and then).
+    pub(crate) fn may_find_jobs_lost(&self, ago: Duration) -> bool {
+        let recover = self.runners_recover_within();
+        ago >= recover || self.breaker.since_silence().is_none_or(|s| s >= recover)
     }
 
     /// How long after Redis answers again a live runner has renewed its word for its job:
