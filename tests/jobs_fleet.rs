@@ -1385,6 +1385,31 @@ async fn a_redis_silence_past_lease_ttl_loses_no_running_job() {
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// A job that ends while Redis is silent for three leases keeps its upstream's answer: its
+/// runner goes on vouching for it and sends its result again until Redis takes it. (Before,
+/// the runner gave up on the write after about two leases and stopped vouching for the job,
+/// and the first reads after the silence ended it `job-lost`, 502, the upstream's 200 thrown
+/// away.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_ends_during_a_long_redis_silence_keeps_its_answer() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let body = config(&redis.url());
+    let a = Gateway::start(&up, &body);
+    let b = Gateway::start(&up, &body);
+    let c = client();
+    // A slot is free: A runs the job it accepts; it ends 1 s into the silence.
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=1500", "").await;
+    up.wait_current(ROUTE, 1).await;
+    redis.pause();
+    tokio::time::sleep(LEASE_TTL * 3).await;
+    redis.resume();
+    let done = result(&c, &b, &location).await;
+    assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
+    assert_eq!(up.count(ROUTE), 1);
+    assert_eq!(job_end_line(&a, &location, "job_done").await["status"], 200);
+}
+
 /// A dead runner's job is declared lost also by an instance whose way to Redis keeps failing
 /// now and then (it never goes the 3 s + lease_ttl/4 without a silence that lets it declare by
 /// itself): once Redis first saw the runner's word lapsed that long ago, any read declares.

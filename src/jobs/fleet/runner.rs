@@ -89,7 +89,7 @@ pub(super) async fn run_claimed(
         }
     };
     let (mine, told) = tokio::join!(
-        write_result(&b, &id, state, &stored, b.lease_ttl() * 2),
+        write_result(&b, &id, state, &stored, WRITE_FOR_AT_MOST),
         followed
     );
     // A timed-out job's upstream time is observed as it is billed, once its late answer came.
@@ -195,15 +195,19 @@ const RENEW_AGAIN_AFTER: Duration = Duration::from_millis(100);
 /// against its breaker more than it must).
 const WRITE_AGAIN_AFTER: Duration = Duration::from_millis(250);
 const WRITE_AGAIN_AT_MOST: Duration = Duration::from_secs(2);
+/// How long a result is sent again while the store does not answer (a SIGTERM's drain waits
+/// for it up to `grace_period`).
+const WRITE_FOR_AT_MOST: Duration = Duration::from_secs(300);
 
 /// Writes the job's end into its record (kept result_ttl from now); a record no longer this
 /// run's (declared lost meanwhile) keeps what it says. A write the store did not answer is
 /// sent again (the runner goes on vouching for the job, and holding its slot, meanwhile) for
-/// up to `within`, two leases: an outage shorter than `lease_ttl` must not lose the upstream's
-/// answer and end the job `job-lost` (a resend of a write that did run is recognised,
-/// `lua/jobs.lua`); a longer one ends it lost anyway, as the runner's renewals fail too.
-/// False when the record was not this run's, or the write never went through: the instance
-/// that finds the job lost counts its end and writes its last line (`record::ended_unrun`).
+/// up to `within` ([`WRITE_FOR_AT_MOST`]): an outage must not lose the upstream's answer and
+/// end the job `job-lost` (a resend of a write that did run is recognised, `lua/jobs.lua`;
+/// the runner's renewals, sent again as well, reach Redis with it, and a read after a
+/// silence leaves them time to: `RedisBackend::may_find_jobs_lost`). False when the record
+/// was not this run's, or the write never went through: the instance that finds the job
+/// lost counts its end and writes its last line (`record::ended_unrun`).
 async fn write_result(
     b: &RedisBackend,
     id: &str,
