@@ -1454,6 +1454,32 @@ async fn a_dead_runners_job_is_lost_also_on_an_instance_whose_redis_fails_now_an
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// A job whose claim (the call that makes it its runner's) ran in Redis, but whose answer
+/// came back after `store.timeout`, still runs: its runner sends the claim again, and Redis
+/// takes the resend for the same claim. (Before, the runner took the unanswered claim for
+/// failed and passed the slot on; the record said the job ran there, and a lease later it
+/// ended `job-lost`, 502, charged, never sent upstream: the probe saw it in 8 of 8 runs with
+/// the claim's reply held 0.3–0.5 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_claim_is_answered_late_still_runs() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    // A slot is free: A claims the job it accepts, and the claim waits on its way to Redis
+    // past store.timeout (250 ms).
+    proxy.hold_matching("\r\nclaim\r\n");
+    let ((location, _), ()) = tokio::join!(submit(&c, &a, ROUTE, ""), async {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        proxy.heal();
+    });
+    let done = result(&c, &a, &location).await;
+    assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
+    assert_eq!(up.count(ROUTE), 1);
+    assert_eq!(remaining(&a, "a").await, 90);
+}
+
 /// A job found lost by a poll whose answer never came back (its call timed out, and Redis ran
 /// it later: a partition that delivered it late) is still counted and logged once. Its
 /// runner, A, is paused past its lease; B's path to Redis holds B's call that declares it
@@ -1477,7 +1503,7 @@ async fn a_job_found_lost_by_a_poll_answered_late_is_counted_once() {
     // Past A's word for the job (lease_ttl, 2 s): B's next poll finds it lapsed, and its call
     // that declares the job lost waits on Redis; B gives up on it.
     tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
-    proxy.hold_matching("lose");
+    proxy.hold_matching("\r\nlose\r\n");
     let r = get(&c, b.url(&location), "key-a").await;
     assert_eq!(r.status(), 503, "{:?}", r.text().await);
     proxy.heal();

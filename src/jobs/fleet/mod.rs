@@ -131,18 +131,44 @@ enum Claimed {
     Running,
 }
 
+/// Claims job `id` as this instance's run. A claim Redis did not answer may have run: it is
+/// sent again, with the same token (`lua/jobs.lua` takes the resend for the same claim), for
+/// up to [`CLAIM_FOR_AT_MOST`] of `lease_ttl`, while the grant's slot, held for `lease_ttl`
+/// from its confirmation, is still this job's. Past that, the slot is given up: a claim that
+/// did run then leaves the job to be found lost (README).
 async fn claim(b: &RedisBackend, id: &str) -> Claimed {
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
-    let claimed = b
-        .job_record::<Vec<u64>>(id, "claim", &[b.instance().as_bytes(), alive.as_bytes()])
-        .await;
-    match claimed.as_deref() {
-        Ok([1, wait_ms]) => Claimed::Run(Duration::from_millis(*wait_ms)),
-        Ok([2]) => Claimed::Expired,
-        Ok([3]) => Claimed::Running,
-        _ => Claimed::Not,
+    let token = format!("{:016x}", rand::random::<u64>());
+    let give_up = tokio::time::Instant::now() + b.lease_ttl().mul_f64(CLAIM_FOR_AT_MOST);
+    let mut again = CLAIM_AGAIN_AFTER;
+    let args: [&[u8]; 3] = [b.instance().as_bytes(), alive.as_bytes(), token.as_bytes()];
+    loop {
+        match b
+            .job_record::<Vec<u64>>(id, "claim", &args)
+            .await
+            .as_deref()
+        {
+            Ok([1, wait_ms]) => return Claimed::Run(Duration::from_millis(*wait_ms)),
+            Ok([2]) => return Claimed::Expired,
+            Ok([3]) => return Claimed::Running,
+            Ok(_) => return Claimed::Not,
+            Err(e) if tokio::time::Instant::now() + again < give_up => {
+                tracing::debug!(job = id, error = %e, "a job's claim went unanswered: sent again");
+                tokio::time::sleep(again).await;
+                again = (again * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => {
+                tracing::warn!(job = id, error = %e, "a job's claim went unanswered; its slot is given up");
+                return Claimed::Not;
+            }
+        }
     }
 }
+
+/// When a claim that went unanswered is sent again (doubling up to 500 ms).
+const CLAIM_AGAIN_AFTER: Duration = Duration::from_millis(100);
+/// For how much of `lease_ttl` a claim is sent again.
+const CLAIM_FOR_AT_MOST: f64 = 0.5;
 
 /// Runs, refunds or passes on a job whose slot this instance now holds; `retired`: the last
 /// config that had its route async, if a reload took the route (or its `async:`) away since.

@@ -19,7 +19,8 @@
 --             to count and log (it was `uncounted`), else empty: one instance counts it, the
 --             reader that found it lost, or, should that reader's answer be lost (a call that
 --             timed out and ran later), the next reader or its runner
---   claim  runner alive_ms -> {1, ms until it may be sent} (queued -> running, this runner's)
+--   claim  runner alive_ms token -> {1, ms until it may be sent} (queued -> running, this
+--          runner's; or already so by a claim with this token, sent again: its answer was lost)
 --          | {0} (cancelled, finished, gone, or its runner stopped vouching for it) | {2} (it
 --          waited result_ttl: queued -> expired; the caller refunds it) | {3} (running, and
 --          its runner vouches for it: the slot granted is that run's, its lease having lapsed
@@ -87,6 +88,11 @@ elseif op == 'get' or op == 'lose' then
   end
   return all
 elseif op == 'claim' then
+  local token = ARGV[4] or ''
+  if state() == 'running' and token ~= '' and redis.call('HGET', job, 'claim') == token then
+    redis.call('HSET', job, 'alive', now + tonumber(ARGV[3]))
+    return {1, due_in()}
+  end
   if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') >= now then
     return {3}
   end
@@ -95,7 +101,7 @@ elseif op == 'claim' then
     expire()
     return {2}
   end
-  redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]))
+  redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'claim', token)
   return {1, due_in()}
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
