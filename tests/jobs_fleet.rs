@@ -1480,6 +1480,57 @@ async fn a_job_whose_claim_is_answered_late_still_runs() {
     assert_eq!(remaining(&a, "a").await, 90);
 }
 
+/// A claimed job whose first read of its record (its request) goes unanswered still runs:
+/// the read is sent again. (Before, the runner gave the slot up at once; the claim had made
+/// the job its own, so a lease later it ended `job-lost`, 502, charged, never sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_job_whose_record_is_read_late_still_runs() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    // A slot is free: A claims the job it accepts, then reads its record, which waits on its
+    // way to Redis past store.timeout (250 ms).
+    proxy.hold_matching("\r\nget\r\n");
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    proxy.heal();
+    let done = result(&c, &a, &location).await;
+    assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
+    assert_eq!(up.count(ROUTE), 1);
+}
+
+/// `lua/jobs.lua`'s `get` tells how long reads have found a running job's runner's word
+/// lapsed, counting at most a second between two reads (Redis may have been silent between
+/// them: a runner could not renew then); a renewal clears it.
+#[test]
+fn reads_count_a_lapse_at_most_a_second_between_two() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let lapsed = || -> Option<u64> {
+        let out = redis.cli(&["EVAL", script, "1", "t:j:one", "get"]);
+        let lines: Vec<&str> = out.lines().map(str::trim).collect();
+        let at = lines.iter().position(|l| *l == "lapsed")?;
+        Some(lines[at + 1].parse().unwrap())
+    };
+    redis.cli(&[
+        "HSET", "t:j:one", "state", "running", "alive", "1", "ttl", "60000",
+    ]);
+    assert_eq!(lapsed(), Some(0), "first found");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(lapsed(), Some(1000), "a second at most between two reads");
+    let before = Instant::now();
+    std::thread::sleep(Duration::from_millis(200));
+    let n = lapsed().unwrap();
+    let most = 1000 + before.elapsed().as_millis() as u64 + 1;
+    assert!((1200..=most).contains(&n), "{n}");
+    redis.cli(&["EVAL", script, "1", "t:j:one", "renew", "60000"]);
+    assert_eq!(lapsed(), None, "renewed");
+    redis.cli(&["HSET", "t:j:one", "alive", "1"]);
+    assert_eq!(lapsed(), Some(0), "found lapsed again: counted afresh");
+}
+
 /// A job found lost by a poll whose answer never came back (its call timed out, and Redis ran
 /// it later: a partition that delivered it late) is still counted and logged once. Its
 /// runner, A, is paused past its lease; B's path to Redis holds B's call that declares it

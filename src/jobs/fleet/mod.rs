@@ -131,47 +131,48 @@ enum Claimed {
     Running,
 }
 
-/// Claims job `id` as this instance's run. A claim Redis did not answer may have run: it is
-/// sent again, with the same token (`lua/jobs.lua` takes the resend for the same claim), for
-/// up to [`CLAIM_FOR_AT_MOST`] of `lease_ttl`, while the grant's slot, held for `lease_ttl`
-/// from its confirmation, is still this job's. Past that, the slot is given up: a claim that
-/// did run then leaves the job to be found lost (README).
-async fn claim(b: &RedisBackend, id: &str) -> Claimed {
+/// One claim of job `id` as this instance's run, with `token`: a claim sent again with the
+/// same token is taken for the same claim (`lua/jobs.lua`); an error: Redis did not answer,
+/// and the claim may have run.
+async fn claim(
+    b: &RedisBackend,
+    id: &str,
+    token: &str,
+) -> Result<Claimed, crate::store::StoreError> {
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
-    let token = format!("{:016x}", rand::random::<u64>());
-    let give_up = tokio::time::Instant::now() + b.lease_ttl().mul_f64(CLAIM_FOR_AT_MOST);
-    let mut again = CLAIM_AGAIN_AFTER;
     let args: [&[u8]; 3] = [b.instance().as_bytes(), alive.as_bytes(), token.as_bytes()];
-    loop {
+    Ok(
         match b
             .job_record::<Vec<u64>>(id, "claim", &args)
-            .await
-            .as_deref()
+            .await?
+            .as_slice()
         {
-            Ok([1, wait_ms]) => return Claimed::Run(Duration::from_millis(*wait_ms)),
-            Ok([2]) => return Claimed::Expired,
-            Ok([3]) => return Claimed::Running,
-            Ok(_) => return Claimed::Not,
-            Err(e) if tokio::time::Instant::now() + again < give_up => {
-                tracing::debug!(job = id, error = %e, "a job's claim went unanswered: sent again");
-                tokio::time::sleep(again).await;
-                again = (again * 2).min(Duration::from_millis(500));
-            }
-            Err(e) => {
-                tracing::warn!(job = id, error = %e, "a job's claim went unanswered; its slot is given up");
-                return Claimed::Not;
-            }
-        }
-    }
+            [1, wait_ms] => Claimed::Run(Duration::from_millis(*wait_ms)),
+            [2] => Claimed::Expired,
+            [3] => Claimed::Running,
+            _ => Claimed::Not,
+        },
+    )
 }
 
-/// When a claim that went unanswered is sent again (doubling up to 500 ms).
-const CLAIM_AGAIN_AFTER: Duration = Duration::from_millis(100);
-/// For how much of `lease_ttl` a claim is sent again.
-const CLAIM_FOR_AT_MOST: f64 = 0.5;
+/// When a claim, or a claimed job's read, that went unanswered is sent again (doubling up to
+/// [`CLAIM_AGAIN_AT_MOST`]).
+pub(super) const CLAIM_AGAIN_AFTER: Duration = Duration::from_millis(100);
+pub(super) const CLAIM_AGAIN_AT_MOST: Duration = Duration::from_millis(500);
+
+/// Until when a claim and the claimed job's read are sent again, from `from` (when its slot
+/// was confirmed, held for `lease_ttl` from then): half the lease, so that the run's first
+/// renewal (a third of the lease from then, or at once when the run starts later) still
+/// comes before the slot lapses.
+pub(super) fn claim_gives_up(b: &RedisBackend, from: tokio::time::Instant) -> tokio::time::Instant {
+    from + b.lease_ttl() / 2
+}
 
 /// Runs, refunds or passes on a job whose slot this instance now holds; `retired`: the last
 /// config that had its route async, if a reload took the route (or its `async:`) away since.
+/// A claim Redis did not answer (it may have run) is sent again with the same token from a
+/// task of its own (the collector and the submission go on meanwhile; a drain waits for it),
+/// until [`claim_gives_up`]; past that the slot is given up.
 async fn start(
     shared: &Arc<Shared>,
     b: &RedisBackend,
@@ -179,9 +180,59 @@ async fn start(
     label: Arc<str>,
     retired: Option<Arc<Running>>,
 ) {
-    match claim(b, &id).await {
+    let from = tokio::time::Instant::now();
+    let token = format!("{:016x}", rand::random::<u64>());
+    let claimed = match claim(b, &id, &token).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(job = %id, error = %e, "a job's claim went unanswered: sent again");
+            let shared = shared.clone();
+            let drain = shared.drain.enter();
+            tokio::spawn(async move {
+                let _drain = drain;
+                let Some(b) = backend(&shared).cloned() else {
+                    return;
+                };
+                let give_up = claim_gives_up(&b, from);
+                let mut again = CLAIM_AGAIN_AFTER;
+                let claimed = loop {
+                    tokio::time::sleep(again).await;
+                    again = (again * 2).min(CLAIM_AGAIN_AT_MOST);
+                    match claim(&b, &id, &token).await {
+                        Ok(c) => break c,
+                        Err(_) if tokio::time::Instant::now() + again < give_up => {}
+                        Err(e) => {
+                            tracing::warn!(job = %id, error = %e, "a job's claim went unanswered; its slot is given up");
+                            break Claimed::Not;
+                        }
+                    }
+                };
+                act(&shared, &b, (id, label, retired), claimed, from).await;
+            });
+            return;
+        }
+    };
+    act(shared, b, (id, label, retired), claimed, from).await;
+}
+
+/// Does what a claim found: runs the job (its slot confirmed at `from`), refunds it, leaves
+/// it to its runner, or passes its slot on.
+async fn act(
+    shared: &Arc<Shared>,
+    b: &RedisBackend,
+    (id, label, retired): (Arc<str>, Arc<str>, Option<Arc<Running>>),
+    claimed: Claimed,
+    from: tokio::time::Instant,
+) {
+    match claimed {
         Claimed::Run(wait) => {
-            tokio::spawn(run_claimed(shared.clone(), id, label, wait, retired));
+            tokio::spawn(run_claimed(
+                shared.clone(),
+                id,
+                label,
+                (wait, from),
+                retired,
+            ));
         }
         Claimed::Expired => expired(shared, b, &id, &label).await,
         Claimed::Running => {}

@@ -66,8 +66,8 @@ pub(super) async fn read(
     }
 }
 
-/// How long ago (by Redis's clock) a read first found the running job's runner's word for
-/// it lapsed, if it has (`lua/jobs.lua` `get`).
+/// How long (by Redis's clock) reads have found the running job's runner's word for it
+/// lapsed, if they have (`lua/jobs.lua` `get`).
 fn lapsed(r: &Record) -> Option<std::time::Duration> {
     let ms = std::str::from_utf8(r.get("lapsed")?).ok()?.parse().ok()?;
     Some(std::time::Duration::from_millis(ms))
@@ -101,14 +101,31 @@ pub(super) async fn count_lost(running: &Running, b: &RedisBackend, id: &str) {
 }
 
 /// A claimed job's record, route, payer and request; `None` when one is gone (the record
-/// expired or was lost, a reload removed the route, the key is no longer known).
+/// expired or was lost, a reload removed the route, the key is no longer known), or Redis
+/// did not answer the read, sent again, until `give_up` (the claim made the job this
+/// instance's: giving up leaves it to be found lost, never sent).
 pub(super) async fn claimed(
     b: &RedisBackend,
     running: &Running,
     id: &str,
     label: &str,
+    give_up: tokio::time::Instant,
 ) -> Option<(Record, Arc<Route>, Identity, JobRequest)> {
-    let r = read(b, id).await.ok()??;
+    let mut again = super::CLAIM_AGAIN_AFTER;
+    let r = loop {
+        match read(b, id).await {
+            Ok(r) => break r?,
+            Err(e) if tokio::time::Instant::now() + again < give_up => {
+                tracing::debug!(job = id, error = %e, "a claimed job's record went unread: read again");
+                tokio::time::sleep(again).await;
+                again = (again * 2).min(super::CLAIM_AGAIN_AT_MOST);
+            }
+            Err(e) => {
+                tracing::warn!(job = id, error = %e, "a claimed job's record could not be read; its slot is given up");
+                return None;
+            }
+        }
+    };
     let route = running.config.router.by_label(label)?.clone();
     let who = payer(running, field(&r, "key"))?;
     let request = request_of(&r)?;

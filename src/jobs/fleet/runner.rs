@@ -19,21 +19,22 @@ use crate::store::redis::RedisBackend;
 use crate::store::{AdmitRequest, Charge};
 use crate::telemetry::access;
 
-/// Runs a claimed job whose slot this instance holds, renewing both while it runs; `retired`:
-/// the last config that had its route async, if a reload took it away since: the job runs
-/// under it.
+/// Runs a claimed job whose slot this instance holds (confirmed at `from`), once `wait` is
+/// over (`max_delay`), renewing both while it runs; `retired`: the last config that had its
+/// route async, if a reload took it away since: the job runs under it.
 pub(super) async fn run_claimed(
     shared: Arc<Shared>,
     id: Arc<str>,
     label: Arc<str>,
-    wait: Duration,
+    (wait, from): (Duration, tokio::time::Instant),
     retired: Option<Arc<Running>>,
 ) {
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
     let running = retired.unwrap_or_else(|| shared.running());
-    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label).await else {
+    let give_up = super::claim_gives_up(&b, from);
+    let Some((r, route, who, request)) = claimed(&b, &running, &id, &label, give_up).await else {
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
@@ -52,7 +53,7 @@ pub(super) async fn run_claimed(
     let rm = running.metrics.get(&route);
     let in_flight = InFlight::new(&rm.in_flight);
     b.job_hold(&label, &id, key.as_ref(), &admit.key);
-    let renew = keep_alive(b.clone(), id.clone(), label.clone(), key);
+    let renew = keep_alive(b.clone(), id.clone(), label.clone(), key, from);
     // `max_delay`: what is left of its hold (the queue served it once it was due: clocks'
     // rounding at most), waited out all the same: it is sent no sooner.
     tokio::time::sleep(wait).await;
@@ -152,17 +153,20 @@ pub(super) async fn run_claimed(
     }
 }
 
-/// Renews the job's slot and its runner's word for it every third of lease_ttl, until aborted.
+/// Renews the job's slot and its runner's word for it every third of lease_ttl (the first
+/// time a third of it after `from`, when its slot was confirmed), until aborted.
 fn keep_alive(
     b: Arc<RedisBackend>,
     id: Arc<str>,
     label: Arc<str>,
     key: Option<crate::identity::KeyHash>,
+    from: tokio::time::Instant,
 ) -> tokio::task::JoinHandle<()> {
     let every = b.lease_ttl() / 3;
     let alive = (b.lease_ttl().as_millis() as u64).to_string();
     tokio::spawn(async move {
-        let mut wait = every;
+        let mut wait = (from + every).saturating_duration_since(tokio::time::Instant::now());
+        let mut retrying = false;
         loop {
             tokio::time::sleep(wait).await;
             let slot = b.job_renew(&label, &id, key.as_ref()).await.is_ok();
@@ -176,13 +180,14 @@ fn keep_alive(
             // answers only some calls.
             wait = if slot && record {
                 every
-            } else if wait == every {
+            } else if !retrying {
                 RENEW_AGAIN_AFTER
                     .mul_f64(1.0 + rand::random::<f64>())
                     .min(every / 4)
             } else {
                 (wait * 2).min(every / 4)
             };
+            retrying = !(slot && record);
         }
     })
 }
@@ -195,6 +200,8 @@ const RENEW_AGAIN_AFTER: Duration = Duration::from_millis(100);
 /// against its breaker more than it must).
 const WRITE_AGAIN_AFTER: Duration = Duration::from_millis(250);
 const WRITE_AGAIN_AT_MOST: Duration = Duration::from_secs(2);
+/// How seldom a result is sent again once it has been tried for two leases.
+const WRITE_AGAIN_AT_MOST_LATER: Duration = Duration::from_secs(10);
 /// How long a result is sent again while the store does not answer (a SIGTERM's drain waits
 /// for it up to `grace_period`).
 const WRITE_FOR_AT_MOST: Duration = Duration::from_secs(300);
@@ -226,7 +233,8 @@ async fn write_result(
         b"rbody",
         &stored.body,
     ];
-    let give_up = Instant::now() + within;
+    let began = Instant::now();
+    let give_up = began + within;
     let mut again = WRITE_AGAIN_AFTER;
     loop {
         match b.job_record::<i64>(id, "finish", &fields).await {
@@ -234,7 +242,13 @@ async fn write_result(
             Err(e) if Instant::now() + again < give_up => {
                 tracing::debug!(job = id, error = %e, "a job's result could not be written yet: sent again");
                 tokio::time::sleep(again).await;
-                again = (again * 2).min(WRITE_AGAIN_AT_MOST);
+                // Each try sends the whole result again: seldom, once the outage is long.
+                let most = if began.elapsed() < b.lease_ttl() * 2 {
+                    WRITE_AGAIN_AT_MOST
+                } else {
+                    WRITE_AGAIN_AT_MOST_LATER
+                };
+                again = (again * 2).min(most);
             }
             Err(e) => {
                 tracing::warn!(job = id, error = %e, "a job's result could not be written; the job ends lost");

@@ -10,8 +10,9 @@
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
 --             (until it may be sent, `max_delay`; 0 once due), and `lapsed <ms>` for a
 --             running job whose runner's word for it has lapsed (it may have died, or Redis
---             was silent meanwhile: the reader decides whether to `lose` it): since a read
---             first found it so (`lapsed_at`; a renewal clears it)
+--             was silent meanwhile: the reader decides whether to `lose` it): how long reads
+--             have found it so, counting at most a second between two of them (Redis may
+--             have been silent between: `lapsed_seen`, `lapsed_for`; a renewal clears them)
 --   lose   -> as `get`; a running job whose runner's word for it has lapsed becomes failed
 --             (lost) first, never to run again, and `uncounted` until an instance takes its
 --             end to count and log (`count`)
@@ -69,13 +70,14 @@ elseif op == 'get' or op == 'lose' then
     keep()
     lapsed = false
   end
-  local since = now
+  local lapsed_for = 0
   if lapsed then
-    since = tonumber(redis.call('HGET', job, 'lapsed_at') or '0')
-    if since == 0 then
-      since = now
-      redis.call('HSET', job, 'lapsed_at', now)
+    local seen = tonumber(redis.call('HGET', job, 'lapsed_seen') or '0')
+    if seen > 0 then
+      lapsed_for = tonumber(redis.call('HGET', job, 'lapsed_for') or '0')
+        + math.min(math.max(0, now - seen), 1000)
     end
+    redis.call('HSET', job, 'lapsed_seen', now, 'lapsed_for', lapsed_for)
   end
   local all = redis.call('HGETALL', job)
   if #all > 0 then
@@ -83,7 +85,7 @@ elseif op == 'get' or op == 'lose' then
     all[#all + 1] = tostring(due_in())
     if lapsed then
       all[#all + 1] = 'lapsed'
-      all[#all + 1] = tostring(math.max(0, now - since))
+      all[#all + 1] = tostring(lapsed_for)
     end
   end
   return all
@@ -106,7 +108,7 @@ elseif op == 'claim' then
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
-  redis.call('HDEL', job, 'lapsed_at')
+  redis.call('HDEL', job, 'lapsed_seen', 'lapsed_for')
   return 1
 elseif op == 'finish' then
   if state() ~= 'running' then

@@ -330,14 +330,15 @@ impl RedisBackend {
         self.lease_ttl
     }
 
-    /// Whether this instance may declare lost a running job whose runner's word for it
-    /// lapsed `ago` (by Redis's clock, since a read first found it so: `lua/jobs.lua`
-    /// `lose`). After Redis was silent for longer than `lease_ttl` (a stall, a failover, the
-    /// whole fleet cut off), every runner's word has lapsed by Redis's clock although none
-    /// stopped: a read must leave the runners [`Self::runners_recover_within`] to renew
-    /// (DESIGN §8 loses only a job whose instance died). So an instance that found Redis
-    /// silent within that time does not declare; any instance does once the lapse was first
-    /// seen that long ago (also one whose calls keep failing now and then).
+    /// Whether this instance may declare lost a running job whose runner's word for it has
+    /// been found lapsed for `ago` (by Redis's clock, from read to read, at most a second
+    /// between two: `lua/jobs.lua` `get`). After Redis was silent for longer than `lease_ttl`
+    /// (a stall, a failover, the whole fleet cut off), every runner's word has lapsed by
+    /// Redis's clock although none stopped: a read must leave the runners
+    /// [`Self::runners_recover_within`] to renew (DESIGN §8 loses only a job whose instance
+    /// died). So an instance that found Redis silent within that time does not declare; any
+    /// instance does once reads have found the lapse that long (also one whose way to Redis
+    /// keeps failing now and then; a silence between two reads counts a second at most).
     pub(crate) fn may_find_jobs_lost(&self, ago: Duration) -> bool {
         let recover = self.runners_recover_within();
         ago >= recover || self.breaker.since_silence().is_none_or(|s| s >= recover)
