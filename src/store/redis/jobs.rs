@@ -345,10 +345,11 @@ impl RedisBackend {
     }
 
     /// How long after Redis answers again a live runner has renewed its word for its job:
-    /// its breaker lets a call through within half a second, and its renewal is tried again
-    /// at least every quarter of its tick (a third of `lease_ttl`), with room to spare.
+    /// its breaker lets a call through within half a second, its renewal is tried again at
+    /// least every quarter of its tick (a third of `lease_ttl`), and a try may wait out
+    /// `store.timeout`; with room to spare.
     fn runners_recover_within(&self) -> Duration {
-        Duration::from_secs(3) + self.lease_ttl / 4
+        Duration::from_secs(3) + self.lease_ttl / 4 + self.timeout
     }
 
     pub(crate) fn instance(&self) -> &str {
