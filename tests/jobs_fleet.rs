@@ -1462,14 +1462,27 @@ async fn a_dead_runners_job_is_lost_also_on_an_instance_whose_redis_fails_now_an
 /// the claim's reply held 0.3–0.5 s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_claim_is_answered_late_still_runs() {
+    runs_with_its_call_answered_late("\r\nclaim\r\n").await;
+}
+
+/// A claimed job whose first read of its record (its request) goes unanswered still runs:
+/// the read is sent again. (Before, the runner gave the slot up at once; the claim had made
+/// the job its own, so a lease later it ended `job-lost`, 502, charged, never sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_job_whose_record_is_read_late_still_runs() {
+    runs_with_its_call_answered_late("\r\nget\r\n").await;
+}
+
+/// A job submitted to a gateway with a free slot (it claims the job, reads its record and
+/// runs it) whose calls to Redis holding `needle` wait on their way there past
+/// `store.timeout` (250 ms), for 600 ms: it ends 200, run once, charged once.
+async fn runs_with_its_call_answered_late(needle: &str) {
     let redis = Redis::start();
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::ZERO);
     let a = Gateway::start(&up, &config(&proxy.url()));
     let c = client();
-    // A slot is free: A claims the job it accepts, and the claim waits on its way to Redis
-    // past store.timeout (250 ms).
-    proxy.hold_matching("\r\nclaim\r\n");
+    proxy.hold_matching(needle);
     let ((location, _), ()) = tokio::join!(submit(&c, &a, ROUTE, ""), async {
         tokio::time::sleep(Duration::from_millis(600)).await;
         proxy.heal();
@@ -1478,27 +1491,6 @@ async fn a_job_whose_claim_is_answered_late_still_runs() {
     assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
     assert_eq!(up.count(ROUTE), 1);
     assert_eq!(remaining(&a, "a").await, 90);
-}
-
-/// A claimed job whose first read of its record (its request) goes unanswered still runs:
-/// the read is sent again. (Before, the runner gave the slot up at once; the claim had made
-/// the job its own, so a lease later it ended `job-lost`, 502, charged, never sent.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claimed_job_whose_record_is_read_late_still_runs() {
-    let redis = Redis::start();
-    let proxy = Proxy::start(redis.port);
-    let up = Upstream::start(Duration::ZERO);
-    let a = Gateway::start(&up, &config(&proxy.url()));
-    let c = client();
-    // A slot is free: A claims the job it accepts, then reads its record, which waits on its
-    // way to Redis past store.timeout (250 ms).
-    proxy.hold_matching("\r\nget\r\n");
-    let (location, _) = submit(&c, &a, ROUTE, "").await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    proxy.heal();
-    let done = result(&c, &a, &location).await;
-    assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
-    assert_eq!(up.count(ROUTE), 1);
 }
 
 /// `lua/jobs.lua`'s `get` tells how long reads have found a running job's runner's word
