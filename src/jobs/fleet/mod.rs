@@ -155,11 +155,6 @@ async fn claim(
     )
 }
 
-/// When a claim, or a claimed job's read, that went unanswered is sent again (doubling up to
-/// [`CLAIM_AGAIN_AT_MOST`]).
-pub(super) const CLAIM_AGAIN_AFTER: Duration = Duration::from_millis(100);
-pub(super) const CLAIM_AGAIN_AT_MOST: Duration = Duration::from_millis(500);
-
 /// Until when a claim and the claimed job's read are sent again, from `from` (when its slot
 /// was confirmed, held for `lease_ttl` from then): half the lease, so that the run's first
 /// renewal (a third of the lease from then, or at once when the run starts later) still
@@ -194,19 +189,12 @@ async fn start(
                     return;
                 };
                 let give_up = claim_gives_up(&b, from);
-                let mut again = CLAIM_AGAIN_AFTER;
-                let claimed = loop {
-                    tokio::time::sleep(again).await;
-                    again = (again * 2).min(CLAIM_AGAIN_AT_MOST);
-                    match claim(&b, &id, &token).await {
-                        Ok(c) => break c,
-                        Err(_) if tokio::time::Instant::now() + again < give_up => {}
-                        Err(e) => {
-                            tracing::warn!(job = %id, error = %e, "a job's claim went unanswered; its slot is given up");
-                            break Claimed::Not;
-                        }
-                    }
-                };
+                let claimed = record::sent_again(give_up, || claim(&b, &id, &token))
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(job = %id, error = %e, "a job's claim went unanswered; its slot is given up");
+                        Claimed::Not
+                    });
                 act(&shared, &b, (id, label, retired), claimed, from).await;
             });
             return;

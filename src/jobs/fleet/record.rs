@@ -100,6 +100,33 @@ pub(super) async fn count_lost(running: &Running, b: &RedisBackend, id: &str) {
     }
 }
 
+/// When a claim, or a claimed job's read, that went unanswered is sent again (doubling up to
+/// [`CLAIM_AGAIN_AT_MOST`]).
+const CLAIM_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+const CLAIM_AGAIN_AT_MOST: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Sends `call`, a record operation whose first try Redis did not answer and whose resend
+/// is the same as it (a claim with its token, a read), again after [`CLAIM_AGAIN_AFTER`],
+/// doubling, while Redis does not answer and until `give_up`: its answer, or the last error.
+pub(super) async fn sent_again<T, F, Fut>(
+    give_up: tokio::time::Instant,
+    mut call: F,
+) -> Result<T, crate::store::StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, crate::store::StoreError>>,
+{
+    let mut again = CLAIM_AGAIN_AFTER;
+    loop {
+        tokio::time::sleep(again).await;
+        again = (again * 2).min(CLAIM_AGAIN_AT_MOST);
+        match call().await {
+            Err(_) if tokio::time::Instant::now() + again < give_up => {}
+            answered => return answered,
+        }
+    }
+}
+
 /// A claimed job's record, route, payer and request; `None` when one is gone (the record
 /// expired or was lost, a reload removed the route, the key is no longer known), or Redis
 /// did not answer the read, sent again, until `give_up` (the claim made the job this
@@ -111,19 +138,18 @@ pub(super) async fn claimed(
     label: &str,
     give_up: tokio::time::Instant,
 ) -> Option<(Record, Arc<Route>, Identity, JobRequest)> {
-    let mut again = super::CLAIM_AGAIN_AFTER;
-    let r = loop {
-        match read(b, id).await {
-            Ok(r) => break r?,
-            Err(e) if tokio::time::Instant::now() + again < give_up => {
-                tracing::debug!(job = id, error = %e, "a claimed job's record went unread: read again");
-                tokio::time::sleep(again).await;
-                again = (again * 2).min(super::CLAIM_AGAIN_AT_MOST);
-            }
-            Err(e) => {
-                tracing::warn!(job = id, error = %e, "a claimed job's record could not be read; its slot is given up");
-                return None;
-            }
+    let answered = match read(b, id).await {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            tracing::debug!(job = id, error = %e, "a claimed job's record went unread: read again");
+            sent_again(give_up, || read(b, id)).await
+        }
+    };
+    let r = match answered {
+        Ok(r) => r?,
+        Err(e) => {
+            tracing::warn!(job = id, error = %e, "a claimed job's record could not be read; its slot is given up");
+            return None;
         }
     };
     let route = running.config.router.by_label(label)?.clone();
