@@ -35,6 +35,18 @@ fn config_with(url: &str, result_ttl: &str, cap: u32) -> String {
     )
 }
 
+/// A gateway on the Redis at `url` (`config`) whose route has `route_extra` (YAML lines under
+/// it) and whose upstream has `upstream_extra` (its timeouts).
+fn timed_gateway(up: &Upstream, url: &str, route_extra: &str, upstream_extra: &str) -> Gateway {
+    let body = config(url).replace("      async:\n", &format!("{route_extra}      async:\n"));
+    Gateway::start_opts(GatewayOpts {
+        upstream_url: up.url(),
+        body: &body,
+        upstream_extra,
+        ..GatewayOpts::default()
+    })
+}
+
 /// Submits a job on `gw`: its location and the 202's JSON.
 async fn submit(
     c: &reqwest::Client,
@@ -671,12 +683,7 @@ async fn a_fleet_job_is_counted_in_the_routes_metrics() {
 async fn a_fleet_job_that_times_out_counts_its_upstream_time() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &config(&redis.url()),
-        upstream_extra: "  read_timeout: 500ms\n",
-        ..GatewayOpts::default()
-    });
+    let gw = timed_gateway(&up, &redis.url(), "", "  read_timeout: 500ms\n");
     let c = client();
     let (slow, _) = submit(&c, &gw, "/reports/generate?delay_ms=5000", "").await;
     assert_eq!(result(&c, &gw, &slow).await.status(), 504);
@@ -697,16 +704,12 @@ async fn a_fleet_job_that_times_out_counts_its_upstream_time() {
 async fn a_fleet_job_that_times_out_is_billed_what_its_late_answer_states() {
     let redis = Redis::start();
     let up = Upstream::start(Duration::ZERO);
-    let body = config(&redis.url()).replace(
-        "      async:\n",
-        "      cost_from_response: X-Actual-Cost\n      async:\n",
+    let gw = timed_gateway(
+        &up,
+        &redis.url(),
+        "      cost_from_response: X-Actual-Cost\n",
+        "  read_timeout: 500ms\n",
     );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        upstream_extra: "  read_timeout: 500ms\n",
-        ..GatewayOpts::default()
-    });
     let c = client();
     let target = format!("{ROUTE}?delay_ms=1500&actual_cost=60");
     let (job, _) = submit(&c, &gw, &target, "").await;
@@ -733,16 +736,12 @@ async fn a_fleet_jobs_late_answer_is_billed_apart_from_the_time_its_result_takes
     let redis = Redis::start();
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::ZERO);
-    let body = config(&proxy.url()).replace(
-        "      async:\n",
-        "      cost_per_second: 10\n      async:\n",
+    let gw = timed_gateway(
+        &up,
+        &proxy.url(),
+        "      cost_per_second: 10\n",
+        "  read_timeout: 1s\n  abandon_timeout: 2s\n",
     );
-    let gw = Gateway::start_opts(GatewayOpts {
-        upstream_url: up.url(),
-        body: &body,
-        upstream_extra: "  read_timeout: 1s\n  abandon_timeout: 2s\n",
-        ..GatewayOpts::default()
-    });
     let c = client();
     let (job, _) = submit(&c, &gw, "/reports/generate?delay_ms=20000", "").await;
     up.wait_current(ROUTE, 1).await;
