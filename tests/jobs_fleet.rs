@@ -1180,6 +1180,91 @@ fn a_claim_sent_again_with_its_token_is_the_same_claim() {
     assert_eq!(claim("t1"), "0", "its run has ended");
 }
 
+/// `lua/jobs.lua`'s `claim` that found a job past its `result_ttl` (and expired it) says so
+/// again when sent again with its token: its caller, whose first answer was lost, still
+/// refunds it. (Before, the resend found it `expired` and answered `{0}`, "gone": nobody
+/// refunded a job that never ran.) Another token still finds it gone.
+#[test]
+fn a_claim_that_expired_a_job_says_so_again_when_sent_again() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let claim = |token: &str| {
+        redis
+            .cli(&[
+                "EVAL", script, "1", "t:j:one", "claim", "gw-a", "60000", token,
+            ])
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    // Submitted at the epoch's first second (by Redis's clock): long past its 1 s ttl.
+    redis.cli(&[
+        "HSET", "t:j:one", "state", "queued", "ttl", "1000", "sub", "1000", "delay", "0",
+    ]);
+    assert_eq!(claim("t1"), "2");
+    assert_eq!(redis.cli(&["HGET", "t:j:one", "state"]).trim(), "expired");
+    assert_eq!(claim("t1"), "2", "the same claim, sent again");
+    assert_eq!(claim("t2"), "0", "another claim");
+    assert_eq!(claim(""), "0", "a claim without a token");
+}
+
+/// `lua/jobs.lua`'s `claim` and `renew` keep a running job's record at least its `ttl` past
+/// its runner's word for it (and never shorten it): a run longer than the life its record
+/// was given at submission (twice `result_ttl` and a minute) is still read, and finished.
+#[test]
+fn a_running_jobs_record_outlives_its_runners_word() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let pttl = || -> i64 { redis.cli(&["PTTL", "t:j:one"]).trim().parse().unwrap() };
+    redis.cli(&[
+        "HSET", "t:j:one", "state", "queued", "ttl", "30000", "sub", "1000", "delay", "0",
+    ]);
+    // Not yet overdue by its ttl: submitted now.
+    let now = redis.cli(&["TIME"]);
+    let secs = now.split_whitespace().next().unwrap();
+    redis.cli(&["HSET", "t:j:one", "sub", &format!("{secs}000")]);
+    redis.cli(&["PEXPIRE", "t:j:one", "500"]);
+    let claimed = redis.cli(&[
+        "EVAL", script, "1", "t:j:one", "claim", "gw-a", "10000", "t1",
+    ]);
+    assert_eq!(claimed.split_whitespace().next(), Some("1"), "{claimed}");
+    assert!((39_000..=40_000).contains(&pttl()), "{}", pttl());
+    redis.cli(&["PEXPIRE", "t:j:one", "500"]);
+    assert_eq!(
+        redis
+            .cli(&["EVAL", script, "1", "t:j:one", "renew", "20000"])
+            .trim(),
+        "1"
+    );
+    assert!((49_000..=50_000).contains(&pttl()), "{}", pttl());
+    redis.cli(&["PEXPIRE", "t:j:one", "900000"]);
+    redis.cli(&["EVAL", script, "1", "t:j:one", "renew", "20000"]);
+    assert!(pttl() > 800_000, "not shortened: {}", pttl());
+}
+
+/// A job that runs past the life its record was given at submission still ends with its
+/// answer: its record near its end (as after a `result_ttl` of seconds and a run of minutes:
+/// here set so by hand) is kept on by the runner's renewals. (Before, the record expired
+/// mid-run: its polls found no job, 404, and the upstream's 200 was never stored.)
+#[tokio::test]
+async fn a_job_running_past_its_records_life_keeps_its_answer() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::ZERO);
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let c = client();
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let id = location.rsplit('/').next().unwrap();
+    assert_eq!(
+        redis.cli(&["PEXPIRE", &format!("t:j:{id}"), "1000"]).trim(),
+        "1"
+    );
+    let done = result(&c, &a, &location).await;
+    assert_eq!(done.status(), 200, "{:?}\n{}", done.text().await, a.log());
+    assert_eq!(up.count(ROUTE), 1);
+    assert_eq!(remaining(&a, "a").await, 90);
+}
+
 /// A queued job is given back and settled at what it was charged, whatever a reload changed
 /// since: charged 10, its route's cost reloaded to 40, a cancel gives 10 back (it gave 40) and
 /// the job that runs stays charged 10 (it was settled to 40); its route's `async:` then

@@ -23,10 +23,12 @@
 --   claim  runner alive_ms token -> {1, ms until it may be sent} (queued -> running, this
 --          runner's; or already so by a claim with this token, sent again: its answer was lost)
 --          | {0} (cancelled, finished, gone, or its runner stopped vouching for it) | {2} (it
---          waited result_ttl: queued -> expired; the caller refunds it) | {3} (running, and
+--          waited result_ttl: queued -> expired, or already so by a claim with this token,
+--          sent again; the caller refunds it) | {3} (running, and
 --          its runner vouches for it: the slot granted is that run's, its lease having lapsed
 --          and come back through the queue; the caller leaves it to the runner)
 --   renew  alive_ms -> 1 | 0 (no longer this job's run)
+--   (claim and renew keep a running job's record at least `ttl` past its runner's word)
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now; or
 --          already that state and not lost: a resend) | 0
 --   cancel -> 1 (queued -> cancelled) | 0
@@ -49,6 +51,12 @@ end
 local function overdue() return now > due() + ttl() end
 -- ms until the job may be sent, 0 once it may.
 local function due_in() return math.max(0, due() - now) end
+-- A running job's record outlives its runner's word for it (`alive_ms` from now) by `ttl`:
+-- however long the run, a reader finds it running, or lost once that word lapses, and its
+-- runner finishes it.
+local function outlive(alive_ms)
+  if redis.call('PTTL', job) < alive_ms + ttl() then redis.call('PEXPIRE', job, alive_ms + ttl()) end
+end
 local function expire()
   redis.call('HSET', job, 'state', 'expired')
   redis.call('HDEL', job, 'body', 'headers')
@@ -91,24 +99,33 @@ elseif op == 'get' or op == 'lose' then
   return all
 elseif op == 'claim' then
   local token = ARGV[4] or ''
-  if state() == 'running' and token ~= '' and redis.call('HGET', job, 'claim') == token then
-    redis.call('HSET', job, 'alive', now + tonumber(ARGV[3]))
-    return {1, due_in()}
+  if token ~= '' and redis.call('HGET', job, 'claim') == token then
+    -- This claim, sent again (its answer was lost): what the first found, said again.
+    if state() == 'running' then
+      redis.call('HSET', job, 'alive', now + tonumber(ARGV[3]))
+      outlive(tonumber(ARGV[3]))
+      return {1, due_in()}
+    end
+    if state() == 'expired' then return {2} end
   end
   if state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') >= now then
     return {3}
   end
   if state() ~= 'queued' then return {0} end
   if overdue() then
+    -- The claim that expired it says so again if sent again: its caller refunds it.
+    redis.call('HSET', job, 'claim', token)
     expire()
     return {2}
   end
   redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'claim', token)
+  outlive(tonumber(ARGV[3]))
   return {1, due_in()}
 elseif op == 'renew' then
   if state() ~= 'running' then return 0 end
   redis.call('HSET', job, 'alive', now + tonumber(ARGV[2]))
   redis.call('HDEL', job, 'lapsed_seen', 'lapsed_for')
+  outlive(tonumber(ARGV[2]))
   return 1
 elseif op == 'finish' then
   if state() ~= 'running' then
