@@ -1265,6 +1265,152 @@ async fn a_job_running_past_its_records_life_keeps_its_answer() {
     assert_eq!(remaining(&a, "a").await, 90);
 }
 
+/// `lua/jobs.lua`'s `cancel` and `expire` take a resend with the token of the call that took
+/// the job out of its queue for that call (its answer was lost: its caller refunds it), and
+/// nothing else.
+#[test]
+fn a_take_out_sent_again_with_its_token_is_the_same() {
+    let redis = Redis::start();
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let call = |id: &str, op: &str, token: &str| {
+        redis
+            .cli(&["EVAL", script, "1", id, op, token])
+            .trim()
+            .to_string()
+    };
+    for op in ["cancel", "expire"] {
+        let id = format!("t:j:{op}");
+        // Submitted at the epoch's first second: long past its 1 s ttl.
+        redis.cli(&[
+            "HSET", &id, "state", "queued", "ttl", "1000", "sub", "1000", "delay", "0",
+        ]);
+        assert_eq!(call(&id, op, "t1"), "1", "{op}");
+        assert_eq!(call(&id, op, "t1"), "1", "{op}: the same call, sent again");
+        assert_eq!(call(&id, op, "t2"), "0", "{op}: another call");
+        assert_eq!(call(&id, op, ""), "0", "{op}: a call without a token");
+        let other = if op == "cancel" { "expire" } else { "cancel" };
+        assert_eq!(call(&id, other, "t1"), "0", "{op}: {other} with its token");
+    }
+}
+
+/// A `DELETE` whose cancel Redis runs but answers past `store.timeout` (the call is held on
+/// its way there for 450 ms) still cancels the job and refunds it, once: the cancel is sent
+/// again with its token. (Before, the gateway answered 409 "started", though the job was
+/// cancelled all the same, and its charge was never given back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_answered_late_still_cancels_and_refunds_once() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::from_millis(2000));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(remaining(&b, "a").await, 80);
+    proxy.hold_matching("\r\ncancel\r\n");
+    let delete = c.delete(b.url(&second)).header("X-API-Key", "key-a").send();
+    let (cancelled, ()) = tokio::join!(delete, async {
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        proxy.heal();
+    });
+    let cancelled = cancelled.unwrap();
+    assert_eq!(cancelled.status(), 200, "{:?}", cancelled.text().await);
+    assert_eq!(proxy.delivered_late(), 2, "the cancel and its resend");
+    assert_eq!(remaining(&b, "a").await, 90);
+    assert_metric(
+        &b,
+        "tollgate_jobs_total{result=\"cancelled\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(result(&c, &a, &first).await.status(), 200);
+    let (third, _) = submit(&c, &a, ROUTE, "").await;
+    assert_eq!(result(&c, &a, &third).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 2, "the cancelled job never ran");
+    assert_eq!(remaining(&b, "a").await, 80);
+}
+
+/// A `DELETE` whose cancel Redis never answers is 503 `store-unavailable` with
+/// `Retry-After: 1`, within its resends' 2 s and a timeout: the job may or may not be
+/// cancelled. (Before, it was 409 "the job has started", for a job still queued.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_redis_does_not_answer_is_503_not_409() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::from_millis(5000));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    proxy.hold_matching("\r\ncancel\r\n");
+    let asked = Instant::now();
+    let r = c
+        .delete(b.url(&second))
+        .header("X-API-Key", "key-a")
+        .send()
+        .await
+        .unwrap();
+    let took = asked.elapsed();
+    assert_eq!(r.status(), 503, "{:?}", r.text().await);
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        p["type"].as_str().unwrap().ends_with("store-unavailable"),
+        "{p}"
+    );
+    assert!(took < Duration::from_secs(4), "{took:?}");
+    proxy.heal();
+}
+
+/// A queued job past its `result_ttl` whose expiry by the collectors' look Redis runs but
+/// answers late (held on its way there for 300 ms) is still refunded, once, polled or not:
+/// the expiry is sent again with its token. (Before, it ended `expired` with its charge kept,
+/// for a job that never ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_jobs_expiry_answered_late_is_still_refunded() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::from_millis(4000));
+    let a = Gateway::start(&up, &config_kept(&proxy.url(), "1s"));
+    let c = client();
+    proxy.hold_matching("\r\nexpire\r\n");
+    let sync = tokio::spawn({
+        let (c, url) = (c.clone(), a.url(ROUTE));
+        async move { post(&c, url, "key-a").await.status() }
+    });
+    up.wait_current(ROUTE, 1).await;
+    let (location, _) = submit(&c, &a, ROUTE, "").await;
+    eventually(Duration::from_secs(10), async || match proxy.held() {
+        0 => Err("no expiry sent yet".to_string()),
+        _ => Ok(()),
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.heal();
+    eventually(Duration::from_secs(5), async || {
+        match remaining(&a, "a").await {
+            90 => Ok(()),
+            n => Err(format!("remaining {n}")),
+        }
+    })
+    .await;
+    let expired = result(&c, &a, &location).await;
+    assert_eq!(expired.status(), 503);
+    assert_metric(
+        &a,
+        "tollgate_jobs_total{result=\"expired\",route=\"/reports/generate\"}",
+        1.0,
+    )
+    .await;
+    assert_eq!(sync.await.unwrap(), 200);
+    assert_eq!(up.count(ROUTE), 1);
+    assert_eq!(remaining(&a, "a").await, 90);
+}
+
 /// A queued job is given back and settled at what it was charged, whatever a reload changed
 /// since: charged 10, its route's cost reloaded to 40, a cancel gives 10 back (it gave 40) and
 /// the job that runs stays charged 10 (it was settled to 40); its route's `async:` then

@@ -220,7 +220,16 @@ pub(super) async fn status(
     // A cancel goes first, so that the figures, read once, have its refund in them.
     let cancelled = match &found {
         Some((_, _, local)) if method == "DELETE" => {
-            Some(cancel(gw, &running, local.clone(), &job_id, &who).await)
+            match cancel(gw, &running, local.clone(), &job_id, &who).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::debug!(error = %e, "a job's cancel found Redis unreachable");
+                    // Not 409: it may be cancelled (and then refunded) or not; ask again.
+                    let detail = "the job store did not answer; ask again";
+                    return problem_retry(session, ctx, Problem::StoreUnavailable, detail, Some(1))
+                        .await;
+                }
+            }
         }
         _ => None,
     };
@@ -295,19 +304,19 @@ pub(super) async fn standing(
     peek.standing()
 }
 
-/// `DELETE` on a job of this process, or of the fleet.
+/// `DELETE` on a job of this process, or of the fleet; an error: Redis did not answer.
 async fn cancel(
     gw: &Gateway,
     running: &Running,
     local: Option<Arc<jobs::Job>>,
     id: &str,
     who: &crate::identity::Identity,
-) -> Cancel {
-    match local {
+) -> Result<Cancel, crate::store::StoreError> {
+    Ok(match local {
         Some(job) => job.cancel().await,
-        None if jobs::fleet::cancel(&gw.shared, running, id, who).await => Cancel::Cancelled,
+        None if jobs::fleet::cancel(&gw.shared, running, id, who).await? => Cancel::Cancelled,
         None => Cancel::Started,
-    }
+    })
 }
 
 #[cfg(test)]

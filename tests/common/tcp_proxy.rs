@@ -15,6 +15,8 @@ pub struct Proxy {
     open: Arc<tokio::sync::watch::Sender<Pass>>,
     /// Chunks that were held, then let through.
     late: Arc<AtomicUsize>,
+    /// Chunks found held (let through since or not).
+    held: Arc<AtomicUsize>,
     /// Chunks read from clients (on their way to the target).
     from_clients: Arc<AtomicUsize>,
     _rt: BackgroundRuntime,
@@ -67,11 +69,13 @@ impl Proxy {
         let open = Arc::new(open);
         let opener = open.clone();
         let late = Arc::new(AtomicUsize::new(0));
+        let held = Arc::new(AtomicUsize::new(0));
         let from_clients = Arc::new(AtomicUsize::new(0));
-        let (counted, reads) = (late.clone(), from_clients.clone());
+        let (counted, reads, holding) = (late.clone(), from_clients.clone(), held.clone());
         let port = rt.serve(move |listener| async move {
             while let Ok((client, _)) = listener.accept().await {
                 let (watch, late, reads) = (watch.clone(), counted.clone(), reads.clone());
+                let holding = holding.clone();
                 let opener = opener.clone();
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
@@ -87,7 +91,11 @@ impl Proxy {
                             watch.clone(),
                             late.clone(),
                             delay,
-                            Some((reads, opener))
+                            Some(FromClient {
+                                reads,
+                                opener,
+                                held: holding,
+                            })
                         ),
                         pump(sr, cw, watch, late, delay, None)
                     );
@@ -98,6 +106,7 @@ impl Proxy {
             port,
             open,
             late,
+            held,
             from_clients,
             _rt: rt,
         }
@@ -138,15 +147,30 @@ impl Proxy {
         self.late.load(Ordering::SeqCst)
     }
 
+    /// How many chunks from clients were found held so far (delivered since or not).
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
+    }
+
     /// Everything held is delivered, and traffic flows again.
     pub fn heal(&self) {
         self.open.send_replace(Pass::All);
     }
 }
 
+/// What a pump from a client counts, and the proxy's switch it may flip.
+struct FromClient {
+    /// Chunks read.
+    reads: Arc<AtomicUsize>,
+    opener: Arc<tokio::sync::watch::Sender<Pass>>,
+    /// Chunks found held.
+    held: Arc<AtomicUsize>,
+}
+
 /// Copies `from` to `to`, holding each chunk the proxy does not let through until it does,
 /// and delivering each `delay` after it was read (at once when `delay` is zero); from a client
-/// (`client`: where it counts the chunks it reads, and the proxy's switch), drops the chunk
+/// (`client`: where it counts the chunks it reads, the proxy's switch, and where it counts those
+/// it holds), drops the chunk
 /// `Pass::DropOnce` names and cuts the connection.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
@@ -154,7 +178,7 @@ async fn pump(
     mut open: tokio::sync::watch::Receiver<Pass>,
     late: Arc<AtomicUsize>,
     delay: Duration,
-    client: Option<(Arc<AtomicUsize>, Arc<tokio::sync::watch::Sender<Pass>>)>,
+    client: Option<FromClient>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // Read and let through in order; written by the writer below when due, so a chunk read
@@ -163,7 +187,7 @@ async fn pump(
     let read = async move {
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n @ 1..) = from.read(&mut buf).await {
-            if let Some((reads, opener)) = &client {
+            if let Some(FromClient { reads, opener, .. }) = &client {
                 reads.fetch_add(1, Ordering::SeqCst);
                 if open.borrow().drops(&buf[..n]) {
                     opener.send_replace(Pass::All);
@@ -171,6 +195,9 @@ async fn pump(
                 }
             }
             let held = !open.borrow().lets(&buf[..n]);
+            if let (true, Some(c)) = (held, &client) {
+                c.held.fetch_add(1, Ordering::SeqCst);
+            }
             if open.wait_for(|p| p.lets(&buf[..n])).await.is_err() {
                 break;
             }

@@ -6,23 +6,27 @@
 //! charged) at the next read, and its slot comes back with its lapsed lease.
 
 mod charged;
+mod out;
 mod record;
 mod runner;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::metrics::{self, JobResult};
+use super::metrics;
 use super::run::{expired_result, problem_result, Submission};
 use super::{new_id, NewJob, Stored, View};
-use crate::identity::{Identity, KeyHash};
+use crate::identity::KeyHash;
 use crate::problem::Problem;
 use crate::state::{Running, Shared};
 use crate::store::redis::{JobCharge, JobEntered, RedisBackend};
-use crate::store::{Admission, AdmitRequest, Charge, Store};
+use crate::store::{Admission, AdmitRequest, Store};
 use bytes::Bytes;
-use record::{ended_unrun, field, headers_from, payer, read, text};
+pub use out::cancel;
+use out::{expire_overdue, key_slot};
+use record::{field, headers_from, payer, read, text};
 use runner::run_claimed;
 
 /// How often an instance takes the slots granted to the fleet's jobs on each async route.
@@ -176,7 +180,7 @@ async fn start(
     retired: Option<Arc<Running>>,
 ) {
     let from = tokio::time::Instant::now();
-    let token = format!("{:016x}", rand::random::<u64>());
+    let token = out::token();
     let claimed = match claim(b, &id, &token).await {
         Ok(c) => c,
         Err(e) => {
@@ -222,7 +226,7 @@ async fn act(
                 retired,
             ));
         }
-        Claimed::Expired => expired(shared, b, &id, &label).await,
+        Claimed::Expired => out::expired(shared, b, &id, &label).await,
         Claimed::Running => {}
         Claimed::Not => {
             // Cancelled (its key's slot went then) or gone.
@@ -254,7 +258,7 @@ pub async fn view(
     if field(&r, "state") == b"queued" {
         let running = shared.running();
         if let Some(who) = payer(&running, field(&r, "key")) {
-            if take_out(shared, &running, b, (id, &r), &who, "expire").await {
+            if out::take_out(shared, &running, b, (id, &r), &who, "expire").await? {
                 return Ok(Some((route, View::Done(Arc::new(expired_result())))));
             }
         }
@@ -286,117 +290,6 @@ fn due_in(r: &record::Record) -> Duration {
     Duration::from_millis(text(r, "due_in").parse().unwrap_or(0))
 }
 
-/// `DELETE`: takes a queued job out of its queue (refunded); `false` once it runs.
-pub async fn cancel(shared: &Shared, running: &Running, id: &str, who: &Identity) -> bool {
-    let Some(b) = backend(shared) else {
-        return false;
-    };
-    let Ok(Some(r)) = read(b, id).await else {
-        return false;
-    };
-    take_out(shared, running, b, (id, &r), who, "cancel").await
-}
-
-/// Takes queued job `id` (of record `r`, as its caller read it) out of its route's queue as
-/// record operation `op` (`cancel`, or `expire` once it has waited result_ttl) and refunds
-/// it; `false`: it was not queued (or not due), nothing changed. (The record's operation
-/// decides, whatever changed since `r` was read.)
-async fn take_out(
-    shared: &Shared,
-    running: &Running,
-    b: &RedisBackend,
-    (id, r): (&str, &record::Record),
-    who: &Identity,
-    op: &str,
-) -> bool {
-    let label = text(r, "route");
-    if field(r, "state") != b"queued" {
-        return false;
-    }
-    // The record decides first: a collector that claimed it keeps it (and its slot); once it
-    // is out, a grant that finds it so passes the slot on.
-    if !matches!(b.job_record::<i64>(id, op, &[]).await, Ok(1)) {
-        return false;
-    }
-    let key = key_slot(who);
-    if matches!(b.job_leave(&label, id).await, Ok(1)) {
-        // Granted meanwhile: the slot goes on to the next waiter.
-        let _ = b.job_release(&label, id, key).await;
-    } else if let Some(key) = key {
-        let _ = b.job_release_key(key, id).await;
-    }
-    refund(shared, running, r, who).await;
-    let result = if op == "cancel" {
-        JobResult::Cancelled
-    } else {
-        JobResult::Expired
-    };
-    ended_unrun(running, r, id, result);
-    true
-}
-
-/// The key whose slot a job of `who` holds: its plan's `max_in_flight_per_key` counts jobs
-/// (`RedisBackend::enter_job`), as `decision::admit_request` sets `key_cap`.
-pub(super) fn key_slot(who: &Identity) -> Option<&KeyHash> {
-    who.policy.max_in_flight_per_key.map(|_| &who.hash)
-}
-
-/// Gives back the charge of the job of record `r`, paid by `who`, that never ran: what it was
-/// charged (`charged`), even if a reload changed or removed its route since.
-async fn refund(shared: &Shared, running: &Running, r: &record::Record, who: &Identity) {
-    let route = running.config.router.by_label(&text(r, "route"));
-    if let Some(admit) = charged::admit_of(r, route.map(|r| &**r), who) {
-        shared.store.refund(&admit, Charge::Shared).await;
-    }
-}
-
-/// A job whose claim found it waited result_ttl (now `expired`): refunded, its slot passed on.
-async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
-    let running = shared.running();
-    let r = read(b, id).await.ok().flatten();
-    let who = r.as_ref().and_then(|r| payer(&running, field(r, "key")));
-    let key = who.as_ref().and_then(key_slot);
-    let _ = b.job_release(label, id, key).await;
-    if let (Some(who), Some(r)) = (who, &r) {
-        refund(shared, &running, r, &who).await;
-    }
-    match r {
-        Some(r) => ended_unrun(&running, &r, id, JobResult::Expired),
-        None => metrics::ended(label, JobResult::Expired),
-    }
-}
-
-/// Expires (and refunds) the oldest queued jobs on `label` that have waited `result_ttl`,
-/// whether or not anyone polls them, as the memory store's jobs expire themselves; the
-/// record decides, once, by Redis's clock (`lua/jobs.lua` `expire`), so the fleet's
-/// collectors may all look. Oldest first: it stops at the first one not due yet, unless that
-/// one was held for its `max_delay` turn (its `result_ttl` counts from its due time, later than
-/// its place in the queue says).
-async fn expire_overdue(shared: &Shared, running: &Running, b: &RedisBackend, label: &str) {
-    let Ok(ids) = b.queued_jobs(label, EXPIRE_LOOKS_AT).await else {
-        return;
-    };
-    for id in ids {
-        let Ok(Some(r)) = read(b, &id).await else {
-            continue;
-        };
-        if record::uncounted(&r) {
-            // Its runner gone (`job-lost`): counted and logged once, by whoever takes it.
-            record::count_lost(running, b, &id).await;
-            continue;
-        }
-        let Some(who) = payer(running, field(&r, "key")) else {
-            continue;
-        };
-        if field(&r, "state") == b"queued"
-            && !take_out(shared, running, b, (&id, &r), &who, "expire").await
-            && record::delay(&r).is_zero()
-        {
-            return;
-        }
-    }
-}
-
 /// Takes the slots granted to the fleet's jobs, on every async route, for as long as the
 /// process runs: each grant goes to one instance's call, which confirms it, claims the job
 /// and runs it.
@@ -411,6 +304,7 @@ pub fn start_collector(shared: Arc<Shared>) {
         let mut watching = false;
         let mut routes = Collected::default();
         let mut looked = tokio::time::Instant::now();
+        let sweeping = Arc::new(AtomicBool::new(false));
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(COLLECT_EVERY) => {}
@@ -429,6 +323,7 @@ pub fn start_collector(shared: Arc<Shared>) {
             if expire {
                 looked = tokio::time::Instant::now();
             }
+            let mut sweep = Vec::new();
             for (label, retired) in routes.to_collect() {
                 let Ok((ids, waiting)) = b.job_grants(&label).await else {
                     continue;
@@ -446,11 +341,23 @@ pub fn start_collector(shared: Arc<Shared>) {
                         start(&shared, b, Arc::from(id), label.clone(), retired.clone()).await;
                     }
                 }
-                // After the grants are confirmed (each within its grant's short time).
                 if expire && waiting > 0 {
-                    let under = retired.unwrap_or_else(|| shared.running());
-                    expire_overdue(&shared, &under, b, &label).await;
+                    sweep.push((label, retired.unwrap_or_else(|| shared.running())));
                 }
+            }
+            // After the grants are confirmed (each within its grant's short time), in a task
+            // of its own, one at a time: a take-out Redis may have run unanswered is sent
+            // again for a while, and the next grants are not kept waiting for it.
+            if !sweep.is_empty() && !sweeping.swap(true, Ordering::AcqRel) {
+                let (shared, b, sweeping) = (shared.clone(), b.clone(), sweeping.clone());
+                let drain = shared.drain.enter();
+                tokio::spawn(async move {
+                    let _drain = drain;
+                    for (label, under) in sweep {
+                        expire_overdue(&shared, &under, &b, &label).await;
+                    }
+                    sweeping.store(false, Ordering::Release);
+                });
             }
         }
     });

@@ -3,7 +3,8 @@
 --   expired), runner (instance), alive (ms until which the runner vouches for it), ttl (ms a
 --   result is kept), method, target, headers, body (the request), status,
 --   rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms), delay (ms
---   after `sub` before it may be sent: `max_delay`'s hold).
+--   after `sub` before it may be sent: `max_delay`'s hold), by (the token of the call that
+--   took it out of its queue: a claim, a cancel, an expire).
 --
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
@@ -31,8 +32,10 @@
 --   (claim and renew keep a running job's record at least `ttl` past its runner's word)
 --   finish state, then field value pairs -> 1 (running -> state, kept `ttl` from now; or
 --          already that state and not lost: a resend) | 0
---   cancel -> 1 (queued -> cancelled) | 0
---   expire -> 1 (queued for result_ttl since it may be sent -> expired, kept `ttl`) | 0
+--   cancel token -> 1 (queued -> cancelled; or already so by a cancel with this token, sent
+--          again: its answer was lost) | 0
+--   expire token -> 1 (queued for result_ttl since it may be sent -> expired, kept `ttl`; or
+--          already so by an expire with this token, sent again) | 0
 -- Every check comes before the first write.
 
 local job = KEYS[1]
@@ -56,6 +59,11 @@ local function due_in() return math.max(0, due() - now) end
 -- runner finishes it.
 local function outlive(alive_ms)
   if redis.call('PTTL', job) < alive_ms + ttl() then redis.call('PEXPIRE', job, alive_ms + ttl()) end
+end
+-- Whether this call is a resend of the one that took the job out of its queue (a claim, a
+-- cancel, an expire, with this `token`): its answer was lost, and it is answered as it was.
+local function again(token)
+  return (token or '') ~= '' and redis.call('HGET', job, 'by') == token
 end
 local function expire()
   redis.call('HSET', job, 'state', 'expired')
@@ -99,7 +107,7 @@ elseif op == 'get' or op == 'lose' then
   return all
 elseif op == 'claim' then
   local token = ARGV[4] or ''
-  if token ~= '' and redis.call('HGET', job, 'claim') == token then
+  if again(token) then
     -- This claim, sent again (its answer was lost): what the first found, said again.
     if state() == 'running' then
       redis.call('HSET', job, 'alive', now + tonumber(ARGV[3]))
@@ -114,11 +122,11 @@ elseif op == 'claim' then
   if state() ~= 'queued' then return {0} end
   if overdue() then
     -- The claim that expired it says so again if sent again: its caller refunds it.
-    redis.call('HSET', job, 'claim', token)
+    redis.call('HSET', job, 'by', token)
     expire()
     return {2}
   end
-  redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'claim', token)
+  redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'by', token)
   outlive(tonumber(ARGV[3]))
   return {1, due_in()}
 elseif op == 'renew' then
@@ -144,13 +152,16 @@ elseif op == 'count' then
   if redis.call('HDEL', job, 'uncounted') == 0 then return {} end
   return redis.call('HGETALL', job)
 elseif op == 'cancel' then
+  if state() == 'cancelled' and again(ARGV[2]) then return 1 end
   if state() ~= 'queued' then return 0 end
-  redis.call('HSET', job, 'state', 'cancelled')
+  redis.call('HSET', job, 'state', 'cancelled', 'by', ARGV[2] or '')
   redis.call('HDEL', job, 'body', 'headers')
   redis.call('PEXPIRE', job, 60000)
   return 1
 elseif op == 'expire' then
+  if state() == 'expired' and again(ARGV[2]) then return 1 end
   if state() ~= 'queued' or not overdue() then return 0 end
+  redis.call('HSET', job, 'by', ARGV[2] or '')
   expire()
   return 1
 end
