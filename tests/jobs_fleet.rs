@@ -552,6 +552,44 @@ async fn sigterm_finishes_the_running_job_and_leaves_the_queued_one_to_the_fleet
     assert_eq!(remaining(&b, "a").await, 80);
 }
 
+/// SIGTERM to an instance running a job its collector started (the job was queued, and its
+/// slot came to this instance when the first job ended): the job finishes within
+/// `grace_period`, 200, and the instance exits 0 after it. (Before, the collector's runtime
+/// ended with the drain, and every job it had started with it: the instance exited at once
+/// and the job ended 502 `job-lost`, charged, its upstream's answer thrown away.)
+#[tokio::test]
+async fn sigterm_finishes_a_job_the_collector_started() {
+    let redis = Redis::start();
+    let up = Upstream::start(Duration::from_millis(200));
+    let body = config(&redis.url());
+    let mut a = Gateway::start_with_grace(&up, &body, "10s");
+    let c = client();
+    let (first, _) = submit(&c, &a, "/reports/generate?delay_ms=500", "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, accepted) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
+    assert_eq!(accepted["status"], "queued");
+    assert_eq!(result(&c, &a, &first).await.status(), 200);
+    // A's collector took the freed slot (the only instance): the second runs there now.
+    eventually(Duration::from_secs(5), async || match up.count(ROUTE) {
+        2 => Ok(()),
+        n => Err(format!("{n} sent")),
+    })
+    .await;
+    a.signal("TERM");
+    let asked = Instant::now();
+    assert_eq!(a.wait_exit(Duration::from_secs(15)), Some(0), "{}", a.log());
+    assert!(
+        asked.elapsed() >= Duration::from_millis(1500),
+        "exited before its job ended: {:?}",
+        asked.elapsed()
+    );
+    let b = Gateway::start(&up, &body);
+    let done = result(&c, &b, &second).await;
+    assert_eq!(done.status(), 200, "{:?}", done.text().await);
+    assert_eq!(up.count(ROUTE), 2);
+    assert_eq!(remaining(&b, "a").await, 80);
+}
+
 /// The whole fleet restarted (one instance, SIGTERM, started again) while one job runs and
 /// two wait: the running job ends during the drain and its slot is granted to the first
 /// queued one, which no instance takes (a draining instance starts no job). The grant lapses
@@ -1252,11 +1290,12 @@ async fn a_job_running_past_its_records_life_keeps_its_answer() {
     let up = Upstream::start(Duration::ZERO);
     let a = Gateway::start(&up, &config(&redis.url()));
     let c = client();
-    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=3000", "").await;
+    let (location, _) = submit(&c, &a, "/reports/generate?delay_ms=4000", "").await;
     up.wait_current(ROUTE, 1).await;
     let id = location.rsplit('/').next().unwrap();
+    // Two renewals' time (a third of lease_ttl each) and some.
     assert_eq!(
-        redis.cli(&["PEXPIRE", &format!("t:j:{id}"), "1000"]).trim(),
+        redis.cli(&["PEXPIRE", &format!("t:j:{id}"), "1500"]).trim(),
         "1"
     );
     let done = result(&c, &a, &location).await;
@@ -1312,12 +1351,21 @@ async fn a_cancel_answered_late_still_cancels_and_refunds_once() {
     proxy.hold_matching("\r\ncancel\r\n");
     let delete = c.delete(b.url(&second)).header("X-API-Key", "key-a").send();
     let (cancelled, ()) = tokio::join!(delete, async {
+        // Held from its first try: answered past store.timeout, its resend 100 ms later.
+        eventually(Duration::from_secs(10), async || match proxy.held() {
+            0 => Err("no cancel sent yet".to_string()),
+            _ => Ok(()),
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(450)).await;
         proxy.heal();
     });
     let cancelled = cancelled.unwrap();
     assert_eq!(cancelled.status(), 200, "{:?}", cancelled.text().await);
-    assert_eq!(proxy.delivered_late(), 2, "the cancel and its resend");
+    assert!(
+        proxy.delivered_late() >= 2,
+        "the cancel and its resend held"
+    );
     assert_eq!(remaining(&b, "a").await, 90);
     assert_metric(
         &b,
@@ -1375,7 +1423,7 @@ async fn a_queued_jobs_expiry_answered_late_is_still_refunded() {
     let redis = Redis::start();
     let proxy = Proxy::start(redis.port);
     let up = Upstream::start(Duration::from_millis(4000));
-    let a = Gateway::start(&up, &config_kept(&proxy.url(), "1s"));
+    let a = Gateway::start(&up, &config_kept(&proxy.url(), "2s"));
     let c = client();
     proxy.hold_matching("\r\nexpire\r\n");
     let sync = tokio::spawn({
@@ -1384,12 +1432,20 @@ async fn a_queued_jobs_expiry_answered_late_is_still_refunded() {
     });
     up.wait_current(ROUTE, 1).await;
     let (location, _) = submit(&c, &a, ROUTE, "").await;
+    let overdue = Instant::now() + Duration::from_millis(2500);
     eventually(Duration::from_secs(10), async || match proxy.held() {
         0 => Err("no expiry sent yet".to_string()),
         _ => Ok(()),
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Delivered once the job is past its result_ttl (2 s) for sure, 300 ms after it was held
+    // at least: it runs then, and expires the job, answered past store.timeout.
+    tokio::time::sleep_until(
+        overdue
+            .max(Instant::now() + Duration::from_millis(300))
+            .into(),
+    )
+    .await;
     proxy.heal();
     eventually(Duration::from_secs(5), async || {
         match remaining(&a, "a").await {

@@ -102,14 +102,14 @@ pub(super) async fn submit(
             (s, p as usize)
         }
         Ok(JobEntered::Refused(a)) => {
-            let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
+            out::withdraw(b, &id).await;
             return Err(*a);
         }
         Err(e) => {
             // Maybe queued: the record is cancelled (a grant then finds it so and passes the
             // slot on); the charge was given back.
             tracing::warn!(error = %e, "a job could not enter its route's queue");
-            let _ = b.job_record::<i64>(&id, "cancel", &[]).await;
+            out::withdraw(b, &id).await;
             return Err(Admission::Unavailable);
         }
     };
@@ -255,7 +255,7 @@ pub async fn view(
     if record::uncounted(&r) {
         record::count_lost(&shared.running(), b, id).await;
     }
-    if field(&r, "state") == b"queued" {
+    if record::overdue(&r) {
         let running = shared.running();
         if let Some(who) = payer(&running, field(&r, "key")) {
             if out::take_out(shared, &running, b, (id, &r), &who, "expire").await? {
@@ -311,8 +311,10 @@ pub fn start_collector(shared: Arc<Shared>) {
                 _ = granted.notified() => {}
             }
             if shared.drain.is_draining() {
-                // A draining instance starts no job: the others take the fleet's queue.
-                return;
+                // A draining instance starts no job: the others take the fleet's queue. Its
+                // runtime stays: the jobs it started (their claims, the expiry look) run on
+                // it until they end, as the drain waits for them, or the process exits.
+                std::future::pending::<()>().await;
             }
             routes.follow(&shared.running());
             routes.adopt(shared.queued_jobs.take());
@@ -349,20 +351,28 @@ pub fn start_collector(shared: Arc<Shared>) {
             // of its own, one at a time: a take-out Redis may have run unanswered is sent
             // again for a while, and the next grants are not kept waiting for it.
             if !sweep.is_empty() && !sweeping.swap(true, Ordering::AcqRel) {
-                let (shared, b, sweeping) = (shared.clone(), b.clone(), sweeping.clone());
-                let drain = shared.drain.enter();
+                let (shared, b) = (shared.clone(), b.clone());
+                let held = (shared.drain.enter(), Swept(sweeping.clone()));
                 tokio::spawn(async move {
-                    let _drain = drain;
+                    let _held = held;
                     for (label, under) in sweep {
                         expire_overdue(&shared, &under, &b, &label).await;
                     }
-                    sweeping.store(false, Ordering::Release);
                 });
             }
         }
     });
     if let Err(e) = started {
         tracing::error!(error = %e, "cannot start the async jobs' collector");
+    }
+}
+
+/// Clears the collector's "sweeping" flag when its expiry look ends, however it ends.
+struct Swept(Arc<AtomicBool>);
+
+impl Drop for Swept {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 

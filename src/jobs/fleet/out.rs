@@ -90,6 +90,23 @@ pub(super) async fn take_out(
     Ok(true)
 }
 
+/// Cancels the record of a job refused by its queue, or that may have entered it unanswered,
+/// whose charge was given back: a grant that finds it so passes the slot on, and neither it
+/// runs nor an expiry refunds it again. Sent again with its token while Redis does not
+/// answer, for [`AGAIN_FOR`].
+pub(super) async fn withdraw(b: &RedisBackend, id: &str) {
+    let token = token();
+    let args: [&[u8]; 1] = [token.as_bytes()];
+    let call = || b.job_record::<i64>(id, "cancel", &args);
+    let answered = match call().await {
+        Err(_) => record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, call).await,
+        answered => answered,
+    };
+    if let Err(e) = answered {
+        tracing::warn!(job = id, error = %e, "a job whose charge was given back could not be cancelled");
+    }
+}
+
 /// The key whose slot a job of `who` holds: its plan's `max_in_flight_per_key` counts jobs
 /// (`RedisBackend::enter_job`), as `decision::admit_request` sets `key_cap`.
 pub(super) fn key_slot(who: &Identity) -> Option<&KeyHash> {
@@ -159,10 +176,17 @@ pub(super) async fn expire_overdue(
         if field(&r, "state") != b"queued" {
             continue;
         }
-        match take_out(shared, running, b, (&id, &r), &who, "expire").await {
-            Ok(true) => {}
-            Ok(false) if !record::delay(&r).is_zero() => {}
-            Ok(false) | Err(_) => return,
+        if !record::overdue(&r) {
+            if record::delay(&r).is_zero() {
+                return;
+            }
+            continue;
+        }
+        if take_out(shared, running, b, (&id, &r), &who, "expire")
+            .await
+            .is_err()
+        {
+            return;
         }
     }
 }

@@ -247,6 +247,11 @@ pub(super) fn wait_of(
     (waited, held, waited - held)
 }
 
+/// Whether a queued job had waited `result_ttl` when its record was read (to expire).
+pub(super) fn overdue(r: &Record) -> bool {
+    field(r, "state") == b"queued" && field(r, "overdue") == b"1"
+}
+
 /// How long after its submission a record's job was not to be sent (`max_delay`'s hold).
 pub(super) fn delay(r: &Record) -> std::time::Duration {
     let ms = std::str::from_utf8(field(r, "delay"))

@@ -32,6 +32,8 @@ pub(super) async fn run_claimed(
     let Some(b) = backend(&shared).cloned() else {
         return;
     };
+    // Claimed: a drain waits for it from here, its record's read included.
+    let _drain = shared.drain.enter();
     let running = retired.unwrap_or_else(|| shared.running());
     let give_up = super::claim_gives_up(&b, from);
     let Some((r, route, who, request)) = claimed(&b, &running, &id, &label, give_up).await else {
@@ -48,7 +50,6 @@ pub(super) async fn run_claimed(
         let _ = b.job_release(&label, &id, None).await;
         return;
     };
-    let _drain = shared.drain.enter();
     let _state = InState::new(&label, JobState::Running);
     let rm = running.metrics.get(&route);
     let in_flight = InFlight::new(&rm.in_flight);

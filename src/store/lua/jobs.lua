@@ -9,7 +9,8 @@
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
---             (until it may be sent, `max_delay`; 0 once due), and `lapsed <ms>` for a
+--             (until it may be sent, `max_delay`; 0 once due), `overdue 1` for a queued job
+--             that has waited result_ttl since (to `expire`), and `lapsed <ms>` for a
 --             running job whose runner's word for it has lapsed (it may have died, or Redis
 --             was silent meanwhile: the reader decides whether to `lose` it): how long reads
 --             have found it so, counting at most a second between two of them (Redis may
@@ -99,6 +100,10 @@ elseif op == 'get' or op == 'lose' then
   if #all > 0 then
     all[#all + 1] = 'due_in'
     all[#all + 1] = tostring(due_in())
+    if state() == 'queued' and overdue() then
+      all[#all + 1] = 'overdue'
+      all[#all + 1] = '1'
+    end
     if lapsed then
       all[#all + 1] = 'lapsed'
       all[#all + 1] = tostring(lapsed_for)
