@@ -1145,19 +1145,26 @@ async fn a_fleet_submission_is_decided_before_its_body_and_given_back_if_it_stal
     assert_eq!(up.count(ROUTE), 1);
 }
 
+/// Runs `lua/jobs.lua` on record `id` with `args` (its operation first): redis-cli's reply,
+/// its words joined by single spaces.
+fn job_op(redis: &Redis, id: &str, args: &[&str]) -> String {
+    let script = include_str!("../src/store/lua/jobs.lua");
+    let mut all = vec!["EVAL", script, "1", id];
+    all.extend_from_slice(args);
+    redis
+        .cli(&all)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// `lua/jobs.lua`'s `finish` answers a resend of the run's own finish as it answered the first
 /// (its reply may have been lost with the connection), and a job declared lost as not the
 /// run's: the runner sends a failed write again without counting a job twice.
 #[test]
 fn a_finish_sent_again_is_the_runs_own() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
-    let finish = |id: &str, state: &str| {
-        redis
-            .cli(&["EVAL", script, "1", id, "finish", state, "status", "200"])
-            .trim()
-            .to_string()
-    };
+    let finish = |id: &str, state: &str| job_op(&redis, id, &["finish", state, "status", "200"]);
     redis.cli(&["HSET", "t:j:one", "state", "running", "ttl", "60000"]);
     assert_eq!(finish("t:j:one", "done"), "1");
     assert_eq!(finish("t:j:one", "done"), "1", "a resend");
@@ -1183,16 +1190,7 @@ fn a_finish_sent_again_is_the_runs_own() {
 #[test]
 fn a_claim_sent_again_with_its_token_is_the_same_claim() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
-    let claim = |token: &str| {
-        redis
-            .cli(&[
-                "EVAL", script, "1", "t:j:one", "claim", "gw-a", "60000", token,
-            ])
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let claim = |token: &str| job_op(&redis, "t:j:one", &["claim", "gw-a", "60000", token]);
     redis.cli(&["HSET", "t:j:one", "state", "queued", "ttl", "60000"]);
     // Submitted now (by Redis's clock): due at once, not overdue.
     let secs: u64 = redis
@@ -1212,9 +1210,7 @@ fn a_claim_sent_again_with_its_token_is_the_same_claim() {
         "another claim: it runs, its runner vouches for it"
     );
     assert_eq!(claim(""), "3", "a claim without a token");
-    redis.cli(&[
-        "EVAL", script, "1", "t:j:one", "finish", "done", "status", "200",
-    ]);
+    job_op(&redis, "t:j:one", &["finish", "done", "status", "200"]);
     assert_eq!(claim("t1"), "0", "its run has ended");
 }
 
@@ -1225,16 +1221,7 @@ fn a_claim_sent_again_with_its_token_is_the_same_claim() {
 #[test]
 fn a_claim_that_expired_a_job_says_so_again_when_sent_again() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
-    let claim = |token: &str| {
-        redis
-            .cli(&[
-                "EVAL", script, "1", "t:j:one", "claim", "gw-a", "60000", token,
-            ])
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let claim = |token: &str| job_op(&redis, "t:j:one", &["claim", "gw-a", "60000", token]);
     // Submitted at the epoch's first second (by Redis's clock): long past its 1 s ttl.
     redis.cli(&[
         "HSET", "t:j:one", "state", "queued", "ttl", "1000", "sub", "1000", "delay", "0",
@@ -1252,7 +1239,6 @@ fn a_claim_that_expired_a_job_says_so_again_when_sent_again() {
 #[test]
 fn a_running_jobs_record_outlives_its_runners_word() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
     let pttl = || -> i64 { redis.cli(&["PTTL", "t:j:one"]).trim().parse().unwrap() };
     redis.cli(&[
         "HSET", "t:j:one", "state", "queued", "ttl", "30000", "sub", "1000", "delay", "0",
@@ -1262,21 +1248,14 @@ fn a_running_jobs_record_outlives_its_runners_word() {
     let secs = now.split_whitespace().next().unwrap();
     redis.cli(&["HSET", "t:j:one", "sub", &format!("{secs}000")]);
     redis.cli(&["PEXPIRE", "t:j:one", "500"]);
-    let claimed = redis.cli(&[
-        "EVAL", script, "1", "t:j:one", "claim", "gw-a", "10000", "t1",
-    ]);
+    let claimed = job_op(&redis, "t:j:one", &["claim", "gw-a", "10000", "t1"]);
     assert_eq!(claimed.split_whitespace().next(), Some("1"), "{claimed}");
     assert!((39_000..=40_000).contains(&pttl()), "{}", pttl());
     redis.cli(&["PEXPIRE", "t:j:one", "500"]);
-    assert_eq!(
-        redis
-            .cli(&["EVAL", script, "1", "t:j:one", "renew", "20000"])
-            .trim(),
-        "1"
-    );
+    assert_eq!(job_op(&redis, "t:j:one", &["renew", "20000"]), "1");
     assert!((49_000..=50_000).contains(&pttl()), "{}", pttl());
     redis.cli(&["PEXPIRE", "t:j:one", "900000"]);
-    redis.cli(&["EVAL", script, "1", "t:j:one", "renew", "20000"]);
+    job_op(&redis, "t:j:one", &["renew", "20000"]);
     assert!(pttl() > 800_000, "not shortened: {}", pttl());
 }
 
@@ -1310,13 +1289,7 @@ async fn a_job_running_past_its_records_life_keeps_its_answer() {
 #[test]
 fn a_take_out_sent_again_with_its_token_is_the_same() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
-    let call = |id: &str, op: &str, token: &str| {
-        redis
-            .cli(&["EVAL", script, "1", id, op, token])
-            .trim()
-            .to_string()
-    };
+    let call = |id: &str, op: &str, token: &str| job_op(&redis, id, &[op, token]);
     for op in ["cancel", "expire"] {
         let id = format!("t:j:{op}");
         // Submitted at the epoch's first second: long past its 1 s ttl.
@@ -1828,12 +1801,11 @@ async fn runs_with_its_call_answered_late(needle: &str) {
 #[test]
 fn reads_count_a_lapse_at_most_a_second_between_two() {
     let redis = Redis::start();
-    let script = include_str!("../src/store/lua/jobs.lua");
     let lapsed = || -> Option<u64> {
-        let out = redis.cli(&["EVAL", script, "1", "t:j:one", "get"]);
-        let lines: Vec<&str> = out.lines().map(str::trim).collect();
-        let at = lines.iter().position(|l| *l == "lapsed")?;
-        Some(lines[at + 1].parse().unwrap())
+        let out = job_op(&redis, "t:j:one", &["get"]);
+        let words: Vec<&str> = out.split(' ').collect();
+        let at = words.iter().position(|w| *w == "lapsed")?;
+        Some(words[at + 1].parse().unwrap())
     };
     redis.cli(&[
         "HSET", "t:j:one", "state", "running", "alive", "1", "ttl", "60000",
@@ -1848,7 +1820,7 @@ fn reads_count_a_lapse_at_most_a_second_between_two() {
     let n = lapsed().unwrap();
     let most = 1000 + before.elapsed().as_millis() as u64 + 1;
     assert!((1200..=most).contains(&n), "{n}");
-    redis.cli(&["EVAL", script, "1", "t:j:one", "renew", "60000"]);
+    job_op(&redis, "t:j:one", &["renew", "60000"]);
     assert_eq!(lapsed(), None, "renewed");
     redis.cli(&["HSET", "t:j:one", "alive", "1"]);
     assert_eq!(lapsed(), Some(0), "found lapsed again: counted afresh");
