@@ -1231,6 +1231,14 @@ fn a_claim_that_expired_a_job_says_so_again_when_sent_again() {
     assert_eq!(claim("t1"), "2", "the same claim, sent again");
     assert_eq!(claim("t2"), "0", "another claim");
     assert_eq!(claim(""), "0", "a claim without a token");
+    // Read as expired for its 1 s ttl, then as gone; but kept for the claim's resends (up to
+    // half its alive_ms), which still find what the claim did.
+    assert!(job_op(&redis, "t:j:one", &["get"]).contains("state expired"));
+    let pttl: u64 = redis.cli(&["PTTL", "t:j:one"]).trim().parse().unwrap();
+    assert!((59_000..=60_000).contains(&pttl), "{pttl}");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(job_op(&redis, "t:j:one", &["get"]), "", "gone");
+    assert_eq!(claim("t1"), "2", "sent again past its ttl");
 }
 
 /// `lua/jobs.lua`'s `claim` and `renew` keep a running job's record at least its `ttl` past
@@ -1302,6 +1310,10 @@ fn a_take_out_sent_again_with_its_token_is_the_same() {
         assert_eq!(call(&id, op, ""), "0", "{op}: a call without a token");
         let other = if op == "cancel" { "expire" } else { "cancel" };
         assert_eq!(call(&id, other, "t1"), "0", "{op}: {other} with its token");
+        // Kept for its resends (a minute after a cancel, 10 s after an expiry), whatever
+        // its 1 s ttl.
+        let pttl: u64 = redis.cli(&["PTTL", &id]).trim().parse().unwrap();
+        assert!(pttl > 9_000, "{op}: {pttl}");
     }
 }
 

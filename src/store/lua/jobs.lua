@@ -4,7 +4,8 @@
 --   result is kept), method, target, headers, body (the request), status,
 --   rheaders, rbody (the result), lost (1: the runner died), sub (submitted, ms), delay (ms
 --   after `sub` before it may be sent: `max_delay`'s hold), by (the token of the call that
---   took it out of its queue: a claim, a cancel, an expire).
+--   took it out of its queue: a claim, a cancel, an expire), gone_at (ms: an expired job
+--   reads as gone from then; its record is kept a little longer for its expiry's resends).
 --
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
@@ -66,10 +67,13 @@ end
 local function again(token)
   return (token or '') ~= '' and redis.call('HGET', job, 'by') == token
 end
-local function expire()
-  redis.call('HSET', job, 'state', 'expired')
+-- A queued job that waited result_ttl: expired, read as such for `ttl` (then as gone), its
+-- record kept at least `resends_ms` (a resend of the call that expired it, with its token,
+-- still finds it: a result_ttl of a second is shorter than those resends).
+local function expire(resends_ms)
+  redis.call('HSET', job, 'state', 'expired', 'gone_at', now + ttl())
   redis.call('HDEL', job, 'body', 'headers')
-  keep()
+  redis.call('PEXPIRE', job, math.max(ttl(), resends_ms))
 end
 
 if op == 'put' then
@@ -81,6 +85,8 @@ if op == 'put' then
   redis.call('PEXPIRE', job, ttl)
   return 1
 elseif op == 'get' or op == 'lose' then
+  local gone_at = tonumber(redis.call('HGET', job, 'gone_at') or '')
+  if gone_at and state() == 'expired' and now >= gone_at then return {} end
   local lapsed = state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now
   if lapsed and op == 'lose' then
     redis.call('HSET', job, 'state', 'failed', 'lost', '1', 'uncounted', '1')
@@ -128,7 +134,7 @@ elseif op == 'claim' then
   if overdue() then
     -- The claim that expired it says so again if sent again: its caller refunds it.
     redis.call('HSET', job, 'by', token)
-    expire()
+    expire(tonumber(ARGV[3]))
     return {2}
   end
   redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'by', token)
@@ -167,7 +173,7 @@ elseif op == 'expire' then
   if state() == 'expired' and again(ARGV[2]) then return 1 end
   if state() ~= 'queued' or not overdue() then return 0 end
   redis.call('HSET', job, 'by', ARGV[2] or '')
-  expire()
+  expire(10000)
   return 1
 end
 return redis.error_reply('unknown job operation ' .. tostring(op))
