@@ -1239,6 +1239,9 @@ fn a_claim_that_expired_a_job_says_so_again_when_sent_again() {
     std::thread::sleep(Duration::from_millis(1100));
     assert_eq!(job_op(&redis, "t:j:one", &["get"]), "", "gone");
     assert_eq!(claim("t1"), "2", "sent again past its ttl");
+    // Its claimer reads what it was charged, to refund it.
+    let kept = job_op(&redis, "t:j:one", &["get", "kept"]);
+    assert!(kept.contains("state expired"), "{kept}");
 }
 
 /// `lua/jobs.lua`'s `claim` and `renew` keep a running job's record at least its `ttl` past

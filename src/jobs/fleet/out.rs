@@ -127,9 +127,10 @@ async fn refund(shared: &Shared, running: &Running, r: &record::Record, who: &Id
 /// [`AGAIN_FOR`].
 pub(super) async fn expired(shared: &Shared, b: &RedisBackend, id: &str, label: &str) {
     let running = shared.running();
-    let r = match read(b, id).await {
+    let read = || record::read_expired(b, id);
+    let r = match read().await {
         Ok(r) => r,
-        Err(_) => record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, || read(b, id))
+        Err(_) => record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, read)
             .await
             .ok()
             .flatten(),

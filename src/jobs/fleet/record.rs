@@ -66,6 +66,16 @@ pub(super) async fn read(
     }
 }
 
+/// The record of a job its caller's claim expired, also once it reads as gone (its
+/// `result_ttl` over: the claim's answer came late): what it was charged, to refund.
+pub(super) async fn read_expired(
+    b: &RedisBackend,
+    id: &str,
+) -> Result<Option<Record>, crate::store::StoreError> {
+    let args: [&[u8]; 1] = [b"kept"];
+    Ok(parse(b.job_record(id, "get", &args).await?))
+}
+
 /// How long (by Redis's clock) reads have found the running job's runner's word for it
 /// lapsed, if they have (`lua/jobs.lua` `get`).
 fn lapsed(r: &Record) -> Option<std::time::Duration> {

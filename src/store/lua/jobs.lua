@@ -10,7 +10,8 @@
 -- ARGV[1] is the operation:
 --   put    ttl_ms, then field value pairs -> 1 (a new record, kept ttl_ms)
 --   get    -> the record's fields and values (empty: none), then the pair `due_in <ms>`
---             (until it may be sent, `max_delay`; 0 once due), `overdue 1` for a queued job
+--             (until it may be sent, `max_delay`; 0 once due; `get kept`: an expired job
+--             past its `gone_at` too), `overdue 1` for a queued job
 --             that has waited result_ttl since (to `expire`), and `lapsed <ms>` for a
 --             running job whose runner's word for it has lapsed (it may have died, or Redis
 --             was silent meanwhile: the reader decides whether to `lose` it): how long reads
@@ -86,7 +87,7 @@ if op == 'put' then
   return 1
 elseif op == 'get' or op == 'lose' then
   local gone_at = tonumber(redis.call('HGET', job, 'gone_at') or '')
-  if gone_at and state() == 'expired' and now >= gone_at then return {} end
+  if gone_at and state() == 'expired' and now >= gone_at and ARGV[2] ~= 'kept' then return {} end
   local lapsed = state() == 'running' and tonumber(redis.call('HGET', job, 'alive') or '0') < now
   if lapsed and op == 'lose' then
     redis.call('HSET', job, 'state', 'failed', 'lost', '1', 'uncounted', '1')
