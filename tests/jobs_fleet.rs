@@ -1368,6 +1368,45 @@ async fn a_cancel_answered_late_still_cancels_and_refunds_once() {
     assert_eq!(remaining(&b, "a").await, 80);
 }
 
+/// Two `DELETE`s of one queued job on two gateways: one cancels it (200, refunded once), and
+/// the other, whose cancel comes second, finds it gone: 404, as a poll of a cancelled job is.
+/// (Before, the second was 409 "the job has started", for a job that never runs.) B's cancel
+/// is held on its way to Redis until A's has answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_second_of_two_deletes_of_a_job_finds_it_gone() {
+    let redis = Redis::start();
+    let proxy = Proxy::start(redis.port);
+    let up = Upstream::start(Duration::from_millis(3000));
+    let a = Gateway::start(&up, &config(&redis.url()));
+    let b = Gateway::start(&up, &config(&proxy.url()));
+    let c = client();
+    let (first, _) = submit(&c, &a, ROUTE, "").await;
+    up.wait_current(ROUTE, 1).await;
+    let (second, _) = submit(&c, &a, ROUTE, "").await;
+    let delete = |gw: &Gateway| {
+        c.delete(gw.url(&second))
+            .header("X-API-Key", "key-a")
+            .send()
+    };
+    proxy.hold_matching("\r\ncancel\r\n");
+    let (on_b, on_a) = tokio::join!(delete(&b), async {
+        eventually(Duration::from_secs(10), async || match proxy.held() {
+            0 => Err("B's cancel not sent yet".to_string()),
+            _ => Ok(()),
+        })
+        .await;
+        let on_a = delete(&a).await.unwrap();
+        proxy.heal();
+        on_a
+    });
+    assert_eq!(on_a.status(), 200);
+    let on_b = on_b.unwrap();
+    assert_eq!(on_b.status(), 404, "{:?}", on_b.text().await);
+    assert_eq!(remaining(&a, "a").await, 90);
+    assert_eq!(result(&c, &a, &first).await.status(), 200);
+    assert_eq!(up.count(ROUTE), 1);
+}
+
 /// A `DELETE` whose cancel Redis never answers is 503 `store-unavailable` with
 /// `Retry-After: 1`, within its resends' 2 s and a timeout: the job may or may not be
 /// cancelled. (Before, it was 409 "the job has started", for a job still queued.)

@@ -106,6 +106,8 @@ pub enum Cancel {
     Cancelled,
     /// Already running or finished: 409.
     Started,
+    /// Cancelled already (by another `DELETE` just now), or gone: 404, as its poll.
+    Gone,
 }
 
 impl Job {
@@ -131,8 +133,10 @@ impl Job {
         let refunded = self.refunded.notified();
         {
             let mut status = lock(&self.status);
-            if !matches!(&*status, Status::Queued(_)) {
-                return Cancel::Started;
+            match &*status {
+                Status::Queued(_) => {}
+                Status::Cancelled => return Cancel::Gone,
+                _ => return Cancel::Started,
             }
             *status = Status::Cancelled;
             if let Some(tx) = lock(&self.cancel).take() {

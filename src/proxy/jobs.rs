@@ -233,6 +233,8 @@ pub(super) async fn status(
         }
         _ => None,
     };
+    // Cancelled by another `DELETE` just now, or gone meanwhile: 404, as its poll now is.
+    let found = found.filter(|_| cancelled != Some(Cancel::Gone));
     let outcome = standing(gw, ctx, &who).await;
     ctx.phase = Phase::Job {
         decision: if method == "DELETE" {
@@ -312,11 +314,10 @@ async fn cancel(
     id: &str,
     who: &crate::identity::Identity,
 ) -> Result<Cancel, crate::store::StoreError> {
-    Ok(match local {
-        Some(job) => job.cancel().await,
-        None if jobs::fleet::cancel(&gw.shared, running, id, who).await? => Cancel::Cancelled,
-        None => Cancel::Started,
-    })
+    match local {
+        Some(job) => Ok(job.cancel().await),
+        None => jobs::fleet::cancel(&gw.shared, running, id, who).await,
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::super::metrics::{self, JobResult};
+use super::super::Cancel;
 use super::record::{self, ended_unrun, field, payer, read, text};
 use super::{backend, charged, EXPIRE_LOOKS_AT};
 use crate::identity::{Identity, KeyHash};
@@ -23,21 +24,33 @@ pub(super) fn token() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
-/// `DELETE`: takes a queued job out of its queue (refunded); `false` once it runs (or it is
-/// gone); an error: Redis did not answer (it may be cancelled: the caller asks again).
+/// `DELETE`: takes a queued job out of its queue (refunded); `Started` once it runs or ran;
+/// `Gone` once cancelled (by another `DELETE` just now: its poll is 404 too) or gone; an
+/// error: Redis did not answer (it may be cancelled: the caller asks again).
 pub async fn cancel(
     shared: &Shared,
     running: &Running,
     id: &str,
     who: &Identity,
-) -> Result<bool, StoreError> {
+) -> Result<Cancel, StoreError> {
     let Some(b) = backend(shared) else {
-        return Ok(false);
+        return Ok(Cancel::Gone);
     };
     let Some(r) = read(b, id).await? else {
-        return Ok(false);
+        return Ok(Cancel::Gone);
     };
-    take_out(shared, running, b, (id, &r), who, "cancel").await
+    if take_out(shared, running, b, (id, &r), who, "cancel").await? {
+        return Ok(Cancel::Cancelled);
+    }
+    // Not queued, as read, or no longer when its cancel came: what it is now.
+    let now = match field(&r, "state") {
+        b"queued" => read(b, id).await?,
+        _ => Some(r),
+    };
+    Ok(match now.as_ref().map(|r| field(r, "state")) {
+        None | Some(b"cancelled") => Cancel::Gone,
+        Some(_) => Cancel::Started,
+    })
 }
 
 /// Takes queued job `id` (of record `r`, as its caller read it) out of its route's queue as
