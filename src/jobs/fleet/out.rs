@@ -73,17 +73,7 @@ pub(super) async fn take_out(
     }
     // The record decides first: a collector that claimed it keeps it (and its slot); once it
     // is out, a grant that finds it so passes the slot on.
-    let token = token();
-    let args: [&[u8]; 1] = [token.as_bytes()];
-    let call = || b.job_record::<i64>(id, op, &args);
-    let moved = match call().await {
-        Err(e) if e.may_have_run() => {
-            tracing::debug!(job = id, op, error = %e, "a job's take-out went unanswered: sent again");
-            record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, call).await?
-        }
-        answered => answered?,
-    };
-    if moved != 1 {
+    if with_token(b, id, op, StoreError::may_have_run).await? != 1 {
         return Ok(false);
     }
     let key = key_slot(who);
@@ -108,15 +98,29 @@ pub(super) async fn take_out(
 /// runs nor an expiry refunds it again. Sent again with its token while Redis does not
 /// answer, for [`AGAIN_FOR`].
 pub(super) async fn withdraw(b: &RedisBackend, id: &str) {
+    if let Err(e) = with_token(b, id, "cancel", |_| true).await {
+        tracing::warn!(job = id, error = %e, "a job whose charge was given back could not be cancelled");
+    }
+}
+
+/// Record operation `op` (a cancel or an expiry) of job `id`, with a token of its own: a try
+/// that failed as `again_if` says needs it is sent again with that token, for [`AGAIN_FOR`]
+/// (`record::sent_again`), and answered as the one Redis ran; an error: none was answered.
+async fn with_token(
+    b: &RedisBackend,
+    id: &str,
+    op: &str,
+    again_if: fn(&StoreError) -> bool,
+) -> Result<i64, StoreError> {
     let token = token();
     let args: [&[u8]; 1] = [token.as_bytes()];
-    let call = || b.job_record::<i64>(id, "cancel", &args);
-    let answered = match call().await {
-        Err(_) => record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, call).await,
+    let call = || b.job_record::<i64>(id, op, &args);
+    match call().await {
+        Err(e) if again_if(&e) => {
+            tracing::debug!(job = id, op, error = %e, "a job's record operation went unanswered: sent again");
+            record::sent_again(tokio::time::Instant::now() + AGAIN_FOR, call).await
+        }
         answered => answered,
-    };
-    if let Err(e) = answered {
-        tracing::warn!(job = id, error = %e, "a job whose charge was given back could not be cancelled");
     }
 }
 

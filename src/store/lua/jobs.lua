@@ -68,11 +68,11 @@ end
 local function again(token)
   return (token or '') ~= '' and redis.call('HGET', job, 'by') == token
 end
--- A queued job that waited result_ttl: expired, read as such for `ttl` (then as gone), its
--- record kept at least `resends_ms` (a resend of the call that expired it, with its token,
--- still finds it: a result_ttl of a second is shorter than those resends).
-local function expire(resends_ms)
-  redis.call('HSET', job, 'state', 'expired', 'gone_at', now + ttl())
+-- A queued job that waited result_ttl: expired by the call with `token`, read as such for
+-- `ttl` (then as gone), its record kept at least `resends_ms` (a resend of that call, with
+-- its token, still finds it: a result_ttl of a second is shorter than those resends).
+local function expire(token, resends_ms)
+  redis.call('HSET', job, 'state', 'expired', 'gone_at', now + ttl(), 'by', token or '')
   redis.call('HDEL', job, 'body', 'headers')
   redis.call('PEXPIRE', job, math.max(ttl(), resends_ms))
 end
@@ -134,8 +134,7 @@ elseif op == 'claim' then
   if state() ~= 'queued' then return {0} end
   if overdue() then
     -- The claim that expired it says so again if sent again: its caller refunds it.
-    redis.call('HSET', job, 'by', token)
-    expire(tonumber(ARGV[3]))
+    expire(token, tonumber(ARGV[3]))
     return {2}
   end
   redis.call('HSET', job, 'state', 'running', 'runner', ARGV[2], 'alive', now + tonumber(ARGV[3]), 'by', token)
@@ -173,8 +172,7 @@ elseif op == 'cancel' then
 elseif op == 'expire' then
   if state() == 'expired' and again(ARGV[2]) then return 1 end
   if state() ~= 'queued' or not overdue() then return 0 end
-  redis.call('HSET', job, 'by', ARGV[2] or '')
-  expire(10000)
+  expire(ARGV[2], 10000)
   return 1
 end
 return redis.error_reply('unknown job operation ' .. tostring(op))
